@@ -1,0 +1,125 @@
+"""The GPU capability table: the one place that knows what each accelerator can do.
+
+Validation (which precisions a pool may use), the operator (node selection through the GPU Feature
+Discovery label ``nvidia.com/gpu.product``) and the docs all read this table.  Facts from the paper
+and NVIDIA's data sheets: A100 has no FP8 tensor cores, Hopper has FP8 but no FP4, Blackwell adds
+FP4 (NVFP4 and MXFP4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class GpuCapability:
+    """What one GPU type offers to a sampler or trainer."""
+
+    gpu_type: str
+    architecture: str
+    gfd_products: tuple[str, ...]
+    """Values of ``nvidia.com/gpu.product`` that GPU Feature Discovery reports for this type."""
+    fp8_tensor_cores: bool
+    fp4_tensor_cores: bool
+    memory_gib: int
+    emulated: bool = False
+    """True for ``cpu``: every precision is emulated in software, nothing is scheduled on a GPU."""
+
+    def supports_weight_precision(self, precision: str) -> bool:
+        if self.emulated or precision == "bf16":
+            return True
+        if precision == "fp8":
+            return self.fp8_tensor_cores
+        if precision in ("nvfp4", "mxfp4"):
+            return self.fp4_tensor_cores
+        return False
+
+
+GPU_TABLE: dict[str, GpuCapability] = {
+    gpu.gpu_type: gpu
+    for gpu in (
+        GpuCapability(
+            "A100",
+            "Ampere",
+            ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-80GB-PCIe", "NVIDIA-A100-PCIE-40GB"),
+            fp8_tensor_cores=False,
+            fp4_tensor_cores=False,
+            memory_gib=80,
+        ),
+        GpuCapability(
+            "H100",
+            "Hopper",
+            ("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL"),
+            fp8_tensor_cores=True,
+            fp4_tensor_cores=False,
+            memory_gib=80,
+        ),
+        GpuCapability(
+            "H200",
+            "Hopper",
+            ("NVIDIA-H200", "NVIDIA-H200-NVL"),
+            fp8_tensor_cores=True,
+            fp4_tensor_cores=False,
+            memory_gib=141,
+        ),
+        GpuCapability(
+            "B200",
+            "Blackwell",
+            ("NVIDIA-B200",),
+            fp8_tensor_cores=True,
+            fp4_tensor_cores=True,
+            memory_gib=180,
+        ),
+        GpuCapability(
+            "B300",
+            "Blackwell Ultra",
+            ("NVIDIA-B300-SXM6-AC", "NVIDIA-B300"),
+            fp8_tensor_cores=True,
+            fp4_tensor_cores=True,
+            memory_gib=288,
+        ),
+        GpuCapability(
+            "RTX-PRO-6000",
+            "Blackwell",
+            (
+                "NVIDIA-RTX-PRO-6000-Blackwell-Server-Edition",
+                "NVIDIA-RTX-PRO-6000-Blackwell-Workstation-Edition",
+            ),
+            fp8_tensor_cores=True,
+            fp4_tensor_cores=True,
+            memory_gib=96,
+        ),
+        GpuCapability("cpu", "CPU (emulated precisions)", (), False, False, memory_gib=0, emulated=True),
+    )
+}
+
+GPU_TYPES: tuple[str, ...] = tuple(GPU_TABLE)
+
+
+def precision_problem(gpu_type: str, weight_precision: str, kv_cache_dtype: str) -> str | None:
+    """Why this GPU cannot serve this precision, or None when it can (one short sentence)."""
+    gpu = GPU_TABLE[gpu_type]
+    if not gpu.supports_weight_precision(weight_precision):
+        needs = "FP4" if weight_precision in ("nvfp4", "mxfp4") else "FP8"
+        return f"{weight_precision} needs {needs} tensor cores, which {gpu_type} lacks"
+    if kv_cache_dtype == "fp8" and not (gpu.emulated or gpu.fp8_tensor_cores):
+        return f"an fp8 KV cache needs FP8 tensor cores, which {gpu_type} lacks"
+    return None
+
+
+def markdown_table() -> str:
+    """The table as Markdown, for docs/gpus.md (kept in sync by a test)."""
+    rows = [
+        "| gpuType | architecture | FP8 | FP4 | memory (GiB) | nvidia.com/gpu.product |",
+        "|---|---|---|---|---|---|",
+    ]
+    for gpu in GPU_TABLE.values():
+        products = ", ".join(f"`{p}`" for p in gpu.gfd_products) or "— (local, emulated)"
+        rows.append(
+            f"| `{gpu.gpu_type}` | {gpu.architecture} | {'yes' if gpu.fp8_tensor_cores else 'no'} "
+            f"| {'yes' if gpu.fp4_tensor_cores else 'no'} | {gpu.memory_gib or '—'} | {products} |"
+        )
+    return "\n".join(rows) + "\n"

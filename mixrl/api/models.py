@@ -1,0 +1,576 @@
+"""The RLRun and SamplerPool resources (group ``mixrl.dev``, version ``v1alpha1``).
+
+These pydantic models are the single source of truth: ``mixrl crds`` generates the CRD schemas from
+them, their field descriptions become ``kubectl explain`` text, and the same models load a local
+YAML file for ``mixrl run``.  YAML and Kubernetes use camelCase; Python uses snake_case.
+
+Validators only check and raise.  Anything derived from a spec (defaults that depend on other
+fields, per-component settings) is computed by :func:`mixrl.api.resolve.resolve`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, precision_problem
+
+GROUP = "mixrl.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+WeightPrecision = Literal["bf16", "fp8", "mxfp4", "nvfp4"]
+KvCacheDtype = Literal["bf16", "fp8"]
+LOW_PRECISIONS: frozenset[str] = frozenset({"fp8", "mxfp4", "nvfp4"})
+
+
+def field_error(field: str, reason: str) -> PydanticCustomError:
+    """An error on one named field of the model being validated.
+
+    ``mixrl.api.errors`` appends ``field`` to the error location, so messages read
+    ``spec.samplerPools[2].weightPrecision: nvfp4 needs FP4 tensor cores, which A100 lacks``.
+    """
+    return PydanticCustomError("mixrl_field", "{reason}", {"field": field, "reason": reason})
+
+
+class Model(BaseModel):
+    """Base: camelCase names outside, unknown fields rejected (typos must not pass silently)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    def to_yaml_dict(self) -> dict[str, Any]:
+        """camelCase dict without unset optional fields, as a user would write it."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# ----------------------------------------------------------------------------- model and trainer
+
+
+class ModelSpec(Model):
+    path: str = Field(min_length=1)
+    """Base checkpoint: a local directory, a URL the weight store understands, or ``tiny:<kind>``
+    for a tiny model built locally from a config (``tiny:qwen3``, ``tiny:qwen3_moe``; CPU runs)."""
+    tokenizer: str | None = None
+    """Tokenizer location; defaults to the checkpoint's own (tiny models use mixrl's built-in one)."""
+    chat_template: str | None = None
+    """Jinja chat template overriding the tokenizer's, if any."""
+    max_context_tokens: int = Field(default=32768, gt=0)
+    """Longest context (prompt plus all turns) an episode may reach."""
+
+
+class Parallelism(Model):
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel size (the vocabulary is sharded across it)."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline-parallel size."""
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel size (MoE)."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel size."""
+
+
+class OptimizerSpec(Model):
+    name: Literal["adamw"] = "adamw"
+    """Optimizer; AdamW is what every large-model RL stack uses."""
+    lr: float = Field(default=1e-6, gt=0)
+    """Learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """Decoupled weight decay."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value; null disables clipping."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
+
+
+class ResourceRequirements(Model):
+    cpu: str | None = None
+    """CPU request and limit, in Kubernetes quantity syntax (e.g. ``"16"``)."""
+    memory: str | None = None
+    """Memory request and limit (e.g. ``"256Gi"``)."""
+
+
+class TrainerSpec(Model):
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend: ``torch`` (CPU or GPU, FSDP2 on many GPUs) or ``megatron`` (GPU)."""
+    gpu_type: str = Field(default="H100", json_schema_extra={"enum": list(GPU_TYPES)})
+    """GPU type of the trainer nodes (a key of the GPU table, or ``cpu``)."""
+    nodes: int = Field(default=1, ge=1)
+    """Number of trainer nodes."""
+    gpus_per_node: int = Field(default=8, ge=0)
+    """GPUs per trainer node (0 on CPU)."""
+    parallelism: Parallelism = Field(default_factory=Parallelism)
+    """Model parallelism of the trainer."""
+    precision: Literal["bf16"] = "bf16"
+    """Trainer precision: the trainer always learns in BF16."""
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    """Optimizer settings."""
+    total_steps: int | None = Field(default=None, gt=0)
+    """Stop after this many policy updates; null trains until stopped."""
+    micro_batch_tokens: int = Field(default=16384, gt=0)
+    """Tokens per forward/backward micro-batch (gradient accumulation fills the update)."""
+    checkpoint_every: int = Field(default=50, gt=0)
+    """Save a resumable checkpoint every this many steps."""
+    image: str | None = None
+    """Container image; defaults to mixrl's trainer image for the backend."""
+    resources: ResourceRequirements | None = None
+    """CPU and memory for each trainer pod (GPUs come from gpusPerNode)."""
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, gpu_type: str) -> str:
+        if gpu_type not in GPU_TABLE:
+            raise ValueError(f"unknown GPU type {gpu_type!r}; known: {', '.join(GPU_TYPES)}")
+        return gpu_type
+
+
+# ----------------------------------------------------------------------------- sampler pools
+
+
+class Toleration(Model):
+    key: str | None = None
+    """Taint key to tolerate."""
+    operator: Literal["Exists", "Equal"] = "Exists"
+    """``Exists`` or ``Equal``."""
+    value: str | None = None
+    """Taint value (with ``Equal``)."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect; empty tolerates all effects."""
+
+
+class Scheduling(Model):
+    gpu_products: list[str] | None = None
+    """Override of the GPU table: ``nvidia.com/gpu.product`` values this pool may run on."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Extra node labels the pool's pods require."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Extra tolerations (the ``nvidia.com/gpu`` taint is always tolerated)."""
+    priority_class_name: str | None = None
+    """PriorityClass of the pool's pods."""
+
+
+class SamplerPoolTemplate(Model):
+    """One pool of identical sampler replicas: one GPU type, one precision, one engine."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=24)
+    """Pool name (DNS label, at most 24 characters); the SamplerPool is named ``<run>-<name>``."""
+    gpu_type: str = Field(json_schema_extra={"enum": list(GPU_TYPES)})
+    """GPU type (a key of the GPU table, or ``cpu`` for local emulation)."""
+    gpus_per_replica: int = Field(default=1, ge=0)
+    """GPUs per engine replica (its tensor-parallel size); 0 on CPU."""
+    weight_precision: WeightPrecision = "bf16"
+    """Precision the engine serves the weights in: bf16, fp8 (128x128 blocks), mxfp4 or nvfp4."""
+    kv_cache_dtype: KvCacheDtype | None = None
+    """KV-cache dtype; default fp8 for low-precision pools (fp8, mxfp4, nvfp4), else bf16."""
+    engine: Literal["sglang", "torch"] = "sglang"
+    """Engine implementation: SGLang on GPUs, or mixrl's torch engine (CPU, emulated precisions)."""
+    capacity: float | None = Field(default=1.0, gt=0)
+    """Relative serving capacity of one replica (e.g. tokens/s relative to a reference GPU);
+    null means measure it from the engines' throughput."""
+    min_replicas: int = Field(default=1, ge=0)
+    """Fewest replicas the autoscaler keeps (0 allows scale to zero)."""
+    max_replicas: int = Field(default=1, ge=0)
+    """Most replicas the autoscaler may request."""
+    cost_per_gpu_hour: float | None = Field(default=None, ge=0)
+    """Price of one GPU-hour of this GPU type, for cost reports and budget-aware scaling."""
+    engine_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments passed to the engine."""
+    image: str | None = None
+    """Container image; defaults to the official SGLang image (with mixrl) or mixrl's torch engine."""
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    """Node selection and tolerations beyond the GPU-table defaults."""
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, gpu_type: str) -> str:
+        if gpu_type not in GPU_TABLE:
+            raise ValueError(f"unknown GPU type {gpu_type!r}; known: {', '.join(GPU_TYPES)}")
+        return gpu_type
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.min_replicas > self.max_replicas:
+            raise field_error(
+                "minReplicas", f"{self.min_replicas} exceeds maxReplicas {self.max_replicas}"
+            )
+        kv = self.kv_cache_dtype or ("fp8" if self.weight_precision in LOW_PRECISIONS else "bf16")
+        problem = precision_problem(self.gpu_type, self.weight_precision, kv)
+        if problem is not None:
+            on_weights = not GPU_TABLE[self.gpu_type].supports_weight_precision(self.weight_precision)
+            if on_weights:
+                raise field_error("weightPrecision", problem)
+            hint = "" if self.kv_cache_dtype else " (the default for low-precision pools; set bf16)"
+            raise field_error("kvCacheDtype", problem + hint)
+        if self.gpu_type == "cpu" and self.engine == "sglang":
+            raise field_error("engine", "sglang needs a GPU; use the torch engine for gpuType cpu")
+        return self
+
+
+# ----------------------------------------------------------------------------- algorithm
+
+
+class TopPSpec(Model):
+    p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus mass; 1.0 disables top-p truncation."""
+    k: int = Field(default=-1, ge=-1)
+    """Top-k cut (-1 = whole vocabulary). SGLang needs a finite top-k to return the sampling mask."""
+    mask_replay: bool = True
+    """Replay the sampler's top-p set in the trainer (renormalize π on the same support)."""
+
+    @field_validator("k")
+    @classmethod
+    def _nonzero_k(cls, k: int) -> int:
+        if k == 0:
+            raise ValueError("k must be -1 (no cut) or positive")
+        return k
+
+
+class CorrectionsSpec(Model):
+    mis: tuple[float, float] | None = (0.2, 5.0)
+    """Masked importance sampling: keep tokens whose ratio π/μ lies in [lo, hi]; null disables."""
+    tis: float | None = Field(default=None, gt=0)
+    """Truncated importance sampling cap C (weight min(r, C)); null disables."""
+    score_centering: bool = True
+    """Subtract E_{b~μ}[w(b) ∇log π(b)] from each token's score (score centering)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.mis is not None:
+            lo, hi = self.mis
+            if not 0 < lo < 1 < hi:
+                raise field_error("mis", f"range [{lo}, {hi}] must satisfy 0 < lo < 1 < hi")
+        if self.mis is not None and self.tis is not None:
+            raise field_error("tis", "choose one of mis and tis, not both")
+        return self
+
+
+class AdvantageSpec(Model):
+    estimator: Literal["grpo"] = "grpo"
+    """Advantage estimator: GRPO (reward minus the group mean)."""
+    normalize_std: bool = True
+    """Divide by the group's reward standard deviation."""
+
+
+class AlgorithmSpec(Model):
+    prompts_per_update: int = Field(default=128, gt=0)
+    """Prompts (groups) per policy update."""
+    samples_per_prompt: int = Field(default=8, gt=0)
+    """Trajectories sampled per prompt (the GRPO group size)."""
+    advantage: AdvantageSpec = Field(default_factory=AdvantageSpec)
+    """How advantages are computed."""
+    corrections: CorrectionsSpec = Field(default_factory=CorrectionsSpec)
+    """Off-policy corrections for the sampler–trainer mismatch."""
+    top_p: TopPSpec = Field(default_factory=TopPSpec)
+    """Sampling truncation and whether the trainer replays it."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature; the trainer divides its logits by the same value."""
+    max_staleness: int | None = Field(default=None, ge=0)
+    """Drop trajectories older than this many weight versions; null = unbounded (fully async)."""
+    max_new_tokens: int = Field(default=1024, gt=0)
+    """Most tokens one assistant turn may generate."""
+    top_candidates: int = Field(default=20, ge=0)
+    """K: candidates (id, log q) recorded per token, used for score centering."""
+
+
+# ----------------------------------------------------------------------------- rollout, weights, scaling
+
+
+class DatasetSpec(Model):
+    seed: int = 0
+    """Seed of the generated task set."""
+    train_size: int = Field(default=4096, gt=0)
+    """Number of training tasks."""
+    heldout_size: int = Field(default=256, gt=0)
+    """Number of held-out tasks (never trained on)."""
+
+
+class RolloutSpec(Model):
+    environment: str = "filetree"
+    """Task family: ``filetree`` (built in: inspect a virtual file tree with tools, submit an answer)."""
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    """Where tasks come from."""
+    tools: list[str] = Field(default_factory=lambda: ["ls", "cat", "submit"])
+    """Tools offered to the agent."""
+    max_turns: int = Field(default=16, gt=0)
+    """Most assistant turns per episode."""
+    format_error_limit: int = Field(default=3, gt=0)
+    """End an episode after this many consecutive replies without a tool call (the paper uses 3)."""
+    concurrency: int = Field(default=64, gt=0)
+    """Agent sessions run at once by each rollout worker."""
+    workers: int = Field(default=1, gt=0)
+    """Rollout worker replicas."""
+
+
+class WeightsSpec(Model):
+    store: str = "file:///var/lib/mixrl/weights"
+    """Weight store URL: a local path, ``file://`` URL or a PVC mount path."""
+    keep_versions: int = Field(default=4, gt=0)
+    """Old versions kept before pruning."""
+    volume_size: str = "200Gi"
+    """Size of the weights volume the operator creates when the store is a local path."""
+
+
+class AutoscalingSpec(Model):
+    engine: Literal["builtin", "keda", "none"] = "builtin"
+    """Who scales pools: mixrl's own loop, KEDA ScaledObjects, or nobody (replicas stay at minReplicas)."""
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    """Prometheus HTTP API base URL."""
+    query: str | None = None
+    """PromQL per pool (``{pool}`` and ``{namespace}`` are substituted); default: queued plus running
+    requests summed over the pool's engine pods."""
+    target_per_replica: float = Field(default=8.0, gt=0)
+    """Desired load (queued + running requests) per ready replica."""
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    """Ignore load ratios within this fraction of 1 (as the HPA does)."""
+    poll_interval_seconds: float = Field(default=30.0, gt=0)
+    """How often the load is read."""
+    scale_down_window_seconds: float = Field(default=300.0, ge=0)
+    """Scale down to the highest recommendation of this window (stabilization)."""
+    scale_up_limit: int = Field(default=4, gt=0)
+    """Most replicas added per poll (beyond doubling)."""
+    activation_threshold: float = Field(default=1.0, ge=0)
+    """Load that wakes a pool scaled to zero."""
+    fallback_replicas: int | None = Field(default=None, ge=0)
+    """Replicas to hold when metrics are unavailable; null keeps the current count."""
+    gpu_budget: int | None = Field(default=None, gt=0)
+    """Total GPUs all pools may use together, filled by cost per token; null = no shared budget."""
+
+
+class EvaluationSpec(Model):
+    every_steps: int = Field(default=10, gt=0)
+    """Evaluate on the held-out tasks every this many steps."""
+    pass_k: list[int] = Field(default_factory=lambda: [1])
+    """The k of pass@k to report."""
+    samples_per_task: int = Field(default=1, gt=0)
+    """Samples per held-out task (at least max(passK))."""
+    tasks: int | None = Field(default=None, gt=0)
+    """Held-out tasks per evaluation; null = the whole held-out split."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if any(k <= 0 for k in self.pass_k):
+            raise field_error("passK", f"every k must be positive, got {self.pass_k}")
+        if self.pass_k and max(self.pass_k) > self.samples_per_task:
+            raise field_error(
+                "samplesPerTask", f"{self.samples_per_task} is below the largest passK {max(self.pass_k)}"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------- RLRun
+
+
+class RLRunSpec(Model):
+    model: ModelSpec
+    """The policy's base checkpoint and tokenizer."""
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    """The one BF16 trainer."""
+    sampler_pools: list[SamplerPoolTemplate] = Field(min_length=1)
+    """Sampler pools: one per GPU type and precision."""
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    """Batch sizes, advantages, corrections, sampling."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    """Environment and agent loop."""
+    weights: WeightsSpec = Field(default_factory=WeightsSpec)
+    """Weight store."""
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    """Pool autoscaling from Prometheus."""
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    """Held-out evaluation."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        seen: set[str] = set()
+        for index, pool in enumerate(self.sampler_pools):
+            if pool.name in seen:
+                raise field_error(f"samplerPools[{index}].name", f"duplicate pool name {pool.name!r}")
+            seen.add(pool.name)
+        return self
+
+
+class Condition(Model):
+    type: str
+    """Condition type: Ready, Progressing, InvalidSpec, CollapseRisk, MetricsAvailable…"""
+    status: Literal["True", "False", "Unknown"]
+    """True, False or Unknown."""
+    reason: str = ""
+    """CamelCase reason."""
+    message: str = ""
+    """Human-readable detail."""
+    last_transition_time: str | None = None
+    """RFC 3339 time of the last status change."""
+    observed_generation: int | None = None
+    """metadata.generation this condition was computed from."""
+
+
+class PoolSummary(Model):
+    name: str
+    """Pool name."""
+    gpu_type: str = ""
+    """GPU type."""
+    weight_precision: str = ""
+    """Weight precision."""
+    replicas: int = 0
+    """Desired replicas."""
+    ready_replicas: int = 0
+    """Ready replicas."""
+    traffic_share: float | None = None
+    """Share of sessions routed to this pool."""
+    kl: float | None = None
+    """Mean sampler–trainer KL (k3) of this pool's tokens at the last step."""
+    extreme_ratio_share: float | None = None
+    """Share of this pool's tokens whose ratio is outside [0.2, 5]."""
+
+
+class RLRunStatus(Model):
+    phase: Literal["Pending", "Running", "Succeeded", "Failed", "Invalid"] | None = None
+    """Lifecycle phase."""
+    observed_generation: int | None = None
+    """metadata.generation the status reflects."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready, Progressing, InvalidSpec, CollapseRisk, MetricsAvailable."""
+    step: int | None = None
+    """Policy updates done."""
+    weight_version: int | None = None
+    """Latest published weight version."""
+    pools: list[PoolSummary] = Field(default_factory=list)
+    """Per-pool summary."""
+    pool_count: int | None = None
+    """Number of sampler pools (for the printer column)."""
+    reward: float | None = None
+    """Mean training reward at the last step."""
+
+
+class ObjectMeta(BaseModel):
+    """The subset of Kubernetes metadata a manifest file carries; the rest is kept as is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    """Object name (DNS label)."""
+    namespace: str | None = None
+    """Namespace."""
+    labels: dict[str, str] = Field(default_factory=dict)
+    """Labels."""
+    annotations: dict[str, str] = Field(default_factory=dict)
+    """Annotations."""
+
+
+class RLRun(Model):
+    """An RL run: one trainer, several sampler pools, the corrections that keep it stable."""
+
+    api_version: Literal["mixrl.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    """mixrl.dev/v1alpha1"""
+    kind: Literal["RLRun"] = "RLRun"
+    """RLRun"""
+    metadata: ObjectMeta
+    """Object metadata."""
+    spec: RLRunSpec
+    """Desired run."""
+    status: RLRunStatus | None = None
+    """Observed state, written by the operator or the local runtime."""
+
+    @model_validator(mode="after")
+    def _short_name(self) -> Self:
+        # Children are named <run>-<pool>-<suffix> and must stay DNS labels (63 characters).
+        if len(self.metadata.name) > 30:
+            raise PydanticCustomError(
+                "mixrl_field",
+                "{reason}",
+                {"field": "metadata.name", "reason": "at most 30 characters (children are <run>-<pool>)"},
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------- SamplerPool
+
+
+class SamplerPoolSpec(Model):
+    run: str
+    """Owning RLRun."""
+    pool: str
+    """Pool name within the run (``samplerPools[].name``)."""
+    gpu_type: str
+    """GPU type."""
+    weight_precision: WeightPrecision
+    """Weight precision."""
+    kv_cache_dtype: KvCacheDtype
+    """KV-cache dtype."""
+    engine: Literal["sglang", "torch"]
+    """Engine implementation."""
+    replicas: int = Field(ge=0)
+    """Desired replicas: written by the autoscaler, ``kubectl scale``, HPA or KEDA."""
+    min_replicas: int = Field(default=0, ge=0)
+    """Lower bound the built-in autoscaler respects."""
+    max_replicas: int = Field(default=1, ge=0)
+    """Upper bound the built-in autoscaler respects."""
+    capacity: float | None = Field(default=1.0, gt=0)
+    """Relative capacity per replica (null = measured)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.min_replicas > self.max_replicas:
+            raise field_error("minReplicas", f"{self.min_replicas} exceeds maxReplicas {self.max_replicas}")
+        return self
+
+
+class ScaleDecision(Model):
+    time: str
+    """RFC 3339 time of the decision."""
+    from_replicas: int
+    """Replicas before."""
+    to_replicas: int
+    """Replicas after."""
+    load: float | None = None
+    """Observed load (queued + running requests)."""
+    reason: str = ""
+    """Why (ratio, bounds, stabilization, budget…)."""
+
+
+class SamplerPoolStatus(Model):
+    replicas: int = 0
+    """Pods that exist (scale subresource)."""
+    ready_replicas: int = 0
+    """Pods that are ready to serve."""
+    selector: str = ""
+    """Label selector of the pool's pods (scale subresource; HPA and KEDA need it)."""
+    observed_generation: int | None = None
+    """metadata.generation the status reflects."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Ready, MetricsAvailable, WrongGpuType…"""
+    traffic_share: float | None = None
+    """Share of the run's sessions routed here."""
+    kl: float | None = None
+    """Mean sampler–trainer KL (k3) of this pool's tokens."""
+    last_scale_decisions: list[ScaleDecision] = Field(default_factory=list)
+    """The most recent scaling decisions, newest last."""
+
+
+class SamplerPool(Model):
+    """One sampler pool of an RLRun, with the scale subresource so HPA or KEDA can drive it."""
+
+    api_version: Literal["mixrl.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    """mixrl.dev/v1alpha1"""
+    kind: Literal["SamplerPool"] = "SamplerPool"
+    """SamplerPool"""
+    metadata: ObjectMeta
+    """Object metadata."""
+    spec: SamplerPoolSpec
+    """Desired pool."""
+    status: SamplerPoolStatus | None = None
+    """Observed pool."""

@@ -1,0 +1,216 @@
+"""``resolve(run) -> ResolvedRun``: everything derived from a spec, computed in one place.
+
+Validators only check.  Defaults that depend on other fields, the engine command line of each pool,
+node selection from the GPU table and the sampling parameters all come from here.  The local
+runtime passes each component its own part; the operator writes the whole object into the run's
+ConfigMap, so both read the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from mixrl.api.gpus import GPU_TABLE
+from mixrl.api.models import (
+    LOW_PRECISIONS,
+    AutoscalingSpec,
+    EvaluationSpec,
+    ModelSpec,
+    RLRun,
+    RolloutSpec,
+    SamplerPoolTemplate,
+    TrainerSpec,
+    WeightsSpec,
+)
+
+ENGINE_PORT = 30000
+ROUTER_PORT = 8000
+BUFFER_PORT = 8100
+METRICS_PORT = 9400
+
+SGLANG_IMAGE = "lmsysorg/sglang:v0.5.6"
+MIXRL_IMAGE_PREFIX = "ghcr.io/mixrl/mixrl"
+
+# SGLang's --quantization for a checkpoint the weight store converted to each precision.
+# fp8: the 128x128 block format carries its quantization_config, "fp8" reads it;
+# nvfp4: ModelOpt's layout; mxfp4: OCP microscaling.  bf16 serves the trainer's weights as they are.
+SGLANG_QUANTIZATION: dict[str, str | None] = {
+    "bf16": None,
+    "fp8": "fp8",
+    "nvfp4": "modelopt_fp4",
+    "mxfp4": "mxfp4",
+}
+SGLANG_KV_CACHE_DTYPE = {"bf16": "auto", "fp8": "fp8_e4m3"}
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SamplingParams(Frozen):
+    """What every engine request sends explicitly (never left to the model's generation config)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    top_logprobs_num: int
+    """K candidates recorded per token; ≥ the largest support when a top-k cut is used."""
+    return_sampling_mask: bool
+    """Ask for the sampling support S (only meaningful when top-p or top-k truncates)."""
+
+
+class CorrectionSettings(Frozen):
+    mis: tuple[float, float] | None
+    tis: float | None
+    score_centering: bool
+    topp_replay: bool
+
+
+class ResolvedPool(Frozen):
+    name: str
+    object_name: str
+    """``<run>-<pool>``: the SamplerPool, Deployment and Service name."""
+    gpu_type: str
+    gpus_per_replica: int
+    weight_precision: str
+    kv_cache_dtype: Literal["bf16", "fp8"]
+    engine: Literal["sglang", "torch"]
+    capacity: float | None
+    min_replicas: int
+    max_replicas: int
+    initial_replicas: int
+    cost_per_gpu_hour: float | None
+    gpu_products: tuple[str, ...]
+    """Values of nvidia.com/gpu.product the pool may run on (GPU table or the spec's override)."""
+    node_selector: dict[str, str]
+    image: str
+    engine_args: tuple[str, ...]
+    """The engine command line without host, port and model path (those depend on where it runs)."""
+
+
+class ResolvedTrainer(Frozen):
+    spec: TrainerSpec
+    image: str
+    world_size: int
+    prompts_per_update: int
+    samples_per_prompt: int
+    normalize_std: bool
+    temperature: float
+    max_staleness: int | None
+    corrections: CorrectionSettings
+
+
+class ResolvedRun(Frozen):
+    name: str
+    namespace: str
+    model: ModelSpec
+    trainer: ResolvedTrainer
+    pools: tuple[ResolvedPool, ...]
+    sampling: SamplingParams
+    rollout: RolloutSpec
+    weights: WeightsSpec
+    autoscaling: AutoscalingSpec
+    evaluation: EvaluationSpec
+
+    def pool(self, name: str) -> ResolvedPool:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(f"no pool named {name!r} in run {self.name!r}")
+
+
+def default_kv_cache_dtype(pool: SamplerPoolTemplate) -> Literal["bf16", "fp8"]:
+    if pool.kv_cache_dtype is not None:
+        return pool.kv_cache_dtype
+    return "fp8" if pool.weight_precision in LOW_PRECISIONS else "bf16"
+
+
+def engine_args(pool: SamplerPoolTemplate, kv_cache_dtype: str, sampling: SamplingParams) -> tuple[str, ...]:
+    """Engine flags for one pool: SGLang's launch flags, or the torch engine's equivalents."""
+    if pool.engine == "torch":
+        args = ["--weight-precision", pool.weight_precision, "--kv-cache-dtype", kv_cache_dtype]
+        return (*args, "--pool", pool.name, *pool.engine_args)
+    args = ["--tp-size", str(max(pool.gpus_per_replica, 1)), "--enable-metrics"]
+    quantization = SGLANG_QUANTIZATION[pool.weight_precision]
+    if quantization is not None:
+        args += ["--quantization", quantization]
+    args += ["--kv-cache-dtype", SGLANG_KV_CACHE_DTYPE[kv_cache_dtype]]
+    if sampling.return_sampling_mask:
+        # The trainer replays the sampler's support: the server must be able to return it.
+        args += ["--sampling-mask-max-tokens", str(sampling.top_logprobs_num)]
+    return (*args, *pool.engine_args)
+
+
+def resolve(run: RLRun) -> ResolvedRun:
+    spec = run.spec
+    algorithm = spec.algorithm
+    truncates = algorithm.top_p.p < 1.0 or algorithm.top_p.k > 0
+    top_k = algorithm.top_p.k
+    # With a support to replay, every member must be among the recorded candidates (K ≥ |S|).
+    candidates = max(algorithm.top_candidates, top_k) if top_k > 0 else algorithm.top_candidates
+    sampling = SamplingParams(
+        temperature=algorithm.temperature,
+        top_p=algorithm.top_p.p,
+        top_k=top_k,
+        max_new_tokens=algorithm.max_new_tokens,
+        top_logprobs_num=candidates,
+        return_sampling_mask=truncates,
+    )
+    corrections = CorrectionSettings(
+        mis=algorithm.corrections.mis,
+        tis=algorithm.corrections.tis,
+        score_centering=algorithm.corrections.score_centering,
+        topp_replay=algorithm.top_p.mask_replay and truncates,
+    )
+    pools = []
+    for pool in spec.sampler_pools:
+        kv = default_kv_cache_dtype(pool)
+        products = pool.scheduling.gpu_products or GPU_TABLE[pool.gpu_type].gfd_products
+        image = pool.image or (SGLANG_IMAGE if pool.engine == "sglang" else f"{MIXRL_IMAGE_PREFIX}-engine:latest")
+        pools.append(
+            ResolvedPool(
+                name=pool.name,
+                object_name=f"{run.metadata.name}-{pool.name}",
+                gpu_type=pool.gpu_type,
+                gpus_per_replica=pool.gpus_per_replica,
+                weight_precision=pool.weight_precision,
+                kv_cache_dtype=kv,
+                engine=pool.engine,
+                capacity=pool.capacity,
+                min_replicas=pool.min_replicas,
+                max_replicas=pool.max_replicas,
+                initial_replicas=max(pool.min_replicas, 1),
+                cost_per_gpu_hour=pool.cost_per_gpu_hour,
+                gpu_products=tuple(products),
+                node_selector=dict(pool.scheduling.node_selector),
+                image=image,
+                engine_args=engine_args(pool, kv, sampling),
+            )
+        )
+    trainer = spec.trainer
+    trainer_image = trainer.image or f"{MIXRL_IMAGE_PREFIX}-trainer-{trainer.backend}:latest"
+    return ResolvedRun(
+        name=run.metadata.name,
+        namespace=run.metadata.namespace or "default",
+        model=spec.model,
+        trainer=ResolvedTrainer(
+            spec=trainer,
+            image=trainer_image,
+            world_size=trainer.nodes * max(trainer.gpus_per_node, 1),
+            prompts_per_update=algorithm.prompts_per_update,
+            samples_per_prompt=algorithm.samples_per_prompt,
+            normalize_std=algorithm.advantage.normalize_std,
+            temperature=algorithm.temperature,
+            max_staleness=algorithm.max_staleness,
+            corrections=corrections,
+        ),
+        pools=tuple(pools),
+        sampling=sampling,
+        rollout=spec.rollout,
+        weights=spec.weights,
+        autoscaling=spec.autoscaling,
+        evaluation=spec.evaluation,
+    )

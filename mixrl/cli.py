@@ -1,0 +1,62 @@
+"""The ``mixrl`` command.
+
+Every subcommand lives in its own module with ``main(argv: list[str]) -> int`` and is imported only
+when called, so ``mixrl validate`` and ``mixrl crds`` start without importing torch or kopf.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module exposing main(argv), one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("mixrl.api.validate_cmd", "check RLRun YAML files; one line per problem"),
+    "crds": ("mixrl.api.crd_cmd", "write (or --check) crds/*.yaml from the API models"),
+    "run": ("mixrl.local.run", "run an RLRun on this machine with the same components"),
+    "report": ("mixrl.local.report", "redraw the plots and report of a run directory"),
+    "engine": ("mixrl.rl.engine.server", "serve a transformers model with SGLang's HTTP API"),
+    "router": ("mixrl.rl.router", "session router across sampler pools"),
+    "rollout": ("mixrl.rl.rollout.worker", "agent loops producing trajectories"),
+    "buffer": ("mixrl.rl.buffer", "trajectory buffer service"),
+    "trainer": ("mixrl.rl.trainer.main", "policy trainer (torch backend)"),
+    "operator": ("mixrl.operator.main", "the Kubernetes operator (kopf)"),
+    "simulate": ("mixrl.operator.simulate", "fleet simulator for autoscaling policies"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: mixrl COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`mixrl COMMAND --help` describes a command's arguments."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        from mixrl import __version__
+
+        print(f"mixrl {__version__}")
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"mixrl: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, _ = COMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("mixrl"):
+            print(f"mixrl: command {name!r} is not available in this build ({exc.name} missing)", file=sys.stderr)
+            return 2
+        raise
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
