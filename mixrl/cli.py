@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith("mixrl"):
-            print(f"mixrl: command {name!r} is not available in this build ({exc.name} missing)", file=sys.stderr)
+            print(
+                f"mixrl: command {name!r} is not available in this build ({exc.name} missing)",
+                file=sys.stderr,
+            )
             return 2
         raise
     return int(module.main(rest) or 0)

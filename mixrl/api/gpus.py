@@ -44,7 +44,12 @@ GPU_TABLE: dict[str, GpuCapability] = {
         GpuCapability(
             "A100",
             "Ampere",
-            ("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-80GB-PCIe", "NVIDIA-A100-PCIE-40GB"),
+            (
+                "NVIDIA-A100-SXM4-80GB",
+                "NVIDIA-A100-SXM4-40GB",
+                "NVIDIA-A100-80GB-PCIe",
+                "NVIDIA-A100-PCIE-40GB",
+            ),
             fp8_tensor_cores=False,
             fp4_tensor_cores=False,
             memory_gib=80,

@@ -69,7 +69,9 @@ def parse_document(data: Any) -> RLRun | SamplerPool:
 
 def load_rlrun(path: str | Path) -> RLRun:
     """The single RLRun of a file (``mixrl run``); raises InvalidSpec or ManifestUnreadable."""
-    documents = [d for d in read_documents(path) if not isinstance(d.data, dict) or d.data.get("kind") != "SamplerPool"]
+    documents = [
+        d for d in read_documents(path) if not isinstance(d.data, dict) or d.data.get("kind") != "SamplerPool"
+    ]
     if len(documents) != 1:
         raise ManifestUnreadable(f"{path}: expected exactly one RLRun document, found {len(documents)}")
     run = parse_document(documents[0].data)

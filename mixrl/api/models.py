@@ -205,9 +205,7 @@ class SamplerPoolTemplate(Model):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.min_replicas > self.max_replicas:
-            raise field_error(
-                "minReplicas", f"{self.min_replicas} exceeds maxReplicas {self.max_replicas}"
-            )
+            raise field_error("minReplicas", f"{self.min_replicas} exceeds maxReplicas {self.max_replicas}")
         kv = self.kv_cache_dtype or ("fp8" if self.weight_precision in LOW_PRECISIONS else "bf16")
         problem = precision_problem(self.gpu_type, self.weight_precision, kv)
         if problem is not None:

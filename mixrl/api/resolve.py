@@ -169,7 +169,9 @@ def resolve(run: RLRun) -> ResolvedRun:
     for pool in spec.sampler_pools:
         kv = default_kv_cache_dtype(pool)
         products = pool.scheduling.gpu_products or GPU_TABLE[pool.gpu_type].gfd_products
-        image = pool.image or (SGLANG_IMAGE if pool.engine == "sglang" else f"{MIXRL_IMAGE_PREFIX}-engine:latest")
+        image = pool.image or (
+            SGLANG_IMAGE if pool.engine == "sglang" else f"{MIXRL_IMAGE_PREFIX}-engine:latest"
+        )
         pools.append(
             ResolvedPool(
                 name=pool.name,

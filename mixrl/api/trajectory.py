@@ -64,7 +64,9 @@ class Trajectory(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run: str = Field(default="", description="RLRun name.")
-    prompt_id: str = Field(description="Identifies the task; trajectories with the same prompt_id form a group.")
+    prompt_id: str = Field(
+        description="Identifies the task; trajectories with the same prompt_id form a group."
+    )
     sample_index: int = Field(default=0, ge=0, description="Index of this sample within its group.")
     pool: str = Field(description="Sampler pool that generated this episode (sessions stay on one pool).")
     gpu_type: str = Field(default="", description="GPU type of that pool.")
@@ -75,7 +77,9 @@ class Trajectory(BaseModel):
     logprobs: list[float] = Field(default_factory=list, description="Sampler log q(token); 0 where masked.")
     cand_ids: list[list[int]] = Field(default_factory=list, description="Per token, the sampler's top-K ids.")
     cand_logprobs: list[list[float]] = Field(default_factory=list, description="Per token, their log q.")
-    support_size: list[int] = Field(default_factory=list, description="Per token, |S| (0 = whole vocabulary).")
+    support_size: list[int] = Field(
+        default_factory=list, description="Per token, |S| (0 = whole vocabulary)."
+    )
     weight_version: list[int] = Field(default_factory=list, description="Per token, the producing version.")
     reward: float | None = Field(default=None, description="Episode reward, set when the episode ends.")
     finish_reason: str = Field(

@@ -1,0 +1,21 @@
+# The two commands of README.md: `make run` (the quickstart on this machine) and `make test`.
+.PHONY: run test lint crds setup
+PY := .venv/bin
+
+setup:
+	@scripts/setup.sh
+
+run: setup
+	$(PY)/mixrl run examples/quickstart.yaml
+
+test: setup lint
+	$(PY)/python -m pytest -q
+
+lint:
+	$(PY)/ruff check mixrl tests bench
+	$(PY)/ruff format --check mixrl tests bench
+	$(PY)/lint-imports
+	$(PY)/mixrl crds --check
+
+crds: setup
+	$(PY)/mixrl crds

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install mixrl with everything the tests need.
+# TORCH_SPEC overrides the torch requirement (default: the CPU build of 2.13.0, which is on local
+# disk on our machines; GPU users set e.g. TORCH_SPEC="torch==2.13.0" with a CUDA index).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+VENV=${VENV:-.venv}
+stamp="$VENV/.mixrl-installed"
+want="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_SPEC"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing $TORCH_SPEC and mixrl[dev] into $VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v "is ignored" || true
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "is ignored" || true
+  "$VENV/bin/python" -c "import torch, transformers, kopf, mixrl" # fail loudly if the install did not work
+  echo "$want" > "$stamp"
+fi
+
+# Tests that need a real Prometheus server use the Debian package; install it when we can.
+if [ "${MIXRL_SKIP_PROMETHEUS:-0}" != 1 ] && ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing Debian's prometheus package (for the autoscaling tests)"
+    (apt-get install -y -qq prometheus >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq prometheus >/dev/null 2>&1; }) \
+      || echo "setup: could not install prometheus; tests that need it will be skipped"
+  fi
+fi

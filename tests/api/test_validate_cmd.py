@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from .conftest import ROOT
+
+
+def validate(*paths: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mixrl.cli", "validate", *map(str, paths)], capture_output=True, text=True
+    )
+
+
+def test_examples_are_valid() -> None:
+    result = validate(ROOT / "examples")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("valid RLRun") == len(list((ROOT / "examples").glob("*.yaml")))
+
+
+def test_one_line_per_problem_across_documents(tmp_path: Path) -> None:
+    good = yaml.safe_load((ROOT / "examples" / "rlrun-homogeneous.yaml").read_text())
+    bad = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
+    bad["spec"]["samplerPools"][2]["weightPrecision"] = "nvfp4"
+    bad["spec"]["samplerPools"][6]["weightPrecision"] = "nvfp4"
+    path = tmp_path / "rlrun.yaml"
+    path.write_text(yaml.safe_dump_all([good, bad]))
+    result = validate(path)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        f"{path}: valid RLRun 'qwen3-moe-coding-bf16'",
+        f"{path}#1: spec.samplerPools[2].weightPrecision: nvfp4 needs FP4 tensor cores, which H200 lacks",
+        f"{path}#1: spec.samplerPools[6].weightPrecision: nvfp4 needs FP4 tensor cores, which A100 lacks",
+    ]
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    missing = validate(tmp_path / "nope.yaml")
+    assert missing.returncode == 2 and "nope.yaml: no such file" in missing.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec: [unclosed\n")
+    result = validate(broken)
+    assert result.returncode == 2 and "broken.yaml: not YAML at line" in result.stderr
+
+
+def test_typos_do_not_pass(tmp_path: Path) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "rlrun-homogeneous.yaml").read_text())
+    doc["spec"]["algorithm"]["promptPerUpdate"] = 64
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = validate(path)
+    assert result.returncode == 1
+    assert (
+        result.stdout.strip()
+        == f"{path}: spec.algorithm.promptPerUpdate: unknown field (check the spelling; unknown fields are rejected)"
+    )
+
+
+def test_wrong_kind_and_api_version(tmp_path: Path) -> None:
+    path = tmp_path / "kind.yaml"
+    path.write_text("apiVersion: mixrl.dev/v1alpha1\nkind: Deployment\nmetadata: {name: x}\n")
+    result = validate(path)
+    assert (
+        result.returncode == 1
+        and "kind: expected one of RLRun, SamplerPool, got 'Deployment'" in result.stdout
+    )
