@@ -1,0 +1,33 @@
+"""The corrected policy objective (DESIGN.md §4.3): GRPO advantages, MIS/TIS weights, score
+centering, top-p mask replay and the sampler–trainer mismatch metrics.  Pure torch, no I/O.
+
+For a framework author::
+
+    from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
+    loss, metrics = token_policy_loss(logits / T, tokens, adv, sampler_lp, cand_ids, cand_lp,
+                                      support_size, CorrectionConfig(), loss_mask)
+
+:func:`chunked_token_policy_loss` takes hidden states and the LM head instead of logits and never
+holds the whole batch's logits.  See docs/corrections.md.
+"""
+
+from mixrl.rl.corrections.advantages import grpo_advantages, token_advantages
+from mixrl.rl.corrections.config import EXTREME_RATIO_RANGE, CorrectionConfig, CorrectionInputError
+from mixrl.rl.corrections.loss import chunked_token_policy_loss, token_policy_loss
+from mixrl.rl.corrections.metrics import METRIC_KEYS, PolicyLossMetrics
+from mixrl.rl.corrections.reference import reference_token_policy_loss
+from mixrl.rl.corrections.vocab import VocabShard
+
+__all__ = [
+    "EXTREME_RATIO_RANGE",
+    "METRIC_KEYS",
+    "CorrectionConfig",
+    "CorrectionInputError",
+    "PolicyLossMetrics",
+    "VocabShard",
+    "chunked_token_policy_loss",
+    "grpo_advantages",
+    "reference_token_policy_loss",
+    "token_advantages",
+    "token_policy_loss",
+]
