@@ -21,6 +21,7 @@ from mixrl.api.models import (
     RLRun,
     RolloutSpec,
     SamplerPoolTemplate,
+    Toleration,
     TrainerSpec,
     WeightsSpec,
 )
@@ -86,6 +87,9 @@ class ResolvedPool(Frozen):
     gpu_products: tuple[str, ...]
     """Values of nvidia.com/gpu.product the pool may run on (GPU table or the spec's override)."""
     node_selector: dict[str, str]
+    tolerations: tuple[Toleration, ...] = ()
+    """Extra tolerations from the spec (the operator always adds the ``nvidia.com/gpu`` taint)."""
+    priority_class_name: str | None = None
     image: str
     engine_args: tuple[str, ...]
     """The engine command line without host, port and model path (those depend on where it runs)."""
@@ -188,6 +192,8 @@ def resolve(run: RLRun) -> ResolvedRun:
                 cost_per_gpu_hour=pool.cost_per_gpu_hour,
                 gpu_products=tuple(products),
                 node_selector=dict(pool.scheduling.node_selector),
+                tolerations=tuple(pool.scheduling.tolerations),
+                priority_class_name=pool.scheduling.priority_class_name,
                 image=image,
                 engine_args=engine_args(pool, kv, sampling),
             )
