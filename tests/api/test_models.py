@@ -190,3 +190,11 @@ def test_resolve_sampling_and_sglang_flags(minimal_run: dict[str, Any]) -> None:
 def test_no_truncation_means_no_replay(minimal_run: dict[str, Any]) -> None:
     resolved = resolve(parse_document(minimal_run))  # type: ignore[arg-type]
     assert not resolved.sampling.return_sampling_mask and not resolved.trainer.corrections.topp_replay
+
+
+def test_gpu_docs_match_the_table() -> None:
+    from mixrl.api.gpus import markdown_table
+
+    from .conftest import ROOT
+
+    assert markdown_table() in (ROOT / "docs" / "gpus.md").read_text(), "docs/gpus.md is stale"

@@ -1,0 +1,158 @@
+"""``mixrl report DIR``: plots and a summary of a run directory.
+
+Reads ``metrics.jsonl`` (one line per trainer step) and ``evaluations.jsonl`` (held-out pass@k)
+and writes ``report.png`` (all panels), one PNG per panel under ``plots/``, and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+PANELS: list[tuple[str, str, str]] = [
+    # (file name, title, y label)
+    ("reward", "Training reward", "mean reward"),
+    ("pass_at_k", "Held-out pass@k", "pass@k"),
+    ("kl", "Sampler–trainer KL (k3) per pool", "KL"),
+    ("extreme_ratio", "Tokens with ratio outside [0.2, 5] per pool", "share"),
+    ("staleness", "Staleness (trainer version − token version)", "versions"),
+    ("grad_norm", "Gradient norm", "‖g‖"),
+    ("entropy", "Trainer entropy", "nats"),
+    ("format_errors", "Episodes ended on repeated format errors", "share"),
+]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash; the rest stays usable
+    return records
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in points], [float(p[1]) for p in points]
+
+
+def pool_series(records: list[dict[str, Any]], key: str) -> dict[str, tuple[list[int], list[float]]]:
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for record in records:
+        for pool, stats in record.get("pools", {}).items():
+            if stats.get(key) is not None:
+                steps, values = out.setdefault(pool, ([], []))
+                steps.append(record["step"])
+                values.append(float(stats[key]))
+    return out
+
+
+def summary(records: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures a closing note or a comparison table needs."""
+    out: dict[str, Any] = {"steps": records[-1]["step"] if records else 0}
+    if records:
+        window = max(1, min(5, len(records) // 4 or 1))
+        early, late = records[:window], records[-window:]
+        for key in ("reward", "kl_k3", "extreme_ratio", "grad_norm", "entropy", "staleness_mean"):
+            e = [r[key] for r in early if r.get(key) is not None]
+            lt = [r[key] for r in late if r.get(key) is not None]
+            if e and lt:
+                out[f"{key}_early"] = sum(e) / len(e)
+                out[f"{key}_late"] = sum(lt) / len(lt)
+        if out.get("kl_k3_early"):
+            out["kl_growth"] = out["kl_k3_late"] / max(out["kl_k3_early"], 1e-12)
+        out["tokens_per_s"] = sum(r.get("tokens_per_s", 0.0) for r in records) / len(records)
+        out["elapsed_s"] = records[-1].get("elapsed")
+    if evaluations:
+        first, last = evaluations[0], evaluations[-1]
+        out["eval_first_step"], out["eval_last_step"] = first["step"], last["step"]
+        for k, value in first.get("pass_at_k", {}).items():
+            out[f"pass@{k}_first"] = value
+            out[f"pass@{k}_last"] = last.get("pass_at_k", {}).get(k)
+    return out
+
+
+def write_report(run_dir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    evaluations = read_jsonl(run_dir / "evaluations.jsonl")
+    plots = run_dir / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+
+    def draw(ax: Any, name: str) -> None:
+        if name == "reward":
+            ax.plot(*series(records, "reward"), label="all pools", color="black")
+            for pool, (s, v) in pool_series(records, "reward").items():
+                ax.plot(s, v, alpha=0.5, label=pool)
+        elif name == "pass_at_k":
+            ks = sorted({k for e in evaluations for k in e.get("pass_at_k", {})}, key=int)
+            for k in ks:
+                pts = [(e["step"], e["pass_at_k"][k]) for e in evaluations if k in e.get("pass_at_k", {})]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"pass@{k}")
+        elif name in ("kl", "extreme_ratio"):
+            key = "kl_k3" if name == "kl" else "extreme_ratio"
+            for pool, (s, v) in pool_series(records, key).items():
+                ax.plot(s, v, label=pool)
+        elif name == "staleness":
+            ax.plot(*series(records, "staleness_mean"), label="mean")
+            ax.plot(*series(records, "staleness_max"), label="max", linestyle="--")
+        elif name == "grad_norm":
+            ax.plot(*series(records, "grad_norm"))
+        elif name == "entropy":
+            ax.plot(*series(records, "entropy"))
+        elif name == "format_errors":
+            ax.plot(*series(records, "format_error_endings"))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+
+    figure, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    for ax, (name, title, ylabel) in zip(axes.flat, PANELS, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("trainer step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        draw(ax, name)
+        single, single_ax = plt.subplots(figsize=(6, 4))
+        single_ax.set_title(title)
+        single_ax.set_xlabel("trainer step")
+        single_ax.set_ylabel(ylabel)
+        single_ax.grid(alpha=0.3)
+        draw(single_ax, name)
+        single.tight_layout()
+        single.savefig(plots / f"{name}.png", dpi=90)
+        plt.close(single)
+    figure.suptitle(f"mixrl run: {run_dir.name}")
+    figure.tight_layout()
+    figure.savefig(run_dir / "report.png", dpi=80)
+    plt.close(figure)
+
+    figures = summary(records, evaluations)
+    (run_dir / "summary.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    lines = [f"# Run report: {run_dir.name}", "", "![report](report.png)", "", "| figure | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
+    (run_dir / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return run_dir / "report.png"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mixrl report", description=__doc__)
+    parser.add_argument("run_dir", help="a run directory (runs/<name>)")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").exists():
+        print(f"mixrl report: {run_dir}: no metrics.jsonl (not a run directory?)", file=sys.stderr)
+        return 2
+    print(f"wrote {write_report(run_dir)}")
+    return 0

@@ -1,0 +1,274 @@
+"""``mixrl run FILE``: an RLRun on this machine, with the same components as in the cluster.
+
+Starts the buffer, one torch engine per pool replica (each at its emulated precision), the router,
+the rollout worker and the trainer as local processes on loopback; shows progress; stops them in
+order on Ctrl-C or when the trainer finishes; writes ``runs/<name>/`` (resolved config, logs,
+metrics.jsonl, evaluations.jsonl, weights, checkpoint, report.png, report.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mixrl.api.errors import InvalidSpec
+from mixrl.api.loader import ManifestUnreadable, load_rlrun
+from mixrl.api.resolve import ResolvedRun, resolve
+from mixrl.local.processes import Component, free_port, wait_healthy
+from mixrl.local.report import read_jsonl, write_report
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MIXRL_CACHE", Path.home() / ".cache" / "mixrl"))
+
+
+def local_run(resolved: ResolvedRun, run_dir: Path) -> ResolvedRun:
+    """The same run with the weight store under the run directory (this machine's disk)."""
+    weights = resolved.weights.model_copy(update={"store": str((run_dir / "weights").resolve())})
+    return resolved.model_copy(update={"weights": weights})
+
+
+class Supervisor:
+    def __init__(self, run: ResolvedRun, run_dir: Path, model_path: str, tokenizer_path: str) -> None:
+        self.run = run
+        self.run_dir = run_dir
+        self.model_path = model_path
+        self.tokenizer_path = tokenizer_path
+        self.components: list[Component] = []
+        self.config_path = run_dir / "resolved.json"
+        self.logs = run_dir / "logs"
+
+    def _component(self, name: str, args: list[str], health: str | None) -> Component:
+        component = Component(name, args, self.logs / f"{name}.log", health)
+        self.components.append(component)
+        return component
+
+    def start(self, initial_version_path: str) -> None:
+        run, run_dir = self.run, self.run_dir
+        buffer_port, router_port = free_port(), free_port()
+        self.buffer_url = f"http://127.0.0.1:{buffer_port}"
+        self.router_url = f"http://127.0.0.1:{router_port}"
+        buffer_args = [
+            "buffer", "--dir", str(run_dir / "buffer"), "--port", str(buffer_port),
+            "--prompts-per-update", str(run.trainer.prompts_per_update),
+            "--samples-per-prompt", str(run.trainer.samples_per_prompt),
+        ]
+        if run.trainer.max_staleness is not None:
+            buffer_args += ["--max-staleness", str(run.trainer.max_staleness)]
+        buffer = self._component("buffer", buffer_args, f"{self.buffer_url}/health")
+        buffer.start()
+
+        pools_file: dict[str, Any] = {"run": run.name, "pools": []}
+        engines = []
+        for pool in run.pools:
+            replicas = []
+            for replica in range(pool.initial_replicas):
+                port = free_port()
+                engine = self._component(
+                    f"engine-{pool.name}-{replica}",
+                    ["engine", "--model-path", initial_version_path, "--host", "127.0.0.1", "--port", str(port),
+                     "--weight-version", "0", *pool.engine_args],
+                    f"http://127.0.0.1:{port}/health",
+                )
+                # Each engine is single-threaded: several share two cores without oversubscription.
+                engine.start(env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+                engines.append(engine)
+                replicas.append(f"http://127.0.0.1:{port}")
+            pools_file["pools"].append({
+                "name": pool.name, "gpu_type": pool.gpu_type, "precision": pool.weight_precision,
+                "capacity": pool.capacity, "replicas": replicas,
+            })
+        (run_dir / "pools.json").write_text(json.dumps(pools_file, indent=2))
+        wait_healthy([buffer, *engines], timeout=300)
+
+        router = self._component(
+            "router", ["router", "--pools", str(run_dir / "pools.json"), "--port", str(router_port)],
+            f"{self.router_url}/health",
+        )
+        router.start()
+        wait_healthy([router], timeout=60)
+
+        trainer = self._component(
+            "trainer",
+            ["trainer", "--config", str(self.config_path), "--buffer", self.buffer_url, "--router", self.router_url,
+             "--run-dir", str(run_dir), "--model-path", self.model_path],
+            None,
+        )
+        trainer.start(env={"OMP_NUM_THREADS": "2"})
+        rollout = self._component(
+            "rollout",
+            ["rollout", "--config", str(self.config_path), "--router", self.router_url, "--buffer", self.buffer_url,
+             "--tokenizer", self.tokenizer_path],
+            None,
+        )
+        rollout.start(env={"OMP_NUM_THREADS": "1"})
+        self.trainer, self.rollout = trainer, rollout
+
+    def stop(self) -> None:
+        # Producers first, then the trainer, the router, the engines and the buffer last, so that no
+        # trajectory in flight is lost.
+        order = ["rollout", "trainer", "router", "engine", "buffer"]
+        for prefix in order:
+            for component in self.components:
+                if component.name.startswith(prefix):
+                    component.stop()
+
+    def failed_component(self) -> Component | None:
+        for component in self.components:
+            if component is not self.trainer and not component.alive:
+                return component
+        if not self.trainer.alive and self.trainer.returncode != 0:
+            return self.trainer
+        return None
+
+
+class Progress:
+    """Periodic progress lines: step, reward, held-out pass@k, KL, throughput, ETA."""
+
+    def __init__(self, run_dir: Path, total_steps: int | None) -> None:
+        self.run_dir = run_dir
+        self.total = total_steps
+        self.started = time.monotonic()
+        self.shown_step = 0
+        self.last_line = 0.0
+
+    def update(self, force: bool = False) -> None:
+        records = read_jsonl(self.run_dir / "metrics.jsonl")
+        evaluations = read_jsonl(self.run_dir / "evaluations.jsonl")
+        step = records[-1]["step"] if records else 0
+        now = time.monotonic()
+        if not force and step == self.shown_step and now - self.last_line < 15:
+            return
+        self.shown_step, self.last_line = step, now
+        elapsed = now - self.started
+        parts = [f"[{elapsed:6.0f}s]", f"step {step}" + (f"/{self.total}" if self.total else "")]
+        if records:
+            last = records[-1]
+            parts += [f"reward {last.get('reward', 0):.3f}", f"kl {last.get('kl_k3', 0):.4f}",
+                      f"extreme {last.get('extreme_ratio', 0):.3%}", f"{last.get('tokens_per_s', 0):.0f} tok/s"]
+            rate = step / max(records[-1].get("elapsed", elapsed), 1e-9)
+            if self.total and rate > 0:
+                parts.append(f"ETA {max(self.total - step, 0) / rate:.0f}s")
+        else:
+            parts.append("collecting the first batch…")
+        if evaluations:
+            e = evaluations[-1]
+            parts.append("held-out " + " ".join(f"pass@{k} {v:.3f}" for k, v in e.get("pass_at_k", {}).items())
+                         + f" (step {e['step']})")
+        print("  ".join(parts), flush=True)
+
+
+def evaluations_to_run_dir(run_dir: Path) -> None:
+    source = run_dir / "buffer" / "evaluations.jsonl"
+    if source.exists():
+        shutil.copyfile(source, run_dir / "evaluations.jsonl")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mixrl run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", help="RLRun YAML")
+    parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<name>)")
+    parser.add_argument("--steps", type=int, default=None, help="override trainer.totalSteps")
+    parser.add_argument("--fresh", action="store_true", help="delete an existing run directory first")
+    parser.add_argument("--cache-dir", default=None, help="cache for tiny models and warm starts")
+    args = parser.parse_args(argv)
+    try:
+        rlrun = load_rlrun(args.file)
+    except ManifestUnreadable as exc:
+        print(f"mixrl run: {exc}", file=sys.stderr)
+        return 2
+    except InvalidSpec as exc:
+        for problem in exc.problems:
+            print(f"{args.file}: {problem}", file=sys.stderr)
+        return 1
+    if args.steps is not None:
+        if args.steps <= 0:
+            print("mixrl run: --steps: must be positive", file=sys.stderr)
+            return 2
+        rlrun.spec.trainer.total_steps = args.steps
+    bad = [p.name for p in rlrun.spec.sampler_pools if p.engine != "torch"]
+    if bad:
+        print(f"mixrl run: spec.samplerPools: pools {bad} use SGLang, which needs GPUs; local runs use "
+              "engine: torch (set gpuType: cpu)", file=sys.stderr)
+        return 1
+
+    from mixrl.local.prepare import prepare_model  # torch and transformers load from here on
+
+    run_dir = Path(args.run_dir or Path("runs") / rlrun.metadata.name)
+    if args.fresh and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = local_run(resolve(rlrun), run_dir)
+    (run_dir / "resolved.json").write_text(resolved.model_dump_json(indent=2))
+    (run_dir / "rlrun.yaml").write_text(Path(args.file).read_text())
+
+    print(f"mixrl run: {rlrun.metadata.name}: {len(resolved.pools)} pools "
+          f"({', '.join(f'{p.name}={p.weight_precision}/kv-{p.kv_cache_dtype}' for p in resolved.pools)}), "
+          f"output in {run_dir}", flush=True)
+    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    prepared = prepare_model(resolved, cache, run_dir)
+    supervisor = Supervisor(resolved, run_dir, prepared.model_path, prepared.tokenizer_path)
+    progress = Progress(run_dir, resolved.trainer.spec.total_steps)
+    previous = signal.signal(signal.SIGINT, _raise_interrupt)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    status = 0
+    try:
+        supervisor.start(prepared.initial_version_path)
+        print("mixrl run: all components up; training", flush=True)
+        while supervisor.trainer.alive:
+            failed = supervisor.failed_component()
+            if failed is not None:
+                print(f"mixrl run: {failed.name} exited with code {failed.returncode}; last log lines "
+                      f"({failed.log_path}):\n{failed.log_tail()}", file=sys.stderr)
+                status = 1
+                break
+            progress.update()
+            time.sleep(1.0)
+        if status == 0 and supervisor.trainer.returncode not in (0, None):
+            failed = supervisor.trainer
+            print(f"mixrl run: trainer failed; last log lines:\n{failed.log_tail()}", file=sys.stderr)
+            status = 1
+        if status == 0:
+            wait_for_final_evaluation(run_dir, resolved, supervisor)
+    except Interrupted:
+        print("\nmixrl run: interrupted; stopping components (collected data is kept)", flush=True)
+        status = 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        supervisor.stop()
+        signal.signal(signal.SIGINT, previous)
+    evaluations_to_run_dir(run_dir)
+    progress.update(force=True)
+    if (run_dir / "metrics.jsonl").exists():
+        print(f"mixrl run: report at {write_report(run_dir)}")
+    return status
+
+
+def wait_for_final_evaluation(run_dir: Path, run: ResolvedRun, supervisor: Supervisor, timeout: float = 180) -> None:
+    """The rollout worker evaluates after the last step; keep the engines up until it has."""
+    total = run.trainer.spec.total_steps
+    if total is None:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and supervisor.rollout.alive:
+        evaluations = read_jsonl(run_dir / "buffer" / "evaluations.jsonl")
+        if evaluations and evaluations[-1]["step"] >= total:
+            return
+        time.sleep(1.0)
+    print("mixrl run: no held-out evaluation of the final step arrived in time", file=sys.stderr)

@@ -1,0 +1,183 @@
+"""``mixrl trainer``: take batches from the buffer, update the policy, publish each new version.
+
+The loop, per step s (the trainer holds weight version s − 1 while computing step s):
+  1. ask the buffer for step s's batch (the same batch again after a crash: nothing is lost);
+  2. recompute π on exactly the sampled ids, apply the corrected objective, step AdamW;
+  3. publish version s to the weight store and tell the engines (through the router) to reload it,
+     between decode steps, while sessions continue;
+  4. checkpoint, then commit step s to the buffer; log metrics to JSONL and Prometheus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+
+from mixrl.api.resolve import ResolvedRun
+from mixrl.api.trajectory import Trajectory
+from mixrl.rl.buffer import BufferClient
+from mixrl.rl.corrections import CorrectionConfig
+from mixrl.rl.models import load_model
+from mixrl.rl.trainer.batch import collate
+from mixrl.rl.trainer.telemetry import TrainerTelemetry
+from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
+from mixrl.rl.weights import WeightStore
+
+log = logging.getLogger("mixrl.trainer")
+CHECKPOINT = "trainer.pt"
+
+
+def correction_config(run: ResolvedRun) -> CorrectionConfig:
+    c = run.trainer.corrections
+    return CorrectionConfig(
+        mis=tuple(c.mis) if c.mis is not None else None,  # type: ignore[arg-type]
+        tis=c.tis,
+        score_centering=c.score_centering,
+        topp_replay=c.topp_replay,
+    )
+
+
+def format_error_share(groups: list[list[Trajectory]]) -> float:
+    trajectories = [t for g in groups for t in g]
+    return sum(t.finish_reason == "format_errors" for t in trajectories) / max(len(trajectories), 1)
+
+
+def step_record(step: int, result: StepResult, groups: list[list[Trajectory]], started: float) -> dict[str, Any]:
+    per_pool = dict(result.per_pool)
+    for pool in per_pool:
+        pool_trajectories = [t for g in groups for t in g if t.pool == pool]
+        per_pool[pool]["format_error_endings"] = sum(
+            t.finish_reason == "format_errors" for t in pool_trajectories
+        ) / max(len(pool_trajectories), 1)
+    return {
+        "step": step,
+        "weight_version": step,
+        "time": time.time(),
+        "elapsed": time.time() - started,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "tokens": result.tokens,
+        "tokens_per_s": result.tokens / max(result.seconds, 1e-9),
+        "step_seconds": result.seconds,
+        "format_error_endings": format_error_share(groups),
+        **result.metrics,
+        "pools": per_pool,
+    }
+
+
+class TrainerLoop:
+    def __init__(self, run: ResolvedRun, *, buffer_url: str, router_url: str | None, run_dir: Path,
+                 model_path: str, telemetry: TrainerTelemetry | None = None) -> None:
+        self.run = run
+        self.buffer = BufferClient(buffer_url)
+        self.router_url = router_url.rstrip("/") if router_url else None
+        self.run_dir = run_dir
+        self.store = WeightStore(run.weights.store)
+        self.telemetry = telemetry
+        spec = run.trainer.spec
+        torch.manual_seed(0)
+        self.trainer = TorchPolicyTrainer(
+            load_model(model_path),
+            correction_config(run),
+            lr=spec.optimizer.lr,
+            betas=spec.optimizer.betas,
+            weight_decay=spec.optimizer.weight_decay,
+            grad_clip=spec.optimizer.grad_clip,
+            temperature=run.trainer.temperature,
+            micro_batch_tokens=spec.micro_batch_tokens,
+        )
+        self.step = 0
+        self.stopping = asyncio.Event()
+
+    def resume(self) -> None:
+        path = self.run_dir / CHECKPOINT
+        if path.exists():
+            self.step = int(self.trainer.load_checkpoint(path)["step"])
+            log.info("resumed from %s at step %d", path, self.step)
+
+    async def reload_engines(self, version: int) -> None:
+        if self.router_url is None:
+            return
+        body = {"model_path": self.store.path(version), "weight_version": str(version)}
+        async with aiohttp.ClientSession() as session, session.post(
+            f"{self.router_url}/update_weights_from_disk", json=body, timeout=aiohttp.ClientTimeout(total=300)
+        ) as response:
+            result = await response.json()
+        if response.status != 200:
+            log.warning("engine reload to version %d: HTTP %d %s", version, response.status, result)
+
+    async def train(self) -> None:
+        total = self.run.trainer.spec.total_steps
+        started = time.time()
+        metrics_path = self.run_dir / "metrics.jsonl"
+        while (total is None or self.step < total) and not self.stopping.is_set():
+            step = self.step + 1
+            batch = await self.buffer.get_batch(step)
+            if batch is None:  # long-poll timed out: no full batch yet
+                continue
+            groups = [[Trajectory.model_validate(t) for t in group] for group in batch["groups"]]
+            policy_batch = collate(groups, trainer_version=self.step, normalize_std=self.run.trainer.normalize_std)
+            result = await asyncio.to_thread(self.trainer.step, policy_batch)
+            state = await asyncio.to_thread(self.trainer.state_dict_for_publication)
+            await asyncio.to_thread(self.store.publish, step, state, {"step": step})
+            await self.reload_engines(step)
+            self.step = step
+            if step % self.run.trainer.spec.checkpoint_every == 0 or step == total:
+                await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir / CHECKPOINT, step)
+            await self.buffer.commit(step)
+            record = step_record(step, result, groups, started)
+            record["dropped_stale"] = batch.get("dropped_stale", 0)
+            with metrics_path.open("a", encoding="utf-8") as out:
+                out.write(json.dumps(record) + "\n")
+            if self.telemetry is not None:
+                self.telemetry.observe(record)
+            log.info(
+                "step %d reward %.3f kl %.4f grad %.3f tok/s %.0f",
+                step, record.get("reward", 0.0), record.get("kl_k3", 0.0), result.grad_norm, record["tokens_per_s"],
+            )
+        await self.buffer.close()
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mixrl trainer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="resolved run JSON (written by mixrl run or the operator)")
+    parser.add_argument("--buffer", required=True, help="buffer URL")
+    parser.add_argument("--router", default=None, help="router URL (engines reload through it)")
+    parser.add_argument("--run-dir", required=True, help="directory for metrics.jsonl and checkpoints")
+    parser.add_argument("--model-path", default=None, help="initial checkpoint (default: the spec's model.path)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
+    run = ResolvedRun.model_validate_json(Path(args.config).read_text())
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    telemetry = TrainerTelemetry(run, port=args.metrics_port) if args.metrics_port else None
+    loop = TrainerLoop(run, buffer_url=args.buffer, router_url=args.router, run_dir=run_dir,
+                       model_path=args.model_path or run.model.path, telemetry=telemetry)
+    loop.resume()
+
+    async def _main() -> None:
+        event_loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            event_loop.add_signal_handler(sig, loop.stopping.set)
+        train = asyncio.create_task(loop.train())
+        stop = asyncio.create_task(loop.stopping.wait())
+        await asyncio.wait({train, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if not train.done():
+            train.cancel()  # mid-step state is discarded: the checkpoint and the buffer hold the truth
+        await asyncio.gather(train, return_exceptions=True)
+        stop.cancel()
+        await asyncio.gather(stop, return_exceptions=True)
+
+    asyncio.run(_main())
+    return 0
