@@ -1,0 +1,242 @@
+"""The model runner: prefill, incremental decode and continuous batching, synchronously.
+
+A :class:`Sequence` is one request's generation state.  :meth:`ModelRunner.add` prefills newly
+admitted sequences together (left-padded), samples their first token and merges them into the
+running batch; :meth:`ModelRunner.step` feeds every running sequence its last token and samples the
+next one; finished sequences leave the batch immediately.  So requests that arrive while others
+decode join at the next step, and a batch never waits for its slowest member.
+
+Position ids are per row (the number of real tokens before the fed one) and the attention mask
+excludes padding, so a row's result does not depend on what else is in the batch, up to float
+rounding in batched matrix products.
+
+With ``use_kv_cache=False`` every step recomputes the whole sequences instead (the baseline of the
+cached/uncached benchmark, and an independent path for tests).
+
+This module does no I/O and knows nothing of HTTP; the scheduler calls it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from mixrl.rl.engine.kv_cache import BatchKV, concat, new_cache
+from mixrl.rl.engine.sampling import RowSampling, sample_rows
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """Everything recorded for one generated token."""
+
+    token_id: int
+    logprob: float
+    sampling_logprob: float
+    support_size: int
+    cand_ids: list[int]
+    cand_logprobs: list[float]
+    weight_version: int
+
+
+@dataclass
+class Sequence:
+    """One request's generation state."""
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: RowSampling
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    tokens: list[TokenOut] = field(default_factory=list)
+    finish_reason: dict | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def abort(self, message: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = {"type": "abort", "message": message}
+
+
+@dataclass
+class _Running:
+    seqs: list[Sequence]
+    kv: BatchKV | None  # None when decoding without a KV cache
+    pending: Tensor  # [B] the last sampled token of each row, not yet fed to the model
+
+
+class ModelRunner:
+    """Owns the model and the running batch; every method runs on one thread at a time."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        weight_version: int,
+        context_length: int,
+        kv_scales: Seq[tuple[float, float] | None],
+        pad_token_id: int = 0,
+        use_kv_cache: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.weight_version = weight_version
+        self.context_length = context_length
+        self.kv_scales = list(kv_scales)
+        self.pad_token_id = pad_token_id
+        self.use_kv_cache = use_kv_cache
+        self.default_generator = torch.Generator().manual_seed(seed)
+        self._running: _Running | None = None
+        self.tokens_generated = 0  # over the runner's lifetime
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+    # ------------------------------------------------------------------ state
+    @property
+    def running(self) -> list[Sequence]:
+        return list(self._running.seqs) if self._running else []
+
+    def cached_tokens(self) -> int:
+        """Real tokens held in the KV cache (0 without a cache)."""
+        return self._running.kv.used_tokens() if self._running and self._running.kv else 0
+
+    # ------------------------------------------------------------------ batch changes
+    def add(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill ``seqs``, sample their first token, join the batch; returns those already finished."""
+        for seq in seqs:
+            if seq.max_new_tokens <= 0:
+                seq.finish_reason = {"type": "length", "length": 0}
+        live = [s for s in seqs if not s.finished]
+        done = [s for s in seqs if s.finished]
+        if not live:
+            return done
+        ids, mask = self._left_padded([s.prompt_ids for s in live])
+        if self.use_kv_cache:
+            kv = BatchKV(cache=new_cache(self.kv_scales), mask=mask)
+            logits = self._forward(ids, mask, kv)
+            kv.zero_padding()
+        else:
+            kv = None
+            logits = self._forward(ids, mask, None)
+        pending = self._sample_into(live, logits)
+        new = _Running(seqs=live, kv=kv, pending=pending)
+        self._running = new if self._running is None else self._merge(self._running, new)
+        return done + self._drop_finished()
+
+    def step(self) -> list[Sequence]:
+        """One decode step for every running sequence; returns the sequences that finished."""
+        run = self._running
+        if run is None:
+            return []
+        if run.kv is not None:
+            positions = run.kv.next_positions()
+            mask = run.kv.append_column()
+            logits = self._forward(run.pending[:, None], mask, run.kv, positions=positions)
+        else:
+            ids, mask = self._left_padded([s.prompt_ids + s.output_ids for s in run.seqs])
+            logits = self._forward(ids, mask, None)
+        run.pending = self._sample_into(run.seqs, logits)
+        return self._drop_finished()
+
+    def abort(self, rids: set[str] | None, message: str) -> list[Sequence]:
+        """Abort running sequences (all when ``rids`` is None); returns them."""
+        for seq in self.running:
+            if rids is None or seq.rid in rids:
+                seq.abort(message)
+        return self._drop_finished()
+
+    def drop_finished(self) -> list[Sequence]:
+        """Remove sequences already marked finished (e.g. aborted from outside); returns them."""
+        return self._drop_finished()
+
+    # ------------------------------------------------------------------ internals
+    def _left_padded(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = True
+        return ids, mask
+
+    @torch.inference_mode()
+    def _forward(
+        self, ids: Tensor, mask: Tensor, kv: BatchKV | None, positions: Tensor | None = None
+    ) -> Tensor:
+        if positions is None:
+            positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=kv.cache if kv is not None else None,
+            use_cache=kv is not None,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float()
+
+    def _sample_into(self, seqs: list[Sequence], logits: Tensor) -> Tensor:
+        uniforms = torch.zeros(len(seqs), dtype=torch.float32)
+        for i, seq in enumerate(seqs):
+            if not seq.sampling.greedy:
+                uniforms[i] = torch.rand((), generator=seq.generator or self.default_generator)
+        result = sample_rows(logits, [s.sampling for s in seqs], uniforms)
+        now = time.perf_counter()
+        self.tokens_generated += len(seqs)
+        for i, seq in enumerate(seqs):
+            token = TokenOut(
+                token_id=result.token_ids[i],
+                logprob=result.logprobs[i],
+                sampling_logprob=result.sampling_logprobs[i],
+                support_size=result.support_sizes[i],
+                cand_ids=result.cand_ids[i],
+                cand_logprobs=result.cand_logprobs[i],
+                weight_version=self.weight_version,
+            )
+            seq.tokens.append(token)
+            seq.first_token_time = seq.first_token_time or now
+            seq.last_token_time = now
+            self._check_finished(seq)
+        return torch.tensor(result.token_ids, dtype=torch.long)
+
+    def _check_finished(self, seq: Sequence) -> None:
+        last = seq.tokens[-1].token_id
+        if last in seq.stop_token_ids:
+            seq.finish_reason = {"type": "stop", "matched": last}
+        elif (
+            len(seq.tokens) >= seq.max_new_tokens
+            or len(seq.prompt_ids) + len(seq.tokens) >= self.context_length
+        ):
+            seq.finish_reason = {"type": "length", "length": len(seq.tokens)}
+
+    def _merge(self, old: _Running, new: _Running) -> _Running:
+        kv = concat(old.kv, new.kv) if old.kv is not None and new.kv is not None else None
+        return _Running(seqs=old.seqs + new.seqs, kv=kv, pending=torch.cat([old.pending, new.pending]))
+
+    def _drop_finished(self) -> list[Sequence]:
+        run = self._running
+        if run is None:
+            return []
+        done = [s for s in run.seqs if s.finished]
+        if not done:
+            return []
+        keep = [i for i, s in enumerate(run.seqs) if not s.finished]
+        if not keep:
+            self._running = None
+            return done
+        if run.kv is not None:
+            run.kv.select(keep)
+        run.seqs = [run.seqs[i] for i in keep]
+        run.pending = run.pending[keep]
+        return done

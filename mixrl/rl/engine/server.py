@@ -1,0 +1,336 @@
+"""``mixrl engine``: the torch engine as an HTTP server speaking SGLang's native API.
+
+Endpoints and fields are listed in docs/engine.md.  Errors: a known request field with a wrong type
+or value gets HTTP 400 and ``{"error": {"message": "<field>: <reason>", "param": "<field>", ...}}``;
+unknown fields are ignored, as SGLang does; the server keeps serving either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
+from mixrl.rl.engine.protocol import RequestError, parse_generate
+from mixrl.rl.engine.scheduler import PAUSE_MODES
+from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService, parse_version
+from mixrl.rl.quant import WEIGHT_FORMATS
+
+log = logging.getLogger("mixrl.engine")
+
+SERVICE_KEY = web.AppKey("service", EngineService)
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+HEALTH_RECENT_TOKEN_S = 5.0
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _bad_request(exc: RequestError) -> web.Response:
+    return web.json_response(exc.to_json(), status=400)
+
+
+async def _json_body(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise RequestError("body", "a JSON object is required")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError("body", f"is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise RequestError(name, f"must be a {kind.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return _bad_request(exc)
+
+
+# ----------------------------------------------------------------------------------- handlers
+
+
+async def generate(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    body = await _json_body(request)
+    items, batched = parse_generate(
+        body,
+        vocab_size=service.vocab_size,
+        context_length=service.context_length,
+        sampling_defaults=service.sampling_defaults,
+    )
+    results = await service.generate(items)
+    return web.json_response(results if batched else results[0])
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    body = await _json_body(request)
+    model_path = _field(body, "model_path", str, None)
+    if not model_path:
+        raise RequestError("model_path", "is required")
+    load_format = body.get("load_format")
+    if load_format not in (None, "auto", "safetensors"):
+        raise RequestError("load_format", f"only 'auto' or 'safetensors' are supported, got {load_format!r}")
+    raw_version = body.get("weight_version")
+    version = None if raw_version is None else parse_version("weight_version", raw_version)
+    abort_all = _field(body, "abort_all_requests", bool, False)
+    _field(body, "flush_cache", bool, True)  # no prefix cache to flush; checked for type only
+    ok, message = await service.update_weights_from_disk(model_path, version, abort_all)
+    payload = {"success": ok, "message": message, "weight_version": str(service.weight_version)}
+    return web.json_response(payload, status=200 if ok else 400)
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return web.json_response({"weight_version": str(request.app[SERVICE_KEY].weight_version)})
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    body = await _json_body(request)
+    if body.get("new_version") is None:
+        raise RequestError("new_version", "is required")
+    version = parse_version("new_version", body["new_version"])
+    await service.set_weight_version(version, _field(body, "abort_all_requests", bool, True))
+    return web.json_response({"success": True, "message": f"weight version set to {version}"})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE_KEY].model_info())
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE_KEY].server_info())
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """200 when the engine produced a token recently (or is paused on purpose), else after generating one."""
+    service = request.app[SERVICE_KEY]
+    age = service.stats.last_token_age()
+    if service.sched.paused or (age is not None and age < HEALTH_RECENT_TOKEN_S):
+        return web.Response(status=200)
+    items, _ = parse_generate(
+        {
+            "input_ids": [0],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "rid": "health_generate",
+        },
+        vocab_size=service.vocab_size,
+        context_length=service.context_length,
+    )
+    try:
+        await asyncio.wait_for(service.generate(items), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        return web.Response(status=503, text="generation did not finish in time")
+    return web.Response(status=200)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    # SGLang flushes its prefix (radix) cache here; the torch engine keeps no prefix cache.
+    return web.Response(status=200, text="Cache flushed (the torch engine keeps no prefix cache).")
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    body = await _json_body(request, allow_empty=True)
+    mode = _field(body, "mode", str, "abort")
+    if mode not in PAUSE_MODES:
+        raise RequestError("mode", f"must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    request.app[SERVICE_KEY].sched.pause(mode)
+    return web.json_response({"success": True, "message": f"generation paused ({mode})"})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    request.app[SERVICE_KEY].sched.resume()
+    return web.json_response({"success": True, "message": "generation continued"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    body = await _json_body(request)
+    if _field(body, "abort_all", bool, False):
+        service.sched.abort_all("aborted by abort_request")
+        return web.json_response({"success": True})
+    rid = _field(body, "rid", str, None)
+    if not rid:
+        raise RequestError("rid", "is required unless abort_all is true")
+    return web.json_response(
+        {"success": True, "aborted": service.sched.abort(rid, "aborted by abort_request")}
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[SERVICE_KEY].stats.exposition()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def build_app(service: EngineService) -> web.Application:
+    """The aiohttp application; the service's scheduler starts and stops with it."""
+    app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
+    app[SERVICE_KEY] = service
+
+    async def lifecycle(app: web.Application):
+        service.start()
+        yield
+        await service.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    r = app.router
+    r.add_post("/generate", generate)
+    r.add_post("/update_weights_from_disk", update_weights_from_disk)
+    r.add_get("/get_weight_version", get_weight_version)
+    r.add_post("/update_weight_version", update_weight_version)
+    for path in ("/get_model_info", "/model_info"):
+        r.add_get(path, model_info)
+    for path in ("/get_server_info", "/server_info"):
+        r.add_get(path, server_info)
+    r.add_get("/health", health)
+    r.add_get("/health_generate", health_generate)
+    r.add_route("GET", "/flush_cache", flush_cache)
+    r.add_route("POST", "/flush_cache", flush_cache)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/abort_request", abort_request)
+    r.add_get("/metrics", metrics)
+    return app
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mixrl engine", description="Serve a transformers causal LM with SGLang's native HTTP API."
+    )
+    p.add_argument("--model-path", required=True, help="Hugging Face model directory (local)")
+    p.add_argument(
+        "--weight-precision", choices=WEIGHT_FORMATS, default="bf16", help="emulated weight format"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=(*KV_CACHE_DTYPES, "auto", "fp8_e4m3"),
+        default="bf16",
+        help="KV-cache format: bf16 (= SGLang auto) or fp8 (= SGLang fp8_e4m3, emulated)",
+    )
+    p.add_argument("--dtype", choices=tuple(COMPUTE_DTYPES), default="float32", help="compute dtype")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (see --port-file)")
+    p.add_argument("--port-file", default=None, help="write the bound port to this file once serving")
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--pool", default="default", help="sampler pool name (reported in server_info)")
+    p.add_argument("--weight-version", type=int, default=0, help="version of the weights at --model-path")
+    p.add_argument("--served-model-name", default="", help="model_name label of the metrics")
+    p.add_argument("--context-length", type=int, default=0, help="0: the model's max_position_embeddings")
+    p.add_argument("--max-total-tokens", type=int, default=0, help="KV capacity reported by token_usage")
+    p.add_argument("--sampling-mask-max-tokens", type=int, default=4096)
+    p.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
+    p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--disable-kv-cache", action="store_true", help="recompute whole sequences every step")
+    p.add_argument("--enable-metrics", action="store_true", help="accepted for SGLang parity; always on")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kv = {"auto": "bf16", "fp8_e4m3": "fp8"}.get(args.kv_cache_dtype, args.kv_cache_dtype)
+    return EngineConfig(
+        model_path=args.model_path,
+        weight_precision=args.weight_precision,
+        kv_cache_dtype=kv,
+        dtype=args.dtype,
+        pool=args.pool,
+        weight_version=args.weight_version,
+        served_model_name=args.served_model_name,
+        max_running_requests=args.max_running_requests,
+        context_length=args.context_length,
+        max_total_tokens=args.max_total_tokens,
+        sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+        random_seed=args.random_seed,
+        use_kv_cache=not args.disable_kv_cache,
+    )
+
+
+async def serve(service: EngineService, host: str, port: int, port_file: str | None) -> None:
+    """Serve until SIGTERM or SIGINT, then finish in-flight requests with an abort and exit."""
+    runner = web.AppRunner(build_app(service), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    if port_file:
+        tmp = f"{port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(bound))
+        os.replace(tmp, port_file)
+    log.info(
+        "serving %s (weights %s, kv %s, version %d) on http://%s:%d",
+        service.model_path,
+        service.config.weight_precision,
+        service.config.kv_cache_dtype,
+        service.weight_version,
+        host,
+        bound,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await runner.cleanup()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"mixrl engine: {exc}", file=sys.stderr)
+        return 2
+    if args.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        service = EngineService(config)
+    except (OSError, ValueError) as exc:
+        print(f"mixrl engine: cannot load --model-path {config.model_path}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(service, args.host, args.port, args.port_file))
+    return 0

@@ -1,0 +1,272 @@
+"""The engine service: a loaded model, its runner and scheduler, and the operations the HTTP API exposes.
+
+Kept apart from aiohttp so the operations read plainly and the HTTP layer only translates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixrl import __version__
+from mixrl.rl.engine import weights_io
+from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
+from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response
+from mixrl.rl.engine.runner import ModelRunner, Sequence
+from mixrl.rl.engine.sampling import RowSampling
+from mixrl.rl.engine.scheduler import Scheduler
+from mixrl.rl.engine.stats import EngineStats
+from mixrl.rl.models import load_model
+from mixrl.rl.quant import WEIGHT_FORMATS
+
+log = logging.getLogger(__name__)
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    weight_precision: str = "bf16"
+    kv_cache_dtype: str = "bf16"
+    dtype: str = "float32"
+    pool: str = "default"
+    weight_version: int = 0
+    served_model_name: str = ""
+    max_running_requests: int = 64
+    context_length: int = 0  # 0: the model's max_position_embeddings
+    max_total_tokens: int = 0  # 0: max_running_requests × context_length
+    sampling_mask_max_tokens: int = 4096
+    random_seed: int = 0
+    use_kv_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if self.weight_precision not in WEIGHT_FORMATS:
+            raise ValueError(f"weight_precision: must be one of {', '.join(WEIGHT_FORMATS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(COMPUTE_DTYPES)}")
+        if self.weight_version < 0:
+            raise ValueError("weight_version: must be >= 0")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests: must be >= 1")
+        if self.sampling_mask_max_tokens < 1:
+            raise ValueError("sampling_mask_max_tokens: must be >= 1")
+
+
+def parse_version(field: str, value: Any) -> int:
+    """mixrl weight versions are non-negative integers; SGLang sends them as strings."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise RequestError(field, f"must be a non-negative integer (or its string), got {value!r}")
+    try:
+        version = int(value)
+    except ValueError:
+        raise RequestError(field, f"must be a non-negative integer (or its string), got {value!r}") from None
+    if version < 0:
+        raise RequestError(field, f"must be >= 0, got {version}")
+    return version
+
+
+class EngineService:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.compute_dtype = COMPUTE_DTYPES[config.dtype]
+        model = load_model(config.model_path, dtype=torch.float32)
+        self.quantization = weights_io.apply_precision_(model, config.weight_precision, self.compute_dtype)
+        self.model_config = model.config
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.context_length = config.context_length or int(model.config.max_position_embeddings)
+        self.model_path = config.model_path
+        runner = ModelRunner(
+            model,
+            weight_version=config.weight_version,
+            context_length=self.context_length,
+            kv_scales=self._kv_scales(weights_io.kv_scale_tensors_in_dir(config.model_path)),
+            pad_token_id=int(model.config.pad_token_id or 0),
+            use_kv_cache=config.use_kv_cache,
+            seed=config.random_seed,
+        )
+        self.runner = runner
+        self.eos_token_ids = _eos_ids(model)
+        self.sampling_defaults = _generation_defaults(model)
+        self.served_model_name = config.served_model_name or config.model_path
+        max_total = config.max_total_tokens or config.max_running_requests * self.context_length
+        self.stats = EngineStats(self.served_model_name, max_total)
+        self.scheduler: Scheduler | None = None
+        self._update_lock = asyncio.Lock()
+        self._rid_counter = 0
+
+    def _kv_scales(self, tensors: dict[str, torch.Tensor]) -> list[tuple[float, float] | None]:
+        if self.config.kv_cache_dtype != "fp8":
+            return [None] * self.num_layers
+        return list(weights_io.kv_scales_from_tensors(tensors, self.num_layers))
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.scheduler = Scheduler(self.runner, self.stats, max_running=self.config.max_running_requests)
+        self.scheduler.start()
+
+    async def stop(self) -> None:
+        if self.scheduler is not None:
+            await self.scheduler.stop()
+
+    @property
+    def sched(self) -> Scheduler:
+        if self.scheduler is None:
+            raise RuntimeError("engine not started")
+        return self.scheduler
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def weight_version(self) -> int:
+        return self.runner.weight_version
+
+    # ------------------------------------------------------------------ generation
+    def new_sequence(self, item: GenerateItem) -> Sequence:
+        s = item.sampling
+        self._rid_counter += 1
+        stop_ids = set(s.stop_token_ids)
+        if not s.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return Sequence(
+            rid=item.rid or f"mixrl-{self._rid_counter}",
+            prompt_ids=item.input_ids,
+            sampling=RowSampling(
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                min_p=s.min_p,
+                num_candidates=item.top_logprobs_num if item.return_logprob else 0,
+                cover_support=item.return_sampling_mask,
+                support_cap=self.config.sampling_mask_max_tokens,
+            ),
+            max_new_tokens=s.max_new_tokens,
+            stop_token_ids=frozenset(stop_ids),
+            generator=None if s.sampling_seed is None else torch.Generator().manual_seed(s.sampling_seed),
+        )
+
+    async def generate(self, items: list[GenerateItem]) -> list[dict[str, Any]]:
+        start = time.perf_counter()
+
+        async def one(item: GenerateItem) -> dict[str, Any]:
+            seq = await self.sched.generate(self.new_sequence(item))
+            return build_response(item, seq, time.perf_counter() - start)
+
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights_from_disk(
+        self, model_path: str, version: int | None, abort_all_requests: bool
+    ) -> tuple[bool, str]:
+        """Load, check and apply a checkpoint between two decode steps; on any failure keep the old weights."""
+        from mixrl.rl.weights import WeightStoreError, load_checkpoint_dir
+
+        async with self._update_lock:
+            try:
+                state, metadata = await asyncio.to_thread(load_checkpoint_dir, model_path, verify=True)
+            except (WeightStoreError, OSError, ValueError) as exc:
+                return False, f"refused {model_path}: {exc}"
+            if version is None:
+                named = metadata.get("version") if isinstance(metadata, dict) else None
+                if named is None:
+                    return False, "weight_version: required (the checkpoint does not name its version)"
+                version = int(named)
+            scale_tensors = {k: v for k, v in state.items() if weights_io.is_kv_scale_key(k)}
+            state = {k: v for k, v in state.items() if k not in scale_tensors}
+            try:
+                weights_io.check_state_dict(self.runner.model, state)
+                kv_scales = self._kv_scales(scale_tensors)
+            except ValueError as exc:
+                return False, f"refused {model_path}: {exc}"
+            if abort_all_requests:
+                self.sched.abort_all("aborted for a weight update")
+
+            def swap() -> dict:
+                report = weights_io.load_state_(
+                    self.runner.model, state, self.config.weight_precision, self.compute_dtype
+                )
+                self.runner.weight_version = version
+                self.runner.kv_scales = kv_scales
+                return report
+
+            self.quantization = await self.sched.control(swap)
+            self.model_path = model_path
+            log.info("weights updated to version %d from %s", version, Path(model_path).name)
+            return True, f"Succeeded to update model weights to version {version}."
+
+    async def set_weight_version(self, version: int, abort_all_requests: bool) -> None:
+        if abort_all_requests:
+            self.sched.abort_all("aborted for a weight version update")
+
+        def relabel() -> None:
+            self.runner.weight_version = version
+
+        await self.sched.control(relabel)
+
+    # ------------------------------------------------------------------ info
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "weight_version": str(self.weight_version),
+            "served_model_name": self.served_model_name,
+            "preferred_sampling_params": self.sampling_defaults or None,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        report = self.quantization
+        return {
+            **{k: v for k, v in asdict(self.config).items() if k != "model_path"},
+            "model_path": self.model_path,
+            "engine": "mixrl-torch",
+            "version": __version__,
+            "weight_version": str(self.weight_version),
+            "context_length": self.context_length,
+            "vocab_size": self.vocab_size,
+            "kv_cache_dtype_sglang": "fp8_e4m3" if self.config.kv_cache_dtype == "fp8" else "auto",
+            "max_total_num_tokens": self.stats.max_total_tokens,
+            "paused": self.sched.paused,
+            "num_running_reqs": self.sched.num_running,
+            "num_queue_reqs": self.sched.num_waiting,
+            "quantization": {
+                "format": report.get("format"),
+                "quantized": len(report.get("quantized", [])),
+                "kept": report.get("kept", {}),
+                "mean_relative_error": report.get("mean_relative_error"),
+            },
+        }
+
+
+def _eos_ids(model: torch.nn.Module) -> set[int]:
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def _generation_defaults(model: torch.nn.Module) -> dict[str, Any]:
+    """Sampling defaults from generation_config.json, as SGLang applies them when a request omits them."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None or not getattr(gen, "do_sample", False):
+        return {}
+    out: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k"):
+        value = getattr(gen, name, None)
+        if value is not None:
+            out[name] = value if name != "top_k" or value > 0 else -1
+    return out

@@ -1,0 +1,360 @@
+"""Every Prometheus metric name mixrl exports or queries, in one place (DESIGN.md §4.4).
+
+Engines export SGLang's own names, so the router and the autoscaler cannot tell the torch engine
+from a real SGLang server.  mixrl's own series are ``mixrl_*`` with the labels ``run``, ``pool``,
+``gpu_type``, ``precision`` (:data:`MIXRL_LABELS`).
+
+Counter names are written as exposed, with ``_total``; prometheus-client wants them without it,
+which :func:`create` handles.  Colons: prometheus-client writes ``sglang:num_queue_reqs`` as
+``sglang_num_queue_reqs`` to a scraper that negotiates OpenMetrics without UTF-8 names, so queries
+must accept both spellings (:func:`promql_any_spelling`).
+
+Other components add their metrics to this file: a name is defined here once, as a
+:class:`MetricSpec`, and every exporter and query uses the constant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+Kind = Literal["gauge", "counter", "histogram"]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # as exposed (counters end in _total)
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # histograms only
+
+
+def create(spec: MetricSpec, registry: CollectorRegistry) -> Gauge | Counter | Histogram:
+    """The prometheus-client collector for ``spec``, registered in ``registry``."""
+    if spec.kind == "gauge":
+        return Gauge(spec.name, spec.help, spec.labels, registry=registry)
+    if spec.kind == "counter":
+        return Counter(spec.name.removesuffix("_total"), spec.help, spec.labels, registry=registry)
+    return Histogram(
+        spec.name,
+        spec.help,
+        spec.labels,
+        registry=registry,
+        buckets=spec.buckets or Histogram.DEFAULT_BUCKETS,
+    )
+
+
+def promql_any_spelling(name: str) -> str:
+    """A PromQL selector matching ``name`` with its colons kept or turned into underscores."""
+    underscored = name.replace(":", "_")
+    return name if underscored == name else f"({name} or {underscored})"
+
+
+# ------------------------------------------------------------------------ engine: SGLang's names
+
+ENGINE_LABELS = ("model_name",)
+"""SGLang labels its series with the served model name (other labels vary by version)."""
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+SGLANG_NUM_QUEUE_REQS = MetricSpec(
+    "sglang:num_queue_reqs", "gauge", "Requests waiting to be scheduled.", ENGINE_LABELS
+)
+SGLANG_NUM_RUNNING_REQS = MetricSpec(
+    "sglang:num_running_reqs", "gauge", "Requests being decoded.", ENGINE_LABELS
+)
+SGLANG_NUM_PAUSED_REQS = MetricSpec(
+    "sglang:num_paused_reqs", "gauge", "Requests held by a pause.", ENGINE_LABELS
+)
+SGLANG_GEN_THROUGHPUT = MetricSpec(
+    "sglang:gen_throughput", "gauge", "Generated tokens per second (recent window).", ENGINE_LABELS
+)
+SGLANG_TOKEN_USAGE = MetricSpec(
+    "sglang:token_usage", "gauge", "Fraction of KV-cache token slots in use.", ENGINE_LABELS
+)
+SGLANG_NUM_USED_TOKENS = MetricSpec(
+    "sglang:num_used_tokens", "gauge", "KV-cache tokens in use.", ENGINE_LABELS
+)
+SGLANG_MAX_TOTAL_NUM_TOKENS = MetricSpec(
+    "sglang:max_total_num_tokens", "gauge", "KV-cache token capacity.", ENGINE_LABELS
+)
+SGLANG_PROMPT_TOKENS_TOTAL = MetricSpec(
+    "sglang:prompt_tokens_total", "counter", "Prompt tokens processed.", ENGINE_LABELS
+)
+SGLANG_GENERATION_TOKENS_TOTAL = MetricSpec(
+    "sglang:generation_tokens_total", "counter", "Tokens generated.", ENGINE_LABELS
+)
+SGLANG_TIME_TO_FIRST_TOKEN = MetricSpec(
+    "sglang:time_to_first_token_seconds",
+    "histogram",
+    "Arrival to first token.",
+    ENGINE_LABELS,
+    _LATENCY_BUCKETS,
+)
+SGLANG_INTER_TOKEN_LATENCY = MetricSpec(
+    "sglang:inter_token_latency_seconds",
+    "histogram",
+    "Time between consecutive tokens of a request.",
+    ENGINE_LABELS,
+    _TOKEN_LATENCY_BUCKETS,
+)
+SGLANG_E2E_REQUEST_LATENCY = MetricSpec(
+    "sglang:e2e_request_latency_seconds",
+    "histogram",
+    "Arrival to completion.",
+    ENGINE_LABELS,
+    _LATENCY_BUCKETS,
+)
+SGLANG_QUEUE_TIME = MetricSpec(
+    "sglang:queue_time_seconds",
+    "histogram",
+    "Arrival to admission into the batch.",
+    ENGINE_LABELS,
+    _LATENCY_BUCKETS,
+)
+
+ENGINE_METRICS: tuple[MetricSpec, ...] = (
+    SGLANG_NUM_QUEUE_REQS,
+    SGLANG_NUM_RUNNING_REQS,
+    SGLANG_NUM_PAUSED_REQS,
+    SGLANG_GEN_THROUGHPUT,
+    SGLANG_TOKEN_USAGE,
+    SGLANG_NUM_USED_TOKENS,
+    SGLANG_MAX_TOTAL_NUM_TOKENS,
+    SGLANG_PROMPT_TOKENS_TOTAL,
+    SGLANG_GENERATION_TOKENS_TOTAL,
+    SGLANG_TIME_TO_FIRST_TOKEN,
+    SGLANG_INTER_TOKEN_LATENCY,
+    SGLANG_E2E_REQUEST_LATENCY,
+    SGLANG_QUEUE_TIME,
+)
+
+# ------------------------------------------------------------------------- mixrl's own series
+
+MIXRL_LABELS = ("run", "pool", "gpu_type", "precision")
+
+# router — mixrl.rl.router (labels: MIXRL_LABELS).  Gauges and counters are read from the router's
+# state at scrape time.  Queue depth, precisely: requests the router holds without having forwarded
+# them, each waiting for an in-flight slot on its session's replica because that replica already has
+# --max-inflight-per-replica requests outstanding (0 = no limit: the router queues nothing and the
+# engines' sglang:num_queue_reqs is the queue).
+ROUTER_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+MIXRL_ROUTER_SESSIONS = MetricSpec(
+    "mixrl_router_sessions", "gauge", "Live agent sessions pinned to a pool.", MIXRL_LABELS
+)
+MIXRL_ROUTER_SESSIONS_ASSIGNED_TOTAL = MetricSpec(
+    "mixrl_router_sessions_assigned_total",
+    "counter",
+    "Sessions assigned to a pool (new or moved in).",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_SESSIONS_MOVED_TOTAL = MetricSpec(
+    "mixrl_router_sessions_moved_total",
+    "counter",
+    "Sessions that left a pool with no ready replica.",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_REQUESTS_TOTAL = MetricSpec(
+    "mixrl_router_requests_total",
+    "counter",
+    "Requests proxied to a pool and answered by a replica.",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_ERRORS_TOTAL = MetricSpec(
+    "mixrl_router_errors_total",
+    "counter",
+    "Requests to a pool that failed: replica unreachable, or an error status from the engine.",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_REQUESTS_IN_FLIGHT = MetricSpec(
+    "mixrl_router_requests_in_flight",
+    "gauge",
+    "Requests forwarded to a pool and not yet answered.",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_QUEUE_DEPTH = MetricSpec(
+    "mixrl_router_queue_depth",
+    "gauge",
+    "Requests held by the router, waiting for an in-flight slot on their replica.",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_TRAFFIC_SHARE = MetricSpec(
+    "mixrl_router_traffic_share",
+    "gauge",
+    "Share of all session assignments that went to a pool.",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_TARGET_SHARE = MetricSpec(
+    "mixrl_router_target_share",
+    "gauge",
+    "Share of new sessions a pool should get: capacity per replica × ready replicas, normalized.",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_REPLICAS = MetricSpec(
+    "mixrl_router_replicas", "gauge", "Replicas the router knows per pool.", MIXRL_LABELS
+)
+MIXRL_ROUTER_REPLICAS_READY = MetricSpec(
+    "mixrl_router_replicas_ready", "gauge", "Replicas that passed their last health check.", MIXRL_LABELS
+)
+MIXRL_ROUTER_GENERATED_TOKENS_TOTAL = MetricSpec(
+    "mixrl_router_generated_tokens_total", "counter", "Completion tokens returned by a pool.", MIXRL_LABELS
+)
+MIXRL_ROUTER_REQUEST_LATENCY = MetricSpec(
+    "mixrl_router_request_latency_seconds",
+    "histogram",
+    "Time from receiving a /generate request to answering it.",
+    MIXRL_LABELS,
+    ROUTER_LATENCY_BUCKETS,
+)
+MIXRL_ROUTER_METRICS: tuple[MetricSpec, ...] = (
+    MIXRL_ROUTER_SESSIONS,
+    MIXRL_ROUTER_SESSIONS_ASSIGNED_TOTAL,
+    MIXRL_ROUTER_SESSIONS_MOVED_TOTAL,
+    MIXRL_ROUTER_REQUESTS_TOTAL,
+    MIXRL_ROUTER_ERRORS_TOTAL,
+    MIXRL_ROUTER_REQUESTS_IN_FLIGHT,
+    MIXRL_ROUTER_QUEUE_DEPTH,
+    MIXRL_ROUTER_TRAFFIC_SHARE,
+    MIXRL_ROUTER_TARGET_SHARE,
+    MIXRL_ROUTER_REPLICAS,
+    MIXRL_ROUTER_REPLICAS_READY,
+    MIXRL_ROUTER_GENERATED_TOKENS_TOTAL,
+    MIXRL_ROUTER_REQUEST_LATENCY,
+)
+# rollout
+MIXRL_ROLLOUT_EPISODES_TOTAL = MetricSpec(
+    "mixrl_rollout_episodes_total", "counter", "Finished episodes.", (*MIXRL_LABELS, "finish_reason")
+)
+MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL = MetricSpec(
+    "mixrl_rollout_format_error_episodes_total",
+    "counter",
+    "Episodes ended by repeated replies without a valid tool call.",
+    MIXRL_LABELS,
+)
+MIXRL_ROLLOUT_TOKENS_TOTAL = MetricSpec(
+    "mixrl_rollout_tokens_total", "counter", "Generated tokens received by rollout workers.", MIXRL_LABELS
+)
+MIXRL_ROLLOUT_REWARD = MetricSpec(
+    "mixrl_rollout_reward", "gauge", "Mean episode reward (recent).", MIXRL_LABELS
+)
+# buffer — mixrl.rl.buffer.  Per-pool series use MIXRL_LABELS; whole-buffer series only "run".
+# Staleness of a token = trainer step − its weight_version, observed when a batch is handed out.
+BUFFER_LABELS = ("run",)
+BUFFER_STALENESS_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0, 64.0)
+MIXRL_BUFFER_TRAJECTORIES = MetricSpec(
+    "mixrl_buffer_trajectories",
+    "gauge",
+    "Trajectories held by the buffer, not yet handed to a step.",
+    MIXRL_LABELS,
+)
+MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL = MetricSpec(
+    "mixrl_buffer_trajectories_received_total", "counter", "Trajectories received and logged.", MIXRL_LABELS
+)
+MIXRL_BUFFER_STALENESS = MetricSpec(
+    "mixrl_buffer_staleness",
+    "histogram",
+    "Per generated token handed to the trainer: trainer step minus the token's weight version.",
+    MIXRL_LABELS,
+    BUFFER_STALENESS_BUCKETS,
+)
+MIXRL_BUFFER_DROPPED_TOTAL = MetricSpec(
+    "mixrl_buffer_dropped_total",
+    "counter",
+    "Trajectories dropped as too stale (in dropped groups).",
+    MIXRL_LABELS,
+)
+MIXRL_BUFFER_DROPPED_GROUPS_TOTAL = MetricSpec(
+    "mixrl_buffer_dropped_groups_total",
+    "counter",
+    "Groups dropped as older than maxStaleness.",
+    BUFFER_LABELS,
+)
+MIXRL_BUFFER_GROUPS_READY = MetricSpec(
+    "mixrl_buffer_groups_ready", "gauge", "Full groups waiting for a trainer step.", BUFFER_LABELS
+)
+MIXRL_BUFFER_GROUPS_PARTIAL = MetricSpec(
+    "mixrl_buffer_groups_partial",
+    "gauge",
+    "Groups with fewer than samplesPerPrompt trajectories.",
+    BUFFER_LABELS,
+)
+MIXRL_BUFFER_BATCHES_TOTAL = MetricSpec(
+    "mixrl_buffer_batches_total", "counter", "Trainer steps given a batch.", BUFFER_LABELS
+)
+MIXRL_BUFFER_STEP = MetricSpec(
+    "mixrl_buffer_step", "gauge", "Latest trainer step that asked for a batch.", BUFFER_LABELS
+)
+MIXRL_BUFFER_COMMITTED_STEP = MetricSpec(
+    "mixrl_buffer_committed_step", "gauge", "Latest step whose batch the trainer committed.", BUFFER_LABELS
+)
+MIXRL_BUFFER_EVAL_PASS_AT_K = MetricSpec(
+    "mixrl_buffer_eval_pass_at_k",
+    "gauge",
+    "Latest held-out pass@k posted by the rollout.",
+    (*BUFFER_LABELS, "k"),
+)
+MIXRL_BUFFER_METRICS: tuple[MetricSpec, ...] = (
+    MIXRL_BUFFER_TRAJECTORIES,
+    MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL,
+    MIXRL_BUFFER_STALENESS,
+    MIXRL_BUFFER_DROPPED_TOTAL,
+    MIXRL_BUFFER_DROPPED_GROUPS_TOTAL,
+    MIXRL_BUFFER_GROUPS_READY,
+    MIXRL_BUFFER_GROUPS_PARTIAL,
+    MIXRL_BUFFER_BATCHES_TOTAL,
+    MIXRL_BUFFER_STEP,
+    MIXRL_BUFFER_COMMITTED_STEP,
+    MIXRL_BUFFER_EVAL_PASS_AT_K,
+)
+# trainer
+MIXRL_TRAINER_STEP = MetricSpec("mixrl_trainer_step", "gauge", "Optimizer steps taken.", MIXRL_LABELS)
+MIXRL_TRAINER_WEIGHT_VERSION = MetricSpec(
+    "mixrl_trainer_weight_version", "gauge", "Latest published weight version.", MIXRL_LABELS
+)
+MIXRL_TRAINER_REWARD = MetricSpec(
+    "mixrl_trainer_reward", "gauge", "Mean reward of the last batch.", MIXRL_LABELS
+)
+MIXRL_TRAINER_KL = MetricSpec(
+    "mixrl_trainer_kl", "gauge", "Sampler-trainer KL per token (k3), last batch.", MIXRL_LABELS
+)
+MIXRL_TRAINER_EXTREME_RATIO_SHARE = MetricSpec(
+    "mixrl_trainer_extreme_ratio_share", "gauge", "Share of tokens with ratio outside [0.2, 5].", MIXRL_LABELS
+)
+MIXRL_TRAINER_GRAD_NORM = MetricSpec(
+    "mixrl_trainer_grad_norm", "gauge", "Gradient norm, last step.", MIXRL_LABELS
+)
+MIXRL_TRAINER_ENTROPY = MetricSpec(
+    "mixrl_trainer_entropy", "gauge", "Mean trainer entropy per token.", MIXRL_LABELS
+)
+MIXRL_TRAINER_STALENESS = MetricSpec(
+    "mixrl_trainer_staleness", "gauge", "Mean weight-version lag of trained tokens.", MIXRL_LABELS
+)
+MIXRL_TRAINER_TOKENS_TOTAL = MetricSpec(
+    "mixrl_trainer_tokens_total", "counter", "Tokens trained on.", MIXRL_LABELS
+)
+MIXRL_COST_DOLLARS_TOTAL = MetricSpec(
+    "mixrl_cost_dollars_total", "counter", "Accumulated GPU cost (costPerGpuHour × GPU hours).", MIXRL_LABELS
+)
+
+MIXRL_METRICS: tuple[MetricSpec, ...] = (
+    *MIXRL_ROUTER_METRICS,
+    MIXRL_ROLLOUT_EPISODES_TOTAL,
+    MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL,
+    MIXRL_ROLLOUT_TOKENS_TOTAL,
+    MIXRL_ROLLOUT_REWARD,
+    *MIXRL_BUFFER_METRICS,
+    MIXRL_TRAINER_STEP,
+    MIXRL_TRAINER_WEIGHT_VERSION,
+    MIXRL_TRAINER_REWARD,
+    MIXRL_TRAINER_KL,
+    MIXRL_TRAINER_EXTREME_RATIO_SHARE,
+    MIXRL_TRAINER_GRAD_NORM,
+    MIXRL_TRAINER_ENTROPY,
+    MIXRL_TRAINER_STALENESS,
+    MIXRL_TRAINER_TOKENS_TOTAL,
+    MIXRL_COST_DOLLARS_TOTAL,
+)
