@@ -1,0 +1,104 @@
+"""``mixrl router``: the session router as a process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from mixrl.api.resolve import ENGINE_PORT, ROUTER_PORT
+from mixrl.rl.router.config import RouterConfigError, load_pools_file, load_run_config
+from mixrl.rl.router.server import Router, RouterSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mixrl router",
+        description="Assign agent sessions to sampler pools by capacity, keep them there, proxy /generate.",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--pools",
+        type=Path,
+        help="pools file: {run, pools: [{name, gpu_type, precision, "
+        "capacity, replicas: [url, ...]}]} (the local runner writes it)",
+    )
+    source.add_argument(
+        "--config",
+        type=Path,
+        help="resolved run as JSON (the operator's ConfigMap); "
+        "replicas come from --discover-dns or PUT /pools/{name}",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    parser.add_argument("--port", type=int, default=ROUTER_PORT)
+    parser.add_argument("--run", default="", help="run name for metric labels (default: from the config)")
+    parser.add_argument(
+        "--discover-dns",
+        action="store_true",
+        help="find each pool's replicas by resolving its headless Service <run>-<pool>",
+    )
+    parser.add_argument(
+        "--dns-suffix", default=None, help="appended to <run>-<pool> for discovery (default .<namespace>.svc)"
+    )
+    parser.add_argument(
+        "--engine-port", type=int, default=ENGINE_PORT, help="engine port behind discovered IPs"
+    )
+    parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between replica probes")
+    parser.add_argument(
+        "--max-inflight-per-replica",
+        type=int,
+        default=0,
+        help="hold requests above this many outstanding per replica (0 = no limit)",
+    )
+    parser.add_argument("--session-ttl", type=float, default=900.0, help="forget sessions idle this long (s)")
+    parser.add_argument(
+        "--request-timeout", type=float, default=900.0, help="longest /generate at a replica (s)"
+    )
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    for name in ("health_interval", "session_ttl", "request_timeout"):
+        if getattr(args, name) <= 0:
+            return f"--{name.replace('_', '-')}: must be > 0"
+    if args.max_inflight_per_replica < 0:
+        return "--max-inflight-per-replica: must be ≥ 0"
+    if not 0 < args.port < 65536:
+        return f"--port: {args.port} is not a TCP port"
+    if args.discover_dns and args.config is None:
+        return "--discover-dns: needs --config (the pools' Service names come from the resolved run)"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    problem = _check(args)
+    if problem:
+        print(f"mixrl router: {problem}", file=sys.stderr)
+        return 2
+    try:
+        config = load_pools_file(args.pools) if args.pools else load_run_config(args.config, args.dns_suffix)
+    except RouterConfigError as exc:
+        print(f"mixrl router: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = RouterSettings(
+        run=args.run or config.run,
+        health_interval=args.health_interval,
+        request_timeout=args.request_timeout,
+        max_inflight_per_replica=args.max_inflight_per_replica,
+        session_ttl=args.session_ttl,
+        discover_dns=args.discover_dns,
+        engine_port=args.engine_port,
+    )
+    router = Router(config, settings)
+    pools = ", ".join(f"{p.name} ({len(p.replicas)} replicas)" for p in config.pools)
+    logging.getLogger("mixrl.router").info(
+        "listening on http://%s:%d; pools: %s", args.host, args.port, pools
+    )
+    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None)
+    return 0

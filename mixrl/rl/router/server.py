@@ -1,0 +1,439 @@
+"""The router's HTTP side (aiohttp): proxy, session and pool admin, weight-reload fan-out, metrics.
+
+All decisions are made by :class:`~mixrl.rl.router.state.RouterState`; this module only moves
+bytes, probes replicas and keeps time.  Endpoints:
+
+- ``POST /generate``: proxied unchanged to the session's replica (header ``X-Mixrl-Session``);
+  the answer carries ``X-Mixrl-Pool``, ``X-Mixrl-Gpu-Type``, ``X-Mixrl-Precision``,
+  ``X-Mixrl-Replica``.  A replica that cannot be reached is marked down, the session is moved,
+  and the client gets 503 ``{"retry": true, ...}``: it resends the same turn, nothing is lost.
+- ``POST /sessions/{id}/end``; ``PUT /pools/{name}`` ``{"replicas": [...], "capacity"?: x}``;
+  ``GET /pools``; ``GET /health``; ``GET /metrics``.
+- ``POST /update_weights_from_disk``: SGLang's body, sent to every ready replica of every pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mixrl.api.resolve import ENGINE_PORT
+from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
+from mixrl.rl.router.config import RouterConfig, check_replica_url
+from mixrl.rl.router.exporter import make_registry
+from mixrl.rl.router.state import NoReadyReplica, Route, RouterState
+
+log = logging.getLogger("mixrl.router")
+
+SESSION_HEADER = "X-Mixrl-Session"
+POOL_HEADER = "X-Mixrl-Pool"
+GPU_TYPE_HEADER = "X-Mixrl-Gpu-Type"
+PRECISION_HEADER = "X-Mixrl-Precision"
+REPLICA_HEADER = "X-Mixrl-Replica"
+
+CLIENT_CLOSED = 499
+"""Status recorded when the client went away before the replica answered (nginx's convention)."""
+
+# Counting tokens from the raw body avoids parsing responses that carry top-K logprobs per token
+# (megabytes).  JSON escapes quotes inside strings, so this cannot match text the model generated.
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+"""host, port -> IP addresses currently behind that name (empty when the name does not exist)."""
+
+
+async def getaddrinfo_resolver(host: str, port: int) -> list[str]:
+    """The real resolver: a headless Service name resolves to one address per ready pod."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        # A headless Service without ready endpoints has no records: zero replicas, not an error.
+        if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return []
+        raise
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def replica_url(address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{port}"
+
+
+def count_completion_tokens(body: bytes) -> int:
+    """Completion tokens in a /generate answer (one count per item of a batched request)."""
+    return sum(int(match) for match in _COMPLETION_TOKENS.findall(body))
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    run: str = ""
+    health_interval: float = 2.0
+    """Seconds between health probes of every replica (and DNS lookups with discovery)."""
+    health_timeout: float = 2.0
+    request_timeout: float = 900.0
+    """Longest a /generate may take at a replica before the router answers 504."""
+    fanout_timeout: float = 900.0
+    """Longest a replica may take to reload weights."""
+    max_inflight_per_replica: int = 0
+    """Requests outstanding per replica before the router holds new ones (0 = no limit)."""
+    session_ttl: float = 900.0
+    """Sessions idle this long are forgotten (their rollout worker is gone)."""
+    discover_dns: bool = False
+    engine_port: int = ENGINE_PORT
+
+
+def _retry_response(message: str, **extra: Any) -> web.Response:
+    return web.json_response({"error": message, "retry": True, **extra}, status=503)
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        settings: RouterSettings | None = None,
+        resolver: Resolver | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings or RouterSettings(run=config.run)
+        self.run = self.settings.run or config.run
+        self.state = RouterState(config.pools, self.settings.session_ttl)
+        self.services = {pool.name: pool.service for pool in config.pools if pool.service}
+        self.resolver = resolver or getaddrinfo_resolver
+        self.clock = clock
+        self.registry, self.latency = make_registry(self.state, self.run)
+        self._http: aiohttp.ClientSession | None = None
+        self._slot_freed = asyncio.Condition()
+        # Router-side throughput samples for measured pools whose engines export no gen_throughput.
+        self._token_marks: dict[tuple[str, str], tuple[float, int]] = {}
+
+    # ------------------------------------------------------------------ application
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/generate", self._generate)
+        app.router.add_post("/sessions/{session}/end", self._end_session)
+        app.router.add_put("/pools/{pool}", self._put_pool)
+        app.router.add_get("/pools", self._get_pools)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/update_weights_from_disk", self._update_weights)
+        app.cleanup_ctx.append(self._lifecycle)
+        return app
+
+    async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        await self.poll_once()
+        monitor = asyncio.create_task(self._monitor(), name="router-monitor")
+        yield
+        monitor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await monitor
+        await self._http.close()
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self._http is not None, "the router's HTTP client exists only while the app runs"
+        return self._http
+
+    # ------------------------------------------------------------------ replica monitoring
+
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval)
+            try:
+                await self.poll_once()
+            except Exception:  # a monitoring round must never kill the loop
+                log.exception("replica monitoring round failed")
+
+    async def poll_once(self) -> None:
+        """One monitoring round: DNS discovery, health of every replica, throughput, session expiry."""
+        if self.settings.discover_dns:
+            await self.discover()
+        targets = [(pool.name, url) for pool in self.state.pools.values() for url in pool.replicas]
+        await self.check_replicas(targets)
+        for session_id in self.state.expire_sessions(self.clock()):
+            log.info("session %s expired after %.0fs idle", session_id, self.state.session_ttl)
+
+    async def discover(self) -> None:
+        for pool_name, service in self.services.items():
+            try:
+                addresses = await self.resolver(service, self.settings.engine_port)
+            except OSError as exc:
+                log.warning(
+                    "cannot resolve %s for pool %s (keeping its replicas): %s", service, pool_name, exc
+                )
+                continue
+            urls = [replica_url(address, self.settings.engine_port) for address in addresses]
+            if set(urls) != set(self.state.pool(pool_name).replicas):
+                log.info("pool %s: DNS %s lists %d replicas", pool_name, service, len(urls))
+                self.state.set_replicas(pool_name, urls)
+
+    async def check_replicas(self, targets: list[tuple[str, str]]) -> None:
+        await asyncio.gather(*(self._probe(pool, url) for pool, url in targets))
+        async with self._slot_freed:
+            self._slot_freed.notify_all()  # held requests re-check readiness
+
+    async def _probe(self, pool_name: str, url: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
+        try:
+            async with self.http.get(f"{url}/health", timeout=timeout) as response:
+                ready = response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ready = False
+        replica = self.state.replica(pool_name, url)
+        if replica is not None and replica.ready != ready:
+            log.info("replica %s of pool %s is %s", url, pool_name, "ready" if ready else "down")
+        self.state.set_ready(pool_name, url, ready)
+        if ready and self.state.pool(pool_name).capacity is None:
+            await self._measure(pool_name, url)
+
+    async def _measure(self, pool_name: str, url: str) -> None:
+        """Throughput sample for a measured pool: the engine's gen_throughput, else our own count."""
+        throughput = await self._engine_throughput(url)
+        replica = self.state.replica(pool_name, url)
+        if replica is None:
+            return
+        now = self.clock()
+        previous = self._token_marks.get((pool_name, url))
+        self._token_marks[(pool_name, url)] = (now, replica.generated_tokens)
+        if throughput is None and previous is not None and now > previous[0]:
+            throughput = (replica.generated_tokens - previous[1]) / (now - previous[0])
+        if throughput is not None:
+            self.state.record_throughput(pool_name, url, throughput)
+
+    async def _engine_throughput(self, url: str) -> float | None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
+        try:
+            async with self.http.get(f"{url}/metrics", timeout=timeout) as response:
+                if response.status != 200:
+                    return None
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        names = {SGLANG_GEN_THROUGHPUT.name, SGLANG_GEN_THROUGHPUT.name.replace(":", "_")}
+        try:
+            for family in text_string_to_metric_families(text):
+                if family.name in names and family.samples:
+                    return sum(sample.value for sample in family.samples)
+        except ValueError:
+            log.warning("replica %s exports unparsable metrics", url)
+        return None
+
+    # ------------------------------------------------------------------ proxy
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        started = self.clock()
+        body = await request.read()
+        session_id = request.headers.get(SESSION_HEADER) or None
+        try:
+            route = await self._wait_for_slot(self.state.route(session_id, started), session_id)
+        except NoReadyReplica as exc:
+            return _retry_response(f"{exc}; retry the turn")
+        pool = self.state.pools[route.pool]
+        self.state.begin(route.pool, route.replica)
+        status: int | None = CLIENT_CLOSED
+        tokens = 0
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
+            content_type = request.headers.get("Content-Type", "application/json")
+            async with self.http.post(
+                f"{route.replica}/generate",
+                data=body,
+                headers={"Content-Type": content_type},
+                timeout=timeout,
+            ) as upstream:
+                headers = {
+                    "Content-Type": upstream.headers.get("Content-Type", "application/json"),
+                    POOL_HEADER: pool.name,
+                    GPU_TYPE_HEADER: pool.gpu_type,
+                    PRECISION_HEADER: pool.precision,
+                    REPLICA_HEADER: route.replica,
+                }
+                if upstream.content_type == "text/event-stream":
+                    status = upstream.status
+                    response, tokens = await self._stream(request, upstream, headers)
+                    return response
+                payload = await upstream.read()
+                status = upstream.status
+            if status == 200:
+                tokens = count_completion_tokens(payload)
+            return web.Response(body=payload, status=status, headers=headers)
+        except TimeoutError:  # first: aiohttp's socket timeouts are also ClientConnectionErrors
+            status = 504
+            message = f"replica {route.replica} of pool {route.pool} did not answer within "
+            return web.json_response(
+                {"error": message + f"{self.settings.request_timeout:.0f}s; retry the turn", "retry": True},
+                status=504,
+            )
+        except aiohttp.ClientConnectionError as exc:
+            status = None
+            return self._replica_failed(route, session_id, exc)
+        finally:
+            self.state.finish(route.pool, route.replica, tokens, status)
+            self.latency.labels(self.run, pool.name, pool.gpu_type, pool.precision).observe(
+                self.clock() - started
+            )
+            async with self._slot_freed:
+                self._slot_freed.notify_all()
+
+    async def _stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, headers: dict[str, str]
+    ) -> tuple[web.StreamResponse, int]:
+        """Pass a streamed answer through chunk by chunk; its chunks carry cumulative token counts."""
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        tokens = 0
+        tail = b""
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+            tail = (tail + chunk)[-4096:]
+            counts = _COMPLETION_TOKENS.findall(tail)
+            if counts:
+                tokens = int(counts[-1])
+        await response.write_eof()
+        return response, tokens
+
+    def _replica_failed(self, route: Route, session_id: str | None, exc: Exception) -> web.Response:
+        """The replica is gone: mark it down and move the session now, so the retried turn just works."""
+        log.warning("replica %s of pool %s failed: %s", route.replica, route.pool, exc)
+        self.state.mark_down(route.pool, route.replica)
+        moved_to: dict[str, str] | None = None
+        if session_id is not None:
+            try:
+                new_route = self.state.route(session_id, self.clock())
+                moved_to = {"pool": new_route.pool, "replica": new_route.replica}
+            except NoReadyReplica:
+                moved_to = None
+        message = f"replica {route.replica} of pool {route.pool} is unreachable ({exc}); retry the turn"
+        return _retry_response(message, pool=route.pool, replica=route.replica, moved_to=moved_to)
+
+    async def _wait_for_slot(self, route: Route, session_id: str | None) -> Route:
+        """Hold the request while its replica has max_inflight_per_replica requests outstanding."""
+        limit = self.settings.max_inflight_per_replica
+        while limit > 0:
+            replica = self.state.replica(route.pool, route.replica)
+            if replica is None or not replica.ready:
+                route = self._reroute(route, session_id)
+                continue
+            if replica.in_flight < limit:
+                break
+            replica.waiting += 1
+            try:
+                async with self._slot_freed:
+                    await self._slot_freed.wait()
+            finally:
+                replica.waiting -= 1
+            route = self._reroute(route, session_id)
+        return route
+
+    def _reroute(self, route: Route, session_id: str | None) -> Route:
+        if session_id is not None:
+            return self.state.route(session_id, self.clock())
+        replica = self.state.replica(route.pool, route.replica)
+        return route if replica is not None and replica.ready else self.state.route(None, self.clock())
+
+    # ------------------------------------------------------------------ admin
+
+    async def _end_session(self, request: web.Request) -> web.Response:
+        return web.json_response({"ended": self.state.end_session(request.match_info["session"])})
+
+    async def _put_pool(self, request: web.Request) -> web.Response:
+        name = request.match_info["pool"]
+        if name not in self.state.pools:
+            return web.json_response({"error": f"pool: no pool named {name!r}"}, status=404)
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            return _bad_request(f"body: not JSON ({exc})")
+        if not isinstance(body, dict):
+            return _bad_request("body: expected a JSON object with 'replicas'")
+        replicas = body.get("replicas")
+        if not isinstance(replicas, list) or not all(isinstance(url, str) for url in replicas):
+            return _bad_request("replicas: expected a list of replica URLs")
+        try:
+            for url in replicas:
+                check_replica_url(url)
+        except ValueError as exc:
+            return _bad_request(f"replicas: {exc}")
+        if "capacity" in body:
+            capacity = body["capacity"]
+            if capacity is not None and (not isinstance(capacity, int | float) or capacity <= 0):
+                return _bad_request("capacity: expected a number > 0, or null to measure it")
+            self.state.set_capacity(name, None if capacity is None else float(capacity))
+        added = self.state.set_replicas(name, replicas)
+        await self.check_replicas([(name, url) for url in added])
+        snapshot = self.state.snapshot()["pools"]
+        assert isinstance(snapshot, list)
+        return web.json_response(next(pool for pool in snapshot if pool["name"] == name))
+
+    async def _get_pools(self, request: web.Request) -> web.Response:
+        return web.json_response({"run": self.run, **self.state.snapshot()})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ready = sum(len(pool.ready_replicas()) for pool in self.state.pools.values())
+        return web.json_response({"status": "ok", "ready_replicas": ready})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    # ------------------------------------------------------------------ fan-out
+
+    async def _update_weights(self, request: web.Request) -> web.Response:
+        """Send SGLang's /update_weights_from_disk body to every ready replica; report each result."""
+        body = await request.read()
+        targets = [
+            (pool.name, replica.url)
+            for pool in self.state.pools.values()
+            for replica in pool.ready_replicas()
+        ]
+        if not targets:
+            return _retry_response("no ready replica to update; retry when replicas are up", results=[])
+        results = await asyncio.gather(*(self._update_one(pool, url, body) for pool, url in targets))
+        success = all(result["success"] for result in results)
+        return web.json_response({"success": success, "results": results}, status=200 if success else 502)
+
+    async def _update_one(self, pool: str, url: str, body: bytes) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=self.settings.fanout_timeout)
+        result: dict[str, Any] = {"pool": pool, "replica": url}
+        try:
+            async with self.http.post(
+                f"{url}/update_weights_from_disk",
+                data=body,
+                headers={"Content-Type": "application/json"},
+                timeout=timeout,
+            ) as response:
+                text = await response.text()
+                result["status"] = response.status
+        except TimeoutError:
+            return {**result, "status": None, "success": False, "message": "timed out"}
+        except aiohttp.ClientConnectionError as exc:
+            self.state.mark_down(pool, url)
+            return {**result, "status": None, "success": False, "message": f"unreachable: {exc}"}
+        try:
+            answer = json.loads(text)
+        except json.JSONDecodeError:
+            answer = {"message": text[:500]}
+        if not isinstance(answer, dict):
+            answer = {"message": str(answer)[:500]}
+        success = response.status == 200 and bool(answer.get("success", True))
+        return {**result, "success": success, "message": str(answer.get("message", ""))}

@@ -1,0 +1,306 @@
+"""The router's bookkeeping: pools, replicas, sessions and load (pure: no I/O, time is passed in).
+
+A session is bound to one pool for its whole life and to one replica while that replica is
+ready, so the replica's prefix cache keeps the conversation.  New sessions go to the pool chosen
+by the :class:`~mixrl.rl.router.shares.ShareScheduler` and, inside it, to the least-loaded ready
+replica.  The HTTP layer (``server.py``) calls :meth:`RouterState.route` before each request and
+:meth:`begin` / :meth:`finish` around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from mixrl.rl.router.config import PoolConfig
+from mixrl.rl.router.shares import PeakThroughput, PoolCapacity, ShareScheduler, target_shares
+
+
+class NoReadyReplica(Exception):
+    """No pool has a ready replica: the request cannot be placed now (retry later)."""
+
+
+class UnknownPool(KeyError):
+    pass
+
+
+@dataclass
+class Replica:
+    url: str
+    ready: bool = False
+    in_flight: int = 0
+    """Requests forwarded to the replica and not yet answered."""
+    waiting: int = 0
+    """Requests held by the router because the replica is at its in-flight limit."""
+    sessions: int = 0
+    """Live sessions bound to this replica."""
+    generated_tokens: int = 0
+    throughput: PeakThroughput = field(default_factory=PeakThroughput)
+
+
+@dataclass
+class Pool:
+    name: str
+    gpu_type: str
+    precision: str
+    capacity: float | None
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    sessions_assigned: int = 0
+    """Sessions given to this pool so far (new ones and ones moved here from another pool)."""
+    sessions_moved_out: int = 0
+    replica_failures: int = 0
+    """Times a replica of this pool was found unreachable by a request."""
+    requests: int = 0
+    """Requests answered by a replica (any status)."""
+    errors: int = 0
+    """Requests that failed: replica unreachable, or an error status (≥ 400) from the engine."""
+    generated_tokens: int = 0
+
+    def ready_replicas(self) -> list[Replica]:
+        return [replica for replica in self.replicas.values() if replica.ready]
+
+    def measured_capacity(self) -> float | None:
+        """Mean recent-peak throughput of the ready replicas that have been measured."""
+        estimates = [r.throughput.estimate() for r in self.ready_replicas()]
+        measured = [e for e in estimates if e is not None]
+        return sum(measured) / len(measured) if measured else None
+
+
+@dataclass
+class Session:
+    id: str
+    pool: str
+    replica: str | None
+    last_seen: float
+
+
+@dataclass(frozen=True)
+class Route:
+    pool: str
+    replica: str
+    session: str | None
+    moved: bool = False
+    """The session had to leave its replica (or pool) because that one is gone or down."""
+
+
+class RouterState:
+    def __init__(self, pools: Iterable[PoolConfig], session_ttl: float = 900.0) -> None:
+        self.pools: dict[str, Pool] = {}
+        for config in pools:
+            pool = Pool(config.name, config.gpu_type, config.precision, config.capacity)
+            pool.replicas = {url: Replica(url) for url in config.replicas}
+            self.pools[config.name] = pool
+        if not self.pools:
+            raise ValueError("the router needs at least one pool")
+        self.session_ttl = session_ttl
+        self.sessions: dict[str, Session] = {}
+        self.scheduler = ShareScheduler()
+        self.refresh_shares()
+
+    # ----------------------------------------------------------------- pools and replicas
+
+    def pool(self, name: str) -> Pool:
+        try:
+            return self.pools[name]
+        except KeyError:
+            raise UnknownPool(name) from None
+
+    def replica(self, pool: str, url: str) -> Replica | None:
+        return self.pool(pool).replicas.get(url)
+
+    def set_replicas(self, pool_name: str, urls: Iterable[str]) -> list[str]:
+        """Replace a pool's replica list; returns the URLs that are new (not ready until checked).
+
+        Replicas that stay keep their state; sessions on a removed replica stay on the pool and
+        move to another replica at their next request.
+        """
+        pool = self.pool(pool_name)
+        wanted = [url.rstrip("/") for url in urls]
+        added = [url for url in wanted if url not in pool.replicas]
+        removed = [url for url in pool.replicas if url not in wanted]
+        for url in removed:
+            del pool.replicas[url]
+        for session in self.sessions.values():
+            if session.pool == pool_name and session.replica in removed:
+                session.replica = None
+        pool.replicas = {url: pool.replicas.get(url) or Replica(url) for url in wanted}
+        self.refresh_shares()
+        return added
+
+    def set_capacity(self, pool_name: str, capacity: float | None) -> None:
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity of pool {pool_name!r} must be > 0 (or null = measured)")
+        self.pool(pool_name).capacity = capacity
+        self.refresh_shares()
+
+    def set_ready(self, pool_name: str, url: str, ready: bool) -> None:
+        replica = self.replica(pool_name, url)
+        if replica is None or replica.ready == ready:
+            return
+        replica.ready = ready
+        self.refresh_shares()
+
+    def mark_down(self, pool_name: str, url: str) -> None:
+        """A request to the replica failed at the connection: stop sending it work until it is healthy."""
+        replica = self.replica(pool_name, url)
+        if replica is not None and replica.ready:
+            self.pool(pool_name).replica_failures += 1
+        self.set_ready(pool_name, url, False)
+
+    def record_throughput(self, pool_name: str, url: str, tokens_per_second: float) -> None:
+        replica = self.replica(pool_name, url)
+        if replica is None:
+            return
+        before = self.pool(pool_name).measured_capacity()
+        replica.throughput.add(tokens_per_second)
+        if self.pool(pool_name).capacity is None and self.pool(pool_name).measured_capacity() != before:
+            self.refresh_shares()
+
+    def capacities(self) -> dict[str, PoolCapacity]:
+        return {
+            name: PoolCapacity(pool.capacity, pool.measured_capacity(), len(pool.ready_replicas()))
+            for name, pool in self.pools.items()
+        }
+
+    def refresh_shares(self) -> None:
+        self.scheduler.set_shares(target_shares(self.capacities()))
+
+    # ----------------------------------------------------------------- sessions
+
+    def route(self, session_id: str | None, now: float) -> Route:
+        """Where the next request of a session goes; binds new sessions.  Raises NoReadyReplica."""
+        if session_id is None:
+            pool = self._assign_pool()
+            return Route(pool, self._least_loaded(pool).url, None)
+        session = self.sessions.get(session_id)
+        if session is None:
+            pool = self._assign_pool()
+            replica = self._least_loaded(pool)
+            replica.sessions += 1
+            self.sessions[session_id] = Session(session_id, pool, replica.url, now)
+            return Route(pool, replica.url, session_id)
+        session.last_seen = now
+        pool = self.pools[session.pool]
+        current = pool.replicas.get(session.replica) if session.replica else None
+        if current is not None and current.ready:
+            return Route(pool.name, current.url, session_id)
+        # Its replica is gone or down: another replica of the same pool, else another pool.
+        self._unbind(session)
+        if not pool.ready_replicas():
+            pool.sessions_moved_out += 1
+            session.pool = self._assign_pool()
+            pool = self.pools[session.pool]
+        replica = self._least_loaded(pool.name)
+        replica.sessions += 1
+        session.replica = replica.url
+        return Route(pool.name, replica.url, session_id, moved=True)
+
+    def end_session(self, session_id: str) -> bool:
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return False
+        self._unbind(session)
+        return True
+
+    def expire_sessions(self, now: float) -> list[str]:
+        """Forget sessions idle for longer than the TTL (their rollout worker is gone)."""
+        expired = [s.id for s in self.sessions.values() if now - s.last_seen > self.session_ttl]
+        for session_id in expired:
+            self.end_session(session_id)
+        return expired
+
+    def _unbind(self, session: Session) -> None:
+        replica = self.pools[session.pool].replicas.get(session.replica) if session.replica else None
+        if replica is not None:
+            replica.sessions -= 1
+        session.replica = None
+
+    def _assign_pool(self) -> str:
+        pool = self.scheduler.next_pool()
+        if pool is None:
+            raise NoReadyReplica("no sampler pool has a ready replica")
+        self.pools[pool].sessions_assigned += 1
+        return pool
+
+    def _least_loaded(self, pool_name: str) -> Replica:
+        """The ready replica with the fewest requests in flight or waiting, then fewest sessions."""
+        ready = self.pools[pool_name].ready_replicas()
+        if not ready:
+            raise NoReadyReplica(f"pool {pool_name!r} has no ready replica")
+        return min(ready, key=lambda r: (r.in_flight + r.waiting, r.sessions))
+
+    # ----------------------------------------------------------------- requests
+
+    def begin(self, pool: str, url: str) -> None:
+        replica = self.replica(pool, url)
+        if replica is not None:
+            replica.in_flight += 1
+
+    def finish(self, pool: str, url: str, generated_tokens: int = 0, status: int | None = 200) -> None:
+        """A forwarded request ended with an HTTP status, or None when the replica was unreachable."""
+        the_pool = self.pool(pool)
+        the_pool.generated_tokens += generated_tokens
+        if status is not None:
+            the_pool.requests += 1
+        if status is None or status >= 400:
+            the_pool.errors += 1
+        replica = the_pool.replicas.get(url)
+        if replica is not None:
+            replica.in_flight -= 1
+            replica.generated_tokens += generated_tokens
+
+    # ----------------------------------------------------------------- views
+
+    def active_sessions(self) -> dict[str, int]:
+        counts = dict.fromkeys(self.pools, 0)
+        for session in self.sessions.values():
+            counts[session.pool] += 1
+        return counts
+
+    def snapshot(self) -> dict[str, object]:
+        """What ``GET /pools`` shows."""
+        shares = self.scheduler.shares
+        per_replica_capacity = {
+            name: (pool.capacity if pool.capacity is not None else pool.measured_capacity())
+            for name, pool in self.pools.items()
+        }
+        active = self.active_sessions()
+        total_active = sum(active.values())
+        total_assigned = sum(pool.sessions_assigned for pool in self.pools.values())
+        pools = []
+        for name, pool in self.pools.items():
+            pools.append(
+                {
+                    "name": name,
+                    "gpu_type": pool.gpu_type,
+                    "precision": pool.precision,
+                    "capacity": pool.capacity,
+                    "capacity_source": "configured" if pool.capacity is not None else "measured",
+                    "capacity_per_replica": per_replica_capacity[name],
+                    "ready_replicas": len(pool.ready_replicas()),
+                    "target_share": shares.get(name, 0.0),
+                    "active_sessions": active[name],
+                    "active_session_share": active[name] / total_active if total_active else 0.0,
+                    "sessions_assigned": pool.sessions_assigned,
+                    "assigned_share": pool.sessions_assigned / total_assigned if total_assigned else 0.0,
+                    "in_flight": sum(r.in_flight for r in pool.replicas.values()),
+                    "queue_depth": sum(r.waiting for r in pool.replicas.values()),
+                    "generated_tokens": pool.generated_tokens,
+                    "requests": pool.requests,
+                    "errors": pool.errors,
+                    "replica_failures": pool.replica_failures,
+                    "replicas": [
+                        {
+                            "url": r.url,
+                            "ready": r.ready,
+                            "in_flight": r.in_flight,
+                            "waiting": r.waiting,
+                            "sessions": r.sessions,
+                            "generated_tokens": r.generated_tokens,
+                            "measured_throughput": r.throughput.estimate(),
+                        }
+                        for r in pool.replicas.values()
+                    ],
+                }
+            )
+        return {"pools": pools, "sessions": total_active}

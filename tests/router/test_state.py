@@ -1,0 +1,126 @@
+"""Session binding, replica choice and moves in RouterState (pure, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mixrl.rl.router.config import PoolConfig
+from mixrl.rl.router.state import NoReadyReplica, RouterState
+
+
+def state_with(pools: dict[str, int], ttl: float = 100.0, ready: bool = True) -> RouterState:
+    configs = [
+        PoolConfig(name=name, capacity=1.0, replicas=tuple(f"http://{name}{i}:1" for i in range(n)))
+        for name, n in pools.items()
+    ]
+    state = RouterState(configs, session_ttl=ttl)
+    for config in configs:
+        for url in config.replicas:
+            state.set_ready(config.name, url, ready)
+    return state
+
+
+def test_a_session_stays_on_its_pool_and_replica() -> None:
+    state = state_with({"a": 2, "b": 2})
+    first = state.route("s", now=0.0)
+    for t in range(1, 50):
+        state.route(f"other{t}", now=float(t))  # other sessions come and go
+        again = state.route("s", now=float(t))
+        assert (again.pool, again.replica, again.moved) == (first.pool, first.replica, False)
+
+
+def test_new_sessions_go_to_the_least_loaded_replica() -> None:
+    state = state_with({"a": 3})
+    busy, idle, fresh = "http://a0:1", "http://a1:1", "http://a2:1"
+    for _ in range(3):
+        state.begin("a", busy)
+    state.begin("a", idle)
+    # fresh: 0 in flight; idle: 1; busy: 3.
+    assert state.route("s1", now=0).replica == fresh
+    state.begin("a", fresh)
+    state.begin("a", fresh)
+    assert state.route("s2", now=0).replica == idle
+    # Equal in-flight counts: fewer bound sessions wins (s1 is on fresh, s2 on idle).
+    state.finish("a", busy)
+    state.finish("a", busy)
+    state.finish("a", fresh)
+    assert {r.url: r.in_flight for r in state.pools["a"].replicas.values()} == {busy: 1, idle: 1, fresh: 1}
+    state.route("s3", now=0)
+    sessions = {r.url: r.sessions for r in state.pools["a"].replicas.values()}
+    assert sessions == {busy: 1, idle: 1, fresh: 1}
+
+
+def test_a_down_replica_moves_its_sessions_within_the_pool() -> None:
+    state = state_with({"a": 2, "b": 1})
+    sessions = [f"s{i}" for i in range(12)]
+    routes = {sid: state.route(sid, now=0) for sid in sessions}
+    victim = next(r for r in routes.values() if r.pool == "a").replica
+    survivor = next(url for url in state.pools["a"].replicas if url != victim)
+    state.mark_down("a", victim)
+    for sid, before in routes.items():
+        after = state.route(sid, now=1)
+        assert after.pool == before.pool
+        if before.replica == victim:
+            assert (after.replica, after.moved) == (survivor, True)
+        else:
+            assert (after.replica, after.moved) == (before.replica, False)
+    assert state.pools["a"].replicas[victim].sessions == 0
+    assert state.pools["a"].replica_failures == 1
+
+
+def test_a_pool_without_ready_replicas_hands_its_sessions_to_other_pools() -> None:
+    state = state_with({"a": 1, "b": 1, "c": 1})
+    on_a = [sid for sid in (f"s{i}" for i in range(30)) if state.route(sid, now=0).pool == "a"]
+    assert len(on_a) == 10
+    state.set_ready("a", "http://a0:1", False)
+    moved = [state.route(sid, now=1) for sid in on_a]
+    assert all(route.moved and route.pool in ("b", "c") for route in moved)
+    assert state.pools["a"].sessions_moved_out == 10
+    # The new pool is kept afterwards, even when "a" comes back.
+    state.set_ready("a", "http://a0:1", True)
+    assert [state.route(sid, now=2).pool for sid in on_a] == [route.pool for route in moved]
+
+
+def test_no_ready_replica_anywhere_raises() -> None:
+    state = state_with({"a": 1}, ready=False)
+    with pytest.raises(NoReadyReplica):
+        state.route("s", now=0)
+    assert state.sessions == {}
+
+
+def test_removed_replica_unbinds_sessions_and_new_replicas_wait_for_a_probe() -> None:
+    state = state_with({"a": 2})
+    route = state.route("s", now=0)
+    other = next(url for url in state.pools["a"].replicas if url != route.replica)
+    added = state.set_replicas("a", [other, "http://a9:1"])
+    assert added == ["http://a9:1"]
+    assert state.pools["a"].replicas["http://a9:1"].ready is False
+    again = state.route("s", now=1)
+    assert (again.replica, again.moved) == (other, True)
+
+
+def test_end_and_expiry_forget_sessions() -> None:
+    state = state_with({"a": 1}, ttl=10.0)
+    state.route("ended", now=0)
+    state.route("idle", now=0)
+    state.route("active", now=0)
+    assert state.end_session("ended") is True
+    assert state.end_session("ended") is False
+    state.route("active", now=8)
+    assert state.expire_sessions(now=12) == ["idle"]
+    assert set(state.sessions) == {"active"}
+    assert state.pools["a"].replicas["http://a0:1"].sessions == 1
+    assert state.active_sessions() == {"a": 1}
+
+
+def test_snapshot_reports_shares_and_load() -> None:
+    state = state_with({"a": 1, "b": 3})
+    for i in range(8):
+        state.route(f"s{i}", now=0)
+    state.begin("b", "http://b0:1")
+    snapshot = {pool["name"]: pool for pool in state.snapshot()["pools"]}  # type: ignore[union-attr]
+    assert snapshot["a"]["target_share"] == pytest.approx(0.25)
+    assert snapshot["b"]["target_share"] == pytest.approx(0.75)
+    assert (snapshot["a"]["sessions_assigned"], snapshot["b"]["sessions_assigned"]) == (2, 6)
+    assert snapshot["b"]["in_flight"] == 1
+    assert snapshot["a"]["active_session_share"] == pytest.approx(0.25)
