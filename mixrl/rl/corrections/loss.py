@@ -37,11 +37,11 @@ def _blocks(num_rows: int, block: int) -> Iterator[slice]:
         yield slice(r0, min(r0 + block, num_rows))
 
 
-def _concat(parts: list[CorrectedTerms], device: torch.device, k: int) -> CorrectedTerms:
+def _concat(parts: list[CorrectedTerms], like: Tensor, k: int) -> CorrectedTerms:
     fields = CorrectedTerms.__dataclass_fields__
     if not parts:  # every token is masked out
         return CorrectedTerms(
-            **{name: torch.zeros((0, k) if name == "sparse" else (0,), device=device) for name in fields}
+            **{name: like.new_zeros((0, k) if name == "sparse" else (0,)) for name in fields}
         )
     return CorrectedTerms(**{name: torch.cat([getattr(p, name) for p in parts]) for name in fields})
 
@@ -79,7 +79,7 @@ class _LogitsObjective(torch.autograd.Function):
             parts.append(
                 corrected_terms(vocab_sums(u, block_rows, shard), block_rows, config, batch.denominator)
             )
-        terms = _concat(parts, logits.device, rows.cand_ids.shape[1])
+        terms = _concat(parts, rows.advantages, rows.cand_ids.shape[1])
         out.append(terms)
         ctx.save_for_backward(logits)
         ctx.batch, ctx.terms, ctx.shard, ctx.block = batch, terms, shard, block
@@ -136,7 +136,7 @@ class _ChunkedObjective(torch.autograd.Function):
             parts.append(
                 corrected_terms(vocab_sums(u, block_rows, shard), block_rows, config, batch.denominator)
             )
-        terms = _concat(parts, hidden.device, batch.rows.cand_ids.shape[1])
+        terms = _concat(parts, batch.rows.advantages, batch.rows.cand_ids.shape[1])
         out.append(terms)
         ctx.save_for_backward(h, weight)
         ctx.batch, ctx.terms, ctx.shard = batch, terms, shard
