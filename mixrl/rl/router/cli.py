@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -33,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
         "replicas come from --discover-dns or PUT /pools/{name}",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
-    parser.add_argument("--port", type=int, default=ROUTER_PORT)
+    parser.add_argument("--port", type=int, default=ROUTER_PORT, help="0 picks a free port (see --port-file)")
+    parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
     parser.add_argument("--run", default="", help="run name for metric labels (default: from the config)")
     parser.add_argument(
         "--discover-dns",
@@ -67,7 +70,7 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')}: must be > 0"
     if args.max_inflight_per_replica < 0:
         return "--max-inflight-per-replica: must be ≥ 0"
-    if not 0 < args.port < 65536:
+    if not 0 <= args.port < 65536:
         return f"--port: {args.port} is not a TCP port"
     if args.discover_dns and args.config is None:
         return "--discover-dns: needs --config (the pools' Service names come from the resolved run)"
@@ -96,9 +99,30 @@ def main(argv: list[str]) -> int:
         engine_port=args.engine_port,
     )
     router = Router(config, settings)
-    pools = ", ".join(f"{p.name} ({len(p.replicas)} replicas)" for p in config.pools)
-    logging.getLogger("mixrl.router").info(
-        "listening on http://%s:%d; pools: %s", args.host, args.port, pools
-    )
-    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None)
+    asyncio.run(serve(router, args.host, args.port, args.port_file))
     return 0
+
+
+async def serve(router: Router, host: str, port: int, port_file: Path | None) -> None:
+    """Serve until SIGTERM or SIGINT, then stop cleanly (in-flight requests get their answers)."""
+    log = logging.getLogger("mixrl.router")
+    runner = web.AppRunner(router.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    if port_file is not None:
+        partial = port_file.with_name(port_file.name + ".partial")
+        partial.write_text(str(bound))
+        partial.replace(port_file)  # readers never see a half-written port
+    pools = ", ".join(f"{p.name} ({len(p.replicas)} replicas)" for p in router.state.pools.values())
+    log.info("listening on http://%s:%d; pools: %s", host, bound, pools)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await runner.cleanup()

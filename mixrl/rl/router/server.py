@@ -253,12 +253,11 @@ class Router:
         tokens = 0
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
-            content_type = request.headers.get("Content-Type", "application/json")
+            forward = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+            if session_id is not None:
+                forward[SESSION_HEADER] = session_id  # for the engine's logs; SGLang ignores it
             async with self.http.post(
-                f"{route.replica}/generate",
-                data=body,
-                headers={"Content-Type": content_type},
-                timeout=timeout,
+                f"{route.replica}/generate", data=body, headers=forward, timeout=timeout
             ) as upstream:
                 headers = {
                     "Content-Type": upstream.headers.get("Content-Type", "application/json"),

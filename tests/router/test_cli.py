@@ -1,0 +1,96 @@
+"""``mixrl router`` as a real process: pools file in, proxy and admin out, clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from mixrl.rl.router.server import POOL_HEADER, SESSION_HEADER
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mixrl.cli", "router", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_bad_pools_file_gives_one_line_naming_the_field(tmp_path: Path) -> None:
+    pools = tmp_path / "pools.json"
+    pools.write_text(json.dumps({"run": "r", "pools": [{"name": "a", "capacity": -2, "replicas": []}]}))
+    result = run_cli("--pools", str(pools))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"mixrl router: {pools}: pools.0.capacity: Input should be greater than 0"
+    ]
+    pools.write_text(json.dumps({"pools": [{"name": "a", "replicas": ["127.0.0.1:80"]}]}))
+    result = run_cli("--pools", str(pools))
+    assert result.returncode == 2
+    assert "pools.0.replicas: replica '127.0.0.1:80' is not an http(s)://host:port URL" in result.stderr
+    assert run_cli("--pools", str(pools), "--session-ttl", "0").stderr.strip() == (
+        "mixrl router: --session-ttl: must be > 0"
+    )
+
+
+async def test_router_process_serves_and_stops_on_sigterm(tmp_path: Path, engines) -> None:  # type: ignore[no-untyped-def]
+    engine = await engines("e")
+    pools = tmp_path / "pools.json"
+    pools.write_text(
+        json.dumps(
+            {
+                "run": "r",
+                "pools": [
+                    {
+                        "name": "bf16",
+                        "gpu_type": "cpu",
+                        "precision": "bf16",
+                        "capacity": 1.0,
+                        "replicas": [engine.url],
+                    }
+                ],
+            }
+        )
+    )
+    port_file = tmp_path / "port"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mixrl.cli",
+        "router",
+        "--pools",
+        str(pools),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        for _ in range(600):
+            if port_file.exists():
+                break
+            assert process.returncode is None
+            await asyncio.sleep(0.05)
+        url = f"http://127.0.0.1:{port_file.read_text()}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{url}/pools") as response:
+                pool = (await response.json())["pools"][0]
+            assert (pool["name"], pool["ready_replicas"]) == ("bf16", 1)
+            body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
+            async with http.post(f"{url}/generate", json=body, headers={SESSION_HEADER: "s"}) as response:
+                assert response.status == 200
+                assert response.headers[POOL_HEADER] == "bf16"
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    stderr = (await process.stderr.read()).decode()
+    assert "listening on" in stderr and "shutting down" in stderr
+    assert engine.sessions_seen == ["s"]
