@@ -1,0 +1,272 @@
+"""kopf handlers: when to reconcile, and how failures are retried.
+
+- RLRun and SamplerPool: create, update and resume handlers reconcile the object.  An invalid
+  spec is a ``kopf.PermanentError`` (InvalidSpec condition, one Warning event, no requeue);
+  conflicts, throttling, server errors and lost connections are ``kopf.TemporaryError`` with an
+  exponential backoff (``Retry-After`` honoured).
+- Children (the run's Deployments and StatefulSets, the SamplerPools' status): an event handler
+  reconciles the owner, so status follows readiness and a deleted child is recreated.
+- No finalizers: deletion is the garbage collector's job through owner references, and no
+  handler here needs one (kopf timers would add one; drift is caught by watching the children).
+- kopf keeps its bookkeeping in ``mixrl.dev/*`` annotations, never in our status.
+
+Everything is registered on a fresh :class:`kopf.OperatorRegistry` by :func:`build_registry`,
+so tests run several operators, one after another, in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+
+from mixrl.api.models import GROUP, VERSION
+from mixrl.operator import labels as L
+from mixrl.operator.apply import StillTerminating
+from mixrl.operator.kube import ApiError, Connection, KubeClient
+from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS
+from mixrl.operator.reconcile import Context, Outcome, reconcile_pool, reconcile_run
+from mixrl.operator.resources import BuildOptions, Images, Monitoring
+from mixrl.operator.status import PROGRESSING, Reason, make_condition, merge_conditions
+
+Obj = dict[str, Any]
+LoginFn = Callable[..., kopf.ConnectionInfo | None]
+
+log = logging.getLogger("mixrl.operator")
+
+
+@dataclass
+class OperatorConfig:
+    images: Images = field(default_factory=Images)
+    monitoring: str = "auto"
+    """``auto`` (PodMonitor when monitoring.coreos.com/v1 serves podmonitors), ``podmonitor`` or
+    ``annotations``."""
+    discovery_ttl_s: float = 300.0
+    drain_seconds: int = 300
+    backoff_base_s: float = 2.0
+    backoff_cap_s: float = 120.0
+    login: LoginFn | None = None
+    """How to reach the API server; default: in-cluster service account, then kubeconfig."""
+    tune: Callable[[kopf.OperatorSettings], None] | None = None
+    """Extra kopf settings (tests shorten timeouts)."""
+
+
+def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None) -> float:
+    """Exponential backoff for the ``retry``-th retry, at least what the server asked for."""
+    delay = min(config.backoff_cap_s, config.backoff_base_s * 2 ** min(retry, 16))
+    return max(delay, retry_after or 0.0)
+
+
+def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: the service account.  Elsewhere (``--dev``): the kubeconfig, through the kubernetes
+    client when it is installed (exec plugins, OIDC), else kopf's own kubeconfig reader."""
+    info = kopf.login_with_service_account(**kwargs)
+    if info is None:
+        try:
+            info = kopf.login_via_client(**kwargs)
+        except Exception:  # no usable kubeconfig for the client library; try kopf's reader
+            info = None
+    return info or kopf.login_with_kubeconfig(**kwargs)
+
+
+def plain(value: Any) -> Any:
+    """kopf's bodies are read-only views; the reconcilers take plain dicts."""
+    if isinstance(value, Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(item) for item in value]
+    return value
+
+
+class Runtime:
+    """Per-operator state: the API client, the connection kopf logged in with, per-object locks."""
+
+    def __init__(self, config: OperatorConfig):
+        self.config = config
+        self.connection: Connection | None = None
+        self.client = KubeClient(self._current_connection)
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._queued: set[str] = set()
+        self._monitoring: tuple[Monitoring, float] | None = None
+
+    def _current_connection(self) -> Connection:
+        if self.connection is None:
+            raise ApiError(0, "NotLoggedIn", "no API credentials yet")
+        return self.connection
+
+    def lock(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    async def monitoring(self) -> Monitoring:
+        if self.config.monitoring != "auto":
+            return Monitoring(self.config.monitoring)
+        now = asyncio.get_running_loop().time()
+        if self._monitoring is None or now - self._monitoring[1] > self.config.discovery_ttl_s:
+            served = await self.client.served_resources("monitoring.coreos.com", "v1")
+            found = Monitoring.POD_MONITOR if served and "podmonitors" in served else Monitoring.ANNOTATIONS
+            self._monitoring = (found, now)
+        return self._monitoring[0]
+
+    async def options(self) -> BuildOptions:
+        return BuildOptions(
+            images=self.config.images,
+            monitoring=await self.monitoring(),
+            drain_seconds=self.config.drain_seconds,
+        )
+
+    def context(self) -> Context:
+        return Context(client=self.client, options=self.options, events=post_event)
+
+
+def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
+    if kind == "Warning":
+        kopf.warn(obj, reason=reason, message=message)
+    else:
+        kopf.info(obj, reason=reason, message=message)
+
+
+async def report_failure(rt: Runtime, body: Obj, error: Exception) -> None:
+    """Best effort: say on the run's Progressing condition why it is stuck (the API may be down)."""
+    conditions = list((body.get("status") or {}).get("conditions") or [])
+    generation = body["metadata"].get("generation")
+    value = ("True", Reason.APPLY_FAILED, str(error)[:300])
+    failed = make_condition(PROGRESSING, value, generation, rt.context().now(), conditions)
+    meta = body["metadata"]
+    patch = {"status": {"conditions": merge_conditions(conditions, [failed])}}
+    with contextlib.suppress(ApiError):
+        await rt.client.merge_patch(RLRUNS, meta["namespace"], meta["name"], patch, subresource="status")
+
+
+def lock_key(body: Obj) -> str:
+    meta = body["metadata"]
+    return f"{body.get('kind')}/{meta['namespace']}/{meta['name']}"
+
+
+async def guarded(
+    rt: Runtime,
+    body: Obj,
+    reconcile: Callable[[Context, Obj], Awaitable[Outcome]],
+    retry: int,
+    announce_invalid: bool = True,
+) -> Outcome:
+    """Run one reconcile under the object's lock; map failures to kopf's retry semantics."""
+    try:
+        async with rt.lock(lock_key(body)):
+            outcome = await reconcile(rt.context(), body)
+    except ApiError as exc:
+        if body.get("kind") == "RLRun":
+            await report_failure(rt, body, exc)
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config, exc.retry_after)) from exc
+        if exc.status in (401, 403):  # credentials or RBAC: fixable outside, so keep trying, slowly
+            raise kopf.TemporaryError(
+                f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s
+            ) from exc
+        raise kopf.PermanentError(str(exc)) from exc  # the API server rejected what we built
+    except StillTerminating as exc:
+        raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config)) from exc
+    if outcome.invalid is not None and announce_invalid:
+        post_event(body, "Warning", Reason.INVALID_SPEC, outcome.invalid)
+        raise kopf.PermanentError(outcome.invalid)
+    return outcome
+
+
+async def coalesced(rt: Runtime, body: Obj, reconcile: Callable[[Context, Obj], Awaitable[Outcome]]) -> None:
+    """Reconcile on behalf of a child's event; if one is already queued for this owner, it will see
+    the latest state, so this one is dropped.  Errors are logged: the change handlers retry."""
+    key = lock_key(body)
+    if key in rt._queued:
+        return
+    rt._queued.add(key)
+    try:
+        async with rt.lock(key):
+            rt._queued.discard(key)
+            # Read the owner under the lock: the event may be older than the owner's last change.
+            meta = body["metadata"]
+            resource = RLRUNS if body["kind"] == "RLRun" else SAMPLERPOOLS
+            fresh = await rt.client.get(resource, meta["namespace"], meta["name"])
+            if fresh is not None:
+                await reconcile(rt.context(), fresh)
+    except (ApiError, StillTerminating) as exc:
+        log.warning("resync of %s failed: %s", key, exc)
+    finally:
+        rt._queued.discard(key)
+
+
+def controller_of(obj: Obj) -> tuple[str, str] | None:
+    for ref in obj.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+            return ref["kind"], ref["name"]
+    return None
+
+
+def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runtime]:
+    registry = kopf.OperatorRegistry()
+    rt = Runtime(config)
+    managed = {L.MANAGED_BY: L.MANAGER}
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.scanning.disabled = True  # the chart installs the CRDs: no need to list CRDs or namespaces
+        settings.persistence.finalizer = f"{GROUP}/finalizer"  # never added: no handler needs one
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
+        settings.posting.reporting_component = L.MANAGER
+        settings.posting.level = logging.WARNING  # our events are explicit; logs stay logs
+        for plural in ("deployments", "statefulsets"):
+            settings.watching.label_selectors[f"apps/{plural}"] = f"{L.MANAGED_BY}={L.MANAGER}"
+        if config.tune is not None:
+            config.tune(settings)
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        await rt.client.close()
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        info = (config.login or default_login)(**kwargs)
+        if info is not None:
+            rt.connection = Connection.from_kopf(info)
+        return info
+
+    @kopf.on.resume(GROUP, VERSION, "rlruns", registry=registry)
+    @kopf.on.create(GROUP, VERSION, "rlruns", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "rlruns", registry=registry)
+    async def run_changed(body: kopf.Body, retry: int, **_: Any) -> None:
+        await guarded(rt, plain(body), reconcile_run, retry)
+
+    @kopf.on.resume(GROUP, VERSION, "samplerpools", registry=registry)
+    @kopf.on.create(GROUP, VERSION, "samplerpools", registry=registry)
+    @kopf.on.update(GROUP, VERSION, "samplerpools", registry=registry)
+    async def pool_changed(body: kopf.Body, retry: int, **_: Any) -> None:
+        await guarded(rt, plain(body), reconcile_pool, retry)
+
+    @kopf.on.event(GROUP, VERSION, "samplerpools", registry=registry)
+    async def pool_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        # A pool's readiness is part of its run's status.
+        owner = controller_of(plain(body))
+        if owner is not None and type != "DELETED":
+            await reconcile_owner(rt, body["metadata"]["namespace"], *owner)
+
+    @kopf.on.event("apps", "v1", "deployments", labels=managed, registry=registry)
+    @kopf.on.event("apps", "v1", "statefulsets", labels=managed, registry=registry)
+    async def workload_event(body: kopf.Body, **_: Any) -> None:
+        owner = controller_of(plain(body))
+        if owner is not None:
+            await reconcile_owner(rt, body["metadata"]["namespace"], *owner)
+
+    return registry, rt
+
+
+async def reconcile_owner(rt: Runtime, namespace: str, kind: str, name: str) -> None:
+    stub = {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
+    await coalesced(rt, stub, reconcile_run if kind == "RLRun" else reconcile_pool)

@@ -1,0 +1,291 @@
+"""A small asynchronous Kubernetes REST client for the reconcilers (aiohttp).
+
+It speaks the few calls the operator needs — get, list, create, server-side apply, merge patch,
+delete, discovery — and nothing else.  Every call names its RBAC verb and is checked against
+:data:`mixrl.operator.rbac.RECONCILER` before it is sent, so an undeclared call fails in the tests
+instead of with a 403 in a cluster.  Credentials come from the same login kopf performs (a kopf
+``ConnectionInfo``), read again on each request so a refreshed token is used at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import tempfile
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from mixrl.operator.rbac import RECONCILER, ApiResource, is_allowed
+
+FIELD_MANAGER = "mixrl-operator"
+Obj = dict[str, Any]
+
+
+class ApiError(Exception):
+    """A non-2xx answer from the API server (or no answer: status 0)."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after: float | None = None):
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.retry_after = retry_after
+        super().__init__(f"{status} {reason}: {message}" if status else f"connection failed: {message}")
+
+    @property
+    def retryable(self) -> bool:
+        """Conflicts, throttling, server errors and lost connections heal by themselves."""
+        return self.status in (0, 409, 429) or self.status >= 500
+
+
+class UndeclaredApiCall(AssertionError):
+    """The code made a call that rbac.RECONCILER does not declare (a bug: the chart would deny it)."""
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where the API server is and how to authenticate (the fields of kopf's ConnectionInfo)."""
+
+    server: str
+    token: str | None = None
+    scheme: str | None = None
+    username: str | None = None
+    password: str | None = None
+    ca_path: str | None = None
+    ca_data: bytes | None = None
+    insecure: bool = False
+    certificate_path: str | None = None
+    certificate_data: bytes | None = None
+    private_key_path: str | None = None
+    private_key_data: bytes | None = None
+
+    @classmethod
+    def from_kopf(cls, info: Any) -> Connection:
+        def as_bytes(value: str | bytes | None) -> bytes | None:
+            return value.encode() if isinstance(value, str) else value
+
+        def as_path(value: Any) -> str | None:
+            return os.fsdecode(value) if value else None
+
+        return cls(
+            server=info.server,
+            token=info.token,
+            scheme=info.scheme,
+            username=info.username,
+            password=info.password,
+            ca_path=as_path(info.ca_path),
+            ca_data=as_bytes(info.ca_data),
+            insecure=bool(info.insecure),
+            certificate_path=as_path(info.certificate_path),
+            certificate_data=as_bytes(info.certificate_data),
+            private_key_path=as_path(info.private_key_path),
+            private_key_data=as_bytes(info.private_key_data),
+        )
+
+    def headers(self) -> dict[str, str]:
+        if self.token:
+            return {"Authorization": f"{self.scheme or 'Bearer'} {self.token}"}
+        if self.username and self.password:
+            basic = base64.b64encode(f"{self.username}:{self.password}".encode()).decode()
+            return {"Authorization": f"Basic {basic}"}
+        return {}
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        if not self.server.startswith("https"):
+            return False
+        if self.insecure:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        else:
+            cadata = self.ca_data.decode() if self.ca_data else None
+            context = ssl.create_default_context(cafile=self.ca_path, cadata=cadata)
+        if self.certificate_path or self.certificate_data:
+            with tempfile.TemporaryDirectory() as tmp:
+                cert = self.certificate_path or _write(tmp, "cert.pem", self.certificate_data)
+                key = self.private_key_path or _write(tmp, "key.pem", self.private_key_data)
+                context.load_cert_chain(cert, key)
+        return context
+
+
+def _write(directory: str, name: str, data: bytes | None) -> str | None:
+    if data is None:
+        return None
+    path = os.path.join(directory, name)
+    with open(path, "wb") as handle:
+        handle.write(data)
+    return path
+
+
+class KubeClient:
+    """One aiohttp session; ``connection`` is asked for the current credentials on every call."""
+
+    def __init__(self, connection: Callable[[], Connection], timeout_s: float = 30.0):
+        self._connection = connection
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._ssl_for: tuple[Connection, ssl.SSLContext | bool] | None = None
+        self.calls: Counter[tuple[str, str]] = Counter()
+        """(verb, resource) -> number of calls sent: for logs and tests."""
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _ssl(self, connection: Connection) -> ssl.SSLContext | bool:
+        if self._ssl_for is None or self._ssl_for[0] != connection:
+            self._ssl_for = (connection, connection.ssl_context())
+        return self._ssl_for[1]
+
+    async def request(
+        self,
+        verb: str,
+        method: str,
+        resource: ApiResource,
+        *,
+        namespace: str | None = None,
+        name: str | None = None,
+        subresource: str | None = None,
+        params: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        rbac_resource = f"{resource.plural}/{subresource}" if subresource else resource.plural
+        if not is_allowed(RECONCILER, resource.group, rbac_resource, verb):
+            raise UndeclaredApiCall(
+                f"{verb} {resource.group or 'core'}/{rbac_resource} is not in rbac.RECONCILER"
+            )
+        connection = self._connection()
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        url = connection.server.rstrip("/") + resource.path(namespace, name, subresource)
+        headers = {**connection.headers(), "Accept": "application/json"}
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body)
+        self.calls[(verb, rbac_resource)] += 1
+        try:
+            async with self._session.request(
+                method, url, params=params, data=data, headers=headers, ssl=self._ssl(connection)
+            ) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    raise _api_error(response.status, text, response.headers.get("Retry-After"))
+                return json.loads(text) if text else None
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise ApiError(0, "ConnectionFailed", str(exc) or type(exc).__name__) from exc
+
+    async def get(
+        self, resource: ApiResource, namespace: str, name: str, subresource: str | None = None
+    ) -> Obj | None:
+        try:
+            return await self.request(
+                "get", "GET", resource, namespace=namespace, name=name, subresource=subresource
+            )
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, resource: ApiResource, namespace: str, label_selector: dict[str, str]) -> list[Obj]:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
+        found = await self.request(
+            "list", "GET", resource, namespace=namespace, params={"labelSelector": selector}
+        )
+        items: list[Obj] = found.get("items", []) if found else []
+        # Filter here as well: the selector is an optimization, the labels are the contract.
+        return [
+            item
+            for item in items
+            if all(item.get("metadata", {}).get("labels", {}).get(k) == v for k, v in label_selector.items())
+        ]
+
+    async def create(self, resource: ApiResource, namespace: str, body: Obj) -> Obj:
+        created: Obj = await self.request("create", "POST", resource, namespace=namespace, body=body)
+        return created
+
+    async def apply(self, resource: ApiResource, namespace: str, name: str, body: Obj) -> Obj:
+        """Server-side apply as the only manager of these fields: creates or updates, and removes
+        what an earlier apply set but this one omits."""
+        applied: Obj = await self.request(
+            "patch",
+            "PATCH",
+            resource,
+            namespace=namespace,
+            name=name,
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            body=body,
+            content_type="application/apply-patch+yaml",  # JSON is YAML
+        )
+        return applied
+
+    async def merge_patch(
+        self, resource: ApiResource, namespace: str, name: str, body: Obj, subresource: str | None = None
+    ) -> Obj:
+        patched: Obj = await self.request(
+            "patch",
+            "PATCH",
+            resource,
+            namespace=namespace,
+            name=name,
+            subresource=subresource,
+            params={"fieldManager": FIELD_MANAGER},
+            body=body,
+            content_type="application/merge-patch+json",
+        )
+        return patched
+
+    async def delete(self, resource: ApiResource, namespace: str, name: str) -> bool:
+        """Delete with background propagation (the garbage collector removes the dependents);
+        False when it was already gone."""
+        options = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        try:
+            await self.request("delete", "DELETE", resource, namespace=namespace, name=name, body=options)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def served_resources(self, group: str, version: str) -> set[str] | None:
+        """Plural names a group/version serves, or None when the cluster does not serve it.
+
+        Discovery is a non-resource URL every authenticated user may read (system:discovery)."""
+        connection = self._connection()
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        url = f"{connection.server.rstrip('/')}/apis/{group}/{version}"
+        headers = {**connection.headers(), "Accept": "application/json"}
+        try:
+            async with self._session.get(url, headers=headers, ssl=self._ssl(connection)) as response:
+                if response.status == 404:
+                    return None
+                text = await response.text()
+                if response.status >= 400:
+                    raise _api_error(response.status, text, response.headers.get("Retry-After"))
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise ApiError(0, "ConnectionFailed", str(exc) or type(exc).__name__) from exc
+        listed = json.loads(text).get("resources", [])
+        return {entry["name"] for entry in listed if "/" not in entry.get("name", "/")}
+
+
+def _api_error(status: int, text: str, retry_after: str | None) -> ApiError:
+    try:
+        payload = json.loads(text)
+        reason, message = str(payload.get("reason", "")), str(payload.get("message", ""))
+    except (ValueError, AttributeError):
+        reason, message = "", text[:200]
+    delay = None
+    if retry_after:
+        try:
+            delay = float(retry_after)
+        except ValueError:
+            delay = None
+    return ApiError(status, reason or "Error", message.splitlines()[0] if message else "", delay)

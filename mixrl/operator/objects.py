@@ -1,0 +1,214 @@
+"""Building blocks of the desired objects: owners, options, hashes, metadata, Services, Deployments.
+
+Pure (no I/O); shared by :mod:`mixrl.operator.resources` (the run's objects) and
+:mod:`mixrl.operator.pools` (each pool's objects).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, ResolvedPool, ResolvedRun
+from mixrl.operator import labels as L
+from mixrl.operator.podspec import Obj, mount
+
+HASH_ANNOTATION = "mixrl.dev/desired-hash"
+"""On every object we write: hash of the desired object; equal hash => no write."""
+CONFIG_HASH_ANNOTATION = "mixrl.dev/config-hash"
+"""On pod templates: hash of the configuration the pods read, so a change rolls them."""
+POOL_CONFIG_HASH_ANNOTATION = "mixrl.dev/pool-config-hash"
+"""On SamplerPools: changes when the run changes anything the pool's Deployment is built from,
+which wakes the pool's own controller (it alone writes the Deployment)."""
+
+RDZV_PORT = 29500
+WEIGHTS_MOUNT = "weights"
+ENGINE_WEIGHTS_DIR = "/var/lib/mixrl/engine-weights"
+BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
+
+
+class Monitoring(enum.Enum):
+    POD_MONITOR = "podmonitor"
+    """The Prometheus Operator's PodMonitor (when monitoring.coreos.com/v1 is served)."""
+    ANNOTATIONS = "annotations"
+    """``prometheus.io/scrape`` annotations on pod templates (plain Prometheus)."""
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The object a child belongs to; its uid makes the garbage collector delete the child with it."""
+
+    api_version: str
+    kind: str
+    name: str
+    uid: str
+
+    def reference(self) -> Obj:
+        return {
+            "apiVersion": self.api_version,
+            "kind": self.kind,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+@dataclass(frozen=True)
+class Images:
+    components: str = f"{MIXRL_IMAGE_PREFIX}-components:latest"
+    """Router, rollout, buffer and the engines' weight-sync sidecar."""
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    images: Images = field(default_factory=Images)
+    monitoring: Monitoring = Monitoring.ANNOTATIONS
+    drain_seconds: int = 300
+    """How long an engine may finish in-flight requests after it is asked to stop."""
+    startup_minutes: int = 30
+    """How long an engine may take to load its model before it counts as failed."""
+    buffer_volume_size: str = "50Gi"
+
+
+# ----------------------------------------------------------------------------- hashing
+
+
+def stable_hash(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def desired_hash(obj: Obj) -> str:
+    """Hash of a desired object, ignoring the hash annotation itself."""
+    stripped = json.loads(json.dumps(obj))
+    stripped.get("metadata", {}).get("annotations", {}).pop(HASH_ANNOTATION, None)
+    return stable_hash(stripped)
+
+
+def with_hash(obj: Obj) -> Obj:
+    obj.setdefault("metadata", {}).setdefault("annotations", {})[HASH_ANNOTATION] = desired_hash(obj)
+    return obj
+
+
+# Which parts of the resolved run each component reads: a change elsewhere does not restart it.
+CONFIG_SECTIONS: dict[str, tuple[str, ...]] = {
+    "trainer": ("model", "trainer", "weights", "sampling", "evaluation"),
+    "buffer": ("trainer", "rollout", "sampling"),
+    "router": ("pools", "sampling"),
+    "rollout": ("model", "rollout", "sampling", "evaluation"),
+}
+
+
+def config_hash(resolved: ResolvedRun, component: str) -> str:
+    dumped = resolved.model_dump(mode="json")
+    return stable_hash({key: dumped[key] for key in CONFIG_SECTIONS[component]})
+
+
+def pool_config_hash(resolved: ResolvedRun, pool: ResolvedPool) -> str:
+    dumped = resolved.model_dump(mode="json", include={"model", "sampling", "weights"})
+    return stable_hash({**dumped, "pool": pool.model_dump(mode="json")})
+
+
+# ----------------------------------------------------------------------------- metadata
+
+
+def metadata(
+    name: str,
+    namespace: str,
+    labels: dict[str, str],
+    owner: Owner,
+    annotations: dict[str, str] | None = None,
+) -> Obj:
+    meta: Obj = {
+        "name": name,
+        "namespace": namespace,
+        "labels": dict(labels),
+        "ownerReferences": [owner.reference()],
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def scrape_annotations(port_number: int, options: BuildOptions) -> dict[str, str]:
+    if options.monitoring is not Monitoring.ANNOTATIONS:
+        return {}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port_number),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def pod_template(labels: dict[str, str], annotations: dict[str, str], spec: Obj) -> Obj:
+    return {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}, "spec": spec}
+
+
+def weights_volume_path(store: str) -> str | None:
+    """The mount path when the weight store is a filesystem path, else None (an object store URL)."""
+    if store.startswith("file://"):
+        return store.removeprefix("file://") or "/"
+    if store.startswith("/"):
+        return store
+    return None
+
+
+def weights_volume_and_mount(resolved: ResolvedRun, read_only: bool) -> tuple[list[Obj], list[Obj]]:
+    path = weights_volume_path(resolved.weights.store)
+    if path is None:
+        return [], []
+    claim = {"claimName": L.child_name(resolved.name, "weights")}
+    if read_only:
+        claim["readOnly"] = True
+    return [{"name": WEIGHTS_MOUNT, "persistentVolumeClaim": claim}], [mount(WEIGHTS_MOUNT, path, read_only)]
+
+
+def service(
+    name: str,
+    resolved: ResolvedRun,
+    labels: dict[str, str],
+    selector: dict[str, str],
+    ports: list[tuple[str, int]],
+    owner: Owner,
+    headless: bool,
+    publish_not_ready: bool = False,
+) -> Obj:
+    spec: Obj = {
+        "selector": dict(selector),
+        "ports": [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports],
+    }
+    if headless:
+        spec["clusterIP"] = "None"
+    if publish_not_ready:
+        spec["publishNotReadyAddresses"] = True
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(name, resolved.namespace, labels, owner),
+        "spec": spec,
+    }
+
+
+def deployment(
+    name: str,
+    resolved: ResolvedRun,
+    labels: dict[str, str],
+    selector: dict[str, str],
+    replicas: int,
+    template: Obj,
+    owner: Owner,
+    strategy: Obj | None = None,
+) -> Obj:
+    spec: Obj = {"replicas": replicas, "selector": {"matchLabels": dict(selector)}, "template": template}
+    if strategy:
+        spec["strategy"] = strategy
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(name, resolved.namespace, labels, owner),
+        "spec": spec,
+    }

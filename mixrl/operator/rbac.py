@@ -1,0 +1,154 @@
+"""Every Kubernetes API call the operator makes, as (API group, resource, verb): the source of RBAC.
+
+The client in :mod:`mixrl.operator.kube` refuses a call that is not declared here, so this registry
+cannot fall behind the code; the Helm chart's rules are generated from :func:`operator_rules`
+(``python -m mixrl.operator.chart``), and the tests check both that the generated files are in sync
+and that every request the running operator sends to the emulator is covered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mixrl.api.models import GROUP, VERSION
+
+
+@dataclass(frozen=True)
+class ApiResource:
+    group: str
+    version: str
+    plural: str
+    kind: str
+    namespaced: bool = True
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(
+        self, namespace: str | None = None, name: str | None = None, subresource: str | None = None
+    ) -> str:
+        root = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        parts = [root]
+        if self.namespaced and namespace is not None:
+            parts += ["namespaces", namespace]
+        parts.append(self.plural)
+        if name is not None:
+            parts.append(name)
+            if subresource is not None:
+                parts.append(subresource)
+        return "/".join(parts)
+
+
+CONFIGMAPS = ApiResource("", "v1", "configmaps", "ConfigMap")
+SERVICES = ApiResource("", "v1", "services", "Service")
+PVCS = ApiResource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
+EVENTS = ApiResource("", "v1", "events", "Event")
+DEPLOYMENTS = ApiResource("apps", "v1", "deployments", "Deployment")
+STATEFULSETS = ApiResource("apps", "v1", "statefulsets", "StatefulSet")
+RLRUNS = ApiResource(GROUP, VERSION, "rlruns", "RLRun")
+SAMPLERPOOLS = ApiResource(GROUP, VERSION, "samplerpools", "SamplerPool")
+PODMONITORS = ApiResource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor")
+KOPF_PEERINGS = ApiResource("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
+CLUSTER_KOPF_PEERINGS = ApiResource(
+    "kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False
+)
+
+CHILD_RESOURCES = (CONFIGMAPS, SERVICES, PVCS, DEPLOYMENTS, STATEFULSETS, SAMPLERPOOLS, PODMONITORS)
+BY_KIND: dict[tuple[str, str], ApiResource] = {(r.api_version, r.kind): r for r in CHILD_RESOURCES}
+
+
+def resource_of(obj: dict[str, Any]) -> ApiResource:
+    return BY_KIND[(obj["apiVersion"], obj["kind"])]
+
+
+Key = tuple[str, str]
+"""(API group, resource or resource/subresource)."""
+
+# Calls made by mixrl's own code (the reconcilers), through mixrl.operator.kube.
+RECONCILER: dict[Key, frozenset[str]] = {
+    # Children, written by server-side apply (create and patch) after a get that compares hashes.
+    ("", "configmaps"): frozenset({"get", "create", "patch"}),
+    ("", "services"): frozenset({"get", "create", "patch"}),
+    ("", "persistentvolumeclaims"): frozenset({"get", "create"}),  # immutable once bound: never patched
+    ("apps", "deployments"): frozenset({"get", "create", "patch"}),
+    ("apps", "statefulsets"): frozenset({"get", "create", "patch"}),
+    ("monitoring.coreos.com", "podmonitors"): frozenset({"get", "create", "patch"}),
+    # A SamplerPool's controller reads its run; a run's controller lists its pools to remove old ones.
+    (GROUP, "rlruns"): frozenset({"get"}),
+    (GROUP, "samplerpools"): frozenset({"get", "list", "create", "patch", "delete"}),
+    (GROUP, "rlruns/status"): frozenset({"patch"}),
+    (GROUP, "samplerpools/status"): frozenset({"patch"}),
+    # Children carry blockOwnerDeletion; with the OwnerReferencesPermissionEnforcement admission
+    # plugin (OpenShift and others) that needs update on the owner's finalizers subresource.
+    (GROUP, "rlruns/finalizers"): frozenset({"update"}),
+    (GROUP, "samplerpools/finalizers"): frozenset({"update"}),
+}
+
+# Calls made by kopf itself: watching the two kinds, its progress annotations, events, peering.
+# (Resource scanning is disabled: kopf lists neither CRDs nor namespaces.)
+FRAMEWORK: dict[Key, frozenset[str]] = {
+    (GROUP, "rlruns"): frozenset({"list", "watch", "patch"}),
+    (GROUP, "samplerpools"): frozenset({"list", "watch", "patch"}),
+    ("", "events"): frozenset({"create"}),
+}
+PEERING_VERBS = frozenset({"get", "list", "watch", "patch"})
+
+
+def peering_resource(clusterwide: bool) -> ApiResource:
+    return CLUSTER_KOPF_PEERINGS if clusterwide else KOPF_PEERINGS
+
+
+def permissions(clusterwide: bool) -> dict[Key, frozenset[str]]:
+    """Everything the operator may do: its own calls, kopf's, and peering in the right scope."""
+    merged: dict[Key, set[str]] = {}
+    for table in (RECONCILER, FRAMEWORK):
+        for key, verbs in table.items():
+            merged.setdefault(key, set()).update(verbs)
+    merged[("kopf.dev", peering_resource(clusterwide).plural)] = set(PEERING_VERBS)
+    return {key: frozenset(verbs) for key, verbs in merged.items()}
+
+
+def is_allowed(allowed: dict[Key, frozenset[str]], group: str, resource: str, verb: str) -> bool:
+    return verb in allowed.get((group, resource), frozenset())
+
+
+def operator_rules(clusterwide: bool, include_peering: bool = True) -> list[dict[str, Any]]:
+    """RBAC PolicyRules: one per (group, verb set), resources and verbs sorted (stable output).
+
+    ``include_peering=False`` gives the rules without the peering resource, for a namespaced operator
+    whose KopfPeering lives in its own namespace while it watches others.
+    """
+    allowed = permissions(clusterwide)
+    if not include_peering:
+        allowed = {key: verbs for key, verbs in allowed.items() if key[0] != "kopf.dev"}
+    grouped: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for (group, resource), verbs in allowed.items():
+        grouped.setdefault((group, tuple(sorted(verbs))), []).append(resource)
+    return [
+        {"apiGroups": [group], "resources": sorted(resources), "verbs": list(verbs)}
+        for (group, verbs), resources in sorted(grouped.items())
+    ]
+
+
+def peering_rules(clusterwide: bool) -> list[dict[str, Any]]:
+    return [
+        {
+            "apiGroups": ["kopf.dev"],
+            "resources": [peering_resource(clusterwide).plural],
+            "verbs": sorted(PEERING_VERBS),
+        }
+    ]
+
+
+def rules_allow(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
+    """Whether RBAC PolicyRules grant one call (wildcards honoured, as the API server does)."""
+    for rule in rules:
+        if not ({group, "*"} & set(rule.get("apiGroups", []))):
+            continue
+        if not ({resource, "*"} & set(rule.get("resources", []))):
+            continue
+        if {verb, "*"} & set(rule.get("verbs", [])):
+            return True
+    return False

@@ -1,0 +1,261 @@
+"""The two reconcilers: RLRun -> its children; SamplerPool -> its Deployment and Service.
+
+Framework-free (no kopf here): :mod:`mixrl.operator.handlers` wires these into kopf and turns
+their outcomes and errors into kopf's retry semantics.  Each reconcile reads the live children,
+writes only what differs from the desired objects, and writes status only when it changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from mixrl.api.errors import InvalidSpec, Problem
+from mixrl.api.loader import parse_document
+from mixrl.api.models import API_VERSION, RLRun, SamplerPool
+from mixrl.api.resolve import ResolvedRun, resolve
+from mixrl.operator import labels as L
+from mixrl.operator.apply import Applied, ApplyReport, apply_object, label
+from mixrl.operator.kube import KubeClient
+from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS, ApiResource
+from mixrl.operator.resources import (
+    BuildOptions,
+    Owner,
+    clamp_replicas,
+    pool_children,
+    run_objects,
+    seed_replicas,
+)
+from mixrl.operator.status import (
+    PoolState,
+    Reason,
+    WorkloadState,
+    invalid_run_status,
+    pool_status,
+    run_status,
+)
+
+Obj = dict[str, Any]
+EventSink = Callable[[Obj, str, str, str], None]
+"""(object, type Normal|Warning, reason, message) -> posts a Kubernetes event."""
+
+log = logging.getLogger("mixrl.operator")
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Context:
+    client: KubeClient
+    options: Callable[[], Awaitable[BuildOptions]]
+    """Build options for this reconcile (monitoring mode comes from API discovery)."""
+    events: EventSink
+    now: Callable[[], str] = utc_now
+
+
+@dataclass
+class Outcome:
+    invalid: str | None = None
+    """The one-line validation message when the spec is invalid (nothing was written but status)."""
+    report: ApplyReport = field(default_factory=ApplyReport)
+    status_written: bool = False
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def manifest(body: Obj) -> Obj:
+    """The part of a live object the API models validate (server fields and status dropped)."""
+    meta = body.get("metadata", {})
+    return {
+        "apiVersion": body.get("apiVersion", API_VERSION),
+        "kind": body.get("kind"),
+        "metadata": {"name": meta.get("name"), "namespace": meta.get("namespace")},
+        "spec": body.get("spec"),
+    }
+
+
+def resolve_run(body: Obj) -> ResolvedRun:
+    """Validate and resolve a live RLRun; raises InvalidSpec with one line per problem."""
+    run = parse_document(manifest(body))
+    assert isinstance(run, RLRun)
+    resolved = resolve(run)
+    problem = L.reserved_pool_name_problem(resolved)
+    if problem is not None:
+        path, _, message = problem.partition(": ")
+        raise InvalidSpec([Problem(path, message)])
+    return resolved
+
+
+def owner_of(body: Obj) -> Owner:
+    meta = body["metadata"]
+    return Owner(body.get("apiVersion", API_VERSION), body["kind"], meta["name"], meta["uid"])
+
+
+def owned_by(obj: Obj, uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+async def write_status(client: KubeClient, resource: ApiResource, body: Obj, new: Obj) -> bool:
+    """Merge-patch the status subresource when it differs from what the object carries."""
+    if new == (body.get("status") or {}):
+        return False
+    meta = body["metadata"]
+    await client.merge_patch(resource, meta["namespace"], meta["name"], {"status": new}, subresource="status")
+    return True
+
+
+# ----------------------------------------------------------------------------- RLRun
+
+
+async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
+    meta = body["metadata"]
+    generation = meta.get("generation")
+    previous = body.get("status") or {}
+    if meta.get("deletionTimestamp"):
+        return Outcome()  # the garbage collector removes the children through their owner references
+    try:
+        resolved = resolve_run(body)
+    except InvalidSpec as exc:
+        new = invalid_run_status(previous, generation, exc.first_line, ctx.now())
+        return Outcome(
+            invalid=exc.first_line, status_written=await write_status(ctx.client, RLRUNS, body, new)
+        )
+
+    options = await ctx.options()
+    owner = owner_of(body)
+    report = ApplyReport()
+    applied: dict[str, Applied] = {}
+    for desired in run_objects(resolved, owner, options):
+        seed = None
+        if desired["kind"] == "SamplerPool":
+            seed = {"spec": {"replicas": seed_replicas(resolved.pool(desired["spec"]["pool"]))}}
+        applied[label(desired)] = result = await apply_object(ctx.client, desired, report, seed)
+        if desired["kind"] == "SamplerPool" and label(desired) in report.updated:
+            await clamp_pool_replicas(ctx.client, resolved, result)
+    removed = await remove_stale_pools(ctx.client, resolved, meta["uid"], report)
+
+    def live(kind: str, suffix: str) -> Obj | None:
+        found = applied.get(f"{kind}/{L.child_name(resolved.name, suffix)}")
+        return found.after if found else None
+
+    components = {
+        "TrainerReady": WorkloadState.of(live("StatefulSet", "trainer")),
+        "BufferReady": WorkloadState.of(live("StatefulSet", "buffer")),
+        "RouterReady": WorkloadState.of(live("Deployment", "router")),
+        "RolloutReady": WorkloadState.of(live("Deployment", "rollout")),
+    }
+    pools = [
+        pool_state(pool.name, applied[f"SamplerPool/{pool.object_name}"].after) for pool in resolved.pools
+    ]
+    new = run_status(previous, generation, components, pools, ctx.now())
+    written = await write_status(ctx.client, RLRUNS, body, new)
+
+    for name in report.created:
+        if name.startswith("SamplerPool/"):
+            ctx.events(body, "Normal", Reason.POOL_ADDED, f"created {name}")
+    for name in removed:
+        ctx.events(body, "Normal", Reason.POOL_REMOVED, f"deleted {name}")
+    if report.changed:
+        ctx.events(body, "Normal", Reason.APPLIED, report.summary()[:1000])
+    return Outcome(report=report, status_written=written)
+
+
+def pool_state(name: str, live: Obj) -> PoolState:
+    spec, status = live.get("spec", {}), live.get("status") or {}
+    generation = live.get("metadata", {}).get("generation")
+    observed = status.get("observedGeneration")
+    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    return PoolState(
+        name=name,
+        gpu_type=spec.get("gpuType", ""),
+        weight_precision=spec.get("weightPrecision", ""),
+        desired=int(spec.get("replicas") or 0),
+        ready=int(status.get("readyReplicas") or 0),
+        rolling_out=(generation is not None and (observed is None or observed < generation))
+        or ready.get("reason") == Reason.ROLLING_OUT,
+    )
+
+
+async def clamp_pool_replicas(client: KubeClient, resolved: ResolvedRun, result: Applied) -> None:
+    """New bounds that exclude the current replica count move it to the nearest bound."""
+    spec = result.after.get("spec", {})
+    pool = resolved.pool(spec["pool"])
+    replicas = int(spec.get("replicas") or 0)
+    clamped = clamp_replicas(replicas, pool)
+    if clamped != replicas:
+        meta = result.after["metadata"]
+        result.after.update(
+            await client.merge_patch(
+                SAMPLERPOOLS, meta["namespace"], meta["name"], {"spec": {"replicas": clamped}}
+            )
+        )
+
+
+async def remove_stale_pools(
+    client: KubeClient, resolved: ResolvedRun, uid: str, report: ApplyReport
+) -> list[str]:
+    """Delete SamplerPools this run owns but no longer declares (their Deployments follow by GC)."""
+    wanted = {pool.object_name for pool in resolved.pools}
+    found = await client.list(SAMPLERPOOLS, resolved.namespace, L.selector_labels(resolved.name, "sampler"))
+    removed = []
+    for pool in found:
+        meta = pool["metadata"]
+        if meta["name"] in wanted or not owned_by(pool, uid) or meta.get("deletionTimestamp"):
+            continue
+        if await client.delete(SAMPLERPOOLS, meta["namespace"], meta["name"]):
+            name = f"SamplerPool/{meta['name']}"
+            report.deleted.append(name)
+            removed.append(name)
+    return removed
+
+
+# ----------------------------------------------------------------------------- SamplerPool
+
+
+async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return Outcome()
+    try:
+        pool_spec = parse_document(manifest(body))
+        assert isinstance(pool_spec, SamplerPool)
+    except InvalidSpec as exc:
+        return Outcome(invalid=exc.first_line)
+    spec = pool_spec.spec
+    run_body = await ctx.client.get(RLRUNS, meta["namespace"], spec.run)
+    if (
+        run_body is None
+        or run_body["metadata"].get("deletionTimestamp")
+        or not owned_by(body, run_body["metadata"]["uid"])
+    ):
+        return Outcome()  # an orphan: the garbage collector is about to remove it
+    try:
+        resolved = resolve_run(run_body)
+        pool = resolved.pool(spec.pool)
+    except (InvalidSpec, KeyError):
+        return Outcome()  # the run's controller reports the problem, or deletes this pool
+
+    options = await ctx.options()
+    report = ApplyReport()
+    deployment: Applied | None = None
+    for desired in pool_children(resolved, pool, spec.replicas, owner_of(body), options):
+        result = await apply_object(ctx.client, desired, report, None)
+        if desired["kind"] == "Deployment":
+            deployment = result
+    assert deployment is not None
+    selector = L.selector_string(L.selector_labels(resolved.name, "sampler", pool.name))
+    new = pool_status(body.get("status") or {}, meta.get("generation"), deployment.after, selector, ctx.now())
+    written = await write_status(ctx.client, SAMPLERPOOLS, body, new)
+
+    before = (deployment.before or {}).get("spec", {}).get("replicas")
+    if deployment.before is not None and before != spec.replicas:
+        ctx.events(body, "Normal", Reason.SCALED, f"replicas {before} -> {spec.replicas}")
+    elif report.changed:
+        ctx.events(body, "Normal", Reason.APPLIED, report.summary()[:1000])
+    return Outcome(report=report, status_written=written)

@@ -1,0 +1,381 @@
+"""Pure builders: a resolved RLRun (and each SamplerPool) -> the desired Kubernetes objects.
+
+No I/O and no API client here (an import-linter contract checks it): the handlers decide *whether*
+to write, these functions decide *what*.  Everything is built from :class:`ResolvedRun`, the same
+object the components read from the run's ConfigMap.
+
+What one RLRun ``r`` in namespace ``ns`` becomes:
+
+- ConfigMap ``r-config``: ``run.json`` (the resolved run) and ``drain.py`` (the engines' preStop hook);
+- PersistentVolumeClaim ``r-weights`` when the weight store is a path (ReadWriteMany: the trainer
+  writes, every engine pod reads);
+- trainer: StatefulSet ``r-trainer`` (``nodes`` pods, torchrun's c10d rendezvous on pod 0) and its
+  headless Service;
+- buffer: StatefulSet ``r-buffer`` with a volume claim, and its headless Service;
+- router: Deployment and Service ``r-router``; rollout workers: Deployment ``r-rollout``;
+- one SamplerPool ``r-<pool>`` per pool, from which :mod:`mixrl.operator.pools` builds the pool's
+  Deployment and headless Service (owned by the SamplerPool, written only by its controller);
+- monitoring: a PodMonitor when the cluster serves ``monitoring.coreos.com``, scrape annotations
+  on the pod templates otherwise.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from mixrl.api.gpus import GPU_TABLE
+from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
+from mixrl.operator import labels as L
+from mixrl.operator.objects import (
+    BUFFER_DATA_DIR,
+    CONFIG_HASH_ANNOTATION,
+    HASH_ANNOTATION,
+    POOL_CONFIG_HASH_ANNOTATION,
+    RDZV_PORT,
+    BuildOptions,
+    Images,
+    Monitoring,
+    Owner,
+    config_hash,
+    deployment,
+    desired_hash,
+    metadata,
+    pod_template,
+    scrape_annotations,
+    service,
+    weights_volume_and_mount,
+    weights_volume_path,
+    with_hash,
+)
+from mixrl.operator.podspec import (
+    CONFIG_PATH,
+    Obj,
+    base_env,
+    base_mounts,
+    base_volumes,
+    container,
+    empty_dir,
+    gpu_scheduling,
+    mount,
+    pod_spec,
+    port,
+    resources,
+    server_probes,
+)
+from mixrl.operator.pools import clamp_replicas, pool_children, pool_objects, sampler_pool, seed_replicas
+
+__all__ = [  # the builders' public surface, for the handlers and the tests
+    "CONFIG_HASH_ANNOTATION",
+    "HASH_ANNOTATION",
+    "POOL_CONFIG_HASH_ANNOTATION",
+    "BuildOptions",
+    "Images",
+    "Monitoring",
+    "Owner",
+    "clamp_replicas",
+    "desired_hash",
+    "pool_children",
+    "pool_objects",
+    "run_objects",
+    "sampler_pool",
+    "seed_replicas",
+]
+
+# ----------------------------------------------------------------------------- shared objects
+
+
+@cache
+def drain_script() -> str:
+    return Path(__file__).with_name("drain.py").read_text(encoding="utf-8")
+
+
+def config_map(resolved: ResolvedRun, owner: Owner) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(
+            L.child_name(resolved.name, "config"),
+            resolved.namespace,
+            L.component_labels(resolved, "run"),
+            owner,
+        ),
+        "data": {"run.json": resolved.model_dump_json(indent=2), "drain.py": drain_script()},
+    }
+
+
+def weights_pvc(resolved: ResolvedRun, owner: Owner) -> Obj | None:
+    if weights_volume_path(resolved.weights.store) is None:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": metadata(
+            L.child_name(resolved.name, "weights"),
+            resolved.namespace,
+            L.component_labels(resolved, "run"),
+            owner,
+        ),
+        "spec": {
+            # The trainer writes each version and every engine pod, on any node, reads it.
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": resolved.weights.volume_size}},
+        },
+    }
+
+
+def endpoints_env(resolved: ResolvedRun) -> list[Obj]:
+    """Where the run's services are, for components that call them."""
+    ns = resolved.namespace
+    return [
+        {"name": "MIXRL_ROUTER_URL", "value": f"http://{resolved.name}-router.{ns}.svc:{ROUTER_PORT}"},
+        {"name": "MIXRL_BUFFER_URL", "value": f"http://{resolved.name}-buffer.{ns}.svc:{BUFFER_PORT}"},
+    ]
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+def trainer_command(resolved: ResolvedRun) -> list[str]:
+    """torchrun with a c10d rendezvous hosted by pod 0 of the StatefulSet, or the trainer alone."""
+    spec = resolved.trainer.spec
+    program = ["mixrl", "trainer", "--config", CONFIG_PATH]
+    nproc = max(spec.gpus_per_node, 1)
+    if spec.nodes == 1 and nproc == 1:
+        return program
+    name = L.child_name(resolved.name, "trainer")
+    endpoint = f"{name}-0.{name}.{resolved.namespace}.svc:{RDZV_PORT}"
+    return [
+        "torchrun",
+        f"--nnodes={spec.nodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={resolved.name}",
+        "-m",
+        "mixrl.cli",
+        *program[1:],
+    ]
+
+
+def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    spec = resolved.trainer.spec
+    name = L.child_name(resolved.name, "trainer")
+    labels = L.component_labels(resolved, "trainer")
+    selector = L.selector_labels(resolved.name, "trainer")
+    gpus = spec.gpus_per_node
+    weight_volumes, weight_mounts = weights_volume_and_mount(resolved, read_only=False)
+    volumes = [*base_volumes(L.child_name(resolved.name, "config")), *weight_volumes]
+    mounts = [*base_mounts(), *weight_mounts]
+    if gpus > 0:  # NCCL and data loaders need a large /dev/shm
+        volumes.append(empty_dir("dshm", medium="Memory"))
+        mounts.append(mount("dshm", "/dev/shm"))
+    requested = resources(
+        gpus, *(spec.resources.cpu, spec.resources.memory) if spec.resources else (None, None)
+    )
+    trainer = container(
+        "trainer",
+        resolved.trainer.image,
+        trainer_command(resolved),
+        [*base_env(resolved.name), *endpoints_env(resolved)],
+        mounts,
+        ports=[port("rdzv", RDZV_PORT), port("metrics", METRICS_PORT)],
+        resources=requested,
+    )
+    scheduling = gpu_scheduling(GPU_TABLE[spec.gpu_type].gfd_products if gpus > 0 else (), {})
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash(resolved, "trainer"),
+        **scrape_annotations(METRICS_PORT, options),
+    }
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(name, resolved.namespace, labels, owner),
+        "spec": {
+            "serviceName": name,
+            "replicas": spec.nodes,
+            # Every node must be up for the rendezvous; starting them one by one would deadlock.
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector},
+            "template": pod_template(
+                labels,
+                annotations,
+                pod_spec([trainer], volumes, terminationGracePeriodSeconds=120, **scheduling),
+            ),
+        },
+    }
+    # Pod DNS records must exist before readiness, or the rendezvous on pod 0 cannot be found.
+    headless = service(
+        name,
+        resolved,
+        labels,
+        selector,
+        [("rdzv", RDZV_PORT), ("metrics", METRICS_PORT)],
+        owner,
+        headless=True,
+        publish_not_ready=True,
+    )
+    return [headless, statefulset]
+
+
+# ----------------------------------------------------------------------------- buffer, router, rollout
+
+
+def component_container(
+    resolved: ResolvedRun,
+    component: str,
+    image: str,
+    command: list[str],
+    ports: list[Obj],
+    extra_mounts: list[Obj],
+) -> Obj:
+    extra: Obj = {}
+    if any(p["name"] == "http" for p in ports):
+        extra = server_probes("http", startup_minutes=5)
+    return container(
+        component,
+        image,
+        command,
+        [*base_env(resolved.name), *endpoints_env(resolved)],
+        [*base_mounts(), *extra_mounts],
+        ports=ports,
+        **extra,
+    )
+
+
+def buffer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    name = L.child_name(resolved.name, "buffer")
+    labels = L.component_labels(resolved, "buffer")
+    selector = L.selector_labels(resolved.name, "buffer")
+    command = ["mixrl", "buffer", "--config", CONFIG_PATH, "--port", str(BUFFER_PORT)]
+    main = component_container(
+        resolved,
+        "buffer",
+        options.images.components,
+        command,
+        [port("http", BUFFER_PORT), port("metrics", METRICS_PORT)],
+        [mount("data", BUFFER_DATA_DIR)],
+    )
+    main["env"].append({"name": "MIXRL_BUFFER_DIR", "value": BUFFER_DATA_DIR})
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash(resolved, "buffer"),
+        **scrape_annotations(METRICS_PORT, options),
+    }
+    claim = {
+        "metadata": {"name": "data", "labels": dict(labels)},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": options.buffer_volume_size}},
+        },
+    }
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(name, resolved.namespace, labels, owner),
+        "spec": {
+            "serviceName": name,
+            "replicas": 1,
+            "selector": {"matchLabels": selector},
+            "template": pod_template(
+                labels,
+                annotations,
+                pod_spec(
+                    [main],
+                    base_volumes(L.child_name(resolved.name, "config")),
+                    terminationGracePeriodSeconds=60,
+                ),
+            ),
+            "volumeClaimTemplates": [claim],
+        },
+    }
+    headless = service(name, resolved, labels, selector, [("http", BUFFER_PORT)], owner, headless=True)
+    return [headless, statefulset]
+
+
+def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    name = L.child_name(resolved.name, "router")
+    labels = L.component_labels(resolved, "router")
+    selector = L.selector_labels(resolved.name, "router")
+    command = ["mixrl", "router", "--config", CONFIG_PATH, "--port", str(ROUTER_PORT)]
+    ports = [port("http", ROUTER_PORT), port("metrics", METRICS_PORT)]
+    main = component_container(resolved, "router", options.images.components, command, ports, [])
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash(resolved, "router"),
+        **scrape_annotations(METRICS_PORT, options),
+    }
+    template = pod_template(
+        labels, annotations, pod_spec([main], base_volumes(L.child_name(resolved.name, "config")))
+    )
+    # One router: session-to-pool stickiness is its in-memory state.
+    router = deployment(name, resolved, labels, selector, 1, template, owner, strategy={"type": "Recreate"})
+    svc = service(name, resolved, labels, selector, [("http", ROUTER_PORT)], owner, headless=False)
+    return [svc, router]
+
+
+def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    name = L.child_name(resolved.name, "rollout")
+    labels = L.component_labels(resolved, "rollout")
+    selector = L.selector_labels(resolved.name, "rollout")
+    command = ["mixrl", "rollout", "--config", CONFIG_PATH]
+    ports = [port("metrics", METRICS_PORT)]
+    main = component_container(resolved, "rollout", options.images.components, command, ports, [])
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash(resolved, "rollout"),
+        **scrape_annotations(METRICS_PORT, options),
+    }
+    template = pod_template(
+        labels, annotations, pod_spec([main], base_volumes(L.child_name(resolved.name, "config")))
+    )
+    return [deployment(name, resolved, labels, selector, resolved.rollout.workers, template, owner)]
+
+
+# ----------------------------------------------------------------------------- monitoring
+
+
+POOL_RELABELINGS = (
+    ("__meta_kubernetes_pod_label_app_kubernetes_io_instance", "run"),
+    ("__meta_kubernetes_pod_label_mixrl_dev_pool", "pool"),
+    ("__meta_kubernetes_pod_label_mixrl_dev_gpu_type", "gpu_type"),
+    ("__meta_kubernetes_pod_label_mixrl_dev_precision", "precision"),
+)
+
+
+def pod_monitor(resolved: ResolvedRun, owner: Owner) -> Obj:
+    """Scrape every pod of the run: components on ``metrics``, engines (SGLang's names) on ``engine``;
+    the pod labels become the ``run``, ``pool``, ``gpu_type`` and ``precision`` series labels."""
+    relabelings = [
+        {"sourceLabels": [source], "targetLabel": target, "action": "replace"}
+        for source, target in POOL_RELABELINGS
+    ]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": metadata(resolved.name, resolved.namespace, L.component_labels(resolved, "run"), owner),
+        "spec": {
+            "selector": {"matchLabels": {L.NAME: L.APP, L.INSTANCE: resolved.name}},
+            "podMetricsEndpoints": [
+                {"port": "metrics", "path": "/metrics", "relabelings": relabelings},
+                {"port": "engine", "path": "/metrics", "relabelings": relabelings},
+            ],
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- the whole run
+
+
+def run_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    """Everything the RLRun owns directly, each with its desired-hash annotation, in apply order
+    (configuration and volumes before the workloads that mount them)."""
+    objects: list[Obj] = [config_map(resolved, owner)]
+    pvc = weights_pvc(resolved, owner)
+    if pvc is not None:
+        objects.append(pvc)
+    objects += trainer_objects(resolved, owner, options)
+    objects += buffer_objects(resolved, owner, options)
+    objects += router_objects(resolved, owner, options)
+    objects += rollout_objects(resolved, owner, options)
+    objects += [sampler_pool(resolved, pool, owner) for pool in resolved.pools]
+    if options.monitoring is Monitoring.POD_MONITOR:
+        objects.append(pod_monitor(resolved, owner))
+    return [with_hash(obj) for obj in objects]

@@ -1,0 +1,233 @@
+"""Status composition: observed children -> the RLRun's and SamplerPools' status (pure).
+
+Conventions (Kubernetes API conventions, as controllers in core do it): every condition carries
+``observedGeneration``; ``lastTransitionTime`` changes only when the status value flips; ``Ready``
+is composed from sub-conditions, one per component; a reconcile that observes nothing new produces
+exactly the previous status, so the handler writes nothing.  Fields owned by other writers (the
+trainer's step and reward, metric conditions such as CollapseRisk, per-pool KL) are carried over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+Obj = dict[str, Any]
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+INVALID_SPEC = "InvalidSpec"
+COMPONENT_CONDITIONS = ("TrainerReady", "BufferReady", "RouterReady", "RolloutReady", "SamplersReady")
+OWN_RUN_CONDITIONS = (READY, PROGRESSING, INVALID_SPEC, *COMPONENT_CONDITIONS)
+
+
+class Reason:
+    """Fixed reasons, for conditions and events alike (alerts and tests match on them)."""
+
+    READY = "Ready"
+    ALL_READY = "AllComponentsReady"
+    NOT_READY = "ReplicasNotReady"
+    ROLLING_OUT = "RollingOut"
+    SCALED_TO_ZERO = "ScaledToZero"
+    MISSING = "WorkloadMissing"
+    RECONCILED = "Reconciled"
+    VALID = "Valid"
+    INVALID_SPEC = "InvalidSpec"
+    # Events only
+    APPLIED = "Applied"
+    POOL_ADDED = "PoolAdded"
+    POOL_REMOVED = "PoolRemoved"
+    SCALED = "Scaled"
+    APPLY_FAILED = "ApplyFailed"
+
+
+@dataclass(frozen=True)
+class WorkloadState:
+    """What a Deployment's or StatefulSet's status says, reduced to what conditions need."""
+
+    desired: int
+    ready: int
+    updated: int
+    current: bool
+    """The workload's controller has seen its latest spec (status.observedGeneration)."""
+
+    @classmethod
+    def of(cls, live: Obj | None) -> WorkloadState | None:
+        if live is None:
+            return None
+        spec, status = live.get("spec", {}), live.get("status") or {}
+        generation = live.get("metadata", {}).get("generation")
+        observed = status.get("observedGeneration")
+        return cls(
+            desired=int(spec.get("replicas", 1)),
+            ready=int(status.get("readyReplicas") or 0),
+            updated=int(status.get("updatedReplicas") or 0),
+            current=generation is None or (observed is not None and observed >= generation),
+        )
+
+    @property
+    def rolling_out(self) -> bool:
+        return not self.current or self.updated < self.desired
+
+
+@dataclass(frozen=True)
+class PoolState:
+    name: str
+    gpu_type: str
+    weight_precision: str
+    desired: int
+    ready: int
+    rolling_out: bool = False
+    """The pool's Deployment has not caught up with its spec yet."""
+
+
+def condition_value(state: WorkloadState | None) -> tuple[str, str, str]:
+    """(status, reason, message) of one component's readiness."""
+    if state is None:
+        return "False", Reason.MISSING, "not created yet"
+    if state.desired == 0:
+        return "True", Reason.SCALED_TO_ZERO, "scaled to zero"
+    if state.ready >= state.desired and not state.rolling_out:
+        return "True", Reason.READY, f"{state.ready}/{state.desired} ready"
+    if state.rolling_out:
+        return "False", Reason.ROLLING_OUT, f"{state.updated}/{state.desired} updated, {state.ready} ready"
+    return "False", Reason.NOT_READY, f"{state.ready}/{state.desired} ready"
+
+
+def samplers_value(pools: list[PoolState]) -> tuple[str, str, str]:
+    """Ready when every pool that should serve has a ready replica (pools scaled to zero are fine)."""
+    waiting = [p.name for p in pools if p.desired > 0 and p.ready == 0]
+    if waiting:
+        return "False", Reason.NOT_READY, f"no ready replica in {', '.join(waiting)}"
+    if not any(p.ready for p in pools):
+        return "False", Reason.SCALED_TO_ZERO, "every pool is scaled to zero"
+    serving = sum(1 for p in pools if p.ready)
+    return "True", Reason.READY, f"{serving}/{len(pools)} pools serving"
+
+
+def make_condition(
+    kind: str, value: tuple[str, str, str], generation: int | None, now: str, previous: list[Obj]
+) -> Obj:
+    status, reason, message = value
+    before = next((c for c in previous if c.get("type") == kind), None)
+    flipped = before is None or before.get("status") != status
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now if flipped else before.get("lastTransitionTime", now),
+        "observedGeneration": generation,
+    }
+
+
+def merge_conditions(previous: list[Obj], ours: list[Obj]) -> list[Obj]:
+    """Ours in a fixed order, then everyone else's as they were."""
+    own = {c["type"] for c in ours}
+    return [*ours, *(c for c in previous if c.get("type") not in own)]
+
+
+def pool_summaries(previous: list[Obj], pools: list[PoolState]) -> list[Obj]:
+    """Replica counts from the pools; traffic share, KL and ratio health kept from their writers."""
+    before = {p.get("name"): p for p in previous}
+    out = []
+    for pool in pools:
+        summary = {k: v for k, v in before.get(pool.name, {}).items() if v is not None}
+        summary.update(
+            name=pool.name,
+            gpuType=pool.gpu_type,
+            weightPrecision=pool.weight_precision,
+            replicas=pool.desired,
+            readyReplicas=pool.ready,
+        )
+        out.append(summary)
+    return out
+
+
+def run_status(
+    previous: Obj,
+    generation: int | None,
+    components: dict[str, WorkloadState | None],
+    pools: list[PoolState],
+    now: str,
+) -> Obj:
+    """The RLRun's status after a successful reconcile.
+
+    ``components`` maps TrainerReady, BufferReady, RouterReady, RolloutReady to their workload.
+    Everything is derived from observed state, so reconciling twice yields the same status."""
+    old = list(previous.get("conditions") or [])
+    subs = [
+        make_condition(kind, condition_value(state), generation, now, old)
+        for kind, state in components.items()
+    ]
+    subs.append(make_condition("SamplersReady", samplers_value(pools), generation, now, old))
+    failing = [c for c in subs if c["status"] != "True"]
+    if failing:
+        ready_value = (
+            "False",
+            failing[0]["reason"],
+            "; ".join(f"{c['type']}: {c['message']}" for c in failing),
+        )
+    else:
+        ready_value = ("True", Reason.ALL_READY, "trainer, buffer, router, rollout and samplers are ready")
+    rolling = [
+        kind.removesuffix("Ready") for kind, state in components.items() if state and state.rolling_out
+    ]
+    rolling += [f"pool {pool.name}" for pool in pools if pool.rolling_out]
+    if rolling:
+        progressing = ("True", Reason.ROLLING_OUT, f"rolling out: {', '.join(rolling)}")
+    else:
+        progressing = ("False", Reason.RECONCILED, "every object matches the spec")
+    ours = [
+        make_condition(READY, ready_value, generation, now, old),
+        make_condition(PROGRESSING, progressing, generation, now, old),
+        make_condition(INVALID_SPEC, ("False", Reason.VALID, ""), generation, now, old),
+        *subs,
+    ]
+    phase = previous.get("phase")
+    if phase not in ("Succeeded", "Failed"):
+        phase = "Running" if ready_value[0] == "True" or phase == "Running" else "Pending"
+    return {
+        **previous,
+        "phase": phase,
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old, ours),
+        "pools": pool_summaries(list(previous.get("pools") or []), pools),
+        "poolCount": len(pools),
+    }
+
+
+def invalid_run_status(previous: Obj, generation: int | None, message: str, now: str) -> Obj:
+    """The status of a run whose spec cannot be valid: the one-line message, nothing created."""
+    old = list(previous.get("conditions") or [])
+    ours = [
+        make_condition(READY, ("False", Reason.INVALID_SPEC, message), generation, now, old),
+        make_condition(
+            PROGRESSING, ("False", Reason.INVALID_SPEC, "waiting for a valid spec"), generation, now, old
+        ),
+        make_condition(INVALID_SPEC, ("True", Reason.INVALID_SPEC, message), generation, now, old),
+    ]
+    return {
+        **previous,
+        "phase": "Invalid",
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old, ours),
+    }
+
+
+def pool_status(
+    previous: Obj, generation: int | None, deployment: Obj | None, selector: str, now: str
+) -> Obj:
+    """A SamplerPool's status from its Deployment (the scale subresource reads replicas and selector)."""
+    state = WorkloadState.of(deployment)
+    status = (deployment or {}).get("status") or {}
+    old = list(previous.get("conditions") or [])
+    ready = make_condition(READY, condition_value(state), generation, now, old)
+    return {
+        **previous,
+        "replicas": int(status.get("replicas") or 0),
+        "readyReplicas": int(status.get("readyReplicas") or 0),
+        "selector": selector,
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old, [ready]),
+    }

@@ -1,0 +1,231 @@
+"""A Kubernetes API stand-in: kmock's emulator plus the API-server behaviour the operator relies on.
+
+kmock (REFERENCE.md §5) serves discovery, list, watch, create, merge patch and delete in memory.
+What it lacks and the operator depends on is added here, each piece a small, named emulation of
+what kube-apiserver or kube-controller-manager does:
+
+- metadata bookkeeping: ``uid``, ``resourceVersion`` (bumped on every write), ``generation``
+  (bumped when ``spec`` changes) and ``creationTimestamp``;
+- the status subresource: the main endpoint ignores ``status``, ``/status`` changes only ``status``;
+- the scale subresource of SamplerPools (``spec.replicas``), as ``kubectl scale`` uses it;
+- server-side apply by a single manager: the applied object replaces the previous one (server
+  fields and status kept), and applying to a missing object creates it;
+- the garbage collector: deleting an object deletes, in the background, every object whose owner
+  references all point to deleted uids (recursively);
+- fault injection: the next N matching requests fail with a chosen status, before any state change.
+
+Not emulated (and not relied on): admission and schema validation, defaulting, label selectors,
+resourceVersion preconditions, managed fields.  A Deployment controller is played by the tests
+(they write Deployment status the way kube-controller-manager would).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp.web
+import kmock
+from kmock._internal import dicts as kmock_dicts
+from kmock._internal.k8s import KubernetesError
+
+Obj = dict[str, Any]
+
+SERVER_META = ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp", "finalizers")
+
+# group/version/plural -> (kind, namespaced, subresources)
+RESOURCES: dict[str, tuple[str, bool, set[str]]] = {
+    "v1/namespaces": ("Namespace", False, set()),
+    "v1/configmaps": ("ConfigMap", True, set()),
+    "v1/services": ("Service", True, {"status"}),
+    "v1/persistentvolumeclaims": ("PersistentVolumeClaim", True, {"status"}),
+    "v1/events": ("Event", True, set()),
+    "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
+    "apps/v1/statefulsets": ("StatefulSet", True, {"status", "scale"}),
+    "mixrl.dev/v1alpha1/rlruns": ("RLRun", True, {"status"}),
+    "mixrl.dev/v1alpha1/samplerpools": ("SamplerPool", True, {"status", "scale"}),
+    "kopf.dev/v1/clusterkopfpeerings": ("ClusterKopfPeering", False, set()),
+    "kopf.dev/v1/kopfpeerings": ("KopfPeering", True, set()),
+}
+MONITORING = {"monitoring.coreos.com/v1/podmonitors": ("PodMonitor", True, set())}
+VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+
+
+@dataclass
+class Fault:
+    method: str
+    plural: str
+    status: int
+    times: int = 1
+    subresource: str | None = None
+
+    def matches(self, request: kmock.Request) -> bool:
+        return (
+            self.times > 0
+            and request.method.value == self.method
+            and request.resource is not None
+            and request.resource.plural == self.plural
+            and request.subresource == self.subresource
+        )
+
+
+def merge_patch_to(old: Obj, new: Obj) -> Obj:
+    """The JSON merge patch (RFC 7386) that turns ``old`` into ``new``."""
+    patch: Obj = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(old.get(key), dict):
+            patch[key] = merge_patch_to(old[key], value)
+        elif old.get(key) != value or key not in old:
+            patch[key] = value
+    return patch
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.faults: list[Fault] = []
+        self._versions = itertools.count(1)
+
+    def register(self, with_monitoring: bool = False) -> None:
+        table = {**RESOURCES, **(MONITORING if with_monitoring else {})}
+        for key, (kind, namespaced, subresources) in table.items():
+            self.resources[key] = kmock.ResourceInfo(
+                kind=kind,
+                singular=kind.lower(),
+                namespaced=namespaced,
+                verbs=VERBS,
+                subresources=subresources,
+            )
+
+    def fail(
+        self, method: str, plural: str, status: int, times: int = 1, subresource: str | None = None
+    ) -> Fault:
+        fault = Fault(method, plural, status, times, subresource)
+        self.faults.append(fault)
+        return fault
+
+    # ------------------------------------------------------------------ state access for tests
+
+    def live(self, resource: str, namespace: str | None, name: str) -> Obj | None:
+        key = (kmock.resource(resource), namespace, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return None
+        return copy.deepcopy(self.objects[key].raw)
+
+    def names(self, resource: str, namespace: str | None = None) -> set[str]:
+        wanted = kmock.resource(resource)
+        return {
+            name
+            for (res, ns, name), obj in self.objects.items()
+            if res == wanted and not obj.deleted and (namespace is None or ns == namespace)
+        }
+
+    # ------------------------------------------------------------------ request handling
+
+    def _has_status(self, request: kmock.Request) -> bool:
+        key = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}".lstrip("/")
+        entry = {**RESOURCES, **MONITORING}.get(key)
+        return entry is not None and "status" in entry[2]
+
+    def _stored(self, request: kmock.Request, name: str | None = None) -> Obj | None:
+        key = (request.resource, request.namespace, name or request.name)
+        if key in self.objects and not self.objects[key].deleted:
+            return self.objects[key].raw
+        return None
+
+    def _fill_new(self, request: kmock.Request, data: Obj) -> None:
+        meta = data.setdefault("metadata", {})
+        if request.namespace:
+            meta.setdefault("namespace", request.namespace)
+        meta["uid"] = str(uuid.uuid4())
+        meta["resourceVersion"] = str(next(self._versions))
+        meta["generation"] = 1
+        meta["creationTimestamp"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if self._has_status(request):
+            data.pop("status", None)
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        for fault in self.faults:
+            if fault.matches(request):
+                fault.times -= 1
+                return await self._render_error(
+                    KubernetesError(
+                        status=fault.status, reason="Injected", message=f"injected {fault.status}"
+                    )
+                )
+        if request.resource is not None and isinstance(request.data, dict):
+            if request.action == kmock.action.CREATE:
+                self._fill_new(request, request.data)
+            elif request.action == kmock.action.UPDATE:
+                created = await self._prepare_update(request)
+                if created is not None:
+                    return created
+        response = await super()._handle(request)
+        if request.action == kmock.action.DELETE:
+            await self._collect_garbage()
+        return response
+
+    async def _prepare_update(self, request: kmock.Request) -> aiohttp.web.StreamResponse | None:
+        """Rewrite a PATCH in place into the merge patch the API server would effectively apply."""
+        data: Obj = request.data
+        live = self._stored(request)
+        apply = request.headers.get("Content-Type", "").startswith("application/apply-patch")
+        if live is None:
+            if not apply:
+                return None  # kmock answers 404
+            body = copy.deepcopy(data)
+            self._fill_new(request, body)
+            async with self._lock:
+                self.objects[(request.resource, request.namespace, request.name)] = body
+                await self._buses[request.resource].put({"type": "ADDED", "object": copy.deepcopy(body)})
+            return aiohttp.web.json_response(body, status=201)
+        if request.subresource == "status":
+            patch: Obj = {"status": data.get("status")}
+        elif request.subresource == "scale":
+            patch = {"spec": {"replicas": data.get("spec", {}).get("replicas")}}
+        elif apply:
+            target = copy.deepcopy(data)
+            target["metadata"] = {
+                **{k: v for k, v in live["metadata"].items() if k in SERVER_META},
+                **{k: v for k, v in target.get("metadata", {}).items() if k not in SERVER_META},
+            }
+            if "status" in live:
+                target["status"] = live["status"]
+            patch = merge_patch_to(live, target)
+        else:
+            patch = copy.deepcopy(data)
+            if self._has_status(request):
+                patch.pop("status", None)
+        after = kmock_dicts.patch_dict(copy.deepcopy(live), patch)
+        meta_patch = patch.setdefault("metadata", {})
+        if not isinstance(meta_patch, dict):
+            patch["metadata"] = meta_patch = {}
+        meta_patch["resourceVersion"] = str(next(self._versions))
+        if after.get("spec") != live.get("spec"):
+            meta_patch["generation"] = int(live["metadata"].get("generation", 1)) + 1
+        data.clear()
+        data.update(patch)
+        return None
+
+    async def _collect_garbage(self) -> None:
+        """Background cascading deletion by owner uid, as kube-controller-manager does it."""
+        while True:
+            async with self._lock:
+                alive = {obj.raw["metadata"].get("uid") for obj in self.objects.values() if not obj.deleted}
+                orphans = [
+                    (key, obj)
+                    for key, obj in self.objects.items()
+                    if not obj.deleted
+                    and (refs := obj.raw.get("metadata", {}).get("ownerReferences"))
+                    and not any(ref.get("uid") in alive for ref in refs)
+                ]
+                for (resource, _, _), obj in orphans:
+                    raw = copy.deepcopy(obj.raw)
+                    obj.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
+            if not orphans:
+                return
