@@ -25,15 +25,13 @@ E4M3 = _positive_e4m3()
 def round_to_grid(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     """Nearest grid value per element (grid sorted, index = code), ties to the even code, saturating."""
     x64 = x.to(torch.float64).flatten()
-    out = torch.empty_like(x64)
-    for i, value in enumerate(x64.tolist()):
-        magnitude = min(abs(value), float(grid[-1]))
-        distances = (grid - magnitude).abs()
-        best = float(distances.min())
-        candidates = [code for code in range(len(grid)) if float(distances[code]) == best]
-        code = next((c for c in candidates if c % 2 == 0), candidates[0])
-        out[i] = math.copysign(float(grid[code]), value)
-    return out.view(x.shape)
+    magnitude = x64.abs().clamp(max=float(grid[-1]))
+    distance = (grid[None, :] - magnitude[:, None]).abs()
+    nearest = distance == distance.min(dim=1, keepdim=True).values
+    even = torch.arange(len(grid)) % 2 == 0
+    preference = nearest.to(torch.int64) * (1 + even.to(torch.int64))  # an even nearest code beats an odd one
+    code = preference.argmax(dim=1)
+    return torch.copysign(grid[code], x64).view(x.shape)
 
 
 def fp8_block(w: torch.Tensor, tile: int = 128) -> torch.Tensor:
@@ -50,24 +48,20 @@ def fp8_block(w: torch.Tensor, tile: int = 128) -> torch.Tensor:
 
 def fp8_channel(w: torch.Tensor) -> torch.Tensor:
     w = w.to(torch.float32)
-    out = torch.empty_like(w)
-    for r in range(w.shape[0]):
-        scale = torch.clamp(w[r].abs().max(), min=1e-12) / torch.tensor(448.0)
-        out[r] = round_to_grid(w[r] / scale, E4M3).to(torch.float32) * scale
-    return out
+    scale = torch.clamp(w.abs().amax(dim=1, keepdim=True), min=1e-12) / torch.tensor(448.0)
+    return round_to_grid(w / scale, E4M3).to(torch.float32) * scale
 
 
 def mxfp4(w: torch.Tensor, block: int = 32) -> torch.Tensor:
     w = w.to(torch.float32)
     out = torch.empty_like(w)
-    for r in range(w.shape[0]):
-        for c in range(0, w.shape[1], block):
-            values = w[r, c : c + block]
-            amax = float(values.abs().max())
-            shared = -127 if amax == 0 else max(-127, min(127, math.floor(math.log2(amax)) - 2))
-            scale = math.ldexp(1.0, shared)
-            codes = round_to_grid(values.to(torch.float64) / scale, E2M1)
-            out[r, c : c + block] = (codes * scale).to(torch.float32)
+    for c in range(0, w.shape[1], block):  # one block column at a time, every row at once
+        values = w[:, c : c + block].to(torch.float64)
+        exponents = []
+        for amax in values.abs().amax(dim=1).tolist():
+            exponents.append(-127 if amax == 0 else max(-127, min(127, math.floor(math.log2(amax)) - 2)))
+        scale = torch.tensor([math.ldexp(1.0, e) for e in exponents], dtype=torch.float64)[:, None]
+        out[:, c : c + block] = (round_to_grid(values / scale, E2M1) * scale).to(torch.float32)
     return out
 
 
@@ -76,16 +70,12 @@ def nvfp4(w: torch.Tensor, global_amax: float | None = None, block: int = 16) ->
     amax = torch.tensor(global_amax if global_amax is not None else float(w.abs().max()), dtype=torch.float32)
     global_scale = amax / torch.tensor(6.0 * 448.0) if amax > 0 else torch.tensor(1.0)
     out = torch.empty_like(w)
-    for r in range(w.shape[0]):
-        for c in range(0, w.shape[1], block):
-            values = w[r, c : c + block]
-            block_amax = values.abs().max()
-            if block_amax == 0:
-                scale = torch.tensor(1.0)
-            else:
-                raw = torch.clamp(block_amax / (6.0 * global_scale), min=2.0**-9, max=448.0)
-                scale = round_to_grid(raw.reshape(1), E4M3).to(torch.float32).reshape(())
-            divisor = scale * global_scale
-            codes = round_to_grid(values / divisor, E2M1)
-            out[r, c : c + block] = codes.to(torch.float32) * divisor
+    for c in range(0, w.shape[1], block):
+        values = w[:, c : c + block]
+        block_amax = values.abs().amax(dim=1)
+        raw = torch.clamp(block_amax / (6.0 * global_scale), min=2.0**-9, max=448.0)
+        scale = round_to_grid(raw, E4M3).to(torch.float32)
+        scale = torch.where(block_amax == 0, torch.tensor(1.0), scale)  # all-zero blocks use 1
+        divisor = (scale * global_scale)[:, None]
+        out[:, c : c + block] = round_to_grid(values / divisor, E2M1).to(torch.float32) * divisor
     return out

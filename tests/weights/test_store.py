@@ -1,0 +1,237 @@
+"""Publishing, listing, loading, verifying and pruning weight versions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from mixrl.rl.weights import MANIFEST, WeightStore, WeightStoreError, load_checkpoint_dir
+
+from .conftest import assert_same_parameters, tiny_qwen3, tiny_qwen3_moe
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a.weight": torch.randn(64, 32, generator=g).to(torch.bfloat16),
+        "b.bias": torch.randn(7, generator=g),  # float32 stays float32: stored as given
+        "c.count": torch.arange(5),
+    }
+
+
+def _assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert loaded.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert loaded[key].dtype == tensor.dtype and torch.equal(loaded[key], tensor), key
+
+
+# ---------------------------------------------------------------------------------------- publish
+
+
+def test_publish_list_latest_load(store: WeightStore) -> None:
+    assert store.versions() == [] and store.latest() is None
+    for version in (3, 1, 12):
+        path = store.publish(version, _tensors(version), metadata={"step": version * 10})
+        assert path == store.path(version) and Path(path).name == f"v{version:08d}"
+    assert store.versions() == [1, 3, 12] and store.latest() == 12
+    _assert_same(store.load(3), _tensors(3))
+    manifest = json.loads((Path(store.path(3)) / MANIFEST).read_text())
+    assert manifest["version"] == 3 and manifest["metadata"] == {"step": 30}
+    for name, entry in manifest["files"].items():
+        data = (Path(store.path(3)) / name).read_bytes()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def test_file_url_and_unsupported_schemes(tmp_path: Path) -> None:
+    root = tmp_path / "via-url"
+    WeightStore(f"file://{root}").publish(0, _tensors())
+    assert WeightStore(str(root)).versions() == [0]
+    with pytest.raises(ValueError, match="url: scheme 's3' has no storage backend"):
+        WeightStore("s3://bucket/weights")
+    with pytest.raises(ValueError, match="url: file:// URLs name a local path"):
+        WeightStore("file://otherhost/weights")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(version=-1, state_dict=_tensors()), "version: expected an integer"),
+        (dict(version=True, state_dict=_tensors()), "version: expected an integer"),
+        (dict(version="3", state_dict=_tensors()), "version: expected an integer"),
+        (dict(version=1, state_dict={}), "state_dict: expected a non-empty mapping"),
+        (dict(version=1, state_dict={"x": [1.0]}), "state_dict: entry 'x'"),
+        (dict(version=1, state_dict=_tensors(), config="qwen3"), "config: expected a dict"),
+    ],
+)
+def test_bad_publish_arguments(store: WeightStore, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        store.publish(**kwargs)
+    assert store.versions() == []
+
+
+def test_versions_are_immutable(store: WeightStore) -> None:
+    store.publish(1, _tensors(1))
+    with pytest.raises(WeightStoreError, match="version 1 already exists"):
+        store.publish(1, _tensors(2))
+    _assert_same(store.load(1), _tensors(1))
+
+
+def test_sharded_version_loads_back_and_into_transformers(store: WeightStore) -> None:
+    model = tiny_qwen3()
+    path = store.publish(1, model.state_dict(), config=model.config.to_dict(), max_shard_bytes=40_000)
+    files = sorted(os.listdir(path))
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    _assert_same(store.load(1), dict(model.state_dict()))
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert_same_parameters(model, loaded)
+
+
+@pytest.mark.parametrize("build", [lambda: tiny_qwen3(tie_word_embeddings=True), tiny_qwen3_moe])
+def test_published_models_load_with_from_pretrained(store: WeightStore, build) -> None:
+    model = build()  # tied embeddings share memory; MoE experts are fused 3-D tensors
+    path = store.publish(5, model.state_dict(), config=model.config.to_dict())
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    assert loaded.dtype == torch.bfloat16
+    assert_same_parameters(model, loaded)
+
+
+# ------------------------------------------------------------------------------- verification
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _one_line(exc: pytest.ExceptionInfo) -> str:
+    message = str(exc.value)
+    assert "\n" not in message
+    return message
+
+
+def test_corrupt_file_is_named(store: WeightStore) -> None:
+    shard = Path(store.publish(1, _tensors())) / "model.safetensors"
+    _flip_byte(shard, shard.stat().st_size - 3)  # inside the tensor data: the file still parses
+    with pytest.raises(WeightStoreError) as exc:
+        store.load(1)
+    assert _one_line(exc) == f"{shard}: corrupt: sha256 does not match manifest.json"
+    store.load(1, verify=False)  # without hashing only sizes are checked
+
+
+def test_truncated_missing_and_manifestless_versions(store: WeightStore) -> None:
+    path = Path(store.publish(1, _tensors()))
+    shard = path / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(WeightStoreError, match=r"model.safetensors: corrupt: \d+ bytes, manifest.json says"):
+        load_checkpoint_dir(str(path), verify=False)
+    shard.unlink()
+    with pytest.raises(WeightStoreError, match=r"model\.safetensors: missing"):
+        load_checkpoint_dir(str(path))
+    (path / MANIFEST).write_text("{not json")
+    with pytest.raises(WeightStoreError, match=r"manifest\.json: corrupt manifest"):
+        load_checkpoint_dir(str(path))
+    (path / MANIFEST).unlink()
+    assert store.versions() == []  # a directory without a manifest is not a version
+    with pytest.raises(WeightStoreError) as exc:
+        load_checkpoint_dir(str(path))
+    assert _one_line(exc).endswith("manifest.json: incomplete checkpoint: manifest.json is missing")
+    with pytest.raises(WeightStoreError, match="version 9 does not exist"):
+        store.load(9)
+
+
+def test_partial_directory_from_another_writer_is_invisible(store: WeightStore) -> None:
+    store.publish(1, _tensors())
+    partial = Path(store.path(2))
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half a file")
+    assert store.versions() == [1] and store.latest() == 1
+    with pytest.raises(WeightStoreError, match="incomplete checkpoint"):
+        store.load(2)
+
+
+# ------------------------------------------------------------------------------- crash safety
+
+CHILD = textwrap.dedent(
+    """
+    import sys, time, torch
+    from mixrl.rl import weights
+    root, action, pause_at = sys.argv[1:4]
+
+    def pause(*args, **kwargs):
+        print("PAUSED", flush=True)
+        time.sleep(120)
+
+    if pause_at == "manifest":
+        weights._write_manifest = pause
+    else:
+        weights.LocalStorage._promote = pause
+    store = weights.WeightStore(root)
+    if action == "publish":
+        store.publish(7, {"w": torch.ones(256, 256, dtype=torch.bfloat16)})
+    else:
+        store.convert(1, "nvfp4")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    ("action", "pause_at"), [("publish", "manifest"), ("publish", "promote"), ("convert", "promote")]
+)
+def test_killed_writer_leaves_no_visible_version(store: WeightStore, action: str, pause_at: str) -> None:
+    store.publish(1, {"layers.0.mlp.up_proj.weight": torch.randn(64, 64).to(torch.bfloat16)})
+    root = str(Path(store.path(1)).parent)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, root, action, pause_at], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line.strip() == b"PAUSED", child.stderr.read().decode() if child.stderr else line
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.communicate()
+    assert store.versions() == [1]
+    assert not (Path(root) / "v00000001" / "nvfp4").exists()
+    staging = Path(root) / ".staging"
+    leftovers = list(staging.iterdir())
+    assert len(leftovers) == 1  # the dead writer's private directory, never a version
+    # a fresh writer succeeds, and prune clears the dead writer's leftovers once they are stale
+    if action == "publish":
+        store.publish(7, {"w": torch.zeros(2, 2)})
+        assert store.versions() == [1, 7]
+    else:
+        assert Path(store.convert(1, "nvfp4")).is_dir()
+    old = time.time() - 7200
+    os.utime(leftovers[0], (old, old))
+    store.prune(keep=5)
+    assert list(staging.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------- prune
+
+
+def test_prune_keeps_the_newest(store: WeightStore) -> None:
+    for version in range(1, 6):
+        store.publish(version, _tensors(version))
+    store.convert(2, "fp8")
+    assert store.prune(keep=2) == [1, 2, 3]
+    assert store.versions() == [4, 5]
+    assert sorted(p.name for p in Path(store.path(4)).parent.iterdir() if not p.name.startswith(".")) == [
+        "v00000004",
+        "v00000005",
+    ]
+    assert store.prune(keep=2) == []
+    with pytest.raises(ValueError, match="keep: expected an integer ≥ 1"):
+        store.prune(keep=0)
