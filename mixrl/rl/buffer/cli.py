@@ -1,0 +1,136 @@
+"""``mixrl buffer``: the trajectory buffer as a process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from mixrl.api.resolve import BUFFER_PORT, ResolvedRun
+from mixrl.rl.buffer.server import BufferServer
+from mixrl.rl.buffer.store import BufferLogError, TrajectoryBuffer
+
+log = logging.getLogger("mixrl.buffer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mixrl buffer",
+        description="Collect trajectories, group them by prompt, hand full groups to the trainer; durable.",
+    )
+    parser.add_argument("--dir", type=Path, required=True, help="directory of the append-only logs")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="resolved run as JSON: supplies --run and the three sizes below",
+    )
+    parser.add_argument("--prompts-per-update", type=int, default=None, help="groups per trainer step")
+    parser.add_argument("--samples-per-prompt", type=int, default=None, help="trajectories per group")
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help="drop groups whose oldest token is more than this many versions behind the step",
+    )
+    parser.add_argument("--run", default=None, help="run name for metric labels")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    parser.add_argument("--port", type=int, default=BUFFER_PORT, help="0 picks a free port (see --port-file)")
+    parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> tuple[str, int, int, int | None]:
+    """(run, prompts_per_update, samples_per_prompt, max_staleness); flags override --config."""
+    run, prompts, samples, staleness = "", None, None, None
+    if args.config is not None:
+        try:
+            resolved = ResolvedRun.model_validate_json(args.config.read_text())
+        except OSError as exc:
+            raise ValueError(f"--config: cannot read {args.config}: {exc}") from None
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error["loc"])
+            raise ValueError(f"--config: {args.config}: {where}: {error['msg']}") from None
+        trainer = resolved.trainer
+        run, prompts, samples, staleness = (
+            resolved.name,
+            trainer.prompts_per_update,
+            trainer.samples_per_prompt,
+            trainer.max_staleness,
+        )
+    run = args.run if args.run is not None else run
+    prompts = args.prompts_per_update if args.prompts_per_update is not None else prompts
+    samples = args.samples_per_prompt if args.samples_per_prompt is not None else samples
+    staleness = args.max_staleness if args.max_staleness is not None else staleness
+    if prompts is None:
+        raise ValueError("--prompts-per-update: required (or give --config)")
+    if samples is None:
+        raise ValueError("--samples-per-prompt: required (or give --config)")
+    if prompts < 1:
+        raise ValueError(f"--prompts-per-update: must be ≥ 1, got {prompts}")
+    if samples < 1:
+        raise ValueError(f"--samples-per-prompt: must be ≥ 1, got {samples}")
+    if staleness is not None and staleness < 0:
+        raise ValueError(f"--max-staleness: must be ≥ 0, got {staleness}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port: {args.port} is not a TCP port")
+    return run, prompts, samples, staleness
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run, prompts, samples, staleness = _settings(args)
+    except ValueError as exc:
+        print(f"mixrl buffer: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        buffer = TrajectoryBuffer(args.dir, prompts, samples, staleness)
+    except (BufferLogError, OSError) as exc:
+        print(f"mixrl buffer: --dir: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(BufferServer(buffer, run), args.host, args.port, args.port_file))
+    finally:
+        buffer.close()
+    return 0
+
+
+async def serve(server: BufferServer, host: str, port: int, port_file: Path | None) -> None:
+    """Serve until SIGTERM or SIGINT; every acknowledged write is already on disk."""
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1]
+    if port_file is not None:
+        partial = port_file.with_name(port_file.name + ".partial")
+        partial.write_text(str(bound))
+        partial.replace(port_file)
+    state = server.buffer.state
+    log.info(
+        "listening on http://%s:%d; %d prompts × %d samples per update, max staleness %s",
+        host,
+        bound,
+        state.prompts_per_update,
+        state.samples_per_prompt,
+        state.max_staleness,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await runner.cleanup()

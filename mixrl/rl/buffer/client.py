@@ -1,0 +1,178 @@
+"""``BufferClient``: the async client the rollout worker and the trainer use to talk to ``mixrl buffer``.
+
+Retries: calls that are safe to repeat (batch, commit, stats, evaluations list) are retried with
+backoff when the buffer cannot be reached or drops the connection (it may be restarting; it
+rebuilds its state from its logs).  Posting trajectories or an evaluation is retried only when the
+connection could not be made at all, so a retry can never log the same trajectory twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from mixrl.api.trajectory import Trajectory
+from mixrl.rl.buffer.grouping import StalenessStats
+
+
+class BufferError(RuntimeError):
+    """The buffer refused a request (status 400/409...) or could not be reached."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class BatchGroup:
+    prompt_id: str
+    trajectories: list[Trajectory]
+    staleness: list[StalenessStats]
+    """Per trajectory, the staleness of its generated tokens at the batch's step."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    step: int
+    groups: list[BatchGroup]
+    staleness: StalenessStats
+    """Over every generated token of the batch."""
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for group in self.groups for t in group.trajectories]
+
+    @staticmethod
+    def from_json(payload: Mapping[str, Any]) -> Batch:
+        groups = [
+            BatchGroup(
+                prompt_id=group["prompt_id"],
+                trajectories=[Trajectory.model_validate(t) for t in group["trajectories"]],
+                staleness=[StalenessStats(**s) for s in group["staleness"]],
+            )
+            for group in payload["groups"]
+        ]
+        return Batch(int(payload["step"]), groups, StalenessStats(**payload["staleness"]))
+
+
+class BufferClient:
+    """``async with BufferClient("http://127.0.0.1:8100") as buffer: await buffer.get_batch(3)``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession | None = None,
+        *,
+        timeout_s: float = 120.0,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session = session
+        self._owns_session = session is None
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    async def __aenter__(self) -> BufferClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, str] | None = None,
+        idempotent: bool,
+        timeout_s: float | None = None,
+    ) -> tuple[int, Any]:
+        url = f"{self.base_url}{path}"
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        error: Exception | None = None
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._http().request(
+                    method, url, json=json, params=params, timeout=timeout
+                ) as resp:
+                    status = resp.status
+                    payload = await resp.json() if status != 204 else None
+            except aiohttp.ClientConnectorError as exc:  # never connected: nothing was sent
+                error = exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                if not idempotent:
+                    raise BufferError(
+                        f"{method} {path}: connection lost ({exc}); the outcome is unknown"
+                    ) from None
+                error = exc
+            else:
+                if status >= 400:
+                    message = payload.get("error") if isinstance(payload, dict) else payload
+                    raise BufferError(f"{method} {path}: {status}: {message}", status)
+                return status, payload
+            if attempt < self.retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise BufferError(f"{method} {path}: cannot reach the buffer at {self.base_url} ({error})")
+
+    async def post_trajectories(self, trajectories: Sequence[Trajectory | Mapping[str, Any]]) -> int:
+        """Log finished trajectories; returns how many groups they completed."""
+        body = [t.model_dump(mode="json") if isinstance(t, Trajectory) else dict(t) for t in trajectories]
+        _, payload = await self._request("POST", "/trajectories", json=body, idempotent=False)
+        return int(payload["groups_completed"])
+
+    async def get_batch(self, step: int, timeout: float = 30.0) -> Batch | None:
+        """The batch of ``step`` (the same on every call), or None if not ready within ``timeout`` s."""
+        status, payload = await self._request(
+            "GET",
+            "/batch",
+            params={"step": str(step), "timeout": str(timeout)},
+            idempotent=True,
+            timeout_s=timeout + self.timeout_s,
+        )
+        return None if status == 204 else Batch.from_json(payload)
+
+    async def wait_batch(self, step: int, poll_s: float = 30.0) -> Batch:
+        """Long-poll until the batch of ``step`` exists."""
+        while True:
+            batch = await self.get_batch(step, poll_s)
+            if batch is not None:
+                return batch
+
+    async def commit(self, step: int) -> None:
+        await self._request("POST", "/commit", params={"step": str(step)}, idempotent=True)
+
+    async def stats(self) -> dict[str, Any]:
+        _, payload = await self._request("GET", "/stats", idempotent=True)
+        return dict(payload)
+
+    async def post_evaluation(
+        self, step: int, weight_version: int, pass_at_k: Mapping[int | str, float], **extra: Any
+    ) -> None:
+        body = {
+            "step": step,
+            "weight_version": weight_version,
+            "pass_at_k": {str(k): v for k, v in pass_at_k.items()},
+            **extra,
+        }
+        await self._request("POST", "/evaluations", json=body, idempotent=False)
+
+    async def evaluations(self) -> list[dict[str, Any]]:
+        _, payload = await self._request("GET", "/evaluations", idempotent=True)
+        return list(payload["evaluations"])

@@ -1,0 +1,253 @@
+"""The buffer's HTTP side (aiohttp) over :class:`~mixrl.rl.buffer.store.TrajectoryBuffer`.
+
+- ``POST /trajectories``: a JSON list of Trajectory objects, all or none: logged (fsync) before
+  the answer ``{"accepted", "groups_completed"}``; a bad one gets 400 naming it and its field.
+- ``GET /batch?step=N&timeout=S``: long-polls up to S seconds (default 30) for the batch of step
+  N; 200 with the batch, 204 if not ready in time, 409 for a step that cannot get one.  Asking
+  again for an assigned step returns the same batch.
+- ``POST /commit?step=N``; ``POST /evaluations``; ``GET /evaluations``; ``GET /stats``;
+  ``GET /health``; ``GET /metrics`` (``mixrl_buffer_*``).
+File I/O runs in worker threads; the store's own lock keeps its state consistent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import ValidationError
+
+from mixrl.api.trajectory import Trajectory
+from mixrl.rl import metrics
+from mixrl.rl.buffer.grouping import StepError
+from mixrl.rl.buffer.store import Evaluation, TrajectoryBuffer
+
+DEFAULT_POLL_TIMEOUT = 30.0
+MAX_POLL_TIMEOUT = 600.0
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
+def _error_location(exc: ValidationError, prefix: str) -> str:
+    """One line naming the first invalid field, e.g. ``trajectories[2].loss_mask: ...``."""
+    error = exc.errors()[0]
+    where = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+    return f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
+
+
+def parse_trajectories(body: Any) -> list[Trajectory]:
+    """Validate a POST /trajectories body; raises ValueError with one line naming the bad field."""
+    if not isinstance(body, list):
+        raise ValueError("body: expected a JSON list of trajectories")
+    parsed = []
+    for index, item in enumerate(body):
+        where = f"trajectories[{index}]"
+        try:
+            trajectory = Trajectory.model_validate(item)
+        except ValidationError as exc:
+            raise ValueError(_error_location(exc, where)) from None
+        if trajectory.reward is None:
+            raise ValueError(f"{where}.reward: missing; post a trajectory when its episode has ended")
+        if trajectory.split != "train":
+            raise ValueError(
+                f"{where}.split: {trajectory.split!r} is not trained on; post held-out results "
+                "to /evaluations"
+            )
+        parsed.append(trajectory)
+    return parsed
+
+
+def _int_param(request: web.Request, name: str, default: int | None = None) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        if default is None:
+            raise ValueError(f"{name}: required query parameter")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name}: must be ≥ 0, got {value}")
+    return value
+
+
+def _timeout_param(request: web.Request) -> float:
+    raw = request.query.get("timeout")
+    if raw is None:
+        return DEFAULT_POLL_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"timeout: expected seconds, got {raw!r}") from None
+    if not 0 <= value <= MAX_POLL_TIMEOUT or math.isnan(value):
+        raise ValueError(f"timeout: must be within [0, {MAX_POLL_TIMEOUT:.0f}] seconds, got {raw}")
+    return value
+
+
+class BufferCollector(Collector):
+    """``mixrl_buffer_*`` series read from the store at scrape time (names in mixrl.rl.metrics)."""
+
+    def __init__(self, buffer: TrajectoryBuffer, run: str) -> None:
+        self.buffer = buffer
+        self.run = run
+
+    def collect(self) -> Iterator[Metric]:
+        with self.buffer._lock:
+            yield from self._collect()
+
+    def _collect(self) -> Iterator[Metric]:
+        state, telemetry, run = self.buffer.state, self.buffer.telemetry, self.run
+        waiting = state.waiting_by_pool()
+        pools = sorted(set(telemetry.received) | set(waiting))
+
+        def per_pool(kind: type, spec: metrics.MetricSpec, counts: Any) -> Metric:
+            family = kind(spec.name, spec.help, labels=spec.labels)
+            for pool in pools:
+                family.add_metric([run, *pool], float(counts.get(pool, 0)))
+            return family
+
+        def whole(kind: type, spec: metrics.MetricSpec, value: float | None) -> Metric:
+            family = kind(spec.name, spec.help, labels=spec.labels)
+            if value is not None:
+                family.add_metric([run], float(value))
+            return family
+
+        yield per_pool(GaugeMetricFamily, metrics.MIXRL_BUFFER_TRAJECTORIES, waiting)
+        yield per_pool(
+            CounterMetricFamily, metrics.MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL, telemetry.received
+        )
+        yield per_pool(CounterMetricFamily, metrics.MIXRL_BUFFER_DROPPED_TOTAL, telemetry.dropped)
+        yield whole(CounterMetricFamily, metrics.MIXRL_BUFFER_DROPPED_GROUPS_TOTAL, state.dropped_groups)
+        yield whole(GaugeMetricFamily, metrics.MIXRL_BUFFER_GROUPS_READY, len(state.ready))
+        yield whole(GaugeMetricFamily, metrics.MIXRL_BUFFER_GROUPS_PARTIAL, len(state.partial))
+        yield whole(CounterMetricFamily, metrics.MIXRL_BUFFER_BATCHES_TOTAL, len(state.assigned))
+        yield whole(GaugeMetricFamily, metrics.MIXRL_BUFFER_STEP, self.buffer.latest_requested_step)
+        yield whole(GaugeMetricFamily, metrics.MIXRL_BUFFER_COMMITTED_STEP, state.last_committed)
+        spec = metrics.MIXRL_BUFFER_STALENESS
+        histogram = HistogramMetricFamily(spec.name, spec.help, labels=spec.labels)
+        for pool, counts in sorted(telemetry.staleness_tokens.items()):
+            bounds = spec.buckets or ()
+            buckets = [(str(b), float(sum(n for s, n in counts.items() if s <= b))) for b in bounds]
+            buckets.append(("+Inf", float(sum(counts.values()))))
+            total = float(sum(s * n for s, n in counts.items()))
+            histogram.add_metric([run, *pool], buckets, total)
+        yield histogram
+        spec = metrics.MIXRL_BUFFER_EVAL_PASS_AT_K
+        family = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+        if self.buffer.evaluations:
+            for k, rate in sorted(self.buffer.evaluations[-1]["pass_at_k"].items()):
+                family.add_metric([run, k], float(rate))
+        yield family
+
+
+class BufferServer:
+    def __init__(self, buffer: TrajectoryBuffer, run: str = "") -> None:
+        self.buffer = buffer
+        self.run = run
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(BufferCollector(buffer, run))
+        self._arrivals = asyncio.Condition()
+        self._closing = False
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 31)
+        app.router.add_post("/trajectories", self._post_trajectories)
+        app.router.add_get("/batch", self._get_batch)
+        app.router.add_post("/commit", self._commit)
+        app.router.add_post("/evaluations", self._post_evaluation)
+        app.router.add_get("/evaluations", self._get_evaluations)
+        app.router.add_get("/stats", self._stats)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.on_shutdown.append(self._on_shutdown)
+        return app
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        # Wake long polls so they answer (204) instead of holding the shutdown.
+        self._closing = True
+        async with self._arrivals:
+            self._arrivals.notify_all()
+
+    async def _post_trajectories(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _bad_request(f"body: not JSON ({exc})")
+        try:
+            trajectories = parse_trajectories(body)
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        completed = await asyncio.to_thread(self.buffer.append, trajectories)
+        async with self._arrivals:
+            self._arrivals.notify_all()
+        return web.json_response({"accepted": len(trajectories), "groups_completed": completed})
+
+    async def _get_batch(self, request: web.Request) -> web.Response:
+        try:
+            step = _int_param(request, "step")
+            timeout = _timeout_param(request)
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            async with self._arrivals:
+                try:
+                    payload = await asyncio.to_thread(self.buffer.batch, step)
+                except StepError as exc:
+                    return web.json_response({"error": str(exc)}, status=409)
+                if payload is not None:
+                    return web.Response(body=payload.body, content_type="application/json")
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0 or self._closing:
+                    return web.Response(status=204)
+                try:
+                    await asyncio.wait_for(self._arrivals.wait(), remaining)
+                except TimeoutError:
+                    return web.Response(status=204)
+
+    async def _commit(self, request: web.Request) -> web.Response:
+        try:
+            step = _int_param(request, "step")
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        try:
+            first = await asyncio.to_thread(self.buffer.commit, step)
+        except StepError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        return web.json_response({"step": step, "committed": True, "already": not first})
+
+    async def _post_evaluation(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+            evaluation = Evaluation.model_validate(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _bad_request(f"body: not JSON ({exc})")
+        except ValidationError as exc:
+            return _bad_request(_error_location(exc, "evaluation"))
+        await asyncio.to_thread(self.buffer.add_evaluation, evaluation)
+        return web.json_response({"accepted": True})
+
+    async def _get_evaluations(self, request: web.Request) -> web.Response:
+        return web.json_response({"evaluations": list(self.buffer.evaluations)})
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(await asyncio.to_thread(self.buffer.stats))
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, self.registry)
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response

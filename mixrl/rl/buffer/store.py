@@ -1,0 +1,401 @@
+"""``TrajectoryBuffer``: grouping state made durable by append-only JSON-lines logs (no HTTP).
+
+Files under the buffer's directory::
+
+    trajectories.jsonl   one Trajectory per line, as received; line number = the trajectory's seq
+    assignments.jsonl    {"kind": "batch", "step", "groups": [[seq, ...], ...], "staleness": ...}
+                         {"kind": "drop", "step", "groups": [[seq, ...], ...]}
+                         {"kind": "commit", "step"}
+    evaluations.jsonl    held-out results posted by the rollout worker
+
+Every write is flushed and fsynced before it is acknowledged; a decision (batch, drop, commit) is
+logged before it is applied.  On start the buffer replays the trajectory log through the same pure
+grouping (grouping depends only on arrival order, so the same groups form) and then the
+assignments: nothing acknowledged is lost and no group is ever handed to two different steps.  A
+line torn by a crash mid-write was never acknowledged; it is cut off on start.
+
+Thread safety: every public method holds one lock, so the HTTP layer may call them from worker
+threads (file I/O stays off the event loop).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mixrl.api.trajectory import Trajectory
+from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, StepError, TrajectoryMeta
+
+log = logging.getLogger("mixrl.buffer")
+
+TRAJECTORIES = "trajectories.jsonl"
+ASSIGNMENTS = "assignments.jsonl"
+EVALUATIONS = "evaluations.jsonl"
+
+PoolKey = tuple[str, str, str]
+
+
+class BufferLogError(RuntimeError):
+    """A log file is damaged somewhere other than a torn last line; the message names file and line."""
+
+
+class Evaluation(BaseModel):
+    """Held-out results at one step; extra fields (per-pool figures, task counts...) are kept as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int = Field(ge=0)
+    weight_version: int = Field(ge=0)
+    pass_at_k: dict[str, float] = Field(description="k (as a string) -> pass@k in [0, 1].")
+
+    @field_validator("pass_at_k")
+    @classmethod
+    def _pass_at_k(cls, value: dict[str, float]) -> dict[str, float]:
+        if not value:
+            raise ValueError("needs at least one k")
+        for k, rate in value.items():
+            if not k.isdigit() or int(k) < 1:
+                raise ValueError(f"key {k!r} is not a positive integer k")
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"pass@{k} = {rate} is outside [0, 1]")
+        return value
+
+
+@dataclass(frozen=True)
+class BatchPayload:
+    """A served batch: ``body`` is the JSON the trainer receives (trajectories spliced in as logged)."""
+
+    step: int
+    body: bytes
+    groups: int
+    trajectories: int
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
+    """(offset, line number, line) of every complete line; cuts a torn tail (never acknowledged)."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        data = f.read()
+    offset = 0
+    number = 0
+    while offset < len(data):
+        end = data.find(b"\n", offset)
+        if end < 0:
+            log.warning(
+                "%s: cutting a torn last line of %d bytes (written during a crash)", path, len(data) - offset
+            )
+            with path.open("r+b") as f:
+                f.truncate(offset)
+                f.flush()
+                os.fsync(f.fileno())
+            return
+        yield offset, number, data[offset:end]
+        offset = end + 1
+        number += 1
+
+
+def _parse(path: Path, number: int, line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise BufferLogError(f"{path}: line {number + 1} is not JSON ({exc}); the log is damaged") from None
+
+
+def meta_of(seq: int, trajectory: Trajectory | dict[str, Any]) -> TrajectoryMeta:
+    if isinstance(trajectory, Trajectory):
+        t = trajectory
+        return TrajectoryMeta.from_columns(
+            seq, t.prompt_id, (t.pool, t.gpu_type, t.precision), t.weight_version, t.loss_mask
+        )
+    pool = (trajectory["pool"], trajectory.get("gpu_type", ""), trajectory.get("precision", ""))
+    return TrajectoryMeta.from_columns(
+        seq, trajectory["prompt_id"], pool, trajectory["weight_version"], trajectory["loss_mask"]
+    )
+
+
+@dataclass
+class Telemetry:
+    """Counters the metrics exporter reads (since this process started, except ``received``)."""
+
+    received: Counter[PoolKey] = field(default_factory=Counter)
+    dropped: Counter[PoolKey] = field(default_factory=Counter)
+    staleness_tokens: dict[PoolKey, Counter[int]] = field(default_factory=dict)
+    """pool -> staleness value -> generated tokens handed out with it."""
+    batches: int = 0
+
+
+class TrajectoryBuffer:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        prompts_per_update: int,
+        samples_per_prompt: int,
+        max_staleness: int | None = None,
+    ) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.state = GroupState(prompts_per_update, samples_per_prompt, max_staleness)
+        self.telemetry = Telemetry()
+        self.latest_requested_step: int | None = None
+        self.evaluations: list[dict[str, Any]] = []
+        self._offsets: list[tuple[int, int]] = []  # seq -> (offset, length) in the trajectory log
+        self._batch_places: dict[int, tuple[int, int]] = {}  # step -> its batch record in the assignments log
+        self._lock = threading.RLock()
+        started = time.monotonic()
+        self._replay()
+        self._traj_log = self._open_append(TRAJECTORIES)
+        self._assign_log = self._open_append(ASSIGNMENTS)
+        self._eval_log = self._open_append(EVALUATIONS)
+        _fsync_dir(self.dir)
+        self._reader = (self.dir / TRAJECTORIES).open("rb")
+        self._assign_reader = (self.dir / ASSIGNMENTS).open("rb")
+        log.info(
+            "buffer at %s: %d trajectories, %d groups ready, %d partial, %d batches (%d committed); "
+            "rebuilt in %.2fs",
+            self.dir,
+            self.state.received,
+            len(self.state.ready),
+            len(self.state.partial),
+            len(self.state.assigned),
+            len(self.state.committed),
+            time.monotonic() - started,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            for f in (self._traj_log, self._assign_log, self._eval_log, self._reader, self._assign_reader):
+                f.close()
+
+    def __enter__(self) -> TrajectoryBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ replay
+
+    def _open_append(self, name: str) -> BinaryIO:
+        return (self.dir / name).open("ab")
+
+    def _replay(self) -> None:
+        path = self.dir / TRAJECTORIES
+        for offset, number, line in _read_lines(path):
+            record = _parse(path, number, line)
+            meta = meta_of(number, record)
+            self._offsets.append((offset, len(line)))
+            self.state.add(meta)
+            self.telemetry.received[meta.pool] += 1
+        by_seqs = {group.seqs: group for group in self.state.ready}
+        path = self.dir / ASSIGNMENTS
+        for offset, number, line in _read_lines(path):
+            record = _parse(path, number, line)
+            kind, step = record.get("kind"), record.get("step")
+            if kind == "batch":
+                self._batch_places[step] = (offset, len(line))
+            if kind == "commit":
+                self.state.commit(step)
+                continue
+            try:
+                groups = tuple(by_seqs[tuple(seqs)] for seqs in record["groups"])
+            except KeyError as exc:
+                raise BufferLogError(
+                    f"{path}: line {number + 1} names group {exc} that the trajectory log "
+                    "does not form; the logs do not belong together"
+                ) from None
+            plan = Plan(step, groups, None) if kind == "drop" else Plan(step, (), groups)
+            self.state.apply(plan)
+        path = self.dir / EVALUATIONS
+        self.evaluations = [_parse(path, number, line) for _, number, line in _read_lines(path)]
+        if self.state.assigned:
+            self.latest_requested_step = max(self.state.assigned)
+
+    # ------------------------------------------------------------------ writes
+
+    @staticmethod
+    def _write(f: BinaryIO, lines: Sequence[bytes]) -> list[tuple[int, int]]:
+        """Append lines durably; returns each line's (offset, length) in the file."""
+        offset = f.tell()
+        f.write(b"".join(line + b"\n" for line in lines))
+        f.flush()
+        os.fsync(f.fileno())
+        places = []
+        for line in lines:
+            places.append((offset, len(line)))
+            offset += len(line) + 1
+        return places
+
+    def append(self, trajectories: Sequence[Trajectory]) -> int:
+        """Log trajectories durably, then group them; returns how many groups became full."""
+        lines = [t.model_dump_json().encode() for t in trajectories]
+        with self._lock:
+            places = self._write(self._traj_log, lines)
+            completed = 0
+            for trajectory, place in zip(trajectories, places, strict=True):
+                seq = len(self._offsets)
+                self._offsets.append(place)
+                meta = meta_of(seq, trajectory)
+                self.telemetry.received[meta.pool] += 1
+                completed += self.state.add(meta) is not None
+            return completed
+
+    def batch(self, step: int) -> BatchPayload | None:
+        """The batch of ``step``: the same one on every call once assigned; None until enough groups.
+
+        Raises :class:`~mixrl.rl.buffer.grouping.StepError` for a step that cannot get a batch.
+        """
+        with self._lock:
+            if self.latest_requested_step is None or step > self.latest_requested_step:
+                self.latest_requested_step = step
+            if step not in self.state.assigned:
+                plan = self.state.plan(step)
+                if plan.empty:
+                    return None
+                self._log_plan(plan)
+                self.state.apply(plan)
+                if plan.batch is None:
+                    return None
+            return self._payload(step)
+
+    def _log_plan(self, plan: Plan) -> None:
+        records: list[dict[str, Any]] = []
+        if plan.dropped:
+            groups = [list(group.seqs) for group in plan.dropped]
+            records.append({"kind": "drop", "step": plan.step, "groups": groups})
+            for group in plan.dropped:
+                log.info(
+                    "step %d: dropped group %s as too stale (oldest version %s, max staleness %s)",
+                    plan.step,
+                    group.prompt_id,
+                    group.oldest_version,
+                    self.state.max_staleness,
+                )
+                self.telemetry.dropped.update(m.pool for m in group.members)
+        if plan.batch is not None:
+            staleness = [[m.staleness(plan.step).to_json() for m in group.members] for group in plan.batch]
+            groups = [list(group.seqs) for group in plan.batch]
+            records.append(
+                {
+                    "kind": "batch",
+                    "step": plan.step,
+                    "groups": groups,
+                    "prompt_ids": [group.prompt_id for group in plan.batch],
+                    "staleness": staleness,
+                }
+            )
+            self._observe_staleness(plan.batch, plan.step)
+        places = self._write(self._assign_log, [json.dumps(r).encode() for r in records])
+        if plan.batch is not None:
+            self._batch_places[plan.step] = places[-1]
+
+    def _observe_staleness(self, groups: Sequence[Group], step: int) -> None:
+        self.telemetry.batches += 1
+        for group in groups:
+            for member in group.members:
+                histogram = self.telemetry.staleness_tokens.setdefault(member.pool, Counter())
+                for version, count in member.versions:
+                    histogram[step - version] += count
+
+    def commit(self, step: int) -> bool:
+        """Mark a step's batch consumed (idempotent); raises StepError if it has none."""
+        with self._lock:
+            if step in self.state.committed:
+                return False
+            if step not in self.state.assigned:
+                raise StepError(f"step {step} has no batch to commit")
+            self._write(self._assign_log, [json.dumps({"kind": "commit", "step": step}).encode()])
+            return self.state.commit(step)
+
+    def add_evaluation(self, evaluation: Evaluation) -> None:
+        record = {**evaluation.model_dump(), "received_unix": time.time()}
+        with self._lock:
+            self._write(self._eval_log, [json.dumps(record).encode()])
+            self.evaluations.append(record)
+
+    # ------------------------------------------------------------------ reads
+
+    def _read(self, seq: int) -> bytes:
+        offset, length = self._offsets[seq]
+        self._reader.seek(offset)
+        return self._reader.read(length)
+
+    def _payload(self, step: int) -> BatchPayload:
+        """Rebuild the batch of an assigned step from the log: the trajectories exactly as received."""
+        record = self._batch_record(step)
+        parts = []
+        batch_tokens: list[StalenessStats] = []
+        count = 0
+        for prompt_id, seqs, staleness in zip(
+            record["prompt_ids"], record["groups"], record["staleness"], strict=True
+        ):
+            lines = b",".join(self._read(seq) for seq in seqs)
+            count += len(seqs)
+            batch_tokens += [StalenessStats(**s) for s in staleness]
+            head = json.dumps({"prompt_id": prompt_id, "staleness": staleness})[:-1].encode()
+            parts.append(head + b', "trajectories": [' + lines + b"]}")
+        summary = _combine(batch_tokens)
+        head = {
+            "step": step,
+            "prompts_per_update": self.state.prompts_per_update,
+            "samples_per_prompt": self.state.samples_per_prompt,
+            "max_staleness": self.state.max_staleness,
+            "staleness": summary.to_json(),
+        }
+        body = json.dumps(head)[:-1].encode() + b', "groups": [' + b",".join(parts) + b"]}"
+        return BatchPayload(step, body, len(parts), count)
+
+    def _batch_record(self, step: int) -> dict[str, Any]:
+        offset, length = self._batch_places[step]
+        self._assign_reader.seek(offset)
+        return json.loads(self._assign_reader.read(length))
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            state = self.state
+            return {
+                "step": self.latest_requested_step,
+                "committed_step": state.last_committed,
+                "groups_ready": len(state.ready),
+                "groups_partial": len(state.partial),
+                "trajectories": state.received,
+                "trajectories_waiting": sum(state.waiting_by_pool().values()),
+                "batches": len(state.assigned),
+                "dropped_stale": state.dropped_groups,
+                "dropped_stale_trajectories": state.dropped_trajectories,
+                "evaluations": len(self.evaluations),
+                "prompts_per_update": state.prompts_per_update,
+                "samples_per_prompt": state.samples_per_prompt,
+                "max_staleness": state.max_staleness,
+            }
+
+
+def _combine(stats: Sequence[StalenessStats]) -> StalenessStats:
+    measured = [s for s in stats if s.tokens]
+    tokens = sum(s.tokens for s in measured)
+    if not tokens:
+        return StalenessStats(0, None, None, None)
+    mean = sum(s.mean * s.tokens for s in measured if s.mean is not None) / tokens
+    return StalenessStats(
+        tokens,
+        min(s.min for s in measured if s.min is not None),
+        max(s.max for s in measured if s.max is not None),
+        mean,
+    )

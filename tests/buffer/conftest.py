@@ -1,0 +1,116 @@
+"""Buffer tests.
+
+Everything here is real: the pure grouping, the append-only logs on a real temporary directory
+(flush + fsync), the aiohttp server over loopback HTTP, ``BufferClient``, and ``mixrl buffer`` as a
+real process killed with SIGKILL and restarted on the same directory.  No stand-ins: the
+trajectories are built with the shared :class:`~mixrl.api.trajectory.Trajectory` type, with
+invented token ids (the buffer never looks inside tokens beyond versions and masks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from mixrl.api.trajectory import TokenRecord, Trajectory
+from mixrl.rl.buffer.client import BufferClient
+from mixrl.rl.buffer.server import BufferServer
+from mixrl.rl.buffer.store import TrajectoryBuffer
+
+
+def make_trajectory(
+    prompt_id: str,
+    sample_index: int = 0,
+    versions: tuple[int, ...] = (0, 0),
+    pool: str = "fp8",
+    reward: float | None = 1.0,
+    split: str = "train",
+) -> Trajectory:
+    """A finished episode: one generated token per entry of ``versions``, with a tool reply between."""
+    trajectory = Trajectory(
+        run="test",
+        prompt_id=prompt_id,
+        sample_index=sample_index,
+        pool=pool,
+        gpu_type=f"gpu-{pool}",
+        precision=pool,
+        prompt_ids=[1, 2, 3],
+        reward=reward,
+        finish_reason="submitted",
+        num_turns=1,
+        split=split,
+    )
+    for i, version in enumerate(versions):
+        token = 10 + i
+        record = TokenRecord(
+            token_id=token,
+            logprob=-0.5,
+            cand_ids=[token, 99],
+            cand_logprobs=[-0.5, -1.2],
+            support_size=0,
+            weight_version=version,
+        )
+        trajectory.append_generated(record)
+        if i == 0:
+            trajectory.append_observation([7, 8])  # tool output: masked, no version
+    return trajectory
+
+
+def group_of(
+    prompt_id: str, size: int, versions: tuple[int, ...] = (0, 0), pool: str = "fp8"
+) -> list[Trajectory]:
+    return [make_trajectory(prompt_id, i, versions, pool) for i in range(size)]
+
+
+@dataclass
+class RunningBuffer:
+    buffer: TrajectoryBuffer
+    server: BufferServer
+    url: str
+    client: BufferClient
+
+
+@pytest.fixture
+async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[RunningBuffer]]]:
+    started: list[tuple[web.AppRunner, RunningBuffer]] = []
+
+    async def start(
+        prompts_per_update: int = 2,
+        samples_per_prompt: int = 4,
+        max_staleness: int | None = None,
+        directory: Path | None = None,
+    ) -> RunningBuffer:
+        buffer = TrajectoryBuffer(
+            directory or tmp_path / "buffer", prompts_per_update, samples_per_prompt, max_staleness
+        )
+        server = BufferServer(buffer, run="test")
+        runner = web.AppRunner(server.app(), shutdown_timeout=0.5)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
+        running = RunningBuffer(buffer, server, url, BufferClient(url, retries=1, backoff_s=0.05))
+        started.append((runner, running))
+        return running
+
+    yield start
+    for runner, running in started:
+        await running.client.close()
+        await runner.cleanup()
+        running.buffer.close()
+
+
+@pytest.fixture(autouse=True)
+async def no_leftover_tasks() -> AsyncIterator[None]:
+    """Fail a test that leaves an asyncio task running (fixtures have been torn down by then)."""
+    yield
+    current = asyncio.current_task()
+    await asyncio.sleep(0)
+    left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    assert not left, f"test left asyncio tasks behind: {left}"

@@ -1,0 +1,135 @@
+"""``mixrl buffer`` as a real process: SIGKILL mid-run, restart on the same directory, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from mixrl.rl.buffer.client import BufferClient
+
+from .conftest import group_of
+
+
+async def start_process(directory: Path, port_file: Path, *extra: str) -> asyncio.subprocess.Process:
+    port_file.unlink(missing_ok=True)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mixrl.cli",
+        "buffer",
+        "--dir",
+        str(directory),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--prompts-per-update",
+        "2",
+        "--samples-per-prompt",
+        "2",
+        *extra,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    for _ in range(600):
+        if port_file.exists():
+            return process
+        assert process.returncode is None, (await process.stderr.read()).decode()
+        await asyncio.sleep(0.05)
+    raise AssertionError("buffer did not start")
+
+
+async def test_sigkill_and_restart_lose_nothing_and_repeat_batches(tmp_path: Path) -> None:
+    directory, port_file = tmp_path / "buf", tmp_path / "port"
+    process = await start_process(directory, port_file)
+    try:
+        async with BufferClient(f"http://127.0.0.1:{port_file.read_text()}") as client:
+            for prompt in ("a", "b", "c"):
+                await client.post_trajectories(group_of(prompt, 2))
+            await client.post_trajectories(group_of("d", 1))
+            step0 = await client.get_batch(0, timeout=0)
+            assert [g.prompt_id for g in step0.groups] == ["a", "b"]
+        process.send_signal(signal.SIGKILL)  # no chance to flush anything more
+        await process.wait()
+        process = await start_process(directory, port_file)
+        async with BufferClient(f"http://127.0.0.1:{port_file.read_text()}") as client:
+            assert await client.get_batch(0, timeout=0) == step0  # the trainer asks again after its crash
+            stats = await client.stats()
+            assert (stats["trajectories"], stats["groups_ready"], stats["groups_partial"]) == (7, 1, 1)
+            await client.post_trajectories(group_of("d", 2)[1:])
+            step1 = await client.get_batch(1, timeout=0)
+            assert [g.prompt_id for g in step1.groups] == ["c", "d"]
+            await client.commit(1)
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def test_bad_arguments_give_one_line(tmp_path: Path) -> None:
+    def run(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 2
+        return result.stderr.strip()
+
+    assert (
+        run("--samples-per-prompt", "4") == "mixrl buffer: --prompts-per-update: required (or give --config)"
+    )
+    assert run("--prompts-per-update", "0", "--samples-per-prompt", "4") == (
+        "mixrl buffer: --prompts-per-update: must be ≥ 1, got 0"
+    )
+    assert run("--prompts-per-update", "1", "--samples-per-prompt", "4", "--max-staleness", "-2") == (
+        "mixrl buffer: --max-staleness: must be ≥ 0, got -2"
+    )
+
+
+async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) -> None:
+    from mixrl.api.loader import load_rlrun
+    from mixrl.api.resolve import resolve
+
+    resolved = resolve(load_rlrun(Path(__file__).parents[2] / "examples" / "rlrun-mixed.yaml"))
+    config = tmp_path / "run.json"
+    config.write_text(resolved.model_dump_json())
+    port_file = tmp_path / "port"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mixrl.cli",
+        "buffer",
+        "--dir",
+        str(tmp_path / "buf"),
+        "--config",
+        str(config),
+        "--samples-per-prompt",
+        "3",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(600):
+            if port_file.exists():
+                break
+            await asyncio.sleep(0.05)
+        async with BufferClient(f"http://127.0.0.1:{port_file.read_text()}") as client:
+            stats = await client.stats()
+        trainer = resolved.trainer
+        assert (stats["prompts_per_update"], stats["samples_per_prompt"], stats["max_staleness"]) == (
+            trainer.prompts_per_update,
+            3,
+            trainer.max_staleness,
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 30)

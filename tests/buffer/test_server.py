@@ -1,0 +1,183 @@
+"""The buffer over real loopback HTTP, through BufferClient."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mixrl.rl.buffer.client import BufferError
+
+from .conftest import group_of, make_trajectory
+
+
+async def test_post_group_batch_commit_round_trip(start_buffer) -> None:
+    running = await start_buffer(prompts_per_update=2, samples_per_prompt=3)
+    client = running.client
+    assert await client.post_trajectories(group_of("a", 3, versions=(1, 2))) == 1
+    assert await client.get_batch(2, timeout=0) is None  # one group of the two needed
+    assert await client.post_trajectories(group_of("b", 2, pool="nvfp4")) == 0
+    assert await client.post_trajectories([make_trajectory("b", 2, pool="nvfp4").model_dump()]) == 1
+    batch = await client.get_batch(2, timeout=0)
+    assert batch is not None and batch.step == 2
+    assert [g.prompt_id for g in batch.groups] == ["a", "b"]
+    assert batch.trajectories == [*group_of("a", 3, versions=(1, 2)), *group_of("b", 3, pool="nvfp4")]
+    assert [s.max for s in batch.groups[0].staleness] == [1, 1, 1]
+    assert batch.staleness.tokens == 12 and batch.staleness.max == 2
+    again = await client.get_batch(2, timeout=0)
+    assert again == batch
+    await client.commit(2)
+    await client.commit(2)  # idempotent
+    stats = await client.stats()
+    assert (stats["step"], stats["committed_step"], stats["groups_ready"], stats["trajectories"]) == (
+        2,
+        2,
+        0,
+        6,
+    )
+
+
+async def test_long_poll_wakes_when_data_arrives(start_buffer) -> None:
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2)
+    started = time.monotonic()
+    waiting = asyncio.create_task(running.client.get_batch(0, timeout=20))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await running.client.post_trajectories(group_of("a", 1))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # half a group does not wake it up for good
+    await running.client.post_trajectories([make_trajectory("a", 1)])
+    batch = await asyncio.wait_for(waiting, 5)
+    assert batch is not None and [g.prompt_id for g in batch.groups] == ["a"]
+    assert time.monotonic() - started < 5  # woke on arrival, not at the 20 s timeout
+
+
+async def test_long_poll_times_out_with_no_batch(start_buffer) -> None:
+    running = await start_buffer()
+    started = time.monotonic()
+    assert await running.client.get_batch(0, timeout=0.3) is None
+    assert 0.25 < time.monotonic() - started < 3
+
+
+async def test_two_waiters_for_the_same_step_get_the_same_batch(start_buffer) -> None:
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=1)
+    waiters = [asyncio.create_task(running.client.get_batch(0, timeout=10)) for _ in range(2)]
+    await asyncio.sleep(0.2)
+    await running.client.post_trajectories([make_trajectory("a"), make_trajectory("b")])
+    first, second = await asyncio.gather(*waiters)
+    assert first == second and [g.prompt_id for g in first.groups] == ["a"]
+    assert [g.prompt_id for g in (await running.client.get_batch(1, timeout=0)).groups] == ["b"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"prompt_id": "a"}, "body: expected a JSON list of trajectories"),
+        ([{"prompt_id": "a", "pool": "p"}], "trajectories[0].prompt_ids: Field required"),
+        (
+            [make_trajectory("a").model_dump(), {**make_trajectory("b").model_dump(), "loss_mask": [1]}],
+            "trajectories[1]: loss_mask has 1 entries for 4 tokens",
+        ),
+        ([{**make_trajectory("a").model_dump(), "reward": None}], "trajectories[0].reward: missing"),
+        ([{**make_trajectory("a").model_dump(), "split": "heldout"}], "trajectories[0].split: 'heldout'"),
+        (
+            [{**make_trajectory("a").model_dump(), "cand_ids": [[1], "x", [], [2]]}],
+            "trajectories[0].cand_ids[1]:",
+        ),
+    ],
+)
+async def test_malformed_posts_get_400_naming_the_field_and_change_nothing(
+    start_buffer, body, message
+) -> None:
+    running = await start_buffer()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{running.url}/trajectories", json=body) as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+        async with http.post(f"{running.url}/trajectories", data=b"{not json") as response:
+            assert response.status == 400
+            assert (await response.json())["error"].startswith("body: not JSON")
+    assert error.startswith(message), error
+    assert "\n" not in error
+    assert (await running.client.stats())["trajectories"] == 0
+    assert (running.buffer.dir / "trajectories.jsonl").read_bytes() == b""
+
+
+async def test_bad_query_parameters_and_step_conflicts(start_buffer) -> None:
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=1)
+    async with aiohttp.ClientSession() as http:
+        for path, status, message in [
+            ("/batch", 400, "step: required query parameter"),
+            ("/batch?step=x", 400, "step: expected an integer, got 'x'"),
+            ("/batch?step=1&timeout=-1", 400, "timeout: must be within [0, 600] seconds"),
+        ]:
+            async with http.get(f"{running.url}{path}") as response:
+                assert response.status == status
+                assert (await response.json())["error"].startswith(message)
+    with pytest.raises(BufferError, match="step 3 has no batch to commit") as caught:
+        await running.client.commit(3)
+    assert caught.value.status == 409
+    await running.client.post_trajectories([make_trajectory("a")])
+    await running.client.get_batch(3, timeout=0)
+    await running.client.commit(3)
+    with pytest.raises(BufferError, match="not after the last committed step 3"):
+        await running.client.get_batch(1, timeout=0)
+
+
+async def test_staleness_filter_over_http(start_buffer) -> None:
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2, max_staleness=2)
+    await running.client.post_trajectories(group_of("stale", 2, versions=(1, 5)))
+    await running.client.post_trajectories(group_of("ok", 2, versions=(4, 5)))
+    batch = await running.client.get_batch(6, timeout=0)
+    assert [g.prompt_id for g in batch.groups] == ["ok"]
+    assert batch.staleness.max == 2
+    stats = await running.client.stats()
+    assert stats["dropped_stale"] == 1
+
+
+async def test_evaluations_round_trip_and_validation(start_buffer) -> None:
+    running = await start_buffer()
+    await running.client.post_evaluation(step=10, weight_version=9, pass_at_k={1: 0.25, 4: 0.5}, tasks=32)
+    evaluations = await running.client.evaluations()
+    assert len(evaluations) == 1
+    assert {k: evaluations[0][k] for k in ("step", "weight_version", "pass_at_k", "tasks")} == {
+        "step": 10,
+        "weight_version": 9,
+        "pass_at_k": {"1": 0.25, "4": 0.5},
+        "tasks": 32,
+    }
+    with pytest.raises(BufferError, match=r"evaluation.pass_at_k: pass@1 = 1.5 is outside \[0, 1\]"):
+        await running.client.post_evaluation(step=11, weight_version=9, pass_at_k={1: 1.5})
+    with pytest.raises(BufferError, match=r"evaluation.step: Input should be greater than or equal to 0"):
+        await running.client.post_evaluation(step=-1, weight_version=9, pass_at_k={1: 0.5})
+    assert (await running.client.stats())["evaluations"] == 1
+
+
+async def test_metrics_exported(start_buffer) -> None:
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2)
+    await running.client.post_trajectories(group_of("a", 2, versions=(0, 1), pool="fp8"))
+    await running.client.post_trajectories(group_of("b", 1, versions=(1, 1), pool="nvfp4"))
+    await running.client.get_batch(3, timeout=0)
+    await running.client.post_evaluation(step=3, weight_version=2, pass_at_k={1: 0.4})
+    async with aiohttp.ClientSession() as http, http.get(f"{running.url}/metrics") as response:
+        text = await response.text()
+    samples = {
+        (s.name, s.labels.get("pool"), s.labels.get("le") or s.labels.get("k")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("mixrl_buffer_trajectories_received_total", "fp8", None)] == 2
+    assert samples[("mixrl_buffer_trajectories_received_total", "nvfp4", None)] == 1
+    assert samples[("mixrl_buffer_trajectories", "fp8", None)] == 0
+    assert samples[("mixrl_buffer_trajectories", "nvfp4", None)] == 1
+    assert samples[("mixrl_buffer_groups_partial", None, None)] == 1
+    assert samples[("mixrl_buffer_batches_total", None, None)] == 1
+    assert samples[("mixrl_buffer_step", None, None)] == 3
+    # fp8 tokens at step 3: versions 0 and 1 in each of two trajectories -> staleness 3, 2, 3, 2.
+    assert samples[("mixrl_buffer_staleness_bucket", "fp8", "2.0")] == 2
+    assert samples[("mixrl_buffer_staleness_bucket", "fp8", "3.0")] == 4
+    assert samples[("mixrl_buffer_staleness_sum", "fp8", None)] == 10
+    assert samples[("mixrl_buffer_eval_pass_at_k", None, "1")] == 0.4
