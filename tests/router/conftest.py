@@ -86,6 +86,8 @@ class StandInEngine:
             await asyncio.sleep(self.delay)
         payload = json.loads(body)
         n = int(payload.get("sampling_params", {}).get("max_new_tokens", 4))
+        if payload.get("stream"):
+            return await self._stream(request, n)
         return web.json_response(
             {
                 "text": "",
@@ -100,6 +102,17 @@ class StandInEngine:
                 },
             }
         )
+
+    async def _stream(self, request: web.Request, n: int) -> web.StreamResponse:
+        """SGLang-style server-sent events: cumulative output, then ``[DONE]``."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for k in range(1, n + 1):
+            chunk = {"text": "", "output_ids": list(range(k)), "meta_info": {"completion_tokens": k}}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)

@@ -36,6 +36,26 @@ async def test_body_passes_through_and_answer_carries_pool_headers(engines, star
     assert answer["meta_info"]["completion_tokens"] == 3
 
 
+async def test_streamed_answers_pass_through_and_count_tokens(engines, start_router) -> None:
+    engine = await engines("e")
+    running = await start_router(pools_config({"p": (1.0, [engine])}))
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 5}, "stream": True}
+    async with running.http.post(f"{running.url}/generate", json=body) as response:
+        assert response.status == 200
+        assert response.headers[POOL_HEADER] == "p"
+        assert response.content_type == "text/event-stream"
+        events = (await response.read()).decode().split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    assert [json.loads(e.removeprefix("data: "))["meta_info"]["completion_tokens"] for e in events[:-2]] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+    assert running.router.state.pools["p"].generated_tokens == 5
+
+
 async def test_sessions_stick_to_pool_and_replica_and_split_by_capacity(engines, start_router) -> None:
     a = [await engines(f"a{i}") for i in range(2)]
     b = [await engines("b0")]
