@@ -314,7 +314,7 @@ def decide(load: PoolLoad, state: PolicyState, config: PolicyConfig, now: float)
     if load.sustained is not None:
         down = max(down, _down_recommendation(replace(load, load=load.sustained), config))
     down = _clamp(down, config)
-    history = tuple((t, r) for t, r in state.recommendations if t > window_start) + ((now, down),)
+    history = (*((t, r) for t, r in state.recommendations if t > window_start), (now, down))
     desired = recommendation
     if recommendation > current:
         limit = _scale_up_limit(state, current, now, config)

@@ -38,7 +38,7 @@ def plot_results(results: Mapping[str, SimResult], out: Path, title: str) -> lis
     axes[0].set_ylabel("sessions")
     axes[0].legend(loc="upper left", fontsize=8)
     for name, result in results.items():
-        color = COLORS.get(name, None)
+        color = COLORS.get(name)
         axes[1].plot(hours, result.requested_capacity, color=color, lw=1.0, label=f"{name} requested")
         axes[1].plot(hours, result.ready_capacity, color=color, lw=0.6, ls=":", label=f"{name} ready")
         axes[2].plot(hours, _rolling_mean(result.wait_mean, 10), color=color, lw=1.0, label=name)

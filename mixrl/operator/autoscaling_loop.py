@@ -1,0 +1,560 @@
+"""The built-in autoscaler: Prometheus → policy → each SamplerPool's scale subresource.
+
+Three separable steps, so each is tested on its own:
+
+1. :func:`query_prometheus` — one instant query against ``/api/v1/query`` (aiohttp); a failure
+   is a :class:`MetricsUnavailable` carrying a CamelCase reason (``PrometheusUnreachable``,
+   ``QueryFailed``, ``NoSeries``).
+2. :func:`plan_pool` — pure: the pool's body, its run's body, what Prometheus said and the pool's
+   memory → a :class:`PoolPlan`: the replica count to write (or none), the status patch
+   (``lastScaleDecisions``, the MetricsAvailable condition) and the event to post.
+3. :class:`PoolApi` — writes the plan: ``PATCH …/samplerpools/NAME/scale``, ``PATCH …/status``,
+   ``POST …/events``.
+
+:func:`register_autoscaling` puts it on a kopf registry.  It uses no kopf timer or daemon: those
+put a finalizer on every SamplerPool, and the operator keeps its objects finalizer-free.  Instead
+two ``on.event`` handlers keep the latest RLRuns and SamplerPools in memory, and one task started
+at operator startup (stopped at cleanup) visits every pool of a run whose
+``autoscaling.engine`` is ``builtin`` each tick, acting when its poll interval has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import aiohttp
+
+from mixrl.api.models import GROUP, VERSION, RLRun
+from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
+from mixrl.operator.autoscaler import (
+    BudgetRequest,
+    Decision,
+    PolicyConfig,
+    PolicyState,
+    PoolLoad,
+    allocate_gpu_budget,
+    decide,
+)
+from mixrl.operator.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, load_query, sustained_query
+
+Obj = dict[str, Any]
+Key = tuple[str, str]
+log = logging.getLogger("mixrl.operator.autoscaling")
+
+METRICS_AVAILABLE = "MetricsAvailable"
+UPDATING_WEIGHTS = "UpdatingWeights"
+"""A SamplerPool condition whoever syncs weights sets True while engines load a new version."""
+SCALED_REASON = "Scaled"
+METRICS_REASON = "MetricsUnavailable"
+
+
+class MetricsUnavailable(Exception):
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{reason}: {message}")
+
+
+# ----------------------------------------------------------------------------- 1. Prometheus
+
+
+async def query_prometheus(
+    session: aiohttp.ClientSession, base_url: str, query: str, timeout_s: float = 10.0
+) -> float:
+    """The value of an instant query that must return one number (a scalar or a one-sample vector)."""
+    url = base_url.rstrip("/") + "/api/v1/query"
+    try:
+        async with session.get(
+            url, params={"query": query}, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            text = await response.text()
+            try:
+                payload = await response.json(content_type=None)
+            except ValueError:
+                payload = None
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise MetricsUnavailable("PrometheusUnreachable", f"{url}: {exc or type(exc).__name__}") from exc
+    if not isinstance(payload, dict) or payload.get("status") != "success":
+        detail = payload.get("error") if isinstance(payload, dict) else text[:200]
+        raise MetricsUnavailable("QueryFailed", f"HTTP {status}: {detail}")
+    data = payload.get("data") or {}
+    kind, result = data.get("resultType"), data.get("result")
+    if kind == "scalar" and isinstance(result, list) and len(result) == 2:
+        raw = result[1]
+    elif kind == "vector" and isinstance(result, list):
+        if not result:
+            raise MetricsUnavailable("NoSeries", f"query returned no series: {query}")
+        if len(result) > 1:
+            raise MetricsUnavailable(
+                "QueryFailed", f"query returned {len(result)} series, expected one (sum them)"
+            )
+        raw = result[0]["value"][1]
+    else:
+        raise MetricsUnavailable("QueryFailed", f"unsupported result type {kind!r}")
+    value = float(raw)
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise MetricsUnavailable("QueryFailed", f"query returned {raw}, expected a number ≥ 0")
+    return value
+
+
+@dataclass(frozen=True)
+class Observation:
+    load: float | None
+    sustained: float | None
+    problem: MetricsUnavailable | None = None
+
+
+async def observe(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    query: str,
+    timeout_s: float = 10.0,
+    window: tuple[str, str] = (SUSTAINED_WINDOW, SUSTAINED_STEP),
+) -> Observation:
+    """The pool's load and its one-minute average; a missing average only skips the confirmation."""
+    try:
+        load = await query_prometheus(session, base_url, query, timeout_s)
+    except MetricsUnavailable as problem:
+        return Observation(None, None, problem)
+    try:
+        sustained: float | None = await query_prometheus(
+            session, base_url, sustained_query(query, *window), timeout_s
+        )
+    except MetricsUnavailable:
+        sustained = None
+    return Observation(load, sustained)
+
+
+# ----------------------------------------------------------------------------- 2. the plan (pure)
+
+
+@dataclass
+class PoolMemory:
+    """What the loop remembers of one pool between polls (in memory, as HPA does)."""
+
+    state: PolicyState = field(default_factory=PolicyState)
+    last_poll: float | None = None
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    decision: Decision
+    replicas: int | None
+    """The replica count to write through the scale subresource; None = leave it."""
+    status_patch: Obj
+    """A merge patch for the status subresource (empty: nothing changed)."""
+    event: tuple[str, str, str] | None
+    """(type, reason, message) of the event to post, if any."""
+
+
+def rfc3339(now: float) -> str:
+    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def pool_of(run: ResolvedRun, pool_body: Obj) -> ResolvedPool:
+    return run.pool(pool_body["spec"]["pool"])
+
+
+def load_of(pool_body: Obj, observation: Observation) -> PoolLoad:
+    spec, status = pool_body.get("spec") or {}, pool_body.get("status") or {}
+    replicas = int(spec.get("replicas") or 0)
+    ready = int(status.get("readyReplicas") or 0)
+    conditions = status.get("conditions") or []
+    updating = any(c.get("type") == UPDATING_WEIGHTS and c.get("status") == "True" for c in conditions)
+    return PoolLoad(
+        load=observation.load,
+        sustained=observation.sustained,
+        replicas=replicas,
+        ready=min(ready, replicas) if replicas else ready,
+        # Every requested replica that is not ready is on its way (pending, pulling, loading).
+        starting=max(replicas - ready, 0),
+        updating_weights=updating,
+    )
+
+
+def config_of(run: ResolvedRun, pool: ResolvedPool, pool_body: Obj) -> PolicyConfig:
+    """The pool's policy; the SamplerPool's own bounds win (``kubectl edit`` may have changed them)."""
+    spec = pool_body.get("spec") or {}
+    low = int(spec.get("minReplicas", pool.min_replicas))
+    high = int(spec.get("maxReplicas", pool.max_replicas))
+    return PolicyConfig.from_spec(run.autoscaling, pool, min_replicas=low, max_replicas=max(low, high))
+
+
+def metrics_condition(
+    previous: list[Obj], observation: Observation, generation: int | None, now: float
+) -> Obj:
+    if observation.problem is None:
+        status, reason, message = "True", "QueryReturned", f"load {observation.load:g}"
+    else:
+        status, reason, message = "False", observation.problem.reason, observation.problem.message
+    before = next((c for c in previous if c.get("type") == METRICS_AVAILABLE), None)
+    flipped = before is None or before.get("status") != status
+    return {
+        "type": METRICS_AVAILABLE,
+        "status": status,
+        "reason": reason,
+        "message": message[:300],
+        "lastTransitionTime": rfc3339(now) if flipped else before.get("lastTransitionTime", rfc3339(now)),
+        "observedGeneration": generation,
+    }
+
+
+def plan_pool(
+    pool_body: Obj,
+    run: ResolvedRun,
+    observation: Observation,
+    memory: PoolMemory,
+    now: float,
+    *,
+    history: int = 10,
+    decision: Decision | None = None,
+) -> PoolPlan:
+    """One poll of one pool, without I/O.  ``decision`` overrides the policy (the GPU budget)."""
+    pool = pool_of(run, pool_body)
+    load = load_of(pool_body, observation)
+    if decision is None:
+        decision = decide(load, memory.state, config_of(run, pool, pool_body), now)
+    status = pool_body.get("status") or {}
+    generation = (pool_body.get("metadata") or {}).get("generation")
+    conditions = list(status.get("conditions") or [])
+    condition = metrics_condition(conditions, observation, generation, now)
+    old = next((c for c in conditions if c.get("type") == METRICS_AVAILABLE), None)
+    patch: Obj = {}
+    if old is None or any(old.get(k) != condition[k] for k in ("status", "reason")):
+        others = [c for c in conditions if c.get("type") != METRICS_AVAILABLE]
+        patch["conditions"] = [*others, condition]
+    event = None
+    replicas = None
+    if decision.changed:
+        replicas = decision.desired
+        record = {
+            "time": rfc3339(now),
+            "fromReplicas": decision.current,
+            "toReplicas": decision.desired,
+            "reason": decision.reason[:300],
+        }
+        if observation.load is not None:
+            record["load"] = observation.load
+        patch["lastScaleDecisions"] = [*(status.get("lastScaleDecisions") or []), record][-history:]
+        event = ("Normal", SCALED_REASON, decision.reason[:1000])
+    elif observation.problem is not None and "conditions" in patch:
+        event = (
+            "Warning",
+            METRICS_REASON,
+            f"{observation.problem.reason}: {observation.problem.message}"[:1000],
+        )
+    return PoolPlan(decision, replicas, {"status": patch} if patch else {}, event)
+
+
+# ----------------------------------------------------------------------------- 3. the writes
+
+
+class PoolApi:
+    """The three calls the loop makes, over aiohttp with the operator's credentials.
+
+    ``scale_via="subresource"`` (the default, what a cluster needs) patches
+    ``…/samplerpools/NAME/scale`` with ``{"spec": {"replicas": N}}``; the API server maps it onto
+    the CRD's ``specReplicasPath`` (``.spec.replicas``).  ``"object"`` merge-patches the
+    SamplerPool itself — for an API that has no scale semantics.
+    """
+
+    def __init__(
+        self,
+        connection: Callable[[], Any],
+        session: aiohttp.ClientSession,
+        scale_via: Literal["subresource", "object"] = "subresource",
+    ):
+        self.connection = connection
+        self.session = session
+        self.scale_via = scale_via
+
+    async def _call(self, method: str, path: str, body: Obj, content_type: str) -> Obj:
+        connection = self.connection()
+        if connection is None:
+            raise ConnectionError("not logged in to the Kubernetes API yet")
+        headers = {**connection.headers(), "Content-Type": content_type}
+        url = connection.server.rstrip("/") + path
+        async with self.session.request(
+            method, url, json=body, headers=headers, ssl=connection.ssl_context()
+        ) as response:
+            if response.status >= 400:
+                raise ConnectionError(
+                    f"{method} {path}: HTTP {response.status}: {(await response.text())[:300]}"
+                )
+            return await response.json(content_type=None)
+
+    @staticmethod
+    def _path(namespace: str, name: str, subresource: str | None = None) -> str:
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/samplerpools/{name}"
+        return f"{path}/{subresource}" if subresource else path
+
+    async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
+        subresource = "scale" if self.scale_via == "subresource" else None
+        body = {"spec": {"replicas": replicas}}
+        await self._call(
+            "PATCH", self._path(namespace, name, subresource), body, "application/merge-patch+json"
+        )
+
+    async def patch_status(self, namespace: str, name: str, patch: Obj) -> None:
+        await self._call(
+            "PATCH", self._path(namespace, name, "status"), patch, "application/merge-patch+json"
+        )
+
+    async def post_event(self, pool_body: Obj, kind: str, reason: str, message: str, now: float) -> None:
+        meta = pool_body["metadata"]
+        stamp = rfc3339(now)
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "SamplerPool",
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": kind,
+            "reason": reason,
+            "message": message,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+            "source": {"component": "mixrl-autoscaler"},
+            "reportingComponent": "mixrl-autoscaler",
+        }
+        await self._call("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event, "application/json")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    tick_s: float = 5.0
+    """How often the loop looks at every pool; each acts when its run's poll interval has passed."""
+    scale_via: Literal["subresource", "object"] = "subresource"
+    history: int = 10
+    """Scaling decisions kept in ``status.lastScaleDecisions``."""
+    query_timeout_s: float = 10.0
+    sustained_window: tuple[str, str] = (SUSTAINED_WINDOW, SUSTAINED_STEP)
+    """Window and step of the confirming ``avg_over_time`` subquery."""
+
+
+Observer = Callable[[aiohttp.ClientSession, str, str, float, tuple[str, str]], Awaitable[Observation]]
+
+
+class AutoscalingLoop:
+    """Keeps the latest RLRuns and SamplerPools (fed by watch events) and scales the pools."""
+
+    def __init__(
+        self,
+        connection: Callable[[], Any],
+        settings: LoopSettings | None = None,
+        clock: Callable[[], float] = time.time,
+        observer: Observer = observe,
+    ):
+        self.settings = settings or LoopSettings()
+        self.connection = connection
+        self.clock = clock
+        self.observer = observer
+        self.runs: dict[Key, Obj] = {}
+        self.pools: dict[Key, Obj] = {}
+        self.memory: dict[Key, PoolMemory] = {}
+        self._budget: dict[Key, dict[str, BudgetRequest]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- watch events
+    def observe_run(self, body: Mapping[str, Any], deleted: bool) -> None:
+        meta = body["metadata"]
+        key = (meta.get("namespace") or "default", meta["name"])
+        if deleted:
+            self.runs.pop(key, None)
+        else:
+            self.runs[key] = dict(body)
+
+    def observe_pool(self, body: Mapping[str, Any], deleted: bool) -> None:
+        meta = body["metadata"]
+        key = (meta.get("namespace") or "default", meta["name"])
+        if deleted:
+            self.pools.pop(key, None)
+            self.memory.pop(key, None)
+        else:
+            self.pools[key] = dict(body)
+
+    # -- lifecycle
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="mixrl-autoscaler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # one bad pool or a lost connection must not end the loop
+                log.exception("autoscaler tick failed")
+            await asyncio.sleep(self.settings.tick_s)
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    # -- one tick
+    def resolved_run(self, pool_body: Obj) -> ResolvedRun | None:
+        namespace = pool_body["metadata"].get("namespace") or "default"
+        run_body = self.runs.get((namespace, (pool_body.get("spec") or {}).get("run", "")))
+        if run_body is None:
+            return None
+        try:
+            return resolve(
+                RLRun.model_validate({k: run_body[k] for k in ("apiVersion", "kind", "metadata", "spec")})
+            )
+        except (ValueError, KeyError):
+            return None  # the run's own controller reports an invalid spec
+
+    async def tick(self) -> list[tuple[Key, PoolPlan]]:
+        """Poll every due pool once; returns what was done (for tests and logs)."""
+        done = []
+        for key, body in list(self.pools.items()):
+            run = self.resolved_run(body)
+            if run is None or run.autoscaling.engine != "builtin":
+                continue
+            memory = self.memory.setdefault(key, PoolMemory())
+            now = self.clock()
+            if (
+                memory.last_poll is not None
+                and now - memory.last_poll < run.autoscaling.poll_interval_seconds
+            ):
+                continue
+            try:
+                pool = pool_of(run, body)
+            except KeyError:
+                continue  # the run no longer declares this pool; its controller deletes it
+            plan = await self.poll(key, body, run, pool, memory, now)
+            done.append((key, plan))
+        return done
+
+    async def poll(
+        self, key: Key, body: Obj, run: ResolvedRun, pool: ResolvedPool, memory: PoolMemory, now: float
+    ) -> PoolPlan:
+        query = load_query(run.autoscaling, run, pool)
+        observation = await self.observer(
+            self.session(),
+            run.autoscaling.prometheus_url,
+            query,
+            self.settings.query_timeout_s,
+            self.settings.sustained_window,
+        )
+        decision = decide(load_of(body, observation), memory.state, config_of(run, pool, body), now)
+        memory.state, memory.last_poll = decision.state, now
+        if run.autoscaling.gpu_budget is not None and observation.problem is None:
+            decision = self.apply_budget(key, body, run, pool, decision)
+        plan = plan_pool(
+            body, run, observation, memory, now, history=self.settings.history, decision=decision
+        )
+        await self.write(key, body, plan, now)
+        return plan
+
+    def apply_budget(
+        self, key: Key, body: Obj, run: ResolvedRun, pool: ResolvedPool, decision: Decision
+    ) -> Decision:
+        """Share the run's GPU budget using every pool's latest own decision (cheapest first)."""
+        assert run.autoscaling.gpu_budget is not None
+        config = config_of(run, pool, body)
+        requests = self._budget.setdefault((key[0], run.name), {})
+        requests[pool.name] = BudgetRequest(
+            pool.name,
+            decision.desired,
+            config.min_replicas,
+            config.max_replicas,
+            pool.capacity or 1.0,
+            pool.gpus_per_replica,
+            pool.cost_per_gpu_hour,
+        )
+        for name in [n for n in requests if n not in {p.name for p in run.pools}]:
+            del requests[name]
+        allocation = allocate_gpu_budget(list(requests.values()), run.autoscaling.gpu_budget)[pool.name]
+        desired = allocation.replicas
+        if desired < decision.current and load_of(body, Observation(None, None)).updating_weights:
+            desired = decision.current  # never remove a replica mid-update
+        if desired == decision.desired:
+            return decision
+        reason = f"{decision.current} → {desired}: {allocation.reason} (policy said {decision.desired})"
+        return Decision(
+            decision.current, desired, reason, decision.recommendation, decision.ratio, decision.state
+        )
+
+    async def write(self, key: Key, body: Obj, plan: PoolPlan, now: float) -> None:
+        namespace, name = key
+        api = PoolApi(self.connection, self.session(), self.settings.scale_via)
+        if plan.replicas is not None:
+            await api.set_replicas(namespace, name, plan.replicas)
+            body.setdefault("spec", {})["replicas"] = plan.replicas  # until the watch catches up
+        if plan.status_patch:
+            await api.patch_status(namespace, name, plan.status_patch)
+            body.setdefault("status", {}).update(plan.status_patch["status"])
+        if plan.event is not None:
+            kind, reason, message = plan.event
+            try:
+                await api.post_event(body, kind, reason, message, now)
+            except ConnectionError as exc:  # an event is worth a log line, not a failed poll
+                log.warning("event for %s/%s not posted: %s", namespace, name, exc)
+        if plan.replicas is not None:
+            log.info("%s/%s: %s", namespace, name, plan.decision.reason)
+
+
+def register_autoscaling(
+    registry: Any, connection: Callable[[], Any], settings: LoopSettings | None = None
+) -> AutoscalingLoop:
+    """Put the autoscaler on a kopf registry; ``connection()`` returns the operator's current
+    :class:`mixrl.operator.kube.Connection` (or None before login)."""
+    import kopf
+
+    loop = AutoscalingLoop(connection, settings)
+
+    @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
+    def autoscaler_sees_run(body: kopf.Body, type: str | None, **_: Any) -> None:
+        loop.observe_run(_plain(body), deleted=type == "DELETED")
+
+    @kopf.on.event(GROUP, VERSION, "samplerpools", registry=registry)
+    def autoscaler_sees_pool(body: kopf.Body, type: str | None, **_: Any) -> None:
+        loop.observe_pool(_plain(body), deleted=type == "DELETED")
+
+    @kopf.on.startup(registry=registry)
+    async def autoscaler_start(**_: Any) -> None:
+        loop.start()
+
+    @kopf.on.cleanup(registry=registry)
+    async def autoscaler_stop(**_: Any) -> None:
+        await loop.stop()
+
+    return loop
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value

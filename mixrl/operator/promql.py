@@ -1,0 +1,112 @@
+"""The PromQL the autoscaler and the dashboards send, built in one place (pure: strings only).
+
+Series are matched by ``namespace`` and ``pod`` labels, which both the Prometheus Operator's
+PodMonitor and the usual ``kubernetes-pods`` annotation job attach.  A pool's engine pods belong to
+its Deployment ``<run>-<pool>``, so they are named ``<run>-<pool>-<replicaset hash>-<pod hash>``;
+the anchored regex below matches exactly those (two more dash-free segments), never the pods of a
+pool whose name merely starts the same way.
+
+SGLang's metric names contain a colon.  prometheus-client writes ``sglang:num_queue_reqs`` as
+``sglang_num_queue_reqs`` when the scraper negotiates OpenMetrics without UTF-8 names (Prometheus
+2.x does; 3.x keeps the colon), so every engine query matches both spellings through
+``__name__``.  One scrape returns one spelling, so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import re
+
+from mixrl.api.models import AutoscalingSpec
+from mixrl.api.resolve import ResolvedPool, ResolvedRun
+
+QUEUE_METRICS = ("sglang:num_queue_reqs", "sglang_num_queue_reqs")
+RUNNING_METRICS = ("sglang:num_running_reqs", "sglang_num_running_reqs")
+SUSTAINED_WINDOW = "1m"
+"""The window of the confirming query (``avg_over_time``): see rule 1 of the policy."""
+SUSTAINED_STEP = "15s"
+"""Its resolution, explicit: a subquery's default step is the global evaluation interval (1m)."""
+
+DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+DCGM_POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"
+
+_PLACEHOLDER = re.compile(r"\{(pool|namespace|run|object)\}")
+
+
+def _label_value(value: str) -> str:
+    """A PromQL string literal's content (Kubernetes names never need it, user input might)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def regex_literal(text: str) -> str:
+    """``text`` matched literally by an RE2 regex (``-`` needs no escape outside a class)."""
+    return re.escape(text).replace("\\-", "-")
+
+
+def pod_matchers(namespace: str, object_name: str) -> str:
+    pattern = f"{regex_literal(object_name)}-[a-z0-9]+-[a-z0-9]+"
+    return f'namespace="{_label_value(namespace)}",pod=~"{_label_value(pattern)}"'
+
+
+def names_regex(names: tuple[str, ...]) -> str:
+    return _label_value("|".join(regex_literal(name) for name in names))
+
+
+def default_load_query(namespace: str, object_name: str) -> str:
+    """Queued plus running requests summed over the pool's engine pods, both metric spellings."""
+    metrics = names_regex(QUEUE_METRICS + RUNNING_METRICS)
+    return f'sum({{__name__=~"{metrics}",{pod_matchers(namespace, object_name)}}})'
+
+
+def substitute(template: str, *, pool: str, namespace: str, run: str, object_name: str) -> str:
+    """``{pool}``, ``{namespace}``, ``{run}`` and ``{object}`` in a user's query.
+
+    Only these four names are replaced, so PromQL's own braces (``metric{label="x"}``) stay as
+    they are — no ``str.format`` escaping needed in the spec.
+    """
+    values = {"pool": pool, "namespace": namespace, "run": run, "object": object_name}
+    return _PLACEHOLDER.sub(lambda match: values[match.group(1)], template)
+
+
+def load_query(autoscaling: AutoscalingSpec, run: ResolvedRun, pool: ResolvedPool) -> str:
+    """The pool's load query: the spec's ``query`` with its placeholders filled, or the default."""
+    if autoscaling.query:
+        return substitute(
+            autoscaling.query,
+            pool=pool.name,
+            namespace=run.namespace,
+            run=run.name,
+            object_name=pool.object_name,
+        )
+    return default_load_query(run.namespace, pool.object_name)
+
+
+def sustained_query(query: str, window: str = SUSTAINED_WINDOW, step: str = SUSTAINED_STEP) -> str:
+    """The same load averaged over ``window``: a PromQL subquery, valid for any instant query."""
+    return f"avg_over_time(({query})[{window}:{step}])"
+
+
+def dcgm_by_pool_query(metric: str, namespace: str, object_name: str, reduce: str = "avg") -> str:
+    """A DCGM exporter series over the pool's GPUs (DCGM labels each GPU with the pod using it)."""
+    if metric not in (DCGM_GPU_UTIL, DCGM_POWER_USAGE):
+        raise ValueError(f"metric: expected {DCGM_GPU_UTIL} or {DCGM_POWER_USAGE}, got {metric!r}")
+    if reduce not in ("avg", "sum", "max", "min"):
+        raise ValueError(f"reduce: expected avg, sum, max or min, got {reduce!r}")
+    return f"{reduce}({metric}{{{pod_matchers(namespace, object_name)}}})"
+
+
+def dcgm_run_query(metric: str, namespace: str, run: str, pools: tuple[str, ...], reduce: str = "avg") -> str:
+    """One series per pool of a run, labelled ``pool``, for the dashboard and the cost report.
+
+    ``label_replace`` derives the pool from the pod name, so no relabeling is needed in
+    Prometheus; the regex alternatives are the run's pools, longest first, so ``h100`` never
+    claims the pods of ``h100-fp8``.
+    """
+    if metric not in (DCGM_GPU_UTIL, DCGM_POWER_USAGE):
+        raise ValueError(f"metric: expected {DCGM_GPU_UTIL} or {DCGM_POWER_USAGE}, got {metric!r}")
+    if not pools:
+        raise ValueError("pools: at least one pool is needed")
+    alternatives = "|".join(regex_literal(p) for p in sorted(pools, key=len, reverse=True))
+    pattern = _label_value(f"{regex_literal(run)}-({alternatives})-[a-z0-9]+-[a-z0-9]+")
+    selector = f'{metric}{{namespace="{_label_value(namespace)}",pod=~"{pattern}"}}'
+    relabeled = f'label_replace({selector}, "pool", "$1", "pod", "{pattern}")'
+    return f"{reduce} by (pool) ({relabeled})"
