@@ -273,12 +273,12 @@ def quantize_dequantize(weight: Tensor, fmt: str, *, global_amax: float | Tensor
         codes, scales = _fp8_channel_parts(w)
         return _fp8_dequant(codes, scales).to(weight.dtype)
     out = torch.empty_like(weight)
+    global_scale = nvfp4_global_scale(amax) if amax is not None else None
     for rows in _row_chunks(*w.shape):
-        if fmt == "mxfp4":
+        if global_scale is None:
             out[rows] = _mxfp4_qdq_chunk(w[rows])
         else:
-            assert amax is not None
-            out[rows] = _nvfp4_qdq_chunk(w[rows], nvfp4_global_scale(amax))
+            out[rows] = _nvfp4_qdq_chunk(w[rows], global_scale)
     return out
 
 
@@ -309,11 +309,10 @@ def pack(weight: Tensor, fmt: str, *, global_amax: float | Tensor | None = None)
     packed, scales = [], []
     global_scale = nvfp4_global_scale(amax) if amax is not None else None
     for rows in _row_chunks(*w.shape):
-        if fmt == "mxfp4":
+        if global_scale is None:
             codes, shared = _mxfp4_chunk(w[rows])
             scales.append((shared + E8M0_BIAS).to(torch.uint8))
         else:
-            assert global_scale is not None
             codes, block_scales = _nvfp4_chunk(w[rows], global_scale)
             scales.append(block_scales)
         packed.append(pack_nibbles(codes.flatten(1)))

@@ -181,6 +181,21 @@ def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     _write_json(directory / MANIFEST, manifest)
 
 
+def _manifest(
+    directory: Path, version: int, tensors: int, metadata: dict | None, **extra: Any
+) -> dict[str, Any]:
+    """The manifest of a fully written directory: every other file's sha256 and size."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "files": _file_entries(directory),
+        "metadata": metadata or {},
+        "tensors": tensors,
+        "created_unix": time.time(),
+        **extra,
+        "version": version,
+    }
+
+
 def _file_entries(directory: Path) -> dict[str, dict[str, Any]]:
     return {
         path.name: {"sha256": _sha256(path), "bytes": path.stat().st_size}
@@ -206,18 +221,18 @@ def _storable(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
 class _Progress:
     """Logs a line every few seconds with rate and ETA while a long write or conversion runs."""
 
-    def __init__(self, what: str, total: int, every_s: float = 5.0) -> None:
-        self.what, self.total, self.every_s = what, total, every_s
+    def __init__(self, what: str, every_s: float = 5.0) -> None:
+        self.what, self.every_s = what, every_s
         self.start = self.last = time.monotonic()
 
-    def update(self, done: int) -> None:
+    def update(self, done: int, total: int) -> None:
         now = time.monotonic()
-        if now - self.last < self.every_s or done >= self.total:
+        if now - self.last < self.every_s or done >= total:
             return
         self.last = now
         rate = done / max(now - self.start, 1e-9)
-        eta = (self.total - done) / rate if rate > 0 else float("inf")
-        log.info("%s: %d/%d tensors, %.1f tensors/s, ETA %.0f s", self.what, done, self.total, rate, eta)
+        eta = (total - done) / rate if rate > 0 else float("inf")
+        log.info("%s: %d/%d tensors, %.1f tensors/s, ETA %.0f s", self.what, done, total, rate, eta)
 
 
 def _write_shards(directory: Path, tensors: Mapping[str, Tensor], max_shard_bytes: int, what: str) -> None:
@@ -236,13 +251,13 @@ def _write_shards(directory: Path, tensors: Mapping[str, Tensor], max_shard_byte
         if len(shards) == 1
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
-    progress = _Progress(what, len(tensors))
+    progress = _Progress(what)
     done = 0
     for name, shard in zip(names, shards, strict=True):
         save_file(_storable(shard), directory / name, metadata={"format": "pt"})
         _fsync_path(directory / name)
         done += len(shard)
-        progress.update(done)
+        progress.update(done, len(tensors))
     if len(shards) > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map = {key: name for name, shard in zip(names, shards, strict=True) for key in shard}
@@ -376,15 +391,7 @@ class WeightStore:
             _write_shards(tmp, state_dict, max_shard_bytes, f"publish v{version}")
             if config is not None:
                 _write_json(tmp / "config.json", dict(config))
-            manifest = {
-                "format": MANIFEST_FORMAT,
-                "files": _file_entries(tmp),
-                "metadata": metadata or {},
-                "tensors": len(state_dict),
-                "created_unix": time.time(),
-                "version": version,
-            }
-            _write_manifest(tmp, manifest)
+            _write_manifest(tmp, _manifest(tmp, version, len(state_dict), metadata))
         log.info(
             "published weight version %d (%d tensors) at %s", version, len(state_dict), self.path(version)
         )
@@ -415,27 +422,22 @@ class WeightStore:
         source_dir = self.storage.local_dir(source_name)
         config_path = source_dir / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else None
-        progress = _Progress(f"convert v{version} to {precision}", len(tensors))
-        converted = checkpoint_formats.convert_state_dict(
-            tensors, precision, lambda done, _: progress.update(done)
-        )
-        with self.storage.staging(name) as tmp:
-            _write_shards(tmp, converted.tensors, DEFAULT_MAX_SHARD_BYTES, f"write v{version}/{precision}")
-            for filename, payload in checkpoint_formats.config_files(converted, config).items():
-                _write_json(tmp / filename, payload)
-            _write_manifest(
-                tmp,
-                {
-                    "format": MANIFEST_FORMAT,
-                    "files": _file_entries(tmp),
-                    "metadata": manifest.get("metadata", {}),
-                    "quantization": converted.note(),
-                    "source_manifest_sha256": _sha256(source_dir / MANIFEST),
-                    "tensors": len(converted.tensors),
-                    "created_unix": time.time(),
-                    "version": version,
-                },
-            )
+        progress = _Progress(f"convert v{version} to {precision}")
+        converted = checkpoint_formats.convert_state_dict(tensors, precision, progress.update)
+        source_sha256 = _sha256(source_dir / MANIFEST)
+        try:
+            with self.storage.staging(name) as tmp:
+                what = f"write v{version}/{precision}"
+                _write_shards(tmp, converted.tensors, DEFAULT_MAX_SHARD_BYTES, what)
+                for filename, payload in checkpoint_formats.config_files(converted, config).items():
+                    _write_json(tmp / filename, payload)
+                extra = {"quantization": converted.note(), "source_manifest_sha256": source_sha256}
+                tensor_count = len(converted.tensors)
+                _write_manifest(tmp, _manifest(tmp, version, tensor_count, manifest.get("metadata"), **extra))
+        except WeightStoreError:
+            if not self.storage.exists(name):  # another converter finishing first is not an error
+                raise
+        log.info("converted weight version %d to %s", version, precision)
         return str(self.storage.local_dir(name))
 
     def prune(self, keep: int) -> list[int]:
