@@ -88,10 +88,7 @@ def token_records(response: dict[str, Any]) -> list[TokenRecord]:
                 f"output_token_logprobs[{t}]: token {token_id} != output_ids {output_ids[t]}"
             )
         mask = masks[t] if masks is not None else None
-        if sizes is not None:
-            support = int(sizes[t])
-        else:
-            support = len(mask) if mask else 0
+        support = int(sizes[t]) if sizes is not None else len(mask or [])
         if support and mask is None:
             # the engine told |S| without its members: they are the leading candidates by definition
             top_ids = [int(e[1]) for e in sorted(tops[t] or [], key=lambda e: -float(e[0]))]

@@ -123,13 +123,14 @@ class Scheduler:
         self._wake.set()
         return await future
 
-    def pause(self, mode: str) -> None:
+    async def pause(self, mode: str) -> None:
+        """Stop stepping; returns once no step is in flight (so nothing is generated after it returns)."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         self.paused = True
         if mode == "abort":
             self.abort_all("aborted by pause_generation")
-        self._wake.set()
+        await self.control(lambda: None)
 
     def resume(self) -> None:
         self.paused = False

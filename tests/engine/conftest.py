@@ -1,0 +1,132 @@
+"""Torch engine tests: mixrl/rl/engine/ and mixrl/rl/models.py.
+
+Real: the engine as a child process (`python -m mixrl.cli engine`) serving HTTP on loopback, the
+async client talking to it, `transformers` Qwen3 and Qwen3-MoE models built from tiny configs on
+this machine (random weights; nothing downloaded), safetensors files, the weight store, the
+quantizers of mixrl/rl/quant.py and prometheus-client's exposition.
+
+Stand-ins, named as such: SGLang itself cannot run here (it needs a GPU), so the client's SGLang
+compatibility is tested against responses shaped like SGLang's (only its standard fields) in
+test_records.py, and the torch engine stands in for SGLang wherever a server is needed.
+
+References: every model result is compared with a plain `transformers` forward pass over the whole
+sequence (no KV cache, no batching, no server), at the same precision, prepared by hand in
+:func:`reference_model`; sampling math is compared with float64 code written out in
+:mod:`reference` beside this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.utils import logging as hf_logging
+
+from mixrl.rl import quant
+from mixrl.rl.engine.process import EngineProcess
+from mixrl.rl.engine.server import build_app
+from mixrl.rl.engine.service import EngineConfig, EngineService
+from mixrl.rl.models import create_tiny_checkpoint, load_model
+
+hf_logging.disable_progress_bar()
+# Tiny models on shared cores: one intra-op thread avoids multi-millisecond thread handoffs per op.
+torch.set_num_threads(1)
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="session")
+def dense_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return create_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "qwen3", "qwen3", vocab_size=VOCAB, seed=0
+    )
+
+
+@pytest.fixture(scope="session")
+def moe_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return create_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny") / "moe", "qwen3_moe", vocab_size=VOCAB, seed=1
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(dense_path: str) -> Iterator[EngineProcess]:
+    """A bf16 engine on the dense tiny model, shared by one test module."""
+    with EngineProcess(dense_path) as process:
+        yield process
+
+
+@contextlib.asynccontextmanager
+async def serve_in_process(**config: object) -> AsyncIterator[str]:
+    """The engine's HTTP app on a loopback port inside this process (no start-up cost); yields its URL.
+
+    Same application as `mixrl engine`, minus the command line and the child process.
+    """
+    service = EngineService(EngineConfig(**config))  # type: ignore[arg-type]
+    runner = web.AppRunner(build_app(service), shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        service.sched.abort_all("test finished")
+        await runner.cleanup()
+
+
+def reference_model(path: str | Path, precision: str = "bf16") -> torch.nn.Module:
+    """The served model prepared by hand: every parameter rounded to bf16, linear weights quantized."""
+    model = load_model(path, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    quant.quantize_model_(model, precision)
+    return model
+
+
+class _Fp8KVLayer(DynamicLayer):
+    """Reference FP8 KV cache: round keys/values through E4M3 (scale 1.0) as they are stored."""
+
+    def update(self, key_states, value_states, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return super().update(
+            quant.fp8_kv_quant_dequant(key_states, 1.0),
+            quant.fp8_kv_quant_dequant(value_states, 1.0),
+            *args,
+            **kwargs,
+        )
+
+
+@torch.no_grad()
+def reference_logprobs(
+    model: torch.nn.Module,
+    prompt: list[int],
+    output: list[int],
+    temperature: float = 1.0,
+    fp8_kv: bool = False,
+) -> torch.Tensor:
+    """log_softmax(z / T) at every generated position [len(output), V], float64, one full forward pass.
+
+    Row t is the distribution the token output[t] was drawn from (teacher forcing on the engine's own
+    tokens: the same as a plain generation loop as long as the tokens agree).
+    """
+    ids = torch.tensor([prompt + output[:-1]])
+    kwargs = {}
+    if fp8_kv:
+        kwargs = {
+            "cache": Cache(layers=[_Fp8KVLayer() for _ in range(model.config.num_hidden_layers)]),
+            "use_cache": True,
+        }
+    logits = model(input_ids=ids, **kwargs).logits[0, len(prompt) - 1 :].double()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+def random_prompts(count: int, seed: int, low: int = 2, high: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (count,), generator=g).tolist()
+    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,104 @@
+"""The sampling step against float64 references: log-probs, candidates, support S, and the draw itself."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mixrl.rl.engine.sampling import RowSampling, sample_rows
+
+from . import reference
+
+V = 64
+
+
+def _logits(seed: int, batch: int = 4, spread: float = 3.0) -> torch.Tensor:
+    return torch.randn(batch, V, generator=torch.Generator().manual_seed(seed)) * spread
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        RowSampling(temperature=1.0, num_candidates=5),
+        RowSampling(temperature=0.7, top_p=0.8, num_candidates=3, cover_support=True),
+        RowSampling(temperature=1.3, top_k=7, num_candidates=2, cover_support=True),
+        RowSampling(temperature=1.0, top_p=0.9, top_k=12, min_p=0.05, num_candidates=0, cover_support=True),
+        RowSampling(temperature=0.0, num_candidates=4),
+    ],
+    ids=["full", "top_p", "top_k", "all_rules", "greedy"],
+)
+def test_step_matches_float64_reference(row: RowSampling) -> None:
+    logits = _logits(0)
+    uniforms = torch.tensor([0.05, 0.35, 0.65, 0.95])
+    out = sample_rows(logits, [row] * 4, uniforms)
+    temperature = 1.0 if row.greedy else row.temperature
+    top_k = 1 if row.greedy else row.top_k
+    for b in range(4):
+        lp = reference.log_softmax(logits[b].double().tolist(), temperature)
+        ranked = reference.order(lp)
+        support = reference.support(lp, top_k, row.top_p, row.min_p)
+        truncated = len(support) < V
+        assert out.support_sizes[b] == (len(support) if truncated else 0)
+        # reported log-prob of the sampled token is the untruncated log q
+        assert out.logprobs[b] == pytest.approx(lp[out.token_ids[b]], abs=1e-5)
+        # candidates: the leading tokens in descending order, with their log q; at least |S| when covering
+        k = max(row.num_candidates, len(support) if row.cover_support else 0)
+        assert out.cand_ids[b] == ranked[:k]
+        assert out.cand_logprobs[b] == pytest.approx([lp[i] for i in ranked[:k]], abs=1e-5)
+        assert out.cand_logprobs[b] == sorted(out.cand_logprobs[b], reverse=True)
+        # the draw: inverse CDF of q renormalized on S at u
+        mass = [math.exp(lp[i]) for i in support]
+        target = uniforms[b].item() * sum(mass)
+        cumulative, expected = 0.0, support[-1]
+        for token, p in zip(support, mass, strict=True):
+            cumulative += p
+            if cumulative > target:
+                expected = token
+                break
+        assert out.token_ids[b] == expected
+        assert out.sampling_logprobs[b] == pytest.approx(lp[expected] - math.log(sum(mass)), abs=1e-5)
+
+
+def test_draws_follow_renormalized_distribution_exactly() -> None:
+    """With u on an even grid, each token's share of draws is its renormalized probability (±1/N)."""
+    logits = _logits(3, batch=1)
+    row = RowSampling(temperature=0.9, top_p=0.85)
+    n = 4000
+    grid = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    out = sample_rows(logits.expand(n, V), [row] * n, grid.float())
+    lp = reference.log_softmax(logits[0].double().tolist(), 0.9)
+    support = reference.support(lp, -1, 0.85, 0.0)
+    total = sum(math.exp(lp[i]) for i in support)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=V)
+    assert set(torch.nonzero(counts).flatten().tolist()) == set(support)
+    for token in support:
+        assert counts[token].item() / n == pytest.approx(math.exp(lp[token]) / total, abs=2.0 / n)
+
+
+def test_rows_are_independent_of_each_other() -> None:
+    """Mixing rules in one batch gives each row what it gets alone."""
+    logits = _logits(5)
+    rows = [
+        RowSampling(temperature=0.0, num_candidates=2),
+        RowSampling(top_p=0.5, cover_support=True),
+        RowSampling(top_k=3, num_candidates=6),
+        RowSampling(temperature=2.0),
+    ]
+    uniforms = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    together = sample_rows(logits, rows, uniforms)
+    for b, row in enumerate(rows):
+        alone = sample_rows(logits[b : b + 1], [row], uniforms[b : b + 1])
+        assert together.token_ids[b] == alone.token_ids[0]
+        assert together.cand_ids[b] == alone.cand_ids[0]
+        assert together.support_sizes[b] == alone.support_sizes[0]
+
+
+def test_support_cap_acts_as_top_k_when_recording_the_support() -> None:
+    logits = torch.zeros(1, V)  # uniform: top-p 0.99 alone keeps 64 tokens
+    row = RowSampling(top_p=0.99, cover_support=True, support_cap=10)
+    out = sample_rows(logits, [row], torch.tensor([0.999]))
+    assert out.support_sizes == [10]
+    assert out.token_ids[0] in out.cand_ids[0][:10]
+    assert out.sampling_logprobs[0] == pytest.approx(math.log(1 / 10), abs=1e-6)
