@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import aiohttp
 
 from mixrl.rl.buffer.client import BufferClient
 
@@ -81,6 +85,27 @@ def test_bad_arguments_give_one_line(tmp_path: Path) -> None:
         assert result.returncode == 2
         return result.stderr.strip()
 
+    env = {k: v for k, v in os.environ.items() if k != "MIXRL_BUFFER_DIR"}
+    no_dir = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mixrl.cli",
+            "buffer",
+            "--prompts-per-update",
+            "1",
+            "--samples-per-prompt",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert (no_dir.returncode, no_dir.stderr.strip()) == (
+        2,
+        "mixrl buffer: --dir: required (or set MIXRL_BUFFER_DIR)",
+    )
     assert (
         run("--samples-per-prompt", "4") == "mixrl buffer: --prompts-per-update: required (or give --config)"
     )
@@ -99,14 +124,12 @@ async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) 
     resolved = resolve(load_rlrun(Path(__file__).parents[2] / "examples" / "rlrun-mixed.yaml"))
     config = tmp_path / "run.json"
     config.write_text(resolved.model_dump_json())
-    port_file = tmp_path / "port"
+    port_file, metrics_port = tmp_path / "port", free_port()
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "mixrl.cli",
         "buffer",
-        "--dir",
-        str(tmp_path / "buf"),
         "--config",
         str(config),
         "--samples-per-prompt",
@@ -115,7 +138,10 @@ async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) 
         "0",
         "--port-file",
         str(port_file),
+        "--metrics-port",
+        str(metrics_port),
         stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "MIXRL_BUFFER_DIR": str(tmp_path / "buf")},
     )
     try:
         for _ in range(600):
@@ -124,6 +150,12 @@ async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) 
             await asyncio.sleep(0.05)
         async with BufferClient(f"http://127.0.0.1:{port_file.read_text()}") as client:
             stats = await client.stats()
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"http://127.0.0.1:{metrics_port}/metrics") as response,
+        ):
+            assert 'mixrl_buffer_groups_ready{run="qwen3-moe-coding"} 0.0' in await response.text()
+        assert (tmp_path / "buf" / "trajectories.jsonl").exists()  # the directory came from MIXRL_BUFFER_DIR
         trainer = resolved.trainer
         assert (stats["prompts_per_update"], stats["samples_per_prompt"], stats["max_staleness"]) == (
             trainer.prompts_per_update,
@@ -133,3 +165,9 @@ async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) 
     finally:
         process.send_signal(signal.SIGTERM)
         await asyncio.wait_for(process.wait(), 30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

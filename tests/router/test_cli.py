@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,59 @@ async def test_router_process_serves_and_stops_on_sigterm(tmp_path: Path, engine
     stderr = (await process.stderr.read()).decode()
     assert "listening on" in stderr and "shutting down" in stderr
     assert engine.sessions_seen == ["s"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_config_mode_discovers_by_dns_and_serves_metrics_on_its_own_port(tmp_path: Path) -> None:
+    from mixrl.api.loader import load_rlrun
+    from mixrl.api.resolve import resolve
+
+    resolved = resolve(load_rlrun(Path(__file__).parents[2] / "examples" / "rlrun-mixed.yaml"))
+    config = tmp_path / "run.json"
+    config.write_text(resolved.model_dump_json())
+    port_file, metrics_port = tmp_path / "port", free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mixrl.cli",
+        "router",
+        "--config",
+        str(config),
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--metrics-port",
+        str(metrics_port),
+        "--dns-suffix",
+        ".invalid",
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        for _ in range(600):
+            if port_file.exists():
+                break
+            assert process.returncode is None
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port_file.read_text()}/pools") as response:
+                answer = await response.json()
+                pools = answer["pools"]
+            async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as response:
+                text = await response.text()
+        assert [p["name"] for p in pools] == [p.name for p in resolved.pools]
+        assert answer["discover_dns"] is True  # on by default with --config
+        assert pools[0]["service"] == "qwen3-moe-coding-b200-nvfp4.invalid"
+        assert all(p["ready_replicas"] == 0 for p in pools)  # no such Services here
+        assert (
+            'mixrl_router_replicas{gpu_type="B200",pool="b200-nvfp4",precision="nvfp4",run="qwen3-moe-coding"} 0.0'
+            in text
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 30)

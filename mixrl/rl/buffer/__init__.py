@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from mixrl.rl.buffer.client import Batch, BatchGroup, BufferClient, BufferError
+
 
 def main(argv: list[str]) -> int:
     from mixrl.rl.buffer.cli import main as cli_main
@@ -14,4 +16,4 @@ def main(argv: list[str]) -> int:
     return cli_main(argv)
 
 
-__all__ = ["main"]
+__all__ = ["Batch", "BatchGroup", "BufferClient", "BufferError", "main"]

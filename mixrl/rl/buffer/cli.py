@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,7 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mixrl buffer",
         description="Collect trajectories, group them by prompt, hand full groups to the trainer; durable.",
     )
-    parser.add_argument("--dir", type=Path, required=True, help="directory of the append-only logs")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=os.environ.get("MIXRL_BUFFER_DIR") or None,
+        help="directory of the append-only logs (default: $MIXRL_BUFFER_DIR)",
+    )
     parser.add_argument(
         "--config",
         type=Path,
@@ -43,12 +49,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=BUFFER_PORT, help="0 picks a free port (see --port-file)")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve /metrics on this port (the pod's metrics port)",
+    )
     parser.add_argument("--log-level", default="INFO")
     return parser
 
 
 def _settings(args: argparse.Namespace) -> tuple[str, int, int, int | None]:
     """(run, prompts_per_update, samples_per_prompt, max_staleness); flags override --config."""
+    if args.dir is None:
+        raise ValueError("--dir: required (or set MIXRL_BUFFER_DIR)")
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        raise ValueError(f"--metrics-port: {args.metrics_port} is not a TCP port")
     run, prompts, samples, staleness = "", None, None, None
     if args.config is not None:
         try:
@@ -99,19 +115,27 @@ def main(argv: list[str]) -> int:
         print(f"mixrl buffer: --dir: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(BufferServer(buffer, run), args.host, args.port, args.port_file))
+        asyncio.run(serve(BufferServer(buffer, run), args.host, args.port, args.port_file, args.metrics_port))
     finally:
         buffer.close()
     return 0
 
 
-async def serve(server: BufferServer, host: str, port: int, port_file: Path | None) -> None:
+async def serve(
+    server: BufferServer, host: str, port: int, port_file: Path | None, metrics_port: int | None = None
+) -> None:
     """Serve until SIGTERM or SIGINT; every acknowledged write is already on disk."""
     runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0][1]
+    runners = [runner]
+    if metrics_port is not None:
+        metrics_runner = web.AppRunner(server.metrics_app(), access_log=None)
+        await metrics_runner.setup()
+        await web.TCPSite(metrics_runner, host, metrics_port).start()
+        runners.insert(0, metrics_runner)
     if port_file is not None:
         partial = port_file.with_name(port_file.name + ".partial")
         partial.write_text(str(bound))
@@ -133,4 +157,5 @@ async def serve(server: BufferServer, host: str, port: int, port_file: Path | No
         await stop.wait()
     finally:
         log.info("shutting down")
-        await runner.cleanup()
+        for each in runners:
+            await each.cleanup()

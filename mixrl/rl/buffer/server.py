@@ -172,6 +172,12 @@ class BufferServer:
         app.on_shutdown.append(self._on_shutdown)
         return app
 
+    def metrics_app(self) -> web.Application:
+        """Only ``GET /metrics``, for a separate metrics port."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
     async def _on_shutdown(self, app: web.Application) -> None:
         # Wake long polls so they answer (204) instead of holding the shutdown.
         self._closing = True

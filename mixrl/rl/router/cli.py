@@ -37,11 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
     parser.add_argument("--port", type=int, default=ROUTER_PORT, help="0 picks a free port (see --port-file)")
     parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve /metrics on this port (the pod's metrics port)",
+    )
     parser.add_argument("--run", default="", help="run name for metric labels (default: from the config)")
     parser.add_argument(
         "--discover-dns",
-        action="store_true",
-        help="find each pool's replicas by resolving its headless Service <run>-<pool>",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="find each pool's replicas by resolving its headless Service <run>-<pool> "
+        "(default: on with --config, off with --pools)",
     )
     parser.add_argument(
         "--dns-suffix", default=None, help="appended to <run>-<pool> for discovery (default .<namespace>.svc)"
@@ -72,6 +80,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--max-inflight-per-replica: must be ≥ 0"
     if not 0 <= args.port < 65536:
         return f"--port: {args.port} is not a TCP port"
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        return f"--metrics-port: {args.metrics_port} is not a TCP port"
     if args.discover_dns and args.config is None:
         return "--discover-dns: needs --config (the pools' Service names come from the resolved run)"
     return None
@@ -95,15 +105,17 @@ def main(argv: list[str]) -> int:
         request_timeout=args.request_timeout,
         max_inflight_per_replica=args.max_inflight_per_replica,
         session_ttl=args.session_ttl,
-        discover_dns=args.discover_dns,
+        discover_dns=args.config is not None if args.discover_dns is None else args.discover_dns,
         engine_port=args.engine_port,
     )
     router = Router(config, settings)
-    asyncio.run(serve(router, args.host, args.port, args.port_file))
+    asyncio.run(serve(router, args.host, args.port, args.port_file, args.metrics_port))
     return 0
 
 
-async def serve(router: Router, host: str, port: int, port_file: Path | None) -> None:
+async def serve(
+    router: Router, host: str, port: int, port_file: Path | None, metrics_port: int | None = None
+) -> None:
     """Serve until SIGTERM or SIGINT, then stop cleanly (in-flight requests get their answers)."""
     log = logging.getLogger("mixrl.router")
     runner = web.AppRunner(router.app(), access_log=None)
@@ -111,6 +123,12 @@ async def serve(router: Router, host: str, port: int, port_file: Path | None) ->
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound = runner.addresses[0][1]
+    runners = [runner]
+    if metrics_port is not None:
+        metrics_runner = web.AppRunner(router.metrics_app(), access_log=None)
+        await metrics_runner.setup()
+        await web.TCPSite(metrics_runner, host, metrics_port).start()
+        runners.insert(0, metrics_runner)
     if port_file is not None:
         partial = port_file.with_name(port_file.name + ".partial")
         partial.write_text(str(bound))
@@ -125,4 +143,5 @@ async def serve(router: Router, host: str, port: int, port_file: Path | None) ->
         await stop.wait()
     finally:
         log.info("shutting down")
-        await runner.cleanup()
+        for each in runners:
+            await each.cleanup()

@@ -138,6 +138,12 @@ class Router:
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
+    def metrics_app(self) -> web.Application:
+        """Only ``GET /metrics``, for a separate metrics port."""
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.poll_once()
@@ -173,15 +179,23 @@ class Router:
             log.info("session %s expired after %.0fs idle", session_id, self.state.session_ttl)
 
     async def discover(self) -> None:
-        for pool_name, service in self.services.items():
-            try:
-                addresses = await self.resolver(service, self.settings.engine_port)
-            except OSError as exc:
+        """Resolve every pool's Service at once; a lookup that fails or hangs keeps that pool's replicas."""
+        pools = list(self.services.items())
+        timeout = max(self.settings.health_timeout, 1.0) * 2
+        lookups = [
+            asyncio.wait_for(self.resolver(service, self.settings.engine_port), timeout)
+            for _, service in pools
+        ]
+        results = await asyncio.gather(*lookups, return_exceptions=True)
+        for (pool_name, service), result in zip(pools, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, OSError | TimeoutError):
+                    raise result
                 log.warning(
-                    "cannot resolve %s for pool %s (keeping its replicas): %s", service, pool_name, exc
+                    "cannot resolve %s for pool %s (keeping its replicas): %r", service, pool_name, result
                 )
                 continue
-            urls = [replica_url(address, self.settings.engine_port) for address in addresses]
+            urls = [replica_url(address, self.settings.engine_port) for address in result]
             if set(urls) != set(self.state.pool(pool_name).replicas):
                 log.info("pool %s: DNS %s lists %d replicas", pool_name, service, len(urls))
                 self.state.set_replicas(pool_name, urls)
@@ -384,7 +398,12 @@ class Router:
         return web.json_response(next(pool for pool in snapshot if pool["name"] == name))
 
     async def _get_pools(self, request: web.Request) -> web.Response:
-        return web.json_response({"run": self.run, **self.state.snapshot()})
+        snapshot = self.state.snapshot()
+        pools = snapshot["pools"]
+        assert isinstance(pools, list)
+        for pool in pools:
+            pool["service"] = self.services.get(pool["name"])
+        return web.json_response({"run": self.run, "discover_dns": self.settings.discover_dns, **snapshot})
 
     async def _health(self, request: web.Request) -> web.Response:
         ready = sum(len(pool.ready_replicas()) for pool in self.state.pools.values())
