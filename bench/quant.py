@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -76,10 +77,10 @@ def bench_formats(size: int, repeats: int) -> float:
     )
     rows: dict[str, tuple[float, float, float, float, float]] = {}
     for fmt in quant.WEIGHT_FORMATS:
-        qdq_s, qdq_cpu = timed(lambda fmt=fmt: quant.quantize_dequantize(w, fmt), repeats)
+        qdq_s, qdq_cpu = timed(partial(quant.quantize_dequantize, w, fmt), repeats)
         packed = quant.pack(w, fmt)
-        pack_s = best_of(lambda fmt=fmt: quant.pack(w, fmt), repeats)
-        unpack_s = best_of(lambda fmt=fmt, p=packed: quant.unpack(p, fmt, w.shape, dtype=w.dtype), repeats)
+        pack_s = best_of(partial(quant.pack, w, fmt), repeats)
+        unpack_s = best_of(partial(quant.unpack, packed, fmt, w.shape, dtype=w.dtype), repeats)
         error = quant.relative_error(w, quant.quantize_dequantize(w, fmt))
         rows[fmt] = (qdq_s, qdq_cpu, pack_s, unpack_s, error)
         print(f"  measured {fmt}", flush=True)

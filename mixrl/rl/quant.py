@@ -306,17 +306,18 @@ def pack(weight: Tensor, fmt: str, *, global_amax: float | Tensor | None = None)
     if fmt == "fp8_channel":
         codes, scales = _fp8_channel_parts(w)
         return {"weight": codes, "weight_scale": scales}
-    packed, scales = [], []
+    packed: list[Tensor] = []
+    block_scales: list[Tensor] = []
     global_scale = nvfp4_global_scale(amax) if amax is not None else None
     for rows in _row_chunks(*w.shape):
         if global_scale is None:
             codes, shared = _mxfp4_chunk(w[rows])
-            scales.append((shared + E8M0_BIAS).to(torch.uint8))
+            block_scales.append((shared + E8M0_BIAS).to(torch.uint8))
         else:
-            codes, block_scales = _nvfp4_chunk(w[rows], global_scale)
-            scales.append(block_scales)
+            codes, chunk_scales = _nvfp4_chunk(w[rows], global_scale)
+            block_scales.append(chunk_scales)
         packed.append(pack_nibbles(codes.flatten(1)))
-    tensors = {"weight": torch.cat(packed), "weight_scale": torch.cat(scales)}
+    tensors = {"weight": torch.cat(packed), "weight_scale": torch.cat(block_scales)}
     if global_scale is not None:
         tensors["weight_scale_2"] = global_scale.reshape(())
     return tensors
@@ -484,7 +485,8 @@ def _expert_targets(name: str, module: nn.Module) -> list[_Target]:
 
 def _model_targets(model: nn.Module) -> tuple[list[_Target], dict[str, str]]:
     """Every linear weight matrix of the model, and the modules whose parameters are left alone."""
-    output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    output_embeddings = get_output_embeddings() if callable(get_output_embeddings) else None
     targets: list[_Target] = []
     untouched: dict[str, str] = {}
     for name, module in model.named_modules():
