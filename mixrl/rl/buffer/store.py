@@ -349,8 +349,8 @@ class TrajectoryBuffer:
             lines = b",".join(self._read(seq) for seq in seqs)
             count += len(seqs)
             batch_tokens += [StalenessStats(**s) for s in staleness]
-            head = json.dumps({"prompt_id": prompt_id, "staleness": staleness})[:-1].encode()
-            parts.append(head + b', "trajectories": [' + lines + b"]}")
+            group_head = json.dumps({"prompt_id": prompt_id, "staleness": staleness})[:-1].encode()
+            parts.append(group_head + b', "trajectories": [' + lines + b"]}")
         summary = _combine(batch_tokens)
         head = {
             "step": step,

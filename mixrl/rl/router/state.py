@@ -170,15 +170,15 @@ class RouterState:
     def route(self, session_id: str | None, now: float) -> Route:
         """Where the next request of a session goes; binds new sessions.  Raises NoReadyReplica."""
         if session_id is None:
-            pool = self._assign_pool()
-            return Route(pool, self._least_loaded(pool).url, None)
+            pool_name = self._assign_pool()
+            return Route(pool_name, self._least_loaded(pool_name).url, None)
         session = self.sessions.get(session_id)
         if session is None:
-            pool = self._assign_pool()
-            replica = self._least_loaded(pool)
+            pool_name = self._assign_pool()
+            replica = self._least_loaded(pool_name)
             replica.sessions += 1
-            self.sessions[session_id] = Session(session_id, pool, replica.url, now)
-            return Route(pool, replica.url, session_id)
+            self.sessions[session_id] = Session(session_id, pool_name, replica.url, now)
+            return Route(pool_name, replica.url, session_id)
         session.last_seen = now
         pool = self.pools[session.pool]
         current = pool.replicas.get(session.replica) if session.replica else None
@@ -187,13 +187,12 @@ class RouterState:
         # Its replica is gone or down: another replica of the same pool, else another pool.
         self._unbind(session)
         if not pool.ready_replicas():
+            session.pool = self._assign_pool()  # raises when no pool can take it: the session waits
             pool.sessions_moved_out += 1
-            session.pool = self._assign_pool()
-            pool = self.pools[session.pool]
-        replica = self._least_loaded(pool.name)
+        replica = self._least_loaded(session.pool)
         replica.sessions += 1
         session.replica = replica.url
-        return Route(pool.name, replica.url, session_id, moved=True)
+        return Route(session.pool, replica.url, session_id, moved=True)
 
     def end_session(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id, None)
