@@ -315,7 +315,8 @@ class PoolApi:
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            # Named as client-go's event recorder names them: <object>.<unix nanoseconds in hex>.
+            "metadata": {"name": f"{meta['name']}.{int(now * 1e9):x}", "namespace": meta["namespace"]},
             "involvedObject": {
                 "apiVersion": f"{GROUP}/{VERSION}",
                 "kind": "SamplerPool",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -190,7 +191,7 @@ def test_bad_config_names_the_field(field: str, value: object, message: str) -> 
 
 
 def test_bad_load_names_the_field() -> None:
-    with pytest.raises(ValueError, match="PoolLoad.load: must be a number ≥ 0"):
+    with pytest.raises(ValueError, match=r"PoolLoad\.load: must be a number ≥ 0"):
         PoolLoad(load=float("nan"), replicas=1, ready=1)
 
 
@@ -260,7 +261,7 @@ def test_no_oscillation_under_steady_noisy_load(
         if decision.changed:
             directions.append(1 if decision.desired > decision.current else -1)
         state, replicas = decision.state, decision.desired
-    reversals_down_to_up = sum(1 for x, y in zip(directions, directions[1:], strict=False) if x < 0 < y)
+    reversals_down_to_up = sum(1 for x, y in itertools.pairwise(directions) if x < 0 < y)
     assert reversals_down_to_up == 0, directions
 
 
