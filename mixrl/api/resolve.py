@@ -35,13 +35,15 @@ SGLANG_IMAGE = "lmsysorg/sglang:v0.5.6"
 MIXRL_IMAGE_PREFIX = "ghcr.io/mixrl/mixrl"
 
 # SGLang's --quantization for a checkpoint the weight store converted to each precision.
-# fp8: the 128x128 block format carries its quantization_config, "fp8" reads it;
-# nvfp4: ModelOpt's layout; mxfp4: OCP microscaling.  bf16 serves the trainer's weights as they are.
+# fp8: the 128x128 block format carries its quantization_config, "fp8" reads it; nvfp4: ModelOpt's
+# layout.  mxfp4: no flag — SGLang's "mxfp4" method covers only gpt-oss-style MoE experts, while
+# dense MXFP4 layers are declared in the converted checkpoint's quantization_config (AMD Quark's
+# scheme), which SGLang reads by itself.  bf16 serves the trainer's weights as they are.
 SGLANG_QUANTIZATION: dict[str, str | None] = {
     "bf16": None,
     "fp8": "fp8",
     "nvfp4": "modelopt_fp4",
-    "mxfp4": "mxfp4",
+    "mxfp4": None,
 }
 SGLANG_KV_CACHE_DTYPE = {"bf16": "auto", "fp8": "fp8_e4m3"}
 

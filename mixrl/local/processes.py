@@ -90,6 +90,8 @@ def wait_healthy(components: list[Component], timeout: float) -> None:
             if component.healthy():
                 pending.remove(component)
         if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"{pending[0].name} not healthy after {timeout:.0f}s; see {pending[0].log_path}")
+            raise RuntimeError(
+                f"{pending[0].name} not healthy after {timeout:.0f}s; see {pending[0].log_path}"
+            )
         if pending:
             time.sleep(0.3)

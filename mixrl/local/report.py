@@ -140,7 +140,14 @@ def write_report(run_dir: Path) -> Path:
 
     figures = summary(records, evaluations)
     (run_dir / "summary.json").write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
-    lines = [f"# Run report: {run_dir.name}", "", "![report](report.png)", "", "| figure | value |", "|---|---|"]
+    lines = [
+        f"# Run report: {run_dir.name}",
+        "",
+        "![report](report.png)",
+        "",
+        "| figure | value |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return run_dir / "report.png"

@@ -64,9 +64,15 @@ class Supervisor:
         self.buffer_url = f"http://127.0.0.1:{buffer_port}"
         self.router_url = f"http://127.0.0.1:{router_port}"
         buffer_args = [
-            "buffer", "--dir", str(run_dir / "buffer"), "--port", str(buffer_port),
-            "--prompts-per-update", str(run.trainer.prompts_per_update),
-            "--samples-per-prompt", str(run.trainer.samples_per_prompt),
+            "buffer",
+            "--dir",
+            str(run_dir / "buffer"),
+            "--port",
+            str(buffer_port),
+            "--prompts-per-update",
+            str(run.trainer.prompts_per_update),
+            "--samples-per-prompt",
+            str(run.trainer.samples_per_prompt),
         ]
         if run.trainer.max_staleness is not None:
             buffer_args += ["--max-staleness", str(run.trainer.max_staleness)]
@@ -81,23 +87,39 @@ class Supervisor:
                 port = free_port()
                 engine = self._component(
                     f"engine-{pool.name}-{replica}",
-                    ["engine", "--model-path", initial_version_path, "--host", "127.0.0.1", "--port", str(port),
-                     "--weight-version", "0", *pool.engine_args],
+                    [
+                        "engine",
+                        "--model-path",
+                        initial_version_path,
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--weight-version",
+                        "0",
+                        *pool.engine_args,
+                    ],
                     f"http://127.0.0.1:{port}/health",
                 )
                 # Each engine is single-threaded: several share two cores without oversubscription.
                 engine.start(env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
                 engines.append(engine)
                 replicas.append(f"http://127.0.0.1:{port}")
-            pools_file["pools"].append({
-                "name": pool.name, "gpu_type": pool.gpu_type, "precision": pool.weight_precision,
-                "capacity": pool.capacity, "replicas": replicas,
-            })
+            pools_file["pools"].append(
+                {
+                    "name": pool.name,
+                    "gpu_type": pool.gpu_type,
+                    "precision": pool.weight_precision,
+                    "capacity": pool.capacity,
+                    "replicas": replicas,
+                }
+            )
         (run_dir / "pools.json").write_text(json.dumps(pools_file, indent=2))
         wait_healthy([buffer, *engines], timeout=300)
 
         router = self._component(
-            "router", ["router", "--pools", str(run_dir / "pools.json"), "--port", str(router_port)],
+            "router",
+            ["router", "--pools", str(run_dir / "pools.json"), "--port", str(router_port)],
             f"{self.router_url}/health",
         )
         router.start()
@@ -105,15 +127,35 @@ class Supervisor:
 
         trainer = self._component(
             "trainer",
-            ["trainer", "--config", str(self.config_path), "--buffer", self.buffer_url, "--router", self.router_url,
-             "--run-dir", str(run_dir), "--model-path", self.model_path],
+            [
+                "trainer",
+                "--config",
+                str(self.config_path),
+                "--buffer",
+                self.buffer_url,
+                "--router",
+                self.router_url,
+                "--run-dir",
+                str(run_dir),
+                "--model-path",
+                self.model_path,
+            ],
             None,
         )
         trainer.start(env={"OMP_NUM_THREADS": "2"})
         rollout = self._component(
             "rollout",
-            ["rollout", "--config", str(self.config_path), "--router", self.router_url, "--buffer", self.buffer_url,
-             "--tokenizer", self.tokenizer_path],
+            [
+                "rollout",
+                "--config",
+                str(self.config_path),
+                "--router",
+                self.router_url,
+                "--buffer",
+                self.buffer_url,
+                "--tokenizer",
+                self.tokenizer_path,
+            ],
             None,
         )
         rollout.start(env={"OMP_NUM_THREADS": "1"})
@@ -159,8 +201,12 @@ class Progress:
         parts = [f"[{elapsed:6.0f}s]", f"step {step}" + (f"/{self.total}" if self.total else "")]
         if records:
             last = records[-1]
-            parts += [f"reward {last.get('reward', 0):.3f}", f"kl {last.get('kl_k3', 0):.4f}",
-                      f"extreme {last.get('extreme_ratio', 0):.3%}", f"{last.get('tokens_per_s', 0):.0f} tok/s"]
+            parts += [
+                f"reward {last.get('reward', 0):.3f}",
+                f"kl {last.get('kl_k3', 0):.4f}",
+                f"extreme {last.get('extreme_ratio', 0):.3%}",
+                f"{last.get('tokens_per_s', 0):.0f} tok/s",
+            ]
             rate = step / max(records[-1].get("elapsed", elapsed), 1e-9)
             if self.total and rate > 0:
                 parts.append(f"ETA {max(self.total - step, 0) / rate:.0f}s")
@@ -168,8 +214,11 @@ class Progress:
             parts.append("collecting the first batch…")
         if evaluations:
             e = evaluations[-1]
-            parts.append("held-out " + " ".join(f"pass@{k} {v:.3f}" for k, v in e.get("pass_at_k", {}).items())
-                         + f" (step {e['step']})")
+            parts.append(
+                "held-out "
+                + " ".join(f"pass@{k} {v:.3f}" for k, v in e.get("pass_at_k", {}).items())
+                + f" (step {e['step']})"
+            )
         print("  ".join(parts), flush=True)
 
 
@@ -180,8 +229,9 @@ def evaluations_to_run_dir(run_dir: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mixrl run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="mixrl run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("file", help="RLRun YAML")
     parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<name>)")
     parser.add_argument("--steps", type=int, default=None, help="override trainer.totalSteps")
@@ -204,8 +254,11 @@ def main(argv: list[str]) -> int:
         rlrun.spec.trainer.total_steps = args.steps
     bad = [p.name for p in rlrun.spec.sampler_pools if p.engine != "torch"]
     if bad:
-        print(f"mixrl run: spec.samplerPools: pools {bad} use SGLang, which needs GPUs; local runs use "
-              "engine: torch (set gpuType: cpu)", file=sys.stderr)
+        print(
+            f"mixrl run: spec.samplerPools: pools {bad} use SGLang, which needs GPUs; local runs use "
+            "engine: torch (set gpuType: cpu)",
+            file=sys.stderr,
+        )
         return 1
 
     from mixrl.local.prepare import prepare_model  # torch and transformers load from here on
@@ -218,9 +271,12 @@ def main(argv: list[str]) -> int:
     (run_dir / "resolved.json").write_text(resolved.model_dump_json(indent=2))
     (run_dir / "rlrun.yaml").write_text(Path(args.file).read_text())
 
-    print(f"mixrl run: {rlrun.metadata.name}: {len(resolved.pools)} pools "
-          f"({', '.join(f'{p.name}={p.weight_precision}/kv-{p.kv_cache_dtype}' for p in resolved.pools)}), "
-          f"output in {run_dir}", flush=True)
+    print(
+        f"mixrl run: {rlrun.metadata.name}: {len(resolved.pools)} pools "
+        f"({', '.join(f'{p.name}={p.weight_precision}/kv-{p.kv_cache_dtype}' for p in resolved.pools)}), "
+        f"output in {run_dir}",
+        flush=True,
+    )
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     prepared = prepare_model(resolved, cache, run_dir)
     supervisor = Supervisor(resolved, run_dir, prepared.model_path, prepared.tokenizer_path)
@@ -234,8 +290,11 @@ def main(argv: list[str]) -> int:
         while supervisor.trainer.alive:
             failed = supervisor.failed_component()
             if failed is not None:
-                print(f"mixrl run: {failed.name} exited with code {failed.returncode}; last log lines "
-                      f"({failed.log_path}):\n{failed.log_tail()}", file=sys.stderr)
+                print(
+                    f"mixrl run: {failed.name} exited with code {failed.returncode}; last log lines "
+                    f"({failed.log_path}):\n{failed.log_tail()}",
+                    file=sys.stderr,
+                )
                 status = 1
                 break
             progress.update()
@@ -260,7 +319,9 @@ def main(argv: list[str]) -> int:
     return status
 
 
-def wait_for_final_evaluation(run_dir: Path, run: ResolvedRun, supervisor: Supervisor, timeout: float = 180) -> None:
+def wait_for_final_evaluation(
+    run_dir: Path, run: ResolvedRun, supervisor: Supervisor, timeout: float = 180
+) -> None:
     """The rollout worker evaluates after the last step; keep the engines up until it has."""
     total = run.trainer.spec.total_steps
     if total is None:

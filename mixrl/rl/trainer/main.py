@@ -30,7 +30,7 @@ from mixrl.rl.models import load_model
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.telemetry import TrainerTelemetry
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
-from mixrl.rl.weights import WeightStore
+from mixrl.rl.weights import WeightStore, version_dir_name
 
 log = logging.getLogger("mixrl.trainer")
 CHECKPOINT = "trainer.pt"
@@ -51,7 +51,9 @@ def format_error_share(groups: list[list[Trajectory]]) -> float:
     return sum(t.finish_reason == "format_errors" for t in trajectories) / max(len(trajectories), 1)
 
 
-def step_record(step: int, result: StepResult, groups: list[list[Trajectory]], started: float) -> dict[str, Any]:
+def step_record(
+    step: int, result: StepResult, groups: list[list[Trajectory]], started: float
+) -> dict[str, Any]:
     per_pool = dict(result.per_pool)
     for pool in per_pool:
         pool_trajectories = [t for g in groups for t in g if t.pool == pool]
@@ -75,8 +77,16 @@ def step_record(step: int, result: StepResult, groups: list[list[Trajectory]], s
 
 
 class TrainerLoop:
-    def __init__(self, run: ResolvedRun, *, buffer_url: str, router_url: str | None, run_dir: Path,
-                 model_path: str, telemetry: TrainerTelemetry | None = None) -> None:
+    def __init__(
+        self,
+        run: ResolvedRun,
+        *,
+        buffer_url: str,
+        router_url: str | None,
+        run_dir: Path,
+        model_path: str,
+        telemetry: TrainerTelemetry | None = None,
+    ) -> None:
         self.run = run
         self.buffer = BufferClient(buffer_url)
         self.router_url = router_url.rstrip("/") if router_url else None
@@ -95,6 +105,7 @@ class TrainerLoop:
             temperature=run.trainer.temperature,
             micro_batch_tokens=spec.micro_batch_tokens,
         )
+        self.model_config = self.trainer.model.config.to_dict()
         self.step = 0
         self.stopping = asyncio.Event()
 
@@ -103,14 +114,25 @@ class TrainerLoop:
         if path.exists():
             self.step = int(self.trainer.load_checkpoint(path)["step"])
             log.info("resumed from %s at step %d", path, self.step)
+        # Versions published after the checkpoint came from updates that are now redone (on the same
+        # batches: the buffer hands step N the same groups again), so they are replaced.
+        for version in self.store.versions():
+            if version > self.step:
+                log.info("removing weight version %d (newer than the checkpoint)", version)
+                self.store.storage.remove(version_dir_name(version))
 
     async def reload_engines(self, version: int) -> None:
         if self.router_url is None:
             return
         body = {"model_path": self.store.path(version), "weight_version": str(version)}
-        async with aiohttp.ClientSession() as session, session.post(
-            f"{self.router_url}/update_weights_from_disk", json=body, timeout=aiohttp.ClientTimeout(total=300)
-        ) as response:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"{self.router_url}/update_weights_from_disk",
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=300),
+            ) as response,
+        ):
             result = await response.json()
         if response.status != 200:
             log.warning("engine reload to version %d: HTTP %d %s", version, response.status, result)
@@ -124,37 +146,48 @@ class TrainerLoop:
             batch = await self.buffer.get_batch(step)
             if batch is None:  # long-poll timed out: no full batch yet
                 continue
-            groups = [[Trajectory.model_validate(t) for t in group] for group in batch["groups"]]
-            policy_batch = collate(groups, trainer_version=self.step, normalize_std=self.run.trainer.normalize_std)
+            groups = [group.trajectories for group in batch.groups]
+            policy_batch = collate(
+                groups, trainer_version=self.step, normalize_std=self.run.trainer.normalize_std
+            )
             result = await asyncio.to_thread(self.trainer.step, policy_batch)
             state = await asyncio.to_thread(self.trainer.state_dict_for_publication)
-            await asyncio.to_thread(self.store.publish, step, state, {"step": step})
+            await asyncio.to_thread(self.store.publish, step, state, {"step": step}, self.model_config)
             await self.reload_engines(step)
+            await asyncio.to_thread(self.store.prune, self.run.weights.keep_versions)
             self.step = step
             if step % self.run.trainer.spec.checkpoint_every == 0 or step == total:
                 await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir / CHECKPOINT, step)
             await self.buffer.commit(step)
             record = step_record(step, result, groups, started)
-            record["dropped_stale"] = batch.get("dropped_stale", 0)
             with metrics_path.open("a", encoding="utf-8") as out:
                 out.write(json.dumps(record) + "\n")
             if self.telemetry is not None:
                 self.telemetry.observe(record)
             log.info(
                 "step %d reward %.3f kl %.4f grad %.3f tok/s %.0f",
-                step, record.get("reward", 0.0), record.get("kl_k3", 0.0), result.grad_norm, record["tokens_per_s"],
+                step,
+                record.get("reward", 0.0),
+                record.get("kl_k3", 0.0),
+                result.grad_norm,
+                record["tokens_per_s"],
             )
         await self.buffer.close()
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mixrl trainer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="resolved run JSON (written by mixrl run or the operator)")
+    parser = argparse.ArgumentParser(
+        prog="mixrl trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"
+    )
     parser.add_argument("--buffer", required=True, help="buffer URL")
     parser.add_argument("--router", default=None, help="router URL (engines reload through it)")
     parser.add_argument("--run-dir", required=True, help="directory for metrics.jsonl and checkpoints")
-    parser.add_argument("--model-path", default=None, help="initial checkpoint (default: the spec's model.path)")
+    parser.add_argument(
+        "--model-path", default=None, help="initial checkpoint (default: the spec's model.path)"
+    )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
@@ -162,8 +195,14 @@ def main(argv: list[str]) -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     telemetry = TrainerTelemetry(run, port=args.metrics_port) if args.metrics_port else None
-    loop = TrainerLoop(run, buffer_url=args.buffer, router_url=args.router, run_dir=run_dir,
-                       model_path=args.model_path or run.model.path, telemetry=telemetry)
+    loop = TrainerLoop(
+        run,
+        buffer_url=args.buffer,
+        router_url=args.router,
+        run_dir=run_dir,
+        model_path=args.model_path or run.model.path,
+        telemetry=telemetry,
+    )
     loop.resume()
 
     async def _main() -> None:

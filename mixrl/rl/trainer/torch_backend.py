@@ -62,13 +62,17 @@ class TorchPolicyTrainer:
     ) -> None:
         self.model = model.to(compute_dtype)
         self.model.train()
+        self.model.requires_grad_(True)
         self.corrections = corrections
         self.temperature = temperature
         self.grad_clip = grad_clip
         self.micro_batch_tokens = micro_batch_tokens
         self.chunk_size = chunk_size
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=lr, betas=betas, weight_decay=weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
         )
 
     def _hidden_and_head(self, micro: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,10 +106,10 @@ class TorchPolicyTrainer:
                 self.corrections,
                 chunk_size=self.chunk_size,
                 temperature=self.temperature,
+                num_loss_tokens=total_tokens,  # the denominator is the whole batch's token count
             )
-            # The objective divides by this micro-batch's tokens; re-weight to the whole batch's.
-            (loss * (micro.num_tokens / total_tokens)).backward()
-            loss_sum += float(loss.detach()) * micro.num_tokens / total_tokens
+            loss.backward()
+            loss_sum += float(loss.detach())
             for name, values in metrics.per_token.items():
                 per_token.setdefault(name, []).append(values.detach().float())
             pool_index.append(micro.pool_index)
@@ -131,12 +135,19 @@ class TorchPolicyTrainer:
 
     def state_dict_for_publication(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
         """Weights as the samplers receive them (BF16), contiguous and untied for safetensors."""
-        return {name: t.detach().to(dtype).contiguous().clone() for name, t in self.model.state_dict().items()}
+        return {
+            name: t.detach().to(dtype).contiguous().clone() for name, t in self.model.state_dict().items()
+        }
 
     def save_checkpoint(self, path: Path, step: int, extra: dict[str, Any] | None = None) -> None:
         tmp = path.with_suffix(".tmp")
         torch.save(
-            {"step": step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), **(extra or {})},
+            {
+                "step": step,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                **(extra or {}),
+            },
             tmp,
         )
         tmp.replace(path)  # atomic: a crash leaves the previous checkpoint intact
@@ -148,8 +159,15 @@ class TorchPolicyTrainer:
         return state
 
 
+# The objective's metric keys, as the trainer logs them (k1/k3 are sampler–trainer KL estimates).
+LOGGED_NAMES = {"k1": "kl_k1", "k3": "kl_k3"}
+
+
 def summarize(per_token: dict[str, torch.Tensor], batch: PolicyBatch) -> dict[str, float]:
-    out = {name: float(values.mean()) if values.numel() else 0.0 for name, values in per_token.items()}
+    out = {
+        LOGGED_NAMES.get(name, name): float(values.mean()) if values.numel() else 0.0
+        for name, values in per_token.items()
+    }
     out["reward"] = float(batch.rewards.mean())
     out["staleness_mean"] = float(batch.staleness.float().mean()) if batch.num_tokens else 0.0
     out["staleness_max"] = float(batch.staleness.max()) if batch.num_tokens else 0.0
@@ -164,7 +182,9 @@ def summarize_per_pool(
         token_mask = pool_index == i
         row_mask = batch.trajectory_pool == i
         stats = {
-            name: float(values[token_mask].mean()) for name, values in per_token.items() if token_mask.any()
+            LOGGED_NAMES.get(name, name): float(values[token_mask].mean())
+            for name, values in per_token.items()
+            if token_mask.any()
         }
         stats["tokens"] = float(token_mask.sum())
         stats["trajectories"] = float(row_mask.sum())

@@ -1,0 +1,60 @@
+"""The trainer's Prometheus series (names from mixrl.rl.metrics), per pool and for the whole run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from mixrl.api.resolve import ResolvedRun
+from mixrl.rl import metrics as m
+
+ALL_POOLS = "all"
+
+# record key -> metric; the same keys exist per pool and for the whole batch
+GAUGES = {
+    "reward": m.MIXRL_TRAINER_REWARD,
+    "kl_k3": m.MIXRL_TRAINER_KL,
+    "extreme_ratio": m.MIXRL_TRAINER_EXTREME_RATIO_SHARE,
+    "entropy": m.MIXRL_TRAINER_ENTROPY,
+}
+
+
+class TrainerTelemetry:
+    def __init__(
+        self, run: ResolvedRun, port: int, host: str = "0.0.0.0", registry: CollectorRegistry | None = None
+    ) -> None:
+        self.run = run
+        self.registry = registry or CollectorRegistry()
+        self.pools = {p.name: p for p in run.pools}
+        self.gauges = {key: m.create(spec, self.registry) for key, spec in GAUGES.items()}
+        self.step = m.create(m.MIXRL_TRAINER_STEP, self.registry)
+        self.version = m.create(m.MIXRL_TRAINER_WEIGHT_VERSION, self.registry)
+        self.grad_norm = m.create(m.MIXRL_TRAINER_GRAD_NORM, self.registry)
+        self.staleness = m.create(m.MIXRL_TRAINER_STALENESS, self.registry)
+        self.tokens = m.create(m.MIXRL_TRAINER_TOKENS_TOTAL, self.registry)
+        if port:
+            start_http_server(port, addr=host, registry=self.registry)
+
+    def _labels(self, pool: str) -> dict[str, str]:
+        resolved = self.pools.get(pool)
+        return {
+            "run": self.run.name,
+            "pool": pool,
+            "gpu_type": resolved.gpu_type if resolved else "",
+            "precision": resolved.weight_precision if resolved else "",
+        }
+
+    def observe(self, record: dict[str, Any]) -> None:
+        everything = self._labels(ALL_POOLS)
+        self.step.labels(**everything).set(record["step"])
+        self.version.labels(**everything).set(record["weight_version"])
+        self.grad_norm.labels(**everything).set(record["grad_norm"])
+        self.staleness.labels(**everything).set(record.get("staleness_mean", 0.0))
+        self.tokens.labels(**everything).inc(record["tokens"])
+        for key, gauge in self.gauges.items():
+            if key in record:
+                gauge.labels(**everything).set(record[key])
+            for pool, stats in record.get("pools", {}).items():
+                if key in stats:
+                    gauge.labels(**self._labels(pool)).set(stats[key])
