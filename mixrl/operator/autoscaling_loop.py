@@ -43,7 +43,14 @@ from mixrl.operator.autoscaler import (
     allocate_gpu_budget,
     decide,
 )
-from mixrl.operator.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, load_query, sustained_query
+from mixrl.operator.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
+from mixrl.operator.promql import (
+    SUSTAINED_STEP,
+    SUSTAINED_WINDOW,
+    gpu_models_query,
+    load_query,
+    sustained_query,
+)
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
@@ -104,6 +111,26 @@ async def query_prometheus(
     if math.isnan(value) or math.isinf(value) or value < 0:
         raise MetricsUnavailable("QueryFailed", f"query returned {raw}, expected a number ≥ 0")
     return value
+
+
+async def query_label_values(
+    session: aiohttp.ClientSession, base_url: str, query: str, label: str, timeout_s: float = 10.0
+) -> set[str]:
+    """The values of ``label`` across the series an instant query returns (none is fine)."""
+    url = base_url.rstrip("/") + "/api/v1/query"
+    try:
+        async with session.get(
+            url, params={"query": query}, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            payload = await response.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        raise MetricsUnavailable("PrometheusUnreachable", f"{url}: {exc or type(exc).__name__}") from exc
+    if not isinstance(payload, dict) or payload.get("status") != "success":
+        raise MetricsUnavailable(
+            "QueryFailed", str(payload.get("error") if isinstance(payload, dict) else payload)
+        )
+    result = (payload.get("data") or {}).get("result") or []
+    return {series["metric"][label] for series in result if series.get("metric", {}).get(label)}
 
 
 @dataclass(frozen=True)
@@ -217,8 +244,10 @@ def plan_pool(
     *,
     history: int = 10,
     decision: Decision | None = None,
+    gpu_models: set[str] | None = None,
 ) -> PoolPlan:
-    """One poll of one pool, without I/O.  ``decision`` overrides the policy (the GPU budget)."""
+    """One poll of one pool, without I/O.  ``decision`` overrides the policy (the GPU budget);
+    ``gpu_models`` are the GPU models the pool's pods report (None: unknown)."""
     pool = pool_of(run, pool_body)
     load = load_of(pool_body, observation)
     if decision is None:
@@ -233,6 +262,14 @@ def plan_pool(
         others = [c for c in conditions if c.get("type") != METRICS_AVAILABLE]
         patch["conditions"] = [*others, condition]
     event = None
+    wrong_gpu = wrong_gpu_condition(gpu_models or (), pool.gpu_products, conditions, generation, rfc3339(now))
+    if wrong_gpu is not None:
+        before = next((c for c in conditions if c.get("type") == WRONG_GPU_TYPE), None)
+        if before is None or any(before.get(k) != wrong_gpu[k] for k in ("status", "reason", "message")):
+            current = patch.get("conditions", conditions)
+            patch["conditions"] = [*(c for c in current if c.get("type") != WRONG_GPU_TYPE), wrong_gpu]
+            if wrong_gpu["status"] == "True":
+                event = ("Warning", WRONG_GPU_TYPE, wrong_gpu["message"])
     replicas = None
     if decision.changed:
         replicas = decision.desired
@@ -246,7 +283,7 @@ def plan_pool(
             record["load"] = observation.load
         patch["lastScaleDecisions"] = [*(status.get("lastScaleDecisions") or []), record][-history:]
         event = ("Normal", SCALED_REASON, decision.reason[:1000])
-    elif observation.problem is not None and "conditions" in patch:
+    elif observation.problem is not None and (old is None or old.get("status") != "False"):
         event = (
             "Warning",
             METRICS_REASON,
@@ -347,6 +384,8 @@ class LoopSettings:
     history: int = 10
     """Scaling decisions kept in ``status.lastScaleDecisions``."""
     query_timeout_s: float = 10.0
+    check_gpu_models: bool = True
+    """Also ask Prometheus which GPU models DCGM sees under each pool (the WrongGpuType condition)."""
     sustained_window: tuple[str, str] = (SUSTAINED_WINDOW, SUSTAINED_STEP)
     """Window and step of the confirming ``avg_over_time`` subquery."""
 
@@ -471,8 +510,27 @@ class AutoscalingLoop:
         memory.state, memory.last_poll = decision.state, now
         if run.autoscaling.gpu_budget is not None and observation.problem is None:
             decision = self.apply_budget(key, body, run, pool, decision)
+        models = None
+        if self.settings.check_gpu_models and observation.problem is None:
+            try:
+                models = await query_label_values(
+                    self.session(),
+                    run.autoscaling.prometheus_url,
+                    gpu_models_query(run.namespace, pool.object_name),
+                    "modelName",
+                    self.settings.query_timeout_s,
+                )
+            except MetricsUnavailable:
+                models = None  # GPU telemetry is optional; the load decided the replicas
         plan = plan_pool(
-            body, run, observation, memory, now, history=self.settings.history, decision=decision
+            body,
+            run,
+            observation,
+            memory,
+            now,
+            history=self.settings.history,
+            decision=decision,
+            gpu_models=models,
         )
         await self.write(key, body, plan, now)
         return plan

@@ -110,3 +110,8 @@ def dcgm_run_query(metric: str, namespace: str, run: str, pools: tuple[str, ...]
     selector = f'{metric}{{namespace="{_label_value(namespace)}",pod=~"{pattern}"}}'
     relabeled = f'label_replace({selector}, "pool", "$1", "pod", "{pattern}")'
     return f"{reduce} by (pool) ({relabeled})"
+
+
+def gpu_models_query(namespace: str, object_name: str) -> str:
+    """One series per GPU model DCGM sees under the pool's pods (label ``modelName``)."""
+    return f"count by (modelName) ({DCGM_GPU_UTIL}{{{pod_matchers(namespace, object_name)}}})"

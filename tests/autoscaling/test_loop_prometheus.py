@@ -17,11 +17,18 @@ import pytest
 from mixrl.operator.autoscaling_loop import (
     LoopSettings,
     MetricsUnavailable,
+    query_label_values,
     query_prometheus,
     register_autoscaling,
 )
 from mixrl.operator.kube import Connection
-from mixrl.operator.promql import DCGM_GPU_UTIL, dcgm_run_query, default_load_query, sustained_query
+from mixrl.operator.promql import (
+    DCGM_GPU_UTIL,
+    dcgm_run_query,
+    default_load_query,
+    gpu_models_query,
+    sustained_query,
+)
 
 from .conftest import EngineMetrics, engine_job, free_port, needs_prometheus
 
@@ -69,9 +76,13 @@ async def test_prometheus_query_counts_both_spellings_once(serve, prometheus) ->
 
     async def dcgm(_: aiohttp.web.Request) -> aiohttp.web.Response:
         lines = [
-            f'DCGM_FI_DEV_GPU_UTIL{{gpu="{i}",namespace="{NS}",pod="{pod}"}} {util}'
-            for i, (pod, util) in enumerate(
-                [("r-h100-fp8-aaaaa-11111", 90), ("r-h100-fp8-bbbbb-22222", 70), ("r-h100-ccccc-33333", 10)]
+            f'DCGM_FI_DEV_GPU_UTIL{{gpu="{i}",modelName="{model}",namespace="{NS}",pod="{pod}"}} {util}'
+            for i, (pod, model, util) in enumerate(
+                [
+                    ("r-h100-fp8-aaaaa-11111", "NVIDIA H100 80GB HBM3", 90),
+                    ("r-h100-fp8-bbbbb-22222", "NVIDIA A100-SXM4-80GB", 70),
+                    ("r-h100-ccccc-33333", "NVIDIA H100 80GB HBM3", 10),
+                ]
             )
         ]
         return aiohttp.web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
@@ -110,6 +121,10 @@ async def test_prometheus_query_counts_both_spellings_once(serve, prometheus) ->
         async with session.get(f"{server.url}/api/v1/query", params={"query": per_pool}) as response:
             result = (await response.json())["data"]["result"]
         assert {r["metric"]["pool"]: float(r["value"][1]) for r in result} == {"h100-fp8": 80.0, "h100": 10.0}
+        models = await query_label_values(
+            session, server.url, gpu_models_query(NS, "r-h100-fp8"), "modelName"
+        )
+        assert models == {"NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"}
     await server.stop()
     async with aiohttp.ClientSession() as session:
         with pytest.raises(MetricsUnavailable) as down:

@@ -1,0 +1,53 @@
+"""Is a pool running on the GPUs its spec asked for?  A pure check over the reported products.
+
+The reports come from what the GPUs say about themselves — DCGM exporter's ``modelName`` label
+(queried per pool through Prometheus) or the engines' own NVML reading
+(:func:`mixrl.rl.gpu_identity.gpu_identity`) — never from node labels, which are what could be
+wrong.  The condition ``WrongGpuType`` is True when any reported product is outside the pool's
+``nvidia.com/gpu.product`` list (the GPU table's, or the spec's override).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from mixrl.rl.gpu_identity import product_label
+
+WRONG_GPU_TYPE = "WrongGpuType"
+
+Obj = dict[str, Any]
+
+
+def wrong_gpu_value(reported: Iterable[str], allowed: Sequence[str]) -> tuple[str, str, str] | None:
+    """(status, reason, message) of WrongGpuType, or None when nothing can be said."""
+    products = {product_label(name) for name in reported if name}
+    if not products or not allowed:
+        return None  # no telemetry yet, or a CPU pool (no product list to check against)
+    unexpected = sorted(products - set(allowed))
+    if unexpected:
+        return (
+            "True",
+            "UnexpectedProduct",
+            f"pods run on {', '.join(unexpected)}; the pool allows {', '.join(allowed)}",
+        )
+    return "False", "ProductsMatch", f"pods run on {', '.join(sorted(products))}"
+
+
+def wrong_gpu_condition(
+    reported: Iterable[str], allowed: Sequence[str], previous: list[Obj], generation: int | None, now: str
+) -> Obj | None:
+    value = wrong_gpu_value(reported, allowed)
+    if value is None:
+        return None
+    status, reason, message = value
+    before = next((c for c in previous if c.get("type") == WRONG_GPU_TYPE), None)
+    flipped = before is None or before.get("status") != status
+    return {
+        "type": WRONG_GPU_TYPE,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now if flipped else before.get("lastTransitionTime", now),
+        "observedGeneration": generation,
+    }

@@ -1,0 +1,186 @@
+"""The loop's pure step (body + observation → scale, status patch, event) and the GPU-type check."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import pytest
+
+from mixrl.api.loader import load_rlrun
+from mixrl.api.resolve import resolve
+from mixrl.operator.autoscaling_loop import (
+    MetricsUnavailable,
+    Observation,
+    PoolMemory,
+    load_of,
+    plan_pool,
+)
+from mixrl.operator.gpu_check import wrong_gpu_value
+from mixrl.rl.gpu_identity import gpu_identity, product_label
+
+RUN = resolve(load_rlrun("examples/rlrun-mixed.yaml"))  # targetPerReplica 16; h100-fp8 capacity 1.5
+
+
+def pool_body(
+    replicas: int = 2, ready: int = 2, conditions: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "qwen3-moe-coding-h100-fp8", "namespace": "rl", "generation": 3, "uid": "u"},
+        "spec": {
+            "run": "qwen3-moe-coding",
+            "pool": "h100-fp8",
+            "replicas": replicas,
+            "minReplicas": 1,
+            "maxReplicas": 8,
+        },
+        "status": {"readyReplicas": ready, "conditions": conditions or [], "lastScaleDecisions": []},
+    }
+
+
+def test_a_scale_up_writes_replicas_a_decision_and_an_event() -> None:
+    plan = plan_pool(pool_body(), RUN, Observation(120.0, 120.0), PoolMemory(), now=1_700_000_000.0)
+    assert plan.replicas == 5  # ceil(120 / (16 · 1.5))
+    status = plan.status_patch["status"]
+    assert status["lastScaleDecisions"][-1] == {
+        "time": "2023-11-14T22:13:20Z",
+        "fromReplicas": 2,
+        "toReplicas": 5,
+        "reason": plan.decision.reason,
+        "load": 120.0,
+    }
+    assert (
+        status["conditions"][0]["type"] == "MetricsAvailable" and status["conditions"][0]["status"] == "True"
+    )
+    assert plan.event is not None and plan.event[:2] == ("Normal", "Scaled")
+
+
+def test_nothing_to_write_when_nothing_changed() -> None:
+    available = {
+        "type": "MetricsAvailable",
+        "status": "True",
+        "reason": "QueryReturned",
+        "message": "load 48",
+    }
+    plan = plan_pool(pool_body(conditions=[available]), RUN, Observation(48.0, 48.0), PoolMemory(), now=0.0)
+    assert plan.replicas is None and plan.status_patch == {} and plan.event is None
+
+
+def test_decision_history_is_bounded_newest_last() -> None:
+    body = pool_body()
+    body["status"]["lastScaleDecisions"] = [{"toReplicas": i} for i in range(10)]
+    plan = plan_pool(body, RUN, Observation(120.0, None), PoolMemory(), now=0.0, history=10)
+    decisions = plan.status_patch["status"]["lastScaleDecisions"]
+    assert len(decisions) == 10 and decisions[0] == {"toReplicas": 1} and decisions[-1]["toReplicas"] == 5
+
+
+def test_lost_metrics_hold_replicas_and_flip_the_condition_once() -> None:
+    problem = MetricsUnavailable("PrometheusUnreachable", "http://prom:9090/api/v1/query: connection refused")
+    other = {"type": "Ready", "status": "True", "reason": "Ready", "message": ""}
+    plan = plan_pool(
+        pool_body(conditions=[other]), RUN, Observation(None, None, problem), PoolMemory(), now=0.0
+    )
+    assert plan.replicas is None
+    conditions = {c["type"]: c for c in plan.status_patch["status"]["conditions"]}
+    assert conditions["Ready"] == other  # someone else's condition is kept
+    assert (conditions["MetricsAvailable"]["status"], conditions["MetricsAvailable"]["reason"]) == (
+        "False",
+        "PrometheusUnreachable",
+    )
+    assert plan.event is not None and plan.event[:2] == ("Warning", "MetricsUnavailable")
+    again = plan_pool(
+        pool_body(conditions=list(conditions.values())),
+        RUN,
+        Observation(None, None, problem),
+        PoolMemory(),
+        now=30.0,
+    )
+    assert again.status_patch == {} and again.event is None
+
+
+def test_starting_replicas_and_weight_updates_come_from_the_body() -> None:
+    updating = {"type": "UpdatingWeights", "status": "True"}
+    load = load_of(pool_body(replicas=6, ready=2, conditions=[updating]), Observation(10.0, None))
+    assert (load.replicas, load.ready, load.starting, load.updating_weights) == (6, 2, 4, True)
+    plan = plan_pool(
+        pool_body(replicas=6, ready=6, conditions=[updating]), RUN, Observation(1.0, None), PoolMemory(), 0.0
+    )
+    assert plan.replicas is None and "weight update" in plan.decision.reason
+
+
+def test_wrong_gpu_type_raises_a_condition_and_a_warning() -> None:
+    plan = plan_pool(
+        pool_body(), RUN, Observation(48.0, 48.0), PoolMemory(), 0.0, gpu_models={"NVIDIA A100-SXM4-80GB"}
+    )
+    conditions = {c["type"]: c for c in plan.status_patch["status"]["conditions"]}
+    assert conditions["WrongGpuType"]["status"] == "True"
+    assert "NVIDIA-A100-SXM4-80GB" in conditions["WrongGpuType"]["message"]
+    assert plan.event is not None and plan.event[:2] == ("Warning", "WrongGpuType")
+    fine = plan_pool(
+        pool_body(), RUN, Observation(48.0, 48.0), PoolMemory(), 0.0, gpu_models={"NVIDIA H100 80GB HBM3"}
+    )
+    assert {c["type"]: c["status"] for c in fine.status_patch["status"]["conditions"]}[
+        "WrongGpuType"
+    ] == "False"
+
+
+@pytest.mark.parametrize(
+    ("reported", "allowed", "expected"),
+    [
+        ({"NVIDIA H200"}, ("NVIDIA-H200", "NVIDIA-H200-NVL"), "False"),
+        ({"NVIDIA H200", "NVIDIA H100 80GB HBM3"}, ("NVIDIA-H200",), "True"),
+        (set(), ("NVIDIA-H200",), None),  # no telemetry: nothing to say
+        ({"NVIDIA H200"}, (), None),  # a CPU pool has no product list
+    ],
+)
+def test_wrong_gpu_value(reported: set[str], allowed: tuple[str, ...], expected: str | None) -> None:
+    value = wrong_gpu_value(reported, allowed)
+    assert (value[0] if value else None) == expected
+
+
+def test_product_label_matches_gpu_feature_discovery() -> None:
+    assert product_label("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert product_label(" NVIDIA  B200 ") == "NVIDIA-B200"
+
+
+def test_gpu_identity_is_none_without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails, as on a machine without it
+    assert gpu_identity() is None
+
+
+def test_gpu_identity_reads_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in for nvidia-ml-py's module (no GPU here): the calls and fields we rely on."""
+
+    class NVMLError(Exception):
+        pass
+
+    calls: list[str] = []
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
+        nvmlDeviceGetName=lambda h: b"NVIDIA H200",
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=143771 * 1024 * 1024),
+        nvmlSystemGetDriverVersion=lambda: "570.86",
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    identity = gpu_identity(1)
+    assert identity is not None
+    assert (identity.product, identity.uuid, identity.memory_mib, identity.count) == (
+        "NVIDIA-H200",
+        "GPU-h1",
+        143771,
+        2,
+    )
+    assert calls == ["init", "shutdown"]
+    assert gpu_identity(2) is None  # only two GPUs
+
+    def no_driver() -> None:
+        raise NVMLError("driver not loaded")
+
+    monkeypatch.setattr(fake, "nvmlInit", no_driver)
+    assert gpu_identity() is None
