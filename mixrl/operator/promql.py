@@ -18,9 +18,15 @@ import re
 
 from mixrl.api.models import AutoscalingSpec
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
+from mixrl.rl.metrics import (
+    MIXRL_ROUTER_QUEUE_DEPTH,
+    MIXRL_ROUTER_REQUESTS_IN_FLIGHT,
+    SGLANG_NUM_QUEUE_REQS,
+    SGLANG_NUM_RUNNING_REQS,
+)
 
-QUEUE_METRICS = ("sglang:num_queue_reqs", "sglang_num_queue_reqs")
-RUNNING_METRICS = ("sglang:num_running_reqs", "sglang_num_running_reqs")
+QUEUE_METRICS = (SGLANG_NUM_QUEUE_REQS.name, SGLANG_NUM_QUEUE_REQS.name.replace(":", "_"))
+RUNNING_METRICS = (SGLANG_NUM_RUNNING_REQS.name, SGLANG_NUM_RUNNING_REQS.name.replace(":", "_"))
 SUSTAINED_WINDOW = "1m"
 """The window of the confirming query (``avg_over_time``): see rule 1 of the policy."""
 SUSTAINED_STEP = "15s"
@@ -115,3 +121,12 @@ def dcgm_run_query(metric: str, namespace: str, run: str, pools: tuple[str, ...]
 def gpu_models_query(namespace: str, object_name: str) -> str:
     """One series per GPU model DCGM sees under the pool's pods (label ``modelName``)."""
     return f"count by (modelName) ({DCGM_GPU_UTIL}{{{pod_matchers(namespace, object_name)}}})"
+
+
+ROUTER_LOAD_QUERY = (
+    f'sum({{__name__=~"{MIXRL_ROUTER_REQUESTS_IN_FLIGHT.name}|{MIXRL_ROUTER_QUEUE_DEPTH.name}",'
+    'namespace="{namespace}",run="{run}",pool="{pool}"})'
+)
+"""A template for ``autoscaling.query``: the router's view of a pool's load (requests forwarded
+and not yet answered, plus those it holds for a slot).  Same meaning as the engine default, from
+the router's series (names in :mod:`mixrl.rl.metrics`)."""

@@ -136,7 +136,7 @@ def summary(result: SimResult) -> dict[str, float | int | str]:
         "cost_per_mtok_usd": round(result.cost_per_mtok, 4),
         "gpu_hours": round(sum(result.gpu_seconds_by_pool.values()) / 3600, 1),
         "scaling_actions": len(result.actions),
-        "flaps": result.flaps(),
+        "reversals_10min": result.flaps(),
         "requests": result.requests,
         "sessions_started": result.sessions_started,
         "wall_s": round(result.wall_seconds, 2),
@@ -153,7 +153,7 @@ def format_table(rows: list[dict[str, float | int | str]]) -> str:
         ("cost_per_mtok_usd", "$/Mtok", "{:.3f}"),
         ("gpu_hours", "GPU-h", "{:.0f}"),
         ("scaling_actions", "actions", "{}"),
-        ("flaps", "flaps", "{}"),
+        ("reversals_10min", "reversals", "{}"),
     ]
     cells = [[title for _, title, _ in columns]]
     cells += [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]

@@ -138,3 +138,12 @@ def test_dcgm_queries() -> None:
     assert "(h100-fp8|h100)" in query and query.startswith("avg by (pool) (label_replace(")
     with pytest.raises(ValueError, match="metric: expected"):
         dcgm_by_pool_query("DCGM_FI_DEV_FB_USED", "rl", "x")
+
+
+def test_router_query_template_fills_in() -> None:
+    from mixrl.operator.promql import ROUTER_LOAD_QUERY
+
+    run = mixed(query=ROUTER_LOAD_QUERY)
+    query = load_query(run.autoscaling, run, run.pool("b200-nvfp4"))
+    assert query.endswith('namespace="rl",run="qwen3-moe-coding",pool="b200-nvfp4"})')
+    assert "mixrl_router_requests_in_flight|mixrl_router_queue_depth" in query
