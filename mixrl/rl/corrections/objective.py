@@ -60,9 +60,10 @@ def vocab_sums(u: Tensor, rows: TokenRows, shard: VocabShard) -> VocabSums:
     out_mass = torch.empty_like(shift)
     out_dot = torch.empty_like(shift)
     block = max(1, _EXP_BLOCK_ELEMENTS // max(u.shape[1], 1))
+    scratch = torch.empty((min(block, u.shape[0]), u.shape[1]), dtype=u.dtype, device=u.device)
     for r0 in range(0, u.shape[0], block):
         ub = u[r0 : r0 + block]
-        e = torch.exp(ub)
+        e = torch.exp(ub, out=scratch[: ub.shape[0]])
         out_mass[r0 : r0 + block] = e.sum(dim=1)
         out_dot[r0 : r0 + block] = e.mul_(ub).sum(dim=1)
     summed = shard.all_sum(torch.cat([out_mass[:, None], out_dot[:, None], gathered], 1).contiguous())
