@@ -117,8 +117,9 @@ class ModelRunner:
         for seq in seqs:
             if seq.max_new_tokens <= 0:
                 seq.finish_reason = {"type": "length", "length": 0}
-        live = [s for s in seqs if not s.finished]
-        done = [s for s in seqs if s.finished]
+        finished = [s.finished for s in seqs]  # one snapshot, as in _drop_finished
+        live = [s for s, f in zip(seqs, finished, strict=True) if not f]
+        done = [s for s, f in zip(seqs, finished, strict=True) if f]
         if not live:
             return done
         ids, mask = self._left_padded([s.prompt_ids for s in live])
@@ -228,10 +229,12 @@ class ModelRunner:
         run = self._running
         if run is None:
             return []
-        done = [s for s in run.seqs if s.finished]
-        if not done:
+        # one snapshot: abort() may mark a sequence from another thread while this runs
+        finished = [s.finished for s in run.seqs]
+        if not any(finished):
             return []
-        keep = [i for i, s in enumerate(run.seqs) if not s.finished]
+        done = [s for s, f in zip(run.seqs, finished, strict=True) if f]
+        keep = [i for i, f in enumerate(finished) if not f]
         if not keep:
             self._running = None
             return done

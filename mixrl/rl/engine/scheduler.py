@@ -77,6 +77,7 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._tokens_counted = 0
+        self._admitting: list[Sequence] = []  # handed to the model thread, not yet in the running batch
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -140,7 +141,7 @@ class Scheduler:
         """Finish every waiting and running request with an abort reason (effective before the next step)."""
         for entry in list(self._waiting):
             entry.seq.abort(message)
-        for seq in self.runner.running:
+        for seq in [*self._admitting, *self.runner.running]:
             seq.abort(message)
         self._wake.set()
 
@@ -150,7 +151,7 @@ class Scheduler:
             if entry.seq.rid == rid:
                 entry.seq.abort(message)
                 count += 1
-        for seq in self.runner.running:
+        for seq in [*self._admitting, *self.runner.running]:
             if seq.rid == rid:
                 seq.abort(message)
                 count += 1
@@ -196,7 +197,7 @@ class Scheduler:
             for entry in list(self._waiting):
                 if id(entry.seq) in self._cancelled:
                     entry.seq.abort("client disconnected")
-            for seq in self.runner.running:
+            for seq in [*self._admitting, *self.runner.running]:
                 if id(seq) in self._cancelled:
                     seq.abort("client disconnected")
             self._cancelled.clear()
@@ -219,7 +220,11 @@ class Scheduler:
             entry.admitted = now
             self.stats.admitted(len(entry.seq.prompt_ids), now - entry.arrival)
         seqs = [e.seq for e in batch]
-        self._resolve(await self._on_thread(lambda: self.runner.add(seqs)))
+        self._admitting = seqs
+        try:
+            self._resolve(await self._on_thread(lambda: self.runner.add(seqs)))
+        finally:
+            self._admitting = []
         return True
 
     def _resolve(self, finished: list[Sequence]) -> None:

@@ -1,0 +1,200 @@
+"""Decode throughput of the torch engine on CPU, per precision, batch size and cache mode.
+
+Measures the engine's own decoding path (mixrl.rl.engine.runner.ModelRunner with the weights prepared
+by mixrl.rl.engine.weights_io, exactly what `mixrl engine` runs, without HTTP) on a small Qwen3 built
+locally (hidden 256, 4 layers, vocab 2048: 4 M parameters; the 64-wide test model is so small that a
+forward pass costs the same for 1 or 300 tokens, which would say nothing about the KV cache).
+Decode steps only: the prefill is excluded.
+
+Every ratio is against a baseline measured in the same run, in lockstep: the configurations being
+compared each decode one step in turn (rotating who goes first), so a burst of load from other
+processes hits them alike.  Precision ratios are the median over steps of the paired per-step
+ratios; tokens/s figures use the median step time.  Cached vs uncached compares total decode time.
+
+Targets (issue 4):
+  emulated weight precisions  >= 0.90x the bf16 decode speed (quantized once at load, not per step)
+  FP8 KV cache                <= 1.30x the per-token cost of the bf16 KV cache
+  cached decoding             >= 10x the uncached speed at 256 generated tokens (batch 1; batch 16 is
+                              compared over --cache-tokens-b16 tokens, its uncached run being slow)
+
+    python bench/engine.py                 # full run (a few minutes on one core)
+    python bench/engine.py --quick         # smaller, for a smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from mixrl.rl.engine.runner import ModelRunner, Sequence
+from mixrl.rl.engine.sampling import RowSampling
+from mixrl.rl.engine.weights_io import apply_precision_
+from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.quant import WEIGHT_FORMATS
+
+KV_FP8 = "bf16+kv_fp8"
+CONFIGS = (*WEIGHT_FORMATS, KV_FP8)  # weights bf16 with an FP8 KV cache
+
+
+class Progress:
+    def __init__(self, total_steps: int) -> None:
+        self.total, self.done, self.start, self.last = total_steps, 0, time.perf_counter(), 0.0
+
+    def advance(self, steps: int, what: str) -> None:
+        self.done += steps
+        now = time.perf_counter()
+        if now - self.last > 10 or self.done == self.total:
+            elapsed = now - self.start
+            rate = self.done / elapsed
+            eta = (self.total - self.done) / rate if rate else 0.0
+            print(f"  {what}: {self.done}/{self.total} steps, {rate:.1f} steps/s, eta {eta:.0f}s", flush=True)
+            self.last = now
+
+
+def _runner(model: torch.nn.Module, layers: int, fp8_kv: bool, cached: bool, context: int) -> ModelRunner:
+    return ModelRunner(
+        model,
+        weight_version=0,
+        context_length=context,
+        kv_scales=[(1.0, 1.0) if fp8_kv else None] * layers,
+        use_kv_cache=cached,
+    )
+
+
+def _start(runner: ModelRunner, batch: int, prompt_len: int, vocab: int, new_tokens: int) -> None:
+    g = torch.Generator().manual_seed(batch)
+    seqs = [
+        Sequence(
+            rid=str(i),
+            prompt_ids=torch.randint(1, vocab, (prompt_len,), generator=g).tolist(),
+            sampling=RowSampling(temperature=1.0),
+            max_new_tokens=new_tokens + 1,  # the prefill samples one; then new_tokens decode steps
+            generator=torch.Generator().manual_seed(i),
+        )
+        for i in range(batch)
+    ]
+    runner.add(seqs)
+
+
+def lockstep(
+    runners: dict[str, ModelRunner], steps: int, progress: Progress, what: str
+) -> dict[str, list[float]]:
+    """Step every runner ``steps`` times in turn; per-runner list of step durations."""
+    names = list(runners)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for i in range(steps):
+        rotation = names[i % len(names) :] + names[: i % len(names)]
+        for name in rotation:
+            start = time.perf_counter()
+            runners[name].step()
+            times[name].append(time.perf_counter() - start)
+        progress.advance(1, what)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=128, help="decode steps for the precision comparison")
+    p.add_argument("--repeats", type=int, default=2, help="rounds of the precision comparison")
+    p.add_argument(
+        "--cache-tokens", type=int, default=256, help="generated tokens, cached vs uncached, batch 1"
+    )
+    p.add_argument("--cache-tokens-b16", type=int, default=32, help="the same at batch 16")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--quick", action="store_true", help="fewer tokens and rounds (smoke check)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.repeats, args.cache_tokens, args.cache_tokens_b16 = 24, 1, 48, 8
+        args.prompt_len = min(args.prompt_len, 64)
+    torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()
+    context = args.prompt_len + max(args.new_tokens, args.cache_tokens) + 8
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = create_tiny_checkpoint(
+            tmp,
+            "qwen3",
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=args.hidden // 8,
+            intermediate_size=3 * args.hidden,
+        )
+        models = {}
+        for fmt in WEIGHT_FORMATS:
+            models[fmt] = load_model(path)
+            apply_precision_(models[fmt], fmt, torch.float32)
+    models[KV_FP8] = models["bf16"]
+    n_params = sum(t.numel() for t in models["bf16"].parameters())
+    print(
+        f"qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({n_params / 1e6:.1f} M parameters), "
+        f"prompt {args.prompt_len} tokens; torch {torch.__version__}, {args.threads} thread(s)"
+    )
+    total = 2 * args.repeats * args.new_tokens + args.cache_tokens + args.cache_tokens_b16
+    progress = Progress(total)
+    ok = True
+
+    for batch in (1, 16):
+        times: dict[str, list[float]] = {name: [] for name in CONFIGS}
+        for _ in range(args.repeats):
+            runners = {
+                name: _runner(models[name], args.layers, name == KV_FP8, True, context) for name in CONFIGS
+            }
+            for runner in runners.values():
+                _start(runner, batch, args.prompt_len, args.vocab, args.new_tokens)
+            for name, values in lockstep(
+                runners, args.new_tokens, progress, f"batch {batch} precisions"
+            ).items():
+                times[name] += values
+        print(f"batch {batch} ({args.new_tokens} decode steps x {args.repeats} rounds):")
+        for name in CONFIGS:
+            tok_s = batch / statistics.median(times[name])
+            paired = statistics.median(b / c for b, c in zip(times["bf16"], times[name], strict=True))
+            if name == KV_FP8:
+                cost = 1 / paired
+                passed = cost <= 1.3
+                verdict = f"{cost:5.2f}x the bf16 KV cost   target <= 1.30  {'ok' if passed else 'MISS'}"
+            else:
+                passed = paired >= 0.9
+                verdict = f"{paired:5.2f}x bf16 speed        target >= 0.90  {'ok' if passed else 'MISS'}"
+            ok &= passed
+            print(f"  {name:<12} {tok_s:8.0f} tok/s   {verdict}")
+
+    for batch, tokens in ((1, args.cache_tokens), (16, args.cache_tokens_b16)):
+        runners = {
+            "cached": _runner(models["bf16"], args.layers, False, True, context),
+            "uncached": _runner(models["bf16"], args.layers, False, False, context),
+        }
+        for runner in runners.values():
+            _start(runner, batch, args.prompt_len, args.vocab, tokens)
+        times = lockstep(runners, tokens, progress, f"batch {batch} cached vs uncached")
+        tok_s = {name: batch * tokens / sum(values) for name, values in times.items()}
+        speedup = tok_s["cached"] / tok_s["uncached"]
+        passed = speedup >= 10
+        ok &= passed
+        print(
+            f"batch {batch}, {tokens} generated tokens after a {args.prompt_len}-token prompt: cached "
+            f"{tok_s['cached']:.0f} tok/s, uncached {tok_s['uncached']:.1f} tok/s = {speedup:.1f}x   "
+            f"target >= 10  {'ok' if passed else 'MISS'}"
+        )
+    if args.quick:
+        print("quick run: too short to judge the targets (the cache speed-up grows with length)")
+        return 0
+    print("all targets met" if ok else "some targets missed")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
