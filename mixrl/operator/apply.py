@@ -10,6 +10,7 @@ without them, because after creation ``spec.replicas`` belongs to whoever scales
 from __future__ import annotations
 
 import copy
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,10 @@ Obj = dict[str, Any]
 
 # Created by POST, never by apply: their later writes are not server-side applies (see above).
 CREATED_BY_POST = (SAMPLERPOOLS, PVCS)
+
+
+class OwnerGone(Exception):
+    """The owner was deleted while we reconciled it: creating children now would orphan them."""
 
 
 class StillTerminating(Exception):
@@ -75,11 +80,19 @@ class Applied:
 
 
 async def apply_object(
-    client: KubeClient, desired: Obj, report: ApplyReport, seed: Obj | None = None
+    client: KubeClient,
+    desired: Obj,
+    report: ApplyReport,
+    seed: Obj | None = None,
+    before_create: Callable[[], Awaitable[None]] | None = None,
+    on_update: Callable[[Obj], Obj] | None = None,
 ) -> Applied:
     """Make one child match ``desired``.
 
-    ``seed`` holds fields set only on creation (a SamplerPool's first ``spec.replicas``)."""
+    ``seed`` holds fields set only on creation (a SamplerPool's first ``spec.replicas``);
+    ``before_create`` runs before any creation and may raise :class:`OwnerGone`; ``on_update``
+    maps the live object to extra fields for the same update (a SamplerPool's replicas brought
+    within new bounds), so an update stays one write."""
     resource = resource_of(desired)
     namespace = desired["metadata"]["namespace"]
     name = desired["metadata"]["name"]
@@ -87,6 +100,8 @@ async def apply_object(
     if live is not None and live.get("metadata", {}).get("deletionTimestamp"):
         raise StillTerminating(f"{label(desired)} is still being deleted")
     if live is None:
+        if before_create is not None:
+            await before_create()
         try:
             if resource in CREATED_BY_POST:
                 created = await client.create(resource, namespace, merged(desired, seed or {}))
@@ -104,9 +119,10 @@ async def apply_object(
     if live_hash(live) == live_hash(desired) or resource is PVCS:
         report.unchanged.append(label(desired))
         return Applied(live, live)
+    body = merged(desired, on_update(live)) if on_update is not None else desired
     if resource is SAMPLERPOOLS:
-        updated = await client.merge_patch(resource, namespace, name, desired)
+        updated = await client.merge_patch(resource, namespace, name, body)
     else:
-        updated = await client.apply(resource, namespace, name, desired)
+        updated = await client.apply(resource, namespace, name, body)
     report.updated.append(label(desired))
     return Applied(live, updated)

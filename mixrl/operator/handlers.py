@@ -48,6 +48,8 @@ class OperatorConfig:
     """``auto`` (PodMonitor when monitoring.coreos.com/v1 serves podmonitors), ``podmonitor`` or
     ``annotations``."""
     discovery_ttl_s: float = 300.0
+    event_debounce_s: float = 1.0
+    """Child events within this window cause one reconcile of their owner, not one each."""
     drain_seconds: int = 300
     backoff_base_s: float = 2.0
     backoff_cap_s: float = 120.0
@@ -128,10 +130,8 @@ class Runtime:
 
 
 def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
-    if kind == "Warning":
-        kopf.warn(obj, reason=reason, message=message)
-    else:
-        kopf.info(obj, reason=reason, message=message)
+    # kopf.event, not kopf.info: the posting level filters only log-derived events, not ours.
+    kopf.event(obj, type=kind, reason=reason, message=message)
 
 
 async def report_failure(rt: Runtime, body: Obj, error: Exception) -> None:
@@ -188,6 +188,7 @@ async def coalesced(rt: Runtime, body: Obj, reconcile: Callable[[Context, Obj], 
         return
     rt._queued.add(key)
     try:
+        await asyncio.sleep(rt.config.event_debounce_s)
         async with rt.lock(key):
             rt._queued.discard(key)
             # Read the owner under the lock: the event may be older than the owner's last change.

@@ -85,7 +85,11 @@ def stable_hash(value: Any) -> str:
 def desired_hash(obj: Obj) -> str:
     """Hash of a desired object, ignoring the hash annotation itself."""
     stripped = json.loads(json.dumps(obj))
-    stripped.get("metadata", {}).get("annotations", {}).pop(HASH_ANNOTATION, None)
+    meta = stripped.get("metadata", {})
+    annotations = meta.get("annotations", {})
+    annotations.pop(HASH_ANNOTATION, None)
+    if not annotations:
+        meta.pop("annotations", None)
     return stable_hash(stripped)
 
 

@@ -16,9 +16,9 @@ from typing import Any
 from mixrl.api.errors import InvalidSpec, Problem
 from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
-from mixrl.api.resolve import ResolvedRun, resolve
+from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator import labels as L
-from mixrl.operator.apply import Applied, ApplyReport, apply_object, label
+from mixrl.operator.apply import Applied, ApplyReport, OwnerGone, apply_object, label
 from mixrl.operator.kube import KubeClient
 from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS, ApiResource
 from mixrl.operator.resources import (
@@ -101,6 +101,28 @@ def owned_by(obj: Obj, uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
+def owner_check(client: KubeClient, resource: ApiResource, body: Obj) -> Callable[[], Awaitable[None]]:
+    """Before creating a child, make sure its owner still exists (once per reconcile): a reconcile
+    that started before a deletion must not recreate what the garbage collector just removed."""
+    meta = body["metadata"]
+    checked = False
+
+    async def check() -> None:
+        nonlocal checked
+        if checked:
+            return
+        live = await client.get(resource, meta["namespace"], meta["name"])
+        if (
+            live is None
+            or live["metadata"].get("uid") != meta["uid"]
+            or live["metadata"].get("deletionTimestamp")
+        ):
+            raise OwnerGone(f"{body['kind']} {meta['namespace']}/{meta['name']} is gone")
+        checked = True
+
+    return check
+
+
 async def write_status(client: KubeClient, resource: ApiResource, body: Obj, new: Obj) -> bool:
     """Merge-patch the status subresource when it differs from what the object carries."""
     if new == (body.get("status") or {}):
@@ -131,13 +153,17 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     owner = owner_of(body)
     report = ApplyReport()
     applied: dict[str, Applied] = {}
+    alive = owner_check(ctx.client, RLRUNS, body)
     for desired in run_objects(resolved, owner, options):
-        seed = None
+        seed = on_update = None
         if desired["kind"] == "SamplerPool":
-            seed = {"spec": {"replicas": seed_replicas(resolved.pool(desired["spec"]["pool"]))}}
-        applied[label(desired)] = result = await apply_object(ctx.client, desired, report, seed)
-        if desired["kind"] == "SamplerPool" and label(desired) in report.updated:
-            await clamp_pool_replicas(ctx.client, resolved, result)
+            pool = resolved.pool(desired["spec"]["pool"])
+            seed = {"spec": {"replicas": seed_replicas(pool)}}
+            on_update = within_bounds(pool)
+        try:
+            applied[label(desired)] = await apply_object(ctx.client, desired, report, seed, alive, on_update)
+        except OwnerGone:
+            return Outcome(report=report)
     removed = await remove_stale_pools(ctx.client, resolved, meta["uid"], report)
 
     def live(kind: str, suffix: str) -> Obj | None:
@@ -182,19 +208,16 @@ def pool_state(name: str, live: Obj) -> PoolState:
     )
 
 
-async def clamp_pool_replicas(client: KubeClient, resolved: ResolvedRun, result: Applied) -> None:
-    """New bounds that exclude the current replica count move it to the nearest bound."""
-    spec = result.after.get("spec", {})
-    pool = resolved.pool(spec["pool"])
-    replicas = int(spec.get("replicas") or 0)
-    clamped = clamp_replicas(replicas, pool)
-    if clamped != replicas:
-        meta = result.after["metadata"]
-        result.after.update(
-            await client.merge_patch(
-                SAMPLERPOOLS, meta["namespace"], meta["name"], {"spec": {"replicas": clamped}}
-            )
-        )
+def within_bounds(pool: ResolvedPool) -> Callable[[Obj], Obj]:
+    """New bounds that exclude the current replica count move it to the nearest bound (in the same
+    write as the new bounds); otherwise replicas stay whoever scaled the pool set them to."""
+
+    def extra(live: Obj) -> Obj:
+        replicas = int(live.get("spec", {}).get("replicas") or 0)
+        clamped = clamp_replicas(replicas, pool)
+        return {"spec": {"replicas": clamped}} if clamped != replicas else {}
+
+    return extra
 
 
 async def remove_stale_pools(
@@ -244,8 +267,12 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     options = await ctx.options()
     report = ApplyReport()
     deployment: Applied | None = None
+    alive = owner_check(ctx.client, SAMPLERPOOLS, body)
     for desired in pool_children(resolved, pool, spec.replicas, owner_of(body), options):
-        result = await apply_object(ctx.client, desired, report, None)
+        try:
+            result = await apply_object(ctx.client, desired, report, None, alive)
+        except OwnerGone:
+            return Outcome(report=report)
         if desired["kind"] == "Deployment":
             deployment = result
     assert deployment is not None

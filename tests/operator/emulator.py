@@ -21,9 +21,12 @@ resourceVersion preconditions, managed fields.  A Deployment controller is playe
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
 import itertools
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -89,6 +92,47 @@ class ApiServer(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.faults: list[Fault] = []
         self._versions = itertools.count(1)
+        self._closing = asyncio.Event()
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        # No keep-alive: a stopping kopf waits (5 s) for every task spawned while it ran, and the
+        # server side of an idle keep-alive connection is such a task.
+        response = await super().__call__(raw_request)
+        response.force_close()
+        return response
+
+    def end_watches(self) -> None:
+        """End every open watch stream, as an API server does at its timeout.  A stopping operator
+        waits for tasks spawned while it ran, and the server side of its watches is one of them."""
+        self._closing.set()
+
+    def allow_watches(self) -> None:
+        self._closing.clear()
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        source = super()._serve_watch(request)
+        closing = asyncio.ensure_future(self._closing.wait())
+        following: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                following = asyncio.ensure_future(anext(source))
+                await asyncio.wait({following, closing}, return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():
+                    return
+                try:
+                    event = following.result()
+                except StopAsyncIteration:
+                    return
+                following = None
+                yield event
+        finally:
+            # Also when the client went away and aiohttp cancelled us mid-wait.
+            for task in (following, closing):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await task
+            await source.aclose()
 
     def register(self, with_monitoring: bool = False) -> None:
         table = {**RESOURCES, **(MONITORING if with_monitoring else {})}
@@ -139,6 +183,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _fill_new(self, request: kmock.Request, data: Obj) -> None:
         meta = data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         if request.namespace:
             meta.setdefault("namespace", request.namespace)
         meta["uid"] = str(uuid.uuid4())

@@ -83,31 +83,83 @@ def fast(settings: kopf.OperatorSettings) -> None:
 
 
 @asynccontextmanager
-async def running_operator(api: ApiServer, **overrides: Any) -> AsyncIterator[Runtime]:
-    """kopf's real engine with our registry, in-process, until the block ends."""
+async def running_operator(
+    api: ApiServer, namespaces: list[str] | None = None, **overrides: Any
+) -> AsyncIterator[Runtime]:
+    """kopf's real engine with our registry, in-process on this event loop, until the block ends.
+
+    Cluster-wide by default (peering through the ClusterKopfPeering ``mixrl``); with ``namespaces``
+    it watches only those (peering through a KopfPeering in each)."""
     url = str(api.url).rstrip("/")
     config = OperatorConfig(
         login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
         monitoring="annotations",
         backoff_base_s=0.05,
         backoff_cap_s=0.2,
+        event_debounce_s=0.1,
         tune=fast,
         **overrides,
     )
     registry, runtime = build_registry(config)
     stop = asyncio.Event()
     ready = asyncio.Event()
+    scope: dict[str, Any] = {"namespaces": namespaces} if namespaces else {"clusterwide": True}
+    api.allow_watches()
     task = asyncio.create_task(
-        kopf.operator(
-            registry=registry, clusterwide=True, peering_name=PEERING, stop_flag=stop, ready_flag=ready
-        )
+        kopf.operator(registry=registry, peering_name=PEERING, stop_flag=stop, ready_flag=ready, **scope)
     )
     try:
         await asyncio.wait_for(ready.wait(), timeout=10)
         yield runtime
     finally:
         stop.set()
+        await asyncio.sleep(0.05)  # let kopf cancel its watchers, then close the server side
+        api.end_watches()
         await asyncio.wait_for(task, timeout=15)
+
+
+async def settled(api: ApiServer, quiet: float = 0.5, timeout: float = 20.0) -> int:
+    """Wait until the operator has sent no request for ``quiet`` seconds; returns the request count."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    count, since = len(list(api)), loop.time()
+    while loop.time() - since < quiet:
+        if loop.time() > deadline:
+            raise AssertionError(f"still busy after {timeout}s: {[r.url.path for r in list(api)[-5:]]}")
+        await asyncio.sleep(0.05)
+        now = len(list(api))
+        if now != count:
+            count, since = now, loop.time()
+    return count
+
+
+async def play_workload_controllers(api: ApiServer, namespace: str = NAMESPACE) -> None:
+    """Do what kube-controller-manager and the kubelets would: every Deployment and StatefulSet
+    reports all its replicas updated and ready for its current generation."""
+    for resource, plural in ((DEPLOYMENTS, "deployments"), (STATEFULSETS, "statefulsets")):
+        for name in sorted(api.names(resource, namespace)):
+            live = api.live(resource, namespace, name)
+            assert live is not None
+            replicas = live["spec"].get("replicas", 1)
+            status = {
+                "observedGeneration": live["metadata"]["generation"],
+                "replicas": replicas,
+                "readyReplicas": replicas,
+                "updatedReplicas": replicas,
+                "availableReplicas": replicas,
+            }
+            if live.get("status") != status:
+                path = f"/apis/apps/v1/namespaces/{namespace}/{plural}/{name}"
+                await patch(api, path, {"status": status}, subresource="status")
+
+
+def events(api: ApiServer, namespace: str = NAMESPACE) -> list[Obj]:
+    found = [api.live("v1/events", namespace, name) for name in api.names("v1/events", namespace)]
+    return sorted((e for e in found if e), key=lambda e: e["metadata"]["creationTimestamp"])
+
+
+def conditions(obj: Obj) -> dict[str, Obj]:
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
 
 
 async def create(api: ApiServer, body: Obj) -> Obj:
@@ -140,3 +192,20 @@ def run_path(name: str, namespace: str = NAMESPACE) -> str:
 
 def copy_of(obj: Obj) -> Obj:
     return copy.deepcopy(obj)
+
+
+def openapi_to_jsonschema(node: Any) -> Any:
+    """OpenAPI v3.0 (CRD schemas) -> JSON Schema, for jsonschema: nullable, boolean exclusive bounds."""
+    if isinstance(node, list):
+        return [openapi_to_jsonschema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: openapi_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
+    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if out.get(bound) is True:
+            out[bound] = out.pop(plain)
+    if out.pop("nullable", False):
+        out["type"] = [out["type"], "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    return out
