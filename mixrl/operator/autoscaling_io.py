@@ -1,0 +1,198 @@
+"""The autoscaler's I/O: Prometheus instant queries and the Kubernetes calls, over aiohttp.
+
+:func:`query_prometheus` reads one number, :func:`query_label_values` the label values of a set of
+series; a failure is a :class:`MetricsUnavailable` with a CamelCase reason (``PrometheusUnreachable``,
+``QueryFailed``, ``NoSeries``).  :class:`PoolApi` makes the loop's three writes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+import aiohttp
+
+from mixrl.api.models import GROUP, VERSION
+from mixrl.operator.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
+
+Obj = dict[str, Any]
+
+
+class MetricsUnavailable(Exception):
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{reason}: {message}")
+
+
+async def query_prometheus(
+    session: aiohttp.ClientSession, base_url: str, query: str, timeout_s: float = 10.0
+) -> float:
+    """The value of an instant query that must return one number (a scalar or a one-sample vector)."""
+    url = base_url.rstrip("/") + "/api/v1/query"
+    try:
+        async with session.get(
+            url, params={"query": query}, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            text = await response.text()
+            try:
+                payload = await response.json(content_type=None)
+            except ValueError:
+                payload = None
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise MetricsUnavailable("PrometheusUnreachable", f"{url}: {exc or type(exc).__name__}") from exc
+    if not isinstance(payload, dict) or payload.get("status") != "success":
+        detail = payload.get("error") if isinstance(payload, dict) else text[:200]
+        raise MetricsUnavailable("QueryFailed", f"HTTP {status}: {detail}")
+    data = payload.get("data") or {}
+    kind, result = data.get("resultType"), data.get("result")
+    if kind == "scalar" and isinstance(result, list) and len(result) == 2:
+        raw = result[1]
+    elif kind == "vector" and isinstance(result, list):
+        if not result:
+            raise MetricsUnavailable("NoSeries", f"query returned no series: {query}")
+        if len(result) > 1:
+            raise MetricsUnavailable(
+                "QueryFailed", f"query returned {len(result)} series, expected one (sum them)"
+            )
+        raw = result[0]["value"][1]
+    else:
+        raise MetricsUnavailable("QueryFailed", f"unsupported result type {kind!r}")
+    value = float(raw)
+    if math.isnan(value) or math.isinf(value) or value < 0:
+        raise MetricsUnavailable("QueryFailed", f"query returned {raw}, expected a number ≥ 0")
+    return value
+
+
+async def query_label_values(
+    session: aiohttp.ClientSession, base_url: str, query: str, label: str, timeout_s: float = 10.0
+) -> set[str]:
+    """The values of ``label`` across the series an instant query returns (none is fine)."""
+    url = base_url.rstrip("/") + "/api/v1/query"
+    try:
+        async with session.get(
+            url, params={"query": query}, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            payload = await response.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        raise MetricsUnavailable("PrometheusUnreachable", f"{url}: {exc or type(exc).__name__}") from exc
+    if not isinstance(payload, dict) or payload.get("status") != "success":
+        raise MetricsUnavailable(
+            "QueryFailed", str(payload.get("error") if isinstance(payload, dict) else payload)
+        )
+    result = (payload.get("data") or {}).get("result") or []
+    return {series["metric"][label] for series in result if series.get("metric", {}).get(label)}
+
+
+@dataclass(frozen=True)
+class Observation:
+    load: float | None
+    sustained: float | None
+    problem: MetricsUnavailable | None = None
+
+
+async def observe(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    query: str,
+    timeout_s: float = 10.0,
+    window: tuple[str, str] = (SUSTAINED_WINDOW, SUSTAINED_STEP),
+) -> Observation:
+    """The pool's load and its one-minute average; a missing average only skips the confirmation."""
+    try:
+        load = await query_prometheus(session, base_url, query, timeout_s)
+    except MetricsUnavailable as problem:
+        return Observation(None, None, problem)
+    try:
+        sustained: float | None = await query_prometheus(
+            session, base_url, sustained_query(query, *window), timeout_s
+        )
+    except MetricsUnavailable:
+        sustained = None
+    return Observation(load, sustained)
+
+
+def rfc3339(now: float) -> str:
+    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class PoolApi:
+    """The three calls the loop makes, over aiohttp with the operator's credentials.
+
+    ``scale_via="subresource"`` (the default, what a cluster needs) patches
+    ``…/samplerpools/NAME/scale`` with ``{"spec": {"replicas": N}}``; the API server maps it onto
+    the CRD's ``specReplicasPath`` (``.spec.replicas``).  ``"object"`` merge-patches the
+    SamplerPool itself — for an API that has no scale semantics.
+    """
+
+    def __init__(
+        self,
+        connection: Callable[[], Any],
+        session: aiohttp.ClientSession,
+        scale_via: Literal["subresource", "object"] = "subresource",
+    ):
+        self.connection = connection
+        self.session = session
+        self.scale_via = scale_via
+
+    async def _call(self, method: str, path: str, body: Obj, content_type: str) -> Obj:
+        connection = self.connection()
+        if connection is None:
+            raise ConnectionError("not logged in to the Kubernetes API yet")
+        headers = {**connection.headers(), "Content-Type": content_type}
+        url = connection.server.rstrip("/") + path
+        async with self.session.request(
+            method, url, json=body, headers=headers, ssl=connection.ssl_context()
+        ) as response:
+            if response.status >= 400:
+                raise ConnectionError(
+                    f"{method} {path}: HTTP {response.status}: {(await response.text())[:300]}"
+                )
+            return await response.json(content_type=None)
+
+    @staticmethod
+    def _path(namespace: str, name: str, subresource: str | None = None) -> str:
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/samplerpools/{name}"
+        return f"{path}/{subresource}" if subresource else path
+
+    async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
+        subresource = "scale" if self.scale_via == "subresource" else None
+        body = {"spec": {"replicas": replicas}}
+        await self._call(
+            "PATCH", self._path(namespace, name, subresource), body, "application/merge-patch+json"
+        )
+
+    async def patch_status(self, namespace: str, name: str, patch: Obj) -> None:
+        await self._call(
+            "PATCH", self._path(namespace, name, "status"), patch, "application/merge-patch+json"
+        )
+
+    async def post_event(self, pool_body: Obj, kind: str, reason: str, message: str, now: float) -> None:
+        meta = pool_body["metadata"]
+        stamp = rfc3339(now)
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            # Named as client-go's event recorder names them: <object>.<unix nanoseconds in hex>.
+            "metadata": {"name": f"{meta['name']}.{int(now * 1e9):x}", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": "SamplerPool",
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": kind,
+            "reason": reason,
+            "message": message,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+            "source": {"component": "mixrl-autoscaler"},
+            "reportingComponent": "mixrl-autoscaler",
+        }
+        await self._call("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event, "application/json")
