@@ -332,7 +332,8 @@ class AutoscalingSpec(Model):
     """PromQL per pool (``{pool}`` and ``{namespace}`` are substituted); default: queued plus running
     requests summed over the pool's engine pods."""
     target_per_replica: float = Field(default=8.0, gt=0)
-    """Desired load (queued + running requests) per ready replica."""
+    """Desired load (queued + running requests) per ready replica of capacity 1.0 (a pool's target
+    is this times its capacity, since the router sends load in proportion to capacity)."""
     tolerance: float = Field(default=0.1, ge=0, lt=1)
     """Ignore load ratios within this fraction of 1 (as the HPA does)."""
     poll_interval_seconds: float = Field(default=30.0, gt=0)
