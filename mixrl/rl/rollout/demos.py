@@ -1,0 +1,239 @@
+"""Warm start: a short supervised phase on expert demonstrations, stopped at a moderate success rate.
+
+RL needs a policy that sometimes succeeds: a random tiny model never submits a right answer, and
+one trained to perfection leaves nothing to learn.  The warm start trains on expert episodes
+(``ls``, ``cat`` the asked file, ``submit`` its value) with AdamW on the next-token loss of the
+assistant tokens only, and probes the success rate of the real agent loop, sampled at the run's
+temperature, every few steps; it stops at the first probe at or above ``target_success``.
+
+The probe tasks should come from the training split but not from the demonstrations, so the
+held-out split is never used to choose the starting point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from mixrl.api.resolve import SamplingParams
+from mixrl.rl.rollout.agent import run_episode
+from mixrl.rl.rollout.env import FileTreeEnv, ToolCall
+from mixrl.rl.rollout.local_sampler import LocalSampler
+from mixrl.rl.rollout.tasks import TOOL_CAT, TOOL_LS, TOOL_SUBMIT, Task, parse_config
+from mixrl.rl.rollout.tokenizer import Tokenizer
+
+
+def expert_replies(task: Task, opened: str | None = None) -> list[str]:
+    """The demonstrator's three replies: list the tree, read a file, submit the asked key's line.
+
+    ``opened`` is the file it reads: by default the asked section's file (the right answer); a
+    careless demonstrator reads another file and reports the line it finds there (a wrong answer).
+    """
+    env = FileTreeEnv(task)
+    path = opened if opened is not None else asked_file(task)
+    text = env.read_file(path)
+    if text is None:
+        raise ValueError(f"opened: {path!r} is not a file of task {task.id}")
+    settings = parse_config(text)
+    key = task.key if task.key in settings else next(iter(settings))
+    line = f"{key} {settings[key]}"
+    return [TOOL_LS, f"{TOOL_CAT} {path}", f"{TOOL_SUBMIT} {line}"]
+
+
+def asked_file(task: Task) -> str:
+    return next(p for p in FileTreeEnv(task).list_files() if p.rsplit(".", 1)[0] == task.section)
+
+
+def careless_choice(task: Task, mistake_rate: float, rng: random.Random) -> str | None:
+    """With probability ``mistake_rate`` a file other than the asked one (if the tree has one), else None."""
+    others = [p for p in FileTreeEnv(task).list_files() if p != asked_file(task)]
+    if others and rng.random() < mistake_rate:
+        return rng.choice(others)
+    return None
+
+
+def demonstration_tokens(
+    task: Task, tokenizer: Tokenizer, opened: str | None = None
+) -> tuple[list[int], list[int]]:
+    """A demonstration episode as ``(input_ids, loss_mask)``; the mask is 1 on the assistant's tokens.
+
+    The layout is exactly what the agent loop builds (prompt, reply + ``<|end|>``, tool turn +
+    generation prompt, ...), so what is learned here is what the rollout asks for.  ``opened``
+    as in :func:`expert_replies`.
+    """
+    env = FileTreeEnv(task)
+    ids = tokenizer.prompt_ids(task.question)
+    mask = [0] * len(ids)
+    replies = expert_replies(task, opened)
+    for n, reply in enumerate(replies):
+        reply_ids = [*tokenizer.encode(reply), tokenizer.end_id]
+        ids += reply_ids
+        mask += [1] * len(reply_ids)
+        if n == len(replies) - 1:
+            break
+        words = reply.split()
+        call = ToolCall(TOOL_LS) if words[0] == TOOL_LS else ToolCall(TOOL_CAT, words[1])
+        observation = env.run_tool(call)
+        observation_ids = tokenizer.observation_ids(observation.role, observation.text)
+        ids += observation_ids
+        mask += [0] * len(observation_ids)
+    return ids, mask
+
+
+def masked_next_token_loss(
+    model: torch.nn.Module, batch: Sequence[tuple[list[int], list[int]]], pad_id: int
+) -> torch.Tensor:
+    """Mean cross-entropy of the tokens whose mask is 1, each predicted from the tokens before it."""
+    width = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.bool)
+    for row, (ids, loss_mask) in enumerate(batch):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        mask[row, : len(ids)] = torch.tensor(loss_mask, dtype=torch.bool)
+    logits = model(input_ids=input_ids).logits[:, :-1]
+    targets = input_ids[:, 1:]
+    token_loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none"
+    ).view_as(targets)
+    weights = mask[:, 1:].float()
+    return (token_loss * weights).sum() / weights.sum()
+
+
+async def measure_success(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    tasks: Sequence[Task],
+    sampling: SamplingParams,
+    max_turns: int = 6,
+    max_context_tokens: int = 256,
+    format_error_limit: int = 3,
+    samples_per_task: int = 1,
+    seed: int = 0,
+) -> float:
+    """Share of episodes that submit a right answer, with the real agent loop on the in-process sampler."""
+    was_training = model.training
+    model.eval()
+    try:
+        async with LocalSampler(
+            model,
+            tokenizer.stop_token_ids,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=seed,
+            pad_id=tokenizer.pad_id,
+        ) as sampler:
+            episodes = [
+                run_episode(
+                    sampler.generate,
+                    task,
+                    tokenizer,
+                    sampling,
+                    max_turns,
+                    max_context_tokens,
+                    format_error_limit,
+                    sample_index=i,
+                )
+                for task in tasks
+                for i in range(samples_per_task)
+            ]
+            trajectories = await asyncio.gather(*episodes)
+    finally:
+        model.train(was_training)
+    return sum(t.reward or 0.0 for t in trajectories) / len(trajectories)
+
+
+def measure_success_sync(*args: object, **kwargs: object) -> float:
+    """:func:`measure_success` from synchronous code (starts its own event loop)."""
+    return asyncio.run(measure_success(*args, **kwargs))  # type: ignore[arg-type]
+
+
+@dataclass
+class WarmStartReport:
+    steps: int = 0
+    seconds: float = 0.0
+    final_loss: float = math.nan
+    probes: list[tuple[int, float]] = field(default_factory=list)
+    """(step, probe success rate) at every probe."""
+    reached_target: bool = False
+
+    @property
+    def success(self) -> float:
+        return self.probes[-1][1] if self.probes else math.nan
+
+
+def warm_start(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    tasks: Sequence[Task],
+    steps: int,
+    lr: float = 3e-3,
+    target_success: float | None = 0.35,
+    probe_tasks: Sequence[Task] = (),
+    probe_every: int = 10,
+    sampling: SamplingParams | None = None,
+    batch_size: int = 32,
+    mistake_rate: float = 0.0,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> WarmStartReport:
+    """Supervised steps on demonstrations of ``tasks`` until a probe reaches ``target_success``.
+
+    With ``target_success=None`` it runs exactly ``steps`` steps and probes only at the end (if
+    probe tasks are given).  The model is trained in place (float32); returns what happened.
+    """
+    if steps <= 0:
+        raise ValueError(f"steps: must be positive, got {steps}")
+    if not tasks:
+        raise ValueError("tasks: the warm start needs demonstration tasks")
+    if target_success is not None and not probe_tasks:
+        raise ValueError("probe_tasks: needed to stop at target_success")
+    sampling = sampling or SamplingParams(
+        temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=8, top_logprobs_num=0, return_sampling_mask=False
+    )
+    if not 0.0 <= mistake_rate <= 1.0:
+        raise ValueError(f"mistake_rate: must be between 0 and 1, got {mistake_rate}")
+    order = random.Random(seed)
+    demos = [
+        demonstration_tokens(task, tokenizer, careless_choice(task, mistake_rate, order)) for task in tasks
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    report = WarmStartReport()
+    started = time.monotonic()
+    model.train()
+    model.requires_grad_(True)
+
+    def probe(step: int) -> float:
+        success = measure_success_sync(model, tokenizer, probe_tasks, sampling, seed=seed + step)
+        report.probes.append((step, success))
+        if progress:
+            elapsed = time.monotonic() - started
+            progress(
+                f"warm start step {step}/{steps}: loss {report.final_loss:.3f}, probe success "
+                f"{success:.2f}, {step / max(elapsed, 1e-9):.1f} steps/s"
+            )
+        return success
+
+    for step in range(1, steps + 1):
+        batch = order.sample(demos, min(batch_size, len(demos)))
+        loss = masked_next_token_loss(model, batch, tokenizer.pad_id)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        report.steps = step
+        report.final_loss = float(loss.detach())
+        if target_success is not None and step % probe_every == 0 and probe(step) >= target_success:
+            report.reached_target = True
+            break
+    if probe_tasks and (not report.probes or report.probes[-1][0] != report.steps):
+        probe(report.steps)
+    model.eval()
+    model.requires_grad_(False)
+    report.seconds = time.monotonic() - started
+    return report

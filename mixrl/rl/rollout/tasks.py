@@ -1,0 +1,236 @@
+"""The built-in ``filetree`` task family: read a setting from a small virtual file tree.
+
+It has the shape of the paper's agentic coding at a size a tiny model learns on a CPU: the agent
+sees a question, inspects a file tree with ``ls`` and ``cat``, and submits an answer that a checker
+verifies in a *fresh* environment built from the task (reward 1 if it passes, else 0).
+
+A task's tree holds a few config files, one per *section* (``net.cfg``, ``db.ini``, ...), each with
+``key value`` lines (the ssh_config / nginx style).  Keys repeat across files with different values, so the question
+"what is port in net ?" is answered only by the file whose stem is ``net``; its extension varies per
+task, so the agent must read ``ls`` to name it.  The expert episode is three turns::
+
+    ls                 -> db.ini log.env net.cfg
+    cat net.cfg        -> host 17 / port 42 / mode 3
+    submit port 42
+
+The answer is the setting's line, ``key value``: the checker compares both.  (Restating the key
+keeps the lookup within reach of a two-layer model: predicting the value right after the key is
+the induction pattern "find this token earlier, copy what followed it".)
+
+Everything is generated deterministically from a seed.  The split of a task is decided by a hash
+of what determines its answer (section, extension, key, value), so a held-out task never shares
+that tuple with any training task, whatever sizes are asked for.  The closed word lists below are
+the task family's whole vocabulary (:data:`WORDS`); the tokenizer is built from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Split = Literal["train", "heldout"]
+SPLITS: tuple[Split, ...] = ("train", "heldout")
+HELDOUT_BUCKETS = 8
+"""One in this many answer tuples is held out."""
+
+SECTIONS: tuple[str, ...] = (
+    "api",
+    "auth",
+    "cache",
+    "cpu",
+    "db",
+    "disk",
+    "gpu",
+    "log",
+    "mail",
+    "net",
+    "ui",
+    "web",
+)
+EXTENSIONS: tuple[str, ...] = (".cfg", ".conf", ".env", ".ini")
+KEYS: tuple[str, ...] = (
+    "count",
+    "delay",
+    "depth",
+    "host",
+    "level",
+    "limit",
+    "mode",
+    "port",
+    "rate",
+    "retry",
+    "size",
+    "user",
+)
+VALUES: tuple[str, ...] = tuple(str(v) for v in range(100))
+
+TOOL_LS, TOOL_CAT, TOOL_SUBMIT = "ls", "cat", "submit"
+TOOLS: tuple[str, ...] = (TOOL_LS, TOOL_CAT, TOOL_SUBMIT)
+
+# Every fixed text the environment and the prompt use, word by word.
+MESSAGE_WORDS: tuple[str, ...] = (
+    "what",
+    "is",
+    "in",
+    "?",
+    "=",
+    "error",
+    ":",
+    "no",
+    "such",
+    "file",
+    "usage",
+    "path",
+    "answer",
+    "tool",
+    "call",
+    "use",
+    "or",
+    ",",
+    "empty",
+    "\n",
+)
+
+WORDS: tuple[str, ...] = (*TOOLS, *MESSAGE_WORDS, *SECTIONS, *EXTENSIONS, *KEYS, *VALUES)
+"""The task family's closed vocabulary (order fixed: token ids depend on it)."""
+
+
+@dataclass(frozen=True)
+class Difficulty:
+    """Knobs of the task family.  More files and lines mean longer tool outputs and more distractors."""
+
+    files: int = 3
+    """Config files in the tree (sections); the asked one plus ``files - 1`` distractors."""
+    lines: int = 1
+    """``key value`` lines per file.  Beyond 1 the agent must find the asked key's line, an
+    associative lookup a two-layer, 64-wide model does not learn within minutes (measured: it
+    stays at chance, 1/lines); use it with larger models."""
+    extensions: int = len(EXTENSIONS)
+    """How many different extensions files may have (1 = always ``.cfg``: ``ls`` tells nothing new)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.files <= len(SECTIONS):
+            raise ValueError(f"files: must be between 1 and {len(SECTIONS)}, got {self.files}")
+        if not 1 <= self.lines <= len(KEYS):
+            raise ValueError(f"lines: must be between 1 and {len(KEYS)}, got {self.lines}")
+        if not 1 <= self.extensions <= len(EXTENSIONS):
+            raise ValueError(f"extensions: must be between 1 and {len(EXTENSIONS)}, got {self.extensions}")
+
+
+class Task(BaseModel):
+    """One task: a file tree, a question, and what a correct submission must equal."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(description="Stable identifier derived from the content.")
+    split: Split
+    files: dict[str, str] = Field(description="Path -> file text; the tree is flat (one directory).")
+    question: str = Field(description="The user's question, the text of the first user turn.")
+    section: str
+    key: str
+    answer: str = Field(
+        description="The reference answer ``key value``; check() re-derives it from a fresh tree."
+    )
+
+
+def _answer_split(section: str, extension: str, key: str, value: str) -> Split:
+    digest = hashlib.sha256(f"{section}|{extension}|{key}|{value}".encode()).digest()
+    return "heldout" if digest[0] % HELDOUT_BUCKETS == 0 else "train"
+
+
+def file_text(lines: list[tuple[str, str]]) -> str:
+    return "\n".join(f"{key} {value}" for key, value in lines)
+
+
+def parse_config(text: str) -> dict[str, str]:
+    """``key value`` lines -> mapping (first definition wins); other lines are ignored."""
+    settings: dict[str, str] = {}
+    for line in text.split("\n"):
+        words = line.split()
+        if len(words) == 2:
+            settings.setdefault(words[0], words[1])
+    return settings
+
+
+def question_text(section: str, key: str) -> str:
+    return f"what is {key} in {section} ?"
+
+
+def _candidate(seed: int, index: int, difficulty: Difficulty) -> Task:
+    rng = random.Random(
+        f"filetree|{seed}|{index}|{difficulty.files}|{difficulty.lines}|{difficulty.extensions}"
+    )
+    sections = rng.sample(SECTIONS, difficulty.files)
+    extensions = EXTENSIONS[: difficulty.extensions]
+    files: dict[str, str] = {}
+    contents: dict[str, list[tuple[str, str]]] = {}
+    for section in sections:
+        keys = rng.sample(KEYS, difficulty.lines)
+        lines = [(key, rng.choice(VALUES)) for key in keys]
+        path = section + rng.choice(extensions)
+        files[path] = file_text(lines)
+        contents[path] = lines
+    # The asked file comes first in `sections`; every other file is a distractor that may share its keys.
+    target_path = next(path for path in files if path.startswith(sections[0] + "."))
+    key, value = rng.choice(contents[target_path])
+    extension = target_path[len(sections[0]) :]
+    split = _answer_split(sections[0], extension, key, value)
+    ordered = dict(sorted(files.items()))
+    digest = hashlib.sha256(repr((sorted(files.items()), sections[0], key)).encode()).hexdigest()[:12]
+    return Task(
+        id=f"ft-{digest}",
+        split=split,
+        files=ordered,
+        question=question_text(sections[0], key),
+        section=sections[0],
+        key=key,
+        answer=f"{key} {value}",
+    )
+
+
+def generate_tasks(seed: int, n: int, split: Split, difficulty: Difficulty | None = None) -> list[Task]:
+    """The first ``n`` distinct tasks of ``split`` in the stream generated from ``seed``.
+
+    Deterministic: the same arguments always give the same list, and a smaller ``n`` gives a prefix.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
+    if n < 0:
+        raise ValueError(f"n: must be non-negative, got {n}")
+    difficulty = difficulty or Difficulty()
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    index = 0
+    # Each candidate lands in the held-out split with probability 1/8, so this ends quickly;
+    # the cap only guards against a difficulty with too few distinct tasks.
+    limit = 64 * (n + 16) * HELDOUT_BUCKETS
+    while len(tasks) < n:
+        if index >= limit:
+            raise ValueError(f"n: only {len(tasks)} distinct {split} tasks exist at {difficulty}, asked {n}")
+        task = _candidate(seed, index, difficulty)
+        index += 1
+        if task.split == split and task.id not in seen:
+            seen.add(task.id)
+            tasks.append(task)
+    return tasks
+
+
+def check(task: Task, submission: str) -> bool:
+    """Whether ``submission`` answers ``task``, judged in a fresh environment built from the task.
+
+    The checker does not trust ``task.answer``: it rebuilds the tree, finds the asked section's
+    file, reads it and parses it, as a test suite would run against a clean checkout.
+    """
+    from mixrl.rl.rollout.env import FileTreeEnv  # env imports this module
+
+    env = FileTreeEnv(task)
+    paths = [path for path in env.list_files() if path.rsplit(".", 1)[0] == task.section]
+    if len(paths) != 1:
+        return False
+    expected = parse_config(env.read_file(paths[0]) or "").get(task.key)
+    submitted = parse_config(" ".join(submission.split()))
+    return expected is not None and submitted == {task.key: expected}
