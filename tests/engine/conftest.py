@@ -62,9 +62,10 @@ def engine(dense_path: str) -> Iterator[EngineProcess]:
 
 
 @contextlib.asynccontextmanager
-async def serve_in_process(**config: object) -> AsyncIterator[str]:
-    """The engine's HTTP app on a loopback port inside this process (no start-up cost); yields its URL.
+async def serve_in_process(**config: object) -> AsyncIterator[tuple[str, EngineService]]:
+    """The engine's HTTP app on a loopback port inside this process (no start-up cost).
 
+    Yields its URL and the service behind it.
     Same application as `mixrl engine`, minus the command line and the child process.
     """
     service = EngineService(EngineConfig(**config))  # type: ignore[arg-type]
@@ -74,7 +75,7 @@ async def serve_in_process(**config: object) -> AsyncIterator[str]:
     await site.start()
     host, port = runner.addresses[0][:2]
     try:
-        yield f"http://{host}:{port}"
+        yield f"http://{host}:{port}", service
     finally:
         service.sched.abort_all("test finished")
         await runner.cleanup()

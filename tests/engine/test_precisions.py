@@ -56,7 +56,7 @@ async def test_engine_equals_hand_prepared_model_at_its_precision(
 ) -> None:
     model_kind, weights, kv = SETUPS[name]
     model = reference_model(dense_path if model_kind == "dense" else moe_path, weights)
-    async with serve_in_process(**_config(name, dense_path, moe_path)) as url:
+    async with serve_in_process(**_config(name, dense_path, moe_path)) as (url, _):
         served = await _full_distributions(url, PROMPTS[:8])
         async with EngineClient(url) as client:
             result = await client.generate(PROMPTS[0], max_new_tokens=12, temperature=0.0)
@@ -75,7 +75,7 @@ async def test_each_precision_moves_the_distribution_a_bounded_amount(dense_path
     dense = [name for name, (kind, _, _) in SETUPS.items() if kind == "dense"]
     dists = {}
     for name in dense:
-        async with serve_in_process(**_config(name, dense_path, moe_path)) as url:
+        async with serve_in_process(**_config(name, dense_path, moe_path)) as (url, _):
             dists[name] = await _full_distributions(url, PROMPTS)
     base = dists["bf16"]
     kl = {}

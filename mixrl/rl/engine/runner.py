@@ -157,6 +157,14 @@ class ModelRunner:
                 seq.abort(message)
         return self._drop_finished()
 
+    def reset(self, message: str) -> list[Sequence]:
+        """Abort every running sequence and forget the batch (after a failed step); returns them."""
+        seqs = self.running
+        for seq in seqs:
+            seq.abort(message)
+        self._running = None
+        return seqs
+
     def drop_finished(self) -> list[Sequence]:
         """Remove sequences already marked finished (e.g. aborted from outside); returns them."""
         return self._drop_finished()

@@ -18,6 +18,7 @@ Pausing (SGLang's ``/pause_generation``): ``abort`` finishes every request with 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -168,9 +169,15 @@ class Scheduler:
             await self._collect_aborted()
             progressed = False
             if not self.paused:
-                progressed = await self._admit() or progressed
-                if self.runner.running:
-                    self._resolve(await self._on_thread(self.runner.step))
+                try:
+                    progressed = await self._admit() or progressed
+                    if self.runner.running:
+                        self._resolve(await self._on_thread(self.runner.step))
+                        progressed = True
+                except Exception as exc:  # a model failure must not hang every open request
+                    log.exception("model step failed; aborting the running batch")
+                    reset = functools.partial(self.runner.reset, f"engine error: {exc}")
+                    self._resolve(await self._on_thread(reset))
                     progressed = True
             self._publish_load()
             if not progressed and not self._controls and not self._has_aborted():
@@ -223,6 +230,11 @@ class Scheduler:
         self._admitting = seqs
         try:
             self._resolve(await self._on_thread(lambda: self.runner.add(seqs)))
+        except Exception as exc:
+            for seq in seqs:
+                seq.abort(f"engine error: {exc}")
+            self._resolve(seqs)
+            raise
         finally:
             self._admitting = []
         return True
