@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -323,6 +324,14 @@ def main(argv: list[str]) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         print(f"mixrl engine: {exc}", file=sys.stderr)
+        return 2
+    model_dir = Path(config.model_path)
+    if not (model_dir / "config.json").is_file():
+        why = "no config.json in it" if model_dir.is_dir() else "not a directory"
+        print(
+            f"mixrl engine: --model-path {config.model_path}: {why} (a local Hugging Face model directory)",
+            file=sys.stderr,
+        )
         return 2
     if args.torch_threads > 0:
         import torch
