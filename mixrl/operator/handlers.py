@@ -151,16 +151,32 @@ def lock_key(body: Obj) -> str:
     return f"{body.get('kind')}/{meta['namespace']}/{meta['name']}"
 
 
+async def read_fresh(rt: Runtime, body: Obj) -> Obj | None:
+    """The object as the API server has it now, or None when it is gone (or was replaced).
+
+    kopf hands a handler the body of the event it is processing, which can be older than the
+    object (a pool scaled twice in a row); acting on it would write stale replicas back."""
+    meta = body["metadata"]
+    resource = RLRUNS if body.get("kind") == "RLRun" else SAMPLERPOOLS
+    fresh = await rt.client.get(resource, meta["namespace"], meta["name"])
+    if fresh is None or ("uid" in meta and fresh["metadata"].get("uid") != meta["uid"]):
+        return None
+    return fresh
+
+
 async def guarded(
     rt: Runtime,
     body: Obj,
     reconcile: Callable[[Context, Obj], Awaitable[Outcome]],
     retry: int,
-    announce_invalid: bool = True,
 ) -> Outcome:
-    """Run one reconcile under the object's lock; map failures to kopf's retry semantics."""
+    """Reconcile one object under its lock, from its current state; map failures to kopf's retries."""
     try:
         async with rt.lock(lock_key(body)):
+            fresh = await read_fresh(rt, body)
+            if fresh is None:
+                return Outcome()
+            body = fresh
             outcome = await reconcile(rt.context(), body)
     except ApiError as exc:
         if body.get("kind") == "RLRun":
@@ -168,13 +184,11 @@ async def guarded(
         if exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config, exc.retry_after)) from exc
         if exc.status in (401, 403):  # credentials or RBAC: fixable outside, so keep trying, slowly
-            raise kopf.TemporaryError(
-                f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s
-            ) from exc
+            raise kopf.TemporaryError(f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s) from exc
         raise kopf.PermanentError(str(exc)) from exc  # the API server rejected what we built
     except StillTerminating as exc:
         raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config)) from exc
-    if outcome.invalid is not None and announce_invalid:
+    if outcome.invalid is not None:
         post_event(body, "Warning", Reason.INVALID_SPEC, outcome.invalid)
         raise kopf.PermanentError(outcome.invalid)
     return outcome
@@ -191,10 +205,7 @@ async def coalesced(rt: Runtime, body: Obj, reconcile: Callable[[Context, Obj], 
         await asyncio.sleep(rt.config.event_debounce_s)
         async with rt.lock(key):
             rt._queued.discard(key)
-            # Read the owner under the lock: the event may be older than the owner's last change.
-            meta = body["metadata"]
-            resource = RLRUNS if body["kind"] == "RLRun" else SAMPLERPOOLS
-            fresh = await rt.client.get(resource, meta["namespace"], meta["name"])
+            fresh = await read_fresh(rt, body)
             if fresh is not None:
                 await reconcile(rt.context(), fresh)
     except (ApiError, StillTerminating) as exc:

@@ -21,9 +21,11 @@ from typing import Any
 
 import aiohttp
 
+from mixrl import __version__
 from mixrl.operator.rbac import RECONCILER, ApiResource, is_allowed
 
 FIELD_MANAGER = "mixrl-operator"
+USER_AGENT = f"mixrl-operator/{__version__}"
 Obj = dict[str, Any]
 
 
@@ -163,7 +165,7 @@ class KubeClient:
             )
         connection = self._connection()
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers={"User-Agent": USER_AGENT})
         url = connection.server.rstrip("/") + resource.path(namespace, name, subresource)
         headers = {**connection.headers(), "Accept": "application/json"}
         data = None
@@ -260,7 +262,7 @@ class KubeClient:
         Discovery is a non-resource URL every authenticated user may read (system:discovery)."""
         connection = self._connection()
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers={"User-Agent": USER_AGENT})
         url = f"{connection.server.rstrip('/')}/apis/{group}/{version}"
         headers = {**connection.headers(), "Accept": "application/json"}
         try:

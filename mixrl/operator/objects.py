@@ -20,9 +20,10 @@ HASH_ANNOTATION = "mixrl.dev/desired-hash"
 """On every object we write: hash of the desired object; equal hash => no write."""
 CONFIG_HASH_ANNOTATION = "mixrl.dev/config-hash"
 """On pod templates: hash of the configuration the pods read, so a change rolls them."""
-POOL_CONFIG_HASH_ANNOTATION = "mixrl.dev/pool-config-hash"
+POOL_CONFIG_HASH_LABEL = "mixrl.dev/pool-config-hash"
 """On SamplerPools: changes when the run changes anything the pool's Deployment is built from,
-which wakes the pool's own controller (it alone writes the Deployment)."""
+which wakes the pool's own controller (it alone writes the Deployment).  A label, not an
+annotation: kopf's change detection sees labels and the spec, not annotations."""
 
 RDZV_PORT = 29500
 WEIGHTS_MOUNT = "weights"

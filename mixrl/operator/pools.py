@@ -17,7 +17,7 @@ from mixrl.operator import labels as L
 from mixrl.operator.objects import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_WEIGHTS_DIR,
-    POOL_CONFIG_HASH_ANNOTATION,
+    POOL_CONFIG_HASH_LABEL,
     BuildOptions,
     Owner,
     deployment,
@@ -66,9 +66,8 @@ def sampler_pool(resolved: ResolvedRun, pool: ResolvedPool, owner: Owner) -> Obj
         "metadata": metadata(
             pool.object_name,
             resolved.namespace,
-            L.pool_labels(resolved, pool),
+            {**L.pool_labels(resolved, pool), POOL_CONFIG_HASH_LABEL: pool_config_hash(resolved, pool)},
             owner,
-            {POOL_CONFIG_HASH_ANNOTATION: pool_config_hash(resolved, pool)},
         ),
         "spec": {
             "run": resolved.name,

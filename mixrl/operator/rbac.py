@@ -86,11 +86,14 @@ RECONCILER: dict[Key, frozenset[str]] = {
     (GROUP, "samplerpools/finalizers"): frozenset({"update"}),
 }
 
-# Calls made by kopf itself: watching the two kinds, its progress annotations, events, peering.
-# (Resource scanning is disabled: kopf lists neither CRDs nor namespaces.)
+# Calls made by kopf itself: watching the two kinds and the workloads we own (label-selected on the
+# server), its bookkeeping annotations, events, peering.  Resource scanning is disabled: kopf lists
+# neither CRDs nor namespaces.
 FRAMEWORK: dict[Key, frozenset[str]] = {
     (GROUP, "rlruns"): frozenset({"list", "watch", "patch"}),
     (GROUP, "samplerpools"): frozenset({"list", "watch", "patch"}),
+    ("apps", "deployments"): frozenset({"list", "watch"}),
+    ("apps", "statefulsets"): frozenset({"list", "watch"}),
     ("", "events"): frozenset({"create"}),
 }
 PEERING_VERBS = frozenset({"get", "list", "watch", "patch"})

@@ -31,7 +31,7 @@ from mixrl.operator.objects import (
     BUFFER_DATA_DIR,
     CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
-    POOL_CONFIG_HASH_ANNOTATION,
+    POOL_CONFIG_HASH_LABEL,
     RDZV_PORT,
     BuildOptions,
     Images,
@@ -68,7 +68,7 @@ from mixrl.operator.pools import clamp_replicas, pool_children, pool_objects, sa
 __all__ = [  # the builders' public surface, for the handlers and the tests
     "CONFIG_HASH_ANNOTATION",
     "HASH_ANNOTATION",
-    "POOL_CONFIG_HASH_ANNOTATION",
+    "POOL_CONFIG_HASH_LABEL",
     "BuildOptions",
     "Images",
     "Monitoring",

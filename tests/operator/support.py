@@ -91,15 +91,15 @@ async def running_operator(
     Cluster-wide by default (peering through the ClusterKopfPeering ``mixrl``); with ``namespaces``
     it watches only those (peering through a KopfPeering in each)."""
     url = str(api.url).rstrip("/")
-    config = OperatorConfig(
-        login=lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
-        monitoring="annotations",
-        backoff_base_s=0.05,
-        backoff_cap_s=0.2,
-        event_debounce_s=0.1,
-        tune=fast,
-        **overrides,
-    )
+    settings: dict[str, Any] = {
+        "login": lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
+        "monitoring": "annotations",
+        "backoff_base_s": 0.05,
+        "backoff_cap_s": 0.2,
+        "event_debounce_s": 0.1,
+        "tune": fast,
+    }
+    config = OperatorConfig(**(settings | overrides))
     registry, runtime = build_registry(config)
     stop = asyncio.Event()
     ready = asyncio.Event()

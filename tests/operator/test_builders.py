@@ -21,7 +21,7 @@ from mixrl.operator import drain as drain_module
 from mixrl.operator import labels as L
 from mixrl.operator.resources import (
     HASH_ANNOTATION,
-    POOL_CONFIG_HASH_ANNOTATION,
+    POOL_CONFIG_HASH_LABEL,
     BuildOptions,
     Monitoring,
     Owner,
@@ -521,7 +521,7 @@ def test_pool_config_hash_wakes_the_pool_controller_when_its_inputs_change() -> 
             for o in run_objects(resolved, run_owner(resolved), BuildOptions())
             if o["kind"] == "SamplerPool"
         ]
-        return pools[0]["metadata"]["annotations"][POOL_CONFIG_HASH_ANNOTATION]
+        return pools[0]["metadata"]["labels"][POOL_CONFIG_HASH_LABEL]
 
     base = pool_hash(small_run())
     args = small_run()

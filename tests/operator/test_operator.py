@@ -311,6 +311,7 @@ async def test_precision_change_and_tighter_bounds_roll_out(api: ApiServer, oper
         changed = copy.deepcopy(manifest)
         changed["spec"]["samplerPools"][1]["weightPrecision"] = "bf16"  # h100: fp8 -> bf16
         changed["spec"]["samplerPools"][0].update(minReplicas=1, maxReplicas=1)  # b200 runs 2 replicas now
+        changed["spec"]["samplerPools"][0]["engineArgs"] = ["--mem-fraction-static", "0.8"]  # not in its spec
         await patch(api, run_path("demo"), {"spec": {"samplerPools": changed["spec"]["samplerPools"]}})
 
         def rolled() -> bool:
@@ -321,6 +322,14 @@ async def test_precision_change_and_tighter_bounds_roll_out(api: ApiServer, oper
 
         await eventually(rolled, what="the h100 Deployment without --quantization")
         await eventually(lambda: api.live(DEPLOYMENTS, NAMESPACE, "demo-b200")["spec"]["replicas"] == 1)
+
+        def new_args() -> bool:
+            engine = api.live(DEPLOYMENTS, NAMESPACE, "demo-b200")["spec"]["template"]["spec"]["containers"][
+                0
+            ]
+            return engine["command"][-2:] == ["--mem-fraction-static", "0.8"]
+
+        await eventually(new_args, what="the b200 Deployment with the new engine arguments")
         await settled(api)
         h100 = api.live(SAMPLERPOOLS, NAMESPACE, "demo-h100")
         assert (h100["spec"]["weightPrecision"], h100["metadata"]["labels"][L.PRECISION]) == ("bf16", "bf16")

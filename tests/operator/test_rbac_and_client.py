@@ -1,0 +1,236 @@
+"""Least privilege from the code: every request the running operator sends is a declared permission;
+the API client refuses undeclared calls; errors map to retry decisions; discovery picks monitoring."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kmock
+import kopf
+import pytest
+
+from mixrl.operator import rbac
+from mixrl.operator.handlers import OperatorConfig, backoff
+from mixrl.operator.kube import ApiError, Connection, KubeClient, UndeclaredApiCall
+from mixrl.operator.main import parse_args
+
+from .emulator import ApiServer
+from .support import (
+    DEPLOYMENTS,
+    NAMESPACE,
+    PEERING,
+    SAMPLERPOOLS,
+    create,
+    delete,
+    eventually,
+    patch,
+    play_workload_controllers,
+    run_path,
+    settled,
+    small_run,
+)
+
+Obj = dict[str, Any]
+
+
+def rbac_calls(request: kmock.Request) -> set[tuple[str, str, str]]:
+    """The (group, resource[/subresource], verb) checks the API server makes for a request; none for
+    discovery, which every authenticated client may read (system:discovery).  A server-side apply
+    may create the object, so it needs create as well as patch."""
+    resource = request.resource
+    if resource is None or not resource.plural:
+        return set()
+    method = request.method.value
+    if method == "GET":
+        verbs = {"watch" if request.params.get("watch") == "true" else "get" if request.name else "list"}
+    elif method == "PATCH" and request.headers.get("Content-Type", "").startswith("application/apply-patch"):
+        verbs = {"patch", "create"}
+    else:
+        verb = {"POST": "create", "PATCH": "patch", "PUT": "update"}.get(method)
+        verbs = {verb or ("delete" if request.name else "deletecollection")}
+    name = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
+    return {(resource.group, name, verb) for verb in verbs}
+
+
+def operator_calls(api: ApiServer) -> set[tuple[str, str, str]]:
+    """What kopf and our client sent (the test's own kubectl-like requests come from kmock's client)."""
+    agents = ("kopf/", "mixrl-operator/")
+    return {
+        call
+        for r in list(api)
+        if r.headers.get("User-Agent", "").startswith(agents)
+        for call in rbac_calls(r)
+    }
+
+
+async def lifecycle(api: ApiServer) -> None:
+    """Create, scale, change, shrink and delete a run, as a user would."""
+    manifest = small_run()
+    await create(api, manifest)
+    await eventually(lambda: len(api.names(DEPLOYMENTS, NAMESPACE)) == 4, what="children")
+    await play_workload_controllers(api)
+    pool = f"/apis/mixrl.dev/v1alpha1/namespaces/{NAMESPACE}/samplerpools/demo-b200"
+    await patch(api, pool, {"spec": {"replicas": 3}}, "scale")
+    changed = copy.deepcopy(manifest)
+    changed["spec"]["samplerPools"] = [changed["spec"]["samplerPools"][0] | {"maxReplicas": 2}]
+    await patch(api, run_path("demo"), {"spec": {"samplerPools": changed["spec"]["samplerPools"]}})
+    await eventually(lambda: "demo-h100" not in api.names(SAMPLERPOOLS, NAMESPACE), what="pool removal")
+    await settled(api)
+    await delete(api, run_path("demo"))
+    await eventually(lambda: not api.names(DEPLOYMENTS, NAMESPACE), what="garbage collection")
+    await settled(api)
+
+
+def assert_covered(calls: set[tuple[str, str, str]], clusterwide: bool) -> None:
+    allowed = rbac.permissions(clusterwide)
+    rules = rbac.operator_rules(clusterwide)
+    missing = sorted(c for c in calls if not rbac.is_allowed(allowed, *c))
+    assert not missing, f"calls the RBAC registry does not declare: {missing}"
+    assert all(rbac.rules_allow(rules, *c) for c in calls), "operator_rules() lost a permission"
+
+
+async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiServer, operator: Any) -> None:
+    async with operator():
+        await lifecycle(api)
+    calls = operator_calls(api)
+    assert_covered(calls, clusterwide=True)
+    # The run really exercised the interesting verbs, so this is not vacuous.
+    assert {
+        ("mixrl.dev", "samplerpools", "delete"),
+        ("apps", "deployments", "watch"),
+        ("", "events", "create"),
+    } <= calls
+    assert ("kopf.dev", "clusterkopfpeerings", "patch") in calls, (
+        "peering is on: the operator announced itself"
+    )
+    # Least privilege in the other direction: nothing declared that the operator never needs.
+    declared = {(g, r, v) for (g, r), verbs in rbac.permissions(True).items() for v in verbs}
+    unused = declared - calls
+    # Not exercised by this lifecycle: creating a PodMonitor (monitoring off here), update of
+    # finalizers (admission plugin check, no request), peering get (only on conflicts).
+    assert unused <= {
+        ("monitoring.coreos.com", "podmonitors", "get"),
+        ("monitoring.coreos.com", "podmonitors", "create"),
+        ("monitoring.coreos.com", "podmonitors", "patch"),
+        ("mixrl.dev", "rlruns/finalizers", "update"),
+        ("mixrl.dev", "samplerpools/finalizers", "update"),
+        ("kopf.dev", "clusterkopfpeerings", "get"),
+    }, unused
+
+
+async def test_a_namespaced_operator_stays_within_namespaced_permissions(
+    api: ApiServer, operator: Any
+) -> None:
+    api.objects[kmock.resource("kopf.dev/v1/kopfpeerings"), NAMESPACE, PEERING] = {
+        "apiVersion": "kopf.dev/v1",
+        "kind": "KopfPeering",
+        "metadata": {"name": PEERING, "namespace": NAMESPACE, "uid": "p", "resourceVersion": "1"},
+    }
+    async with operator(namespaces=[NAMESPACE]):
+        await lifecycle(api)
+    calls = operator_calls(api)
+    assert_covered(calls, clusterwide=False)
+    assert ("kopf.dev", "kopfpeerings", "patch") in calls
+    assert not any(c[1] == "namespaces" for c in calls), "no namespace listing: least privilege"
+    watched = {r.url.path for r in list(api) if r.params.get("watch") == "true"}
+    assert all(f"/namespaces/{NAMESPACE}/" in path for path in watched), watched
+
+
+async def test_podmonitor_is_used_when_discovery_finds_the_prometheus_operator(
+    api: ApiServer, operator: Any
+) -> None:
+    api.register(with_monitoring=True)
+    async with operator(monitoring="auto"):
+        await create(api, small_run())
+        await eventually(
+            lambda: api.live("monitoring.coreos.com/v1/podmonitors", NAMESPACE, "demo"), what="PodMonitor"
+        )
+        await settled(api)
+        router = api.live(DEPLOYMENTS, NAMESPACE, "demo-router")
+        assert "prometheus.io/scrape" not in router["spec"]["template"]["metadata"]["annotations"]
+        calls = operator_calls(api)
+    assert_covered(calls, clusterwide=True)
+
+
+# ----------------------------------------------------------------------------- the client
+
+
+async def test_the_client_refuses_undeclared_calls_before_sending(api: ApiServer) -> None:
+    client = KubeClient(lambda: Connection(server=str(api.url).rstrip("/")))
+    try:
+        sent = len(list(api))
+        with pytest.raises(UndeclaredApiCall, match="delete core/configmaps"):
+            await client.request("delete", "DELETE", rbac.CONFIGMAPS, namespace="rl", name="x")
+        with pytest.raises(UndeclaredApiCall, match="patch core/persistentvolumeclaims"):
+            await client.apply(rbac.PVCS, "rl", "x", {"apiVersion": "v1", "kind": "PersistentVolumeClaim"})
+        assert len(list(api)) == sent, "nothing reached the server"
+        assert await client.get(rbac.CONFIGMAPS, "rl", "missing") is None
+    finally:
+        await client.close()
+
+
+async def test_api_errors_say_whether_to_retry(api: ApiServer) -> None:
+    client = KubeClient(lambda: Connection(server=str(api.url).rstrip("/")))
+    try:
+        for status, retryable in (
+            (409, True),
+            (429, True),
+            (500, True),
+            (503, True),
+            (403, False),
+            (422, False),
+        ):
+            api.fail("GET", "configmaps", status)
+            with pytest.raises(ApiError) as caught:
+                await client.get(rbac.CONFIGMAPS, "rl", "x")
+            assert (caught.value.status, caught.value.retryable) == (status, retryable)
+            assert caught.value.message == f"injected {status}"
+    finally:
+        await client.close()
+    dead = KubeClient(lambda: Connection(server="http://127.0.0.1:9"))  # nothing listens on port 9
+    try:
+        with pytest.raises(ApiError) as caught:
+            await dead.get(rbac.CONFIGMAPS, "rl", "x")
+        assert caught.value.status == 0 and caught.value.retryable
+    finally:
+        await dead.close()
+
+
+def test_backoff_grows_is_capped_and_honours_retry_after() -> None:
+    config = OperatorConfig(backoff_base_s=2.0, backoff_cap_s=60.0)
+    delays = [backoff(retry, config) for retry in range(8)]
+    assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    assert backoff(0, config, retry_after=30.0) == 30.0
+    assert backoff(10_000, config) == 60.0
+
+
+def test_connection_from_kopf_login_carries_credentials() -> None:
+    info = kopf.ConnectionInfo(
+        server="https://k8s:6443", token="t0k", scheme="Bearer", ca_data=b"-----", insecure=False
+    )
+    connection = Connection.from_kopf(info)
+    assert connection.headers() == {"Authorization": "Bearer t0k"}
+    assert connection.ca_data == b"-----" and connection.server == "https://k8s:6443"
+    basic = Connection(server="https://k8s", username="u", password="p")
+    assert basic.headers() == {"Authorization": "Basic dTpw"}
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_operator_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(["-n", "rl", "-n", "eval", "--dev"])
+    assert args.namespaces == ["rl", "eval"] and not args.all_namespaces and args.dev
+    assert parse_args(["-A", "--peering", "p", "--monitoring", "podmonitor"]).peering == "p"
+    for bad, message in (
+        ([], "one of the arguments -n/--namespace -A/--all-namespaces is required"),
+        (["-A", "-n", "rl"], "not allowed with argument"),
+        (["-A", "--drain-seconds", "-1"], "--drain-seconds: must be 0 or more"),
+        (["-A", "--monitoring", "grafana"], "invalid choice: 'grafana'"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(bad)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert message in err, err
