@@ -11,16 +11,20 @@ CPU, for each size N × V:
 - ``logits``: materialized logits ``hidden @ Wᵀ`` fed to :func:`token_policy_loss` (what a trainer
   that already holds all logits would pay; for information).
 
-Time: the minimum over rounds, the methods alternating within one process per size (so shared
-cores load them alike).  Peak memory: the process's resident-set high-water mark (VmHWM) reset
-through /proc/self/clear_refs right before each run, minus the resident set at that moment, after
-``gc`` and ``malloc_trim`` return freed memory to the OS.  It counts every byte the run touches —
-torch's allocations included, which tracemalloc cannot see — and includes the gradients of the
-hidden states and the LM head, which every method returns.  The naive methods run only where
+Time: process CPU time of all threads (the targets are judged on it: on shared cores wall time
+mostly measures the neighbours), the minimum over rounds, the methods alternating within one
+process per size; wall time is shown too.  Each process first runs every method once on 128 rows
+(code pages, library state), uncounted.  Peak memory: the process's resident-set high-water mark
+(VmHWM) reset through /proc/self/clear_refs right before each run, minus the resident set at that
+moment, after ``gc`` and ``malloc_trim``.  It counts every byte the run touches — torch's
+allocations and MKL's work buffers included, which tracemalloc cannot see — and includes the
+gradients of the hidden states and the LM head, which every method returns.  glibc's mmap
+threshold is fixed at 1 MiB in the measuring process so freed buffers leave the resident set at
+once (otherwise heap reuse makes the mark depend on history).  The naive methods run only where
 their estimated peak fits ``--naive-budget-gib``.
 
-    python bench/corrections.py            # the full grid (about 8 minutes on 2 cores)
-    python bench/corrections.py --quick    # N=2048, V=32768 only (under a minute)
+    python bench/corrections.py            # the full grid (12 minutes on 2 busy shared cores)
+    python bench/corrections.py --quick    # N=2048, V=32768 only (2 minutes, most of it the naive run)
 """
 
 from __future__ import annotations
@@ -248,7 +252,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="only N=2048, V=32768")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per size (the largest runs 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per size")
     parser.add_argument("--threads", type=int, help="OpenMP threads (default: torch's default)")
     parser.add_argument(
         "--naive-budget-gib", type=float, default=8.0, help="skip naive runs estimated above this"
@@ -270,7 +274,7 @@ def main(argv: list[str]) -> int:
     print(f"torch {torch.__version__}, hidden {HIDDEN}, K {CANDIDATES}, chunk {CHUNK}, fp32 CPU", flush=True)
     for i, (n, vocab) in enumerate(sizes):
         methods = _plan(n, vocab, args.naive_budget_gib * 2**30)
-        rounds = args.rounds if len(sizes) == 1 or n * vocab < max(work) else min(args.rounds, 2)
+        rounds = args.rounds
         cmd = [sys.executable, __file__, "--child", str(n), str(vocab), "--methods", ",".join(methods)]
         cmd += ["--rounds", str(rounds)]
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, env=_child_env(args.threads))
