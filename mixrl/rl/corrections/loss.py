@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mixrl.rl.corrections.config import CorrectionConfig, CorrectionInputError
-from mixrl.rl.corrections.inputs import PreparedBatch, TokenRows, compute_dtype, prepare_batch
+from mixrl.rl.corrections.inputs import PreparedBatch, compute_dtype, prepare_batch
 from mixrl.rl.corrections.metrics import PolicyLossMetrics, build_metrics
 from mixrl.rl.corrections.objective import (
     CorrectedTerms,
@@ -345,4 +345,4 @@ def chunked_token_policy_loss(
     return loss, _metrics(out[0], config, batch)
 
 
-__all__ = ["TokenRows", "chunked_token_policy_loss", "token_policy_loss"]
+__all__ = ["chunked_token_policy_loss", "token_policy_loss"]
