@@ -58,7 +58,7 @@ class Supervisor:
         self.components.append(component)
         return component
 
-    def start(self, initial_version_path: str) -> None:
+    def start(self, initial_version_path: str, initial_version: int) -> None:
         run, run_dir = self.run, self.run_dir
         buffer_port, router_port = free_port(), free_port()
         self.buffer_url = f"http://127.0.0.1:{buffer_port}"
@@ -96,7 +96,7 @@ class Supervisor:
                         "--port",
                         str(port),
                         "--weight-version",
-                        "0",
+                        str(initial_version),
                         *pool.engine_args,
                     ],
                     f"http://127.0.0.1:{port}/health",
@@ -285,7 +285,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     status = 0
     try:
-        supervisor.start(prepared.initial_version_path)
+        supervisor.start(prepared.initial_version_path, prepared.initial_version)
         print("mixrl run: all components up; training", flush=True)
         while supervisor.trainer.alive:
             failed = supervisor.failed_component()

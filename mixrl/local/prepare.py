@@ -1,0 +1,153 @@
+"""The model a local run starts from: a tiny model built from a config and warm-started, cached.
+
+``model.path: tiny:<kind>`` builds a tiny ``transformers`` model locally (nothing is downloaded),
+with the built-in task family's tokenizer, and runs the warm start: a short supervised phase on
+generated demonstrations that stops at a moderate success rate, so RL starts neither near 0 nor
+near 1.  The result is cached under ``<cache>/models/`` by a hash of everything that determines
+it, so later runs skip it.  Any other ``model.path`` is a local Hugging Face directory used as is.
+The starting weights are then published as version 0 of the run's weight store (BF16, as the
+trainer publishes every later version).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixrl.api.resolve import ResolvedRun, SamplingParams
+from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.rollout.demos import warm_start
+from mixrl.rl.rollout.tasks import generate_tasks
+from mixrl.rl.rollout.tokenizer import Tokenizer
+from mixrl.rl.weights import WeightStore
+
+TINY_PREFIX = "tiny:"
+TOKENIZER_FILE = "tokenizer.json"
+RECIPE_VERSION = 1
+"""Bump when the recipe below changes in a way the cache key does not see."""
+
+# The tiny model and its warm start.  Sized so that 4 engines, the trainer and the rollout share two
+# CPU cores and the quickstart finishes in minutes.
+TINY_ARCHITECTURE: dict[str, Any] = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
+WARM_START: dict[str, Any] = {
+    "steps": 400,
+    "lr": 3e-3,
+    "target_success": 0.3,
+    "probe_every": 20,
+    "demonstrations": 512,
+    "probe_tasks": 64,
+    "seed": 0,
+}
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    model_path: str
+    """Checkpoint the trainer starts from."""
+    tokenizer_path: str
+    initial_version: int
+    initial_version_path: str
+    """Weight-store directory the engines start from."""
+
+
+def _say(message: str) -> None:
+    print(f"mixrl run: {message}", flush=True)
+
+
+def tiny_recipe(run: ResolvedRun, kind: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    return {
+        "recipe": RECIPE_VERSION,
+        "kind": kind,
+        "architecture": TINY_ARCHITECTURE,
+        "warm_start": WARM_START,
+        "tokenizer": hashlib.sha256(tokenizer.to_json().encode()).hexdigest(),
+        "environment": run.rollout.environment,
+        "dataset_seed": run.rollout.dataset.seed,
+        "temperature": run.sampling.temperature,
+        "top_p": run.sampling.top_p,
+        "top_k": run.sampling.top_k,
+        "max_turns": run.rollout.max_turns,
+    }
+
+
+def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Path) -> None:
+    """Create, warm-start and save a tiny model into ``out`` (which must not exist yet)."""
+    recipe = WARM_START
+    tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
+    create_tiny_checkpoint(tmp, kind, vocab_size=tokenizer.vocab_size, seed=recipe["seed"], **TINY_ARCHITECTURE)
+    model = load_model(tmp)
+    seed = run.rollout.dataset.seed
+    tasks = generate_tasks(seed, recipe["demonstrations"] + recipe["probe_tasks"], "train")
+    demos, probes = tasks[: recipe["demonstrations"]], tasks[recipe["demonstrations"] :]
+    sampling = SamplingParams(
+        temperature=run.sampling.temperature,
+        top_p=run.sampling.top_p,
+        top_k=run.sampling.top_k,
+        max_new_tokens=run.sampling.max_new_tokens,
+        top_logprobs_num=0,
+        return_sampling_mask=False,
+    )
+    _say(f"warm start of a tiny {kind} model (cached after this run)")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe["seed"])
+        report = warm_start(
+            model,
+            tokenizer,
+            demos,
+            steps=recipe["steps"],
+            lr=recipe["lr"],
+            target_success=recipe["target_success"],
+            probe_tasks=probes,
+            probe_every=recipe["probe_every"],
+            sampling=sampling,
+            seed=recipe["seed"],
+            progress=_say,
+        )
+    _say(f"warm start done: {report.steps} steps in {report.seconds:.0f}s, probe success {report.success:.2f}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save(tmp / TOKENIZER_FILE)
+    (tmp / "warm_start.json").write_text(
+        json.dumps({"steps": report.steps, "seconds": report.seconds, "probes": report.probes}, indent=2)
+    )
+    try:
+        tmp.rename(out)  # atomic: a concurrent or interrupted build never leaves a half-written cache entry
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
+
+
+def prepare_model(run: ResolvedRun, cache: Path, run_dir: Path) -> PreparedModel:
+    path = run.model.path
+    if path.startswith(TINY_PREFIX):
+        kind = path.removeprefix(TINY_PREFIX)
+        tokenizer = Tokenizer.filetree()
+        key = hashlib.sha256(json.dumps(tiny_recipe(run, kind, tokenizer), sort_keys=True).encode()).hexdigest()
+        model_dir = cache / "models" / f"{kind}-{key[:16]}"
+        if (model_dir / "config.json").exists():
+            _say(f"using the cached warm-started model {model_dir}")
+        else:
+            model_dir.parent.mkdir(parents=True, exist_ok=True)
+            build_tiny_model(run, kind, tokenizer, model_dir)
+        tokenizer_path = str(model_dir / TOKENIZER_FILE)
+    else:
+        model_dir = Path(path)
+        if not (model_dir / "config.json").exists():
+            raise FileNotFoundError(f"model.path: {path} is not a local model directory (no config.json)")
+        tokenizer_path = run.model.tokenizer or str(model_dir / TOKENIZER_FILE)
+
+    store = WeightStore(run.weights.store)
+    latest = store.latest()
+    if latest is None:
+        model = load_model(model_dir)
+        state = {name: t.detach().to(torch.bfloat16).contiguous().clone() for name, t in model.state_dict().items()}
+        store.publish(0, state, {"source": str(model_dir)}, model.config.to_dict())
+        latest = 0
+    return PreparedModel(str(model_dir), tokenizer_path, latest, store.path(latest))
