@@ -55,6 +55,16 @@ RESOURCES: dict[str, tuple[str, bool, set[str]]] = {
     "kopf.dev/v1/kopfpeerings": ("KopfPeering", True, set()),
 }
 MONITORING = {"monitoring.coreos.com/v1/podmonitors": ("PodMonitor", True, set())}
+# What a Helm install of the chart touches besides the above.
+CLUSTER_BASICS = {
+    "v1/serviceaccounts": ("ServiceAccount", True, set()),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": ("CustomResourceDefinition", False, {"status"}),
+    "rbac.authorization.k8s.io/v1/clusterroles": ("ClusterRole", False, set()),
+    "rbac.authorization.k8s.io/v1/clusterrolebindings": ("ClusterRoleBinding", False, set()),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
+    "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
+    "monitoring.coreos.com/v1/prometheusrules": ("PrometheusRule", True, set()),
+}
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 
 
@@ -101,6 +111,17 @@ class ApiServer(kmock.KubernetesEmulator):
         response.force_close()
         return response
 
+    async def _serve_server_version(self, request: kmock.Request) -> Any:
+        # kmock says 1.26; the chart requires >= 1.28 (and Helm checks it).
+        return {"major": "1", "minor": "31", "gitVersion": "v1.31.0", "platform": "linux/amd64"}
+
+    async def _serve_version(self, request: kmock.Request) -> Any:
+        # kmock writes the core group's groupVersion as "/v1"; client-go (helm) needs "v1".
+        payload = await super()._serve_version(request)
+        if isinstance(payload, dict) and payload.get("groupVersion", "").startswith("/"):
+            payload["groupVersion"] = payload["groupVersion"].lstrip("/")
+        return payload
+
     def end_watches(self) -> None:
         """End every open watch stream, as an API server does at its timeout.  A stopping operator
         waits for tasks spawned while it ran, and the server side of its watches is one of them."""
@@ -134,16 +155,39 @@ class ApiServer(kmock.KubernetesEmulator):
                         await task
             await source.aclose()
 
-    def register(self, with_monitoring: bool = False) -> None:
+    def register(
+        self, with_monitoring: bool = False, with_cluster_basics: bool = False, crds: bool = True
+    ) -> None:
+        """Serve the built-in kinds; ``crds=False`` leaves the custom kinds to CRDs created later."""
         table = {**RESOURCES, **(MONITORING if with_monitoring else {})}
+        table |= CLUSTER_BASICS if with_cluster_basics else {}
+        if not crds:
+            table = {k: v for k, v in table.items() if k.split("/")[0] not in ("mixrl.dev", "kopf.dev")}
         for key, (kind, namespaced, subresources) in table.items():
-            self.resources[key] = kmock.ResourceInfo(
-                kind=kind,
-                singular=kind.lower(),
-                namespaced=namespaced,
-                verbs=VERBS,
-                subresources=subresources,
-            )
+            self._serve_kind(key, kind, namespaced, subresources)
+
+    def _serve_kind(self, key: str, kind: str, namespaced: bool, subresources: set[str]) -> None:
+        self.resources[key] = kmock.ResourceInfo(
+            kind=kind, singular=kind.lower(), namespaced=namespaced, verbs=VERBS, subresources=subresources
+        )
+
+    def _establish(self, crd: Obj) -> None:
+        """What the apiextensions server does with a new CRD: accept its names and serve its kind."""
+        spec = crd.get("spec", {})
+        names = spec.get("names", {})
+        for version in spec.get("versions", []):
+            if version.get("served"):
+                key = f"{spec['group']}/{version['name']}/{names['plural']}"
+                subresources = set(version.get("subresources", {}))
+                self._serve_kind(key, names["kind"], spec.get("scope") == "Namespaced", subresources)
+        crd["status"] = {
+            "conditions": [
+                {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts"},
+                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted"},
+            ],
+            "acceptedNames": names,
+            "storedVersions": [v["name"] for v in spec.get("versions", []) if v.get("storage")],
+        }
 
     def fail(
         self, method: str, plural: str, status: int, times: int = 1, subresource: str | None = None
@@ -171,9 +215,9 @@ class ApiServer(kmock.KubernetesEmulator):
     # ------------------------------------------------------------------ request handling
 
     def _has_status(self, request: kmock.Request) -> bool:
-        key = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}".lstrip("/")
-        entry = {**RESOURCES, **MONITORING}.get(key)
-        return entry is not None and "status" in entry[2]
+        known = {(r.group, r.version, r.plural): info for r, info in self.resources.items()}
+        info = known.get((request.resource.group, request.resource.version, request.resource.plural))
+        return info is not None and "status" in info.subresources
 
     def _stored(self, request: kmock.Request, name: str | None = None) -> Obj | None:
         key = (request.resource, request.namespace, name or request.name)
@@ -206,6 +250,8 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 self._fill_new(request, request.data)
+                if request.resource.plural == "customresourcedefinitions":
+                    self._establish(request.data)
             elif request.action == kmock.action.UPDATE:
                 created = await self._prepare_update(request)
                 if created is not None:

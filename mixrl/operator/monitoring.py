@@ -1,0 +1,237 @@
+"""Alert rules for the three signs of collapse (DESIGN.md §4.4) and the Grafana dashboard (pure).
+
+The Helm chart ships both (``python -m mixrl.operator.chart`` writes them into charts/mixrl/files),
+built from the metric names in :mod:`mixrl.rl.metrics`, so a renamed series cannot leave a stale
+alert behind.
+
+The three signs, as the paper saw them before a run collapsed:
+- reward falls: the 15-minute mean reward drops 30 % or more below its best 15-minute mean of the
+  last 6 hours;
+- KL grows: a pool's sampler–trainer KL (k3) reaches 3× its early level — PromQL has no "first
+  value", so the early level is the lowest 15-minute mean of the last 12 hours, which for a
+  degrading run is its early level;
+- format errors: most episodes (> 50 %) end on repeated replies without a tool call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mixrl.rl.metrics import (
+    MIXRL_BUFFER_STALENESS,
+    MIXRL_COST_DOLLARS_TOTAL,
+    MIXRL_ROLLOUT_EPISODES_TOTAL,
+    MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL,
+    MIXRL_ROUTER_QUEUE_DEPTH,
+    MIXRL_ROUTER_REPLICAS_READY,
+    MIXRL_ROUTER_TRAFFIC_SHARE,
+    MIXRL_TRAINER_EXTREME_RATIO_SHARE,
+    MIXRL_TRAINER_GRAD_NORM,
+    MIXRL_TRAINER_KL,
+    MIXRL_TRAINER_REWARD,
+    MIXRL_TRAINER_STEP,
+    SGLANG_GEN_THROUGHPUT,
+    SGLANG_NUM_QUEUE_REQS,
+    SGLANG_NUM_RUNNING_REQS,
+    promql_any_spelling,
+)
+
+Obj = dict[str, Any]
+
+REWARD_DROP = 0.30
+KL_GROWTH = 3.0
+KL_FLOOR = 1e-4
+"""Below this KL the ratio is noise: a run that starts at 1e-6 may triple without meaning anything."""
+FORMAT_ERROR_SHARE = 0.5
+
+REWARD = MIXRL_TRAINER_REWARD.name
+KL = MIXRL_TRAINER_KL.name
+EPISODES = MIXRL_ROLLOUT_EPISODES_TOTAL.name
+FORMAT_ERRORS = MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL.name
+
+
+def reward_falling_expr() -> str:
+    recent = f"avg by (run) (avg_over_time({REWARD}[15m]))"
+    best = f"max_over_time(avg by (run) (avg_over_time({REWARD}[15m]))[6h:5m])"
+    return f"{recent} < ({1 - REWARD_DROP:g} * {best}) and {best} > 0"
+
+
+def kl_growing_expr() -> str:
+    recent = f"max by (run, pool) (avg_over_time({KL}[15m]))"
+    early = f"min_over_time(max by (run, pool) (avg_over_time({KL}[15m]))[12h:5m])"
+    return f"{recent} >= ({KL_GROWTH:g} * {early}) and {recent} > {KL_FLOOR:g}"
+
+
+def format_error_expr() -> str:
+    errors = f"sum by (run) (rate({FORMAT_ERRORS}[15m]))"
+    episodes = f"sum by (run) (rate({EPISODES}[15m]))"
+    return f"({errors} / {episodes}) > {FORMAT_ERROR_SHARE:g}"
+
+
+def alert(name: str, expr: str, duration: str, summary: str, description: str) -> Obj:
+    return {
+        "alert": name,
+        "expr": expr,
+        "for": duration,
+        "labels": {"severity": "warning", "signal": "collapse"},
+        "annotations": {"summary": summary, "description": description},
+    }
+
+
+def collapse_rule_groups() -> list[Obj]:
+    """``spec.groups`` of the chart's PrometheusRule."""
+    return [
+        {
+            "name": "mixrl-collapse",
+            "rules": [
+                alert(
+                    "MixrlRewardFalling",
+                    reward_falling_expr(),
+                    "15m",
+                    "Run {{ $labels.run }}: reward fell 30% below its best",
+                    "The 15-minute mean training reward is more than 30% below its best 15-minute mean of "
+                    "the last 6 hours. With a rising KL this is how mismatch-driven collapse begins.",
+                ),
+                alert(
+                    "MixrlKLGrowing",
+                    kl_growing_expr(),
+                    "15m",
+                    "Run {{ $labels.run }}, pool {{ $labels.pool }}: sampler-trainer KL tripled",
+                    "The pool's KL (k3) is at least 3x its early level (lowest 15-minute mean of the last "
+                    "12 hours). Check the pool's precision and kernels; consider MIS or a narrower range.",
+                ),
+                alert(
+                    "MixrlFormatErrorEpisodes",
+                    format_error_expr(),
+                    "10m",
+                    "Run {{ $labels.run }}: most episodes end on repeated format errors",
+                    "More than half of the episodes of the last 15 minutes ended after consecutive replies "
+                    "without a tool call: the policy is losing its output format.",
+                ),
+            ],
+        }
+    ]
+
+
+# ----------------------------------------------------------------------------- dashboard
+
+
+def panel(title: str, exprs: list[tuple[str, str]], x: int, y: int, unit: str = "short") -> Obj:
+    return {
+        "type": "timeseries",
+        "title": title,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "targets": [
+            {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend}
+            for i, (expr, legend) in enumerate(exprs)
+        ],
+    }
+
+
+def dashboard() -> Obj:
+    """A Grafana dashboard for one run (variable ``run``): learning, mismatch per pool, serving."""
+    sel = '{run="$run"}'
+    queue = promql_any_spelling(SGLANG_NUM_QUEUE_REQS.name)
+    running = promql_any_spelling(SGLANG_NUM_RUNNING_REQS.name)
+    throughput = promql_any_spelling(SGLANG_GEN_THROUGHPUT.name)
+    # Engine series carry run and pool from the pod labels (the PodMonitor's relabelings).
+    engine = sel
+    panels = [
+        panel("Reward", [(f"avg by (run) ({REWARD}{sel})", "reward")], 0, 0),
+        panel("Trainer step", [(f"max by (run) ({MIXRL_TRAINER_STEP.name}{sel})", "step")], 12, 0),
+        panel("Sampler-trainer KL (k3) per pool", [(f"max by (pool) ({KL}{sel})", "{{pool}}")], 0, 8),
+        panel(
+            "Extreme-ratio share per pool",
+            [(f"max by (pool) ({MIXRL_TRAINER_EXTREME_RATIO_SHARE.name}{sel})", "{{pool}}")],
+            12,
+            8,
+            "percentunit",
+        ),
+        panel(
+            "Episodes ending on format errors",
+            [(f"sum(rate({FORMAT_ERRORS}{sel}[15m])) / sum(rate({EPISODES}{sel}[15m]))", "share")],
+            0,
+            16,
+            "percentunit",
+        ),
+        panel("Gradient norm", [(f"max({MIXRL_TRAINER_GRAD_NORM.name}{sel})", "grad norm")], 12, 16),
+        panel(
+            "Ready replicas per pool",
+            [(f"sum by (pool) ({MIXRL_ROUTER_REPLICAS_READY.name}{sel})", "{{pool}}")],
+            0,
+            24,
+        ),
+        panel(
+            "Traffic share per pool",
+            [(f"sum by (pool) ({MIXRL_ROUTER_TRAFFIC_SHARE.name}{sel})", "{{pool}}")],
+            12,
+            24,
+            "percentunit",
+        ),
+        panel(
+            "Engine load per pool (queued + running)",
+            [(f"sum by (pool) ({queue}{engine}) + sum by (pool) ({running}{engine})", "{{pool}}")],
+            0,
+            32,
+        ),
+        panel(
+            "Router queue depth per pool",
+            [(f"sum by (pool) ({MIXRL_ROUTER_QUEUE_DEPTH.name}{sel})", "{{pool}}")],
+            12,
+            32,
+        ),
+        panel(
+            "Generation throughput per pool",
+            [(f"sum by (pool) ({throughput}{engine})", "{{pool}}")],
+            0,
+            40,
+            "tok/s",
+        ),
+        panel(
+            "Staleness of trained tokens (p50, p95)",
+            [
+                (
+                    f"histogram_quantile(0.5, sum by (le) (rate({MIXRL_BUFFER_STALENESS.name}_bucket{sel}[10m])))",
+                    "p50",
+                ),
+                (
+                    f"histogram_quantile(0.95, sum by (le) (rate({MIXRL_BUFFER_STALENESS.name}_bucket{sel}[10m])))",
+                    "p95",
+                ),
+            ],
+            12,
+            40,
+        ),
+        panel(
+            "GPU cost per hour by pool",
+            [(f"sum by (pool) (rate({MIXRL_COST_DOLLARS_TOTAL.name}{sel}[1h])) * 3600", "{{pool}}")],
+            0,
+            48,
+            "currencyUSD",
+        ),
+    ]
+    for index, item in enumerate(panels, start=1):
+        item["id"] = index
+    return {
+        "title": "mixrl run",
+        "uid": "mixrl-run",
+        "tags": ["mixrl"],
+        "schemaVersion": 39,
+        "refresh": "30s",
+        "time": {"from": "now-6h", "to": "now"},
+        "templating": {
+            "list": [
+                {"name": "datasource", "type": "datasource", "query": "prometheus"},
+                {
+                    "name": "run",
+                    "type": "query",
+                    "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                    "query": f"label_values({MIXRL_TRAINER_STEP.name}, run)",
+                    "refresh": 2,
+                },
+            ]
+        },
+        "panels": panels,
+    }

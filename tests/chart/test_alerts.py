@@ -1,0 +1,159 @@
+"""The collapse alerts, evaluated by Prometheus' own rule engine (promtool) on synthetic series."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mixrl.operator.monitoring import collapse_rule_groups
+
+PROMTOOL = shutil.which("promtool")
+pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (Debian package prometheus)")
+
+RULES = {rule["alert"]: rule for group in collapse_rule_groups() for rule in group["rules"]}
+
+
+def expected(alert: str, **labels: str) -> dict[str, Any]:
+    """The alert as Prometheus renders it: the rule's labels plus the series', annotations filled in."""
+    rule = RULES[alert]
+    annotations = {}
+    for key, text in rule["annotations"].items():
+        for name, value in labels.items():
+            text = text.replace(f"{{{{ $labels.{name} }}}}", value)
+        annotations[key] = text
+    return {"exp_labels": {**rule["labels"], **labels}, "exp_annotations": annotations}
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    assert PROMTOOL is not None
+    return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def rules_file(tmp_path: Path) -> Path:
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": collapse_rule_groups()}, sort_keys=False))
+    return path
+
+
+def test_rules_are_valid_promql(rules_file: Path) -> None:
+    checked = promtool("check", "rules", rules_file.name, cwd=rules_file.parent)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "SUCCESS: 3 rules found" in checked.stdout
+
+
+def run_rule_tests(rules_file: Path, tests: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
+    spec = {"rule_files": [rules_file.name], "evaluation_interval": "1m", "tests": tests}
+    (rules_file.parent / "tests.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    return promtool("test", "rules", "tests.yaml", cwd=rules_file.parent)
+
+
+def test_kl_tripling_in_one_pool_fires_only_for_that_pool(rules_file: Path) -> None:
+    series = [
+        # two hours at its early level, then 4x
+        {"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.004x120"},
+        {"series": 'mixrl_trainer_kl{run="a",pool="b200"}', "values": "0.001x240"},  # steady
+        {"series": 'mixrl_trainer_kl{run="b",pool="cpu"}', "values": "0.000001x120 0.000005x120"},  # noise
+    ]
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": series,
+            "alert_rule_test": [
+                {"eval_time": "125m", "alertname": "MixrlKLGrowing", "exp_alerts": []},  # still pending
+                {
+                    "eval_time": "200m",
+                    "alertname": "MixrlKLGrowing",
+                    "exp_alerts": [expected("MixrlKLGrowing", run="a", pool="h100")],
+                },
+            ],
+        }
+    ]
+    result = run_rule_tests(rules_file, tests)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_kl_that_only_doubles_does_not_fire(rules_file: Path) -> None:
+    series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.002x120"}]
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": series,
+            "alert_rule_test": [{"eval_time": "230m", "alertname": "MixrlKLGrowing", "exp_alerts": []}],
+        }
+    ]
+    result = run_rule_tests(rules_file, tests)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_falling_reward_fires_and_a_flat_one_does_not(rules_file: Path) -> None:
+    series = [
+        {"series": 'mixrl_trainer_reward{run="a",pool=""}', "values": "0.8x180 0.4x120"},
+        {"series": 'mixrl_trainer_reward{run="b",pool=""}', "values": "0.5x300"},
+        {"series": 'mixrl_trainer_reward{run="c",pool=""}', "values": "0.8x180 0.7x120"},  # -12 %: fine
+    ]
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": series,
+            "alert_rule_test": [
+                {"eval_time": "185m", "alertname": "MixrlRewardFalling", "exp_alerts": []},
+                {
+                    "eval_time": "280m",
+                    "alertname": "MixrlRewardFalling",
+                    "exp_alerts": [expected("MixrlRewardFalling", run="a")],
+                },
+            ],
+        }
+    ]
+    result = run_rule_tests(rules_file, tests)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_most_episodes_ending_on_format_errors_fires(rules_file: Path) -> None:
+    series = [
+        {"series": 'mixrl_rollout_episodes_total{run="a",pool="h100"}', "values": "0+10x60"},
+        {"series": 'mixrl_rollout_format_error_episodes_total{run="a",pool="h100"}', "values": "0+6x60"},
+        {"series": 'mixrl_rollout_episodes_total{run="b",pool="h100"}', "values": "0+10x60"},
+        {"series": 'mixrl_rollout_format_error_episodes_total{run="b",pool="h100"}', "values": "0+2x60"},
+    ]
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": series,
+            "alert_rule_test": [
+                {
+                    "eval_time": "50m",
+                    "alertname": "MixrlFormatErrorEpisodes",
+                    "exp_alerts": [expected("MixrlFormatErrorEpisodes", run="a")],
+                }
+            ],
+        }
+    ]
+    result = run_rule_tests(rules_file, tests)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_rule_tests_have_teeth(rules_file: Path) -> None:
+    """A wrong expectation fails: promtool really evaluates the rules."""
+    series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x240"}]
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": series,
+            "alert_rule_test": [
+                {
+                    "eval_time": "200m",
+                    "alertname": "MixrlKLGrowing",
+                    "exp_alerts": [expected("MixrlKLGrowing", run="a", pool="h100")],
+                }
+            ],
+        }
+    ]
+    result = run_rule_tests(rules_file, tests)
+    assert result.returncode != 0
