@@ -29,6 +29,9 @@ RDZV_PORT = 29500
 WEIGHTS_MOUNT = "weights"
 ENGINE_WEIGHTS_DIR = "/var/lib/mixrl/engine-weights"
 BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
+TRAINER_RUN_DIR = "/var/lib/mixrl/trainer"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+"""Set by the StatefulSet controller on each pod (Kubernetes ≥ 1.28)."""
 
 
 class Monitoring(enum.Enum):

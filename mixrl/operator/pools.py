@@ -12,7 +12,7 @@ current version before SGLang starts, because SGLang loads its first checkpoint 
 from __future__ import annotations
 
 from mixrl.api.models import API_VERSION
-from mixrl.api.resolve import ENGINE_PORT, METRICS_PORT, ResolvedPool, ResolvedRun
+from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator import labels as L
 from mixrl.operator.objects import (
     CONFIG_HASH_ANNOTATION,
@@ -107,8 +107,8 @@ def engine_container(
         command = [
             "mixrl",
             "engine",
-            "--config",
-            CONFIG_PATH,
+            "--model-path",
+            engine_model_path(pool),
             "--host",
             "0.0.0.0",
             "--port",
@@ -160,32 +160,29 @@ def pool_objects(
     """The pool's headless Service and Deployment (``owner`` is the SamplerPool)."""
     labels = L.pool_labels(resolved, pool)
     selector = L.selector_labels(resolved.name, "sampler", pool.name)
-    weight_volumes, weight_mounts = weights_volume_and_mount(resolved, read_only=True)
+    # The sidecar writes conversions into the shared store; the engine only reads.
+    weight_volumes, sync_weight_mounts = weights_volume_and_mount(resolved, read_only=False)
+    engine_weight_mounts = [{**m, "readOnly": True} for m in sync_weight_mounts]
     volumes = [
         *base_volumes(L.child_name(resolved.name, "config")),
         *weight_volumes,
         empty_dir("engine-weights"),
     ]
-    mounts = [*base_mounts(), *weight_mounts, mount("engine-weights", ENGINE_WEIGHTS_DIR)]
+    local = mount("engine-weights", ENGINE_WEIGHTS_DIR)
+    sync_mounts = [*base_mounts(), *sync_weight_mounts, local]
+    engine_mounts = [*base_mounts(), *engine_weight_mounts, local]
     if pool.gpus_per_replica > 0:
         volumes.append(empty_dir("dshm", medium="Memory"))
-    engine_mounts = [*mounts, *([mount("dshm", "/dev/shm")] if pool.gpus_per_replica > 0 else [])]
+        engine_mounts.append(mount("dshm", "/dev/shm"))
     sync_env = [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}]
     sidecar = container(
-        "weight-sync",
-        options.images.components,
-        weight_sync_command(pool, once=False),
-        sync_env,
-        mounts,
-        ports=[port("metrics", METRICS_PORT)],
+        "weight-sync", options.images.components, weight_sync_command(pool, once=False), sync_env, sync_mounts
     )
-    extra: Obj = {}
-    if pool.engine == "sglang":
-        # SGLang loads its first checkpoint at start: convert the current version before it runs.
-        init = container(
-            "weights-init", options.images.components, weight_sync_command(pool, once=True), sync_env, mounts
-        )
-        extra["initContainers"] = [init]
+    # Every engine starts from the latest version: SGLang loads its first checkpoint at launch, and
+    # the torch engine needs a model directory.
+    init = container(
+        "weights-init", options.images.components, weight_sync_command(pool, once=True), sync_env, sync_mounts
+    )
     scheduling = gpu_scheduling(
         pool.gpu_products, pool.node_selector, pool.tolerations, pool.priority_class_name
     )
@@ -193,7 +190,7 @@ def pool_objects(
         [engine_container(resolved, pool, options, engine_mounts), sidecar],
         volumes,
         terminationGracePeriodSeconds=options.drain_seconds + 30,
-        **extra,
+        initContainers=[init],
         **scheduling,
     )
     annotations = {

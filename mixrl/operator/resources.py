@@ -31,8 +31,10 @@ from mixrl.operator.objects import (
     BUFFER_DATA_DIR,
     CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
+    POD_INDEX_LABEL,
     POOL_CONFIG_HASH_LABEL,
     RDZV_PORT,
+    TRAINER_RUN_DIR,
     BuildOptions,
     Images,
     Monitoring,
@@ -124,13 +126,16 @@ def weights_pvc(resolved: ResolvedRun, owner: Owner) -> Obj | None:
     }
 
 
-def endpoints_env(resolved: ResolvedRun) -> list[Obj]:
-    """Where the run's services are, for components that call them."""
-    ns = resolved.namespace
-    return [
-        {"name": "MIXRL_ROUTER_URL", "value": f"http://{resolved.name}-router.{ns}.svc:{ROUTER_PORT}"},
-        {"name": "MIXRL_BUFFER_URL", "value": f"http://{resolved.name}-buffer.{ns}.svc:{BUFFER_PORT}"},
-    ]
+def service_url(resolved: ResolvedRun, component: str, port_number: int) -> str:
+    return f"http://{L.child_name(resolved.name, component)}.{resolved.namespace}.svc:{port_number}"
+
+
+def router_url(resolved: ResolvedRun) -> str:
+    return service_url(resolved, "router", ROUTER_PORT)
+
+
+def buffer_url(resolved: ResolvedRun) -> str:
+    return service_url(resolved, "buffer", BUFFER_PORT)
 
 
 # ----------------------------------------------------------------------------- trainer
@@ -139,7 +144,20 @@ def endpoints_env(resolved: ResolvedRun) -> list[Obj]:
 def trainer_command(resolved: ResolvedRun) -> list[str]:
     """torchrun with a c10d rendezvous hosted by pod 0 of the StatefulSet, or the trainer alone."""
     spec = resolved.trainer.spec
-    program = ["mixrl", "trainer", "--config", CONFIG_PATH]
+    program = [
+        "mixrl",
+        "trainer",
+        "--config",
+        CONFIG_PATH,
+        "--buffer",
+        buffer_url(resolved),
+        "--router",
+        router_url(resolved),
+        "--run-dir",
+        TRAINER_RUN_DIR,
+        "--metrics-port",
+        str(METRICS_PORT),
+    ]
     nproc = max(spec.gpus_per_node, 1)
     if spec.nodes == 1 and nproc == 1:
         return program
@@ -158,6 +176,13 @@ def trainer_command(resolved: ResolvedRun) -> list[str]:
     ]
 
 
+def claim_template(name: str, labels: dict[str, str], size: str) -> Obj:
+    return {
+        "metadata": {"name": name, "labels": dict(labels)},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": size}}},
+    }
+
+
 def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
     spec = resolved.trainer.spec
     name = L.child_name(resolved.name, "trainer")
@@ -166,7 +191,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     gpus = spec.gpus_per_node
     weight_volumes, weight_mounts = weights_volume_and_mount(resolved, read_only=False)
     volumes = [*base_volumes(L.child_name(resolved.name, "config")), *weight_volumes]
-    mounts = [*base_mounts(), *weight_mounts]
+    mounts = [*base_mounts(), *weight_mounts, mount("run", TRAINER_RUN_DIR)]
     if gpus > 0:  # NCCL and data loaders need a large /dev/shm
         volumes.append(empty_dir("dshm", medium="Memory"))
         mounts.append(mount("dshm", "/dev/shm"))
@@ -177,7 +202,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         "trainer",
         resolved.trainer.image,
         trainer_command(resolved),
-        [*base_env(resolved.name), *endpoints_env(resolved)],
+        base_env(resolved.name),
         mounts,
         ports=[port("rdzv", RDZV_PORT), port("metrics", METRICS_PORT)],
         resources=requested,
@@ -187,23 +212,13 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         CONFIG_HASH_ANNOTATION: config_hash(resolved, "trainer"),
         **scrape_annotations(METRICS_PORT, options),
     }
-    statefulset = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": metadata(name, resolved.namespace, labels, owner),
-        "spec": {
-            "serviceName": name,
-            "replicas": spec.nodes,
-            # Every node must be up for the rendezvous; starting them one by one would deadlock.
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": selector},
-            "template": pod_template(
-                labels,
-                annotations,
-                pod_spec([trainer], volumes, terminationGracePeriodSeconds=120, **scheduling),
-            ),
-        },
-    }
+    template = pod_template(
+        labels, annotations, pod_spec([trainer], volumes, terminationGracePeriodSeconds=120, **scheduling)
+    )
+    # Parallel pod management (the helper's default): every node must be up for the rendezvous.
+    # The run volume holds checkpoints and metrics.jsonl; optimizer state is sized like the weights.
+    claims = [claim_template("run", labels, resolved.weights.volume_size)]
+    workload = statefulset(name, resolved, labels, selector, spec.nodes, template, owner, claims)
     # Pod DNS records must exist before readiness, or the rendezvous on pod 0 cannot be found.
     headless = service(
         name,
@@ -215,7 +230,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         headless=True,
         publish_not_ready=True,
     )
-    return [headless, statefulset]
+    return [headless, workload]
 
 
 # ----------------------------------------------------------------------------- buffer, router, rollout
@@ -236,18 +251,59 @@ def component_container(
         component,
         image,
         command,
-        [*base_env(resolved.name), *endpoints_env(resolved)],
+        base_env(resolved.name),
         [*base_mounts(), *extra_mounts],
         ports=ports,
         **extra,
     )
 
 
+def server_args(port_number: int) -> list[str]:
+    """Listen on every interface (a container), serve /metrics on the pod's metrics port as well."""
+    return ["--host", "0.0.0.0", "--port", str(port_number), "--metrics-port", str(METRICS_PORT)]
+
+
+def statefulset(
+    name: str,
+    resolved: ResolvedRun,
+    labels: dict[str, str],
+    selector: dict[str, str],
+    replicas: int,
+    template: Obj,
+    owner: Owner,
+    claims: list[Obj] | None = None,
+) -> Obj:
+    spec: Obj = {
+        "serviceName": name,
+        "replicas": replicas,
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": dict(selector)},
+        "template": template,
+    }
+    if claims:
+        spec["volumeClaimTemplates"] = claims
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(name, resolved.namespace, labels, owner),
+        "spec": spec,
+    }
+
+
 def buffer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    """One buffer with its append-only logs on a volume: a restart loses no trajectory."""
     name = L.child_name(resolved.name, "buffer")
     labels = L.component_labels(resolved, "buffer")
     selector = L.selector_labels(resolved.name, "buffer")
-    command = ["mixrl", "buffer", "--config", CONFIG_PATH, "--port", str(BUFFER_PORT)]
+    command = [
+        "mixrl",
+        "buffer",
+        "--config",
+        CONFIG_PATH,
+        "--dir",
+        BUFFER_DATA_DIR,
+        *server_args(BUFFER_PORT),
+    ]
     main = component_container(
         resolved,
         "buffer",
@@ -256,47 +312,27 @@ def buffer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
         [port("http", BUFFER_PORT), port("metrics", METRICS_PORT)],
         [mount("data", BUFFER_DATA_DIR)],
     )
-    main["env"].append({"name": "MIXRL_BUFFER_DIR", "value": BUFFER_DATA_DIR})
     annotations = {
         CONFIG_HASH_ANNOTATION: config_hash(resolved, "buffer"),
         **scrape_annotations(METRICS_PORT, options),
     }
-    claim = {
-        "metadata": {"name": "data", "labels": dict(labels)},
-        "spec": {
-            "accessModes": ["ReadWriteOnce"],
-            "resources": {"requests": {"storage": options.buffer_volume_size}},
-        },
-    }
-    statefulset = {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": metadata(name, resolved.namespace, labels, owner),
-        "spec": {
-            "serviceName": name,
-            "replicas": 1,
-            "selector": {"matchLabels": selector},
-            "template": pod_template(
-                labels,
-                annotations,
-                pod_spec(
-                    [main],
-                    base_volumes(L.child_name(resolved.name, "config")),
-                    terminationGracePeriodSeconds=60,
-                ),
-            ),
-            "volumeClaimTemplates": [claim],
-        },
-    }
+    spec = pod_spec(
+        [main], base_volumes(L.child_name(resolved.name, "config")), terminationGracePeriodSeconds=60
+    )
+    template = pod_template(labels, annotations, spec)
+    claims = [claim_template("data", labels, options.buffer_volume_size)]
+    workload = statefulset(name, resolved, labels, selector, 1, template, owner, claims)
     headless = service(name, resolved, labels, selector, [("http", BUFFER_PORT)], owner, headless=True)
-    return [headless, statefulset]
+    return [headless, workload]
 
 
 def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    """One router (session-to-pool stickiness is its in-memory state); it finds each pool's replicas
+    through the pool's headless Service."""
     name = L.child_name(resolved.name, "router")
     labels = L.component_labels(resolved, "router")
     selector = L.selector_labels(resolved.name, "router")
-    command = ["mixrl", "router", "--config", CONFIG_PATH, "--port", str(ROUTER_PORT)]
+    command = ["mixrl", "router", "--config", CONFIG_PATH, *server_args(ROUTER_PORT)]
     ports = [port("http", ROUTER_PORT), port("metrics", METRICS_PORT)]
     main = component_container(resolved, "router", options.images.components, command, ports, [])
     annotations = {
@@ -306,19 +342,39 @@ def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
     template = pod_template(
         labels, annotations, pod_spec([main], base_volumes(L.child_name(resolved.name, "config")))
     )
-    # One router: session-to-pool stickiness is its in-memory state.
     router = deployment(name, resolved, labels, selector, 1, template, owner, strategy={"type": "Recreate"})
     svc = service(name, resolved, labels, selector, [("http", ROUTER_PORT)], owner, headless=False)
     return [svc, router]
 
 
 def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    """``rollout.workers`` agent-loop workers; a StatefulSet so each knows its index (its share of
+    the tasks) from the pod-index label, passed on the command line through ``$(POD_INDEX)``."""
     name = L.child_name(resolved.name, "rollout")
     labels = L.component_labels(resolved, "rollout")
     selector = L.selector_labels(resolved.name, "rollout")
-    command = ["mixrl", "rollout", "--config", CONFIG_PATH]
+    command = [
+        "mixrl",
+        "rollout",
+        "--config",
+        CONFIG_PATH,
+        "--router",
+        router_url(resolved),
+        "--buffer",
+        buffer_url(resolved),
+        "--worker-index",
+        "$(POD_INDEX)",
+        "--metrics-port",
+        str(METRICS_PORT),
+    ]
     ports = [port("metrics", METRICS_PORT)]
     main = component_container(resolved, "rollout", options.images.components, command, ports, [])
+    main["env"].append(
+        {
+            "name": "POD_INDEX",
+            "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
+        }
+    )
     annotations = {
         CONFIG_HASH_ANNOTATION: config_hash(resolved, "rollout"),
         **scrape_annotations(METRICS_PORT, options),
@@ -326,7 +382,7 @@ def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     template = pod_template(
         labels, annotations, pod_spec([main], base_volumes(L.child_name(resolved.name, "config")))
     )
-    return [deployment(name, resolved, labels, selector, resolved.rollout.workers, template, owner)]
+    return [statefulset(name, resolved, labels, selector, resolved.rollout.workers, template, owner)]
 
 
 # ----------------------------------------------------------------------------- monitoring

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from mixrl.api.models import RLRun, SamplerPool
 from mixrl.api.resolve import ENGINE_PORT, SGLANG_QUANTIZATION, ResolvedRun, resolve
 from mixrl.operator import drain as drain_module
 from mixrl.operator import labels as L
+from mixrl.operator import weight_sync
 from mixrl.operator.resources import (
     HASH_ANNOTATION,
     POOL_CONFIG_HASH_LABEL,
@@ -31,6 +34,10 @@ from mixrl.operator.resources import (
     run_objects,
     seed_replicas,
 )
+from mixrl.rl.buffer import cli as buffer_cli
+from mixrl.rl.engine import server as engine_server
+from mixrl.rl.rollout import worker as rollout_worker
+from mixrl.rl.router import cli as router_cli
 
 from .support import openapi_to_jsonschema, small_run
 
@@ -389,11 +396,68 @@ def test_the_torch_engine_runs_mixrl_with_its_emulated_precision() -> None:
     resolved = resolved_of(cpu_run())
     spec, engine = engine_of(resolved)
     command = engine["command"]
-    assert command[:4] == ["mixrl", "engine", "--config", "/etc/mixrl/run.json"]
-    assert command[command.index("--weight-precision") + 1] == "nvfp4"
-    assert command[command.index("--pool") + 1] == "emul"
-    assert "initContainers" not in spec
+    assert command[:2] == ["mixrl", "engine"]
+    args = engine_server.build_parser().parse_args(command[2:])
+    assert (args.model_path, args.weight_precision, args.pool) == (
+        "/var/lib/mixrl/engine-weights/current",
+        "nvfp4",
+        "emul",
+    )
+    assert (args.host, args.port) == ("0.0.0.0", ENGINE_PORT)
+    assert [c["name"] for c in spec["initContainers"]] == ["weights-init"]
     assert engine["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def command_of(objects: list[Obj], kind: str, name: str) -> list[str]:
+    workload = next(o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name)
+    command: list[str] = workload["spec"]["template"]["spec"]["containers"][0]["command"]
+    return command
+
+
+def test_component_command_lines_are_accepted_by_the_components_own_parsers() -> None:
+    """Each container's command line parses with the real CLI of the component it starts."""
+    resolved = resolved_of(small_run())
+    objects = run_objects(resolved, run_owner(resolved), BuildOptions())
+    router = router_cli.build_parser().parse_args(command_of(objects, "Deployment", "demo-router")[2:])
+    assert (str(router.config), router.host, router.port, router.metrics_port) == (
+        "/etc/mixrl/run.json",
+        "0.0.0.0",
+        8000,
+        9400,
+    )
+    buffer = buffer_cli.build_parser().parse_args(command_of(objects, "StatefulSet", "demo-buffer")[2:])
+    assert (str(buffer.dir), buffer.port) == ("/var/lib/mixrl/buffer", 8100)
+    rollout_command = command_of(objects, "StatefulSet", "demo-rollout")
+    assert "$(POD_INDEX)" in rollout_command  # expanded by the kubelet from the pod-index label
+    rollout = rollout_worker.build_parser().parse_args(
+        [arg.replace("$(POD_INDEX)", "0") for arg in rollout_command[2:]]
+    )
+    assert (rollout.router, rollout.buffer) == (
+        "http://demo-router.rl.svc:8000",
+        "http://demo-buffer.rl.svc:8100",
+    )
+    for pool in resolved.pools:
+        [_, deployment] = pool_children(resolved, pool, 1, pool_owner(pool.object_name), BuildOptions())
+        containers = deployment["spec"]["template"]["spec"]["containers"]
+        for container in [*containers[1:], *deployment["spec"]["template"]["spec"].get("initContainers", [])]:
+            sync = weight_sync.build_parser().parse_args(container["command"][2:])
+            assert sync.pool == pool.name
+
+
+def test_the_trainer_command_uses_only_flags_the_trainer_has() -> None:
+    """The trainer's parser lives inside its main(); ask the real command for its flags."""
+    resolved = resolved_of(small_run())
+    command = command_of(
+        run_objects(resolved, run_owner(resolved), BuildOptions()), "StatefulSet", "demo-trainer"
+    )
+    flags = [arg for arg in command[command.index("trainer") + 1 :] if arg.startswith("--")]
+    usage = subprocess.run(
+        [sys.executable, "-m", "mixrl.cli", "trainer", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert usage.returncode == 0, usage.stderr
+    assert flags == ["--config", "--buffer", "--router", "--run-dir", "--metrics-port"]
+    for flag in flags:
+        assert flag in usage.stdout, flag
 
 
 # ----------------------------------------------------------------------------- run-level objects
@@ -421,7 +485,13 @@ def test_trainer_statefulset_rendezvous_on_pod_zero() -> None:
     command = container["command"]
     assert command[:4] == ["torchrun", "--nnodes=2", "--nproc-per-node=8", "--rdzv-backend=c10d"]
     assert "--rdzv-endpoint=demo-trainer-0.demo-trainer.rl.svc:29500" in command
-    assert command[-5:] == ["-m", "mixrl.cli", "trainer", "--config", "/etc/mixrl/run.json"]
+    assert command[command.index("-m") : command.index("-m") + 5] == [
+        "-m",
+        "mixrl.cli",
+        "trainer",
+        "--config",
+        "/etc/mixrl/run.json",
+    ]
     assert container["resources"]["limits"][GPU_RESOURCE] == "8"
     products = trainer["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
     values = products["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
@@ -437,12 +507,10 @@ def test_a_single_cpu_trainer_runs_without_torchrun() -> None:
     trainer = next(
         o for o in run_objects(resolved, run_owner(resolved), BuildOptions()) if o["kind"] == "StatefulSet"
     )
-    assert trainer["spec"]["template"]["spec"]["containers"][0]["command"] == [
-        "mixrl",
-        "trainer",
-        "--config",
-        "/etc/mixrl/run.json",
-    ]
+    command = trainer["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:4] == ["mixrl", "trainer", "--config", "/etc/mixrl/run.json"]
+    (claim,) = trainer["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "run"
 
 
 def test_weights_volume_only_for_filesystem_stores() -> None:

@@ -1,0 +1,191 @@
+"""``mixrl engine-sync``: keep one engine on the run's latest weight version, at its pool's precision.
+
+It runs in every engine pod: with ``--once`` as the init container (prepare the checkpoint the
+engine starts from), then as the ``weight-sync`` sidecar (follow the weight store).
+
+- The trainer publishes BF16 versions to the weight store.
+- An SGLang pool serves a version converted to its precision (``WeightStore.convert``: written
+  once per precision into the shared store, atomically, whichever replica gets there first).  The
+  torch engine emulates its precision itself and loads the BF16 version.
+- ``<output>/current`` is a symlink to the checkpoint the engine should serve; SGLang's
+  ``--model-path`` points at it, so a restarted engine starts from the latest version.
+- When the store's latest version differs from the one the engine reports, the sidecar pauses
+  generation in place, calls ``/update_weights_from_disk`` and continues: sessions keep going.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
+from mixrl.rl.engine.client import EngineClient, EngineError
+from mixrl.rl.weights import WeightStore, WeightStoreError
+
+log = logging.getLogger("mixrl.engine_sync")
+
+
+class SyncError(Exception):
+    """A problem the sidecar reports in one line (bad arguments, an engine that refuses a version)."""
+
+
+def checkpoint_for(store: WeightStore, pool: ResolvedPool, version: int) -> str:
+    """The directory the pool's engine loads for ``version`` (converting it when SGLang needs that)."""
+    if pool.engine == "sglang":
+        return store.convert(version, pool.weight_precision)
+    return store.path(version)
+
+
+def point_current(output: Path, target: str) -> Path:
+    """Atomically make ``output/current`` a symlink to ``target``."""
+    output.mkdir(parents=True, exist_ok=True)
+    link = output / "current"
+    staged = output / f".current.{os.getpid()}"
+    staged.unlink(missing_ok=True)
+    staged.symlink_to(target, target_is_directory=True)
+    os.replace(staged, link)
+    return link
+
+
+async def wait_for_version(
+    store: WeightStore, poll_s: float, timeout_s: float, progress_s: float = 10.0
+) -> int:
+    """The latest version, waiting (with a progress line every ``progress_s``) while there is none."""
+    start = last_report = time.monotonic()
+    while True:
+        latest = await asyncio.to_thread(store.latest)
+        if latest is not None:
+            return latest
+        now = time.monotonic()
+        if timeout_s and now - start > timeout_s:
+            raise SyncError(f"no weight version appeared in {store.url} within {timeout_s:.0f} s")
+        if now - last_report >= progress_s:
+            log.info("waiting for the first weight version in %s (%.0f s so far)", store.url, now - start)
+            last_report = now
+        await asyncio.sleep(poll_s)
+
+
+async def prepare(
+    store: WeightStore, pool: ResolvedPool, output: Path, poll_s: float, timeout_s: float
+) -> int:
+    """``--once``: the latest version's checkpoint for this pool, linked as ``output/current``."""
+    version = await wait_for_version(store, poll_s, timeout_s)
+    target = await asyncio.to_thread(checkpoint_for, store, pool, version)
+    point_current(output, target)
+    log.info("pool %s starts from version %d: %s", pool.name, version, target)
+    return version
+
+
+async def sync_engine(
+    store: WeightStore, pool: ResolvedPool, output: Path, engine: EngineClient, version: int
+) -> None:
+    """Move one engine to ``version`` without dropping its sessions."""
+    target = await asyncio.to_thread(checkpoint_for, store, pool, version)
+    await engine.pause_generation("in_place")
+    try:
+        answer = await engine.update_weights_from_disk(
+            target, version, abort_all_requests=False, flush_cache=True
+        )
+    finally:
+        await engine.continue_generation()
+    if not answer.get("success"):
+        raise SyncError(f"engine refused version {version} ({target}): {answer.get('message', '')}")
+    point_current(output, target)
+    log.info("pool %s engine now serves version %d", pool.name, version)
+
+
+async def follow(
+    store: WeightStore,
+    pool: ResolvedPool,
+    output: Path,
+    engine: EngineClient,
+    poll_s: float,
+    stop: asyncio.Event,
+) -> None:
+    """Until ``stop``: whenever the store's latest version is not the engine's, sync the engine.
+
+    ``!=`` rather than ``>``: a trainer that resumes from an older checkpoint removes the newer
+    versions, and the engines must follow it back."""
+    while not stop.is_set():
+        try:
+            latest = await asyncio.to_thread(store.latest)
+            if latest is not None and await engine.health():
+                served = await engine.get_weight_version()
+                if served != latest:
+                    await sync_engine(store, pool, output, engine, latest)
+        except (EngineError, SyncError, WeightStoreError, OSError) as exc:
+            log.warning("weight sync of pool %s: %s (retrying)", pool.name, exc)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=poll_s)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mixrl engine-sync", description="Keep one engine on the run's latest weight version."
+    )
+    parser.add_argument("--config", required=True, type=Path, help="resolved run JSON (the run's ConfigMap)")
+    parser.add_argument("--pool", required=True, help="this engine's pool (samplerPools[].name)")
+    parser.add_argument("--output", required=True, type=Path, help="directory for the `current` link")
+    parser.add_argument("--once", action="store_true", help="prepare the starting checkpoint and exit")
+    parser.add_argument(
+        "--engine-url", default=f"http://127.0.0.1:{ENGINE_PORT}", help="the engine in this pod"
+    )
+    parser.add_argument("--poll", type=float, default=10.0, help="seconds between store checks")
+    parser.add_argument(
+        "--timeout", type=float, default=0.0, help="--once: give up after this many seconds (0: never)"
+    )
+    return parser
+
+
+def load_pool(config: Path, name: str) -> tuple[ResolvedRun, ResolvedPool]:
+    try:
+        run = ResolvedRun.model_validate_json(config.read_text())
+    except OSError as exc:
+        raise SyncError(f"--config: cannot read {config} ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        first = str(exc).splitlines()[0]
+        raise SyncError(f"--config: {config} is not a resolved run ({first})") from None
+    try:
+        return run, run.pool(name)
+    except KeyError:
+        known = ", ".join(p.name for p in run.pools)
+        raise SyncError(f"--pool: no pool named {name!r} in run {run.name!r} (pools: {known})") from None
+
+
+async def run_sidecar(args: argparse.Namespace) -> int:
+    run, pool = load_pool(args.config, args.pool)
+    store = WeightStore(run.weights.store)
+    if args.once:
+        await prepare(store, pool, args.output, args.poll, args.timeout)
+        return 0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with EngineClient(args.engine_url, timeout_s=600.0) as engine:
+        await follow(store, pool, args.output, engine, args.poll, stop)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.poll <= 0:
+        print("mixrl engine-sync: --poll: must be positive", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-sync %(message)s")
+    try:
+        return asyncio.run(run_sidecar(args))
+    except SyncError as exc:
+        print(f"mixrl engine-sync: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
