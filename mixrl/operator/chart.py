@@ -60,7 +60,9 @@ def peering_crd(kind: str, plural: str, scope: str) -> dict[str, Any]:
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
-                            "properties": {"status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
+                            "properties": {
+                                "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                            },
                         }
                     },
                 }
@@ -87,12 +89,20 @@ def generated_files() -> dict[str, str]:
 
 
 def stale_files(chart: Path) -> list[str]:
-    return [path for path, text in generated_files().items() if not (chart / path).is_file() or (chart / path).read_text() != text]
+    return [
+        path
+        for path, text in generated_files().items()
+        if not (chart / path).is_file() or (chart / path).read_text() != text
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mixrl.operator.chart", description=__doc__.splitlines()[0])
-    parser.add_argument("--chart", type=Path, default=DEFAULT_CHART, help="chart directory (default: charts/mixrl)")
+    parser = argparse.ArgumentParser(
+        prog="python -m mixrl.operator.chart", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--chart", type=Path, default=DEFAULT_CHART, help="chart directory (default: charts/mixrl)"
+    )
     parser.add_argument("--check", action="store_true", help="only check; exit 1 if a file is stale")
     args = parser.parse_args(argv)
     if not (args.chart / "Chart.yaml").is_file():

@@ -184,7 +184,9 @@ async def guarded(
         if exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config, exc.retry_after)) from exc
         if exc.status in (401, 403):  # credentials or RBAC: fixable outside, so keep trying, slowly
-            raise kopf.TemporaryError(f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s) from exc
+            raise kopf.TemporaryError(
+                f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s
+            ) from exc
         raise kopf.PermanentError(str(exc)) from exc  # the API server rejected what we built
     except StillTerminating as exc:
         raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config)) from exc

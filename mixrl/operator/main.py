@@ -19,19 +19,29 @@ DEV_PRIORITY = 666  # kopf's convention: a developer's operator outranks the dep
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="mixrl operator", description="Run the mixrl Kubernetes operator for some namespaces or the whole cluster."
+        prog="mixrl operator",
+        description="Run the mixrl Kubernetes operator for some namespaces or the whole cluster.",
     )
     scope = parser.add_mutually_exclusive_group(required=True)
     scope.add_argument(
-        "-n", "--namespace", action="append", dest="namespaces", metavar="NS", help="watch this namespace (repeatable)"
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        metavar="NS",
+        help="watch this namespace (repeatable)",
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     parser.add_argument("--peering", default="mixrl", help="kopf peering object name (default: mixrl)")
     parser.add_argument("--standalone", action="store_true", help="no peering (only one operator may run)")
     parser.add_argument("--priority", type=int, default=None, help="peering priority (highest one acts)")
-    parser.add_argument("--dev", action="store_true", help="kubeconfig login, verbose logs, peering priority 666")
     parser.add_argument(
-        "--components-image", default=Images().components, help="image of router, rollout, buffer and weight sync"
+        "--dev", action="store_true", help="kubeconfig login, verbose logs, peering priority 666"
+    )
+    parser.add_argument(
+        "--components-image",
+        default=Images().components,
+        help="image of router, rollout, buffer and weight sync",
     )
     parser.add_argument(
         "--monitoring",
@@ -39,8 +49,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="auto",
         help="PodMonitor (Prometheus Operator) or scrape annotations; auto asks API discovery",
     )
-    parser.add_argument("--drain-seconds", type=int, default=300, help="how long engines may drain on shutdown")
-    parser.add_argument("--liveness", default=None, metavar="URL", help="health endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument(
+        "--drain-seconds", type=int, default=300, help="how long engines may drain on shutdown"
+    )
+    parser.add_argument(
+        "--liveness", default=None, metavar="URL", help="health endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if args.drain_seconds < 0:

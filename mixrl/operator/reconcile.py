@@ -174,7 +174,7 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
         "TrainerReady": WorkloadState.of(live("StatefulSet", "trainer")),
         "BufferReady": WorkloadState.of(live("StatefulSet", "buffer")),
         "RouterReady": WorkloadState.of(live("Deployment", "router")),
-        "RolloutReady": WorkloadState.of(live("Deployment", "rollout")),
+        "RolloutReady": WorkloadState.of(live("StatefulSet", "rollout")),
     }
     pools = [
         pool_state(pool.name, applied[f"SamplerPool/{pool.object_name}"].after) for pool in resolved.pools

@@ -19,6 +19,7 @@ from mixrl.operator.resources import (
     run_objects,
     seed_replicas,
 )
+from mixrl.operator.status import COMPONENT_CONDITIONS
 
 from .emulator import ApiServer
 from .support import (
@@ -188,7 +189,7 @@ async def test_status_and_conditions_follow_the_children(api: ApiServer, operato
         c = conditions(run)
         assert c["Ready"]["reason"] == "AllComponentsReady"
         assert (c["Progressing"]["status"], c["Progressing"]["reason"]) == ("False", "Reconciled")
-        assert all(c[kind]["status"] == "True" for kind in ("TrainerReady", "BufferReady", "SamplersReady"))
+        assert all(c[kind]["status"] == "True" for kind in COMPONENT_CONDITIONS)
         assert {p["name"]: p["readyReplicas"] for p in run["status"]["pools"]} == {"b200": 2, "h100": 1}
         pool = api.live(SAMPLERPOOLS, NAMESPACE, "demo-b200")
         assert (pool["status"]["replicas"], pool["status"]["readyReplicas"]) == (2, 2)

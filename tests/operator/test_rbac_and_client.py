@@ -68,7 +68,7 @@ async def lifecycle(api: ApiServer) -> None:
     """Create, scale, change, shrink and delete a run, as a user would."""
     manifest = small_run()
     await create(api, manifest)
-    await eventually(lambda: len(api.names(DEPLOYMENTS, NAMESPACE)) == 4, what="children")
+    await eventually(lambda: len(api.names(DEPLOYMENTS, NAMESPACE)) == 3, what="children")
     await play_workload_controllers(api)
     pool = f"/apis/mixrl.dev/v1alpha1/namespaces/{NAMESPACE}/samplerpools/demo-b200"
     await patch(api, pool, {"spec": {"replicas": 3}}, "scale")
