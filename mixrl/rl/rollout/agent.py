@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import TokenRecord, Trajectory
 from mixrl.rl.rollout.env import FileTreeEnv, parse_tool_call
-from mixrl.rl.rollout.tasks import TOOL_SUBMIT, Task, check
+from mixrl.rl.rollout.tasks import TOOL_SUBMIT, TOOLS, Task, check
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
 FinishReason = Literal["submitted", "max_turns", "context_limit", "format_errors", "aborted"]
@@ -91,8 +91,12 @@ async def run_episode(
     run: str = "",
     prompt_id: str | None = None,
     sample_index: int = 0,
+    tools: Collection[str] = TOOLS,
 ) -> Trajectory:
-    """Play one episode of ``task`` and return its trajectory (reward and finish reason set)."""
+    """Play one episode of ``task`` and return its trajectory (reward and finish reason set).
+
+    ``tools``: the tools offered; a call to any other counts as a reply without a tool call.
+    """
     settings = EpisodeSettings(sampling, max_turns, max_context_tokens, format_error_limit)
     pool = pool_info or PoolInfo()
     trajectory = Trajectory(
@@ -122,7 +126,7 @@ async def run_episode(
             # The reply was cut by max_new_tokens (or the engine trimmed the stop token): close the
             # turn with a loss-masked <|end|> so the next turn starts from a well-formed chat.
             trajectory.append_observation([tokenizer.end_id])
-        call = parse_tool_call(tokenizer.reply_text(reply))
+        call = parse_tool_call(tokenizer.reply_text(reply), tools)
         if call is not None and call.tool == TOOL_SUBMIT:
             return _finish(trajectory, "submitted", 1.0 if check(task, call.argument) else 0.0)
         if call is None:

@@ -13,10 +13,11 @@ format error); the environment answers with a short user nudge and the agent loo
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
-from mixrl.rl.rollout.tasks import TOOL_CAT, TOOL_LS, TOOL_SUBMIT, Task
+from mixrl.rl.rollout.tasks import TOOL_CAT, TOOL_LS, TOOL_SUBMIT, TOOLS, Task
 
 NO_SUCH_FILE = "error : no such file"
 NO_TOOL_CALL = "no tool call"
@@ -28,10 +29,11 @@ class ToolCall:
     argument: str = ""
 
 
-def parse_tool_call(reply: str) -> ToolCall | None:
-    """The tool call a reply makes, or None when it makes none (wrong tool, wrong arity, empty)."""
+def parse_tool_call(reply: str, tools: Collection[str] = TOOLS) -> ToolCall | None:
+    """The tool call a reply makes, or None when it makes none (unknown or not offered tool,
+    wrong arity, empty reply)."""
     words = reply.split()
-    if not words:
+    if not words or words[0] not in tools:
         return None
     tool, args = words[0], words[1:]
     if tool == TOOL_LS and not args:

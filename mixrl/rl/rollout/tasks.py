@@ -204,18 +204,19 @@ def generate_tasks(seed: int, n: int, split: Split, difficulty: Difficulty | Non
     difficulty = difficulty or Difficulty()
     tasks: list[Task] = []
     seen: set[str] = set()
-    index = 0
-    # Each candidate lands in the held-out split with probability 1/8, so this ends quickly;
-    # the cap only guards against a difficulty with too few distinct tasks.
-    limit = 64 * (n + 16) * HELDOUT_BUCKETS
+    index = misses = 0
+    # A candidate lands in the held-out split with probability 1/8; a long run of candidates that
+    # add nothing new means the difficulty has too few distinct tasks for n.
     while len(tasks) < n:
-        if index >= limit:
+        if misses >= 64 * HELDOUT_BUCKETS:
             raise ValueError(f"n: only {len(tasks)} distinct {split} tasks exist at {difficulty}, asked {n}")
         task = _candidate(seed, index, difficulty)
         index += 1
+        misses += 1
         if task.split == split and task.id not in seen:
             seen.add(task.id)
             tasks.append(task)
+            misses = 0
     return tasks
 
 

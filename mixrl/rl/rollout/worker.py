@@ -1,0 +1,445 @@
+"""``mixrl rollout``: agent loops that turn sampler output into trajectories for the buffer.
+
+The worker runs up to ``rollout.concurrency`` episodes at once as asyncio tasks, each with its own
+router session.  Training tasks come in groups: every prompt gets ``samplesPerPrompt`` episodes,
+and a group is posted to the buffer (``POST /trajectories``) when all of them have ended, so a
+partial group never reaches it.  The trainer's progress is read from the buffer's ``GET /stats``
+(``committed_step``: updates done, which is also the weight version the engines were told to load);
+the held-out split is evaluated before training starts (step 0, the warm-start model), every
+``evaluation.everySteps`` steps and at ``trainer.totalSteps``, and each result is posted to
+``POST /evaluations``.  After the last step no new training episodes start.
+
+SIGTERM / SIGINT stop it cleanly: running episodes are cancelled, their sessions ended, the HTTP
+sessions closed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from mixrl.api.resolve import ResolvedRun, SamplingParams
+from mixrl.api.trajectory import Trajectory
+from mixrl.rl.buffer.client import BufferClient, BufferError
+from mixrl.rl.engine.records import EngineResponseError
+from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, run_episode
+from mixrl.rl.rollout.router_client import RouterClient, RouterError
+from mixrl.rl.rollout.stats import RolloutStats
+from mixrl.rl.rollout.tasks import TOOLS, Difficulty, Task, generate_tasks
+from mixrl.rl.rollout.tokenizer import Tokenizer
+
+log = logging.getLogger("mixrl.rollout")
+
+ENVIRONMENTS = ("filetree",)
+EPISODE_FAILURES = (RouterError, EpisodeAborted, EngineResponseError)
+"""An episode that ends in one of these is dropped (with its group); anything else is a bug."""
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """The rollout worker's part of a resolved run."""
+
+    run: str
+    sampling: SamplingParams
+    max_turns: int
+    max_context_tokens: int
+    format_error_limit: int
+    tools: tuple[str, ...]
+    concurrency: int
+    samples_per_prompt: int
+    dataset_seed: int
+    train_size: int
+    heldout_size: int
+    total_steps: int | None
+    eval_every: int
+    eval_tasks: int
+    eval_samples: int
+    pass_k: tuple[int, ...]
+    worker_index: int = 0
+    workers: int = 1
+    difficulty: Difficulty = field(default_factory=Difficulty)
+
+    @staticmethod
+    def from_run(run: ResolvedRun, worker_index: int = 0) -> WorkerSettings:
+        rollout, evaluation = run.rollout, run.evaluation
+        if rollout.environment not in ENVIRONMENTS:
+            raise ValueError(
+                f"rollout.environment: unknown environment {rollout.environment!r}; built in: "
+                + ", ".join(ENVIRONMENTS)
+            )
+        unknown = [tool for tool in rollout.tools if tool not in TOOLS]
+        if unknown:
+            raise ValueError(f"rollout.tools: {unknown} not offered by filetree (it has {', '.join(TOOLS)})")
+        if "submit" not in rollout.tools:
+            raise ValueError("rollout.tools: without submit no episode can earn a reward")
+        if not 0 <= worker_index < rollout.workers:
+            raise ValueError(f"worker-index: {worker_index} outside 0..{rollout.workers - 1}")
+        heldout = rollout.dataset.heldout_size
+        return WorkerSettings(
+            run=run.name,
+            sampling=run.sampling,
+            max_turns=rollout.max_turns,
+            max_context_tokens=run.model.max_context_tokens,
+            format_error_limit=rollout.format_error_limit,
+            tools=tuple(rollout.tools),
+            concurrency=rollout.concurrency,
+            samples_per_prompt=run.trainer.samples_per_prompt,
+            dataset_seed=rollout.dataset.seed,
+            train_size=rollout.dataset.train_size,
+            heldout_size=heldout,
+            total_steps=run.trainer.spec.total_steps,
+            eval_every=evaluation.every_steps,
+            eval_tasks=min(evaluation.tasks or heldout, heldout),
+            eval_samples=evaluation.samples_per_task,
+            pass_k=tuple(evaluation.pass_k),
+            worker_index=worker_index,
+            workers=rollout.workers,
+        )
+
+
+def next_evaluation_step(step: int, every: int, total: int | None) -> int | None:
+    """The first step after ``step`` to evaluate at: the next multiple of ``every``, capped at ``total``."""
+    if total is not None and step >= total:
+        return None
+    following = (step // every + 1) * every
+    return following if total is None else min(following, total)
+
+
+def training_stream(settings: WorkerSettings, nonce: str) -> Iterator[tuple[str, Task]]:
+    """(prompt_id, task) forever: this worker's shard of the training split, reshuffled every epoch.
+
+    ``nonce`` makes prompt ids unique per worker process, so a restarted worker's groups never
+    merge with the groups its predecessor left unfinished.
+    """
+    tasks = generate_tasks(settings.dataset_seed, settings.train_size, "train", settings.difficulty)
+    shard = tasks[settings.worker_index :: settings.workers]
+    if not shard:
+        raise ValueError(
+            f"rollout.dataset.trainSize: {settings.train_size} tasks leave worker "
+            f"{settings.worker_index} of {settings.workers} none"
+        )
+    epoch = 0
+    while True:
+        order = list(shard)
+        random.Random(f"{settings.dataset_seed}|{settings.worker_index}|{epoch}").shuffle(order)
+        for task in order:
+            yield f"{task.id}/{nonce}.{epoch}", task
+        epoch += 1
+
+
+class _Group:
+    """The episodes of one prompt; complete when every sample has ended (or one failed)."""
+
+    def __init__(self, prompt_id: str, size: int) -> None:
+        self.prompt_id = prompt_id
+        self.trajectories: list[Trajectory | None] = [None] * size
+        self.pending = size
+        self.failed = False
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        tokenizer: Tokenizer,
+        router: RouterClient,
+        buffer: BufferClient,
+        *,
+        stats: RolloutStats | None = None,
+        poll_s: float = 1.0,
+        progress_s: float = 10.0,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.router = router
+        self.buffer = buffer
+        self.stats = stats or RolloutStats(settings.run)
+        self.poll_s = poll_s
+        self.progress_s = progress_s
+        self.say = say or (lambda line: print(line, flush=True))
+        self.nonce = uuid.uuid4().hex[:8]
+        self.heldout = generate_tasks(
+            settings.dataset_seed, settings.heldout_size, "heldout", settings.difficulty
+        )[: settings.eval_tasks]
+        self.trainer_step = 0
+        self.training_done = asyncio.Event()
+        self.final_evaluation_posted = asyncio.Event()
+        self._gate = asyncio.Semaphore(settings.concurrency)
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ episodes
+    async def play(self, task: Task, sample_index: int, prompt_id: str) -> Trajectory:
+        """One episode in its own router session; the session is ended however the episode ends."""
+        session_id = f"{self.settings.run or 'mixrl'}-{self.nonce}-{uuid.uuid4().hex[:12]}"
+        try:
+            trajectory = await run_episode(
+                self.router.generator(session_id),
+                task,
+                self.tokenizer,
+                self.settings.sampling,
+                self.settings.max_turns,
+                self.settings.max_context_tokens,
+                self.settings.format_error_limit,
+                run=self.settings.run,
+                prompt_id=prompt_id,
+                sample_index=sample_index,
+                tools=self.settings.tools,
+            )
+        finally:
+            await self.router.end_session(session_id)
+        self.stats.episode_ended(trajectory)
+        return trajectory
+
+    async def _group_member(self, group: _Group, task: Task, index: int) -> None:
+        try:
+            group.trajectories[index] = await self.play(task, index, group.prompt_id)
+        except EPISODE_FAILURES as exc:
+            if not group.failed:
+                log.warning("group %s dropped: an episode failed: %s", group.prompt_id, exc)
+            group.failed = True
+        finally:
+            self._gate.release()
+            group.pending -= 1
+        if group.pending == 0:
+            if group.failed:
+                self.stats.groups_dropped += 1
+            else:
+                await self.post_group([t for t in group.trajectories if t is not None], group.prompt_id)
+
+    async def post_group(self, trajectories: list[Trajectory], prompt_id: str, attempts: int = 6) -> None:
+        for attempt in range(attempts):
+            try:
+                await self.buffer.post_trajectories(trajectories)
+                self.stats.groups_posted += 1
+                return
+            except BufferError as exc:
+                if exc.status is not None or attempt == attempts - 1:
+                    # refused (a bug on one side) or unreachable for a minute: say so loudly
+                    log.error("group %s not accepted by the buffer: %s", prompt_id, exc)
+                    self.stats.groups_dropped += 1
+                    return
+                await asyncio.sleep(2.0 * (attempt + 1))
+
+    async def produce(self) -> None:
+        """Start groups while the trainer still needs data; each episode holds one concurrency slot."""
+        async with asyncio.TaskGroup() as running:
+            for prompt_id, task in training_stream(self.settings, self.nonce):
+                if self.training_done.is_set():
+                    break
+                group = _Group(prompt_id, self.settings.samples_per_prompt)
+                for index in range(self.settings.samples_per_prompt):
+                    await self._gate.acquire()
+                    running.create_task(self._group_member(group, task, index))
+
+    # ------------------------------------------------------------------ evaluation
+    async def read_trainer_step(self) -> int | None:
+        try:
+            stats = await self.buffer.stats()
+        except BufferError as exc:
+            log.warning("cannot read the trainer step from the buffer: %s", exc)
+            return None
+        committed = stats.get("committed_step")
+        return int(committed) if committed is not None else 0
+
+    async def evaluate_heldout(self, step: int) -> dict[str, Any]:
+        started = time.monotonic()
+        result = await evaluate(
+            self._heldout_episode,
+            self.heldout,
+            self.settings.eval_samples,
+            self.settings.pass_k,
+            concurrency=self.settings.concurrency,
+        )
+        result["step"] = step
+        result["seconds"] = time.monotonic() - started
+        scores = ", ".join(f"pass@{k} {v:.3f}" for k, v in result["pass_at_k"].items())
+        self.say(
+            f"rollout: held-out evaluation at step {step} (weights v{result['weight_version']}): {scores} "
+            f"over {result['tasks']} tasks x {self.settings.eval_samples} in {result['seconds']:.0f}s"
+        )
+        self.stats.evaluation_done(result)
+        try:
+            await self.buffer.post_evaluation(
+                step,
+                max(result["weight_version"], 0),
+                result["pass_at_k"],
+                tasks=result["tasks"],
+                episodes=result["episodes"],
+                mean_reward=result["mean_reward"],
+                finish_reasons=result["finish_reasons"],
+                seconds=result["seconds"],
+            )
+        except BufferError as exc:
+            log.error("evaluation of step %d not accepted by the buffer: %s", step, exc)
+        return result
+
+    async def _heldout_episode(self, task: Task, index: int, attempts: int = 3) -> Trajectory:
+        """A held-out episode; one whose engine failed is played again (a lost one would bias pass@k)."""
+        for _ in range(attempts - 1):
+            try:
+                return await self.play(task, index, f"{task.id}/eval")
+            except EPISODE_FAILURES as exc:
+                log.warning("held-out episode of %s failed (%s); playing it again", task.id, exc)
+        return await self.play(task, index, f"{task.id}/eval")
+
+    async def watch_trainer(self) -> None:
+        """Evaluate at every evaluation step the trainer reaches; stop training after the last step."""
+        total = self.settings.total_steps
+        target = next_evaluation_step(0, self.settings.eval_every, total)
+        while target is not None:
+            await asyncio.sleep(self.poll_s)
+            step = await self.read_trainer_step()
+            if step is None:
+                continue
+            self.trainer_step = step
+            if total is not None and step >= total:
+                self.training_done.set()
+            if step >= target:
+                await self.evaluate_heldout(step)
+                target = next_evaluation_step(step, self.settings.eval_every, total)
+        self.final_evaluation_posted.set()
+
+    # ------------------------------------------------------------------ the whole worker
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Evaluate the starting weights, then produce and evaluate until ``stopping`` is set."""
+        progress = asyncio.create_task(self.report_progress())
+        try:
+            step = await self.read_trainer_step()
+            self.trainer_step = step or 0
+            if step == 0:
+                # The warm-start baseline, measured before any training episode competes for the engines.
+                await _until(stopping, self.evaluate_heldout(0))
+            if stopping.is_set():
+                return
+            async with asyncio.TaskGroup() as tasks:
+                producing = tasks.create_task(self.produce())
+                watching = tasks.create_task(self.watch_trainer())
+                await stopping.wait()
+                producing.cancel()
+                watching.cancel()
+        finally:
+            progress.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await progress
+            self.say(self.stats.progress_line(self.trainer_step, self.settings.total_steps, final=True))
+
+    async def report_progress(self) -> None:
+        while True:
+            await asyncio.sleep(self.progress_s)
+            self.say(self.stats.progress_line(self.trainer_step, self.settings.total_steps))
+
+
+async def _until(stopping: asyncio.Event, work: Any) -> None:
+    """Run ``work`` unless ``stopping`` is set first (then cancel it)."""
+    job = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({job, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for future in (job, waiter):
+            if not future.done():
+                future.cancel()
+        await asyncio.gather(job, waiter, return_exceptions=True)
+    if job.done() and not job.cancelled() and job.exception() is not None:
+        raise job.exception()  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mixrl rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"
+    )
+    parser.add_argument("--router", required=True, help="router URL (or one engine's URL: same API)")
+    parser.add_argument("--buffer", required=True, help="buffer URL")
+    parser.add_argument(
+        "--tokenizer", default=None, help="tokenizer JSON (default: the built-in filetree one)"
+    )
+    parser.add_argument(
+        "--worker-index", type=int, default=0, help="this worker's index among rollout.workers"
+    )
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
+    parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    parser.add_argument("--poll-every", type=float, default=1.0, help="seconds between trainer-step reads")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> tuple[ResolvedRun, WorkerSettings, Tokenizer]:
+    try:
+        text = Path(args.config).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"config: cannot read {args.config} ({exc.strerror})") from None
+    try:
+        run = ResolvedRun.model_validate_json(text)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(p) for p in error["loc"])
+        raise ValueError(f"config: {args.config} is not a resolved run ({where}: {error['msg']})") from None
+    settings = WorkerSettings.from_run(run, args.worker_index)
+    tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else Tokenizer.filetree()
+    return run, settings, tokenizer
+
+
+async def serve(args: argparse.Namespace, settings: WorkerSettings, tokenizer: Tokenizer) -> None:
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    stats = RolloutStats(settings.run)
+    metrics = await stats.serve_metrics(args.metrics_port) if args.metrics_port else None
+    router = RouterClient(args.router, settings.sampling, tokenizer.stop_token_ids)
+    buffer = BufferClient(args.buffer)
+    worker = RolloutWorker(
+        settings,
+        tokenizer,
+        router,
+        buffer,
+        stats=stats,
+        poll_s=args.poll_every,
+        progress_s=args.progress_every,
+    )
+    print(
+        f"rollout: worker {settings.worker_index}/{settings.workers} of run {settings.run!r}: "
+        f"{settings.concurrency} concurrent episodes, groups of {settings.samples_per_prompt}, "
+        f"{len(worker.heldout)} held-out tasks; router {args.router}, buffer {args.buffer}",
+        flush=True,
+    )
+    try:
+        await worker.run(stopping)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await router.close()
+        await buffer.close()
+        if metrics is not None:
+            await metrics.cleanup()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
+    try:
+        _, settings, tokenizer = _load(args)
+    except ValueError as exc:
+        print(f"mixrl rollout: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(args, settings, tokenizer))
+    return 0

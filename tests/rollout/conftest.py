@@ -1,0 +1,271 @@
+"""Rollout tests.
+
+Real: the task family and its checker, the tokenizer, the environment and tool parsing, the agent
+loop, pass@k, the in-process sampler and the warm start on real tiny ``transformers`` models built
+from local configs, the rollout worker and ``mixrl rollout`` as a real process, the real session
+router (:class:`mixrl.rl.router.server.Router`) and the real trajectory buffer
+(:class:`mixrl.rl.buffer.server.BufferServer` on a temporary directory), all over loopback HTTP.
+
+Stand-ins, named as such:
+- ``expert_reply``: a deterministic policy written as code (list the tree, open the asked file,
+  submit its line), with variants that misbehave on purpose (never call a tool, loop on ``ls``,
+  never stop).  It replaces a model where a test needs exact, known behaviour.
+- ``ScriptedGenerate``: an in-process ``generate`` callable driven by that policy; it records every
+  context it receives and returns token records with invented but valid log-probabilities.
+- ``ScriptedEngine``: an aiohttp server on loopback that speaks the part of SGLang's ``/generate``
+  API the rollout uses (plus ``/health`` and ``/metrics`` for the router's probes), answering with
+  the same scripted policy.  It is not the torch engine (that one is tested in tests/engine); it
+  lets a test kill a replica mid-episode and know exactly what every episode should earn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from mixrl.api.trajectory import TokenRecord
+from mixrl.rl.buffer.client import BufferClient
+from mixrl.rl.buffer.server import BufferServer
+from mixrl.rl.buffer.store import TrajectoryBuffer
+from mixrl.rl.rollout.agent import GenerateResult, PoolInfo
+from mixrl.rl.rollout.tasks import parse_config
+from mixrl.rl.rollout.tokenizer import END, TOOL, Tokenizer
+from mixrl.rl.router.config import PoolConfig, RouterConfig
+from mixrl.rl.router.server import SESSION_HEADER, Router, RouterSettings
+
+TOKENIZER = Tokenizer.filetree()
+
+
+def expert_reply(context: list[int], behaviour: str = "expert", tokenizer: Tokenizer = TOKENIZER) -> str:
+    """Stand-in policy (see the module docstring): the next reply text for this context."""
+    if behaviour == "silent":
+        return "what is"  # words, but no tool call
+    if behaviour == "looper":
+        return "ls"
+    if behaviour == "chatty":
+        return "ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls"
+    text = tokenizer.decode(context)
+    question = text.split("what is ", 1)[1].split(" ?", 1)[0]
+    key, section = question.split(" in ")
+    tool_turns = text.split(TOOL)[1:]
+    if not tool_turns:
+        return "ls"
+    last = tool_turns[-1].split(END, 1)[0].strip()
+    if "." in last:  # a listing
+        path = next(p for p in last.split() if p.startswith(section + "."))
+        return f"cat {path}"
+    value = parse_config(last).get(key, "0")
+    return f"submit {key} {value}"
+
+
+def reply_records(reply_ids: list[int], version: int, vocab: int, start: int = 0) -> list[TokenRecord]:
+    """Valid token records with invented log-probabilities (position-dependent, so they can be checked)."""
+    return [
+        TokenRecord(
+            token_id=token,
+            logprob=-0.01 * (start + i + 1),
+            cand_ids=[token, (token + 1) % vocab],
+            cand_logprobs=[-0.01 * (start + i + 1), -3.0],
+            support_size=0,
+            weight_version=version,
+        )
+        for i, token in enumerate(reply_ids)
+    ]
+
+
+@dataclass
+class ScriptedGenerate:
+    """Stand-in ``generate`` (see the module docstring); records each context it is given."""
+
+    behaviour: str = "expert"
+    version: int = 3
+    pool: PoolInfo = field(default_factory=lambda: PoolInfo("scripted", "cpu", "bf16"))
+    include_stop: bool = True
+    abort_first_after: int | None = None
+    """Abort the first request after this many tokens (as an engine does on a weight update)."""
+    received: list[list[int]] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
+    _aborted: bool = False
+
+    async def __call__(self, input_ids: list[int], max_new_tokens: int) -> GenerateResult:
+        self.received.append(list(input_ids))
+        self.budgets.append(max_new_tokens)
+        reply = self.reply_ids(input_ids)
+        finish = "stop"
+        if self.abort_first_after is not None and not self._aborted:
+            self._aborted = True
+            reply, finish = reply[: self.abort_first_after], "abort"
+        elif len(reply) > max_new_tokens:
+            reply, finish = reply[:max_new_tokens], "length"
+        elif not self.include_stop:
+            reply = reply[:-1]
+        return GenerateResult(reply_records(reply, self.version, TOKENIZER.vocab_size), finish, self.pool)
+
+    def reply_ids(self, context: list[int]) -> list[int]:
+        """The policy's reply continuing ``context`` (which may already hold part of it after an abort)."""
+        prompt_end = max(i for i, t in enumerate(context) if t == TOKENIZER.role_ids["assistant"]) + 1
+        full = [*TOKENIZER.encode(expert_reply(context[:prompt_end], self.behaviour)), TOKENIZER.end_id]
+        done = context[prompt_end:]
+        assert full[: len(done)] == done, "the continuation must extend what was generated"
+        return full[len(done) :]
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, shutdown_timeout=0.2)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+@dataclass
+class ScriptedEngine:
+    """Stand-in engine replica on loopback (see the module docstring)."""
+
+    name: str
+    version: int = 0
+    behaviour: str = "expert"
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    sessions: list[str | None] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+    url: str = ""
+
+    async def start(self) -> ScriptedEngine:
+        app = web.Application()
+        app.router.add_post("/generate", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self.runner, self.url = await serve(app)
+        return self
+
+    async def kill(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+            self.runner = None
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        self.sessions.append(request.headers.get(SESSION_HEADER))
+        await asyncio.sleep(0.002)  # a turn takes time, so episodes overlap
+        context = body["input_ids"]
+        reply = [*TOKENIZER.encode(expert_reply(context, self.behaviour)), TOKENIZER.end_id]
+        limit = body["sampling_params"]["max_new_tokens"]
+        finish: dict[str, Any] = {"type": "stop", "matched": TOKENIZER.end_id}
+        if len(reply) > limit:
+            reply, finish = reply[:limit], {"type": "length", "length": limit}
+        records = reply_records(reply, self.version, TOKENIZER.vocab_size)
+        meta: dict[str, Any] = {
+            "id": "scripted",
+            "finish_reason": finish,
+            "prompt_tokens": len(context),
+            "completion_tokens": len(reply),
+            "weight_version": str(self.version),
+            "output_token_logprobs": [[r.logprob, r.token_id, None] for r in records],
+            "output_top_logprobs": [
+                [[lp, i, None] for i, lp in zip(r.cand_ids, r.cand_logprobs, strict=True)] for r in records
+            ],
+        }
+        return web.json_response({"text": "", "output_ids": reply, "meta_info": meta})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text='sglang:num_queue_reqs{model_name="m"} 0\n', content_type="text/plain")
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[Callable[..., Awaitable[ScriptedEngine]]]:
+    started: list[ScriptedEngine] = []
+
+    async def start(name: str, **kwargs: Any) -> ScriptedEngine:
+        engine = await ScriptedEngine(name, **kwargs).start()
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        await engine.kill()
+
+
+@dataclass
+class RunningRouter:
+    router: Router
+    url: str
+
+
+@pytest.fixture
+async def start_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]]]:
+    runners: list[web.AppRunner] = []
+
+    async def start(pools: dict[str, list[ScriptedEngine]], run: str = "test") -> RunningRouter:
+        config = RouterConfig(
+            run=run,
+            pools=tuple(
+                PoolConfig(
+                    name=name,
+                    gpu_type=f"gpu-{name}",
+                    precision=f"prec-{name}",
+                    capacity=1.0,
+                    replicas=tuple(e.url for e in replicas),
+                )
+                for name, replicas in pools.items()
+            ),
+        )
+        router = Router(config, RouterSettings(run=run, health_interval=3600.0))
+        runner, url = await serve(router.app())
+        runners.append(runner)
+        return RunningRouter(router, url)
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@dataclass
+class RunningBuffer:
+    buffer: TrajectoryBuffer
+    url: str
+    client: BufferClient
+
+
+@pytest.fixture
+async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[RunningBuffer]]]:
+    started: list[tuple[web.AppRunner, RunningBuffer]] = []
+
+    async def start(prompts_per_update: int, samples_per_prompt: int) -> RunningBuffer:
+        buffer = TrajectoryBuffer(tmp_path / "buffer", prompts_per_update, samples_per_prompt)
+        runner, url = await serve(BufferServer(buffer, run="test").app())
+        running = RunningBuffer(buffer, url, BufferClient(url, retries=1, backoff_s=0.05))
+        started.append((runner, running))
+        return running
+
+    yield start
+    for runner, running in started:
+        await running.client.close()
+        await runner.cleanup()
+        running.buffer.close()
+
+
+async def get_json(url: str) -> Any:
+    async with aiohttp.ClientSession() as http, http.get(url) as response:
+        return json.loads(await response.text())
+
+
+@pytest.fixture(autouse=True)
+async def no_leftover_tasks() -> AsyncIterator[None]:
+    """Fail a test that leaves an asyncio task running (fixtures have been torn down by then)."""
+    yield
+    current = asyncio.current_task()
+    await asyncio.sleep(0)
+    left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    assert not left, f"test left asyncio tasks behind: {left}"
