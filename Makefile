@@ -16,6 +16,7 @@ lint:
 	$(PY)/ruff format --check mixrl tests bench
 	$(PY)/lint-imports
 	$(PY)/mixrl crds --check
+	$(PY)/python -m mixrl.operator.chart --check
 
 crds: setup
 	$(PY)/mixrl crds

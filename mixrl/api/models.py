@@ -25,6 +25,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 WeightPrecision = Literal["bf16", "fp8", "mxfp4", "nvfp4"]
 KvCacheDtype = Literal["bf16", "fp8"]
 LOW_PRECISIONS: frozenset[str] = frozenset({"fp8", "mxfp4", "nvfp4"})
+RESERVED_POOL_NAMES: frozenset[str] = frozenset({"config", "trainer", "router", "rollout", "buffer", "weights"})
+"""Suffixes of the run's own children (``<run>-trainer``…): a pool with one of these names would collide."""
 
 
 def field_error(field: str, reason: str) -> PydanticCustomError:
@@ -204,6 +206,8 @@ class SamplerPoolTemplate(Model):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if self.name in RESERVED_POOL_NAMES:
+            raise field_error("name", f"{self.name!r} is reserved for the run's own {self.name} objects")
         if self.min_replicas > self.max_replicas:
             raise field_error("minReplicas", f"{self.min_replicas} exceeds maxReplicas {self.max_replicas}")
         kv = self.kv_cache_dtype or ("fp8" if self.weight_precision in LOW_PRECISIONS else "bf16")

@@ -198,3 +198,11 @@ def test_gpu_docs_match_the_table() -> None:
     from .conftest import ROOT
 
     assert markdown_table() in (ROOT / "docs" / "gpus.md").read_text(), "docs/gpus.md is stale"
+
+
+@pytest.mark.parametrize("name", ["trainer", "router", "rollout", "buffer", "config", "weights"])
+def test_pool_names_of_components_are_reserved(minimal_run: dict[str, Any], name: str) -> None:
+    minimal_run["spec"]["samplerPools"][0]["name"] = name
+    assert problems(minimal_run) == [
+        f"spec.samplerPools[0].name: {name!r} is reserved for the run's own {name} objects"
+    ]
