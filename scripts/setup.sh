@@ -32,7 +32,7 @@ if [ "${MIXRL_SKIP_HELM:-0}" != 1 ] && [ ! -x .venv-helm/bin/python ]; then
   fi
   if [ -n "$py312" ]; then
     echo "setup: creating .venv-helm with $("$py312" --version) for helm-sdkpy"
-    ("$py312" -m venv .venv-helm && .venv-helm/bin/pip install -q --disable-pip-version-check helm-sdkpy 2>&1 | grep -v "is ignored") \
+    ("$py312" -m venv .venv-helm && .venv-helm/bin/pip install -q --disable-pip-version-check helm-sdkpy 2>&1 | { grep -v "is ignored" || true; } && .venv-helm/bin/python -c "import helm_sdkpy") \
       || { echo "setup: helm-sdkpy unavailable; the helm tests will be skipped"; rm -rf .venv-helm; }
   fi
 fi

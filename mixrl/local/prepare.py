@@ -40,7 +40,7 @@ WARM_START: dict[str, Any] = {
     "steps": 400,
     "lr": 3e-3,
     "target_success": 0.3,
-    "probe_every": 20,
+    "probe_every": 10,
     "demonstrations": 512,
     "probe_tasks": 64,
     "seed": 0,

@@ -52,6 +52,12 @@ def expert_reply(context: list[int], behaviour: str = "expert", tokenizer: Token
         return "ls"
     if behaviour == "chatty":
         return "ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls ls"
+    if behaviour == "wrong":  # the expert, except that it reports a value one too high
+        reply = expert_reply(context, "expert", tokenizer)
+        if not reply.startswith("submit "):
+            return reply
+        _, key, value = reply.split()
+        return f"submit {key} {int(value) + 1}"
     text = tokenizer.decode(context)
     question = text.split("what is ", 1)[1].split(" ?", 1)[0]
     key, section = question.split(" in ")
@@ -86,6 +92,8 @@ class ScriptedGenerate:
     """Stand-in ``generate`` (see the module docstring); records each context it is given."""
 
     behaviour: str = "expert"
+    script: list[str] | None = None
+    """Replies to give in order (instead of ``behaviour``)."""
     version: int = 3
     pool: PoolInfo = field(default_factory=lambda: PoolInfo("scripted", "cpu", "bf16"))
     include_stop: bool = True
@@ -112,7 +120,12 @@ class ScriptedGenerate:
     def reply_ids(self, context: list[int]) -> list[int]:
         """The policy's reply continuing ``context`` (which may already hold part of it after an abort)."""
         prompt_end = max(i for i, t in enumerate(context) if t == TOKENIZER.role_ids["assistant"]) + 1
-        full = [*TOKENIZER.encode(expert_reply(context[:prompt_end], self.behaviour)), TOKENIZER.end_id]
+        if self.script is not None:
+            turn = sum(1 for t in context if t == TOKENIZER.role_ids["assistant"]) - 1
+            text = self.script[turn]
+        else:
+            text = expert_reply(context[:prompt_end], self.behaviour)
+        full = [*TOKENIZER.encode(text), TOKENIZER.end_id]
         done = context[prompt_end:]
         assert full[: len(done)] == done, "the continuation must extend what was generated"
         return full[len(done) :]
