@@ -194,10 +194,10 @@ def warm_start(
 ) -> WarmStartReport:
     """Supervised steps on demonstrations of ``tasks``; the model is trained in place (float32).
 
-    ``mistake_rate``: share of careless demonstrations (see :func:`careless_choice`).  With
-    ``target_success`` set, the success rate on ``probe_tasks`` is measured every ``probe_every``
-    steps and training stops at the first probe that reaches it; without it, exactly ``steps``
-    steps run and the probe tasks (if any) are measured once at the end.
+    ``mistake_rate``: share of careless demonstrations (see :func:`careless_choice`).  With probe
+    tasks, the success rate on them is measured every ``probe_every`` steps and after the last
+    step (``report.probes``); with ``target_success`` too, training stops at the first probe that
+    reaches it.  Without probe tasks a progress line is printed every ``probe_every`` steps.
     """
     if steps <= 0:
         raise ValueError(f"steps: must be positive, got {steps}")
@@ -244,9 +244,9 @@ def warm_start(
         report.steps = step
         report.final_loss = float(loss.detach())
         if step % probe_every == 0:
-            if target_success is None:
+            if not probe_tasks:
                 say(step)
-            elif probe(step) >= target_success:
+            elif probe(step) >= (target_success if target_success is not None else math.inf):
                 report.reached_target = True
                 break
     if probe_tasks and (not report.probes or report.probes[-1][0] != report.steps):
@@ -282,7 +282,7 @@ class WarmStartRecipe:
     probe_tasks: int = 128
     mistake_rate: float = 0.85
     target_success: float | None = None
-    probe_every: int = 50
+    probe_every: int = 100
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
