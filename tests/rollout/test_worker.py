@@ -1,0 +1,343 @@
+"""The rollout worker against the real router and the real buffer over loopback, and ``mixrl rollout`` as a process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mixrl.api.loader import parse_document
+from mixrl.api.resolve import ResolvedRun, SamplingParams, resolve
+from mixrl.api.trajectory import Trajectory
+from mixrl.rl.engine.records import EngineResponseError
+from mixrl.rl.rollout.agent import PoolInfo
+from mixrl.rl.rollout.demos import demonstration_tokens
+from mixrl.rl.rollout.router_client import RouterClient, generate_body, parse_generate_response
+from mixrl.rl.rollout.stats import RolloutStats
+from mixrl.rl.rollout.tasks import generate_tasks
+from mixrl.rl.rollout.worker import RolloutWorker, WorkerSettings, main, next_evaluation_step
+
+from .conftest import TOKENIZER, RunningBuffer, RunningRouter, ScriptedEngine, reply_records
+from .test_agent import TASK
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def resolved_run(**rollout: Any) -> ResolvedRun:
+    spec: dict[str, Any] = {
+        "apiVersion": "mixrl.dev/v1alpha1",
+        "kind": "RLRun",
+        "metadata": {"name": "test"},
+        "spec": {
+            "model": {"path": "tiny:qwen3", "maxContextTokens": 256},
+            "trainer": {"backend": "torch", "gpuType": "cpu", "gpusPerNode": 0, "totalSteps": 2},
+            "samplerPools": [
+                {"name": "a", "gpuType": "cpu", "engine": "torch", "weightPrecision": "bf16"},
+                {"name": "b", "gpuType": "cpu", "engine": "torch", "weightPrecision": "bf16"},
+            ],
+            "algorithm": {
+                "promptsPerUpdate": 2,
+                "samplesPerPrompt": 4,
+                "maxNewTokens": 16,
+                "topP": {"p": 0.95, "k": 8},
+            },
+            "rollout": {
+                "maxTurns": 6,
+                "concurrency": 6,
+                "dataset": {"trainSize": 64, "heldoutSize": 3},
+                **rollout,
+            },
+            "evaluation": {"everySteps": 1, "passK": [1, 2], "samplesPerTask": 2},
+        },
+    }
+    return resolve(parse_document(spec))  # type: ignore[arg-type]
+
+
+SETTINGS = WorkerSettings.from_run(resolved_run())
+
+
+def test_settings_come_from_the_resolved_run() -> None:
+    assert (SETTINGS.run, SETTINGS.samples_per_prompt, SETTINGS.concurrency, SETTINGS.total_steps) == (
+        "test",
+        4,
+        6,
+        2,
+    )
+    assert (SETTINGS.eval_every, SETTINGS.eval_tasks, SETTINGS.eval_samples, SETTINGS.pass_k) == (
+        1,
+        3,
+        2,
+        (1, 2),
+    )
+    assert (SETTINGS.max_context_tokens, SETTINGS.max_turns, SETTINGS.format_error_limit) == (256, 6, 3)
+    assert SETTINGS.sampling.top_k == 8 and SETTINGS.sampling.return_sampling_mask
+    with pytest.raises(
+        ValueError, match=r"rollout\.environment: unknown environment 'swe'; built in: filetree"
+    ):
+        WorkerSettings.from_run(resolved_run(environment="swe"))
+    with pytest.raises(ValueError, match=r"rollout.tools: \['bash'\] not offered by filetree"):
+        WorkerSettings.from_run(resolved_run(tools=["ls", "bash", "submit"]))
+    with pytest.raises(ValueError, match=r"worker-index: 1 outside 0\.\.0"):
+        WorkerSettings.from_run(resolved_run(), worker_index=1)
+
+
+def test_evaluation_schedule() -> None:
+    assert [next_evaluation_step(s, 10, 25) for s in (0, 9, 10, 19, 20, 24, 25, 30)] == [
+        10,
+        10,
+        20,
+        20,
+        25,
+        25,
+        None,
+        None,
+    ]
+    assert next_evaluation_step(41, 10, None) == 50
+
+
+def test_request_body_and_response_parsing() -> None:
+    sampling = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=8, max_new_tokens=16, top_logprobs_num=4, return_sampling_mask=True
+    )
+    body = generate_body([1, 2, 3], sampling, 5, [7, 2])
+    assert body == {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "top_k": 8,
+            "max_new_tokens": 5,
+            "stop_token_ids": [7, 2],
+        },
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 8,  # at least top_k, so the support is among the candidates
+        "return_sampling_mask": True,
+    }
+    payload = {
+        "output_ids": [40, 7],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 7},
+            "weight_version": "5",
+            "output_token_logprobs": [[-0.1, 40, None], [-0.2, 7, None]],
+            "output_top_logprobs": [[[-0.1, 40, None], [-2.5, 41, None]], [[-0.2, 7, None], [-1.9, 8, None]]],
+            "output_token_sampling_mask": [[40], [7, 8]],
+        },
+    }
+    headers = {"X-Mixrl-Pool": "fp8", "X-Mixrl-Gpu-Type": "H100", "X-Mixrl-Precision": "fp8"}
+    result = parse_generate_response(payload, headers, PoolInfo("fallback"))
+    assert result.finish_reason == "stop" and result.pool == PoolInfo("fp8", "H100", "fp8")
+    assert [(r.token_id, r.logprob, r.support_size, r.weight_version) for r in result.records] == [
+        (40, -0.1, 1, 5),
+        (7, -0.2, 2, 5),
+    ]
+    assert parse_generate_response(payload, {}, PoolInfo("direct")).pool == PoolInfo("direct")
+    broken = {**payload, "meta_info": {**payload["meta_info"], "finish_reason": {"type": "eaten"}}}
+    with pytest.raises(EngineResponseError, match=r"meta_info\.finish_reason: unexpected"):
+        parse_generate_response(broken, headers, PoolInfo())
+
+
+def test_progress_line_shows_rates_reward_and_eta() -> None:
+    now = [100.0]
+    stats = RolloutStats("test", clock=lambda: now[0])
+
+    ids, mask = demonstration_tokens(TASK, TOKENIZER)
+    stats.progress_line(2, 10)
+    for reward, reason in [(1.0, "submitted")] * 3 + [(0.0, "format_errors")]:
+        trajectory = _trajectory(ids, mask, reward, reason)
+        stats.episode_ended(trajectory)
+    now[0] = 110.0
+    line = stats.progress_line(4, 10)
+    assert "4 episodes (0.4/s now" in line and "reward 0.75 (last 4)" in line
+    assert "format-error endings 25%" in line and "trainer step 4/10 (ETA 30s)" in line
+
+
+def _trajectory(ids: list[int], mask: list[int], reward: float, reason: str) -> Trajectory:
+    prompt = ids[: mask.index(1)]
+    trajectory = Trajectory(prompt_id="p", pool="a", prompt_ids=prompt)
+    for token, m in zip(ids[len(prompt) :], mask[len(prompt) :], strict=True):
+        if m:
+            trajectory.append_generated(reply_records([token], 0, TOKENIZER.vocab_size)[0])
+        else:
+            trajectory.append_observation([token])
+    trajectory.reward, trajectory.finish_reason = reward, reason
+    return trajectory
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def task_of(prompt_id: str) -> Any:
+    task_id = prompt_id.split("/")[0]
+    return next(t for t in generate_tasks(0, 64, "train") if t.id == task_id)
+
+
+async def test_worker_feeds_the_buffer_and_evaluates(
+    engines: Callable[..., Awaitable[ScriptedEngine]],
+    start_router: Callable[..., Awaitable[RunningRouter]],
+    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+) -> None:
+    engine_a, engine_b = await engines("a", version=1), await engines("b", version=1)
+    router = await start_router({"a": [engine_a], "b": [engine_b]})
+    buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
+    client = RouterClient(router.url, SETTINGS.sampling, TOKENIZER.stop_token_ids)
+    lines: list[str] = []
+    worker = RolloutWorker(
+        SETTINGS, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=0.2, say=lines.append
+    )
+    stopping = asyncio.Event()
+    running = asyncio.create_task(worker.run(stopping))
+    try:
+        batches = []
+        for step in (1, 2):  # the test plays the trainer
+            batch = await buffer.client.get_batch(step, timeout=20)
+            assert batch is not None
+            batches.append(batch)
+            await buffer.client.commit(step)
+        await asyncio.wait_for(worker.final_evaluation_posted.wait(), 30)
+        assert worker.training_done.is_set()
+    finally:
+        stopping.set()
+        await running
+        await client.close()
+
+    evaluations = await buffer.client.evaluations()
+    assert [e["step"] for e in evaluations] == [0, 1, 2]
+    for evaluation in evaluations:
+        assert evaluation["pass_at_k"] == {"1": 1.0, "2": 1.0}  # the stand-in policy is the expert
+        assert (evaluation["tasks"], evaluation["episodes"], evaluation["weight_version"]) == (3, 6, 1)
+
+    for batch in batches:
+        assert len(batch.groups) == 2
+        for group in batch.groups:
+            trajectories = group.trajectories
+            assert sorted(t.sample_index for t in trajectories) == [0, 1, 2, 3]
+            task = task_of(group.prompt_id)
+            for trajectory in trajectories:
+                assert (trajectory.reward, trajectory.finish_reason, trajectory.run) == (
+                    1.0,
+                    "submitted",
+                    "test",
+                )
+                assert trajectory.pool in ("a", "b") and trajectory.gpu_type == f"gpu-{trajectory.pool}"
+                assert trajectory.precision == f"prec-{trajectory.pool}" and trajectory.split == "train"
+                ids, mask = demonstration_tokens(task, TOKENIZER)  # token for token what went over HTTP
+                assert trajectory.prompt_ids + trajectory.tokens == ids
+                assert [0] * len(trajectory.prompt_ids) + trajectory.loss_mask == mask
+                assert set(trajectory.weight_version) <= {1, -1}
+
+    # every session stayed on one pool and was ended
+    sessions_a, sessions_b = Counter(engine_a.sessions), Counter(engine_b.sessions)
+    assert not set(sessions_a) & set(sessions_b) and None not in sessions_a | sessions_b
+    assert router.router.state.sessions == {}
+    # a finished episode made three requests (ls, cat, submit); those cut by the stop made fewer
+    per_session = (sessions_a + sessions_b).values()
+    assert max(per_session) == 3 and sum(1 for c in per_session if c == 3) >= worker.stats.episodes
+    assert worker.stats.groups_dropped == 0 and worker.stats.groups_posted >= 4
+    assert any("held-out evaluation at step 2" in line for line in lines)
+    assert any(line.startswith("rollout: done:") for line in lines)
+
+
+async def test_a_dying_replica_costs_a_retry_not_an_episode(
+    engines: Callable[..., Awaitable[ScriptedEngine]],
+    start_router: Callable[..., Awaitable[RunningRouter]],
+    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+) -> None:
+    first, second = await engines("a1"), await engines("a2")
+    router = await start_router({"a": [first, second]})
+    buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4)
+    settings = WorkerSettings.from_run(resolved_run(concurrency=8))
+    client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids, backoff_s=0.01)
+    worker = RolloutWorker(
+        settings, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
+    )
+    stopping = asyncio.Event()
+    running = asyncio.create_task(worker.run(stopping))
+    try:
+        await wait_for(lambda: len(first.bodies) >= 10)
+        await first.kill()  # turns in flight lose their connection; later ones are refused
+        posted = worker.stats.groups_posted
+        await wait_for(lambda: worker.stats.groups_posted >= posted + 4)
+    finally:
+        stopping.set()
+        await running
+        await client.close()
+    assert client.retries > 0
+    assert worker.stats.groups_dropped == 0
+    assert worker.stats.finish_reasons == Counter({"submitted": worker.stats.episodes})
+    # whole groups only (a post cut short by the stop may still have landed)
+    received = buffer.buffer.stats()["trajectories"]
+    assert received % 4 == 0 and received >= 4 * worker.stats.groups_posted
+
+
+async def test_sigterm_stops_the_process_cleanly(
+    tmp_path: Path,
+    engines: Callable[..., Awaitable[ScriptedEngine]],
+    start_router: Callable[..., Awaitable[RunningRouter]],
+    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+) -> None:
+    engine = await engines("a")
+    router = await start_router({"a": [engine]})
+    buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4)
+    config = tmp_path / "resolved.json"
+    config.write_text(resolved_run().model_dump_json())
+    tokenizer = tmp_path / "tokenizer.json"
+    TOKENIZER.save(tokenizer)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "mixrl.cli",
+        "rollout",
+        "--config",
+        str(config),
+        "--router",
+        router.url,
+        "--buffer",
+        buffer.url,
+        "--tokenizer",
+        str(tokenizer),
+        "--progress-every",
+        "0.5",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        await wait_for(lambda: buffer.buffer.stats()["trajectories"] >= 8, timeout=60)
+        process.send_signal(signal.SIGTERM)
+        output, _ = await asyncio.wait_for(process.communicate(), 20)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    text = output.decode()
+    assert process.returncode == 0, text
+    assert "held-out evaluation at step 0" in text and "rollout: done:" in text
+    assert router.router.state.sessions == {}  # in-flight episodes ended their sessions
+    assert "Traceback" not in text
+
+
+def test_bad_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["--config", str(tmp_path / "none.json"), "--router", "http://x", "--buffer", "http://y"]) == 2
+    )
+    assert "mixrl rollout: config: cannot read" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text(json.dumps({"name": "x"}))
+    assert main(["--config", str(tmp_path / "bad.json"), "--router", "http://x", "--buffer", "http://y"]) == 2
+    assert "is not a resolved run" in capsys.readouterr().err
+    (tmp_path / "swe.json").write_text(resolved_run(environment="swe").model_dump_json())
+    assert main(["--config", str(tmp_path / "swe.json"), "--router", "http://x", "--buffer", "http://y"]) == 2
+    assert "rollout.environment: unknown environment 'swe'" in capsys.readouterr().err
