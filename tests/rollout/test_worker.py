@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from mixrl.api.loader import parse_document
@@ -341,3 +342,23 @@ def test_bad_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[st
     (tmp_path / "swe.json").write_text(resolved_run(environment="swe").model_dump_json())
     assert main(["--config", str(tmp_path / "swe.json"), "--router", "http://x", "--buffer", "http://y"]) == 2
     assert "rollout.environment: unknown environment 'swe'" in capsys.readouterr().err
+
+
+async def test_metrics_are_exported_per_pool() -> None:
+    stats = RolloutStats("test")
+    ids, mask = demonstration_tokens(TASK, TOKENIZER)
+    stats.episode_ended(_trajectory(ids, mask, 1.0, "submitted"))
+    stats.episode_ended(_trajectory(ids, mask, 0.0, "format_errors"))
+    runner = await stats.serve_metrics(0, host="127.0.0.1")
+    try:
+        host, port = runner.addresses[0][:2]
+        async with aiohttp.ClientSession() as http, http.get(f"http://{host}:{port}/metrics") as response:
+            text = await response.text()
+    finally:
+        await runner.cleanup()
+    labels = 'gpu_type="",pool="a",precision="",run="test"'
+    assert f'mixrl_rollout_episodes_total{{finish_reason="submitted",{labels}}} 1.0' in text
+    assert f"mixrl_rollout_format_error_episodes_total{{{labels}}} 1.0" in text
+    assert f"mixrl_rollout_reward{{{labels}}} 0.5" in text
+    generated = 2 * sum(mask)
+    assert f"mixrl_rollout_tokens_total{{{labels}}} {float(generated)}" in text
