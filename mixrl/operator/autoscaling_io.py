@@ -2,13 +2,13 @@
 
 :func:`query_prometheus` reads one number, :func:`query_label_values` the label values of a set of
 series; a failure is a :class:`MetricsUnavailable` with a CamelCase reason (``PrometheusUnreachable``,
-``QueryFailed``, ``NoSeries``).  :class:`PoolApi` makes the loop's three writes.
+``QueryFailed``, ``NoSeries``).  :class:`PoolApi` makes the loop's three writes, through the
+operator's RBAC-checked API client.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -16,7 +16,9 @@ from typing import Any, Literal
 import aiohttp
 
 from mixrl.api.models import GROUP, VERSION
+from mixrl.operator.kube import KubeClient
 from mixrl.operator.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
+from mixrl.operator.rbac import EVENTS, SAMPLERPOOLS
 
 Obj = dict[str, Any]
 
@@ -121,55 +123,28 @@ def rfc3339(now: float) -> str:
 
 
 class PoolApi:
-    """The three calls the loop makes, over aiohttp with the operator's credentials.
+    """The three calls the loop makes, through the operator's API client.
 
-    ``scale_via="subresource"`` (the default, what a cluster needs) patches
-    ``…/samplerpools/NAME/scale`` with ``{"spec": {"replicas": N}}``; the API server maps it onto
-    the CRD's ``specReplicasPath`` (``.spec.replicas``).  ``"object"`` merge-patches the
-    SamplerPool itself — for an API that has no scale semantics.
+    The client (:class:`mixrl.operator.kube.KubeClient`) checks every call against the RBAC
+    registry (:data:`mixrl.operator.rbac.RECONCILER`) before sending it, so the chart's rules are
+    generated from these calls too.  ``scale_via="subresource"`` (the default, what a cluster needs)
+    patches ``…/samplerpools/NAME/scale`` with ``{"spec": {"replicas": N}}``; the API server maps it
+    onto the CRD's ``specReplicasPath`` (``.spec.replicas``).  ``"object"`` merge-patches the
+    SamplerPool itself — for an API that has no scale semantics.  Failures are
+    :class:`mixrl.operator.kube.ApiError`.
     """
 
-    def __init__(
-        self,
-        connection: Callable[[], Any],
-        session: aiohttp.ClientSession,
-        scale_via: Literal["subresource", "object"] = "subresource",
-    ):
-        self.connection = connection
-        self.session = session
+    def __init__(self, client: KubeClient, scale_via: Literal["subresource", "object"] = "subresource"):
+        self.client = client
         self.scale_via = scale_via
-
-    async def _call(self, method: str, path: str, body: Obj, content_type: str) -> Obj:
-        connection = self.connection()
-        if connection is None:
-            raise ConnectionError("not logged in to the Kubernetes API yet")
-        headers = {**connection.headers(), "Content-Type": content_type}
-        url = connection.server.rstrip("/") + path
-        async with self.session.request(
-            method, url, json=body, headers=headers, ssl=connection.ssl_context()
-        ) as response:
-            if response.status >= 400:
-                raise ConnectionError(
-                    f"{method} {path}: HTTP {response.status}: {(await response.text())[:300]}"
-                )
-            return await response.json(content_type=None)
-
-    @staticmethod
-    def _path(namespace: str, name: str, subresource: str | None = None) -> str:
-        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/samplerpools/{name}"
-        return f"{path}/{subresource}" if subresource else path
 
     async def set_replicas(self, namespace: str, name: str, replicas: int) -> None:
         subresource = "scale" if self.scale_via == "subresource" else None
         body = {"spec": {"replicas": replicas}}
-        await self._call(
-            "PATCH", self._path(namespace, name, subresource), body, "application/merge-patch+json"
-        )
+        await self.client.merge_patch(SAMPLERPOOLS, namespace, name, body, subresource=subresource)
 
     async def patch_status(self, namespace: str, name: str, patch: Obj) -> None:
-        await self._call(
-            "PATCH", self._path(namespace, name, "status"), patch, "application/merge-patch+json"
-        )
+        await self.client.merge_patch(SAMPLERPOOLS, namespace, name, patch, subresource="status")
 
     async def post_event(self, pool_body: Obj, kind: str, reason: str, message: str, now: float) -> None:
         meta = pool_body["metadata"]
@@ -195,4 +170,4 @@ class PoolApi:
             "source": {"component": "mixrl-autoscaler"},
             "reportingComponent": "mixrl-autoscaler",
         }
-        await self._call("POST", f"/api/v1/namespaces/{meta['namespace']}/events", event, "application/json")
+        await self.client.create(EVENTS, meta["namespace"], event)

@@ -9,13 +9,15 @@ Three separable steps, so each is tested on its own:
    memory → a :class:`PoolPlan`: the replica count to write (or none), the status patch
    (``lastScaleDecisions``, the MetricsAvailable and WrongGpuType conditions) and the event.
 3. ``PoolApi`` (same module as 1) — the writes: ``PATCH …/samplerpools/NAME/scale``,
-   ``PATCH …/status``, ``POST …/events``.
+   ``PATCH …/status``, ``POST …/events``, through the operator's RBAC-checked API client.
 
 :func:`register_autoscaling` puts it on a kopf registry.  It uses no kopf timer or daemon: those
 put a finalizer on every SamplerPool, and the operator keeps its objects finalizer-free.  Instead
 two ``on.event`` handlers keep the latest RLRuns and SamplerPools in memory, and one task started
 at operator startup (stopped at cleanup) visits every pool of a run whose
-``autoscaling.engine`` is ``builtin`` each tick, acting when its poll interval has passed.
+``autoscaling.engine`` is ``builtin`` each tick, acting when its poll interval has passed.  Pools of
+``keda`` runs are KEDA's (the pool's controller applies their ScaledObjects), pools of ``none`` runs
+are left alone.  The operator registers it in :func:`mixrl.operator.handlers.build_registry`.
 """
 
 from __future__ import annotations
@@ -51,13 +53,15 @@ from mixrl.operator.autoscaling_io import (
     rfc3339,
 )
 from mixrl.operator.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
+from mixrl.operator.kube import ApiError, Connection, KubeClient
 from mixrl.operator.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, gpu_models_query, load_query
+from mixrl.operator.rbac import SAMPLERPOOLS
+from mixrl.operator.status import METRICS_AVAILABLE
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
 log = logging.getLogger("mixrl.operator.autoscaling")
 
-METRICS_AVAILABLE = "MetricsAvailable"
 UPDATING_WEIGHTS = "UpdatingWeights"
 """A SamplerPool condition whoever syncs weights sets True while engines load a new version."""
 SCALED_REASON = "Scaled"
@@ -223,6 +227,7 @@ __all__ = [
     "register_autoscaling",
 ]
 
+PoolLock = Callable[[str, str], asyncio.Lock]
 Observer = Callable[[aiohttp.ClientSession, str, str, float, tuple[str, str]], Awaitable[Observation]]
 
 
@@ -231,13 +236,21 @@ class AutoscalingLoop:
 
     def __init__(
         self,
-        connection: Callable[[], Any],
+        client: KubeClient,
         settings: LoopSettings | None = None,
         clock: Callable[[], float] = time.time,
         observer: Observer = observe,
+        owns_client: bool = False,
+        lock: PoolLock | None = None,
     ):
         self.settings = settings or LoopSettings()
-        self.connection = connection
+        self.client = client
+        self.owns_client = owns_client
+        """Close the client at :meth:`stop` (False when it is the operator's shared client)."""
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self.lock: PoolLock = lock or self._own_lock
+        """(namespace, name) -> the lock held while reading the live pool and writing it: the
+        operator's per-object lock, shared with the pool's controller."""
         self.clock = clock
         self.observer = observer
         self.runs: dict[Key, Obj] = {}
@@ -246,6 +259,9 @@ class AutoscalingLoop:
         self._budget: dict[Key, dict[str, BudgetRequest]] = {}
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+
+    def _own_lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
 
     # -- watch events
     def observe_run(self, body: Mapping[str, Any], deleted: bool) -> None:
@@ -262,6 +278,7 @@ class AutoscalingLoop:
         if deleted:
             self.pools.pop(key, None)
             self.memory.pop(key, None)
+            self._locks.pop(key, None)
         else:
             self.pools[key] = dict(body)
 
@@ -279,6 +296,8 @@ class AutoscalingLoop:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.owns_client:
+            await self.client.close()
 
     async def _run(self) -> None:
         while True:
@@ -324,13 +343,37 @@ class AutoscalingLoop:
                 pool = pool_of(run, body)
             except KeyError:
                 continue  # the run no longer declares this pool; its controller deletes it
-            plan = await self.poll(key, body, run, pool, memory, now)
-            done.append((key, plan))
+            try:
+                plan = await self.poll(key, body, run, pool, memory, now)
+            except ApiError as exc:  # this pool's write failed; the others still get their turn
+                log.warning("autoscaling %s/%s: %s", *key, exc)
+                continue
+            if plan is not None:
+                done.append((key, plan))
         return done
 
+    async def live_pool(self, key: Key, cached: Obj) -> Obj | None:
+        """The pool as the API server has it now (None when it is gone or was replaced).
+
+        The watch keeps the cache current while this operator is active; reading the live object
+        before a decision also covers the time the watch lags (or is paused by kopf's peering),
+        so replicas are never computed from a stale ``spec.replicas``."""
+        fresh = await self.client.get(SAMPLERPOOLS, *key)
+        uid = cached["metadata"].get("uid")
+        if fresh is None or (uid and fresh["metadata"].get("uid") != uid):
+            self.observe_pool(cached, deleted=True)
+            return None
+        self.pools[key] = fresh
+        return fresh
+
     async def poll(
-        self, key: Key, body: Obj, run: ResolvedRun, pool: ResolvedPool, memory: PoolMemory, now: float
-    ) -> PoolPlan:
+        self, key: Key, cached: Obj, run: ResolvedRun, pool: ResolvedPool, memory: PoolMemory, now: float
+    ) -> PoolPlan | None:
+        """Ask Prometheus, then — under the pool's lock, from the live pool — decide and write.
+
+        The pool's controller writes the same status (readiness, AutoscalerReady) under the same
+        lock; a merge patch replaces the whole ``conditions`` list, so two writers that each read
+        before the other wrote would drop each other's conditions.  None: the pool is gone."""
         query = load_query(run.autoscaling, run, pool)
         observation = await self.observer(
             self.session(),
@@ -339,10 +382,6 @@ class AutoscalingLoop:
             self.settings.query_timeout_s,
             self.settings.sustained_window,
         )
-        decision = decide(load_of(body, observation), memory.state, config_of(run, pool, body), now)
-        memory.state, memory.last_poll = decision.state, now
-        if run.autoscaling.gpu_budget is not None and observation.problem is None:
-            decision = self.apply_budget(key, body, run, pool, decision)
         models = None
         if self.settings.check_gpu_models and observation.problem is None:
             try:
@@ -355,17 +394,25 @@ class AutoscalingLoop:
                 )
             except MetricsUnavailable:
                 models = None  # GPU telemetry is optional; the load decided the replicas
-        plan = plan_pool(
-            body,
-            run,
-            observation,
-            memory,
-            now,
-            history=self.settings.history,
-            decision=decision,
-            gpu_models=models,
-        )
-        await self.write(key, body, plan, now)
+        async with self.lock(*key):
+            body = await self.live_pool(key, cached)
+            if body is None:
+                return None
+            decision = decide(load_of(body, observation), memory.state, config_of(run, pool, body), now)
+            memory.state, memory.last_poll = decision.state, now
+            if run.autoscaling.gpu_budget is not None and observation.problem is None:
+                decision = self.apply_budget(key, body, run, pool, decision)
+            plan = plan_pool(
+                body,
+                run,
+                observation,
+                memory,
+                now,
+                history=self.settings.history,
+                decision=decision,
+                gpu_models=models,
+            )
+            await self.write(key, body, plan, now)
         return plan
 
     def apply_budget(
@@ -399,7 +446,7 @@ class AutoscalingLoop:
 
     async def write(self, key: Key, body: Obj, plan: PoolPlan, now: float) -> None:
         namespace, name = key
-        api = PoolApi(self.connection, self.session(), self.settings.scale_via)
+        api = PoolApi(self.client, self.settings.scale_via)
         if plan.replicas is not None:
             await api.set_replicas(namespace, name, plan.replicas)
             body.setdefault("spec", {})["replicas"] = plan.replicas  # until the watch catches up
@@ -410,20 +457,32 @@ class AutoscalingLoop:
             kind, reason, message = plan.event
             try:
                 await api.post_event(body, kind, reason, message, now)
-            except ConnectionError as exc:  # an event is worth a log line, not a failed poll
+            except ApiError as exc:  # an event is worth a log line, not a failed poll
                 log.warning("event for %s/%s not posted: %s", namespace, name, exc)
         if plan.replicas is not None:
             log.info("%s/%s: %s", namespace, name, plan.decision.reason)
 
 
 def register_autoscaling(
-    registry: Any, connection: Callable[[], Any], settings: LoopSettings | None = None
+    registry: Any,
+    connection: Callable[[], Connection | None],
+    settings: LoopSettings | None = None,
+    client: KubeClient | None = None,
+    lock: PoolLock | None = None,
 ) -> AutoscalingLoop:
-    """Put the autoscaler on a kopf registry; ``connection()`` returns the operator's current
-    :class:`mixrl.operator.kube.Connection` (or None before login)."""
+    """Put the autoscaler on a kopf registry.
+
+    ``connection()`` returns the operator's current :class:`mixrl.operator.kube.Connection` (None
+    before login).  ``client``: the operator's API client, shared (the operator closes it); without
+    one the loop makes its own from ``connection`` and closes it at cleanup.  ``lock(namespace,
+    name)``: the operator's per-SamplerPool lock, so the loop and the pool's controller never write
+    the pool's status from reads that crossed (default: the loop's own locks)."""
     import kopf
 
-    loop = AutoscalingLoop(connection, settings)
+    if client is None:
+        loop = AutoscalingLoop(KubeClient(logged_in(connection)), settings, owns_client=True, lock=lock)
+    else:
+        loop = AutoscalingLoop(client, settings, lock=lock)
 
     @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
     def autoscaler_sees_run(body: kopf.Body, type: str | None, **_: Any) -> None:
@@ -442,6 +501,16 @@ def register_autoscaling(
         await loop.stop()
 
     return loop
+
+
+def logged_in(connection: Callable[[], Connection | None]) -> Callable[[], Connection]:
+    def current() -> Connection:
+        found = connection()
+        if found is None:
+            raise ApiError(0, "NotLoggedIn", "no API credentials yet")
+        return found
+
+    return current
 
 
 def _plain(value: Any) -> Any:

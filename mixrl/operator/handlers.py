@@ -9,6 +9,10 @@
 - No finalizers: deletion is the garbage collector's job through owner references, and no
   handler here needs one (kopf timers would add one; drift is caught by watching the children).
 - kopf keeps its bookkeeping in ``mixrl.dev/*`` annotations, never in our status.
+- The built-in autoscaler (:mod:`mixrl.operator.autoscaling_loop`) runs in the same operator, on
+  the same API client (so its calls are RBAC-checked like the reconcilers'), for the pools of runs
+  whose ``autoscaling.engine`` is ``builtin``; in KEDA mode the pool's controller applies a
+  ScaledObject instead (when the cluster serves keda.sh), and ``none`` leaves replicas alone.
 
 Everything is registered on a fresh :class:`kopf.OperatorRegistry` by :func:`build_registry`,
 so tests run several operators, one after another, in one process.
@@ -29,6 +33,7 @@ import kopf
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator import labels as L
 from mixrl.operator.apply import StillTerminating
+from mixrl.operator.autoscaling_loop import AutoscalingLoop, LoopSettings, register_autoscaling
 from mixrl.operator.kube import ApiError, Connection, KubeClient
 from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS
 from mixrl.operator.reconcile import Context, Outcome, reconcile_pool, reconcile_run
@@ -57,6 +62,11 @@ class OperatorConfig:
     """How to reach the API server; default: in-cluster service account, then kubeconfig."""
     tune: Callable[[kopf.OperatorSettings], None] | None = None
     """Extra kopf settings (tests shorten timeouts)."""
+    autoscaling: LoopSettings | None = field(default_factory=LoopSettings)
+    """The built-in autoscaler's settings; None runs no built-in autoscaler (pools of ``builtin``
+    runs then keep their replicas)."""
+    keda: str = "auto"
+    """``auto`` (ScaledObjects when keda.sh/v1alpha1 serves scaledobjects), ``on`` or ``off``."""
 
 
 def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None) -> float:
@@ -95,7 +105,8 @@ class Runtime:
         self.client = KubeClient(self._current_connection)
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._queued: set[str] = set()
-        self._monitoring: tuple[Monitoring, float] | None = None
+        self._served: dict[str, tuple[set[str] | None, float]] = {}
+        self.autoscaler: AutoscalingLoop | None = None
 
     def _current_connection(self) -> Connection:
         if self.connection is None:
@@ -108,21 +119,33 @@ class Runtime:
             lock = self._locks[key] = asyncio.Lock()
         return lock
 
+    async def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the cluster serves a resource (API discovery, remembered for ``discovery_ttl_s``)."""
+        key = f"{group}/{version}"
+        now = asyncio.get_running_loop().time()
+        known = self._served.get(key)
+        if known is None or now - known[1] > self.config.discovery_ttl_s:
+            known = (await self.client.served_resources(group, version), now)
+            self._served[key] = known
+        return known[0] is not None and plural in known[0]
+
     async def monitoring(self) -> Monitoring:
         if self.config.monitoring != "auto":
             return Monitoring(self.config.monitoring)
-        now = asyncio.get_running_loop().time()
-        if self._monitoring is None or now - self._monitoring[1] > self.config.discovery_ttl_s:
-            served = await self.client.served_resources("monitoring.coreos.com", "v1")
-            found = Monitoring.POD_MONITOR if served and "podmonitors" in served else Monitoring.ANNOTATIONS
-            self._monitoring = (found, now)
-        return self._monitoring[0]
+        served = await self.serves("monitoring.coreos.com", "v1", "podmonitors")
+        return Monitoring.POD_MONITOR if served else Monitoring.ANNOTATIONS
+
+    async def keda(self) -> bool:
+        if self.config.keda != "auto":
+            return self.config.keda == "on"
+        return await self.serves("keda.sh", "v1alpha1", "scaledobjects")
 
     async def options(self) -> BuildOptions:
         return BuildOptions(
             images=self.config.images,
             monitoring=await self.monitoring(),
             drain_seconds=self.config.drain_seconds,
+            keda=await self.keda(),
         )
 
     def context(self) -> Context:
@@ -241,8 +264,19 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         if config.tune is not None:
             config.tune(settings)
 
+    if config.autoscaling is not None:
+        rt.autoscaler = register_autoscaling(
+            registry,
+            lambda: rt.connection,
+            config.autoscaling,
+            client=rt.client,
+            lock=lambda namespace, name: rt.lock(f"SamplerPool/{namespace}/{name}"),  # as lock_key()
+        )
+
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
+        if rt.autoscaler is not None:  # first: its last writes go through the shared client
+            await rt.autoscaler.stop()
         await rt.client.close()
 
     @kopf.on.login(registry=registry)

@@ -15,7 +15,9 @@ from typing import Any
 
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
+from mixrl.operator import labels as L
 from mixrl.operator.autoscaler import HPA_SCALE_UP_PERCENT
+from mixrl.operator.objects import Owner, with_hash
 from mixrl.operator.promql import load_query
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
@@ -98,3 +100,9 @@ def keda_scaled_object(
         },
         "spec": spec,
     }
+
+
+def pool_scaled_object(run: ResolvedRun, pool: ResolvedPool, owner: Owner) -> Obj:
+    """The ScaledObject the pool's controller applies in KEDA mode: owned by the SamplerPool (so it
+    goes with the pool), labelled like the pool's other children, with its desired-hash."""
+    return with_hash(keda_scaled_object(run, pool, owner.reference(), L.pool_labels(run, pool)))

@@ -26,7 +26,8 @@ Component = Literal["trainer", "sampler", "router", "rollout", "buffer", "run"]
 """``run`` marks the objects shared by the whole run (ConfigMap, weights volume, PodMonitor)."""
 
 # Children are named <run>-<suffix> for components and <run>-<pool> for pools, so a pool may not be
-# named like a component suffix (it would collide with the component's objects).
+# named like a component suffix (it would collide with the component's objects): the API rejects
+# those names (mixrl.api.models.RESERVED_POOL_NAMES, which a test keeps equal to these).
 COMPONENT_SUFFIXES = ("config", "trainer", "router", "rollout", "buffer", "weights")
 
 
@@ -61,14 +62,3 @@ def selector_string(labels: dict[str, str]) -> str:
 
 def child_name(run: str, suffix: str) -> str:
     return f"{run}-{suffix}"
-
-
-def reserved_pool_name_problem(resolved: ResolvedRun) -> str | None:
-    """A pool whose objects would collide with a component's, as a one-line problem, or None."""
-    for index, pool in enumerate(resolved.pools):
-        if pool.name in COMPONENT_SUFFIXES:
-            return (
-                f"spec.samplerPools[{index}].name: {pool.name!r} is reserved "
-                f"(the run's {pool.name} objects are named {resolved.name}-{pool.name})"
-            )
-    return None

@@ -50,6 +50,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="PodMonitor (Prometheus Operator) or scrape annotations; auto asks API discovery",
     )
     parser.add_argument(
+        "--keda",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="ScaledObjects for runs with autoscaling.engine keda; auto asks API discovery for keda.sh",
+    )
+    parser.add_argument(
+        "--no-builtin-autoscaler",
+        dest="builtin_autoscaler",
+        action="store_false",
+        help="do not run the built-in autoscaler (pools of builtin runs keep their replicas)",
+    )
+    parser.add_argument(
         "--drain-seconds", type=int, default=300, help="how long engines may drain on shutdown"
     )
     parser.add_argument(
@@ -68,6 +80,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import kopf  # late: `mixrl operator --help` should not pay for kopf
 
+    from mixrl.operator.autoscaling_loop import LoopSettings
     from mixrl.operator.handlers import OperatorConfig, build_registry
 
     kopf.configure(verbose=args.verbose or args.dev, debug=args.verbose)
@@ -76,6 +89,8 @@ def main(argv: list[str]) -> int:
         images=Images(components=args.components_image),
         monitoring=args.monitoring,
         drain_seconds=args.drain_seconds,
+        keda=args.keda,
+        autoscaling=LoopSettings() if args.builtin_autoscaler else None,
         login=kopf.login_via_client if args.dev else None,
     )
     registry, _ = build_registry(config)

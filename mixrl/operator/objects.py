@@ -21,9 +21,10 @@ HASH_ANNOTATION = "mixrl.dev/desired-hash"
 CONFIG_HASH_ANNOTATION = "mixrl.dev/config-hash"
 """On pod templates: hash of the configuration the pods read, so a change rolls them."""
 POOL_CONFIG_HASH_LABEL = "mixrl.dev/pool-config-hash"
-"""On SamplerPools: changes when the run changes anything the pool's Deployment is built from,
-which wakes the pool's own controller (it alone writes the Deployment).  A label, not an
-annotation: kopf's change detection sees labels and the spec, not annotations."""
+"""On SamplerPools: changes when the run changes anything the pool's children are built from (the
+Deployment's configuration; the autoscaling engine, and in KEDA mode the ScaledObject's settings),
+which wakes the pool's own controller (it alone writes them).  A label, not an annotation: kopf's
+change detection sees labels and the spec, not annotations."""
 
 RDZV_PORT = 29500
 WEIGHTS_MOUNT = "weights"
@@ -76,6 +77,8 @@ class BuildOptions:
     startup_minutes: int = 30
     """How long an engine may take to load its model before it counts as failed."""
     buffer_volume_size: str = "50Gi"
+    keda: bool = False
+    """The cluster serves KEDA's ScaledObjects (keda.sh/v1alpha1), found through API discovery."""
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -119,6 +122,15 @@ def config_hash(resolved: ResolvedRun, component: str) -> str:
 def pool_config_hash(resolved: ResolvedRun, pool: ResolvedPool) -> str:
     dumped = resolved.model_dump(mode="json", include={"model", "sampling", "weights"})
     return stable_hash({**dumped, "pool": pool.model_dump(mode="json")})
+
+
+def pool_children_hash(resolved: ResolvedRun, pool: ResolvedPool) -> str:
+    """The SamplerPool's :data:`POOL_CONFIG_HASH_LABEL`: the pods' configuration plus what decides
+    the pool's ScaledObject.  Only the engine when it is not KEDA: tuning the built-in loop's
+    thresholds concerns neither the pool's Deployment nor its controller."""
+    autoscaling = resolved.autoscaling
+    scaling = autoscaling.model_dump(mode="json") if autoscaling.engine == "keda" else autoscaling.engine
+    return stable_hash({"pods": pool_config_hash(resolved, pool), "autoscaling": scaling})
 
 
 # ----------------------------------------------------------------------------- metadata

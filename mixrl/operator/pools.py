@@ -23,6 +23,7 @@ from mixrl.operator.objects import (
     deployment,
     metadata,
     pod_template,
+    pool_children_hash,
     pool_config_hash,
     scrape_annotations,
     service,
@@ -66,7 +67,7 @@ def sampler_pool(resolved: ResolvedRun, pool: ResolvedPool, owner: Owner) -> Obj
         "metadata": metadata(
             pool.object_name,
             resolved.namespace,
-            {**L.pool_labels(resolved, pool), POOL_CONFIG_HASH_LABEL: pool_config_hash(resolved, pool)},
+            {**L.pool_labels(resolved, pool), POOL_CONFIG_HASH_LABEL: pool_children_hash(resolved, pool)},
             owner,
         ),
         "spec": {

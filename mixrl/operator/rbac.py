@@ -50,12 +50,22 @@ STATEFULSETS = ApiResource("apps", "v1", "statefulsets", "StatefulSet")
 RLRUNS = ApiResource(GROUP, VERSION, "rlruns", "RLRun")
 SAMPLERPOOLS = ApiResource(GROUP, VERSION, "samplerpools", "SamplerPool")
 PODMONITORS = ApiResource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor")
+SCALEDOBJECTS = ApiResource("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject")
 KOPF_PEERINGS = ApiResource("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
 CLUSTER_KOPF_PEERINGS = ApiResource(
     "kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False
 )
 
-CHILD_RESOURCES = (CONFIGMAPS, SERVICES, PVCS, DEPLOYMENTS, STATEFULSETS, SAMPLERPOOLS, PODMONITORS)
+CHILD_RESOURCES = (
+    CONFIGMAPS,
+    SERVICES,
+    PVCS,
+    DEPLOYMENTS,
+    STATEFULSETS,
+    SAMPLERPOOLS,
+    PODMONITORS,
+    SCALEDOBJECTS,
+)
 BY_KIND: dict[tuple[str, str], ApiResource] = {(r.api_version, r.kind): r for r in CHILD_RESOURCES}
 
 
@@ -66,7 +76,8 @@ def resource_of(obj: dict[str, Any]) -> ApiResource:
 Key = tuple[str, str]
 """(API group, resource or resource/subresource)."""
 
-# Calls made by mixrl's own code (the reconcilers), through mixrl.operator.kube.
+# Calls made by mixrl's own code (the reconcilers and the built-in autoscaler), through
+# mixrl.operator.kube.
 RECONCILER: dict[Key, frozenset[str]] = {
     # Children, written by server-side apply (create and patch) after a get that compares hashes.
     ("", "configmaps"): frozenset({"get", "create", "patch"}),
@@ -75,11 +86,16 @@ RECONCILER: dict[Key, frozenset[str]] = {
     ("apps", "deployments"): frozenset({"get", "create", "patch"}),
     ("apps", "statefulsets"): frozenset({"get", "create", "patch"}),
     ("monitoring.coreos.com", "podmonitors"): frozenset({"get", "create", "patch"}),
+    # KEDA mode: one ScaledObject per SamplerPool; deleted when the run leaves KEDA mode.
+    ("keda.sh", "scaledobjects"): frozenset({"get", "create", "patch", "delete"}),
     # A SamplerPool's controller reads its run; a run's controller lists its pools to remove old ones.
     (GROUP, "rlruns"): frozenset({"get"}),
     (GROUP, "samplerpools"): frozenset({"get", "list", "create", "patch", "delete"}),
     (GROUP, "rlruns/status"): frozenset({"patch"}),
     (GROUP, "samplerpools/status"): frozenset({"patch"}),
+    # The built-in autoscaler: replicas through the scale subresource, a Scaled event per change.
+    (GROUP, "samplerpools/scale"): frozenset({"patch"}),
+    ("", "events"): frozenset({"create"}),
     # Children carry blockOwnerDeletion; with the OwnerReferencesPermissionEnforcement admission
     # plugin (OpenShift and others) that needs update on the owner's finalizers subresource.
     (GROUP, "rlruns/finalizers"): frozenset({"update"}),

@@ -1,4 +1,5 @@
-"""The two reconcilers: RLRun -> its children; SamplerPool -> its Deployment and Service.
+"""The two reconcilers: RLRun -> its children; SamplerPool -> its Deployment and Service (and, in
+KEDA mode, its ScaledObject).
 
 Framework-free (no kopf here): :mod:`mixrl.operator.handlers` wires these into kopf and turns
 their outcomes and errors into kopf's retry semantics.  Each reconcile reads the live children,
@@ -13,14 +14,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from mixrl.api.errors import InvalidSpec, Problem
+from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator import labels as L
 from mixrl.operator.apply import Applied, ApplyReport, OwnerGone, apply_object, label
+from mixrl.operator.keda import pool_scaled_object
 from mixrl.operator.kube import KubeClient
-from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS, ApiResource
+from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
 from mixrl.operator.resources import (
     BuildOptions,
     Owner,
@@ -30,9 +32,11 @@ from mixrl.operator.resources import (
     seed_replicas,
 )
 from mixrl.operator.status import (
+    METRICS_AVAILABLE,
     PoolState,
     Reason,
     WorkloadState,
+    autoscaler_value,
     invalid_run_status,
     pool_status,
     run_status,
@@ -84,12 +88,7 @@ def resolve_run(body: Obj) -> ResolvedRun:
     """Validate and resolve a live RLRun; raises InvalidSpec with one line per problem."""
     run = parse_document(manifest(body))
     assert isinstance(run, RLRun)
-    resolved = resolve(run)
-    problem = L.reserved_pool_name_problem(resolved)
-    if problem is not None:
-        path, _, message = problem.partition(": ")
-        raise InvalidSpec([Problem(path, message)])
-    return resolved
+    return resolve(run)  # pool names that would collide with a component's objects are invalid
 
 
 def owner_of(body: Obj) -> Owner:
@@ -179,7 +178,8 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     pools = [
         pool_state(pool.name, applied[f"SamplerPool/{pool.object_name}"].after) for pool in resolved.pools
     ]
-    new = run_status(previous, generation, components, pools, ctx.now())
+    autoscaler = autoscaler_value(resolved.autoscaling.engine, options.keda)
+    new = run_status(previous, generation, components, pools, ctx.now(), autoscaler)
     written = await write_status(ctx.client, RLRUNS, body, new)
 
     for name in report.created:
@@ -276,8 +276,21 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         if desired["kind"] == "Deployment":
             deployment = result
     assert deployment is not None
+    try:
+        autoscaler = await reconcile_scaled_object(ctx.client, resolved, pool, body, options, report, alive)
+    except OwnerGone:
+        return Outcome(report=report)
     selector = L.selector_string(L.selector_labels(resolved.name, "sampler", pool.name))
-    new = pool_status(body.get("status") or {}, meta.get("generation"), deployment.after, selector, ctx.now())
+    engine = resolved.autoscaling.engine
+    new = pool_status(
+        body.get("status") or {},
+        meta.get("generation"),
+        deployment.after,
+        selector,
+        ctx.now(),
+        autoscaler,
+        drop=() if engine == "builtin" else (METRICS_AVAILABLE,),
+    )
     written = await write_status(ctx.client, SAMPLERPOOLS, body, new)
 
     before = (deployment.before or {}).get("spec", {}).get("replicas")
@@ -286,3 +299,39 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     elif report.changed:
         ctx.events(body, "Normal", Reason.APPLIED, report.summary()[:1000])
     return Outcome(report=report, status_written=written)
+
+
+async def reconcile_scaled_object(
+    client: KubeClient,
+    resolved: ResolvedRun,
+    pool: ResolvedPool,
+    body: Obj,
+    options: BuildOptions,
+    report: ApplyReport,
+    alive: Callable[[], Awaitable[None]],
+) -> tuple[str, str, str]:
+    """KEDA mode: apply the pool's ScaledObject (owned by the SamplerPool, so removing the pool
+    removes it).  Otherwise delete the one an earlier KEDA mode left.  Returns AutoscalerReady.
+
+    Nothing is asked of a cluster without KEDA (discovery says so): there can be no ScaledObject to
+    delete, and in KEDA mode the condition says KEDA is missing."""
+    engine = resolved.autoscaling.engine
+    if options.keda and engine == "keda":
+        desired = pool_scaled_object(resolved, pool, owner_of(body))
+        await apply_object(client, desired, report, None, alive)
+        return autoscaler_value(engine, True, desired["metadata"]["name"])
+    if options.keda:
+        uid = body["metadata"]["uid"]
+        await delete_leftover(client, SCALEDOBJECTS, resolved.namespace, pool.object_name, uid, report)
+    return autoscaler_value(engine, options.keda)
+
+
+async def delete_leftover(
+    client: KubeClient, resource: ApiResource, namespace: str, name: str, owner_uid: str, report: ApplyReport
+) -> None:
+    """Delete a child its owner no longer wants, if it is there, owned by it and not already going."""
+    left = await client.get(resource, namespace, name)
+    if left is None or not owned_by(left, owner_uid) or left["metadata"].get("deletionTimestamp"):
+        return
+    if await client.delete(resource, namespace, name):
+        report.deleted.append(f"{resource.kind}/{name}")

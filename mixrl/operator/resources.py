@@ -142,7 +142,12 @@ def buffer_url(resolved: ResolvedRun) -> str:
 
 
 def trainer_command(resolved: ResolvedRun) -> list[str]:
-    """torchrun with a c10d rendezvous hosted by pod 0 of the StatefulSet, or the trainer alone."""
+    """torchrun with a c10d rendezvous hosted by pod 0 of the StatefulSet, or the trainer alone.
+
+    No ``--router``: in a cluster the trainer only publishes each version to the weight store, and
+    every engine pod's ``weight-sync`` sidecar converts it to the pool's precision and reloads its
+    own engine (SGLang pools need the converted checkpoint, which a reload through the router would
+    not give them).  Reloading through the router is the local runtime's shortcut."""
     spec = resolved.trainer.spec
     program = [
         "mixrl",
@@ -151,8 +156,6 @@ def trainer_command(resolved: ResolvedRun) -> list[str]:
         CONFIG_PATH,
         "--buffer",
         buffer_url(resolved),
-        "--router",
-        router_url(resolved),
         "--run-dir",
         TRAINER_RUN_DIR,
         "--metrics-port",

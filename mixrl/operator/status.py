@@ -17,6 +17,10 @@ Obj = dict[str, Any]
 READY = "Ready"
 PROGRESSING = "Progressing"
 INVALID_SPEC = "InvalidSpec"
+METRICS_AVAILABLE = "MetricsAvailable"
+"""A SamplerPool condition the built-in autoscaler owns (Prometheus answered, or why not)."""
+AUTOSCALER_READY = "AutoscalerReady"
+"""Whether whoever the spec names to scale the pools can do it (the built-in loop, KEDA, nobody)."""
 COMPONENT_CONDITIONS = ("TrainerReady", "BufferReady", "RouterReady", "RolloutReady", "SamplersReady")
 OWN_RUN_CONDITIONS = (READY, PROGRESSING, INVALID_SPEC, *COMPONENT_CONDITIONS)
 
@@ -39,6 +43,11 @@ class Reason:
     POOL_REMOVED = "PoolRemoved"
     SCALED = "Scaled"
     APPLY_FAILED = "ApplyFailed"
+    # AutoscalerReady
+    BUILTIN_AUTOSCALER = "BuiltinAutoscaler"
+    KEDA_SCALED_OBJECT = "KedaScaledObject"
+    KEDA_NOT_INSTALLED = "KedaNotInstalled"
+    AUTOSCALING_DISABLED = "AutoscalingDisabled"
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,30 @@ def samplers_value(pools: list[PoolState]) -> tuple[str, str, str]:
     return "True", Reason.READY, f"{serving}/{len(pools)} pools serving"
 
 
+def autoscaler_value(
+    engine: str, keda_served: bool, scaled_object: str | None = None
+) -> tuple[str, str, str]:
+    """(status, reason, message) of AutoscalerReady for ``autoscaling.engine``; ``scaled_object``
+    names the pool's ScaledObject (None on the run, which has one per pool)."""
+    if engine == "builtin":
+        return "True", Reason.BUILTIN_AUTOSCALER, "the operator scales the pools from Prometheus"
+    if engine == "keda" and keda_served:
+        target = f"ScaledObject {scaled_object}" if scaled_object else "one ScaledObject per SamplerPool"
+        return "True", Reason.KEDA_SCALED_OBJECT, f"KEDA scales through {target}"
+    if engine == "keda":
+        return (
+            "False",
+            Reason.KEDA_NOT_INSTALLED,
+            "autoscaling.engine is keda, but the cluster does not serve keda.sh/v1alpha1 scaledobjects: "
+            "install KEDA or set autoscaling.engine to builtin; until then replicas stay where they are",
+        )
+    return (
+        "True",
+        Reason.AUTOSCALING_DISABLED,
+        "autoscaling.engine is none: replicas change only by kubectl scale",
+    )
+
+
 def make_condition(
     kind: str, value: tuple[str, str, str], generation: int | None, now: str, previous: list[Obj]
 ) -> Obj:
@@ -150,10 +183,13 @@ def run_status(
     components: dict[str, WorkloadState | None],
     pools: list[PoolState],
     now: str,
+    autoscaler: tuple[str, str, str] | None = None,
 ) -> Obj:
     """The RLRun's status after a successful reconcile.
 
-    ``components`` maps TrainerReady, BufferReady, RouterReady, RolloutReady to their workload.
+    ``components`` maps TrainerReady, BufferReady, RouterReady, RolloutReady to their workload;
+    ``autoscaler`` is the AutoscalerReady value (:func:`autoscaler_value`), informational: pools
+    that cannot scale still serve, so it is not part of Ready.
     Everything is derived from observed state, so reconciling twice yields the same status."""
     old = list(previous.get("conditions") or [])
     subs = [
@@ -184,6 +220,8 @@ def run_status(
         make_condition(INVALID_SPEC, ("False", Reason.VALID, ""), generation, now, old),
         *subs,
     ]
+    if autoscaler is not None:
+        ours.append(make_condition(AUTOSCALER_READY, autoscaler, generation, now, old))
     phase = previous.get("phase")
     if phase not in ("Succeeded", "Failed"):
         phase = "Running" if ready_value[0] == "True" or phase == "Running" else "Pending"
@@ -216,18 +254,29 @@ def invalid_run_status(previous: Obj, generation: int | None, message: str, now:
 
 
 def pool_status(
-    previous: Obj, generation: int | None, deployment: Obj | None, selector: str, now: str
+    previous: Obj,
+    generation: int | None,
+    deployment: Obj | None,
+    selector: str,
+    now: str,
+    autoscaler: tuple[str, str, str] | None = None,
+    drop: tuple[str, ...] = (),
 ) -> Obj:
-    """A SamplerPool's status from its Deployment (the scale subresource reads replicas and selector)."""
+    """A SamplerPool's status from its Deployment (the scale subresource reads replicas and selector).
+
+    ``autoscaler``: the AutoscalerReady value; ``drop``: condition types that no longer apply (the
+    built-in loop's MetricsAvailable once another engine scales the pool)."""
     state = WorkloadState.of(deployment)
     status = (deployment or {}).get("status") or {}
-    old = list(previous.get("conditions") or [])
-    ready = make_condition(READY, condition_value(state), generation, now, old)
+    old = [c for c in previous.get("conditions") or [] if c.get("type") not in drop]
+    ours = [make_condition(READY, condition_value(state), generation, now, old)]
+    if autoscaler is not None:
+        ours.append(make_condition(AUTOSCALER_READY, autoscaler, generation, now, old))
     return {
         **previous,
         "replicas": int(status.get("replicas") or 0),
         "readyReplicas": int(status.get("readyReplicas") or 0),
         "selector": selector,
         "observedGeneration": generation,
-        "conditions": merge_conditions(old, [ready]),
+        "conditions": merge_conditions(old, ours),
     }

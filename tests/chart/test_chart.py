@@ -201,6 +201,7 @@ async def test_install_everything_cluster_wide(cluster: ApiServer, tmp_path: Pat
     assert container["command"] == ["mixrl", "operator"]
     args = parse_args(container["args"])
     assert args.all_namespaces and args.peering == "mixrl" and args.monitoring == "auto"
+    assert args.keda == "auto" and args.builtin_autoscaler, "KEDA by discovery, the built-in loop on"
     assert args.components_image == "ghcr.io/mixrl/mixrl-components:0.1.0"
     assert container["image"] == "ghcr.io/mixrl/mixrl-operator:0.1.0"
     assert pod["serviceAccountName"] == account["metadata"]["name"]
@@ -251,12 +252,15 @@ async def test_install_minimal_without_crds_rbac_or_service_account(
     values["crds"]["install"] = False
     values["rbac"]["create"] = False
     values["serviceAccount"] = {"create": False, "name": "platform-operator", "annotations": {}}
+    values["autoscaling"] = {"builtin": False, "keda": "off"}
     objects = await helm_install(cluster, values, tmp_path)
     crds = {name for (kind, _, name) in objects if kind == "CustomResourceDefinition"}
     assert crds == {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}, "crds/ is always installed"
     assert not {"ClusterRole", "ServiceAccount"} & {kind for kind, _, _ in objects}
     (deployment,) = [o for (kind, _, _), o in objects.items() if kind == "Deployment"]
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
+    args = parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.keda == "off" and not args.builtin_autoscaler
 
 
 async def test_helm_refuses_values_the_schema_rejects(cluster: ApiServer, tmp_path: Path) -> None:

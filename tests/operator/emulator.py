@@ -55,6 +55,8 @@ RESOURCES: dict[str, tuple[str, bool, set[str]]] = {
     "kopf.dev/v1/kopfpeerings": ("KopfPeering", True, set()),
 }
 MONITORING = {"monitoring.coreos.com/v1/podmonitors": ("PodMonitor", True, set())}
+# What installing KEDA adds to discovery (its CRDs); no KEDA controller runs here.
+KEDA = {"keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, {"status"})}
 # What a Helm install of the chart touches besides the above.
 CLUSTER_BASICS = {
     "v1/serviceaccounts": ("ServiceAccount", True, set()),
@@ -156,10 +158,14 @@ class ApiServer(kmock.KubernetesEmulator):
             await source.aclose()
 
     def register(
-        self, with_monitoring: bool = False, with_cluster_basics: bool = False, crds: bool = True
+        self,
+        with_monitoring: bool = False,
+        with_cluster_basics: bool = False,
+        crds: bool = True,
+        with_keda: bool = False,
     ) -> None:
         """Serve the built-in kinds; ``crds=False`` leaves the custom kinds to CRDs created later."""
-        table = {**RESOURCES, **(MONITORING if with_monitoring else {})}
+        table = {**RESOURCES, **(MONITORING if with_monitoring else {}), **(KEDA if with_keda else {})}
         table |= CLUSTER_BASICS if with_cluster_basics else {}
         if not crds:
             table = {k: v for k, v in table.items() if k.split("/")[0] not in ("mixrl.dev", "kopf.dev")}

@@ -89,7 +89,9 @@ async def running_operator(
     """kopf's real engine with our registry, in-process on this event loop, until the block ends.
 
     Cluster-wide by default (peering through the ClusterKopfPeering ``mixrl``); with ``namespaces``
-    it watches only those (peering through a KopfPeering in each)."""
+    it watches only those (peering through a KopfPeering in each).  The built-in autoscaler is off
+    unless a test passes ``autoscaling=LoopSettings(...)``: these runs name no reachable Prometheus,
+    and its polls would add writes the reconcile tests count."""
     url = str(api.url).rstrip("/")
     settings: dict[str, Any] = {
         "login": lambda **_: kopf.ConnectionInfo(server=url, insecure=True),
@@ -98,6 +100,7 @@ async def running_operator(
         "backoff_cap_s": 0.2,
         "event_debounce_s": 0.1,
         "tune": fast,
+        "autoscaling": None,
     }
     config = OperatorConfig(**(settings | overrides))
     registry, runtime = build_registry(config)

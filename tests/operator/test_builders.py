@@ -15,14 +15,17 @@ import kubernetes_validate
 import pytest
 
 from mixrl.api.crd import samplerpool_crd
+from mixrl.api.errors import InvalidSpec
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE, GPU_TYPES
 from mixrl.api.loader import load_rlrun, parse_document
-from mixrl.api.models import RLRun, SamplerPool
+from mixrl.api.models import RESERVED_POOL_NAMES, RLRun, SamplerPool
 from mixrl.api.resolve import ENGINE_PORT, SGLANG_QUANTIZATION, ResolvedRun, resolve
 from mixrl.operator import drain as drain_module
 from mixrl.operator import labels as L
 from mixrl.operator import weight_sync
+from mixrl.operator.keda import pool_scaled_object
 from mixrl.operator.resources import (
+    CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
     POOL_CONFIG_HASH_LABEL,
     BuildOptions,
@@ -210,14 +213,15 @@ def test_children_are_owned_by_the_run_and_pool_workloads_by_their_sampler_pool(
         assert obj["metadata"]["namespace"] == resolved.namespace
 
 
-def test_pool_names_that_collide_with_components_are_reported() -> None:
-    manifest = small_run(pools=[{"name": "router", "gpuType": "H100"}])
-    problem = L.reserved_pool_name_problem(resolved_of(manifest))
-    assert (
-        problem
-        == "spec.samplerPools[0].name: 'router' is reserved (the run's router objects are named demo-router)"
-    )
-    assert L.reserved_pool_name_problem(resolved_of(small_run())) is None
+def test_pool_names_that_collide_with_components_are_rejected_by_the_api() -> None:
+    # <run>-<pool> must never be one of the run's own objects: the API reserves every suffix.
+    assert set(L.COMPONENT_SUFFIXES) == RESERVED_POOL_NAMES
+    for suffix in L.COMPONENT_SUFFIXES:
+        with pytest.raises(InvalidSpec) as caught:
+            parse_document(small_run(pools=[{"name": suffix, "gpuType": "H100"}]))
+        assert caught.value.first_line == (
+            f"spec.samplerPools[0].name: {suffix!r} is reserved for the run's own {suffix} objects"
+        )
 
 
 # ----------------------------------------------------------------------------- pod security
@@ -455,7 +459,10 @@ def test_the_trainer_command_uses_only_flags_the_trainer_has() -> None:
         [sys.executable, "-m", "mixrl.cli", "trainer", "--help"], capture_output=True, text=True, timeout=120
     )
     assert usage.returncode == 0, usage.stderr
-    assert flags == ["--config", "--buffer", "--router", "--run-dir", "--metrics-port"]
+    # No --router: in a cluster each engine's weight-sync sidecar converts and reloads every version
+    # (SGLang pools need the converted checkpoint); the router reload is the local runtime's.
+    assert flags == ["--config", "--buffer", "--run-dir", "--metrics-port"]
+    assert "--router" in usage.stdout, "the trainer still has the flag: leaving it out is a choice"
     for flag in flags:
         assert flag in usage.stdout, flag
 
@@ -598,6 +605,48 @@ def test_pool_config_hash_wakes_the_pool_controller_when_its_inputs_change() -> 
     other_pool["spec"]["samplerPools"][1]["maxReplicas"] = 9
     assert pool_hash(args) != base
     assert pool_hash(other_pool) == base
+
+
+def test_the_pool_wakes_for_its_scaled_object_but_its_pods_do_not_restart() -> None:
+    """The label covers the autoscaling engine (and KEDA's settings in KEDA mode); the pods'
+    config-hash does not, so switching who scales a pool restarts no engine."""
+
+    def pool_and_pods(autoscaling: Obj) -> tuple[str, str]:
+        manifest = small_run()
+        manifest["spec"]["autoscaling"] = autoscaling
+        resolved = resolved_of(manifest)
+        [sampler] = [
+            o
+            for o in run_objects(resolved, run_owner(resolved), BuildOptions())
+            if o["kind"] == "SamplerPool" and o["spec"]["pool"] == "b200"
+        ]
+        _, deployment = pool_children(
+            resolved, resolved.pool("b200"), 1, pool_owner("demo-b200"), BuildOptions()
+        )
+        pods = deployment["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+        return sampler["metadata"]["labels"][POOL_CONFIG_HASH_LABEL], pods
+
+    builtin, pods = pool_and_pods({"engine": "builtin", "targetPerReplica": 8})
+    assert pool_and_pods({"engine": "builtin", "targetPerReplica": 12}) == (builtin, pods)
+    keda, keda_pods = pool_and_pods({"engine": "keda", "targetPerReplica": 8})
+    retuned, _ = pool_and_pods({"engine": "keda", "targetPerReplica": 12})
+    none, none_pods = pool_and_pods({"engine": "none"})
+    assert len({builtin, keda, retuned, none}) == 4
+    assert pods == keda_pods == none_pods
+
+
+def test_the_scaled_object_belongs_to_its_sampler_pool() -> None:
+    manifest = small_run()
+    manifest["spec"]["autoscaling"] = {"engine": "keda", "targetPerReplica": 8, "fallbackReplicas": 1}
+    resolved = resolved_of(manifest)
+    pool = resolved.pool("h100")
+    owner = pool_owner(pool.object_name)
+    scaled = pool_scaled_object(resolved, pool, owner)
+    assert scaled["metadata"]["ownerReferences"] == [owner.reference()]
+    assert scaled["metadata"]["labels"] == L.pool_labels(resolved, pool)
+    assert scaled["metadata"]["annotations"][HASH_ANNOTATION] == desired_hash(scaled)
+    assert scaled["spec"]["scaleTargetRef"]["name"] == "demo-h100"
+    assert scaled["spec"]["fallback"]["replicas"] == 1
 
 
 @pytest.mark.parametrize(

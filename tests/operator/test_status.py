@@ -7,6 +7,7 @@ from mixrl.operator.status import (
     PoolState,
     Reason,
     WorkloadState,
+    autoscaler_value,
     condition_value,
     invalid_run_status,
     pool_status,
@@ -133,3 +134,36 @@ def test_pool_status_publishes_replicas_and_selector_for_the_scale_subresource()
     assert status["replicas"] == 3 and status["readyReplicas"] == 2 and status["selector"] == "a=b,c=d"
     assert status["kl"] == 0.02 and status["observedGeneration"] == 4
     assert conditions(status)["Ready"]["status"] == "False"
+
+
+def test_autoscaler_ready_names_who_scales_the_pools() -> None:
+    assert autoscaler_value("builtin", keda_served=False)[:2] == ("True", Reason.BUILTIN_AUTOSCALER)
+    assert autoscaler_value("keda", keda_served=True, scaled_object="r-b200") == (
+        "True",
+        Reason.KEDA_SCALED_OBJECT,
+        "KEDA scales through ScaledObject r-b200",
+    )
+    missing = autoscaler_value("keda", keda_served=False)
+    assert missing[:2] == ("False", Reason.KEDA_NOT_INSTALLED) and "install KEDA" in missing[2]
+    assert autoscaler_value("none", keda_served=True)[:2] == ("True", Reason.AUTOSCALING_DISABLED)
+
+
+def test_autoscaler_condition_is_informational_on_the_run() -> None:
+    pools = [PoolState("a", "B200", "nvfp4", 1, 1)]
+    missing = autoscaler_value("keda", keda_served=False)
+    status = run_status({}, 1, ready_components(), pools, T0, missing)
+    c = conditions(status)
+    assert c["AutoscalerReady"]["status"] == "False" and c["Ready"]["status"] == "True"
+    assert "AutoscalerReady" not in conditions(run_status({}, 1, ready_components(), pools, T0))
+
+
+def test_pool_status_drops_the_loops_condition_once_another_engine_scales() -> None:
+    metrics = {"type": "MetricsAvailable", "status": "True", "reason": "QueryReturned", "message": "load 3"}
+    wrong_gpu = {"type": "WrongGpuType", "status": "False", "reason": "Matches", "message": ""}
+    previous = {"conditions": [metrics, wrong_gpu], "lastScaleDecisions": [{"toReplicas": 2}]}
+    kept = pool_status(previous, 1, None, "a=b", T0, autoscaler_value("builtin", False))
+    assert set(conditions(kept)) == {"Ready", "AutoscalerReady", "MetricsAvailable", "WrongGpuType"}
+    keda = autoscaler_value("keda", True, "r-a")
+    dropped = pool_status(previous, 1, None, "a=b", T0, keda, drop=("MetricsAvailable",))
+    assert set(conditions(dropped)) == {"Ready", "AutoscalerReady", "WrongGpuType"}
+    assert dropped["lastScaleDecisions"] == [{"toReplicas": 2}], "the decision history stays"
