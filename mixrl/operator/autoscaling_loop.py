@@ -228,6 +228,7 @@ __all__ = [
 ]
 
 PoolLock = Callable[[str, str], asyncio.Lock]
+Gate = Callable[[str], Awaitable[bool]]
 Observer = Callable[[aiohttp.ClientSession, str, str, float, tuple[str, str]], Awaitable[Observation]]
 
 
@@ -242,6 +243,7 @@ class AutoscalingLoop:
         observer: Observer = observe,
         owns_client: bool = False,
         lock: PoolLock | None = None,
+        may_act: Gate | None = None,
     ):
         self.settings = settings or LoopSettings()
         self.client = client
@@ -251,6 +253,10 @@ class AutoscalingLoop:
         self.lock: PoolLock = lock or self._own_lock
         """(namespace, name) -> the lock held while reading the live pool and writing it: the
         operator's per-object lock, shared with the pool's controller."""
+        self.may_act = may_act
+        """namespace -> whether this operator may scale pools there now (False while kopf's peering
+        has paused it); None: always."""
+        self._paused: set[str] = set()
         self.clock = clock
         self.observer = observer
         self.runs: dict[Key, Obj] = {}
@@ -325,9 +331,29 @@ class AutoscalingLoop:
         except (ValueError, KeyError):
             return None  # the run's own controller reports an invalid spec
 
+    async def active_in(self, namespace: str, verdicts: dict[str, bool]) -> bool:
+        """Whether to act in ``namespace`` this tick (asked once per tick and namespace)."""
+        if self.may_act is None:
+            return True
+        if namespace not in verdicts:
+            try:
+                verdicts[namespace] = await self.may_act(namespace)
+            except ApiError as exc:  # unsure whether we are the active operator: do not scale
+                log.warning("autoscaling in %s skipped: peering unknown (%s)", namespace, exc)
+                verdicts[namespace] = False
+            allowed, was_paused = verdicts[namespace], namespace in self._paused
+            if allowed and was_paused:
+                self._paused.discard(namespace)
+                log.info("autoscaling in %s resumed", namespace)
+            elif not allowed and not was_paused:
+                self._paused.add(namespace)
+                log.info("autoscaling in %s paused: another operator is active (kopf peering)", namespace)
+        return verdicts[namespace]
+
     async def tick(self) -> list[tuple[Key, PoolPlan]]:
         """Poll every due pool once; returns what was done (for tests and logs)."""
         done = []
+        verdicts: dict[str, bool] = {}
         for key, body in list(self.pools.items()):
             run = self.resolved_run(body)
             if run is None or run.autoscaling.engine != "builtin":
@@ -343,6 +369,8 @@ class AutoscalingLoop:
                 pool = pool_of(run, body)
             except KeyError:
                 continue  # the run no longer declares this pool; its controller deletes it
+            if not await self.active_in(key[0], verdicts):
+                continue
             try:
                 plan = await self.poll(key, body, run, pool, memory, now)
             except ApiError as exc:  # this pool's write failed; the others still get their turn
@@ -469,6 +497,7 @@ def register_autoscaling(
     settings: LoopSettings | None = None,
     client: KubeClient | None = None,
     lock: PoolLock | None = None,
+    may_act: Gate | None = None,
 ) -> AutoscalingLoop:
     """Put the autoscaler on a kopf registry.
 
@@ -476,13 +505,15 @@ def register_autoscaling(
     before login).  ``client``: the operator's API client, shared (the operator closes it); without
     one the loop makes its own from ``connection`` and closes it at cleanup.  ``lock(namespace,
     name)``: the operator's per-SamplerPool lock, so the loop and the pool's controller never write
-    the pool's status from reads that crossed (default: the loop's own locks)."""
+    the pool's status from reads that crossed (default: the loop's own locks).  ``may_act(namespace)``:
+    whether this operator is the active one there (kopf's peering; default: always)."""
     import kopf
 
     if client is None:
-        loop = AutoscalingLoop(KubeClient(logged_in(connection)), settings, owns_client=True, lock=lock)
+        own = KubeClient(logged_in(connection))
+        loop = AutoscalingLoop(own, settings, owns_client=True, lock=lock, may_act=may_act)
     else:
-        loop = AutoscalingLoop(client, settings, lock=lock)
+        loop = AutoscalingLoop(client, settings, lock=lock, may_act=may_act)
 
     @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
     def autoscaler_sees_run(body: kopf.Body, type: str | None, **_: Any) -> None:

@@ -26,6 +26,7 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import kopf
@@ -35,7 +36,8 @@ from mixrl.operator import labels as L
 from mixrl.operator.apply import StillTerminating
 from mixrl.operator.autoscaling_loop import AutoscalingLoop, LoopSettings, register_autoscaling
 from mixrl.operator.kube import ApiError, Connection, KubeClient
-from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS
+from mixrl.operator.peering import paused_by_peers
+from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS, peering_resource
 from mixrl.operator.reconcile import Context, Outcome, reconcile_pool, reconcile_run
 from mixrl.operator.resources import BuildOptions, Images, Monitoring
 from mixrl.operator.status import PROGRESSING, Reason, make_condition, merge_conditions
@@ -107,6 +109,8 @@ class Runtime:
         self._queued: set[str] = set()
         self._served: dict[str, tuple[set[str] | None, float]] = {}
         self.autoscaler: AutoscalingLoop | None = None
+        self.kopf_settings: kopf.OperatorSettings | None = None
+        """kopf's settings once it started (the peering name, scope and priority it runs with)."""
 
     def _current_connection(self) -> Connection:
         if self.connection is None:
@@ -147,6 +151,20 @@ class Runtime:
             drain_seconds=self.config.drain_seconds,
             keda=await self.keda(),
         )
+
+    async def active_in(self, namespace: str) -> bool:
+        """Whether kopf's peering lets this operator act in ``namespace`` (for the autoscaler, which
+        is not a kopf handler and is not paused by kopf)."""
+        settings = self.kopf_settings
+        if settings is None or settings.peering.standalone:
+            return True
+        peering = await self.client.get(
+            peering_resource(settings.peering.clusterwide), namespace, settings.peering.name
+        )
+        if peering is None:  # kopf runs standalone when optional peering finds no object
+            return not settings.peering.mandatory
+        status = peering.get("status") or {}
+        return not paused_by_peers(status, settings.peering.priority, datetime.now(UTC))
 
     def context(self) -> Context:
         return Context(client=self.client, options=self.options, events=post_event)
@@ -253,6 +271,7 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        rt.kopf_settings = settings
         settings.scanning.disabled = True  # the chart installs the CRDs: no need to list CRDs or namespaces
         settings.persistence.finalizer = f"{GROUP}/finalizer"  # never added: no handler needs one
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
@@ -271,6 +290,7 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
             config.autoscaling,
             client=rt.client,
             lock=lambda namespace, name: rt.lock(f"SamplerPool/{namespace}/{name}"),  # as lock_key()
+            may_act=rt.active_in,
         )
 
     @kopf.on.cleanup(registry=registry)

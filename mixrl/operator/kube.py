@@ -2,8 +2,8 @@
 
 It speaks the few calls the operator needs — get, list, create, server-side apply, merge patch,
 delete, discovery — and nothing else.  Every call names its RBAC verb and is checked against
-:data:`mixrl.operator.rbac.RECONCILER` before it is sent, so an undeclared call fails in the tests
-instead of with a 403 in a cluster.  Credentials come from the same login kopf performs (a kopf
+:data:`mixrl.operator.rbac.RECONCILER` (or the peering read) before it is sent, so an undeclared
+call fails in the tests instead of with a 403 in a cluster.  Credentials come from the same login kopf performs (a kopf
 ``ConnectionInfo``), read again on each request so a refreshed token is used at once.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from mixrl import __version__
-from mixrl.operator.rbac import RECONCILER, ApiResource, is_allowed
+from mixrl.operator.rbac import PEERING_READS, RECONCILER, ApiResource, is_allowed
 
 FIELD_MANAGER = "mixrl-operator"
 USER_AGENT = f"mixrl-operator/{__version__}"
@@ -159,7 +159,10 @@ class KubeClient:
         content_type: str = "application/json",
     ) -> Any:
         rbac_resource = f"{resource.plural}/{subresource}" if subresource else resource.plural
-        if not is_allowed(RECONCILER, resource.group, rbac_resource, verb):
+        if not (
+            is_allowed(RECONCILER, resource.group, rbac_resource, verb)
+            or is_allowed(PEERING_READS, resource.group, rbac_resource, verb)
+        ):
             raise UndeclaredApiCall(
                 f"{verb} {resource.group or 'core'}/{rbac_resource} is not in rbac.RECONCILER"
             )

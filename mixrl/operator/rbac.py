@@ -113,6 +113,12 @@ FRAMEWORK: dict[Key, frozenset[str]] = {
     ("", "events"): frozenset({"create"}),
 }
 PEERING_VERBS = frozenset({"get", "list", "watch", "patch"})
+# The built-in autoscaler reads the peering object (is kopf paused?) through our client.  Either
+# resource may be named here: the operator reads the one of its scope, which permissions() grants.
+PEERING_READS: dict[Key, frozenset[str]] = {
+    ("kopf.dev", CLUSTER_KOPF_PEERINGS.plural): frozenset({"get"}),
+    ("kopf.dev", KOPF_PEERINGS.plural): frozenset({"get"}),
+}
 
 
 def peering_resource(clusterwide: bool) -> ApiResource:

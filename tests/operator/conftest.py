@@ -6,7 +6,10 @@ on the test's event loop), our aiohttp client, HTTP on loopback, and Kubernetes'
 in-memory emulator, extended in ``emulator.py`` with the API-server and garbage-collector behaviour
 the operator relies on (uids, resourceVersion, generation, status and scale subresources, server-side
 apply by one manager, cascading deletion, fault injection).  No kubelet, scheduler or Deployment
-controller runs: tests write workload status themselves where the controller would.
+controller runs: tests write workload status themselves where the controller would.  The autoscaling
+wiring tests add a real Prometheus (the Debian package, on loopback; skipped without it) scraping
+engine stand-ins (loopback servers exposing SGLang's gauges, see tests/autoscaling/conftest.py); no
+KEDA controller runs (KEDA mode checks what the operator hands KEDA).
 """
 
 from __future__ import annotations
