@@ -81,7 +81,9 @@ def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Pat
     """Create, warm-start and save a tiny model into ``out`` (which must not exist yet)."""
     recipe = WARM_START
     tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
-    create_tiny_checkpoint(tmp, kind, vocab_size=tokenizer.vocab_size, seed=recipe["seed"], **TINY_ARCHITECTURE)
+    create_tiny_checkpoint(
+        tmp, kind, vocab_size=tokenizer.vocab_size, seed=recipe["seed"], **TINY_ARCHITECTURE
+    )
     model = load_model(tmp)
     seed = run.rollout.dataset.seed
     tasks = generate_tasks(seed, recipe["demonstrations"] + recipe["probe_tasks"], "train")
@@ -110,7 +112,9 @@ def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Pat
             seed=recipe["seed"],
             progress=_say,
         )
-    _say(f"warm start done: {report.steps} steps in {report.seconds:.0f}s, probe success {report.success:.2f}")
+    _say(
+        f"warm start done: {report.steps} steps in {report.seconds:.0f}s, probe success {report.success:.2f}"
+    )
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save(tmp / TOKENIZER_FILE)
     (tmp / "warm_start.json").write_text(
@@ -129,7 +133,9 @@ def prepare_model(run: ResolvedRun, cache: Path, run_dir: Path) -> PreparedModel
     if path.startswith(TINY_PREFIX):
         kind = path.removeprefix(TINY_PREFIX)
         tokenizer = Tokenizer.filetree()
-        key = hashlib.sha256(json.dumps(tiny_recipe(run, kind, tokenizer), sort_keys=True).encode()).hexdigest()
+        key = hashlib.sha256(
+            json.dumps(tiny_recipe(run, kind, tokenizer), sort_keys=True).encode()
+        ).hexdigest()
         model_dir = cache / "models" / f"{kind}-{key[:16]}"
         if (model_dir / "config.json").exists():
             _say(f"using the cached warm-started model {model_dir}")
@@ -147,7 +153,9 @@ def prepare_model(run: ResolvedRun, cache: Path, run_dir: Path) -> PreparedModel
     latest = store.latest()
     if latest is None:
         model = load_model(model_dir)
-        state = {name: t.detach().to(torch.bfloat16).contiguous().clone() for name, t in model.state_dict().items()}
+        state = {
+            name: t.detach().to(torch.bfloat16).contiguous().clone() for name, t in model.state_dict().items()
+        }
         store.publish(0, state, {"source": str(model_dir)}, model.config.to_dict())
         latest = 0
     return PreparedModel(str(model_dir), tokenizer_path, latest, store.path(latest))

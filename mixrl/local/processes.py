@@ -40,6 +40,8 @@ class Component:
             start_new_session=True,  # Ctrl-C reaches the supervisor only; it stops children in order
         )
         log.close()
+        # Operators (and the tests) find a component's process here, e.g. to kill a trainer.
+        self.log_path.with_suffix(".pid").write_text(f"{self.process.pid}\n")
 
     @property
     def alive(self) -> bool:

@@ -24,6 +24,8 @@ from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.local.processes import Component, free_port, wait_healthy
 from mixrl.local.report import read_jsonl, write_report
 
+MAX_TRAINER_RESTARTS = 3
+
 
 class Interrupted(Exception):
     pass
@@ -172,7 +174,10 @@ class Supervisor:
 
     def failed_component(self) -> Component | None:
         for component in self.components:
-            if component is not self.trainer and not component.alive:
+            if component is self.trainer or component.alive:
+                continue
+            # Servers must stay up; the rollout worker may end on its own after the last step.
+            if component is not self.rollout or component.returncode != 0:
                 return component
         if not self.trainer.alive and self.trainer.returncode != 0:
             return self.trainer
@@ -287,7 +292,19 @@ def main(argv: list[str]) -> int:
     try:
         supervisor.start(prepared.initial_version_path, prepared.initial_version)
         print("mixrl run: all components up; training", flush=True)
-        while supervisor.trainer.alive:
+        restarts = 0
+        while supervisor.trainer.alive or supervisor.trainer.returncode != 0:
+            if not supervisor.trainer.alive and restarts < MAX_TRAINER_RESTARTS:
+                # As Kubernetes restarts a failed trainer pod: it resumes from its checkpoint, and
+                # the buffer hands it the same batches again, so no trajectory is lost.
+                restarts += 1
+                print(
+                    f"mixrl run: trainer exited with code {supervisor.trainer.returncode}; restarting it "
+                    f"({restarts}/{MAX_TRAINER_RESTARTS}) from its last checkpoint",
+                    flush=True,
+                )
+                supervisor.trainer.start(env={"OMP_NUM_THREADS": "2"})
+                continue
             failed = supervisor.failed_component()
             if failed is not None:
                 print(
