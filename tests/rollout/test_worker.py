@@ -207,6 +207,12 @@ async def test_worker_feeds_the_buffer_and_evaluates(
             assert batch is not None
             batches.append(batch)
             await buffer.client.commit(step)
+            # a trainer faster than the poll would skip an evaluation step; this one waits for it
+            await wait_for(
+                lambda step=step: (
+                    bool(worker.stats.last_evaluation) and worker.stats.last_evaluation["step"] >= step
+                )
+            )
         await asyncio.wait_for(worker.final_evaluation_posted.wait(), 30)
         assert worker.training_done.is_set()
     finally:
@@ -362,3 +368,34 @@ async def test_metrics_are_exported_per_pool() -> None:
     assert f"mixrl_rollout_reward{{{labels}}} 0.5" in text
     generated = 2 * sum(mask)
     assert f"mixrl_rollout_tokens_total{{{labels}}} {float(generated)}" in text
+
+
+async def test_production_pauses_when_the_trainer_falls_behind(
+    engines: Callable[..., Awaitable[ScriptedEngine]],
+    start_router: Callable[..., Awaitable[RunningRouter]],
+    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+) -> None:
+    router = await start_router({"a": [await engines("a")]})
+    buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
+    settings = WorkerSettings.from_run(resolved_run(), max_steps_ahead=2)  # at most 2 steps x 2 groups
+    client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids)
+    worker = RolloutWorker(
+        settings, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
+    )
+    stopping = asyncio.Event()
+    running = asyncio.create_task(worker.run(stopping))
+    try:
+        await wait_for(lambda: worker.stats.groups_posted >= 4)
+        await asyncio.sleep(1.0)  # unthrottled, this would be dozens of groups
+        assert 4 <= buffer.buffer.stats()["groups_ready"] <= 5
+        assert worker.stats.groups_posted <= 5
+        batch = await buffer.client.get_batch(1, timeout=5)  # the trainer takes one step's worth
+        assert batch is not None and len(batch.groups) == 2
+        await wait_for(lambda: buffer.buffer.stats()["groups_ready"] >= 4)
+        assert worker.stats.groups_posted <= 7
+    finally:
+        stopping.set()
+        await running
+        await client.close()
+    with pytest.raises(ValueError, match="max-steps-ahead: must be 0 \\(no limit\\) or positive, got -1"):
+        WorkerSettings.from_run(resolved_run(), max_steps_ahead=-1)

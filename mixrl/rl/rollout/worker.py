@@ -68,12 +68,16 @@ class WorkerSettings:
     eval_tasks: int
     eval_samples: int
     pass_k: tuple[int, ...]
+    prompts_per_update: int = 1
+    max_steps_ahead: int = 2
+    """Pause new groups while the buffer holds this many steps of complete groups (plus the ones in
+    flight); 0 = never pause.  Bounds staleness and leaves CPU to the trainer when sampling is fast."""
     worker_index: int = 0
     workers: int = 1
     difficulty: Difficulty = field(default_factory=Difficulty)
 
     @staticmethod
-    def from_run(run: ResolvedRun, worker_index: int = 0) -> WorkerSettings:
+    def from_run(run: ResolvedRun, worker_index: int = 0, max_steps_ahead: int = 2) -> WorkerSettings:
         rollout, evaluation = run.rollout, run.evaluation
         if rollout.environment not in ENVIRONMENTS:
             raise ValueError(
@@ -85,6 +89,8 @@ class WorkerSettings:
             raise ValueError(f"rollout.tools: {unknown} not offered by filetree (it has {', '.join(TOOLS)})")
         if "submit" not in rollout.tools:
             raise ValueError("rollout.tools: without submit no episode can earn a reward")
+        if max_steps_ahead < 0:
+            raise ValueError(f"max-steps-ahead: must be 0 (no limit) or positive, got {max_steps_ahead}")
         if not 0 <= worker_index < rollout.workers:
             raise ValueError(f"worker-index: {worker_index} outside 0..{rollout.workers - 1}")
         heldout = rollout.dataset.heldout_size
@@ -105,6 +111,8 @@ class WorkerSettings:
             eval_tasks=min(evaluation.tasks or heldout, heldout),
             eval_samples=evaluation.samples_per_task,
             pass_k=tuple(evaluation.pass_k),
+            prompts_per_update=run.trainer.prompts_per_update,
+            max_steps_ahead=max_steps_ahead,
             worker_index=worker_index,
             workers=rollout.workers,
         )
@@ -176,10 +184,15 @@ class RolloutWorker:
             settings.dataset_seed, settings.heldout_size, "heldout", settings.difficulty
         )[: settings.eval_tasks]
         self.trainer_step = 0
+        self.groups_ready = 0
+        """Complete groups waiting in the buffer at the last poll."""
+        self.groups_in_flight = 0
+        self.posted_since_poll = 0
         self.training_done = asyncio.Event()
         self.final_evaluation_posted = asyncio.Event()
         self._gate = asyncio.Semaphore(settings.concurrency)
-        self._started = time.monotonic()
+        self._changed = asyncio.Condition()
+        """Notified when the trainer step, the buffer's backlog or the groups in flight change."""
 
     # ------------------------------------------------------------------ episodes
     async def play(self, task: Task, sample_index: int, prompt_id: str) -> Trajectory:
@@ -219,12 +232,15 @@ class RolloutWorker:
                 self.stats.groups_dropped += 1
             else:
                 await self.post_group([t for t in group.trajectories if t is not None], group.prompt_id)
+            self.groups_in_flight -= 1
+            await self._notify()
 
     async def post_group(self, trajectories: list[Trajectory], prompt_id: str, attempts: int = 6) -> None:
         for attempt in range(attempts):
             try:
                 await self.buffer.post_trajectories(trajectories)
                 self.stats.groups_posted += 1
+                self.posted_since_poll += 1
                 return
             except BufferError as exc:
                 if exc.status is not None or attempt == attempts - 1:
@@ -234,26 +250,51 @@ class RolloutWorker:
                     return
                 await asyncio.sleep(2.0 * (attempt + 1))
 
+    def _room_for_a_group(self) -> bool:
+        limit = self.settings.max_steps_ahead * self.settings.prompts_per_update
+        backlog = self.groups_ready + self.posted_since_poll + self.groups_in_flight
+        return self.training_done.is_set() or limit == 0 or backlog < limit
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
     async def produce(self) -> None:
         """Start groups while the trainer still needs data; each episode holds one concurrency slot."""
         async with asyncio.TaskGroup() as running:
             for prompt_id, task in training_stream(self.settings, self.nonce):
+                async with self._changed:
+                    await self._changed.wait_for(self._room_for_a_group)
                 if self.training_done.is_set():
                     break
+                self.groups_in_flight += 1
                 group = _Group(prompt_id, self.settings.samples_per_prompt)
                 for index in range(self.settings.samples_per_prompt):
                     await self._gate.acquire()
                     running.create_task(self._group_member(group, task, index))
 
     # ------------------------------------------------------------------ evaluation
-    async def read_trainer_step(self) -> int | None:
+    async def read_buffer(self) -> bool:
+        """Refresh the trainer step (``committed_step``: updates done) and the buffer's backlog."""
         try:
             stats = await self.buffer.stats()
         except BufferError as exc:
             log.warning("cannot read the trainer step from the buffer: %s", exc)
-            return None
+            return False
         committed = stats.get("committed_step")
-        return int(committed) if committed is not None else 0
+        self.trainer_step = int(committed) if committed is not None else 0
+        self.groups_ready = int(stats.get("groups_ready") or 0)
+        self.posted_since_poll = 0
+        total = self.settings.total_steps
+        if total is not None and self.trainer_step >= total:
+            self.training_done.set()
+        await self._notify()
+        return True
+
+    async def poll_buffer(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self.read_buffer()
 
     async def evaluate_heldout(self, step: int) -> dict[str, Any]:
         started = time.monotonic()
@@ -299,38 +340,36 @@ class RolloutWorker:
     async def watch_trainer(self) -> None:
         """Evaluate at every evaluation step the trainer reaches; stop training after the last step."""
         total = self.settings.total_steps
-        target = next_evaluation_step(0, self.settings.eval_every, total)
+        target = next_evaluation_step(self.trainer_step, self.settings.eval_every, total)
         while target is not None:
-            await asyncio.sleep(self.poll_s)
-            step = await self.read_trainer_step()
-            if step is None:
-                continue
-            self.trainer_step = step
-            if total is not None and step >= total:
-                self.training_done.set()
-            if step >= target:
-                await self.evaluate_heldout(step)
-                target = next_evaluation_step(step, self.settings.eval_every, total)
+            await self._wait_for_step(target)
+            step = self.trainer_step
+            await self.evaluate_heldout(step)
+            target = next_evaluation_step(step, self.settings.eval_every, total)
         self.final_evaluation_posted.set()
+
+    async def _wait_for_step(self, step: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.trainer_step >= step)
 
     # ------------------------------------------------------------------ the whole worker
     async def run(self, stopping: asyncio.Event) -> None:
         """Evaluate the starting weights, then produce and evaluate until ``stopping`` is set."""
         progress = asyncio.create_task(self.report_progress())
         try:
-            step = await self.read_trainer_step()
-            self.trainer_step = step or 0
-            if step == 0:
+            if await self.read_buffer() and self.trainer_step == 0:
                 # The warm-start baseline, measured before any training episode competes for the engines.
                 await _until(stopping, self.evaluate_heldout(0))
             if stopping.is_set():
                 return
             async with asyncio.TaskGroup() as tasks:
-                producing = tasks.create_task(self.produce())
-                watching = tasks.create_task(self.watch_trainer())
+                jobs = [
+                    tasks.create_task(job)
+                    for job in (self.produce(), self.watch_trainer(), self.poll_buffer())
+                ]
                 await stopping.wait()
-                producing.cancel()
-                watching.cancel()
+                for job in jobs:
+                    job.cancel()
         finally:
             progress.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -379,6 +418,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
     parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
     parser.add_argument("--poll-every", type=float, default=1.0, help="seconds between trainer-step reads")
+    parser.add_argument(
+        "--max-steps-ahead",
+        type=int,
+        default=2,
+        help="pause new groups while the buffer holds this many steps of data (0 = never)",
+    )
     return parser
 
 
@@ -393,7 +438,7 @@ def _load(args: argparse.Namespace) -> tuple[ResolvedRun, WorkerSettings, Tokeni
         error = exc.errors()[0]
         where = ".".join(str(p) for p in error["loc"])
         raise ValueError(f"config: {args.config} is not a resolved run ({where}: {error['msg']})") from None
-    settings = WorkerSettings.from_run(run, args.worker_index)
+    settings = WorkerSettings.from_run(run, args.worker_index, args.max_steps_ahead)
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else Tokenizer.filetree()
     return run, settings, tokenizer
 
