@@ -23,8 +23,7 @@ import torch
 
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.rl.models import create_tiny_checkpoint, load_model
-from mixrl.rl.rollout.demos import warm_start
-from mixrl.rl.rollout.tasks import generate_tasks
+from mixrl.rl.rollout.demos import WarmStartRecipe, warm_start_recipe
 from mixrl.rl.rollout.tokenizer import Tokenizer
 from mixrl.rl.weights import WeightStore
 
@@ -33,18 +32,10 @@ TOKENIZER_FILE = "tokenizer.json"
 RECIPE_VERSION = 1
 """Bump when the recipe below changes in a way the cache key does not see."""
 
-# The tiny model and its warm start.  Sized so that 4 engines, the trainer and the rollout share two
-# CPU cores and the quickstart finishes in minutes.
+# The tiny model.  Sized so that 4 engines, the trainer and the rollout share two CPU cores and the
+# quickstart finishes in minutes.  The warm start is the rollout package's tuned recipe.
 TINY_ARCHITECTURE: dict[str, Any] = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128}
-WARM_START: dict[str, Any] = {
-    "steps": 400,
-    "lr": 3e-3,
-    "target_success": 0.3,
-    "probe_every": 10,
-    "demonstrations": 512,
-    "probe_tasks": 64,
-    "seed": 0,
-}
+MODEL_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +57,7 @@ def tiny_recipe(run: ResolvedRun, kind: str, tokenizer: Tokenizer) -> dict[str, 
         "recipe": RECIPE_VERSION,
         "kind": kind,
         "architecture": TINY_ARCHITECTURE,
-        "warm_start": WARM_START,
+        "warm_start": WarmStartRecipe().as_dict(),
         "tokenizer": hashlib.sha256(tokenizer.to_json().encode()).hexdigest(),
         "environment": run.rollout.environment,
         "dataset_seed": run.rollout.dataset.seed,
@@ -79,15 +70,9 @@ def tiny_recipe(run: ResolvedRun, kind: str, tokenizer: Tokenizer) -> dict[str, 
 
 def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Path) -> None:
     """Create, warm-start and save a tiny model into ``out`` (which must not exist yet)."""
-    recipe = WARM_START
     tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
-    create_tiny_checkpoint(
-        tmp, kind, vocab_size=tokenizer.vocab_size, seed=recipe["seed"], **TINY_ARCHITECTURE
-    )
+    create_tiny_checkpoint(tmp, kind, vocab_size=tokenizer.vocab_size, seed=MODEL_SEED, **TINY_ARCHITECTURE)
     model = load_model(tmp)
-    seed = run.rollout.dataset.seed
-    tasks = generate_tasks(seed, recipe["demonstrations"] + recipe["probe_tasks"], "train")
-    demos, probes = tasks[: recipe["demonstrations"]], tasks[recipe["demonstrations"] :]
     sampling = SamplingParams(
         temperature=run.sampling.temperature,
         top_p=run.sampling.top_p,
@@ -98,19 +83,9 @@ def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Pat
     )
     _say(f"warm start of a tiny {kind} model (cached after this run)")
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(recipe["seed"])
-        report = warm_start(
-            model,
-            tokenizer,
-            demos,
-            steps=recipe["steps"],
-            lr=recipe["lr"],
-            target_success=recipe["target_success"],
-            probe_tasks=probes,
-            probe_every=recipe["probe_every"],
-            sampling=sampling,
-            seed=recipe["seed"],
-            progress=_say,
+        torch.manual_seed(MODEL_SEED)
+        report = warm_start_recipe(
+            model, tokenizer, run.rollout.dataset.seed, sampling, WarmStartRecipe(), progress=_say
         )
     _say(
         f"warm start done: {report.steps} steps in {report.seconds:.0f}s, probe success {report.success:.2f}"
