@@ -25,7 +25,9 @@ API_VERSION = f"{GROUP}/{VERSION}"
 WeightPrecision = Literal["bf16", "fp8", "mxfp4", "nvfp4"]
 KvCacheDtype = Literal["bf16", "fp8"]
 LOW_PRECISIONS: frozenset[str] = frozenset({"fp8", "mxfp4", "nvfp4"})
-RESERVED_POOL_NAMES: frozenset[str] = frozenset({"config", "trainer", "router", "rollout", "buffer", "weights"})
+RESERVED_POOL_NAMES: frozenset[str] = frozenset(
+    {"config", "trainer", "router", "rollout", "buffer", "weights"}
+)
 """Suffixes of the run's own children (``<run>-trainer``…): a pool with one of these names would collide."""
 
 
