@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging as hf_logging
 
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.rl.models import create_tiny_checkpoint, load_model
@@ -104,6 +105,7 @@ def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Pat
 
 
 def prepare_model(run: ResolvedRun, cache: Path, run_dir: Path) -> PreparedModel:
+    hf_logging.disable_progress_bar()  # our own progress lines say what is happening
     path = run.model.path
     if path.startswith(TINY_PREFIX):
         kind = path.removeprefix(TINY_PREFIX)
