@@ -83,11 +83,16 @@ def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Pat
         return_sampling_mask=False,
     )
     _say(f"warm start of a tiny {kind} model (cached after this run)")
+    threads = torch.get_num_threads()
+    # A tiny model gains nothing from intra-op threads, and OpenMP threads spinning on oversubscribed
+    # cores (other runs, other jobs) can slow it down tenfold.
+    torch.set_num_threads(1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MODEL_SEED)
         report = warm_start_recipe(
             model, tokenizer, run.rollout.dataset.seed, sampling, WarmStartRecipe(), progress=_say
         )
+    torch.set_num_threads(threads)
     _say(
         f"warm start done: {report.steps} steps in {report.seconds:.0f}s, probe success {report.success:.2f}"
     )

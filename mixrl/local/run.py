@@ -25,6 +25,9 @@ from mixrl.local.processes import Component, free_port, wait_healthy
 from mixrl.local.report import read_jsonl, write_report
 
 MAX_TRAINER_RESTARTS = 3
+# One intra-op thread per process: the local run has more processes than cores, and OpenMP threads
+# spinning on oversubscribed cores cost far more than the parallelism gains on a tiny model.
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 class Interrupted(Exception):
@@ -103,8 +106,7 @@ class Supervisor:
                     ],
                     f"http://127.0.0.1:{port}/health",
                 )
-                # Each engine is single-threaded: several share two cores without oversubscription.
-                engine.start(env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+                engine.start(env=SINGLE_THREAD)
                 engines.append(engine)
                 replicas.append(f"http://127.0.0.1:{port}")
             pools_file["pools"].append(
@@ -144,7 +146,7 @@ class Supervisor:
             ],
             None,
         )
-        trainer.start(env={"OMP_NUM_THREADS": "2"})
+        trainer.start(env=SINGLE_THREAD)
         rollout = self._component(
             "rollout",
             [
@@ -160,7 +162,7 @@ class Supervisor:
             ],
             None,
         )
-        rollout.start(env={"OMP_NUM_THREADS": "1"})
+        rollout.start(env=SINGLE_THREAD)
         self.trainer, self.rollout = trainer, rollout
 
     def stop(self) -> None:
@@ -303,7 +305,7 @@ def main(argv: list[str]) -> int:
                     f"({restarts}/{MAX_TRAINER_RESTARTS}) from its last checkpoint",
                     flush=True,
                 )
-                supervisor.trainer.start(env={"OMP_NUM_THREADS": "2"})
+                supervisor.trainer.start(env=SINGLE_THREAD)
                 continue
             failed = supervisor.failed_component()
             if failed is not None:
