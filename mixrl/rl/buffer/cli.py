@@ -6,16 +6,15 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
-from aiohttp import web
 from pydantic import ValidationError
 
 from mixrl.api.resolve import BUFFER_PORT, ResolvedRun
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import BufferLogError, TrajectoryBuffer
+from mixrl.rl.serving import serve_app
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -125,37 +124,26 @@ async def serve(
     server: BufferServer, host: str, port: int, port_file: Path | None, metrics_port: int | None = None
 ) -> None:
     """Serve until SIGTERM or SIGINT; every acknowledged write is already on disk."""
-    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    runners = [runner]
-    if metrics_port is not None:
-        metrics_runner = web.AppRunner(server.metrics_app(), access_log=None)
-        await metrics_runner.setup()
-        await web.TCPSite(metrics_runner, host, metrics_port).start()
-        runners.insert(0, metrics_runner)
-    if port_file is not None:
-        partial = port_file.with_name(port_file.name + ".partial")
-        partial.write_text(str(bound))
-        partial.replace(port_file)
-    state = server.buffer.state
-    log.info(
-        "listening on http://%s:%d; %d prompts × %d samples per update, max staleness %s",
+
+    def announce(bound: int) -> None:
+        state = server.buffer.state
+        log.info(
+            "listening on http://%s:%d; %d prompts × %d samples per update, max staleness %s",
+            host,
+            bound,
+            state.prompts_per_update,
+            state.samples_per_prompt,
+            state.max_staleness,
+        )
+
+    await serve_app(
+        server.app(),
         host,
-        bound,
-        state.prompts_per_update,
-        state.samples_per_prompt,
-        state.max_staleness,
+        port,
+        log=log,
+        port_file=port_file,
+        metrics_app=server.metrics_app() if metrics_port is not None else None,
+        metrics_port=metrics_port,
+        on_listening=announce,
+        shutdown_timeout=5.0,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        log.info("shutting down")
-        for each in runners:
-            await each.cleanup()

@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from mixrl.rl.engine.protocol import RequestError, parse_generate
 from mixrl.rl.engine.scheduler import PAUSE_MODES
 from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService, parse_version
 from mixrl.rl.quant import WEIGHT_FORMATS
+from mixrl.rl.serving import serve_app
 
 log = logging.getLogger("mixrl.engine")
 
@@ -279,38 +279,34 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 async def serve(service: EngineService, host: str, port: int, port_file: str | None) -> None:
     """Serve until SIGTERM or SIGINT, then finish in-flight requests with an abort and exit."""
-    runner = web.AppRunner(build_app(service), access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    if port_file:
-        tmp = f"{port_file}.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(bound))
-        os.replace(tmp, port_file)
-    log.info(
-        "serving %s (weights %s, kv %s, version %d) on http://%s:%d",
-        service.model_path,
-        service.config.weight_precision,
-        service.config.kv_cache_dtype,
-        service.weight_version,
-        host,
-        bound,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        log.info("shutting down")
+
+    def announce(bound: int) -> None:
+        log.info(
+            "serving %s (weights %s, kv %s, version %d) on http://%s:%d",
+            service.model_path,
+            service.config.weight_precision,
+            service.config.kv_cache_dtype,
+            service.weight_version,
+            host,
+            bound,
+        )
+
+    def abort_open_requests() -> None:
         # answer every open request (with an abort reason) before the HTTP server waits for them
         service.sched.abort_all("server shutting down")
         service.sched.resume()
-        await runner.cleanup()
-        log.info("stopped")
+
+    await serve_app(
+        build_app(service),
+        host,
+        port,
+        log=log,
+        port_file=Path(port_file) if port_file else None,
+        on_listening=announce,
+        on_stop=abort_open_requests,
+        shutdown_timeout=5.0,
+    )
+    log.info("stopped")
 
 
 def main(argv: list[str]) -> int:

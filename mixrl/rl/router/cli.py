@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from pathlib import Path
-
-from aiohttp import web
 
 from mixrl.api.resolve import ENGINE_PORT, ROUTER_PORT
 from mixrl.rl.router.config import RouterConfigError, load_pools_file, load_run_config
 from mixrl.rl.router.server import Router, RouterSettings
+from mixrl.rl.serving import serve_app
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,30 +116,18 @@ async def serve(
 ) -> None:
     """Serve until SIGTERM or SIGINT, then stop cleanly (in-flight requests get their answers)."""
     log = logging.getLogger("mixrl.router")
-    runner = web.AppRunner(router.app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    runners = [runner]
-    if metrics_port is not None:
-        metrics_runner = web.AppRunner(router.metrics_app(), access_log=None)
-        await metrics_runner.setup()
-        await web.TCPSite(metrics_runner, host, metrics_port).start()
-        runners.insert(0, metrics_runner)
-    if port_file is not None:
-        partial = port_file.with_name(port_file.name + ".partial")
-        partial.write_text(str(bound))
-        partial.replace(port_file)  # readers never see a half-written port
-    pools = ", ".join(f"{p.name} ({len(p.replicas)} replicas)" for p in router.state.pools.values())
-    log.info("listening on http://%s:%d; pools: %s", host, bound, pools)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        log.info("shutting down")
-        for each in runners:
-            await each.cleanup()
+
+    def announce(bound: int) -> None:
+        pools = ", ".join(f"{p.name} ({len(p.replicas)} replicas)" for p in router.state.pools.values())
+        log.info("listening on http://%s:%d; pools: %s", host, bound, pools)
+
+    await serve_app(
+        router.app(),
+        host,
+        port,
+        log=log,
+        port_file=port_file,
+        metrics_app=router.metrics_app() if metrics_port is not None else None,
+        metrics_port=metrics_port,
+        on_listening=announce,
+    )
