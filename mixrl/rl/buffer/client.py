@@ -17,6 +17,7 @@ import aiohttp
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.buffer.grouping import StalenessStats
+from mixrl.rl.http import SessionClient
 
 
 class BufferError(RuntimeError):
@@ -59,7 +60,7 @@ class Batch:
         return Batch(int(payload["step"]), groups, StalenessStats(**payload["staleness"]))
 
 
-class BufferClient:
+class BufferClient(SessionClient):
     """``async with BufferClient("http://127.0.0.1:8100") as buffer: await buffer.get_batch(3)``."""
 
     def __init__(
@@ -72,27 +73,10 @@ class BufferClient:
         backoff_s: float = 0.2,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._session = session
-        self._owns_session = session is None
+        super().__init__(session)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-
-    async def __aenter__(self) -> BufferClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._owns_session and self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
-        return self._session
 
     async def _request(
         self,

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine.records import EngineResponseError, parse_weight_version, token_records
+from mixrl.rl.http import SessionClient
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def truncates(temperature: float, top_p: float, top_k: int, min_p: float) -> boo
     return temperature == 0 or top_k > 0 or top_p < 1.0 or min_p > 0.0
 
 
-class EngineClient:
+class EngineClient(SessionClient):
     """Async client for one engine at ``base_url`` (e.g. ``http://127.0.0.1:30000``)."""
 
     def __init__(
@@ -72,27 +73,13 @@ class EngineClient:
         backoff_s: float = 0.2,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._session = session
-        self._owns_session = session is None
+        super().__init__(session)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries = retries
         self.backoff_s = backoff_s
 
-    async def __aenter__(self) -> EngineClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._owns_session and self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        return self._session
+    def _new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(timeout=self._timeout)
 
     # ------------------------------------------------------------------ transport
     async def _request(

@@ -23,6 +23,7 @@ import aiohttp
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.rl.engine.records import EngineResponseError, token_records
+from mixrl.rl.http import SessionClient
 from mixrl.rl.rollout.agent import Generate, GenerateResult, PoolInfo, TurnFinish
 
 log = logging.getLogger("mixrl.rollout")
@@ -93,7 +94,7 @@ def parse_generate_response(
     )
 
 
-class RouterClient:
+class RouterClient(SessionClient):
     """``/generate`` with sessions and retries, against the router (or an engine: same API).
 
     ``retry_budget_s`` bounds how long one turn keeps retrying 502/503/504 and refused connections
@@ -112,6 +113,7 @@ class RouterClient:
         max_backoff_s: float = 2.0,
         request_timeout_s: float = 600.0,
     ) -> None:
+        super().__init__()
         self.base_url = base_url.rstrip("/")
         self.sampling = sampling
         self.stop_token_ids = list(stop_token_ids)
@@ -120,26 +122,12 @@ class RouterClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-        self._http: aiohttp.ClientSession | None = None
         self.retries = 0
         """Turns sent again after a retryable failure (for progress lines and tests)."""
 
-    async def __aenter__(self) -> RouterClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None:
-            # one connection per concurrent episode at most; the default limit (100) would queue turns
-            self._http = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
-        return self._http
+    def _new_session(self) -> aiohttp.ClientSession:
+        # one connection per concurrent episode at most; the default limit (100) would queue turns
+        return aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
 
     def generator(self, session_id: str) -> Generate:
         """The ``generate`` callable of one episode (its session)."""
@@ -157,9 +145,7 @@ class RouterClient:
         delay = self.backoff_s
         while True:
             try:
-                async with self._session().post(
-                    f"{self.base_url}/generate", json=body, headers=headers
-                ) as resp:
+                async with self._http().post(f"{self.base_url}/generate", json=body, headers=headers) as resp:
                     status = resp.status
                     try:
                         payload = await resp.json(content_type=None)
@@ -185,7 +171,7 @@ class RouterClient:
     async def end_session(self, session_id: str) -> None:
         """Tell the router the episode is over (best effort: it also forgets idle sessions)."""
         try:
-            async with self._session().post(
+            async with self._http().post(
                 f"{self.base_url}/sessions/{session_id}/end", timeout=aiohttp.ClientTimeout(total=5.0)
             ) as resp:
                 await resp.read()

@@ -1,0 +1,39 @@
+"""The aiohttp session handling shared by our HTTP clients (engine, buffer, router)."""
+
+from __future__ import annotations
+
+from typing import Self
+
+import aiohttp
+
+
+class SessionClient:
+    """Uses the caller's ``aiohttp.ClientSession``, or opens its own on first use and closes it.
+
+    ``async with Client(url) as client: ...`` closes an owned session on the way out; a session the
+    caller passed in stays open (the caller closes it).  Subclasses override ``_new_session`` to set
+    timeouts or connection limits.
+    """
+
+    def __init__(self, session: aiohttp.ClientSession | None = None) -> None:
+        self._session = session
+        self._owns_session = session is None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession()
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = self._new_session()
+        return self._session
