@@ -318,6 +318,10 @@ class RolloutSpec(Model):
     """Agent sessions run at once by each rollout worker."""
     workers: int = Field(default=1, gt=0)
     """Rollout worker replicas."""
+    max_steps_ahead: int = Field(default=2, ge=0)
+    """Back-pressure: a worker starts no new group while the buffer holds this many trainer steps of
+    data (ready plus in flight); 0 = never wait. Staleness stays unbounded (no data is dropped); this
+    only keeps samplers from running far ahead of the trainer."""
 
 
 class WeightsSpec(Model):

@@ -77,8 +77,12 @@ class WorkerSettings:
     difficulty: Difficulty = field(default_factory=Difficulty)
 
     @staticmethod
-    def from_run(run: ResolvedRun, worker_index: int = 0, max_steps_ahead: int = 2) -> WorkerSettings:
+    def from_run(
+        run: ResolvedRun, worker_index: int = 0, max_steps_ahead: int | None = None
+    ) -> WorkerSettings:
         rollout, evaluation = run.rollout, run.evaluation
+        if max_steps_ahead is None:
+            max_steps_ahead = rollout.max_steps_ahead
         if rollout.environment not in ENVIRONMENTS:
             raise ValueError(
                 f"rollout.environment: unknown environment {rollout.environment!r}; built in: "
@@ -421,8 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-steps-ahead",
         type=int,
-        default=2,
-        help="pause new groups while the buffer holds this many steps of data (0 = never)",
+        default=None,
+        help="pause new groups while the buffer holds this many steps of data (0 = never; "
+        "default: the run's rollout.maxStepsAhead)",
     )
     return parser
 
