@@ -110,6 +110,25 @@ def _structural(node: Schema, name: str = "") -> Schema:
     return out
 
 
+def openapi_to_jsonschema(node: Any) -> Any:
+    """A CRD's OpenAPI v3.0 schema as JSON Schema (draft 2020-12), so ``jsonschema`` can check a
+    manifest against it: ``nullable`` becomes a null type, boolean exclusive bounds become numbers,
+    ``x-kubernetes-*`` markers are dropped."""
+    if isinstance(node, list):
+        return [openapi_to_jsonschema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: openapi_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
+    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if out.get(bound) is True:
+            out[bound] = out.pop(plain)
+    if out.pop("nullable", False):
+        out["type"] = [out["type"], "null"]
+        if "enum" in out:
+            out["enum"] = [*out["enum"], None]
+    return out
+
+
 def structural_schema(model: type[Model]) -> Schema:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})

@@ -30,20 +30,3 @@ def minimal_run() -> dict[str, Any]:
             },
         }
     )
-
-
-def openapi_to_jsonschema(node: Any) -> Any:
-    """OpenAPI v3.0 (what Kubernetes uses) -> JSON Schema draft 2020-12, for jsonschema."""
-    if isinstance(node, list):
-        return [openapi_to_jsonschema(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: openapi_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
-    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-        if out.get(bound) is True:
-            out[bound] = out.pop(plain)
-    if out.pop("nullable", False):
-        out["type"] = [out["type"], "null"]
-        if "enum" in out:
-            out["enum"] = [*out["enum"], None]
-    return out

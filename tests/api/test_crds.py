@@ -9,10 +9,10 @@ import jsonschema
 import pytest
 import yaml
 
-from mixrl.api.crd import crd_files, rlrun_crd, samplerpool_crd
+from mixrl.api.crd import crd_files, openapi_to_jsonschema, rlrun_crd, samplerpool_crd
 from mixrl.api.loader import read_documents
 
-from .conftest import ROOT, openapi_to_jsonschema
+from .conftest import ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 

@@ -195,20 +195,3 @@ def run_path(name: str, namespace: str = NAMESPACE) -> str:
 
 def copy_of(obj: Obj) -> Obj:
     return copy.deepcopy(obj)
-
-
-def openapi_to_jsonschema(node: Any) -> Any:
-    """OpenAPI v3.0 (CRD schemas) -> JSON Schema, for jsonschema: nullable, boolean exclusive bounds."""
-    if isinstance(node, list):
-        return [openapi_to_jsonschema(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: openapi_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
-    for bound, plain in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-        if out.get(bound) is True:
-            out[bound] = out.pop(plain)
-    if out.pop("nullable", False):
-        out["type"] = [out["type"], "null"]
-        if "enum" in out:
-            out["enum"] = [*out["enum"], None]
-    return out

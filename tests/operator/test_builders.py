@@ -14,7 +14,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from mixrl.api.crd import samplerpool_crd
+from mixrl.api.crd import openapi_to_jsonschema, samplerpool_crd
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE, GPU_TYPES
 from mixrl.api.loader import load_rlrun, parse_document
@@ -42,7 +42,7 @@ from mixrl.rl.engine import server as engine_server
 from mixrl.rl.rollout import worker as rollout_worker
 from mixrl.rl.router import cli as router_cli
 
-from .support import openapi_to_jsonschema, small_run
+from .support import small_run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("rlrun-*.yaml"))
