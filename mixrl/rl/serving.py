@@ -6,6 +6,7 @@ with ``--port 0 --port-file F`` and read the port the OS chose from F.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -15,6 +16,30 @@ from pathlib import Path
 from aiohttp import web
 
 AIOHTTP_SHUTDOWN_TIMEOUT = 60.0  # aiohttp's own default wait for in-flight requests on cleanup
+
+
+def add_listen_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """The flags every served component takes: --host, --port, --port-file, --metrics-port."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
+    parser.add_argument(
+        "--port", type=int, default=default_port, help="0 picks a free port (see --port-file)"
+    )
+    parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="also serve /metrics on this port (the pod's metrics port)",
+    )
+
+
+def listen_problem(args: argparse.Namespace) -> str | None:
+    """One line naming the bad listening flag, or None."""
+    if not 0 <= args.port < 65536:
+        return f"--port: {args.port} is not a TCP port"
+    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
+        return f"--metrics-port: {args.metrics_port} is not a TCP port"
+    return None
 
 
 def write_port_file(port_file: Path, port: int) -> None:

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from mixrl.api.resolve import BUFFER_PORT, ResolvedRun
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import BufferLogError, TrajectoryBuffer
-from mixrl.rl.serving import serve_app
+from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_app
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -45,15 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop groups whose oldest token is more than this many versions behind the step",
     )
     parser.add_argument("--run", default=None, help="run name for metric labels")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
-    parser.add_argument("--port", type=int, default=BUFFER_PORT, help="0 picks a free port (see --port-file)")
-    parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="also serve /metrics on this port (the pod's metrics port)",
-    )
+    add_listen_arguments(parser, BUFFER_PORT)
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -62,8 +54,9 @@ def _settings(args: argparse.Namespace) -> tuple[str, int, int, int | None]:
     """(run, prompts_per_update, samples_per_prompt, max_staleness); flags override --config."""
     if args.dir is None:
         raise ValueError("--dir: required (or set MIXRL_BUFFER_DIR)")
-    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
-        raise ValueError(f"--metrics-port: {args.metrics_port} is not a TCP port")
+    problem = listen_problem(args)
+    if problem is not None:
+        raise ValueError(problem)
     run, prompts, samples, staleness = "", None, None, None
     if args.config is not None:
         try:
@@ -95,8 +88,6 @@ def _settings(args: argparse.Namespace) -> tuple[str, int, int, int | None]:
         raise ValueError(f"--samples-per-prompt: must be ≥ 1, got {samples}")
     if staleness is not None and staleness < 0:
         raise ValueError(f"--max-staleness: must be ≥ 0, got {staleness}")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port: {args.port} is not a TCP port")
     return run, prompts, samples, staleness
 
 

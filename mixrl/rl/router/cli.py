@@ -11,7 +11,7 @@ from pathlib import Path
 from mixrl.api.resolve import ENGINE_PORT, ROUTER_PORT
 from mixrl.rl.router.config import RouterConfigError, load_pools_file, load_run_config
 from mixrl.rl.router.server import Router, RouterSettings
-from mixrl.rl.serving import serve_app
+from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_app
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,15 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="resolved run as JSON (the operator's ConfigMap); "
         "replicas come from --discover-dns or PUT /pools/{name}",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a container)")
-    parser.add_argument("--port", type=int, default=ROUTER_PORT, help="0 picks a free port (see --port-file)")
-    parser.add_argument("--port-file", type=Path, default=None, help="write the bound port here once serving")
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="also serve /metrics on this port (the pod's metrics port)",
-    )
+    add_listen_arguments(parser, ROUTER_PORT)
     parser.add_argument("--run", default="", help="run name for metric labels (default: from the config)")
     parser.add_argument(
         "--discover-dns",
@@ -76,10 +68,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')}: must be > 0"
     if args.max_inflight_per_replica < 0:
         return "--max-inflight-per-replica: must be ≥ 0"
-    if not 0 <= args.port < 65536:
-        return f"--port: {args.port} is not a TCP port"
-    if args.metrics_port is not None and not 0 < args.metrics_port < 65536:
-        return f"--metrics-port: {args.metrics_port} is not a TCP port"
+    if (problem := listen_problem(args)) is not None:
+        return problem
     if args.discover_dns and args.config is None:
         return "--discover-dns: needs --config (the pools' Service names come from the resolved run)"
     return None
