@@ -440,12 +440,16 @@ class WeightStore:
         log.info("converted weight version %d to %s", version, precision)
         return str(self.storage.local_dir(name))
 
+    def remove(self, version: int) -> None:
+        """Remove one version (and its converted checkpoints), e.g. one a resumed trainer will redo."""
+        self.storage.remove(version_dir_name(_check_version(version)))
+
     def prune(self, keep: int) -> list[int]:
         """Remove all but the newest ``keep`` versions (and stale staging leftovers); returns the removed."""
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep: expected an integer ≥ 1, got {keep!r}")
         doomed = self.versions()[:-keep]
         for version in doomed:
-            self.storage.remove(version_dir_name(version))
+            self.remove(version)
         self.storage.remove_stale_staging(STALE_STAGING_S)
         return doomed

@@ -235,3 +235,14 @@ def test_prune_keeps_the_newest(store: WeightStore) -> None:
     assert store.prune(keep=2) == []
     with pytest.raises(ValueError, match="keep: expected an integer ≥ 1"):
         store.prune(keep=0)
+
+
+def test_remove_one_version_then_publish_it_again(store: WeightStore) -> None:
+    # A resumed trainer replaces the versions it published after its last checkpoint.
+    for version in (1, 2, 3):
+        store.publish(version, _tensors(version))
+    store.convert(3, "nvfp4")
+    store.remove(3)
+    assert store.versions() == [1, 2] and store.latest() == 2
+    store.publish(3, _tensors(30))
+    torch.testing.assert_close(store.load(3), _tensors(30))

@@ -30,7 +30,7 @@ from mixrl.rl.models import load_model
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.telemetry import TrainerTelemetry
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
-from mixrl.rl.weights import WeightStore, version_dir_name
+from mixrl.rl.weights import WeightStore
 
 log = logging.getLogger("mixrl.trainer")
 CHECKPOINT = "trainer.pt"
@@ -119,7 +119,7 @@ class TrainerLoop:
         for version in self.store.versions():
             if version > self.step:
                 log.info("removing weight version %d (newer than the checkpoint)", version)
-                self.store.storage.remove(version_dir_name(version))
+                self.store.remove(version)
 
     async def reload_engines(self, version: int) -> None:
         if self.router_url is None:
