@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("mixrl.operator.main", "the Kubernetes operator (kopf)"),
     "engine-sync": ("mixrl.operator.weight_sync", "sidecar: load each new weight version into one engine"),
     "simulate": ("mixrl.operator.simulate", "fleet simulator for autoscaling policies"),
+    "dev-cluster": ("mixrl.devcluster.cli", "a real Kubernetes control plane with a simulated GPU fleet"),
 }
 
 

@@ -1,0 +1,117 @@
+"""KWOK stages of the test bed: how a simulated node becomes Ready and a pod Running.
+
+KWOK has no built-in lifecycle: its controller plays the Stage objects it is given. These are the
+smallest honest set for mixrl's tests: a node reports Ready with its address; a scheduled pod
+reports every container running and ready, with a pod IP (so Services get endpoints); a pod being
+deleted goes away (no kubelet to run its shutdown). Nodes get no heartbeats: the test bed runs the
+controller-manager without the node-lifecycle controller instead (see :mod:`.cluster`), which
+saves thousands of lease writes per minute on a 1,000-node fleet.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+NODE_READY = """\
+{{ $now := Now }}
+conditions:
+- type: Ready
+  status: "True"
+  reason: KubeletReady
+  message: simulated by KWOK
+  lastHeartbeatTime: {{ $now | Quote }}
+  lastTransitionTime: {{ $now | Quote }}
+{{ range list "MemoryPressure" "DiskPressure" "PIDPressure" "NetworkUnavailable" }}
+- type: {{ . }}
+  status: "False"
+  reason: Simulated
+  lastHeartbeatTime: {{ $now | Quote }}
+  lastTransitionTime: {{ $now | Quote }}
+{{ end }}
+addresses:
+- type: InternalIP
+  address: {{ NodeIP | Quote }}
+- type: Hostname
+  address: {{ NodeName | Quote }}
+nodeInfo:
+  architecture: amd64
+  operatingSystem: linux
+  kubeletVersion: kwok
+  containerRuntimeVersion: kwok
+phase: Running
+"""
+
+POD_RUNNING = """\
+{{ $now := Now }}
+conditions:
+{{ range list "PodScheduled" "Initialized" "ContainersReady" "Ready" }}
+- type: {{ . }}
+  status: "True"
+  lastTransitionTime: {{ $now | Quote }}
+{{ end }}
+initContainerStatuses:
+{{ range .spec.initContainers }}
+- name: {{ .name | Quote }}
+  image: {{ .image | Quote }}
+  ready: true
+  restartCount: 0
+  state: {terminated: {exitCode: 0, reason: Completed, startedAt: {{ $now | Quote }}, finishedAt: {{ $now | Quote }}}}
+{{ end }}
+containerStatuses:
+{{ range .spec.containers }}
+- name: {{ .name | Quote }}
+  image: {{ .image | Quote }}
+  ready: true
+  started: true
+  restartCount: 0
+  state: {running: {startedAt: {{ $now | Quote }}}}
+{{ end }}
+hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
+podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
+phase: Running
+startTime: {{ $now | Quote }}
+"""
+
+
+def _stage(name: str, kind: str, selector: list[dict], next_: dict) -> dict:
+    return {
+        "apiVersion": "kwok.x-k8s.io/v1alpha1",
+        "kind": "Stage",
+        "metadata": {"name": name},
+        "spec": {
+            "resourceRef": {"apiGroup": "v1", "kind": kind},
+            "selector": {"matchExpressions": selector},
+            "next": next_,
+        },
+    }
+
+
+def stages() -> list[dict]:
+    not_ready = {
+        "key": '.status.conditions.[] | select( .type == "Ready" ) | .status',
+        "operator": "NotIn",
+        "values": ["True"],
+    }
+    return [
+        _stage("node-ready", "Node", [not_ready], {"statusTemplate": NODE_READY}),
+        _stage(
+            "pod-running",
+            "Pod",
+            [
+                {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+                {"key": ".status.phase", "operator": "In", "values": ["Pending"]},
+                not_ready,
+            ],
+            {"statusTemplate": POD_RUNNING},
+        ),
+        _stage(
+            "pod-delete",
+            "Pod",
+            [{"key": ".metadata.deletionTimestamp", "operator": "Exists"}],
+            {"delete": True},
+        ),
+    ]
+
+
+def stages_yaml() -> str:
+    return yaml.safe_dump_all(stages(), sort_keys=False)
