@@ -23,8 +23,11 @@ cri-client cri-streaming csi-translation-lib dynamic-resource-allocation endpoin
 kms kube-aggregator kube-controller-manager kube-proxy kube-scheduler kubectl kubelet metrics
 mount-utils pod-security-admission sample-apiserver sample-cli-plugin sample-controller streaming"
 
+# Bump when the build recipe changes (flags, stamping), so cached binaries are rebuilt.
+RECIPE=2
+
 CACHE=${MIXRL_CACHE:-$HOME/.cache/mixrl}
-ROOT="$CACHE/k8s/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION"
+ROOT="$CACHE/k8s/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION-r$RECIPE"
 BIN="$ROOT/bin"
 BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm"
 
@@ -82,8 +85,17 @@ if [ -n "$k8s_wanted" ]; then
   for b in $k8s_wanted; do pkgs="$pkgs k8s.io/kubernetes/cmd/$b"; done
   # `go mod tidy` needs importable packages; the commands are programs, so resolve by `go get`.
   (cd "$mod" && go get $pkgs >"$ROOT/get.log" 2>&1) || fail "resolving Kubernetes' dependencies failed: $(tail -n 1 "$ROOT/get.log")"
+  # Stamp the version as Kubernetes' own build does (hack/lib/version.sh): the API server reports it
+  # in /version, and Helm checks charts' kubeVersion against it.
+  major=${K8S_VERSION#v}; major=${major%%.*}
+  minor_only=${minor%%.*}
+  stamp=""
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    stamp="$stamp -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor_only"
+    stamp="$stamp -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+  done
   log "compiling$k8s_wanted (several minutes on 2 cores)"
-  (cd "$mod" && go build -ldflags "$ldflags" -o "$BIN/" $pkgs) || fail "building Kubernetes$k8s_wanted failed (see above)"
+  (cd "$mod" && go build -ldflags "$ldflags$stamp" -o "$BIN/" $pkgs) || fail "building Kubernetes$k8s_wanted failed (see above)"
   for b in $k8s_wanted; do built "$b"; done
 fi
 

@@ -7,7 +7,7 @@ processes in one run directory; KWOK makes the fleet's nodes Ready and scheduled
 without containers. What differs from a real cluster, on purpose:
 
 - no kubelet, so no container runs: pods are Running as soon as they are scheduled;
-- the node-lifecycle controller is off (simulated nodes send no heartbeats);
+- simulated nodes send no heartbeats, so the node-lifecycle controller gets a year's grace;
 - the admin authenticates with a static token (``--token-auth-file``), which is a test-bed
   shortcut; the operator under test uses a TokenRequest token of its ServiceAccount;
 - storage: a no-provisioner StorageClass with pre-created PVs, so claims bind and nothing is written.
@@ -154,6 +154,7 @@ def component_commands(bin_dir: Path, run_dir: Path, ports: dict[str, int]) -> d
             f"--etcd-servers={etcd}",
             "--bind-address=127.0.0.1",
             "--advertise-address=127.0.0.1",
+            "--endpoint-reconciler-type=none",  # a loopback address cannot back the kubernetes Service
             f"--secure-port={ports['apiserver']}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -187,7 +188,10 @@ def component_commands(bin_dir: Path, run_dir: Path, ports: dict[str, int]) -> d
             f"--service-account-private-key-file={pki / 'sa.key'}",
             f"--root-ca-file={pki / 'ca.crt'}",
             f"--service-cluster-ip-range={SERVICE_CIDR}",
-            "--controllers=*,-node-lifecycle-controller",  # no kubelets, so no heartbeats to watch
+            # Simulated nodes send no heartbeats: a year's grace keeps the node-lifecycle controller
+            # (which lifts the not-ready taint from Ready nodes) from declaring them lost.
+            "--node-monitor-grace-period=8760h",
+            "--node-startup-grace-period=8760h",
             "--leader-elect=false",
             "--v=0",
         ],
@@ -382,13 +386,7 @@ class Cluster:
             nodes = self.api_get(state, "/api/v1/nodes")["items"]
         except (OSError, urllib.error.URLError, KeyError):
             return 0
-        return sum(
-            any(
-                c.get("type") == "Ready" and c.get("status") == "True"
-                for c in n.get("status", {}).get("conditions", [])
-            )
-            for n in nodes
-        )
+        return sum(_schedulable(node) for node in nodes)
 
     def _has_default_sa(self, state: ClusterState) -> bool:
         try:
@@ -449,6 +447,14 @@ class Cluster:
             out["readyz"] = self._api_ok(state, "/readyz")
             out["ready_nodes"] = self._ready_nodes(state)
         return out
+
+
+def _schedulable(node: dict) -> bool:
+    """Ready, and the node-lifecycle controller has lifted the not-ready taint."""
+    conditions = node.get("status", {}).get("conditions", [])
+    taints = node.get("spec", {}).get("taints", [])
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    return ready and not any(t.get("key") == "node.kubernetes.io/not-ready" for t in taints)
 
 
 def _alive(pid: int) -> bool:

@@ -3,8 +3,8 @@
 KWOK has no built-in lifecycle: its controller plays the Stage objects it is given. These are the
 smallest honest set for mixrl's tests: a node reports Ready with its address; a scheduled pod
 reports every container running and ready, with a pod IP (so Services get endpoints); a pod being
-deleted goes away (no kubelet to run its shutdown). Nodes get no heartbeats: the test bed runs the
-controller-manager without the node-lifecycle controller instead (see :mod:`.cluster`), which
+deleted goes away (no kubelet to run its shutdown). Nodes get no heartbeats: the test bed gives the
+controller-manager's node-lifecycle controller a year's grace instead (see :mod:`.cluster`), which
 saves thousands of lease writes per minute on a 1,000-node fleet.
 """
 

@@ -32,14 +32,15 @@ from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
 from mixrl.devcluster.fleet import parse_fleet
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "mixrl"
+CHART = Path(os.environ.get("MIXRL_TEST_CHART", ROOT / "charts" / "mixrl"))  # another chart: for bisecting
 RELEASE, RELEASE_NS = "mixrl", "mixrl-system"
 # The paper's mix plus room for the example trainer (4 x 8 H200 GPUs) and CPU nodes.
+CRDS = ("rlruns.mixrl.dev", "samplerpools.mixrl.dev")
 FLEET = "H200=6,H100=2,B200=3,B300=2,A100=2,RTX-PRO-6000=2,cpu=3"
 
 
 @dataclass
-class TestCluster:
+class Bed:
     state: ClusterState
     handle: Cluster
 
@@ -112,12 +113,12 @@ def wait_for(
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     """The control plane and fleet, with the mixrl chart installed by Helm (CRDs, RBAC, operator
     Deployment) in ``mixrl-system``."""
     handle = Cluster(tmp_path_factory.mktemp("dev-cluster"))
     state = handle.up(parse_fleet(FLEET), volumes=12, log=lambda line: print(line, file=sys.stderr))
-    bed = TestCluster(state, handle)
+    bed = Bed(state, handle)
     try:
         bed.helm(
             "install",
@@ -130,20 +131,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
             "--timeout",
             "120s",
         )
+        bed.kubectl("wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{c}" for c in CRDS))
         yield bed
     finally:
         handle.down(log=lambda _: None)
 
 
 @pytest.fixture
-def namespace(cluster: TestCluster) -> Iterator[str]:
+def namespace(cluster: Bed) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def service_account_kubeconfig(cluster: TestCluster, path: Path, namespace: str, account: str) -> Path:
+def service_account_kubeconfig(cluster: Bed, path: Path, namespace: str, account: str) -> Path:
     """A kubeconfig holding a TokenRequest token of ``namespace/account`` (what a pod would mount)."""
     token = cluster.kubectl("create", "token", account, "-n", namespace, "--duration=6h").stdout.strip()
     config = kubeconfig(cluster.state.server, cluster.state.ca_file, token, user=f"{namespace}:{account}")
@@ -158,10 +160,10 @@ class OperatorProcess:
     user: str
     """The operator's user name as the API server sees it (for counting its requests)."""
 
-    def requests(self, cluster: TestCluster) -> list[dict[str, Any]]:
+    def requests(self, cluster: Bed) -> list[dict[str, Any]]:
         return [e for e in cluster.audit_events() if e.get("user", {}).get("username") == self.user]
 
-    def writes(self, cluster: TestCluster, since: int = 0) -> list[dict[str, Any]]:
+    def writes(self, cluster: Bed, since: int = 0) -> list[dict[str, Any]]:
         return [
             e
             for e in self.requests(cluster)[since:]
@@ -172,21 +174,20 @@ class OperatorProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def start_operator(
-    cluster: TestCluster, workdir: Path, *extra: str, name: str = "operator"
-) -> OperatorProcess:
+def start_operator(cluster: Bed, workdir: Path, *extra: str, name: str = "operator") -> OperatorProcess:
     """``mixrl operator`` as a local process with the chart's ServiceAccount credentials."""
     account = f"{RELEASE}"  # the chart's service account defaults to the release's full name
     config = service_account_kubeconfig(cluster, workdir / f"{name}.kubeconfig", RELEASE_NS, account)
     log = workdir / f"{name}.log"
     env = {**os.environ, "KUBECONFIG": str(config)}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mixrl.cli", "operator", "-A", "--peering", RELEASE, *extra],
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    with log.open("wb") as out:  # the child has its own copy of the descriptor
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mixrl.cli", "operator", "-A", "--peering", RELEASE, *extra],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     return OperatorProcess(process, log, f"system:serviceaccount:{RELEASE_NS}:{account}")
 
 
@@ -201,7 +202,7 @@ def stop_operator(operator: OperatorProcess) -> None:
 
 
 @pytest.fixture(scope="session")
-def operator(cluster: TestCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+def operator(cluster: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     running = start_operator(cluster, tmp_path_factory.mktemp("operator"))
     try:
         yield running

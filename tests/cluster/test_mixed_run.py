@@ -12,7 +12,7 @@ import yaml
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_TABLE
 from mixrl.api.models import RLRun
 
-from .conftest import ROOT, OperatorProcess, TestCluster, wait_for
+from .conftest import ROOT, Bed, OperatorProcess, wait_for
 
 EXAMPLE = ROOT / "examples" / "rlrun-mixed.yaml"
 RUN = "qwen3-moe-coding"
@@ -25,11 +25,11 @@ def example(namespace: str) -> dict[str, Any]:
     return doc
 
 
-def pods(cluster: TestCluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+def pods(cluster: Bed, namespace: str, selector: str) -> list[dict[str, Any]]:
     return cluster.get("pods", "-n", namespace, "-l", selector)["items"]
 
 
-def node_products(cluster: TestCluster) -> dict[str, str]:
+def node_products(cluster: Bed) -> dict[str, str]:
     return {
         n["metadata"]["name"]: n["metadata"]["labels"].get(GPU_PRODUCT_LABEL, "")
         for n in cluster.get("nodes")["items"]
@@ -45,13 +45,13 @@ def running(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def mixed_run(cluster: TestCluster, operator: OperatorProcess, namespace: str) -> dict[str, Any]:
+def mixed_run(cluster: Bed, operator: OperatorProcess, namespace: str) -> dict[str, Any]:
     doc = example(namespace)
     cluster.apply(doc)
     return doc
 
 
-def test_fleet_is_labelled_like_gpu_feature_discovery(cluster: TestCluster) -> None:
+def test_fleet_is_labelled_like_gpu_feature_discovery(cluster: Bed) -> None:
     nodes = cluster.get("nodes")["items"]
     gpu_nodes = [n for n in nodes if n["metadata"]["labels"].get("nvidia.com/gpu.present") == "true"]
     assert gpu_nodes and len(gpu_nodes) < len(nodes)  # GPU nodes and CPU nodes
@@ -64,8 +64,13 @@ def test_fleet_is_labelled_like_gpu_feature_discovery(cluster: TestCluster) -> N
         assert any(c["type"] == "Ready" and c["status"] == "True" for c in node["status"]["conditions"])
 
 
-def test_kubectl_explain_reads_the_crd_schema(cluster: TestCluster) -> None:
-    out = cluster.kubectl("explain", "rlrun.spec.samplerPools").stdout
+def test_kubectl_explain_reads_the_crd_schema(cluster: Bed) -> None:
+    # The API server publishes a new CRD's OpenAPI a moment after it is Established.
+    def explain() -> str:
+        done = cluster.kubectl("explain", "rlrun.spec.samplerPools", check=False)
+        return done.stdout if done.returncode == 0 else ""
+
+    out = wait_for(explain, 30, what="kubectl explain")
     assert "weightPrecision" in out and "gpuType" in out
     assert (
         "Precision the engine serves the weights in"
@@ -74,7 +79,7 @@ def test_kubectl_explain_reads_the_crd_schema(cluster: TestCluster) -> None:
 
 
 def test_mixed_example_runs_on_the_right_gpus(
-    cluster: TestCluster, mixed_run: dict[str, Any], namespace: str
+    cluster: Bed, mixed_run: dict[str, Any], namespace: str
 ) -> None:
     resolved_pools = {p["name"]: p for p in mixed_run["spec"]["samplerPools"]}
     wait_for(
@@ -82,13 +87,20 @@ def test_mixed_example_runs_on_the_right_gpus(
         60,
         what="SamplerPools",
     )
-    want = sum(p["minReplicas"] or 1 for p in resolved_pools.values() if p["minReplicas"] > 0)
-    # Every sampler pod Running (KWOK) on a node whose GFD product belongs to the pool's GPU type.
-    wait_for(
-        lambda: len(running(pods(cluster, namespace, SAMPLER))) >= want,
-        90,
-        what=f"{want} Running sampler pods",
-    )
+    # Each pool's workload follows its SamplerPool's replicas (a new pool starts with at least one).
+    desired = {
+        sp["spec"]["pool"]: sp["spec"]["replicas"]
+        for sp in cluster.get("samplerpools", "-n", namespace)["items"]
+    }
+    assert all(replicas >= max(1, resolved_pools[pool]["minReplicas"]) for pool, replicas in desired.items())
+
+    def running_per_pool() -> dict[str, int]:
+        counts = dict.fromkeys(desired, 0)
+        for pod in running(pods(cluster, namespace, SAMPLER)):
+            counts[pod["metadata"]["labels"]["mixrl.dev/pool"]] += 1
+        return counts
+
+    wait_for(lambda: running_per_pool() == desired, 90, what=f"Running sampler pods per pool {desired}")
     products = node_products(cluster)
     seen_pools = set()
     for pod in running(pods(cluster, namespace, SAMPLER)):
@@ -101,7 +113,7 @@ def test_mixed_example_runs_on_the_right_gpus(
         )
         requests = [c.get("resources", {}).get("requests", {}) for c in pod["spec"]["containers"]]
         assert any(r.get("nvidia.com/gpu") for r in requests)
-    assert seen_pools == {name for name, p in resolved_pools.items() if p["minReplicas"] > 0}
+    assert seen_pools == set(desired)
     # The trainer's pods land on H200 nodes only.
     trainer = wait_for(
         lambda: running(pods(cluster, namespace, "app.kubernetes.io/component=trainer")),
@@ -115,7 +127,7 @@ def test_mixed_example_runs_on_the_right_gpus(
 
 
 def test_kubectl_scale_and_an_hpa_drive_the_pool(
-    cluster: TestCluster, mixed_run: dict[str, Any], namespace: str
+    cluster: Bed, mixed_run: dict[str, Any], namespace: str
 ) -> None:
     pool = f"{RUN}-a100-bf16"  # minReplicas 0: starts with no pods
     wait_for(
@@ -151,7 +163,7 @@ def test_kubectl_scale_and_an_hpa_drive_the_pool(
 
 
 def test_delete_removes_every_child_through_the_garbage_collector(
-    cluster: TestCluster, mixed_run: dict[str, Any], namespace: str
+    cluster: Bed, mixed_run: dict[str, Any], namespace: str
 ) -> None:
     wait_for(lambda: cluster.get("deployments", "-n", namespace)["items"], 60, what="deployments")
     cluster.kubectl("delete", "rlr", RUN, "-n", namespace, "--wait=true", "--timeout=60s")
@@ -168,7 +180,7 @@ def test_delete_removes_every_child_through_the_garbage_collector(
     wait_for(lambda: not leftovers(), 90, what="garbage collection")
 
 
-def test_valid_example_passes_mixrl_validate_and_the_api_server(cluster: TestCluster, namespace: str) -> None:
+def test_valid_example_passes_mixrl_validate_and_the_api_server(cluster: Bed, namespace: str) -> None:
     doc = example(namespace)
     RLRun.model_validate(copy.deepcopy(doc))
     done = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=yaml.safe_dump(doc))

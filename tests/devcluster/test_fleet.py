@@ -60,7 +60,7 @@ def test_component_commands_enforce_rbac_admission_and_audit(tmp_path: Path) -> 
     assert "--authorization-mode=Node,RBAC" in api
     assert "PodSecurity" in api and "ResourceQuota" in api
     assert "--service-account-signing-key-file=" in api and "--audit-log-path=" in api
-    assert "-node-lifecycle-controller" in " ".join(commands["kube-controller-manager"])
+    assert "--node-monitor-grace-period=8760h" in commands["kube-controller-manager"]
     kwok = " ".join(commands["kwok"])
     assert (
         f"--manage-nodes-with-annotation-selector={fleet.KWOK_ANNOTATION}={fleet.KWOK_ANNOTATION_VALUE}"
