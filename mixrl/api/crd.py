@@ -2,7 +2,9 @@
 
 Kubernetes requires *structural* schemas: no ``$ref``, a ``type`` on every node, ``nullable``
 instead of ``anyOf`` with null, OpenAPI v3.0 (boolean ``exclusiveMinimum``), and no
-``additionalProperties`` beside ``properties``.  This module turns pydantic's JSON Schema into that.
+``additionalProperties`` beside ``properties``.  This module turns pydantic's JSON Schema into that,
+and gives each model's node the CEL ``x-kubernetes-validations`` of its cross-field rules
+(:mod:`mixrl.api.rules`), so the API server refuses at admission what ``mixrl validate`` refuses.
 """
 
 from __future__ import annotations
@@ -13,19 +15,44 @@ from typing import Any
 
 import yaml
 
-from mixrl.api.models import GROUP, VERSION, Model, RLRunSpec, RLRunStatus, SamplerPoolSpec, SamplerPoolStatus
+from mixrl.api import rules
+from mixrl.api.gpus import GPU_TABLE
+from mixrl.api.models import (
+    GROUP,
+    VERSION,
+    Model,
+    RLRun,
+    RLRunSpec,
+    RLRunStatus,
+    SamplerPool,
+    SamplerPoolSpec,
+    SamplerPoolStatus,
+)
+from mixrl.api.rules import GpuTable
 
 CATEGORY = "mixrl"
 Schema = dict[str, Any]
 
 # Lists whose items have a unique name: server-side apply and strategic merges key them by it.
 LIST_MAP_KEYS = {"samplerPools": "name", "pools": "name", "conditions": "type"}
+# Which model a JSON-Schema node came from (pydantic names each $defs entry after its class), so the
+# node gets that model's rules; dropped from the output.
+MODEL_MARK = "x-mixrl-model"
+
+
+def _models(base: type[Model] = Model) -> dict[str, type[Model]]:
+    found: dict[str, type[Model]] = {}
+    for model in base.__subclasses__():
+        found[model.__name__] = model
+        found.update(_models(model))
+    return found
 
 
 def _resolve_refs(node: Any, defs: dict[str, Schema]) -> Any:
     if isinstance(node, dict):
         if "$ref" in node:
-            target = copy.deepcopy(defs[node["$ref"].rsplit("/", 1)[-1]])
+            name = node["$ref"].rsplit("/", 1)[-1]
+            target = {**copy.deepcopy(defs[name]), MODEL_MARK: name}
             extra = {k: v for k, v in node.items() if k != "$ref"}
             return _resolve_refs({**target, **extra}, defs)
         return {key: _resolve_refs(value, defs) for key, value in node.items()}
@@ -40,9 +67,21 @@ def _describe_default(description: str, default: Any) -> str:
     return f"{description} Default: {json.dumps(default)}.".strip()
 
 
-def _structural(node: Schema, name: str = "") -> Schema:
+def _with_rules(out: Schema, model: type[Model], table: GpuTable) -> Schema:
+    """A model's object node with its CEL rules, and the defaults those rules need the API server to
+    apply (see mixrl.api.rules)."""
+    for field, default in rules.server_defaults(model).items():
+        out["properties"][field]["default"] = default
+    validations = rules.cel_validations(model, table)
+    if validations:
+        out["x-kubernetes-validations"] = validations
+    return out
+
+
+def _structural(node: Schema, name: str = "", table: GpuTable = GPU_TABLE) -> Schema:
     """One pydantic JSON-Schema node -> one structural OpenAPI v3.0 node."""
     node = dict(node)
+    model = _models().get(node.pop(MODEL_MARK, ""))
     description = node.pop("description", "")
     default = node.pop("default", None)
     node.pop("title", None)
@@ -60,6 +99,7 @@ def _structural(node: Schema, name: str = "") -> Schema:
             raise ValueError(f"{name}: unions other than X | None are not structural")
         node = {**options[0], **node}
         node.pop("title", None)
+        model = model or _models().get(node.pop(MODEL_MARK, ""))
     out: Schema = {}
     if "const" in node:
         node["enum"] = [node.pop("const")]
@@ -70,11 +110,13 @@ def _structural(node: Schema, name: str = "") -> Schema:
         out["type"] = "object"
         properties = node.get("properties")
         if properties is not None:
-            out["properties"] = {key: _structural(value, key) for key, value in properties.items()}
+            out["properties"] = {key: _structural(value, key, table) for key, value in properties.items()}
             if node.get("required"):
                 out["required"] = list(node["required"])
+            if model is not None:
+                out = _with_rules(out, model, table)
         elif isinstance(node.get("additionalProperties"), dict):
-            out["additionalProperties"] = _structural(node["additionalProperties"], name)
+            out["additionalProperties"] = _structural(node["additionalProperties"], name, table)
         else:
             out["x-kubernetes-preserve-unknown-fields"] = True
     elif kind == "array":
@@ -82,10 +124,10 @@ def _structural(node: Schema, name: str = "") -> Schema:
         if "prefixItems" in node:
             # A tuple: Kubernetes has no positional schemas, so a fixed-length list of one type.
             items = node["prefixItems"]
-            out["items"] = _structural(items[0], name)
+            out["items"] = _structural(items[0], name, table)
             out["minItems"] = out["maxItems"] = len(items)
         else:
-            out["items"] = _structural(node["items"], name)
+            out["items"] = _structural(node["items"], name, table)
         for key in ("minItems", "maxItems"):
             if key in node:
                 out[key] = node[key]
@@ -129,37 +171,44 @@ def openapi_to_jsonschema(node: Any) -> Any:
     return out
 
 
-def structural_schema(model: type[Model]) -> Schema:
+def structural_schema(model: type[Model], table: GpuTable = GPU_TABLE) -> Schema:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
-    return _structural(_resolve_refs(raw, defs))
+    return _structural(_resolve_refs({**raw, MODEL_MARK: model.__name__}, defs), table=table)
 
 
 def _crd(
     kind: str,
     plural: str,
     short_name: str,
+    root_model: type[Model],
     spec_model: type[Model],
     status_model: type[Model],
     columns: list[dict[str, Any]],
     description: str,
     scale: dict[str, str] | None = None,
+    table: GpuTable = GPU_TABLE,
 ) -> dict[str, Any]:
     subresources: dict[str, Any] = {"status": {}}
     if scale is not None:
         subresources["scale"] = scale
-    schema = {
+    schema: Schema = {
         "description": description,
         "type": "object",
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
-            "metadata": {"type": "object"},
-            "spec": structural_schema(spec_model),
-            "status": structural_schema(status_model),
+            # Declaring name (the one metadata field a CRD may describe) lets a root rule report
+            # on it (fieldPath .metadata.name).
+            "metadata": {"type": "object", "properties": {"name": {"type": "string"}}},
+            "spec": structural_schema(spec_model, table),
+            "status": structural_schema(status_model, table),
         },
         "required": ["spec"],
     }
+    validations = rules.cel_validations(root_model, table)
+    if validations:
+        schema["x-kubernetes-validations"] = validations
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -202,11 +251,13 @@ def _column(name: str, kind: str, path: str, description: str, priority: int = 0
 AGE = _column("Age", "date", ".metadata.creationTimestamp", "Time since creation")
 
 
-def rlrun_crd() -> dict[str, Any]:
+def rlrun_crd(table: GpuTable = GPU_TABLE) -> dict[str, Any]:
+    """The RLRun CRD; ``table`` is the GPU table its precision rules come from."""
     return _crd(
         "RLRun",
         "rlruns",
         "rlr",
+        RLRun,
         RLRunSpec,
         RLRunStatus,
         [
@@ -218,6 +269,7 @@ def rlrun_crd() -> dict[str, Any]:
             AGE,
         ],
         "An RL run: one BF16 trainer fed asynchronously by sampler pools of mixed GPUs and precisions.",
+        table=table,
     )
 
 
@@ -226,6 +278,7 @@ def samplerpool_crd() -> dict[str, Any]:
         "SamplerPool",
         "samplerpools",
         "sp",
+        SamplerPool,
         SamplerPoolSpec,
         SamplerPoolStatus,
         [

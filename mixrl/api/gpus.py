@@ -13,6 +13,14 @@ from dataclasses import dataclass
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GPU_RESOURCE = "nvidia.com/gpu"
 
+PRECISION_CORES: dict[str, str] = {"fp8": "FP8", "mxfp4": "FP4", "nvfp4": "FP4"}
+"""Weight precision -> the tensor cores serving it needs (bf16 runs on every GPU)."""
+
+# The wording of the two precision problems, used by precision_problem and (through
+# mixrl.api.rules) by the API server's CEL rules, so `mixrl validate` and `kubectl apply` agree.
+WEIGHTS_NEED_CORES = "{precision} needs {cores} tensor cores, which {gpu_type} lacks"
+FP8_KV_CACHE_NEEDS_CORES = "an fp8 KV cache needs FP8 tensor cores, which {gpu_type} lacks"
+
 
 @dataclass(frozen=True)
 class GpuCapability:
@@ -28,14 +36,21 @@ class GpuCapability:
     emulated: bool = False
     """True for ``cpu``: every precision is emulated in software, nothing is scheduled on a GPU."""
 
+    def has_cores(self, cores: str) -> bool:
+        """Whether this GPU has ``FP8`` or ``FP4`` tensor cores (an emulated one has everything)."""
+        if self.emulated:
+            return True
+        if cores == "FP8":
+            return self.fp8_tensor_cores
+        if cores == "FP4":
+            return self.fp4_tensor_cores
+        raise ValueError(f"unknown tensor-core kind {cores!r}")
+
     def supports_weight_precision(self, precision: str) -> bool:
         if self.emulated or precision == "bf16":
             return True
-        if precision == "fp8":
-            return self.fp8_tensor_cores
-        if precision in ("nvfp4", "mxfp4"):
-            return self.fp4_tensor_cores
-        return False
+        cores = PRECISION_CORES.get(precision)
+        return cores is not None and self.has_cores(cores)
 
 
 GPU_TABLE: dict[str, GpuCapability] = {
@@ -108,10 +123,10 @@ def precision_problem(gpu_type: str, weight_precision: str, kv_cache_dtype: str)
     """Why this GPU cannot serve this precision, or None when it can (one short sentence)."""
     gpu = GPU_TABLE[gpu_type]
     if not gpu.supports_weight_precision(weight_precision):
-        needs = "FP4" if weight_precision in ("nvfp4", "mxfp4") else "FP8"
-        return f"{weight_precision} needs {needs} tensor cores, which {gpu_type} lacks"
-    if kv_cache_dtype == "fp8" and not (gpu.emulated or gpu.fp8_tensor_cores):
-        return f"an fp8 KV cache needs FP8 tensor cores, which {gpu_type} lacks"
+        cores = PRECISION_CORES.get(weight_precision, "FP8")
+        return WEIGHTS_NEED_CORES.format(precision=weight_precision, cores=cores, gpu_type=gpu_type)
+    if kv_cache_dtype == "fp8" and not gpu.has_cores("FP8"):
+        return FP8_KV_CACHE_NEEDS_CORES.format(gpu_type=gpu_type)
     return None
 
 

@@ -14,9 +14,9 @@ from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
-from pydantic_core import PydanticCustomError
 
-from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, precision_problem
+from mixrl.api import rules
+from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, PRECISION_CORES
 
 GROUP = "mixrl.dev"
 VERSION = "v1alpha1"
@@ -24,20 +24,11 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 WeightPrecision = Literal["bf16", "fp8", "mxfp4", "nvfp4"]
 KvCacheDtype = Literal["bf16", "fp8"]
-LOW_PRECISIONS: frozenset[str] = frozenset({"fp8", "mxfp4", "nvfp4"})
-RESERVED_POOL_NAMES: frozenset[str] = frozenset(
-    {"config", "trainer", "router", "rollout", "buffer", "weights"}
-)
-"""Suffixes of the run's own children (``<run>-trainer``…): a pool with one of these names would collide."""
-
-
-def field_error(field: str, reason: str) -> PydanticCustomError:
-    """An error on one named field of the model being validated.
-
-    ``mixrl.api.errors`` appends ``field`` to the error location, so messages read
-    ``spec.samplerPools[2].weightPrecision: nvfp4 needs FP4 tensor cores, which A100 lacks``.
-    """
-    return PydanticCustomError("mixrl_field", "{reason}", {"field": field, "reason": reason})
+# The cross-field rules (their fields, messages and CEL twins) live in mixrl.api.rules; these names
+# stay importable from here.
+LOW_PRECISIONS = rules.LOW_PRECISIONS
+RESERVED_POOL_NAMES = rules.RESERVED_POOL_NAMES
+field_error = rules.field_error
 
 
 class Model(BaseModel):
@@ -98,7 +89,7 @@ class OptimizerSpec(Model):
     @classmethod
     def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
         if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+            raise ValueError(rules.BETAS.message())
         return betas
 
 
@@ -209,19 +200,19 @@ class SamplerPoolTemplate(Model):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.name in RESERVED_POOL_NAMES:
-            raise field_error("name", f"{self.name!r} is reserved for the run's own {self.name} objects")
+            raise rules.RESERVED_POOL_NAME.error(name=self.name)
         if self.min_replicas > self.max_replicas:
-            raise field_error("minReplicas", f"{self.min_replicas} exceeds maxReplicas {self.max_replicas}")
+            raise rules.REPLICA_BOUNDS.error(min=self.min_replicas, max=self.max_replicas)
+        gpu = GPU_TABLE[self.gpu_type]
+        if not gpu.supports_weight_precision(self.weight_precision):
+            rule = rules.WEIGHTS_NEED[PRECISION_CORES[self.weight_precision]]
+            raise rule.error(precision=self.weight_precision, gpu_type=self.gpu_type)
         kv = self.kv_cache_dtype or ("fp8" if self.weight_precision in LOW_PRECISIONS else "bf16")
-        problem = precision_problem(self.gpu_type, self.weight_precision, kv)
-        if problem is not None:
-            on_weights = not GPU_TABLE[self.gpu_type].supports_weight_precision(self.weight_precision)
-            if on_weights:
-                raise field_error("weightPrecision", problem)
-            hint = "" if self.kv_cache_dtype else " (the default for low-precision pools; set bf16)"
-            raise field_error("kvCacheDtype", problem + hint)
-        if self.gpu_type == "cpu" and self.engine == "sglang":
-            raise field_error("engine", "sglang needs a GPU; use the torch engine for gpuType cpu")
+        if kv == "fp8" and not gpu.has_cores("FP8"):
+            rule = rules.FP8_KV_CACHE if self.kv_cache_dtype else rules.DEFAULT_FP8_KV_CACHE
+            raise rule.error(gpu_type=self.gpu_type)
+        if gpu.emulated and self.engine == "sglang":
+            raise rules.SGLANG_NEEDS_GPU.error(gpu_type=self.gpu_type)
         return self
 
 
@@ -240,7 +231,7 @@ class TopPSpec(Model):
     @classmethod
     def _nonzero_k(cls, k: int) -> int:
         if k == 0:
-            raise ValueError("k must be -1 (no cut) or positive")
+            raise ValueError(rules.TOP_K.message())
         return k
 
 
@@ -257,9 +248,9 @@ class CorrectionsSpec(Model):
         if self.mis is not None:
             lo, hi = self.mis
             if not 0 < lo < 1 < hi:
-                raise field_error("mis", f"range [{lo}, {hi}] must satisfy 0 < lo < 1 < hi")
+                raise rules.MIS_RANGE.error()
         if self.mis is not None and self.tis is not None:
-            raise field_error("tis", "choose one of mis and tis, not both")
+            raise rules.MIS_OR_TIS.error()
         return self
 
 
@@ -363,7 +354,7 @@ class AutoscalingSpec(Model):
 class EvaluationSpec(Model):
     every_steps: int = Field(default=10, gt=0)
     """Evaluate on the held-out tasks every this many steps."""
-    pass_k: list[int] = Field(default_factory=lambda: [1])
+    pass_k: list[int] = Field(default_factory=lambda: [1], max_length=rules.MAX_PASS_K)
     """The k of pass@k to report."""
     samples_per_task: int = Field(default=1, gt=0)
     """Samples per held-out task (at least max(passK))."""
@@ -372,12 +363,11 @@ class EvaluationSpec(Model):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if any(k <= 0 for k in self.pass_k):
-            raise field_error("passK", f"every k must be positive, got {self.pass_k}")
+        nonpositive = [k for k in self.pass_k if k <= 0]
+        if nonpositive:
+            raise rules.PASS_K_POSITIVE.error(k=nonpositive[0])
         if self.pass_k and max(self.pass_k) > self.samples_per_task:
-            raise field_error(
-                "samplesPerTask", f"{self.samples_per_task} is below the largest passK {max(self.pass_k)}"
-            )
+            raise rules.SAMPLES_COVER_PASS_K.error(samples=self.samples_per_task, k=max(self.pass_k))
         return self
 
 
@@ -389,7 +379,7 @@ class RLRunSpec(Model):
     """The policy's base checkpoint and tokenizer."""
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     """The one BF16 trainer."""
-    sampler_pools: list[SamplerPoolTemplate] = Field(min_length=1)
+    sampler_pools: list[SamplerPoolTemplate] = Field(min_length=1, max_length=rules.MAX_SAMPLER_POOLS)
     """Sampler pools: one per GPU type and precision."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """Batch sizes, advantages, corrections, sampling."""
@@ -404,11 +394,13 @@ class RLRunSpec(Model):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        seen: set[str] = set()
-        for index, pool in enumerate(self.sampler_pools):
-            if pool.name in seen:
-                raise field_error(f"samplerPools[{index}].name", f"duplicate pool name {pool.name!r}")
-            seen.add(pool.name)
+        names = [pool.name for pool in self.sampler_pools]
+        # The first name (in list order) that is not unique, reported at its second occurrence; the
+        # CEL twin names the same pool.
+        duplicate = next((name for name in names if names.count(name) > 1), None)
+        if duplicate is not None:
+            index = names.index(duplicate, names.index(duplicate) + 1)
+            raise rules.UNIQUE_POOL_NAMES.error(at=f"samplerPools[{index}].name", name=duplicate)
         return self
 
 
@@ -496,13 +488,8 @@ class RLRun(Model):
 
     @model_validator(mode="after")
     def _short_name(self) -> Self:
-        # Children are named <run>-<pool>-<suffix> and must stay DNS labels (63 characters).
-        if len(self.metadata.name) > 30:
-            raise PydanticCustomError(
-                "mixrl_field",
-                "{reason}",
-                {"field": "metadata.name", "reason": "at most 30 characters (children are <run>-<pool>)"},
-            )
+        if len(self.metadata.name) > rules.MAX_RUN_NAME:
+            raise rules.RUN_NAME_LENGTH.error()
         return self
 
 
@@ -534,7 +521,7 @@ class SamplerPoolSpec(Model):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.min_replicas > self.max_replicas:
-            raise field_error("minReplicas", f"{self.min_replicas} exceeds maxReplicas {self.max_replicas}")
+            raise rules.REPLICA_BOUNDS.error(min=self.min_replicas, max=self.max_replicas)
         return self
 
 

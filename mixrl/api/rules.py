@@ -1,0 +1,463 @@
+"""The cross-field rules of the RLRun API, each defined once for the two places that enforce it.
+
+``mixrl validate`` and the operator enforce them through the pydantic validators of
+:mod:`mixrl.api.models`; a Kubernetes API server enforces them at admission through the CEL
+``x-kubernetes-validations`` that :mod:`mixrl.api.crd` writes into the CRDs.  Both take the field,
+the message and the GPU facts from here, so ``kubectl apply`` refuses an invalid RLRun with the same
+one-line reason that ``mixrl validate`` prints.
+
+A :class:`Rule` names the models (schema nodes) it applies to, the field it is reported on, its
+message template (Python formats it for pydantic; for CEL the same text becomes a
+``messageExpression`` whose ``{placeholders}`` are CEL expressions) and its CEL condition, true when
+the object is valid, built per model so that an absent field reads as that model's default, and
+from the GPU table passed in (the real one unless a test passes another).
+
+How the API server's CEL sees a document, and what follows from it:
+
+- a null field is not ``has()``, exactly like an absent one; where the two differ
+  (``corrections.mis``: absent means the paper's range, null means off) the CRD carries the default,
+  so the API server fills it in before the rules run (:attr:`Rule.server_defaults`);
+- no message holds a float: CEL's ``string(double)`` formats like Go (``5``), Python like ``5.0``;
+- rules over the pool list are quadratic, and the API server refuses a CRD whose estimated rule
+  cost is too high, so that list has a ``maxItems`` (:data:`MAX_SAMPLER_POOLS`), as has ``passK``.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError, PydanticUndefined
+
+from mixrl.api.gpus import (
+    FP8_KV_CACHE_NEEDS_CORES,
+    GPU_TABLE,
+    PRECISION_CORES,
+    WEIGHTS_NEED_CORES,
+    GpuCapability,
+)
+
+GpuTable = Mapping[str, GpuCapability]
+Reason = Literal["FieldValueInvalid", "FieldValueForbidden"]
+"""The API server's error kinds for a failed rule.  Not FieldValueDuplicate: with it the API server
+prints the value instead of the message."""
+
+LOW_PRECISIONS: frozenset[str] = frozenset({"fp8", "mxfp4", "nvfp4"})
+"""Weight precisions whose KV cache defaults to fp8."""
+RESERVED_POOL_NAMES: frozenset[str] = frozenset(
+    {"config", "trainer", "router", "rollout", "buffer", "weights"}
+)
+"""Suffixes of the run's own children (``<run>-trainer``…): a pool with one of these names would collide."""
+MAX_RUN_NAME = 30
+"""Children are named ``<run>-<pool>-<suffix>`` and must stay DNS labels (63 characters)."""
+MAX_SAMPLER_POOLS = 32
+"""Pools per run: far more than GPU types times precisions, few enough for the API server's CEL cost
+budget (the pool-name uniqueness rule is quadratic in the list's maxItems)."""
+MAX_PASS_K = 16
+"""Entries of ``evaluation.passK`` (the rule finding the largest is quadratic too)."""
+
+
+def field_error(field: str, reason: str) -> PydanticCustomError:
+    """An error on one named field of the model being validated.
+
+    ``mixrl.api.errors`` appends ``field`` to the error location, so messages read
+    ``spec.samplerPools[2].weightPrecision: nvfp4 needs FP4 tensor cores, which A100 lacks``.
+    """
+    return PydanticCustomError("mixrl_field", "{reason}", {"field": field, "reason": reason})
+
+
+def cel_literal(value: Any) -> str:
+    """A Python default or constant as a CEL literal."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a double-quoted CEL string with the same escapes
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(cel_literal(v) for v in value) + "]"
+    raise ValueError(f"no CEL literal for {value!r}")
+
+
+@dataclass(frozen=True)
+class Node:
+    """One model's schema node as a CEL rule sees it: ``self`` is the object, fields by camelCase name."""
+
+    model: type[BaseModel]
+    table: GpuTable
+
+    def _field(self, name: str) -> FieldInfo:
+        for python_name, info in self.model.model_fields.items():
+            if (info.alias or python_name) == name:
+                return info
+        raise KeyError(f"{self.model.__name__} has no field {name!r}")
+
+    def default(self, name: str) -> Any:
+        """The model's default for a field (PydanticUndefined when it is required)."""
+        return self._field(name).get_default(call_default_factory=True)
+
+    def value(self, name: str) -> str:
+        """``self.<name>``, or the model's default when the field is absent."""
+        default = self.default(name)
+        if default is PydanticUndefined:
+            return f"self.{name}"
+        return f"(has(self.{name}) ? self.{name} : {cel_literal(default)})"
+
+    def gpus_lacking(self, cores: str) -> list[str]:
+        """GPU types of the table without ``FP8`` or ``FP4`` tensor cores, in table order."""
+        return [gpu_type for gpu_type, gpu in self.table.items() if not gpu.has_cores(cores)]
+
+    def emulated_gpus(self) -> list[str]:
+        return [gpu_type for gpu_type, gpu in self.table.items() if gpu.emulated]
+
+
+def _no_values(node: Node) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    """Stable identifier (tests and error reports name rules by it)."""
+    models: tuple[str, ...]
+    """Names of the models whose schema nodes carry the rule."""
+    field: str
+    """camelCase field the problem is reported on, relative to the model (the CEL fieldPath)."""
+    template: str
+    """The message, with ``{placeholders}`` filled from constants and the offending values."""
+    reason: Reason
+    condition: Callable[[Node], str | None]
+    """CEL expression true for a valid object; None when this GPU table leaves nothing to refuse."""
+    values: Callable[[Node], dict[str, str]] = _no_values
+    """Placeholder -> CEL expression (of type string) giving the value the message names."""
+    constants: Mapping[str, Any] = field(default_factory=dict)
+    """Placeholders that are the same in every message."""
+    unless: tuple[str, ...] = ()
+    """Rules that pre-empt this one: the pydantic validator checks them first and reports only theirs,
+    so the CEL rule holds whenever one of them fails."""
+    server_defaults: tuple[str, ...] = ()
+    """Fields the API server must default (see the module docstring) for the condition to hold."""
+
+    def message(self, **values: Any) -> str:
+        return self.template.format(**self.constants, **values)
+
+    def error(self, *, at: str | None = None, **values: Any) -> PydanticCustomError:
+        """The pydantic error for this rule; ``at`` names a more precise field (``samplerPools[3].name``)."""
+        return field_error(at or self.field, self.message(**values))
+
+    def cel_message(self, node: Node) -> dict[str, str]:
+        """``message`` when the text is fixed, else a ``messageExpression`` of the same template."""
+        values = self.values(node)
+        parts: list[tuple[bool, str]] = []  # (literal?, text)
+        for literal, name, spec, conversion in string.Formatter().parse(self.template):
+            if literal:
+                parts.append((True, literal))
+            if name is None:
+                continue
+            if spec or conversion:
+                raise ValueError(f"{self.name}: placeholders take no format spec in a CEL message")
+            if name in self.constants:
+                parts.append((True, str(self.constants[name])))
+            else:
+                parts.append((False, values[name]))
+        merged: list[tuple[bool, str]] = []
+        for is_literal, text in parts:
+            if merged and is_literal and merged[-1][0]:
+                merged[-1] = (True, merged[-1][1] + text)
+            else:
+                merged.append((is_literal, text))
+        if all(is_literal for is_literal, _ in merged):
+            return {"message": "".join(text for _, text in merged)}
+        return {
+            "messageExpression": " + ".join(json.dumps(t) if lit else t for lit, t in merged),
+        }
+
+
+# ----------------------------------------------------------------------------- sampler pools
+
+POOL = "SamplerPoolTemplate"
+
+RESERVED_POOL_NAME = Rule(
+    "reserved-pool-name",
+    (POOL,),
+    "name",
+    "'{name}' is reserved for the run's own {name} objects",
+    "FieldValueForbidden",
+    condition=lambda node: f"!(self.name in {cel_literal(sorted(RESERVED_POOL_NAMES))})",
+    values=lambda node: {"name": "self.name"},
+)
+
+REPLICA_BOUNDS = Rule(
+    "replica-bounds",
+    (POOL, "SamplerPoolSpec"),
+    "minReplicas",
+    "{min} exceeds maxReplicas {max}",
+    "FieldValueInvalid",
+    condition=lambda node: f"{node.value('minReplicas')} <= {node.value('maxReplicas')}",
+    values=lambda node: {
+        "min": f"string({node.value('minReplicas')})",
+        "max": f"string({node.value('maxReplicas')})",
+    },
+)
+
+
+def _weights_need(cores: str) -> Rule:
+    precisions = [p for p, needed in PRECISION_CORES.items() if needed == cores]
+
+    def condition(node: Node) -> str | None:
+        lacking = node.gpus_lacking(cores)
+        if not lacking:
+            return None
+        precision = node.value("weightPrecision")
+        return f"!({precision} in {cel_literal(precisions)} && self.gpuType in {cel_literal(lacking)})"
+
+    return Rule(
+        f"weights-need-{cores.lower()}",
+        (POOL,),
+        "weightPrecision",
+        WEIGHTS_NEED_CORES,
+        "FieldValueForbidden",
+        condition=condition,
+        values=lambda node: {"precision": "self.weightPrecision", "gpu_type": "self.gpuType"},
+        constants={"cores": cores},
+    )
+
+
+WEIGHTS_NEED: dict[str, Rule] = {cores: _weights_need(cores) for cores in ("FP8", "FP4")}
+"""Tensor cores -> the rule refusing weight precisions that need them on GPUs without them."""
+
+
+def _fp8_kv_cache_explicit(node: Node) -> str | None:
+    lacking = node.gpus_lacking("FP8")
+    if not lacking:
+        return None
+    return (
+        f'!(has(self.kvCacheDtype) && self.kvCacheDtype == "fp8" && self.gpuType in {cel_literal(lacking)})'
+    )
+
+
+def _fp8_kv_cache_default(node: Node) -> str | None:
+    # kvCacheDtype defaults to fp8 for low-precision pools (mixrl.api.resolve.default_kv_cache_dtype)
+    lacking = node.gpus_lacking("FP8")
+    if not lacking:
+        return None
+    precision = node.value("weightPrecision")
+    low = cel_literal(sorted(LOW_PRECISIONS))
+    return f"has(self.kvCacheDtype) || !({precision} in {low}) || !(self.gpuType in {cel_literal(lacking)})"
+
+
+FP8_KV_CACHE = Rule(
+    "fp8-kv-cache-needs-fp8",
+    (POOL,),
+    "kvCacheDtype",
+    FP8_KV_CACHE_NEEDS_CORES,
+    "FieldValueForbidden",
+    condition=_fp8_kv_cache_explicit,
+    values=lambda node: {"gpu_type": "self.gpuType"},
+    unless=tuple(rule.name for rule in WEIGHTS_NEED.values()),
+)
+
+DEFAULT_FP8_KV_CACHE = Rule(
+    "default-fp8-kv-cache-needs-fp8",
+    (POOL,),
+    "kvCacheDtype",
+    FP8_KV_CACHE_NEEDS_CORES + " (the default for low-precision pools; set bf16)",
+    "FieldValueForbidden",
+    condition=_fp8_kv_cache_default,
+    values=lambda node: {"gpu_type": "self.gpuType"},
+    unless=tuple(rule.name for rule in WEIGHTS_NEED.values()),
+)
+
+
+def _sglang_needs_gpu(node: Node) -> str | None:
+    emulated = node.emulated_gpus()
+    if not emulated:
+        return None
+    return f'!({node.value("engine")} == "sglang" && self.gpuType in {cel_literal(emulated)})'
+
+
+SGLANG_NEEDS_GPU = Rule(
+    "sglang-needs-gpu",
+    (POOL,),
+    "engine",
+    "sglang needs a GPU; use the torch engine for gpuType {gpu_type}",
+    "FieldValueForbidden",
+    condition=_sglang_needs_gpu,
+    values=lambda node: {"gpu_type": "self.gpuType"},
+)
+
+# ----------------------------------------------------------------------------- algorithm
+
+BETAS = Rule(
+    "betas-in-unit-interval",
+    ("OptimizerSpec",),
+    "betas",
+    "each beta must be in [0, 1)",
+    "FieldValueInvalid",
+    condition=lambda node: "!has(self.betas) || self.betas.all(b, 0.0 <= b && b < 1.0)",
+)
+
+TOP_K = Rule(
+    "top-k-nonzero",
+    ("TopPSpec",),
+    "k",
+    "k must be -1 (no cut) or positive",
+    "FieldValueInvalid",
+    condition=lambda node: "!has(self.k) || self.k != 0",
+)
+
+MIS_RANGE = Rule(
+    "mis-range",
+    ("CorrectionsSpec",),
+    "mis",
+    "range [lo, hi] must satisfy 0 < lo < 1 < hi",
+    "FieldValueInvalid",
+    condition=lambda node: "!has(self.mis) || (0.0 < self.mis[0] && self.mis[0] < 1.0 && 1.0 < self.mis[1])",
+)
+
+MIS_OR_TIS = Rule(
+    "mis-or-tis",
+    ("CorrectionsSpec",),
+    "tis",
+    "choose one of mis and tis, not both",
+    "FieldValueForbidden",
+    # mis is on unless set to null: the API server fills in the default, so has() means "on"
+    condition=lambda node: "!(has(self.tis) && has(self.mis))",
+    server_defaults=("mis",),
+)
+
+# ----------------------------------------------------------------------------- evaluation
+
+PASS_K_POSITIVE = Rule(
+    "pass-k-positive",
+    ("EvaluationSpec",),
+    "passK",
+    "every k must be positive, got {k}",
+    "FieldValueInvalid",
+    condition=lambda node: "!has(self.passK) || self.passK.all(k, k > 0)",
+    values=lambda node: {"k": "string(self.passK.filter(k, k <= 0)[0])"},
+)
+
+
+def _largest_pass_k(node: Node) -> str:
+    pass_k = node.value("passK")
+    return f"{pass_k}.filter(k, {pass_k}.all(j, j <= k))[0]"
+
+
+SAMPLES_COVER_PASS_K = Rule(
+    "samples-cover-pass-k",
+    ("EvaluationSpec",),
+    "samplesPerTask",
+    "{samples} is below the largest passK {k}",
+    "FieldValueInvalid",
+    condition=lambda node: f"{node.value('passK')}.all(k, k <= {node.value('samplesPerTask')})",
+    values=lambda node: {
+        "samples": f"string({node.value('samplesPerTask')})",
+        "k": f"string({_largest_pass_k(node)})",
+    },
+    unless=(PASS_K_POSITIVE.name,),
+)
+
+# ----------------------------------------------------------------------------- the run
+
+UNIQUE_POOL_NAMES = Rule(
+    "unique-pool-names",
+    ("RLRunSpec",),
+    "samplerPools",
+    "duplicate pool name '{name}'",
+    "FieldValueInvalid",
+    condition=lambda node: "self.samplerPools.all(p, self.samplerPools.exists_one(q, q.name == p.name))",
+    # the first pool (in list order) whose name is not unique, as the pydantic validator reports it
+    values=lambda node: {
+        "name": "self.samplerPools.filter(p, !self.samplerPools.exists_one(q, q.name == p.name))[0].name"
+    },
+)
+
+RUN_NAME_LENGTH = Rule(
+    "run-name-length",
+    ("RLRun",),
+    "metadata.name",
+    "at most {limit} characters (children are <run>-<pool>)",
+    "FieldValueInvalid",
+    condition=lambda node: f"self.metadata.name.size() <= {MAX_RUN_NAME}",
+    constants={"limit": MAX_RUN_NAME},
+)
+
+RULES: tuple[Rule, ...] = (
+    RESERVED_POOL_NAME,
+    REPLICA_BOUNDS,
+    *WEIGHTS_NEED.values(),
+    FP8_KV_CACHE,
+    DEFAULT_FP8_KV_CACHE,
+    SGLANG_NEEDS_GPU,
+    BETAS,
+    TOP_K,
+    MIS_RANGE,
+    MIS_OR_TIS,
+    PASS_K_POSITIVE,
+    SAMPLES_COVER_PASS_K,
+    UNIQUE_POOL_NAMES,
+    RUN_NAME_LENGTH,
+)
+"""Every rule, in the order each model's validator checks them."""
+
+
+def _negate(expression: str) -> str:
+    """``!(expression)``, or the inside of an expression that is one negated group already."""
+    if expression.startswith("!(") and expression.endswith(")"):
+        depth, quoted = 0, False
+        for index, char in enumerate(expression[1:], start=1):
+            if char == '"' and expression[index - 1] != "\\":
+                quoted = not quoted
+            if quoted:
+                continue
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                if index == len(expression) - 1:  # the group closes at the very end: it is all of it
+                    return expression[2:-1]
+                break
+    return f"!({expression})"
+
+
+def rules_for(model: type[BaseModel]) -> list[Rule]:
+    return [rule for rule in RULES if model.__name__ in rule.models]
+
+
+def cel_validations(model: type[BaseModel], table: GpuTable = GPU_TABLE) -> list[dict[str, str]]:
+    """The ``x-kubernetes-validations`` of one model's schema node."""
+    node = Node(model, table)
+    rules = rules_for(model)
+    conditions = {rule.name: rule.condition(node) for rule in rules}
+    validations = []
+    for rule in rules:
+        condition = conditions[rule.name]
+        if condition is None:
+            continue
+        first = [conditions[name] for name in rule.unless if conditions.get(name)]
+        if first:
+            condition = " || ".join([f"({condition})", *(f"({_negate(c)})" for c in first)])
+        validations.append(
+            {
+                "rule": condition,
+                **rule.cel_message(node),
+                "fieldPath": f".{rule.field}",
+                "reason": rule.reason,
+            }
+        )
+    return validations
+
+
+def server_defaults(model: type[BaseModel]) -> dict[str, Any]:
+    """camelCase field -> the default the CRD must carry for this model's rules (JSON values)."""
+    node = Node(model, GPU_TABLE)
+    defaults: dict[str, Any] = {}
+    for rule in rules_for(model):
+        for name in rule.server_defaults:
+            default = node.default(name)
+            defaults[name] = list(default) if isinstance(default, tuple) else default
+    return defaults

@@ -1,0 +1,484 @@
+"""The CRDs' CEL rules agree with the pydantic validators: the same documents are refused, with the
+same one-line reason at the same path.
+
+Every rule of the generated CRDs is evaluated here with cel-python (``celpy``) where and as the API
+server evaluates it: after the schema's defaults are applied, on every node of the document that
+carries rules, with ``self`` typed by the schema (``number`` fields as doubles even when written as
+integers; null fields absent, as the API server treats them), skipping null nodes, and reporting
+``<path><fieldPath>: <message or messageExpression>``.  tests/cluster/test_admission.py sends the
+same kinds of documents to a real kube-apiserver.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import celpy
+import pytest
+import yaml
+from celpy import celtypes
+
+from mixrl.api import rules
+from mixrl.api.crd import rlrun_crd, samplerpool_crd
+from mixrl.api.errors import InvalidSpec
+from mixrl.api.gpus import GPU_TABLE, GpuCapability
+from mixrl.api.loader import parse_document
+from mixrl.api.models import SamplerPoolTemplate
+
+from .conftest import ROOT
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+Doc = dict[str, Any]
+Schema = dict[str, Any]
+
+# ----------------------------------------------------------------------------- the API server's CEL pass
+
+_ENV = celpy.Environment()
+
+
+@functools.cache
+def _program(expression: str) -> celpy.Runner:
+    return _ENV.program(_ENV.compile(expression))
+
+
+def _evaluate(expression: str, self_value: Any) -> Any:
+    result = _program(expression).evaluate({"self": self_value})
+    if isinstance(result, celpy.CELEvalError):  # the API server would report it; a bug in a rule
+        raise AssertionError(f"{expression!r} failed to evaluate: {result}")
+    return result
+
+
+def _to_cel(value: Any, schema: Schema) -> Any:
+    """A JSON value as the API server hands it to CEL, typed by its schema."""
+    kind = schema.get("type")
+    if kind == "object":
+        properties = schema.get("properties")
+        if properties is not None:  # undeclared fields are invisible, null ones absent
+            return celtypes.MapType(
+                {
+                    celtypes.StringType(k): _to_cel(v, properties[k])
+                    for k, v in value.items()
+                    if k in properties and v is not None
+                }
+            )
+        if isinstance(schema.get("additionalProperties"), dict):
+            items = schema["additionalProperties"]
+            return celtypes.MapType({celtypes.StringType(k): _to_cel(v, items) for k, v in value.items()})
+        return celpy.json_to_cel(value)
+    if kind == "array":
+        return celtypes.ListType([_to_cel(v, schema["items"]) for v in value])
+    converters: dict[str, Callable[[Any], Any]] = {
+        "number": lambda v: celtypes.DoubleType(float(v)),
+        "integer": celtypes.IntType,
+        "string": celtypes.StringType,
+        "boolean": celtypes.BoolType,
+    }
+    return converters[kind](value)
+
+
+def _apply_defaults(value: Any, schema: Schema) -> None:
+    """Structural defaulting: an absent field with a schema default gets it (a null one keeps null)."""
+    if isinstance(value, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if value.get(key) is not None:
+                _apply_defaults(value[key], sub)
+    elif isinstance(value, list) and "items" in schema:
+        for item in value:
+            _apply_defaults(item, schema["items"])
+
+
+def _child(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _validate(schema: Schema, value: Any, path: str, problems: list[str]) -> None:
+    if value is None:  # the API server validates only non-null values
+        return
+    validations = schema.get("x-kubernetes-validations", [])
+    if validations:
+        self_value = _to_cel(value, schema)
+        for rule in validations:
+            result = _evaluate(rule["rule"], self_value)
+            assert isinstance(result, celtypes.BoolType), (rule["rule"], result)
+            if result:
+                continue
+            if "messageExpression" in rule:
+                message = str(_evaluate(rule["messageExpression"], self_value))
+            else:
+                message = rule["message"]
+            where = path
+            for part in rule.get("fieldPath", "").split(".")[1:]:
+                where = _child(where, part)
+            problems.append(f"{where}: {message}")
+    if isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                _validate(sub, value[key], _child(path, key), problems)
+    elif isinstance(value, list) and "items" in schema:
+        for index, item in enumerate(value):
+            _validate(schema["items"], item, f"{path}[{index}]", problems)
+
+
+def admission_problems(doc: Doc, crd: dict[str, Any]) -> list[str]:
+    """What the API server's CEL rules refuse in ``doc``, one ``path: reason`` line each."""
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    doc = copy.deepcopy(doc)
+    _apply_defaults(doc, schema)
+    problems: list[str] = []
+    _validate(schema, doc, "", problems)
+    return sorted(problems)
+
+
+def validate_problems(doc: Doc) -> list[str]:
+    """What `mixrl validate` refuses in ``doc`` (the same function: mixrl.api.loader.parse_document)."""
+    try:
+        parse_document(doc)
+    except InvalidSpec as exc:
+        return sorted(str(p) for p in exc.problems)
+    return []
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def example() -> Doc:
+    return yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
+
+
+def pools(doc: Doc) -> list[Doc]:
+    return doc["spec"]["samplerPools"]
+
+
+def sampler_pool() -> Doc:
+    return {
+        "apiVersion": "mixrl.dev/v1alpha1",
+        "kind": "SamplerPool",
+        "metadata": {"name": "qwen3-moe-coding-h100-fp8"},
+        "spec": {
+            "run": "qwen3-moe-coding",
+            "pool": "h100-fp8",
+            "gpuType": "H100",
+            "weightPrecision": "fp8",
+            "kvCacheDtype": "fp8",
+            "engine": "sglang",
+            "replicas": 1,
+        },
+    }
+
+
+def table_with(changes: dict[str, dict[str, Any]]) -> dict[str, GpuCapability]:
+    """The GPU table with some GPUs' capabilities changed (``{"H100": {"fp4_tensor_cores": True}}``)."""
+    table = dict(GPU_TABLE)
+    for gpu_type, fields in changes.items():
+        table[gpu_type] = replace(GPU_TABLE[gpu_type], **fields)
+    return table
+
+
+@dataclass(frozen=True)
+class Case:
+    rule: str
+    """The rule the document breaks (every rule has at least one case)."""
+    mutate: Callable[[Doc], None]
+    expected: str
+    """The one line `mixrl validate` prints for it."""
+    cel_path: str | None = None
+    """Where the API server reports it, when a static fieldPath cannot name the list index."""
+    table: Mapping[str, GpuCapability] | None = None
+    """A GPU table other than the real one (the rule does not fire with the real table)."""
+    start: Callable[[], Doc] = example
+
+
+def _set(*path: str | int, value: Any) -> Callable[[Doc], None]:
+    def mutate(doc: Doc) -> None:
+        node: Any = doc
+        for key in path[:-1]:
+            node = node.setdefault(key, {}) if isinstance(key, str) else node[key]
+        node[path[-1]] = value
+
+    return mutate
+
+
+def _pool(index: int, **fields: Any) -> Callable[[Doc], None]:
+    def mutate(doc: Doc) -> None:
+        pool = pools(doc)[index]
+        for key, value in fields.items():
+            if value is None:
+                pool.pop(key, None)
+            else:
+                pool[key] = value
+
+    return mutate
+
+
+def _rename_pools(*names: str) -> Callable[[Doc], None]:
+    def mutate(doc: Doc) -> None:
+        for pool, name in zip(pools(doc), names, strict=False):
+            pool["name"] = name
+
+    return mutate
+
+
+FP4_WITHOUT_FP8 = table_with({"A100": {"fp4_tensor_cores": True}})
+"""A made-up GPU with FP4 but no FP8 tensor cores: the only way the default-KV-cache rule can fire."""
+
+CASES: dict[str, Case] = {
+    "reserved-name": Case(
+        "reserved-pool-name",
+        _pool(0, name="trainer"),
+        "spec.samplerPools[0].name: 'trainer' is reserved for the run's own trainer objects",
+    ),
+    "min-above-max": Case(
+        "replica-bounds",
+        _pool(1, minReplicas=9, maxReplicas=8),
+        "spec.samplerPools[1].minReplicas: 9 exceeds maxReplicas 8",
+    ),
+    "min-above-default-max": Case(
+        "replica-bounds",
+        _pool(0, minReplicas=2, maxReplicas=None),
+        "spec.samplerPools[0].minReplicas: 2 exceeds maxReplicas 1",
+    ),
+    "fp8-weights-on-a100": Case(
+        "weights-need-fp8",
+        _pool(6, weightPrecision="fp8"),
+        "spec.samplerPools[6].weightPrecision: fp8 needs FP8 tensor cores, which A100 lacks",
+    ),
+    "fp8-weights-and-fp8-kv-on-a100": Case(  # the weights are reported, not the KV cache too
+        "weights-need-fp8",
+        _pool(6, weightPrecision="fp8", kvCacheDtype="fp8"),
+        "spec.samplerPools[6].weightPrecision: fp8 needs FP8 tensor cores, which A100 lacks",
+    ),
+    "nvfp4-on-h200": Case(
+        "weights-need-fp4",
+        _pool(2, weightPrecision="nvfp4"),
+        "spec.samplerPools[2].weightPrecision: nvfp4 needs FP4 tensor cores, which H200 lacks",
+    ),
+    "mxfp4-on-a100-default-kv": Case(
+        "weights-need-fp4",
+        _pool(6, weightPrecision="mxfp4", kvCacheDtype=None),
+        "spec.samplerPools[6].weightPrecision: mxfp4 needs FP4 tensor cores, which A100 lacks",
+    ),
+    "fp8-kv-on-a100": Case(
+        "fp8-kv-cache-needs-fp8",
+        _pool(6, kvCacheDtype="fp8"),
+        "spec.samplerPools[6].kvCacheDtype: an fp8 KV cache needs FP8 tensor cores, which A100 lacks",
+    ),
+    "default-fp8-kv-without-fp8": Case(
+        "default-fp8-kv-cache-needs-fp8",
+        _pool(6, weightPrecision="nvfp4", kvCacheDtype=None),
+        "spec.samplerPools[6].kvCacheDtype: an fp8 KV cache needs FP8 tensor cores, which A100 lacks"
+        " (the default for low-precision pools; set bf16)",
+        table=FP4_WITHOUT_FP8,
+    ),
+    "sglang-on-cpu": Case(
+        "sglang-needs-gpu",
+        _pool(7, gpuType="cpu"),
+        "spec.samplerPools[7].engine: sglang needs a GPU; use the torch engine for gpuType cpu",
+    ),
+    "beta-one": Case(
+        "betas-in-unit-interval",
+        _set("spec", "trainer", "optimizer", "betas", value=[0.9, 1]),
+        "spec.trainer.optimizer.betas: each beta must be in [0, 1)",
+    ),
+    "top-k-zero": Case(
+        "top-k-nonzero",
+        _set("spec", "algorithm", "topP", "k", value=0),
+        "spec.algorithm.topP.k: k must be -1 (no cut) or positive",
+    ),
+    "mis-below-one": Case(
+        "mis-range",
+        _set("spec", "algorithm", "corrections", "mis", value=[0.5, 0.9]),
+        "spec.algorithm.corrections.mis: range [lo, hi] must satisfy 0 < lo < 1 < hi",
+    ),
+    "mis-from-zero": Case(  # integers in a number field
+        "mis-range",
+        _set("spec", "algorithm", "corrections", "mis", value=[0, 5]),
+        "spec.algorithm.corrections.mis: range [lo, hi] must satisfy 0 < lo < 1 < hi",
+    ),
+    "tis-with-default-mis": Case(
+        "mis-or-tis",
+        _set("spec", "algorithm", "corrections", value={"tis": 2.0}),
+        "spec.algorithm.corrections.tis: choose one of mis and tis, not both",
+    ),
+    "tis-with-mis": Case(
+        "mis-or-tis",
+        _set("spec", "algorithm", "corrections", "tis", value=2),
+        "spec.algorithm.corrections.tis: choose one of mis and tis, not both",
+    ),
+    "pass-k-zero": Case(
+        "pass-k-positive",
+        _set("spec", "evaluation", "passK", value=[1, 0, -2]),
+        "spec.evaluation.passK: every k must be positive, got 0",
+    ),
+    "pass-k-above-samples": Case(
+        "samples-cover-pass-k",
+        _set("spec", "evaluation", "passK", value=[1, 16, 8]),
+        "spec.evaluation.samplesPerTask: 8 is below the largest passK 16",
+    ),
+    "pass-k-above-default-samples": Case(
+        "samples-cover-pass-k",
+        _set("spec", "evaluation", value={"passK": [4]}),
+        "spec.evaluation.samplesPerTask: 1 is below the largest passK 4",
+    ),
+    "duplicate-pool": Case(
+        "unique-pool-names",
+        _pool(3, name="b300-nvfp4"),
+        "spec.samplerPools[3].name: duplicate pool name 'b300-nvfp4'",
+        cel_path="spec.samplerPools",
+    ),
+    "duplicates-reported-in-list-order": Case(
+        "unique-pool-names",
+        _rename_pools("x", "y", "y", "x"),
+        "spec.samplerPools[3].name: duplicate pool name 'x'",
+        cel_path="spec.samplerPools",
+    ),
+    "long-run-name": Case(
+        "run-name-length",
+        _set("metadata", "name", value="r" * 31),
+        "metadata.name: at most 30 characters (children are <run>-<pool>)",
+    ),
+    "sampler-pool-min-above-default-max": Case(
+        "replica-bounds",
+        _set("spec", "minReplicas", value=2),
+        "spec.minReplicas: 2 exceeds maxReplicas 1",
+        start=sampler_pool,
+    ),
+}
+
+VALID: dict[str, Callable[[Doc], None]] = {
+    "mis-off-with-tis": _set("spec", "algorithm", "corrections", value={"mis": None, "tis": 2.0}),
+    "kv-null-reads-as-default": _pool(2, kvCacheDtype=None),
+    "nvfp4-on-rtx-pro": _pool(7, weightPrecision="nvfp4"),
+    "cpu-with-torch": _pool(7, gpuType="cpu", engine="torch"),
+    "pass-k-within-samples": _set("spec", "evaluation", value={"passK": [1, 4], "samplesPerTask": 4}),
+    "name-of-30": _set("metadata", "name", value="r" * 30),
+    "top-k-off": _set("spec", "algorithm", "topP", "k", value=-1),
+}
+
+
+def _crd_for(doc: Doc, table: Mapping[str, GpuCapability] | None) -> dict[str, Any]:
+    if doc.get("kind") == "SamplerPool":
+        return samplerpool_crd()
+    return rlrun_crd(table) if table is not None else rlrun_crd()
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_api_server_refuses_what_validate_refuses_with_the_same_reason(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = CASES[name]
+    if case.table is not None:  # the models read the table at validation time
+        monkeypatch.setattr("mixrl.api.models.GPU_TABLE", case.table)
+    doc = case.start()
+    case.mutate(doc)
+    assert validate_problems(doc) == [case.expected]
+    path, reason = case.expected.split(": ", 1)
+    assert admission_problems(doc, _crd_for(doc, case.table)) == [f"{case.cel_path or path}: {reason}"]
+
+
+def test_every_rule_has_a_case() -> None:
+    assert {case.rule for case in CASES.values()} == {rule.name for rule in rules.RULES}
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.name for e in EXAMPLES])
+def test_examples_pass_every_rule(example: Any) -> None:
+    for doc in yaml.safe_load_all(example.read_text()):
+        assert validate_problems(doc) == []
+        assert admission_problems(doc, rlrun_crd()) == []
+
+
+@pytest.mark.parametrize("name", list(VALID))
+def test_valid_variants_pass_both(name: str) -> None:
+    doc = example()
+    VALID[name](doc)
+    assert validate_problems(doc) == []
+    assert admission_problems(doc, rlrun_crd()) == []
+
+
+def test_valid_sampler_pool_passes_both() -> None:
+    assert validate_problems(sampler_pool()) == []
+    assert admission_problems(sampler_pool(), samplerpool_crd()) == []
+
+
+def test_the_api_server_fills_in_mis_so_tis_alone_is_refused() -> None:
+    # null and absent look alike to CEL; the default in the schema makes absent mean "the paper's range"
+    corrections = rlrun_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    corrections = corrections["properties"]["algorithm"]["properties"]["corrections"]
+    assert corrections["properties"]["mis"]["default"] == [0.2, 5.0]
+    assert corrections["properties"]["mis"]["nullable"] is True
+
+
+# ----------------------------------------------------------------------------- the GPU table
+
+
+def _pool_rules(table: Mapping[str, GpuCapability] = GPU_TABLE) -> dict[str, str]:
+    """The pool node's rules by field: ``weightPrecision`` has one per kind of tensor cores."""
+    rules_by_field: dict[str, str] = {}
+    for validation in rules.cel_validations(SamplerPoolTemplate, table):
+        rules_by_field[validation["fieldPath"]] = rules_by_field.get(validation["fieldPath"], "") + (
+            "\n" + validation["rule"]
+        )
+    return rules_by_field
+
+
+def _gpu_list(gpu_types: list[str]) -> str:
+    return "self.gpuType in [" + ", ".join(f'"{g}"' for g in gpu_types) + "]"
+
+
+def test_generated_gpu_lists_are_the_table() -> None:
+    lacking_fp4 = [g for g, c in GPU_TABLE.items() if not (c.fp4_tensor_cores or c.emulated)]
+    lacking_fp8 = [g for g, c in GPU_TABLE.items() if not (c.fp8_tensor_cores or c.emulated)]
+    emulated = [g for g, c in GPU_TABLE.items() if c.emulated]
+    assert (lacking_fp4, lacking_fp8, emulated) == (["A100", "H100", "H200"], ["A100"], ["cpu"])
+    generated = _pool_rules()
+    assert _gpu_list(lacking_fp4) in generated[".weightPrecision"]
+    assert _gpu_list(lacking_fp8) in generated[".weightPrecision"]
+    assert _gpu_list(lacking_fp8) in generated[".kvCacheDtype"]
+    assert _gpu_list(emulated) in generated[".engine"]
+    # and what the CRD files carry is exactly that
+    items = rlrun_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    items = items["properties"]["samplerPools"]["items"]
+    assert items["x-kubernetes-validations"] == rules.cel_validations(SamplerPoolTemplate)
+
+
+def test_rules_follow_a_changed_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    # H100 gains FP4 and A100 gains FP8: H100 leaves the FP4 list, and no GPU lacks FP8 any more,
+    # so the FP8 weight and KV-cache rules disappear.
+    table = table_with({"H100": {"fp4_tensor_cores": True}, "A100": {"fp8_tensor_cores": True}})
+    generated = _pool_rules(table)
+    assert _gpu_list(["A100", "H200"]) in generated[".weightPrecision"]
+    assert "H100" not in generated[".weightPrecision"]
+    assert ".kvCacheDtype" not in generated
+    assert [v["fieldPath"] for v in rules.cel_validations(SamplerPoolTemplate, table)].count(
+        ".weightPrecision"
+    ) == 1
+    # the same documents change verdict on both sides
+    monkeypatch.setattr("mixrl.api.models.GPU_TABLE", table)
+    doc = example()
+    _pool(3, weightPrecision="nvfp4")(doc)  # h100-fp8 -> nvfp4
+    _pool(6, weightPrecision="fp8", kvCacheDtype="fp8")(doc)  # a100-bf16 -> fp8, fp8 KV cache
+    assert validate_problems(doc) == [] == admission_problems(doc, rlrun_crd(table))
+    _pool(4, weightPrecision="nvfp4")(doc)  # h200 still lacks FP4
+    line = "spec.samplerPools[4].weightPrecision: nvfp4 needs FP4 tensor cores, which H200 lacks"
+    assert validate_problems(doc) == [line] == admission_problems(doc, rlrun_crd(table))
+
+
+def test_rule_costs_are_bounded_by_the_schema() -> None:
+    # The API server estimates a rule's cost from the sizes the schema allows; the quadratic rules
+    # range over lists with a maxItems, and their strings have an enum or a maxLength.
+    spec = rlrun_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    sampler_pools = spec["properties"]["samplerPools"]
+    assert sampler_pools["maxItems"] == rules.MAX_SAMPLER_POOLS
+    assert spec["properties"]["evaluation"]["properties"]["passK"]["maxItems"] == rules.MAX_PASS_K
+    pool = sampler_pools["items"]["properties"]
+    assert pool["name"]["maxLength"] == 24
+    for field in ("gpuType", "weightPrecision", "kvCacheDtype", "engine"):
+        assert pool[field]["enum"], field

@@ -1,0 +1,219 @@
+"""Admission-time validation: the real kube-apiserver refuses an invalid RLRun or SamplerPool, through
+the CEL rules that mixrl.api.rules generates into the CRDs, with the reason `mixrl validate` prints.
+
+Each document below starts from examples/rlrun-mixed.yaml (or a SamplerPool) and breaks one rule.
+The expected reasons are not written here: one `mixrl validate` run over all the documents gives
+them, and every `kubectl apply` must fail with that reason on a line naming the same field.
+tests/api/test_cel_rules.py checks the same rules without a cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+import yaml
+
+from mixrl.api import rules
+from mixrl.api.crd import rlrun_crd, samplerpool_crd
+
+Doc = dict[str, Any]
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rlrun-mixed.yaml"
+
+
+class Cluster(Protocol):
+    """What these tests use of the ``cluster`` fixture (tests/cluster/conftest.py): the real kubectl."""
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]: ...
+
+
+def get(cluster: Cluster, *args: str) -> Doc:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
+
+
+def example() -> Doc:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def sampler_pool(**spec: Any) -> Doc:
+    return {
+        "apiVersion": "mixrl.dev/v1alpha1",
+        "kind": "SamplerPool",
+        "metadata": {"name": "qwen3-moe-coding-h100-fp8"},
+        "spec": {
+            "run": "qwen3-moe-coding",
+            "pool": "h100-fp8",
+            "gpuType": "H100",
+            "weightPrecision": "fp8",
+            "kvCacheDtype": "fp8",
+            "engine": "sglang",
+            "replicas": 1,
+            **spec,
+        },
+    }
+
+
+def pool(index: int, **fields: Any) -> Callable[[], Doc]:
+    def build() -> Doc:
+        doc = example()
+        for key, value in fields.items():
+            if value is None:
+                doc["spec"]["samplerPools"][index].pop(key, None)
+            else:
+                doc["spec"]["samplerPools"][index][key] = value
+        return doc
+
+    return build
+
+
+def at(*path: str, value: Any) -> Callable[[], Doc]:
+    def build() -> Doc:
+        doc = example()
+        node = doc
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+        return doc
+
+    return build
+
+
+# name -> (the rule it breaks, the document)
+INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
+    "reserved-name": (rules.RESERVED_POOL_NAME.name, pool(0, name="trainer")),
+    "min-above-max": (rules.REPLICA_BOUNDS.name, pool(1, minReplicas=9, maxReplicas=8)),
+    "min-above-default-max": (rules.REPLICA_BOUNDS.name, pool(0, minReplicas=2, maxReplicas=None)),
+    "fp8-weights-on-a100": (rules.WEIGHTS_NEED["FP8"].name, pool(6, weightPrecision="fp8")),
+    "nvfp4-on-h200": (rules.WEIGHTS_NEED["FP4"].name, pool(2, weightPrecision="nvfp4")),
+    "mxfp4-on-a100-default-kv": (
+        rules.WEIGHTS_NEED["FP4"].name,
+        pool(6, weightPrecision="mxfp4", kvCacheDtype=None),
+    ),
+    "fp8-kv-on-a100": (rules.FP8_KV_CACHE.name, pool(6, kvCacheDtype="fp8")),
+    "sglang-on-cpu": (rules.SGLANG_NEEDS_GPU.name, pool(7, gpuType="cpu")),
+    "beta-one": (rules.BETAS.name, at("spec", "trainer", "optimizer", "betas", value=[0.9, 1])),
+    "top-k-zero": (rules.TOP_K.name, at("spec", "algorithm", "topP", "k", value=0)),
+    "mis-below-one": (rules.MIS_RANGE.name, at("spec", "algorithm", "corrections", "mis", value=[0.5, 0.9])),
+    "mis-from-zero": (rules.MIS_RANGE.name, at("spec", "algorithm", "corrections", "mis", value=[0, 5])),
+    "tis-with-default-mis": (
+        rules.MIS_OR_TIS.name,
+        at("spec", "algorithm", "corrections", value={"tis": 2.0}),
+    ),
+    "tis-with-mis": (rules.MIS_OR_TIS.name, at("spec", "algorithm", "corrections", "tis", value=2)),
+    "pass-k-zero": (rules.PASS_K_POSITIVE.name, at("spec", "evaluation", "passK", value=[1, 0])),
+    "pass-k-above-samples": (
+        rules.SAMPLES_COVER_PASS_K.name,
+        at("spec", "evaluation", value={"passK": [1, 16], "samplesPerTask": 8}),
+    ),
+    "duplicate-pool": (rules.UNIQUE_POOL_NAMES.name, pool(3, name="b300-nvfp4")),
+    "long-run-name": (rules.RUN_NAME_LENGTH.name, at("metadata", "name", value="r" * 31)),
+    "sampler-pool-min-above-max": (
+        rules.REPLICA_BOUNDS.name,
+        lambda: sampler_pool(minReplicas=3, maxReplicas=2),
+    ),
+}
+
+
+def test_every_rule_the_real_table_can_break_is_sent() -> None:
+    # With the real GPU table no GPU has FP4 without FP8, so the default-KV-cache rule cannot fire
+    # (tests/api/test_cel_rules.py breaks it with a made-up table).
+    unreachable = {rules.DEFAULT_FP8_KV_CACHE.name}
+    assert {rule for rule, _ in INVALID.values()} == {r.name for r in rules.RULES} - unreachable
+
+
+@pytest.fixture(scope="module")
+def validate_reasons(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
+    """name -> (path, reason) as one `mixrl validate` run prints them, one line per document."""
+    names = list(INVALID)
+    path = tmp_path_factory.mktemp("admission") / "invalid.yaml"
+    path.write_text(yaml.safe_dump_all([INVALID[name][1]() for name in names], sort_keys=False))
+    done = subprocess.run(
+        [sys.executable, "-m", "mixrl.cli", "validate", "-q", str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    reasons: dict[str, tuple[str, str]] = {}
+    for line in done.stdout.splitlines():
+        label, where, reason = line.split(": ", 2)
+        index = int(label.rpartition("#")[2]) if "#" in label else 0
+        assert names[index] not in reasons, f"{names[index]}: more than one problem: {done.stdout}"
+        reasons[names[index]] = (where, reason)
+    assert set(reasons) == set(names), done.stdout
+    return reasons
+
+
+def test_each_document_breaks_its_rule(validate_reasons: dict[str, tuple[str, str]]) -> None:
+    # No cluster needed: the fixture already found one problem per document; it is the named rule's.
+    for name, (rule_name, _) in INVALID.items():
+        rule = next(r for r in rules.RULES if r.name == rule_name)
+        fixed = [part for part in re.split(r"\{\w+\}", rule.template) if part]
+        reason = validate_reasons[name][1]
+        assert all(part in reason for part in fixed), (name, reason)
+
+
+def apply(cluster: Cluster, namespace: str, doc: Doc) -> subprocess.CompletedProcess[str]:
+    doc = copy.deepcopy(doc)
+    doc["metadata"]["namespace"] = namespace
+    return cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc), check=False)
+
+
+def test_the_installed_crds_carry_the_generated_rules(cluster: Cluster) -> None:
+    # The chart's CRDs are the generated ones, and the API server accepted their rules' cost.
+    for crd in (rlrun_crd(), samplerpool_crd()):
+        live = get(cluster, "crd", crd["metadata"]["name"])
+        schema = live["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        assert schema == crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        established = {c["type"]: c["status"] for c in live["status"]["conditions"]}
+        assert established.get("Established") == "True", live["status"]
+
+
+@pytest.mark.parametrize("name", list(INVALID))
+def test_the_api_server_refuses_with_the_reason_validate_gives(
+    cluster: Cluster, namespace: str, validate_reasons: dict[str, tuple[str, str]], name: str
+) -> None:
+    rule, build = INVALID[name]
+    where, reason = validate_reasons[name]
+    done = apply(cluster, namespace, build())
+    assert done.returncode != 0, f"accepted: {done.stdout}"
+    # The same field, except where a static fieldPath cannot name the list index (duplicate names).
+    field = "spec.samplerPools" if rule == rules.UNIQUE_POOL_NAMES.name else where
+    pattern = re.escape(field) + r': (Forbidden|Invalid value: "object"): ' + re.escape(reason)
+    assert re.search(pattern, done.stderr), f"{field}: {reason!r} not in {done.stderr!r}"
+    kind = build()["kind"]
+    assert cluster.kubectl("get", kind.lower(), "-n", namespace, "-o", "name").stdout.strip() == ""
+
+
+def test_the_valid_example_is_accepted(cluster: Cluster, namespace: str) -> None:
+    done = apply(cluster, namespace, example())
+    assert done.returncode == 0, done.stderr
+    stored = get(cluster, "rlrun", "qwen3-moe-coding", "-n", namespace)
+    assert [p["name"] for p in stored["spec"]["samplerPools"]] == [
+        p["name"] for p in example()["spec"]["samplerPools"]
+    ]
+    assert apply(cluster, namespace, sampler_pool()).returncode == 0
+
+
+def test_mis_off_with_tis_is_accepted_and_absent_mis_is_filled_in(cluster: Cluster, namespace: str) -> None:
+    done = apply(
+        cluster, namespace, at("spec", "algorithm", "corrections", value={"mis": None, "tis": 2.0})()
+    )
+    assert done.returncode == 0, done.stderr
+    corrections = get(cluster, "rlrun", "qwen3-moe-coding", "-n", namespace)["spec"]["algorithm"][
+        "corrections"
+    ]
+    assert corrections["mis"] is None and corrections["tis"] == 2.0
+    # null turns MIS off; an absent mis is the paper's range, filled in by the API server (the CEL
+    # rules cannot tell null from absent, so the CRD carries that default).
+    doc = at("spec", "algorithm", "corrections", value={"scoreCentering": True})()
+    doc["metadata"]["name"] = "defaults"
+    assert apply(cluster, namespace, doc).returncode == 0
+    corrections = get(cluster, "rlrun", "defaults", "-n", namespace)["spec"]["algorithm"]["corrections"]
+    assert corrections["mis"] == [0.2, 5.0]
