@@ -134,7 +134,8 @@ class Rule:
     condition: Callable[[Node], str | None]
     """CEL expression true for a valid object; None when this GPU table leaves nothing to refuse."""
     values: Callable[[Node], dict[str, str]] = _no_values
-    """Placeholder -> CEL expression (of type string) giving the value the message names."""
+    """Placeholder -> CEL expression of type string (``string(...)`` around an int) giving the value
+    the message names."""
     constants: Mapping[str, Any] = field(default_factory=dict)
     """Placeholders that are the same in every message."""
     unless: tuple[str, ...] = ()
@@ -151,31 +152,29 @@ class Rule:
         return field_error(at or self.field, self.message(**values))
 
     def cel_message(self, node: Node) -> dict[str, str]:
-        """``message`` when the text is fixed, else a ``messageExpression`` of the same template."""
+        """``message`` when the text is fixed, else a ``messageExpression`` of the same template.
+
+        The expression is one ``"...%s...".format([...])`` call (Kubernetes' CEL strings library):
+        the API server estimates its cost from the format string alone, whereas concatenating
+        ``string(int)`` or a name picked by ``filter`` adds strings of unknown size, which it
+        estimates as request-sized and refuses.
+        """
         values = self.values(node)
-        parts: list[tuple[bool, str]] = []  # (literal?, text)
+        pattern, arguments = "", []
         for literal, name, spec, conversion in string.Formatter().parse(self.template):
-            if literal:
-                parts.append((True, literal))
+            pattern += literal.replace("%", "%%")
             if name is None:
                 continue
             if spec or conversion:
                 raise ValueError(f"{self.name}: placeholders take no format spec in a CEL message")
             if name in self.constants:
-                parts.append((True, str(self.constants[name])))
+                pattern += str(self.constants[name]).replace("%", "%%")
             else:
-                parts.append((False, values[name]))
-        merged: list[tuple[bool, str]] = []
-        for is_literal, text in parts:
-            if merged and is_literal and merged[-1][0]:
-                merged[-1] = (True, merged[-1][1] + text)
-            else:
-                merged.append((is_literal, text))
-        if all(is_literal for is_literal, _ in merged):
-            return {"message": "".join(text for _, text in merged)}
-        return {
-            "messageExpression": " + ".join(json.dumps(t) if lit else t for lit, t in merged),
-        }
+                pattern += "%s"
+                arguments.append(values[name])
+        if not arguments:
+            return {"message": pattern.replace("%%", "%")}
+        return {"messageExpression": f"{json.dumps(pattern)}.format([{', '.join(arguments)}])"}
 
 
 # ----------------------------------------------------------------------------- sampler pools

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,9 +41,25 @@ Schema = dict[str, Any]
 _ENV = celpy.Environment()
 
 
+def _format(pattern: celtypes.StringType, arguments: celtypes.ListType) -> celtypes.StringType:
+    """``string.format(list)`` of the API server's CEL strings library, which cel-python lacks, for the
+    two verbs mixrl.api.rules emits: ``%s`` (the arguments are strings) and ``%%``."""
+    values = iter(arguments)
+
+    def verb(match: re.Match[str]) -> str:
+        if match.group(1) == "%":
+            return "%"
+        assert match.group(1) == "s", f"verb %{match.group(1)} in {pattern!r}"
+        return str(next(values))
+
+    text = re.sub(r"%(.)", verb, str(pattern))
+    assert next(values, None) is None, f"more arguments than verbs in {pattern!r}"
+    return celtypes.StringType(text)
+
+
 @functools.cache
 def _program(expression: str) -> celpy.Runner:
-    return _ENV.program(_ENV.compile(expression))
+    return _ENV.program(_ENV.compile(expression), functions={"format": _format})
 
 
 def _evaluate(expression: str, self_value: Any) -> Any:
