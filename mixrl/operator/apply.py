@@ -1,17 +1,30 @@
-"""Idempotent writes: compare the desired object's hash with the live one, write only on change.
+"""Idempotent writes: compare each desired object with the live one, write only what differs.
 
-An unchanged spec therefore costs one GET per child and no write.  Children are written with
-server-side apply (the operator is their only manager, so fields it stops setting disappear), and
-created the same way.  Two exceptions: a PersistentVolumeClaim is only ever created (its spec is
-immutable once bound), and a SamplerPool is created with its seed replicas and later merge-patched
-without them, because after creation ``spec.replicas`` belongs to whoever scales the pool.
+A child is written when it is missing, when its ``mixrl.dev/desired-hash`` annotation differs from
+the desired one (the spec changed), or when a field the operator sets no longer holds the value it
+set (a hand edit: :func:`first_difference`).  Otherwise nothing is sent, so reconciling an
+unchanged cluster — a resync, a child event, an operator restart — costs reads only.
+
+Writes are server-side applies by the field manager ``mixrl-operator`` (fields it stops setting
+disappear; a forced apply takes back a field someone edited).  Exceptions: a SamplerPool is created
+with its seed replicas and later merge-patched without them (after creation ``spec.replicas``
+belongs to whoever scales the pool), and a PersistentVolumeClaim is created once and afterwards
+only grows (:func:`converge_claim`).
+
+When the API server refuses an update because a field is immutable (422), the object is recreated
+when that is safe (:func:`immutable_changes`, :func:`deletion_policy`); a claim that would have to
+shrink is left alone and reported.  Failures are recorded per object (:class:`Failure`) so one
+refused object never keeps the others from being applied.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from mixrl.operator.kube import ApiError, KubeClient
@@ -20,9 +33,23 @@ from mixrl.operator.resources import HASH_ANNOTATION
 
 Obj = dict[str, Any]
 
+log = logging.getLogger("mixrl.operator")
 
 # Created by POST, never by apply: their later writes are not server-side applies (see above).
 CREATED_BY_POST = (SAMPLERPOOLS, PVCS)
+
+# What the API server lets change in a StatefulSet's spec (apps/v1 validation, Kubernetes 1.28+);
+# everything else needs a new object.
+STATEFULSET_MUTABLE = frozenset(
+    {
+        "replicas",
+        "ordinals",
+        "template",
+        "updateStrategy",
+        "persistentVolumeClaimRetentionPolicy",
+        "minReadySeconds",
+    }
+)
 
 
 class OwnerGone(Exception):
@@ -33,23 +60,73 @@ class StillTerminating(Exception):
     """A child with our name is being deleted; it must be gone before we can create it again."""
 
 
+@dataclass(frozen=True)
+class Failure:
+    """One child that could not be made to match its desired state (the others were applied)."""
+
+    object: str
+    """``Kind/name``."""
+    message: str
+    retry: bool = True
+    """False when retrying cannot help until the spec (or the cluster) changes: the message then
+    says what to do."""
+    status: int = 0
+    """The API server's HTTP status (0: no answer, or not an API error)."""
+    retry_after: float | None = None
+    waiting: bool = False
+    """Not an error: the old object is still being deleted (a recreation in progress)."""
+
+
+class ApplyFailed(Exception):
+    """Some children failed (and were reported on the owner's status); the reconcile must be retried."""
+
+    def __init__(self, failures: list[Failure]):
+        self.failures = failures
+        super().__init__("; ".join(f"{f.object}: {f.message}" for f in failures))
+
+    @property
+    def retry_after(self) -> float | None:
+        asked = [f.retry_after for f in self.failures if f.retry_after is not None]
+        return max(asked) if asked else None
+
+    @property
+    def forbidden_only(self) -> bool:
+        """Only 401/403: credentials or RBAC, fixable outside the operator (retry slowly)."""
+        return all(f.status in (401, 403) for f in self.failures)
+
+
 @dataclass
 class ApplyReport:
     created: list[str] = field(default_factory=list)
     updated: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     unchanged: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+    """Updated because a hand edit changed a field the operator sets (``Kind/name field``)."""
+    recreated: list[str] = field(default_factory=list)
+    """Deleted to be created again, because an immutable field had to change (``Kind/name (fields)``)."""
+    failures: list[Failure] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
-        return bool(self.created or self.updated or self.deleted)
+        return bool(self.created or self.updated or self.deleted or self.recreated)
+
+    @property
+    def retryable(self) -> list[Failure]:
+        return [f for f in self.failures if f.retry]
 
     def summary(self) -> str:
         parts = [f"{verb} {', '.join(names)}" for verb, names in self._groups() if names]
         return "; ".join(parts) if parts else "no changes"
 
     def _groups(self) -> list[tuple[str, list[str]]]:
-        return [("created", self.created), ("updated", self.updated), ("deleted", self.deleted)]
+        return [
+            ("created", self.created),
+            ("updated", self.updated),
+            ("repaired", self.repaired),
+            ("recreated", self.recreated),
+            ("deleted", self.deleted),
+        ]
 
 
 def label(obj: Obj) -> str:
@@ -71,6 +148,206 @@ def merged(base: Obj, extra: Obj) -> Obj:
     return out
 
 
+# ----------------------------------------------------------------------------- comparison (pure)
+
+_QUANTITY = re.compile(
+    r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E))?$"
+)
+_SUFFIX = {
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 1000),
+    "k": Fraction(10**3),
+    "M": Fraction(10**6),
+    "G": Fraction(10**9),
+    "T": Fraction(10**12),
+    "P": Fraction(10**15),
+    "E": Fraction(10**18),
+    **{s: Fraction(1024 ** (i + 1)) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"))},
+}
+
+
+def quantity(value: Any) -> Fraction | None:
+    """A Kubernetes resource quantity's value ("1500m", "100Gi", 8), or None if it is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return Fraction(value)
+    if not isinstance(value, str):
+        return None
+    found = _QUANTITY.match(value.strip())
+    if found is None:
+        return None
+    number, exponent, suffix = found.groups()
+    amount = Fraction(number)
+    if exponent:
+        amount *= Fraction(10) ** int(exponent[1:])
+    if suffix:
+        amount *= _SUFFIX[suffix]
+    return amount
+
+
+def same_scalar(want: Any, have: Any) -> bool:
+    """Equal, or the same quantity written differently: the API server canonicalizes quantities
+    ("0.5" comes back as "500m", a GPU count 8 as "8"), which must not count as a hand edit."""
+    if want == have and type(want) is type(have):
+        return True
+    wanted, found = quantity(want), quantity(have)
+    return wanted is not None and wanted == found
+
+
+def is_empty(value: Any) -> bool:
+    """Values the API server omits when it serializes (Go's ``omitempty``): absent means the same."""
+    if value is None or value is False:
+        return True
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value == 0
+    return value in ("", [], {})
+
+
+# Keys that identify the elements of a list of objects (Kubernetes' merge keys, in order of preference).
+LIST_KEYS = ("name", "mountPath", "uid", "containerPort", "port", "devicePath", "type")
+
+
+def _path(base: str, key: str) -> str:
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        return f"{base}.{key}" if base else key
+    return f'{base}["{key}"]'
+
+
+def _list_key(items: list[Any]) -> str | None:
+    """The key that tells apart the desired list's elements, if there is one."""
+    if not items or not all(isinstance(item, dict) for item in items):
+        return None
+    for key in LIST_KEYS:
+        values = [item.get(key) for item in items]
+        if all(v is not None for v in values) and len(set(map(str, values))) == len(values):
+            return key
+    return None
+
+
+def first_difference(want: Any, have: Any, path: str = "") -> str | None:
+    """The first field where ``have`` (live) does not hold what ``want`` (desired) sets, or None.
+
+    Only what ``want`` sets is compared, because that is all a server-side apply by our field
+    manager owns: fields the API server defaults, annotations and labels others add, and list
+    elements of other managers (an injected sidecar's volume) are not drift, and an apply could
+    not remove them anyway.  Lists of objects are matched by their merge key (``name``, ``uid``,
+    ``mountPath`` …) when the desired elements have a unique one, else by position; lists of
+    scalars (``command``, ``args``) must be equal."""
+    if isinstance(want, dict):
+        if not isinstance(have, dict):
+            return None if is_empty(want) and have is None else path or "."
+        for key, value in want.items():
+            sub = _path(path, key)
+            if key not in have or have[key] is None:
+                if is_empty(value):
+                    continue
+                return sub
+            found = first_difference(value, have[key], sub)
+            if found is not None:
+                return found
+        return None
+    if isinstance(want, list):
+        if not isinstance(have, list):
+            return None if not want and have is None else path
+        key = _list_key(want)
+        if key is not None:
+            index = {str(item.get(key)): item for item in have if isinstance(item, dict)}
+            for item in want:
+                sub = f'{path}[{key}="{item[key]}"]'
+                if str(item[key]) not in index:
+                    return sub
+                found = first_difference(item, index[str(item[key])], sub)
+                if found is not None:
+                    return found
+            return None
+        if len(want) != len(have):
+            return path
+        for i, (w, h) in enumerate(zip(want, have, strict=True)):
+            found = first_difference(w, h, f"{path}[{i}]")
+            if found is not None:
+                return found
+        return None
+    return None if same_scalar(want, have) else path or "."
+
+
+def owned_fields(desired: Obj) -> Obj:
+    """The part of a desired object that a write sets and a hand edit can change."""
+    return {k: v for k, v in desired.items() if k not in ("apiVersion", "kind", "status")}
+
+
+def hand_edit(desired: Obj, live: Obj) -> str | None:
+    """The first field the operator sets that someone changed in the live object, or None."""
+    return first_difference(owned_fields(desired), live)
+
+
+def immutable_changes(desired: Obj, live: Obj) -> list[str]:
+    """Fields the desired object changes that the API server does not let change in place.
+
+    StatefulSet: anything in ``spec`` but the mutable few (volumeClaimTemplates, selector,
+    serviceName, podManagementPolicy …).  Deployment: the selector.  Service: ``clusterIP``
+    (headless or not).  Claims are handled by :func:`converge_claim` and never get here."""
+    kind = desired.get("kind")
+    want, have = desired.get("spec") or {}, live.get("spec") or {}
+    if kind == "StatefulSet":
+        changed = [
+            f"spec.{key}"
+            for key in sorted(set(want) - STATEFULSET_MUTABLE)
+            if first_difference(want[key], have.get(key), f"spec.{key}") is not None
+        ]
+        if "volumeClaimTemplates" not in want and have.get("volumeClaimTemplates"):
+            changed.append("spec.volumeClaimTemplates")
+        return changed
+    if kind == "Deployment":
+        selector = first_difference(want.get("selector"), have.get("selector"), "spec.selector")
+        return ["spec.selector"] if selector is not None else []
+    if kind == "Service":
+        headless_now = have.get("clusterIP") == "None"
+        headless_wanted = want.get("clusterIP") == "None"
+        return ["spec.clusterIP"] if headless_now != headless_wanted else []
+    return []
+
+
+def deletion_policy(desired: Obj, live: Obj, changed: list[str]) -> str:
+    """How to delete an object that must be recreated.
+
+    A StatefulSet whose pods would survive unchanged (same selector and pod template: only, say,
+    its claim templates or service name change) is deleted with ``Orphan``: its pods keep running
+    and the new StatefulSet adopts them, nothing restarts.  Otherwise ``Foreground``: the pods are
+    deleted first (their GPUs freed before the new pods ask for them — a GPU cluster rarely has
+    spare ones), the object goes last, and the new one starts them all together, which is what the
+    trainer's rendezvous needs; it resumes from the checkpoint on its ``run`` volumes, which
+    outlive the StatefulSet.  A Deployment whose selector changes is deleted ``Foreground`` too (the
+    new one would not adopt the old ReplicaSets).  A Service has no dependents worth waiting for."""
+    kind = desired.get("kind")
+    if kind == "StatefulSet":
+        want, have = desired.get("spec") or {}, live.get("spec") or {}
+        same_pods = (
+            "spec.selector" not in changed
+            and first_difference(want.get("template"), have.get("template"), "spec.template") is None
+        )
+        return "Orphan" if same_pods else "Foreground"
+    if kind == "Deployment":
+        return "Foreground"
+    return "Background"
+
+
+def claim_size(obj: Obj) -> Any:
+    return (((obj.get("spec") or {}).get("resources") or {}).get("requests") or {}).get("storage")
+
+
+def shrink_refusal(name: str, source: str, want: str, have: str) -> str:
+    return (
+        f"{source} {want} is smaller than PersistentVolumeClaim {name}'s {have}, and a claim can only "
+        f"grow: set {source} to at least {have}, or delete the claim (its data is lost) so the "
+        f"operator creates it at {want}"
+    )
+
+
+# ----------------------------------------------------------------------------- writes
+
+
 @dataclass(frozen=True)
 class Applied:
     before: Obj | None
@@ -86,43 +363,191 @@ async def apply_object(
     seed: Obj | None = None,
     before_create: Callable[[], Awaitable[None]] | None = None,
     on_update: Callable[[Obj], Obj] | None = None,
-) -> Applied:
-    """Make one child match ``desired``.
+    size_source: str = "spec.resources.requests.storage",
+) -> Applied | None:
+    """Make one child match ``desired``; record a failure in ``report`` instead of raising it.
 
     ``seed`` holds fields set only on creation (a SamplerPool's first ``spec.replicas``);
-    ``before_create`` runs before any creation and may raise :class:`OwnerGone`; ``on_update``
-    maps the live object to extra fields for the same update (a SamplerPool's replicas brought
-    within new bounds), so an update stays one write."""
+    ``before_create`` runs before any creation or recreation and may raise :class:`OwnerGone`
+    (which propagates: the owner's reconcile ends); ``on_update`` maps the live object to extra
+    fields for the same update (a SamplerPool's replicas brought within new bounds), so an update
+    stays one write; ``size_source`` names the spec field a claim's size comes from, for the message
+    that refuses to shrink it.  Returns the object as last seen (None when it is not known)."""
     resource = resource_of(desired)
-    namespace = desired["metadata"]["namespace"]
-    name = desired["metadata"]["name"]
-    live = await client.get(resource, namespace, name)
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    live: Obj | None = None
+    try:
+        live = await client.get(resource, namespace, name)
+        return await converge(client, desired, live, report, seed, before_create, on_update, size_source)
+    except StillTerminating as exc:
+        report.failures.append(Failure(label(desired), str(exc), waiting=True))
+    except ApiError as exc:
+        report.failures.append(Failure(label(desired), str(exc), True, exc.status, exc.retry_after))
+    return Applied(live, live) if live is not None else None
+
+
+async def converge(
+    client: KubeClient,
+    desired: Obj,
+    live: Obj | None,
+    report: ApplyReport,
+    seed: Obj | None,
+    before_create: Callable[[], Awaitable[None]] | None,
+    on_update: Callable[[Obj], Obj] | None,
+    size_source: str,
+) -> Applied:
+    resource = resource_of(desired)
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
     if live is not None and live.get("metadata", {}).get("deletionTimestamp"):
-        raise StillTerminating(f"{label(desired)} is still being deleted")
+        raise StillTerminating(
+            f"{label(desired)} is still being deleted; it is created again once it is gone"
+        )
     if live is None:
-        if before_create is not None:
-            await before_create()
-        try:
-            if resource in CREATED_BY_POST:
-                created = await client.create(resource, namespace, merged(desired, seed or {}))
-            else:
-                created = await client.apply(resource, namespace, name, merged(desired, seed or {}))
-            report.created.append(label(desired))
-            return Applied(None, created)
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
-            # Someone (our previous attempt, whose answer was lost) created it: compare and patch.
-            live = await client.get(resource, namespace, name)
-            if live is None:
-                raise
-    if live_hash(live) == live_hash(desired) or resource is PVCS:
+        return await create(client, desired, report, seed, before_create)
+    if resource is PVCS:
+        return await converge_claim(client, desired, live, report, size_source)
+    edited = None if live_hash(live) != live_hash(desired) else hand_edit(desired, live)
+    if live_hash(live) == live_hash(desired) and edited is None:
         report.unchanged.append(label(desired))
         return Applied(live, live)
     body = merged(desired, on_update(live)) if on_update is not None else desired
-    if resource is SAMPLERPOOLS:
-        updated = await client.merge_patch(resource, namespace, name, body)
-    else:
-        updated = await client.apply(resource, namespace, name, body)
+    try:
+        if resource is SAMPLERPOOLS:
+            updated = await client.merge_patch(resource, namespace, name, body)
+        else:
+            updated = await client.apply(resource, namespace, name, body)
+    except ApiError as exc:
+        changed = immutable_changes(desired, live) if exc.status == 422 else []
+        if not changed:
+            raise
+        return await recreate(client, desired, live, changed, report, before_create)
+    report.updated.append(label(desired))
+    if edited is not None:
+        report.repaired.append(f"{label(desired)} {edited}")
+        log.info("%s: %s was changed by hand; applied the desired value again", label(desired), edited)
+        still = hand_edit(desired, updated)
+        if still is not None:  # the server normalizes it, or another manager keeps it: not ours to fight
+            log.warning(
+                "%s: %s still differs after the apply (normalized by the server?)", label(desired), still
+            )
+    return Applied(live, updated)
+
+
+async def create(
+    client: KubeClient,
+    desired: Obj,
+    report: ApplyReport,
+    seed: Obj | None,
+    before_create: Callable[[], Awaitable[None]] | None,
+) -> Applied:
+    resource = resource_of(desired)
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    if before_create is not None:
+        await before_create()
+    try:
+        if resource in CREATED_BY_POST:
+            created = await client.create(resource, namespace, merged(desired, seed or {}))
+        else:
+            created = await client.apply(resource, namespace, name, merged(desired, seed or {}))
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        # Someone (our previous attempt, whose answer was lost) created it: compare and patch next time.
+        live = await client.get(resource, namespace, name)
+        if live is None:
+            raise
+        report.unchanged.append(label(desired))
+        return Applied(live, live)
+    report.created.append(label(desired))
+    return Applied(None, created)
+
+
+async def recreate(
+    client: KubeClient,
+    desired: Obj,
+    live: Obj,
+    changed: list[str],
+    report: ApplyReport,
+    before_create: Callable[[], Awaitable[None]] | None,
+) -> Applied:
+    """Delete an object whose immutable fields must change, and create it again once it is gone.
+
+    The deletion names the live uid as a precondition (never delete a newer object someone made
+    meanwhile).  Orphan and Background deletions are usually finished at once; a Foreground one
+    keeps the object (with a deletionTimestamp) until its pods are gone, and the creation then
+    happens on a later reconcile: the retry, or the watch event of the deletion."""
+    resource = resource_of(desired)
+    namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+    if before_create is not None:
+        await before_create()
+    policy = deletion_policy(desired, live, changed)
+    log.warning(
+        "%s: %s cannot change in place; deleting it (propagationPolicy %s) to create it again",
+        label(desired),
+        ", ".join(changed),
+        policy,
+    )
+    await client.delete(resource, namespace, name, propagation=policy, uid=live["metadata"].get("uid"))
+    report.recreated.append(f"{label(desired)} ({', '.join(changed)}; propagationPolicy {policy})")
+    again = await client.get(resource, namespace, name)
+    if again is not None:
+        raise StillTerminating(
+            f"{label(desired)} is being recreated ({', '.join(changed)} cannot change in place); "
+            "waiting for the old one to be deleted"
+        )
+    created = await client.apply(resource, namespace, name, desired)
+    return Applied(live, created)
+
+
+async def converge_claim(
+    client: KubeClient, desired: Obj, live: Obj, report: ApplyReport, size_source: str
+) -> Applied:
+    """A claim's spec is immutable but for its size, which may only grow (the storage class must
+    allow expansion).  A bigger size is patched; a smaller one, or a refused expansion, is reported
+    as a failure that retrying cannot fix (the message says what to do), and the claim is kept."""
+    name = desired["metadata"]["name"]
+    want, have = claim_size(desired), claim_size(live)
+    wanted, found = quantity(want), quantity(have)
+    if wanted is None or found is None or wanted == found:
+        report.unchanged.append(label(desired))
+        return Applied(live, live)
+    if wanted < found:
+        report.failures.append(
+            Failure(label(desired), shrink_refusal(name, size_source, want, have), retry=False)
+        )
+        return Applied(live, live)
+    patch = {
+        "metadata": {"annotations": {HASH_ANNOTATION: live_hash(desired)}},
+        "spec": {"resources": {"requests": {"storage": want}}},
+    }
+    try:
+        updated = await client.merge_patch(PVCS, desired["metadata"]["namespace"], name, patch)
+    except ApiError as exc:
+        if exc.status not in (403, 422):
+            raise
+        message = (
+            f"expanding PersistentVolumeClaim {name} from {have} to {want} was refused ({exc.message}): "
+            f"its StorageClass must allow volume expansion (allowVolumeExpansion: true), or set "
+            f"{size_source} back to {have}"
+        )
+        report.failures.append(Failure(label(desired), message, retry=False, status=exc.status))
+        return Applied(live, live)
     report.updated.append(label(desired))
     return Applied(live, updated)
+
+
+__all__ = [
+    "Applied",
+    "ApplyFailed",
+    "ApplyReport",
+    "Failure",
+    "OwnerGone",
+    "StillTerminating",
+    "apply_object",
+    "deletion_policy",
+    "first_difference",
+    "hand_edit",
+    "immutable_changes",
+    "label",
+    "quantity",
+]

@@ -4,10 +4,17 @@
   spec is a ``kopf.PermanentError`` (InvalidSpec condition, one Warning event, no requeue);
   conflicts, throttling, server errors and lost connections are ``kopf.TemporaryError`` with an
   exponential backoff (``Retry-After`` honoured).
-- Children (the run's Deployments and StatefulSets, the SamplerPools' status): an event handler
-  reconciles the owner, so status follows readiness and a deleted child is recreated.
+- Children (every kind the operator creates: ConfigMaps, Services, claims, Deployments,
+  StatefulSets, SamplerPools, and PodMonitors and ScaledObjects where the cluster serves them):
+  an event handler — deletions included — asks for a debounced reconcile of the owner, so status
+  follows readiness, a hand edit is undone and a deleted child is recreated.  Such a reconcile
+  runs in a task of its own and, when it fails, is retried with jittered exponential backoff.
+- A periodic resync (``resync_interval_s``) reconciles every known RLRun and SamplerPool again,
+  which repairs what no event announced (a missed watch event, a change during a restart).  A
+  reconcile writes only what differs from the live objects, so a resync — like an operator
+  restart — of an unchanged cluster sends no write at all.
 - No finalizers: deletion is the garbage collector's job through owner references, and no
-  handler here needs one (kopf timers would add one; drift is caught by watching the children).
+  handler here needs one (kopf timers would add one, which is why the resync is our own loop).
 - kopf keeps its bookkeeping in ``mixrl.dev/*`` annotations, never in our status.
 - The built-in autoscaler (:mod:`mixrl.operator.autoscaling_loop`) runs in the same operator, on
   the same API client (so its calls are RBAC-checked like the reconcilers'), for the pools of runs
@@ -23,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -33,11 +41,11 @@ import kopf
 
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator import labels as L
-from mixrl.operator.apply import StillTerminating
+from mixrl.operator.apply import ApplyFailed, StillTerminating
 from mixrl.operator.autoscaling_loop import AutoscalingLoop, LoopSettings, register_autoscaling
 from mixrl.operator.kube import ApiError, Connection, KubeClient
 from mixrl.operator.peering import paused_by_peers
-from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS, peering_resource
+from mixrl.operator.rbac import CHILD_RESOURCES, RLRUNS, SAMPLERPOOLS, ApiResource, peering_resource
 from mixrl.operator.reconcile import Context, Outcome, reconcile_pool, reconcile_run
 from mixrl.operator.resources import BuildOptions, Images, Monitoring
 from mixrl.operator.status import PROGRESSING, Reason, make_condition, merge_conditions
@@ -60,6 +68,17 @@ class OperatorConfig:
     drain_seconds: int = 300
     backoff_base_s: float = 2.0
     backoff_cap_s: float = 120.0
+    backoff_jitter: float = 0.5
+    """Each retry waits a random time in [(1 - jitter) × delay, delay]: retries of a failure many
+    objects share (an API server outage) spread out instead of arriving in lockstep."""
+    uniform: Callable[[], float] = random.random
+    """The jitter's source of uniform [0, 1) numbers (tests pass a seeded ``random.Random(n).random``)."""
+    resync_interval_s: float | None = 60.0
+    """How often every known RLRun and SamplerPool is reconciled again whatever the events said;
+    None turns the resync off (watch events still reconcile)."""
+    reconcile_concurrency: int = 4
+    """At most this many event- or resync-triggered reconciles run at once (a resync of many runs
+    does not flood the API server)."""
     login: LoginFn | None = None
     """How to reach the API server; default: in-cluster service account, then kubeconfig."""
     tune: Callable[[kopf.OperatorSettings], None] | None = None
@@ -72,8 +91,10 @@ class OperatorConfig:
 
 
 def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None) -> float:
-    """Exponential backoff for the ``retry``-th retry, at least what the server asked for."""
+    """Jittered exponential backoff for the ``retry``-th retry, at least what the server asked for:
+    base × 2^retry, capped, then shortened by up to ``backoff_jitter`` of itself."""
     delay = min(config.backoff_cap_s, config.backoff_base_s * 2 ** min(retry, 16))
+    delay *= 1.0 - config.backoff_jitter * config.uniform()
     return max(delay, retry_after or 0.0)
 
 
@@ -107,6 +128,12 @@ class Runtime:
         self.client = KubeClient(self._current_connection)
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._queued: set[str] = set()
+        self.known: dict[str, tuple[str, str, str]] = {}
+        """lock key -> (kind, namespace, name) of every RLRun and SamplerPool kopf's watches have
+        shown (an index the resync walks: it costs no API call of its own)."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._resync: asyncio.Task[None] | None = None
         self._served: dict[str, tuple[set[str] | None, float]] = {}
         self.autoscaler: AutoscalingLoop | None = None
         self.kopf_settings: kopf.OperatorSettings | None = None
@@ -169,6 +196,70 @@ class Runtime:
     def context(self) -> Context:
         return Context(client=self.client, options=self.options, events=post_event)
 
+    # ------------------------------------------------------------------ event- and resync-driven work
+
+    def observe(self, body: Obj, deleted: bool) -> None:
+        key = lock_key(body)
+        if deleted:
+            self.known.pop(key, None)
+        else:
+            meta = body["metadata"]
+            self.known[key] = (body["kind"], meta["namespace"], meta["name"])
+
+    def request(self, kind: str, namespace: str, name: str) -> None:
+        """Reconcile an RLRun or SamplerPool soon (debounced), in a task of its own; nothing when
+        one is already queued for it, since that one will see the latest state."""
+        stub = {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
+        if lock_key(stub) in self._queued:
+            return
+        reconcile = reconcile_run if kind == "RLRun" else reconcile_pool
+        self.spawn(coalesced(self, stub, reconcile))
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def slots(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(max(1, self.config.reconcile_concurrency))
+        return self._slots
+
+    async def resync_once(self) -> int:
+        """Ask for a reconcile of every known object where this operator is the active peer;
+        returns how many were asked for."""
+        active: dict[str, bool] = {}
+        asked = 0
+        for kind, namespace, name in sorted(self.known.values()):
+            if namespace not in active:
+                active[namespace] = await self.active_in(namespace)
+            if active[namespace]:
+                self.request(kind, namespace, name)
+                asked += 1
+        return asked
+
+    async def resync_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                asked = await self.resync_once()
+            except ApiError as exc:  # the peering read failed: try again next time
+                log.warning("resync skipped: %s", exc)
+            else:
+                log.debug("resync: %d objects", asked)
+
+    def start(self) -> None:
+        interval = self.config.resync_interval_s
+        if interval and self._resync is None:
+            self._resync = asyncio.create_task(self.resync_forever(interval))
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *([self._resync] if self._resync is not None else [])]
+        self._resync = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
 
 def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
     # kopf.event, not kopf.info: the posting level filters only log-derived events, not ours.
@@ -176,11 +267,15 @@ def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
 
 
 async def report_failure(rt: Runtime, body: Obj, error: Exception) -> None:
-    """Best effort: say on the run's Progressing condition why it is stuck (the API may be down)."""
+    """Best effort: say on the run's Progressing condition why it is stuck (the API may be down);
+    no write when the condition already says so."""
     conditions = list((body.get("status") or {}).get("conditions") or [])
     generation = body["metadata"].get("generation")
     value = ("True", Reason.APPLY_FAILED, str(error)[:300])
     failed = make_condition(PROGRESSING, value, generation, rt.context().now(), conditions)
+    before = next((c for c in conditions if c.get("type") == PROGRESSING), None)
+    if before is not None and {k: before.get(k) for k in failed} == failed:
+        return
     meta = body["metadata"]
     patch = {"status": {"conditions": merge_conditions(conditions, [failed])}}
     with contextlib.suppress(ApiError):
@@ -229,6 +324,12 @@ async def guarded(
                 f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s
             ) from exc
         raise kopf.PermanentError(str(exc)) from exc  # the API server rejected what we built
+    except ApplyFailed as exc:  # some children failed; the status says which (no report_failure)
+        if exc.forbidden_only:
+            raise kopf.TemporaryError(
+                f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s
+            ) from exc
+        raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config, exc.retry_after)) from exc
     except StillTerminating as exc:
         raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config)) from exc
     if outcome.invalid is not None:
@@ -237,24 +338,61 @@ async def guarded(
     return outcome
 
 
+RETRIED = (ApiError, StillTerminating, ApplyFailed)
+
+
 async def coalesced(rt: Runtime, body: Obj, reconcile: Callable[[Context, Obj], Awaitable[Outcome]]) -> None:
-    """Reconcile on behalf of a child's event; if one is already queued for this owner, it will see
-    the latest state, so this one is dropped.  Errors are logged: the change handlers retry."""
+    """Reconcile on behalf of a child's event or the resync, after ``event_debounce_s``; if one is
+    already queued for this owner, it will see the latest state, so this one is dropped.
+
+    A failed reconcile is retried with jittered exponential backoff until it succeeds, the owner is
+    gone, another peer took over, or a newer request is queued (which then retries on its own)."""
     key = lock_key(body)
     if key in rt._queued:
         return
     rt._queued.add(key)
+    queued = True  # the marker in rt._queued is ours to remove
+    delay, attempt = rt.config.event_debounce_s, 0
     try:
-        await asyncio.sleep(rt.config.event_debounce_s)
-        async with rt.lock(key):
-            rt._queued.discard(key)
-            fresh = await read_fresh(rt, body)
-            if fresh is not None:
-                await reconcile(rt.context(), fresh)
-    except (ApiError, StillTerminating) as exc:
-        log.warning("resync of %s failed: %s", key, exc)
+        while True:
+            await asyncio.sleep(delay)
+            if attempt and not await rt.active_in(body["metadata"]["namespace"]):
+                return
+            async with rt.slots(), rt.lock(key):
+                rt._queued.discard(key)
+                queued = False
+                try:
+                    fresh = await read_fresh(rt, body)
+                    if fresh is not None:
+                        await reconcile(rt.context(), fresh)
+                    return
+                except RETRIED as exc:
+                    error: Exception = exc
+            if key in rt._queued:
+                return
+            delay = backoff(attempt, rt.config, getattr(error, "retry_after", None))
+            attempt += 1
+            log.warning("reconcile of %s failed (retry %d in %.1f s): %s", key, attempt, delay, error)
+            rt._queued.add(key)
+            queued = True
+    except ApiError as exc:  # the peering read before a retry
+        log.warning("reconcile of %s not retried: %s", key, exc)
     finally:
-        rt._queued.discard(key)
+        if queued:
+            rt._queued.discard(key)
+
+
+# Every kind of child the operator creates except SamplerPools (watched for their own handlers):
+# events of any of them reconcile the owner.  Kinds the cluster does not serve (PodMonitor without
+# the Prometheus Operator, ScaledObject without KEDA) are simply not watched.
+WATCHED_CHILDREN: tuple[ApiResource, ...] = tuple(r for r in CHILD_RESOURCES if r is not SAMPLERPOOLS)
+_WATCHED = {(r.group, r.version, r.plural) for r in WATCHED_CHILDREN}
+
+
+def is_watched_child(resource: kopf.Resource) -> bool:
+    """One kopf selector for all of them: one that names a kind the cluster lacks would make kopf
+    warn at every start, and a callable one matches the kinds that are served, silently."""
+    return (resource.group, resource.version, resource.plural) in _WATCHED
 
 
 def controller_of(obj: Obj) -> tuple[str, str] | None:
@@ -278,10 +416,18 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
         settings.posting.reporting_component = L.MANAGER
         settings.posting.level = logging.WARNING  # our events are explicit; logs stay logs
-        for plural in ("deployments", "statefulsets"):
-            settings.watching.label_selectors[f"apps/{plural}"] = f"{L.MANAGED_BY}={L.MANAGER}"
+        # Children are watched through a server-side label selector (a (group, plural) key: kopf
+        # reads a "group/plural" string as one resource name and would match nothing).
+        for resource in WATCHED_CHILDREN:
+            settings.watching.label_selectors[resource.group or "v1", resource.plural] = (
+                f"{L.MANAGED_BY}={L.MANAGER}"
+            )
         if config.tune is not None:
             config.tune(settings)
+
+    @kopf.on.startup(registry=registry)
+    async def start_resync(**_: Any) -> None:
+        rt.start()
 
     if config.autoscaling is not None:
         rt.autoscaler = register_autoscaling(
@@ -295,7 +441,8 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
-        if rt.autoscaler is not None:  # first: its last writes go through the shared client
+        await rt.stop()  # pending retries and the resync: they use the client too
+        if rt.autoscaler is not None:  # before closing: its last writes go through the shared client
             await rt.autoscaler.stop()
         await rt.client.close()
 
@@ -318,23 +465,25 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
     async def pool_changed(body: kopf.Body, retry: int, **_: Any) -> None:
         await guarded(rt, plain(body), reconcile_pool, retry)
 
+    @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
+    async def run_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        rt.observe(plain(body), deleted=type == "DELETED")
+
     @kopf.on.event(GROUP, VERSION, "samplerpools", registry=registry)
     async def pool_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-        # A pool's readiness is part of its run's status.
-        owner = controller_of(plain(body))
-        if owner is not None and type != "DELETED":
-            await reconcile_owner(rt, body["metadata"]["namespace"], *owner)
+        # Indexed for the resync; and a pool's readiness is part of its run's status, while a
+        # deleted pool that the run still declares is recreated by the run's reconcile.
+        pool = plain(body)
+        rt.observe(pool, deleted=type == "DELETED")
+        owner = controller_of(pool)
+        if owner is not None:
+            rt.request(owner[0], body["metadata"]["namespace"], owner[1])
 
-    @kopf.on.event("apps", "v1", "deployments", labels=managed, registry=registry)
-    @kopf.on.event("apps", "v1", "statefulsets", labels=managed, registry=registry)
-    async def workload_event(body: kopf.Body, **_: Any) -> None:
+    @kopf.on.event(is_watched_child, labels=managed, registry=registry)
+    async def child_event(body: kopf.Body, **_: Any) -> None:
+        # Any event, deletions included: the owner's reconcile restores what differs.
         owner = controller_of(plain(body))
         if owner is not None:
-            await reconcile_owner(rt, body["metadata"]["namespace"], *owner)
+            rt.request(owner[0], body["metadata"]["namespace"], owner[1])
 
     return registry, rt
-
-
-async def reconcile_owner(rt: Runtime, namespace: str, kind: str, name: str) -> None:
-    stub = {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
-    await coalesced(rt, stub, reconcile_run if kind == "RLRun" else reconcile_pool)

@@ -1,7 +1,7 @@
 """A small asynchronous Kubernetes REST client for the reconcilers (aiohttp).
 
 It speaks the few calls the operator needs — get, list, create, server-side apply, merge patch,
-delete, discovery — and nothing else.  Every call names its RBAC verb and is checked against
+delete (with a propagation policy), discovery — and nothing else.  Every call names its RBAC verb and is checked against
 :data:`mixrl.operator.rbac.RECONCILER` (or the peering read) before it is sent, so an undeclared
 call fails in the tests instead of with a 403 in a cluster.  Credentials come from the same login kopf performs (a kopf
 ``ConnectionInfo``), read again on each request so a refreshed token is used at once.
@@ -26,6 +26,7 @@ from mixrl.operator.rbac import PEERING_READS, RECONCILER, ApiResource, is_allow
 
 FIELD_MANAGER = "mixrl-operator"
 USER_AGENT = f"mixrl-operator/{__version__}"
+WRITE_VERBS = frozenset({"create", "patch", "update", "delete"})
 Obj = dict[str, Any]
 
 
@@ -134,6 +135,11 @@ class KubeClient:
         self._ssl_for: tuple[Connection, ssl.SSLContext | bool] | None = None
         self.calls: Counter[tuple[str, str]] = Counter()
         """(verb, resource) -> number of calls sent: for logs and tests."""
+
+    def writes(self) -> Counter[tuple[str, str]]:
+        """The calls sent so far that change state ((verb, resource) -> count): a reconcile of an
+        unchanged cluster must add none."""
+        return Counter({key: n for key, n in self.calls.items() if key[0] in WRITE_VERBS})
 
     async def close(self) -> None:
         if self._session is not None:
@@ -247,10 +253,22 @@ class KubeClient:
         )
         return patched
 
-    async def delete(self, resource: ApiResource, namespace: str, name: str) -> bool:
-        """Delete with background propagation (the garbage collector removes the dependents);
-        False when it was already gone."""
-        options = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+    async def delete(
+        self,
+        resource: ApiResource,
+        namespace: str,
+        name: str,
+        propagation: str = "Background",
+        uid: str | None = None,
+    ) -> bool:
+        """Delete; False when it was already gone.
+
+        ``propagation``: ``Background`` (the garbage collector removes the dependents afterwards),
+        ``Foreground`` (dependents first, the object last) or ``Orphan`` (dependents stay).  ``uid``:
+        delete only that incarnation (a precondition: a newer object with the name is left alone)."""
+        options: Obj = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
+        if uid is not None:
+            options["preconditions"] = {"uid": uid}
         try:
             await self.request("delete", "DELETE", resource, namespace=namespace, name=name, body=options)
         except ApiError as exc:

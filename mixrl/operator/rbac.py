@@ -79,12 +79,15 @@ Key = tuple[str, str]
 # Calls made by mixrl's own code (the reconcilers and the built-in autoscaler), through
 # mixrl.operator.kube.
 RECONCILER: dict[Key, frozenset[str]] = {
-    # Children, written by server-side apply (create and patch) after a get that compares hashes.
+    # Children, written by server-side apply (create and patch) after a get that compares them.
     ("", "configmaps"): frozenset({"get", "create", "patch"}),
-    ("", "services"): frozenset({"get", "create", "patch"}),
-    ("", "persistentvolumeclaims"): frozenset({"get", "create"}),  # immutable once bound: never patched
-    ("apps", "deployments"): frozenset({"get", "create", "patch"}),
-    ("apps", "statefulsets"): frozenset({"get", "create", "patch"}),
+    # Deleted only to be recreated when an immutable field must change (a Service's clusterIP, a
+    # Deployment's selector, a StatefulSet's claim templates); see mixrl.operator.apply.
+    ("", "services"): frozenset({"get", "create", "patch", "delete"}),
+    # Created once; afterwards only patched to grow (volume expansion), never shrunk.
+    ("", "persistentvolumeclaims"): frozenset({"get", "create", "patch"}),
+    ("apps", "deployments"): frozenset({"get", "create", "patch", "delete"}),
+    ("apps", "statefulsets"): frozenset({"get", "create", "patch", "delete"}),
     ("monitoring.coreos.com", "podmonitors"): frozenset({"get", "create", "patch"}),
     # KEDA mode: one ScaledObject per SamplerPool; deleted when the run leaves KEDA mode.
     ("keda.sh", "scaledobjects"): frozenset({"get", "create", "patch", "delete"}),
@@ -102,14 +105,20 @@ RECONCILER: dict[Key, frozenset[str]] = {
     (GROUP, "samplerpools/finalizers"): frozenset({"update"}),
 }
 
-# Calls made by kopf itself: watching the two kinds and the workloads we own (label-selected on the
-# server), its bookkeeping annotations, events, peering.  Resource scanning is disabled: kopf lists
-# neither CRDs nor namespaces.
+# Calls made by kopf itself: watching the two kinds and every kind of child we create (label-selected
+# on the server; events of a child, deletions included, reconcile its owner), its bookkeeping
+# annotations, events, peering.  Resource scanning is disabled: kopf lists neither CRDs nor
+# namespaces.  PodMonitors and ScaledObjects are watched only where the cluster serves them.
 FRAMEWORK: dict[Key, frozenset[str]] = {
     (GROUP, "rlruns"): frozenset({"list", "watch", "patch"}),
     (GROUP, "samplerpools"): frozenset({"list", "watch", "patch"}),
+    ("", "configmaps"): frozenset({"list", "watch"}),
+    ("", "services"): frozenset({"list", "watch"}),
+    ("", "persistentvolumeclaims"): frozenset({"list", "watch"}),
     ("apps", "deployments"): frozenset({"list", "watch"}),
     ("apps", "statefulsets"): frozenset({"list", "watch"}),
+    ("monitoring.coreos.com", "podmonitors"): frozenset({"list", "watch"}),
+    ("keda.sh", "scaledobjects"): frozenset({"list", "watch"}),
     ("", "events"): frozenset({"create"}),
 }
 PEERING_VERBS = frozenset({"get", "list", "watch", "patch"})

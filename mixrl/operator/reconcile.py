@@ -3,7 +3,10 @@ KEDA mode, its ScaledObject).
 
 Framework-free (no kopf here): :mod:`mixrl.operator.handlers` wires these into kopf and turns
 their outcomes and errors into kopf's retry semantics.  Each reconcile reads the live children,
-writes only what differs from the desired objects, and writes status only when it changed.
+writes only what differs from the desired objects (:mod:`mixrl.operator.apply`), and writes status
+only when it changed.  A child that cannot be applied does not stop the others: every child is
+tried, the failures are reported on the owner's Progressing condition, and the reconcile then
+raises :class:`~mixrl.operator.apply.ApplyFailed` when retrying can help.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator import labels as L
-from mixrl.operator.apply import Applied, ApplyReport, OwnerGone, apply_object, label
+from mixrl.operator.apply import Applied, ApplyFailed, ApplyReport, Failure, OwnerGone, apply_object, label
 from mixrl.operator.keda import pool_scaled_object
-from mixrl.operator.kube import KubeClient
+from mixrl.operator.kube import ApiError, KubeClient
 from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
 from mixrl.operator.resources import (
     BuildOptions,
@@ -153,21 +156,35 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     report = ApplyReport()
     applied: dict[str, Applied] = {}
     alive = owner_check(ctx.client, RLRUNS, body)
-    for desired in run_objects(resolved, owner, options):
+    objects = run_objects(resolved, owner, options)
+    for desired in objects:
         seed = on_update = None
         if desired["kind"] == "SamplerPool":
             pool = resolved.pool(desired["spec"]["pool"])
             seed = {"spec": {"replicas": seed_replicas(pool)}}
             on_update = within_bounds(pool)
         try:
-            applied[label(desired)] = await apply_object(ctx.client, desired, report, seed, alive, on_update)
+            result = await apply_object(
+                ctx.client, desired, report, seed, alive, on_update, size_source="weights.volumeSize"
+            )
         except OwnerGone:
             return Outcome(report=report)
+        if result is not None:
+            applied[label(desired)] = result
     removed = await remove_stale_pools(ctx.client, resolved, meta["uid"], report)
 
     def live(kind: str, suffix: str) -> Obj | None:
         found = applied.get(f"{kind}/{L.child_name(resolved.name, suffix)}")
         return found.after if found else None
+
+    def pool_live(pool: ResolvedPool) -> Obj:
+        found = applied.get(f"SamplerPool/{pool.object_name}")
+        # Not readable this time: report it as the spec says, with nothing ready.
+        return (
+            found.after
+            if found
+            else next(o for o in objects if label(o) == f"SamplerPool/{pool.object_name}")
+        )
 
     components = {
         "TrainerReady": WorkloadState.of(live("StatefulSet", "trainer")),
@@ -175,11 +192,9 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
         "RouterReady": WorkloadState.of(live("Deployment", "router")),
         "RolloutReady": WorkloadState.of(live("StatefulSet", "rollout")),
     }
-    pools = [
-        pool_state(pool.name, applied[f"SamplerPool/{pool.object_name}"].after) for pool in resolved.pools
-    ]
+    pools = [pool_state(pool.name, pool_live(pool)) for pool in resolved.pools]
     autoscaler = autoscaler_value(resolved.autoscaling.engine, options.keda)
-    new = run_status(previous, generation, components, pools, ctx.now(), autoscaler)
+    new = run_status(previous, generation, components, pools, ctx.now(), autoscaler, report.failures)
     written = await write_status(ctx.client, RLRUNS, body, new)
 
     for name in report.created:
@@ -187,9 +202,32 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
             ctx.events(body, "Normal", Reason.POOL_ADDED, f"created {name}")
     for name in removed:
         ctx.events(body, "Normal", Reason.POOL_REMOVED, f"deleted {name}")
-    if report.changed:
+    post_outcome_events(ctx, body, report, written)
+    return finished(report, written)
+
+
+def post_outcome_events(
+    ctx: Context, body: Obj, report: ApplyReport, status_written: bool, applied_event: bool = True
+) -> None:
+    """Applied (what changed), Recreated (per object), and one Warning per refusal, posted only when
+    the status changed with it — a resync that finds the same refusal again does not repeat it."""
+    for name in report.recreated:
+        ctx.events(body, "Normal", Reason.RECREATED, f"deleting {name} to create it again"[:1000])
+    if report.changed and applied_event:
         ctx.events(body, "Normal", Reason.APPLIED, report.summary()[:1000])
-    return Outcome(report=report, status_written=written)
+    if status_written:
+        for failure in report.failures:
+            if not failure.retry:
+                message = f"{failure.object}: {failure.message}"[:1000]
+                ctx.events(body, "Warning", Reason.IMMUTABLE_FIELD_CHANGED, message)
+
+
+def finished(report: ApplyReport, status_written: bool) -> Outcome:
+    """The outcome, or :class:`ApplyFailed` when some children failed in a way a retry can fix (the
+    status already says which): the caller retries the whole reconcile with backoff."""
+    if report.retryable:
+        raise ApplyFailed(report.retryable)
+    return Outcome(report=report, status_written=status_written)
 
 
 def pool_state(name: str, live: Obj) -> PoolState:
@@ -275,7 +313,6 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
             return Outcome(report=report)
         if desired["kind"] == "Deployment":
             deployment = result
-    assert deployment is not None
     try:
         autoscaler = await reconcile_scaled_object(ctx.client, resolved, pool, body, options, report, alive)
     except OwnerGone:
@@ -285,20 +322,26 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     new = pool_status(
         body.get("status") or {},
         meta.get("generation"),
-        deployment.after,
+        deployment.after if deployment is not None else None,
         selector,
         ctx.now(),
         autoscaler,
         drop=() if engine == "builtin" else (METRICS_AVAILABLE,),
+        problems=report.failures,
     )
     written = await write_status(ctx.client, SAMPLERPOOLS, body, new)
 
-    before = (deployment.before or {}).get("spec", {}).get("replicas")
-    if deployment.before is not None and before != spec.replicas:
-        ctx.events(body, "Normal", Reason.SCALED, f"replicas {before} -> {spec.replicas}")
-    elif report.changed:
-        ctx.events(body, "Normal", Reason.APPLIED, report.summary()[:1000])
-    return Outcome(report=report, status_written=written)
+    # Scaled: the Deployment was updated (a failed write leaves `after` the object read) to the
+    # pool's new replica count; a repaired hand edit is reported as such (Applied), not as scaling.
+    scaled_from = None
+    if deployment is not None and deployment.before is not None and deployment.after is not deployment.before:
+        repaired = any(entry.startswith(f"Deployment/{pool.object_name} ") for entry in report.repaired)
+        scaled_from = None if repaired else deployment.before.get("spec", {}).get("replicas")
+    scaled = scaled_from is not None and scaled_from != spec.replicas
+    if scaled:
+        ctx.events(body, "Normal", Reason.SCALED, f"replicas {scaled_from} -> {spec.replicas}")
+    post_outcome_events(ctx, body, report, written, applied_event=not scaled)
+    return finished(report, written)
 
 
 async def reconcile_scaled_object(
@@ -322,7 +365,11 @@ async def reconcile_scaled_object(
         return autoscaler_value(engine, True, desired["metadata"]["name"])
     if options.keda:
         uid = body["metadata"]["uid"]
-        await delete_leftover(client, SCALEDOBJECTS, resolved.namespace, pool.object_name, uid, report)
+        try:
+            await delete_leftover(client, SCALEDOBJECTS, resolved.namespace, pool.object_name, uid, report)
+        except ApiError as exc:
+            failure = Failure(f"ScaledObject/{pool.object_name}", str(exc), True, exc.status, exc.retry_after)
+            report.failures.append(failure)
     return autoscaler_value(engine, options.keda)
 
 

@@ -9,8 +9,9 @@ trainer's step and reward, metric conditions such as CollapseRisk, per-pool KL) 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 Obj = dict[str, Any]
 
@@ -43,6 +44,14 @@ class Reason:
     POOL_REMOVED = "PoolRemoved"
     SCALED = "Scaled"
     APPLY_FAILED = "ApplyFailed"
+    """Progressing: a child could not be written; the reconcile is retried (with backoff)."""
+    IMMUTABLE_FIELD_CHANGED = "ImmutableFieldChanged"
+    """Progressing (False): the spec asks for a change Kubernetes cannot make in place and the
+    operator will not make by recreating (a claim that would shrink); the message says what to do."""
+    RECREATING = "Recreating"
+    """Progressing: an object whose immutable fields changed was deleted and waits to be recreated."""
+    RECREATED = "Recreated"
+    """Event: an object was deleted to be created again with new immutable fields."""
     # AutoscalerReady
     BUILTIN_AUTOSCALER = "BuiltinAutoscaler"
     KEDA_SCALED_OBJECT = "KedaScaledObject"
@@ -88,6 +97,35 @@ class PoolState:
     ready: int
     rolling_out: bool = False
     """The pool's Deployment has not caught up with its spec yet."""
+
+
+class Problem(Protocol):
+    """One child the last reconcile could not make match (mixrl.operator.apply.Failure)."""
+
+    object: str
+    message: str
+    retry: bool
+    waiting: bool
+
+
+MESSAGE_LIMIT = 1000
+
+
+def problems_value(problems: Sequence[Problem]) -> tuple[str, str, str] | None:
+    """Progressing when some children could not be applied (None when all were).
+
+    A change that needs the user (``retry`` False) makes Progressing False — the run cannot get
+    there by itself, as a Deployment past its progress deadline — and is named first; failures that
+    are retried keep it True (ApplyFailed), and so does a recreation in progress (Recreating)."""
+    if not problems:
+        return None
+    ordered = sorted(problems, key=lambda p: (p.retry, p.waiting))
+    message = "; ".join(f"{p.object}: {p.message}" for p in ordered)[:MESSAGE_LIMIT]
+    if any(not p.retry for p in problems):
+        return "False", Reason.IMMUTABLE_FIELD_CHANGED, message
+    if all(p.waiting for p in problems):
+        return "True", Reason.RECREATING, message
+    return "True", Reason.APPLY_FAILED, message
 
 
 def condition_value(state: WorkloadState | None) -> tuple[str, str, str]:
@@ -184,12 +222,14 @@ def run_status(
     pools: list[PoolState],
     now: str,
     autoscaler: tuple[str, str, str] | None = None,
+    problems: Sequence[Problem] = (),
 ) -> Obj:
-    """The RLRun's status after a successful reconcile.
+    """The RLRun's status after a reconcile.
 
     ``components`` maps TrainerReady, BufferReady, RouterReady, RolloutReady to their workload;
     ``autoscaler`` is the AutoscalerReady value (:func:`autoscaler_value`), informational: pools
-    that cannot scale still serve, so it is not part of Ready.
+    that cannot scale still serve, so it is not part of Ready; ``problems``: children that could
+    not be applied, which Progressing reports (:func:`problems_value`).
     Everything is derived from observed state, so reconciling twice yields the same status."""
     old = list(previous.get("conditions") or [])
     subs = [
@@ -210,7 +250,10 @@ def run_status(
         kind.removesuffix("Ready") for kind, state in components.items() if state and state.rolling_out
     ]
     rolling += [f"pool {pool.name}" for pool in pools if pool.rolling_out]
-    if rolling:
+    failed = problems_value(problems)
+    if failed is not None:
+        progressing = failed
+    elif rolling:
         progressing = ("True", Reason.ROLLING_OUT, f"rolling out: {', '.join(rolling)}")
     else:
         progressing = ("False", Reason.RECONCILED, "every object matches the spec")
@@ -261,15 +304,22 @@ def pool_status(
     now: str,
     autoscaler: tuple[str, str, str] | None = None,
     drop: tuple[str, ...] = (),
+    problems: Sequence[Problem] = (),
 ) -> Obj:
     """A SamplerPool's status from its Deployment (the scale subresource reads replicas and selector).
 
     ``autoscaler``: the AutoscalerReady value; ``drop``: condition types that no longer apply (the
-    built-in loop's MetricsAvailable once another engine scales the pool)."""
+    built-in loop's MetricsAvailable once another engine scales the pool); ``problems``: children
+    that could not be applied, reported by a Progressing condition that is there only while they
+    last."""
     state = WorkloadState.of(deployment)
     status = (deployment or {}).get("status") or {}
-    old = [c for c in previous.get("conditions") or [] if c.get("type") not in drop]
+    failed = problems_value(problems)
+    gone = (*drop, PROGRESSING) if failed is None else drop
+    old = [c for c in previous.get("conditions") or [] if c.get("type") not in gone]
     ours = [make_condition(READY, condition_value(state), generation, now, old)]
+    if failed is not None:
+        ours.append(make_condition(PROGRESSING, failed, generation, now, old))
     if autoscaler is not None:
         ours.append(make_condition(AUTOSCALER_READY, autoscaler, generation, now, old))
     return {

@@ -11,12 +11,19 @@ what kube-apiserver or kube-controller-manager does:
 - server-side apply by a single manager: the applied object replaces the previous one (server
   fields and status kept), and applying to a missing object creates it;
 - the garbage collector: deleting an object deletes, in the background, every object whose owner
-  references all point to deleted uids (recursively);
-- fault injection: the next N matching requests fail with a chosen status, before any state change.
+  references all point to deleted uids (recursively); ``propagationPolicy: Orphan`` strips the
+  dependents' references to it instead, and ``Foreground`` keeps the object (deletionTimestamp and
+  the ``foregroundDeletion`` finalizer) for ``foreground_delay_s`` while its dependents go first;
+  a ``preconditions.uid`` that does not match answers 409;
+- fault injection: the next N matching requests (by method, resource, subresource and optionally
+  name) fail with a chosen status, reason and message, before any state change;
+- silent changes (:meth:`ApiServer.tamper`, :meth:`ApiServer.vanish`): storage changed without a
+  watch event, as when the operator missed one (a restart, a dropped watch).
 
-Not emulated (and not relied on): admission and schema validation, defaulting, label selectors,
-resourceVersion preconditions, managed fields.  A Deployment controller is played by the tests
-(they write Deployment status the way kube-controller-manager would).
+Not emulated (and not relied on): admission and schema validation (immutable fields: tests inject
+the 422 the API server would answer), defaulting, label selectors, resourceVersion preconditions,
+managed fields.  A Deployment controller is played by the tests (they write Deployment status the
+way kube-controller-manager would).
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ class Fault:
     status: int
     times: int = 1
     subresource: str | None = None
+    name: str | None = None
+    reason: str = "Injected"
+    message: str | None = None
 
     def matches(self, request: kmock.Request) -> bool:
         return (
@@ -85,6 +95,7 @@ class Fault:
             and request.resource is not None
             and request.resource.plural == self.plural
             and request.subresource == self.subresource
+            and (self.name is None or request.name == self.name)
         )
 
 
@@ -105,6 +116,9 @@ class ApiServer(kmock.KubernetesEmulator):
         self.faults: list[Fault] = []
         self._versions = itertools.count(1)
         self._closing = asyncio.Event()
+        self.foreground_delay_s = 0.3
+        """How long a Foreground deletion keeps the object (its pods terminating, in a cluster)."""
+        self._pending: set[asyncio.Task[None]] = set()
 
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         # No keep-alive: a stopping kopf waits (5 s) for every task spawned while it ran, and the
@@ -196,11 +210,27 @@ class ApiServer(kmock.KubernetesEmulator):
         }
 
     def fail(
-        self, method: str, plural: str, status: int, times: int = 1, subresource: str | None = None
+        self,
+        method: str,
+        plural: str,
+        status: int,
+        times: int = 1,
+        subresource: str | None = None,
+        name: str | None = None,
+        reason: str = "Injected",
+        message: str | None = None,
     ) -> Fault:
-        fault = Fault(method, plural, status, times, subresource)
+        fault = Fault(method, plural, status, times, subresource, name, reason, message)
         self.faults.append(fault)
         return fault
+
+    def tamper(self, resource: str, namespace: str | None, name: str, patch: Obj) -> None:
+        """Merge-patch the stored object without a watch event (nor a new resourceVersion)."""
+        self.objects[kmock.resource(resource), namespace, name].patch(patch)
+
+    def vanish(self, resource: str, namespace: str | None, name: str) -> None:
+        """Remove the stored object without a watch event."""
+        self.objects[kmock.resource(resource), namespace, name].delete()
 
     # ------------------------------------------------------------------ state access for tests
 
@@ -248,11 +278,14 @@ class ApiServer(kmock.KubernetesEmulator):
         for fault in self.faults:
             if fault.matches(request):
                 fault.times -= 1
+                message = fault.message or f"injected {fault.status}"
                 return await self._render_error(
-                    KubernetesError(
-                        status=fault.status, reason="Injected", message=f"injected {fault.status}"
-                    )
+                    KubernetesError(status=fault.status, reason=fault.reason, message=message)
                 )
+        if request.action == kmock.action.DELETE and request.name and isinstance(request.data, dict):
+            answered = await self._delete_with_options(request, request.data)
+            if answered is not None:
+                return answered
         if request.resource is not None and isinstance(request.data, dict):
             if request.action == kmock.action.CREATE:
                 self._fill_new(request, request.data)
@@ -308,6 +341,66 @@ class ApiServer(kmock.KubernetesEmulator):
         data.clear()
         data.update(patch)
         return None
+
+    async def _delete_with_options(
+        self, request: kmock.Request, options: Obj
+    ) -> aiohttp.web.StreamResponse | None:
+        """DeleteOptions: the uid precondition, and the Orphan and Foreground propagation policies
+        (Background is kmock's deletion plus :meth:`_collect_garbage`).  None: kmock carries on."""
+        live = self._stored(request)
+        if live is None:
+            return None
+        uid = (options.get("preconditions") or {}).get("uid")
+        if uid is not None and uid != live["metadata"].get("uid"):
+            message = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {live['metadata'].get('uid')}"
+            return await self._render_error(KubernetesError(status=409, reason="Conflict", message=message))
+        policy = options.get("propagationPolicy")
+        if policy == "Orphan":
+            async with self._lock:
+                for obj in self.objects.values():
+                    refs = obj.raw.get("metadata", {}).get("ownerReferences") if not obj.deleted else None
+                    if refs and any(ref.get("uid") == live["metadata"]["uid"] for ref in refs):
+                        kept = [ref for ref in refs if ref.get("uid") != live["metadata"]["uid"]]
+                        obj.patch({"metadata": {"ownerReferences": kept or None}})
+            return None
+        if policy != "Foreground" or live["metadata"].get("deletionTimestamp"):
+            return None
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            stored = self.objects[key]
+            stored.patch(
+                {
+                    "metadata": {
+                        "deletionTimestamp": now,
+                        "finalizers": [*(live["metadata"].get("finalizers") or []), "foregroundDeletion"],
+                        "resourceVersion": str(next(self._versions)),
+                    }
+                }
+            )
+            raw = copy.deepcopy(stored.raw)
+            await self._buses[request.resource].put({"type": "MODIFIED", "object": raw})
+        task = asyncio.create_task(self._finish_foreground(key, live["metadata"]["uid"]))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return aiohttp.web.json_response(raw, status=200)
+
+    async def _finish_foreground(self, key: Any, uid: str) -> None:
+        """The dependents go first (here: at once), then the object itself."""
+        await asyncio.sleep(self.foreground_delay_s)
+        async with self._lock:
+            for (resource, _, _), obj in list(self.objects.items()):
+                refs = obj.raw.get("metadata", {}).get("ownerReferences") if not obj.deleted else None
+                if refs and any(ref.get("uid") == uid for ref in refs):
+                    raw = copy.deepcopy(obj.raw)
+                    obj.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
+            stored = self.objects[key]
+            if not stored.deleted and stored.raw["metadata"].get("uid") == uid:
+                raw = copy.deepcopy(stored.raw)
+                stored.delete()
+                await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+        await self._collect_garbage()
 
     async def _collect_garbage(self) -> None:
         """Background cascading deletion by owner uid, as kube-controller-manager does it."""

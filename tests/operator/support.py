@@ -11,6 +11,7 @@ from typing import Any
 import kmock
 import kopf
 
+from mixrl.operator import rbac
 from mixrl.operator.handlers import OperatorConfig, Runtime, build_registry
 
 from .emulator import ApiServer
@@ -99,6 +100,7 @@ async def running_operator(
         "backoff_base_s": 0.05,
         "backoff_cap_s": 0.2,
         "event_debounce_s": 0.1,
+        "resync_interval_s": None,  # tests that need the periodic resync ask for a short one
         "tune": fast,
         "autoscaling": None,
     }
@@ -134,6 +136,25 @@ async def settled(api: ApiServer, quiet: float = 0.5, timeout: float = 20.0) -> 
         if now != count:
             count, since = now, loop.time()
     return count
+
+
+async def writes_settled(api: ApiServer, quiet: float = 0.6, timeout: float = 20.0) -> int:
+    """Like :func:`settled`, for an operator that keeps reading (a resync): wait until nothing but
+    reads and kopf's peering keep-alives was sent for ``quiet`` seconds; returns the request count."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+
+    def count() -> int:
+        return sum(1 for r in writes(api) if r.resource is None or r.resource.group != "kopf.dev")
+
+    seen, since = count(), loop.time()
+    while loop.time() - since < quiet:
+        if loop.time() > deadline:
+            raise AssertionError(f"still writing after {timeout}s")
+        await asyncio.sleep(0.05)
+        if (now := count()) != seen:
+            seen, since = now, loop.time()
+    return len(list(api))
 
 
 async def play_workload_controllers(api: ApiServer, namespace: str = NAMESPACE) -> None:
@@ -195,3 +216,44 @@ def run_path(name: str, namespace: str = NAMESPACE) -> str:
 
 def copy_of(obj: Obj) -> Obj:
     return copy.deepcopy(obj)
+
+
+# ----------------------------------------------------------------------------- RBAC accounting
+
+
+def rbac_calls(request: kmock.Request) -> set[tuple[str, str, str]]:
+    """The (group, resource[/subresource], verb) checks the API server makes for a request; none for
+    discovery, which every authenticated client may read (system:discovery).  A server-side apply
+    may create the object, so it needs create as well as patch."""
+    resource = request.resource
+    if resource is None or not resource.plural:
+        return set()
+    method = request.method.value
+    if method == "GET":
+        verbs = {"watch" if request.params.get("watch") == "true" else "get" if request.name else "list"}
+    elif method == "PATCH" and request.headers.get("Content-Type", "").startswith("application/apply-patch"):
+        verbs = {"patch", "create"}
+    else:
+        verb = {"POST": "create", "PATCH": "patch", "PUT": "update"}.get(method)
+        verbs = {verb or ("delete" if request.name else "deletecollection")}
+    name = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
+    return {(resource.group, name, verb) for verb in verbs}
+
+
+def operator_calls(api: ApiServer) -> set[tuple[str, str, str]]:
+    """What kopf and our client sent (the test's own kubectl-like requests come from kmock's client)."""
+    agents = ("kopf/", "mixrl-operator/")
+    return {
+        call
+        for r in list(api)
+        if r.headers.get("User-Agent", "").startswith(agents)
+        for call in rbac_calls(r)
+    }
+
+
+def assert_covered(calls: set[tuple[str, str, str]], clusterwide: bool) -> None:
+    allowed = rbac.permissions(clusterwide)
+    rules = rbac.operator_rules(clusterwide)
+    missing = sorted(c for c in calls if not rbac.is_allowed(allowed, *c))
+    assert not missing, f"calls the RBAC registry does not declare: {missing}"
+    assert all(rbac.rules_allow(rules, *c) for c in calls), "operator_rules() lost a permission"

@@ -20,8 +20,18 @@ from mixrl.operator.autoscaling_loop import LoopSettings
 from mixrl.operator.peering import paused_by_peers
 
 from .emulator import ApiServer
-from .support import NAMESPACE, PEERING, SAMPLERPOOLS, conditions, create, eventually, patch, small_run
-from .test_rbac_and_client import assert_covered, operator_calls
+from .support import (
+    NAMESPACE,
+    PEERING,
+    SAMPLERPOOLS,
+    assert_covered,
+    conditions,
+    create,
+    eventually,
+    operator_calls,
+    patch,
+    small_run,
+)
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 PEERING_PATH = f"/apis/kopf.dev/v1/clusterkopfpeerings/{PEERING}"

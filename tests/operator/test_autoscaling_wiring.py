@@ -36,16 +36,17 @@ from .support import (
     NAMESPACE,
     RLRUNS,
     SAMPLERPOOLS,
+    assert_covered,
     conditions,
     create,
     events,
     eventually,
+    operator_calls,
     patch,
     play_workload_controllers,
     run_path,
     small_run,
 )
-from .test_rbac_and_client import assert_covered, operator_calls
 
 pytestmark = needs_prometheus
 Obj = dict[str, Any]

@@ -26,15 +26,16 @@ from .support import (
     NAMESPACE,
     RLRUNS,
     SAMPLERPOOLS,
+    assert_covered,
     conditions,
     create,
     eventually,
+    operator_calls,
     patch,
     run_path,
     settled,
     small_run,
 )
-from .test_rbac_and_client import assert_covered, operator_calls
 
 Obj = dict[str, Any]
 SCALEDOBJECTS = "keda.sh/v1alpha1/scaledobjects"

@@ -4,6 +4,7 @@ the API client refuses undeclared calls; errors map to retry decisions; discover
 from __future__ import annotations
 
 import copy
+import random
 from typing import Any
 
 import kmock
@@ -21,9 +22,11 @@ from .support import (
     NAMESPACE,
     PEERING,
     SAMPLERPOOLS,
+    assert_covered,
     create,
     delete,
     eventually,
+    operator_calls,
     patch,
     play_workload_controllers,
     run_path,
@@ -32,36 +35,6 @@ from .support import (
 )
 
 Obj = dict[str, Any]
-
-
-def rbac_calls(request: kmock.Request) -> set[tuple[str, str, str]]:
-    """The (group, resource[/subresource], verb) checks the API server makes for a request; none for
-    discovery, which every authenticated client may read (system:discovery).  A server-side apply
-    may create the object, so it needs create as well as patch."""
-    resource = request.resource
-    if resource is None or not resource.plural:
-        return set()
-    method = request.method.value
-    if method == "GET":
-        verbs = {"watch" if request.params.get("watch") == "true" else "get" if request.name else "list"}
-    elif method == "PATCH" and request.headers.get("Content-Type", "").startswith("application/apply-patch"):
-        verbs = {"patch", "create"}
-    else:
-        verb = {"POST": "create", "PATCH": "patch", "PUT": "update"}.get(method)
-        verbs = {verb or ("delete" if request.name else "deletecollection")}
-    name = f"{resource.plural}/{request.subresource}" if request.subresource else resource.plural
-    return {(resource.group, name, verb) for verb in verbs}
-
-
-def operator_calls(api: ApiServer) -> set[tuple[str, str, str]]:
-    """What kopf and our client sent (the test's own kubectl-like requests come from kmock's client)."""
-    agents = ("kopf/", "mixrl-operator/")
-    return {
-        call
-        for r in list(api)
-        if r.headers.get("User-Agent", "").startswith(agents)
-        for call in rbac_calls(r)
-    }
 
 
 async def lifecycle(api: ApiServer) -> None:
@@ -82,14 +55,6 @@ async def lifecycle(api: ApiServer) -> None:
     await settled(api)
 
 
-def assert_covered(calls: set[tuple[str, str, str]], clusterwide: bool) -> None:
-    allowed = rbac.permissions(clusterwide)
-    rules = rbac.operator_rules(clusterwide)
-    missing = sorted(c for c in calls if not rbac.is_allowed(allowed, *c))
-    assert not missing, f"calls the RBAC registry does not declare: {missing}"
-    assert all(rbac.rules_allow(rules, *c) for c in calls), "operator_rules() lost a permission"
-
-
 async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiServer, operator: Any) -> None:
     async with operator():
         await lifecycle(api)
@@ -107,11 +72,21 @@ async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiSer
     # Least privilege in the other direction: nothing declared that the operator never needs.
     declared = {(g, r, v) for (g, r), verbs in rbac.permissions(True).items() for v in verbs}
     unused = declared - calls
-    # Not exercised by this lifecycle: creating a PodMonitor (monitoring off here), update of
-    # finalizers (admission plugin check, no request), peering get (only on conflicts), the built-in
-    # autoscaler's scale writes and KEDA's ScaledObjects (the autoscaler is off here; the wiring and
-    # KEDA-mode tests exercise those calls and check them with assert_covered).
+    # Not exercised by this lifecycle: creating or watching a PodMonitor (monitoring off here), update
+    # of finalizers (admission plugin check, no request), peering get (only on conflicts), the
+    # built-in autoscaler's scale writes and KEDA's ScaledObjects (the autoscaler is off here; the
+    # wiring and KEDA-mode tests exercise those calls and check them with assert_covered), and the
+    # recreation of objects with changed immutable fields and volume expansion (test_drift.py
+    # exercises those and checks them with assert_covered).
     assert unused <= {
+        ("apps", "statefulsets", "delete"),
+        ("apps", "deployments", "delete"),
+        ("", "services", "delete"),
+        ("", "persistentvolumeclaims", "patch"),
+        ("keda.sh", "scaledobjects", "list"),
+        ("keda.sh", "scaledobjects", "watch"),
+        ("monitoring.coreos.com", "podmonitors", "list"),
+        ("monitoring.coreos.com", "podmonitors", "watch"),
         ("mixrl.dev", "samplerpools/scale", "patch"),
         ("keda.sh", "scaledobjects", "get"),
         ("keda.sh", "scaledobjects", "create"),
@@ -169,8 +144,8 @@ async def test_the_client_refuses_undeclared_calls_before_sending(api: ApiServer
         sent = len(list(api))
         with pytest.raises(UndeclaredApiCall, match="delete core/configmaps"):
             await client.request("delete", "DELETE", rbac.CONFIGMAPS, namespace="rl", name="x")
-        with pytest.raises(UndeclaredApiCall, match="patch core/persistentvolumeclaims"):
-            await client.apply(rbac.PVCS, "rl", "x", {"apiVersion": "v1", "kind": "PersistentVolumeClaim"})
+        with pytest.raises(UndeclaredApiCall, match="delete core/persistentvolumeclaims"):
+            await client.delete(rbac.PVCS, "rl", "x")  # a claim is never deleted: its data would go
         assert len(list(api)) == sent, "nothing reached the server"
         assert await client.get(rbac.CONFIGMAPS, "rl", "missing") is None
     finally:
@@ -205,11 +180,30 @@ async def test_api_errors_say_whether_to_retry(api: ApiServer) -> None:
 
 
 def test_backoff_grows_is_capped_and_honours_retry_after() -> None:
-    config = OperatorConfig(backoff_base_s=2.0, backoff_cap_s=60.0)
+    config = OperatorConfig(backoff_base_s=2.0, backoff_cap_s=60.0, backoff_jitter=0.0)
     delays = [backoff(retry, config) for retry in range(8)]
     assert delays == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
     assert backoff(0, config, retry_after=30.0) == 30.0
     assert backoff(10_000, config) == 60.0
+
+
+def test_backoff_jitter_stays_within_its_bounds_and_is_reproducible() -> None:
+    def delays(seed: int) -> list[float]:
+        config = OperatorConfig(backoff_base_s=2.0, backoff_cap_s=60.0, uniform=random.Random(seed).random)
+        return [backoff(retry, config) for retry in range(10) for _ in range(50)]
+
+    drawn = delays(7)
+    ceilings = [min(60.0, 2.0 * 2**retry) for retry in range(10) for _ in range(50)]
+    # Default jitter 0.5: each delay lies in [ceiling / 2, ceiling], never above the cap.
+    assert all(c / 2 <= d <= c for d, c in zip(drawn, ceilings, strict=True))
+    assert max(drawn) <= 60.0 and min(drawn) >= 1.0
+    assert len(set(drawn[:50])) > 40, "retries of one failure are spread out, not in lockstep"
+    assert delays(7) == drawn, "a seeded source gives the same delays"
+    assert delays(8) != drawn
+    # What the server asks for (Retry-After) is a floor the jitter never goes below.
+    config = OperatorConfig(backoff_base_s=2.0, backoff_cap_s=60.0, uniform=lambda: 0.999)
+    assert backoff(0, config, retry_after=5.0) == 5.0
+    assert backoff(5, config) == pytest.approx(60.0 * (1 - 0.5 * 0.999))
 
 
 def test_connection_from_kopf_login_carries_credentials() -> None:

@@ -1,0 +1,174 @@
+"""The comparisons behind every write decision (pure): hand edits, immutable fields, deletion policy."""
+
+from __future__ import annotations
+
+import copy
+from fractions import Fraction
+from typing import Any
+
+import pytest
+
+from mixrl.api.models import RLRun
+from mixrl.api.resolve import resolve
+from mixrl.operator.apply import (
+    Failure,
+    deletion_policy,
+    first_difference,
+    hand_edit,
+    immutable_changes,
+    quantity,
+)
+from mixrl.operator.resources import BuildOptions, Owner, run_objects
+from mixrl.operator.status import Reason, pool_status, problems_value, run_status
+
+from .support import small_run
+
+Obj = dict[str, Any]
+
+
+def built(manifest: Obj) -> dict[str, Obj]:
+    resolved = resolve(RLRun.model_validate(manifest))
+    owner = Owner("mixrl.dev/v1alpha1", "RLRun", resolved.name, "uid")
+    return {f"{o['kind']}/{o['metadata']['name']}": o for o in run_objects(resolved, owner, BuildOptions())}
+
+
+def as_served(obj: Obj) -> Obj:
+    """Roughly what a real API server returns for an applied object: server metadata, defaults,
+    canonical quantities, a status, other writers' annotations and an injected volume."""
+    live = copy.deepcopy(obj)
+    meta = live["metadata"]
+    meta.update(uid="u1", resourceVersion="42", generation=3, creationTimestamp="2026-01-01T00:00:00Z")
+    meta["managedFields"] = [{"manager": "mixrl-operator", "operation": "Apply"}]
+    meta.setdefault("annotations", {})["deployment.kubernetes.io/revision"] = "3"
+    spec = live.get("spec", {})
+    spec.setdefault("revisionHistoryLimit", 10)
+    template = spec.get("template", {}).get("spec")
+    if template:
+        template.setdefault("dnsPolicy", "ClusterFirst")
+        template.setdefault("volumes", []).append({"name": "injected", "emptyDir": {}})
+        for container in template["containers"]:
+            container.setdefault("terminationMessagePath", "/dev/termination-log")
+            container.setdefault("imagePullPolicy", "IfNotPresent")
+            for requests in container.get("resources", {}).values():
+                for key, value in requests.items():
+                    requests[key] = str(value)  # a GPU count 8 comes back as "8"
+    live["status"] = {"replicas": 1}
+    return live
+
+
+def test_quantities_compare_by_value() -> None:
+    assert quantity("100Gi") == 100 * 2**30
+    assert quantity("0.5") == quantity("500m") == Fraction(1, 2)
+    assert quantity("1e3") == quantity("1k") == 1000
+    assert quantity(8) == quantity("8")
+    assert quantity("fast") is None and quantity(True) is None and quantity("None") is None
+
+
+def test_an_object_as_the_server_returns_it_is_not_a_hand_edit() -> None:
+    for name, obj in built(small_run()).items():
+        assert hand_edit(obj, as_served(obj)) is None, name
+
+
+def test_hand_edits_name_the_field_that_changed() -> None:
+    router = built(small_run())["Deployment/demo-router"]
+    live = as_served(router)
+    live["spec"]["template"]["spec"]["containers"][0]["image"] = "evil:latest"
+    container = router["spec"]["template"]["spec"]["containers"][0]["name"]
+    assert hand_edit(router, live) == f'spec.template.spec.containers[name="{container}"].image'
+
+    live = as_served(router)
+    live["spec"]["replicas"] = 7
+    assert hand_edit(router, live) == "spec.replicas"
+
+    live = as_served(router)
+    del live["metadata"]["labels"]["app.kubernetes.io/managed-by"]
+    assert hand_edit(router, live) == 'metadata.labels["app.kubernetes.io/managed-by"]'
+
+    live = as_served(router)
+    live["spec"]["template"]["spec"]["containers"][0]["command"].append("--debug")
+    assert hand_edit(router, live) is not None, "a list of scalars (a command) must be equal"
+
+
+def test_what_others_add_is_not_drift() -> None:
+    # kubectl rollout restart, an annotation, an extra label, an injected sidecar: not ours.
+    want = {
+        "spec": {
+            "template": {"metadata": {"annotations": {"a": "1"}}, "spec": {"containers": [{"name": "x"}]}}
+        }
+    }
+    have = copy.deepcopy(want)
+    have["spec"]["template"]["metadata"]["annotations"]["kubectl.kubernetes.io/restartedAt"] = "now"
+    have["spec"]["template"]["spec"]["containers"].append({"name": "istio-proxy"})
+    assert first_difference(want, have) is None
+    # Values Go's omitempty drops are the same as absent.
+    assert first_difference({"a": {"readOnly": False, "items": [], "labels": {}}}, {"a": {}}) is None
+    assert first_difference({"a": {"readOnly": True}}, {"a": {}}) == "a.readOnly"
+
+
+def test_immutable_statefulset_fields_are_named() -> None:
+    before = built(small_run())["StatefulSet/demo-trainer"]
+    changed = small_run()
+    changed["spec"]["trainer"]["gpuType"] = "B200"
+    after = built(changed)["StatefulSet/demo-trainer"]
+    live = as_served(before)
+    assert immutable_changes(after, live) == ["spec.volumeClaimTemplates"]
+    assert immutable_changes(before, live) == []
+    # The pods change as well (GPU labels, node affinity): delete them first, then recreate.
+    assert deletion_policy(after, live, ["spec.volumeClaimTemplates"]) == "Foreground"
+    # Only the claim templates differ: the pods survive (Orphan) and the new StatefulSet adopts them.
+    claims_only = copy.deepcopy(before)
+    claims_only["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] = "1Ti"
+    assert immutable_changes(claims_only, live) == ["spec.volumeClaimTemplates"]
+    assert deletion_policy(claims_only, live, ["spec.volumeClaimTemplates"]) == "Orphan"
+    moved = copy.deepcopy(before)
+    moved["spec"]["selector"]["matchLabels"]["extra"] = "x"
+    assert "spec.selector" in immutable_changes(moved, live)
+    assert deletion_policy(moved, live, ["spec.selector"]) == "Foreground"
+
+
+def test_immutable_fields_of_deployments_and_services() -> None:
+    objects = built(small_run())
+    router = objects["Deployment/demo-router"]
+    live = as_served(router)
+    assert immutable_changes(router, live) == []
+    moved = copy.deepcopy(router)
+    moved["spec"]["selector"]["matchLabels"]["extra"] = "x"
+    assert immutable_changes(moved, live) == ["spec.selector"]
+    assert deletion_policy(moved, live, ["spec.selector"]) == "Foreground"
+    headless = objects["Service/demo-trainer"]
+    served = as_served(headless)
+    assert immutable_changes(headless, served) == []
+    served["spec"]["clusterIP"] = "10.0.0.7"
+    assert immutable_changes(headless, served) == ["spec.clusterIP"]
+    assert deletion_policy(headless, served, ["spec.clusterIP"]) == "Background"
+
+
+@pytest.mark.parametrize(
+    ("failures", "value"),
+    [
+        ([], None),
+        ([Failure("StatefulSet/a", "500 boom")], ("True", Reason.APPLY_FAILED)),
+        ([Failure("StatefulSet/a", "old one going", waiting=True)], ("True", Reason.RECREATING)),
+        (
+            [Failure("StatefulSet/a", "500 boom"), Failure("PersistentVolumeClaim/w", "shrink", retry=False)],
+            ("False", Reason.IMMUTABLE_FIELD_CHANGED),
+        ),
+    ],
+)
+def test_progressing_reports_failures(failures: list[Failure], value: tuple[str, str] | None) -> None:
+    found = problems_value(failures)
+    assert (found[:2] if found else None) == value
+    if len(failures) == 2:
+        assert found is not None and found[2].startswith("PersistentVolumeClaim/w: shrink; StatefulSet/a")
+
+
+def test_failures_reach_the_run_and_pool_status_and_leave_with_them() -> None:
+    failing = [Failure("StatefulSet/demo-trainer", "422 Invalid: nope")]
+    status = run_status({}, 1, {}, [], "T0", problems=failing)
+    progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("True", Reason.APPLY_FAILED)
+    assert "StatefulSet/demo-trainer" in progressing["message"]
+    pool = pool_status({}, 1, None, "a=b", "T0", problems=failing)
+    assert any(c["type"] == "Progressing" for c in pool["conditions"])
+    healed = pool_status(pool, 1, None, "a=b", "T1")
+    assert not any(c["type"] == "Progressing" for c in healed["conditions"])

@@ -1,0 +1,359 @@
+"""A real control plane's behaviour against the running operator (kopf's engine, the API stand-in):
+failures of one child, immutable fields, drift, deleted children, the periodic resync, restarts."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+from typing import Any
+
+import kmock
+
+from mixrl.operator.handlers import Runtime
+
+from .emulator import ApiServer
+from .support import (
+    DEPLOYMENTS,
+    NAMESPACE,
+    RLRUNS,
+    SAMPLERPOOLS,
+    STATEFULSETS,
+    assert_covered,
+    conditions,
+    create,
+    delete,
+    events,
+    eventually,
+    operator_calls,
+    patch,
+    play_workload_controllers,
+    run_path,
+    settled,
+    small_run,
+    writes,
+    writes_settled,
+)
+from .test_operator import existing, expected, operator_writes
+
+Obj = dict[str, Any]
+CORE = f"/api/v1/namespaces/{NAMESPACE}"
+APPS = f"/apis/apps/v1/namespaces/{NAMESPACE}"
+SP_PATH = f"/apis/mixrl.dev/v1alpha1/namespaces/{NAMESPACE}/samplerpools"
+STS_FORBIDDEN = (
+    'StatefulSet.apps "demo-trainer" is invalid: spec: Forbidden: updates to statefulset spec for fields '
+    "other than 'replicas', 'ordinals', 'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' "
+    "and 'minReadySeconds' are forbidden"
+)
+
+
+def progressing(api: ApiServer) -> Obj:
+    return conditions(api.live(RLRUNS, NAMESPACE, "demo")).get("Progressing", {})
+
+
+def requests_to(api: ApiServer, method: str, path: str, since: int = 0) -> list[kmock.Request]:
+    return [r for r in list(api)[since:] if r.method.value == method and r.url.path == path]
+
+
+def uid(api: ApiServer, resource: str, name: str) -> str | None:
+    live = api.live(resource, NAMESPACE, name)
+    return live["metadata"]["uid"] if live else None
+
+
+async def ready_run(api: ApiServer, resyncing: bool = False) -> Obj:
+    """A run whose children all exist and are ready; then no more writes are under way."""
+    manifest = small_run()
+    await create(api, manifest)
+    want = set(expected(manifest))
+    await eventually(lambda: existing(api) == want, what="the children")
+    await (writes_settled(api) if resyncing else settled(api))
+    await play_workload_controllers(api)
+    await eventually(lambda: conditions(api.live(RLRUNS, NAMESPACE, "demo"))["Ready"]["status"] == "True")
+    await (writes_settled(api) if resyncing else settled(api))
+    return manifest
+
+
+# ----------------------------------------------------------------------------- failures of one child
+
+
+async def test_a_failing_child_does_not_stop_the_others(api: ApiServer, operator: Any) -> None:
+    async with operator():
+        manifest = await ready_run(api)
+        # The API server rejects the trainer's new spec (not an immutable field: nothing to recreate).
+        fault = api.fail(
+            "PATCH",
+            "statefulsets",
+            422,
+            times=10_000,
+            name="demo-trainer",
+            reason="Invalid",
+            message='StatefulSet.apps "demo-trainer" is invalid: spec.template: Invalid value: "…"',
+        )
+        changed = copy.deepcopy(manifest)
+        changed["spec"]["trainer"]["nodes"] = 1  # the trainer
+        changed["spec"]["rollout"] = {"workers": 3}  # the rollout workers, after it in apply order
+        await patch(
+            api,
+            run_path("demo"),
+            {"spec": {"trainer": changed["spec"]["trainer"], "rollout": {"workers": 3}}},
+        )
+        await eventually(
+            lambda: api.live(STATEFULSETS, NAMESPACE, "demo-rollout")["spec"]["replicas"] == 3,
+            what="the rollout workers applied although the trainer failed",
+        )
+        await eventually(
+            lambda: progressing(api).get("reason") == "ApplyFailed", what="Progressing=ApplyFailed"
+        )
+        assert progressing(api)["status"] == "True"
+        assert "StatefulSet/demo-trainer" in progressing(api)["message"]
+        assert api.live(STATEFULSETS, NAMESPACE, "demo-trainer")["spec"]["replicas"] == 2
+        tries = len(requests_to(api, "PATCH", f"{APPS}/statefulsets/demo-trainer"))
+        await eventually(
+            lambda: len(requests_to(api, "PATCH", f"{APPS}/statefulsets/demo-trainer")) > tries + 1,
+            what="the failed child retried",
+        )
+        # Once the server accepts it, the retry applies it and the condition clears.
+        fault.times = 0
+        await eventually(lambda: api.live(STATEFULSETS, NAMESPACE, "demo-trainer")["spec"]["replicas"] == 1)
+        await play_workload_controllers(api)
+        await eventually(
+            lambda: progressing(api).get("reason") == "Reconciled", what="Progressing=Reconciled"
+        )
+        await settled(api)
+
+
+# ----------------------------------------------------------------------------- immutable fields
+
+
+async def test_an_immutable_statefulset_change_recreates_it(api: ApiServer, operator: Any) -> None:
+    async with operator():
+        manifest = await ready_run(api)
+        old_uid = uid(api, STATEFULSETS, "demo-trainer")
+        before = len(list(api))
+        fault = api.fail(
+            "PATCH",
+            "statefulsets",
+            422,
+            times=1,
+            name="demo-trainer",
+            reason="Invalid",
+            message=STS_FORBIDDEN,
+        )
+        changed = copy.deepcopy(manifest)
+        changed["spec"]["trainer"]["gpuType"] = "B200"  # relabels the claim templates: immutable
+        await patch(api, run_path("demo"), {"spec": {"trainer": changed["spec"]["trainer"]}})
+
+        await eventually(
+            lambda: progressing(api).get("reason") == "Recreating", what="Progressing=Recreating"
+        )
+        deletions = requests_to(api, "DELETE", f"{APPS}/statefulsets/demo-trainer", before)
+        assert len(deletions) == 1 and fault.times == 0
+        options = json.loads(deletions[0].text)
+        # The pods change too (GPU labels, node affinity): they go first, then the StatefulSet.
+        assert options["propagationPolicy"] == "Foreground"
+        assert options["preconditions"] == {"uid": old_uid}, "only the object we compared"
+
+        def recreated() -> bool:
+            live = api.live(STATEFULSETS, NAMESPACE, "demo-trainer")
+            return (
+                live is not None
+                and live["metadata"]["uid"] != old_uid
+                and not live["metadata"].get("deletionTimestamp")
+            )
+
+        await eventually(recreated, what="a new trainer StatefulSet")
+        live = api.live(STATEFULSETS, NAMESPACE, "demo-trainer")
+        assert live["spec"]["volumeClaimTemplates"][0]["metadata"]["labels"]["mixrl.dev/gpu-type"] == "B200"
+        # The rest of the change went on meanwhile.
+        service = api.live("v1/services", NAMESPACE, "demo-trainer")
+        assert service["metadata"]["labels"]["mixrl.dev/gpu-type"] == "B200"
+        await play_workload_controllers(api)
+        await eventually(
+            lambda: progressing(api).get("reason") == "Reconciled", what="Progressing=Reconciled"
+        )
+        await settled(api)
+        recreated_events = [e for e in events(api) if e["reason"] == "Recreated"]
+        assert len(recreated_events) == 1 and "spec.volumeClaimTemplates" in recreated_events[0]["message"]
+        assert "Foreground" in recreated_events[0]["message"]
+    assert_covered(operator_calls(api), clusterwide=True)
+
+
+async def test_a_weights_volume_grows_but_never_shrinks(api: ApiServer, operator: Any) -> None:
+    claim = f"{CORE}/persistentvolumeclaims/demo-weights"
+    async with operator():
+        manifest = await ready_run(api)
+        before = len(list(api))
+        smaller = copy.deepcopy(manifest)
+        smaller["spec"]["weights"]["volumeSize"] = "50Gi"
+        smaller["spec"]["rollout"] = {"workers": 2}
+        await patch(
+            api,
+            run_path("demo"),
+            {"spec": {"weights": smaller["spec"]["weights"], "rollout": {"workers": 2}}},
+        )
+        await eventually(
+            lambda: progressing(api).get("reason") == "ImmutableFieldChanged", what="the refusal"
+        )
+        condition = progressing(api)
+        assert condition["status"] == "False", "the run cannot get there by itself"
+        message = condition["message"]
+        assert "weights.volumeSize 50Gi" in message and "at least 100Gi" in message, message
+        assert "delete the claim" in message
+        await settled(api)
+        assert not [r for r in writes(api, before) if r.url.path == claim], "the claim is left alone"
+        assert api.live("v1/persistentvolumeclaims", NAMESPACE, "demo-weights")["spec"]["resources"] == {
+            "requests": {"storage": "100Gi"}
+        }
+        assert api.live(STATEFULSETS, NAMESPACE, "demo-rollout")["spec"]["replicas"] == 2, "the rest applied"
+        warnings = [e for e in events(api) if e["reason"] == "ImmutableFieldChanged"]
+        assert len(warnings) == 1 and warnings[0]["type"] == "Warning"
+        assert not requests_to(api, "PATCH", claim, before), "no retry loop: the spec has to change"
+
+        bigger = copy.deepcopy(manifest)
+        bigger["spec"]["weights"]["volumeSize"] = "300Gi"
+        await patch(api, run_path("demo"), {"spec": {"weights": bigger["spec"]["weights"]}})
+        await eventually(
+            lambda: (
+                api.live("v1/persistentvolumeclaims", NAMESPACE, "demo-weights")["spec"]["resources"]
+                == {"requests": {"storage": "300Gi"}}
+            ),
+            what="the claim expanded",
+        )
+        (expansion,) = requests_to(api, "PATCH", claim, before)
+        assert expansion.headers["Content-Type"] == "application/merge-patch+json"
+        await eventually(lambda: progressing(api).get("reason") != "ImmutableFieldChanged")
+        await settled(api)
+    assert_covered(operator_calls(api), clusterwide=True)
+
+
+# ----------------------------------------------------------------------------- drift
+
+
+async def test_deleted_children_come_back(api: ApiServer, operator: Any) -> None:
+    async with operator():
+        await ready_run(api)
+        pool_uid = uid(api, SAMPLERPOOLS, "demo-b200")
+        for path in (
+            f"{CORE}/services/demo-router",
+            f"{CORE}/configmaps/demo-config",
+            f"{SP_PATH}/demo-b200",  # the pool's Deployment and Service follow it (garbage collector)
+        ):
+            await delete(api, path)
+        await eventually(lambda: api.live("v1/services", NAMESPACE, "demo-router"), what="the router Service")
+        await eventually(lambda: api.live("v1/configmaps", NAMESPACE, "demo-config"), what="the ConfigMap")
+
+        def pool_back() -> bool:
+            new_uid = uid(api, SAMPLERPOOLS, "demo-b200")
+            deployment = api.live(DEPLOYMENTS, NAMESPACE, "demo-b200")
+            return (
+                new_uid not in (None, pool_uid)
+                and deployment is not None
+                and deployment["metadata"]["ownerReferences"][0]["uid"] == new_uid
+            )
+
+        await eventually(pool_back, what="the SamplerPool and, through its controller, its Deployment")
+        assert api.live(SAMPLERPOOLS, NAMESPACE, "demo-b200")["spec"]["replicas"] == 2, "seeded again"
+        assert api.live("v1/services", NAMESPACE, "demo-b200") is not None
+        await settled(api)
+
+
+async def test_a_hand_edit_of_a_pool_deployment_is_undone(api: ApiServer, operator: Any) -> None:
+    async with operator():
+        await ready_run(api)
+        want = api.live(DEPLOYMENTS, NAMESPACE, "demo-b200")
+        engine = want["spec"]["template"]["spec"]["containers"][0]
+        edited = {**engine, "image": "someone/else:latest"}
+        containers = [edited, *want["spec"]["template"]["spec"]["containers"][1:]]
+        await patch(
+            api,
+            f"{APPS}/deployments/demo-b200",
+            {"spec": {"replicas": 7, "template": {"spec": {"containers": containers}}}},
+        )
+
+        def restored() -> bool:
+            live = api.live(DEPLOYMENTS, NAMESPACE, "demo-b200")
+            return (
+                live["spec"]["replicas"] == 2
+                and live["spec"]["template"]["spec"]["containers"][0]["image"] == engine["image"]
+            )
+
+        await eventually(restored, what="the pool's Deployment as its SamplerPool says")
+        await settled(api)
+        assert "repaired Deployment/demo-b200" in " ".join(e["message"] for e in events(api))
+
+
+# ----------------------------------------------------------------------------- resync and restarts
+
+
+def write_calls(runtime: Runtime) -> Counter[tuple[str, str]]:
+    return runtime.client.writes()
+
+
+async def test_the_resync_repairs_what_no_event_announced(api: ApiServer, operator: Any) -> None:
+    async with operator(resync_interval_s=0.3):
+        await ready_run(api, resyncing=True)
+        router = api.live(DEPLOYMENTS, NAMESPACE, "demo-router")
+        image = router["spec"]["template"]["spec"]["containers"][0]["image"]
+        tampered = copy.deepcopy(router["spec"]["template"]["spec"]["containers"])
+        tampered[0]["image"] = "someone/else:latest"
+        # As if the watch had missed these: no event reaches the operator.
+        api.tamper(
+            DEPLOYMENTS, NAMESPACE, "demo-router", {"spec": {"template": {"spec": {"containers": tampered}}}}
+        )
+        api.vanish("v1/configmaps", NAMESPACE, "demo-config")
+        await eventually(
+            lambda: (
+                api.live(DEPLOYMENTS, NAMESPACE, "demo-router")["spec"]["template"]["spec"]["containers"][0][
+                    "image"
+                ]
+                == image
+            ),
+            what="the router's image put back by the resync",
+        )
+        await eventually(lambda: api.live("v1/configmaps", NAMESPACE, "demo-config"), what="the ConfigMap")
+
+
+async def test_a_resync_of_an_unchanged_cluster_writes_nothing(api: ApiServer, operator: Any) -> None:
+    async with operator(resync_interval_s=0.25) as runtime:
+        await ready_run(api, resyncing=True)
+        start = len(list(api))
+        before = write_calls(runtime)
+        reads = runtime.client.calls[("get", "configmaps")]
+        # Several resyncs: each reconciles the run and both pools (reads only).
+        await eventually(
+            lambda: runtime.client.calls[("get", "configmaps")] >= reads + 3, what="three resyncs of the run"
+        )
+        await eventually(lambda: runtime.client.calls[("get", "deployments")] >= 9, what="the pools' resyncs")
+        assert write_calls(runtime) == before, "a resync of an unchanged cluster sends no write"
+        assert operator_writes(api, start) == []
+
+
+async def test_a_restarted_operator_writes_nothing_on_an_unchanged_cluster(
+    api: ApiServer, operator: Any
+) -> None:
+    async with operator():
+        await ready_run(api)
+    start = len(list(api))
+    async with operator(resync_interval_s=0.25) as runtime:
+        # kopf resumes every RLRun and SamplerPool (each reconciled), and the resync follows.
+        await eventually(lambda: runtime.client.calls[("get", "configmaps")] >= 2, what="resume and a resync")
+        await eventually(
+            lambda: runtime.client.calls[("get", "services")] >= 2 * 6, what="the pools' reconciles"
+        )
+        assert runtime.client.writes() == Counter(), runtime.client.writes()
+        assert runtime.client.calls[("get", "statefulsets")] >= 3, "it did compare the children"
+        assert operator_writes(api, start) == []
+
+
+async def test_a_failed_child_triggered_reconcile_is_retried(api: ApiServer, operator: Any) -> None:
+    async with operator() as runtime:
+        await ready_run(api)
+        before = len(list(api))
+        api.fail("PATCH", "services", 500, times=3, name="demo-router")
+        await delete(api, f"{CORE}/services/demo-router")
+        # No RLRun change: only the child event's reconcile, retried with backoff, can bring it back.
+        await eventually(lambda: api.live("v1/services", NAMESPACE, "demo-router"), what="the router Service")
+        applies = requests_to(api, "PATCH", f"{CORE}/services/demo-router", before)
+        assert len(applies) == 4, "three failures, then the retry that worked"
+        await settled(api)
+        assert not runtime._queued, "nothing left queued"
