@@ -17,6 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from mixrl.api import rules
 from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, PRECISION_CORES
+from mixrl.api.memory import memory_problem
 
 GROUP = "mixrl.dev"
 VERSION = "v1alpha1"
@@ -60,6 +61,10 @@ class ModelSpec(Model):
     """Jinja chat template overriding the tokenizer's, if any."""
     max_context_tokens: int = Field(default=32768, gt=0)
     """Longest context (prompt plus all turns) an episode may reach."""
+    parameters_billions: float | None = Field(default=None, gt=0)
+    """Parameter count in billions, every expert of an MoE included (e.g. 30 for Qwen3-30B-A3B).
+    When set, validation refuses a pool or trainer whose GPUs cannot hold the weights, and the
+    operator sizes the memory of the containers that load whole checkpoints from it."""
 
 
 class Parallelism(Model):
@@ -125,6 +130,9 @@ class TrainerSpec(Model):
     """Container image; defaults to mixrl's trainer image for the backend."""
     resources: ResourceRequirements | None = None
     """CPU and memory for each trainer pod (GPUs come from gpusPerNode)."""
+    scheduling: Scheduling = Field(default_factory=lambda: Scheduling())
+    """Node selection (GPU products), tolerations and priority class of the trainer pods, as for a
+    sampler pool."""
 
     @field_validator("gpu_type")
     @classmethod
@@ -322,6 +330,12 @@ class WeightsSpec(Model):
     """Old versions kept before pruning."""
     volume_size: str = "200Gi"
     """Size of the weights volume the operator creates when the store is a local path."""
+    storage_class_name: str | None = Field(
+        default=None, pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253
+    )
+    """StorageClass of that volume; it must offer ReadWriteMany (the trainer writes, engines on other
+    nodes read: NFS, CephFS, EFS, Filestore, Azure Files…). Null: the operator's default (the chart's
+    weights.storageClassName), else the cluster's default class."""
 
 
 class AutoscalingSpec(Model):
@@ -401,6 +415,9 @@ class RLRunSpec(Model):
         if duplicate is not None:
             index = names.index(duplicate, names.index(duplicate) + 1)
             raise rules.UNIQUE_POOL_NAMES.error(at=f"samplerPools[{index}].name", name=duplicate)
+        fit = memory_problem(self)  # mixrl.api.memory: do the weights fit the GPUs they land on?
+        if fit is not None:
+            raise field_error(*fit)
         return self
 
 

@@ -32,7 +32,9 @@ BUFFER_PORT = 8100
 METRICS_PORT = 9400
 
 SGLANG_IMAGE = "lmsysorg/sglang:v0.5.6"
+"""The official SGLang release the operator runs by default (its ``--sglang-image``)."""
 MIXRL_IMAGE_PREFIX = "ghcr.io/mixrl/mixrl"
+"""mixrl's images are ``<prefix>-<name>:<version>`` (images/README.md)."""
 
 # SGLang's --quantization for a checkpoint the weight store converted to each precision.
 # fp8: the 128x128 block format carries its quantization_config, "fp8" reads it; nvfp4: ModelOpt's
@@ -92,14 +94,17 @@ class ResolvedPool(Frozen):
     tolerations: tuple[Toleration, ...] = ()
     """Extra tolerations from the spec (the operator always adds the ``nvidia.com/gpu`` taint)."""
     priority_class_name: str | None = None
-    image: str
+    image: str | None
+    """The pool's own ``image``; None runs the operator's image for the engine (chart values, pinned
+    to the chart's version), so the image is the platform's choice, not a ``:latest`` default."""
     engine_args: tuple[str, ...]
     """The engine command line without host, port and model path (those depend on where it runs)."""
 
 
 class ResolvedTrainer(Frozen):
     spec: TrainerSpec
-    image: str
+    image: str | None
+    """The spec's ``image``; None runs the operator's trainer image for the backend."""
     world_size: int
     prompts_per_update: int
     samples_per_prompt: int
@@ -175,9 +180,6 @@ def resolve(run: RLRun) -> ResolvedRun:
     for pool in spec.sampler_pools:
         kv = default_kv_cache_dtype(pool)
         products = pool.scheduling.gpu_products or GPU_TABLE[pool.gpu_type].gfd_products
-        image = pool.image or (
-            SGLANG_IMAGE if pool.engine == "sglang" else f"{MIXRL_IMAGE_PREFIX}-engine:latest"
-        )
         pools.append(
             ResolvedPool(
                 name=pool.name,
@@ -196,19 +198,18 @@ def resolve(run: RLRun) -> ResolvedRun:
                 node_selector=dict(pool.scheduling.node_selector),
                 tolerations=tuple(pool.scheduling.tolerations),
                 priority_class_name=pool.scheduling.priority_class_name,
-                image=image,
+                image=pool.image,
                 engine_args=engine_args(pool, kv, sampling),
             )
         )
     trainer = spec.trainer
-    trainer_image = trainer.image or f"{MIXRL_IMAGE_PREFIX}-trainer-{trainer.backend}:latest"
     return ResolvedRun(
         name=run.metadata.name,
         namespace=run.metadata.namespace or "default",
         model=spec.model,
         trainer=ResolvedTrainer(
             spec=trainer,
-            image=trainer_image,
+            image=trainer.image,
             world_size=trainer.nodes * max(trainer.gpus_per_node, 1),
             prompts_per_update=algorithm.prompts_per_update,
             samples_per_prompt=algorithm.samples_per_prompt,

@@ -4,7 +4,9 @@ The reports come from what the GPUs say about themselves — DCGM exporter's ``m
 (queried per pool through Prometheus) or the engines' own NVML reading
 (:func:`mixrl.rl.gpu_identity.gpu_identity`) — never from node labels, which are what could be
 wrong.  The condition ``WrongGpuType`` is True when any reported product is outside the pool's
-``nvidia.com/gpu.product`` list (the GPU table's, or the spec's override).
+``nvidia.com/gpu.product`` list (the GPU table's, or the spec's override).  A GPU reports its own
+name, never GPU Feature Discovery's ``-SHARED`` suffix for time-sliced nodes, so an allowed
+``…-SHARED`` product counts as the GPU it names.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.rl.gpu_identity import product_label
 
 WRONG_GPU_TYPE = "WrongGpuType"
@@ -24,7 +27,7 @@ def wrong_gpu_value(reported: Iterable[str], allowed: Sequence[str]) -> tuple[st
     products = {product_label(name) for name in reported if name}
     if not products or not allowed:
         return None  # no telemetry yet, or a CPU pool (no product list to check against)
-    unexpected = sorted(products - set(allowed))
+    unexpected = sorted(products - {name.removesuffix(SHARED_SUFFIX) for name in allowed})
     if unexpected:
         return (
             "True",
@@ -48,6 +51,6 @@ def wrong_gpu_condition(
         "status": status,
         "reason": reason,
         "message": message,
-        "lastTransitionTime": now if flipped else before.get("lastTransitionTime", now),
+        "lastTransitionTime": now if flipped else (before or {}).get("lastTransitionTime", now),
         "observedGeneration": generation,
     }

@@ -4,17 +4,98 @@ In a cluster it logs in with its service account; with ``--dev`` it uses your ku
 high peering priority, so it takes over from the in-cluster operator while it runs (kopf's
 development mode).  Peering makes sure only one operator acts at a time: the chart creates the
 (Cluster)KopfPeering object named by ``--peering``.
+
+kopf pauses *every* operator that sees a live peer with its own priority, so replicas of one
+Deployment must not share one: the chart passes ``--replica-id $(POD_NAME)`` and each replica takes
+a distinct priority below zero from it.  The highest acts, the others wait as warm standbys and
+take over when its peering record expires; ``--dev`` (666) and an operator started by hand
+(kopf's default, 0) outrank them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
+import re
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
+from mixrl.api.gpus import GPU_TABLE
+from mixrl.operator import labels as L
 from mixrl.operator.objects import Images
 
 DEV_PRIORITY = 666  # kopf's convention: a developer's operator outranks the deployed one
+REPLICA_PRIORITY_SPAN = 10**9
+"""Replica priorities lie in [-SPAN, -1]: two replicas collide with odds of about one in a billion."""
+
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
+LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+T = TypeVar("T")
+OWN_LABELS = frozenset({L.NAME, L.INSTANCE, L.COMPONENT, L.MANAGED_BY})
+"""Labels the operator sets on each run's objects; a PodMonitor label may not replace them."""
+
+
+def replica_priority(replica_id: str) -> int:
+    """A stable peering priority below zero for one operator replica (its pod name)."""
+    digest = int.from_bytes(hashlib.sha256(replica_id.encode()).digest()[:8], "big")
+    return -1 - digest % REPLICA_PRIORITY_SPAN
+
+
+def image_problem(reference: str) -> str | None:
+    """Why an image reference is not pinned, or None: a tag other than ``latest``, or a digest."""
+    if not reference or any(c.isspace() for c in reference):
+        return f"{reference!r} is not an image reference"
+    if "@" in reference:
+        return None
+    name = reference.rsplit("/", 1)[-1]
+    if ":" not in name:
+        return f"{reference} has no tag; pin a version (name:tag or name@sha256:digest)"
+    if name.rsplit(":", 1)[1] == "latest":
+        return f"{reference} uses :latest, which moves under running pods; pin a version"
+    return None
+
+
+def dns_name_problem(value: str) -> str | None:
+    if len(value) <= 253 and DNS_SUBDOMAIN.match(value):
+        return None
+    return f"{value!r} is not a DNS subdomain name (lowercase letters, digits, '-', '.')"
+
+
+def label_problem(key: str, value: str) -> str | None:
+    """Why ``key=value`` is not a Kubernetes label, or None."""
+    prefix, _, name = key.rpartition("/")
+    if prefix and dns_name_problem(prefix) is not None:
+        return f"the prefix of {key!r} is not a DNS subdomain"
+    if not (len(name) <= 63 and LABEL_NAME.match(name)):
+        return f"{key!r} is not a label key (a name of at most 63 letters, digits, '-', '_', '.')"
+    if value and not (len(value) <= 63 and LABEL_NAME.match(value)):
+        return f"{value!r} is not a label value (at most 63 letters, digits, '-', '_', '.')"
+    return None
+
+
+def parse_label(text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    if not equals:
+        raise ValueError(f"{text!r}: expected KEY=VALUE")
+    problem = label_problem(key, value)
+    if problem is not None:
+        raise ValueError(problem)
+    return key, value
+
+
+def parse_gpu_node_label(text: str) -> tuple[str, str, str]:
+    """``GPUTYPE:KEY=VALUE`` -> (gpu type, key, value)."""
+    gpu_type, colon, label = text.partition(":")
+    if not colon:
+        raise ValueError(
+            f"{text!r}: expected GPUTYPE:KEY=VALUE, e.g. H100:cloud.google.com/gke-accelerator=nvidia-h100-80gb"
+        )
+    if gpu_type not in GPU_TABLE or GPU_TABLE[gpu_type].emulated:
+        known = ", ".join(t for t, gpu in GPU_TABLE.items() if not gpu.emulated)
+        raise ValueError(f"unknown GPU type {gpu_type!r}; known: {known}")
+    return (gpu_type, *parse_label(label))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -34,14 +115,56 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     parser.add_argument("--peering", default="mixrl", help="kopf peering object name (default: mixrl)")
     parser.add_argument("--standalone", action="store_true", help="no peering (only one operator may run)")
-    parser.add_argument("--priority", type=int, default=None, help="peering priority (highest one acts)")
+    ranking = parser.add_mutually_exclusive_group()
+    ranking.add_argument("--priority", type=int, default=None, help="peering priority (highest one acts)")
+    ranking.add_argument(
+        "--replica-id",
+        metavar="ID",
+        help="this replica's identity (the pod name): replicas get distinct priorities below 0 from it",
+    )
     parser.add_argument(
         "--dev", action="store_true", help="kubeconfig login, verbose logs, peering priority 666"
     )
-    parser.add_argument(
-        "--components-image",
-        default=Images().components,
-        help="image of router, rollout, buffer and weight sync",
+    defaults = Images()
+    images = parser.add_argument_group("images (each pinned: name:tag or name@digest, never :latest)")
+    images.add_argument(
+        "--components-image", default=defaults.components, help="router, rollout, buffer and weight sync"
+    )
+    images.add_argument("--trainer-image", default=defaults.trainer_torch, help="trainer with backend torch")
+    images.add_argument(
+        "--megatron-trainer-image", default=defaults.trainer_megatron, help="trainer with backend megatron"
+    )
+    images.add_argument("--torch-engine-image", default=defaults.torch_engine, help="pools with engine torch")
+    images.add_argument("--sglang-image", default=defaults.sglang, help="pools with engine sglang")
+    images.add_argument(
+        "--image-pull-secret",
+        action="append",
+        default=[],
+        dest="image_pull_secrets",
+        metavar="NAME",
+        help="a Secret in each run's namespace that every pod pulls with (repeatable)",
+    )
+    pods = parser.add_argument_group("the cluster's conventions for every run")
+    pods.add_argument(
+        "--weights-storage-class",
+        metavar="NAME",
+        help="StorageClass (ReadWriteMany) of weights volumes whose run names none",
+    )
+    pods.add_argument(
+        "--pod-monitor-label",
+        action="append",
+        default=[],
+        dest="pod_monitor_labels",
+        metavar="KEY=VALUE",
+        help="a label on each run's PodMonitor, e.g. release=kube-prometheus-stack (repeatable)",
+    )
+    pods.add_argument(
+        "--gpu-node-label",
+        action="append",
+        default=[],
+        dest="gpu_node_labels",
+        metavar="GPUTYPE:KEY=VALUE",
+        help="a node label that identifies a GPU type's nodes without GPU Feature Discovery (repeatable)",
     )
     parser.add_argument(
         "--monitoring",
@@ -73,7 +196,67 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--drain-seconds: must be 0 or more")
     if args.namespaces and any(not ns for ns in args.namespaces):
         parser.error("--namespace: must not be empty")
+    if args.standalone and args.replica_id:
+        parser.error("--replica-id: a standalone operator has no peers; run one replica")
+    if args.replica_id is not None and not args.replica_id:
+        parser.error("--replica-id: must not be empty")
+    for flag in ("components", "trainer", "megatron_trainer", "torch_engine", "sglang"):
+        problem = image_problem(getattr(args, f"{flag}_image"))
+        if problem is not None:
+            parser.error(f"--{flag.replace('_', '-')}-image: {problem}")
+    for name in args.image_pull_secrets:
+        if (problem := dns_name_problem(name)) is not None:
+            parser.error(f"--image-pull-secret: {problem}")
+    storage_class = args.weights_storage_class
+    if storage_class is not None and (problem := dns_name_problem(storage_class)) is not None:
+        parser.error(f"--weights-storage-class: {problem}")
+    args.pod_monitor_labels = parsed(parser, "--pod-monitor-label", args.pod_monitor_labels, parse_label)
+    for key, _ in args.pod_monitor_labels:
+        if key in OWN_LABELS:
+            parser.error(f"--pod-monitor-label: {key} is the operator's own label on each run's objects")
+    args.gpu_node_labels = parsed(parser, "--gpu-node-label", args.gpu_node_labels, parse_gpu_node_label)
     return args
+
+
+def parsed(
+    parser: argparse.ArgumentParser, flag: str, values: list[str], parse: Callable[[str], T]
+) -> list[T]:
+    """Each value parsed, or the parser's usage error naming the flag and the bad value."""
+    out = []
+    for value in values:
+        try:
+            out.append(parse(value))
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+    return out
+
+
+def images_of(args: argparse.Namespace) -> Images:
+    selectors: dict[str, dict[str, str]] = {}
+    for gpu_type, key, value in args.gpu_node_labels:
+        selectors.setdefault(gpu_type, {})[key] = value
+    return Images(
+        components=args.components_image,
+        trainer_torch=args.trainer_image,
+        trainer_megatron=args.megatron_trainer_image,
+        torch_engine=args.torch_engine_image,
+        sglang=args.sglang_image,
+        pull_secrets=tuple(dict.fromkeys(args.image_pull_secrets)),
+        weights_storage_class=args.weights_storage_class,
+        pod_monitor_labels=dict(args.pod_monitor_labels),
+        gpu_node_selectors=selectors,
+    )
+
+
+def peering_priority(args: argparse.Namespace) -> int | None:
+    """``--priority``, else 666 with ``--dev``, else one below zero per replica, else kopf's (0)."""
+    if args.priority is not None:
+        return int(args.priority)
+    if args.dev:
+        return DEV_PRIORITY
+    if args.replica_id:
+        return replica_priority(args.replica_id)
+    return None
 
 
 def main(argv: list[str]) -> int:
@@ -86,7 +269,7 @@ def main(argv: list[str]) -> int:
     kopf.configure(verbose=args.verbose or args.dev, debug=args.verbose)
     logging.getLogger("mixrl").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     config = OperatorConfig(
-        images=Images(components=args.components_image),
+        images=images_of(args),
         monitoring=args.monitoring,
         drain_seconds=args.drain_seconds,
         keda=args.keda,
@@ -94,7 +277,9 @@ def main(argv: list[str]) -> int:
         login=kopf.login_via_client if args.dev else None,
     )
     registry, _ = build_registry(config)
-    priority = DEV_PRIORITY if args.dev and args.priority is None else args.priority
+    priority = peering_priority(args)
+    if not args.standalone:
+        logging.getLogger("mixrl.operator").info("peering %r with priority %s", args.peering, priority or 0)
     kopf.run(
         registry=registry,
         clusterwide=args.all_namespaces,

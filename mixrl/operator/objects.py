@@ -9,10 +9,14 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, ResolvedPool, ResolvedRun
+from mixrl import __version__
+from mixrl.api.memory import BYTES_PER_PARAMETER, GIB
+from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE, ResolvedPool, ResolvedRun
 from mixrl.operator import labels as L
 from mixrl.operator.podspec import Obj, mount
 
@@ -64,8 +68,39 @@ class Owner:
 
 @dataclass(frozen=True)
 class Images:
-    components: str = f"{MIXRL_IMAGE_PREFIX}-components:latest"
+    """What every run's pods take from the platform rather than from the spec, set once per operator
+    (flags of ``mixrl operator``, chart values): the images where a spec names none, how to pull
+    them, and the cluster's storage, monitoring and GPU-node conventions.
+
+    The chart passes each image pinned to the chart's version; these defaults are this package's
+    version, so no pod ever runs a moving ``:latest``."""
+
+    components: str = f"{MIXRL_IMAGE_PREFIX}-components:{__version__}"
     """Router, rollout, buffer and the engines' weight-sync sidecar."""
+    trainer_torch: str = f"{MIXRL_IMAGE_PREFIX}-trainer-torch:{__version__}"
+    """The trainer with ``backend: torch``."""
+    trainer_megatron: str = f"{MIXRL_IMAGE_PREFIX}-trainer-megatron:{__version__}"
+    """The trainer with ``backend: megatron``."""
+    torch_engine: str = f"{MIXRL_IMAGE_PREFIX}-engine:{__version__}"
+    """Pools with ``engine: torch``."""
+    sglang: str = SGLANG_IMAGE
+    """Pools with ``engine: sglang``: the official release (mixrl reaches it as the sidecar)."""
+    pull_secrets: tuple[str, ...] = ()
+    """Secrets (in each run's namespace) every pod the operator creates pulls its images with."""
+    weights_storage_class: str | None = None
+    """StorageClass of weights volumes whose run names none (``weights.storageClassName``)."""
+    pod_monitor_labels: Mapping[str, str] = field(default_factory=dict)
+    """Extra labels on each run's PodMonitor, for a Prometheus that selects monitors by label
+    (kube-prometheus-stack: ``release: <its release name>``)."""
+    gpu_node_selectors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """GPU type -> node labels that identify its nodes where GPU Feature Discovery does not label
+    ``nvidia.com/gpu.product``; an alternative (OR-ed) to the product affinity, not an addition."""
+
+    def trainer(self, backend: str) -> str:
+        return self.trainer_megatron if backend == "megatron" else self.trainer_torch
+
+    def engine(self, engine: str) -> str:
+        return self.sglang if engine == "sglang" else self.torch_engine
 
 
 @dataclass(frozen=True)
@@ -79,6 +114,88 @@ class BuildOptions:
     buffer_volume_size: str = "50Gi"
     keda: bool = False
     """The cluster serves KEDA's ScaledObjects (keda.sh/v1alpha1), found through API discovery."""
+
+
+# ----------------------------------------------------------------------------- CPU and memory
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """CPU and memory of one container.  Every container gets requests (no BestEffort pod: those
+    are evicted first and refused by a quota on requests) and limits (a ResourceQuota on
+    ``limits.cpu``/``limits.memory`` refuses any container without them)."""
+
+    cpu: str
+    memory: str
+    cpu_limit: str
+    memory_limit: str
+
+    @classmethod
+    def fixed(cls, cpu: str, memory: str) -> Footprint:
+        """Limits equal to requests: what the user asked for is what the pod gets."""
+        return cls(cpu, memory, cpu, memory)
+
+
+def gib(value: float) -> str:
+    return f"{max(1, math.ceil(value))}Gi"
+
+
+def per_gpu(gpus: int, cpu: int, memory_gib: int, cpu_limit: int, memory_limit_gib: int) -> Footprint:
+    return Footprint(
+        str(cpu * gpus), gib(memory_gib * gpus), str(cpu_limit * gpus), gib(memory_limit_gib * gpus)
+    )
+
+
+COMPONENT_FOOTPRINTS: dict[str, Footprint] = {
+    "router": Footprint("500m", "1Gi", "2", "2Gi"),
+    "buffer": Footprint("1", "2Gi", "2", "8Gi"),  # whole groups wait in memory until trained on
+    "rollout": Footprint("1", "2Gi", "4", "8Gi"),  # `concurrency` agent sessions and their tools
+}
+"""The CPU services of a run (no spec field sizes them)."""
+
+
+def trainer_footprint(resolved: ResolvedRun) -> Footprint:
+    """``trainer.resources`` (request = limit), else by GPU: NCCL, data loading, and the host copy of
+    the checkpoint each rank loads."""
+    spec = resolved.trainer.spec
+    gpus = spec.gpus_per_node
+    default = per_gpu(gpus, 4, 32, 8, 32) if gpus > 0 else Footprint("2", "8Gi", "4", "8Gi")
+    asked = spec.resources
+    cpu = asked.cpu if asked and asked.cpu else None
+    memory = asked.memory if asked and asked.memory else None
+    return Footprint(
+        cpu or default.cpu,
+        memory or default.memory,
+        cpu or default.cpu_limit,
+        memory or default.memory_limit,
+    )
+
+
+def engine_footprint(pool: ResolvedPool) -> Footprint:
+    """SGLang and the torch engine on GPUs stream the checkpoint to the GPUs; on CPU the torch
+    engine holds a small model."""
+    if pool.gpus_per_replica > 0:
+        return per_gpu(pool.gpus_per_replica, 4, 16, 8, 32)
+    return Footprint("1", "2Gi", "2", "4Gi")
+
+
+CONVERSION_UNKNOWN_SIZE = Footprint("500m", "4Gi", "2", "32Gi")
+"""The weight-sync containers of an SGLang pool whose run does not give ``model.parametersBillions``:
+enough to convert a model of about 8B parameters."""
+
+
+def weight_sync_footprint(resolved: ResolvedRun, pool: ResolvedPool) -> Footprint:
+    """The init container and sidecar of an engine pod.  For SGLang they convert each version to the
+    pool's precision, holding the BF16 checkpoint and its conversion in memory at once, so with the
+    model's size known the memory is sized to it; the torch engine's only link a version."""
+    if pool.engine != "sglang":
+        return Footprint("100m", "1Gi", "1", "2Gi")
+    size = resolved.model.parameters_billions
+    if size is None:
+        return CONVERSION_UNKNOWN_SIZE
+    held = size * 1e9 * (BYTES_PER_PARAMETER["bf16"] + BYTES_PER_PARAMETER[pool.weight_precision]) / GIB
+    memory = gib(held * 1.1 + 1)  # tensors' headroom and the interpreter
+    return Footprint("500m", memory, "2", memory)
 
 
 # ----------------------------------------------------------------------------- hashing
@@ -181,7 +298,7 @@ def weights_volume_and_mount(resolved: ResolvedRun, read_only: bool) -> tuple[li
     path = weights_volume_path(resolved.weights.store)
     if path is None:
         return [], []
-    claim = {"claimName": L.child_name(resolved.name, "weights")}
+    claim: Obj = {"claimName": L.child_name(resolved.name, "weights")}
     if read_only:
         claim["readOnly"] = True
     return [{"name": WEIGHTS_MOUNT, "persistentVolumeClaim": claim}], [mount(WEIGHTS_MOUNT, path, read_only)]

@@ -7,10 +7,15 @@ filesystem is read-only wherever the process allows, with writable emptyDirs whe
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.api.models import Toleration
+
+if TYPE_CHECKING:  # objects.py builds on this module
+    from mixrl.operator.objects import Footprint
 
 Obj = dict[str, Any]
 
@@ -30,6 +35,9 @@ def pod_security_context() -> Obj:
         "runAsUser": RUN_AS_USER,
         "runAsGroup": RUN_AS_USER,
         "fsGroup": RUN_AS_USER,
+        # Change volume ownership only when the root of the volume is not ours yet: a recursive
+        # chown of a weights volume with every version in it would hold each pod start for minutes.
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 
@@ -107,16 +115,31 @@ def server_probes(port: str, startup_minutes: int) -> Obj:
     }
 
 
-def gpu_node_affinity(products: tuple[str, ...]) -> Obj:
-    """Required node affinity: the node's GPU Feature Discovery product label is one of ``products``."""
-    expression = {"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(products)}
-    return {
-        "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{"matchExpressions": [expression]}]
+def with_shared(products: Sequence[str]) -> list[str]:
+    """``products`` and their time-sliced names: GPU Feature Discovery appends ``-SHARED`` to the
+    product label of a node whose GPUs are shared (time-slicing or MPS with renaming)."""
+    out = list(products)
+    out += [f"{p}{SHARED_SUFFIX}" for p in products if not p.endswith(SHARED_SUFFIX)]
+    return out
+
+
+def gpu_node_affinity(products: Sequence[str], fallback: Mapping[str, str] | None = None) -> Obj:
+    """Required node affinity: the node's GPU Feature Discovery product label is one of ``products``
+    (or their ``-SHARED`` names), OR the node carries every label of ``fallback`` (for nodes GFD
+    does not label; node selector terms are OR-ed, the expressions inside one term AND-ed)."""
+    terms: list[Obj] = [
+        {"matchExpressions": [{"key": GPU_PRODUCT_LABEL, "operator": "In", "values": with_shared(products)}]}
+    ]
+    if fallback:
+        terms.append(
+            {
+                "matchExpressions": [
+                    {"key": key, "operator": "In", "values": [value]}
+                    for key, value in sorted(fallback.items())
+                ]
             }
-        }
-    }
+        )
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
 
 
 def toleration_dict(toleration: Toleration) -> Obj:
@@ -124,19 +147,22 @@ def toleration_dict(toleration: Toleration) -> Obj:
 
 
 def gpu_scheduling(
-    products: tuple[str, ...],
-    node_selector: dict[str, str],
-    tolerations: tuple[Toleration, ...] = (),
+    products: Sequence[str],
+    node_selector: Mapping[str, str],
+    tolerations: Sequence[Toleration] = (),
     priority_class_name: str | None = None,
+    fallback: Mapping[str, str] | None = None,
 ) -> Obj:
-    """Pod-spec fields that put a GPU workload on nodes with one of ``products``.
+    """Pod-spec fields that put a GPU workload on nodes with one of ``products`` (or, without GPU
+    Feature Discovery, the ``fallback`` labels of its GPU type); ``node_selector`` is required on
+    top of either.
 
     An empty ``products`` (``gpuType: cpu``) schedules anywhere and tolerates no GPU taint.
     """
     spec: Obj = {}
     extra = [toleration_dict(t) for t in tolerations]
     if products:
-        spec["affinity"] = gpu_node_affinity(products)
+        spec["affinity"] = gpu_node_affinity(products, fallback)
         extra = [GPU_TOLERATION, *(t for t in extra if t != GPU_TOLERATION)]
     if extra:
         spec["tolerations"] = extra
@@ -147,22 +173,13 @@ def gpu_scheduling(
     return spec
 
 
-def resources(gpus: int, cpu: str | None = None, memory: str | None = None) -> Obj:
-    """Requests and limits; GPUs are an extended resource, so request equals limit."""
-    limits: Obj = {}
-    requests: Obj = {}
+def resources(footprint: Footprint, gpus: int = 0) -> Obj:
+    """Requests and limits of CPU and memory, and GPUs (an extended resource: the limit alone, which
+    Kubernetes copies into the request)."""
+    limits: Obj = {"cpu": footprint.cpu_limit, "memory": footprint.memory_limit}
     if gpus > 0:
         limits[GPU_RESOURCE] = str(gpus)
-    if cpu:
-        requests["cpu"] = limits["cpu"] = cpu
-    if memory:
-        requests["memory"] = limits["memory"] = memory
-    out: Obj = {}
-    if requests:
-        out["requests"] = requests
-    if limits:
-        out["limits"] = limits
-    return out
+    return {"requests": {"cpu": footprint.cpu, "memory": footprint.memory}, "limits": limits}
 
 
 def container(
@@ -194,12 +211,16 @@ def port(name: str, number: int) -> Obj:
     return {"name": name, "containerPort": number, "protocol": "TCP"}
 
 
-def pod_spec(containers: list[Obj], volumes: list[Obj], **extra: Any) -> Obj:
-    """A pod spec for a mixrl component: no service-account token (components never call the API)."""
-    return {
+def pod_spec(containers: list[Obj], volumes: list[Obj], pull_secrets: Sequence[str], **extra: Any) -> Obj:
+    """A pod spec for a mixrl component: no service-account token (components never call the API);
+    ``pull_secrets`` for private registries (Secrets in the pod's own namespace)."""
+    spec: Obj = {
         "automountServiceAccountToken": False,
         "securityContext": pod_security_context(),
         "containers": containers,
         "volumes": volumes,
         **extra,
     }
+    if pull_secrets:
+        spec["imagePullSecrets"] = [{"name": name} for name in pull_secrets]
+    return spec

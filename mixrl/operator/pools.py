@@ -21,12 +21,14 @@ from mixrl.operator.objects import (
     BuildOptions,
     Owner,
     deployment,
+    engine_footprint,
     metadata,
     pod_template,
     pool_children_hash,
     pool_config_hash,
     scrape_annotations,
     service,
+    weight_sync_footprint,
     weights_volume_and_mount,
     with_hash,
 )
@@ -127,7 +129,7 @@ def engine_container(
     ]
     return container(
         "engine",
-        pool.image,
+        pool.image or options.images.engine(pool.engine),
         command,
         [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}],
         mounts,
@@ -135,7 +137,7 @@ def engine_container(
         # SGLang's JIT kernels (Triton, FlashInfer, DeepGEMM) write caches in paths we cannot
         # enumerate; the torch engine writes only to /tmp and the cache volume.
         read_only_root=pool.engine != "sglang",
-        resources=resources(pool.gpus_per_replica),
+        resources=resources(engine_footprint(pool), pool.gpus_per_replica),
         lifecycle={"preStop": {"exec": {"command": drain}}},
         **server_probes("engine", options.startup_minutes),
     )
@@ -176,20 +178,37 @@ def pool_objects(
         volumes.append(empty_dir("dshm", medium="Memory"))
         engine_mounts.append(mount("dshm", "/dev/shm"))
     sync_env = [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}]
+    sync_resources = resources(weight_sync_footprint(resolved, pool))
+    components = options.images.components
     sidecar = container(
-        "weight-sync", options.images.components, weight_sync_command(pool, once=False), sync_env, sync_mounts
+        "weight-sync",
+        components,
+        weight_sync_command(pool, once=False),
+        sync_env,
+        sync_mounts,
+        resources=sync_resources,
     )
     # Every engine starts from the latest version: SGLang loads its first checkpoint at launch, and
     # the torch engine needs a model directory.
     init = container(
-        "weights-init", options.images.components, weight_sync_command(pool, once=True), sync_env, sync_mounts
+        "weights-init",
+        components,
+        weight_sync_command(pool, once=True),
+        sync_env,
+        sync_mounts,
+        resources=sync_resources,
     )
     scheduling = gpu_scheduling(
-        pool.gpu_products, pool.node_selector, pool.tolerations, pool.priority_class_name
+        pool.gpu_products,
+        pool.node_selector,
+        pool.tolerations,
+        pool.priority_class_name,
+        options.images.gpu_node_selectors.get(pool.gpu_type),
     )
     spec = pod_spec(
         [engine_container(resolved, pool, options, engine_mounts), sidecar],
         volumes,
+        options.images.pull_secrets,
         terminationGracePeriodSeconds=options.drain_seconds + 30,
         initContainers=[init],
         **scheduling,

@@ -8,7 +8,8 @@ What one RLRun ``r`` in namespace ``ns`` becomes:
 
 - ConfigMap ``r-config``: ``run.json`` (the resolved run) and ``drain.py`` (the engines' preStop hook);
 - PersistentVolumeClaim ``r-weights`` when the weight store is a path (ReadWriteMany: the trainer
-  writes, every engine pod reads);
+  writes, every engine pod reads, on any node), of ``weights.storageClassName`` or the operator's
+  default class;
 - trainer: StatefulSet ``r-trainer`` (``nodes`` pods, torchrun's c10d rendezvous on pod 0) and its
   headless Service;
 - buffer: StatefulSet ``r-buffer`` with a volume claim, and its headless Service;
@@ -29,6 +30,7 @@ from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRu
 from mixrl.operator import labels as L
 from mixrl.operator.objects import (
     BUFFER_DATA_DIR,
+    COMPONENT_FOOTPRINTS,
     CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
     POD_INDEX_LABEL,
@@ -46,6 +48,7 @@ from mixrl.operator.objects import (
     pod_template,
     scrape_annotations,
     service,
+    trainer_footprint,
     weights_volume_and_mount,
     weights_volume_path,
     with_hash,
@@ -106,9 +109,17 @@ def config_map(resolved: ResolvedRun, owner: Owner) -> Obj:
     }
 
 
-def weights_pvc(resolved: ResolvedRun, owner: Owner) -> Obj | None:
+def weights_pvc(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> Obj | None:
     if weights_volume_path(resolved.weights.store) is None:
         return None
+    spec: Obj = {
+        # The trainer writes each version and every engine pod, on any node, reads it.
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": resolved.weights.volume_size}},
+    }
+    storage_class = resolved.weights.storage_class_name or options.images.weights_storage_class
+    if storage_class:  # else the cluster's default StorageClass
+        spec["storageClassName"] = storage_class
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
@@ -118,11 +129,7 @@ def weights_pvc(resolved: ResolvedRun, owner: Owner) -> Obj | None:
             L.component_labels(resolved, "run"),
             owner,
         ),
-        "spec": {
-            # The trainer writes each version and every engine pod, on any node, reads it.
-            "accessModes": ["ReadWriteMany"],
-            "resources": {"requests": {"storage": resolved.weights.volume_size}},
-        },
+        "spec": spec,
     }
 
 
@@ -198,26 +205,34 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     if gpus > 0:  # NCCL and data loaders need a large /dev/shm
         volumes.append(empty_dir("dshm", medium="Memory"))
         mounts.append(mount("dshm", "/dev/shm"))
-    requested = resources(
-        gpus, *(spec.resources.cpu, spec.resources.memory) if spec.resources else (None, None)
-    )
     trainer = container(
         "trainer",
-        resolved.trainer.image,
+        resolved.trainer.image or options.images.trainer(spec.backend),
         trainer_command(resolved),
         base_env(resolved.name),
         mounts,
         ports=[port("rdzv", RDZV_PORT), port("metrics", METRICS_PORT)],
-        resources=requested,
+        resources=resources(trainer_footprint(resolved), gpus),
     )
-    scheduling = gpu_scheduling(GPU_TABLE[spec.gpu_type].gfd_products if gpus > 0 else (), {})
+    # Like a pool: the GPU table's products (or the spec's), the GPU taint tolerated, the spec's
+    # node selector, tolerations and priority class (a trainer preempted mid-run loses a step).
+    placement = spec.scheduling
+    products = (placement.gpu_products or GPU_TABLE[spec.gpu_type].gfd_products) if gpus > 0 else ()
+    scheduling = gpu_scheduling(
+        products,
+        placement.node_selector,
+        placement.tolerations,
+        placement.priority_class_name,
+        options.images.gpu_node_selectors.get(spec.gpu_type),
+    )
     annotations = {
         CONFIG_HASH_ANNOTATION: config_hash(resolved, "trainer"),
         **scrape_annotations(METRICS_PORT, options),
     }
-    template = pod_template(
-        labels, annotations, pod_spec([trainer], volumes, terminationGracePeriodSeconds=120, **scheduling)
+    pod = pod_spec(
+        [trainer], volumes, options.images.pull_secrets, terminationGracePeriodSeconds=120, **scheduling
     )
+    template = pod_template(labels, annotations, pod)
     # Parallel pod management (the helper's default): every node must be up for the rendezvous.
     # The run volume holds checkpoints and metrics.jsonl; optimizer state is sized like the weights.
     claims = [claim_template("run", labels, resolved.weights.volume_size)]
@@ -257,6 +272,7 @@ def component_container(
         base_env(resolved.name),
         [*base_mounts(), *extra_mounts],
         ports=ports,
+        resources=resources(COMPONENT_FOOTPRINTS[component]),
         **extra,
     )
 
@@ -320,7 +336,10 @@ def buffer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
         **scrape_annotations(METRICS_PORT, options),
     }
     spec = pod_spec(
-        [main], base_volumes(L.child_name(resolved.name, "config")), terminationGracePeriodSeconds=60
+        [main],
+        base_volumes(L.child_name(resolved.name, "config")),
+        options.images.pull_secrets,
+        terminationGracePeriodSeconds=60,
     )
     template = pod_template(labels, annotations, spec)
     claims = [claim_template("data", labels, options.buffer_volume_size)]
@@ -343,7 +362,9 @@ def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
         **scrape_annotations(METRICS_PORT, options),
     }
     template = pod_template(
-        labels, annotations, pod_spec([main], base_volumes(L.child_name(resolved.name, "config")))
+        labels,
+        annotations,
+        pod_spec([main], base_volumes(L.child_name(resolved.name, "config")), options.images.pull_secrets),
     )
     router = deployment(name, resolved, labels, selector, 1, template, owner, strategy={"type": "Recreate"})
     svc = service(name, resolved, labels, selector, [("http", ROUTER_PORT)], owner, headless=False)
@@ -383,7 +404,9 @@ def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         **scrape_annotations(METRICS_PORT, options),
     }
     template = pod_template(
-        labels, annotations, pod_spec([main], base_volumes(L.child_name(resolved.name, "config")))
+        labels,
+        annotations,
+        pod_spec([main], base_volumes(L.child_name(resolved.name, "config")), options.images.pull_secrets),
     )
     return [statefulset(name, resolved, labels, selector, resolved.rollout.workers, template, owner)]
 
@@ -399,17 +422,20 @@ POOL_RELABELINGS = (
 )
 
 
-def pod_monitor(resolved: ResolvedRun, owner: Owner) -> Obj:
+def pod_monitor(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> Obj:
     """Scrape every pod of the run: components on ``metrics``, engines (SGLang's names) on ``engine``;
-    the pod labels become the ``run``, ``pool``, ``gpu_type`` and ``precision`` series labels."""
+    the pod labels become the ``run``, ``pool``, ``gpu_type`` and ``precision`` series labels.
+    ``options.images.pod_monitor_labels`` let a Prometheus that selects monitors by label find it; the
+    operator's own labels win over them (they identify the run's objects)."""
     relabelings = [
         {"sourceLabels": [source], "targetLabel": target, "action": "replace"}
         for source, target in POOL_RELABELINGS
     ]
+    labels = {**options.images.pod_monitor_labels, **L.component_labels(resolved, "run")}
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
-        "metadata": metadata(resolved.name, resolved.namespace, L.component_labels(resolved, "run"), owner),
+        "metadata": metadata(resolved.name, resolved.namespace, labels, owner),
         "spec": {
             "selector": {"matchLabels": {L.NAME: L.APP, L.INSTANCE: resolved.name}},
             "podMetricsEndpoints": [
@@ -427,7 +453,7 @@ def run_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> l
     """Everything the RLRun owns directly, each with its desired-hash annotation, in apply order
     (configuration and volumes before the workloads that mount them)."""
     objects: list[Obj] = [config_map(resolved, owner)]
-    pvc = weights_pvc(resolved, owner)
+    pvc = weights_pvc(resolved, owner, options)
     if pvc is not None:
         objects.append(pvc)
     objects += trainer_objects(resolved, owner, options)
@@ -436,5 +462,5 @@ def run_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> l
     objects += rollout_objects(resolved, owner, options)
     objects += [sampler_pool(resolved, pool, owner) for pool in resolved.pools]
     if options.monitoring is Monitoring.POD_MONITOR:
-        objects.append(pod_monitor(resolved, owner))
+        objects.append(pod_monitor(resolved, owner, options))
     return [with_hash(obj) for obj in objects]

@@ -1,10 +1,12 @@
-"""The Helm chart: values schema, generated files in sync, `helm lint`, and `helm install` of every
-variant into the API stand-in, with each installed object checked against the code and Kubernetes."""
+"""The Helm chart: values schema, generated files in sync, ``helm lint``, and ``helm template`` of
+every variant, each rendered object checked against Kubernetes and against the code: the RBAC
+registry, the operator's own parser, and the builders fed the flags the chart passes."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -15,17 +17,53 @@ import pytest
 import yaml
 
 from mixrl.api.crd import rlrun_crd, samplerpool_crd
+from mixrl.api.gpus import GPU_TABLE
+from mixrl.api.loader import parse_document
+from mixrl.api.models import RLRun
+from mixrl.api.resolve import resolve
 from mixrl.operator import chart as chart_module
-from mixrl.operator.main import parse_args
+from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority
 from mixrl.operator.monitoring import collapse_rule_groups, dashboard
 from mixrl.operator.rbac import operator_rules
+from mixrl.operator.resources import BuildOptions, Monitoring, Owner, pool_children, run_objects
 
-from ..operator.emulator import ApiServer
-from .helm import CHART, chart_with_values, default_values, everything_on, install, lint, namespaced
+from ..operator.support import small_run
+from .helm import CHART, Helm, chart_with_values, default_values, everything_on, namespaced
 
 Obj = dict[str, Any]
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 K8S_VERSION = kubernetes_validate.latest_version()
+KOPF_CRDS = {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}
+
+
+def by_kind(objects: list[Obj], kind: str) -> list[Obj]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[Obj], kind: str) -> Obj:
+    (found,) = by_kind(objects, kind)
+    return found
+
+
+def operator_pod(objects: list[Obj]) -> Obj:
+    pod: Obj = one(objects, "Deployment")["spec"]["template"]["spec"]
+    return pod
+
+
+def operator_args(objects: list[Obj]) -> list[str]:
+    args: list[str] = operator_pod(objects)["containers"][0]["args"]
+    return args
+
+
+def grants(rules: list[Obj]) -> set[tuple[str, str, str]]:
+    """(group, resource, verb) triples the rules grant (no wildcards are used)."""
+    return {
+        (g, r, v)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
 
 
 # ----------------------------------------------------------------------------- values
@@ -48,6 +86,16 @@ def test_default_values_satisfy_the_schema() -> None:
         (lambda v: v["watch"].update(namespaces=["Not_A_Namespace"]), "Not_A_Namespace"),
         (lambda v: v["monitoring"]["podMonitor"].update(interval="often"), "often"),
         (lambda v: v["image"].update(repository=""), "repository"),
+        (lambda v: v["image"].update(repository="ghcr.io/mixrl/op:1.0"), "repository"),  # tag goes in tag
+        (lambda v: v["componentsImage"].update(tag="latest"), "tag"),
+        (lambda v: v["trainerImages"]["megatron"].update(tag="latest"), "tag"),
+        (lambda v: v["engineImages"]["sglang"].update(tag=""), "tag"),  # not mixrl's version: pinned
+        (lambda v: v.update(imagePullSecrets=[{"name": "Reg_Cred"}]), "imagePullSecrets"),
+        (lambda v: v["weights"].update(storageClassName="Fast NFS"), "storageClassName"),
+        (lambda v: v.update(gpuNodeLabels={"H800": {"a": "b"}}), "H800"),
+        (lambda v: v["monitoring"].update(podMonitorLabels={"release": "not a value"}), "podMonitorLabels"),
+        (lambda v: v.update(nameOverride="Mixrl"), "nameOverride"),
+        (lambda v: v["watch"].update(createNamespaces="yes"), "createNamespaces"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(change: Any, field: str) -> None:
@@ -56,6 +104,11 @@ def test_bad_values_are_refused_naming_the_field(change: Any, field: str) -> Non
     with pytest.raises(jsonschema.ValidationError) as caught:
         jsonschema.validate(values, SCHEMA)
     assert field in str(caught.value.message) + "/".join(map(str, caught.value.absolute_path))
+
+
+def test_the_gpu_node_label_keys_are_the_gpu_tables_types() -> None:
+    allowed = SCHEMA["properties"]["gpuNodeLabels"]["propertyNames"]["enum"]
+    assert allowed == [t for t, gpu in GPU_TABLE.items() if not gpu.emulated]
 
 
 # ----------------------------------------------------------------------------- generated files
@@ -68,8 +121,8 @@ def test_generated_files_match_the_code() -> None:
 
 def test_the_check_names_a_stale_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     copied = chart_with_values(default_values(), tmp_path)
-    rules = copied / "files" / "rbac" / "clusterwide.yaml"
-    rules.write_text(rules.read_text().replace("- watch", "- watch\n  - delete", 1))
+    rules = copied / "files" / "rbac" / "base.yaml"
+    rules.write_text(rules.read_text().replace("- watch", "- watch\n  - deletecollection", 1))
     assert chart_module.main(["--check", "--chart", str(copied)]) == 1
     assert capsys.readouterr().err.strip() == (f"{rules}: out of date; run `python -m mixrl.operator.chart`")
 
@@ -84,74 +137,68 @@ def test_crd_templates_are_behind_the_install_flag_and_kept_on_uninstall() -> No
         assert body == crd
 
 
+@pytest.mark.parametrize("clusterwide", [True, False])
+def test_the_rbac_files_split_the_registry_without_losing_a_permission(clusterwide: bool) -> None:
+    files = chart_module.rbac_files()
+    peering = "peering-clusterwide" if clusterwide else "peering-namespaced"
+    parts = [files[name] for name in ("base", "keda", "podmonitors", "autoscaler", peering)]
+    union = set().union(*(grants(rules) for rules in parts))
+    assert union == grants(operator_rules(clusterwide=clusterwide))
+    for first in range(len(parts)):
+        for second in range(first + 1, len(parts)):
+            assert not grants(parts[first]) & grants(parts[second]), "each permission in one file"
+
+
 # ----------------------------------------------------------------------------- helm lint
 
 
-def lint_errors(result: Obj) -> list[str]:
-    """Files with severity-3 findings (helm: 1 info, 2 warning, 3 error; the texts come back empty)."""
-    assert result["ok"], result
-    messages = result["result"]["Messages"] or []
-    return [m["Path"] for m in messages if m["Severity"] >= 3]
-
-
 @pytest.mark.parametrize("variant", ["default", "everything", "namespaced"])
-async def test_helm_lint_passes(helm_available: None, tmp_path: Path, variant: str) -> None:
+def test_helm_lint_passes(helm: Helm, variant: str) -> None:
     values = {"default": default_values(), "everything": everything_on(), "namespaced": namespaced("rl")}[
         variant
     ]
-    result = await lint(chart_with_values(values, tmp_path), tmp_path)
-    assert result["result"]["TotalChartsLinted"] == 1
-    assert lint_errors(result) == []
+    done = helm.lint(values)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in done.stdout
 
 
-async def test_helm_lint_catches_a_broken_template(helm_available: None, tmp_path: Path) -> None:
-    """The lint test has teeth: a malformed template is reported (REFERENCE.md §4)."""
+def test_helm_lint_catches_a_broken_template(helm: Helm, tmp_path: Path) -> None:
+    """The lint test has teeth: a malformed template is reported."""
     broken = chart_with_values(default_values(), tmp_path)
     (broken / "templates" / "broken.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {{ .Values.x\n"
     )
-    assert lint_errors(await lint(broken, tmp_path)) == ["templates/"]
+    done = helm.lint(default_values(), broken)
+    assert done.returncode != 0 and "templates/broken.yaml" in done.stdout
 
 
-async def test_helm_lint_catches_a_namespaced_install_without_namespaces(
-    helm_available: None, tmp_path: Path
-) -> None:
+def test_helm_lint_catches_a_namespaced_install_without_namespaces(helm: Helm) -> None:
     values = default_values()
     values["watch"]["allNamespaces"] = False
-    assert lint_errors(await lint(chart_with_values(values, tmp_path), tmp_path)) != []
+    done = helm.lint(values)
+    assert done.returncode != 0 and "namespaces" in done.stdout
 
 
-# ----------------------------------------------------------------------------- helm install
+# ----------------------------------------------------------------------------- helm template
 
 
-def installed(api: ApiServer) -> dict[tuple[str, str | None, str], Obj]:
-    """(kind, namespace, name) -> object, for everything Helm created."""
-    out = {}
-    for (_, namespace, name), obj in api.objects.items():
-        if not obj.deleted:
-            raw = copy.deepcopy(obj.raw)
-            out[(raw["kind"], namespace, name)] = raw
-    return out
+def validate_builtin_kinds(objects: list[Obj]) -> int:
+    checked = 0
+    for obj in objects:
+        if obj["apiVersion"].split("/")[0] in (
+            "v1",
+            "apps",
+            "rbac.authorization.k8s.io",
+            "apiextensions.k8s.io",
+        ):
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            checked += 1
+    return checked
 
 
-def strip_server_fields(obj: Obj) -> Obj:
-    obj = copy.deepcopy(obj)
-    for key in ("uid", "resourceVersion", "generation", "creationTimestamp", "namespace"):
-        obj["metadata"].pop(key, None)
-    obj.pop("status", None)
-    return obj
-
-
-async def helm_install(api: ApiServer, values: Obj, tmp_path: Path) -> dict[tuple[str, str | None, str], Obj]:
-    result = await install(str(api.url), values, tmp_path)
-    assert result["ok"], result["error"]
-    return installed(api)
-
-
-async def test_install_everything_cluster_wide(cluster: ApiServer, tmp_path: Path) -> None:
-    objects = await helm_install(cluster, everything_on(), tmp_path)
-    kinds = sorted({kind for kind, _, _ in objects})
-    assert kinds == [
+def test_template_everything_cluster_wide(helm: Helm) -> None:
+    objects = helm.template(everything_on())
+    assert sorted({o["kind"] for o in objects}) == [
         "ClusterKopfPeering",
         "ClusterRole",
         "ClusterRoleBinding",
@@ -162,124 +209,302 @@ async def test_install_everything_cluster_wide(cluster: ApiServer, tmp_path: Pat
         "PrometheusRule",
         "ServiceAccount",
     ]
-    for obj in objects.values():
-        if obj["apiVersion"].split("/")[0] in (
-            "v1",
-            "apps",
-            "rbac.authorization.k8s.io",
-            "apiextensions.k8s.io",
-        ):
-            kubernetes_validate.validate(strip_server_fields(obj), K8S_VERSION, strict=True)
+    assert validate_builtin_kinds(objects) >= 8
 
     # CRDs: mixrl's exactly as generated from the models, kopf's peering CRDs from crds/.
-    crds = {name: obj for (kind, _, name), obj in objects.items() if kind == "CustomResourceDefinition"}
-    assert set(crds) == {
-        "rlruns.mixrl.dev",
-        "samplerpools.mixrl.dev",
-        "clusterkopfpeerings.kopf.dev",
-        "kopfpeerings.kopf.dev",
-    }
+    crds = {o["metadata"]["name"]: o for o in by_kind(objects, "CustomResourceDefinition")}
+    assert set(crds) == {"rlruns.mixrl.dev", "samplerpools.mixrl.dev", *KOPF_CRDS}
     for crd in (rlrun_crd(), samplerpool_crd()):
-        live = strip_server_fields(crds[crd["metadata"]["name"]])
+        live = copy.deepcopy(crds[crd["metadata"]["name"]])
         live["metadata"].pop("annotations")
-        assert {**live, "metadata": {**live["metadata"], "labels": crd["metadata"]["labels"]}} == crd
+        assert live == crd
 
-    # RBAC: exactly the registry's rules, bound to the operator's service account.
-    (role,) = [o for (kind, _, _), o in objects.items() if kind == "ClusterRole"]
-    assert role["rules"] == operator_rules(clusterwide=True)
-    (binding,) = [o for (kind, _, _), o in objects.items() if kind == "ClusterRoleBinding"]
-    (account,) = [o for (kind, _, _), o in objects.items() if kind == "ServiceAccount"]
+    # RBAC: with every feature on, exactly the registry's permissions, bound to the service account.
+    role = one(objects, "ClusterRole")
+    assert grants(role["rules"]) == grants(operator_rules(clusterwide=True))
+    binding, account = one(objects, "ClusterRoleBinding"), one(objects, "ServiceAccount")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "mixrl-system"}
     ]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
 
-    # The operator: the command line is one the real CLI accepts, and it runs unprivileged.
-    (deployment,) = [o for (kind, _, _), o in objects.items() if kind == "Deployment"]
-    pod = deployment["spec"]["template"]["spec"]
+    # The operator: a command line the real CLI accepts, unprivileged, with requests and limits.
+    pod = operator_pod(objects)
     (container,) = pod["containers"]
     assert container["command"] == ["mixrl", "operator"]
     args = parse_args(container["args"])
     assert args.all_namespaces and args.peering == "mixrl" and args.monitoring == "auto"
     assert args.keda == "auto" and args.builtin_autoscaler, "KEDA by discovery, the built-in loop on"
-    assert args.components_image == "ghcr.io/mixrl/mixrl-components:0.1.0"
     assert container["image"] == "ghcr.io/mixrl/mixrl-operator:0.1.0"
+    assert images_of(args).components == "ghcr.io/mixrl/mixrl-components:0.1.0"
     assert pod["serviceAccountName"] == account["metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
     assert container["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "runAsNonRoot": True,
         "capabilities": {"drop": ["ALL"]},
     }
+    assert (
+        set(container["resources"]["requests"]) == set(container["resources"]["limits"]) == {"cpu", "memory"}
+    )
     assert container["livenessProbe"]["httpGet"]["port"] == "health"
     assert "--liveness=http://0.0.0.0:8080/healthz" in container["args"]
 
     # Monitoring: the generated alerts and dashboard, byte for byte.
-    (rule,) = [o for (kind, _, _), o in objects.items() if kind == "PrometheusRule"]
-    assert rule["spec"]["groups"] == collapse_rule_groups()
-    (board,) = [o for (kind, _, _), o in objects.items() if kind == "ConfigMap"]
+    assert one(objects, "PrometheusRule")["spec"]["groups"] == collapse_rule_groups()
+    board = one(objects, "ConfigMap")
     assert board["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(board["data"]["mixrl-run.json"]) == dashboard()
-    (monitor,) = [o for (kind, _, _), o in objects.items() if kind == "PodMonitor"]
+    monitor = one(objects, "PodMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == {"metrics", "engine"}
 
 
-async def test_install_namespaced_gives_roles_only_in_watched_namespaces(
-    cluster: ApiServer, tmp_path: Path
-) -> None:
-    objects = await helm_install(cluster, namespaced("rl", "eval"), tmp_path)
-    kinds = {kind for kind, _, _ in objects}
-    assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
-    roles = {ns: o for (kind, ns, _), o in objects.items() if kind == "Role"}
+def test_template_namespaced_gives_roles_and_peerings_only_in_watched_namespaces(helm: Helm) -> None:
+    objects = helm.template(namespaced("rl", "eval"))
+    kinds = {o["kind"] for o in objects}
+    assert not {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering", "Namespace"} & kinds
+    roles = {o["metadata"]["namespace"]: o for o in by_kind(objects, "Role")}
     assert set(roles) == {"rl", "eval"}
     for role in roles.values():
-        assert role["rules"] == operator_rules(clusterwide=False)
-    bindings = {ns for (kind, ns, _) in objects if kind == "RoleBinding"}
-    assert bindings == {"rl", "eval"}
-    peerings = {ns for (kind, ns, _) in objects if kind == "KopfPeering"}
-    assert peerings == {"rl", "eval"}
-    (deployment,) = [o for (kind, _, _), o in objects.items() if kind == "Deployment"]
-    args = parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+        assert grants(role["rules"]) == grants(operator_rules(clusterwide=False))
+    assert {o["metadata"]["namespace"] for o in by_kind(objects, "RoleBinding")} == {"rl", "eval"}
+    assert {o["metadata"]["namespace"] for o in by_kind(objects, "KopfPeering")} == {"rl", "eval"}
+    args = parse_args(operator_args(objects))
     assert args.namespaces == ["rl", "eval"] and not args.all_namespaces
+    assert validate_builtin_kinds(objects) >= 6
 
 
-async def test_install_minimal_without_crds_rbac_or_service_account(
-    cluster: ApiServer, tmp_path: Path
-) -> None:
+def test_template_creates_the_watched_namespaces_when_asked_and_keeps_them(helm: Helm) -> None:
+    values = namespaced("rl", "eval")
+    values["watch"]["createNamespaces"] = True
+    objects = helm.template(values)
+    spaces = by_kind(objects, "Namespace")
+    assert [n["metadata"]["name"] for n in spaces] == ["rl", "eval"]
+    for space in spaces:
+        assert space["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}, "they hold the runs"
+        kubernetes_validate.validate(space, K8S_VERSION, strict=True)
+
+
+def test_template_minimal_without_crds_rbac_or_service_account(helm: Helm) -> None:
     values = default_values()
     values["crds"]["install"] = False
     values["rbac"]["create"] = False
     values["serviceAccount"] = {"create": False, "name": "platform-operator", "annotations": {}}
     values["autoscaling"] = {"builtin": False, "keda": "off"}
-    objects = await helm_install(cluster, values, tmp_path)
-    crds = {name for (kind, _, name) in objects if kind == "CustomResourceDefinition"}
-    assert crds == {"clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"}, "crds/ is always installed"
-    assert not {"ClusterRole", "ServiceAccount"} & {kind for kind, _, _ in objects}
-    (deployment,) = [o for (kind, _, _), o in objects.items() if kind == "Deployment"]
-    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "platform-operator"
-    args = parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    objects = helm.template(values)
+    crds = {o["metadata"]["name"] for o in by_kind(objects, "CustomResourceDefinition")}
+    assert crds == KOPF_CRDS, "crds/ is always installed"
+    assert not {"ClusterRole", "ServiceAccount"} & {o["kind"] for o in objects}
+    assert operator_pod(objects)["serviceAccountName"] == "platform-operator"
+    args = parse_args(operator_args(objects))
     assert args.keda == "off" and not args.builtin_autoscaler
 
 
-async def test_helm_refuses_values_the_schema_rejects(cluster: ApiServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("change", "withheld"),
+    [
+        (lambda v: v["autoscaling"].update(keda="off"), {("keda.sh", "scaledobjects")}),
+        (lambda v: v["monitoring"].update(mode="annotations"), {("monitoring.coreos.com", "podmonitors")}),
+        (lambda v: v["autoscaling"].update(builtin=False), {("mixrl.dev", "samplerpools/scale")}),
+        (lambda v: v["peering"].update(create=False), {("kopf.dev", "clusterkopfpeerings")}),
+    ],
+)
+def test_rbac_grants_only_what_the_enabled_features_use(
+    helm: Helm, change: Any, withheld: set[tuple[str, str]]
+) -> None:
+    values = default_values()
+    change(values)
+    objects = helm.template(values)
+    granted = grants(one(objects, "ClusterRole")["rules"])
+    full = grants(operator_rules(clusterwide=True))
+    assert granted == {g for g in full if (g[0], g[1]) not in withheld}
+    # ... and the operator is told not to use it, by the flag its parser reads.
+    args = parse_args(operator_args(objects))
+    assert (args.keda, args.monitoring, args.builtin_autoscaler, args.standalone) == (
+        values["autoscaling"]["keda"],
+        values["monitoring"]["mode"],
+        values["autoscaling"]["builtin"],
+        not values["peering"]["create"],
+    )
+
+
+def test_replicas_get_distinct_peering_priorities_below_a_developer(helm: Helm) -> None:
+    """kopf pauses every operator that sees a live peer of its own priority: two replicas at one
+    priority would both stand still.  The chart passes the pod name; each replica derives its own."""
+    values = default_values()
+    values["operator"]["replicas"] = 2
+    objects = helm.template(values)
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--replica-id=$(POD_NAME)" in container["args"]
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    # What the kubelet makes of $(POD_NAME) in two pods of the ReplicaSet:
+    priorities = [
+        peering_priority(parse_args([a.replace("$(POD_NAME)", pod) for a in container["args"]]))
+        for pod in ("mixrl-7d9c6b5f4-2xkqz", "mixrl-7d9c6b5f4-9tlmw")
+    ]
+    assert priorities[0] != priorities[1]
+    assert all(p is not None and p < 0 for p in priorities), "a hand-started operator (0) outranks them"
+    dev = peering_priority(parse_args(["-A", "--dev"]))
+    assert dev == DEV_PRIORITY and all(dev > p for p in priorities if p is not None)
+
+
+def test_two_replicas_without_peering_are_refused(helm: Helm) -> None:
+    values = default_values()
+    values["operator"]["replicas"] = 2
+    values["peering"]["create"] = False
+    assert "operator.replicas: more than one replica needs peering" in helm.refusal(values)
+
+
+def test_helm_refuses_values_the_schema_rejects_naming_the_field(helm: Helm) -> None:
     values = default_values()
     values["monitoring"]["mode"] = "grafana"
-    result = await install(str(cluster.url), values, tmp_path)
-    assert not result["ok"] and "mode" in result["error"], result
-    # Helm installs crds/ before it renders (and checks) the templates; nothing else was created.
-    created = {(kind, name) for (kind, _, name) in installed(cluster)}
-    assert created == {
-        ("CustomResourceDefinition", "clusterkopfpeerings.kopf.dev"),
-        ("CustomResourceDefinition", "kopfpeerings.kopf.dev"),
+    assert "/monitoring/mode" in helm.refusal(values)
+    values = default_values()
+    values["componentsImage"]["tag"] = "latest"
+    assert "/componentsImage/tag" in helm.refusal(values)
+
+
+def test_name_overrides_name_the_objects(helm: Helm) -> None:
+    values = default_values()
+    values["fullnameOverride"] = "rl-operator"
+    objects = helm.template(values, "mixrl-system", "team-a")
+    names = {
+        o["metadata"]["name"] for o in objects if o["kind"] in ("Deployment", "ServiceAccount", "ClusterRole")
+    }
+    assert names == {"rl-operator"}
+    values = default_values()
+    values["nameOverride"] = "trainer-ops"
+    objects = helm.template(values, "mixrl-system", "team-a")
+    deployment = one(objects, "Deployment")
+    assert deployment["metadata"]["name"] == "team-a-trainer-ops"
+    assert deployment["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "trainer-ops"
+    default = one(helm.template(default_values(), "mixrl-system", "team-a"), "Deployment")
+    assert default["metadata"]["name"] == "team-a-mixrl"
+    assert default["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "mixrl-operator",  # unchanged: a selector is immutable
+        "app.kubernetes.io/instance": "team-a",
     }
 
 
-def test_deployment_args_are_quoted_safely() -> None:
-    """Every arg of the chart's operator container is a single flag token (no shell)."""
+# ----------------------------------------------------------------------------- chart -> operator -> pods
+
+
+def platform_values() -> Obj:
+    values = default_values()
+    values["imagePullSecrets"] = [{"name": "regcred"}, {"name": "mirror"}]
+    values["weights"]["storageClassName"] = "nfs-rwx"
+    values["monitoring"]["podMonitorLabels"] = {"release": "kube-prometheus-stack"}
+    values["gpuNodeLabels"] = {"H100": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}}
+    values["engineImages"]["sglang"] = {"repository": "registry.corp:5000/sglang", "tag": "v0.5.6-cu129"}
+    return values
+
+
+def test_the_platform_values_reach_every_pod_the_operator_builds(helm: Helm) -> None:
+    """The chart's values become the operator's flags, its parser turns them into build options,
+    and the builders put them on every pod: the whole path, with the real pieces."""
+    objects = helm.template(platform_values())
+    assert operator_pod(objects)["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    images = images_of(parse_args(operator_args(objects)))
+    run = parse_document(small_run(pools=[{"name": "h100", "gpuType": "H100", "weightPrecision": "fp8"}]))
+    assert isinstance(run, RLRun)
+    resolved = resolve(run)
+    owner = Owner("mixrl.dev/v1alpha1", "RLRun", "demo", "uid")
+    options = BuildOptions(images=images, monitoring=Monitoring.POD_MONITOR)
+    built = run_objects(resolved, owner, options)
+    built += pool_children(resolved, resolved.pools[0], 1, owner, options)
+    pods = [o["spec"]["template"]["spec"] for o in built if o["kind"] in ("Deployment", "StatefulSet")]
+    assert len(pods) == 5  # trainer, buffer, router, rollout, the pool's engines
+    for pod in pods:
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    engine = next(o for o in built if o["kind"] == "Deployment" and o["metadata"]["name"] == "demo-h100")
+    engine_pod = engine["spec"]["template"]["spec"]
+    assert engine_pod["containers"][0]["image"] == "registry.corp:5000/sglang:v0.5.6-cu129"
+    terms = engine_pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"][1] == {
+        "matchExpressions": [
+            {"key": "cloud.google.com/gke-accelerator", "operator": "In", "values": ["nvidia-h100-80gb"]}
+        ]
+    }
+    assert one(built, "PersistentVolumeClaim")["spec"]["storageClassName"] == "nfs-rwx"
+    assert one(built, "PodMonitor")["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+IMAGE_FLAGS = (
+    "--components-image",
+    "--trainer-image",
+    "--megatron-trainer-image",
+    "--torch-engine-image",
+    "--sglang-image",
+)
+PINNED = re.compile(r"^[^\s:@]+(:[0-9]+/[^\s:@]+)?(:[A-Za-z0-9_][A-Za-z0-9_.-]*)?(@sha256:[0-9a-f]{64})?$")
+
+
+def assert_pinned(reference: str) -> None:
+    assert PINNED.match(reference), reference
+    name = reference.split("@")[0].rsplit("/", 1)[-1]
+    assert ":" in name or "@" in reference, f"{reference}: untagged"
+    assert not name.endswith(":latest"), f"{reference}: latest"
+
+
+@pytest.mark.parametrize("variant", ["default", "everything", "platform"])
+def test_no_image_the_chart_renders_or_passes_on_is_untagged_or_latest(helm: Helm, variant: str) -> None:
+    values = {"default": default_values(), "everything": everything_on(), "platform": platform_values()}[
+        variant
+    ]
+    objects = helm.template(values)
+    args = operator_args(objects)
+    flags = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.split("=", 1)[0] in IMAGE_FLAGS}
+    assert set(flags) == set(IMAGE_FLAGS), "every image the operator runs comes from the chart"
+    rendered = [
+        c["image"]
+        for o in objects
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+    ]
+    for reference in [*flags.values(), *rendered]:
+        assert_pinned(reference)
+    mixrl_images = [v for k, v in flags.items() if k != "--sglang-image"]
+    assert all(v.endswith(":0.1.0") for v in mixrl_images), "mixrl's images at the chart's appVersion"
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == "0.1.0"
+
+
+def test_chart_values_name_no_latest_image() -> None:
+    text = (CHART / "values.yaml").read_text()
+    assert ":latest" not in text and "tag: latest" not in text
+    values = default_values()
+    for key in ("image", "componentsImage"):
+        assert values[key]["tag"] == ""  # the appVersion
+    assert values["engineImages"]["sglang"]["tag"], "SGLang's own release, pinned"
+
+
+def test_notes_point_at_what_the_chart_ships(helm: Helm, tmp_path: Path) -> None:
+    notes = helm.notes(platform_values(), tmp_path)
+    assert "examples/" not in notes, "the chart does not ship the repository's examples"
+    assert "kubectl -n mixrl-system rollout status deploy/mixrl" in notes
+    assert "kubectl explain rlrun.spec" in notes
+    assert "regcred, mirror" in notes and "StorageClass nfs-rwx" in notes
+    assert "registry.corp:5000/sglang:v0.5.6-cu129 (sglang)" in notes
+    assert "release=kube-prometheus-stack" in notes
+    # The minimal run it prints is valid, and fits its GPUs.
+    manifest = yaml.safe_load(
+        notes.split("<<'YAML'\n")[1].split("  YAML\n")[0].replace("<your checkpoint URL>", "s3://m")
+    )
+    parse_document({**manifest, "metadata": {**manifest["metadata"], "namespace": "rl"}})
+    watched = helm.notes(namespaced("rl", "eval"), tmp_path / "ns")
+    assert "watches rl, eval" in watched and "kubectl apply -n rl" in watched
+
+
+def test_deployment_args_are_single_tokens() -> None:
+    """Every arg of the chart's operator container is one flag token (no shell)."""
     text = (CHART / "templates" / "deployment.yaml").read_text()
     for line in text.splitlines():
         stripped = line.strip()
-        if stripped.startswith("- --"):
-            assert len(shlex.split(stripped[2:].split("{{")[0])) == 1, stripped
+        if stripped.startswith(("- --", '- {{ printf "--')):
+            literal = stripped[2:].split("{{")[0] if stripped.startswith("- --") else "--x"
+            assert len(shlex.split(literal)) == 1, stripped

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +20,19 @@ from mixrl.api.errors import InvalidSpec
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE, GPU_TYPES
 from mixrl.api.loader import load_rlrun, parse_document
 from mixrl.api.models import RESERVED_POOL_NAMES, RLRun, SamplerPool
-from mixrl.api.resolve import ENGINE_PORT, SGLANG_QUANTIZATION, ResolvedRun, resolve
+from mixrl.api.resolve import ENGINE_PORT, SGLANG_IMAGE, SGLANG_QUANTIZATION, ResolvedRun, resolve
 from mixrl.operator import drain as drain_module
 from mixrl.operator import labels as L
 from mixrl.operator import weight_sync
+from mixrl.operator.gpu_check import wrong_gpu_value
 from mixrl.operator.keda import pool_scaled_object
+from mixrl.operator.podspec import with_shared
 from mixrl.operator.resources import (
     CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
     POOL_CONFIG_HASH_LABEL,
     BuildOptions,
+    Images,
     Monitoring,
     Owner,
     clamp_replicas,
@@ -271,16 +275,14 @@ def test_each_gpu_type_maps_to_its_gfd_products_gpus_and_taint(gpu_type: str) ->
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
         "nodeSelectorTerms"
     ]
+    products = list(GPU_TABLE[gpu_type].gfd_products)
+    shared = [f"{p}-SHARED" for p in products]  # GFD's names for time-sliced GPUs of the same product
     assert terms == [
-        {
-            "matchExpressions": [
-                {"key": GPU_PRODUCT_LABEL, "operator": "In", "values": list(GPU_TABLE[gpu_type].gfd_products)}
-            ]
-        }
+        {"matchExpressions": [{"key": GPU_PRODUCT_LABEL, "operator": "In", "values": products + shared}]}
     ]
     assert GPU_TABLE[gpu_type].gfd_products, "every real GPU type has at least one product name"
     engine = spec["containers"][0]
-    assert engine["resources"]["limits"] == {GPU_RESOURCE: "4"}
+    assert engine["resources"]["limits"][GPU_RESOURCE] == "4"
     assert {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     assert deployment["spec"]["replicas"] == 3
     assert deployment["metadata"]["labels"][L.GPU_TYPE] == gpu_type
@@ -296,7 +298,7 @@ def test_the_paper_mixed_run_puts_every_pool_on_its_own_gpu_products() -> None:
         seen[pool.name] = tuple(terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"])
     assert {pool.gpu_type for pool in resolved.pools} == set(GPU_KINDS)
     for pool in resolved.pools:
-        assert seen[pool.name] == GPU_TABLE[pool.gpu_type].gfd_products
+        assert seen[pool.name] == tuple(with_shared(GPU_TABLE[pool.gpu_type].gfd_products))
 
 
 def test_scheduling_overrides_replace_products_and_add_selectors_tolerations_priority() -> None:
@@ -315,7 +317,8 @@ def test_scheduling_overrides_replace_products_and_add_selectors_tolerations_pri
     spec = deployment["spec"]["template"]["spec"]
     expression = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert expression["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == [
-        "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"
+        "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb",
+        "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb-SHARED",
     ]
     assert spec["nodeSelector"] == {"pool": "spot"}
     assert spec["tolerations"] == [
@@ -370,7 +373,7 @@ def test_sglang_engines_get_their_precision_flags(gpu: str, precision: str) -> N
     kv = "fp8_e4m3" if precision != "bf16" else "auto"
     assert command[command.index("--kv-cache-dtype") + 1] == kv
     assert command[command.index("--sampling-mask-max-tokens") + 1] == "64"
-    assert engine["image"] == resolved.pools[0].image
+    assert resolved.pools[0].image is None and engine["image"] == Images().sglang == SGLANG_IMAGE
     # SGLang starts from the converted checkpoint the init container writes.
     (init,) = spec["initContainers"]
     assert init["command"][:2] == ["mixrl", "engine-sync"] and "--once" in init["command"]
@@ -504,7 +507,7 @@ def test_trainer_statefulset_rendezvous_on_pod_zero() -> None:
     values = products["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
         "matchExpressions"
     ]
-    assert values[0]["values"] == list(GPU_TABLE["H200"].gfd_products)
+    assert values[0]["values"] == with_shared(GPU_TABLE["H200"].gfd_products)
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert "/weights" in mounts and not mounts["/weights"].get("readOnly")
 
@@ -677,3 +680,345 @@ def test_drain_counts_queued_and_running_requests_in_both_spellings() -> None:
     )
     assert drain_module.in_flight(text) == 5.0
     assert drain_module.in_flight("") == 0.0
+
+
+# ----------------------------------------------------------------------------- cluster readiness
+
+
+def containers_of(pod: Obj) -> list[Obj]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def quota_refusal(pod: Obj) -> str | None:
+    """What a namespace ResourceQuota on requests.cpu, requests.memory, limits.cpu and limits.memory
+    says of a pod (the API server refuses one container without any of them, init containers too)."""
+    for c in containers_of(pod):
+        res = c.get("resources", {})
+        for kind in ("requests", "limits"):
+            for resource in ("cpu", "memory"):
+                if resource not in res.get(kind, {}):
+                    return f"{c['name']}: must specify {kind}.{resource}"
+    return None
+
+
+def test_every_container_passes_a_quota_that_requires_cpu_and_memory_requests_and_limits(
+    resolved: ResolvedRun,
+) -> None:
+    pods = [t["spec"] for _, t in pod_templates(everything(resolved))]
+    assert len(pods) == 4 + len(resolved.pools)
+    for pod in pods:
+        assert quota_refusal(pod) is None
+        for c in containers_of(pod):  # Burstable or Guaranteed, never BestEffort; limits >= requests
+            res = c["resources"]
+            assert parse_quantity(res["limits"]["cpu"]) >= parse_quantity(res["requests"]["cpu"]), c["name"]
+            assert parse_quantity(res["limits"]["memory"]) >= parse_quantity(res["requests"]["memory"]), c[
+                "name"
+            ]
+    assert quota_refusal({"containers": [{"name": "x", "resources": {"requests": {"cpu": "1"}}}]}) is not None
+
+
+def parse_quantity(text: str) -> float:
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return float(text.removesuffix(suffix)) * factor
+    return float(text)
+
+
+def test_the_spec_trainer_resources_are_requests_and_limits() -> None:
+    manifest = small_run()
+    manifest["spec"]["trainer"]["resources"] = {"cpu": "48", "memory": "900Gi"}
+    objects = run_objects(resolved_of(manifest), run_owner(resolved_of(manifest)), BuildOptions())
+    trainer = next(
+        o for o in objects if o["metadata"]["name"] == "demo-trainer" and o["kind"] == "StatefulSet"
+    )
+    resources = trainer["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources == {
+        "requests": {"cpu": "48", "memory": "900Gi"},
+        "limits": {"cpu": "48", "memory": "900Gi", GPU_RESOURCE: "8"},
+    }
+
+
+def test_weight_sync_memory_follows_the_model_size() -> None:
+    """The init container and sidecar of an SGLang pool hold the BF16 checkpoint and its conversion."""
+
+    def sync_memory(size: float | None, precision: str) -> str:
+        manifest = small_run(pools=[{"name": "p", "gpuType": "H200", "weightPrecision": precision}])
+        if size is not None:
+            manifest["spec"]["model"]["parametersBillions"] = size
+        spec, _ = engine_of(resolved_of(manifest))
+        init, sidecar = spec["initContainers"][0], spec["containers"][1]
+        assert init["resources"] == sidecar["resources"]
+        memory: str = sidecar["resources"]["limits"]["memory"]
+        return memory
+
+    assert sync_memory(None, "fp8") == "32Gi"  # unknown size: room for a model of about 8B
+    assert sync_memory(8, "bf16") == "34Gi"  # 8e9 x (2 + 2) bytes, +10 %, +1 GiB
+    assert sync_memory(30, "fp8") == "94Gi"  # 30e9 x (2 + 1) bytes
+    cpu_pool = engine_of(resolved_of(cpu_run()))[0]["containers"][1]["resources"]
+    assert cpu_pool["limits"]["memory"] == "2Gi", "the torch engine's sidecar converts nothing"
+
+
+def test_every_pod_changes_volume_ownership_only_on_root_mismatch(resolved: ResolvedRun) -> None:
+    for _, template in pod_templates(everything(resolved)):
+        context = template["spec"]["securityContext"]
+        assert context["fsGroup"] == 1000 and context["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
+def test_pull_secrets_reach_every_pod(resolved: ResolvedRun) -> None:
+    options = BuildOptions(images=Images(pull_secrets=("regcred", "mirror")))
+    templates = pod_templates(everything(resolved, options))
+    assert len(templates) == 4 + len(resolved.pools)
+    for workload, template in templates:
+        assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}], workload[
+            "metadata"
+        ]["name"]
+    for _, template in pod_templates(everything(resolved)):
+        assert "imagePullSecrets" not in template["spec"]
+
+
+PINNED = re.compile(r"^[^\s:@]+(:[0-9]+/[^\s:@]+)?:[A-Za-z0-9_][A-Za-z0-9_.-]*(@sha256:[0-9a-f]{64})?$")
+
+
+def test_no_pod_runs_an_untagged_or_latest_image(resolved: ResolvedRun) -> None:
+    objects = everything(resolved)
+    for _, template in pod_templates(objects):
+        for c in containers_of(template["spec"]):
+            assert PINNED.match(c["image"]) and not c["image"].endswith(":latest"), c["image"]
+    assert ":latest" not in json.dumps(objects), "not even in the run's ConfigMap"
+
+
+def test_images_come_from_the_operator_unless_the_spec_names_one() -> None:
+    images = Images(
+        components="reg/components:1",
+        trainer_torch="reg/trainer-torch:1",
+        trainer_megatron="reg/trainer-megatron:1",
+        torch_engine="reg/engine:1",
+        sglang="reg/sglang:1",
+    )
+    manifest = small_run(
+        pools=[
+            {"name": "sg", "gpuType": "H100"},
+            {"name": "te", "gpuType": "H100", "engine": "torch"},
+            {"name": "own", "gpuType": "H100", "image": "team/sglang:patched"},
+        ]
+    )
+    resolved = resolved_of(manifest)
+    objects = everything(resolved, BuildOptions(images=images))
+    image = {
+        o["metadata"]["name"]: [c["image"] for c in containers_of(o["spec"]["template"]["spec"])]
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
+    assert image["demo-trainer"] == ["reg/trainer-torch:1"]
+    assert image["demo-sg"] == ["reg/components:1", "reg/sglang:1", "reg/components:1"]
+    assert image["demo-te"] == ["reg/components:1", "reg/engine:1", "reg/components:1"]
+    assert image["demo-own"][1] == "team/sglang:patched"
+    assert image["demo-router"] == image["demo-buffer"] == image["demo-rollout"] == ["reg/components:1"]
+    manifest["spec"]["trainer"]["backend"] = "megatron"
+    objects = run_objects(resolved_of(manifest), run_owner(resolved), BuildOptions(images=images))
+    trainer = next(
+        o for o in objects if o["metadata"]["name"] == "demo-trainer" and o["kind"] == "StatefulSet"
+    )
+    assert trainer["spec"]["template"]["spec"]["containers"][0]["image"] == "reg/trainer-megatron:1"
+    manifest["spec"]["trainer"]["image"] = "team/trainer:2"
+    objects = run_objects(resolved_of(manifest), run_owner(resolved), BuildOptions(images=images))
+    trainer = next(
+        o for o in objects if o["metadata"]["name"] == "demo-trainer" and o["kind"] == "StatefulSet"
+    )
+    assert trainer["spec"]["template"]["spec"]["containers"][0]["image"] == "team/trainer:2"
+
+
+def weights_claim(manifest: Obj, options: BuildOptions) -> Obj:
+    resolved = resolved_of(manifest)
+    claim: Obj = next(
+        o for o in run_objects(resolved, run_owner(resolved), options) if o["kind"] == "PersistentVolumeClaim"
+    )
+    return claim
+
+
+def test_the_weights_volume_names_the_runs_storage_class_else_the_operators() -> None:
+    operator_default = BuildOptions(images=Images(weights_storage_class="nfs-rwx"))
+    assert weights_claim(small_run(), operator_default)["spec"]["storageClassName"] == "nfs-rwx"
+    manifest = small_run()
+    manifest["spec"]["weights"]["storageClassName"] = "cephfs"
+    claim = weights_claim(manifest, operator_default)
+    assert claim["spec"]["storageClassName"] == "cephfs"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], (
+        "the trainer writes, engines on other nodes read"
+    )
+    kubernetes_validate.validate(claim, K8S_VERSIONS[-1], strict=True)
+    assert "storageClassName" not in weights_claim(small_run(), BuildOptions())["spec"]  # cluster default
+
+
+def test_a_bad_storage_class_name_is_one_line_naming_the_field() -> None:
+    manifest = small_run()
+    manifest["spec"]["weights"]["storageClassName"] = "Fast NFS"
+    with pytest.raises(InvalidSpec) as caught:
+        parse_document(manifest)
+    assert caught.value.first_line.startswith("spec.weights.storageClassName: ")
+    assert len(caught.value.problems) == 1
+
+
+def test_the_trainer_gets_tolerations_node_selection_and_a_priority_class() -> None:
+    manifest = small_run()
+    manifest["spec"]["trainer"]["scheduling"] = {
+        "gpuProducts": ["NVIDIA-H200"],
+        "nodeSelector": {"topology.kubernetes.io/zone": "us-east-1a"},
+        "tolerations": [{"key": "training", "operator": "Exists", "effect": "NoSchedule"}],
+        "priorityClassName": "rl-trainer",
+    }
+    resolved = resolved_of(manifest)
+    trainer = next(
+        o
+        for o in run_objects(resolved, run_owner(resolved), BuildOptions())
+        if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "demo-trainer"
+    )
+    spec = trainer["spec"]["template"]["spec"]
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms == [
+        {
+            "matchExpressions": [
+                {"key": GPU_PRODUCT_LABEL, "operator": "In", "values": ["NVIDIA-H200", "NVIDIA-H200-SHARED"]}
+            ]
+        }
+    ]
+    assert spec["nodeSelector"] == {"topology.kubernetes.io/zone": "us-east-1a"}
+    assert spec["tolerations"] == [
+        {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "training", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+    assert spec["priorityClassName"] == "rl-trainer"
+    kubernetes_validate.validate(trainer, K8S_VERSIONS[-1], strict=True)
+    # Without a scheduling section: the GPU table's products and the GPU taint, nothing else.
+    plain = resolved_of(small_run())
+    default = next(
+        o
+        for o in run_objects(plain, run_owner(plain), BuildOptions())
+        if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "demo-trainer"
+    )["spec"]["template"]["spec"]
+    assert default["tolerations"] == [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    assert "priorityClassName" not in default and "nodeSelector" not in default
+
+
+def test_without_gpu_feature_discovery_the_platforms_node_labels_are_an_alternative() -> None:
+    """Node selector terms are OR-ed: a GFD product label of the type, or every label the platform
+    named for the type; the pool's own nodeSelector is required on top of either."""
+    selectors = {"H100": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb", "pool": "gpu"}}
+    options = BuildOptions(images=Images(gpu_node_selectors=selectors))
+    pool = {"name": "p", "gpuType": "H100", "scheduling": {"nodeSelector": {"spot": "false"}}}
+    spec, _ = engine_of(resolved_of(small_run(pools=[pool])), options=options)
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert terms == [
+        {
+            "matchExpressions": [
+                {
+                    "key": GPU_PRODUCT_LABEL,
+                    "operator": "In",
+                    "values": with_shared(GPU_TABLE["H100"].gfd_products),
+                }
+            ]
+        },
+        {
+            "matchExpressions": [
+                {"key": "cloud.google.com/gke-accelerator", "operator": "In", "values": ["nvidia-h100-80gb"]},
+                {"key": "pool", "operator": "In", "values": ["gpu"]},
+            ]
+        },
+    ]
+    assert spec["nodeSelector"] == {"spot": "false"}
+    # Another GPU type has no alternative: only its products.
+    other, _ = engine_of(resolved_of(small_run(pools=[{"name": "p", "gpuType": "H200"}])), options=options)
+    assert (
+        len(
+            other["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+                "nodeSelectorTerms"
+            ]
+        )
+        == 1
+    )
+
+
+def test_a_time_sliced_node_runs_the_gpu_its_product_names() -> None:
+    """A GPU reports its own name: an allowed ``-SHARED`` product is not a wrong GPU type."""
+    assert wrong_gpu_value({"NVIDIA H100 80GB HBM3"}, ("NVIDIA-H100-80GB-HBM3-SHARED",)) == (
+        "False",
+        "ProductsMatch",
+        "pods run on NVIDIA-H100-80GB-HBM3",
+    )
+    value = wrong_gpu_value({"NVIDIA A100-SXM4-40GB"}, ("NVIDIA-H100-80GB-HBM3-SHARED",))
+    assert value is not None and value[0] == "True"
+
+
+def test_pod_monitor_labels_let_prometheus_select_it_but_not_replace_the_operators() -> None:
+    resolved = resolved_of(small_run())
+    labels = {"release": "kube-prometheus-stack", L.INSTANCE: "someone-else"}
+    options = BuildOptions(monitoring=Monitoring.POD_MONITOR, images=Images(pod_monitor_labels=labels))
+    (monitor,) = [o for o in run_objects(resolved, run_owner(resolved), options) if o["kind"] == "PodMonitor"]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["metadata"]["labels"][L.INSTANCE] == "demo"
+
+
+# ----------------------------------------------------------------------------- GPU memory
+
+
+def memory_refusal(pool: Obj, size: float, trainer: Obj | None = None) -> str | None:
+    manifest = small_run(pools=[pool])
+    manifest["spec"]["model"]["parametersBillions"] = size
+    if trainer is not None:
+        manifest["spec"]["trainer"] = trainer
+    try:
+        parse_document(manifest)
+    except InvalidSpec as exc:
+        assert len(exc.problems) == 1
+        return exc.first_line
+    return None
+
+
+def test_a_bf16_30b_model_at_tp1_is_refused_on_40gb_a100s() -> None:
+    a100 = {"name": "a100", "gpuType": "A100", "weightPrecision": "bf16", "gpusPerReplica": 1}
+    assert memory_refusal(a100, 30) == (
+        "spec.samplerPools[0].gpusPerReplica: a 30B-parameter model in bf16 needs 56 GiB per GPU over "
+        "1 GPU, more than 90% of the 40 GiB of NVIDIA-A100-SXM4-40GB; raise gpusPerReplica (tensor "
+        "parallelism) or list larger GPUs in scheduling.gpuProducts"
+    )
+    # Two GPUs per replica, or only the 80 GB parts: it fits.
+    assert memory_refusal({**a100, "gpusPerReplica": 2}, 30) is None
+    only_80 = {**a100, "scheduling": {"gpuProducts": ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"]}}
+    assert memory_refusal(only_80, 30) is None
+    # Without the model's size nothing is guessed.
+    assert parse_document(small_run(pools=[a100]))
+
+
+@pytest.mark.parametrize(
+    ("pool", "size", "refused"),
+    [
+        ({"gpuType": "H100", "weightPrecision": "fp8"}, 70, False),  # 65 GiB of 80
+        ({"gpuType": "H100", "weightPrecision": "bf16"}, 70, True),
+        ({"gpuType": "B200", "weightPrecision": "nvfp4"}, 235, False),  # 4.5 bits per weight
+        (
+            {
+                "gpuType": "H100",
+                "weightPrecision": "fp8",
+                "scheduling": {"gpuProducts": ["NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"]},
+            },
+            14,
+            True,
+        ),
+        # Emulated precisions on CPU: no GPU memory to check (the trainer's 16 H200s hold 100B).
+        ({"gpuType": "cpu", "engine": "torch", "gpusPerReplica": 0}, 100, False),
+    ],
+)
+def test_pool_memory_follows_precision_and_the_products(pool: Obj, size: float, refused: bool) -> None:
+    assert (memory_refusal({"name": "p", **pool}, size) is not None) is refused
+
+
+def test_a_trainer_that_cannot_hold_weights_gradients_and_adam_state_is_refused() -> None:
+    pool = {"name": "p", "gpuType": "B200", "weightPrecision": "nvfp4", "gpusPerReplica": 4}
+    line = memory_refusal(pool, 235, trainer={"gpuType": "H100", "nodes": 1, "gpusPerNode": 8})
+    assert line is not None and line.startswith("spec.trainer.gpusPerNode: training a 235B-parameter model")
+    assert memory_refusal(pool, 235, trainer={"gpuType": "H100", "nodes": 4, "gpusPerNode": 8}) is None

@@ -1,4 +1,6 @@
-"""`mixrl operator` as a process: kubeconfig login (--dev), peering, reconcile, clean stop on SIGTERM."""
+"""`mixrl operator`: its flags (each bad one refused in one line naming it; images pinned; one peering
+priority per replica), and as a process: kubeconfig login (--dev), peering, reconcile, clean stop
+on SIGTERM."""
 
 from __future__ import annotations
 
@@ -9,6 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority, replica_priority
+from mixrl.operator.objects import Images
 
 from .emulator import ApiServer
 from .support import DEPLOYMENTS, NAMESPACE, create, eventually, small_run
@@ -21,9 +26,103 @@ contexts: [{name: emulator, context: {cluster: emulator, user: dev}}]
 current-context: emulator
 """
 
-pytestmark = pytest.mark.slow
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (
+            ["--components-image", "ghcr.io/mixrl/mixrl-components"],
+            "--components-image: ghcr.io/mixrl/mixrl-components has no tag",
+        ),
+        (["--sglang-image", "registry:5000/sglang"], "--sglang-image: registry:5000/sglang has no tag"),
+        (
+            ["--trainer-image", "ghcr.io/mixrl/mixrl-trainer-torch:latest"],
+            "--trainer-image: ghcr.io/mixrl/mixrl-trainer-torch:latest uses :latest",
+        ),
+        (["--image-pull-secret", "Reg_Cred"], "--image-pull-secret: 'Reg_Cred' is not a DNS subdomain name"),
+        (
+            ["--weights-storage-class", "fast nfs"],
+            "--weights-storage-class: 'fast nfs' is not a DNS subdomain name",
+        ),
+        (["--pod-monitor-label", "release"], "--pod-monitor-label: 'release': expected KEY=VALUE"),
+        (["--pod-monitor-label", "release=a b"], "--pod-monitor-label: 'a b' is not a label value"),
+        (
+            ["--pod-monitor-label", "app.kubernetes.io/instance=x"],
+            "--pod-monitor-label: app.kubernetes.io/instance is the operator's own label",
+        ),
+        (["--gpu-node-label", "H800:a=b"], "--gpu-node-label: unknown GPU type 'H800'"),
+        (["--gpu-node-label", "H100=a=b"], "--gpu-node-label: 'H100=a=b': expected GPUTYPE:KEY=VALUE"),
+        (["--standalone", "--replica-id", "pod-a"], "--replica-id: a standalone operator has no peers"),
+        (
+            ["--priority", "5", "--replica-id", "pod-a"],
+            "argument --replica-id: not allowed with argument --priority",
+        ),
+    ],
+)
+def test_a_bad_flag_is_one_line_naming_it(
+    flags: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["-A", *flags])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"mixrl operator: error: {line}"), error
 
 
+def test_every_default_image_is_pinned_to_this_version() -> None:
+    from mixrl import __version__
+
+    images = Images()
+    for image in (images.components, images.trainer_torch, images.trainer_megatron, images.torch_engine):
+        assert image.endswith(f":{__version__}"), image
+    assert not images.sglang.endswith(":latest") and ":" in images.sglang
+    assert images_of(parse_args(["-A"])) == images
+
+
+def test_the_flags_become_the_images_and_conventions_of_every_pod() -> None:
+    args = parse_args(
+        [
+            "-A",
+            "--trainer-image=reg/t:1",
+            "--megatron-trainer-image=reg/m:1",
+            "--torch-engine-image=reg/e@sha256:" + "0" * 64,
+            "--sglang-image=reg:5000/sglang:v1",
+            "--image-pull-secret=regcred",
+            "--image-pull-secret=mirror",
+            "--image-pull-secret=regcred",
+            "--weights-storage-class=nfs-rwx",
+            "--pod-monitor-label=release=kube-prometheus-stack",
+            "--gpu-node-label=H100:cloud.google.com/gke-accelerator=nvidia-h100-80gb",
+            "--gpu-node-label=H100:pool=gpu",
+        ]
+    )
+    images = images_of(args)
+    assert (images.trainer("torch"), images.trainer("megatron")) == ("reg/t:1", "reg/m:1")
+    assert images.engine("sglang") == "reg:5000/sglang:v1" and images.engine("torch").startswith("reg/e@")
+    assert images.pull_secrets == ("regcred", "mirror")
+    assert images.weights_storage_class == "nfs-rwx"
+    assert images.pod_monitor_labels == {"release": "kube-prometheus-stack"}
+    assert images.gpu_node_selectors == {
+        "H100": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb", "pool": "gpu"}
+    }
+
+
+def test_replicas_get_distinct_stable_priorities_that_a_developer_and_a_hand_run_outrank() -> None:
+    """kopf pauses every operator that sees a live peer of its own priority (all of them, not all but
+    one), so replicas must differ: each derives its own from its pod name."""
+    names = [f"mixrl-7d9c6b5f4-{suffix}" for suffix in ("2xkqz", "9tlmw", "k8v4p", "zz0qa")]
+    priorities = [replica_priority(name) for name in names]
+    assert len(set(priorities)) == len(names)
+    assert priorities == [replica_priority(name) for name in names], "a restarted container keeps its rank"
+    assert all(-(10**9) <= p < 0 for p in priorities)
+    assert peering_priority(parse_args(["-A", "--replica-id", names[0]])) == priorities[0]
+    assert peering_priority(parse_args(["-A"])) is None  # kopf's default: 0, above every replica
+    assert peering_priority(parse_args(["-A", "--dev"])) == DEV_PRIORITY
+    assert peering_priority(parse_args(["-A", "--dev", "--replica-id", names[0]])) == DEV_PRIORITY
+    assert peering_priority(parse_args(["-A", "--priority", "7"])) == 7
+
+
+@pytest.mark.slow
 async def test_the_operator_command_runs_a_run_and_stops_on_sigterm(api: ApiServer, tmp_path: Path) -> None:
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(KUBECONFIG % str(api.url).rstrip("/"))

@@ -1,14 +1,27 @@
-{{/* Full name of the release's objects: the release name, unless it already says mixrl. */}}
+{{/* The chart's name, or nameOverride. */}}
+{{- define "mixrl.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Full name of the release's objects: fullnameOverride, else the release name when it already
+says the chart's name, else <release>-<name>. */}}
 {{- define "mixrl.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "mixrl.name" . -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
+{{/* Selector labels are immutable on a Deployment: the name label stays mixrl-operator (not the
+runs' app.kubernetes.io/name=mixrl) unless nameOverride says otherwise. */}}
 {{- define "mixrl.selectorLabels" -}}
-app.kubernetes.io/name: mixrl-operator
+app.kubernetes.io/name: {{ .Values.nameOverride | default "mixrl-operator" | trunc 63 | trimSuffix "-" }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
@@ -28,14 +41,48 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* <repository>:<tag>, the tag defaulting to the chart's appVersion (never latest: the schema
+refuses it). Called with (dict "root" $ "image" .Values.someImage). */}}
 {{- define "mixrl.image" -}}
-{{- printf "%s:%s" .repository (default $.appVersion .tag) -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
 {{- end -}}
 
-{{/* The watched namespaces, checked: a namespaced operator needs at least one. */}}
+{{/* The watched namespaces, checked: a namespaced operator needs at least one, and each must exist
+unless the chart creates it. Existence is asked of the cluster only when it answers (not in
+`helm template`), and not for the release's own namespace (`--create-namespace` makes it after
+rendering). */}}
 {{- define "mixrl.watchedNamespaces" -}}
-{{- if and (not .Values.watch.allNamespaces) (empty .Values.watch.namespaces) -}}
+{{- if not .Values.watch.allNamespaces -}}
+{{- if empty .Values.watch.namespaces -}}
 {{- fail "watch.namespaces: list at least one namespace, or set watch.allNamespaces to true" -}}
 {{- end -}}
+{{- if and (not .Values.watch.createNamespaces) (lookup "v1" "Namespace" "" "default") -}}
+{{- range .Values.watch.namespaces -}}
+{{- if and (ne . $.Release.Namespace) (not (lookup "v1" "Namespace" "" .)) -}}
+{{- fail (printf "watch.namespaces: namespace %q does not exist; create it first, or set watch.createNamespaces=true to let the chart create it" .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- join "," .Values.watch.namespaces -}}
+{{- end -}}
+
+{{/* The operator's RBAC rules (generated from mixrl/operator/rbac.py into files/rbac/): what every
+operator needs, plus the rules of each feature the values turn on. Called with
+(dict "root" $ "scope" "clusterwide"|"namespaced"). */}}
+{{- define "mixrl.rules" -}}
+{{- $v := .root.Values -}}
+{{ .root.Files.Get "files/rbac/base.yaml" }}
+{{- if ne $v.autoscaling.keda "off" }}
+{{ .root.Files.Get "files/rbac/keda.yaml" }}
+{{- end }}
+{{- if ne $v.monitoring.mode "annotations" }}
+{{ .root.Files.Get "files/rbac/podmonitors.yaml" }}
+{{- end }}
+{{- if $v.autoscaling.builtin }}
+{{ .root.Files.Get "files/rbac/autoscaler.yaml" }}
+{{- end }}
+{{- if $v.peering.create }}
+{{ .root.Files.Get (printf "files/rbac/peering-%s.yaml" .scope) }}
+{{- end }}
 {{- end -}}
