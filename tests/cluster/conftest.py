@@ -98,15 +98,22 @@ class Bed:
         return []
 
 
+_TRUTHY = object()
+
+
 def wait_for(
-    condition: Callable[[], Any], timeout: float = 60, interval: float = 0.5, what: str = "condition"
+    condition: Callable[[], Any],
+    timeout: float = 60,
+    interval: float = 0.5,
+    what: str = "condition",
+    equals: Any = _TRUTHY,
 ) -> Any:
-    """Poll until ``condition()`` is truthy; fail naming ``what`` and the last value."""
+    """Poll until ``condition()`` is truthy (or equals ``equals``); fail naming ``what`` and the last value."""
     deadline = time.monotonic() + timeout
     value: Any = None
     while time.monotonic() < deadline:
         value = condition()
-        if value:
+        if (value == equals) if equals is not _TRUTHY else value:
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last: {value!r}")
@@ -201,13 +208,14 @@ def stop_operator(operator: OperatorProcess) -> None:
         operator.process.wait()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def operator(cluster: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     running = start_operator(cluster, tmp_path_factory.mktemp("operator"))
     try:
         yield running
     finally:
         stop_operator(running)
+        print(f"--- operator log (last lines)\n{running.log_tail()}", file=sys.stderr)
 
 
 @pytest.hookimpl(hookwrapper=True)
