@@ -309,6 +309,23 @@ def immutable_changes(desired: Obj, live: Obj) -> list[str]:
     return []
 
 
+def immutable_in_message(kind: str | None, message: str) -> list[str]:
+    """What a 422 says cannot change, when comparing found nothing: a field the operator stopped
+    setting (an upgrade) that the API server would have to reset.  Only the API server's own,
+    unambiguous wording counts; any other 422 is reported, not acted on."""
+    if kind == "StatefulSet" and "updates to statefulset spec for fields other than" in message:
+        return ["spec"]
+    if "field is immutable" in message or "may not change once set" in message:
+        known = {"Deployment": ("spec.selector",), "Service": ("spec.clusterIP", "spec.clusterIPs")}
+        named = [
+            path
+            for path in known.get(kind or "", ())
+            if re.search(re.escape(path) + r"(\[\d+\])?: ", message)
+        ]
+        return named[:1]
+    return []
+
+
 def deletion_policy(desired: Obj, live: Obj, changed: list[str]) -> str:
     """How to delete an object that must be recreated.
 
@@ -417,7 +434,11 @@ async def converge(
         else:
             updated = await client.apply(resource, namespace, name, body)
     except ApiError as exc:
-        changed = immutable_changes(desired, live) if exc.status == 422 else []
+        changed: list[str] = []
+        if exc.status == 422:
+            changed = immutable_changes(desired, live) or immutable_in_message(
+                desired.get("kind"), exc.message
+            )
         if not changed:
             raise
         return await recreate(client, desired, live, changed, report, before_create)
@@ -548,6 +569,7 @@ __all__ = [
     "first_difference",
     "hand_edit",
     "immutable_changes",
+    "immutable_in_message",
     "label",
     "quantity",
 ]

@@ -102,10 +102,14 @@ class PoolState:
 class Problem(Protocol):
     """One child the last reconcile could not make match (mixrl.operator.apply.Failure)."""
 
-    object: str
-    message: str
-    retry: bool
-    waiting: bool
+    @property
+    def object(self) -> str: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def retry(self) -> bool: ...
+    @property
+    def waiting(self) -> bool: ...
 
 
 MESSAGE_LIMIT = 1000

@@ -16,6 +16,7 @@ from mixrl.operator.apply import (
     first_difference,
     hand_edit,
     immutable_changes,
+    immutable_in_message,
     quantity,
 )
 from mixrl.operator.resources import BuildOptions, Owner, run_objects
@@ -141,6 +142,25 @@ def test_immutable_fields_of_deployments_and_services() -> None:
     served["spec"]["clusterIP"] = "10.0.0.7"
     assert immutable_changes(headless, served) == ["spec.clusterIP"]
     assert deletion_policy(headless, served, ["spec.clusterIP"]) == "Background"
+
+
+def test_the_api_servers_wording_names_what_comparing_cannot_find() -> None:
+    # A field the operator stopped setting: the object as desired equals the live one where it
+    # says anything, but the apply would reset the field, which the API server forbids.
+    forbidden = (
+        'StatefulSet.apps "x" is invalid: spec: Forbidden: updates to statefulset spec for fields other than'
+    )
+    assert immutable_in_message("StatefulSet", forbidden + " 'replicas' ... are forbidden") == ["spec"]
+    selector = 'Deployment.apps "x" is invalid: spec.selector: Invalid value: {"a":"b"}: field is immutable'
+    assert immutable_in_message("Deployment", selector) == ["spec.selector"]
+    cluster_ip = (
+        'Service "x" is invalid: spec.clusterIPs[0]: Invalid value: []string{"None"}: may not change once set'
+    )
+    assert immutable_in_message("Service", cluster_ip) == ["spec.clusterIPs"]
+    # Any other 422 is a failure to report, never a reason to delete anything.
+    invalid = 'Deployment.apps "x" is invalid: spec.template.spec.containers[0].image: Required value'
+    assert immutable_in_message("Deployment", invalid) == []
+    assert immutable_in_message("ConfigMap", "field is immutable") == []
 
 
 @pytest.mark.parametrize(
