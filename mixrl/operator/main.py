@@ -188,12 +188,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--drain-seconds", type=int, default=300, help="how long engines may drain on shutdown"
     )
     parser.add_argument(
+        "--resync-seconds",
+        type=float,
+        default=60.0,
+        help="re-check every run against the cluster this often; 0 turns the periodic resync off (default 60)",
+    )
+    parser.add_argument(
         "--liveness", default=None, metavar="URL", help="health endpoint, e.g. http://0.0.0.0:8080/healthz"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = parser.parse_args(argv)
     if args.drain_seconds < 0:
         parser.error("--drain-seconds: must be 0 or more")
+    if args.resync_seconds < 0:
+        parser.error("--resync-seconds: must be 0 or more")
     if args.namespaces and any(not ns for ns in args.namespaces):
         parser.error("--namespace: must not be empty")
     if args.standalone and args.replica_id:
@@ -272,6 +280,7 @@ def main(argv: list[str]) -> int:
         images=images_of(args),
         monitoring=args.monitoring,
         drain_seconds=args.drain_seconds,
+        resync_interval_s=args.resync_seconds or None,
         keda=args.keda,
         autoscaling=LoopSettings() if args.builtin_autoscaler else None,
         login=kopf.login_via_client if args.dev else None,

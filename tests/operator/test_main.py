@@ -53,6 +53,7 @@ current-context: emulator
         (["--gpu-node-label", "H800:a=b"], "--gpu-node-label: unknown GPU type 'H800'"),
         (["--gpu-node-label", "H100=a=b"], "--gpu-node-label: 'H100=a=b': expected GPUTYPE:KEY=VALUE"),
         (["--standalone", "--replica-id", "pod-a"], "--replica-id: a standalone operator has no peers"),
+        (["--resync-seconds", "-1"], "--resync-seconds: must be 0 or more"),
         (
             ["--priority", "5", "--replica-id", "pod-a"],
             "argument --replica-id: not allowed with argument --priority",
