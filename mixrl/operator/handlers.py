@@ -128,6 +128,8 @@ class Runtime:
         self.client = KubeClient(self._current_connection)
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._queued: set[str] = set()
+        self._wake: dict[str, asyncio.Event] = {}
+        """Per owner whose failed reconcile waits for its retry: set by a new request for it."""
         self.known: dict[str, tuple[str, str, str]] = {}
         """lock key -> (kind, namespace, name) of every RLRun and SamplerPool kopf's watches have
         shown (an index the resync walks: it costs no API call of its own)."""
@@ -210,7 +212,13 @@ class Runtime:
         """Reconcile an RLRun or SamplerPool soon (debounced), in a task of its own; nothing when
         one is already queued for it, since that one will see the latest state."""
         stub = {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
-        if lock_key(stub) in self._queued:
+        key = lock_key(stub)
+        if key in self._queued:
+            # One is queued.  If it is a retry waiting out its backoff, something changed since it
+            # failed (the old StatefulSet of a recreation is finally gone): try again now.
+            wake = self._wake.get(key)
+            if wake is not None:
+                wake.set()
             return
         reconcile = reconcile_run if kind == "RLRun" else reconcile_pool
         self.spawn(coalesced(self, stub, reconcile))
@@ -346,7 +354,8 @@ async def coalesced(rt: Runtime, body: Obj, reconcile: Callable[[Context, Obj], 
     already queued for this owner, it will see the latest state, so this one is dropped.
 
     A failed reconcile is retried with jittered exponential backoff until it succeeds, the owner is
-    gone, another peer took over, or a newer request is queued (which then retries on its own)."""
+    gone or another peer took over; a new request for the owner while a retry waits ends the wait
+    (after the usual debounce), since what failed may have changed."""
     key = lock_key(body)
     if key in rt._queued:
         return
@@ -370,11 +379,20 @@ async def coalesced(rt: Runtime, body: Obj, reconcile: Callable[[Context, Obj], 
                     error: Exception = exc
             if key in rt._queued:
                 return
-            delay = backoff(attempt, rt.config, getattr(error, "retry_after", None))
+            wait = backoff(attempt, rt.config, getattr(error, "retry_after", None))
             attempt += 1
-            log.warning("reconcile of %s failed (retry %d in %.1f s): %s", key, attempt, delay, error)
+            log.warning("reconcile of %s failed (retry %d in %.1f s): %s", key, attempt, wait, error)
             rt._queued.add(key)
             queued = True
+            woken = rt._wake[key] = asyncio.Event()
+            try:
+                await asyncio.wait_for(woken.wait(), timeout=wait)
+            except TimeoutError:
+                delay = 0.0  # the backoff has passed
+            else:
+                delay = rt.config.event_debounce_s  # a new event: debounced, as any
+            finally:
+                rt._wake.pop(key, None)
     except ApiError as exc:  # the peering read before a retry
         log.warning("reconcile of %s not retried: %s", key, exc)
     finally:

@@ -357,3 +357,46 @@ async def test_a_failed_child_triggered_reconcile_is_retried(api: ApiServer, ope
         assert len(applies) == 4, "three failures, then the retry that worked"
         await settled(api)
         assert not runtime._queued, "nothing left queued"
+
+
+async def test_a_new_event_cuts_a_retrys_backoff_short(api: ApiServer, operator: Any) -> None:
+    # A long backoff: without the wake-up the retry would come only after 15-30 s.
+    async with operator(backoff_base_s=30.0, backoff_cap_s=30.0) as runtime:
+        await ready_run(api)
+        api.fail("PATCH", "services", 500, times=1, name="demo-router")
+        await delete(api, f"{CORE}/services/demo-router")
+        await eventually(lambda: "RLRun/rl/demo" in runtime._wake, what="the retry waiting out its backoff")
+        # Something else of the run changes (here: someone annotates the router Deployment).
+        await patch(api, f"{APPS}/deployments/demo-router", {"metadata": {"annotations": {"team": "rl"}}})
+        await eventually(
+            lambda: api.live("v1/services", NAMESPACE, "demo-router"),
+            timeout=3.0,
+            what="the Service, at once",
+        )
+        await settled(api)
+
+
+async def test_a_statefulset_whose_pods_stay_the_same_is_recreated_orphaning_them(
+    api: ApiServer, operator: Any
+) -> None:
+    async with operator():
+        await ready_run(api)
+        old_uid = uid(api, STATEFULSETS, "demo-buffer")
+        before = len(list(api))
+        # Someone recreated the buffer with another service name (no event reached the operator);
+        # the pod template is the operator's, so the pods need not restart.
+        api.tamper(STATEFULSETS, NAMESPACE, "demo-buffer", {"spec": {"serviceName": "elsewhere"}})
+        await patch(api, f"{APPS}/statefulsets/demo-buffer", {"metadata": {"annotations": {"team": "rl"}}})
+        # The operator's reconcile follows after the debounce; its apply meets the API server's 422.
+        message = STS_FORBIDDEN.replace("demo-trainer", "demo-buffer")
+        api.fail("PATCH", "statefulsets", 422, times=1, name="demo-buffer", reason="Invalid", message=message)
+
+        def recreated() -> bool:
+            live = api.live(STATEFULSETS, NAMESPACE, "demo-buffer")
+            return live is not None and live["metadata"]["uid"] != old_uid
+
+        await eventually(recreated, what="a new buffer StatefulSet")
+        assert api.live(STATEFULSETS, NAMESPACE, "demo-buffer")["spec"]["serviceName"] == "demo-buffer"
+        (deletion,) = requests_to(api, "DELETE", f"{APPS}/statefulsets/demo-buffer", before)
+        assert json.loads(deletion.text)["propagationPolicy"] == "Orphan", "its pods keep running"
+        await settled(api)
