@@ -181,15 +181,31 @@ class OperatorProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
+def chart_operator_args(
+    cluster: Bed, pod_name: str, release: str = RELEASE, namespace: str = RELEASE_NS
+) -> list[str]:
+    """The arguments the installed chart gives its operator container (``$(POD_NAME)`` filled in;
+    the liveness endpoint dropped, as several operators share this machine's ports)."""
+    deployment = cluster.get(f"deployment/{release}", "-n", namespace)
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = [arg.replace("$(POD_NAME)", pod_name) for arg in container["args"]]
+    return [arg for arg in args if not arg.startswith("--liveness")]
+
+
 def start_operator(cluster: Bed, workdir: Path, *extra: str, name: str = "operator") -> OperatorProcess:
-    """``mixrl operator`` as a local process with the chart's ServiceAccount credentials."""
-    account = f"{RELEASE}"  # the chart's service account defaults to the release's full name
+    """The chart's operator as a local process: the installed Deployment's arguments, logged in
+    with a TokenRequest token of the chart's ServiceAccount. ``extra`` arguments are appended (a
+    ``--replica-id`` among them replaces the chart's)."""
+    account = RELEASE  # the chart's service account defaults to the release's full name
     config = service_account_kubeconfig(cluster, workdir / f"{name}.kubeconfig", RELEASE_NS, account)
+    args = chart_operator_args(cluster, pod_name=f"{RELEASE}-{name}")
+    if any(arg.startswith("--replica-id") for arg in extra):
+        args = [arg for arg in args if not arg.startswith("--replica-id")]
     log = workdir / f"{name}.log"
     env = {**os.environ, "KUBECONFIG": str(config)}
     with log.open("wb") as out:  # the child has its own copy of the descriptor
         process = subprocess.Popen(
-            [sys.executable, "-m", "mixrl.cli", "operator", "-A", "--peering", RELEASE, *extra],
+            [sys.executable, "-m", "mixrl.cli", "operator", *args, *extra],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
