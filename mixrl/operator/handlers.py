@@ -5,7 +5,7 @@
   conflicts, throttling, server errors and lost connections are ``kopf.TemporaryError`` with an
   exponential backoff (``Retry-After`` honoured).
 - Children (every kind the operator creates: ConfigMaps, Services, claims, Deployments,
-  StatefulSets, SamplerPools, and PodMonitors and ScaledObjects where the cluster serves them):
+  StatefulSets, SamplerPools, and PodMonitors and ScaledObjects where they may exist):
   an event handler — deletions included — asks for a debounced reconcile of the owner, so status
   follows readiness, a hand edit is undone and a deleted child is recreated.  Such a reconcile
   runs in a task of its own and, when it fails, is retried with jittered exponential backoff.
@@ -45,7 +45,15 @@ from mixrl.operator.apply import ApplyFailed, StillTerminating
 from mixrl.operator.autoscaling_loop import AutoscalingLoop, LoopSettings, register_autoscaling
 from mixrl.operator.kube import ApiError, Connection, KubeClient
 from mixrl.operator.peering import paused_by_peers
-from mixrl.operator.rbac import CHILD_RESOURCES, RLRUNS, SAMPLERPOOLS, ApiResource, peering_resource
+from mixrl.operator.rbac import (
+    CHILD_RESOURCES,
+    PODMONITORS,
+    RLRUNS,
+    SAMPLERPOOLS,
+    SCALEDOBJECTS,
+    ApiResource,
+    peering_resource,
+)
 from mixrl.operator.reconcile import Context, Outcome, reconcile_pool, reconcile_run
 from mixrl.operator.resources import BuildOptions, Images, Monitoring
 from mixrl.operator.status import PROGRESSING, Reason, make_condition, merge_conditions
@@ -333,9 +341,10 @@ async def guarded(
             ) from exc
         raise kopf.PermanentError(str(exc)) from exc  # the API server rejected what we built
     except ApplyFailed as exc:  # some children failed; the status says which (no report_failure)
-        if exc.forbidden_only:
+        if exc.forbidden_only:  # RBAC, or admission (a quota): fixable outside, so retry slowly
             raise kopf.TemporaryError(
-                f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s
+                f"{exc} (refused: check the operator's RBAC and the namespace's quotas)",
+                delay=rt.config.backoff_cap_s,
             ) from exc
         raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config, exc.retry_after)) from exc
     except StillTerminating as exc:
@@ -400,17 +409,35 @@ async def coalesced(rt: Runtime, body: Obj, reconcile: Callable[[Context, Obj], 
             rt._queued.discard(key)
 
 
-# Every kind of child the operator creates except SamplerPools (watched for their own handlers):
-# events of any of them reconcile the owner.  Kinds the cluster does not serve (PodMonitor without
-# the Prometheus Operator, ScaledObject without KEDA) are simply not watched.
-WATCHED_CHILDREN: tuple[ApiResource, ...] = tuple(r for r in CHILD_RESOURCES if r is not SAMPLERPOOLS)
-_WATCHED = {(r.group, r.version, r.plural) for r in WATCHED_CHILDREN}
+def watched_children(config: OperatorConfig) -> dict[str, tuple[ApiResource, ...]]:
+    """API group -> the kinds of child watched in it: every kind the operator creates except
+    SamplerPools (watched for their own handlers); events of any of them reconcile the owner.
+
+    PodMonitors and ScaledObjects only where this configuration may create them: the chart grants
+    their RBAC only then, and a watch the RBAC refuses would fail forever.  Where the cluster does
+    not serve them (no Prometheus Operator, no KEDA) kopf warns once at start and watches nothing."""
+    skipped: set[ApiResource] = {SAMPLERPOOLS}
+    if config.monitoring == "annotations":
+        skipped.add(PODMONITORS)
+    if config.keda == "off":
+        skipped.add(SCALEDOBJECTS)
+    groups: dict[str, tuple[ApiResource, ...]] = {}
+    for resource in CHILD_RESOURCES:
+        if resource not in skipped:
+            groups[resource.group] = (*groups.get(resource.group, ()), resource)
+    return groups
 
 
-def is_watched_child(resource: kopf.Resource) -> bool:
-    """One kopf selector for all of them: one that names a kind the cluster lacks would make kopf
-    warn at every start, and a callable one matches the kinds that are served, silently."""
-    return (resource.group, resource.version, resource.plural) in _WATCHED
+def selects(resources: tuple[ApiResource, ...]) -> Callable[[kopf.Resource], bool]:
+    """A kopf selector for several kinds of one API group (kopf scans only the groups handlers
+    name, so every selector names its group: a scan of all groups would fail on an unavailable
+    aggregated API, such as a metrics server that is down)."""
+    wanted = {(r.group, r.version, r.plural) for r in resources}
+
+    def check(resource: kopf.Resource) -> bool:
+        return (resource.group, resource.version, resource.plural) in wanted
+
+    return check
 
 
 def controller_of(obj: Obj) -> tuple[str, str] | None:
@@ -436,10 +463,11 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         settings.posting.level = logging.WARNING  # our events are explicit; logs stay logs
         # Children are watched through a server-side label selector (a (group, plural) key: kopf
         # reads a "group/plural" string as one resource name and would match nothing).
-        for resource in WATCHED_CHILDREN:
-            settings.watching.label_selectors[resource.group or "v1", resource.plural] = (
-                f"{L.MANAGED_BY}={L.MANAGER}"
-            )
+        for resources in watched_children(config).values():
+            for resource in resources:
+                settings.watching.label_selectors[resource.group or "v1", resource.plural] = (
+                    f"{L.MANAGED_BY}={L.MANAGER}"
+                )
         if config.tune is not None:
             config.tune(settings)
 
@@ -497,11 +525,20 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         if owner is not None:
             rt.request(owner[0], body["metadata"]["namespace"], owner[1])
 
-    @kopf.on.event(is_watched_child, labels=managed, registry=registry)
     async def child_event(body: kopf.Body, **_: Any) -> None:
         # Any event, deletions included: the owner's reconcile restores what differs.
         owner = controller_of(plain(body))
         if owner is not None:
             rt.request(owner[0], body["metadata"]["namespace"], owner[1])
+
+    for group, resources in watched_children(config).items():
+        watch = kopf.on.event(
+            selects(resources),
+            group=group,
+            labels=managed,
+            id=f"child_event/{group or 'core'}",
+            registry=registry,
+        )
+        watch(child_event)
 
     return registry, rt

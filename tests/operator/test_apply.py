@@ -19,6 +19,7 @@ from mixrl.operator.apply import (
     immutable_in_message,
     quantity,
 )
+from mixrl.operator.handlers import OperatorConfig, watched_children
 from mixrl.operator.resources import BuildOptions, Owner, run_objects
 from mixrl.operator.status import Reason, pool_status, problems_value, run_status
 
@@ -192,3 +193,16 @@ def test_failures_reach_the_run_and_pool_status_and_leave_with_them() -> None:
     assert any(c["type"] == "Progressing" for c in pool["conditions"])
     healed = pool_status(pool, 1, None, "a=b", "T1")
     assert not any(c["type"] == "Progressing" for c in healed["conditions"])
+
+
+def test_the_operator_watches_only_the_kinds_it_may_create() -> None:
+    def watched(config: OperatorConfig) -> set[str]:
+        return {r.plural for resources in watched_children(config).values() for r in resources}
+
+    core = {"configmaps", "services", "persistentvolumeclaims", "deployments", "statefulsets"}
+    assert watched(OperatorConfig()) == core | {"podmonitors", "scaledobjects"}
+    # The chart grants PodMonitors and ScaledObjects only with these features on: a watch without
+    # the permission would fail forever.
+    assert watched(OperatorConfig(monitoring="annotations", keda="off")) == core
+    # One selector per API group: kopf then discovers only those groups.
+    assert set(watched_children(OperatorConfig())) == {"", "apps", "monitoring.coreos.com", "keda.sh"}
