@@ -1,0 +1,230 @@
+"""The operator at scale on the real control plane: 1,000 KWOK GPU nodes of mixed types, 50 RLRuns of
+8 pools each (examples/rlrun-mixed.yaml, renamed) applied at once.
+
+    .venv/bin/python bench/cluster_scale.py                     # 1,000 nodes, 50 runs (about 10-20 min on 2 cores)
+    .venv/bin/python bench/cluster_scale.py --nodes 100 --runs 5   # a smoke check
+
+Measured, with the chart installed by Helm and the chart's operator as a local process logged in
+with its ServiceAccount's token (so RBAC applies):
+- time from the apply to every SamplerPool Ready (all its replicas Running on their GPU nodes),
+  p50 / p99 / max over the pools;
+- the operator's API requests (from the API server's audit log): per run while converging, and
+  during one idle resync period once everything is Ready (writes there must be 0);
+- the operator's resident memory (peak, and idle after convergence).
+Nothing is a ratio against a baseline: these are absolute figures of one configuration, recorded
+with the command in docs/benchmarks.md. Plot: docs/img/cluster-scale.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
+from mixrl.devcluster.fleet import NodeGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+RELEASE, RELEASE_NS, NAMESPACE = "mixrl", "mixrl-system", "bench"
+# The mix: enough H200s for every run's trainer (4 x 8 GPUs) beside the H200 pools.
+SHARES = {"H200": 0.34, "H100": 0.16, "B200": 0.16, "B300": 0.1, "A100": 0.12, "RTX-PRO-6000": 0.12}
+
+
+def fleet(nodes: int) -> list[NodeGroup]:
+    groups = [NodeGroup(gpu, max(1, round(nodes * share))) for gpu, share in SHARES.items()]
+    return [*groups, NodeGroup("cpu", max(2, nodes // 50), 0)]
+
+
+def kubectl(state: ClusterState, *args: str, input: str | None = None) -> str:
+    done = subprocess.run(
+        [str(Path(state.bin) / "kubectl"), f"--kubeconfig={state.kubeconfig}", *args],
+        input=input, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        sys.exit(f"cluster_scale: kubectl {' '.join(args[:2])} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def audit(state: ClusterState, user: str) -> list[dict[str, Any]]:
+    lines = state.audit_log.read_text().splitlines() if state.audit_log.exists() else []
+    return [e for e in map(json.loads, filter(None, lines)) if e.get("user", {}).get("username") == user]
+
+
+def is_write(event: dict[str, Any]) -> bool:
+    return (
+        event.get("verb") in ("create", "update", "patch", "delete")
+        and event.get("objectRef", {}).get("apiGroup") != "kopf.dev"
+    )
+
+
+def runs(count: int) -> list[dict[str, Any]]:
+    template = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
+    template["spec"]["autoscaling"] = {
+        "engine": "none"
+    }  # the operator's reconcile path, not the autoscaler's
+    out = []
+    for index in range(count):
+        doc = json.loads(json.dumps(template))
+        doc["metadata"] = {"name": f"run-{index:02d}", "namespace": NAMESPACE}
+        out.append(doc)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=1000, help="simulated GPU nodes (default 1000)")
+    parser.add_argument("--runs", type=int, default=50, help="RLRuns of 8 pools applied at once (default 50)")
+    parser.add_argument("--resync-seconds", type=float, default=60.0, help="the operator's resync period")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "cluster-scale.png")
+    args = parser.parse_args(argv)
+    if args.nodes < 10 or args.runs < 1:
+        parser.error("--nodes: at least 10; --runs: at least 1")
+
+    work = Path(tempfile.mkdtemp(prefix="mixrl-cluster-scale-"))
+    cluster = Cluster(work / "cluster")
+    groups = fleet(args.nodes)
+    print(f"cluster_scale: starting the control plane with {sum(g.nodes for g in groups)} nodes", flush=True)
+    started = time.monotonic()
+    state = cluster.up(groups, volumes=args.runs + 4, timeout=300)
+    print(f"cluster_scale: nodes Ready in {time.monotonic() - started:.1f} s", flush=True)
+    operator: subprocess.Popen[bytes] | None = None
+    try:
+        env = {**os.environ, "KUBECONFIG": str(state.kubeconfig), "HOME": str(work)}
+        subprocess.run(
+            [str(Path(state.bin) / "helm"), "install", RELEASE, str(ROOT / "charts" / "mixrl"), "-n", RELEASE_NS,
+             "--create-namespace", "--wait", "--timeout", "120s"], env=env, check=True, capture_output=True,
+        )  # fmt: skip
+        kubectl(state, "create", "namespace", NAMESPACE)
+        token = kubectl(state, "create", "token", RELEASE, "-n", RELEASE_NS, "--duration=6h").strip()
+        (work / "operator.kubeconfig").write_text(
+            yaml.safe_dump(kubeconfig(state.server, state.ca_file, token, "operator"))
+        )
+        deployment = json.loads(
+            kubectl(state, "get", f"deployment/{RELEASE}", "-n", RELEASE_NS, "-o", "json")
+        )
+        chart_args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        chart_args = [
+            a.replace("$(POD_NAME)", "mixrl-bench-0") for a in chart_args if not a.startswith("--liveness")
+        ]
+        user = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}"
+        with (work / "operator.log").open("wb") as log:
+            operator = subprocess.Popen(
+                [sys.executable, "-m", "mixrl.cli", "operator", *chart_args, f"--resync-seconds={args.resync_seconds}"],
+                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(work / "operator.kubeconfig")},
+            )  # fmt: skip
+        time.sleep(5)  # kopf's start-up (peering, watches) before the burst
+        baseline = len(audit(state, user))
+        docs = runs(args.runs)
+        t0 = time.monotonic()
+        kubectl(
+            state,
+            "apply",
+            "-f",
+            "-",
+            input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": docs}),
+        )
+        pools_total = sum(len(d["spec"]["samplerPools"]) for d in docs)
+        ready_at: dict[str, float] = {}
+        peak_rss, last_print = 0.0, 0.0
+        timeline: list[tuple[float, int, int]] = []
+        while len(ready_at) < pools_total:
+            now = time.monotonic() - t0
+            if now > args.timeout:
+                sys.exit(
+                    f"cluster_scale: only {len(ready_at)}/{pools_total} pools Ready after {args.timeout:.0f} s"
+                )
+            peak_rss = max(peak_rss, rss_mib(operator.pid))
+            pools = json.loads(kubectl(state, "get", "samplerpools", "-n", NAMESPACE, "-o", "json"))["items"]
+            for sp in pools:
+                status, name = sp.get("status", {}), sp["metadata"]["name"]
+                if (
+                    name not in ready_at
+                    and sp["spec"]["replicas"] > 0
+                    and status.get("readyReplicas") == sp["spec"]["replicas"]
+                ):
+                    ready_at[name] = now
+            timeline.append((now, len(ready_at), len(audit(state, user)) - baseline))
+            if now - last_print > 10:
+                rate = len(ready_at) / now if now else 0.0
+                eta = (pools_total - len(ready_at)) / rate if rate else float("nan")
+                print(f"  {len(ready_at)}/{pools_total} pools Ready, {rate:.2f} pools/s, eta {eta:.0f} s, "
+                      f"operator {peak_rss:.0f} MiB", flush=True)  # fmt: skip
+                last_print = now
+            time.sleep(1)
+        converge_requests = len(audit(state, user)) - baseline
+        times = sorted(ready_at.values())
+        # One idle resync period once everything is Ready.
+        idle_start = len(audit(state, user))
+        time.sleep(args.resync_seconds)
+        idle = audit(state, user)[idle_start:]
+        idle_rss = rss_mib(operator.pid)
+        result = {
+            "nodes": sum(g.nodes for g in groups),
+            "runs": args.runs,
+            "pools": pools_total,
+            "ready_p50_s": statistics.median(times),
+            "ready_p99_s": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
+            "ready_max_s": times[-1],
+            "requests_while_converging": converge_requests,
+            "requests_per_run": converge_requests / args.runs,
+            "idle_resync_requests": len(
+                [e for e in idle if e.get("objectRef", {}).get("apiGroup") != "kopf.dev"]
+            ),
+            "idle_resync_writes": sum(map(is_write, idle)),
+            "operator_peak_rss_mib": peak_rss,
+            "operator_idle_rss_mib": idle_rss,
+        }
+        print(json.dumps(result, indent=2))
+        plot(timeline, times, result, args.plot)
+        return 0
+    finally:
+        if operator is not None:
+            operator.terminate()
+            operator.wait(20)
+        cluster.down(log=lambda _: None)
+
+
+def plot(
+    timeline: list[tuple[float, int, int]], times: list[float], result: dict[str, Any], path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(times, [i / len(times) for i in range(1, len(times) + 1)], drawstyle="steps-post")
+    left.set(xlabel="seconds after the apply", ylabel="share of pools Ready",
+             title=f"{result['runs']} RLRuns x 8 pools on {result['nodes']} KWOK nodes")  # fmt: skip
+    left.axvline(result["ready_p50_s"], ls="--", c="grey", label=f"p50 {result['ready_p50_s']:.0f} s")
+    left.axvline(result["ready_p99_s"], ls=":", c="k", label=f"p99 {result['ready_p99_s']:.0f} s")
+    left.legend()
+    right.plot([t for t, _, _ in timeline], [r for _, _, r in timeline])
+    right.set(xlabel="seconds after the apply", ylabel="operator API requests (cumulative)",
+              title=f"{result['requests_per_run']:.0f} requests per run; idle resync: "
+              f"{result['idle_resync_requests']} requests, {result['idle_resync_writes']} writes")  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"cluster_scale: plot written to {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
