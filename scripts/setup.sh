@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create or reuse .venv and install mixrl with everything the tests need.
+# Create or reuse .venv and install mixrl with everything the tests need. (The Kubernetes test bed's
+# binaries, Helm among them, come from scripts/k8s-bin.sh, which `make test` runs.)
 # TORCH_SPEC overrides the torch requirement (default: the CPU build of 2.13.0, which is on local
 # disk on our machines; GPU users set e.g. TORCH_SPEC="torch==2.13.0" with a CUDA index).
 set -euo pipefail
@@ -23,25 +24,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# A real `helm lint`/`helm install` in the chart tests: helm-sdkpy bundles Helm's Go library but needs
-# Python >= 3.12, so it gets a virtual environment of its own. Without 3.12 those tests skip.
-if [ "${MIXRL_SKIP_HELM:-0}" != 1 ] && [ ! -x .venv-helm/bin/python ]; then
-  py312=$(command -v python3.12 2>/dev/null || true)
-  if [ -z "$py312" ] || ! "$py312" --version >/dev/null 2>&1; then
-    py312=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1 || true)
-  fi
-  if [ -n "$py312" ]; then
-    echo "setup: creating .venv-helm with $("$py312" --version) for helm-sdkpy"
-    ("$py312" -m venv .venv-helm && .venv-helm/bin/pip install -q --disable-pip-version-check helm-sdkpy 2>&1 | { grep -v "is ignored" || true; } && .venv-helm/bin/python -c "import helm_sdkpy") \
-      || { echo "setup: helm-sdkpy unavailable; the helm tests will be skipped"; rm -rf .venv-helm; }
-  fi
-fi
-
 # Tests that need a real Prometheus server use the Debian package; install it when we can.
 if [ "${MIXRL_SKIP_PROMETHEUS:-0}" != 1 ] && ! command -v prometheus >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing Debian's prometheus package (for the autoscaling tests)"
     (apt-get install -y -qq prometheus >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq prometheus >/dev/null 2>&1; }) \
-      || echo "setup: could not install prometheus; tests that need it will be skipped"
+      || echo "setup: could not install prometheus; the tests that need it will fail"
   fi
 fi
