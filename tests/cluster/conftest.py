@@ -34,9 +34,10 @@ from mixrl.devcluster.fleet import parse_fleet
 ROOT = Path(__file__).resolve().parents[2]
 CHART = Path(os.environ.get("MIXRL_TEST_CHART", ROOT / "charts" / "mixrl"))  # another chart: for bisecting
 RELEASE, RELEASE_NS = "mixrl", "mixrl-system"
-# The paper's mix plus room for the example trainer (4 x 8 H200 GPUs) and CPU nodes.
+# The paper's mix with room for two example trainers (4 x 8 H200 GPUs each: one still going away
+# while the next test's arrives) and CPU nodes.
 CRDS = ("rlruns.mixrl.dev", "samplerpools.mixrl.dev")
-FLEET = "H200=6,H100=2,B200=3,B300=2,A100=2,RTX-PRO-6000=2,cpu=3"
+FLEET = "H200=10,H100=3,B200=3,B300=2,A100=2,RTX-PRO-6000=2,cpu=3"
 
 
 @dataclass
@@ -149,7 +150,8 @@ def namespace(cluster: Bed) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", name)
     yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    # Waited for, so the next test finds the GPUs free (KWOK pods go at once; this takes seconds).
+    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=90s", check=False)
 
 
 def service_account_kubeconfig(cluster: Bed, path: Path, namespace: str, account: str) -> Path:

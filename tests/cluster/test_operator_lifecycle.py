@@ -77,7 +77,7 @@ def settled(cluster: Bed, operator: OperatorProcess, namespace: str, quiet_s: fl
             sp.get("status", {}).get("readyReplicas") == sp["spec"]["replicas"] for sp in sps
         )
 
-    wait_for(pools_running, 90, what="pools ready")
+    wait_for(pools_running, 150, what="pools ready")
     wait_for(
         lambda: _quiet_for(cluster, operator, quiet_s), 120, interval=0.1, what=f"{quiet_s} s without writes"
     )
@@ -153,7 +153,7 @@ def test_of_two_replicas_only_one_acts(
 ) -> None:
     # Two replicas of the chart's Deployment: each gets its priority from its pod name.
     first = operators("--replica-id", "mixrl-7d9f-a", name="replica-a")
-    wait_for(lambda: "peering" in first.log.read_text(), 30, what="first replica up")
+    wait_for(lambda: "peering" in first.log.read_text(), 60, what="first replica up")
     second = operators("--replica-id", "mixrl-7d9f-b", name="replica-b")
     replicas = (first, second)
     paused = wait_for(
