@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -97,6 +98,8 @@ def main(argv: list[str]) -> int:
     if args.nodes < 10 or args.runs < 1:
         parser.error("--nodes: at least 10; --runs: at least 1")
 
+    # A TERM (a CI timeout, kill) still runs the `finally` below, which stops the control plane.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="mixrl-cluster-scale-"))
     cluster = Cluster(work / "cluster")
     groups = fleet(args.nodes)

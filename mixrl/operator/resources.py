@@ -301,6 +301,9 @@ def statefulset(
     }
     if claims:
         spec["volumeClaimTemplates"] = claims
+        # Deliberate: deleting the run (or scaling the trainer down) keeps the trainer's checkpoints
+        # and the buffer's logs; an RLRun of the same name resumes from them (docs/operator.md#delete).
+        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Retain", "whenScaled": "Retain"}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",

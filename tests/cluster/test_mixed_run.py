@@ -121,9 +121,19 @@ def test_mixed_example_runs_on_the_right_gpus(
         what="trainer pods",
     )
     assert {products[p["spec"]["nodeName"]] for p in trainer} <= set(GPU_TABLE["H200"].gfd_products)
-    # Printer columns show real values.
-    table = cluster.kubectl("get", "sp", "-n", namespace).stdout
-    assert "B200" in table and "nvfp4" in table
+    # Printer columns show real values: the pools' and the run's.
+    table = cluster.kubectl("get", "sp", "-n", namespace, "--no-headers").stdout.splitlines()
+    rows = {line.split()[0]: line.split() for line in table}
+    b200 = rows[f"{RUN}-b200-nvfp4"]
+    assert b200[1:5] == ["B200", "nvfp4", "2", "2"], b200  # GPU, precision, desired, ready
+    header = cluster.kubectl("get", "rlr", RUN, "-n", namespace).stdout.splitlines()[0].split()
+    assert header[:3] == ["NAME", "PHASE", "STEP"]
+    run_row = wait_for(
+        lambda: cluster.kubectl("get", "rlr", RUN, "-n", namespace, "--no-headers").stdout.split(),
+        60,
+        what="run row",
+    )
+    assert run_row[1] in ("Pending", "Running") and str(len(resolved_pools)) in run_row
 
 
 def test_kubectl_scale_and_an_hpa_drive_the_pool(
@@ -165,19 +175,25 @@ def test_kubectl_scale_and_an_hpa_drive_the_pool(
 def test_delete_removes_every_child_through_the_garbage_collector(
     cluster: Bed, mixed_run: dict[str, Any], namespace: str
 ) -> None:
-    wait_for(lambda: cluster.get("deployments", "-n", namespace)["items"], 60, what="deployments")
+    wait_for(lambda: len(cluster.get("pvc", "-n", namespace)["items"]) >= 3, 60, what="the run's claims")
     cluster.kubectl("delete", "rlr", RUN, "-n", namespace, "--wait=true", "--timeout=60s")
 
     def leftovers() -> list[str]:
-        kinds = "deployments,statefulsets,services,configmaps,samplerpools,pods"
+        kinds = "deployments,statefulsets,services,configmaps,samplerpools,pods,pvc"
         items = cluster.get(kinds, "-n", namespace)["items"]
-        return [
+        return sorted(
             f"{i['kind']}/{i['metadata']['name']}"
             for i in items
             if i["metadata"]["name"] != "kube-root-ca.crt"
-        ]
+        )
 
-    wait_for(lambda: not leftovers(), 90, what="garbage collection")
+    # What stays is deliberate: the trainer's checkpoints and the buffer's logs (Retain).
+    nodes = mixed_run["spec"]["trainer"]["nodes"]
+    kept = sorted(
+        [f"PersistentVolumeClaim/data-{RUN}-buffer-0"]
+        + [f"PersistentVolumeClaim/run-{RUN}-trainer-{n}" for n in range(nodes)]
+    )
+    wait_for(leftovers, 90, what="garbage collection", equals=kept)
 
 
 def test_valid_example_passes_mixrl_validate_and_the_api_server(cluster: Bed, namespace: str) -> None:
