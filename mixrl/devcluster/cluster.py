@@ -27,6 +27,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -289,7 +290,13 @@ class Cluster:
 
     # ------------------------------------------------------------------ up
 
-    def up(self, groups: list[NodeGroup], volumes: int = 8, timeout: float = 90.0, log=print) -> ClusterState:
+    def up(
+        self,
+        groups: list[NodeGroup],
+        volumes: int = 8,
+        timeout: float = 90.0,
+        log: Callable[[str], None] = print,
+    ) -> ClusterState:
         if any(self.running().values()):
             raise ClusterError(
                 f"a test bed is already running in {self.dir} (`mixrl dev-cluster down` first)"
@@ -347,8 +354,9 @@ class Cluster:
         _CHILDREN[process.pid] = process
         state.pids[name] = process.pid
         self.state_file.write_text(json.dumps(asdict(state), indent=2))
+        os.chmod(self.state_file, 0o600)  # it holds the admin token
 
-    def _wait(self, state: ClusterState, name: str, ready, timeout: float) -> None:
+    def _wait(self, state: ClusterState, name: str, ready: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not _alive(state.pids.get(name, 0)) and name in state.pids:
@@ -414,7 +422,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ down, status
 
-    def down(self, log=print) -> list[str]:
+    def down(self, log: Callable[[str], None] = print) -> list[str]:
         """Stop every process of the test bed (TERM, then KILL) and remove its data; keep the logs."""
         state = self.state()
         stopped: list[str] = []
