@@ -105,7 +105,8 @@ def main(argv: list[str]) -> int:
     groups = fleet(args.nodes)
     print(f"cluster_scale: starting the control plane with {sum(g.nodes for g in groups)} nodes", flush=True)
     started = time.monotonic()
-    state = cluster.up(groups, volumes=args.runs + 4, timeout=300)
+    # Each run claims the weights volume, one volume per trainer node (4) and the buffer's.
+    state = cluster.up(groups, volumes=args.runs * 6 + 4, timeout=300)
     print(f"cluster_scale: nodes Ready in {time.monotonic() - started:.1f} s", flush=True)
     operator: subprocess.Popen[bytes] | None = None
     try:
@@ -173,7 +174,15 @@ def main(argv: list[str]) -> int:
             time.sleep(1)
         converge_requests = len(audit(state, user)) - baseline
         times = sorted(ready_at.values())
-        # One idle resync period once everything is Ready.
+        # The runs' status follows their pools' readiness a moment later: wait until the operator
+        # has written nothing for 15 s, then count one idle resync period.
+        quiet_since, writes = time.monotonic(), sum(map(is_write, audit(state, user)))
+        while time.monotonic() - quiet_since < 15 and time.monotonic() - t0 < args.timeout:
+            time.sleep(1)
+            now_writes = sum(map(is_write, audit(state, user)))
+            if now_writes != writes:
+                quiet_since, writes = time.monotonic(), now_writes
+        settled_s = quiet_since - t0
         idle_start = len(audit(state, user))
         time.sleep(args.resync_seconds)
         idle = audit(state, user)[idle_start:]
@@ -185,6 +194,7 @@ def main(argv: list[str]) -> int:
             "ready_p50_s": statistics.median(times),
             "ready_p99_s": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
             "ready_max_s": times[-1],
+            "status_settled_s": settled_s,
             "requests_while_converging": converge_requests,
             "requests_per_run": converge_requests / args.runs,
             "idle_resync_requests": len(
