@@ -179,6 +179,14 @@ class OperatorProcess:
             if e.get("verb") in ("create", "update", "patch", "delete", "deletecollection")
         ]
 
+    def denied(self, cluster: Bed) -> list[str]:
+        """Requests RBAC refused (a quota's or admission's 403 is not RBAC's and not counted)."""
+        return [
+            f"{e['verb']} {e['requestURI']}"
+            for e in self.requests(cluster)
+            if e.get("annotations", {}).get("authorization.k8s.io/decision") == "forbid"
+        ]
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
@@ -234,6 +242,9 @@ def operator(cluster: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     finally:
         stop_operator(running)
         print(f"--- operator log (last lines)\n{running.log_tail()}", file=sys.stderr)
+    assert not running.denied(cluster), "calls the chart's RBAC refused: " + ", ".join(
+        running.denied(cluster)
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -62,10 +62,8 @@ def operators(cluster: Bed, tmp_path: Path) -> Iterator[Callable[..., OperatorPr
     for process in started:
         if process.process.poll() is None:
             stop_operator(process)
-    # RBAC denials only (a ResourceQuota's refusal is a 403 too, but made by admission).
-    events = started[0].requests(cluster) if started else []
-    denied = [e for e in events if e.get("annotations", {}).get("authorization.k8s.io/decision") == "forbid"]
-    assert not denied, [f"{e['verb']} {e['requestURI']}" for e in denied]
+    denied = started[0].denied(cluster) if started else []  # one user for all of them: the chart's account
+    assert not denied, denied
 
 
 def settled(cluster: Bed, operator: OperatorProcess, namespace: str, quiet_s: float = 2 * RESYNC_S) -> None:
