@@ -117,6 +117,8 @@ def _structural(node: Schema, name: str = "", table: GpuTable = GPU_TABLE) -> Sc
                 out = _with_rules(out, model, table)
         elif isinstance(node.get("additionalProperties"), dict):
             out["additionalProperties"] = _structural(node["additionalProperties"], name, table)
+            if "maxProperties" in node:
+                out["maxProperties"] = node["maxProperties"]
         else:
             out["x-kubernetes-preserve-unknown-fields"] = True
     elif kind == "array":

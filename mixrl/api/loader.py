@@ -1,22 +1,213 @@
-"""Reading RLRun and SamplerPool manifests from YAML, with one line per problem."""
+"""Reading RLRun and SamplerPool manifests from YAML, with one line per problem.
+
+Every RLRun file mixrl reads (``mixrl validate``, ``mixrl run``, ``mixrl simulate``) goes through
+:func:`read_documents`, whose YAML loader is safe against hostile or careless input: it reads at
+most :data:`MAX_FILE_BYTES` (``/dev/zero`` ends at once), expands at most :data:`MAX_ALIASES`
+aliases into at most :data:`MAX_NODES` nodes (a "billion laughs" alias bomb is refused, not
+expanded), nests at most :data:`MAX_DEPTH` levels (PyYAML's composer recurses, so deeper input
+would end in a RecursionError), refuses integers longer than Python converts in linear time, and
+refuses a key given twice in one mapping (PyYAML would silently keep the last value).  Each refusal
+is one line naming the line of the file.
+
+It also reads floats as Kubernetes' YAML parser does: ``1e-6`` is a number there, while PyYAML's
+YAML 1.1 rules make it a string; the models take no strings for numbers, so without this the same
+manifest would mean different things to ``mixrl validate`` and ``kubectl apply``.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import ValidationError
+from yaml.composer import Composer
+from yaml.constructor import ConstructorError, SafeConstructor
+from yaml.nodes import MappingNode, Node, ScalarNode
+from yaml.resolver import Resolver
 
 from mixrl.api.errors import InvalidSpec, Problem, problems_from_validation_error
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
+from mixrl.api.names import shown
 
 KINDS: dict[str, type[RLRun] | type[SamplerPool]] = {"RLRun": RLRun, "SamplerPool": SamplerPool}
 
+MAX_FILE_BYTES = 1024 * 1024
+"""Largest manifest file: an RLRun is a few KiB; the API server's own limit on an object is ~1.5 MiB."""
+MAX_DEPTH = 64
+"""Deepest nesting of collections; an RLRun nests about 7 levels."""
+MAX_ALIASES = 256
+"""Most ``*alias`` references per file: anchors for shared scheduling blocks are fine, bombs are not."""
+MAX_NODES = 100_000
+"""Most YAML nodes per file with every alias expanded (what pydantic would walk); a large RLRun has
+about 2,000. It also bounds the loader's memory: PyYAML keeps every node, with its marks, until the
+document is built."""
+MAX_INT_DIGITS = 4300
+"""Longest integer scalar: Python's own limit for converting decimal strings (quadratic beyond)."""
 
-class ManifestUnreadable(Exception):
-    """The file itself cannot be used (missing, unreadable, not YAML): a usage error, not a spec error."""
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+
+
+class ManifestUnreadable(ValueError):
+    """The file itself cannot be used (missing, unreadable, not YAML, beyond the loader's limits): a
+    usage error, not a spec error.  A ValueError, like InvalidSpec, so that callers catching bad input
+    (``mixrl simulate --spec``) print its one line instead of a traceback."""
+
+
+class LimitExceeded(yaml.MarkedYAMLError):
+    """The document breaks one of the safe loader's limits, or repeats a key."""
+
+
+# The mixin's methods extend a PyYAML loader's; type checkers see it as one.
+if TYPE_CHECKING:
+    _LoaderBase = yaml.SafeLoader
+else:
+    _LoaderBase = object
+
+
+class _Limits(_LoaderBase):
+    """The limits, duplicate keys and exponent floats, mixed into a PyYAML loader (pure Python or
+    libyaml events).  One instance reads one file."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._aliases = 0
+        self._expanded = 0
+        """Nodes so far with every alias counted as the whole subtree it stands for."""
+        self._anchored_sizes: dict[int, int] = {}
+        """id(anchored node) -> its expanded size, known once the node is complete."""
+
+    def _count(self, nodes: int, node_mark: yaml.Mark | None) -> None:
+        self._expanded += nodes
+        if self._expanded > MAX_NODES:
+            raise LimitExceeded(
+                problem=f"more than {MAX_NODES} YAML nodes with aliases expanded", problem_mark=node_mark
+            )
+
+    def compose_node(self, parent: Node | None, index: Any) -> Node:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise LimitExceeded(problem=f"more than {MAX_ALIASES} aliases", problem_mark=event.start_mark)
+            node = super().compose_node(parent, index)
+            size = self._anchored_sizes.get(id(node))
+            if size is None:  # the anchor's own node is still open: the alias is inside it
+                raise LimitExceeded(
+                    problem=f"alias *{event.anchor} refers to a node that contains it (a recursive document)",
+                    problem_mark=event.start_mark,
+                )
+            self._count(size, event.start_mark)
+            return node
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise LimitExceeded(
+                problem=f"nested more than {MAX_DEPTH} levels deep", problem_mark=event.start_mark
+            )
+        before = self._expanded
+        self._count(1, event.start_mark)
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if getattr(event, "anchor", None) is not None:
+            self._anchored_sizes[id(node)] = self._expanded - before
+        return node
+
+    def compose_document(self) -> Node | None:
+        node = super().compose_document()
+        self._anchored_sizes.clear()  # anchors are per document; the node and alias budgets per file
+        return node
+
+    def construct_object(self, node: Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, OverflowError) as exc:
+            # A scalar that matched a resolver but not its constructor (a date 2024-13-45): PyYAML
+            # raises a bare ValueError, without the line.
+            value = node.value if isinstance(node, ScalarNode) else node.tag
+            raise ConstructorError(
+                None, None, f"cannot read {shown(str(value))} ({exc})", node.start_mark
+            ) from None
+
+    def construct_yaml_int(self, node: ScalarNode) -> int:
+        if len(node.value) > MAX_INT_DIGITS:
+            raise LimitExceeded(
+                problem=f"an integer of {len(node.value)} digits (at most {MAX_INT_DIGITS})",
+                problem_mark=node.start_mark,
+            )
+        return int(super().construct_yaml_int(node))
+
+    def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
+        # Before merge keys are flattened in: a key set explicitly may override a merged one (YAML
+        # merge semantics), but not another explicit one.
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = key in first_line
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if seen:
+                raise LimitExceeded(
+                    problem=f"duplicate key {shown(str(key))} (first at line {first_line[key] + 1})",
+                    problem_mark=key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+class PureSafeLoader(_Limits, yaml.SafeLoader):
+    """The safe loader on PyYAML's pure-Python scanner and parser (when PyYAML has no libyaml)."""
+
+
+LOADERS: list[type[_Limits]] = [PureSafeLoader]
+SafeLoader: type[_Limits] = PureSafeLoader
+"""What read_documents uses: the libyaml one where PyYAML has libyaml; both read every document
+alike (tests/api check both)."""
+
+if yaml.__with_libyaml__:
+    from yaml.cyaml import CParser as _CParser
+
+    class _LibyamlEvents(Composer, _CParser, SafeConstructor, Resolver):  # type: ignore[misc]
+        """libyaml's scanner and parser (about 5x faster than PyYAML's) under PyYAML's Python
+        composer, whose compose_node the limits hook into (libyaml's own composer cannot be hooked)."""
+
+        def __init__(self, stream: str) -> None:
+            _CParser.__init__(self, stream)
+            Composer.__init__(self)
+            SafeConstructor.__init__(self)
+            Resolver.__init__(self)
+
+    class LibyamlSafeLoader(_Limits, _LibyamlEvents):
+        """The safe loader on libyaml's scanner and parser."""
+
+    LOADERS.append(LibyamlSafeLoader)
+    SafeLoader = LibyamlSafeLoader
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+for _loader in LOADERS:
+    # PyYAML looks constructors up in a table of plain functions, so the override must be registered.
+    _loader.add_constructor("tag:yaml.org,2002:int", _Limits.construct_yaml_int)
+    _loader.add_implicit_resolver(_FLOAT_TAG, _EXPONENT_FLOAT, list("-+0123456789."))
+
+
+def _describe(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: where (line) and what."""
+    if isinstance(exc, yaml.reader.ReaderError):
+        return f"not YAML: unacceptable character #x{exc.character:04x} at byte {exc.position}"
+    mark = getattr(exc, "problem_mark", None)
+    reason = getattr(exc, "problem", None) or "invalid YAML"
+    if isinstance(exc, LimitExceeded):
+        return f"line {mark.line + 1}: {reason}" if mark is not None else reason
+    where = f" at line {mark.line + 1}" if mark is not None else ""
+    return f"not YAML{where}: {reason}"
 
 
 @dataclass(frozen=True)
@@ -31,23 +222,44 @@ class Document:
         return self.source if self.index == 0 else f"{self.source}#{self.index}"
 
 
-def read_documents(path: str | Path) -> list[Document]:
-    """Every non-empty YAML document in a file."""
+def read_text(path: str | Path) -> str:
+    """A manifest file's text, reading at most MAX_FILE_BYTES + 1 bytes of it whatever it is (a
+    device, a pipe, a file being written)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as stream:
+            data = stream.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ManifestUnreadable(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestUnreadable(f"{path}: cannot read ({exc})") from None
+    except OSError as exc:
+        raise ManifestUnreadable(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ManifestUnreadable(f"{path}: larger than {MAX_FILE_BYTES} bytes (an RLRun is a few KiB)")
     try:
-        raw = list(yaml.safe_load_all(text))
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ManifestUnreadable(f"{path}: not UTF-8 text (byte {exc.start})") from None
+
+
+def parse_yaml(text: str, source: str, loader_class: type[_Limits] | None = None) -> list[Document]:
+    """Every non-empty YAML document of ``text``, through the safe loader."""
+    raw: list[Any] = []
+    loader = None
+    try:
+        loader = (loader_class or SafeLoader)(text)  # PyYAML's reader checks the characters here already
+        while loader.check_data():
+            raw.append(loader.get_data())
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        reason = getattr(exc, "problem", None) or "invalid YAML"
-        raise ManifestUnreadable(f"{path}: not YAML{where}: {reason}") from None
-    return [Document(str(path), i, data) for i, data in enumerate(raw) if data is not None]
+        raise ManifestUnreadable(f"{source}: {_describe(exc)}".replace("\n", " ")) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    return [Document(source, i, data) for i, data in enumerate(raw) if data is not None]
+
+
+def read_documents(path: str | Path) -> list[Document]:
+    """Every non-empty YAML document in a file."""
+    return parse_yaml(read_text(path), str(path))
 
 
 def parse_document(data: Any) -> RLRun | SamplerPool:
@@ -56,15 +268,21 @@ def parse_document(data: Any) -> RLRun | SamplerPool:
         raise InvalidSpec([Problem("", f"expected a mapping (an RLRun manifest), got {type(data).__name__}")])
     api_version = data.get("apiVersion", API_VERSION)
     if api_version != API_VERSION:
-        raise InvalidSpec([Problem("apiVersion", f"expected {API_VERSION}, got {api_version!r}")])
+        raise InvalidSpec([Problem("apiVersion", f"expected {API_VERSION}, got {_shown_value(api_version)}")])
     kind = data.get("kind", "RLRun")
-    model = KINDS.get(kind)
+    model = KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
-        raise InvalidSpec([Problem("kind", f"expected one of {', '.join(KINDS)}, got {kind!r}")])
+        raise InvalidSpec([Problem("kind", f"expected one of {', '.join(KINDS)}, got {_shown_value(kind)}")])
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise InvalidSpec(problems_from_validation_error(exc)) from None
+    except RecursionError:  # a dict built in Python (the operator's) may nest deeper than YAML can
+        raise InvalidSpec([Problem("", "nested too deeply")]) from None
+
+
+def _shown_value(value: Any) -> str:
+    return shown(value) if isinstance(value, str) else f"a {type(value).__name__}"
 
 
 def load_rlrun(path: str | Path) -> RLRun:

@@ -10,12 +10,13 @@ fields, per-component settings) is computed by :func:`mixrl.api.resolve.resolve`
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from mixrl.api import rules
+from mixrl.api import names, quantity, rules
 from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, PRECISION_CORES
 from mixrl.api.memory import memory_problem
 
@@ -31,9 +32,99 @@ LOW_PRECISIONS = rules.LOW_PRECISIONS
 RESERVED_POOL_NAMES = rules.RESERVED_POOL_NAMES
 field_error = rules.field_error
 
+# ----------------------------------------------------------------------------- value types and bounds
+
+INT32_MAX = 2**31 - 1
+"""Upper bound of every count: Kubernetes holds replicas (and the int32s of its APIs) in 32 bits, so a
+larger maxReplicas would reach a Deployment or the scale subresource wrapped or refused."""
+MAX_GPUS_PER_POD = 64
+"""GPUs of one engine replica or one trainer node: one pod's GPUs, on one node (the largest nodes
+have 8 to 16). It also keeps the GPU-budget rule's sum far from int64 in the API server's CEL."""
+MAX_CAPACITY = 1e6
+"""Relative capacities and prices are summed and multiplied by the router and the autoscaler; a
+finite but astronomical value would overflow those sums to inf and the shares to NaN."""
+MAX_SECONDS = 7 * 24 * 3600.0
+"""Longest interval or window (a week); asyncio's timers overflow on far larger values."""
+
+Int = Annotated[int, Strict()]
+"""An integer that must be written as one: pydantic's lax mode would read YAML's ``true`` as 1,
+``"8"`` as 8 and ``1e20`` (a string to PyYAML) as an integer."""
+Float = Annotated[float, Strict()]
+"""A number: integers are fine, booleans and strings are not (never inf or NaN: see Model)."""
+Bool = Annotated[bool, Strict()]
+"""true or false: pydantic's lax mode would also take 1, 0 and strings like "off"."""
+
+
+def _checked_by(check: Callable[[Any], str | None]) -> Callable[[Any], Any]:
+    """An after-validator from a check returning None or a one-line reason."""
+
+    def validate(value: Any) -> Any:
+        problem = check(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    return validate
+
+
+_labels = _checked_by(names.labels_problem)
+"""Label keys and values (metadata.labels, node selectors), checked as one map for one line."""
+
+
+def _schema(**schema: Any) -> Any:
+    """The CRD's twin of a Python check (pattern, maxLength), so the API server refuses the same strings."""
+    return Field(json_schema_extra=schema)
+
+
+def _quantity_problem(value: str) -> str | None:
+    try:
+        quantity.positive_quantity(value)
+    except quantity.QuantityError as exc:
+        return str(exc)
+    return None
+
+
+def _image_problem(value: str) -> str | None:
+    if not value or len(value) > 512 or any(c.isspace() for c in value):
+        return f"{names.shown(value)} is not an image reference (1 to 512 characters, no whitespace)"
+    return None
+
+
+Quantity = Annotated[
+    str,
+    AfterValidator(_checked_by(_quantity_problem)),
+    _schema(pattern=quantity.POSITIVE_PATTERN, maxLength=quantity.MAX_LENGTH),
+]
+"""A positive Kubernetes quantity (``500Gi``, ``1.5``, ``100m``, ``1e3``), parsed by Kubernetes' rules."""
+LabelValue = Annotated[
+    str,
+    AfterValidator(_checked_by(names.label_value_problem)),
+    _schema(pattern=names.LABEL_VALUE_PATTERN, maxLength=names.LABEL_VALUE_MAX),
+]
+QualifiedName = Annotated[
+    str,
+    AfterValidator(_checked_by(names.qualified_name_problem)),
+    _schema(pattern=names.QUALIFIED_NAME_PATTERN, maxLength=names.QUALIFIED_NAME_MAX),
+]
+DnsSubdomain = Annotated[
+    str,
+    AfterValidator(_checked_by(names.dns_subdomain_problem)),
+    _schema(pattern=names.DNS_SUBDOMAIN_PATTERN, maxLength=names.DNS_SUBDOMAIN_MAX),
+]
+Image = Annotated[
+    str, AfterValidator(_checked_by(_image_problem)), _schema(pattern=r"^\S+$", minLength=1, maxLength=512)
+]
+"""A container image reference: Kubernetes refuses an image with leading or trailing spaces, and one
+inside is never a valid reference."""
+Location = Annotated[str, Field(min_length=1, max_length=4096)]
+"""A path or URL (PATH_MAX)."""
+Word = Annotated[str, Field(min_length=1, max_length=63)]
+"""A short name: an environment, a tool."""
+
 
 class Model(BaseModel):
-    """Base: camelCase names outside, unknown fields rejected (typos must not pass silently)."""
+    """Base: camelCase names outside, unknown fields rejected (typos must not pass silently), and
+    floats finite: an ``.inf`` capacity would make the router's shares NaN, an ``.inf`` lr NaN weights."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
@@ -41,6 +132,7 @@ class Model(BaseModel):
         extra="forbid",
         use_attribute_docstrings=True,
         validate_default=True,
+        allow_inf_nan=False,
     )
 
     def to_yaml_dict(self) -> dict[str, Any]:
@@ -52,42 +144,42 @@ class Model(BaseModel):
 
 
 class ModelSpec(Model):
-    path: str = Field(min_length=1)
+    path: Location
     """Base checkpoint: a local directory, a URL the weight store understands, or ``tiny:<kind>``
     for a tiny model built locally from a config (``tiny:qwen3``, ``tiny:qwen3_moe``; CPU runs)."""
-    tokenizer: str | None = None
+    tokenizer: Location | None = None
     """Tokenizer location; defaults to the checkpoint's own (tiny models use mixrl's built-in one)."""
-    chat_template: str | None = None
+    chat_template: str | None = Field(default=None, max_length=65536)
     """Jinja chat template overriding the tokenizer's, if any."""
-    max_context_tokens: int = Field(default=32768, gt=0)
+    max_context_tokens: Int = Field(default=32768, gt=0, le=INT32_MAX)
     """Longest context (prompt plus all turns) an episode may reach."""
-    parameters_billions: float | None = Field(default=None, gt=0)
+    parameters_billions: Float | None = Field(default=None, gt=0, le=1e6)
     """Parameter count in billions, every expert of an MoE included (e.g. 30 for Qwen3-30B-A3B).
     When set, validation refuses a pool or trainer whose GPUs cannot hold the weights, and the
     operator sizes the memory of the containers that load whole checkpoints from it."""
 
 
 class Parallelism(Model):
-    tp: int = Field(default=1, ge=1)
+    tp: Int = Field(default=1, ge=1, le=INT32_MAX)
     """Tensor-parallel size (the vocabulary is sharded across it)."""
-    pp: int = Field(default=1, ge=1)
+    pp: Int = Field(default=1, ge=1, le=INT32_MAX)
     """Pipeline-parallel size."""
-    ep: int = Field(default=1, ge=1)
+    ep: Int = Field(default=1, ge=1, le=INT32_MAX)
     """Expert-parallel size (MoE)."""
-    cp: int = Field(default=1, ge=1)
+    cp: Int = Field(default=1, ge=1, le=INT32_MAX)
     """Context-parallel size."""
 
 
 class OptimizerSpec(Model):
     name: Literal["adamw"] = "adamw"
     """Optimizer; AdamW is what every large-model RL stack uses."""
-    lr: float = Field(default=1e-6, gt=0)
-    """Learning rate."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: Float = Field(default=1e-6, gt=0, le=1)
+    """Learning rate (at most 1: AdamW moves each weight by about lr per step)."""
+    betas: tuple[Float, Float] = (0.9, 0.999)
     """AdamW betas."""
-    weight_decay: float = Field(default=0.0, ge=0)
-    """Decoupled weight decay."""
-    grad_clip: float | None = Field(default=1.0, gt=0)
+    weight_decay: Float = Field(default=0.0, ge=0, le=1)
+    """Decoupled weight decay (at most 1, so that the decay factor 1 - lr * weightDecay stays in [0, 1])."""
+    grad_clip: Float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; null disables clipping."""
 
     @field_validator("betas")
@@ -99,10 +191,10 @@ class OptimizerSpec(Model):
 
 
 class ResourceRequirements(Model):
-    cpu: str | None = None
-    """CPU request and limit, in Kubernetes quantity syntax (e.g. ``"16"``)."""
-    memory: str | None = None
-    """Memory request and limit (e.g. ``"256Gi"``)."""
+    cpu: Quantity | None = None
+    """CPU request and limit, a positive Kubernetes quantity (e.g. ``"16"``, ``"500m"``)."""
+    memory: Quantity | None = None
+    """Memory request and limit, a positive Kubernetes quantity (e.g. ``"256Gi"``)."""
 
 
 class TrainerSpec(Model):
@@ -110,23 +202,24 @@ class TrainerSpec(Model):
     """Training backend: ``torch`` (CPU or GPU, FSDP2 on many GPUs) or ``megatron`` (GPU)."""
     gpu_type: str = Field(default="H100", json_schema_extra={"enum": list(GPU_TYPES)})
     """GPU type of the trainer nodes (a key of the GPU table, or ``cpu``)."""
-    nodes: int = Field(default=1, ge=1)
+    nodes: Int = Field(default=1, ge=1, le=INT32_MAX)
     """Number of trainer nodes."""
-    gpus_per_node: int = Field(default=8, ge=0)
-    """GPUs per trainer node (0 on CPU)."""
+    gpus_per_node: Int = Field(default=8, ge=0, le=MAX_GPUS_PER_POD)
+    """GPUs per trainer node (0 on CPU; at least 1 on a GPU type)."""
     parallelism: Parallelism = Field(default_factory=Parallelism)
-    """Model parallelism of the trainer."""
+    """Model parallelism of the trainer: tp x pp x cp and tp x pp x ep must divide the trainer's world
+    size, nodes x gpusPerNode (nodes on CPU)."""
     precision: Literal["bf16"] = "bf16"
     """Trainer precision: the trainer always learns in BF16."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     """Optimizer settings."""
-    total_steps: int | None = Field(default=None, gt=0)
+    total_steps: Int | None = Field(default=None, gt=0, le=INT32_MAX)
     """Stop after this many policy updates; null trains until stopped."""
-    micro_batch_tokens: int = Field(default=16384, gt=0)
+    micro_batch_tokens: Int = Field(default=16384, gt=0, le=INT32_MAX)
     """Tokens per forward/backward micro-batch (gradient accumulation fills the update)."""
-    checkpoint_every: int = Field(default=50, gt=0)
+    checkpoint_every: Int = Field(default=50, gt=0, le=INT32_MAX)
     """Save a resumable checkpoint every this many steps."""
-    image: str | None = None
+    image: Image | None = None
     """Container image; defaults to mixrl's trainer image for the backend."""
     resources: ResourceRequirements | None = None
     """CPU and memory for each trainer pod (GPUs come from gpusPerNode)."""
@@ -137,33 +230,59 @@ class TrainerSpec(Model):
     @field_validator("gpu_type")
     @classmethod
     def _known_gpu(cls, gpu_type: str) -> str:
-        if gpu_type not in GPU_TABLE:
-            raise ValueError(f"unknown GPU type {gpu_type!r}; known: {', '.join(GPU_TYPES)}")
-        return gpu_type
+        return _known_gpu_type(gpu_type)
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if not GPU_TABLE[self.gpu_type].emulated and self.gpus_per_node < 1:
+            raise rules.TRAINER_NEEDS_GPUS.error(gpu_type=self.gpu_type)
+        world = self.nodes * max(self.gpus_per_node, 1)  # resolve()'s world size
+        p = self.parallelism
+        if world % (p.tp * p.pp * p.cp) != 0:
+            raise rules.PARALLELISM_DIVIDES.error(world=world, tp=p.tp, pp=p.pp, cp=p.cp)
+        if world % (p.tp * p.pp * p.ep) != 0:
+            raise rules.EXPERT_PARALLELISM_DIVIDES.error(world=world, tp=p.tp, pp=p.pp, ep=p.ep)
+        return self
+
+
+def _known_gpu_type(gpu_type: str) -> str:
+    if gpu_type not in GPU_TABLE:
+        raise ValueError(f"unknown GPU type {names.shown(gpu_type)}; known: {', '.join(GPU_TYPES)}")
+    return gpu_type
 
 
 # ----------------------------------------------------------------------------- sampler pools
 
 
 class Toleration(Model):
-    key: str | None = None
-    """Taint key to tolerate."""
+    key: QualifiedName | None = None
+    """Taint key to tolerate (a label key); empty, with ``Exists``, tolerates every taint."""
     operator: Literal["Exists", "Equal"] = "Exists"
     """``Exists`` or ``Equal``."""
-    value: str | None = None
-    """Taint value (with ``Equal``)."""
+    value: LabelValue | None = None
+    """Taint value (with ``Equal`` only)."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     """Taint effect; empty tolerates all effects."""
 
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.operator == "Exists" and self.value:
+            raise rules.TOLERATION_EXISTS_NO_VALUE.error()
+        if self.operator == "Equal" and not self.key:
+            raise rules.TOLERATION_EQUAL_NEEDS_KEY.error()
+        return self
+
 
 class Scheduling(Model):
-    gpu_products: list[str] | None = None
+    gpu_products: list[LabelValue] | None = Field(default=None, max_length=64)
     """Override of the GPU table: ``nvidia.com/gpu.product`` values this pool may run on."""
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    """Extra node labels the pool's pods require."""
-    tolerations: list[Toleration] = Field(default_factory=list)
+    node_selector: Annotated[dict[str, LabelValue], AfterValidator(_labels)] = Field(
+        default_factory=dict, max_length=64
+    )
+    """Extra node labels the pool's pods require (label keys and values)."""
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     """Extra tolerations (the ``nvidia.com/gpu`` taint is always tolerated)."""
-    priority_class_name: str | None = None
+    priority_class_name: DnsSubdomain | None = None
     """PriorityClass of the pool's pods."""
 
 
@@ -174,26 +293,26 @@ class SamplerPoolTemplate(Model):
     """Pool name (DNS label, at most 24 characters); the SamplerPool is named ``<run>-<name>``."""
     gpu_type: str = Field(json_schema_extra={"enum": list(GPU_TYPES)})
     """GPU type (a key of the GPU table, or ``cpu`` for local emulation)."""
-    gpus_per_replica: int = Field(default=1, ge=0)
-    """GPUs per engine replica (its tensor-parallel size); 0 on CPU."""
+    gpus_per_replica: Int = Field(default=1, ge=0, le=MAX_GPUS_PER_POD)
+    """GPUs per engine replica (its tensor-parallel size): at least 1 on a GPU type, 0 allowed on CPU."""
     weight_precision: WeightPrecision = "bf16"
     """Precision the engine serves the weights in: bf16, fp8 (128x128 blocks), mxfp4 or nvfp4."""
     kv_cache_dtype: KvCacheDtype | None = None
     """KV-cache dtype; default fp8 for low-precision pools (fp8, mxfp4, nvfp4), else bf16."""
     engine: Literal["sglang", "torch"] = "sglang"
     """Engine implementation: SGLang on GPUs, or mixrl's torch engine (CPU, emulated precisions)."""
-    capacity: float | None = Field(default=1.0, gt=0)
+    capacity: Float | None = Field(default=1.0, gt=0, le=MAX_CAPACITY)
     """Relative serving capacity of one replica (e.g. tokens/s relative to a reference GPU);
     null means measure it from the engines' throughput."""
-    min_replicas: int = Field(default=1, ge=0)
+    min_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
     """Fewest replicas the autoscaler keeps (0 allows scale to zero)."""
-    max_replicas: int = Field(default=1, ge=0)
+    max_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
     """Most replicas the autoscaler may request."""
-    cost_per_gpu_hour: float | None = Field(default=None, ge=0)
+    cost_per_gpu_hour: Float | None = Field(default=None, ge=0, le=MAX_CAPACITY)
     """Price of one GPU-hour of this GPU type, for cost reports and budget-aware scaling."""
-    engine_args: list[str] = Field(default_factory=list)
+    engine_args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=256)
     """Extra command-line arguments passed to the engine."""
-    image: str | None = None
+    image: Image | None = None
     """Container image; defaults to the official SGLang image (with mixrl) or mixrl's torch engine."""
     scheduling: Scheduling = Field(default_factory=Scheduling)
     """Node selection and tolerations beyond the GPU-table defaults."""
@@ -201,9 +320,7 @@ class SamplerPoolTemplate(Model):
     @field_validator("gpu_type")
     @classmethod
     def _known_gpu(cls, gpu_type: str) -> str:
-        if gpu_type not in GPU_TABLE:
-            raise ValueError(f"unknown GPU type {gpu_type!r}; known: {', '.join(GPU_TYPES)}")
-        return gpu_type
+        return _known_gpu_type(gpu_type)
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -221,6 +338,8 @@ class SamplerPoolTemplate(Model):
             raise rule.error(gpu_type=self.gpu_type)
         if gpu.emulated and self.engine == "sglang":
             raise rules.SGLANG_NEEDS_GPU.error(gpu_type=self.gpu_type)
+        if not gpu.emulated and self.gpus_per_replica < 1:
+            raise rules.POOL_NEEDS_GPUS.error(gpu_type=self.gpu_type)
         return self
 
 
@@ -228,11 +347,11 @@ class SamplerPoolTemplate(Model):
 
 
 class TopPSpec(Model):
-    p: float = Field(default=1.0, gt=0, le=1)
+    p: Float = Field(default=1.0, gt=0, le=1)
     """Nucleus mass; 1.0 disables top-p truncation."""
-    k: int = Field(default=-1, ge=-1)
+    k: Int = Field(default=-1, ge=-1, le=INT32_MAX)
     """Top-k cut (-1 = whole vocabulary). SGLang needs a finite top-k to return the sampling mask."""
-    mask_replay: bool = True
+    mask_replay: Bool = True
     """Replay the sampler's top-p set in the trainer (renormalize π on the same support)."""
 
     @field_validator("k")
@@ -244,11 +363,11 @@ class TopPSpec(Model):
 
 
 class CorrectionsSpec(Model):
-    mis: tuple[float, float] | None = (0.2, 5.0)
+    mis: tuple[Float, Float] | None = (0.2, 5.0)
     """Masked importance sampling: keep tokens whose ratio π/μ lies in [lo, hi]; null disables."""
-    tis: float | None = Field(default=None, gt=0)
+    tis: Float | None = Field(default=None, gt=0)
     """Truncated importance sampling cap C (weight min(r, C)); null disables."""
-    score_centering: bool = True
+    score_centering: Bool = True
     """Subtract E_{b~μ}[w(b) ∇log π(b)] from each token's score (score centering)."""
 
     @model_validator(mode="after")
@@ -265,14 +384,14 @@ class CorrectionsSpec(Model):
 class AdvantageSpec(Model):
     estimator: Literal["grpo"] = "grpo"
     """Advantage estimator: GRPO (reward minus the group mean)."""
-    normalize_std: bool = True
+    normalize_std: Bool = True
     """Divide by the group's reward standard deviation."""
 
 
 class AlgorithmSpec(Model):
-    prompts_per_update: int = Field(default=128, gt=0)
+    prompts_per_update: Int = Field(default=128, gt=0, le=INT32_MAX)
     """Prompts (groups) per policy update."""
-    samples_per_prompt: int = Field(default=8, gt=0)
+    samples_per_prompt: Int = Field(default=8, gt=0, le=INT32_MAX)
     """Trajectories sampled per prompt (the GRPO group size)."""
     advantage: AdvantageSpec = Field(default_factory=AdvantageSpec)
     """How advantages are computed."""
@@ -280,13 +399,14 @@ class AlgorithmSpec(Model):
     """Off-policy corrections for the sampler–trainer mismatch."""
     top_p: TopPSpec = Field(default_factory=TopPSpec)
     """Sampling truncation and whether the trainer replays it."""
-    temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature; the trainer divides its logits by the same value."""
-    max_staleness: int | None = Field(default=None, ge=0)
+    temperature: Float = Field(default=1.0, ge=1e-3, le=100)
+    """Sampling temperature; the trainer divides its logits by the same value (at least 0.001: far
+    below that the divided logits overflow to inf)."""
+    max_staleness: Int | None = Field(default=None, ge=0, le=INT32_MAX)
     """Drop trajectories older than this many weight versions; null = unbounded (fully async)."""
-    max_new_tokens: int = Field(default=1024, gt=0)
+    max_new_tokens: Int = Field(default=1024, gt=0, le=INT32_MAX)
     """Most tokens one assistant turn may generate."""
-    top_candidates: int = Field(default=20, ge=0)
+    top_candidates: Int = Field(default=20, ge=0, le=INT32_MAX)
     """K: candidates (id, log q) recorded per token, used for score centering."""
 
 
@@ -294,42 +414,43 @@ class AlgorithmSpec(Model):
 
 
 class DatasetSpec(Model):
-    seed: int = 0
-    """Seed of the generated task set."""
-    train_size: int = Field(default=4096, gt=0)
+    seed: Int = Field(default=0, ge=0, le=INT32_MAX)
+    """Seed of the generated task set (non-negative, as numpy's generators require)."""
+    train_size: Int = Field(default=4096, gt=0, le=INT32_MAX)
     """Number of training tasks."""
-    heldout_size: int = Field(default=256, gt=0)
+    heldout_size: Int = Field(default=256, gt=0, le=INT32_MAX)
     """Number of held-out tasks (never trained on)."""
 
 
 class RolloutSpec(Model):
-    environment: str = "filetree"
+    environment: Word = "filetree"
     """Task family: ``filetree`` (built in: inspect a virtual file tree with tools, submit an answer)."""
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
     """Where tasks come from."""
-    tools: list[str] = Field(default_factory=lambda: ["ls", "cat", "submit"])
+    tools: list[Word] = Field(default_factory=lambda: ["ls", "cat", "submit"], max_length=64)
     """Tools offered to the agent."""
-    max_turns: int = Field(default=16, gt=0)
+    max_turns: Int = Field(default=16, gt=0, le=INT32_MAX)
     """Most assistant turns per episode."""
-    format_error_limit: int = Field(default=3, gt=0)
+    format_error_limit: Int = Field(default=3, gt=0, le=INT32_MAX)
     """End an episode after this many consecutive replies without a tool call (the paper uses 3)."""
-    concurrency: int = Field(default=64, gt=0)
+    concurrency: Int = Field(default=64, gt=0, le=INT32_MAX)
     """Agent sessions run at once by each rollout worker."""
-    workers: int = Field(default=1, gt=0)
+    workers: Int = Field(default=1, gt=0, le=INT32_MAX)
     """Rollout worker replicas."""
-    max_steps_ahead: int = Field(default=2, ge=0)
+    max_steps_ahead: Int = Field(default=2, ge=0, le=INT32_MAX)
     """Back-pressure: a worker starts no new group while the buffer holds this many trainer steps of
     data (ready plus in flight); 0 = never wait. Staleness stays unbounded (no data is dropped); this
     only keeps samplers from running far ahead of the trainer."""
 
 
 class WeightsSpec(Model):
-    store: str = "file:///var/lib/mixrl/weights"
+    store: Location = "file:///var/lib/mixrl/weights"
     """Weight store URL: a local path, ``file://`` URL or a PVC mount path."""
-    keep_versions: int = Field(default=4, gt=0)
+    keep_versions: Int = Field(default=4, gt=0, le=INT32_MAX)
     """Old versions kept before pruning."""
-    volume_size: str = "200Gi"
-    """Size of the weights volume the operator creates when the store is a local path."""
+    volume_size: Quantity = "200Gi"
+    """Size of the weights volume the operator creates when the store is a local path (a positive
+    Kubernetes quantity)."""
     storage_class_name: str | None = Field(
         default=None, pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253
     )
@@ -341,38 +462,43 @@ class WeightsSpec(Model):
 class AutoscalingSpec(Model):
     engine: Literal["builtin", "keda", "none"] = "builtin"
     """Who scales pools: mixrl's own loop, KEDA ScaledObjects, or nobody (replicas stay at minReplicas)."""
-    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    prometheus_url: Annotated[str, Field(max_length=2048, pattern=r"^https?://\S+$")] = (
+        "http://prometheus-operated.monitoring.svc:9090"
+    )
     """Prometheus HTTP API base URL."""
-    query: str | None = None
+    query: str | None = Field(default=None, max_length=4096)
     """PromQL per pool (``{pool}`` and ``{namespace}`` are substituted); default: queued plus running
     requests summed over the pool's engine pods."""
-    target_per_replica: float = Field(default=8.0, gt=0)
+    target_per_replica: Float = Field(default=8.0, gt=0, le=MAX_CAPACITY)
     """Desired load (queued + running requests) per ready replica of capacity 1.0 (a pool's target
     is this times its capacity, since the router sends load in proportion to capacity)."""
-    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    tolerance: Float = Field(default=0.1, ge=0, lt=1)
     """Ignore load ratios within this fraction of 1 (as the HPA does)."""
-    poll_interval_seconds: float = Field(default=30.0, gt=0)
+    poll_interval_seconds: Float = Field(default=30.0, gt=0, le=MAX_SECONDS)
     """How often the load is read."""
-    scale_down_window_seconds: float = Field(default=300.0, ge=0)
+    scale_down_window_seconds: Float = Field(default=300.0, ge=0, le=MAX_SECONDS)
     """Scale down to the highest recommendation of this window (stabilization)."""
-    scale_up_limit: int = Field(default=4, gt=0)
+    scale_up_limit: Int = Field(default=4, gt=0, le=INT32_MAX)
     """Most replicas added per poll (beyond doubling)."""
-    activation_threshold: float = Field(default=1.0, ge=0)
+    activation_threshold: Float = Field(default=1.0, ge=0, le=MAX_CAPACITY)
     """Load that wakes a pool scaled to zero."""
-    fallback_replicas: int | None = Field(default=None, ge=0)
+    fallback_replicas: Int | None = Field(default=None, ge=0, le=INT32_MAX)
     """Replicas to hold when metrics are unavailable; null keeps the current count."""
-    gpu_budget: int | None = Field(default=None, gt=0)
-    """Total GPUs all pools may use together, filled by cost per token; null = no shared budget."""
+    gpu_budget: Int | None = Field(default=None, gt=0, le=INT32_MAX)
+    """Total GPUs all pools may use together, filled by cost per token; null = no shared budget. It
+    must cover the pools' minimums (the sum of minReplicas x gpusPerReplica)."""
 
 
 class EvaluationSpec(Model):
-    every_steps: int = Field(default=10, gt=0)
+    every_steps: Int = Field(default=10, gt=0, le=INT32_MAX)
     """Evaluate on the held-out tasks every this many steps."""
-    pass_k: list[int] = Field(default_factory=lambda: [1], max_length=rules.MAX_PASS_K)
+    pass_k: list[Annotated[Int, Field(le=INT32_MAX)]] = Field(
+        default_factory=lambda: [1], max_length=rules.MAX_PASS_K
+    )
     """The k of pass@k to report."""
-    samples_per_task: int = Field(default=1, gt=0)
+    samples_per_task: Int = Field(default=1, gt=0, le=INT32_MAX)
     """Samples per held-out task (at least max(passK))."""
-    tasks: int | None = Field(default=None, gt=0)
+    tasks: Int | None = Field(default=None, gt=0, le=INT32_MAX)
     """Held-out tasks per evaluation; null = the whole held-out split."""
 
     @model_validator(mode="after")
@@ -415,6 +541,10 @@ class RLRunSpec(Model):
         if duplicate is not None:
             index = names.index(duplicate, names.index(duplicate) + 1)
             raise rules.UNIQUE_POOL_NAMES.error(at=f"samplerPools[{index}].name", name=duplicate)
+        budget = self.autoscaling.gpu_budget
+        need = sum(pool.min_replicas * pool.gpus_per_replica for pool in self.sampler_pools)
+        if budget is not None and need > budget:  # the autoscaler counts every pool alike
+            raise rules.GPU_BUDGET_COVERS_MINIMUMS.error(budget=budget, need=need)
         fit = memory_problem(self)  # mixrl.api.memory: do the weights fit the GPUs they land on?
         if fit is not None:
             raise field_error(*fit)
@@ -474,19 +604,40 @@ class RLRunStatus(Model):
     """Mean training reward at the last step."""
 
 
+OBJECT_META_FIELDS = frozenset(
+    {"name", "namespace", "labels", "annotations", "generateName", "uid", "resourceVersion", "generation",
+     "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "ownerReferences", "finalizers",
+     "managedFields", "selfLink"}
+)  # fmt: skip
+"""The fields of Kubernetes' ObjectMeta (meta/v1)."""
+
+
 class ObjectMeta(BaseModel):
     """The subset of Kubernetes metadata a manifest file carries; the rest is kept as is."""
 
     model_config = ConfigDict(extra="allow")
 
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=63)
+    name: str = Field(pattern=names.DNS_LABEL_PATTERN, max_length=names.DNS_LABEL_MAX)
     """Object name (DNS label)."""
-    namespace: str | None = None
-    """Namespace."""
-    labels: dict[str, str] = Field(default_factory=dict)
-    """Labels."""
-    annotations: dict[str, str] = Field(default_factory=dict)
-    """Annotations."""
+    namespace: Annotated[str, AfterValidator(_checked_by(names.dns_label_problem))] | None = None
+    """Namespace (DNS label)."""
+    labels: Annotated[dict[str, str], AfterValidator(_labels)] = Field(default_factory=dict)
+    """Labels (Kubernetes label keys and values)."""
+    annotations: Annotated[dict[str, str], AfterValidator(_checked_by(names.annotations_problem))] = Field(
+        default_factory=dict
+    )
+    """Annotations (label keys; 256 KiB in all)."""
+
+    @model_validator(mode="after")
+    def _kubernetes_fields_only(self) -> Self:
+        # Extra fields are kept (the operator reads objects the API server filled in: uid,
+        # resourceVersion, managedFields...), but only ObjectMeta's: anything else is a typo.
+        unknown = [key for key in self.model_extra or {} if key not in OBJECT_META_FIELDS]
+        if unknown:
+            raise ValueError(
+                f"unknown field {names.shown(str(unknown[0]))} (metadata takes Kubernetes' ObjectMeta fields)"
+            )
+        return self
 
 
 class RLRun(Model):
@@ -514,11 +665,11 @@ class RLRun(Model):
 
 
 class SamplerPoolSpec(Model):
-    run: str
+    run: str = Field(pattern=names.DNS_LABEL_PATTERN, max_length=rules.MAX_RUN_NAME)
     """Owning RLRun."""
-    pool: str
+    pool: str = Field(pattern=names.DNS_LABEL_PATTERN, max_length=24)
     """Pool name within the run (``samplerPools[].name``)."""
-    gpu_type: str
+    gpu_type: str = Field(json_schema_extra={"enum": list(GPU_TYPES)})
     """GPU type."""
     weight_precision: WeightPrecision
     """Weight precision."""
@@ -526,14 +677,19 @@ class SamplerPoolSpec(Model):
     """KV-cache dtype."""
     engine: Literal["sglang", "torch"]
     """Engine implementation."""
-    replicas: int = Field(ge=0)
+    replicas: Int = Field(ge=0, le=INT32_MAX)
     """Desired replicas: written by the autoscaler, ``kubectl scale``, HPA or KEDA."""
-    min_replicas: int = Field(default=0, ge=0)
+    min_replicas: Int = Field(default=0, ge=0, le=INT32_MAX)
     """Lower bound the built-in autoscaler respects."""
-    max_replicas: int = Field(default=1, ge=0)
+    max_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
     """Upper bound the built-in autoscaler respects."""
-    capacity: float | None = Field(default=1.0, gt=0)
+    capacity: Float | None = Field(default=1.0, gt=0, le=MAX_CAPACITY)
     """Relative capacity per replica (null = measured)."""
+
+    @field_validator("gpu_type")
+    @classmethod
+    def _known_gpu(cls, gpu_type: str) -> str:
+        return _known_gpu_type(gpu_type)
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -19,13 +19,19 @@ How the API server's CEL sees a document, and what follows from it:
   so the API server fills it in before the rules run (:attr:`Rule.server_defaults`);
 - no message holds a float: CEL's ``string(double)`` formats like Go (``5``), Python like ``5.0``;
 - rules over the pool list are quadratic, and the API server refuses a CRD whose estimated rule
-  cost is too high, so that list has a ``maxItems`` (:data:`MAX_SAMPLER_POOLS`), as has ``passK``.
+  cost is too high, so that list has a ``maxItems`` (:data:`MAX_SAMPLER_POOLS`), as has ``passK``;
+- CEL integers are int64 and an overflow fails the request with an evaluation error, so no rule
+  multiplies int32 fields freely: the parallelism rules divide one size at a time, and the GPU-budget
+  sum multiplies by ``gpusPerReplica``, which the schema bounds at 64;
+- the API server does not default nested objects, so a field of one (``parallelism.tp``) reads as its
+  default when either level is absent (:meth:`Node.nested_value`).
 """
 
 from __future__ import annotations
 
 import json
 import string
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -101,12 +107,27 @@ class Node:
         """The model's default for a field (PydanticUndefined when it is required)."""
         return self._field(name).get_default(call_default_factory=True)
 
-    def value(self, name: str) -> str:
-        """``self.<name>``, or the model's default when the field is absent."""
+    def value(self, name: str, on: str = "self") -> str:
+        """``self.<name>`` (or ``<on>.<name>``), or the model's default when the field is absent."""
         default = self.default(name)
         if default is PydanticUndefined:
-            return f"self.{name}"
-        return f"(has(self.{name}) ? self.{name} : {cel_literal(default)})"
+            return f"{on}.{name}"
+        return f"(has({on}.{name}) ? {on}.{name} : {cel_literal(default)})"
+
+    def child(self, name: str) -> Node:
+        """The node of a nested model (``parallelism``) or of a list's items (``samplerPools``)."""
+        annotation = self._field(name).annotation
+        for candidate in (annotation, *typing.get_args(annotation)):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                return Node(candidate, self.table)
+        raise TypeError(f"{self.model.__name__}.{name} is not a nested model")
+
+    def nested_value(self, name: str, sub: str) -> str:
+        """``self.<name>.<sub>`` with the defaults of both levels (a nested object is not defaulted
+        by the API server, so ``self.<name>`` may be absent too)."""
+        child = self.child(name)
+        default = cel_literal(child.default(sub))
+        return f"(has(self.{name}) ? {child.value(sub, on=f'self.{name}')} : {default})"
 
     def gpus_lacking(self, cores: str) -> list[str]:
         """GPU types of the table without ``FP8`` or ``FP4`` tensor cores, in table order."""
@@ -290,6 +311,104 @@ SGLANG_NEEDS_GPU = Rule(
     values=lambda node: {"gpu_type": "self.gpuType"},
 )
 
+POOL_NEEDS_GPUS = Rule(
+    "gpus-per-replica-on-gpu",
+    (POOL,),
+    "gpusPerReplica",
+    "gpuType {gpu_type} needs at least 1 GPU per replica (0 is for gpuType cpu)",
+    "FieldValueInvalid",
+    condition=lambda node: (
+        f"self.gpuType in {cel_literal(node.emulated_gpus())} || {node.value('gpusPerReplica')} >= 1"
+    ),
+    values=lambda node: {"gpu_type": "self.gpuType"},
+)
+
+
+def _toleration_exists_no_value(node: Node) -> str:
+    return f'!(has(self.value) && self.value != "") || {node.value("operator")} != "Exists"'
+
+
+TOLERATION_EXISTS_NO_VALUE = Rule(
+    "toleration-exists-has-no-value",
+    ("Toleration",),
+    "value",
+    "must be empty with operator Exists (use operator Equal to match a value)",
+    "FieldValueInvalid",
+    condition=_toleration_exists_no_value,
+)
+
+TOLERATION_EQUAL_NEEDS_KEY = Rule(
+    "toleration-equal-needs-key",
+    ("Toleration",),
+    "key",
+    "operator Equal needs a key (an empty key with operator Exists tolerates every taint)",
+    "FieldValueInvalid",
+    condition=lambda node: f'{node.value("operator")} != "Equal" || (has(self.key) && self.key != "")',
+)
+
+# ----------------------------------------------------------------------------- trainer
+
+TRAINER = "TrainerSpec"
+
+TRAINER_NEEDS_GPUS = Rule(
+    "gpus-per-node-on-gpu",
+    (TRAINER,),
+    "gpusPerNode",
+    "gpuType {gpu_type} needs at least 1 GPU per node (0 is for gpuType cpu)",
+    "FieldValueInvalid",
+    condition=lambda node: (
+        f"{node.value('gpuType')} in {cel_literal(node.emulated_gpus())} || {node.value('gpusPerNode')} >= 1"
+    ),
+    values=lambda node: {"gpu_type": node.value("gpuType")},
+)
+
+
+def _world(node: Node) -> str:
+    """The trainer's world size as mixrl.api.resolve computes it: nodes x max(gpusPerNode, 1)."""
+    gpus = node.value("gpusPerNode")
+    return f"({node.value('nodes')} * ({gpus} > 0 ? {gpus} : 1))"
+
+
+def _divides(node: Node, sizes: tuple[str, ...]) -> str:
+    """The product of the parallel sizes divides the world size, one division at a time: the product
+    itself of int32 sizes could overflow CEL's int64 (a runtime error at admission)."""
+    quotient, checks = _world(node), []
+    for size in sizes:
+        value = node.nested_value("parallelism", size)
+        checks.append(f"{quotient} % {value} == 0")
+        quotient = f"{quotient} / {value}"
+    return " && ".join(checks)
+
+
+def _parallel_values(node: Node) -> dict[str, str]:
+    values = {size: f"string({node.nested_value('parallelism', size)})" for size in ("tp", "pp", "cp", "ep")}
+    return {**values, "world": f"string({_world(node)})"}
+
+
+PARALLELISM_DIVIDES = Rule(
+    "parallelism-divides-gpus",
+    (TRAINER,),
+    "parallelism",
+    "tp x pp x cp ({tp} x {pp} x {cp}) must divide the trainer's world size {world} (nodes x gpusPerNode)",
+    "FieldValueInvalid",
+    condition=lambda node: _divides(node, ("tp", "pp", "cp")),
+    values=_parallel_values,
+    unless=(TRAINER_NEEDS_GPUS.name,),
+)
+
+EXPERT_PARALLELISM_DIVIDES = Rule(
+    "expert-parallelism-divides-gpus",
+    (TRAINER,),
+    "parallelism.ep",
+    # Megatron carves the expert-parallel groups out of the data- and context-parallel ranks, with the
+    # experts' tensor-parallel size defaulting to tp: world % (tp x ep x pp) == 0.
+    "tp x pp x ep ({tp} x {pp} x {ep}) must divide the trainer's world size {world} (nodes x gpusPerNode)",
+    "FieldValueInvalid",
+    condition=lambda node: _divides(node, ("tp", "pp", "ep")),
+    values=_parallel_values,
+    unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name),
+)
+
 # ----------------------------------------------------------------------------- algorithm
 
 BETAS = Rule(
@@ -377,6 +496,29 @@ UNIQUE_POOL_NAMES = Rule(
     },
 )
 
+
+def _pool_minimums(node: Node) -> str:
+    pool = node.child("samplerPools")
+    return f"self.samplerPools.map(p, {pool.value('minReplicas', on='p')} * {pool.value('gpusPerReplica', on='p')}).sum()"
+
+
+GPU_BUDGET_COVERS_MINIMUMS = Rule(
+    "gpu-budget-covers-minimums",
+    ("RLRunSpec",),
+    "autoscaling.gpuBudget",
+    "{budget} GPUs cannot hold the pools' minimums: minReplicas x gpusPerReplica sum to {need}",
+    "FieldValueInvalid",
+    # gpusPerReplica <= 64 and 32 pools keep the sum far from int64 (the API server's CEL overflows)
+    condition=lambda node: (
+        "!has(self.autoscaling) || !has(self.autoscaling.gpuBudget)"
+        f" || {_pool_minimums(node)} <= self.autoscaling.gpuBudget"
+    ),
+    values=lambda node: {
+        "budget": "string(self.autoscaling.gpuBudget)",
+        "need": f"string({_pool_minimums(node)})",
+    },
+)
+
 RUN_NAME_LENGTH = Rule(
     "run-name-length",
     ("RLRun",),
@@ -394,6 +536,12 @@ RULES: tuple[Rule, ...] = (
     FP8_KV_CACHE,
     DEFAULT_FP8_KV_CACHE,
     SGLANG_NEEDS_GPU,
+    POOL_NEEDS_GPUS,
+    TOLERATION_EXISTS_NO_VALUE,
+    TOLERATION_EQUAL_NEEDS_KEY,
+    TRAINER_NEEDS_GPUS,
+    PARALLELISM_DIVIDES,
+    EXPERT_PARALLELISM_DIVIDES,
     BETAS,
     TOP_K,
     MIS_RANGE,
@@ -401,6 +549,7 @@ RULES: tuple[Rule, ...] = (
     PASS_K_POSITIVE,
     SAMPLES_COVER_PASS_K,
     UNIQUE_POOL_NAMES,
+    GPU_BUDGET_COVERS_MINIMUMS,
     RUN_NAME_LENGTH,
 )
 """Every rule, in the order each model's validator checks them."""

@@ -6,19 +6,34 @@ import argparse
 import sys
 from pathlib import Path
 
-from mixrl.api.errors import InvalidSpec
+from mixrl.api.errors import InvalidSpec, Problem
 from mixrl.api.loader import ManifestUnreadable, parse_document, read_documents
 
+MAX_PROBLEMS = 20
+"""Problems printed per document; a document of garbage has thousands, and the first ones say enough."""
 
-def _expand(paths: list[str]) -> list[Path]:
+
+def _expand(paths: list[str]) -> tuple[list[Path], list[str]]:
+    """The files to read, and one usage-error line per directory without any."""
     files: list[Path] = []
+    empty: list[str] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            files += sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml"))
+            found = sorted(p for p in path.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+            if not found:  # validating nothing must not read as "all valid"
+                empty.append(f"{path}: no *.yaml or *.yml files")
+            files += found
         else:
             files.append(path)
-    return files
+    return files, empty
+
+
+def _lines(label: str, problems: list[Problem]) -> list[str]:
+    lines = [f"{label}: {problem}" for problem in problems[:MAX_PROBLEMS]]
+    if len(problems) > MAX_PROBLEMS:
+        lines.append(f"{label}: ... and {len(problems) - MAX_PROBLEMS} more problems")
+    return lines
 
 
 def main(argv: list[str]) -> int:
@@ -27,8 +42,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
     args = parser.parse_args(argv)
 
-    invalid = usage_error = False
-    for path in _expand(args.paths):
+    files, empty = _expand(args.paths)
+    for line in empty:
+        print(line, file=sys.stderr)
+    invalid, usage_error = False, bool(empty)
+    # (kind, namespace, name) -> the document that defined it first: applying both, the second
+    # would silently replace the first.
+    defined: dict[tuple[str, str | None, str], str] = {}
+    for path in files:
         try:
             documents = read_documents(path)
         except ManifestUnreadable as exc:
@@ -43,11 +64,21 @@ def main(argv: list[str]) -> int:
                 resource = parse_document(document.data)
             except InvalidSpec as exc:
                 invalid = True
-                for problem in exc.problems:
-                    print(f"{document.label}: {problem}")
+                print("\n".join(_lines(document.label, exc.problems)))
+                continue
+            meta = resource.metadata
+            key = (resource.kind, meta.namespace, meta.name)
+            first = defined.setdefault(key, document.label)
+            if first != document.label:
+                invalid = True
+                where = f"namespace {meta.namespace!r}" if meta.namespace else "no namespace"
+                print(
+                    f"{document.label}: metadata.name: {resource.kind} {meta.name!r} ({where}) is also"
+                    f" defined by {first}"
+                )
                 continue
             if not args.quiet:
-                print(f"{document.label}: valid {resource.kind} {resource.metadata.name!r}")
+                print(f"{document.label}: valid {resource.kind} {meta.name!r}")
     if usage_error:
         return 2
     return 1 if invalid else 0

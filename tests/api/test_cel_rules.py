@@ -57,9 +57,14 @@ def _format(pattern: celtypes.StringType, arguments: celtypes.ListType) -> celty
     return celtypes.StringType(text)
 
 
+def _sum(values: celtypes.ListType) -> celtypes.IntType:
+    """``list.sum()`` of the API server's CEL lists library (cel-python lacks it), for int lists."""
+    return celtypes.IntType(sum(int(v) for v in values))
+
+
 @functools.cache
 def _program(expression: str) -> celpy.Runner:
-    return _ENV.program(_ENV.compile(expression), functions={"format": _format})
+    return _ENV.program(_ENV.compile(expression), functions={"format": _format, "sum": _sum})
 
 
 def _evaluate(expression: str, self_value: Any) -> Any:
@@ -359,6 +364,73 @@ CASES: dict[str, Case] = {
         _set("metadata", "name", value="r" * 31),
         "metadata.name: at most 30 characters (children are <run>-<pool>)",
     ),
+    "no-gpus-on-b200": Case(
+        "gpus-per-replica-on-gpu",
+        _pool(0, gpusPerReplica=0),
+        "spec.samplerPools[0].gpusPerReplica: gpuType B200 needs at least 1 GPU per replica (0 is for gpuType cpu)",
+    ),
+    "toleration-exists-with-value": Case(
+        "toleration-exists-has-no-value",
+        _pool(1, scheduling={"tolerations": [{"key": "dedicated", "value": "rl"}]}),
+        "spec.samplerPools[1].scheduling.tolerations[0].value: must be empty with operator Exists"
+        " (use operator Equal to match a value)",
+    ),
+    "toleration-equal-without-key": Case(
+        "toleration-equal-needs-key",
+        _set("spec", "trainer", "scheduling", value={"tolerations": [{"operator": "Equal", "value": "x"}]}),
+        "spec.trainer.scheduling.tolerations[0].key: operator Equal needs a key (an empty key with operator"
+        " Exists tolerates every taint)",
+    ),
+    "trainer-without-gpus": Case(
+        "gpus-per-node-on-gpu",
+        _set("spec", "trainer", "gpusPerNode", value=0),
+        "spec.trainer.gpusPerNode: gpuType H200 needs at least 1 GPU per node (0 is for gpuType cpu)",
+    ),
+    "trainer-default-type-without-gpus": Case(  # gpuType absent: the default H100
+        "gpus-per-node-on-gpu",
+        _set("spec", "trainer", value={"gpusPerNode": 0}),
+        "spec.trainer.gpusPerNode: gpuType H100 needs at least 1 GPU per node (0 is for gpuType cpu)",
+    ),
+    "tensor-parallel-3-on-32": Case(
+        "parallelism-divides-gpus",
+        _set("spec", "trainer", "parallelism", "tp", value=3),
+        "spec.trainer.parallelism: tp x pp x cp (3 x 1 x 1) must divide the trainer's world size 32"
+        " (nodes x gpusPerNode)",
+    ),
+    "context-parallel-with-defaults": Case(  # no parallelism block, no nodes: 1 x 8 GPUs
+        "parallelism-divides-gpus",
+        _set("spec", "trainer", value={"gpuType": "H200", "parallelism": {"cp": 16}}),
+        "spec.trainer.parallelism: tp x pp x cp (1 x 1 x 16) must divide the trainer's world size 8"
+        " (nodes x gpusPerNode)",
+    ),
+    "expert-parallel-beyond-data-parallel": Case(
+        "expert-parallelism-divides-gpus",
+        _set("spec", "trainer", "parallelism", value={"tp": 4, "ep": 16}),
+        "spec.trainer.parallelism.ep: tp x pp x ep (4 x 1 x 16) must divide the trainer's world size 32"
+        " (nodes x gpusPerNode)",
+    ),
+    "huge-parallel-sizes-do-not-overflow": Case(  # tp x pp x cp would overflow int64 in CEL
+        "parallelism-divides-gpus",
+        _set("spec", "trainer", "parallelism", value={"tp": 2**31 - 1, "pp": 2**31 - 1, "cp": 2**31 - 1}),
+        "spec.trainer.parallelism: tp x pp x cp (2147483647 x 2147483647 x 2147483647) must divide the"
+        " trainer's world size 32 (nodes x gpusPerNode)",
+    ),
+    "gpu-budget-below-minimums": Case(  # minReplicas 2 + 1 + 1 + 1 at one GPU each
+        "gpu-budget-covers-minimums",
+        _set("spec", "autoscaling", "gpuBudget", value=4),
+        "spec.autoscaling.gpuBudget: 4 GPUs cannot hold the pools' minimums: minReplicas x gpusPerReplica"
+        " sum to 5",
+    ),
+    "gpu-budget-below-default-minimums": Case(  # pools without minReplicas or gpusPerReplica: 1 x 1
+        "gpu-budget-covers-minimums",
+        lambda doc: [
+            _set("spec", "autoscaling", "gpuBudget", value=6)(doc),
+            _pool(4, minReplicas=None)(doc),
+            _pool(5, minReplicas=None, gpusPerReplica=2)(doc),
+        ],
+        "spec.autoscaling.gpuBudget: 6 GPUs cannot hold the pools' minimums: minReplicas x gpusPerReplica"
+        " sum to 8",
+    ),
     "sampler-pool-min-above-default-max": Case(
         "replica-bounds",
         _set("spec", "minReplicas", value=2),
@@ -375,6 +447,16 @@ VALID: dict[str, Callable[[Doc], None]] = {
     "pass-k-within-samples": _set("spec", "evaluation", value={"passK": [1, 4], "samplesPerTask": 4}),
     "name-of-30": _set("metadata", "name", value="r" * 30),
     "top-k-off": _set("spec", "algorithm", "topP", "k", value=-1),
+    "cpu-pool-without-gpus": _pool(7, gpuType="cpu", engine="torch", gpusPerReplica=0),
+    "cpu-trainer-without-gpus": _set("spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 0}),
+    "parallelism-that-divides": _set(
+        "spec", "trainer", "parallelism", value={"tp": 8, "pp": 2, "cp": 2, "ep": 2}
+    ),
+    "gpu-budget-that-covers": _set("spec", "autoscaling", "gpuBudget", value=5),
+    "toleration-equal-with-key": _pool(
+        0, scheduling={"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl"}]}
+    ),
+    "toleration-of-everything": _pool(0, scheduling={"tolerations": [{"operator": "Exists"}]}),
 }
 
 

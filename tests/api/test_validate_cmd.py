@@ -67,3 +67,48 @@ def test_wrong_kind_and_api_version(tmp_path: Path) -> None:
         result.returncode == 1
         and "kind: expected one of RLRun, SamplerPool, got 'Deployment'" in result.stdout
     )
+
+
+def test_an_empty_directory_fails(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a manifest")
+    result = validate(tmp_path)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr.splitlines() == [f"{tmp_path}: no *.yaml or *.yml files"]
+
+
+def test_the_same_name_twice_fails_naming_both_files(tmp_path: Path) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
+    first, second, other_ns = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "c.yaml"
+    first.write_text(yaml.safe_dump(doc))
+    # the second file: an unrelated run, then the same name and namespace again
+    renamed = {**doc, "metadata": {**doc["metadata"], "name": "other"}}
+    second.write_text(yaml.safe_dump_all([renamed, doc]))
+    other_ns.write_text(yaml.safe_dump({**doc, "metadata": {**doc["metadata"], "namespace": "rl2"}}))
+    result = validate(first, second, other_ns)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{first}: valid RLRun 'qwen3-moe-coding'",
+        f"{second}: valid RLRun 'other'",
+        f"{second}#1: metadata.name: RLRun 'qwen3-moe-coding' (namespace 'rl') is also defined by {first}",
+        f"{other_ns}: valid RLRun 'qwen3-moe-coding'",  # another namespace: another object
+    ]
+
+
+def test_the_same_name_without_namespace(tmp_path: Path) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    path = tmp_path / "twice.yaml"
+    path.write_text(yaml.safe_dump_all([doc, doc]))
+    result = validate("-q", path)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        f"{path}#1: metadata.name: RLRun 'quickstart' (no namespace) is also defined by {path}"
+    ]
+
+
+def test_a_document_of_garbage_prints_at_most_twenty_problems(tmp_path: Path) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    doc["spec"].update({f"junk{i}": i for i in range(100)})
+    path = tmp_path / "junk.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    lines = validate(path).stdout.splitlines()
+    assert len(lines) == 21 and lines[-1] == f"{path}: ... and 80 more problems"

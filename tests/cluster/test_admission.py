@@ -120,6 +120,62 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.REPLICA_BOUNDS.name,
         lambda: sampler_pool(minReplicas=3, maxReplicas=2),
     ),
+    "no-gpus-on-b200": (rules.POOL_NEEDS_GPUS.name, pool(0, gpusPerReplica=0)),
+    "toleration-exists-with-value": (
+        rules.TOLERATION_EXISTS_NO_VALUE.name,
+        pool(1, scheduling={"tolerations": [{"key": "dedicated", "value": "rl"}]}),
+    ),
+    "toleration-equal-without-key": (
+        rules.TOLERATION_EQUAL_NEEDS_KEY.name,
+        at("spec", "trainer", "scheduling", value={"tolerations": [{"operator": "Equal", "value": "x"}]}),
+    ),
+    "trainer-without-gpus": (rules.TRAINER_NEEDS_GPUS.name, at("spec", "trainer", "gpusPerNode", value=0)),
+    "tensor-parallel-3-on-32": (
+        rules.PARALLELISM_DIVIDES.name,
+        at("spec", "trainer", "parallelism", "tp", value=3),
+    ),
+    "huge-parallel-sizes": (  # tp x pp x cp beyond int64: the rule divides step by step, no overflow
+        rules.PARALLELISM_DIVIDES.name,
+        at("spec", "trainer", "parallelism", value={"tp": 2**31 - 1, "pp": 2**31 - 1, "cp": 2**31 - 1}),
+    ),
+    "expert-parallel-16-on-32": (
+        rules.EXPERT_PARALLELISM_DIVIDES.name,
+        at("spec", "trainer", "parallelism", "ep", value=16),
+    ),
+    "gpu-budget-below-minimums": (
+        rules.GPU_BUDGET_COVERS_MINIMUMS.name,
+        at("spec", "autoscaling", "gpuBudget", value=2),
+    ),
+}
+
+# name -> (the field the schema's bounds refuse, the document): simple bounds live in the schema
+# (maximum, pattern, maxItems), so the API server refuses them without a CEL rule.
+OUT_OF_BOUNDS: dict[str, tuple[str, Callable[[], Doc]]] = {
+    "max-replicas-beyond-int32": ("spec.samplerPools[0].maxReplicas", pool(0, maxReplicas=2**31)),
+    "gpus-per-node-true": ("spec.trainer.gpusPerNode", at("spec", "trainer", "gpusPerNode", value=True)),
+    "volume-size-lots": ("spec.weights.volumeSize", at("spec", "weights", "volumeSize", value="lots")),
+    "memory-negative": (
+        "spec.trainer.resources.memory",
+        at("spec", "trainer", "resources", value={"memory": "-5Gi"}),
+    ),
+    "lr-above-one": ("spec.trainer.optimizer.lr", at("spec", "trainer", "optimizer", "lr", value=3.0)),
+    "node-selector-value": (
+        "spec.samplerPools[0].scheduling.nodeSelector.zone",
+        pool(0, scheduling={"nodeSelector": {"zone": "eu west"}}),
+    ),
+    "image-with-space": ("spec.samplerPools[0].image", pool(0, image="sglang latest")),
+    "thirty-three-pools": (
+        "spec.samplerPools",
+        lambda: {
+            **example(),
+            "spec": {
+                **example()["spec"],
+                "samplerPools": [
+                    {**example()["spec"]["samplerPools"][0], "name": f"p{i}"} for i in range(33)
+                ],
+            },
+        },
+    ),
 }
 
 
@@ -189,6 +245,23 @@ def test_the_api_server_refuses_with_the_reason_validate_gives(
     assert re.search(pattern, done.stderr), f"{field}: {reason!r} not in {done.stderr!r}"
     kind = build()["kind"]
     assert cluster.kubectl("get", kind.lower(), "-n", namespace, "-o", "name").stdout.strip() == ""
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_BOUNDS))
+def test_the_api_server_schema_refuses_what_the_bounds_refuse(
+    cluster: Cluster, namespace: str, tmp_path: Path, name: str
+) -> None:
+    field, build = OUT_OF_BOUNDS[name]
+    path = tmp_path / "doc.yaml"
+    path.write_text(yaml.safe_dump(build()))
+    validated = subprocess.run(
+        [sys.executable, "-m", "mixrl.cli", "validate", "-q", str(path)], capture_output=True, text=True
+    )
+    assert validated.returncode == 1 and validated.stdout.startswith(f"{path}: {field}: "), validated.stdout
+    done = apply(cluster, namespace, build())
+    assert done.returncode != 0, f"accepted: {done.stdout}"
+    assert f"{field}: " in done.stderr, done.stderr
+    assert cluster.kubectl("get", "rlrun", "-n", namespace, "-o", "name").stdout.strip() == ""
 
 
 def test_the_valid_example_is_accepted(cluster: Cluster, namespace: str) -> None:
