@@ -203,8 +203,13 @@ class Runtime:
         status = peering.get("status") or {}
         return not paused_by_peers(status, settings.peering.priority, datetime.now(UTC))
 
+    async def serves_resource(self, resource: ApiResource) -> bool:
+        return await self.serves(resource.group, resource.version, resource.plural)
+
     def context(self) -> Context:
-        return Context(client=self.client, options=self.options, events=post_event)
+        return Context(
+            client=self.client, options=self.options, events=post_event, serves=self.serves_resource
+        )
 
     # ------------------------------------------------------------------ event- and resync-driven work
 

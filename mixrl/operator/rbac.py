@@ -8,6 +8,7 @@ and that every request the running operator sends to the emulator is covered.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,13 @@ def resource_of(obj: dict[str, Any]) -> ApiResource:
 Key = tuple[str, str]
 """(API group, resource or resource/subresource)."""
 
+# PodMonitors, by monitoring mode (the chart grants each set only in its mode).  PodMonitor mode:
+# the run's PodMonitor is applied like any child (and kopf watches them, see FRAMEWORK).
+# Annotations mode on a cluster that serves PodMonitors: the one an earlier PodMonitor mode left is
+# read (is it this run's?) and deleted, so Prometheus does not scrape the run twice; not watched.
+POD_MONITOR_WRITES = frozenset({"get", "create", "patch"})
+POD_MONITOR_CLEANUP = frozenset({"get", "delete"})
+
 # Calls made by mixrl's own code (the reconcilers and the built-in autoscaler), through
 # mixrl.operator.kube.
 RECONCILER: dict[Key, frozenset[str]] = {
@@ -88,7 +96,8 @@ RECONCILER: dict[Key, frozenset[str]] = {
     ("", "persistentvolumeclaims"): frozenset({"get", "create", "patch"}),
     ("apps", "deployments"): frozenset({"get", "create", "patch", "delete"}),
     ("apps", "statefulsets"): frozenset({"get", "create", "patch", "delete"}),
-    ("monitoring.coreos.com", "podmonitors"): frozenset({"get", "create", "patch"}),
+    # One PodMonitor per run; deleted in annotations mode when an earlier mode left one.
+    ("monitoring.coreos.com", "podmonitors"): POD_MONITOR_WRITES | POD_MONITOR_CLEANUP,
     # KEDA mode: one ScaledObject per SamplerPool; deleted when the run leaves KEDA mode.
     ("keda.sh", "scaledobjects"): frozenset({"get", "create", "patch", "delete"}),
     # A SamplerPool's controller reads its run; a run's controller lists its pools to remove old ones.
@@ -109,7 +118,8 @@ RECONCILER: dict[Key, frozenset[str]] = {
 # on the server; events of a child, deletions included, reconcile its owner), its bookkeeping
 # annotations, events, peering.  Resource scanning is disabled: kopf lists neither CRDs nor
 # namespaces.  PodMonitors and ScaledObjects are watched only where the cluster serves them and
-# the operator's --monitoring / --keda settings may create them.
+# the operator's --monitoring / --keda settings may create them (not in annotations mode, whose
+# clean-up of a leftover PodMonitor reads it directly).
 FRAMEWORK: dict[Key, frozenset[str]] = {
     (GROUP, "rlruns"): frozenset({"list", "watch", "patch"}),
     (GROUP, "samplerpools"): frozenset({"list", "watch", "patch"}),
@@ -158,9 +168,15 @@ def operator_rules(clusterwide: bool, include_peering: bool = True) -> list[dict
     allowed = permissions(clusterwide)
     if not include_peering:
         allowed = {key: verbs for key, verbs in allowed.items() if key[0] != "kopf.dev"}
+    return policy_rules(allowed)
+
+
+def policy_rules(allowed: Mapping[Key, frozenset[str]]) -> list[dict[str, Any]]:
+    """Permissions as RBAC PolicyRules: one per (group, verb set), resources and verbs sorted."""
     grouped: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for (group, resource), verbs in allowed.items():
-        grouped.setdefault((group, tuple(sorted(verbs))), []).append(resource)
+        if verbs:
+            grouped.setdefault((group, tuple(sorted(verbs))), []).append(resource)
     return [
         {"apiGroups": [group], "resources": sorted(resources), "verbs": list(verbs)}
         for (group, verbs), resources in sorted(grouped.items())

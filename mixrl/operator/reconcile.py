@@ -25,11 +25,13 @@ from mixrl.operator import labels as L
 from mixrl.operator.apply import Applied, ApplyFailed, ApplyReport, Failure, OwnerGone, apply_object, label
 from mixrl.operator.keda import pool_scaled_object
 from mixrl.operator.kube import ApiError, KubeClient
-from mixrl.operator.rbac import RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
+from mixrl.operator.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
 from mixrl.operator.resources import (
     BuildOptions,
+    Monitoring,
     Owner,
     clamp_replicas,
+    pod_monitor,
     pool_children,
     run_objects,
     seed_replicas,
@@ -62,6 +64,8 @@ class Context:
     options: Callable[[], Awaitable[BuildOptions]]
     """Build options for this reconcile (monitoring mode comes from API discovery)."""
     events: EventSink
+    serves: Callable[[ApiResource], Awaitable[bool]]
+    """Whether the cluster serves a resource (API discovery, remembered for a while)."""
     now: Callable[[], str] = utc_now
 
 
@@ -172,6 +176,8 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
         if result is not None:
             applied[label(desired)] = result
     removed = await remove_stale_pools(ctx.client, resolved, meta["uid"], report)
+    if options.monitoring is Monitoring.ANNOTATIONS:
+        await remove_leftover_pod_monitor(ctx, resolved, owner, options, report)
 
     def live(kind: str, suffix: str) -> Obj | None:
         found = applied.get(f"{kind}/{L.child_name(resolved.name, suffix)}")
@@ -274,6 +280,23 @@ async def remove_stale_pools(
             report.deleted.append(name)
             removed.append(name)
     return removed
+
+
+async def remove_leftover_pod_monitor(
+    ctx: Context, resolved: ResolvedRun, owner: Owner, options: BuildOptions, report: ApplyReport
+) -> None:
+    """Annotations mode: delete the run's PodMonitor that an earlier PodMonitor mode left (an
+    operator restarted with ``--monitoring annotations``, the chart's ``monitoring.mode`` changed),
+    or Prometheus would scrape the run twice — through the monitor and through the annotations.
+
+    Nothing is asked of a cluster that does not serve PodMonitors: there can be none.  A failure
+    (discovery included) is reported like a child's, and the rest of the run is still applied."""
+    name = pod_monitor(resolved, owner, options)["metadata"]["name"]  # the builder's name for it
+    try:
+        if await ctx.serves(PODMONITORS):
+            await delete_leftover(ctx.client, PODMONITORS, resolved.namespace, name, owner.uid, report)
+    except ApiError as exc:
+        report.failures.append(Failure(f"PodMonitor/{name}", str(exc), True, exc.status, exc.retry_after))
 
 
 # ----------------------------------------------------------------------------- SamplerPool

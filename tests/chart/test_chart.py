@@ -24,7 +24,7 @@ from mixrl.api.resolve import resolve
 from mixrl.operator import chart as chart_module
 from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority
 from mixrl.operator.monitoring import collapse_rule_groups, dashboard
-from mixrl.operator.rbac import operator_rules
+from mixrl.operator.rbac import operator_rules, permissions
 from mixrl.operator.resources import BuildOptions, Monitoring, Owner, pool_children, run_objects
 
 from ..operator.support import small_run
@@ -53,6 +53,16 @@ def operator_pod(objects: list[Obj]) -> Obj:
 def operator_args(objects: list[Obj]) -> list[str]:
     args: list[str] = operator_pod(objects)["containers"][0]["args"]
     return args
+
+
+def on(group: str, resource: str, *verbs: str) -> set[tuple[str, str, str]]:
+    """(group, resource, verb) for ``verbs``, or for every verb the registry declares on it."""
+    declared = permissions(clusterwide=True).get((group, resource), frozenset())
+    return {(group, resource, verb) for verb in verbs or declared}
+
+
+PODMONITOR_CLEANUP_ONLY = on("monitoring.coreos.com", "podmonitors", "delete")
+"""What only annotations mode is granted: deleting the PodMonitor an earlier mode left."""
 
 
 def grants(rules: list[Obj]) -> set[tuple[str, str, str]]:
@@ -141,12 +151,20 @@ def test_crd_templates_are_behind_the_install_flag_and_kept_on_uninstall() -> No
 def test_the_rbac_files_split_the_registry_without_losing_a_permission(clusterwide: bool) -> None:
     files = chart_module.rbac_files()
     peering = "peering-clusterwide" if clusterwide else "peering-namespaced"
-    parts = [files[name] for name in ("base", "keda", "podmonitors", "autoscaler", peering)]
-    union = set().union(*(grants(rules) for rules in parts))
+    names = ("base", "keda", "podmonitors", "podmonitors-cleanup", "autoscaler", peering)
+    union = set().union(*(grants(files[name]) for name in names))
     assert union == grants(operator_rules(clusterwide=clusterwide))
-    for first in range(len(parts)):
-        for second in range(first + 1, len(parts)):
-            assert not grants(parts[first]) & grants(parts[second]), "each permission in one file"
+    # The chart grants one of the two PodMonitor files (by monitoring.mode): within what it grants
+    # together, each permission is in one file.
+    for monitoring in ("podmonitors", "podmonitors-cleanup"):
+        parts = [files[name] for name in names if name in ("base", "keda", monitoring, "autoscaler", peering)]
+        for first in range(len(parts)):
+            for second in range(first + 1, len(parts)):
+                assert not grants(parts[first]) & grants(parts[second]), "each permission in one file"
+    assert grants(files["podmonitors-cleanup"]) == {
+        ("monitoring.coreos.com", "podmonitors", "get"),
+        ("monitoring.coreos.com", "podmonitors", "delete"),
+    }, "annotations mode: the leftover PodMonitor is read and deleted, never watched"
 
 
 # ----------------------------------------------------------------------------- helm lint
@@ -219,9 +237,10 @@ def test_template_everything_cluster_wide(helm: Helm) -> None:
         live["metadata"].pop("annotations")
         assert live == crd
 
-    # RBAC: with every feature on, exactly the registry's permissions, bound to the service account.
+    # RBAC: with every feature on, exactly the registry's permissions but annotations mode's
+    # PodMonitor clean-up, bound to the service account.
     role = one(objects, "ClusterRole")
-    assert grants(role["rules"]) == grants(operator_rules(clusterwide=True))
+    assert grants(role["rules"]) == grants(operator_rules(clusterwide=True)) - PODMONITOR_CLEANUP_ONLY
     binding, account = one(objects, "ClusterRoleBinding"), one(objects, "ServiceAccount")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "mixrl-system"}
@@ -269,7 +288,7 @@ def test_template_namespaced_gives_roles_and_peerings_only_in_watched_namespaces
     roles = {o["metadata"]["namespace"]: o for o in by_kind(objects, "Role")}
     assert set(roles) == {"rl", "eval"}
     for role in roles.values():
-        assert grants(role["rules"]) == grants(operator_rules(clusterwide=False))
+        assert grants(role["rules"]) == grants(operator_rules(clusterwide=False)) - PODMONITOR_CLEANUP_ONLY
     assert {o["metadata"]["namespace"] for o in by_kind(objects, "RoleBinding")} == {"rl", "eval"}
     assert {o["metadata"]["namespace"] for o in by_kind(objects, "KopfPeering")} == {"rl", "eval"}
     args = parse_args(operator_args(objects))
@@ -306,21 +325,29 @@ def test_template_minimal_without_crds_rbac_or_service_account(helm: Helm) -> No
 @pytest.mark.parametrize(
     ("change", "withheld"),
     [
-        (lambda v: v["autoscaling"].update(keda="off"), {("keda.sh", "scaledobjects")}),
-        (lambda v: v["monitoring"].update(mode="annotations"), {("monitoring.coreos.com", "podmonitors")}),
-        (lambda v: v["autoscaling"].update(builtin=False), {("mixrl.dev", "samplerpools/scale")}),
-        (lambda v: v["peering"].update(create=False), {("kopf.dev", "clusterkopfpeerings")}),
+        (lambda v: v["autoscaling"].update(keda="off"), on("keda.sh", "scaledobjects")),
+        # Annotations mode: no PodMonitor is created or watched, but the one an earlier mode left
+        # is read and deleted; the other modes never delete one.
+        (
+            lambda v: v["monitoring"].update(mode="annotations"),
+            on("monitoring.coreos.com", "podmonitors", "create", "patch", "list", "watch"),
+        ),
+        (lambda v: v["monitoring"].update(mode="podmonitor"), set()),
+        (lambda v: v["autoscaling"].update(builtin=False), on("mixrl.dev", "samplerpools/scale")),
+        (lambda v: v["peering"].update(create=False), on("kopf.dev", "clusterkopfpeerings")),
     ],
 )
 def test_rbac_grants_only_what_the_enabled_features_use(
-    helm: Helm, change: Any, withheld: set[tuple[str, str]]
+    helm: Helm, change: Any, withheld: set[tuple[str, str, str]]
 ) -> None:
     values = default_values()
     change(values)
     objects = helm.template(values)
     granted = grants(one(objects, "ClusterRole")["rules"])
     full = grants(operator_rules(clusterwide=True))
-    assert granted == {g for g in full if (g[0], g[1]) not in withheld}
+    if values["monitoring"]["mode"] != "annotations":
+        withheld = withheld | PODMONITOR_CLEANUP_ONLY
+    assert granted == full - withheld
     # ... and the operator is told not to use it, by the flag its parser reads.
     args = parse_args(operator_args(objects))
     assert (args.keda, args.monitoring, args.builtin_autoscaler, args.standalone) == (

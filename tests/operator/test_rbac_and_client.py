@@ -72,7 +72,8 @@ async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiSer
     # Least privilege in the other direction: nothing declared that the operator never needs.
     declared = {(g, r, v) for (g, r), verbs in rbac.permissions(True).items() for v in verbs}
     unused = declared - calls
-    # Not exercised by this lifecycle: creating or watching a PodMonitor (monitoring off here), update
+    # Not exercised by this lifecycle: creating, watching or deleting a PodMonitor (monitoring off
+    # here; test_monitoring_switch.py exercises the deletion and checks it with assert_covered), update
     # of finalizers (admission plugin check, no request), peering get (only on conflicts), the
     # built-in autoscaler's scale writes and KEDA's ScaledObjects (the autoscaler is off here; the
     # wiring and KEDA-mode tests exercise those calls and check them with assert_covered), and the
@@ -95,6 +96,7 @@ async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiSer
         ("monitoring.coreos.com", "podmonitors", "get"),
         ("monitoring.coreos.com", "podmonitors", "create"),
         ("monitoring.coreos.com", "podmonitors", "patch"),
+        ("monitoring.coreos.com", "podmonitors", "delete"),
         ("mixrl.dev", "rlruns/finalizers", "update"),
         ("mixrl.dev", "samplerpools/finalizers", "update"),
         ("kopf.dev", "clusterkopfpeerings", "get"),

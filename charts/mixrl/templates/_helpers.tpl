@@ -78,6 +78,9 @@ operator needs, plus the rules of each feature the values turn on. Called with
 {{- end }}
 {{- if ne $v.monitoring.mode "annotations" }}
 {{ .root.Files.Get "files/rbac/podmonitors.yaml" }}
+{{- else }}
+{{- /* The operator deletes the per-run PodMonitors an earlier mode left: get and delete only. */}}
+{{ .root.Files.Get "files/rbac/podmonitors-cleanup.yaml" }}
 {{- end }}
 {{- if $v.autoscaling.builtin }}
 {{ .root.Files.Get "files/rbac/autoscaler.yaml" }}
