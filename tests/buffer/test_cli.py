@@ -53,19 +53,20 @@ async def test_sigkill_and_restart_lose_nothing_and_repeat_batches(tmp_path: Pat
             for prompt in ("a", "b", "c"):
                 await client.post_trajectories(group_of(prompt, 2))
             await client.post_trajectories(group_of("d", 1))
-            step0 = await client.get_batch(0, timeout=0)
-            assert [g.prompt_id for g in step0.groups] == ["a", "b"]
+            step1 = await client.get_batch(1, timeout=0)
+            assert [g.prompt_id for g in step1.groups] == ["a", "b"]
         process.send_signal(signal.SIGKILL)  # no chance to flush anything more
         await process.wait()
         process = await start_process(directory, port_file)
         async with BufferClient(f"http://127.0.0.1:{port_file.read_text()}") as client:
-            assert await client.get_batch(0, timeout=0) == step0  # the trainer asks again after its crash
+            assert await client.get_batch(1, timeout=0) == step1  # the trainer asks again after its crash
             stats = await client.stats()
             assert (stats["trajectories"], stats["groups_ready"], stats["groups_partial"]) == (7, 1, 1)
             await client.post_trajectories(group_of("d", 2)[1:])
-            step1 = await client.get_batch(1, timeout=0)
-            assert [g.prompt_id for g in step1.groups] == ["c", "d"]
             await client.commit(1)
+            step2 = await client.get_batch(2, timeout=0)
+            assert [g.prompt_id for g in step2.groups] == ["c", "d"]
+            await client.commit(2)
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0
     finally:
@@ -114,6 +115,26 @@ def test_bad_arguments_give_one_line(tmp_path: Path) -> None:
     )
     assert run("--prompts-per-update", "1", "--samples-per-prompt", "4", "--max-staleness", "-2") == (
         "mixrl buffer: --max-staleness: must be ≥ 0, got -2"
+    )
+
+
+SIZES = ("--prompts-per-update", "1", "--samples-per-prompt", "1")
+
+
+def test_a_damaged_log_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "assignments.jsonl").write_text(
+        '{"kind": "commit", "step": "x"}\n{"kind": "commit", "step": 1}\n'
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path), *SIZES, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (result.returncode, result.stderr.strip()) == (
+        2,
+        f"mixrl buffer: --dir: log {tmp_path / 'assignments.jsonl'} is damaged at line 1: "
+        "step: expected a non-negative integer, got 'x'",
     )
 
 

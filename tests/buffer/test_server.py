@@ -17,24 +17,25 @@ from .conftest import group_of, make_trajectory
 async def test_post_group_batch_commit_round_trip(start_buffer) -> None:
     running = await start_buffer(prompts_per_update=2, samples_per_prompt=3)
     client = running.client
-    assert await client.post_trajectories(group_of("a", 3, versions=(1, 2))) == 1
-    assert await client.get_batch(2, timeout=0) is None  # one group of the two needed
+    assert await client.post_trajectories(group_of("a", 3, versions=(0, 1))) == 1
+    assert await client.get_batch(1, timeout=0) is None  # one group of the two needed
     assert await client.post_trajectories(group_of("b", 2, pool="nvfp4")) == 0
     assert await client.post_trajectories([make_trajectory("b", 2, pool="nvfp4").model_dump()]) == 1
-    batch = await client.get_batch(2, timeout=0)
-    assert batch is not None and batch.step == 2
+    batch = await client.get_batch(1, timeout=0)
+    assert batch is not None and batch.step == 1
     assert [g.prompt_id for g in batch.groups] == ["a", "b"]
-    assert batch.trajectories == [*group_of("a", 3, versions=(1, 2)), *group_of("b", 3, pool="nvfp4")]
+    assert batch.trajectories == [*group_of("a", 3, versions=(0, 1)), *group_of("b", 3, pool="nvfp4")]
     assert [s.max for s in batch.groups[0].staleness] == [1, 1, 1]
-    assert batch.staleness.tokens == 12 and batch.staleness.max == 2
-    again = await client.get_batch(2, timeout=0)
+    assert batch.staleness.tokens == 12 and batch.staleness.max == 1
+    again = await client.get_batch(1, timeout=0)
     assert again == batch
-    await client.commit(2)
-    await client.commit(2)  # idempotent
+    assert await client.read_batch(1, timeout=0) == batch  # GET reads the same batch
+    await client.commit(1)
+    await client.commit(1)  # idempotent
     stats = await client.stats()
     assert (stats["step"], stats["committed_step"], stats["groups_ready"], stats["trajectories"]) == (
-        2,
-        2,
+        1,
+        1,
         0,
         6,
     )
@@ -43,7 +44,7 @@ async def test_post_group_batch_commit_round_trip(start_buffer) -> None:
 async def test_long_poll_wakes_when_data_arrives(start_buffer) -> None:
     running = await start_buffer(prompts_per_update=1, samples_per_prompt=2)
     started = time.monotonic()
-    waiting = asyncio.create_task(running.client.get_batch(0, timeout=20))
+    waiting = asyncio.create_task(running.client.get_batch(1, timeout=20))
     await asyncio.sleep(0.3)
     assert not waiting.done()
     await running.client.post_trajectories(group_of("a", 1))
@@ -58,18 +59,20 @@ async def test_long_poll_wakes_when_data_arrives(start_buffer) -> None:
 async def test_long_poll_times_out_with_no_batch(start_buffer) -> None:
     running = await start_buffer()
     started = time.monotonic()
-    assert await running.client.get_batch(0, timeout=0.3) is None
+    assert await running.client.get_batch(1, timeout=0.3) is None
     assert 0.25 < time.monotonic() - started < 3
 
 
 async def test_two_waiters_for_the_same_step_get_the_same_batch(start_buffer) -> None:
     running = await start_buffer(prompts_per_update=1, samples_per_prompt=1)
-    waiters = [asyncio.create_task(running.client.get_batch(0, timeout=10)) for _ in range(2)]
+    waiters = [asyncio.create_task(running.client.get_batch(1, timeout=10)) for _ in range(2)]
+    reader = asyncio.create_task(running.client.read_batch(1, timeout=10))  # another rank: reads only
     await asyncio.sleep(0.2)
     await running.client.post_trajectories([make_trajectory("a"), make_trajectory("b")])
-    first, second = await asyncio.gather(*waiters)
-    assert first == second and [g.prompt_id for g in first.groups] == ["a"]
-    assert [g.prompt_id for g in (await running.client.get_batch(1, timeout=0)).groups] == ["b"]
+    first, second, read = await asyncio.gather(*waiters, reader)
+    assert first == second == read and [g.prompt_id for g in first.groups] == ["a"]
+    await running.client.commit(1)
+    assert [g.prompt_id for g in (await running.client.get_batch(2, timeout=0)).groups] == ["b"]
 
 
 @pytest.mark.parametrize(
@@ -109,31 +112,84 @@ async def test_malformed_posts_get_400_naming_the_field_and_change_nothing(
 async def test_bad_query_parameters_and_step_conflicts(start_buffer) -> None:
     running = await start_buffer(prompts_per_update=1, samples_per_prompt=1)
     async with aiohttp.ClientSession() as http:
-        for path, status, message in [
-            ("/batch", 400, "step: required query parameter"),
-            ("/batch?step=x", 400, "step: expected an integer, got 'x'"),
-            ("/batch?step=1&timeout=-1", 400, "timeout: must be within [0, 600] seconds"),
+        for method, path, status, message in [
+            ("POST", "/batch", 400, "step: required query parameter"),
+            ("GET", "/batch?step=x", 400, "step: expected an integer, got 'x'"),
+            ("POST", "/batch?step=1&timeout=-1", 400, "timeout: must be within [0, 600] seconds"),
+            ("POST", "/batch?step=" + "9" * 5000, 400, "step: expected an integer, got '99999"),
         ]:
-            async with http.get(f"{running.url}{path}") as response:
+            async with http.request(method, f"{running.url}{path}") as response:
                 assert response.status == status
-                assert (await response.json())["error"].startswith(message)
+                error = (await response.json())["error"]
+                assert error.startswith(message) and len(error) < 300, error
     with pytest.raises(BufferError, match="step 3 has no batch to commit") as caught:
         await running.client.commit(3)
     assert caught.value.status == 409
     await running.client.post_trajectories([make_trajectory("a")])
-    await running.client.get_batch(3, timeout=0)
-    await running.client.commit(3)
-    with pytest.raises(BufferError, match="not after the last committed step 3"):
-        await running.client.get_batch(1, timeout=0)
+    await running.client.get_batch(1, timeout=0)
+    await running.client.commit(1)
+    with pytest.raises(BufferError, match="not after the last committed step 1"):
+        await running.client.get_batch(0, timeout=0)
+
+
+async def test_no_client_can_take_groups_from_the_trainer_or_block_its_commits(start_buffer) -> None:
+    """``GET /batch`` never assigns; a batch or commit for any step but the trainer's next is a 409
+    with one line, and nothing of it reaches the logs: the trainer's steps go on as before."""
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2)
+    await running.client.post_trajectories([*group_of("a", 2), *group_of("b", 2)])
+    logs = {
+        name: (running.buffer.dir / name).read_bytes() for name in ("trajectories.jsonl", "assignments.jsonl")
+    }
+    huge = 10**18
+    async with aiohttp.ClientSession() as http:
+        for method, path in [
+            ("GET", f"/batch?step={huge}&timeout=0"),
+            ("POST", f"/batch?step={huge}&timeout=0"),
+            ("POST", "/batch?step=2&timeout=0"),
+            ("POST", "/batch?step=0&timeout=0"),
+            ("POST", f"/commit?step={huge}"),
+            ("POST", "/commit?step=1"),
+        ]:
+            async with http.request(method, f"{running.url}{path}") as response:
+                assert response.status == 409, (method, path, response.status)
+                error = (await response.json())["error"]
+                assert error and "\n" not in error
+        # A read of the trainer's next step waits for the trainer and never takes its groups.
+        async with http.get(f"{running.url}/batch?step=1&timeout=0") as response:
+            assert response.status == 204
+    assert {name: (running.buffer.dir / name).read_bytes() for name in logs} == logs
+    stats = await running.client.stats()
+    assert (stats["groups_ready"], stats["batches"], stats["step"], stats["committed_step"]) == (
+        2,
+        0,
+        None,
+        None,
+    )
+    for step, prompt in ((1, "a"), (2, "b")):  # the trainer's steps, undisturbed
+        batch = await running.client.get_batch(step, timeout=0)
+        assert [g.prompt_id for g in batch.groups] == [prompt]
+        await running.client.commit(step)
+    assert (await running.client.stats())["committed_step"] == 2
+
+
+async def test_deeply_nested_json_is_a_400(start_buffer) -> None:
+    running = await start_buffer()
+    deep = b"[" * 100_000 + b"]" * 100_000
+    async with aiohttp.ClientSession() as http:
+        for path in ("/trajectories", "/evaluations"):
+            async with http.post(f"{running.url}{path}", data=deep) as response:
+                assert response.status == 400
+                assert (await response.json())["error"] == "body: not JSON (nested too deeply)"
+    assert (await running.client.stats())["trajectories"] == 0
 
 
 async def test_staleness_filter_over_http(start_buffer) -> None:
-    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2, max_staleness=2)
-    await running.client.post_trajectories(group_of("stale", 2, versions=(1, 5)))
-    await running.client.post_trajectories(group_of("ok", 2, versions=(4, 5)))
-    batch = await running.client.get_batch(6, timeout=0)
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2, max_staleness=0)
+    await running.client.post_trajectories(group_of("stale", 2, versions=(0, 1)))
+    await running.client.post_trajectories(group_of("ok", 2, versions=(1, 1)))
+    batch = await running.client.get_batch(1, timeout=0)
     assert [g.prompt_id for g in batch.groups] == ["ok"]
-    assert batch.staleness.max == 2
+    assert batch.staleness.max == 0
     stats = await running.client.stats()
     assert stats["dropped_stale"] == 1
 
@@ -160,7 +216,7 @@ async def test_metrics_exported(start_buffer) -> None:
     running = await start_buffer(prompts_per_update=1, samples_per_prompt=2)
     await running.client.post_trajectories(group_of("a", 2, versions=(0, 1), pool="fp8"))
     await running.client.post_trajectories(group_of("b", 1, versions=(1, 1), pool="nvfp4"))
-    await running.client.get_batch(3, timeout=0)
+    await running.client.get_batch(1, timeout=0)
     await running.client.post_evaluation(step=3, weight_version=2, pass_at_k={1: 0.4})
     async with aiohttp.ClientSession() as http, http.get(f"{running.url}/metrics") as response:
         text = await response.text()
@@ -175,9 +231,9 @@ async def test_metrics_exported(start_buffer) -> None:
     assert samples[("mixrl_buffer_trajectories", "nvfp4", None)] == 1
     assert samples[("mixrl_buffer_groups_partial", None, None)] == 1
     assert samples[("mixrl_buffer_batches_total", None, None)] == 1
-    assert samples[("mixrl_buffer_step", None, None)] == 3
-    # fp8 tokens at step 3: versions 0 and 1 in each of two trajectories -> staleness 3, 2, 3, 2.
-    assert samples[("mixrl_buffer_staleness_bucket", "fp8", "2.0")] == 2
-    assert samples[("mixrl_buffer_staleness_bucket", "fp8", "3.0")] == 4
-    assert samples[("mixrl_buffer_staleness_sum", "fp8", None)] == 10
+    assert samples[("mixrl_buffer_step", None, None)] == 1
+    # fp8 tokens at step 1: versions 0 and 1 in each of two trajectories -> staleness 1, 0, 1, 0.
+    assert samples[("mixrl_buffer_staleness_bucket", "fp8", "0.0")] == 2
+    assert samples[("mixrl_buffer_staleness_bucket", "fp8", "1.0")] == 4
+    assert samples[("mixrl_buffer_staleness_sum", "fp8", None)] == 2
     assert samples[("mixrl_buffer_eval_pass_at_k", None, "1")] == 0.4

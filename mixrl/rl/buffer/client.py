@@ -1,5 +1,10 @@
 """``BufferClient``: the async client the rollout worker and the trainer use to talk to ``mixrl buffer``.
 
+Batches: :meth:`BufferClient.get_batch` is the trainer's call (``POST /batch``: it takes the
+batch of the trainer's next step, or returns the one that step already has);
+:meth:`BufferClient.read_batch` only reads (``GET /batch``: another rank of the same trainer, a
+monitor) and never assigns anything.
+
 Retries: calls that are safe to repeat (batch, commit, stats, evaluations list) are retried with
 backoff when the buffer cannot be reached or drops the connection (it may be restarting; it
 rebuilds its state from its logs).  Posting trajectories or an evaluation is retried only when the
@@ -122,12 +127,23 @@ class BufferClient(SessionClient):
         return int(payload["groups_completed"])
 
     async def get_batch(self, step: int, timeout: float = 30.0) -> Batch | None:
-        """The batch of ``step`` (the same on every call), or None if not ready within ``timeout`` s."""
+        """The trainer's batch of ``step`` (the same on every call), or None if not ready within ``timeout`` s.
+
+        ``step`` must be the trainer's next step (the one after the last committed) or a step that
+        already has a batch; anything else raises :class:`BufferError` with status 409.
+        """
+        return await self._batch("POST", step, timeout)
+
+    async def read_batch(self, step: int, timeout: float = 30.0) -> Batch | None:
+        """Like :meth:`get_batch` but never assigns groups: None until the trainer has taken the step."""
+        return await self._batch("GET", step, timeout)
+
+    async def _batch(self, method: str, step: int, timeout: float) -> Batch | None:
         status, payload = await self._request(
-            "GET",
+            method,
             "/batch",
             params={"step": str(step), "timeout": str(timeout)},
-            idempotent=True,
+            idempotent=True,  # a step's batch never changes once assigned: asking again is safe
             timeout_s=timeout + self.timeout_s,
         )
         return None if status == 204 else Batch.from_json(payload)
@@ -140,6 +156,7 @@ class BufferClient(SessionClient):
                 return batch
 
     async def commit(self, step: int) -> None:
+        """Mark the step just served consumed (again for one already committed: a no-op)."""
         await self._request("POST", "/commit", params={"step": str(step)}, idempotent=True)
 
     async def stats(self) -> dict[str, Any]:

@@ -109,6 +109,10 @@ class StepError(ValueError):
     """A batch or commit request for a step the buffer cannot serve (HTTP 409)."""
 
 
+FIRST_STEP = 1
+"""The trainer counts its updates from 1 (step 0 is the initial weights), so the first batch is step 1's."""
+
+
 @dataclass
 class GroupState:
     prompts_per_update: int
@@ -150,6 +154,51 @@ class GroupState:
     @property
     def last_committed(self) -> int | None:
         return max(self.committed, default=None)
+
+    @property
+    def next_step(self) -> int:
+        """The only step that may take a new batch: the one after the last committed step.
+
+        A trainer works on one step at a time and commits it before asking for the next, so any
+        other step is not a trainer's: letting it take groups would hand them to a step that is
+        never trained (and a far-ahead step would make every later commit impossible).
+        """
+        last = self.last_committed
+        return FIRST_STEP if last is None else last + 1
+
+    def check_next_step(self, step: int) -> None:
+        """Raise StepError unless ``step`` (not yet assigned) is the next step, the only one that may get a batch."""
+        expected = self.next_step
+        if step == expected:
+            return
+        last = self.last_committed
+        if last is None:
+            if step < expected:
+                raise StepError(
+                    f"step {step}: trainer steps start at {FIRST_STEP}; step 0 is the initial weights"
+                )
+            raise StepError(
+                f"step {step} is not the trainer's next step {expected} (nothing committed yet); "
+                "only the next step can take a batch"
+            )
+        if step <= last:
+            raise StepError(f"step {step} is not after the last committed step {last} and has no batch")
+        raise StepError(
+            f"step {step} is not the trainer's next step {expected} (last committed: {last}); "
+            "only the next step can take a batch"
+        )
+
+    def check_commit(self, step: int) -> None:
+        """Raise StepError unless ``step`` may be committed now: it has a batch and is the next step.
+
+        (Committing a step already committed is answered as a repeat before this check.)
+        """
+        if step not in self.assigned:
+            raise StepError(f"step {step} has no batch to commit")
+        if step != self.next_step:
+            raise StepError(
+                f"step {step} is not the step just served ({self.next_step}); steps are committed in order"
+            )
 
     def plan(self, step: int) -> Plan:
         """Decide the batch of a step not yet assigned (oldest full groups first), without changing state."""

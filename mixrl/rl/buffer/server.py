@@ -2,11 +2,16 @@
 
 - ``POST /trajectories``: a JSON list of Trajectory objects, all or none: logged (fsync) before
   the answer ``{"accepted", "groups_completed"}``; a bad one gets 400 naming it and its field.
-- ``GET /batch?step=N&timeout=S``: long-polls up to S seconds (default 30) for the batch of step
-  N; 200 with the batch, 204 if not ready in time, 409 for a step that cannot get one.  Asking
-  again for an assigned step returns the same batch.
-- ``POST /commit?step=N``; ``POST /evaluations``; ``GET /evaluations``; ``GET /stats``;
-  ``GET /health``; ``GET /metrics`` (``mixrl_buffer_*``).
+- ``POST /batch?step=N&timeout=S``: the trainer takes the batch of its next step N (the one after
+  the last committed step), long-polling up to S seconds (default 30) until enough groups are
+  waiting; 200 with the batch, 204 if not ready in time.  Asking again for a step that has a batch
+  returns the same batch.  Any other step gets 409 and changes nothing.  It is a POST because it
+  may change state (the first answer assigns groups to the step, durably).
+- ``GET /batch?step=N&timeout=S``: the same answers without ever assigning anything (a step's
+  batch once it has one; it long-polls for the next step's until the trainer has taken it).
+- ``POST /commit?step=N``: only the step just served (or again one already committed).
+- ``POST /evaluations``; ``GET /evaluations``; ``GET /stats``; ``GET /health``; ``GET /metrics``
+  (``mixrl_buffer_*``).
 File I/O runs in worker threads; the store's own lock keeps its state consistent.
 """
 
@@ -35,6 +40,22 @@ MAX_POLL_TIMEOUT = 600.0
 
 def _bad_request(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
+
+
+def _shown(raw: str, limit: int = 200) -> str:
+    """repr() of a client's value for an error message, cut short: never echo megabytes back."""
+    text = repr(raw)
+    return text if len(text) <= limit else text[:limit] + f"… ({len(raw)} characters)"
+
+
+def _json_body(raw: bytes) -> Any:
+    """The JSON of a request body; ValueError with one line (``body: not JSON (...)``) otherwise."""
+    try:
+        return json.loads(raw)
+    except RecursionError:  # the decoder recurses per nesting level; 100,000 '[' would exhaust it
+        raise ValueError("body: not JSON (nested too deeply)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"body: not JSON ({exc})") from None
 
 
 def _error_location(exc: ValidationError, prefix: str) -> str:
@@ -75,7 +96,7 @@ def _int_param(request: web.Request, name: str, default: int | None = None) -> i
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+        raise ValueError(f"{name}: expected an integer, got {_shown(raw)}") from None
     if value < 0:
         raise ValueError(f"{name}: must be ≥ 0, got {value}")
     return value
@@ -88,9 +109,9 @@ def _timeout_param(request: web.Request) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"timeout: expected seconds, got {raw!r}") from None
+        raise ValueError(f"timeout: expected seconds, got {_shown(raw)}") from None
     if not 0 <= value <= MAX_POLL_TIMEOUT or math.isnan(value):
-        raise ValueError(f"timeout: must be within [0, {MAX_POLL_TIMEOUT:.0f}] seconds, got {raw}")
+        raise ValueError(f"timeout: must be within [0, {MAX_POLL_TIMEOUT:.0f}] seconds, got {_shown(raw)}")
     return value
 
 
@@ -162,7 +183,8 @@ class BufferServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 31)
         app.router.add_post("/trajectories", self._post_trajectories)
-        app.router.add_get("/batch", self._get_batch)
+        app.router.add_post("/batch", self._take_batch)
+        app.router.add_get("/batch", self._read_batch)
         app.router.add_post("/commit", self._commit)
         app.router.add_post("/evaluations", self._post_evaluation)
         app.router.add_get("/evaluations", self._get_evaluations)
@@ -186,11 +208,7 @@ class BufferServer:
 
     async def _post_trajectories(self, request: web.Request) -> web.Response:
         try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _bad_request(f"body: not JSON ({exc})")
-        try:
-            trajectories = parse_trajectories(body)
+            trajectories = parse_trajectories(_json_body(await request.read()))
         except ValueError as exc:
             return _bad_request(str(exc))
         completed = await asyncio.to_thread(self.buffer.append, trajectories)
@@ -198,7 +216,13 @@ class BufferServer:
             self._arrivals.notify_all()
         return web.json_response({"accepted": len(trajectories), "groups_completed": completed})
 
-    async def _get_batch(self, request: web.Request) -> web.Response:
+    async def _take_batch(self, request: web.Request) -> web.Response:
+        return await self._batch(request, reserve=True)
+
+    async def _read_batch(self, request: web.Request) -> web.Response:
+        return await self._batch(request, reserve=False)
+
+    async def _batch(self, request: web.Request, reserve: bool) -> web.Response:
         try:
             step = _int_param(request, "step")
             timeout = _timeout_param(request)
@@ -208,10 +232,12 @@ class BufferServer:
         while True:
             async with self._arrivals:
                 try:
-                    payload = await asyncio.to_thread(self.buffer.batch, step)
+                    payload = await asyncio.to_thread(self.buffer.batch, step, reserve)
                 except StepError as exc:
                     return web.json_response({"error": str(exc)}, status=409)
                 if payload is not None:
+                    if reserve:  # wake readers (GET) waiting for this step to be taken
+                        self._arrivals.notify_all()
                     return web.Response(body=payload.body, content_type="application/json")
                 remaining = deadline - asyncio.get_running_loop().time()
                 if remaining <= 0 or self._closing:
@@ -234,12 +260,11 @@ class BufferServer:
 
     async def _post_evaluation(self, request: web.Request) -> web.Response:
         try:
-            body = json.loads(await request.read())
-            evaluation = Evaluation.model_validate(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _bad_request(f"body: not JSON ({exc})")
+            evaluation = Evaluation.model_validate(_json_body(await request.read()))
         except ValidationError as exc:
             return _bad_request(_error_location(exc, "evaluation"))
+        except ValueError as exc:
+            return _bad_request(str(exc))
         await asyncio.to_thread(self.buffer.add_evaluation, evaluation)
         return web.json_response({"accepted": True})
 

@@ -11,8 +11,14 @@ Files under the buffer's directory::
 Every write is flushed and fsynced before it is acknowledged; a decision (batch, drop, commit) is
 logged before it is applied.  On start the buffer replays the trajectory log through the same pure
 grouping (grouping depends only on arrival order, so the same groups form) and then the
-assignments: nothing acknowledged is lost and no group is ever handed to two different steps.  A
-line torn by a crash mid-write was never acknowledged; it is cut off on start.
+assignments: nothing acknowledged is lost and no group is ever handed to two different steps.
+
+Damage on start: a last line without its newline that is nevertheless a complete, valid record is
+kept (its newline is added); any other unterminated last line (a write torn by a crash, never
+acknowledged) is moved to ``<log>.damaged`` and cut from the log, never silently dropped.  A bad
+line anywhere else in the trajectory or assignment log stops the start with one line,
+``log <file> is damaged at line N: <reason>``.  The evaluation log is telemetry: a bad line there is
+skipped with a warning and never blocks a restart.
 
 Thread safety: every public method holds one lock, so the HTTP layer may call them from worker
 threads (file I/O stays off the event loop).
@@ -26,7 +32,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -34,7 +40,7 @@ from typing import Any, BinaryIO
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mixrl.api.trajectory import Trajectory
-from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, StepError, TrajectoryMeta
+from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, TrajectoryMeta
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -47,6 +53,17 @@ PoolKey = tuple[str, str, str]
 
 class BufferLogError(RuntimeError):
     """A log file is damaged somewhere other than a torn last line; the message names file and line."""
+
+
+def damaged(path: Path, number: int, reason: str) -> BufferLogError:
+    """The one-line error for line ``number`` (0-based) of a log."""
+    return BufferLogError(f"log {path} is damaged at line {number + 1}: {reason}")
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """repr() of a value from a damaged line, cut short: the line may be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 class Evaluation(BaseModel):
@@ -89,35 +106,169 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _read_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
-    """(offset, line number, line) of every complete line; cuts a torn tail (never acknowledged)."""
+DAMAGED_SUFFIX = ".damaged"
+
+
+def _json_line(line: bytes) -> Any:
+    """The JSON value of a log line; ValueError with the reason when it is not JSON."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("not JSON (nested too deeply)") from None
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ValueError(f"not JSON ({exc})") from None
+
+
+def _quarantine(path: Path, offset: int, tail: bytes) -> None:
+    """Move an unusable unterminated last line to ``<log>.damaged`` (durably), then cut it from the log."""
+    side = path.with_name(path.name + DAMAGED_SUFFIX)
+    with side.open("ab") as f:
+        f.write(tail + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(path.parent)
+    # Only now cut it: a crash in between leaves the line in both places, never in neither.
+    with path.open("r+b") as f:
+        f.truncate(offset)
+        f.flush()
+        os.fsync(f.fileno())
+    log.warning(
+        "%s: its last line (%d bytes, no newline) is not a complete record, as a crash mid-write "
+        "leaves it; moved it to %s",
+        path,
+        len(tail),
+        side,
+    )
+
+
+def _read_lines(path: Path, complete: Callable[[bytes], bool]) -> Iterator[tuple[int, int, bytes]]:
+    """(offset, line number, line) of every line of a log, after repairing its end.
+
+    A last line without its newline (a write cut short) is kept when ``complete(line)`` says it is
+    a whole valid record (its newline is added, so later appends start on a line of their own), and
+    otherwise quarantined by :func:`_quarantine`.
+    """
     if not path.exists():
         return
     with path.open("rb") as f:
         data = f.read()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        tail = data[end:]
+        if complete(tail):
+            log.warning("%s: its last line lacked its newline but is a complete record; kept it", path)
+            with path.open("ab") as f:
+                f.write(b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+            data += b"\n"
+        else:
+            _quarantine(path, end, tail)
+            data = data[:end]
     offset = 0
     number = 0
     while offset < len(data):
-        end = data.find(b"\n", offset)
-        if end < 0:
-            log.warning(
-                "%s: cutting a torn last line of %d bytes (written during a crash)", path, len(data) - offset
-            )
-            with path.open("r+b") as f:
-                f.truncate(offset)
-                f.flush()
-                os.fsync(f.fileno())
-            return
-        yield offset, number, data[offset:end]
-        offset = end + 1
+        stop = data.index(b"\n", offset)
+        yield offset, number, data[offset:stop]
+        offset = stop + 1
         number += 1
 
 
-def _parse(path: Path, number: int, line: bytes) -> Any:
+def _record(path: Path, number: int, line: bytes) -> dict[str, Any]:
     try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise BufferLogError(f"{path}: line {number + 1} is not JSON ({exc}); the log is damaged") from None
+        value = _json_line(line)
+    except ValueError as exc:
+        raise damaged(path, number, str(exc)) from None
+    if not isinstance(value, dict):
+        raise damaged(path, number, f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _meta_problem(record: dict[str, Any]) -> str | None:
+    """Why a logged trajectory cannot be grouped (only the fields grouping reads), or None."""
+    for name in ("prompt_id", "pool"):
+        if not isinstance(record.get(name), str):
+            return f"{name}: expected a string, got {_shown(record.get(name))}"
+    for name in ("gpu_type", "precision"):
+        if not isinstance(record.get(name, ""), str):
+            return f"{name}: expected a string, got {_shown(record.get(name))}"
+    columns: dict[str, list[int]] = {}
+    for name in ("weight_version", "loss_mask"):
+        column = record.get(name)
+        if not isinstance(column, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in column
+        ):
+            return f"{name}: expected a list of integers"
+        columns[name] = column
+    if len(columns["weight_version"]) != len(columns["loss_mask"]):
+        return "weight_version and loss_mask differ in length"
+    return None
+
+
+def _complete_trajectory(line: bytes) -> bool:
+    try:
+        Trajectory.model_validate(_json_line(line))
+    except ValueError:  # pydantic's ValidationError is a ValueError too
+        return False
+    return True
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seq_lists(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(group, list) and group and all(_is_step(seq) for seq in group) for group in value
+    )
+
+
+STALENESS_KEYS = frozenset({"tokens", "min", "max", "mean"})
+
+
+def _assignment_problem(record: Any) -> str | None:
+    """Why a line of the assignment log is not a batch, drop or commit record, or None."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    kind = record.get("kind")
+    if kind not in ("batch", "drop", "commit"):
+        return f"kind: expected batch, drop or commit, got {_shown(kind)}"
+    if not _is_step(record.get("step")):
+        return f"step: expected a non-negative integer, got {_shown(record.get('step'))}"
+    if kind == "commit":
+        return None
+    groups = record.get("groups")
+    if not _seq_lists(groups):
+        return "groups: expected lists of trajectory line numbers"
+    if kind == "drop":
+        return None
+    prompt_ids, staleness = record.get("prompt_ids"), record.get("staleness")
+    if not isinstance(prompt_ids, list) or len(prompt_ids) != len(groups):
+        return "prompt_ids: expected one prompt id per group"
+    if not all(isinstance(p, str) for p in prompt_ids):
+        return "prompt_ids: expected strings"
+    if not isinstance(staleness, list) or len(staleness) != len(groups):
+        return "staleness: expected one list per group"
+    for group, entries in zip(groups, staleness, strict=True):
+        if not isinstance(entries, list) or len(entries) != len(group):
+            return "staleness: expected one entry per trajectory of its group"
+        if not all(isinstance(e, dict) and set(e) == STALENESS_KEYS for e in entries):
+            return f"staleness: expected objects with {', '.join(sorted(STALENESS_KEYS))}"
+    return None
+
+
+def _complete_assignment(line: bytes) -> bool:
+    try:
+        return _assignment_problem(_json_line(line)) is None
+    except ValueError:
+        return False
+
+
+def _complete_object(line: bytes) -> bool:
+    try:
+        return isinstance(_json_line(line), dict)
+    except ValueError:
+        return False
 
 
 def meta_of(seq: int, trajectory: Trajectory | dict[str, Any]) -> TrajectoryMeta:
@@ -198,35 +349,56 @@ class TrajectoryBuffer:
 
     def _replay(self) -> None:
         path = self.dir / TRAJECTORIES
-        for offset, number, line in _read_lines(path):
-            record = _parse(path, number, line)
+        for offset, number, line in _read_lines(path, _complete_trajectory):
+            record = _record(path, number, line)
+            problem = _meta_problem(record)
+            if problem is not None:
+                raise damaged(path, number, problem)
             meta = meta_of(number, record)
             self._offsets.append((offset, len(line)))
             self.state.add(meta)
             self.telemetry.received[meta.pool] += 1
         by_seqs = {group.seqs: group for group in self.state.ready}
         path = self.dir / ASSIGNMENTS
-        for offset, number, line in _read_lines(path):
-            record = _parse(path, number, line)
-            kind, step = record.get("kind"), record.get("step")
-            if kind == "batch":
-                self._batch_places[step] = (offset, len(line))
-            if kind == "commit":
-                self.state.commit(step)
-                continue
+        for offset, number, line in _read_lines(path, _complete_assignment):
+            record = _record(path, number, line)
+            problem = _assignment_problem(record)
+            if problem is not None:
+                raise damaged(path, number, problem)
             try:
-                groups = tuple(by_seqs[tuple(seqs)] for seqs in record["groups"])
+                self._replay_assignment(record, offset, len(line), by_seqs)
             except KeyError as exc:
-                raise BufferLogError(
-                    f"{path}: line {number + 1} names group {exc} that the trajectory log "
-                    "does not form; the logs do not belong together"
-                ) from None
-            plan = Plan(step, groups, None) if kind == "drop" else Plan(step, (), groups)
-            self.state.apply(plan)
+                reason = (
+                    f"names group {exc} that the trajectory log does not form; "
+                    "the logs do not belong together"
+                )
+                raise damaged(path, number, reason) from None
+            except ValueError as exc:  # StepError: a second batch for a step, a commit without one...
+                raise damaged(path, number, str(exc)) from None
         path = self.dir / EVALUATIONS
-        self.evaluations = [_parse(path, number, line) for _, number, line in _read_lines(path)]
+        self.evaluations = []
+        for _, number, line in _read_lines(path, _complete_object):
+            # Held-out results are telemetry: a bad line costs one point of a plot, never a restart.
+            try:
+                self.evaluations.append(Evaluation.model_validate(_json_line(line)).model_dump())
+            except ValueError as exc:
+                reason = str(exc).splitlines()[0]
+                log.warning("%s: skipping line %d, not an evaluation record (%s)", path, number + 1, reason)
         if self.state.assigned:
             self.latest_requested_step = max(self.state.assigned)
+
+    def _replay_assignment(
+        self, record: dict[str, Any], offset: int, length: int, by_seqs: dict[tuple[int, ...], Group]
+    ) -> None:
+        kind, step = record["kind"], record["step"]
+        if kind == "commit":
+            self.state.commit(step)
+            return
+        groups = tuple(by_seqs[tuple(seqs)] for seqs in record["groups"])
+        plan = Plan(step, groups, None) if kind == "drop" else Plan(step, (), groups)
+        self.state.apply(plan)
+        if kind == "batch":
+            self._batch_places[step] = (offset, length)
 
     # ------------------------------------------------------------------ writes
 
@@ -257,15 +429,22 @@ class TrajectoryBuffer:
                 completed += self.state.add(meta) is not None
             return completed
 
-    def batch(self, step: int) -> BatchPayload | None:
-        """The batch of ``step``: the same one on every call once assigned; None until enough groups.
+    def batch(self, step: int, reserve: bool = True) -> BatchPayload | None:
+        """The batch of ``step``: the same one on every call once assigned; None until there is one.
 
-        Raises :class:`~mixrl.rl.buffer.grouping.StepError` for a step that cannot get a batch.
+        With ``reserve``, the trainer's next step (:attr:`GroupState.next_step`) takes the oldest
+        full groups once enough are waiting; without it nothing changes (None until it has a batch).
+        Raises :class:`~mixrl.rl.buffer.grouping.StepError` for a step that has no batch and is
+        not the next step: such a request changes nothing.
         """
         with self._lock:
-            if self.latest_requested_step is None or step > self.latest_requested_step:
+            if step not in self.state.assigned:
+                self.state.check_next_step(step)
+            if reserve and (self.latest_requested_step is None or step > self.latest_requested_step):
                 self.latest_requested_step = step
             if step not in self.state.assigned:
+                if not reserve:
+                    return None
                 plan = self.state.plan(step)
                 if plan.empty:
                     return None
@@ -315,12 +494,11 @@ class TrajectoryBuffer:
                     histogram[step - version] += count
 
     def commit(self, step: int) -> bool:
-        """Mark a step's batch consumed (idempotent); raises StepError if it has none."""
+        """Mark a step's batch consumed (idempotent); StepError unless it is the step just served."""
         with self._lock:
             if step in self.state.committed:
                 return False
-            if step not in self.state.assigned:
-                raise StepError(f"step {step} has no batch to commit")
+            self.state.check_commit(step)
             self._write(self._assign_log, [json.dumps({"kind": "commit", "step": step}).encode()])
             return self.state.commit(step)
 

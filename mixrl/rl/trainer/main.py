@@ -6,6 +6,10 @@ The loop, per step s (the trainer holds weight version s − 1 while computing s
   3. publish version s to the weight store and tell the engines (through the router) to reload it,
      between decode steps, while sessions continue;
   4. checkpoint, then commit step s to the buffer; log metrics to JSONL and Prometheus.
+
+The buffer hands out a batch only for the step after its last committed one, so a trainer that
+resumes from a checkpoint first commits the checkpoint's step (a no-op unless it crashed between
+saving the checkpoint and committing), then asks for the steps after it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import asyncio
 import json
 import logging
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,7 @@ import torch
 
 from mixrl.api.resolve import ResolvedRun
 from mixrl.api.trajectory import Trajectory
-from mixrl.rl.buffer import BufferClient
+from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.models import load_model
 from mixrl.rl.trainer.batch import collate
@@ -141,6 +146,11 @@ class TrainerLoop:
         total = self.run.trainer.spec.total_steps
         started = time.time()
         metrics_path = self.run_dir / "metrics.jsonl"
+        if self.step > 0:
+            # The checkpoint holds step s's update, so step s is consumed; a crash between saving
+            # the checkpoint and committing would otherwise leave it open and the buffer would
+            # refuse step s + 1.
+            await self.buffer.commit(self.step)
         while (total is None or self.step < total) and not self.stopping.is_set():
             step = self.step + 1
             batch = await self.buffer.get_batch(step)
@@ -214,9 +224,15 @@ def main(argv: list[str]) -> int:
         await asyncio.wait({train, stop}, return_when=asyncio.FIRST_COMPLETED)
         if not train.done():
             train.cancel()  # mid-step state is discarded: the checkpoint and the buffer hold the truth
-        await asyncio.gather(train, return_exceptions=True)
+        (outcome,) = await asyncio.gather(train, return_exceptions=True)
         stop.cancel()
         await asyncio.gather(stop, return_exceptions=True)
+        if isinstance(outcome, Exception):  # a failed loop must fail the process, not exit 0
+            raise outcome
 
-    asyncio.run(_main())
+    try:
+        asyncio.run(_main())
+    except BufferError as exc:  # a refused step or an unreachable buffer: one line, no traceback
+        print(f"mixrl trainer: buffer: {exc}", file=sys.stderr)
+        return 1
     return 0

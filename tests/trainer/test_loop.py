@@ -1,0 +1,82 @@
+"""The trainer loop against the real buffer over loopback HTTP: resuming from a checkpoint whose step
+the buffer never saw committed (a crash between the two) goes on with the next step."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from mixrl.api.loader import load_rlrun
+from mixrl.api.resolve import ResolvedRun, resolve
+from mixrl.rl.buffer.client import BufferClient
+from mixrl.rl.buffer.server import BufferServer
+from mixrl.rl.buffer.store import ASSIGNMENTS, TrajectoryBuffer
+from mixrl.rl.trainer.main import TrainerLoop
+
+from ..api.conftest import ROOT
+from .conftest import synthetic_group
+
+
+def small_run(tmp_path: Path, total_steps: int) -> ResolvedRun:
+    run = resolve(load_rlrun(ROOT / "examples" / "quickstart.yaml"))
+    spec = run.trainer.spec.model_copy(update={"total_steps": total_steps, "checkpoint_every": 1})
+    weights = run.weights.model_copy(update={"store": str(tmp_path / "weights")})
+    return run.model_copy(
+        update={"trainer": run.trainer.model_copy(update={"spec": spec}), "weights": weights}
+    )
+
+
+@asynccontextmanager
+async def buffer_at(directory: Path) -> AsyncIterator[str]:
+    buffer = TrajectoryBuffer(directory, prompts_per_update=1, samples_per_prompt=2)
+    runner = web.AppRunner(BufferServer(buffer).app(), shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+        buffer.close()
+
+
+async def test_a_resume_commits_the_checkpointed_step_and_goes_on(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module
+) -> None:
+    directory, run_dir = tmp_path / "buffer", tmp_path / "run"
+    run_dir.mkdir()
+
+    def loop(url: str, total_steps: int) -> TrainerLoop:
+        trainer = TrainerLoop(
+            small_run(tmp_path, total_steps),
+            buffer_url=url,
+            router_url=None,
+            run_dir=run_dir,
+            model_path=str(tiny_model_dir),
+        )
+        trainer.resume()
+        return trainer
+
+    async with buffer_at(directory) as url:
+        async with BufferClient(url) as client:
+            for seed, prompt in enumerate("ab"):
+                await client.post_trajectories(synthetic_group(model, prompt, 2, pool="bf16", seed=seed))
+        await loop(url, total_steps=1).train()
+    # A crash after the checkpoint of step 1 was saved and before step 1 was committed.
+    log = directory / ASSIGNMENTS
+    log.write_text("".join(line for line in log.read_text().splitlines(True) if '"commit"' not in line))
+    async with buffer_at(directory) as url:
+        resumed = loop(url, total_steps=2)
+        assert resumed.step == 1
+        await resumed.train()
+        async with BufferClient(url) as client:
+            stats: dict[str, object] = await client.stats()
+    assert stats["committed_step"] == 2 and stats["batches"] == 2
+    records = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in records] == [1, 2]
