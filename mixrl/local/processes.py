@@ -66,6 +66,12 @@ class Component:
         except OSError:
             return ""
 
+    def last_log_line(self, limit: int = 300) -> str:
+        """The last non-empty line of the log: a component that refuses to start says why there."""
+        lines = [line.strip() for line in self.log_tail(5).splitlines() if line.strip()]
+        last = lines[-1] if lines else ""
+        return last if len(last) <= limit else last[:limit] + "…"
+
     def stop(self, timeout: float = 15.0) -> None:
         if not self.alive:
             return
@@ -78,22 +84,27 @@ class Component:
             self.process.wait()
 
 
+class ComponentStartError(RuntimeError):
+    """A component exited or never became healthy while starting; the message is one line naming it."""
+
+    def __init__(self, component: Component, problem: str) -> None:
+        last = component.last_log_line()
+        why = f": {last}" if last else ""
+        super().__init__(f"{component.name} failed to start ({problem}){why} (log: {component.log_path})")
+        self.component = component
+
+
 def wait_healthy(components: list[Component], timeout: float) -> None:
-    """Block until every component answers its health check; raise naming the first that cannot."""
+    """Block until every component answers its health check; ComponentStartError for the first that cannot."""
     deadline = time.monotonic() + timeout
     pending = list(components)
     while pending:
         for component in list(pending):
             if not component.alive:
-                raise RuntimeError(
-                    f"{component.name} exited with code {component.returncode} while starting; "
-                    f"last log lines ({component.log_path}):\n{component.log_tail()}"
-                )
+                raise ComponentStartError(component, f"exited with code {component.returncode}")
             if component.healthy():
                 pending.remove(component)
         if pending and time.monotonic() > deadline:
-            raise RuntimeError(
-                f"{pending[0].name} not healthy after {timeout:.0f}s; see {pending[0].log_path}"
-            )
+            raise ComponentStartError(pending[0], f"not healthy after {timeout:.0f}s")
         if pending:
             time.sleep(0.3)

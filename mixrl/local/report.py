@@ -25,22 +25,48 @@ PANELS: list[tuple[str, str, str]] = [
 ]
 
 
+_WARNED: set[tuple[Path, int]] = set()
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records (JSON objects) of a JSON-lines log such as metrics.jsonl or evaluations.jsonl.
+
+    Telemetry never stops a run or its report: a line that is not a JSON object (a line cut short
+    by a crash, a stray edit) is skipped, with one warning per line.
+    """
     if not path.exists():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    for number, line in enumerate(lines, 1):
         line = line.strip()
-        if line:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash; the rest stays usable
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        elif number < len(lines) and (path, number) not in _WARNED:
+            # (an unterminated last line may be a record still being written: no warning for it)
+            _WARNED.add((path, number))
+            print(f"mixrl: {path}: skipping line {number}, not a JSON object", file=sys.stderr)
     return records
 
 
+def has_step(record: dict[str, Any]) -> bool:
+    step = record.get("step")
+    return isinstance(step, int) and not isinstance(step, bool)
+
+
+def step_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a telemetry log that carry their step (the others cannot be placed on a plot)."""
+    return [record for record in read_jsonl(path) if has_step(record)]
+
+
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    points = [(r["step"], r[key]) for r in records if has_step(r) and isinstance(r.get(key), int | float)]
     return [p[0] for p in points], [float(p[1]) for p in points]
 
 
@@ -86,8 +112,8 @@ def write_report(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_jsonl(run_dir / "metrics.jsonl")
-    evaluations = read_jsonl(run_dir / "evaluations.jsonl")
+    records = step_records(run_dir / "metrics.jsonl")
+    evaluations = step_records(run_dir / "evaluations.jsonl")
     plots = run_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
 

@@ -21,8 +21,8 @@ from typing import Any
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
 from mixrl.api.resolve import ResolvedRun, resolve
-from mixrl.local.processes import Component, free_port, wait_healthy
-from mixrl.local.report import read_jsonl, write_report
+from mixrl.local.processes import Component, ComponentStartError, free_port, wait_healthy
+from mixrl.local.report import step_records, write_report
 
 MAX_TRAINER_RESTARTS = 3
 # One intra-op thread per process: the local run has more processes than cores, and OpenMP threads
@@ -102,6 +102,9 @@ class Supervisor:
                         str(port),
                         "--weight-version",
                         str(initial_version),
+                        # weight updates load only from this run's store
+                        "--weight-root",
+                        run.weights.store,
                         *pool.engine_args,
                     ],
                     f"http://127.0.0.1:{port}/health",
@@ -186,6 +189,12 @@ class Supervisor:
         return None
 
 
+def _number(value: Any, default: float = 0.0) -> float:
+    """A figure of a telemetry record, or ``default`` when the record holds something else there."""
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if is_number else default
+
+
 class Progress:
     """Periodic progress lines: step, reward, held-out pass@k, KL, throughput, ETA."""
 
@@ -197,8 +206,8 @@ class Progress:
         self.last_line = 0.0
 
     def update(self, force: bool = False) -> None:
-        records = read_jsonl(self.run_dir / "metrics.jsonl")
-        evaluations = read_jsonl(self.run_dir / "evaluations.jsonl")
+        records = step_records(self.run_dir / "metrics.jsonl")
+        evaluations = step_records(self.run_dir / "evaluations.jsonl")
         step = records[-1]["step"] if records else 0
         now = time.monotonic()
         if not force and step == self.shown_step and now - self.last_line < 15:
@@ -209,21 +218,25 @@ class Progress:
         if records:
             last = records[-1]
             parts += [
-                f"reward {last.get('reward', 0):.3f}",
-                f"kl {last.get('kl_k3', 0):.4f}",
-                f"extreme {last.get('extreme_ratio', 0):.3%}",
-                f"{last.get('tokens_per_s', 0):.0f} tok/s",
+                f"reward {_number(last.get('reward')):.3f}",
+                f"kl {_number(last.get('kl_k3')):.4f}",
+                f"extreme {_number(last.get('extreme_ratio')):.3%}",
+                f"{_number(last.get('tokens_per_s')):.0f} tok/s",
             ]
-            rate = step / max(records[-1].get("elapsed", elapsed), 1e-9)
+            rate = step / max(_number(last.get("elapsed"), elapsed), 1e-9)
             if self.total and rate > 0:
                 parts.append(f"ETA {max(self.total - step, 0) / rate:.0f}s")
         else:
             parts.append("collecting the first batch…")
         if evaluations:
             e = evaluations[-1]
+            rates = e.get("pass_at_k")
             parts.append(
                 "held-out "
-                + " ".join(f"pass@{k} {v:.3f}" for k, v in e.get("pass_at_k", {}).items())
+                + " ".join(
+                    f"pass@{k} {_number(v):.3f}"
+                    for k, v in (rates if isinstance(rates, dict) else {}).items()
+                )
                 + f" (step {e['step']})"
             )
         print("  ".join(parts), flush=True)
@@ -324,6 +337,10 @@ def main(argv: list[str]) -> int:
             status = 1
         if status == 0:
             wait_for_final_evaluation(run_dir, resolved, supervisor)
+    except ComponentStartError as exc:
+        # One line naming the component and its own last word; the others are stopped below.
+        print(f"mixrl run: {exc}", file=sys.stderr, flush=True)
+        return 1
     except Interrupted:
         print("\nmixrl run: interrupted; stopping components (collected data is kept)", flush=True)
         status = 130
@@ -347,7 +364,7 @@ def wait_for_final_evaluation(
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and supervisor.rollout.alive:
-        evaluations = read_jsonl(run_dir / "buffer" / "evaluations.jsonl")
+        evaluations = step_records(run_dir / "buffer" / "evaluations.jsonl")
         if evaluations and evaluations[-1]["step"] >= total:
             return
         time.sleep(1.0)

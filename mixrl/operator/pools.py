@@ -30,6 +30,7 @@ from mixrl.operator.objects import (
     service,
     weight_sync_footprint,
     weights_volume_and_mount,
+    weights_volume_path,
     with_hash,
 )
 from mixrl.operator.podspec import (
@@ -107,11 +108,14 @@ def engine_container(
             *pool.engine_args,
         ]
     else:
+        store = weights_volume_path(resolved.weights.store)
         command = [
             "mixrl",
             "engine",
             "--model-path",
             engine_model_path(pool),
+            # Weight updates load only from the run's weight store (the volume mounted there).
+            *(["--weight-root", store] if store is not None else []),
             "--host",
             "0.0.0.0",
             "--port",

@@ -46,6 +46,11 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 4 << 30
 STALE_STAGING_S = 3600.0
 _VERSION_DIR = re.compile(r"^v(\d{8})$")
+MAX_VERSION = 10**8 - 1
+"""Versions are directory names of eight digits: [0, MAX_VERSION]."""
+MAX_MANIFEST_BYTES = 16 << 20
+"""A manifest lists a few hundred shards at most; a larger one is not ours."""
+MAX_SHOWN_CHARS = 200
 
 
 class WeightStoreError(Exception):
@@ -267,25 +272,69 @@ def _write_shards(directory: Path, tensors: Mapping[str, Tensor], max_shard_byte
 # ------------------------------------------------------------------------------------------ loading
 
 
+def _shown(value: object) -> str:
+    """repr() of a manifest value for an error message, cut short (a manifest may hold anything)."""
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[:MAX_SHOWN_CHARS] + "…"
+
+
 def _read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST
     if not path.is_file():
         raise WeightStoreError(f"{path}: incomplete checkpoint: manifest.json is missing")
     try:
-        manifest = json.loads(path.read_text())
+        with path.open("rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise WeightStoreError(f"{path}: corrupt manifest: larger than {MAX_MANIFEST_BYTES >> 20} MiB")
+        manifest = json.loads(raw)
+    except RecursionError:
+        raise WeightStoreError(f"{path}: corrupt manifest: nested too deeply") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WeightStoreError(f"{path}: corrupt manifest: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise WeightStoreError(f"{path}: corrupt manifest: format is not {MANIFEST_FORMAT!r}")
-    if not isinstance(manifest.get("files"), dict):
+    files = manifest.get("files")
+    if not isinstance(files, dict):
         raise WeightStoreError(f"{path}: corrupt manifest: no 'files' table")
+    for name, entry in files.items():
+        problem = _entry_problem(name, entry)
+        if problem is not None:
+            raise WeightStoreError(f"{path}: corrupt manifest: files entry {_shown(name)}: {problem}")
     return manifest
 
 
+def _entry_problem(name: str, entry: object) -> str | None:
+    """Why a manifest's file entry is unusable, or None.
+
+    Names must be plain file names: the manifest describes one directory, and a name with a
+    separator or ``..`` would make a loader read (or report the size of) a file elsewhere.
+    """
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        return "is not a plain file name in the version directory"
+    if name == MANIFEST:
+        return "the manifest cannot list itself"
+    if not isinstance(entry, dict):
+        return f"expected an object with sha256 and bytes, got {_shown(entry)}"
+    size, digest = entry.get("bytes"), entry.get("sha256")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        return f"bytes: expected a non-negative integer, got {_shown(size)}"
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return f"sha256: expected 64 hex digits, got {_shown(digest)}"
+    return None
+
+
 def verify_checkpoint_dir(directory: Path, manifest: Mapping[str, Any], verify: bool = True) -> None:
-    """Every listed file exists with its size; with ``verify``, its sha256 matches too."""
+    """Every listed file exists with its size; with ``verify``, its sha256 matches too.
+
+    A listed name that resolves outside ``directory`` (a symbolic link out of it) is refused
+    before anything about its target is looked at.
+    """
+    root = directory.resolve()
     for name, entry in manifest["files"].items():
         path = directory / name
+        if path.resolve().parent != root:
+            raise WeightStoreError(f"{path}: is not a file inside {directory} (listed in {MANIFEST})")
         if not path.is_file():
             raise WeightStoreError(f"{path}: missing (listed in {MANIFEST})")
         actual_bytes = path.stat().st_size
@@ -339,8 +388,8 @@ def load_dequantized(path: str, verify: bool = True) -> dict[str, Tensor]:
 
 
 def _check_version(version: object) -> int:
-    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 10**8:
-        raise ValueError(f"version: expected an integer in [0, 99999999], got {version!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"version: expected an integer in [0, {MAX_VERSION}], got {_shown(version)}")
     return version
 
 

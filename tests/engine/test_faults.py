@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from pathlib import Path
 
+import aiohttp
 import pytest
 
 from mixrl.rl.engine.client import EngineClient
+from mixrl.rl.engine.process import EngineProcess
 
 from .conftest import serve_in_process
 
@@ -50,3 +54,64 @@ async def test_shutdown_answers_requests_in_flight_with_an_abort(dense_path: str
     result = await task
     await client.close()
     assert result.aborted and result.completion_tokens < 5000
+
+
+async def _load(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(f"{url}/metrics") as response:
+        text = await response.text()
+    names = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:generation_tokens_total")
+    return {
+        name: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        for name in names
+        if line.startswith(name + "{")
+    }
+
+
+async def test_a_client_that_goes_away_has_its_requests_aborted_and_no_error_logged(
+    dense_path: str, tmp_path: Path
+) -> None:
+    """A dropped client's sequences leave the batch at the next step (the running count falls to 0
+    long before max_new_tokens), a queued one leaves the queue, a client gone mid-body is forgotten,
+    and none of it logs an ERROR or a traceback.  The real `mixrl engine` process and its log."""
+    log_path = tmp_path / "engine.log"
+    long = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True},
+    }
+    with EngineProcess(dense_path, max_running_requests=1, log_path=log_path) as engine:
+        async with aiohttp.ClientSession() as http:
+            async with aiohttp.ClientSession() as leaving:  # the client that goes away
+                requests = [
+                    asyncio.create_task(leaving.post(f"{engine.url}/generate", json=long)) for _ in range(2)
+                ]
+                while (load := await _load(http, engine.url)).get("sglang:num_queue_reqs", 0) < 1 or load.get(
+                    "sglang:num_running_reqs", 0
+                ) < 1:
+                    await asyncio.sleep(0.02)
+                for request in requests:
+                    request.cancel()
+                await asyncio.gather(*requests, return_exceptions=True)
+            dropped = time.monotonic()
+            while (load := await _load(http, engine.url))["sglang:num_running_reqs"] or load[
+                "sglang:num_queue_reqs"
+            ]:
+                assert time.monotonic() - dropped < 5, load  # 4,000 tokens take far longer than this
+                await asyncio.sleep(0.02)
+            assert load["sglang:generation_tokens_total"] < 1000, load
+
+            _, writer = await asyncio.open_connection(engine.host, engine.port)  # gone mid-body
+            writer.write(
+                b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"input_ids": [1,'
+            )
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.close()
+            await writer.wait_closed()
+
+            async with EngineClient(engine.url) as client:  # and the engine serves on
+                result = await client.generate([1, 2], max_new_tokens=4, temperature=0.0)
+            assert result.completion_tokens == 4
+    log = log_path.read_text()
+    assert "ERROR" not in log and "Traceback" not in log, log
+    assert log.count("client disconnected; aborted after") == 2, log

@@ -21,18 +21,25 @@ TIE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory, dense_path: str) -> WeightStore:
+def weight_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine's --weight-root: every version it is asked to load lies under it."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory, weight_root: Path) -> WeightStore:
     """Version 1: different weights, same architecture; published as the trainer would."""
     other = create_tiny_checkpoint(tmp_path_factory.mktemp("other") / "v1", "qwen3", vocab_size=VOCAB, seed=7)
-    store = WeightStore(str(tmp_path_factory.mktemp("store")))
+    store = WeightStore(str(weight_root / "store"))
     config = json.loads((Path(other) / "config.json").read_text())
     store.publish(1, load_file(Path(other) / "model.safetensors"), metadata={"step": 1}, config=config)
     return store
 
 
 @pytest.fixture(scope="module")
-def small_engine(dense_path: str) -> Iterator[EngineProcess]:
-    with EngineProcess(dense_path, max_running_requests=2, pool="update-test") as process:
+def small_engine(dense_path: str, weight_root: Path) -> Iterator[EngineProcess]:
+    extra = ["--weight-root", str(weight_root)]
+    with EngineProcess(dense_path, max_running_requests=2, pool="update-test", extra_args=extra) as process:
         yield process
 
 
@@ -79,7 +86,7 @@ async def test_update_mid_generation_labels_later_tokens_with_the_new_version(
 
 
 async def test_corrupt_or_incomplete_version_is_refused_and_the_old_one_kept(
-    client: EngineClient, store: WeightStore, tmp_path: Path
+    client: EngineClient, store: WeightStore, weight_root: Path, tmp_path: Path
 ) -> None:
     before = await client.get_weight_version()
     probe = await client.generate([21, 22, 23], max_new_tokens=8, temperature=0.0)
@@ -96,14 +103,14 @@ async def test_corrupt_or_incomplete_version_is_refused_and_the_old_one_kept(
 
     wrong = create_tiny_checkpoint(tmp_path / "wide", "qwen3", vocab_size=VOCAB, hidden_size=128)
     mismatched = Path(
-        WeightStore(str(tmp_path / "store")).publish(4, load_file(Path(wrong) / "model.safetensors"))
+        WeightStore(str(weight_root / "wide-store")).publish(4, load_file(Path(wrong) / "model.safetensors"))
     )
 
     cases = {
         corrupt: "sha256",
         incomplete: "manifest.json is missing",
         mismatched: "shape",
-        tmp_path / "nowhere": "not a checkpoint directory",
+        weight_root / "nowhere": "not a checkpoint directory",
     }
     for path, reason in cases.items():
         reply = await client.update_weights_from_disk(str(path), weight_version=9)

@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from mixrl.local.report import read_jsonl
+from mixrl.rl.models import create_tiny_checkpoint
 
 from .conftest import small_run
 
@@ -106,3 +108,28 @@ def test_killed_trainer_resumes_and_loses_no_trajectory(tmp_path: Path, model_ca
     assert len(served) == len(set(served)) and max(served) < len(trajectories)
     committed = {a["step"] for a in assignments if a["kind"] == "commit"}
     assert set(range(1, 7)) <= committed
+
+
+def test_a_component_that_cannot_start_is_named_in_one_line(tmp_path: Path) -> None:
+    """The buffer refuses a damaged log; `mixrl run` says so in one line and stops the others."""
+    spec = small_run(tmp_path, "badstart", steps=1)
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["model"]["path"] = create_tiny_checkpoint(
+        tmp_path / "model", "qwen3", seed=0
+    )  # no warm start
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run_dir = tmp_path / "run"
+    log = run_dir / "buffer" / "assignments.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text('{"kind": "commit", "step": "x"}\n{"kind": "commit", "step": 1}\n')
+    result = subprocess.run(
+        mixrl_run(spec, run_dir, tmp_path / "cache"), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        f"mixrl run: buffer failed to start (exited with code 2): mixrl buffer: --dir: log {log} is damaged "
+        f"at line 1: step: expected a non-negative integer, got 'x' (log: {run_dir / 'logs' / 'buffer.log'})"
+    ], result.stderr
+    for pid_file in (run_dir / "logs").glob("*.pid"):  # every component that did start was stopped
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,6 +150,50 @@ def test_truncated_missing_and_manifestless_versions(store: WeightStore) -> None
     assert _one_line(exc).endswith("manifest.json: incomplete checkpoint: manifest.json is missing")
     with pytest.raises(WeightStoreError, match="version 9 does not exist"):
         store.load(9)
+
+
+def _edit_manifest(path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    manifest = json.loads((path / MANIFEST).read_text())
+    edit(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_manifest_entries_are_plain_files_of_the_version_and_nothing_outside_is_described(
+    store: WeightStore, tmp_path: Path
+) -> None:
+    """A manifest naming ``../x``, ``sub/x`` or a link out of the directory is refused by its entry,
+    before anything about the file it points at (its size, whether it exists) is looked at."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 4321)
+    path = Path(store.publish(1, _tensors()))
+    good = (path / MANIFEST).read_text()
+    escape = os.path.relpath(secret, path)
+    for name in (escape, str(secret), "sub/model.safetensors", "..", ".", "", "a\\b", MANIFEST):
+        _edit_manifest(path, lambda m, name=name: m["files"].update({name: {"sha256": "0" * 64, "bytes": 1}}))
+        with pytest.raises(WeightStoreError) as exc:
+            load_checkpoint_dir(str(path))
+        message = _one_line(exc)
+        assert f"corrupt manifest: files entry {name!r}:" in message, message
+        assert "4321" not in message
+        (path / MANIFEST).write_text(good)
+    for entry, problem in [
+        ("abc", "expected an object with sha256 and bytes, got 'abc'"),
+        ({"sha256": "0" * 64, "bytes": True}, "bytes: expected a non-negative integer, got True"),
+        ({"sha256": "xyz", "bytes": 1}, "sha256: expected 64 hex digits, got 'xyz'"),
+    ]:
+        _edit_manifest(path, lambda m, entry=entry: m["files"].update({"model.safetensors": entry}))
+        with pytest.raises(WeightStoreError, match=re.escape(f"files entry 'model.safetensors': {problem}")):
+            load_checkpoint_dir(str(path))
+        (path / MANIFEST).write_text(good)
+    shard = path / "model.safetensors"
+    shard.unlink()
+    shard.symlink_to(secret)  # a plain name, but a link out of the directory
+    with pytest.raises(WeightStoreError) as exc:
+        load_checkpoint_dir(str(path))
+    assert _one_line(exc) == f"{shard}: is not a file inside {path} (listed in manifest.json)"
+    (path / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(WeightStoreError, match="corrupt manifest: nested too deeply"):
+        load_checkpoint_dir(str(path))
 
 
 def test_partial_directory_from_another_writer_is_invisible(store: WeightStore) -> None:

@@ -19,16 +19,29 @@ from typing import Any
 
 from mixrl.rl.engine.runner import Sequence
 
+MAX_ERROR_CHARS = 200
+"""Longest reason an error message carries: a reason quoting a client's value never echoes megabytes."""
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What ``torch.Generator.manual_seed`` accepts (a negative seed wraps around, as in torch)."""
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters in all)"
+
 
 class RequestError(ValueError):
     """A request field with a wrong type or value; ``field`` is its dotted path."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+    def __init__(self, field: str, message: str, status: int = 400) -> None:
+        super().__init__(f"{field}: {clip(message)}")
         self.field = field
+        self.status = status
 
     def to_json(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": "BadRequestError", "param": self.field, "code": 400}}
+        kind = "BadRequestError" if self.status == 400 else "RequestEntityTooLarge"
+        return {"error": {"message": str(self), "type": kind, "param": self.field, "code": self.status}}
 
 
 @dataclass(frozen=True)
@@ -144,7 +157,7 @@ def parse_sampling(field: str, raw: Any, defaults: dict[str, Any]) -> SamplingRe
         max_new_tokens=_int(f"{field}.max_new_tokens", merged.get("max_new_tokens", 128), 0),
         stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(f"{field}.ignore_eos", merged.get("ignore_eos", False)),
-        sampling_seed=None if seed is None else _int(f"{field}.sampling_seed", seed),
+        sampling_seed=None if seed is None else _int(f"{field}.sampling_seed", seed, *SEED_RANGE),
     )
 
 

@@ -6,7 +6,8 @@ batch.  Each loop turn:
 
 1. runs queued control operations (weight updates) — so an update lands *between* decode steps and
    every token after it reports the new version;
-2. drops requests whose client went away;
+2. drops requests whose client went away (the HTTP handler of a disconnected client is cancelled,
+   which marks its sequences here; they leave the batch before the next decode step);
 3. unless paused, admits waiting requests up to ``max_running`` (prefill + first token) and runs one
    decode step for the whole running batch.
 
@@ -201,12 +202,14 @@ class Scheduler:
 
     async def _collect_aborted(self) -> None:
         if self._cancelled:
-            for entry in list(self._waiting):
-                if id(entry.seq) in self._cancelled:
-                    entry.seq.abort("client disconnected")
-            for seq in [*self._admitting, *self.runner.running]:
-                if id(seq) in self._cancelled:
+            for seq in [*(e.seq for e in self._waiting), *self._admitting, *self.runner.running]:
+                if id(seq) in self._cancelled and not seq.finished:
                     seq.abort("client disconnected")
+                    # One line, no traceback: a client going away is routine (a router or rollout
+                    # worker giving up on a session), not an engine error.
+                    log.info(
+                        "request %s: client disconnected; aborted after %d tokens", seq.rid, len(seq.tokens)
+                    )
             self._cancelled.clear()
         dropped = [e for e in self._waiting if e.seq.finished]
         for entry in dropped:

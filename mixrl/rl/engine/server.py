@@ -2,7 +2,12 @@
 
 Endpoints and fields are listed in docs/engine.md.  Errors: a known request field with a wrong type
 or value gets HTTP 400 and ``{"error": {"message": "<field>: <reason>", "param": "<field>", ...}}``;
-unknown fields are ignored, as SGLang does; the server keeps serving either way.
+unknown fields are ignored, as SGLang does; the server keeps serving either way.  A body over
+``--max-request-mib`` gets 413.
+
+A client that disconnects has its handler cancelled (aiohttp's ``handler_cancellation``, off by
+default): the scheduler then aborts its sequences before the next decode step, so nothing is
+generated for nobody.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _bad_request(exc: RequestError) -> web.Response:
-    return web.json_response(exc.to_json(), status=400)
+    return web.json_response(exc.to_json(), status=exc.status)
 
 
 async def _json_body(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
@@ -47,6 +52,8 @@ async def _json_body(request: web.Request, allow_empty: bool = False) -> dict[st
         raise RequestError("body", "a JSON object is required")
     try:
         body = json.loads(raw)
+    except RecursionError:  # the decoder recurses per nesting level; 100,000 '[' would exhaust it
+        raise RequestError("body", "is not valid JSON (nested too deeply)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RequestError("body", f"is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})") from None
     if not isinstance(body, dict):
@@ -69,6 +76,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     except RequestError as exc:
         return _bad_request(exc)
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SERVICE_KEY].config.max_request_mib
+        too_large = RequestError("body", f"larger than {limit} MiB (--max-request-mib)", status=413)
+        return _bad_request(too_large)
 
 
 # ----------------------------------------------------------------------------------- handlers
@@ -193,7 +204,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 def build_app(service: EngineService) -> web.Application:
     """The aiohttp application; the service's scheduler starts and stops with it."""
-    app = web.Application(middlewares=[_errors], client_max_size=256 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[_errors],
+        client_max_size=service.config.max_request_mib << 20,
+        # Cancel a request's handler when its client disconnects: generate() then aborts the
+        # client's sequences instead of decoding them to the end for nobody.
+        handler_args={"handler_cancellation": True},
+    )
     app[SERVICE_KEY] = service
 
     async def lifecycle(app: web.Application):
@@ -253,6 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--disable-kv-cache", action="store_true", help="recompute whole sequences every step")
+    p.add_argument(
+        "--weight-root",
+        default="",
+        help="weight updates load only from inside this directory (default: the directory that "
+        "holds --model-path, after following links: the weight store when starting from a version)",
+    )
+    p.add_argument(
+        "--max-request-mib", type=int, default=8, help="largest request body in MiB (413 beyond it)"
+    )
     p.add_argument("--enable-metrics", action="store_true", help="accepted for SGLang parity; always on")
     p.add_argument("--log-level", default="info")
     return p
@@ -274,6 +300,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         random_seed=args.random_seed,
         use_kv_cache=not args.disable_kv_cache,
+        weight_root=args.weight_root,
+        max_request_mib=args.max_request_mib,
     )
 
 
@@ -320,6 +348,9 @@ def main(argv: list[str]) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         print(f"mixrl engine: {exc}", file=sys.stderr)
+        return 2
+    if config.weight_root and not Path(config.weight_root).is_dir():
+        print(f"mixrl engine: --weight-root {config.weight_root}: not a directory", file=sys.stderr)
         return 2
     model_dir = Path(config.model_path)
     if not (model_dir / "config.json").is_file():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,13 +18,14 @@ import torch
 from mixrl import __version__
 from mixrl.rl.engine import weights_io
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
-from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response
+from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response, clip
 from mixrl.rl.engine.runner import ModelRunner, Sequence
 from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.engine.scheduler import Scheduler
 from mixrl.rl.engine.stats import EngineStats
 from mixrl.rl.models import load_model
 from mixrl.rl.quant import WEIGHT_FORMATS
+from mixrl.rl.weights import MANIFEST, MAX_VERSION, WeightStoreError, load_checkpoint_dir
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,11 @@ class EngineConfig:
     sampling_mask_max_tokens: int = 4096
     random_seed: int = 0
     use_kv_cache: bool = True
+    weight_root: str = ""
+    """Weight updates load only from inside this directory; "": the directory holding --model-path
+    (after following links), which is the weight store when the engine starts from a version."""
+    max_request_mib: int = 8
+    """Largest request body, in MiB (413 beyond it)."""
 
     def __post_init__(self) -> None:
         if self.weight_precision not in WEIGHT_FORMATS:
@@ -53,25 +60,54 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(COMPUTE_DTYPES)}")
-        if self.weight_version < 0:
-            raise ValueError("weight_version: must be >= 0")
+        if not 0 <= self.weight_version <= MAX_VERSION:
+            raise ValueError(f"weight_version: must be in [0, {MAX_VERSION}], got {self.weight_version}")
+        if self.max_request_mib < 1:
+            raise ValueError(f"max_request_mib: must be >= 1, got {self.max_request_mib}")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests: must be >= 1")
         if self.sampling_mask_max_tokens < 1:
             raise ValueError("sampling_mask_max_tokens: must be >= 1")
 
 
+_DECIMAL = re.compile(r"-?[0-9]+")
+
+
 def parse_version(field: str, value: Any) -> int:
-    """mixrl weight versions are non-negative integers; SGLang sends them as strings."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise RequestError(field, f"must be a non-negative integer (or its string), got {value!r}")
-    try:
-        version = int(value)
-    except ValueError:
-        raise RequestError(field, f"must be a non-negative integer (or its string), got {value!r}") from None
-    if version < 0:
-        raise RequestError(field, f"must be >= 0, got {version}")
-    return version
+    """mixrl weight versions are integers in the weight store's range; SGLang sends them as strings."""
+    expected = f"must be an integer in [0, {MAX_VERSION}] (or its string)"
+    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()) and len(value.strip()) <= 20:
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(field, f"{expected}, got {type(value).__name__} {value!r}")
+    if not 0 <= value <= MAX_VERSION:
+        raise RequestError(field, f"{expected}, got {value}")
+    return value
+
+
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
+
+
+def confined_path(field: str, raw: str, root: Path) -> Path:
+    """``raw`` resolved, if it names a place inside ``root``; otherwise RequestError naming ``field``.
+
+    The path must be absolute and free of ``..``, and it is resolved (links followed) before the
+    comparison, so a link inside the root that points out of it is outside too.  Nothing is read
+    and nothing is said about what lies outside the root.
+    """
+    if len(raw) > MAX_PATH_CHARS:
+        raise RequestError(field, f"is longer than {MAX_PATH_CHARS} characters")
+    if "\x00" in raw:
+        raise RequestError(field, "contains a NUL character")
+    path = Path(raw)
+    if not path.is_absolute():
+        raise RequestError(field, f"must be an absolute path inside the weight root {root}, got {raw!r}")
+    if ".." in path.parts:
+        raise RequestError(field, f"must not contain '..' components, got {raw!r}")
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root):
+        raise RequestError(field, f"is outside the weight root {root} (--weight-root), got {raw!r}")
+    return resolved
 
 
 class EngineService:
@@ -84,6 +120,7 @@ class EngineService:
         self.num_layers = int(model.config.num_hidden_layers)
         self.context_length = config.context_length or int(model.config.max_position_embeddings)
         self.model_path = config.model_path
+        self.weight_root = Path(config.weight_root or Path(config.model_path).resolve().parent).resolve()
         runner = ModelRunner(
             model,
             weight_version=config.weight_version,
@@ -168,40 +205,54 @@ class EngineService:
     async def update_weights_from_disk(
         self, model_path: str, version: int | None, abort_all_requests: bool
     ) -> tuple[bool, str]:
-        """Load, check and apply a checkpoint between two decode steps; on any failure keep the old weights."""
-        from mixrl.rl.weights import WeightStoreError, load_checkpoint_dir
+        """Load, check and apply a checkpoint between two decode steps; on any failure keep the old weights.
 
+        ``model_path`` must lie inside the weight root (RequestError naming it otherwise).  The
+        update runs to its end even if the caller goes away (it is shielded from the handler's
+        cancellation), so the served weights and their version always agree.
+        """
+        directory = confined_path("model_path", model_path, self.weight_root)
+        return await asyncio.shield(self._update(model_path, directory, version, abort_all_requests))
+
+    async def _update(
+        self, model_path: str, directory: Path, version: int | None, abort_all_requests: bool
+    ) -> tuple[bool, str]:
+        shown = clip(model_path)
         async with self._update_lock:
             try:
-                state, metadata = await asyncio.to_thread(load_checkpoint_dir, model_path, verify=True)
+                state, metadata = await asyncio.to_thread(load_checkpoint_dir, str(directory), verify=True)
             except (WeightStoreError, OSError, ValueError) as exc:
-                return False, f"refused {model_path}: {exc}"
+                return False, f"refused {shown}: {clip(str(exc), 1000)}"
             if version is None:
-                named = metadata.get("version") if isinstance(metadata, dict) else None
+                named = metadata.get("version")
                 if named is None:
                     return False, "weight_version: required (the checkpoint does not name its version)"
-                version = int(named)
+                try:
+                    version = parse_version("weight_version", named)
+                except RequestError as exc:
+                    return False, f"refused {shown}: {MANIFEST} names a bad version: {exc}"
             scale_tensors = {k: v for k, v in state.items() if weights_io.is_kv_scale_key(k)}
             state = {k: v for k, v in state.items() if k not in scale_tensors}
             try:
                 weights_io.check_state_dict(self.runner.model, state)
                 kv_scales = self._kv_scales(scale_tensors)
             except ValueError as exc:
-                return False, f"refused {model_path}: {exc}"
+                return False, f"refused {shown}: {clip(str(exc), 1000)}"
             if abort_all_requests:
                 self.sched.abort_all("aborted for a weight update")
+            new_version = version
 
             def swap() -> dict:
                 report = weights_io.load_state_(
                     self.runner.model, state, self.config.weight_precision, self.compute_dtype
                 )
-                self.runner.weight_version = version
+                self.runner.weight_version = new_version
                 self.runner.kv_scales = kv_scales
                 return report
 
             self.quantization = await self.sched.control(swap)
             self.model_path = model_path
-            log.info("weights updated to version %d from %s", version, Path(model_path).name)
+            log.info("weights updated to version %d from %s", version, directory.name)
             return True, f"Succeeded to update model weights to version {version}."
 
     async def set_weight_version(self, version: int, abort_all_requests: bool) -> None:
@@ -229,6 +280,7 @@ class EngineService:
         return {
             **{k: v for k, v in asdict(self.config).items() if k != "model_path"},
             "model_path": self.model_path,
+            "weight_root": str(self.weight_root),  # the effective root, also when defaulted
             "engine": "mixrl-torch",
             "version": __version__,
             "weight_version": str(self.weight_version),
