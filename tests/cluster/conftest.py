@@ -37,6 +37,8 @@ RELEASE, RELEASE_NS = "mixrl", "mixrl-system"
 # The paper's mix with room for two example trainers (4 x 8 H200 GPUs each: one still going away
 # while the next test's arrives) and CPU nodes.
 CRDS = ("rlruns.mixrl.dev", "samplerpools.mixrl.dev")
+# Pre-created PVs are used once (no provisioner recycles them) and a run claims 6: room for the session.
+VOLUMES = 300
 FLEET = "H200=10,H100=3,B200=3,B300=2,A100=2,RTX-PRO-6000=2,cpu=3"
 
 
@@ -125,7 +127,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     """The control plane and fleet, with the mixrl chart installed by Helm (CRDs, RBAC, operator
     Deployment) in ``mixrl-system``."""
     handle = Cluster(tmp_path_factory.mktemp("dev-cluster"))
-    state = handle.up(parse_fleet(FLEET), volumes=12, log=lambda line: print(line, file=sys.stderr))
+    state = handle.up(parse_fleet(FLEET), volumes=VOLUMES, log=lambda line: print(line, file=sys.stderr))
     bed = Bed(state, handle)
     try:
         bed.helm(
@@ -150,8 +152,11 @@ def namespace(cluster: Bed) -> Iterator[str]:
     name = f"t-{uuid.uuid4().hex[:8]}"
     cluster.kubectl("create", "namespace", name)
     yield name
-    # Waited for, so the next test finds the GPUs free (KWOK pods go at once; this takes seconds).
-    cluster.kubectl("delete", "namespace", name, "--wait=true", "--timeout=90s", check=False)
+    # A namespace with pods is waited for, so the next test finds their GPUs free (a few seconds);
+    # an empty one (most admission tests) is not.
+    has_pods = cluster.kubectl("get", "pods", "-n", name, "-o", "name", check=False).stdout.strip()
+    wait = "--wait=true" if has_pods else "--wait=false"
+    cluster.kubectl("delete", "namespace", name, wait, "--timeout=90s", check=False)
 
 
 def service_account_kubeconfig(cluster: Bed, path: Path, namespace: str, account: str) -> Path:
