@@ -113,7 +113,8 @@ def main(argv: list[str]) -> int:
         env = {**os.environ, "KUBECONFIG": str(state.kubeconfig), "HOME": str(work)}
         subprocess.run(
             [str(Path(state.bin) / "helm"), "install", RELEASE, str(ROOT / "charts" / "mixrl"), "-n", RELEASE_NS,
-             "--create-namespace", "--wait", "--timeout", "120s"], env=env, check=True, capture_output=True,
+             "--create-namespace", "--wait", "--timeout", "120s", "--set", "watch.allNamespaces=true"],
+            env=env, check=True, capture_output=True,
         )  # fmt: skip
         kubectl(state, "create", "namespace", NAMESPACE)
         token = kubectl(state, "create", "token", RELEASE, "-n", RELEASE_NS, "--duration=6h").strip()

@@ -8,7 +8,8 @@ CRDs (chart ``crds/``: installed before the templates, which create a peering ob
 rules (from mixrl.operator.rbac, the calls the operator makes: the rules every operator needs, and
 one file per feature the chart grants only when its values enable that feature), and the collapse
 alerts and Grafana dashboard (from mixrl.operator.monitoring, with the metric names of
-mixrl.rl.metrics).
+mixrl.rl.metrics), and the CEL of the RLRun admission policy (from mixrl.operator.policy, the checks the
+operator makes too).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import yaml
 from mixrl.api.crd import rlrun_crd, samplerpool_crd
 from mixrl.api.models import GROUP
 from mixrl.operator.monitoring import collapse_rule_groups, dashboard
+from mixrl.operator.policy import admission_rules
 from mixrl.operator.rbac import (
     CLUSTER_KOPF_PEERINGS,
     FRAMEWORK,
@@ -152,6 +154,8 @@ def generated_files() -> dict[str, str]:
         **{f"files/rbac/{name}.yaml": HEADER + dump(rules) for name, rules in rbac_files().items()},
         "files/monitoring/collapse-rules.yaml": HEADER + dump(collapse_rule_groups()),
         "files/monitoring/dashboard.json": json.dumps(dashboard(), indent=2) + "\n",
+        # The RLRun admission policy's CEL (templates/admission-policy.yaml adds the values' variables).
+        "files/admission/rlrun-policy.yaml": HEADER + dump(admission_rules()),
     }
 
 

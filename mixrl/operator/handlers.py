@@ -45,6 +45,7 @@ from mixrl.operator.apply import ApplyFailed, StillTerminating
 from mixrl.operator.autoscaling_loop import AutoscalingLoop, LoopSettings, register_autoscaling
 from mixrl.operator.kube import ApiError, Connection, KubeClient
 from mixrl.operator.peering import paused_by_peers
+from mixrl.operator.policy import OPEN, Policy
 from mixrl.operator.rbac import (
     CHILD_RESOURCES,
     PODMONITORS,
@@ -96,6 +97,9 @@ class OperatorConfig:
     runs then keep their replicas)."""
     keda: str = "auto"
     """``auto`` (ScaledObjects when keda.sh/v1alpha1 serves scaledobjects), ``on`` or ``off``."""
+    policy: Policy = OPEN
+    """What an RLRun may ask for (images, engine arguments, scheduling); a run asking for more is
+    marked PolicyViolation and nothing of it is created."""
 
 
 def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None) -> float:
@@ -208,7 +212,11 @@ class Runtime:
 
     def context(self) -> Context:
         return Context(
-            client=self.client, options=self.options, events=post_event, serves=self.serves_resource
+            client=self.client,
+            options=self.options,
+            events=post_event,
+            serves=self.serves_resource,
+            policy=self.config.policy,
         )
 
     # ------------------------------------------------------------------ event- and resync-driven work
@@ -357,6 +365,11 @@ async def guarded(
     if outcome.invalid is not None:
         post_event(body, "Warning", Reason.INVALID_SPEC, outcome.invalid)
         raise kopf.PermanentError(outcome.invalid)
+    if outcome.refused is not None:
+        # Not retried until the spec changes; a changed policy restarts the operator (new flags),
+        # and its resume handlers reconcile every run again.
+        post_event(body, "Warning", Reason.POLICY_VIOLATION, outcome.refused)
+        raise kopf.PermanentError(outcome.refused)
     return outcome
 
 

@@ -25,6 +25,7 @@ from typing import TypeVar
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.operator import labels as L
 from mixrl.operator.objects import Images
+from mixrl.operator.policy import Policy, flag_problem, prefix_problem, unique
 
 DEV_PRIORITY = 666  # kopf's convention: a developer's operator outranks the deployed one
 REPLICA_PRIORITY_SPAN = 10**9
@@ -166,6 +167,48 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="GPUTYPE:KEY=VALUE",
         help="a node label that identifies a GPU type's nodes without GPU Feature Discovery (repeatable)",
     )
+    policy = parser.add_argument_group(
+        "policy: what an RLRun may ask for (a run asking for more is marked PolicyViolation, nothing of it created)"
+    )
+    policy.add_argument(
+        "--allowed-image-prefix",
+        action="append",
+        default=[],
+        dest="allowed_image_prefixes",
+        metavar="PREFIX",
+        help="an RLRun's own images (trainer.image, a pool's image) must start with one of these, "
+        "e.g. registry.example.com/rl/ (repeatable; none: any image)",
+    )
+    policy.add_argument(
+        "--no-engine-args",
+        dest="allow_engine_args",
+        action="store_false",
+        help="no pool may pass extra engine arguments (engineArgs)",
+    )
+    policy.add_argument(
+        "--allowed-engine-flag",
+        action="append",
+        default=[],
+        dest="allowed_engine_flags",
+        metavar="FLAG",
+        help="the only flags engineArgs may hold, written with '=': --allowed-engine-flag=--tokenizer-path "
+        "(repeatable; none: any flag)",
+    )
+    policy.add_argument(
+        "--no-scheduling-overrides",
+        dest="allow_scheduling",
+        action="store_false",
+        help="no nodeSelector, tolerations or gpuProducts in the trainer's or a pool's scheduling "
+        "(and no priorityClassName unless --allowed-priority-class lists it)",
+    )
+    policy.add_argument(
+        "--allowed-priority-class",
+        action="append",
+        default=[],
+        dest="allowed_priority_classes",
+        metavar="NAME",
+        help="the priority classes a run may name (repeatable; none: any, unless --no-scheduling-overrides)",
+    )
     parser.add_argument(
         "--monitoring",
         choices=("auto", "podmonitor", "annotations"),
@@ -223,6 +266,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if key in OWN_LABELS:
             parser.error(f"--pod-monitor-label: {key} is the operator's own label on each run's objects")
     args.gpu_node_labels = parsed(parser, "--gpu-node-label", args.gpu_node_labels, parse_gpu_node_label)
+    for prefix in args.allowed_image_prefixes:
+        if (problem := prefix_problem(prefix)) is not None:
+            parser.error(f"--allowed-image-prefix: {problem}")
+    for flag in args.allowed_engine_flags:
+        if (problem := flag_problem(flag)) is not None:
+            parser.error(f"--allowed-engine-flag: {problem}")
+    if args.allowed_engine_flags and not args.allow_engine_args:
+        parser.error("--allowed-engine-flag: allows nothing with --no-engine-args; give one of the two")
+    for name in args.allowed_priority_classes:
+        if (problem := dns_name_problem(name)) is not None:
+            parser.error(f"--allowed-priority-class: {problem}")
     return args
 
 
@@ -256,6 +310,16 @@ def images_of(args: argparse.Namespace) -> Images:
     )
 
 
+def policy_of(args: argparse.Namespace) -> Policy:
+    return Policy(
+        allowed_images=unique(args.allowed_image_prefixes),
+        allow_engine_args=args.allow_engine_args,
+        allowed_engine_flags=unique(args.allowed_engine_flags),
+        allow_scheduling=args.allow_scheduling,
+        allowed_priority_classes=unique(args.allowed_priority_classes),
+    )
+
+
 def peering_priority(args: argparse.Namespace) -> int | None:
     """``--priority``, else 666 with ``--dev``, else one below zero per replica, else kopf's (0)."""
     if args.priority is not None:
@@ -282,6 +346,7 @@ def main(argv: list[str]) -> int:
         drain_seconds=args.drain_seconds,
         resync_interval_s=args.resync_seconds or None,
         keda=args.keda,
+        policy=policy_of(args),
         autoscaling=LoopSettings() if args.builtin_autoscaler else None,
         login=kopf.login_via_client if args.dev else None,
     )
@@ -289,6 +354,8 @@ def main(argv: list[str]) -> int:
     priority = peering_priority(args)
     if not args.standalone:
         logging.getLogger("mixrl.operator").info("peering %r with priority %s", args.peering, priority or 0)
+    if config.policy.restricts:
+        logging.getLogger("mixrl.operator").info("policy: %s", config.policy)
     kopf.run(
         registry=registry,
         clusterwide=args.all_namespaces,

@@ -25,6 +25,7 @@ from mixrl.operator import labels as L
 from mixrl.operator.apply import Applied, ApplyFailed, ApplyReport, Failure, OwnerGone, apply_object, label
 from mixrl.operator.keda import pool_scaled_object
 from mixrl.operator.kube import ApiError, KubeClient
+from mixrl.operator.policy import OPEN, Policy, violation
 from mixrl.operator.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
 from mixrl.operator.resources import (
     BuildOptions,
@@ -44,6 +45,7 @@ from mixrl.operator.status import (
     autoscaler_value,
     invalid_run_status,
     pool_status,
+    refused_run_status,
     run_status,
 )
 
@@ -67,12 +69,16 @@ class Context:
     serves: Callable[[ApiResource], Awaitable[bool]]
     """Whether the cluster serves a resource (API discovery, remembered for a while)."""
     now: Callable[[], str] = utc_now
+    policy: Policy = OPEN
+    """What the cluster lets an RLRun ask for (the chart's ``policy`` values, as flags)."""
 
 
 @dataclass
 class Outcome:
     invalid: str | None = None
     """The one-line validation message when the spec is invalid (nothing was written but status)."""
+    refused: str | None = None
+    """The one line naming what the cluster's policy refuses (nothing was written but status)."""
     report: ApplyReport = field(default_factory=ApplyReport)
     status_written: bool = False
 
@@ -91,11 +97,20 @@ def manifest(body: Obj) -> Obj:
     }
 
 
-def resolve_run(body: Obj) -> ResolvedRun:
-    """Validate and resolve a live RLRun; raises InvalidSpec with one line per problem."""
+class PolicyRefused(Exception):
+    """A valid run asks for what the cluster's policy does not allow; the message is one line."""
+
+
+def resolve_run(body: Obj, policy: Policy = OPEN) -> ResolvedRun:
+    """Validate and resolve a live RLRun; raises InvalidSpec with one line per problem, then
+    PolicyRefused when the policy refuses a valid spec (an invalid one is reported as invalid)."""
     run = parse_document(manifest(body))
     assert isinstance(run, RLRun)
-    return resolve(run)  # pool names that would collide with a component's objects are invalid
+    resolved = resolve(run)  # pool names that would collide with a component's objects are invalid
+    refused = violation(policy, run.spec)
+    if refused is not None:
+        raise PolicyRefused(refused)
+    return resolved
 
 
 def owner_of(body: Obj) -> Owner:
@@ -148,12 +163,17 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     if meta.get("deletionTimestamp"):
         return Outcome()  # the garbage collector removes the children through their owner references
     try:
-        resolved = resolve_run(body)
+        resolved = resolve_run(body, ctx.policy)
     except InvalidSpec as exc:
         new = invalid_run_status(previous, generation, exc.first_line, ctx.now())
         return Outcome(
             invalid=exc.first_line, status_written=await write_status(ctx.client, RLRUNS, body, new)
         )
+    except PolicyRefused as exc:
+        # Like an invalid spec: nothing is applied, so children that exist keep what they had.
+        line = str(exc)
+        new = refused_run_status(previous, generation, line, ctx.now())
+        return Outcome(refused=line, status_written=await write_status(ctx.client, RLRUNS, body, new))
 
     options = await ctx.options()
     owner = owner_of(body)
@@ -320,10 +340,12 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     ):
         return Outcome()  # an orphan: the garbage collector is about to remove it
     try:
-        resolved = resolve_run(run_body)
+        resolved = resolve_run(run_body, ctx.policy)
         pool = resolved.pool(spec.pool)
-    except (InvalidSpec, KeyError):
-        return Outcome()  # the run's controller reports the problem, or deletes this pool
+    except (InvalidSpec, PolicyRefused, KeyError):
+        # The run's controller reports the problem, or deletes this pool; a refused run's engines
+        # get nothing it asks for (its image, its flags), so its Deployment is left as it was.
+        return Outcome()
 
     options = await ctx.options()
     report = ApplyReport()

@@ -18,12 +18,15 @@ Obj = dict[str, Any]
 READY = "Ready"
 PROGRESSING = "Progressing"
 INVALID_SPEC = "InvalidSpec"
+POLICY_VIOLATION = "PolicyViolation"
+"""True while the cluster's policy refuses what the run asks for (mixrl.operator.policy); there only
+then, so runs the policy allows carry no condition about a policy they never met."""
 METRICS_AVAILABLE = "MetricsAvailable"
 """A SamplerPool condition the built-in autoscaler owns (Prometheus answered, or why not)."""
 AUTOSCALER_READY = "AutoscalerReady"
 """Whether whoever the spec names to scale the pools can do it (the built-in loop, KEDA, nobody)."""
 COMPONENT_CONDITIONS = ("TrainerReady", "BufferReady", "RouterReady", "RolloutReady", "SamplersReady")
-OWN_RUN_CONDITIONS = (READY, PROGRESSING, INVALID_SPEC, *COMPONENT_CONDITIONS)
+OWN_RUN_CONDITIONS = (READY, PROGRESSING, INVALID_SPEC, POLICY_VIOLATION, *COMPONENT_CONDITIONS)
 
 
 class Reason:
@@ -38,6 +41,7 @@ class Reason:
     RECONCILED = "Reconciled"
     VALID = "Valid"
     INVALID_SPEC = "InvalidSpec"
+    POLICY_VIOLATION = "PolicyViolation"
     # Events only
     APPLIED = "Applied"
     POOL_ADDED = "PoolAdded"
@@ -235,7 +239,7 @@ def run_status(
     that cannot scale still serve, so it is not part of Ready; ``problems``: children that could
     not be applied, which Progressing reports (:func:`problems_value`).
     Everything is derived from observed state, so reconciling twice yields the same status."""
-    old = list(previous.get("conditions") or [])
+    old = without_policy_violation(previous)
     subs = [
         make_condition(kind, condition_value(state), generation, now, old)
         for kind, state in components.items()
@@ -282,15 +286,46 @@ def run_status(
     }
 
 
+def without_policy_violation(previous: Obj) -> list[Obj]:
+    """The conditions before, less PolicyViolation: it is there only while the policy refuses the
+    spec, and a reconcile that gets past the policy check (or fails before it) drops it."""
+    return [c for c in previous.get("conditions") or [] if c.get("type") != POLICY_VIOLATION]
+
+
 def invalid_run_status(previous: Obj, generation: int | None, message: str, now: str) -> Obj:
     """The status of a run whose spec cannot be valid: the one-line message, nothing created."""
-    old = list(previous.get("conditions") or [])
+    old = without_policy_violation(previous)
     ours = [
         make_condition(READY, ("False", Reason.INVALID_SPEC, message), generation, now, old),
         make_condition(
             PROGRESSING, ("False", Reason.INVALID_SPEC, "waiting for a valid spec"), generation, now, old
         ),
         make_condition(INVALID_SPEC, ("True", Reason.INVALID_SPEC, message), generation, now, old),
+    ]
+    return {
+        **previous,
+        "phase": "Invalid",
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old, ours),
+    }
+
+
+def refused_run_status(previous: Obj, generation: int | None, message: str, now: str) -> Obj:
+    """The status of a valid run that the cluster's policy refuses: the one line naming the field,
+    nothing created or changed (what already runs stays as it was) until the spec or the policy
+    changes."""
+    old = list(previous.get("conditions") or [])
+    ours = [
+        make_condition(READY, ("False", Reason.POLICY_VIOLATION, message), generation, now, old),
+        make_condition(
+            PROGRESSING,
+            ("False", Reason.POLICY_VIOLATION, "waiting for a spec the cluster's policy allows"),
+            generation,
+            now,
+            old,
+        ),
+        make_condition(INVALID_SPEC, ("False", Reason.VALID, ""), generation, now, old),
+        make_condition(POLICY_VIOLATION, ("True", Reason.POLICY_VIOLATION, message), generation, now, old),
     ]
     return {
         **previous,

@@ -142,8 +142,15 @@ def default_values() -> Obj:
     return values
 
 
-def everything_on() -> Obj:
+def clusterwide() -> Obj:
+    """The defaults, but cluster-wide: the chart is namespaced unless asked (watch.allNamespaces)."""
     values = default_values()
+    values["watch"]["allNamespaces"] = True
+    return values
+
+
+def everything_on() -> Obj:
+    values = clusterwide()
     for feature in ("podMonitor", "prometheusRule", "grafanaDashboard"):
         values["monitoring"][feature]["enabled"] = True
     return values

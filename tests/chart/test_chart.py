@@ -28,7 +28,7 @@ from mixrl.operator.rbac import operator_rules, permissions
 from mixrl.operator.resources import BuildOptions, Monitoring, Owner, pool_children, run_objects
 
 from ..operator.support import small_run
-from .helm import CHART, Helm, chart_with_values, default_values, everything_on, namespaced
+from .helm import CHART, Helm, chart_with_values, clusterwide, default_values, everything_on, namespaced
 
 Obj = dict[str, Any]
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
@@ -92,7 +92,18 @@ def test_default_values_satisfy_the_schema() -> None:
         (lambda v: v["monitoring"].update(mode="grafana"), "mode"),
         (lambda v: v["operator"].update(replicas=0), "replicas"),
         (lambda v: v["operator"].update(replica=2), "replica"),  # a typo is an error, not ignored
-        (lambda v: v["watch"].update(allNamespaces=False), "namespaces"),  # namespaced needs namespaces
+        (lambda v: v["watch"].update(allNamespaces="no"), "allNamespaces"),
+        (lambda v: v["image"].update(digest="sha256:abc"), "digest"),  # 64 hex digits, or nothing
+        (lambda v: v["engineImages"]["sglang"].update(digest="md5:" + "0" * 32), "digest"),
+        (lambda v: v["policy"].update(allowedImages=["ghcr.io/ mixrl/"]), "allowedImages"),
+        (lambda v: v["policy"].update(allowedEngineFlags=["tokenizer-path"]), "allowedEngineFlags"),
+        (
+            lambda v: v["policy"].update(allowedEngineFlags=["--tp=2"]),
+            "allowedEngineFlags",
+        ),  # flags, not values
+        (lambda v: v["policy"].update(allowedPriorityClasses=["High"]), "allowedPriorityClasses"),
+        (lambda v: v["policy"].update(allowScheduling="no"), "allowScheduling"),
+        (lambda v: v["policy"].update(admision=False), "admision"),
         (lambda v: v["watch"].update(namespaces=["Not_A_Namespace"]), "Not_A_Namespace"),
         (lambda v: v["monitoring"]["podMonitor"].update(interval="often"), "often"),
         (lambda v: v["image"].update(repository=""), "repository"),
@@ -190,11 +201,14 @@ def test_helm_lint_catches_a_broken_template(helm: Helm, tmp_path: Path) -> None
     assert done.returncode != 0 and "templates/broken.yaml" in done.stdout
 
 
-def test_helm_lint_catches_a_namespaced_install_without_namespaces(helm: Helm) -> None:
+def test_the_default_namespaced_install_without_namespaces_is_refused_naming_the_setting(helm: Helm) -> None:
+    """Namespaced by default: the defaults alone name no namespace, and the install stops saying
+    which value to set (``helm lint`` passes: Helm's lint ignores ``fail``, made for required values)."""
     values = default_values()
-    values["watch"]["allNamespaces"] = False
-    done = helm.lint(values)
-    assert done.returncode != 0 and "namespaces" in done.stdout
+    assert values["watch"] == {"allNamespaces": False, "namespaces": [], "createNamespaces": False}
+    refused = helm.refusal(values)
+    assert "watch.namespaces: the operator is namespaced by default" in refused
+    assert "watch.allNamespaces=true for a cluster-wide operator" in refused
 
 
 # ----------------------------------------------------------------------------- helm template
@@ -308,7 +322,7 @@ def test_template_creates_the_watched_namespaces_when_asked_and_keeps_them(helm:
 
 
 def test_template_minimal_without_crds_rbac_or_service_account(helm: Helm) -> None:
-    values = default_values()
+    values = clusterwide()
     values["crds"]["install"] = False
     values["rbac"]["create"] = False
     values["serviceAccount"] = {"create": False, "name": "platform-operator", "annotations": {}}
@@ -340,7 +354,7 @@ def test_template_minimal_without_crds_rbac_or_service_account(helm: Helm) -> No
 def test_rbac_grants_only_what_the_enabled_features_use(
     helm: Helm, change: Any, withheld: set[tuple[str, str, str]]
 ) -> None:
-    values = default_values()
+    values = clusterwide()
     change(values)
     objects = helm.template(values)
     granted = grants(one(objects, "ClusterRole")["rules"])
@@ -361,7 +375,7 @@ def test_rbac_grants_only_what_the_enabled_features_use(
 def test_replicas_get_distinct_peering_priorities_below_a_developer(helm: Helm) -> None:
     """kopf pauses every operator that sees a live peer of its own priority: two replicas at one
     priority would both stand still.  The chart passes the pod name; each replica derives its own."""
-    values = default_values()
+    values = clusterwide()
     values["operator"]["replicas"] = 2
     objects = helm.template(values)
     deployment = one(objects, "Deployment")
@@ -381,36 +395,36 @@ def test_replicas_get_distinct_peering_priorities_below_a_developer(helm: Helm) 
 
 
 def test_two_replicas_without_peering_are_refused(helm: Helm) -> None:
-    values = default_values()
+    values = clusterwide()
     values["operator"]["replicas"] = 2
     values["peering"]["create"] = False
     assert "operator.replicas: more than one replica needs peering" in helm.refusal(values)
 
 
 def test_helm_refuses_values_the_schema_rejects_naming_the_field(helm: Helm) -> None:
-    values = default_values()
+    values = clusterwide()
     values["monitoring"]["mode"] = "grafana"
     assert "/monitoring/mode" in helm.refusal(values)
-    values = default_values()
+    values = clusterwide()
     values["componentsImage"]["tag"] = "latest"
     assert "/componentsImage/tag" in helm.refusal(values)
 
 
 def test_name_overrides_name_the_objects(helm: Helm) -> None:
-    values = default_values()
+    values = clusterwide()
     values["fullnameOverride"] = "rl-operator"
     objects = helm.template(values, "mixrl-system", "team-a")
     names = {
         o["metadata"]["name"] for o in objects if o["kind"] in ("Deployment", "ServiceAccount", "ClusterRole")
     }
     assert names == {"rl-operator"}
-    values = default_values()
+    values = clusterwide()
     values["nameOverride"] = "trainer-ops"
     objects = helm.template(values, "mixrl-system", "team-a")
     deployment = one(objects, "Deployment")
     assert deployment["metadata"]["name"] == "team-a-trainer-ops"
     assert deployment["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"] == "trainer-ops"
-    default = one(helm.template(default_values(), "mixrl-system", "team-a"), "Deployment")
+    default = one(helm.template(clusterwide(), "mixrl-system", "team-a"), "Deployment")
     assert default["metadata"]["name"] == "team-a-mixrl"
     assert default["spec"]["selector"]["matchLabels"] == {
         "app.kubernetes.io/name": "mixrl-operator",  # unchanged: a selector is immutable
@@ -422,7 +436,7 @@ def test_name_overrides_name_the_objects(helm: Helm) -> None:
 
 
 def platform_values() -> Obj:
-    values = default_values()
+    values = clusterwide()
     values["imagePullSecrets"] = [{"name": "regcred"}, {"name": "mirror"}]
     values["weights"]["storageClassName"] = "nfs-rwx"
     values["monitoring"]["podMonitorLabels"] = {"release": "kube-prometheus-stack"}
@@ -480,9 +494,7 @@ def assert_pinned(reference: str) -> None:
 
 @pytest.mark.parametrize("variant", ["default", "everything", "platform"])
 def test_no_image_the_chart_renders_or_passes_on_is_untagged_or_latest(helm: Helm, variant: str) -> None:
-    values = {"default": default_values(), "everything": everything_on(), "platform": platform_values()}[
-        variant
-    ]
+    values = {"default": clusterwide(), "everything": everything_on(), "platform": platform_values()}[variant]
     objects = helm.template(values)
     args = operator_args(objects)
     flags = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.split("=", 1)[0] in IMAGE_FLAGS}

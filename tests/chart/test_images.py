@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE
 from mixrl.operator.objects import Images
@@ -72,3 +75,88 @@ def test_dockerfile_is_multi_stage_pinned_and_non_root(dockerfile: Path) -> None
     )
     assert entry == [expected]
     assert (dockerfile.parent / "Dockerfile.dockerignore").read_text().count(".venv") >= 1
+
+
+# ----------------------------------------------------------------------------- pinned dependencies
+
+CONSTRAINTS = IMAGES / "constraints.txt"
+PYPROJECT = IMAGES.parent / "pyproject.toml"
+
+
+def constraint_pins() -> dict[str, str]:
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, equals, version = line.partition("==")
+            assert equals and version and " " not in line, f"not an exact pin: {line!r}"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def pip_installs(dockerfile: Path) -> list[list[str]]:
+    """The arguments of every ``pip install`` the Dockerfile runs, ARG values filled in."""
+    steps = instructions(dockerfile)
+    args = {
+        rest.split("=", 1)[0]: rest.split("=", 1)[1] for word, rest in steps if word == "ARG" and "=" in rest
+    }
+    out = []
+    for word, rest in steps:
+        if word != "RUN":
+            continue
+        for command in rest.split("&&"):
+            tokens = shlex.split(re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), command))
+            if tokens[:2] == ["pip", "install"]:
+                out.append(tokens[2:])
+    return out
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.parent.name)
+def test_every_runtime_install_is_pinned(dockerfile: Path) -> None:
+    """No open version range: each requirement is ``==``, or a name images/constraints.txt pins
+    (installed with ``--constraint``); a local wheel brings its dependencies under the same rule."""
+    pins = constraint_pins()
+    for install in pip_installs(dockerfile):
+        constrained = "/tmp/constraints.txt" in install
+        if constrained:
+            copied = [rest for word, rest in instructions(dockerfile) if word == "COPY"]
+            assert "images/constraints.txt /tmp/constraints.txt" in copied
+        values = {
+            install[i + 1] for i, token in enumerate(install) if token in ("--constraint", "--index-url")
+        }
+        for token in install:
+            if token.startswith("-") or token in values:
+                continue
+            if token.startswith("/wheels/"):  # mixrl's wheel: its dependencies are resolved too
+                assert constrained or "--no-deps" in install, f"{dockerfile.parent.name}: {install}"
+                continue
+            requirement = Requirement(token)
+            name = canonicalize_name(requirement.name)
+            exact = [s.version for s in requirement.specifier if s.operator == "=="]
+            if exact:
+                assert len(requirement.specifier) == 1, token
+                assert name not in pins or pins[name] == exact[0], (
+                    f"{token} but constraints.txt says {pins[name]}"
+                )
+            else:
+                assert not requirement.specifier, f"{dockerfile.parent.name}: open range {token}"
+                assert constrained and name in pins, f"{dockerfile.parent.name}: {token} is not pinned"
+
+
+def test_the_constraints_pin_every_runtime_dependency_within_pyproject() -> None:
+    import tomllib
+
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    pins = constraint_pins()
+    for text in project["dependencies"]:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        if name == "torch":  # TORCH_SPEC, or the CUDA base image's own
+            assert name not in pins
+            continue
+        assert name in pins, f"{name} is not pinned in images/constraints.txt"
+        assert requirement.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {text}"
+    megatron = Requirement(next(r for r in project["optional-dependencies"]["megatron"] if "megatron" in r))
+    installs = pip_installs(IMAGES / "trainer-megatron" / "Dockerfile")
+    (pinned,) = [Requirement(t) for install in installs for t in install if t.startswith("megatron-core")]
+    (spec,) = pinned.specifier
+    assert spec.operator == "==" and megatron.specifier.contains(spec.version), str(pinned)

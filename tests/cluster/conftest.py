@@ -140,6 +140,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
             "--wait",
             "--timeout",
             "120s",
+            "--set",
+            "watch.allNamespaces=true",  # the chart is namespaced by default; these tests make namespaces as they go
         )
         bed.kubectl("wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{c}" for c in CRDS))
         yield bed

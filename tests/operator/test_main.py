@@ -12,8 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority, replica_priority
+from mixrl.operator.main import (
+    DEV_PRIORITY,
+    images_of,
+    parse_args,
+    peering_priority,
+    policy_of,
+    replica_priority,
+)
 from mixrl.operator.objects import Images
+from mixrl.operator.policy import OPEN, Policy
 
 from .emulator import ApiServer
 from .support import DEPLOYMENTS, NAMESPACE, create, eventually, small_run
@@ -55,6 +63,24 @@ current-context: emulator
         (["--standalone", "--replica-id", "pod-a"], "--replica-id: a standalone operator has no peers"),
         (["--resync-seconds", "-1"], "--resync-seconds: must be 0 or more"),
         (
+            ["--allowed-image-prefix", "ghcr.io/ mixrl/"],
+            "--allowed-image-prefix: 'ghcr.io/ mixrl/' is not an image prefix",
+        ),
+        (["--allowed-image-prefix", ""], "--allowed-image-prefix: '' is not an image prefix"),
+        (
+            ["--allowed-engine-flag", "tokenizer-path"],
+            "--allowed-engine-flag: 'tokenizer-path' is not a flag",
+        ),
+        (["--allowed-engine-flag=--tp=2"], "--allowed-engine-flag: '--tp=2' is not a flag"),
+        (
+            ["--no-engine-args", "--allowed-engine-flag=--tp"],
+            "--allowed-engine-flag: allows nothing with --no-engine-args",
+        ),
+        (
+            ["--allowed-priority-class", "High"],
+            "--allowed-priority-class: 'High' is not a DNS subdomain name",
+        ),
+        (
             ["--priority", "5", "--replica-id", "pod-a"],
             "argument --replica-id: not allowed with argument --priority",
         ),
@@ -68,6 +94,28 @@ def test_a_bad_flag_is_one_line_naming_it(
     assert exited.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith(f"mixrl operator: error: {line}"), error
+
+
+def test_the_policy_flags_become_the_operators_policy() -> None:
+    assert policy_of(parse_args(["-A"])) == OPEN, "no flag, no restriction"
+    args = parse_args(
+        [
+            "-A",
+            "--allowed-image-prefix=ghcr.io/mixrl/",
+            "--allowed-image-prefix=lmsysorg/sglang:",
+            "--allowed-image-prefix=ghcr.io/mixrl/",
+            "--allowed-engine-flag=--tokenizer-path",
+            "--no-scheduling-overrides",
+            "--allowed-priority-class=rl-batch",
+        ]
+    )
+    assert policy_of(args) == Policy(
+        allowed_images=("ghcr.io/mixrl/", "lmsysorg/sglang:"),
+        allowed_engine_flags=("--tokenizer-path",),
+        allow_scheduling=False,
+        allowed_priority_classes=("rl-batch",),
+    )
+    assert not policy_of(parse_args(["-A", "--no-engine-args"])).allow_engine_args
 
 
 def test_every_default_image_is_pinned_to_this_version() -> None:

@@ -41,10 +41,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* <repository>:<tag>, the tag defaulting to the chart's appVersion (never latest: the schema
-refuses it). Called with (dict "root" $ "image" .Values.someImage). */}}
+{{/* <repository>@<digest> when a digest is set (it names the image itself; a tag can be pushed
+again), else <repository>:<tag>, the tag defaulting to the chart's appVersion (never latest: the
+schema refuses it). Called with (dict "root" $ "image" .Values.someImage). */}}
 {{- define "mixrl.image" -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" .image.repository .image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The watched namespaces, checked: a namespaced operator needs at least one, and each must exist
@@ -54,7 +59,7 @@ rendering). */}}
 {{- define "mixrl.watchedNamespaces" -}}
 {{- if not .Values.watch.allNamespaces -}}
 {{- if empty .Values.watch.namespaces -}}
-{{- fail "watch.namespaces: list at least one namespace, or set watch.allNamespaces to true" -}}
+{{- fail "watch.namespaces: the operator is namespaced by default; list the namespaces it may run RLRuns in (--set 'watch.namespaces={rl}'), or set watch.allNamespaces=true for a cluster-wide operator (a ClusterRole)" -}}
 {{- end -}}
 {{- if and (not .Values.watch.createNamespaces) (lookup "v1" "Namespace" "" "default") -}}
 {{- range .Values.watch.namespaces -}}
@@ -88,4 +93,12 @@ operator needs, plus the rules of each feature the values turn on. Called with
 {{- if $v.peering.create }}
 {{ .root.Files.Get (printf "files/rbac/peering-%s.yaml" .scope) }}
 {{- end }}
+{{- end -}}
+
+{{/* Whether the policy values restrict anything (then the admission policy is worth installing). */}}
+{{- define "mixrl.policyRestricts" -}}
+{{- $p := .Values.policy -}}
+{{- if or $p.allowedImages (not $p.allowEngineArgs) $p.allowedEngineFlags (not $p.allowScheduling) $p.allowedPriorityClasses -}}
+true
+{{- end -}}
 {{- end -}}
