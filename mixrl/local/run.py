@@ -4,6 +4,10 @@ Starts the buffer, one torch engine per pool replica (each at its emulated preci
 the rollout worker and the trainer as local processes on loopback; shows progress; stops them in
 order on Ctrl-C or when the trainer finishes; writes ``runs/<name>/`` (resolved config, logs,
 metrics.jsonl, evaluations.jsonl, weights, checkpoint, report.png, report.md).
+
+Each start draws a fresh token (``secrets.token_urlsafe``), writes it to ``runs/<name>/auth-token``
+(mode 0600) and passes ``--auth-token-file`` to every component, servers and clients alike: other
+users and processes on the machine cannot reload the engines or write to the buffer (docs/auth.md).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -23,11 +28,14 @@ from mixrl.api.loader import ManifestUnreadable, load_rlrun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.local.processes import Component, ComponentStartError, free_port, wait_healthy
 from mixrl.local.report import step_records, write_report
+from mixrl.rl.auth import TOKEN_FILE_FLAG, AuthToken, write_token_file
 
 MAX_TRAINER_RESTARTS = 3
 # One intra-op thread per process: the local run has more processes than cores, and OpenMP threads
 # spinning on oversubscribed cores cost far more than the parallelism gains on a tiny model.
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+AUTH_TOKEN_FILE = "auth-token"
+TOKEN_BYTES = 32
 
 
 class Interrupted(Exception):
@@ -57,8 +65,13 @@ class Supervisor:
         self.components: list[Component] = []
         self.config_path = run_dir / "resolved.json"
         self.logs = run_dir / "logs"
+        # A new token per start: components of an earlier start (or anyone who read its file)
+        # cannot act on this one.  Every component reads it from the file, never from its argv.
+        self.token_path = run_dir / AUTH_TOKEN_FILE
+        write_token_file(self.token_path, AuthToken(secrets.token_urlsafe(TOKEN_BYTES)))
 
     def _component(self, name: str, args: list[str], health: str | None) -> Component:
+        args = [*args, TOKEN_FILE_FLAG, str(self.token_path)]
         component = Component(name, args, self.logs / f"{name}.log", health)
         self.components.append(component)
         return component

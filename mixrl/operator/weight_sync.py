@@ -11,6 +11,11 @@ engine starts from), then as the ``weight-sync`` sidecar (follow the weight stor
   ``--model-path`` points at it, so a restarted engine starts from the latest version.
 - When the store's latest version differs from the one the engine reports, the sidecar pauses
   generation in place, calls ``/update_weights_from_disk`` and continues: sessions keep going.
+- Those calls change the engine's state, so they carry the run's token (``--auth-token-file``, a
+  mounted Secret, or ``$MIXRL_AUTH_TOKEN``); it goes with every request, as SGLang's ``--api-key``
+  wants it even on ``/get_weight_version``.  The sidecar refuses to follow without one unless
+  ``--insecure-no-auth``; an engine that answers 401 stops it with one line (a wrong Secret does not
+  fix itself by retrying).  ``--once`` never calls the engine and needs no token.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from pathlib import Path
 
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
+from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args
 from mixrl.rl.engine.client import EngineClient, EngineError
 from mixrl.rl.weights import WeightStore, WeightStoreError
 
@@ -120,7 +126,11 @@ async def follow(
                 served = await engine.get_weight_version()
                 if served != latest:
                     await sync_engine(store, pool, output, engine, latest)
-        except (EngineError, SyncError, WeightStoreError, OSError) as exc:
+        except EngineError as exc:
+            if exc.status == 401:
+                raise SyncError(f"the engine refused the token: {exc}") from None
+            log.warning("weight sync of pool %s: %s (retrying)", pool.name, exc)
+        except (SyncError, WeightStoreError, OSError) as exc:
             log.warning("weight sync of pool %s: %s (retrying)", pool.name, exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=poll_s)
@@ -141,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=0.0, help="--once: give up after this many seconds (0: never)"
     )
+    add_auth_arguments(parser)
     return parser
 
 
@@ -165,11 +176,15 @@ async def run_sidecar(args: argparse.Namespace) -> int:
     if args.once:
         await prepare(store, pool, args.output, args.poll, args.timeout)
         return 0
+    try:
+        auth_token = token_from_args(args)
+    except AuthConfigError as exc:
+        raise SyncError(str(exc)) from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with EngineClient(args.engine_url, timeout_s=600.0) as engine:
+    async with EngineClient(args.engine_url, timeout_s=600.0, auth_token=auth_token) as engine:
         await follow(store, pool, args.output, engine, args.poll, stop)
     return 0
 

@@ -6,6 +6,8 @@ from typing import Self
 
 import aiohttp
 
+from mixrl.rl.auth import AuthToken, bearer_headers
+
 
 class SessionClient:
     """Uses the caller's ``aiohttp.ClientSession``, or opens its own on first use and closes it.
@@ -13,11 +15,20 @@ class SessionClient:
     ``async with Client(url) as client: ...`` closes an owned session on the way out; a session the
     caller passed in stays open (the caller closes it).  Subclasses override ``_new_session`` to set
     timeouts or connection limits.
+
+    ``auth_token``: the run's token, sent as ``Authorization: Bearer …`` with every request (see
+    :attr:`headers`), on read-only endpoints too: SGLang's ``--api-key`` protects everything but
+    ``/health`` and ``/metrics``, and one client talks to SGLang and mixrl's servers alike.  It goes
+    with each request rather than on the session, so a session the caller passed in carries it too.
     """
 
-    def __init__(self, session: aiohttp.ClientSession | None = None) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession | None = None, auth_token: AuthToken | None = None
+    ) -> None:
         self._session = session
         self._owns_session = session is None
+        self.headers: dict[str, str] = bearer_headers(auth_token)
+        """Headers every request of this client carries (the token's, when there is one)."""
 
     async def __aenter__(self) -> Self:
         return self

@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from mixrl.api.trajectory import TokenRecord, Trajectory
+from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
@@ -84,18 +85,20 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         samples_per_prompt: int = 4,
         max_staleness: int | None = None,
         directory: Path | None = None,
+        auth_token: AuthToken | None = None,
     ) -> RunningBuffer:
         buffer = TrajectoryBuffer(
             directory or tmp_path / "buffer", prompts_per_update, samples_per_prompt, max_staleness
         )
-        server = BufferServer(buffer, run="test")
+        server = BufferServer(buffer, run="test", auth_token=auth_token)
         runner = web.AppRunner(server.app(), shutdown_timeout=0.5)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         host, port = runner.addresses[0][:2]
         url = f"http://{host}:{port}"
-        running = RunningBuffer(buffer, server, url, BufferClient(url, retries=1, backoff_s=0.05))
+        client = BufferClient(url, retries=1, backoff_s=0.05, auth_token=auth_token)
+        running = RunningBuffer(buffer, server, url, client)
         started.append((runner, running))
         return running
 

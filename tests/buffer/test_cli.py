@@ -17,7 +17,10 @@ from mixrl.rl.buffer.client import BufferClient
 from .conftest import group_of
 
 
-async def start_process(directory: Path, port_file: Path, *extra: str) -> asyncio.subprocess.Process:
+async def start_process(
+    directory: Path, port_file: Path, *extra: str, auth: tuple[str, ...] = ("--insecure-no-auth",)
+) -> asyncio.subprocess.Process:
+    """``mixrl buffer`` on a free port; ``auth`` are its token flags (none checked by default)."""
     port_file.unlink(missing_ok=True)
     process = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -34,6 +37,7 @@ async def start_process(directory: Path, port_file: Path, *extra: str) -> asynci
         "2",
         "--samples-per-prompt",
         "2",
+        *auth,
         *extra,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -126,7 +130,7 @@ def test_a_damaged_log_stops_the_start_with_one_line(tmp_path: Path) -> None:
         '{"kind": "commit", "step": "x"}\n{"kind": "commit", "step": 1}\n'
     )
     result = subprocess.run(
-        [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path), *SIZES, "--port", "0"],
+        [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path), *SIZES, "--insecure-no-auth"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -161,6 +165,7 @@ async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) 
         str(port_file),
         "--metrics-port",
         str(metrics_port),
+        "--insecure-no-auth",
         stderr=asyncio.subprocess.DEVNULL,
         env={**os.environ, "MIXRL_BUFFER_DIR": str(tmp_path / "buf")},
     )

@@ -28,6 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from mixrl.rl import quant
+from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.process import EngineProcess
 from mixrl.rl.engine.server import build_app
 from mixrl.rl.engine.service import EngineConfig, EngineService
@@ -62,14 +63,17 @@ def engine(dense_path: str) -> Iterator[EngineProcess]:
 
 
 @contextlib.asynccontextmanager
-async def serve_in_process(**config: object) -> AsyncIterator[tuple[str, EngineService]]:
+async def serve_in_process(
+    auth_token: AuthToken | None = None, **config: object
+) -> AsyncIterator[tuple[str, EngineService]]:
     """The engine's HTTP app on a loopback port inside this process (no start-up cost).
 
     Yields its URL and the service behind it.
-    Same application as `mixrl engine`, minus the command line and the child process.
+    Same application as `mixrl engine`, minus the command line and the child process; with
+    ``auth_token`` its control endpoints need the token, as with ``--auth-token-file``.
     """
     service = EngineService(EngineConfig(**config))  # type: ignore[arg-type]
-    runner = web.AppRunner(build_app(service), shutdown_timeout=1.0)
+    runner = web.AppRunner(build_app(service, auth_token), shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -72,6 +72,18 @@ def test_short_run_trains_with_engines_reloading(tmp_path: Path, model_cache: Pa
     store = sorted(p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("v"))
     assert store[-1] == "v00000004"
 
+    # Every component ran with this start's token (the engines reloaded and the buffer took
+    # trajectories, both authenticated); it is in a file only its owner reads, and in no log.
+    token_file = run_dir / "auth-token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 40
+    for log in (run_dir / "logs").glob("*.log"):
+        text = log.read_text()
+        assert token not in text, log.name
+        assert "authentication is off" not in text and "refused " not in text, log.name
+    assert token not in result.stdout + result.stderr
+
 
 def test_killed_trainer_resumes_and_loses_no_trajectory(tmp_path: Path, model_cache: Path) -> None:
     spec = small_run(tmp_path, "killtest", steps=6)

@@ -15,6 +15,7 @@ from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.operator import weight_sync
+from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.engine.process import EngineProcess
 from mixrl.rl.models import create_tiny_checkpoint, load_model
@@ -25,6 +26,7 @@ from .support import small_run
 hf_logging.disable_progress_bar()
 
 Obj = dict[str, Any]
+TOKEN = AuthToken("weight-sync-test-token-" + "w" * 24)
 
 
 def resolved_run(store: Path) -> ResolvedRun:
@@ -100,19 +102,22 @@ async def test_the_sidecar_moves_a_running_engine_to_each_new_version(
     output = tmp_path / "engine-weights"
     await asyncio.to_thread(publish, store, model_dir, 0)
     await weight_sync.prepare(store, pool, output, 0.02, 30)
-    engine = EngineProcess(output / "current", weight_precision="fp8", pool="emul")
+    # The engine requires the run's token on its control endpoints, as in a pod.
+    engine = EngineProcess(output / "current", weight_precision="fp8", pool="emul", auth_token=TOKEN)
     await asyncio.to_thread(engine.start)
     stop = asyncio.Event()
     try:
-        async with EngineClient(engine.url) as client:
+        async with EngineClient(engine.url, auth_token=TOKEN) as client:
             follower = asyncio.create_task(weight_sync.follow(store, pool, output, client, 0.05, stop))
             await asyncio.to_thread(publish, store, model_dir, 1, 1.5)
+            # The link moves just after the engine reports the version: wait for both.
+            served_v1 = Path(store.path(1)).resolve()
             for _ in range(400):
-                if await client.get_weight_version() == 1:
+                if await client.get_weight_version() == 1 and (output / "current").resolve() == served_v1:
                     break
                 await asyncio.sleep(0.05)
             assert await client.get_weight_version() == 1
-            assert (output / "current").resolve() == Path(store.path(1)).resolve()
+            assert (output / "current").resolve() == served_v1
             # A trainer that resumes from an older checkpoint removes newer versions: follow it back.
             await asyncio.to_thread(store.storage.remove, "v00000001")
             for _ in range(400):
@@ -122,6 +127,18 @@ async def test_the_sidecar_moves_a_running_engine_to_each_new_version(
             assert await client.get_weight_version() == 0
             stop.set()
             await asyncio.wait_for(follower, 10)
+        # Without the token the engine refuses to pause: one line, not an endless retry.
+        await asyncio.to_thread(publish, store, model_dir, 2, 0.5)
+        async with EngineClient(engine.url) as anonymous:
+            with pytest.raises(weight_sync.SyncError) as refused:
+                await asyncio.wait_for(
+                    weight_sync.follow(store, pool, output, anonymous, 0.05, asyncio.Event()), 60
+                )
+            assert await anonymous.get_weight_version() == 0
+        assert str(refused.value).startswith(
+            "the engine refused the token: POST /pause_generation: HTTP 401: unauthorized"
+        )
+        assert TOKEN.reveal() not in engine.log_tail(200)
     finally:
         await asyncio.to_thread(engine.close)
 
@@ -143,3 +160,21 @@ def test_command_line_errors_are_one_line(tmp_path: Path, capsys: pytest.Capture
     assert capsys.readouterr().err.strip().startswith("mixrl engine-sync: --config: cannot read")
     assert weight_sync.main(["--config", str(config), "--pool", "emul", "--output", "x", "--poll", "0"]) == 2
     assert capsys.readouterr().err.strip() == "mixrl engine-sync: --poll: must be positive"
+
+
+def test_following_needs_a_token_and_once_does_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MIXRL_AUTH_TOKEN", raising=False)
+    run = resolved_run(tmp_path / "store")
+    config = tmp_path / "run.json"
+    config.write_text(run.model_dump_json())
+    follow = ["--config", str(config), "--pool", "emul", "--output", str(tmp_path / "out")]
+    assert weight_sync.main(follow) == 1
+    assert capsys.readouterr().err.strip() == (
+        "mixrl engine-sync: no auth token: give --auth-token-file PATH or set MIXRL_AUTH_TOKEN "
+        "(--insecure-no-auth runs without one, open to anyone who reaches the port)"
+    )
+    # The init container never calls the engine: it gets as far as waiting for a version.
+    assert weight_sync.main([*follow, "--once", "--poll", "0.01", "--timeout", "0.05"]) == 1
+    assert capsys.readouterr().err.strip().endswith("within 0 s")

@@ -32,6 +32,7 @@ import pytest
 from aiohttp import web
 
 from mixrl.api.trajectory import TokenRecord
+from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
@@ -220,7 +221,9 @@ class RunningRouter:
 async def start_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]]]:
     runners: list[web.AppRunner] = []
 
-    async def start(pools: dict[str, list[ScriptedEngine]], run: str = "test") -> RunningRouter:
+    async def start(
+        pools: dict[str, list[ScriptedEngine]], run: str = "test", auth_token: AuthToken | None = None
+    ) -> RunningRouter:
         config = RouterConfig(
             run=run,
             pools=tuple(
@@ -234,7 +237,7 @@ async def start_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]
                 for name, replicas in pools.items()
             ),
         )
-        router = Router(config, RouterSettings(run=run, health_interval=3600.0))
+        router = Router(config, RouterSettings(run=run, health_interval=3600.0, auth_token=auth_token))
         runner, url = await serve(router.app())
         runners.append(runner)
         return RunningRouter(router, url)
@@ -255,10 +258,13 @@ class RunningBuffer:
 async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[RunningBuffer]]]:
     started: list[tuple[web.AppRunner, RunningBuffer]] = []
 
-    async def start(prompts_per_update: int, samples_per_prompt: int) -> RunningBuffer:
+    async def start(
+        prompts_per_update: int, samples_per_prompt: int, auth_token: AuthToken | None = None
+    ) -> RunningBuffer:
         buffer = TrajectoryBuffer(tmp_path / "buffer", prompts_per_update, samples_per_prompt)
-        runner, url = await serve(BufferServer(buffer, run="test").app())
-        running = RunningBuffer(buffer, url, BufferClient(url, retries=1, backoff_s=0.05))
+        runner, url = await serve(BufferServer(buffer, run="test", auth_token=auth_token).app())
+        client = BufferClient(url, retries=1, backoff_s=0.05, auth_token=auth_token)
+        running = RunningBuffer(buffer, url, client)
         started.append((runner, running))
         return running
 

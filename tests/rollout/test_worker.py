@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,7 @@ import pytest
 from mixrl.api.loader import parse_document
 from mixrl.api.resolve import ResolvedRun, SamplingParams, resolve
 from mixrl.api.trajectory import Trajectory
+from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.engine.records import EngineResponseError
 from mixrl.rl.rollout.agent import PoolInfo
 from mixrl.rl.rollout.demos import demonstration_tokens
@@ -296,8 +298,11 @@ async def test_sigterm_stops_the_process_cleanly(
     start_buffer: Callable[..., Awaitable[RunningBuffer]],
 ) -> None:
     engine = await engines("a")
-    router = await start_router({"a": [engine]})
-    buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4)
+    # The run's token on both servers: the process must send it (ending sessions, posting groups).
+    token = AuthToken("rollout-test-token-" + "x" * 24)
+    write_token_file(tmp_path / "auth-token", token)
+    router = await start_router({"a": [engine]}, auth_token=token)
+    buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4, auth_token=token)
     config = tmp_path / "resolved.json"
     config.write_text(resolved_run().model_dump_json())
     tokenizer = tmp_path / "tokenizer.json"
@@ -317,6 +322,8 @@ async def test_sigterm_stops_the_process_cleanly(
         str(tokenizer),
         "--progress-every",
         "0.5",
+        "--auth-token-file",
+        str(tmp_path / "auth-token"),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         cwd=REPO,
@@ -335,6 +342,58 @@ async def test_sigterm_stops_the_process_cleanly(
     assert "held-out evaluation at step 0" in text and "rollout: done:" in text
     assert router.router.state.sessions == {}  # in-flight episodes ended their sessions
     assert "Traceback" not in text
+    assert token.reveal() not in text
+
+
+async def test_a_token_the_buffer_refuses_stops_the_process_with_one_line(
+    tmp_path: Path,
+    engines: Callable[..., Awaitable[ScriptedEngine]],
+    start_router: Callable[..., Awaitable[RunningRouter]],
+    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+) -> None:
+    engine = await engines("a")
+    router = await start_router({"a": [engine]})
+    buffer = await start_buffer(
+        prompts_per_update=100, samples_per_prompt=4, auth_token=AuthToken("the-runs-own-token-0123456789")
+    )
+    wrong = AuthToken("not-the-runs-token-0123456789")
+    write_token_file(tmp_path / "auth-token", wrong)
+    config = tmp_path / "resolved.json"
+    config.write_text(resolved_run().model_dump_json())
+    tokenizer = tmp_path / "tokenizer.json"
+    TOKENIZER.save(tokenizer)
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [
+            *(sys.executable, "-m", "mixrl.cli", "rollout", "--config", str(config)),
+            *("--router", router.url, "--buffer", buffer.url, "--tokenizer", str(tokenizer)),
+            *("--auth-token-file", str(tmp_path / "auth-token")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    # The step-0 evaluation is the first write; its 401 ends the worker instead of every group failing.
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "mixrl rollout: buffer: POST /evaluations: 401: unauthorized: the bearer token is not this run's"
+    )
+    assert "Traceback" not in result.stderr and wrong.reveal() not in result.stdout + result.stderr
+    assert buffer.buffer.stats()["evaluations"] == 0
+
+
+def test_without_a_token_it_refuses_to_start_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MIXRL_AUTH_TOKEN", raising=False)
+    config = tmp_path / "resolved.json"
+    config.write_text(resolved_run().model_dump_json())
+    assert main(["--config", str(config), "--router", "http://x", "--buffer", "http://y"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mixrl rollout: no auth token: give --auth-token-file PATH or set MIXRL_AUTH_TOKEN "
+        "(--insecure-no-auth runs without one, open to anyone who reaches the port)"
+    )
 
 
 def test_bad_config_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

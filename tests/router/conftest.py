@@ -7,7 +7,8 @@ mid-request when a replica is killed, and in ``test_real_engine.py`` real torch 
 Stand-ins, named as such:
 - ``StandInEngine``: a small aiohttp server on loopback that speaks the subset of SGLang's API the
   router touches (``/generate``, ``/health``, ``/metrics`` with ``sglang:gen_throughput``,
-  ``/update_weights_from_disk``) and records what it received.  It generates no real tokens.  Its
+  ``/update_weights_from_disk``) and records what it received.  With ``api_key`` it checks the
+  bearer token as SGLang's ``--api-key`` does (every route but ``/health*`` and ``/metrics``).  It generates no real tokens.  Its
   ``kill()`` shuts the server down with requests in flight, which the router sees as a replica
   dying (connection dropped, then refused).
 - ``StandInResolver``: replaces DNS for discovery tests (in a cluster, getaddrinfo on the pool's
@@ -53,12 +54,16 @@ class StandInEngine:
     generate_bodies: list[bytes] = field(default_factory=list)
     sessions_seen: list[str | None] = field(default_factory=list)
     update_bodies: list[dict[str, Any]] = field(default_factory=list)
+    api_key: str | None = None
+    """As SGLang's ``--api-key``: every route but /health and /metrics needs ``Bearer <api_key>``."""
+    authorizations: list[str | None] = field(default_factory=list)
+    """The Authorization header of every /generate and /update_weights_from_disk received."""
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     url: str = ""
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._api_key_check])
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -74,6 +79,18 @@ class StandInEngine:
         if self.runner is not None:
             await self.runner.cleanup()
             self.runner = None
+
+    @web.middleware
+    async def _api_key_check(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """SGLang's check (``add_api_key_middleware``): health and metrics stay open."""
+        if request.path in ("/generate", "/update_weights_from_disk"):
+            self.authorizations.append(request.headers.get("Authorization"))
+        open_path = request.path.startswith("/health") or request.path.startswith("/metrics")
+        wanted = None if self.api_key is None or open_path else f"Bearer {self.api_key}"
+        if wanted is not None and request.headers.get("Authorization") != wanted:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def _generate(self, request: web.Request) -> web.Response:
         body = await request.read()

@@ -69,6 +69,7 @@ async def test_router_process_serves_and_stops_on_sigterm(tmp_path: Path, engine
         "0",
         "--port-file",
         str(port_file),
+        "--insecure-no-auth",
         stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -126,6 +127,7 @@ async def test_config_mode_discovers_by_dns_and_serves_metrics_on_its_own_port(t
         str(metrics_port),
         "--dns-suffix",
         ".invalid",
+        "--insecure-no-auth",
         stderr=asyncio.subprocess.PIPE,
     )
     try:

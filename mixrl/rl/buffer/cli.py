@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from mixrl.api.resolve import BUFFER_PORT, ResolvedRun
+from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args, warn_if_open
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import BufferLogError, TrajectoryBuffer
 from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_app
@@ -46,12 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--run", default=None, help="run name for metric labels")
     add_listen_arguments(parser, BUFFER_PORT)
+    add_auth_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser
 
 
-def _settings(args: argparse.Namespace) -> tuple[str, int, int, int | None]:
-    """(run, prompts_per_update, samples_per_prompt, max_staleness); flags override --config."""
+def _settings(args: argparse.Namespace) -> tuple[str, int, int, int | None, AuthToken | None]:
+    """(run, prompts_per_update, samples_per_prompt, max_staleness, token); flags override --config."""
     if args.dir is None:
         raise ValueError("--dir: required (or set MIXRL_BUFFER_DIR)")
     problem = listen_problem(args)
@@ -88,13 +90,14 @@ def _settings(args: argparse.Namespace) -> tuple[str, int, int, int | None]:
         raise ValueError(f"--samples-per-prompt: must be ≥ 1, got {samples}")
     if staleness is not None and staleness < 0:
         raise ValueError(f"--max-staleness: must be ≥ 0, got {staleness}")
-    return run, prompts, samples, staleness
+    # Last, so that a bad size is reported as such; an AuthConfigError is a ValueError: one line.
+    return run, prompts, samples, staleness, token_from_args(args)
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
-        run, prompts, samples, staleness = _settings(args)
+        run, prompts, samples, staleness, auth_token = _settings(args)
     except ValueError as exc:
         print(f"mixrl buffer: {exc}", file=sys.stderr)
         return 2
@@ -105,7 +108,8 @@ def main(argv: list[str]) -> int:
         print(f"mixrl buffer: --dir: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(BufferServer(buffer, run), args.host, args.port, args.port_file, args.metrics_port))
+        server = BufferServer(buffer, run, auth_token)
+        asyncio.run(serve(server, args.host, args.port, args.port_file, args.metrics_port))
     finally:
         buffer.close()
     return 0
@@ -126,6 +130,7 @@ async def serve(
             state.samples_per_prompt,
             state.max_staleness,
         )
+        warn_if_open(server.auth_token, log, "post trajectories, take batches and commit steps")
 
     await serve_app(
         server.app(),

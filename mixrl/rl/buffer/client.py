@@ -7,7 +7,7 @@ monitor) and never assigns anything.
 
 Retries: calls that are safe to repeat (batch, commit, stats, evaluations list) are retried with
 backoff when the buffer cannot be reached or drops the connection (it may be restarting; it
-rebuilds its state from its logs).  Posting trajectories or an evaluation is retried only when the
+rebuilds its state from its logs).  A 401 (no token, or not this run's) is never retried.  Posting trajectories or an evaluation is retried only when the
 connection could not be made at all, so a retry can never log the same trajectory twice.
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from mixrl.api.trajectory import Trajectory
+from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.grouping import StalenessStats
 from mixrl.rl.http import SessionClient
 
@@ -66,7 +67,10 @@ class Batch:
 
 
 class BufferClient(SessionClient):
-    """``async with BufferClient("http://127.0.0.1:8100") as buffer: await buffer.get_batch(3)``."""
+    """``async with BufferClient("http://127.0.0.1:8100") as buffer: await buffer.get_batch(3)``.
+
+    ``auth_token``: the run's token, sent with every request; the buffer's writes need it.
+    """
 
     def __init__(
         self,
@@ -76,9 +80,10 @@ class BufferClient(SessionClient):
         timeout_s: float = 120.0,
         retries: int = 5,
         backoff_s: float = 0.2,
+        auth_token: AuthToken | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        super().__init__(session)
+        super().__init__(session, auth_token)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -99,7 +104,7 @@ class BufferClient(SessionClient):
         for attempt in range(self.retries + 1):
             try:
                 async with self._http().request(
-                    method, url, json=json, params=params, timeout=timeout
+                    method, url, json=json, params=params, timeout=timeout, headers=self.headers
                 ) as resp:
                     status = resp.status
                     payload = await resp.json() if status != 204 else None

@@ -13,12 +13,17 @@
 - ``POST /evaluations``; ``GET /evaluations``; ``GET /stats``; ``GET /health``; ``GET /metrics``
   (``mixrl_buffer_*``).
 File I/O runs in worker threads; the store's own lock keeps its state consistent.
+
+Authentication (docs/auth.md): with a token, every POST (trajectories, taking a batch, commits,
+evaluations) needs ``Authorization: Bearer <token>`` and answers 401 without it, having changed
+nothing; the GET reads, ``/health`` and ``/metrics`` stay open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -31,8 +36,22 @@ from pydantic import ValidationError
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl import metrics
+from mixrl.rl.auth import AuthToken, auth_middlewares
 from mixrl.rl.buffer.grouping import StepError
 from mixrl.rl.buffer.store import Evaluation, TrajectoryBuffer
+
+log = logging.getLogger("mixrl.buffer")
+
+OPEN_ROUTES = frozenset(
+    {
+        ("GET", "/batch"),
+        ("GET", "/evaluations"),
+        ("GET", "/stats"),
+        ("GET", "/health"),
+        ("GET", "/metrics"),
+    }
+)
+"""Routes that answer without the run's token: reads only (``GET /batch`` never assigns)."""
 
 DEFAULT_POLL_TIMEOUT = 30.0
 MAX_POLL_TIMEOUT = 600.0
@@ -172,16 +191,21 @@ class BufferCollector(Collector):
 
 
 class BufferServer:
-    def __init__(self, buffer: TrajectoryBuffer, run: str = "") -> None:
+    """``auth_token``: required on every route outside :data:`OPEN_ROUTES` (None: no check)."""
+
+    def __init__(self, buffer: TrajectoryBuffer, run: str = "", auth_token: AuthToken | None = None) -> None:
         self.buffer = buffer
         self.run = run
+        self.auth_token = auth_token
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(BufferCollector(buffer, run))
         self._arrivals = asyncio.Condition()
         self._closing = False
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 31)
+        app = web.Application(
+            client_max_size=1 << 31, middlewares=auth_middlewares(self.auth_token, OPEN_ROUTES, log)
+        )
         app.router.add_post("/trajectories", self._post_trajectories)
         app.router.add_post("/batch", self._take_batch)
         app.router.add_get("/batch", self._read_batch)

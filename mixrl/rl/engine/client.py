@@ -6,6 +6,10 @@ truncates (temperature 0, top-k, top-p or min-p), the client asks for the sampli
 (``return_sampling_mask``) and, with a finite top-k, for at least top-k candidates, so every token
 record carries its support S as its leading candidates on either engine.
 
+Authentication: with ``auth_token`` every request carries ``Authorization: Bearer <token>``
+(the torch engine's control endpoints need it; SGLang started with ``--api-key`` needs it on all
+but ``/health`` and ``/metrics``).
+
 Retries: a request that could not connect is retried with exponential backoff; a connection lost
 after sending is retried only for idempotent calls (never ``/generate``).
 """
@@ -21,6 +25,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixrl.api.trajectory import TokenRecord
+from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.records import EngineResponseError, parse_weight_version, token_records
 from mixrl.rl.http import SessionClient
 
@@ -71,9 +76,10 @@ class EngineClient(SessionClient):
         timeout_s: float = 600.0,
         retries: int = 3,
         backoff_s: float = 0.2,
+        auth_token: AuthToken | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        super().__init__(session)
+        super().__init__(session, auth_token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries = retries
         self.backoff_s = backoff_s
@@ -94,7 +100,7 @@ class EngineClient(SessionClient):
         url = f"{self.base_url}{path}"
         for attempt in range(self.retries + 1):
             try:
-                async with self._http().request(method, url, json=body) as resp:
+                async with self._http().request(method, url, json=body, headers=self.headers) as resp:
                     text = await resp.text()
                     status = resp.status
             except aiohttp.ClientConnectorError as exc:
@@ -258,7 +264,7 @@ class EngineClient(SessionClient):
     async def health(self) -> bool:
         """True when /health answers 200 (no retries: a health probe reports what it sees)."""
         try:
-            async with self._http().get(f"{self.base_url}/health") as resp:
+            async with self._http().get(f"{self.base_url}/health", headers=self.headers) as resp:
                 return resp.status == 200
         except (TimeoutError, aiohttp.ClientError):
             return False
@@ -292,7 +298,7 @@ class EngineClient(SessionClient):
         return payload
 
     async def metrics_text(self) -> str:
-        async with self._http().get(f"{self.base_url}/metrics") as resp:
+        async with self._http().get(f"{self.base_url}/metrics", headers=self.headers) as resp:
             text = await resp.text()
             if resp.status != 200:
                 raise EngineError(f"GET /metrics: HTTP {resp.status}", status=resp.status)

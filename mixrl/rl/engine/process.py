@@ -3,6 +3,10 @@
 The server binds port 0 itself and writes the port it got to a file, so there is no race between
 choosing a free port and binding it.  ``stop()`` sends SIGTERM (the server aborts in-flight requests
 and exits), then SIGKILL if it has not exited in time.
+
+``auth_token``: the engine requires it on its control endpoints (written to a 0600 file in the
+process's own temporary directory and passed as ``--auth-token-file``); without one the engine
+runs with ``--insecure-no-auth``, which is what a test of generation alone wants.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from mixrl.rl.auth import INSECURE_FLAG, TOKEN_FILE_FLAG, AuthToken, write_token_file
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -44,11 +50,18 @@ class EngineProcess:
         torch_threads: int = 1,
         log_path: str | os.PathLike[str] | None = None,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        auth_token: AuthToken | None = None,
     ) -> None:
         self.host = host
         self.startup_timeout_s = startup_timeout_s
         self._workdir = tempfile.TemporaryDirectory(prefix="mixrl-engine-")
         self.port_file = Path(self._workdir.name) / "port"
+        if auth_token is None:
+            auth_args = [INSECURE_FLAG]
+        else:
+            token_file = Path(self._workdir.name) / "auth-token"
+            write_token_file(token_file, auth_token)
+            auth_args = [TOKEN_FILE_FLAG, str(token_file)]
         self.log_path = Path(log_path) if log_path else Path(self._workdir.name) / "engine.log"
         self.args = [
             sys.executable,
@@ -75,6 +88,7 @@ class EngineProcess:
             str(self.port_file),
             "--torch-threads",
             str(torch_threads),
+            *auth_args,
             *extra_args,
         ]
         self.process: subprocess.Popen[bytes] | None = None

@@ -5,6 +5,10 @@ or value gets HTTP 400 and ``{"error": {"message": "<field>: <reason>", "param":
 unknown fields are ignored, as SGLang does; the server keeps serving either way.  A body over
 ``--max-request-mib`` gets 413.
 
+Authentication (docs/auth.md): with a token, every endpoint that changes the engine's state (weight
+updates and versions, pause / continue, aborts, cache flushes) needs ``Authorization: Bearer
+<token>`` and answers 401 without it; generation, information, health and metrics stay open.
+
 A client that disconnects has its handler cancelled (aiohttp's ``handler_cancellation``, off by
 default): the scheduler then aborts its sequences before the next decode step, so nothing is
 generated for nobody.
@@ -24,6 +28,14 @@ from typing import Any
 
 from aiohttp import web
 
+from mixrl.rl.auth import (
+    AuthConfigError,
+    AuthToken,
+    add_auth_arguments,
+    auth_middlewares,
+    token_from_args,
+    warn_if_open,
+)
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import RequestError, parse_generate
 from mixrl.rl.engine.scheduler import PAUSE_MODES
@@ -38,6 +50,22 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 HEALTH_RECENT_TOKEN_S = 5.0
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+OPEN_ROUTES = frozenset(
+    {
+        ("POST", "/generate"),
+        ("GET", "/get_weight_version"),
+        ("GET", "/get_model_info"),
+        ("GET", "/model_info"),
+        ("GET", "/get_server_info"),
+        ("GET", "/server_info"),
+        ("GET", "/health"),
+        ("GET", "/health_generate"),
+        ("GET", "/metrics"),
+    }
+)
+"""Routes that answer without the run's token: they read or generate, and change no state.
+Everything else (including ``GET /flush_cache``, which acts) needs it."""
 
 
 def _bad_request(exc: RequestError) -> web.Response:
@@ -202,10 +230,15 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def build_app(service: EngineService) -> web.Application:
-    """The aiohttp application; the service's scheduler starts and stops with it."""
+def build_app(service: EngineService, auth_token: AuthToken | None = None) -> web.Application:
+    """The aiohttp application; the service's scheduler starts and stops with it.
+
+    ``auth_token``: the run's token, required on every route outside :data:`OPEN_ROUTES`
+    (None: no check, as with ``--insecure-no-auth``).
+    """
     app = web.Application(
-        middlewares=[_errors],
+        # The token is checked first, before a body is read or a field is looked at.
+        middlewares=[*auth_middlewares(auth_token, OPEN_ROUTES, log), _errors],
         client_max_size=service.config.max_request_mib << 20,
         # Cancel a request's handler when its client disconnects: generate() then aborts the
         # client's sequences instead of decoding them to the end for nobody.
@@ -280,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-mib", type=int, default=8, help="largest request body in MiB (413 beyond it)"
     )
     p.add_argument("--enable-metrics", action="store_true", help="accepted for SGLang parity; always on")
+    add_auth_arguments(p)
     p.add_argument("--log-level", default="info")
     return p
 
@@ -305,7 +339,13 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-async def serve(service: EngineService, host: str, port: int, port_file: str | None) -> None:
+async def serve(
+    service: EngineService,
+    host: str,
+    port: int,
+    port_file: str | None,
+    auth_token: AuthToken | None = None,
+) -> None:
     """Serve until SIGTERM or SIGINT, then finish in-flight requests with an abort and exit."""
 
     def announce(bound: int) -> None:
@@ -324,8 +364,9 @@ async def serve(service: EngineService, host: str, port: int, port_file: str | N
         service.sched.abort_all("server shutting down")
         service.sched.resume()
 
+    warn_if_open(auth_token, log, "load weights, pause generation and abort requests")
     await serve_app(
-        build_app(service),
+        build_app(service, auth_token),
         host,
         port,
         log=log,
@@ -360,6 +401,12 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        # Before the model loads: a missing token is a one-line refusal, not a minute's wait.
+        auth_token = token_from_args(args)
+    except AuthConfigError as exc:
+        print(f"mixrl engine: {exc}", file=sys.stderr)
+        return 2
     if args.torch_threads > 0:
         import torch
 
@@ -372,7 +419,7 @@ def main(argv: list[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"mixrl engine: cannot load --model-path {config.model_path}: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(service, args.host, args.port, args.port_file))
+    asyncio.run(serve(service, args.host, args.port, args.port_file, auth_token))
     # Everything is closed; skip the interpreter's teardown of torch and transformers, which takes
     # seconds, so that stopping and restarting an engine is quick.
     logging.shutdown()

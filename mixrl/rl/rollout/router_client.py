@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from mixrl.api.resolve import SamplingParams
+from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.records import EngineResponseError, token_records
 from mixrl.rl.http import SessionClient
 from mixrl.rl.rollout.agent import Generate, GenerateResult, PoolInfo, TurnFinish
@@ -98,7 +99,9 @@ class RouterClient(SessionClient):
     """``/generate`` with sessions and retries, against the router (or an engine: same API).
 
     ``retry_budget_s`` bounds how long one turn keeps retrying 502/503/504 and refused connections
-    (a router or replica restarting) before the episode is given up.
+    (a router or replica restarting) before the episode is given up.  ``auth_token``: the run's
+    token, sent with every request (ending a session needs it; ``/generate`` is open on the router
+    but not on an SGLang engine started with ``--api-key``, which this client may also talk to).
     """
 
     def __init__(
@@ -112,8 +115,9 @@ class RouterClient(SessionClient):
         backoff_s: float = 0.2,
         max_backoff_s: float = 2.0,
         request_timeout_s: float = 600.0,
+        auth_token: AuthToken | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(auth_token=auth_token)
         self.base_url = base_url.rstrip("/")
         self.sampling = sampling
         self.stop_token_ids = list(stop_token_ids)
@@ -139,7 +143,7 @@ class RouterClient(SessionClient):
 
     async def generate(self, session_id: str, input_ids: list[int], max_new_tokens: int) -> GenerateResult:
         body = generate_body(input_ids, self.sampling, max_new_tokens, self.stop_token_ids)
-        headers = {SESSION_HEADER: session_id}
+        headers = {**self.headers, SESSION_HEADER: session_id}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_budget_s
         delay = self.backoff_s
@@ -172,7 +176,9 @@ class RouterClient(SessionClient):
         """Tell the router the episode is over (best effort: it also forgets idle sessions)."""
         try:
             async with self._http().post(
-                f"{self.base_url}/sessions/{session_id}/end", timeout=aiohttp.ClientTimeout(total=5.0)
+                f"{self.base_url}/sessions/{session_id}/end",
+                timeout=aiohttp.ClientTimeout(total=5.0),
+                headers=self.headers,
             ) as resp:
                 await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -9,6 +9,10 @@ the held-out split is evaluated before training starts (step 0, the warm-start m
 ``evaluation.everySteps`` steps and at ``trainer.totalSteps``, and each result is posted to
 ``POST /evaluations``.  After the last step no new training episodes start.
 
+Every request carries the run's token (``--auth-token-file`` or ``$MIXRL_AUTH_TOKEN``;
+docs/auth.md); a buffer that refuses it (401) stops the worker with one line instead of dropping
+every group it plays.
+
 SIGTERM / SIGINT stop it cleanly: running episodes are cancelled, their sessions ended, the HTTP
 sessions closed.
 """
@@ -33,6 +37,7 @@ from pydantic import ValidationError
 
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.api.trajectory import Trajectory
+from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
 from mixrl.rl.buffer.client import BufferClient, BufferError
 from mixrl.rl.engine.records import EngineResponseError
 from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, run_episode
@@ -247,6 +252,8 @@ class RolloutWorker:
                 self.posted_since_poll += 1
                 return
             except BufferError as exc:
+                if exc.status == 401:  # not this run's token: every later group would fail alike
+                    raise
                 if exc.status is not None or attempt == attempts - 1:
                     # refused (a bug on one side) or unreachable for a minute: say so loudly
                     log.error("group %s not accepted by the buffer: %s", prompt_id, exc)
@@ -329,6 +336,8 @@ class RolloutWorker:
                 seconds=result["seconds"],
             )
         except BufferError as exc:
+            if exc.status == 401:
+                raise
             log.error("evaluation of step %d not accepted by the buffer: %s", step, exc)
         return result
 
@@ -429,10 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="pause new groups while the buffer holds this many steps of data (0 = never; "
         "default: the run's rollout.maxStepsAhead)",
     )
+    add_auth_arguments(parser)
     return parser
 
 
-def _load(args: argparse.Namespace) -> tuple[ResolvedRun, WorkerSettings, Tokenizer]:
+def _load(args: argparse.Namespace) -> tuple[ResolvedRun, WorkerSettings, Tokenizer, AuthToken | None]:
     try:
         text = Path(args.config).read_text(encoding="utf-8")
     except OSError as exc:
@@ -445,18 +455,23 @@ def _load(args: argparse.Namespace) -> tuple[ResolvedRun, WorkerSettings, Tokeni
         raise ValueError(f"config: {args.config} is not a resolved run ({where}: {error['msg']})") from None
     settings = WorkerSettings.from_run(run, args.worker_index, args.max_steps_ahead)
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else Tokenizer.filetree()
-    return run, settings, tokenizer
+    return run, settings, tokenizer, token_from_args(args)  # AuthConfigError is a ValueError
 
 
-async def serve(args: argparse.Namespace, settings: WorkerSettings, tokenizer: Tokenizer) -> None:
+async def serve(
+    args: argparse.Namespace,
+    settings: WorkerSettings,
+    tokenizer: Tokenizer,
+    auth_token: AuthToken | None = None,
+) -> None:
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     stats = RolloutStats(settings.run)
     metrics = await stats.serve_metrics(args.metrics_port) if args.metrics_port else None
-    router = RouterClient(args.router, settings.sampling, tokenizer.stop_token_ids)
-    buffer = BufferClient(args.buffer)
+    router = RouterClient(args.router, settings.sampling, tokenizer.stop_token_ids, auth_token=auth_token)
+    buffer = BufferClient(args.buffer, auth_token=auth_token)
     worker = RolloutWorker(
         settings,
         tokenizer,
@@ -487,9 +502,20 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
     try:
-        _, settings, tokenizer = _load(args)
+        _, settings, tokenizer, auth_token = _load(args)
     except ValueError as exc:
         print(f"mixrl rollout: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(args, settings, tokenizer))
-    return 0
+    status = 0
+    try:
+        asyncio.run(serve(args, settings, tokenizer, auth_token))
+    except* BufferError as refused:  # raised only for a 401, through the worker's task groups
+        print(f"mixrl rollout: buffer: {_first_leaf(refused)}", file=sys.stderr)
+        status = 1
+    return status
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception inside nested exception groups (the task groups nest them)."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first

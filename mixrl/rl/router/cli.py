@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from mixrl.api.resolve import ENGINE_PORT, ROUTER_PORT
+from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args, warn_if_open
 from mixrl.rl.router.config import RouterConfigError, load_pools_file, load_run_config
 from mixrl.rl.router.server import Router, RouterSettings
 from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_app
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--request-timeout", type=float, default=900.0, help="longest /generate at a replica (s)"
     )
+    add_auth_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -83,7 +85,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         config = load_pools_file(args.pools) if args.pools else load_run_config(args.config, args.dns_suffix)
-    except RouterConfigError as exc:
+        auth_token = token_from_args(args)
+    except (RouterConfigError, AuthConfigError) as exc:
         print(f"mixrl router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -95,6 +98,7 @@ def main(argv: list[str]) -> int:
         session_ttl=args.session_ttl,
         discover_dns=args.config is not None if args.discover_dns is None else args.discover_dns,
         engine_port=args.engine_port,
+        auth_token=auth_token,
     )
     router = Router(config, settings)
     asyncio.run(serve(router, args.host, args.port, args.port_file, args.metrics_port))
@@ -110,6 +114,7 @@ async def serve(
     def announce(bound: int) -> None:
         pools = ", ".join(f"{p.name} ({len(p.replicas)} replicas)" for p in router.state.pools.values())
         log.info("listening on http://%s:%d; pools: %s", host, bound, pools)
+        warn_if_open(router.settings.auth_token, log, "reload every engine's weights and change pools")
 
     await serve_app(
         router.app(),

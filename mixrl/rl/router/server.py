@@ -10,6 +10,12 @@ bytes, probes replicas and keeps time.  Endpoints:
 - ``POST /sessions/{id}/end``; ``PUT /pools/{name}`` ``{"replicas": [...], "capacity"?: x}``;
   ``GET /pools``; ``GET /health``; ``GET /metrics``.
 - ``POST /update_weights_from_disk``: SGLang's body, sent to every ready replica of every pool.
+
+Authentication (docs/auth.md): with a token, the weight fan-out, ``PUT /pools/{name}`` and ending a
+session need ``Authorization: Bearer <token>`` (401 without); ``/generate``, ``GET /pools``,
+``/health`` and ``/metrics`` stay open.  The router sends the same token to every replica with
+every request (its own header, never the caller's): SGLang engines started with ``--api-key``
+want it on ``/generate`` too.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixrl.api.resolve import ENGINE_PORT
+from mixrl.rl.auth import AuthToken, auth_middlewares, bearer_headers
 from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
 from mixrl.rl.router.config import RouterConfig, check_replica_url
 from mixrl.rl.router.exporter import make_registry
@@ -73,6 +80,10 @@ def replica_url(address: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+OPEN_ROUTES = frozenset({("POST", "/generate"), ("GET", "/pools"), ("GET", "/health"), ("GET", "/metrics")})
+"""Routes that answer without the run's token; everything else changes state and needs it."""
+
+
 def count_completion_tokens(body: bytes) -> int:
     """Completion tokens in a /generate answer (one count per item of a batched request)."""
     return sum(int(match) for match in _COMPLETION_TOKENS.findall(body))
@@ -94,6 +105,9 @@ class RouterSettings:
     """Sessions idle this long are forgotten (their rollout worker is gone)."""
     discover_dns: bool = False
     engine_port: int = ENGINE_PORT
+    auth_token: AuthToken | None = None
+    """The run's token: required on the router's state-changing routes and sent to every replica
+    (None: no check and nothing sent, as with ``--insecure-no-auth``).  Its repr is hidden."""
 
 
 def _retry_response(message: str, **extra: Any) -> web.Response:
@@ -127,7 +141,10 @@ class Router:
     # ------------------------------------------------------------------ application
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(
+            client_max_size=1 << 30,
+            middlewares=auth_middlewares(self.settings.auth_token, OPEN_ROUTES, log),
+        )
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/sessions/{session}/end", self._end_session)
         app.router.add_put("/pools/{pool}", self._put_pool)
@@ -145,7 +162,10 @@ class Router:
         return app
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # Every request to a replica carries the run's token (session-wide: probes, generation, fan-out).
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=bearer_headers(self.settings.auth_token)
+        )
         await self.poll_once()
         monitor = asyncio.create_task(self._monitor(), name="router-monitor")
         yield

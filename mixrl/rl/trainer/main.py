@@ -7,6 +7,10 @@ The loop, per step s (the trainer holds weight version s − 1 while computing s
      between decode steps, while sessions continue;
   4. checkpoint, then commit step s to the buffer; log metrics to JSONL and Prometheus.
 
+Every request carries the run's token (``--auth-token-file`` or ``$MIXRL_AUTH_TOKEN``; docs/auth.md):
+the buffer's batches and commits and the router's weight fan-out need it.  A refused token is fatal
+(one line): training on while the engines never reload would only hide it.
+
 The buffer hands out a batch only for the step after its last committed one, so a trainer that
 resumes from a checkpoint first commits the checkpoint's step (a no-op unless it crashed between
 saving the checkpoint and committing), then asks for the steps after it.
@@ -29,6 +33,7 @@ import torch
 
 from mixrl.api.resolve import ResolvedRun
 from mixrl.api.trajectory import Trajectory
+from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
 from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.models import load_model
@@ -39,6 +44,10 @@ from mixrl.rl.weights import WeightStore
 
 log = logging.getLogger("mixrl.trainer")
 CHECKPOINT = "trainer.pt"
+
+
+class ReloadRefused(RuntimeError):
+    """The router refused the weight fan-out for want of the run's token (one line, fatal)."""
 
 
 def correction_config(run: ResolvedRun) -> CorrectionConfig:
@@ -91,9 +100,11 @@ class TrainerLoop:
         run_dir: Path,
         model_path: str,
         telemetry: TrainerTelemetry | None = None,
+        auth_token: AuthToken | None = None,
     ) -> None:
         self.run = run
-        self.buffer = BufferClient(buffer_url)
+        self.buffer = BufferClient(buffer_url, auth_token=auth_token)
+        self.auth_headers = bearer_headers(auth_token)
         self.router_url = router_url.rstrip("/") if router_url else None
         self.run_dir = run_dir
         self.store = WeightStore(run.weights.store)
@@ -136,9 +147,13 @@ class TrainerLoop:
                 f"{self.router_url}/update_weights_from_disk",
                 json=body,
                 timeout=aiohttp.ClientTimeout(total=300),
+                headers=self.auth_headers,
             ) as response,
         ):
-            result = await response.json()
+            result = await response.json(content_type=None)
+        if response.status == 401:
+            message = result.get("error") if isinstance(result, dict) else result
+            raise ReloadRefused(f"POST /update_weights_from_disk: 401: {message}")
         if response.status != 200:
             log.warning("engine reload to version %d: HTTP %d %s", version, response.status, result)
 
@@ -199,7 +214,13 @@ def main(argv: list[str]) -> int:
         "--model-path", default=None, help="initial checkpoint (default: the spec's model.path)"
     )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
+    add_auth_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        auth_token = token_from_args(args)
+    except AuthConfigError as exc:
+        print(f"mixrl trainer: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
     run = ResolvedRun.model_validate_json(Path(args.config).read_text())
     run_dir = Path(args.run_dir)
@@ -212,6 +233,7 @@ def main(argv: list[str]) -> int:
         run_dir=run_dir,
         model_path=args.model_path or run.model.path,
         telemetry=telemetry,
+        auth_token=auth_token,
     )
     loop.resume()
 
@@ -234,5 +256,8 @@ def main(argv: list[str]) -> int:
         asyncio.run(_main())
     except BufferError as exc:  # a refused step or an unreachable buffer: one line, no traceback
         print(f"mixrl trainer: buffer: {exc}", file=sys.stderr)
+        return 1
+    except ReloadRefused as exc:
+        print(f"mixrl trainer: router: {exc}", file=sys.stderr)
         return 1
     return 0
