@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Any
 
 from mixrl.operator.kube import ApiError, KubeClient
-from mixrl.operator.rbac import PVCS, SAMPLERPOOLS, resource_of
+from mixrl.operator.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
 from mixrl.operator.resources import HASH_ANNOTATION
 
 Obj = dict[str, Any]
@@ -36,7 +36,9 @@ Obj = dict[str, Any]
 log = logging.getLogger("mixrl.operator")
 
 # Created by POST, never by apply: their later writes are not server-side applies (see above).
-CREATED_BY_POST = (SAMPLERPOOLS, PVCS)
+# Created by POST, so fields only the creation sets (a pool's first replicas, a Secret's token) belong
+# to that request's manager, and later server-side applies without them leave them alone.
+CREATED_BY_POST = (SAMPLERPOOLS, PVCS, SECRETS)
 
 # What the API server lets change in a StatefulSet's spec (apps/v1 validation, Kubernetes 1.28+);
 # everything else needs a new object.

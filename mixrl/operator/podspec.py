@@ -24,6 +24,11 @@ CONFIG_DIR = "/etc/mixrl"
 CONFIG_PATH = f"{CONFIG_DIR}/run.json"
 DRAIN_SCRIPT_PATH = f"{CONFIG_DIR}/drain.py"
 CACHE_DIR = "/var/cache/mixrl"
+AUTH_DIR = "/var/run/mixrl/auth"
+AUTH_TOKEN_KEY = "token"
+AUTH_TOKEN_FILE = f"{AUTH_DIR}/{AUTH_TOKEN_KEY}"
+AUTH_ARGS = ["--auth-token-file", AUTH_TOKEN_FILE]
+"""What every mixrl component that serves or calls a mutating endpoint is given (docs/auth.md)."""
 
 # The GPU Operator and most managed clusters taint GPU nodes with this key.
 GPU_TOLERATION: Obj = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
@@ -71,13 +76,24 @@ def mount(name: str, path: str, read_only: bool = False) -> Obj:
     return out
 
 
-def base_volumes(config_map: str) -> list[Obj]:
-    """Config (read-only), /tmp and a cache directory: what every mixrl process needs."""
-    return [config_volume(config_map), empty_dir("tmp"), empty_dir("cache")]
+def auth_volume(secret: str) -> Obj:
+    """The run's API token (docs/auth.md): readable by the pod's user only."""
+    return {"name": "auth", "secret": {"secretName": secret, "defaultMode": 0o400}}
+
+
+def base_volumes(config_map: str, auth_secret: str) -> list[Obj]:
+    """Config and the run's token (read-only), /tmp and a cache directory: what every mixrl process
+    needs."""
+    return [config_volume(config_map), auth_volume(auth_secret), empty_dir("tmp"), empty_dir("cache")]
 
 
 def base_mounts() -> list[Obj]:
-    return [mount("config", CONFIG_DIR, read_only=True), mount("tmp", "/tmp"), mount("cache", CACHE_DIR)]
+    return [
+        mount("config", CONFIG_DIR, read_only=True),
+        mount("auth", AUTH_DIR, read_only=True),
+        mount("tmp", "/tmp"),
+        mount("cache", CACHE_DIR),
+    ]
 
 
 def base_env(run: str) -> list[Obj]:

@@ -34,6 +34,8 @@ from mixrl.operator.objects import (
     with_hash,
 )
 from mixrl.operator.podspec import (
+    AUTH_ARGS,
+    AUTH_TOKEN_KEY,
     CONFIG_PATH,
     DRAIN_SCRIPT_PATH,
     Obj,
@@ -91,6 +93,9 @@ def engine_model_path(pool: ResolvedPool) -> str:
     return f"{ENGINE_WEIGHTS_DIR}/current"
 
 
+AUTH_ENV = "MIXRL_AUTH_TOKEN"
+
+
 def engine_container(
     resolved: ResolvedRun, pool: ResolvedPool, options: BuildOptions, mounts: list[Obj]
 ) -> Obj:
@@ -105,6 +110,9 @@ def engine_container(
             "0.0.0.0",
             "--port",
             str(ENGINE_PORT),
+            # SGLang's own token check (every route but health and metrics), with the run's token.
+            "--api-key",
+            f"$({AUTH_ENV})",
             *pool.engine_args,
         ]
     else:
@@ -120,8 +128,12 @@ def engine_container(
             "0.0.0.0",
             "--port",
             str(ENGINE_PORT),
+            *AUTH_ARGS,
             *pool.engine_args,
         ]
+    # SGLang reads its key from the command line; the pod spec holds only a reference to the Secret.
+    secret = {"name": L.child_name(resolved.name, "auth"), "key": AUTH_TOKEN_KEY}
+    token_env = [{"name": AUTH_ENV, "valueFrom": {"secretKeyRef": secret}}] if pool.engine == "sglang" else []
     # Drain: the pod has left the Service's endpoints; wait for in-flight requests, then stop.
     drain = [
         "python3",
@@ -135,7 +147,7 @@ def engine_container(
         "engine",
         pool.image or options.images.engine(pool.engine),
         command,
-        [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}],
+        [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}, *token_env],
         mounts,
         ports=[port("engine", ENGINE_PORT)],
         # SGLang's JIT kernels (Triton, FlashInfer, DeepGEMM) write caches in paths we cannot
@@ -158,7 +170,10 @@ def weight_sync_command(pool: ResolvedPool, once: bool) -> list[str]:
         "--output",
         ENGINE_WEIGHTS_DIR,
     ]
-    return [*command, "--once"] if once else [*command, "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}"]
+    # --once (the init container) never calls the engine, so it needs no token.
+    if once:
+        return [*command, "--once"]
+    return [*command, "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", *AUTH_ARGS]
 
 
 def pool_objects(
@@ -171,7 +186,7 @@ def pool_objects(
     weight_volumes, sync_weight_mounts = weights_volume_and_mount(resolved, read_only=False)
     engine_weight_mounts = [{**m, "readOnly": True} for m in sync_weight_mounts]
     volumes = [
-        *base_volumes(L.child_name(resolved.name, "config")),
+        *base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
         *weight_volumes,
         empty_dir("engine-weights"),
     ]

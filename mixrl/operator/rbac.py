@@ -43,6 +43,7 @@ class ApiResource:
 
 
 CONFIGMAPS = ApiResource("", "v1", "configmaps", "ConfigMap")
+SECRETS = ApiResource("", "v1", "secrets", "Secret")
 SERVICES = ApiResource("", "v1", "services", "Service")
 PVCS = ApiResource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 EVENTS = ApiResource("", "v1", "events", "Event")
@@ -67,7 +68,11 @@ CHILD_RESOURCES = (
     PODMONITORS,
     SCALEDOBJECTS,
 )
-BY_KIND: dict[tuple[str, str], ApiResource] = {(r.api_version, r.kind): r for r in CHILD_RESOURCES}
+# The run's token Secret is a child too, but not watched: a watch needs list on every Secret of the
+# namespace, so a deleted token Secret is recreated by the periodic resync instead.
+BY_KIND: dict[tuple[str, str], ApiResource] = {
+    (r.api_version, r.kind): r for r in (*CHILD_RESOURCES, SECRETS)
+}
 
 
 def resource_of(obj: dict[str, Any]) -> ApiResource:
@@ -89,6 +94,8 @@ POD_MONITOR_CLEANUP = frozenset({"get", "delete"})
 RECONCILER: dict[Key, frozenset[str]] = {
     # Children, written by server-side apply (create and patch) after a get that compares them.
     ("", "configmaps"): frozenset({"get", "create", "patch"}),
+    # The run's API token: created once with a random token, never rewritten (get by name only).
+    ("", "secrets"): frozenset({"get", "create", "patch"}),
     # Deleted only to be recreated when an immutable field must change (a Service's clusterIP, a
     # Deployment's selector, a StatefulSet's claim templates); see mixrl.operator.apply.
     ("", "services"): frozenset({"get", "create", "patch", "delete"}),

@@ -12,6 +12,7 @@ raises :class:`~mixrl.operator.apply.ApplyFailed` when retrying can help.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -25,6 +26,7 @@ from mixrl.operator import labels as L
 from mixrl.operator.apply import Applied, ApplyFailed, ApplyReport, Failure, OwnerGone, apply_object, label
 from mixrl.operator.keda import pool_scaled_object
 from mixrl.operator.kube import ApiError, KubeClient
+from mixrl.operator.podspec import AUTH_TOKEN_KEY
 from mixrl.operator.policy import OPEN, Policy, violation
 from mixrl.operator.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
 from mixrl.operator.resources import (
@@ -187,6 +189,8 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
             pool = resolved.pool(desired["spec"]["pool"])
             seed = {"spec": {"replicas": seed_replicas(pool)}}
             on_update = within_bounds(pool)
+        elif desired["kind"] == "Secret":  # the run's API token, made once (docs/auth.md)
+            seed = {"stringData": {AUTH_TOKEN_KEY: secrets.token_urlsafe(32)}}
         try:
             result = await apply_object(
                 ctx.client, desired, report, seed, alive, on_update, size_source="weights.volumeSize"

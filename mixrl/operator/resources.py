@@ -54,6 +54,7 @@ from mixrl.operator.objects import (
     with_hash,
 )
 from mixrl.operator.podspec import (
+    AUTH_ARGS,
     CONFIG_PATH,
     Obj,
     base_env,
@@ -106,6 +107,23 @@ def config_map(resolved: ResolvedRun, owner: Owner) -> Obj:
             owner,
         ),
         "data": {"run.json": resolved.model_dump_json(indent=2), "drain.py": drain_script()},
+    }
+
+
+def auth_secret(resolved: ResolvedRun, owner: Owner) -> Obj:
+    """The run's API token Secret, without its token: the reconciler adds a random one when it
+    creates the Secret (a pure builder cannot make one, and a token must not change on every
+    reconcile), and never rewrites it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(
+            L.child_name(resolved.name, "auth"),
+            resolved.namespace,
+            L.component_labels(resolved, "run"),
+            owner,
+        ),
+        "type": "Opaque",
     }
 
 
@@ -167,6 +185,7 @@ def trainer_command(resolved: ResolvedRun) -> list[str]:
         TRAINER_RUN_DIR,
         "--metrics-port",
         str(METRICS_PORT),
+        *AUTH_ARGS,
     ]
     nproc = max(spec.gpus_per_node, 1)
     if spec.nodes == 1 and nproc == 1:
@@ -200,7 +219,10 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     selector = L.selector_labels(resolved.name, "trainer")
     gpus = spec.gpus_per_node
     weight_volumes, weight_mounts = weights_volume_and_mount(resolved, read_only=False)
-    volumes = [*base_volumes(L.child_name(resolved.name, "config")), *weight_volumes]
+    volumes = [
+        *base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
+        *weight_volumes,
+    ]
     mounts = [*base_mounts(), *weight_mounts, mount("run", TRAINER_RUN_DIR)]
     if gpus > 0:  # NCCL and data loaders need a large /dev/shm
         volumes.append(empty_dir("dshm", medium="Memory"))
@@ -325,6 +347,7 @@ def buffer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
         "--dir",
         BUFFER_DATA_DIR,
         *server_args(BUFFER_PORT),
+        *AUTH_ARGS,
     ]
     main = component_container(
         resolved,
@@ -340,7 +363,7 @@ def buffer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
     }
     spec = pod_spec(
         [main],
-        base_volumes(L.child_name(resolved.name, "config")),
+        base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
         options.images.pull_secrets,
         terminationGracePeriodSeconds=60,
     )
@@ -357,7 +380,7 @@ def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
     name = L.child_name(resolved.name, "router")
     labels = L.component_labels(resolved, "router")
     selector = L.selector_labels(resolved.name, "router")
-    command = ["mixrl", "router", "--config", CONFIG_PATH, *server_args(ROUTER_PORT)]
+    command = ["mixrl", "router", "--config", CONFIG_PATH, *server_args(ROUTER_PORT), *AUTH_ARGS]
     ports = [port("http", ROUTER_PORT), port("metrics", METRICS_PORT)]
     main = component_container(resolved, "router", options.images.components, command, ports, [])
     annotations = {
@@ -367,7 +390,11 @@ def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
     template = pod_template(
         labels,
         annotations,
-        pod_spec([main], base_volumes(L.child_name(resolved.name, "config")), options.images.pull_secrets),
+        pod_spec(
+            [main],
+            base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
+            options.images.pull_secrets,
+        ),
     )
     router = deployment(name, resolved, labels, selector, 1, template, owner, strategy={"type": "Recreate"})
     svc = service(name, resolved, labels, selector, [("http", ROUTER_PORT)], owner, headless=False)
@@ -393,6 +420,7 @@ def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         "$(POD_INDEX)",
         "--metrics-port",
         str(METRICS_PORT),
+        *AUTH_ARGS,
     ]
     ports = [port("metrics", METRICS_PORT)]
     main = component_container(resolved, "rollout", options.images.components, command, ports, [])
@@ -409,7 +437,11 @@ def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     template = pod_template(
         labels,
         annotations,
-        pod_spec([main], base_volumes(L.child_name(resolved.name, "config")), options.images.pull_secrets),
+        pod_spec(
+            [main],
+            base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
+            options.images.pull_secrets,
+        ),
     )
     return [statefulset(name, resolved, labels, selector, resolved.rollout.workers, template, owner)]
 
@@ -455,7 +487,7 @@ def pod_monitor(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> O
 def run_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
     """Everything the RLRun owns directly, each with its desired-hash annotation, in apply order
     (configuration and volumes before the workloads that mount them)."""
-    objects: list[Obj] = [config_map(resolved, owner)]
+    objects: list[Obj] = [config_map(resolved, owner), auth_secret(resolved, owner)]
     pvc = weights_pvc(resolved, owner, options)
     if pvc is not None:
         objects.append(pvc)

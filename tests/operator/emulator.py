@@ -51,6 +51,7 @@ SERVER_META = ("uid", "resourceVersion", "generation", "creationTimestamp", "del
 RESOURCES: dict[str, tuple[str, bool, set[str]]] = {
     "v1/namespaces": ("Namespace", False, set()),
     "v1/configmaps": ("ConfigMap", True, set()),
+    "v1/secrets": ("Secret", True, set()),
     "v1/services": ("Service", True, {"status"}),
     "v1/persistentvolumeclaims": ("PersistentVolumeClaim", True, {"status"}),
     "v1/events": ("Event", True, set()),

@@ -38,6 +38,7 @@ from mixrl.operator.resources import (
     clamp_replicas,
     desired_hash,
     pool_children,
+    pool_objects,
     run_objects,
     seed_replicas,
 )
@@ -464,7 +465,7 @@ def test_the_trainer_command_uses_only_flags_the_trainer_has() -> None:
     assert usage.returncode == 0, usage.stderr
     # No --router: in a cluster each engine's weight-sync sidecar converts and reloads every version
     # (SGLang pools need the converted checkpoint); the router reload is the local runtime's.
-    assert flags == ["--config", "--buffer", "--run-dir", "--metrics-port"]
+    assert flags == ["--config", "--buffer", "--run-dir", "--metrics-port", "--auth-token-file"]
     assert "--router" in usage.stdout, "the trainer still has the flag: leaving it out is a choice"
     for flag in flags:
         assert flag in usage.stdout, flag
@@ -1022,3 +1023,40 @@ def test_a_trainer_that_cannot_hold_weights_gradients_and_adam_state_is_refused(
     line = memory_refusal(pool, 235, trainer={"gpuType": "H100", "nodes": 1, "gpusPerNode": 8})
     assert line is not None and line.startswith("spec.trainer.gpusPerNode: training a 235B-parameter model")
     assert memory_refusal(pool, 235, trainer={"gpuType": "H100", "nodes": 4, "gpusPerNode": 8}) is None
+
+
+def test_every_component_gets_the_runs_token_and_sglang_its_api_key() -> None:
+    """docs/auth.md: the run's Secret is mounted in every pod and named on every component's command
+    line; SGLang gets it as --api-key through a secretKeyRef, never as a literal."""
+    pools = [
+        {"name": "b200", "gpuType": "B200", "weightPrecision": "nvfp4"},
+        {"name": "emulated", "gpuType": "cpu", "engine": "torch", "gpusPerReplica": 0},
+    ]
+    resolved = resolved_of(small_run(pools=pools))
+    objects = run_objects(resolved, run_owner(resolved), BuildOptions())
+    secret = next(o for o in objects if o["kind"] == "Secret")
+    assert secret["metadata"]["name"] == "demo-auth" and "data" not in secret and "stringData" not in secret
+    pods = [o for o in objects if o["kind"] in ("StatefulSet", "Deployment")]
+    for pool in resolved.pools:
+        pods += [
+            o
+            for o in pool_objects(resolved, pool, 1, run_owner(resolved), BuildOptions())
+            if o["kind"] == "Deployment"
+        ]
+    for workload in pods:
+        spec = workload["spec"]["template"]["spec"]
+        assert {"name": "auth", "secret": {"secretName": "demo-auth", "defaultMode": 0o400}} in spec[
+            "volumes"
+        ]
+        for c in spec["containers"]:
+            command = c.get("command", []) + c.get("args", [])
+            if "sglang.launch_server" in command:
+                assert command[command.index("--api-key") + 1] == "$(MIXRL_AUTH_TOKEN)"
+                ref = next(e for e in c["env"] if e["name"] == "MIXRL_AUTH_TOKEN")["valueFrom"][
+                    "secretKeyRef"
+                ]
+                assert ref == {"name": "demo-auth", "key": "token"}
+            else:
+                assert command[command.index("--auth-token-file") + 1] == "/var/run/mixrl/auth/token", c[
+                    "name"
+                ]

@@ -44,6 +44,7 @@ from .support import (
 Obj = dict[str, Any]
 CHILD_RESOURCES = {
     "ConfigMap": "v1/configmaps",
+    "Secret": "v1/secrets",
     "Service": "v1/services",
     "PersistentVolumeClaim": "v1/persistentvolumeclaims",
     "Deployment": DEPLOYMENTS,
