@@ -285,8 +285,16 @@ async def test_load_step_scales_up_then_down_after_the_window_and_holds_without_
             ups = live(api)["status"]["lastScaleDecisions"]
             assert ups[0]["fromReplicas"] == 1 and ups[-1]["toReplicas"] == 8 and ups[-1]["load"] == 32.0
             assert all(d["toReplicas"] > d["fromReplicas"] for d in ups) and len(ups) <= 2
-            events = [e.raw for (res, _, _), e in api.objects.items() if res == kmock.resource("v1/events")]
-            assert any(e["reason"] == "Scaled" and e["involvedObject"]["name"] == "demo-b200" for e in events)
+            # The event is posted after the status patch: wait for it rather than race it.
+            await eventually(
+                lambda: any(
+                    e.raw["reason"] == "Scaled" and e.raw["involvedObject"]["name"] == "demo-b200"
+                    for (res, _, _), e in list(api.objects.items())
+                    if res == kmock.resource("v1/events")
+                ),
+                5,
+                "Scaled event",
+            )
             await play_deployment_controller(api, session)
 
             # Down: load 10 → ceil(10 · 1.1 / 4) = 3, but only after the 3 s window forgets the peak.
