@@ -16,7 +16,7 @@ lint:
 	$(PY)/ruff format --check mixrl tests bench
 	$(PY)/lint-imports
 	$(PY)/mixrl crds --check
-	$(PY)/python -m mixrl.operator.chart --check
+	$(PY)/python -m mixrl.operator.install.chart --check
 
 # The pinned Kubernetes, etcd, KWOK and Helm binaries of the local test bed (cached outside the repo).
 k8s-bin:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mixrl.operator.fleet import SimResult, Strategy, Workload, simulate
-from mixrl.operator.simulate import (
+from mixrl.operator.autoscaling.fleet import SimResult, Strategy, Workload, simulate
+from mixrl.operator.autoscaling.simulate import (
     ProgressPrinter,
     fleet_from_spec,
     format_table,
@@ -155,7 +155,7 @@ def day_benchmark(pools, configs, seed: int, plots: Path | None, progress: Progr
 
 
 def _plot(results: dict[str, SimResult], directory: Path, scenario: str) -> None:
-    from mixrl.operator.simulate_plots import plot_results
+    from mixrl.operator.autoscaling.simulate_plots import plot_results
 
     directory.mkdir(parents=True, exist_ok=True)
     for path in plot_results(results, directory, title=f"rlrun-mixed · {scenario}"):

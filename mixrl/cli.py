@@ -21,8 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "buffer": ("mixrl.rl.buffer", "trajectory buffer service"),
     "trainer": ("mixrl.rl.trainer.main", "policy trainer (torch backend)"),
     "operator": ("mixrl.operator.main", "the Kubernetes operator (kopf)"),
-    "engine-sync": ("mixrl.operator.weight_sync", "sidecar: load each new weight version into one engine"),
-    "simulate": ("mixrl.operator.simulate", "fleet simulator for autoscaling policies"),
+    "engine-sync": ("mixrl.rl.engine.weight_sync", "sidecar: load each new weight version into one engine"),
+    "simulate": ("mixrl.operator.autoscaling.simulate", "fleet simulator for autoscaling policies"),
     "dev-cluster": ("mixrl.devcluster.cli", "a real Kubernetes control plane with a simulated GPU fleet"),
 }
 

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from mixrl.api.gpus import GPU_TABLE
-from mixrl.operator import labels as L
-from mixrl.operator.objects import Images
-from mixrl.operator.policy import Policy, flag_problem, prefix_problem, unique
+from mixrl.operator.build import labels as L
+from mixrl.operator.build.objects import Images
+from mixrl.operator.install.policy import Policy, flag_problem, prefix_problem, unique
 
 DEV_PRIORITY = 666  # kopf's convention: a developer's operator outranks the deployed one
 REPLICA_PRIORITY_SPAN = 10**9
@@ -335,8 +335,8 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     import kopf  # late: `mixrl operator --help` should not pay for kopf
 
-    from mixrl.operator.autoscaling_loop import LoopSettings
-    from mixrl.operator.handlers import OperatorConfig, build_registry
+    from mixrl.operator.autoscaling.loop import LoopSettings
+    from mixrl.operator.controller.handlers import OperatorConfig, build_registry
 
     kopf.configure(verbose=args.verbose or args.dev, debug=args.verbose)
     logging.getLogger("mixrl").setLevel(logging.DEBUG if args.verbose else logging.INFO)

@@ -11,8 +11,7 @@ import pytest
 from mixrl.api.loader import load_rlrun
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
-from mixrl.operator.keda import keda_scaled_object
-from mixrl.operator.promql import (
+from mixrl.operator.autoscaling.promql import (
     DCGM_GPU_UTIL,
     dcgm_by_pool_query,
     dcgm_run_query,
@@ -21,6 +20,7 @@ from mixrl.operator.promql import (
     substitute,
     sustained_query,
 )
+from mixrl.operator.build.keda import keda_scaled_object
 
 OWNER = {
     "apiVersion": "mixrl.dev/v1alpha1",
@@ -141,7 +141,7 @@ def test_dcgm_queries() -> None:
 
 
 def test_router_query_template_fills_in() -> None:
-    from mixrl.operator.promql import ROUTER_LOAD_QUERY
+    from mixrl.operator.autoscaling.promql import ROUTER_LOAD_QUERY
 
     run = mixed(query=ROUTER_LOAD_QUERY)
     query = load_query(run.autoscaling, run, run.pool("b200-nvfp4"))

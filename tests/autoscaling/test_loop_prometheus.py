@@ -14,21 +14,21 @@ import kmock
 import kopf
 import pytest
 
-from mixrl.operator.autoscaling_loop import (
+from mixrl.operator.autoscaling.loop import (
     LoopSettings,
     MetricsUnavailable,
     query_label_values,
     query_prometheus,
     register_autoscaling,
 )
-from mixrl.operator.kube import Connection
-from mixrl.operator.promql import (
+from mixrl.operator.autoscaling.promql import (
     DCGM_GPU_UTIL,
     dcgm_run_query,
     default_load_query,
     gpu_models_query,
     sustained_query,
 )
+from mixrl.operator.controller.kube import Connection
 
 from .conftest import EngineMetrics, engine_job, free_port, needs_prometheus
 

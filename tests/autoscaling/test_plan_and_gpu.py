@@ -10,14 +10,14 @@ import pytest
 
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
-from mixrl.operator.autoscaling_loop import (
+from mixrl.operator.autoscaling.loop import (
     MetricsUnavailable,
     Observation,
     PoolMemory,
     load_of,
     plan_pool,
 )
-from mixrl.operator.gpu_check import wrong_gpu_value
+from mixrl.operator.controller.gpu_check import wrong_gpu_value
 from mixrl.rl.gpu_identity import gpu_identity, product_label
 
 RUN = resolve(load_rlrun("examples/rlrun-mixed.yaml"))  # targetPerReplica 16; h100-fp8 capacity 1.5

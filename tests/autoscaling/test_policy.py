@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
-from mixrl.operator.autoscaler import (
+from mixrl.operator.autoscaling.policy import (
     BudgetRequest,
     PolicyConfig,
     PolicyState,

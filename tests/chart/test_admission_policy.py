@@ -19,8 +19,8 @@ from celpy import celtypes
 
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
+from mixrl.operator.install.policy import Policy, violations
 from mixrl.operator.main import images_of, parse_args, policy_of
-from mixrl.operator.policy import Policy, violations
 
 from ..operator.support import small_run
 from .helm import Helm, clusterwide, default_values, namespaced

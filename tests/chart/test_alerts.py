@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mixrl.operator.monitoring import collapse_rule_groups
+from mixrl.operator.build.monitoring import collapse_rule_groups
 
 PROMTOOL = shutil.which("promtool")
 pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (Debian package prometheus)")

@@ -21,11 +21,11 @@ from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator import chart as chart_module
+from mixrl.operator.build.monitoring import collapse_rule_groups, dashboard
+from mixrl.operator.build.resources import BuildOptions, Monitoring, Owner, pool_children, run_objects
+from mixrl.operator.controller.rbac import operator_rules, permissions
+from mixrl.operator.install import chart as chart_module
 from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority
-from mixrl.operator.monitoring import collapse_rule_groups, dashboard
-from mixrl.operator.rbac import operator_rules, permissions
-from mixrl.operator.resources import BuildOptions, Monitoring, Owner, pool_children, run_objects
 
 from ..operator.support import small_run
 from .helm import CHART, Helm, chart_with_values, clusterwide, default_values, everything_on, namespaced
@@ -136,7 +136,7 @@ def test_the_gpu_node_label_keys_are_the_gpu_tables_types() -> None:
 
 
 def test_generated_files_match_the_code() -> None:
-    assert chart_module.stale_files(CHART) == [], "run `python -m mixrl.operator.chart`"
+    assert chart_module.stale_files(CHART) == [], "run `python -m mixrl.operator.install.chart`"
     assert chart_module.main(["--check"]) == 0
 
 
@@ -145,7 +145,9 @@ def test_the_check_names_a_stale_file(tmp_path: Path, capsys: pytest.CaptureFixt
     rules = copied / "files" / "rbac" / "base.yaml"
     rules.write_text(rules.read_text().replace("- watch", "- watch\n  - deletecollection", 1))
     assert chart_module.main(["--check", "--chart", str(copied)]) == 1
-    assert capsys.readouterr().err.strip() == (f"{rules}: out of date; run `python -m mixrl.operator.chart`")
+    assert capsys.readouterr().err.strip() == (
+        f"{rules}: out of date; run `python -m mixrl.operator.install.chart`"
+    )
 
 
 def test_crd_templates_are_behind_the_install_flag_and_kept_on_uninstall() -> None:

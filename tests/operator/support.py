@@ -11,8 +11,8 @@ from typing import Any
 import kmock
 import kopf
 
-from mixrl.operator import rbac
-from mixrl.operator.handlers import OperatorConfig, Runtime, build_registry
+from mixrl.operator.controller import rbac
+from mixrl.operator.controller.handlers import OperatorConfig, Runtime, build_registry
 
 from .emulator import ApiServer
 

@@ -10,7 +10,8 @@ import pytest
 
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator.apply import (
+from mixrl.operator.build.resources import BuildOptions, Owner, run_objects
+from mixrl.operator.controller.apply import (
     Failure,
     deletion_policy,
     first_difference,
@@ -19,9 +20,8 @@ from mixrl.operator.apply import (
     immutable_in_message,
     quantity,
 )
-from mixrl.operator.handlers import OperatorConfig, watched_children
-from mixrl.operator.resources import BuildOptions, Owner, run_objects
-from mixrl.operator.status import Reason, pool_status, problems_value, run_status
+from mixrl.operator.controller.handlers import OperatorConfig, watched_children
+from mixrl.operator.controller.status import Reason, pool_status, problems_value, run_status
 
 from .support import small_run
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp.web
 
-from mixrl.operator.autoscaling_loop import LoopSettings
+from mixrl.operator.autoscaling.loop import LoopSettings
 
 from ..autoscaling.conftest import (
     EngineMetrics,

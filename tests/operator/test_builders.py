@@ -21,13 +21,10 @@ from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE, GPU_TYPES
 from mixrl.api.loader import load_rlrun, parse_document
 from mixrl.api.models import RESERVED_POOL_NAMES, RLRun, SamplerPool
 from mixrl.api.resolve import ENGINE_PORT, SGLANG_IMAGE, SGLANG_QUANTIZATION, ResolvedRun, resolve
-from mixrl.operator import drain as drain_module
-from mixrl.operator import labels as L
-from mixrl.operator import weight_sync
-from mixrl.operator.gpu_check import wrong_gpu_value
-from mixrl.operator.keda import pool_scaled_object
-from mixrl.operator.podspec import with_shared
-from mixrl.operator.resources import (
+from mixrl.operator.build import labels as L
+from mixrl.operator.build.keda import pool_scaled_object
+from mixrl.operator.build.podspec import with_shared
+from mixrl.operator.build.resources import (
     CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
     POOL_CONFIG_HASH_LABEL,
@@ -42,8 +39,11 @@ from mixrl.operator.resources import (
     run_objects,
     seed_replicas,
 )
+from mixrl.operator.controller.gpu_check import wrong_gpu_value
 from mixrl.rl.buffer import cli as buffer_cli
+from mixrl.rl.engine import drain as drain_module
 from mixrl.rl.engine import server as engine_server
+from mixrl.rl.engine import weight_sync
 from mixrl.rl.rollout import worker as rollout_worker
 from mixrl.rl.router import cli as router_cli
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator.autoscaling_loop import LoopSettings
-from mixrl.operator.keda import pool_scaled_object
-from mixrl.operator.resources import HASH_ANNOTATION, Owner
+from mixrl.operator.autoscaling.loop import LoopSettings
+from mixrl.operator.build.keda import pool_scaled_object
+from mixrl.operator.build.resources import HASH_ANNOTATION, Owner
 
 from .emulator import ApiServer
 from .support import (

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from mixrl.operator.build.objects import Images
+from mixrl.operator.install.policy import OPEN, Policy
 from mixrl.operator.main import (
     DEV_PRIORITY,
     images_of,
@@ -20,8 +22,6 @@ from mixrl.operator.main import (
     policy_of,
     replica_priority,
 )
-from mixrl.operator.objects import Images
-from mixrl.operator.policy import OPEN, Policy
 
 from .emulator import ApiServer
 from .support import DEPLOYMENTS, NAMESPACE, create, eventually, small_run

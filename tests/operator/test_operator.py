@@ -10,8 +10,8 @@ import kmock
 
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator import labels as L
-from mixrl.operator.resources import (
+from mixrl.operator.build import labels as L
+from mixrl.operator.build.resources import (
     HASH_ANNOTATION,
     BuildOptions,
     Owner,
@@ -19,7 +19,7 @@ from mixrl.operator.resources import (
     run_objects,
     seed_replicas,
 )
-from mixrl.operator.status import COMPONENT_CONDITIONS
+from mixrl.operator.controller.status import COMPONENT_CONDITIONS
 
 from .emulator import ApiServer
 from .support import (

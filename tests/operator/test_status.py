@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mixrl.operator.status import (
+from mixrl.operator.controller.status import (
     COMPONENT_CONDITIONS,
     PoolState,
     Reason,

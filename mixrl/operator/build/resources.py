@@ -14,7 +14,7 @@ What one RLRun ``r`` in namespace ``ns`` becomes:
   headless Service;
 - buffer: StatefulSet ``r-buffer`` with a volume claim, and its headless Service;
 - router: Deployment and Service ``r-router``; rollout workers: Deployment ``r-rollout``;
-- one SamplerPool ``r-<pool>`` per pool, from which :mod:`mixrl.operator.pools` builds the pool's
+- one SamplerPool ``r-<pool>`` per pool, from which :mod:`mixrl.operator.build.pools` builds the pool's
   Deployment and headless Service (owned by the SamplerPool, written only by its controller);
 - monitoring: a PodMonitor when the cluster serves ``monitoring.coreos.com``, scrape annotations
   on the pod templates otherwise.
@@ -23,12 +23,13 @@ What one RLRun ``r`` in namespace ``ns`` becomes:
 from __future__ import annotations
 
 from functools import cache
+from importlib.resources import files as package_files
 from pathlib import Path
 
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
-from mixrl.operator import labels as L
-from mixrl.operator.objects import (
+from mixrl.operator.build import labels as L
+from mixrl.operator.build.objects import (
     BUFFER_DATA_DIR,
     COMPONENT_FOOTPRINTS,
     CONFIG_HASH_ANNOTATION,
@@ -53,7 +54,7 @@ from mixrl.operator.objects import (
     weights_volume_path,
     with_hash,
 )
-from mixrl.operator.podspec import (
+from mixrl.operator.build.podspec import (
     AUTH_ARGS,
     CONFIG_PATH,
     Obj,
@@ -69,7 +70,7 @@ from mixrl.operator.podspec import (
     resources,
     server_probes,
 )
-from mixrl.operator.pools import clamp_replicas, pool_children, pool_objects, sampler_pool, seed_replicas
+from mixrl.operator.build.pools import clamp_replicas, pool_children, pool_objects, sampler_pool, seed_replicas
 
 __all__ = [  # the builders' public surface, for the handlers and the tests
     "CONFIG_HASH_ANNOTATION",
@@ -93,7 +94,8 @@ __all__ = [  # the builders' public surface, for the handlers and the tests
 
 @cache
 def drain_script() -> str:
-    return Path(__file__).with_name("drain.py").read_text(encoding="utf-8")
+    # The pre-stop hook runs inside the engine's container, so its source lives beside the engine.
+    return package_files("mixrl.rl.engine").joinpath("drain.py").read_text(encoding="utf-8")
 
 
 def config_map(resolved: ResolvedRun, owner: Owner) -> Obj:

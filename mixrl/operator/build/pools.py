@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
-from mixrl.operator import labels as L
-from mixrl.operator.objects import (
+from mixrl.operator.build import labels as L
+from mixrl.operator.build.objects import (
     CONFIG_HASH_ANNOTATION,
     ENGINE_WEIGHTS_DIR,
     POOL_CONFIG_HASH_LABEL,
@@ -33,7 +33,7 @@ from mixrl.operator.objects import (
     weights_volume_path,
     with_hash,
 )
-from mixrl.operator.podspec import (
+from mixrl.operator.build.podspec import (
     AUTH_ARGS,
     AUTH_TOKEN_KEY,
     CONFIG_PATH,

@@ -2,7 +2,7 @@
 
 Three separable steps, so each is tested on its own:
 
-1. ``query_prometheus`` (in :mod:`mixrl.operator.autoscaling_io`) — one instant query against
+1. ``query_prometheus`` (in :mod:`mixrl.operator.autoscaling.pool_api`) — one instant query against
    ``/api/v1/query``; a failure is a ``MetricsUnavailable`` with a CamelCase reason
    (``PrometheusUnreachable``, ``QueryFailed``, ``NoSeries``).
 2. :func:`plan_pool` — pure: the pool's body, its run, what Prometheus said and the pool's
@@ -17,7 +17,7 @@ two ``on.event`` handlers keep the latest RLRuns and SamplerPools in memory, and
 at operator startup (stopped at cleanup) visits every pool of a run whose
 ``autoscaling.engine`` is ``builtin`` each tick, acting when its poll interval has passed.  Pools of
 ``keda`` runs are KEDA's (the pool's controller applies their ScaledObjects), pools of ``none`` runs
-are left alone.  The operator registers it in :func:`mixrl.operator.handlers.build_registry`.
+are left alone.  The operator registers it in :func:`mixrl.operator.controller.handlers.build_registry`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import aiohttp
 
 from mixrl.api.models import GROUP, VERSION, RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
-from mixrl.operator.autoscaler import (
+from mixrl.operator.autoscaling.policy import (
     BudgetRequest,
     Decision,
     PolicyConfig,
@@ -43,7 +43,7 @@ from mixrl.operator.autoscaler import (
     allocate_gpu_budget,
     decide,
 )
-from mixrl.operator.autoscaling_io import (
+from mixrl.operator.autoscaling.pool_api import (
     MetricsUnavailable,
     Observation,
     PoolApi,
@@ -52,11 +52,11 @@ from mixrl.operator.autoscaling_io import (
     query_prometheus,
     rfc3339,
 )
-from mixrl.operator.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
-from mixrl.operator.kube import ApiError, Connection, KubeClient
-from mixrl.operator.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, gpu_models_query, load_query
-from mixrl.operator.rbac import SAMPLERPOOLS
-from mixrl.operator.status import METRICS_AVAILABLE
+from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, gpu_models_query, load_query
+from mixrl.operator.controller.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
+from mixrl.operator.controller.kube import ApiError, Connection, KubeClient
+from mixrl.operator.controller.rbac import SAMPLERPOOLS
+from mixrl.operator.controller.status import METRICS_AVAILABLE
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
@@ -501,7 +501,7 @@ def register_autoscaling(
 ) -> AutoscalingLoop:
     """Put the autoscaler on a kopf registry.
 
-    ``connection()`` returns the operator's current :class:`mixrl.operator.kube.Connection` (None
+    ``connection()`` returns the operator's current :class:`mixrl.operator.controller.kube.Connection` (None
     before login).  ``client``: the operator's API client, shared (the operator closes it); without
     one the loop makes its own from ``connection`` and closes it at cleanup.  ``lock(namespace,
     name)``: the operator's per-SamplerPool lock, so the loop and the pool's controller never write

@@ -9,7 +9,7 @@ that with the chart's ``policy`` values, which reach two enforcers:
   on every reconcile, so a run that got past admission (created before the policy, or with
   admission off) is marked ``PolicyViolation`` and nothing of it is created or changed;
 - the API server: a ValidatingAdmissionPolicy the chart installs, whose CEL comes from
-  :func:`admission_rules` (``python -m mixrl.operator.chart`` writes it into the chart), so
+  :func:`admission_rules` (``python -m mixrl.operator.install.chart`` writes it into the chart), so
   ``kubectl apply`` of a violating RLRun is refused with the same line the operator would report.
 
 Both report ``path: reason`` lines in the same order (the CEL validations are listed in the order

@@ -19,7 +19,7 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 INVALID_SPEC = "InvalidSpec"
 POLICY_VIOLATION = "PolicyViolation"
-"""True while the cluster's policy refuses what the run asks for (mixrl.operator.policy); there only
+"""True while the cluster's policy refuses what the run asks for (mixrl.operator.install.policy); there only
 then, so runs the policy allows carry no condition about a policy they never met."""
 METRICS_AVAILABLE = "MetricsAvailable"
 """A SamplerPool condition the built-in autoscaler owns (Prometheus answered, or why not)."""
@@ -104,7 +104,7 @@ class PoolState:
 
 
 class Problem(Protocol):
-    """One child the last reconcile could not make match (mixrl.operator.apply.Failure)."""
+    """One child the last reconcile could not make match (mixrl.operator.controller.apply.Failure)."""
 
     @property
     def object(self) -> str: ...

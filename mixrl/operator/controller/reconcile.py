@@ -1,12 +1,12 @@
 """The two reconcilers: RLRun -> its children; SamplerPool -> its Deployment and Service (and, in
 KEDA mode, its ScaledObject).
 
-Framework-free (no kopf here): :mod:`mixrl.operator.handlers` wires these into kopf and turns
+Framework-free (no kopf here): :mod:`mixrl.operator.controller.handlers` wires these into kopf and turns
 their outcomes and errors into kopf's retry semantics.  Each reconcile reads the live children,
-writes only what differs from the desired objects (:mod:`mixrl.operator.apply`), and writes status
+writes only what differs from the desired objects (:mod:`mixrl.operator.controller.apply`), and writes status
 only when it changed.  A child that cannot be applied does not stop the others: every child is
 tried, the failures are reported on the owner's Progressing condition, and the reconcile then
-raises :class:`~mixrl.operator.apply.ApplyFailed` when retrying can help.
+raises :class:`~mixrl.operator.controller.apply.ApplyFailed` when retrying can help.
 """
 
 from __future__ import annotations
@@ -22,14 +22,10 @@ from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
-from mixrl.operator import labels as L
-from mixrl.operator.apply import Applied, ApplyFailed, ApplyReport, Failure, OwnerGone, apply_object, label
-from mixrl.operator.keda import pool_scaled_object
-from mixrl.operator.kube import ApiError, KubeClient
-from mixrl.operator.podspec import AUTH_TOKEN_KEY
-from mixrl.operator.policy import OPEN, Policy, violation
-from mixrl.operator.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
-from mixrl.operator.resources import (
+from mixrl.operator.build import labels as L
+from mixrl.operator.build.keda import pool_scaled_object
+from mixrl.operator.build.podspec import AUTH_TOKEN_KEY
+from mixrl.operator.build.resources import (
     BuildOptions,
     Monitoring,
     Owner,
@@ -39,7 +35,18 @@ from mixrl.operator.resources import (
     run_objects,
     seed_replicas,
 )
-from mixrl.operator.status import (
+from mixrl.operator.controller.apply import (
+    Applied,
+    ApplyFailed,
+    ApplyReport,
+    Failure,
+    OwnerGone,
+    apply_object,
+    label,
+)
+from mixrl.operator.controller.kube import ApiError, KubeClient
+from mixrl.operator.controller.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
+from mixrl.operator.controller.status import (
     METRICS_AVAILABLE,
     PoolState,
     Reason,
@@ -50,6 +57,7 @@ from mixrl.operator.status import (
     refused_run_status,
     run_status,
 )
+from mixrl.operator.install.policy import OPEN, Policy, violation
 
 Obj = dict[str, Any]
 EventSink = Callable[[Obj, str, str, str], None]

@@ -1,7 +1,7 @@
 """Building blocks of the desired objects: owners, options, hashes, metadata, Services, Deployments.
 
-Pure (no I/O); shared by :mod:`mixrl.operator.resources` (the run's objects) and
-:mod:`mixrl.operator.pools` (each pool's objects).
+Pure (no I/O); shared by :mod:`mixrl.operator.build.resources` (the run's objects) and
+:mod:`mixrl.operator.build.pools` (each pool's objects).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 from mixrl import __version__
 from mixrl.api.memory import BYTES_PER_PARAMETER, GIB
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE, ResolvedPool, ResolvedRun
-from mixrl.operator import labels as L
-from mixrl.operator.podspec import Obj, mount
+from mixrl.operator.build import labels as L
+from mixrl.operator.build.podspec import Obj, mount
 
 HASH_ANNOTATION = "mixrl.dev/desired-hash"
 """On every object we write: hash of the desired object; equal hash => no write."""

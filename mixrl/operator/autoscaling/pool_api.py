@@ -16,9 +16,9 @@ from typing import Any, Literal
 import aiohttp
 
 from mixrl.api.models import GROUP, VERSION
-from mixrl.operator.kube import KubeClient
-from mixrl.operator.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
-from mixrl.operator.rbac import EVENTS, SAMPLERPOOLS
+from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
+from mixrl.operator.controller.kube import KubeClient
+from mixrl.operator.controller.rbac import EVENTS, SAMPLERPOOLS
 
 Obj = dict[str, Any]
 
@@ -125,13 +125,13 @@ def rfc3339(now: float) -> str:
 class PoolApi:
     """The three calls the loop makes, through the operator's API client.
 
-    The client (:class:`mixrl.operator.kube.KubeClient`) checks every call against the RBAC
-    registry (:data:`mixrl.operator.rbac.RECONCILER`) before sending it, so the chart's rules are
+    The client (:class:`mixrl.operator.controller.kube.KubeClient`) checks every call against the RBAC
+    registry (:data:`mixrl.operator.controller.rbac.RECONCILER`) before sending it, so the chart's rules are
     generated from these calls too.  ``scale_via="subresource"`` (the default, what a cluster needs)
     patches ``…/samplerpools/NAME/scale`` with ``{"spec": {"replicas": N}}``; the API server maps it
     onto the CRD's ``specReplicasPath`` (``.spec.replicas``).  ``"object"`` merge-patches the
     SamplerPool itself — for an API that has no scale semantics.  Failures are
-    :class:`mixrl.operator.kube.ApiError`.
+    :class:`mixrl.operator.controller.kube.ApiError`.
     """
 
     def __init__(self, client: KubeClient, scale_via: Literal["subresource", "object"] = "subresource"):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mixrl.operator.autoscaler import (
+from mixrl.operator.autoscaling.policy import (
     BudgetRequest,
     PolicyConfig,
     PolicyState,

@@ -15,7 +15,7 @@ from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.api.models import Toleration
 
 if TYPE_CHECKING:  # objects.py builds on this module
-    from mixrl.operator.objects import Footprint
+    from mixrl.operator.build.objects import Footprint
 
 Obj = dict[str, Any]
 

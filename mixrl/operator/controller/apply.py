@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from mixrl.operator.kube import ApiError, KubeClient
-from mixrl.operator.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
-from mixrl.operator.resources import HASH_ANNOTATION
+from mixrl.operator.build.resources import HASH_ANNOTATION
+from mixrl.operator.controller.kube import ApiError, KubeClient
+from mixrl.operator.controller.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
 
 Obj = dict[str, Any]
 

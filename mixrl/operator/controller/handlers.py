@@ -16,7 +16,7 @@
 - No finalizers: deletion is the garbage collector's job through owner references, and no
   handler here needs one (kopf timers would add one, which is why the resync is our own loop).
 - kopf keeps its bookkeeping in ``mixrl.dev/*`` annotations, never in our status.
-- The built-in autoscaler (:mod:`mixrl.operator.autoscaling_loop`) runs in the same operator, on
+- The built-in autoscaler (:mod:`mixrl.operator.autoscaling.loop`) runs in the same operator, on
   the same API client (so its calls are RBAC-checked like the reconcilers'), for the pools of runs
   whose ``autoscaling.engine`` is ``builtin``; in KEDA mode the pool's controller applies a
   ScaledObject instead (when the cluster serves keda.sh), and ``none`` leaves replicas alone.
@@ -40,13 +40,13 @@ from typing import Any
 import kopf
 
 from mixrl.api.models import GROUP, VERSION
-from mixrl.operator import labels as L
-from mixrl.operator.apply import ApplyFailed, StillTerminating
-from mixrl.operator.autoscaling_loop import AutoscalingLoop, LoopSettings, register_autoscaling
-from mixrl.operator.kube import ApiError, Connection, KubeClient
-from mixrl.operator.peering import paused_by_peers
-from mixrl.operator.policy import OPEN, Policy
-from mixrl.operator.rbac import (
+from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings, register_autoscaling
+from mixrl.operator.build import labels as L
+from mixrl.operator.build.resources import BuildOptions, Images, Monitoring
+from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
+from mixrl.operator.controller.kube import ApiError, Connection, KubeClient
+from mixrl.operator.controller.peering import paused_by_peers
+from mixrl.operator.controller.rbac import (
     CHILD_RESOURCES,
     PODMONITORS,
     RLRUNS,
@@ -55,9 +55,9 @@ from mixrl.operator.rbac import (
     ApiResource,
     peering_resource,
 )
-from mixrl.operator.reconcile import Context, Outcome, reconcile_pool, reconcile_run
-from mixrl.operator.resources import BuildOptions, Images, Monitoring
-from mixrl.operator.status import PROGRESSING, Reason, make_condition, merge_conditions
+from mixrl.operator.controller.reconcile import Context, Outcome, reconcile_pool, reconcile_run
+from mixrl.operator.controller.status import PROGRESSING, Reason, make_condition, merge_conditions
+from mixrl.operator.install.policy import OPEN, Policy
 
 Obj = dict[str, Any]
 LoginFn = Callable[..., kopf.ConnectionInfo | None]

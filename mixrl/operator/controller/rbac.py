@@ -1,8 +1,8 @@
 """Every Kubernetes API call the operator makes, as (API group, resource, verb): the source of RBAC.
 
-The client in :mod:`mixrl.operator.kube` refuses a call that is not declared here, so this registry
+The client in :mod:`mixrl.operator.controller.kube` refuses a call that is not declared here, so this registry
 cannot fall behind the code; the Helm chart's rules are generated from :func:`operator_rules`
-(``python -m mixrl.operator.chart``), and the tests check both that the generated files are in sync
+(``python -m mixrl.operator.install.chart``), and the tests check both that the generated files are in sync
 and that every request the running operator sends to the emulator is covered.
 """
 
@@ -90,14 +90,14 @@ POD_MONITOR_WRITES = frozenset({"get", "create", "patch"})
 POD_MONITOR_CLEANUP = frozenset({"get", "delete"})
 
 # Calls made by mixrl's own code (the reconcilers and the built-in autoscaler), through
-# mixrl.operator.kube.
+# mixrl.operator.controller.kube.
 RECONCILER: dict[Key, frozenset[str]] = {
     # Children, written by server-side apply (create and patch) after a get that compares them.
     ("", "configmaps"): frozenset({"get", "create", "patch"}),
     # The run's API token: created once with a random token, never rewritten (get by name only).
     ("", "secrets"): frozenset({"get", "create", "patch"}),
     # Deleted only to be recreated when an immutable field must change (a Service's clusterIP, a
-    # Deployment's selector, a StatefulSet's claim templates); see mixrl.operator.apply.
+    # Deployment's selector, a StatefulSet's claim templates); see mixrl.operator.controller.apply.
     ("", "services"): frozenset({"get", "create", "patch", "delete"}),
     # Created once; afterwards only patched to grow (volume expansion), never shrunk.
     ("", "persistentvolumeclaims"): frozenset({"get", "create", "patch"}),

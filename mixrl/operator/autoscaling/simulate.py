@@ -3,7 +3,7 @@
     mixrl simulate examples/rlrun-mixed.yaml --scenario day --out sim-out
 
 reads the run's sampler pools (capacities, bounds, prices) and autoscaling settings, drives the
-fleet model of :mod:`mixrl.operator.fleet` with three strategies — mixrl's policy, KEDA's defaults,
+fleet model of :mod:`mixrl.operator.autoscaling.fleet` with three strategies — mixrl's policy, KEDA's defaults,
 and static peak provisioning — and prints queue wait, utilization, cost per million tokens and
 scaling actions for each, with plots in the output directory.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mixrl.operator.autoscaler import PolicyConfig
-from mixrl.operator.fleet import FleetPool, SimResult, Strategy, Workload, simulate
+from mixrl.operator.autoscaling.fleet import FleetPool, SimResult, Strategy, Workload, simulate
+from mixrl.operator.autoscaling.policy import PolicyConfig
 
 # Seconds from "pod scheduled" to "engine ready" for a ~30B MoE checkpoint read from a node-local
 # cache: image already pulled, weights loaded, kernels warmed up.  Assumptions, not measurements.
@@ -284,7 +284,7 @@ def main(argv: list[str]) -> int:
         json.dumps({"scenario": args.scenario, "results": rows}, indent=2) + "\n"
     )
     if not args.no_plots:
-        from mixrl.operator.simulate_plots import plot_results
+        from mixrl.operator.autoscaling.simulate_plots import plot_results
 
         for path in plot_results(results, out, title=f"{run_name} · {args.scenario}"):
             print(f"plot: {path}")
