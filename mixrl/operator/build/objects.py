@@ -30,11 +30,7 @@ Deployment's configuration; the autoscaling engine, and in KEDA mode the ScaledO
 which wakes the pool's own controller (it alone writes them).  A label, not an annotation: kopf's
 change detection sees labels and the spec, not annotations."""
 
-RDZV_PORT = 29500
 WEIGHTS_MOUNT = "weights"
-ENGINE_WEIGHTS_DIR = "/var/lib/mixrl/engine-weights"
-BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
-TRAINER_RUN_DIR = "/var/lib/mixrl/trainer"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 """Set by the StatefulSet controller on each pod (Kubernetes ≥ 1.28)."""
 

@@ -11,8 +11,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from mixrl.api.launch import Where
 from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.api.models import Toleration
+from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
+from mixrl.operator.build import labels as L
 
 if TYPE_CHECKING:  # objects.py builds on this module
     from mixrl.operator.build.objects import Footprint
@@ -27,8 +30,41 @@ CACHE_DIR = "/var/cache/mixrl"
 AUTH_DIR = "/var/run/mixrl/auth"
 AUTH_TOKEN_KEY = "token"
 AUTH_TOKEN_FILE = f"{AUTH_DIR}/{AUTH_TOKEN_KEY}"
+RDZV_PORT = 29500
+ENGINE_WEIGHTS_DIR = "/var/lib/mixrl/engine-weights"
+BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
+TRAINER_RUN_DIR = "/var/lib/mixrl/trainer"
 AUTH_ARGS = ["--auth-token-file", AUTH_TOKEN_FILE]
-"""What every mixrl component that serves or calls a mutating endpoint is given (docs/auth.md)."""
+
+
+def service_url(resolved: ResolvedRun, component: L.Component, port_number: int) -> str:
+    return f"http://{L.child_name(resolved.name, component)}.{resolved.namespace}.svc:{port_number}"
+
+
+def pod_where(resolved: ResolvedRun) -> Where:
+    """Where a run's components live in its pods (the launch table's input; mixrl.api.launch):
+    every interface, fixed ports, the services' DNS names, the mounted config and token, pod 0 of
+    the trainer's StatefulSet hosting the rendezvous, and each engine pod's weight-sync sidecar
+    reloading its own engine (so the trainer reloads nothing through the router)."""
+    trainer = L.child_name(resolved.name, "trainer")
+    return Where(
+        program=("mixrl",),
+        host="0.0.0.0",
+        config=CONFIG_PATH,
+        auth_token_file=AUTH_TOKEN_FILE,
+        buffer_url=service_url(resolved, "buffer", BUFFER_PORT),
+        router_url=service_url(resolved, "router", ROUTER_PORT),
+        buffer_dir=BUFFER_DATA_DIR,
+        trainer_run_dir=TRAINER_RUN_DIR,
+        engine_model_path=f"{ENGINE_WEIGHTS_DIR}/current",
+        metrics_port=METRICS_PORT,
+        rendezvous=f"{trainer}-0.{trainer}.{resolved.namespace}.svc:{RDZV_PORT}",
+        # The kubelet expands it from the pod-index label (the env var POD_INDEX of the pod).
+        worker_index="$(POD_INDEX)",
+        engine_weights_dir=ENGINE_WEIGHTS_DIR,
+        engine_url=f"http://127.0.0.1:{ENGINE_PORT}",
+    )
+
 
 # The GPU Operator and most managed clusters taint GPU nodes with this key.
 GPU_TOLERATION: Obj = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}

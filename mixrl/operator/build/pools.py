@@ -16,7 +16,6 @@ from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.objects import (
     CONFIG_HASH_ANNOTATION,
-    ENGINE_WEIGHTS_DIR,
     POOL_CONFIG_HASH_LABEL,
     BuildOptions,
     Owner,
@@ -38,6 +37,7 @@ from mixrl.operator.build.podspec import (
     AUTH_TOKEN_KEY,
     CONFIG_PATH,
     DRAIN_SCRIPT_PATH,
+    ENGINE_WEIGHTS_DIR,
     Obj,
     base_env,
     base_mounts,

@@ -24,20 +24,16 @@ from __future__ import annotations
 
 from functools import cache
 from importlib.resources import files as package_files
-from pathlib import Path
 
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.objects import (
-    BUFFER_DATA_DIR,
     COMPONENT_FOOTPRINTS,
     CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
     POD_INDEX_LABEL,
     POOL_CONFIG_HASH_LABEL,
-    RDZV_PORT,
-    TRAINER_RUN_DIR,
     BuildOptions,
     Images,
     Monitoring,
@@ -56,7 +52,10 @@ from mixrl.operator.build.objects import (
 )
 from mixrl.operator.build.podspec import (
     AUTH_ARGS,
+    BUFFER_DATA_DIR,
     CONFIG_PATH,
+    RDZV_PORT,
+    TRAINER_RUN_DIR,
     Obj,
     base_env,
     base_mounts,
@@ -70,7 +69,13 @@ from mixrl.operator.build.podspec import (
     resources,
     server_probes,
 )
-from mixrl.operator.build.pools import clamp_replicas, pool_children, pool_objects, sampler_pool, seed_replicas
+from mixrl.operator.build.pools import (
+    clamp_replicas,
+    pool_children,
+    pool_objects,
+    sampler_pool,
+    seed_replicas,
+)
 
 __all__ = [  # the builders' public surface, for the handlers and the tests
     "CONFIG_HASH_ANNOTATION",
