@@ -22,7 +22,9 @@ from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
 from mixrl.operator.build.monitoring import collapse_rule_groups, dashboard
-from mixrl.operator.build.resources import BuildOptions, Monitoring, Owner, pool_children, run_objects
+from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
+from mixrl.operator.build.pools import pool_children
+from mixrl.operator.build.resources import run_objects
 from mixrl.operator.controller.rbac import operator_rules, permissions
 from mixrl.operator.install import chart as chart_module
 from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority

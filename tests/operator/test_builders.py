@@ -23,8 +23,7 @@ from mixrl.api.models import RESERVED_POOL_NAMES, RLRun, SamplerPool
 from mixrl.api.resolve import ENGINE_PORT, SGLANG_IMAGE, SGLANG_QUANTIZATION, ResolvedRun, resolve
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.keda import pool_scaled_object
-from mixrl.operator.build.podspec import with_shared
-from mixrl.operator.build.resources import (
+from mixrl.operator.build.objects import (
     CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
     POOL_CONFIG_HASH_LABEL,
@@ -32,13 +31,11 @@ from mixrl.operator.build.resources import (
     Images,
     Monitoring,
     Owner,
-    clamp_replicas,
     desired_hash,
-    pool_children,
-    pool_objects,
-    run_objects,
-    seed_replicas,
 )
+from mixrl.operator.build.podspec import with_shared
+from mixrl.operator.build.pools import clamp_replicas, pool_children, pool_objects, seed_replicas
+from mixrl.operator.build.resources import run_objects
 from mixrl.operator.controller.gpu_check import wrong_gpu_value
 from mixrl.rl.buffer import cli as buffer_cli
 from mixrl.rl.engine import drain as drain_module

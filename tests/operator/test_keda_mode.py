@@ -19,7 +19,7 @@ from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
 from mixrl.operator.autoscaling.loop import LoopSettings
 from mixrl.operator.build.keda import pool_scaled_object
-from mixrl.operator.build.resources import HASH_ANNOTATION, Owner
+from mixrl.operator.build.objects import HASH_ANNOTATION, Owner
 
 from .emulator import ApiServer
 from .support import (

@@ -1,4 +1,4 @@
-"""Building blocks of the desired objects: owners, options, hashes, metadata, Services, Deployments.
+"""Building blocks of the desired objects: owners, options, hashes, metadata, Services, workloads.
 
 Pure (no I/O); shared by :mod:`mixrl.operator.build.resources` (the run's objects) and
 :mod:`mixrl.operator.build.pools` (each pool's objects).
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixrl import __version__
+from mixrl.api.launch import weights_volume_path
 from mixrl.api.memory import BYTES_PER_PARAMETER, GIB
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE, ResolvedPool, ResolvedRun
 from mixrl.operator.build import labels as L
@@ -281,15 +282,6 @@ def pod_template(labels: dict[str, str], annotations: dict[str, str], spec: Obj)
     return {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}, "spec": spec}
 
 
-def weights_volume_path(store: str) -> str | None:
-    """The mount path when the weight store is a filesystem path, else None (an object store URL)."""
-    if store.startswith("file://"):
-        return store.removeprefix("file://") or "/"
-    if store.startswith("/"):
-        return store
-    return None
-
-
 def weights_volume_and_mount(resolved: ResolvedRun, read_only: bool) -> tuple[list[Obj], list[Obj]]:
     path = weights_volume_path(resolved.weights.store)
     if path is None:
@@ -326,7 +318,8 @@ def service(
     }
 
 
-def deployment(
+def workload(
+    kind: str,
     name: str,
     resolved: ResolvedRun,
     labels: dict[str, str],
@@ -334,14 +327,18 @@ def deployment(
     replicas: int,
     template: Obj,
     owner: Owner,
-    strategy: Obj | None = None,
+    spec: Obj,
 ) -> Obj:
-    spec: Obj = {"replicas": replicas, "selector": {"matchLabels": dict(selector)}, "template": template}
-    if strategy:
-        spec["strategy"] = strategy
+    """A Deployment or StatefulSet of ``replicas`` pods of ``template``, with the kind's own ``spec``
+    fields (a strategy; a service name, claims)."""
     return {
         "apiVersion": "apps/v1",
-        "kind": "Deployment",
+        "kind": kind,
         "metadata": metadata(name, resolved.namespace, labels, owner),
-        "spec": spec,
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": dict(selector)},
+            "template": template,
+            **spec,
+        },
     }

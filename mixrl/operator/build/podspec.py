@@ -34,7 +34,6 @@ RDZV_PORT = 29500
 ENGINE_WEIGHTS_DIR = "/var/lib/mixrl/engine-weights"
 BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
 TRAINER_RUN_DIR = "/var/lib/mixrl/trainer"
-AUTH_ARGS = ["--auth-token-file", AUTH_TOKEN_FILE]
 
 
 def service_url(resolved: ResolvedRun, component: L.Component, port_number: int) -> str:
@@ -117,10 +116,15 @@ def auth_volume(secret: str) -> Obj:
     return {"name": "auth", "secret": {"secretName": secret, "defaultMode": 0o400}}
 
 
-def base_volumes(config_map: str, auth_secret: str) -> list[Obj]:
-    """Config and the run's token (read-only), /tmp and a cache directory: what every mixrl process
+def base_volumes(resolved: ResolvedRun) -> list[Obj]:
+    """The run's config and token (read-only), /tmp and a cache directory: what every mixrl process
     needs."""
-    return [config_volume(config_map), auth_volume(auth_secret), empty_dir("tmp"), empty_dir("cache")]
+    return [
+        config_volume(L.child_name(resolved.name, "config")),
+        auth_volume(L.child_name(resolved.name, "auth")),
+        empty_dir("tmp"),
+        empty_dir("cache"),
+    ]
 
 
 def base_mounts() -> list[Obj]:

@@ -11,6 +11,7 @@ current version before SGLang starts, because SGLang loads its first checkpoint 
 
 from __future__ import annotations
 
+from mixrl.api.launch import AUTH_TOKEN_ENV, component_command
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.build import labels as L
@@ -19,7 +20,6 @@ from mixrl.operator.build.objects import (
     POOL_CONFIG_HASH_LABEL,
     BuildOptions,
     Owner,
-    deployment,
     engine_footprint,
     metadata,
     pod_template,
@@ -29,13 +29,11 @@ from mixrl.operator.build.objects import (
     service,
     weight_sync_footprint,
     weights_volume_and_mount,
-    weights_volume_path,
     with_hash,
+    workload,
 )
 from mixrl.operator.build.podspec import (
-    AUTH_ARGS,
     AUTH_TOKEN_KEY,
-    CONFIG_PATH,
     DRAIN_SCRIPT_PATH,
     ENGINE_WEIGHTS_DIR,
     Obj,
@@ -47,6 +45,7 @@ from mixrl.operator.build.podspec import (
     gpu_scheduling,
     mount,
     pod_spec,
+    pod_where,
     port,
     resources,
     server_probes,
@@ -89,51 +88,14 @@ def sampler_pool(resolved: ResolvedRun, pool: ResolvedPool, owner: Owner) -> Obj
     }
 
 
-def engine_model_path(pool: ResolvedPool) -> str:
-    return f"{ENGINE_WEIGHTS_DIR}/current"
-
-
-AUTH_ENV = "MIXRL_AUTH_TOKEN"
-
-
 def engine_container(
     resolved: ResolvedRun, pool: ResolvedPool, options: BuildOptions, mounts: list[Obj]
 ) -> Obj:
-    if pool.engine == "sglang":
-        command = [
-            "python3",
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            engine_model_path(pool),
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(ENGINE_PORT),
-            # SGLang's own token check (every route but health and metrics), with the run's token.
-            "--api-key",
-            f"$({AUTH_ENV})",
-            *pool.engine_args,
-        ]
-    else:
-        store = weights_volume_path(resolved.weights.store)
-        command = [
-            "mixrl",
-            "engine",
-            "--model-path",
-            engine_model_path(pool),
-            # Weight updates load only from the run's weight store (the volume mounted there).
-            *(["--weight-root", store] if store is not None else []),
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(ENGINE_PORT),
-            *AUTH_ARGS,
-            *pool.engine_args,
-        ]
     # SGLang reads its key from the command line; the pod spec holds only a reference to the Secret.
     secret = {"name": L.child_name(resolved.name, "auth"), "key": AUTH_TOKEN_KEY}
-    token_env = [{"name": AUTH_ENV, "valueFrom": {"secretKeyRef": secret}}] if pool.engine == "sglang" else []
+    token_env = (
+        [{"name": AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": secret}}] if pool.engine == "sglang" else []
+    )
     # Drain: the pod has left the Service's endpoints; wait for in-flight requests, then stop.
     drain = [
         "python3",
@@ -146,7 +108,7 @@ def engine_container(
     return container(
         "engine",
         pool.image or options.images.engine(pool.engine),
-        command,
+        component_command(resolved, "engine", pod_where(resolved), pool),
         [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}, *token_env],
         mounts,
         ports=[port("engine", ENGINE_PORT)],
@@ -159,23 +121,6 @@ def engine_container(
     )
 
 
-def weight_sync_command(pool: ResolvedPool, once: bool) -> list[str]:
-    command = [
-        "mixrl",
-        "engine-sync",
-        "--config",
-        CONFIG_PATH,
-        "--pool",
-        pool.name,
-        "--output",
-        ENGINE_WEIGHTS_DIR,
-    ]
-    # --once (the init container) never calls the engine, so it needs no token.
-    if once:
-        return [*command, "--once"]
-    return [*command, "--engine-url", f"http://127.0.0.1:{ENGINE_PORT}", *AUTH_ARGS]
-
-
 def pool_objects(
     resolved: ResolvedRun, pool: ResolvedPool, replicas: int, owner: Owner, options: BuildOptions
 ) -> list[Obj]:
@@ -186,7 +131,7 @@ def pool_objects(
     weight_volumes, sync_weight_mounts = weights_volume_and_mount(resolved, read_only=False)
     engine_weight_mounts = [{**m, "readOnly": True} for m in sync_weight_mounts]
     volumes = [
-        *base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
+        *base_volumes(resolved),
         *weight_volumes,
         empty_dir("engine-weights"),
     ]
@@ -202,7 +147,7 @@ def pool_objects(
     sidecar = container(
         "weight-sync",
         components,
-        weight_sync_command(pool, once=False),
+        component_command(resolved, "weight-sync", pod_where(resolved), pool),
         sync_env,
         sync_mounts,
         resources=sync_resources,
@@ -212,7 +157,7 @@ def pool_objects(
     init = container(
         "weights-init",
         components,
-        weight_sync_command(pool, once=True),
+        component_command(resolved, "weights-init", pod_where(resolved), pool),
         sync_env,
         sync_mounts,
         resources=sync_resources,
@@ -239,11 +184,21 @@ def pool_objects(
     template = pod_template(labels, annotations, spec)
     # No surge: a GPU pool rarely has a spare GPU, so replace one replica at a time instead.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    workload = deployment(pool.object_name, resolved, labels, selector, replicas, template, owner, strategy)
+    engines = workload(
+        "Deployment",
+        pool.object_name,
+        resolved,
+        labels,
+        selector,
+        replicas,
+        template,
+        owner,
+        {"strategy": strategy},
+    )
     svc = service(
         pool.object_name, resolved, labels, selector, [("engine", ENGINE_PORT)], owner, headless=True
     )
-    return [svc, workload]
+    return [svc, engines]
 
 
 def pool_children(

@@ -26,34 +26,28 @@ from functools import cache
 from importlib.resources import files as package_files
 
 from mixrl.api.gpus import GPU_TABLE
+from mixrl.api.launch import component_command, weights_volume_path
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.objects import (
     COMPONENT_FOOTPRINTS,
     CONFIG_HASH_ANNOTATION,
-    HASH_ANNOTATION,
     POD_INDEX_LABEL,
-    POOL_CONFIG_HASH_LABEL,
     BuildOptions,
-    Images,
     Monitoring,
     Owner,
     config_hash,
-    deployment,
-    desired_hash,
     metadata,
     pod_template,
     scrape_annotations,
     service,
     trainer_footprint,
     weights_volume_and_mount,
-    weights_volume_path,
     with_hash,
+    workload,
 )
 from mixrl.operator.build.podspec import (
-    AUTH_ARGS,
     BUFFER_DATA_DIR,
-    CONFIG_PATH,
     RDZV_PORT,
     TRAINER_RUN_DIR,
     Obj,
@@ -65,34 +59,12 @@ from mixrl.operator.build.podspec import (
     gpu_scheduling,
     mount,
     pod_spec,
+    pod_where,
     port,
     resources,
     server_probes,
 )
-from mixrl.operator.build.pools import (
-    clamp_replicas,
-    pool_children,
-    pool_objects,
-    sampler_pool,
-    seed_replicas,
-)
-
-__all__ = [  # the builders' public surface, for the handlers and the tests
-    "CONFIG_HASH_ANNOTATION",
-    "HASH_ANNOTATION",
-    "POOL_CONFIG_HASH_LABEL",
-    "BuildOptions",
-    "Images",
-    "Monitoring",
-    "Owner",
-    "clamp_replicas",
-    "desired_hash",
-    "pool_children",
-    "pool_objects",
-    "run_objects",
-    "sampler_pool",
-    "seed_replicas",
-]
+from mixrl.operator.build.pools import sampler_pool
 
 # ----------------------------------------------------------------------------- shared objects
 
@@ -103,16 +75,18 @@ def drain_script() -> str:
     return package_files("mixrl.rl.engine").joinpath("drain.py").read_text(encoding="utf-8")
 
 
+def run_metadata(resolved: ResolvedRun, suffix: str, owner: Owner) -> Obj:
+    """Metadata of an object the whole run shares (``<run>-<suffix>``)."""
+    return metadata(
+        L.child_name(resolved.name, suffix), resolved.namespace, L.component_labels(resolved, "run"), owner
+    )
+
+
 def config_map(resolved: ResolvedRun, owner: Owner) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": metadata(
-            L.child_name(resolved.name, "config"),
-            resolved.namespace,
-            L.component_labels(resolved, "run"),
-            owner,
-        ),
+        "metadata": run_metadata(resolved, "config", owner),
         "data": {"run.json": resolved.model_dump_json(indent=2), "drain.py": drain_script()},
     }
 
@@ -124,12 +98,7 @@ def auth_secret(resolved: ResolvedRun, owner: Owner) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": metadata(
-            L.child_name(resolved.name, "auth"),
-            resolved.namespace,
-            L.component_labels(resolved, "run"),
-            owner,
-        ),
+        "metadata": run_metadata(resolved, "auth", owner),
         "type": "Opaque",
     }
 
@@ -148,68 +117,9 @@ def weights_pvc(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> O
     return {
         "apiVersion": "v1",
         "kind": "PersistentVolumeClaim",
-        "metadata": metadata(
-            L.child_name(resolved.name, "weights"),
-            resolved.namespace,
-            L.component_labels(resolved, "run"),
-            owner,
-        ),
+        "metadata": run_metadata(resolved, "weights", owner),
         "spec": spec,
     }
-
-
-def service_url(resolved: ResolvedRun, component: str, port_number: int) -> str:
-    return f"http://{L.child_name(resolved.name, component)}.{resolved.namespace}.svc:{port_number}"
-
-
-def router_url(resolved: ResolvedRun) -> str:
-    return service_url(resolved, "router", ROUTER_PORT)
-
-
-def buffer_url(resolved: ResolvedRun) -> str:
-    return service_url(resolved, "buffer", BUFFER_PORT)
-
-
-# ----------------------------------------------------------------------------- trainer
-
-
-def trainer_command(resolved: ResolvedRun) -> list[str]:
-    """torchrun with a c10d rendezvous hosted by pod 0 of the StatefulSet, or the trainer alone.
-
-    No ``--router``: in a cluster the trainer only publishes each version to the weight store, and
-    every engine pod's ``weight-sync`` sidecar converts it to the pool's precision and reloads its
-    own engine (SGLang pools need the converted checkpoint, which a reload through the router would
-    not give them).  Reloading through the router is the local runtime's shortcut."""
-    spec = resolved.trainer.spec
-    program = [
-        "mixrl",
-        "trainer",
-        "--config",
-        CONFIG_PATH,
-        "--buffer",
-        buffer_url(resolved),
-        "--run-dir",
-        TRAINER_RUN_DIR,
-        "--metrics-port",
-        str(METRICS_PORT),
-        *AUTH_ARGS,
-    ]
-    nproc = max(spec.gpus_per_node, 1)
-    if spec.nodes == 1 and nproc == 1:
-        return program
-    name = L.child_name(resolved.name, "trainer")
-    endpoint = f"{name}-0.{name}.{resolved.namespace}.svc:{RDZV_PORT}"
-    return [
-        "torchrun",
-        f"--nnodes={spec.nodes}",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={resolved.name}",
-        "-m",
-        "mixrl.cli",
-        *program[1:],
-    ]
 
 
 def claim_template(name: str, labels: dict[str, str], size: str) -> Obj:
@@ -219,17 +129,38 @@ def claim_template(name: str, labels: dict[str, str], size: str) -> Obj:
     }
 
 
+def component_template(
+    resolved: ResolvedRun,
+    component: L.Component,
+    main: Obj,
+    volumes: list[Obj],
+    options: BuildOptions,
+    **pod: object,
+) -> Obj:
+    """The pod template of a run component: its one container, the run's config and token volumes
+    (plus ``volumes``), the config hash that rolls it and the scrape annotations."""
+    annotations = {
+        CONFIG_HASH_ANNOTATION: config_hash(resolved, component),
+        **scrape_annotations(METRICS_PORT, options),
+    }
+    spec = pod_spec([main], [*base_volumes(resolved), *volumes], options.images.pull_secrets, **pod)
+    return pod_template(L.component_labels(resolved, component), annotations, spec)
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
 def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+    """``nodes`` pods, torchrun's c10d rendezvous on pod 0.  No ``--router`` on the command line: in
+    a cluster the trainer only publishes each version to the weight store, and every engine pod's
+    ``weight-sync`` sidecar converts it to the pool's precision and reloads its own engine (SGLang
+    pools need the converted checkpoint, which a reload through the router would not give them)."""
     spec = resolved.trainer.spec
     name = L.child_name(resolved.name, "trainer")
     labels = L.component_labels(resolved, "trainer")
-    selector = L.selector_labels(resolved.name, "trainer")
     gpus = spec.gpus_per_node
     weight_volumes, weight_mounts = weights_volume_and_mount(resolved, read_only=False)
-    volumes = [
-        *base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
-        *weight_volumes,
-    ]
+    volumes = list(weight_volumes)
     mounts = [*base_mounts(), *weight_mounts, mount("run", TRAINER_RUN_DIR)]
     if gpus > 0:  # NCCL and data loaders need a large /dev/shm
         volumes.append(empty_dir("dshm", medium="Memory"))
@@ -237,7 +168,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     trainer = container(
         "trainer",
         resolved.trainer.image or options.images.trainer(spec.backend),
-        trainer_command(resolved),
+        component_command(resolved, "trainer", pod_where(resolved)),
         base_env(resolved.name),
         mounts,
         ports=[port("rdzv", RDZV_PORT), port("metrics", METRICS_PORT)],
@@ -254,30 +185,25 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         placement.priority_class_name,
         options.images.gpu_node_selectors.get(spec.gpu_type),
     )
-    annotations = {
-        CONFIG_HASH_ANNOTATION: config_hash(resolved, "trainer"),
-        **scrape_annotations(METRICS_PORT, options),
-    }
-    pod = pod_spec(
-        [trainer], volumes, options.images.pull_secrets, terminationGracePeriodSeconds=120, **scheduling
+    template = component_template(
+        resolved, "trainer", trainer, volumes, options, terminationGracePeriodSeconds=120, **scheduling
     )
-    template = pod_template(labels, annotations, pod)
     # Parallel pod management (the helper's default): every node must be up for the rendezvous.
     # The run volume holds checkpoints and metrics.jsonl; optimizer state is sized like the weights.
     claims = [claim_template("run", labels, resolved.weights.volume_size)]
-    workload = statefulset(name, resolved, labels, selector, spec.nodes, template, owner, claims)
+    trainers = statefulset(resolved, "trainer", spec.nodes, template, owner, claims)
     # Pod DNS records must exist before readiness, or the rendezvous on pod 0 cannot be found.
     headless = service(
         name,
         resolved,
         labels,
-        selector,
+        L.selector_labels(resolved.name, "trainer"),
         [("rdzv", RDZV_PORT), ("metrics", METRICS_PORT)],
         owner,
         headless=True,
         publish_not_ready=True,
     )
-    return [headless, workload]
+    return [headless, trainers]
 
 
 # ----------------------------------------------------------------------------- buffer, router, rollout
@@ -285,9 +211,8 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
 
 def component_container(
     resolved: ResolvedRun,
-    component: str,
-    image: str,
-    command: list[str],
+    component: L.Component,
+    options: BuildOptions,
     ports: list[Obj],
     extra_mounts: list[Obj],
 ) -> Obj:
@@ -296,8 +221,8 @@ def component_container(
         extra = server_probes("http", startup_minutes=5)
     return container(
         component,
-        image,
-        command,
+        options.images.components,
+        component_command(resolved, component, pod_where(resolved)),
         base_env(resolved.name),
         [*base_mounts(), *extra_mounts],
         ports=ports,
@@ -306,79 +231,37 @@ def component_container(
     )
 
 
-def server_args(port_number: int) -> list[str]:
-    """Listen on every interface (a container), serve /metrics on the pod's metrics port as well."""
-    return ["--host", "0.0.0.0", "--port", str(port_number), "--metrics-port", str(METRICS_PORT)]
-
-
 def statefulset(
-    name: str,
     resolved: ResolvedRun,
-    labels: dict[str, str],
-    selector: dict[str, str],
+    component: L.Component,
     replicas: int,
     template: Obj,
     owner: Owner,
     claims: list[Obj] | None = None,
 ) -> Obj:
-    spec: Obj = {
-        "serviceName": name,
-        "replicas": replicas,
-        "podManagementPolicy": "Parallel",
-        "selector": {"matchLabels": dict(selector)},
-        "template": template,
-    }
+    name = L.child_name(resolved.name, component)
+    labels, selector = L.component_labels(resolved, component), L.selector_labels(resolved.name, component)
+    spec: Obj = {"serviceName": name, "podManagementPolicy": "Parallel"}
     if claims:
         spec["volumeClaimTemplates"] = claims
         # Deliberate: deleting the run (or scaling the trainer down) keeps the trainer's checkpoints
         # and the buffer's logs; an RLRun of the same name resumes from them (docs/operator.md#delete).
         spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Retain", "whenScaled": "Retain"}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": metadata(name, resolved.namespace, labels, owner),
-        "spec": spec,
-    }
+    return workload("StatefulSet", name, resolved, labels, selector, replicas, template, owner, spec)
 
 
 def buffer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
     """One buffer with its append-only logs on a volume: a restart loses no trajectory."""
-    name = L.child_name(resolved.name, "buffer")
     labels = L.component_labels(resolved, "buffer")
-    selector = L.selector_labels(resolved.name, "buffer")
-    command = [
-        "mixrl",
-        "buffer",
-        "--config",
-        CONFIG_PATH,
-        "--dir",
-        BUFFER_DATA_DIR,
-        *server_args(BUFFER_PORT),
-        *AUTH_ARGS,
-    ]
-    main = component_container(
-        resolved,
-        "buffer",
-        options.images.components,
-        command,
-        [port("http", BUFFER_PORT), port("metrics", METRICS_PORT)],
-        [mount("data", BUFFER_DATA_DIR)],
-    )
-    annotations = {
-        CONFIG_HASH_ANNOTATION: config_hash(resolved, "buffer"),
-        **scrape_annotations(METRICS_PORT, options),
-    }
-    spec = pod_spec(
-        [main],
-        base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
-        options.images.pull_secrets,
-        terminationGracePeriodSeconds=60,
-    )
-    template = pod_template(labels, annotations, spec)
+    ports = [port("http", BUFFER_PORT), port("metrics", METRICS_PORT)]
+    main = component_container(resolved, "buffer", options, ports, [mount("data", BUFFER_DATA_DIR)])
+    template = component_template(resolved, "buffer", main, [], options, terminationGracePeriodSeconds=60)
     claims = [claim_template("data", labels, options.buffer_volume_size)]
-    workload = statefulset(name, resolved, labels, selector, 1, template, owner, claims)
+    buffers = statefulset(resolved, "buffer", 1, template, owner, claims)
+    selector = L.selector_labels(resolved.name, "buffer")
+    name = L.child_name(resolved.name, "buffer")
     headless = service(name, resolved, labels, selector, [("http", BUFFER_PORT)], owner, headless=True)
-    return [headless, workload]
+    return [headless, buffers]
 
 
 def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
@@ -387,23 +270,11 @@ def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
     name = L.child_name(resolved.name, "router")
     labels = L.component_labels(resolved, "router")
     selector = L.selector_labels(resolved.name, "router")
-    command = ["mixrl", "router", "--config", CONFIG_PATH, *server_args(ROUTER_PORT), *AUTH_ARGS]
     ports = [port("http", ROUTER_PORT), port("metrics", METRICS_PORT)]
-    main = component_container(resolved, "router", options.images.components, command, ports, [])
-    annotations = {
-        CONFIG_HASH_ANNOTATION: config_hash(resolved, "router"),
-        **scrape_annotations(METRICS_PORT, options),
-    }
-    template = pod_template(
-        labels,
-        annotations,
-        pod_spec(
-            [main],
-            base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
-            options.images.pull_secrets,
-        ),
-    )
-    router = deployment(name, resolved, labels, selector, 1, template, owner, strategy={"type": "Recreate"})
+    main = component_container(resolved, "router", options, ports, [])
+    template = component_template(resolved, "router", main, [], options)
+    recreate = {"strategy": {"type": "Recreate"}}
+    router = workload("Deployment", name, resolved, labels, selector, 1, template, owner, recreate)
     svc = service(name, resolved, labels, selector, [("http", ROUTER_PORT)], owner, headless=False)
     return [svc, router]
 
@@ -411,46 +282,15 @@ def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
 def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
     """``rollout.workers`` agent-loop workers; a StatefulSet so each knows its index (its share of
     the tasks) from the pod-index label, passed on the command line through ``$(POD_INDEX)``."""
-    name = L.child_name(resolved.name, "rollout")
-    labels = L.component_labels(resolved, "rollout")
-    selector = L.selector_labels(resolved.name, "rollout")
-    command = [
-        "mixrl",
-        "rollout",
-        "--config",
-        CONFIG_PATH,
-        "--router",
-        router_url(resolved),
-        "--buffer",
-        buffer_url(resolved),
-        "--worker-index",
-        "$(POD_INDEX)",
-        "--metrics-port",
-        str(METRICS_PORT),
-        *AUTH_ARGS,
-    ]
-    ports = [port("metrics", METRICS_PORT)]
-    main = component_container(resolved, "rollout", options.images.components, command, ports, [])
+    main = component_container(resolved, "rollout", options, [port("metrics", METRICS_PORT)], [])
     main["env"].append(
         {
             "name": "POD_INDEX",
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
         }
     )
-    annotations = {
-        CONFIG_HASH_ANNOTATION: config_hash(resolved, "rollout"),
-        **scrape_annotations(METRICS_PORT, options),
-    }
-    template = pod_template(
-        labels,
-        annotations,
-        pod_spec(
-            [main],
-            base_volumes(L.child_name(resolved.name, "config"), L.child_name(resolved.name, "auth")),
-            options.images.pull_secrets,
-        ),
-    )
-    return [statefulset(name, resolved, labels, selector, resolved.rollout.workers, template, owner)]
+    template = component_template(resolved, "rollout", main, [], options)
+    return [statefulset(resolved, "rollout", resolved.rollout.workers, template, owner)]
 
 
 # ----------------------------------------------------------------------------- monitoring

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from mixrl.operator.build.resources import HASH_ANNOTATION
+from mixrl.operator.build.objects import HASH_ANNOTATION
 from mixrl.operator.controller.kube import ApiError, KubeClient
 from mixrl.operator.controller.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
 

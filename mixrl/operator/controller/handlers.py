@@ -42,7 +42,7 @@ import kopf
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings, register_autoscaling
 from mixrl.operator.build import labels as L
-from mixrl.operator.build.resources import BuildOptions, Images, Monitoring
+from mixrl.operator.build.objects import BuildOptions, Images, Monitoring
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
 from mixrl.operator.controller.kube import ApiError, Connection, KubeClient
 from mixrl.operator.controller.peering import paused_by_peers

@@ -24,17 +24,10 @@ from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.keda import pool_scaled_object
+from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
 from mixrl.operator.build.podspec import AUTH_TOKEN_KEY
-from mixrl.operator.build.resources import (
-    BuildOptions,
-    Monitoring,
-    Owner,
-    clamp_replicas,
-    pod_monitor,
-    pool_children,
-    run_objects,
-    seed_replicas,
-)
+from mixrl.operator.build.pools import clamp_replicas, pool_children, seed_replicas
+from mixrl.operator.build.resources import pod_monitor, run_objects
 from mixrl.operator.controller.apply import (
     Applied,
     ApplyFailed,
