@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Create or reuse .venv and install mixrl with everything the tests need. (The Kubernetes test bed's
 # binaries, Helm among them, come from scripts/k8s-bin.sh, which `make test` runs.)
-# TORCH_SPEC overrides the torch requirement (default: the CPU build of 2.13.0, which is on local
-# disk on our machines; GPU users set e.g. TORCH_SPEC="torch==2.13.0" with a CUDA index).
+# TORCH_SPEC overrides the torch requirement (default torch==2.13.0 from the index pip is configured
+# with: on Linux PyPI's CUDA build, which runs on CPU too; on macOS the CPU build). The CPU-only Linux
+# build: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu TORCH_SPEC="torch==2.13.0+cpu".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
@@ -29,6 +30,6 @@ if [ "${MIXRL_SKIP_PROMETHEUS:-0}" != 1 ] && ! command -v prometheus >/dev/null;
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing Debian's prometheus package (for the autoscaling tests)"
     (apt-get install -y -qq prometheus >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq prometheus >/dev/null 2>&1; }) \
-      || echo "setup: could not install prometheus; the tests that need it will fail"
+      || echo "setup: could not install prometheus; the tests that need it will be skipped"
   fi
 fi
