@@ -60,13 +60,14 @@ class Where:
     """Path of the resolved run (``ResolvedRun`` as JSON) that every component reads."""
     auth_token_file: str
     """Path of the run's token."""
-    buffer_url: str
-    router_url: str
     buffer_dir: str
     """The buffer's append-only logs."""
     trainer_run_dir: str
     """The trainer's checkpoints and metrics.jsonl."""
-    engine_model_path: str
+    buffer_url: str | None = None
+    """How clients reach the buffer (None until it is known: a laptop's buffer picks its port)."""
+    router_url: str | None = None
+    engine_model_path: str | None = None
     """What an engine loads when it starts."""
     metrics_port: int | None = None
     """Every mixrl service also serves /metrics here (a pod's metrics port); None: no extra port."""
@@ -136,6 +137,12 @@ def _listen(
     return args
 
 
+def _known(value: str | None, what: str) -> str:
+    if value is None:
+        raise ValueError(f"{what} is not known yet: start the component it names first")
+    return value
+
+
 def _metrics(where: Where) -> list[str]:
     return [] if where.metrics_port is None else ["--metrics-port", str(where.metrics_port)]
 
@@ -150,8 +157,8 @@ def _trainer(resolved: ResolvedRun, where: Where) -> list[str]:
         "--config",
         where.config,
         "--buffer",
-        where.buffer_url,
-        *(["--router", where.router_url] if where.reload_through_router else []),
+        _known(where.buffer_url, "the buffer's URL"),
+        *(["--router", _known(where.router_url, "the router's URL")] if where.reload_through_router else []),
         "--run-dir",
         where.trainer_run_dir,
         *(["--model-path", where.trainer_model_path] if where.trainer_model_path is not None else []),
@@ -182,7 +189,7 @@ def _engine(resolved: ResolvedRun, pool: ResolvedPool, where: Where, replica: in
             "-m",
             "sglang.launch_server",
             "--model-path",
-            where.engine_model_path,
+            _known(where.engine_model_path, "the engines' first checkpoint"),
             *_listen(where, "engine", pool, replica, metrics=False),
             # SGLang's own token check (every route but health and metrics), with the run's token.
             "--api-key",
@@ -195,7 +202,7 @@ def _engine(resolved: ResolvedRun, pool: ResolvedPool, where: Where, replica: in
         *where.program,
         "engine",
         "--model-path",
-        where.engine_model_path,
+        _known(where.engine_model_path, "the engines' first checkpoint"),
         # Weight updates load only from the run's weight store.
         *(["--weight-root", store] if store is not None else []),
         *_listen(where, "engine", pool, replica, metrics=False),
@@ -264,9 +271,9 @@ def component_command(
             "--config",
             where.config,
             "--router",
-            where.router_url,
+            _known(where.router_url, "the router's URL"),
             "--buffer",
-            where.buffer_url,
+            _known(where.buffer_url, "the buffer's URL"),
             *(["--tokenizer", where.tokenizer] if where.tokenizer is not None else []),
             "--worker-index",
             where.worker_index,

@@ -1,5 +1,8 @@
 """Reading RLRun and SamplerPool manifests from YAML, with one line per problem.
 
+The components read the *resolved* run instead, each through :func:`load_resolved` (one loader, one
+error line).
+
 Every RLRun file mixrl reads (``mixrl validate``, ``mixrl run``, ``mixrl simulate``) goes through
 :func:`read_documents`, whose YAML loader is safe against hostile or careless input: it reads at
 most :data:`MAX_FILE_BYTES` (``/dev/zero`` ends at once), expands at most :data:`MAX_ALIASES`
@@ -31,6 +34,7 @@ from yaml.resolver import Resolver
 from mixrl.api.errors import InvalidSpec, Problem, problems_from_validation_error
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.names import shown
+from mixrl.api.resolve import ResolvedRun
 
 KINDS: dict[str, type[RLRun] | type[SamplerPool]] = {"RLRun": RLRun, "SamplerPool": SamplerPool}
 
@@ -295,3 +299,26 @@ def load_rlrun(path: str | Path) -> RLRun:
     run = parse_document(documents[0].data)
     assert isinstance(run, RLRun)
     return run
+
+
+class RunConfigError(ValueError):
+    """A component cannot use its ``--config``: one line naming the flag, the file, the field and why."""
+
+
+def load_resolved(path: str | Path, flag: str = "--config") -> ResolvedRun:
+    """A component's view of the run: the resolved run (``ResolvedRun`` as JSON) that ``mixrl run``
+    writes and the operator mounts from the run's ConfigMap.  Every component reads its part of the
+    run through this, validated once by :func:`~mixrl.api.resolve.resolve` before it was written;
+    raises :class:`RunConfigError` (``--config PATH: field: reason``)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise RunConfigError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise RunConfigError(f"{flag} {path}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        return ResolvedRun.model_validate_json(text)
+    except ValidationError as exc:
+        problems = problems_from_validation_error(exc)
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise RunConfigError(f"{flag} {path}: not a resolved run: {problems[0]}{more}") from None

@@ -20,21 +20,24 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from mixrl.api.errors import InvalidSpec
+from mixrl.api.launch import SERVER_PORTS, Component, Where, component_command, port_file, process_name
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
-from mixrl.api.resolve import ResolvedRun, resolve
-from mixrl.local.processes import Component, ComponentStartError, free_port, wait_healthy
+from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
+from mixrl.local.processes import MIXRL, Process, ProcessStartError, wait_healthy
 from mixrl.local.report import step_records, write_report
-from mixrl.rl.auth import TOKEN_FILE_FLAG, AuthToken, write_token_file
+from mixrl.rl.auth import AuthToken, write_token_file
 
 MAX_TRAINER_RESTARTS = 3
 # One intra-op thread per process: the local run has more processes than cores, and OpenMP threads
 # spinning on oversubscribed cores cost far more than the parallelism gains on a tiny model.
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 AUTH_TOKEN_FILE = "auth-token"
+LOOPBACK = "127.0.0.1"
 TOKEN_BYTES = 32
 
 
@@ -60,126 +63,67 @@ class Supervisor:
     def __init__(self, run: ResolvedRun, run_dir: Path, model_path: str, tokenizer_path: str) -> None:
         self.run = run
         self.run_dir = run_dir
-        self.model_path = model_path
-        self.tokenizer_path = tokenizer_path
-        self.components: list[Component] = []
-        self.config_path = run_dir / "resolved.json"
-        self.logs = run_dir / "logs"
+        self.components: list[Process] = []
         # A new token per start: components of an earlier start (or anyone who read its file)
         # cannot act on this one.  Every component reads it from the file, never from its argv.
-        self.token_path = run_dir / AUTH_TOKEN_FILE
-        write_token_file(self.token_path, AuthToken(secrets.token_urlsafe(TOKEN_BYTES)))
+        token_path = run_dir / AUTH_TOKEN_FILE
+        write_token_file(token_path, AuthToken(secrets.token_urlsafe(TOKEN_BYTES)))
+        self.logs = run_dir / "logs"
+        self.replicas_path = run_dir / "replicas.json"
+        ports = run_dir / "ports"
+        ports.mkdir(parents=True, exist_ok=True)
+        # The servers' URLs and the engines' first checkpoint are added as start() learns them.
+        self.where = Where(
+            program=MIXRL,
+            host=LOOPBACK,
+            config=str(run_dir / "resolved.json"),
+            auth_token_file=str(token_path),
+            buffer_dir=str(run_dir / "buffer"),
+            trainer_run_dir=str(run_dir),
+            port_dir=str(ports),
+            replicas_file=str(self.replicas_path),
+            # Every engine here reads the store as it is, so the trainer reloads them directly.
+            reload_through_router=True,
+            trainer_model_path=model_path,
+            tokenizer=tokenizer_path,
+        )
 
-    def _component(self, name: str, args: list[str], health: str | None) -> Component:
-        args = [*args, TOKEN_FILE_FLAG, str(self.token_path)]
-        component = Component(name, args, self.logs / f"{name}.log", health)
-        self.components.append(component)
-        return component
+    def _component(self, component: Component, pool: ResolvedPool | None = None, replica: int = 0) -> Process:
+        """The process of ``component`` as the launch table starts it, with its log and port files."""
+        where = self.where
+        name = process_name(component, pool, replica)
+        port = Path(port_file(where, component, pool, replica)) if component in SERVER_PORTS else None
+        command = component_command(self.run, component, where, pool, replica)
+        process = Process(name, command, self.logs / f"{name}.log", port_file=port)
+        self.components.append(process)
+        return process
 
     def start(self, initial_version_path: str, initial_version: int) -> None:
-        run, run_dir = self.run, self.run_dir
-        buffer_port, router_port = free_port(), free_port()
-        self.buffer_url = f"http://127.0.0.1:{buffer_port}"
-        self.router_url = f"http://127.0.0.1:{router_port}"
-        buffer_args = [
-            "buffer",
-            "--dir",
-            str(run_dir / "buffer"),
-            "--port",
-            str(buffer_port),
-            "--prompts-per-update",
-            str(run.trainer.prompts_per_update),
-            "--samples-per-prompt",
-            str(run.trainer.samples_per_prompt),
-        ]
-        if run.trainer.max_staleness is not None:
-            buffer_args += ["--max-staleness", str(run.trainer.max_staleness)]
-        buffer = self._component("buffer", buffer_args, f"{self.buffer_url}/health")
-        buffer.start()
-
-        pools_file: dict[str, Any] = {"run": run.name, "pools": []}
-        engines = []
-        for pool in run.pools:
-            replicas = []
-            for replica in range(pool.initial_replicas):
-                port = free_port()
-                engine = self._component(
-                    f"engine-{pool.name}-{replica}",
-                    [
-                        "engine",
-                        "--model-path",
-                        initial_version_path,
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--weight-version",
-                        str(initial_version),
-                        # weight updates load only from this run's store
-                        "--weight-root",
-                        run.weights.store,
-                        *pool.engine_args,
-                    ],
-                    f"http://127.0.0.1:{port}/health",
-                )
-                engine.start(env=SINGLE_THREAD)
-                engines.append(engine)
-                replicas.append(f"http://127.0.0.1:{port}")
-            pools_file["pools"].append(
-                {
-                    "name": pool.name,
-                    "gpu_type": pool.gpu_type,
-                    "precision": pool.weight_precision,
-                    "capacity": pool.capacity,
-                    "replicas": replicas,
-                }
-            )
-        (run_dir / "pools.json").write_text(json.dumps(pools_file, indent=2))
-        wait_healthy([buffer, *engines], timeout=300)
-
-        router = self._component(
-            "router",
-            ["router", "--pools", str(run_dir / "pools.json"), "--port", str(router_port)],
-            f"{self.router_url}/health",
+        run = self.run
+        self.where = replace(
+            self.where, engine_model_path=initial_version_path, engine_weight_version=initial_version
         )
+        buffer = self._component("buffer")
+        buffer.start()
+        engines: dict[str, list[Process]] = {}
+        for pool in run.pools:
+            engines[pool.name] = [self._component("engine", pool, i) for i in range(pool.initial_replicas)]
+            for engine in engines[pool.name]:
+                engine.start(env=SINGLE_THREAD)
+        wait_healthy([buffer, *(e for pool in engines.values() for e in pool)], timeout=300)
+        replicas = {name: [engine.url for engine in pool] for name, pool in engines.items()}
+        self.replicas_path.write_text(json.dumps(replicas, indent=2))
+        self.where = replace(self.where, buffer_url=buffer.url)
+
+        router = self._component("router")
         router.start()
         wait_healthy([router], timeout=60)
+        self.where = replace(self.where, router_url=router.url)
 
-        trainer = self._component(
-            "trainer",
-            [
-                "trainer",
-                "--config",
-                str(self.config_path),
-                "--buffer",
-                self.buffer_url,
-                "--router",
-                self.router_url,
-                "--run-dir",
-                str(run_dir),
-                "--model-path",
-                self.model_path,
-            ],
-            None,
-        )
-        trainer.start(env=SINGLE_THREAD)
-        rollout = self._component(
-            "rollout",
-            [
-                "rollout",
-                "--config",
-                str(self.config_path),
-                "--router",
-                self.router_url,
-                "--buffer",
-                self.buffer_url,
-                "--tokenizer",
-                self.tokenizer_path,
-            ],
-            None,
-        )
-        rollout.start(env=SINGLE_THREAD)
-        self.trainer, self.rollout = trainer, rollout
+        self.trainer = self._component("trainer")
+        self.trainer.start(env=SINGLE_THREAD)
+        self.rollout = self._component("rollout")
+        self.rollout.start(env=SINGLE_THREAD)
 
     def stop(self) -> None:
         # Producers first, then the trainer, the router, the engines and the buffer last, so that no
@@ -190,7 +134,7 @@ class Supervisor:
                 if component.name.startswith(prefix):
                     component.stop()
 
-    def failed_component(self) -> Component | None:
+    def failed_component(self) -> Process | None:
         for component in self.components:
             if component is self.trainer or component.alive:
                 continue
@@ -350,7 +294,7 @@ def main(argv: list[str]) -> int:
             status = 1
         if status == 0:
             wait_for_final_evaluation(run_dir, resolved, supervisor)
-    except ComponentStartError as exc:
+    except ProcessStartError as exc:
         # One line naming the component and its own last word; the others are stopped below.
         print(f"mixrl run: {exc}", file=sys.stderr, flush=True)
         return 1

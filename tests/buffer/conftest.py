@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from mixrl.api.loader import parse_document
+from mixrl.api.models import RLRun
+from mixrl.api.resolve import resolve
 from mixrl.api.trajectory import TokenRecord, Trajectory
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.client import BufferClient
@@ -117,3 +120,24 @@ async def no_leftover_tasks() -> AsyncIterator[None]:
     await asyncio.sleep(0)
     left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
     assert not left, f"test left asyncio tasks behind: {left}"
+
+
+def write_run_config(path: Path, prompts: int, samples: int, max_staleness: int | None = None) -> Path:
+    """A resolved run (``--config``) of ``prompts`` groups of ``samples`` per step, named ``test``."""
+    algorithm = {"promptsPerUpdate": prompts, "samplesPerPrompt": samples, "maxStaleness": max_staleness}
+    pool = {"name": "p", "gpuType": "cpu", "engine": "torch", "weightPrecision": "bf16", "gpusPerReplica": 0}
+    manifest = {
+        "apiVersion": "mixrl.dev/v1alpha1",
+        "kind": "RLRun",
+        "metadata": {"name": "test"},
+        "spec": {
+            "model": {"path": "/models/tiny"},
+            "trainer": {"gpuType": "cpu", "gpusPerNode": 0},
+            "samplerPools": [pool],
+            "algorithm": algorithm,
+        },
+    }
+    run = parse_document(manifest)
+    assert isinstance(run, RLRun)
+    path.write_text(resolve(run).model_dump_json())
+    return path

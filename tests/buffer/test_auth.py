@@ -21,7 +21,7 @@ import pytest
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.buffer.client import BufferClient, BufferError
 
-from .conftest import RunningBuffer, group_of
+from .conftest import RunningBuffer, group_of, write_run_config
 
 TOKEN = AuthToken("buffer-test-token-" + "b" * 24)
 RIGHT = {"Authorization": f"Bearer {TOKEN.reveal()}"}
@@ -118,12 +118,14 @@ def environment(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k != "MIXRL_AUTH_TOKEN"}, **extra}
 
 
-SIZES = ("--prompts-per-update", "1", "--samples-per-prompt", "2")
+def sizes(tmp_path: Path) -> tuple[str, str]:
+    """The buffer's ``--config``: one group of two per step."""
+    return ("--config", str(write_run_config(tmp_path / "run.json", prompts=1, samples=2)))
 
 
 def test_without_a_token_the_buffer_refuses_to_start_with_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path / "buf"), *SIZES],
+        [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path / "buf"), *sizes(tmp_path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -142,7 +144,7 @@ async def test_the_buffer_process_checks_the_token_and_never_logs_it(tmp_path: P
     write_token_file(token_file, TOKEN)
     assert token_file.stat().st_mode & 0o777 == 0o600
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path / "buf"), *SIZES),
+        *(sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path / "buf"), *sizes(tmp_path)),
         *("--port", "0", "--port-file", str(port_file), "--auth-token-file", str(token_file)),
         stderr=asyncio.subprocess.PIPE,
         env=environment(),

@@ -14,14 +14,16 @@ import aiohttp
 
 from mixrl.rl.buffer.client import BufferClient
 
-from .conftest import group_of
+from .conftest import group_of, write_run_config
 
 
 async def start_process(
     directory: Path, port_file: Path, *extra: str, auth: tuple[str, ...] = ("--insecure-no-auth",)
 ) -> asyncio.subprocess.Process:
-    """``mixrl buffer`` on a free port; ``auth`` are its token flags (none checked by default)."""
+    """``mixrl buffer`` on a free port, 2 groups of 2 per step; ``auth`` are its token flags (none
+    checked by default)."""
     port_file.unlink(missing_ok=True)
+    config = write_run_config(directory.parent / "run.json", prompts=2, samples=2)
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -33,10 +35,8 @@ async def start_process(
         "0",
         "--port-file",
         str(port_file),
-        "--prompts-per-update",
-        "2",
-        "--samples-per-prompt",
-        "2",
+        "--config",
+        str(config),
         *auth,
         *extra,
         stderr=asyncio.subprocess.PIPE,
@@ -80,57 +80,42 @@ async def test_sigkill_and_restart_lose_nothing_and_repeat_batches(tmp_path: Pat
 
 
 def test_bad_arguments_give_one_line(tmp_path: Path) -> None:
-    def run(*args: str) -> str:
+    config = write_run_config(tmp_path / "run.json", prompts=1, samples=1)
+
+    def run(*args: str, env: dict[str, str] | None = None) -> str:
         result = subprocess.run(
-            [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path), *args],
+            [sys.executable, "-m", "mixrl.cli", "buffer", *args],
             capture_output=True,
             text=True,
             timeout=60,
+            env=env,
         )
         assert result.returncode == 2
         return result.stderr.strip()
 
     env = {k: v for k, v in os.environ.items() if k != "MIXRL_BUFFER_DIR"}
-    no_dir = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mixrl.cli",
-            "buffer",
-            "--prompts-per-update",
-            "1",
-            "--samples-per-prompt",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
+    assert run("--config", str(config), env=env) == "mixrl buffer: --dir: required (or set MIXRL_BUFFER_DIR)"
+    missing = tmp_path / "missing.json"
+    assert run("--dir", str(tmp_path), "--config", str(missing)) == (
+        f"mixrl buffer: --config {missing}: cannot read it (No such file or directory)"
     )
-    assert (no_dir.returncode, no_dir.stderr.strip()) == (
-        2,
-        "mixrl buffer: --dir: required (or set MIXRL_BUFFER_DIR)",
+    (tmp_path / "sizes.json").write_text('{"name": "r"}')
+    assert run("--dir", str(tmp_path), "--config", str(tmp_path / "sizes.json")).startswith(
+        f"mixrl buffer: --config {tmp_path / 'sizes.json'}: not a resolved run: namespace: required field is missing"
     )
-    assert (
-        run("--samples-per-prompt", "4") == "mixrl buffer: --prompts-per-update: required (or give --config)"
+    assert run("--dir", str(tmp_path), "--config", str(config), "--port", "70000") == (
+        "mixrl buffer: --port: 70000 is not a TCP port"
     )
-    assert run("--prompts-per-update", "0", "--samples-per-prompt", "4") == (
-        "mixrl buffer: --prompts-per-update: must be ≥ 1, got 0"
-    )
-    assert run("--prompts-per-update", "1", "--samples-per-prompt", "4", "--max-staleness", "-2") == (
-        "mixrl buffer: --max-staleness: must be ≥ 0, got -2"
-    )
-
-
-SIZES = ("--prompts-per-update", "1", "--samples-per-prompt", "1")
 
 
 def test_a_damaged_log_stops_the_start_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "assignments.jsonl").write_text(
         '{"kind": "commit", "step": "x"}\n{"kind": "commit", "step": 1}\n'
     )
+    config = write_run_config(tmp_path / "run.json", prompts=1, samples=1)
+    command = [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path), "--config", str(config)]
     result = subprocess.run(
-        [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path), *SIZES, "--insecure-no-auth"],
+        [*command, "--insecure-no-auth"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -142,7 +127,7 @@ def test_a_damaged_log_stops_the_start_with_one_line(tmp_path: Path) -> None:
     )
 
 
-async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) -> None:
+async def test_the_config_supplies_the_run_and_its_sizes(tmp_path: Path) -> None:
     from mixrl.api.loader import load_rlrun
     from mixrl.api.resolve import resolve
 
@@ -157,8 +142,6 @@ async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) 
         "buffer",
         "--config",
         str(config),
-        "--samples-per-prompt",
-        "3",
         "--port",
         "0",
         "--port-file",
@@ -185,7 +168,7 @@ async def test_config_supplies_run_and_sizes_and_flags_override(tmp_path: Path) 
         trainer = resolved.trainer
         assert (stats["prompts_per_update"], stats["samples_per_prompt"], stats["max_staleness"]) == (
             trainer.prompts_per_update,
-            3,
+            trainer.samples_per_prompt,
             trainer.max_staleness,
         )
     finally:

@@ -27,9 +27,9 @@ from aiohttp import web
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
+from mixrl.local.processes import EngineProcess
 from mixrl.rl import quant
 from mixrl.rl.auth import AuthToken
-from mixrl.rl.engine.process import EngineProcess
 from mixrl.rl.engine.server import build_app
 from mixrl.rl.engine.service import EngineConfig, EngineService
 from mixrl.rl.models import create_tiny_checkpoint, load_model

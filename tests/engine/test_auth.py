@@ -21,9 +21,9 @@ import aiohttp
 import pytest
 from safetensors.torch import load_file
 
+from mixrl.local.processes import EngineProcess
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.client import EngineClient, EngineError
-from mixrl.rl.engine.process import EngineProcess
 from mixrl.rl.engine.service import EngineService
 from mixrl.rl.weights import WeightStore
 

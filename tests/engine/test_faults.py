@@ -13,8 +13,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from mixrl.local.processes import EngineProcess
 from mixrl.rl.engine.client import EngineClient
-from mixrl.rl.engine.process import EngineProcess
 
 from .conftest import serve_in_process
 

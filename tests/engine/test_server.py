@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from mixrl.local.processes import EngineProcess
 from mixrl.rl import metrics
 from mixrl.rl.engine.client import EngineClient, EngineError
-from mixrl.rl.engine.process import EngineProcess
 
 from . import reference
 from .conftest import VOCAB, random_prompts, reference_logprobs, reference_model

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from mixrl.local.processes import EngineProcess
 from mixrl.rl.engine.client import EngineClient
-from mixrl.rl.engine.process import EngineProcess
 from mixrl.rl.models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 

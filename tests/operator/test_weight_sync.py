@@ -14,10 +14,10 @@ from transformers.utils import logging as hf_logging
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
+from mixrl.local.processes import EngineProcess
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine import weight_sync
 from mixrl.rl.engine.client import EngineClient
-from mixrl.rl.engine.process import EngineProcess
 from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.weights import WeightStore
 

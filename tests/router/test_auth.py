@@ -7,7 +7,6 @@ conftest), here also checking the token as SGLang's ``--api-key`` does.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.router.server import SESSION_HEADER, RouterSettings
 
 from .conftest import RunningRouter, StandInEngine, pools_config
+from .run_files import write_run
 
 TOKEN = AuthToken("router-test-token-" + "r" * 24)
 RIGHT = {"Authorization": f"Bearer {TOKEN.reveal()}"}
@@ -113,11 +113,10 @@ async def test_a_router_without_the_token_is_refused_by_sglang_engines(
 # ----------------------------------------------------------------------------------- the process
 
 
-def pools_file(tmp_path: Path, engine: StandInEngine) -> Path:
-    pools = tmp_path / "pools.json"
-    pool = {"name": "p", "gpu_type": "cpu", "precision": "bf16", "capacity": 1.0, "replicas": [engine.url]}
-    pools.write_text(json.dumps({"run": "r", "pools": [pool]}))
-    return pools
+def router_files(tmp_path: Path, engine: StandInEngine) -> tuple[str, ...]:
+    """``--config`` and ``--replicas`` of a run with one pool ``p`` served by ``engine``."""
+    config, replicas = write_run(tmp_path, {"p": [engine.url]})
+    return ("--config", str(config), "--replicas", str(replicas))
 
 
 def environment(**extra: str) -> dict[str, str]:
@@ -125,10 +124,9 @@ def environment(**extra: str) -> dict[str, str]:
 
 
 def test_without_a_token_the_router_refuses_to_start_with_one_line(tmp_path: Path) -> None:
-    pools = tmp_path / "pools.json"
-    pools.write_text(json.dumps({"run": "r", "pools": [{"name": "a", "replicas": []}]}))
+    config, _ = write_run(tmp_path, {"a": []})
     result = subprocess.run(
-        [sys.executable, "-m", "mixrl.cli", "router", "--pools", str(pools)],
+        [sys.executable, "-m", "mixrl.cli", "router", "--config", str(config)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -145,7 +143,7 @@ async def test_the_router_process_takes_its_token_from_the_file_or_the_environme
     tmp_path: Path, engines: Engines
 ) -> None:
     engine = await engines("e", api_key=TOKEN.reveal())
-    pools = pools_file(tmp_path, engine)
+    files = router_files(tmp_path, engine)
     token_file = tmp_path / "auth-token"
     write_token_file(token_file, TOKEN)
     # the file wins over the environment; with the variable alone, the variable is the token
@@ -159,7 +157,7 @@ async def test_the_router_process_takes_its_token_from_the_file_or_the_environme
         port_file = tmp_path / "port"
         port_file.unlink(missing_ok=True)
         process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "mixrl.cli", "router", "--pools", str(pools)),
+            *(sys.executable, "-m", "mixrl.cli", "router", *files),
             *("--port", "0", "--port-file", str(port_file), *auth),
             stderr=asyncio.subprocess.PIPE,
             env=env,
@@ -192,7 +190,7 @@ async def test_insecure_no_auth_is_said_in_one_warning_line(tmp_path: Path, engi
     engine = await engines("e")
     port_file = tmp_path / "port"
     process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "mixrl.cli", "router", "--pools", str(pools_file(tmp_path, engine))),
+        *(sys.executable, "-m", "mixrl.cli", "router", *router_files(tmp_path, engine)),
         *("--port", "0", "--port-file", str(port_file), "--insecure-no-auth"),
         stderr=asyncio.subprocess.PIPE,
         env=environment(),

@@ -1,4 +1,4 @@
-"""``mixrl router`` as a real process: pools file in, proxy and admin out, clean stop on SIGTERM."""
+"""``mixrl router`` as a real process: run and replicas in, proxy and admin out, clean stop on SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import aiohttp
 
 from mixrl.rl.router.server import POOL_HEADER, SESSION_HEADER
 
+from .run_files import write_run
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -21,50 +23,38 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_bad_pools_file_gives_one_line_naming_the_field(tmp_path: Path) -> None:
-    pools = tmp_path / "pools.json"
-    pools.write_text(json.dumps({"run": "r", "pools": [{"name": "a", "capacity": -2, "replicas": []}]}))
-    result = run_cli("--pools", str(pools))
+def test_bad_replicas_file_gives_one_line_naming_the_pool(tmp_path: Path) -> None:
+    config, replicas = write_run(tmp_path, {"a": ["127.0.0.1:80"]})
+    result = run_cli("--config", str(config), "--replicas", str(replicas))
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"mixrl router: {pools}: pools.0.capacity: Input should be greater than 0"
+        "mixrl router: --replicas: a: replica '127.0.0.1:80' is not an http(s)://host:port URL"
     ]
-    pools.write_text(json.dumps({"pools": [{"name": "a", "replicas": ["127.0.0.1:80"]}]}))
-    result = run_cli("--pools", str(pools))
-    assert result.returncode == 2
-    assert "pools.0.replicas: replica '127.0.0.1:80' is not an http(s)://host:port URL" in result.stderr
-    assert run_cli("--pools", str(pools), "--session-ttl", "0").stderr.strip() == (
+    replicas.write_text(json.dumps({"b": []}))
+    assert run_cli("--config", str(config), "--replicas", str(replicas)).stderr.strip() == (
+        f"mixrl router: --replicas {replicas}: b: no such pool in run 'r'"
+    )
+    assert run_cli("--config", str(tmp_path / "none.json")).stderr.strip() == (
+        f"mixrl router: --config {tmp_path / 'none.json'}: cannot read it (No such file or directory)"
+    )
+    assert run_cli("--config", str(config), "--session-ttl", "0").stderr.strip() == (
         "mixrl router: --session-ttl: must be > 0"
     )
 
 
 async def test_router_process_serves_and_stops_on_sigterm(tmp_path: Path, engines) -> None:  # type: ignore[no-untyped-def]
     engine = await engines("e")
-    pools = tmp_path / "pools.json"
-    pools.write_text(
-        json.dumps(
-            {
-                "run": "r",
-                "pools": [
-                    {
-                        "name": "bf16",
-                        "gpu_type": "cpu",
-                        "precision": "bf16",
-                        "capacity": 1.0,
-                        "replicas": [engine.url],
-                    }
-                ],
-            }
-        )
-    )
+    config, replicas = write_run(tmp_path, {"bf16": [engine.url]})
     port_file = tmp_path / "port"
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "mixrl.cli",
         "router",
-        "--pools",
-        str(pools),
+        "--config",
+        str(config),
+        "--replicas",
+        str(replicas),
         "--port",
         "0",
         "--port-file",

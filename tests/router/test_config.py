@@ -1,4 +1,4 @@
-"""Where the router's pools come from: the resolved run (cluster) or a pools file (local runner)."""
+"""Where the router's pools come from: the resolved run, with replicas from DNS or a replicas file."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import socket
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
-from mixrl.rl.router.config import RouterConfigError, load_pools_file, load_run_config, parse_pools
+from mixrl.rl.router.config import RouterConfig, RouterConfigError, from_resolved_run, load_replicas_file
 from mixrl.rl.router.server import getaddrinfo_resolver, replica_url
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "rlrun-mixed.yaml"
@@ -18,9 +19,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "rlrun-mixed.yaml"
 
 def test_resolved_run_gives_pools_with_service_names(tmp_path: Path) -> None:
     resolved = resolve(load_rlrun(EXAMPLE))
-    path = tmp_path / "run.json"
-    path.write_text(resolved.model_dump_json())
-    config = load_run_config(path)
+    config = from_resolved_run(resolved)
     assert config.run == "qwen3-moe-coding"
     assert [p.name for p in config.pools] == [p.name for p in resolved.pools]
     first = config.pools[0]
@@ -31,22 +30,28 @@ def test_resolved_run_gives_pools_with_service_names(tmp_path: Path) -> None:
         3.2,
         (),
     )
-    assert load_run_config(path, dns_suffix="").pools[0].service == "qwen3-moe-coding-b200-nvfp4"
+    assert from_resolved_run(resolved, dns_suffix="").pools[0].service == "qwen3-moe-coding-b200-nvfp4"
 
 
-def test_pools_file_errors_name_the_field(tmp_path: Path) -> None:
-    with pytest.raises(RouterConfigError, match=r"pools: pool names must be unique; repeated: a"):
-        parse_pools({"pools": [{"name": "a"}, {"name": "a"}]}, "pools")
-    with pytest.raises(RouterConfigError, match=r"pools: pools: Tuple should have at least 1 item"):
-        parse_pools({"pools": []}, "pools")
-    with pytest.raises(RouterConfigError, match=r"pools.0.replicas: replicas are listed twice"):
-        parse_pools({"pools": [{"name": "a", "replicas": ["http://h:1", "http://h:1"]}]}, "pools")
-    path = tmp_path / "pools.json"
+def test_pool_lists_and_replicas_files_are_checked_naming_the_field(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"pool names must be unique; repeated: a"):
+        RouterConfig.model_validate({"pools": [{"name": "a"}, {"name": "a"}]})
+    with pytest.raises(ValidationError, match=r"Tuple should have at least 1 item"):
+        RouterConfig.model_validate({"pools": []})
+    resolved = resolve(load_rlrun(EXAMPLE))
+    first = resolved.pools[0].name
+    with pytest.raises(RouterConfigError, match=rf"--replicas: {first}: replicas are listed twice"):
+        from_resolved_run(resolved, replicas={first: ("http://h:1", "http://h:1")})
+    path = tmp_path / "replicas.json"
     path.write_text("{")
-    with pytest.raises(RouterConfigError, match=r"pools.json: cannot read pools file"):
-        load_pools_file(path)
-    path.write_text(json.dumps({"pools": [{"name": "a", "replicas": ["http://h:1/"]}]}))
-    assert load_pools_file(path).pools[0].replicas == ("http://h:1",)
+    with pytest.raises(RouterConfigError, match=r"replicas.json: cannot read it"):
+        load_replicas_file(path, resolved)
+    path.write_text(json.dumps({first: "http://h:1"}))
+    with pytest.raises(RouterConfigError, match=r"replicas.json: expected \{pool: \[url, ...\]\}"):
+        load_replicas_file(path, resolved)
+    path.write_text(json.dumps({first: ["http://h:1/"]}))
+    config = from_resolved_run(resolved, replicas=load_replicas_file(path, resolved))
+    assert config.pools[0].replicas == ("http://h:1",) and config.pools[1].replicas == ()
 
 
 async def test_real_resolver_finds_loopback_and_formats_urls() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from functools import cache
 from importlib.resources import files as package_files
+from typing import Literal
 
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.launch import component_command, weights_volume_path
@@ -209,9 +210,13 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
 # ----------------------------------------------------------------------------- buffer, router, rollout
 
 
+RunService = Literal["buffer", "router", "rollout"]
+"""The run's CPU services: one container each, from the components image."""
+
+
 def component_container(
     resolved: ResolvedRun,
-    component: L.Component,
+    component: RunService,
     options: BuildOptions,
     ports: list[Obj],
     extra_mounts: list[Obj],

@@ -8,9 +8,10 @@ import logging
 import sys
 from pathlib import Path
 
+from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ENGINE_PORT, ROUTER_PORT
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args, warn_if_open
-from mixrl.rl.router.config import RouterConfigError, load_pools_file, load_run_config
+from mixrl.rl.router.config import RouterConfigError, from_resolved_run, load_replicas_file
 from mixrl.rl.router.server import Router, RouterSettings
 from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_app
 
@@ -20,18 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mixrl router",
         description="Assign agent sessions to sampler pools by capacity, keep them there, proxy /generate.",
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument(
-        "--pools",
-        type=Path,
-        help="pools file: {run, pools: [{name, gpu_type, precision, "
-        "capacity, replicas: [url, ...]}]} (the local runner writes it)",
+    parser.add_argument(
+        "--config", type=Path, required=True, help="resolved run as JSON: the pools and their capacities"
     )
-    source.add_argument(
-        "--config",
+    parser.add_argument(
+        "--replicas",
         type=Path,
-        help="resolved run as JSON (the operator's ConfigMap); "
-        "replicas come from --discover-dns or PUT /pools/{name}",
+        default=None,
+        help="file of each pool's replicas, {pool: [url, ...]} (mixrl run writes it); without it the "
+        "router finds them by DNS (--discover-dns) or is told them (PUT /pools/{name})",
     )
     add_listen_arguments(parser, ROUTER_PORT)
     parser.add_argument("--run", default="", help="run name for metric labels (default: from the config)")
@@ -40,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="find each pool's replicas by resolving its headless Service <run>-<pool> "
-        "(default: on with --config, off with --pools)",
+        "(default: on without --replicas)",
     )
     parser.add_argument(
         "--dns-suffix", default=None, help="appended to <run>-<pool> for discovery (default .<namespace>.svc)"
@@ -72,8 +70,6 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--max-inflight-per-replica: must be ≥ 0"
     if (problem := listen_problem(args)) is not None:
         return problem
-    if args.discover_dns and args.config is None:
-        return "--discover-dns: needs --config (the pools' Service names come from the resolved run)"
     return None
 
 
@@ -84,9 +80,11 @@ def main(argv: list[str]) -> int:
         print(f"mixrl router: {problem}", file=sys.stderr)
         return 2
     try:
-        config = load_pools_file(args.pools) if args.pools else load_run_config(args.config, args.dns_suffix)
+        run = load_resolved(args.config)
+        replicas = load_replicas_file(args.replicas, run) if args.replicas is not None else None
+        config = from_resolved_run(run, args.dns_suffix, replicas)
         auth_token = token_from_args(args)
-    except (RouterConfigError, AuthConfigError) as exc:
+    except (RunConfigError, RouterConfigError, AuthConfigError) as exc:
         print(f"mixrl router: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -96,7 +94,7 @@ def main(argv: list[str]) -> int:
         request_timeout=args.request_timeout,
         max_inflight_per_replica=args.max_inflight_per_replica,
         session_ttl=args.session_ttl,
-        discover_dns=args.config is not None if args.discover_dns is None else args.discover_dns,
+        discover_dns=args.replicas is None if args.discover_dns is None else args.discover_dns,
         engine_port=args.engine_port,
         auth_token=auth_token,
     )

@@ -1,14 +1,11 @@
-"""The router's pool list: from the local runner's pools file or from the resolved run (Kubernetes).
+"""The router's pool list: the resolved run's pools, with their replicas from a file or from DNS.
 
-Pools file (written by ``mixrl run``)::
+The pools (names, GPU types, precisions, capacities; a null capacity means "measure it") come from
+the resolved run (``--config``), in a cluster as on a laptop.  Where a pool's replicas are depends
+on where the run lives (:class:`mixrl.api.launch.Where`): in a cluster the router resolves each
+pool's headless Service ``<run>-<pool>``; ``mixrl run`` lists them in a replicas file::
 
-    {"run": "quickstart",
-     "pools": [{"name": "nvfp4", "gpu_type": "cpu", "precision": "nvfp4", "capacity": 1.0,
-                "replicas": ["http://127.0.0.1:31001"]}]}
-
-``capacity`` null (or absent) means "measure it".  In the cluster the router reads the resolved run
-(the operator's ConfigMap, ``ResolvedRun`` as JSON) and finds replicas by resolving each pool's
-headless Service ``<run>-<pool>``.
+    {"nvfp4": ["http://127.0.0.1:31001"], "bf16": ["http://127.0.0.1:31002"]}
 """
 
 from __future__ import annotations
@@ -70,53 +67,46 @@ def check_replica_url(url: str) -> str:
     return url
 
 
-def _first_error(exc: ValidationError, source: str) -> RouterConfigError:
-    error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"]) or "(top level)"
-    message = str(error["msg"]).removeprefix("Value error, ")
-    return RouterConfigError(f"{source}: {where}: {message}")
-
-
-def parse_pools(data: object, source: str = "pools") -> RouterConfig:
-    try:
-        return RouterConfig.model_validate(data)
-    except ValidationError as exc:
-        raise _first_error(exc, source) from None
-
-
-def load_pools_file(path: Path) -> RouterConfig:
+def load_replicas_file(path: Path, run: ResolvedRun) -> dict[str, tuple[str, ...]]:
+    """``{pool: [url, ...]}`` for pools of ``run``; RouterConfigError names the file and the pool."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise RouterConfigError(f"{path}: cannot read pools file: {exc}") from None
-    return parse_pools(data, str(path))
+        raise RouterConfigError(f"--replicas {path}: cannot read it: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(urls, list) for urls in data.values()):
+        raise RouterConfigError(f"--replicas {path}: expected {{pool: [url, ...]}}")
+    known = {pool.name for pool in run.pools}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise RouterConfigError(f"--replicas {path}: {unknown[0]}: no such pool in run {run.name!r}")
+    return {name: tuple(map(str, urls)) for name, urls in data.items()}
 
 
-def from_resolved_run(run: ResolvedRun, dns_suffix: str | None = None) -> RouterConfig:
-    """Pools of a resolved run, without replicas (DNS discovery fills them in).
+def from_resolved_run(
+    run: ResolvedRun, dns_suffix: str | None = None, replicas: dict[str, tuple[str, ...]] | None = None
+) -> RouterConfig:
+    """Pools of a resolved run, with the listed ``replicas`` (else none: DNS discovery or
+    ``PUT /pools/{name}`` fills them in).
 
     The service name is ``<run>-<pool>.<namespace>.svc``; a pod's resolver search list completes
     it with the cluster domain.
     """
     suffix = f".{run.namespace}.svc" if dns_suffix is None else dns_suffix
-    pools = tuple(
-        PoolConfig(
-            name=pool.name,
-            gpu_type=pool.gpu_type,
-            precision=pool.weight_precision,
-            capacity=pool.capacity,
-            service=f"{pool.object_name}{suffix}",
-        )
-        for pool in run.pools
-    )
-    return RouterConfig(run=run.name, pools=pools)
-
-
-def load_run_config(path: Path, dns_suffix: str | None = None) -> RouterConfig:
-    try:
-        run = ResolvedRun.model_validate_json(path.read_text())
-    except OSError as exc:
-        raise RouterConfigError(f"{path}: cannot read run config: {exc}") from None
-    except ValidationError as exc:
-        raise _first_error(exc, str(path)) from None
-    return from_resolved_run(run, dns_suffix)
+    listed = replicas or {}
+    pools = []
+    for pool in run.pools:
+        try:
+            pools.append(
+                PoolConfig(
+                    name=pool.name,
+                    gpu_type=pool.gpu_type,
+                    precision=pool.weight_precision,
+                    capacity=pool.capacity,
+                    replicas=listed.get(pool.name, ()),
+                    service=f"{pool.object_name}{suffix}",
+                )
+            )
+        except ValidationError as exc:
+            reason = str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+            raise RouterConfigError(f"--replicas: {pool.name}: {reason}") from None
+    return RouterConfig(run=run.name, pools=tuple(pools))
