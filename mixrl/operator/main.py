@@ -99,6 +99,11 @@ def parse_gpu_node_label(text: str) -> tuple[str, str, str]:
     return (gpu_type, *parse_label(label))
 
 
+def repeatable(group: argparse._ActionsContainer, flag: str, dest: str, metavar: str, help: str) -> None:
+    """A flag that may be given many times: its values are collected in order (none: an empty list)."""
+    group.add_argument(flag, action="append", default=[], dest=dest, metavar=metavar, help=help)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="mixrl operator",
@@ -137,13 +142,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     images.add_argument("--torch-engine-image", default=defaults.torch_engine, help="pools with engine torch")
     images.add_argument("--sglang-image", default=defaults.sglang, help="pools with engine sglang")
-    images.add_argument(
+    repeatable(
+        images,
         "--image-pull-secret",
-        action="append",
-        default=[],
-        dest="image_pull_secrets",
-        metavar="NAME",
-        help="a Secret in each run's namespace that every pod pulls with (repeatable)",
+        "image_pull_secrets",
+        "NAME",
+        "a Secret in each run's namespace that every pod pulls with (repeatable)",
     )
     pods = parser.add_argument_group("the cluster's conventions for every run")
     pods.add_argument(
@@ -151,32 +155,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="NAME",
         help="StorageClass (ReadWriteMany) of weights volumes whose run names none",
     )
-    pods.add_argument(
+    repeatable(
+        pods,
         "--pod-monitor-label",
-        action="append",
-        default=[],
-        dest="pod_monitor_labels",
-        metavar="KEY=VALUE",
-        help="a label on each run's PodMonitor, e.g. release=kube-prometheus-stack (repeatable)",
+        "pod_monitor_labels",
+        "KEY=VALUE",
+        "a label on each run's PodMonitor, e.g. release=kube-prometheus-stack (repeatable)",
     )
-    pods.add_argument(
+    repeatable(
+        pods,
         "--gpu-node-label",
-        action="append",
-        default=[],
-        dest="gpu_node_labels",
-        metavar="GPUTYPE:KEY=VALUE",
-        help="a node label that identifies a GPU type's nodes without GPU Feature Discovery (repeatable)",
+        "gpu_node_labels",
+        "GPUTYPE:KEY=VALUE",
+        "a node label that identifies a GPU type's nodes without GPU Feature Discovery (repeatable)",
     )
     policy = parser.add_argument_group(
         "policy: what an RLRun may ask for (a run asking for more is marked PolicyViolation, nothing of it created)"
     )
-    policy.add_argument(
+    repeatable(
+        policy,
         "--allowed-image-prefix",
-        action="append",
-        default=[],
-        dest="allowed_image_prefixes",
-        metavar="PREFIX",
-        help="an RLRun's own images (trainer.image, a pool's image) must start with one of these, "
+        "allowed_image_prefixes",
+        "PREFIX",
+        "an RLRun's own images (trainer.image, a pool's image) must start with one of these, "
         "e.g. registry.example.com/rl/ (repeatable; none: any image)",
     )
     policy.add_argument(
@@ -185,13 +186,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_false",
         help="no pool may pass extra engine arguments (engineArgs)",
     )
-    policy.add_argument(
+    repeatable(
+        policy,
         "--allowed-engine-flag",
-        action="append",
-        default=[],
-        dest="allowed_engine_flags",
-        metavar="FLAG",
-        help="the only flags engineArgs may hold, written with '=': --allowed-engine-flag=--tokenizer-path "
+        "allowed_engine_flags",
+        "FLAG",
+        "the only flags engineArgs may hold, written with '=': --allowed-engine-flag=--tokenizer-path "
         "(repeatable; none: any flag)",
     )
     policy.add_argument(
@@ -201,13 +201,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="no nodeSelector, tolerations or gpuProducts in the trainer's or a pool's scheduling "
         "(and no priorityClassName unless --allowed-priority-class lists it)",
     )
-    policy.add_argument(
+    repeatable(
+        policy,
         "--allowed-priority-class",
-        action="append",
-        default=[],
-        dest="allowed_priority_classes",
-        metavar="NAME",
-        help="the priority classes a run may name (repeatable; none: any, unless --no-scheduling-overrides)",
+        "allowed_priority_classes",
+        "NAME",
+        "the priority classes a run may name (repeatable; none: any, unless --no-scheduling-overrides)",
     )
     parser.add_argument(
         "--monitoring",
@@ -336,7 +335,8 @@ def main(argv: list[str]) -> int:
     import kopf  # late: `mixrl operator --help` should not pay for kopf
 
     from mixrl.operator.autoscaling.loop import LoopSettings
-    from mixrl.operator.controller.handlers import OperatorConfig, build_registry
+    from mixrl.operator.controller.handlers import build_registry
+    from mixrl.operator.controller.runtime import OperatorConfig
 
     kopf.configure(verbose=args.verbose or args.dev, debug=args.verbose)
     logging.getLogger("mixrl").setLevel(logging.DEBUG if args.verbose else logging.INFO)

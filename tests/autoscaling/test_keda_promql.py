@@ -12,9 +12,6 @@ from mixrl.api.loader import load_rlrun
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.operator.autoscaling.promql import (
-    DCGM_GPU_UTIL,
-    dcgm_by_pool_query,
-    dcgm_run_query,
     default_load_query,
     load_query,
     substitute,
@@ -128,16 +125,6 @@ def test_user_query_placeholders_leave_promql_braces_alone() -> None:
 
 def test_sustained_query_is_a_subquery_with_an_explicit_step() -> None:
     assert sustained_query("sum(x)") == "avg_over_time((sum(x))[1m:15s])"
-
-
-def test_dcgm_queries() -> None:
-    assert dcgm_by_pool_query(DCGM_GPU_UTIL, "rl", "r-b200") == (
-        'avg(DCGM_FI_DEV_GPU_UTIL{namespace="rl",pod=~"r-b200-[a-z0-9]+-[a-z0-9]+"})'
-    )
-    query = dcgm_run_query(DCGM_GPU_UTIL, "rl", "r", ("h100", "h100-fp8"))
-    assert "(h100-fp8|h100)" in query and query.startswith("avg by (pool) (label_replace(")
-    with pytest.raises(ValueError, match="metric: expected"):
-        dcgm_by_pool_query("DCGM_FI_DEV_FB_USED", "rl", "x")
 
 
 def test_router_query_template_fills_in() -> None:

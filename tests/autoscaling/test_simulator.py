@@ -125,6 +125,19 @@ def test_cli_writes_summary_and_plots(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "$/Mtok" in out and "p95" in out
 
 
+def test_cli_runs_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default spec is the checkout's example wherever the command is started; output lands in
+    the working directory."""
+    monkeypatch.chdir(tmp_path)
+    code = main(["--scenario", "step", "--sessions", "150", "--hours", "0.5", "--no-plots", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("qwen3-moe-coding: 8 pools")
+    summary = json.loads((tmp_path / "sim-out" / "summary.json").read_text())
+    assert [row["strategy"] for row in summary["results"]] == ["mixrl", "keda", "static"]
+
+
 def test_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--strategies", "mixrl,hpa"]) == 2
     assert "--strategies: unknown ['hpa']" in capsys.readouterr().err

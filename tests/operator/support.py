@@ -12,7 +12,8 @@ import kmock
 import kopf
 
 from mixrl.operator.controller import rbac
-from mixrl.operator.controller.handlers import OperatorConfig, Runtime, build_registry
+from mixrl.operator.controller.handlers import build_registry
+from mixrl.operator.controller.runtime import OperatorConfig, Runtime
 
 from .emulator import ApiServer
 

@@ -21,7 +21,8 @@ from mixrl.operator.controller.apply import (
     immutable_in_message,
     quantity,
 )
-from mixrl.operator.controller.handlers import OperatorConfig, watched_children
+from mixrl.operator.controller.handlers import watched_children
+from mixrl.operator.controller.runtime import OperatorConfig
 from mixrl.operator.controller.status import Reason, pool_status, problems_value, run_status
 
 from .support import small_run

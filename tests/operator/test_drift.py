@@ -10,7 +10,7 @@ from typing import Any
 
 import kmock
 
-from mixrl.operator.controller.handlers import Runtime
+from mixrl.operator.controller.runtime import Runtime
 
 from .emulator import ApiServer
 from .support import (

@@ -12,8 +12,8 @@ import kopf
 import pytest
 
 from mixrl.operator.controller import rbac
-from mixrl.operator.controller.handlers import OperatorConfig, backoff
 from mixrl.operator.controller.kube import ApiError, Connection, KubeClient, UndeclaredApiCall
+from mixrl.operator.controller.runtime import OperatorConfig, backoff
 from mixrl.operator.main import parse_args
 
 from .emulator import ApiServer

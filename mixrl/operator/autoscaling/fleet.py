@@ -66,11 +66,6 @@ class Workload:
     warmup_s: int = 1800
     """Leading seconds simulated (at the first value of ``sessions``) but left out of the results."""
 
-    @property
-    def duty(self) -> float:
-        """Share of a session's life spent in an LLM request when nothing waits."""
-        return self.mean_service_s / (self.mean_service_s + self.mean_tool_s)
-
 
 @dataclass(frozen=True)
 class Strategy:

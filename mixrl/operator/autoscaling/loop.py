@@ -11,13 +11,13 @@ Three separable steps, so each is tested on its own:
 3. ``PoolApi`` (same module as 1) — the writes: ``PATCH …/samplerpools/NAME/scale``,
    ``PATCH …/status``, ``POST …/events``, through the operator's RBAC-checked API client.
 
-:func:`register_autoscaling` puts it on a kopf registry.  It uses no kopf timer or daemon: those
-put a finalizer on every SamplerPool, and the operator keeps its objects finalizer-free.  Instead
-two ``on.event`` handlers keep the latest RLRuns and SamplerPools in memory, and one task started
-at operator startup (stopped at cleanup) visits every pool of a run whose
-``autoscaling.engine`` is ``builtin`` each tick, acting when its poll interval has passed.  Pools of
-``keda`` runs are KEDA's (the pool's controller applies their ScaledObjects), pools of ``none`` runs
-are left alone.  The operator registers it in :func:`mixrl.operator.controller.handlers.build_registry`.
+No kopf here.  The kopf layer (:func:`mixrl.operator.controller.handlers.register_autoscaling`)
+feeds :class:`AutoscalingLoop` the latest RLRuns and SamplerPools from its watch events, starts it
+at operator startup and stops it at cleanup; no kopf timer or daemon, since those put a finalizer
+on every SamplerPool and the operator keeps its objects finalizer-free.  One task visits every
+pool of a run whose ``autoscaling.engine`` is ``builtin`` each tick, acting when its poll interval
+has passed.  Pools of ``keda`` runs are KEDA's (the pool's controller applies their
+ScaledObjects), pools of ``none`` runs are left alone.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from mixrl.api.models import GROUP, VERSION, RLRun
+from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.policy import (
     BudgetRequest,
@@ -49,14 +49,13 @@ from mixrl.operator.autoscaling.pool_api import (
     PoolApi,
     observe,
     query_label_values,
-    query_prometheus,
     rfc3339,
 )
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, gpu_models_query, load_query
 from mixrl.operator.controller.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
-from mixrl.operator.controller.kube import ApiError, Connection, KubeClient
+from mixrl.operator.controller.kube import ApiError, KubeClient
 from mixrl.operator.controller.rbac import SAMPLERPOOLS
-from mixrl.operator.controller.status import METRICS_AVAILABLE
+from mixrl.operator.controller.status import METRICS_AVAILABLE, make_condition
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
@@ -126,16 +125,9 @@ def metrics_condition(
         status, reason, message = "True", "QueryReturned", f"load {observation.load:g}"
     else:
         status, reason, message = "False", observation.problem.reason, observation.problem.message
-    before = next((c for c in previous if c.get("type") == METRICS_AVAILABLE), None)
-    flipped = before is None or before.get("status") != status
-    return {
-        "type": METRICS_AVAILABLE,
-        "status": status,
-        "reason": reason,
-        "message": message[:300],
-        "lastTransitionTime": rfc3339(now) if flipped else before.get("lastTransitionTime", rfc3339(now)),
-        "observedGeneration": generation,
-    }
+    return make_condition(
+        METRICS_AVAILABLE, (status, reason, message[:300]), generation, rfc3339(now), previous
+    )
 
 
 def plan_pool(
@@ -211,21 +203,6 @@ class LoopSettings:
     sustained_window: tuple[str, str] = (SUSTAINED_WINDOW, SUSTAINED_STEP)
     """Window and step of the confirming ``avg_over_time`` subquery."""
 
-
-__all__ = [
-    "AutoscalingLoop",
-    "LoopSettings",
-    "MetricsUnavailable",
-    "Observation",
-    "PoolApi",
-    "PoolMemory",
-    "PoolPlan",
-    "load_of",
-    "plan_pool",
-    "query_label_values",
-    "query_prometheus",
-    "register_autoscaling",
-]
 
 PoolLock = Callable[[str, str], asyncio.Lock]
 Gate = Callable[[str], Awaitable[bool]]
@@ -489,64 +466,3 @@ class AutoscalingLoop:
                 log.warning("event for %s/%s not posted: %s", namespace, name, exc)
         if plan.replicas is not None:
             log.info("%s/%s: %s", namespace, name, plan.decision.reason)
-
-
-def register_autoscaling(
-    registry: Any,
-    connection: Callable[[], Connection | None],
-    settings: LoopSettings | None = None,
-    client: KubeClient | None = None,
-    lock: PoolLock | None = None,
-    may_act: Gate | None = None,
-) -> AutoscalingLoop:
-    """Put the autoscaler on a kopf registry.
-
-    ``connection()`` returns the operator's current :class:`mixrl.operator.controller.kube.Connection` (None
-    before login).  ``client``: the operator's API client, shared (the operator closes it); without
-    one the loop makes its own from ``connection`` and closes it at cleanup.  ``lock(namespace,
-    name)``: the operator's per-SamplerPool lock, so the loop and the pool's controller never write
-    the pool's status from reads that crossed (default: the loop's own locks).  ``may_act(namespace)``:
-    whether this operator is the active one there (kopf's peering; default: always)."""
-    import kopf
-
-    if client is None:
-        own = KubeClient(logged_in(connection))
-        loop = AutoscalingLoop(own, settings, owns_client=True, lock=lock, may_act=may_act)
-    else:
-        loop = AutoscalingLoop(client, settings, lock=lock, may_act=may_act)
-
-    @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
-    def autoscaler_sees_run(body: kopf.Body, type: str | None, **_: Any) -> None:
-        loop.observe_run(_plain(body), deleted=type == "DELETED")
-
-    @kopf.on.event(GROUP, VERSION, "samplerpools", registry=registry)
-    def autoscaler_sees_pool(body: kopf.Body, type: str | None, **_: Any) -> None:
-        loop.observe_pool(_plain(body), deleted=type == "DELETED")
-
-    @kopf.on.startup(registry=registry)
-    async def autoscaler_start(**_: Any) -> None:
-        loop.start()
-
-    @kopf.on.cleanup(registry=registry)
-    async def autoscaler_stop(**_: Any) -> None:
-        await loop.stop()
-
-    return loop
-
-
-def logged_in(connection: Callable[[], Connection | None]) -> Callable[[], Connection]:
-    def current() -> Connection:
-        found = connection()
-        if found is None:
-            raise ApiError(0, "NotLoggedIn", "no API credentials yet")
-        return found
-
-    return current
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(item) for item in value]
-    return value

@@ -205,10 +205,6 @@ class PolicyState:
     scale_ups: tuple[tuple[float, int], ...] = ()
     """(time, replicas added) within the scale-up period, oldest first."""
 
-    @property
-    def last_scale_up(self) -> float | None:
-        return self.scale_ups[-1][0] if self.scale_ups else None
-
 
 @dataclass(frozen=True)
 class Decision:

@@ -33,7 +33,6 @@ SUSTAINED_STEP = "15s"
 """Its resolution, explicit: a subquery's default step is the global evaluation interval (1m)."""
 
 DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
-DCGM_POWER_USAGE = "DCGM_FI_DEV_POWER_USAGE"
 
 _PLACEHOLDER = re.compile(r"\{(pool|namespace|run|object)\}")
 
@@ -89,33 +88,6 @@ def load_query(autoscaling: AutoscalingSpec, run: ResolvedRun, pool: ResolvedPoo
 def sustained_query(query: str, window: str = SUSTAINED_WINDOW, step: str = SUSTAINED_STEP) -> str:
     """The same load averaged over ``window``: a PromQL subquery, valid for any instant query."""
     return f"avg_over_time(({query})[{window}:{step}])"
-
-
-def dcgm_by_pool_query(metric: str, namespace: str, object_name: str, reduce: str = "avg") -> str:
-    """A DCGM exporter series over the pool's GPUs (DCGM labels each GPU with the pod using it)."""
-    if metric not in (DCGM_GPU_UTIL, DCGM_POWER_USAGE):
-        raise ValueError(f"metric: expected {DCGM_GPU_UTIL} or {DCGM_POWER_USAGE}, got {metric!r}")
-    if reduce not in ("avg", "sum", "max", "min"):
-        raise ValueError(f"reduce: expected avg, sum, max or min, got {reduce!r}")
-    return f"{reduce}({metric}{{{pod_matchers(namespace, object_name)}}})"
-
-
-def dcgm_run_query(metric: str, namespace: str, run: str, pools: tuple[str, ...], reduce: str = "avg") -> str:
-    """One series per pool of a run, labelled ``pool``, for the dashboard and the cost report.
-
-    ``label_replace`` derives the pool from the pod name, so no relabeling is needed in
-    Prometheus; the regex alternatives are the run's pools, longest first, so ``h100`` never
-    claims the pods of ``h100-fp8``.
-    """
-    if metric not in (DCGM_GPU_UTIL, DCGM_POWER_USAGE):
-        raise ValueError(f"metric: expected {DCGM_GPU_UTIL} or {DCGM_POWER_USAGE}, got {metric!r}")
-    if not pools:
-        raise ValueError("pools: at least one pool is needed")
-    alternatives = "|".join(regex_literal(p) for p in sorted(pools, key=len, reverse=True))
-    pattern = _label_value(f"{regex_literal(run)}-({alternatives})-[a-z0-9]+-[a-z0-9]+")
-    selector = f'{metric}{{namespace="{_label_value(namespace)}",pod=~"{pattern}"}}'
-    relabeled = f'label_replace({selector}, "pool", "$1", "pod", "{pattern}")'
-    return f"{reduce} by (pool) ({relabeled})"
 
 
 def gpu_models_query(namespace: str, object_name: str) -> str:

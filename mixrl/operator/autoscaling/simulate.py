@@ -34,7 +34,9 @@ COLD_START_S: dict[str, float] = {
     "RTX-PRO-6000": 270.0,
     "cpu": 30.0,
 }
-DEFAULT_SPEC = "examples/rlrun-mixed.yaml"
+DEFAULT_SPEC = Path(__file__).resolve().parents[3] / "examples" / "rlrun-mixed.yaml"
+"""The checkout's mixed-fleet example, found from this file (not the working directory), so
+``mixrl simulate`` runs from anywhere."""
 SCENARIOS = ("day", "step", "steady")
 STRATEGIES = ("mixrl", "keda", "static")
 
@@ -212,7 +214,12 @@ def run_strategies(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixrl simulate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("spec", nargs="?", default=DEFAULT_SPEC, help=f"RLRun YAML (default {DEFAULT_SPEC})")
+    parser.add_argument(
+        "spec",
+        nargs="?",
+        default=str(DEFAULT_SPEC),
+        help="RLRun YAML (default: the checkout's examples/rlrun-mixed.yaml)",
+    )
     parser.add_argument("--scenario", choices=SCENARIOS, default="day", help="workload (default day)")
     parser.add_argument(
         "--sessions", type=int, default=1600, help="peak (day) or base (step, steady) sessions"

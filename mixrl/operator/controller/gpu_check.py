@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mixrl.api.memory import SHARED_SUFFIX
+from mixrl.operator.controller.status import make_condition
 from mixrl.rl.gpu_identity import product_label
 
 WRONG_GPU_TYPE = "WrongGpuType"
@@ -43,14 +44,4 @@ def wrong_gpu_condition(
     value = wrong_gpu_value(reported, allowed)
     if value is None:
         return None
-    status, reason, message = value
-    before = next((c for c in previous if c.get("type") == WRONG_GPU_TYPE), None)
-    flipped = before is None or before.get("status") != status
-    return {
-        "type": WRONG_GPU_TYPE,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": now if flipped else (before or {}).get("lastTransitionTime", now),
-        "observedGeneration": generation,
-    }
+    return make_condition(WRONG_GPU_TYPE, value, generation, now, previous)

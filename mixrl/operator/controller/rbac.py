@@ -190,16 +190,6 @@ def policy_rules(allowed: Mapping[Key, frozenset[str]]) -> list[dict[str, Any]]:
     ]
 
 
-def peering_rules(clusterwide: bool) -> list[dict[str, Any]]:
-    return [
-        {
-            "apiGroups": ["kopf.dev"],
-            "resources": [peering_resource(clusterwide).plural],
-            "verbs": sorted(PEERING_VERBS),
-        }
-    ]
-
-
 def rules_allow(rules: list[dict[str, Any]], group: str, resource: str, verb: str) -> bool:
     """Whether RBAC PolicyRules grant one call (wildcards honoured, as the API server does)."""
     for rule in rules:

@@ -1,17 +1,18 @@
 """The two reconcilers: RLRun -> its children; SamplerPool -> its Deployment and Service (and, in
 KEDA mode, its ScaledObject).
 
-Framework-free (no kopf here): :mod:`mixrl.operator.controller.handlers` wires these into kopf and turns
-their outcomes and errors into kopf's retry semantics.  Each reconcile reads the live children,
-writes only what differs from the desired objects (:mod:`mixrl.operator.controller.apply`), and writes status
-only when it changed.  A child that cannot be applied does not stop the others: every child is
-tried, the failures are reported on the owner's Progressing condition, and the reconcile then
-raises :class:`~mixrl.operator.controller.apply.ApplyFailed` when retrying can help.
+Framework-free (no kopf here), and calling only downward: the API models and the builders, the
+apply step and the API client, the status composition, and API discovery.  Each reconcile reads
+the live children, writes only what differs from the desired objects
+(:mod:`mixrl.operator.controller.apply`), and writes status only when it changed.  A child that
+cannot be applied does not stop the others: every child is tried and the failures are reported
+on the owner's Progressing condition.  What happened comes back as an :class:`Outcome` — the
+events to post included — and :mod:`mixrl.operator.controller.runtime` posts them and retries
+(with backoff) when the report says a retry can help.
 """
 
 from __future__ import annotations
 
-import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,13 +31,13 @@ from mixrl.operator.build.pools import clamp_replicas, pool_children, seed_repli
 from mixrl.operator.build.resources import pod_monitor, run_objects
 from mixrl.operator.controller.apply import (
     Applied,
-    ApplyFailed,
     ApplyReport,
     Failure,
     OwnerGone,
     apply_object,
     label,
 )
+from mixrl.operator.controller.discovery import Discovery
 from mixrl.operator.controller.kube import ApiError, KubeClient
 from mixrl.operator.controller.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
 from mixrl.operator.controller.status import (
@@ -53,10 +54,8 @@ from mixrl.operator.controller.status import (
 from mixrl.operator.install.policy import OPEN, Policy, violation
 
 Obj = dict[str, Any]
-EventSink = Callable[[Obj, str, str, str], None]
-"""(object, type Normal|Warning, reason, message) -> posts a Kubernetes event."""
-
-log = logging.getLogger("mixrl.operator")
+Event = tuple[str, str, str]
+"""(type Normal|Warning, reason, message) of an event about the reconciled object."""
 
 
 def utc_now() -> str:
@@ -66,11 +65,8 @@ def utc_now() -> str:
 @dataclass
 class Context:
     client: KubeClient
-    options: Callable[[], Awaitable[BuildOptions]]
-    """Build options for this reconcile (monitoring mode comes from API discovery)."""
-    events: EventSink
-    serves: Callable[[ApiResource], Awaitable[bool]]
-    """Whether the cluster serves a resource (API discovery, remembered for a while)."""
+    discovery: Discovery
+    """What the cluster serves, and so the build options of this reconcile."""
     now: Callable[[], str] = utc_now
     policy: Policy = OPEN
     """What the cluster lets an RLRun ask for (the chart's ``policy`` values, as flags)."""
@@ -83,7 +79,10 @@ class Outcome:
     refused: str | None = None
     """The one line naming what the cluster's policy refuses (nothing was written but status)."""
     report: ApplyReport = field(default_factory=ApplyReport)
+    """What was written, and what failed (a retryable failure asks the caller to retry)."""
     status_written: bool = False
+    events: list[Event] = field(default_factory=list)
+    """To post on the reconciled object, in order."""
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -178,7 +177,7 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
         new = refused_run_status(previous, generation, line, ctx.now())
         return Outcome(refused=line, status_written=await write_status(ctx.client, RLRUNS, body, new))
 
-    options = await ctx.options()
+    options = await ctx.discovery.options()
     owner = owner_of(body)
     report = ApplyReport()
     applied: dict[str, Applied] = {}
@@ -228,37 +227,31 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     new = run_status(previous, generation, components, pools, ctx.now(), autoscaler, report.failures)
     written = await write_status(ctx.client, RLRUNS, body, new)
 
-    for name in report.created:
-        if name.startswith("SamplerPool/"):
-            ctx.events(body, "Normal", Reason.POOL_ADDED, f"created {name}")
-    for name in removed:
-        ctx.events(body, "Normal", Reason.POOL_REMOVED, f"deleted {name}")
-    post_outcome_events(ctx, body, report, written)
-    return finished(report, written)
+    events: list[Event] = [
+        ("Normal", Reason.POOL_ADDED, f"created {name}")
+        for name in report.created
+        if name.startswith("SamplerPool/")
+    ]
+    events += [("Normal", Reason.POOL_REMOVED, f"deleted {name}") for name in removed]
+    events += outcome_events(report, written)
+    return Outcome(report=report, status_written=written, events=events)
 
 
-def post_outcome_events(
-    ctx: Context, body: Obj, report: ApplyReport, status_written: bool, applied_event: bool = True
-) -> None:
-    """Applied (what changed), Recreated (per object), and one Warning per refusal, posted only when
-    the status changed with it — a resync that finds the same refusal again does not repeat it."""
-    for name in report.recreated:
-        ctx.events(body, "Normal", Reason.RECREATED, f"deleting {name} to create it again"[:1000])
+def outcome_events(report: ApplyReport, status_written: bool, applied_event: bool = True) -> list[Event]:
+    """Recreated (per object), Applied (what changed), and one Warning per refusal, the refusals only
+    when the status changed with them — a resync that finds the same refusal again does not repeat it."""
+    events: list[Event] = [
+        ("Normal", Reason.RECREATED, f"deleting {name} to create it again"[:1000])
+        for name in report.recreated
+    ]
     if report.changed and applied_event:
-        ctx.events(body, "Normal", Reason.APPLIED, report.summary()[:1000])
+        events.append(("Normal", Reason.APPLIED, report.summary()[:1000]))
     if status_written:
         for failure in report.failures:
             if not failure.retry:
                 message = f"{failure.object}: {failure.message}"[:1000]
-                ctx.events(body, "Warning", Reason.IMMUTABLE_FIELD_CHANGED, message)
-
-
-def finished(report: ApplyReport, status_written: bool) -> Outcome:
-    """The outcome, or :class:`ApplyFailed` when some children failed in a way a retry can fix (the
-    status already says which): the caller retries the whole reconcile with backoff."""
-    if report.retryable:
-        raise ApplyFailed(report.retryable)
-    return Outcome(report=report, status_written=status_written)
+                events.append(("Warning", Reason.IMMUTABLE_FIELD_CHANGED, message))
+    return events
 
 
 def pool_state(name: str, live: Obj) -> PoolState:
@@ -318,7 +311,7 @@ async def remove_leftover_pod_monitor(
     (discovery included) is reported like a child's, and the rest of the run is still applied."""
     name = pod_monitor(resolved, owner, options)["metadata"]["name"]  # the builder's name for it
     try:
-        if await ctx.serves(PODMONITORS):
+        if await ctx.discovery.serves(PODMONITORS):
             await delete_leftover(ctx.client, PODMONITORS, resolved.namespace, name, owner.uid, report)
     except ApiError as exc:
         report.failures.append(Failure(f"PodMonitor/{name}", str(exc), True, exc.status, exc.retry_after))
@@ -328,6 +321,16 @@ async def remove_leftover_pod_monitor(
 
 
 async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
+    """A SamplerPool -> its Deployment and headless Service (and in KEDA mode its ScaledObject).
+
+    The SamplerPool carries its bounds and replicas, not its pod: the pod is built from the parent
+    RLRun, read and resolved here again, for three reasons.  The RLRun is the one object the
+    cluster's policy and admission checks guard, while a SamplerPool is writable by whoever may
+    scale it, so engine images, arguments and scheduling copied into it would be a way around
+    them.  The engines read the whole resolved run from the run's ConfigMap anyway (and the pod
+    template carries its hash), so a copy would be a second source that can disagree with the
+    first.  And the run gives what no pool holds alone: its weight store, its autoscaling engine
+    and, for KEDA, its query.  Re-resolving costs one read of the run per pool reconcile."""
     meta = body["metadata"]
     if meta.get("deletionTimestamp"):
         return Outcome()
@@ -352,7 +355,7 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         # get nothing it asks for (its image, its flags), so its Deployment is left as it was.
         return Outcome()
 
-    options = await ctx.options()
+    options = await ctx.discovery.options()
     report = ApplyReport()
     deployment: Applied | None = None
     alive = owner_check(ctx.client, SAMPLERPOOLS, body)
@@ -388,10 +391,11 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         repaired = any(entry.startswith(f"Deployment/{pool.object_name} ") for entry in report.repaired)
         scaled_from = None if repaired else deployment.before.get("spec", {}).get("replicas")
     scaled = scaled_from is not None and scaled_from != spec.replicas
+    events: list[Event] = []
     if scaled:
-        ctx.events(body, "Normal", Reason.SCALED, f"replicas {scaled_from} -> {spec.replicas}")
-    post_outcome_events(ctx, body, report, written, applied_event=not scaled)
-    return finished(report, written)
+        events.append(("Normal", Reason.SCALED, f"replicas {scaled_from} -> {spec.replicas}"))
+    events += outcome_events(report, written, applied_event=not scaled)
+    return Outcome(report=report, status_written=written, events=events)
 
 
 async def reconcile_scaled_object(

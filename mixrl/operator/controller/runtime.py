@@ -1,0 +1,335 @@
+"""The operator's machinery between kopf and the reconcilers: one API client, per-object locks,
+debounced and retried reconciles, the periodic resync, API discovery and kopf's peering.
+
+No kopf here: :mod:`mixrl.operator.controller.handlers` (the kopf layer) calls in, and everything
+below is called downward — the reconcilers (:mod:`mixrl.operator.controller.reconcile`), the API
+client, discovery.  A reconcile's outcome says which events to post; this module posts them
+through the sink it was given (kopf's), and turns a retryable failure into a retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings
+from mixrl.operator.build.objects import Images
+from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
+from mixrl.operator.controller.discovery import Discovery
+from mixrl.operator.controller.kube import ApiError, Connection, KubeClient
+from mixrl.operator.controller.peering import paused_by_peers
+from mixrl.operator.controller.rbac import RLRUNS, SAMPLERPOOLS, peering_resource
+from mixrl.operator.controller.reconcile import Context, Outcome, reconcile_pool, reconcile_run
+from mixrl.operator.controller.status import PROGRESSING, Reason, make_condition, merge_conditions
+from mixrl.operator.install.policy import OPEN, Policy
+
+Obj = dict[str, Any]
+EventSink = Callable[[Obj, str, str, str], None]
+"""(object, type Normal|Warning, reason, message) -> posts a Kubernetes event."""
+
+log = logging.getLogger("mixrl.operator")
+
+
+class PeeringSettings(Protocol):
+    """How kopf peers this operator (kopf's ``settings.peering``, read when it is needed)."""
+
+    name: str
+    clusterwide: bool
+    priority: int
+    standalone: bool
+    mandatory: bool
+
+
+@dataclass
+class OperatorConfig:
+    images: Images = field(default_factory=Images)
+    monitoring: str = "auto"
+    """``auto`` (PodMonitor when monitoring.coreos.com/v1 serves podmonitors), ``podmonitor`` or
+    ``annotations``."""
+    discovery_ttl_s: float = 300.0
+    event_debounce_s: float = 1.0
+    """Child events within this window cause one reconcile of their owner, not one each."""
+    drain_seconds: int = 300
+    backoff_base_s: float = 2.0
+    backoff_cap_s: float = 120.0
+    backoff_jitter: float = 0.5
+    """Each retry waits a random time in [(1 - jitter) × delay, delay]: retries of a failure many
+    objects share (an API server outage) spread out instead of arriving in lockstep."""
+    uniform: Callable[[], float] = random.random
+    """The jitter's source of uniform [0, 1) numbers (tests pass a seeded ``random.Random(n).random``)."""
+    resync_interval_s: float | None = 60.0
+    """How often every known RLRun and SamplerPool is reconciled again whatever the events said;
+    None turns the resync off (watch events still reconcile)."""
+    reconcile_concurrency: int = 4
+    """At most this many event- or resync-triggered reconciles run at once (a resync of many runs
+    does not flood the API server)."""
+    login: Callable[..., Any] | None = None
+    """How to reach the API server (a kopf login handler, returning kopf's ConnectionInfo);
+    default: in-cluster service account, then kubeconfig."""
+    tune: Callable[[Any], None] | None = None
+    """Extra kopf settings, given kopf's OperatorSettings at startup (tests shorten timeouts)."""
+    autoscaling: LoopSettings | None = field(default_factory=LoopSettings)
+    """The built-in autoscaler's settings; None runs no built-in autoscaler (pools of ``builtin``
+    runs then keep their replicas)."""
+    keda: str = "auto"
+    """``auto`` (ScaledObjects when keda.sh/v1alpha1 serves scaledobjects), ``on`` or ``off``."""
+    policy: Policy = OPEN
+    """What an RLRun may ask for (images, engine arguments, scheduling); a run asking for more is
+    marked PolicyViolation and nothing of it is created."""
+
+
+def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None) -> float:
+    """Jittered exponential backoff for the ``retry``-th retry, at least what the server asked for:
+    base × 2^retry, capped, then shortened by up to ``backoff_jitter`` of itself."""
+    delay = min(config.backoff_cap_s, config.backoff_base_s * 2 ** min(retry, 16))
+    delay *= 1.0 - config.backoff_jitter * config.uniform()
+    return max(delay, retry_after or 0.0)
+
+
+class Runtime:
+    """Per-operator state: the API client, the connection kopf logged in with, per-object locks."""
+
+    def __init__(self, config: OperatorConfig, post_event: EventSink):
+        self.config = config
+        self.post_event = post_event
+        self.connection: Connection | None = None
+        self.client = KubeClient(self._current_connection)
+        self.discovery = Discovery(
+            self.client,
+            config.images,
+            monitoring_mode=config.monitoring,
+            keda_mode=config.keda,
+            drain_seconds=config.drain_seconds,
+            ttl_s=config.discovery_ttl_s,
+        )
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._queued: set[str] = set()
+        self._wake: dict[str, asyncio.Event] = {}
+        """Per owner whose failed reconcile waits for its retry: set by a new request for it."""
+        self.known: dict[str, tuple[str, str, str]] = {}
+        """lock key -> (kind, namespace, name) of every RLRun and SamplerPool kopf's watches have
+        shown (an index the resync walks: it costs no API call of its own)."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._resync: asyncio.Task[None] | None = None
+        self.autoscaler: AutoscalingLoop | None = None
+        self.peering: PeeringSettings | None = None
+        """kopf's peering settings once it started (the peering name, scope and priority it runs with)."""
+
+    def _current_connection(self) -> Connection:
+        if self.connection is None:
+            raise ApiError(0, "NotLoggedIn", "no API credentials yet")
+        return self.connection
+
+    def lock(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
+
+    async def active_in(self, namespace: str) -> bool:
+        """Whether kopf's peering lets this operator act in ``namespace`` (for the autoscaler, which
+        is not a kopf handler and is not paused by kopf)."""
+        settings = self.peering
+        if settings is None or settings.standalone:
+            return True
+        peering = await self.client.get(peering_resource(settings.clusterwide), namespace, settings.name)
+        if peering is None:  # kopf runs standalone when optional peering finds no object
+            return not settings.mandatory
+        status = peering.get("status") or {}
+        return not paused_by_peers(status, settings.priority, datetime.now(UTC))
+
+    async def reconcile_latest(self, body: Obj) -> tuple[Obj, Outcome]:
+        """Reconcile one object under its lock, from its current state: (that state, the outcome).
+
+        An API error on a run is said on its Progressing condition first (best effort)."""
+        try:
+            async with self.lock(lock_key(body)):
+                fresh = await read_fresh(self, body)
+                if fresh is None:
+                    return body, Outcome()
+                body = fresh
+                return body, await self.reconcile(body)
+        except ApiError as exc:
+            if body.get("kind") == "RLRun":
+                await report_failure(self, body, exc)
+            raise
+
+    def context(self) -> Context:
+        return Context(client=self.client, discovery=self.discovery, policy=self.config.policy)
+
+    async def reconcile(self, body: Obj) -> Outcome:
+        """Reconcile one RLRun or SamplerPool (the caller holds its lock) and post the events its
+        outcome names; :class:`ApplyFailed` when some children failed in a way a retry can fix (the
+        status already says which): the caller retries the whole reconcile with backoff."""
+        reconcile = reconcile_run if body.get("kind") == "RLRun" else reconcile_pool
+        outcome = await reconcile(self.context(), body)
+        for kind, reason, message in outcome.events:
+            self.post_event(body, kind, reason, message)
+        if outcome.report.retryable:
+            raise ApplyFailed(outcome.report.retryable)
+        return outcome
+
+    # ------------------------------------------------------------------ event- and resync-driven work
+
+    def observe(self, body: Obj, deleted: bool) -> None:
+        key = lock_key(body)
+        if deleted:
+            self.known.pop(key, None)
+        else:
+            meta = body["metadata"]
+            self.known[key] = (body["kind"], meta["namespace"], meta["name"])
+
+    def request(self, kind: str, namespace: str, name: str) -> None:
+        """Reconcile an RLRun or SamplerPool soon (debounced), in a task of its own; nothing when
+        one is already queued for it, since that one will see the latest state."""
+        stub = {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
+        key = lock_key(stub)
+        if key in self._queued:
+            # One is queued.  If it is a retry waiting out its backoff, something changed since it
+            # failed (the old StatefulSet of a recreation is finally gone): try again now.
+            wake = self._wake.get(key)
+            if wake is not None:
+                wake.set()
+            return
+        self.spawn(coalesced(self, stub))
+
+    def spawn(self, work: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def slots(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(max(1, self.config.reconcile_concurrency))
+        return self._slots
+
+    async def resync_once(self) -> int:
+        """Ask for a reconcile of every known object where this operator is the active peer;
+        returns how many were asked for."""
+        active: dict[str, bool] = {}
+        asked = 0
+        for kind, namespace, name in sorted(self.known.values()):
+            if namespace not in active:
+                active[namespace] = await self.active_in(namespace)
+            if active[namespace]:
+                self.request(kind, namespace, name)
+                asked += 1
+        return asked
+
+    async def resync_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                asked = await self.resync_once()
+            except ApiError as exc:  # the peering read failed: try again next time
+                log.warning("resync skipped: %s", exc)
+            else:
+                log.debug("resync: %d objects", asked)
+
+    def start(self) -> None:
+        interval = self.config.resync_interval_s
+        if interval and self._resync is None:
+            self._resync = asyncio.create_task(self.resync_forever(interval))
+
+    async def stop(self) -> None:
+        tasks = [*self._tasks, *([self._resync] if self._resync is not None else [])]
+        self._resync = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def report_failure(rt: Runtime, body: Obj, error: Exception) -> None:
+    """Best effort: say on the run's Progressing condition why it is stuck (the API may be down);
+    no write when the condition already says so."""
+    conditions = list((body.get("status") or {}).get("conditions") or [])
+    generation = body["metadata"].get("generation")
+    value = ("True", Reason.APPLY_FAILED, str(error)[:300])
+    failed = make_condition(PROGRESSING, value, generation, rt.context().now(), conditions)
+    before = next((c for c in conditions if c.get("type") == PROGRESSING), None)
+    if before is not None and {k: before.get(k) for k in failed} == failed:
+        return
+    meta = body["metadata"]
+    patch = {"status": {"conditions": merge_conditions(conditions, [failed])}}
+    with contextlib.suppress(ApiError):
+        await rt.client.merge_patch(RLRUNS, meta["namespace"], meta["name"], patch, subresource="status")
+
+
+def lock_key(body: Obj) -> str:
+    meta = body["metadata"]
+    return f"{body.get('kind')}/{meta['namespace']}/{meta['name']}"
+
+
+async def read_fresh(rt: Runtime, body: Obj) -> Obj | None:
+    """The object as the API server has it now, or None when it is gone (or was replaced).
+
+    kopf hands a handler the body of the event it is processing, which can be older than the
+    object (a pool scaled twice in a row); acting on it would write stale replicas back."""
+    meta = body["metadata"]
+    resource = RLRUNS if body.get("kind") == "RLRun" else SAMPLERPOOLS
+    fresh = await rt.client.get(resource, meta["namespace"], meta["name"])
+    if fresh is None or ("uid" in meta and fresh["metadata"].get("uid") != meta["uid"]):
+        return None
+    return fresh
+
+
+RETRIED = (ApiError, StillTerminating, ApplyFailed)
+
+
+async def coalesced(rt: Runtime, body: Obj) -> None:
+    """Reconcile on behalf of a child's event or the resync, after ``event_debounce_s``; if one is
+    already queued for this owner, it will see the latest state, so this one is dropped.
+
+    A failed reconcile is retried with jittered exponential backoff until it succeeds, the owner is
+    gone or another peer took over; a new request for the owner while a retry waits ends the wait
+    (after the usual debounce), since what failed may have changed."""
+    key = lock_key(body)
+    if key in rt._queued:
+        return
+    rt._queued.add(key)
+    queued = True  # the marker in rt._queued is ours to remove
+    delay, attempt = rt.config.event_debounce_s, 0
+    try:
+        while True:
+            await asyncio.sleep(delay)
+            if attempt and not await rt.active_in(body["metadata"]["namespace"]):
+                return
+            async with rt.slots(), rt.lock(key):
+                rt._queued.discard(key)
+                queued = False
+                try:
+                    fresh = await read_fresh(rt, body)
+                    if fresh is not None:
+                        await rt.reconcile(fresh)
+                    return
+                except RETRIED as exc:
+                    error: Exception = exc
+            if key in rt._queued:
+                return
+            wait = backoff(attempt, rt.config, getattr(error, "retry_after", None))
+            attempt += 1
+            log.warning("reconcile of %s failed (retry %d in %.1f s): %s", key, attempt, wait, error)
+            rt._queued.add(key)
+            queued = True
+            woken = rt._wake[key] = asyncio.Event()
+            try:
+                await asyncio.wait_for(woken.wait(), timeout=wait)
+            except TimeoutError:
+                delay = 0.0  # the backoff has passed
+            else:
+                delay = rt.config.event_debounce_s  # a new event: debounced, as any
+            finally:
+                rt._wake.pop(key, None)
+    except ApiError as exc:  # the peering read before a retry
+        log.warning("reconcile of %s not retried: %s", key, exc)
+    finally:
+        if queued:
+            rt._queued.discard(key)
