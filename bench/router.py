@@ -24,8 +24,9 @@ import time
 import aiohttp
 from aiohttp import web
 
+from mixrl.rl.engine.protocol import SESSION_HEADER
 from mixrl.rl.router.config import PoolConfig, RouterConfig
-from mixrl.rl.router.server import SESSION_HEADER, Router, RouterSettings
+from mixrl.rl.router.server import Router, RouterSettings
 from mixrl.rl.router.state import RouterState
 
 POOLS = {"b200-nvfp4": (3.2, 2), "h200-fp8": (1.8, 3), "h100-bf16": (1.0, 4), "a100-bf16": (0.5, 5)}

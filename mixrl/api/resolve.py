@@ -25,6 +25,7 @@ from mixrl.api.models import (
     TrainerSpec,
     WeightsSpec,
 )
+from mixrl.api.sampling import SamplingRule
 
 ENGINE_PORT = 30000
 ROUTER_PORT = 8000
@@ -65,6 +66,10 @@ class SamplingParams(Frozen):
     """K candidates recorded per token; ≥ the largest support when a top-k cut is used."""
     return_sampling_mask: bool
     """Ask for the sampling support S (only meaningful when top-p or top-k truncates)."""
+
+    @property
+    def rule(self) -> SamplingRule:
+        return SamplingRule(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
 class CorrectionSettings(Frozen):
@@ -158,16 +163,14 @@ def engine_args(pool: SamplerPoolTemplate, kv_cache_dtype: str, sampling: Sampli
 def resolve(run: RLRun) -> ResolvedRun:
     spec = run.spec
     algorithm = spec.algorithm
-    truncates = algorithm.top_p.p < 1.0 or algorithm.top_p.k > 0
-    top_k = algorithm.top_p.k
-    # With a support to replay, every member must be among the recorded candidates (K ≥ |S|).
-    candidates = max(algorithm.top_candidates, top_k) if top_k > 0 else algorithm.top_candidates
+    rule = SamplingRule(temperature=algorithm.temperature, top_p=algorithm.top_p.p, top_k=algorithm.top_p.k)
+    truncates = rule.truncates()
     sampling = SamplingParams(
-        temperature=algorithm.temperature,
-        top_p=algorithm.top_p.p,
-        top_k=top_k,
+        temperature=rule.temperature,
+        top_p=rule.top_p,
+        top_k=rule.top_k,
         max_new_tokens=algorithm.max_new_tokens,
-        top_logprobs_num=candidates,
+        top_logprobs_num=rule.candidates(algorithm.top_candidates),
         return_sampling_mask=truncates,
     )
     corrections = CorrectionSettings(

@@ -37,11 +37,11 @@ async def test_a_failed_step_aborts_the_batch_and_the_engine_keeps_serving(
         async with EngineClient(url) as client:
             with caplog.at_level(logging.ERROR):
                 hit = await client.generate([1, 2, 3], max_new_tokens=20, temperature=0.0)
-            assert hit.aborted and "injected fault" in hit.finish_reason["message"]
+            assert hit.aborted and "injected fault" in hit.finish_detail["message"]
             assert 0 < hit.completion_tokens < 20
             assert any("model step failed" in r.message for r in caplog.records)
             after = await client.generate([1, 2, 3], max_new_tokens=20, temperature=0.0)
-            assert after.finish_reason == {"type": "length", "length": 20}
+            assert after.finish_detail == {"type": "length", "length": 20}
             assert after.output_ids[: hit.completion_tokens] == hit.output_ids
 
 

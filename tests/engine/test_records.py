@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from mixrl.rl.engine import server
 from mixrl.rl.engine.client import EngineClient, EngineError
-from mixrl.rl.engine.records import EngineResponseError, token_records
+from mixrl.rl.engine.protocol import EngineResponseError, token_records
 from mixrl.rl.models import create_tiny_checkpoint, tiny_config
 
 

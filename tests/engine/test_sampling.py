@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from mixrl.rl.engine.protocol import renormalized_logprob
 from mixrl.rl.engine.sampling import RowSampling, sample_rows
 
 from . import reference
@@ -32,7 +33,7 @@ def _logits(seed: int, batch: int = 4, spread: float = 3.0) -> torch.Tensor:
 def test_step_matches_float64_reference(row: RowSampling) -> None:
     logits = _logits(0)
     uniforms = torch.tensor([0.05, 0.35, 0.65, 0.95])
-    out = sample_rows(logits, [row] * 4, uniforms)
+    out = sample_rows(logits, [row] * 4, uniforms, weight_version=7)
     temperature = 1.0 if row.greedy else row.temperature
     top_k = 1 if row.greedy else row.top_k
     for b in range(4):
@@ -40,14 +41,17 @@ def test_step_matches_float64_reference(row: RowSampling) -> None:
         ranked = reference.order(lp)
         support = reference.support(lp, top_k, row.top_p, row.min_p)
         truncated = len(support) < V
-        assert out.support_sizes[b] == (len(support) if truncated else 0)
+        record = out[b]
+        assert record.weight_version == 7
+        assert record.support_size == (len(support) if truncated else 0)
         # reported log-prob of the sampled token is the untruncated log q
-        assert out.logprobs[b] == pytest.approx(lp[out.token_ids[b]], abs=1e-5)
-        # candidates: the leading tokens in descending order, with their log q; at least |S| when covering
-        k = max(row.num_candidates, len(support) if row.cover_support else 0)
-        assert out.cand_ids[b] == ranked[:k]
-        assert out.cand_logprobs[b] == pytest.approx([lp[i] for i in ranked[:k]], abs=1e-5)
-        assert out.cand_logprobs[b] == sorted(out.cand_logprobs[b], reverse=True)
+        assert record.logprob == pytest.approx(lp[record.token_id], abs=1e-5)
+        # candidates: the leading tokens in descending order, with their log q; at least |S| when
+        # covering the support or truncating
+        k = max(row.num_candidates, len(support) if row.cover_support or truncated else 0)
+        assert record.cand_ids == ranked[:k]
+        assert record.cand_logprobs == pytest.approx([lp[i] for i in ranked[:k]], abs=1e-5)
+        assert record.cand_logprobs == sorted(record.cand_logprobs, reverse=True)
         # the draw: inverse CDF of q renormalized on S at u
         mass = [math.exp(lp[i]) for i in support]
         target = uniforms[b].item() * sum(mass)
@@ -57,8 +61,8 @@ def test_step_matches_float64_reference(row: RowSampling) -> None:
             if cumulative > target:
                 expected = token
                 break
-        assert out.token_ids[b] == expected
-        assert out.sampling_logprobs[b] == pytest.approx(lp[expected] - math.log(sum(mass)), abs=1e-5)
+        assert record.token_id == expected
+        assert renormalized_logprob(record) == pytest.approx(lp[expected] - math.log(sum(mass)), abs=1e-5)
 
 
 def test_draws_follow_renormalized_distribution_exactly() -> None:
@@ -67,11 +71,11 @@ def test_draws_follow_renormalized_distribution_exactly() -> None:
     row = RowSampling(temperature=0.9, top_p=0.85)
     n = 4000
     grid = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    out = sample_rows(logits.expand(n, V), [row] * n, grid.float())
+    out = sample_rows(logits.expand(n, V), [row] * n, grid.float(), weight_version=0)
     lp = reference.log_softmax(logits[0].double().tolist(), 0.9)
     support = reference.support(lp, -1, 0.85, 0.0)
     total = sum(math.exp(lp[i]) for i in support)
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=V)
+    counts = torch.bincount(torch.tensor([r.token_id for r in out]), minlength=V)
     assert set(torch.nonzero(counts).flatten().tolist()) == set(support)
     for token in support:
         assert counts[token].item() / n == pytest.approx(math.exp(lp[token]) / total, abs=2.0 / n)
@@ -87,18 +91,28 @@ def test_rows_are_independent_of_each_other() -> None:
         RowSampling(temperature=2.0),
     ]
     uniforms = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    together = sample_rows(logits, rows, uniforms)
+    together = sample_rows(logits, rows, uniforms, weight_version=0)
     for b, row in enumerate(rows):
-        alone = sample_rows(logits[b : b + 1], [row], uniforms[b : b + 1])
-        assert together.token_ids[b] == alone.token_ids[0]
-        assert together.cand_ids[b] == alone.cand_ids[0]
-        assert together.support_sizes[b] == alone.support_sizes[0]
+        (alone,) = sample_rows(logits[b : b + 1], [row], uniforms[b : b + 1], weight_version=0)
+        assert together[b].token_id == alone.token_id
+        assert together[b].cand_ids == alone.cand_ids
+        assert together[b].support_size == alone.support_size
 
 
 def test_support_cap_acts_as_top_k_when_recording_the_support() -> None:
     logits = torch.zeros(1, V)  # uniform: top-p 0.99 alone keeps 64 tokens
     row = RowSampling(top_p=0.99, cover_support=True, support_cap=10)
-    out = sample_rows(logits, [row], torch.tensor([0.999]))
-    assert out.support_sizes == [10]
-    assert out.token_ids[0] in out.cand_ids[0][:10]
-    assert out.sampling_logprobs[0] == pytest.approx(math.log(1 / 10), abs=1e-6)
+    (record,) = sample_rows(logits, [row], torch.tensor([0.999]), weight_version=0)
+    assert record.support_size == 10
+    assert record.token_id in record.cand_ids[:10]
+    assert renormalized_logprob(record) == pytest.approx(math.log(1 / 10), abs=1e-6)
+
+
+def test_greedy_decoding_truncates_to_the_top_token() -> None:
+    """Temperature 0 samples from S = {argmax}: |S| = 1, so the corrections see μ(a) = 1."""
+    logits = _logits(3, batch=5)
+    records = sample_rows(logits, [RowSampling(temperature=0.0)] * 5, torch.zeros(5), weight_version=0)
+    for row, record in zip(logits, records, strict=True):
+        assert record.token_id == int(row.argmax())
+        assert (record.support_size, record.cand_ids) == (1, [record.token_id])
+        assert renormalized_logprob(record) == 0.0

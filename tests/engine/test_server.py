@@ -46,7 +46,7 @@ async def test_greedy_matches_plain_transformers_forward(client: EngineClient, d
         *(client.generate(p, max_new_tokens=16, temperature=0.0, top_logprobs_num=3) for p in prompts)
     )
     for prompt, result in zip(prompts, results, strict=True):
-        assert result.finish_reason == {"type": "length", "length": 16}
+        assert result.finish_detail == {"type": "length", "length": 16}
         ref = reference_logprobs(model, prompt, result.output_ids)
         for t, record in enumerate(result.records):
             assert ref[t, record.token_id] >= ref[t].max() - TIE  # the argmax of the plain forward
@@ -290,7 +290,7 @@ async def test_pause_in_place_holds_requests_and_continue_resumes(client: Engine
     finally:
         await client.continue_generation()
     result = await task
-    assert result.finish_reason == {"type": "length", "length": 300}
+    assert result.finish_detail == {"type": "length", "length": 300}
 
 
 async def test_pause_abort_finishes_requests_with_an_abort_reason(client: EngineClient) -> None:

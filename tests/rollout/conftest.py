@@ -36,7 +36,7 @@ from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
-from mixrl.rl.rollout.agent import GenerateResult, PoolInfo
+from mixrl.rl.engine.protocol import GenerateResult, PoolInfo
 from mixrl.rl.rollout.tasks import parse_config
 from mixrl.rl.rollout.tokenizer import END, TOOL, Tokenizer
 from mixrl.rl.router.config import PoolConfig, RouterConfig

@@ -18,8 +18,8 @@ from mixrl.rl.rollout.demos import (
     masked_next_token_loss,
     warm_start,
 )
-from mixrl.rl.rollout.env import FileTreeEnv
-from mixrl.rl.rollout.tasks import Difficulty, check, generate_tasks
+from mixrl.rl.rollout.env import FileTreeEnv, check
+from mixrl.rl.rollout.tasks import Difficulty, generate_tasks
 
 from .conftest import TOKENIZER, ScriptedGenerate
 from .test_agent import SAMPLING

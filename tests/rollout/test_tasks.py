@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from mixrl.rl.rollout.env import NO_SUCH_FILE, NO_TOOL_CALL, FileTreeEnv, ToolCall, parse_tool_call
-from mixrl.rl.rollout.tasks import EXTENSIONS, HELDOUT_BUCKETS, Difficulty, Task, check, generate_tasks
+from mixrl.rl.rollout.env import NO_SUCH_FILE, NO_TOOL_CALL, FileTreeEnv, ToolCall, check, parse_tool_call
+from mixrl.rl.rollout.tasks import EXTENSIONS, HELDOUT_BUCKETS, Difficulty, Task, generate_tasks
 
 
 def answer_tuple(task: Task) -> tuple[str, str, str, str]:

@@ -20,10 +20,9 @@ from mixrl.api.loader import parse_document
 from mixrl.api.resolve import ResolvedRun, SamplingParams, resolve
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, write_token_file
-from mixrl.rl.engine.records import EngineResponseError
-from mixrl.rl.rollout.agent import PoolInfo
+from mixrl.rl.engine.protocol import EngineResponseError, PoolInfo, parse_response
 from mixrl.rl.rollout.demos import demonstration_tokens
-from mixrl.rl.rollout.router_client import RouterClient, generate_body, parse_generate_response
+from mixrl.rl.rollout.router_client import RouterClient
 from mixrl.rl.rollout.stats import RolloutStats
 from mixrl.rl.rollout.tasks import generate_tasks
 from mixrl.rl.rollout.worker import RolloutWorker, WorkerSettings, main, next_evaluation_step
@@ -110,13 +109,15 @@ def test_request_body_and_response_parsing() -> None:
     sampling = SamplingParams(
         temperature=0.9, top_p=0.95, top_k=8, max_new_tokens=16, top_logprobs_num=4, return_sampling_mask=True
     )
-    body = generate_body([1, 2, 3], sampling, 5, [7, 2])
+    body = RouterClient("http://router", sampling, [7, 2]).request_body([1, 2, 3], 5)
     assert body == {
         "input_ids": [1, 2, 3],
         "sampling_params": {
             "temperature": 0.9,
             "top_p": 0.95,
             "top_k": 8,
+            "min_p": 0.0,
+            "ignore_eos": False,
             "max_new_tokens": 5,
             "stop_token_ids": [7, 2],
         },
@@ -136,16 +137,16 @@ def test_request_body_and_response_parsing() -> None:
         },
     }
     headers = {"X-Mixrl-Pool": "fp8", "X-Mixrl-Gpu-Type": "H100", "X-Mixrl-Precision": "fp8"}
-    result = parse_generate_response(payload, headers, PoolInfo("fallback"))
+    result = parse_response(payload, headers, PoolInfo("fallback"))
     assert result.finish_reason == "stop" and result.pool == PoolInfo("fp8", "H100", "fp8")
     assert [(r.token_id, r.logprob, r.support_size, r.weight_version) for r in result.records] == [
         (40, -0.1, 1, 5),
         (7, -0.2, 2, 5),
     ]
-    assert parse_generate_response(payload, {}, PoolInfo("direct")).pool == PoolInfo("direct")
+    assert parse_response(payload, {}, PoolInfo("direct")).pool == PoolInfo("direct")
     broken = {**payload, "meta_info": {**payload["meta_info"], "finish_reason": {"type": "eaten"}}}
     with pytest.raises(EngineResponseError, match=r"meta_info\.finish_reason: unexpected"):
-        parse_generate_response(broken, headers, PoolInfo())
+        parse_response(broken, headers, PoolInfo())
 
 
 def test_progress_line_shows_rates_reward_and_eta() -> None:

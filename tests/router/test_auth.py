@@ -18,7 +18,8 @@ from typing import Any
 import aiohttp
 
 from mixrl.rl.auth import AuthToken, write_token_file
-from mixrl.rl.router.server import SESSION_HEADER, RouterSettings
+from mixrl.rl.engine.protocol import SESSION_HEADER
+from mixrl.rl.router.server import RouterSettings
 
 from .conftest import RunningRouter, StandInEngine, pools_config
 from .run_files import write_run

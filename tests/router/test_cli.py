@@ -12,7 +12,7 @@ from pathlib import Path
 
 import aiohttp
 
-from mixrl.rl.router.server import POOL_HEADER, SESSION_HEADER
+from mixrl.rl.engine.protocol import POOL_HEADER, SESSION_HEADER
 
 from .run_files import write_run
 

@@ -8,13 +8,8 @@ from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mixrl.rl.router.server import (
-    GPU_TYPE_HEADER,
-    POOL_HEADER,
-    PRECISION_HEADER,
-    REPLICA_HEADER,
-    RouterSettings,
-)
+from mixrl.rl.engine.protocol import GPU_TYPE_HEADER, POOL_HEADER, PRECISION_HEADER, REPLICA_HEADER
+from mixrl.rl.router.server import RouterSettings
 
 from .conftest import StandInResolver, pools_config
 

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers.utils import logging as hf_logging
 
 from mixrl.local.processes import EngineProcess
+from mixrl.rl.engine.protocol import POOL_HEADER, REPLICA_HEADER, SESSION_HEADER
 from mixrl.rl.models import create_tiny_checkpoint, load_model
-from mixrl.rl.router.server import POOL_HEADER, REPLICA_HEADER, SESSION_HEADER
 from mixrl.rl.weights import WeightStore
 
 from .conftest import RunningRouter

@@ -19,16 +19,18 @@ def test_collate_positions_advantages_and_staleness(model: torch.nn.Module) -> N
     # every generated token (6 per trajectory), none of the 2 observation tokens
     assert batch.num_tokens == 3 * 4 * 6
     for n in range(batch.num_tokens):
-        row, position = int(batch.rows[n]), int(batch.positions[n])
+        row, position = int(batch.loss_tokens.rows[n]), int(batch.loss_tokens.positions[n])
         # the hidden state at t − 1 predicts the token stored at t
-        assert int(batch.input_ids[row, position + 1]) == int(batch.tokens[n])
+        assert int(batch.input_ids[row, position + 1]) == int(batch.loss_tokens.tokens[n])
     rewards = torch.tensor([t.reward for g in groups for t in g])
     for g in range(3):
         group_rows = torch.arange(4 * g, 4 * g + 4)
         expected = (rewards[group_rows] - rewards[group_rows].mean()) / (rewards[group_rows].std() + 1e-6)
-        token_adv = batch.advantages[(batch.rows >= 4 * g) & (batch.rows < 4 * g + 4)].reshape(4, 6)[:, 0]
+        token_adv = batch.loss_tokens.advantages[
+            (batch.loss_tokens.rows >= 4 * g) & (batch.loss_tokens.rows < 4 * g + 4)
+        ].reshape(4, 6)[:, 0]
         torch.testing.assert_close(token_adv, expected, atol=1e-5, rtol=1e-5)
-    assert set(batch.staleness.tolist()) == {5, 4, 3}
+    assert set(batch.loss_tokens.staleness.tolist()) == {5, 4, 3}
     assert batch.pools == ["pool0", "pool1"]
 
 
@@ -63,13 +65,13 @@ def test_step_equals_the_objective_on_full_logits(model: torch.nn.Module) -> Non
     reference = copy.deepcopy(model).requires_grad_(True)
     logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     loss, metrics = token_policy_loss(
-        logits[batch.rows, batch.positions],
-        batch.tokens,
-        batch.advantages,
-        batch.sampler_logprobs,
-        batch.cand_ids,
-        batch.cand_logprobs,
-        batch.support_size,
+        logits[batch.loss_tokens.rows, batch.loss_tokens.positions],
+        batch.loss_tokens.tokens,
+        batch.loss_tokens.advantages,
+        batch.loss_tokens.sampler_logprobs,
+        batch.loss_tokens.cand_ids,
+        batch.loss_tokens.cand_logprobs,
+        batch.loss_tokens.support_size,
         config,
     )
     loss.backward()
@@ -89,9 +91,9 @@ def test_on_policy_data_has_no_mismatch_and_positive_advantage_rises(model: torc
     def logprob_of_winner() -> float:
         with torch.no_grad():
             logits = trainer.model(input_ids=batch.input_ids[:1]).logits[0].float()
-        rows = batch.rows == 0
-        lp = torch.log_softmax(logits[batch.positions[rows]], -1)
-        return float(lp.gather(1, batch.tokens[rows, None]).sum())
+        rows = batch.loss_tokens.rows == 0
+        lp = torch.log_softmax(logits[batch.loss_tokens.positions[rows]], -1)
+        return float(lp.gather(1, batch.loss_tokens.tokens[rows, None]).sum())
 
     before = logprob_of_winner()
     result = trainer.step(batch)

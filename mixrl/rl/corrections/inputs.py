@@ -7,7 +7,7 @@ position and the reason.  Values are checked only on loss tokens (``loss_mask`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
@@ -47,14 +47,8 @@ class TokenRows:
         return k < self.support_size[:, None]
 
     def take(self, index: slice) -> TokenRows:
-        return TokenRows(
-            self.tokens[index],
-            self.advantages[index],
-            self.sampler_logprobs[index],
-            self.cand_ids[index],
-            self.cand_logprobs[index],
-            self.support_size[index],
-        )
+        """The rows ``index`` selects, every field alike."""
+        return TokenRows(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -148,14 +142,7 @@ def prepare_batch(
         support_size=select(support_size).long(),
     )
     _check_values(rows, vocab_size, loss_rows)
-    rows = TokenRows(
-        rows.tokens,
-        rows.advantages,
-        rows.sampler_logprobs,
-        rows.cand_ids,
-        rows.cand_logprobs.masked_fill(~rows.valid, float("-inf")),
-        rows.support_size,
-    )
+    rows = replace(rows, cand_logprobs=rows.cand_logprobs.masked_fill(~rows.valid, float("-inf")))
     count = rows.num_rows
     if num_loss_tokens is not None and not num_loss_tokens > 0:
         _fail(f"num_loss_tokens must be positive, got {num_loss_tokens}")

@@ -1,10 +1,9 @@
 """One async client for SGLang's native HTTP API: the torch engine and a real SGLang server alike.
 
-Only standard SGLang request fields are sent.  Temperature, top-p and top-k are always sent
-explicitly (otherwise SGLang takes them from the model's generation config).  When the sampler
-truncates (temperature 0, top-k, top-p or min-p), the client asks for the sampling support
-(``return_sampling_mask``) and, with a finite top-k, for at least top-k candidates, so every token
-record carries its support S as its leading candidates on either engine.
+Only standard SGLang request fields are sent; the body and the response are the wire module's
+(:func:`mixrl.rl.engine.protocol.generate_body`, :func:`~mixrl.rl.engine.protocol.parse_response`):
+every sampling parameter explicit and, when the rule truncates, the sampling support with enough
+candidates to hold it, so every token record carries its support S on either engine.
 
 Authentication: with ``auth_token`` every request carries ``Authorization: Bearer <token>``
 (the torch engine's control endpoints need it; SGLang started with ``--api-key`` needs it on all
@@ -17,21 +16,25 @@ after sending is retried only for idempotent calls (never ``/generate``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from mixrl.api.trajectory import TokenRecord
+from mixrl.api.sampling import SamplingRule
 from mixrl.rl.auth import AuthToken
-from mixrl.rl.engine.records import EngineResponseError, parse_weight_version, token_records
+from mixrl.rl.engine.protocol import (
+    EngineResponseError,
+    GenerateResult,
+    generate_body,
+    parse_response,
+    parse_weight_version,
+)
 from mixrl.rl.http import SessionClient
 
 log = logging.getLogger(__name__)
-
-__all__ = ["EngineClient", "EngineError", "EngineResponseError", "GenerateResult"]
 
 
 class EngineError(RuntimeError):
@@ -41,28 +44,6 @@ class EngineError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.field = field
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """One prompt's generation, with a token record per generated token."""
-
-    output_ids: list[int]
-    records: list[TokenRecord]
-    finish_reason: dict[str, Any]
-    weight_version: int
-    prompt_tokens: int
-    completion_tokens: int
-    meta_info: dict[str, Any]
-
-    @property
-    def aborted(self) -> bool:
-        return (self.finish_reason or {}).get("type") == "abort"
-
-
-def truncates(temperature: float, top_p: float, top_k: int, min_p: float) -> bool:
-    """Whether these sampling parameters sample from a support S rather than the whole vocabulary."""
-    return temperature == 0 or top_k > 0 or top_p < 1.0 or min_p > 0.0
 
 
 class EngineClient(SessionClient):
@@ -120,113 +101,23 @@ class EngineClient(SessionClient):
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ generation
-    def _generate_body(
-        self,
-        input_ids: list[int] | list[list[int]],
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        min_p: float,
-        stop_token_ids: list[int] | None,
-        ignore_eos: bool,
-        sampling_seed: int | None,
-        top_logprobs_num: int,
-        return_sampling_mask: bool | None,
-        rid: str | list[str] | None,
-    ) -> dict[str, Any]:
-        want_mask = (
-            truncates(temperature, top_p, top_k, min_p)
-            if return_sampling_mask is None
-            else return_sampling_mask
+    async def generate(self, input_ids: list[int], **params: Any) -> GenerateResult:
+        """Generate from one prompt; ``params`` are :func:`request_body`'s."""
+        _, payload = await self._request(
+            "POST", "/generate", request_body(input_ids, **params), idempotent=False
         )
-        if want_mask and top_k > 0:
-            top_logprobs_num = max(top_logprobs_num, top_k)
-        sampling: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "min_p": min_p,
-            "ignore_eos": ignore_eos,
-        }
-        if stop_token_ids:
-            sampling["stop_token_ids"] = list(stop_token_ids)
-        if sampling_seed is not None:
-            sampling["sampling_seed"] = sampling_seed
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling,
-            "return_logprob": True,
-            "logprob_start_len": -1,
-            "top_logprobs_num": top_logprobs_num,
-        }
-        if want_mask:
-            body["return_sampling_mask"] = True
-        if rid is not None:
-            body["rid"] = rid
-        return body
+        return parse_response(payload)
 
-    async def generate(
-        self,
-        input_ids: list[int],
-        *,
-        max_new_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        stop_token_ids: list[int] | None = None,
-        ignore_eos: bool = False,
-        sampling_seed: int | None = None,
-        top_logprobs_num: int = 0,
-        return_sampling_mask: bool | None = None,
-        rid: str | None = None,
-    ) -> GenerateResult:
-        """Generate from one prompt; ``return_sampling_mask=None`` asks for it whenever S is truncated."""
-        body = self._generate_body(
-            input_ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            stop_token_ids=stop_token_ids,
-            ignore_eos=ignore_eos,
-            sampling_seed=sampling_seed,
-            top_logprobs_num=top_logprobs_num,
-            return_sampling_mask=return_sampling_mask,
-            rid=rid,
-        )
-        _, payload = await self._request("POST", "/generate", body, idempotent=False)
-        return _result(payload)
-
-    async def generate_batch(self, prompts: list[list[int]], **kwargs: Any) -> list[GenerateResult]:
+    async def generate_batch(self, prompts: list[list[int]], **params: Any) -> list[GenerateResult]:
         """Generate from several prompts in one request (same sampling parameters for all)."""
         if not prompts:
             return []
-        rid = kwargs.pop("rid", None)
-        body = self._generate_body(
-            prompts,
-            max_new_tokens=kwargs.pop("max_new_tokens", 128),
-            temperature=kwargs.pop("temperature", 1.0),
-            top_p=kwargs.pop("top_p", 1.0),
-            top_k=kwargs.pop("top_k", -1),
-            min_p=kwargs.pop("min_p", 0.0),
-            stop_token_ids=kwargs.pop("stop_token_ids", None),
-            ignore_eos=kwargs.pop("ignore_eos", False),
-            sampling_seed=kwargs.pop("sampling_seed", None),
-            top_logprobs_num=kwargs.pop("top_logprobs_num", 0),
-            return_sampling_mask=kwargs.pop("return_sampling_mask", None),
-            rid=rid,
+        _, payload = await self._request(
+            "POST", "/generate", request_body(prompts, **params), idempotent=False
         )
-        if kwargs:
-            raise TypeError(f"generate_batch: unexpected arguments {sorted(kwargs)}")
-        _, payload = await self._request("POST", "/generate", body, idempotent=False)
         if not isinstance(payload, list) or len(payload) != len(prompts):
             raise EngineResponseError(f"/generate: expected {len(prompts)} results for a batch")
-        return [_result(p) for p in payload]
+        return [parse_response(p) for p in payload]
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_disk(
@@ -313,9 +204,37 @@ class EngineClient(SessionClient):
         return out
 
 
-def _decode(text: str) -> Any:
-    import json
+def request_body(
+    input_ids: list[int] | list[list[int]],
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    min_p: float = 0.0,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
+    sampling_seed: int | None = None,
+    top_logprobs_num: int = 0,
+    return_sampling_mask: bool | None = None,
+    rid: str | list[str] | None = None,
+) -> dict[str, Any]:
+    """The client's parameters as a ``/generate`` body; ``return_sampling_mask=None`` asks for the
+    support whenever the parameters truncate."""
+    return generate_body(
+        input_ids,
+        SamplingRule(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p),
+        max_new_tokens=max_new_tokens,
+        top_logprobs_num=top_logprobs_num,
+        return_sampling_mask=return_sampling_mask,
+        stop_token_ids=stop_token_ids or (),
+        ignore_eos=ignore_eos,
+        sampling_seed=sampling_seed,
+        rid=rid,
+    )
 
+
+def _decode(text: str) -> Any:
     try:
         return json.loads(text) if text else None
     except json.JSONDecodeError:
@@ -333,20 +252,3 @@ def _http_error(method: str, path: str, status: int, payload: Any) -> EngineErro
         else:
             message = str(payload.get("message") or err or payload)
     return EngineError(f"{method} {path}: HTTP {status}: {message}".rstrip(": "), status=status, field=field)
-
-
-def _result(payload: Any) -> GenerateResult:
-    if not isinstance(payload, dict):
-        raise EngineResponseError("/generate: expected a JSON object per prompt")
-    meta = payload.get("meta_info") or {}
-    records = token_records(payload)
-    version = records[-1].weight_version if records else parse_weight_version(meta.get("weight_version"))
-    return GenerateResult(
-        output_ids=list(payload.get("output_ids") or []),
-        records=records,
-        finish_reason=meta.get("finish_reason") or {},
-        weight_version=version,
-        prompt_tokens=int(meta.get("prompt_tokens", 0)),
-        completion_tokens=int(meta.get("completion_tokens", len(records))),
-        meta_info=meta,
-    )

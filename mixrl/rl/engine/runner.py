@@ -25,21 +25,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine.kv_cache import BatchKV, concat, new_cache
 from mixrl.rl.engine.sampling import RowSampling, sample_rows
-
-
-@dataclass(frozen=True)
-class TokenOut:
-    """Everything recorded for one generated token."""
-
-    token_id: int
-    logprob: float
-    sampling_logprob: float
-    support_size: int
-    cand_ids: list[int]
-    cand_logprobs: list[float]
-    weight_version: int
 
 
 @dataclass
@@ -52,7 +40,7 @@ class Sequence:
     max_new_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
-    tokens: list[TokenOut] = field(default_factory=list)
+    tokens: list[TokenRecord] = field(default_factory=list)
     finish_reason: dict | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -200,24 +188,15 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             if not seq.sampling.greedy:
                 uniforms[i] = torch.rand((), generator=seq.generator or self.default_generator)
-        result = sample_rows(logits, [s.sampling for s in seqs], uniforms)
+        records = sample_rows(logits, [s.sampling for s in seqs], uniforms, self.weight_version)
         now = time.perf_counter()
         self.tokens_generated += len(seqs)
-        for i, seq in enumerate(seqs):
-            token = TokenOut(
-                token_id=result.token_ids[i],
-                logprob=result.logprobs[i],
-                sampling_logprob=result.sampling_logprobs[i],
-                support_size=result.support_sizes[i],
-                cand_ids=result.cand_ids[i],
-                cand_logprobs=result.cand_logprobs[i],
-                weight_version=self.weight_version,
-            )
-            seq.tokens.append(token)
+        for seq, record in zip(seqs, records, strict=True):
+            seq.tokens.append(record)
             seq.first_token_time = seq.first_token_time or now
             seq.last_token_time = now
             self._check_finished(seq)
-        return torch.tensor(result.token_ids, dtype=torch.long)
+        return torch.tensor([r.token_id for r in records], dtype=torch.long)
 
     def _check_finished(self, seq: Sequence) -> None:
         last = seq.tokens[-1].token_id

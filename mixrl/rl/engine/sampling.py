@@ -1,4 +1,7 @@
-"""Next-token sampling with everything the trainer needs recorded (DESIGN.md §4.2).
+"""Next-token sampling, one :class:`TokenRecord` per row (docs/architecture.md, "The token record").
+
+The only sampler: the engine's runner and the in-process sampler (:mod:`mixrl.rl.rollout.local_sampler`)
+both call :func:`sample_rows`.
 
 For each row of a batch of next-token logits z and that row's parameters:
 
@@ -12,11 +15,14 @@ For each row of a batch of next-token logits z and that row's parameters:
                  each rule keeps a prefix of `order`, so S is a prefix too; it always holds the top token
     sample     = inverse CDF of q renormalized on S at a uniform u in [0, 1)
 
-Temperature 0 means greedy, as in SGLang: T is taken as 1 (so log q stays finite) and k as 1.
+Temperature 0 means greedy, as in SGLang: T is taken as 1 (so log q stays finite) and k as 1, so
+greedy decoding truncates to S = {top token} (:mod:`mixrl.api.sampling` says why).
 `support_size` is |S| when any truncation is active and 0 when the row samples from the whole
-vocabulary (the token-record convention).  The candidates a row reports are the leading entries of
-`order`; with ``cover_support`` they are at least |S| long, so S is always the leading
-`support_size` candidates.
+vocabulary (the token-record convention).  A record's candidates are the leading entries of
+`order`: ``num_candidates`` of them, and at least |S| whenever the row truncates, so S is always the
+leading `support_size` candidates.  With ``cover_support`` (SGLang's ``return_sampling_mask``) the
+support cap applies as one more top-k, and the candidates are at least as many as the tokens
+kept, truncated or not; the response reports them all (docs/engine.md, "K ≥ |S|").
 """
 
 from __future__ import annotations
@@ -26,59 +32,38 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-GREEDY_EPS = 1e-6
-"""Temperatures below this are greedy decoding."""
+from mixrl.api.sampling import SamplingRule
+from mixrl.api.trajectory import TokenRecord
 
 
 @dataclass(frozen=True)
-class RowSampling:
+class RowSampling(SamplingRule):
     """One row's sampling rule and what it reports."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: no top-k
-    min_p: float = 0.0
     num_candidates: int = 0  # top_logprobs_num
     cover_support: bool = False  # report at least |S| candidates (return_sampling_mask)
     support_cap: int = 0  # extra top-k applied when cover_support (the sampling-mask size cap); 0 = none
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    def effective_top_k(self, vocab_size: int) -> int:
-        """The top-k actually applied: 1 when greedy, the support cap when reporting the support."""
-        k = vocab_size if self.top_k < 0 else min(self.top_k, vocab_size)
-        if self.greedy:
-            k = 1
+    def rank_limit(self, vocab_size: int) -> int:
+        """The top-k actually applied: the rule's, and the support cap when reporting the support."""
+        k = super().rank_limit(vocab_size)
         if self.cover_support and self.support_cap > 0:
             k = min(k, self.support_cap)
         return k
 
-    def truncates(self, vocab_size: int) -> bool:
-        """Whether any rule can remove tokens, i.e. whether the row samples from a support S."""
-        return self.effective_top_k(vocab_size) < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
 
+def sample_rows(
+    logits: Tensor, rows: list[RowSampling], uniforms: Tensor, weight_version: int
+) -> list[TokenRecord]:
+    """Sample one token per row of ``logits`` [B, V]; ``uniforms`` [B] are the rows' draws in [0, 1).
 
-@dataclass
-class StepSample:
-    """The sampling outcome of one batch step; per-row Python values, ready for the response."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # log q(sampled token), untruncated
-    sampling_logprobs: list[float]  # log q(sampled token) renormalized on S
-    support_sizes: list[int]  # |S|, 0 when the row is not truncated
-    cand_ids: list[list[int]]
-    cand_logprobs: list[list[float]]
-
-
-def sample_rows(logits: Tensor, rows: list[RowSampling], uniforms: Tensor) -> StepSample:
-    """Sample one token per row of ``logits`` [B, V]; ``uniforms`` [B] are the rows' draws in [0, 1)."""
+    ``weight_version``: the version of the weights that computed ``logits``, recorded on every token.
+    """
     batch, vocab = logits.shape
     if len(rows) != batch or uniforms.shape != (batch,):
         raise ValueError(f"rows/uniforms: expected {batch} rows, got {len(rows)} and {tuple(uniforms.shape)}")
     temperature = torch.tensor([1.0 if r.greedy else r.temperature for r in rows], dtype=torch.float32)
-    top_k = torch.tensor([r.effective_top_k(vocab) for r in rows], dtype=torch.long)
+    top_k = torch.tensor([r.rank_limit(vocab) for r in rows], dtype=torch.long)
     top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
     min_p = torch.tensor([r.min_p for r in rows], dtype=torch.float32)
 
@@ -91,28 +76,35 @@ def sample_rows(logits: Tensor, rows: list[RowSampling], uniforms: Tensor) -> St
     keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     keep[:, 0] = True
-    support = keep.sum(dim=-1)
+    kept = keep.sum(dim=-1)
 
     kept_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
     cdf = torch.cumsum(kept_p, dim=-1)
     total = cdf[:, -1]
     position = (cdf < (uniforms.float() * total)[:, None]).sum(dim=-1)
-    position = torch.minimum(position, support - 1)
+    position = torch.minimum(position, kept - 1)
     sampled = order.gather(1, position[:, None]).squeeze(1)
     sampled_lp = sorted_lp.gather(1, position[:, None]).squeeze(1)
-    renormalized_lp = sampled_lp - total.log()
 
-    truncated = [r.truncates(vocab) for r in rows]
-    support_list = support.tolist()
-    wanted = [max(r.num_candidates, support_list[i] if r.cover_support else 0) for i, r in enumerate(rows)]
+    kept_list = kept.tolist()
+    support = [n if r.truncates(vocab) else 0 for n, r in zip(kept_list, rows, strict=True)]
+    wanted = [
+        max(r.num_candidates, n if r.cover_support or s else 0)
+        for n, s, r in zip(kept_list, support, rows, strict=True)
+    ]
     width = min(max(wanted, default=0), vocab)
     head_ids = order[:, :width].tolist()
     head_lp = sorted_lp[:, :width].tolist()
-    return StepSample(
-        token_ids=sampled.tolist(),
-        logprobs=sampled_lp.tolist(),
-        sampling_logprobs=renormalized_lp.tolist(),
-        support_sizes=[s if t else 0 for s, t in zip(support_list, truncated, strict=True)],
-        cand_ids=[ids[:k] for ids, k in zip(head_ids, wanted, strict=True)],
-        cand_logprobs=[lps[:k] for lps, k in zip(head_lp, wanted, strict=True)],
-    )
+    return [
+        TokenRecord(
+            token_id=token,
+            logprob=logprob,
+            cand_ids=ids[:k],
+            cand_logprobs=lps[:k],
+            support_size=s,
+            weight_version=weight_version,
+        )
+        for token, logprob, ids, lps, k, s in zip(
+            sampled.tolist(), sampled_lp.tolist(), head_ids, head_lp, wanted, support, strict=True
+        )
+    ]

@@ -28,6 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mixrl.api.sampling import SamplingRule
 from mixrl.rl.auth import (
     AuthConfigError,
     AuthToken,
@@ -37,7 +38,7 @@ from mixrl.rl.auth import (
     warn_if_open,
 )
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
-from mixrl.rl.engine.protocol import RequestError, parse_generate
+from mixrl.rl.engine.protocol import GenerateItem, RequestError, SamplingRequest, parse_generate
 from mixrl.rl.engine.scheduler import PAUSE_MODES
 from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService, parse_version
 from mixrl.rl.quant import WEIGHT_FORMATS
@@ -176,17 +177,13 @@ async def health_generate(request: web.Request) -> web.Response:
     age = service.stats.last_token_age()
     if service.sched.paused or (age is not None and age < HEALTH_RECENT_TOKEN_S):
         return web.Response(status=200)
-    items, _ = parse_generate(
-        {
-            "input_ids": [0],
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "rid": "health_generate",
-        },
-        vocab_size=service.vocab_size,
-        context_length=service.context_length,
+    probe = GenerateItem(
+        rid="health_generate",
+        input_ids=[0],
+        sampling=SamplingRequest(rule=SamplingRule(temperature=0.0), max_new_tokens=1),
     )
     try:
-        await asyncio.wait_for(service.generate(items), HEALTH_GENERATE_TIMEOUT_S)
+        await asyncio.wait_for(service.generate([probe]), HEALTH_GENERATE_TIMEOUT_S)
     except TimeoutError:
         return web.Response(status=503, text="generation did not finish in time")
     return web.Response(status=200)

@@ -179,10 +179,7 @@ class EngineService:
             rid=item.rid or f"mixrl-{self._rid_counter}",
             prompt_ids=item.input_ids,
             sampling=RowSampling(
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=s.top_k,
-                min_p=s.min_p,
+                **asdict(s.rule),
                 num_candidates=item.top_logprobs_num if item.return_logprob else 0,
                 cover_support=item.return_sampling_mask,
                 support_cap=self.config.sampling_mask_max_tokens,

@@ -21,38 +21,20 @@ import asyncio
 import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from mixrl.api.resolve import SamplingParams
-from mixrl.api.trajectory import TokenRecord, Trajectory
-from mixrl.rl.rollout.env import FileTreeEnv, parse_tool_call
-from mixrl.rl.rollout.tasks import TOOL_SUBMIT, TOOLS, Task, check
+from mixrl.api.trajectory import Trajectory
+from mixrl.rl.engine.protocol import GenerateResult, PoolInfo, TurnFinish
+from mixrl.rl.rollout.env import FileTreeEnv, check, parse_tool_call
+from mixrl.rl.rollout.tasks import TOOL_SUBMIT, TOOLS, Task
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
 FinishReason = Literal["submitted", "max_turns", "context_limit", "format_errors", "aborted"]
-TurnFinish = Literal["stop", "length", "abort"]
 MAX_ABORTED_CONTINUATIONS = 8
 """An engine may abort a request (a weight update with abort_all_requests); the turn then continues
 from the tokens it already produced.  More aborts than this in one turn end the episode."""
-
-
-@dataclass(frozen=True)
-class PoolInfo:
-    """Which pool served a request (the router's X-Mixrl-* headers, or known up front)."""
-
-    pool: str = ""
-    gpu_type: str = ""
-    precision: str = ""
-
-
-@dataclass(frozen=True)
-class GenerateResult:
-    """One generation request's outcome: the sampled tokens with their records, and why it stopped."""
-
-    records: list[TokenRecord]
-    finish_reason: TurnFinish
-    pool: PoolInfo = field(default_factory=PoolInfo)
 
 
 Generate = Callable[[list[int], int], Awaitable[GenerateResult]]

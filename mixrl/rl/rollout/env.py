@@ -5,7 +5,7 @@ episode does can leak into another.  Tools:
 
 - ``ls``            -> the file names, sorted, separated by spaces
 - ``cat <path>``    -> the file's text, or ``error : no such file``
-- ``submit <text>`` -> ends the episode; the answer is checked in another fresh environment
+- ``submit <text>`` -> ends the episode; :func:`check` judges the answer in another fresh environment
 
 A reply that is not exactly one of these calls is a *reply without a tool call* (the paper's
 format error); the environment answers with a short user nudge and the agent loop counts it.
@@ -17,7 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
-from mixrl.rl.rollout.tasks import TOOL_CAT, TOOL_LS, TOOL_SUBMIT, TOOLS, Task
+from mixrl.rl.rollout.tasks import TOOL_CAT, TOOL_LS, TOOL_SUBMIT, TOOLS, Task, parse_config
 
 NO_SUCH_FILE = "error : no such file"
 NO_TOOL_CALL = "no tool call"
@@ -77,3 +77,18 @@ class FileTreeEnv:
     @staticmethod
     def no_tool_call() -> Observation:
         return Observation("user", NO_TOOL_CALL)
+
+
+def check(task: Task, submission: str) -> bool:
+    """Whether ``submission`` answers ``task``, judged in a fresh environment built from the task.
+
+    The checker does not trust ``task.answer``: it rebuilds the tree, finds the asked section's
+    file, reads it and parses it, as a test suite would run against a clean checkout.
+    """
+    env = FileTreeEnv(task)
+    paths = [path for path in env.list_files() if path.rsplit(".", 1)[0] == task.section]
+    if len(paths) != 1:
+        return False
+    expected = parse_config(env.read_file(paths[0]) or "").get(task.key)
+    submitted = parse_config(" ".join(submission.split()))
+    return expected is not None and submitted == {task.key: expected}

@@ -7,9 +7,10 @@ warm start's success probes, the tests and the learnability benchmark, where the
 
 Concurrent ``generate`` calls from many episodes are batched: each step runs one forward pass over
 every active request (right-padded; causal attention keeps padding out of real positions) and
-samples one token for each.  The records follow DESIGN.md §4.2: ``logprob`` is log q after
-temperature and before truncation, candidates are the most likely tokens in descending order, and
-with top-p / top-k the support size is recorded and every member of the support is a candidate.
+samples one token for each with the engine's sampler (:func:`mixrl.rl.engine.sampling.sample_rows`),
+so its token records are the engine's: log q after temperature and before truncation, candidates
+most likely first, and with top-p / top-k (or greedy decoding) the support recorded as the leading
+candidates.
 """
 
 from __future__ import annotations
@@ -23,60 +24,8 @@ from typing import Self
 import torch
 
 from mixrl.api.trajectory import TokenRecord
-from mixrl.rl.rollout.agent import GenerateResult, PoolInfo
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float
-    cand_ids: list[int]
-    cand_logprobs: list[float]
-    support_size: int
-
-
-def sample_tokens(
-    logits: torch.Tensor,
-    temperature: float,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    num_candidates: int = 0,
-    generator: torch.Generator | None = None,
-) -> list[SampledToken]:
-    """Sample one token per row of ``logits`` [B, V]; temperature 0 means greedy."""
-    greedy = temperature <= 0
-    logprobs = torch.log_softmax(logits.double() / (1.0 if greedy else temperature), dim=-1)
-    sorted_lp, sorted_ids = logprobs.sort(dim=-1, descending=True)
-    truncates = not greedy and (top_p < 1.0 or top_k > 0)
-    keep = torch.ones_like(sorted_lp, dtype=torch.bool)
-    if truncates:
-        if top_k > 0:
-            keep[:, top_k:] = False
-        if top_p < 1.0:
-            probs = sorted_lp.exp()
-            # keep a token while the mass strictly before it is below top_p (the first always stays)
-            keep &= (probs.cumsum(dim=-1) - probs) < top_p
-    if greedy:
-        choice = torch.zeros(len(logits), 1, dtype=torch.long)
-    else:
-        weights = sorted_lp.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-        choice = torch.multinomial(weights, 1, generator=generator)
-    support = keep.sum(dim=-1)
-    out = []
-    for row in range(len(logits)):
-        size = int(support[row]) if truncates else 0
-        count = max(num_candidates, size)
-        index = int(choice[row])
-        out.append(
-            SampledToken(
-                token_id=int(sorted_ids[row, index]),
-                logprob=float(sorted_lp[row, index]),
-                cand_ids=sorted_ids[row, :count].tolist(),
-                cand_logprobs=sorted_lp[row, :count].tolist(),
-                support_size=size,
-            )
-        )
-    return out
+from mixrl.rl.engine.protocol import GenerateResult, PoolInfo
+from mixrl.rl.engine.sampling import RowSampling, sample_rows
 
 
 @dataclass
@@ -109,10 +58,9 @@ class LocalSampler:
     ) -> None:
         self.model = model
         self.stop_token_ids = set(stop_token_ids)
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.num_candidates = num_candidates
+        self.sampling = RowSampling(
+            temperature=temperature, top_p=top_p, top_k=top_k, num_candidates=num_candidates
+        )
         self.weight_version = weight_version
         self.pool = pool or PoolInfo("local", "cpu", "fp32")
         self.pad_id = pad_id
@@ -173,22 +121,13 @@ class LocalSampler:
         logits = self.model(input_ids=input_ids).logits
         last = logits[torch.arange(len(batch)), torch.tensor(lengths) - 1]
         self.forward_passes += 1
-        sampled = sample_tokens(
-            last, self.temperature, self.top_p, self.top_k, self.num_candidates, self.generator
-        )
-        for request, token in zip(batch, sampled, strict=True):
-            record = TokenRecord(
-                token_id=token.token_id,
-                logprob=token.logprob,
-                cand_ids=token.cand_ids,
-                cand_logprobs=token.cand_logprobs,
-                support_size=token.support_size,
-                weight_version=self.weight_version,
-            )
+        uniforms = torch.rand(len(batch), generator=self.generator)
+        records = sample_rows(last, [self.sampling] * len(batch), uniforms, self.weight_version)
+        for request, record in zip(batch, records, strict=True):
             request.records.append(record)
-            request.ids.append(token.token_id)
+            request.ids.append(record.token_id)
             request.remaining -= 1
-            if token.token_id in self.stop_token_ids:
+            if record.token_id in self.stop_token_ids:
                 request.done.set_result(GenerateResult(request.records, "stop", self.pool))
             elif request.remaining == 0:
                 request.done.set_result(GenerateResult(request.records, "length", self.pool))

@@ -1,11 +1,10 @@
 """The rollout's client of the session router (or of one engine directly): ``/generate`` per turn.
 
 Every request carries the episode's session id (``X-Mixrl-Session``), so the router keeps the
-whole episode on one pool and one replica (its prefix cache).  The body is SGLang's native
-``/generate`` body with every sampling parameter explicit; the response is parsed into token
-records by the engine package's parser (:func:`mixrl.rl.engine.records.token_records`), which
-reads SGLang's fields and mixrl's per-token extras alike.  The pool that served the turn comes
-from the router's ``X-Mixrl-Pool`` / ``-Gpu-Type`` / ``-Precision`` headers.
+whole episode on one pool and one replica (its prefix cache).  Body and response are the wire
+module's (:mod:`mixrl.rl.engine.protocol`): SGLang's native ``/generate`` body with every sampling
+parameter explicit, and a response read into token records together with the pool that served the
+turn (the router's ``X-Mixrl-Pool`` / ``-Gpu-Type`` / ``-Precision`` headers).
 
 When a session's replica dies the router moves the session and answers 503 (502/504 likewise ask
 for a retry): the turn is sent again, unchanged, after a short backoff.  Nothing of the episode
@@ -16,23 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.rl.auth import AuthToken
-from mixrl.rl.engine.records import EngineResponseError, token_records
+from mixrl.rl.engine.protocol import SESSION_HEADER, GenerateResult, PoolInfo, generate_body, parse_response
 from mixrl.rl.http import SessionClient
-from mixrl.rl.rollout.agent import Generate, GenerateResult, PoolInfo, TurnFinish
+from mixrl.rl.rollout.agent import Generate
 
 log = logging.getLogger("mixrl.rollout")
 
-SESSION_HEADER = "X-Mixrl-Session"
-POOL_HEADER = "X-Mixrl-Pool"
-GPU_TYPE_HEADER = "X-Mixrl-Gpu-Type"
-PRECISION_HEADER = "X-Mixrl-Precision"
 RETRY_STATUSES = frozenset({502, 503, 504})
 
 
@@ -42,57 +36,6 @@ class RouterError(RuntimeError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
-
-
-def generate_body(
-    input_ids: list[int], sampling: SamplingParams, max_new_tokens: int, stop_token_ids: list[int]
-) -> dict[str, Any]:
-    """SGLang's ``/generate`` body for one turn, every sampling parameter explicit."""
-    truncated = sampling.top_k > 0 or sampling.top_p < 1.0
-    # With a top-k cut, every member of the support must be among the recorded candidates.
-    candidates = max(sampling.top_logprobs_num, sampling.top_k) if truncated and sampling.top_k > 0 else None
-    body: dict[str, Any] = {
-        "input_ids": list(input_ids),
-        "sampling_params": {
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k,
-            "max_new_tokens": max_new_tokens,
-            "stop_token_ids": list(stop_token_ids),
-        },
-        "return_logprob": True,
-        "logprob_start_len": -1,
-        "top_logprobs_num": candidates if candidates is not None else sampling.top_logprobs_num,
-    }
-    if sampling.return_sampling_mask:
-        body["return_sampling_mask"] = True
-    return body
-
-
-def turn_finish(payload: Mapping[str, Any]) -> TurnFinish:
-    """SGLang's ``meta_info.finish_reason`` as stop / length / abort."""
-    reason = (payload.get("meta_info") or {}).get("finish_reason") or {}
-    kind = reason.get("type") if isinstance(reason, Mapping) else reason
-    if kind in ("stop", "length", "abort"):
-        return kind
-    raise EngineResponseError(f"meta_info.finish_reason: unexpected {reason!r}")
-
-
-def pool_from_headers(headers: Mapping[str, str], default: PoolInfo) -> PoolInfo:
-    pool = headers.get(POOL_HEADER)
-    if not pool:
-        return default
-    return PoolInfo(pool, headers.get(GPU_TYPE_HEADER, ""), headers.get(PRECISION_HEADER, ""))
-
-
-def parse_generate_response(
-    payload: Any, headers: Mapping[str, str], default_pool: PoolInfo
-) -> GenerateResult:
-    if not isinstance(payload, dict):
-        raise EngineResponseError("/generate: expected one JSON object for one prompt")
-    return GenerateResult(
-        token_records(payload), turn_finish(payload), pool_from_headers(headers, default_pool)
-    )
 
 
 class RouterClient(SessionClient):
@@ -141,8 +84,19 @@ class RouterClient(SessionClient):
 
         return generate
 
+    def request_body(self, input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+        """One turn's ``/generate`` body: the run's sampling, the tokenizer's stop tokens."""
+        return generate_body(
+            list(input_ids),
+            self.sampling.rule,
+            max_new_tokens=max_new_tokens,
+            top_logprobs_num=self.sampling.top_logprobs_num,
+            return_sampling_mask=self.sampling.return_sampling_mask,
+            stop_token_ids=self.stop_token_ids,
+        )
+
     async def generate(self, session_id: str, input_ids: list[int], max_new_tokens: int) -> GenerateResult:
-        body = generate_body(input_ids, self.sampling, max_new_tokens, self.stop_token_ids)
+        body = self.request_body(input_ids, max_new_tokens)
         headers = {**self.headers, SESSION_HEADER: session_id}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_budget_s
@@ -156,7 +110,7 @@ class RouterClient(SessionClient):
                     except ValueError:
                         payload = {"error": "answer is not JSON"}
                     if status == 200:
-                        return parse_generate_response(payload, resp.headers, self.default_pool)
+                        return parse_response(payload, resp.headers, self.default_pool)
                     reason = payload.get("error") if isinstance(payload, dict) else payload
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 status, reason = None, f"{type(exc).__name__}: {exc}"

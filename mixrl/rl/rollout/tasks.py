@@ -2,7 +2,8 @@
 
 It has the shape of the paper's agentic coding at a size a tiny model learns on a CPU: the agent
 sees a question, inspects a file tree with ``ls`` and ``cat``, and submits an answer that a checker
-verifies in a *fresh* environment built from the task (reward 1 if it passes, else 0).
+verifies in a *fresh* environment built from the task (reward 1 if it passes, else 0;
+:func:`mixrl.rl.rollout.env.check`).
 
 A task's tree holds a few config files, one per *section* (``net.cfg``, ``db.ini``, ...), each with
 ``key value`` lines (the ssh_config / nginx style).  Keys repeat across files with different values, so the question
@@ -218,20 +219,3 @@ def generate_tasks(seed: int, n: int, split: Split, difficulty: Difficulty | Non
             tasks.append(task)
             misses = 0
     return tasks
-
-
-def check(task: Task, submission: str) -> bool:
-    """Whether ``submission`` answers ``task``, judged in a fresh environment built from the task.
-
-    The checker does not trust ``task.answer``: it rebuilds the tree, finds the asked section's
-    file, reads it and parses it, as a test suite would run against a clean checkout.
-    """
-    from mixrl.rl.rollout.env import FileTreeEnv  # env imports this module
-
-    env = FileTreeEnv(task)
-    paths = [path for path in env.list_files() if path.rsplit(".", 1)[0] == task.section]
-    if len(paths) != 1:
-        return False
-    expected = parse_config(env.read_file(paths[0]) or "").get(task.key)
-    submitted = parse_config(" ".join(submission.split()))
-    return expected is not None and submitted == {task.key: expected}

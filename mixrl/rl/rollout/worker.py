@@ -39,7 +39,7 @@ from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
 from mixrl.rl.buffer.client import BufferClient, BufferError
-from mixrl.rl.engine.records import EngineResponseError
+from mixrl.rl.engine.protocol import EngineResponseError
 from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, run_episode
 from mixrl.rl.rollout.router_client import RouterClient, RouterError
 from mixrl.rl.rollout.stats import RolloutStats

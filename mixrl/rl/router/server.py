@@ -38,18 +38,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mixrl.api.resolve import ENGINE_PORT
 from mixrl.rl.auth import AuthToken, auth_middlewares, bearer_headers
+from mixrl.rl.engine.protocol import (
+    GPU_TYPE_HEADER,
+    POOL_HEADER,
+    PRECISION_HEADER,
+    REPLICA_HEADER,
+    SESSION_HEADER,
+)
 from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
 from mixrl.rl.router.config import RouterConfig, check_replica_url
 from mixrl.rl.router.exporter import make_registry
 from mixrl.rl.router.state import NoReadyReplica, Route, RouterState
 
 log = logging.getLogger("mixrl.router")
-
-SESSION_HEADER = "X-Mixrl-Session"
-POOL_HEADER = "X-Mixrl-Pool"
-GPU_TYPE_HEADER = "X-Mixrl-Gpu-Type"
-PRECISION_HEADER = "X-Mixrl-Precision"
-REPLICA_HEADER = "X-Mixrl-Replica"
 
 CLIENT_CLOSED = 499
 """Status recorded when the client went away before the replica answered (nginx's convention)."""

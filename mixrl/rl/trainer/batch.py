@@ -9,7 +9,7 @@ in row-major order, exactly the arguments of ``token_policy_loss``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -17,10 +17,14 @@ from mixrl.api.trajectory import Trajectory
 from mixrl.rl.corrections import grpo_advantages
 
 
-@dataclass
-class PolicyBatch:
-    input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
-    attention_mask: torch.Tensor  # [B, T] long
+@dataclass(frozen=True)
+class LossTokens:
+    """One entry per generated (loss) token of a batch, row-major: where it sits, what its sampler recorded.
+
+    The record part (``tokens`` … ``support_size``) is the token record of docs/architecture.md as
+    tensors, exactly the per-token arguments of ``token_policy_loss``.
+    """
+
     rows: torch.Tensor  # [N] row of each generated token
     positions: torch.Tensor  # [N] position whose hidden state predicts it (t − 1)
     tokens: torch.Tensor  # [N]
@@ -31,35 +35,37 @@ class PolicyBatch:
     support_size: torch.Tensor  # [N] long
     pool_index: torch.Tensor  # [N] index into pools
     staleness: torch.Tensor  # [N] long: trainer version − token version
+
+    def take(self, keep: torch.Tensor) -> LossTokens:
+        """The tokens where ``keep`` (a [N] bool mask or index tensor) selects, every column alike."""
+        return LossTokens(**{f.name: getattr(self, f.name)[keep] for f in fields(self)})
+
+
+@dataclass
+class PolicyBatch:
+    input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
+    attention_mask: torch.Tensor  # [B, T] long
+    loss_tokens: LossTokens
     pools: list[str]
     rewards: torch.Tensor  # [B] float32, per trajectory
     trajectory_pool: torch.Tensor  # [B] pool index per trajectory
 
     @property
     def num_tokens(self) -> int:
-        return int(self.tokens.numel())
+        return int(self.loss_tokens.tokens.numel())
 
     def select_rows(self, rows: Sequence[int]) -> PolicyBatch:
         """A micro-batch: the given trajectories, with their tokens, re-indexed from row 0."""
         index = torch.tensor(list(rows), dtype=torch.long)
         remap = torch.full((self.input_ids.shape[0],), -1, dtype=torch.long)
         remap[index] = torch.arange(len(index))
-        keep = remap[self.rows] >= 0
+        kept = self.loss_tokens.take(remap[self.loss_tokens.rows] >= 0)
         lengths = self.attention_mask[index].sum(dim=1)
         width = int(lengths.max()) if len(index) else 0
         return PolicyBatch(
             input_ids=self.input_ids[index, :width],
             attention_mask=self.attention_mask[index, :width],
-            rows=remap[self.rows[keep]],
-            positions=self.positions[keep],
-            tokens=self.tokens[keep],
-            advantages=self.advantages[keep],
-            sampler_logprobs=self.sampler_logprobs[keep],
-            cand_ids=self.cand_ids[keep],
-            cand_logprobs=self.cand_logprobs[keep],
-            support_size=self.support_size[keep],
-            pool_index=self.pool_index[keep],
-            staleness=self.staleness[keep],
+            loss_tokens=replace(kept, rows=remap[kept.rows]),
             pools=self.pools,
             rewards=self.rewards[index],
             trajectory_pool=self.trajectory_pool[index],
@@ -119,16 +125,18 @@ def collate(
     return PolicyBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        rows=torch.tensor(rows, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        advantages=torch.tensor(advantages, dtype=torch.float32),
-        sampler_logprobs=torch.tensor(logprobs, dtype=torch.float32),
-        cand_ids=torch.tensor(cand_ids, dtype=torch.long).reshape(len(tokens), k),
-        cand_logprobs=torch.tensor(cand_logprobs, dtype=torch.float32).reshape(len(tokens), k),
-        support_size=torch.tensor(support, dtype=torch.long),
-        pool_index=torch.tensor(pool_index, dtype=torch.long),
-        staleness=torch.tensor(staleness, dtype=torch.long),
+        loss_tokens=LossTokens(
+            rows=torch.tensor(rows, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            advantages=torch.tensor(advantages, dtype=torch.float32),
+            sampler_logprobs=torch.tensor(logprobs, dtype=torch.float32),
+            cand_ids=torch.tensor(cand_ids, dtype=torch.long).reshape(len(tokens), k),
+            cand_logprobs=torch.tensor(cand_logprobs, dtype=torch.float32).reshape(len(tokens), k),
+            support_size=torch.tensor(support, dtype=torch.long),
+            pool_index=torch.tensor(pool_index, dtype=torch.long),
+            staleness=torch.tensor(staleness, dtype=torch.long),
+        ),
         pools=pools,
         rewards=rewards,
         trajectory_pool=torch.tensor([pool_of[t.pool] for t in trajectories], dtype=torch.long),

@@ -78,7 +78,7 @@ class TorchPolicyTrainer:
     def _hidden_and_head(self, micro: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
         base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
         out = base(input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False)
-        hidden = out.last_hidden_state[micro.rows, micro.positions]
+        hidden = out.last_hidden_state[micro.loss_tokens.rows, micro.loss_tokens.positions]
         return hidden, self.model.get_output_embeddings().weight
 
     def step(self, batch: PolicyBatch) -> StepResult:
@@ -94,15 +94,16 @@ class TorchPolicyTrainer:
             if micro.num_tokens == 0:
                 continue
             hidden, head = self._hidden_and_head(micro)
+            tokens = micro.loss_tokens
             loss, metrics = chunked_token_policy_loss(
                 hidden,
                 head,
-                micro.tokens,
-                micro.advantages,
-                micro.sampler_logprobs,
-                micro.cand_ids,
-                micro.cand_logprobs,
-                micro.support_size,
+                tokens.tokens,
+                tokens.advantages,
+                tokens.sampler_logprobs,
+                tokens.cand_ids,
+                tokens.cand_logprobs,
+                tokens.support_size,
                 self.corrections,
                 chunk_size=self.chunk_size,
                 temperature=self.temperature,
@@ -112,7 +113,7 @@ class TorchPolicyTrainer:
             loss_sum += float(loss.detach())
             for name, values in metrics.per_token.items():
                 per_token.setdefault(name, []).append(values.detach().float())
-            pool_index.append(micro.pool_index)
+            pool_index.append(tokens.pool_index)
         grad_norm = self._clip_and_norm()
         self.optimizer.step()
         token_metrics = {name: torch.cat(values) for name, values in per_token.items()}
@@ -169,8 +170,9 @@ def summarize(per_token: dict[str, torch.Tensor], batch: PolicyBatch) -> dict[st
         for name, values in per_token.items()
     }
     out["reward"] = float(batch.rewards.mean())
-    out["staleness_mean"] = float(batch.staleness.float().mean()) if batch.num_tokens else 0.0
-    out["staleness_max"] = float(batch.staleness.max()) if batch.num_tokens else 0.0
+    staleness = batch.loss_tokens.staleness
+    out["staleness_mean"] = float(staleness.float().mean()) if batch.num_tokens else 0.0
+    out["staleness_max"] = float(staleness.max()) if batch.num_tokens else 0.0
     return out
 
 
