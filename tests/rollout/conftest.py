@@ -12,15 +12,15 @@ Stand-ins, named as such:
   never stop).  It replaces a model where a test needs exact, known behaviour.
 - ``ScriptedGenerate``: an in-process ``generate`` callable driven by that policy; it records every
   context it receives and returns token records with invented but valid log-probabilities.
-- ``ScriptedEngine``: an aiohttp server on loopback that speaks the part of SGLang's ``/generate``
-  API the rollout uses (plus ``/health`` and ``/metrics`` for the router's probes), answering with
-  the same scripted policy.  It is not the torch engine (that one is tested in tests/engine); it
-  lets a test kill a replica mid-episode and know exactly what every episode should earn.
+- ``scripted_engine``: a ``FakeEngine`` (tests/fakes.py, an aiohttp server on loopback that speaks
+  the part of SGLang's API the rollout and the router use) answering ``/generate`` with the same
+  scripted policy, in SGLang's standard fields only.  It is not the torch engine (that one is
+  tested in tests/engine); it lets a test kill a replica mid-episode and know exactly what every
+  episode should earn.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -40,7 +40,10 @@ from mixrl.rl.engine.protocol import GenerateResult, PoolInfo
 from mixrl.rl.rollout.tasks import parse_config
 from mixrl.rl.rollout.tokenizer import END, TOOL, Tokenizer
 from mixrl.rl.router.config import PoolConfig, RouterConfig
-from mixrl.rl.router.server import SESSION_HEADER, Router, RouterSettings
+from mixrl.rl.router.server import Router, RouterSettings
+
+from ..fakes import FakeEngine, Reply, serve, started_engines
+from ..fakes import no_leftover_tasks as no_leftover_tasks
 
 TOKENIZER = Tokenizer.filetree()
 
@@ -132,83 +135,42 @@ class ScriptedGenerate:
         return full[len(done) :]
 
 
-async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, shutdown_timeout=0.2)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
+def scripted_reply(behaviour: str = "expert", version: int = 0) -> Reply:
+    """The stand-in policy's ``/generate`` answer, with SGLang's standard fields only."""
 
-
-@dataclass
-class ScriptedEngine:
-    """Stand-in engine replica on loopback (see the module docstring)."""
-
-    name: str
-    version: int = 0
-    behaviour: str = "expert"
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-    sessions: list[str | None] = field(default_factory=list)
-    runner: web.AppRunner | None = None
-    url: str = ""
-
-    async def start(self) -> ScriptedEngine:
-        app = web.Application()
-        app.router.add_post("/generate", self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        self.runner, self.url = await serve(app)
-        return self
-
-    async def kill(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
-
-    async def _generate(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.bodies.append(body)
-        self.sessions.append(request.headers.get(SESSION_HEADER))
-        await asyncio.sleep(0.002)  # a turn takes time, so episodes overlap
+    def reply(body: dict[str, Any]) -> dict[str, Any]:
         context = body["input_ids"]
-        reply = [*TOKENIZER.encode(expert_reply(context, self.behaviour)), TOKENIZER.end_id]
+        reply = [*TOKENIZER.encode(expert_reply(context, behaviour)), TOKENIZER.end_id]
         limit = body["sampling_params"]["max_new_tokens"]
         finish: dict[str, Any] = {"type": "stop", "matched": TOKENIZER.end_id}
         if len(reply) > limit:
             reply, finish = reply[:limit], {"type": "length", "length": limit}
-        records = reply_records(reply, self.version, TOKENIZER.vocab_size)
+        records = reply_records(reply, version, TOKENIZER.vocab_size)
         meta: dict[str, Any] = {
             "id": "scripted",
             "finish_reason": finish,
             "prompt_tokens": len(context),
             "completion_tokens": len(reply),
-            "weight_version": str(self.version),
+            "weight_version": str(version),
             "output_token_logprobs": [[r.logprob, r.token_id, None] for r in records],
             "output_top_logprobs": [
                 [[lp, i, None] for i, lp in zip(r.cand_ids, r.cand_logprobs, strict=True)] for r in records
             ],
         }
-        return web.json_response({"text": "", "output_ids": reply, "meta_info": meta})
+        return {"text": "", "output_ids": reply, "meta_info": meta}
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+    return reply
 
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text='sglang:num_queue_reqs{model_name="m"} 0\n', content_type="text/plain")
+
+def scripted_engine(name: str, version: int = 0, behaviour: str = "expert") -> FakeEngine:
+    """A stand-in replica playing the scripted policy; each turn takes 2 ms, so episodes overlap."""
+    return FakeEngine(name, reply=scripted_reply(behaviour, version), delay=0.002)
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[Callable[..., Awaitable[ScriptedEngine]]]:
-    started: list[ScriptedEngine] = []
-
-    async def start(name: str, **kwargs: Any) -> ScriptedEngine:
-        engine = await ScriptedEngine(name, **kwargs).start()
-        started.append(engine)
-        return engine
-
-    yield start
-    for engine in started:
-        await engine.kill()
+async def engines() -> AsyncIterator[Callable[..., Awaitable[FakeEngine]]]:
+    async with started_engines(scripted_engine) as start:
+        yield start
 
 
 @dataclass
@@ -222,7 +184,7 @@ async def start_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]
     runners: list[web.AppRunner] = []
 
     async def start(
-        pools: dict[str, list[ScriptedEngine]], run: str = "test", auth_token: AuthToken | None = None
+        pools: dict[str, list[FakeEngine]], run: str = "test", auth_token: AuthToken | None = None
     ) -> RunningRouter:
         config = RouterConfig(
             run=run,
@@ -278,13 +240,3 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
 async def get_json(url: str) -> Any:
     async with aiohttp.ClientSession() as http, http.get(url) as response:
         return json.loads(await response.text())
-
-
-@pytest.fixture(autouse=True)
-async def no_leftover_tasks() -> AsyncIterator[None]:
-    """Fail a test that leaves an asyncio task running (fixtures have been torn down by then)."""
-    yield
-    current = asyncio.current_task()
-    await asyncio.sleep(0)
-    left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-    assert not left, f"test left asyncio tasks behind: {left}"

@@ -27,7 +27,8 @@ from mixrl.rl.rollout.stats import RolloutStats
 from mixrl.rl.rollout.tasks import generate_tasks
 from mixrl.rl.rollout.worker import RolloutWorker, WorkerSettings, main, next_evaluation_step
 
-from .conftest import TOKENIZER, RunningBuffer, RunningRouter, ScriptedEngine, reply_records
+from ..fakes import FakeEngine
+from .conftest import TOKENIZER, RunningBuffer, RunningRouter, reply_records
 from .test_agent import TASK
 
 REPO = Path(__file__).resolve().parents[2]
@@ -189,7 +190,7 @@ def task_of(prompt_id: str) -> Any:
 
 
 async def test_worker_feeds_the_buffer_and_evaluates(
-    engines: Callable[..., Awaitable[ScriptedEngine]],
+    engines: Callable[..., Awaitable[FakeEngine]],
     start_router: Callable[..., Awaitable[RunningRouter]],
     start_buffer: Callable[..., Awaitable[RunningBuffer]],
 ) -> None:
@@ -249,7 +250,7 @@ async def test_worker_feeds_the_buffer_and_evaluates(
                 assert set(trajectory.weight_version) <= {1, -1}
 
     # every session stayed on one pool and was ended
-    sessions_a, sessions_b = Counter(engine_a.sessions), Counter(engine_b.sessions)
+    sessions_a, sessions_b = Counter(engine_a.sessions_seen), Counter(engine_b.sessions_seen)
     assert not set(sessions_a) & set(sessions_b) and None not in sessions_a | sessions_b
     assert router.router.state.sessions == {}
     # a finished episode made three requests (ls, cat, submit); those cut by the stop made fewer
@@ -261,7 +262,7 @@ async def test_worker_feeds_the_buffer_and_evaluates(
 
 
 async def test_a_dying_replica_costs_a_retry_not_an_episode(
-    engines: Callable[..., Awaitable[ScriptedEngine]],
+    engines: Callable[..., Awaitable[FakeEngine]],
     start_router: Callable[..., Awaitable[RunningRouter]],
     start_buffer: Callable[..., Awaitable[RunningBuffer]],
 ) -> None:
@@ -276,7 +277,7 @@ async def test_a_dying_replica_costs_a_retry_not_an_episode(
     stopping = asyncio.Event()
     running = asyncio.create_task(worker.run(stopping))
     try:
-        await wait_for(lambda: len(first.bodies) >= 10)
+        await wait_for(lambda: len(first.generate_bodies) >= 10)
         await first.kill()  # turns in flight lose their connection; later ones are refused
         posted = worker.stats.groups_posted
         await wait_for(lambda: worker.stats.groups_posted >= posted + 4)
@@ -294,7 +295,7 @@ async def test_a_dying_replica_costs_a_retry_not_an_episode(
 
 async def test_sigterm_stops_the_process_cleanly(
     tmp_path: Path,
-    engines: Callable[..., Awaitable[ScriptedEngine]],
+    engines: Callable[..., Awaitable[FakeEngine]],
     start_router: Callable[..., Awaitable[RunningRouter]],
     start_buffer: Callable[..., Awaitable[RunningBuffer]],
 ) -> None:
@@ -348,7 +349,7 @@ async def test_sigterm_stops_the_process_cleanly(
 
 async def test_a_token_the_buffer_refuses_stops_the_process_with_one_line(
     tmp_path: Path,
-    engines: Callable[..., Awaitable[ScriptedEngine]],
+    engines: Callable[..., Awaitable[FakeEngine]],
     start_router: Callable[..., Awaitable[RunningRouter]],
     start_buffer: Callable[..., Awaitable[RunningBuffer]],
 ) -> None:
@@ -431,7 +432,7 @@ async def test_metrics_are_exported_per_pool() -> None:
 
 
 async def test_production_pauses_when_the_trainer_falls_behind(
-    engines: Callable[..., Awaitable[ScriptedEngine]],
+    engines: Callable[..., Awaitable[FakeEngine]],
     start_router: Callable[..., Awaitable[RunningRouter]],
     start_buffer: Callable[..., Awaitable[RunningBuffer]],
 ) -> None:

@@ -1,7 +1,7 @@
 """The router's token: weight fan-out, pool changes and session ends need it; it goes to every replica.
 
-Real: the router on loopback, ``mixrl router`` as a process.  Stand-in: ``StandInEngine`` (see
-conftest), here also checking the token as SGLang's ``--api-key`` does.
+Real: the router on loopback, ``mixrl router`` as a process.  Stand-in: ``FakeEngine`` (see
+tests/fakes.py), here also checking the token as SGLang's ``--api-key`` does.
 """
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.engine.protocol import SESSION_HEADER
 from mixrl.rl.router.server import RouterSettings
 
-from .conftest import RunningRouter, StandInEngine, pools_config
+from ..fakes import FakeEngine
+from .conftest import RunningRouter, pools_config
 from .run_files import write_run
 
 TOKEN = AuthToken("router-test-token-" + "r" * 24)
 RIGHT = {"Authorization": f"Bearer {TOKEN.reveal()}"}
 WRONG = {"Authorization": "Bearer not-the-run-token-0123456789"}
 
-Engines = Callable[..., Awaitable[StandInEngine]]
+Engines = Callable[..., Awaitable[FakeEngine]]
 StartRouter = Callable[..., Awaitable[RunningRouter]]
 
 
-async def guarded_router(engines: Engines, start_router: StartRouter) -> tuple[RunningRouter, StandInEngine]:
+async def guarded_router(engines: Engines, start_router: StartRouter) -> tuple[RunningRouter, FakeEngine]:
     """A router requiring TOKEN in front of one engine that requires it too (SGLang with --api-key)."""
     engine = await engines("e", api_key=TOKEN.reveal())
     config = pools_config({"p": (1.0, [engine])})
@@ -114,7 +115,7 @@ async def test_a_router_without_the_token_is_refused_by_sglang_engines(
 # ----------------------------------------------------------------------------------- the process
 
 
-def router_files(tmp_path: Path, engine: StandInEngine) -> tuple[str, ...]:
+def router_files(tmp_path: Path, engine: FakeEngine) -> tuple[str, ...]:
     """``--config`` and ``--replicas`` of a run with one pool ``p`` served by ``engine``."""
     config, replicas = write_run(tmp_path, {"p": [engine.url]})
     return ("--config", str(config), "--replicas", str(replicas))
