@@ -422,6 +422,13 @@ class DatasetSpec(Model):
     """Number of held-out tasks (never trained on)."""
 
 
+ENVIRONMENT_TOOLS: dict[str, tuple[str, ...]] = {"filetree": ("ls", "cat", "submit")}
+"""The built-in environments and the tools each offers (filetree's are implemented in
+:mod:`mixrl.rl.rollout.tasks`, whose ``TOOLS`` a test keeps equal to these)."""
+SUBMIT_TOOL = "submit"
+"""The tool that ends an episode with an answer: the only way to earn a reward."""
+
+
 class RolloutSpec(Model):
     environment: Word = "filetree"
     """Task family: ``filetree`` (built in: inspect a virtual file tree with tools, submit an answer)."""
@@ -441,6 +448,20 @@ class RolloutSpec(Model):
     """Back-pressure: a worker starts no new group while the buffer holds this many trainer steps of
     data (ready plus in flight); 0 = never wait. Staleness stays unbounded (no data is dropped); this
     only keeps samplers from running far ahead of the trainer."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        offered = ENVIRONMENT_TOOLS.get(self.environment)
+        if offered is None:
+            reason = f"unknown environment {names.shown(self.environment)}; built in: {', '.join(ENVIRONMENT_TOOLS)}"
+            raise field_error("environment", reason)
+        unknown = [tool for tool in self.tools if tool not in offered]
+        if unknown:
+            reason = f"{unknown} not offered by {self.environment} (it has {', '.join(offered)})"
+            raise field_error("tools", reason)
+        if SUBMIT_TOOL not in self.tools:
+            raise field_error("tools", f"without {SUBMIT_TOOL} no episode can earn a reward")
+        return self
 
 
 class WeightsSpec(Model):

@@ -112,3 +112,34 @@ def test_a_document_of_garbage_prints_at_most_twenty_problems(tmp_path: Path) ->
     path.write_text(yaml.safe_dump(doc))
     lines = validate(path).stdout.splitlines()
     assert len(lines) == 21 and lines[-1] == f"{path}: ... and 80 more problems"
+
+
+def test_an_unknown_environment_or_tool_is_rejected_before_any_pod_starts(tmp_path: Path) -> None:
+    """The rollout worker cannot play them: ``mixrl validate`` (and the operator) refuse the spec."""
+    doc = yaml.safe_load((ROOT / "examples" / "rlrun-homogeneous.yaml").read_text())
+    cases = {
+        "swe": (
+            {"environment": "swe"},
+            "spec.rollout.environment: unknown environment 'swe'; built in: filetree",
+        ),
+        "bash": (
+            {"tools": ["ls", "bash", "submit"]},
+            "spec.rollout.tools: ['bash'] not offered by filetree (it has ls, cat, submit)",
+        ),
+        "nosubmit": (
+            {"tools": ["ls", "cat"]},
+            "spec.rollout.tools: without submit no episode can earn a reward",
+        ),
+    }
+    for name, (rollout, line) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**doc, "spec": {**doc["spec"], "rollout": rollout}}))
+        result = validate(path)
+        assert (result.returncode, result.stdout.splitlines()) == (1, [f"{path}: {line}"])
+
+
+def test_the_built_in_environment_offers_exactly_the_tools_the_rollout_implements() -> None:
+    from mixrl.api.models import ENVIRONMENT_TOOLS
+    from mixrl.rl.rollout.tasks import TOOLS
+
+    assert ENVIRONMENT_TOOLS == {"filetree": TOOLS}

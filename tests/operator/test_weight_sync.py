@@ -157,7 +157,9 @@ def test_command_line_errors_are_one_line(tmp_path: Path, capsys: pytest.Capture
     assert (
         weight_sync.main(["--config", str(tmp_path / "missing.json"), "--pool", "emul", "--output", "x"]) == 1
     )
-    assert capsys.readouterr().err.strip().startswith("mixrl engine-sync: --config: cannot read")
+    assert capsys.readouterr().err.strip() == (
+        f"mixrl engine-sync: --config {tmp_path / 'missing.json'}: cannot read it (No such file or directory)"
+    )
     assert weight_sync.main(["--config", str(config), "--pool", "emul", "--output", "x", "--poll", "0"]) == 2
     assert capsys.readouterr().err.strip() == "mixrl engine-sync: --poll: must be positive"
 

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args
 from mixrl.rl.engine.client import EngineClient, EngineError
@@ -157,12 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_pool(config: Path, name: str) -> tuple[ResolvedRun, ResolvedPool]:
     try:
-        run = ResolvedRun.model_validate_json(config.read_text())
-    except OSError as exc:
-        raise SyncError(f"--config: cannot read {config} ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        first = str(exc).splitlines()[0]
-        raise SyncError(f"--config: {config} is not a resolved run ({first})") from None
+        run = load_resolved(config)
+    except RunConfigError as exc:
+        raise SyncError(str(exc)) from None
     try:
         return run, run.pool(name)
     except KeyError:

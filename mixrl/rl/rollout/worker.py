@@ -30,11 +30,9 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
+from mixrl.api.loader import load_resolved
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
@@ -43,12 +41,11 @@ from mixrl.rl.engine.protocol import EngineResponseError
 from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, run_episode
 from mixrl.rl.rollout.router_client import RouterClient, RouterError
 from mixrl.rl.rollout.stats import RolloutStats
-from mixrl.rl.rollout.tasks import TOOLS, Difficulty, Task, generate_tasks
+from mixrl.rl.rollout.tasks import Difficulty, Task, generate_tasks
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
 log = logging.getLogger("mixrl.rollout")
 
-ENVIRONMENTS = ("filetree",)
 EPISODE_FAILURES = (RouterError, EpisodeAborted, EngineResponseError)
 """An episode that ends in one of these is dropped (with its group); anything else is a bug."""
 
@@ -88,16 +85,7 @@ class WorkerSettings:
         rollout, evaluation = run.rollout, run.evaluation
         if max_steps_ahead is None:
             max_steps_ahead = rollout.max_steps_ahead
-        if rollout.environment not in ENVIRONMENTS:
-            raise ValueError(
-                f"rollout.environment: unknown environment {rollout.environment!r}; built in: "
-                + ", ".join(ENVIRONMENTS)
-            )
-        unknown = [tool for tool in rollout.tools if tool not in TOOLS]
-        if unknown:
-            raise ValueError(f"rollout.tools: {unknown} not offered by filetree (it has {', '.join(TOOLS)})")
-        if "submit" not in rollout.tools:
-            raise ValueError("rollout.tools: without submit no episode can earn a reward")
+        # rollout.environment and rollout.tools were checked by mixrl.api when the run was resolved.
         if max_steps_ahead < 0:
             raise ValueError(f"max-steps-ahead: must be 0 (no limit) or positive, got {max_steps_ahead}")
         if not 0 <= worker_index < rollout.workers:
@@ -443,16 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> tuple[ResolvedRun, WorkerSettings, Tokenizer, AuthToken | None]:
-    try:
-        text = Path(args.config).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"config: cannot read {args.config} ({exc.strerror})") from None
-    try:
-        run = ResolvedRun.model_validate_json(text)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(p) for p in error["loc"])
-        raise ValueError(f"config: {args.config} is not a resolved run ({where}: {error['msg']})") from None
+    run = load_resolved(args.config)  # a RunConfigError is a ValueError: one line
     settings = WorkerSettings.from_run(run, args.worker_index, args.max_steps_ahead)
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else Tokenizer.filetree()
     return run, settings, tokenizer, token_from_args(args)  # AuthConfigError is a ValueError

@@ -3,12 +3,14 @@
 The loop, per step s (the trainer holds weight version s − 1 while computing step s):
   1. ask the buffer for step s's batch (the same batch again after a crash: nothing is lost);
   2. recompute π on exactly the sampled ids, apply the corrected objective, step AdamW;
-  3. publish version s to the weight store and tell the engines (through the router) to reload it,
-     between decode steps, while sessions continue;
+  3. publish version s to the weight store.  Given ``--router`` (``mixrl run``), tell every engine
+     through the router to reload it, between decode steps, while sessions continue; in a cluster
+     the trainer has no ``--router`` and each engine pod's weight-sync sidecar converts the version
+     to its pool's precision and reloads its own engine (the launch table, mixrl.api.launch);
   4. checkpoint, then commit step s to the buffer; log metrics to JSONL and Prometheus.
 
 Every request carries the run's token (``--auth-token-file`` or ``$MIXRL_AUTH_TOKEN``; docs/auth.md):
-the buffer's batches and commits and the router's weight fan-out need it.  A refused token is fatal
+the buffer's batches and commits and (with ``--router``) the router's weight fan-out need it.  A refused token is fatal
 (one line): training on while the engines never reload would only hide it.
 
 The buffer hands out a batch only for the step after its last committed one, so a trainer that
@@ -31,6 +33,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ResolvedRun
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
@@ -51,9 +54,10 @@ class ReloadRefused(RuntimeError):
 
 
 def correction_config(run: ResolvedRun) -> CorrectionConfig:
+    """The objective's corrections, as mixrl.api resolved them from the spec."""
     c = run.trainer.corrections
     return CorrectionConfig(
-        mis=tuple(c.mis) if c.mis is not None else None,  # type: ignore[arg-type]
+        mis=c.mis,
         tis=c.tis,
         score_centering=c.score_centering,
         topp_replay=c.topp_replay,
@@ -208,7 +212,11 @@ def main(argv: list[str]) -> int:
         "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"
     )
     parser.add_argument("--buffer", required=True, help="buffer URL")
-    parser.add_argument("--router", default=None, help="router URL (engines reload through it)")
+    parser.add_argument(
+        "--router",
+        default=None,
+        help="router URL: reload every engine through it (mixrl run; not in a cluster)",
+    )
     parser.add_argument("--run-dir", required=True, help="directory for metrics.jsonl and checkpoints")
     parser.add_argument(
         "--model-path", default=None, help="initial checkpoint (default: the spec's model.path)"
@@ -222,7 +230,11 @@ def main(argv: list[str]) -> int:
         print(f"mixrl trainer: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(message)s")
-    run = ResolvedRun.model_validate_json(Path(args.config).read_text())
+    try:
+        run = load_resolved(args.config)
+    except RunConfigError as exc:
+        print(f"mixrl trainer: {exc}", file=sys.stderr)
+        return 2
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     telemetry = TrainerTelemetry(run, port=args.metrics_port) if args.metrics_port else None
