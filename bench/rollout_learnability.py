@@ -28,9 +28,9 @@ import torch
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import Trajectory
+from mixrl.local.demos import WarmStartRecipe, warm_start_recipe
 from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.agent import run_episode, summarize_evaluation
-from mixrl.rl.rollout.demos import WarmStartRecipe, warm_start_recipe
 from mixrl.rl.rollout.local_sampler import LocalSampler
 from mixrl.rl.rollout.tasks import Task, generate_tasks
 from mixrl.rl.rollout.tokenizer import Tokenizer

@@ -23,8 +23,8 @@ import torch
 from transformers.utils import logging as hf_logging
 
 from mixrl.api.resolve import ResolvedRun, SamplingParams
+from mixrl.local.demos import WarmStartRecipe, warm_start_recipe
 from mixrl.rl.models import create_tiny_checkpoint, load_model
-from mixrl.rl.rollout.demos import WarmStartRecipe, warm_start_recipe
 from mixrl.rl.rollout.tokenizer import Tokenizer
 from mixrl.rl.weights import WeightStore
 

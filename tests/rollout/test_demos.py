@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixrl.rl.models import create_tiny_checkpoint, load_model
-from mixrl.rl.rollout.demos import (
+from mixrl.local.demos import (
     asked_file,
     careless_choice,
     demonstration_tokens,
@@ -18,6 +17,7 @@ from mixrl.rl.rollout.demos import (
     masked_next_token_loss,
     warm_start,
 )
+from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.env import FileTreeEnv, check
 from mixrl.rl.rollout.tasks import Difficulty, generate_tasks
 

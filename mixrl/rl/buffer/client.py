@@ -153,13 +153,6 @@ class BufferClient(SessionClient):
         )
         return None if status == 204 else Batch.from_json(payload)
 
-    async def wait_batch(self, step: int, poll_s: float = 30.0) -> Batch:
-        """Long-poll until the batch of ``step`` exists."""
-        while True:
-            batch = await self.get_batch(step, poll_s)
-            if batch is not None:
-                return batch
-
     async def commit(self, step: int) -> None:
         """Mark the step just served consumed (again for one already committed: a no-op)."""
         await self._request("POST", "/commit", params={"step": str(step)}, idempotent=True)

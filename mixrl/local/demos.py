@@ -7,6 +7,8 @@ assistant tokens only.  The demonstrator is partly careless (:func:`careless_cho
 early stop, is what sets the starting success rate (:class:`WarmStartRecipe`).  Success is
 measured with the real agent loop on an in-process sampler (:func:`measure_success`) on probe
 tasks from the training split, so the held-out split is never used to choose the starting point.
+
+Only ``mixrl run`` warm-starts (:mod:`mixrl.local.prepare`); the operator's pods start from ``model.path``.
 """
 
 from __future__ import annotations

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from mixrl.api.resolve import SamplingParams
+from mixrl.local.demos import WarmStartRecipe, measure_success, warm_start_recipe
 from mixrl.rl.models import create_tiny_checkpoint, load_model
-from mixrl.rl.rollout.demos import WarmStartRecipe, measure_success, warm_start_recipe
 from mixrl.rl.rollout.tasks import generate_tasks
+from mixrl.rl.rollout.tokenizer import Tokenizer
 
-from .conftest import TOKENIZER
+TOKENIZER = Tokenizer.filetree()
 
 # sampled as the quickstart samples
 QUICKSTART = SamplingParams(
