@@ -1,9 +1,12 @@
-"""The token record and the trajectory: one definition every component uses (DESIGN.md §4.2).
+"""The token record and the trajectory: one definition every component uses.
 
-The engine returns a :class:`TokenRecord` per generated token; the rollout appends them, plus
-loss-masked tool/environment tokens, to a :class:`Trajectory`; the buffer stores trajectories as
-JSON lines; the trainer turns a batch of them into tensors.  The trainer never re-tokenizes text:
-``prompt_ids`` + ``tokens`` is exactly the sequence the engines saw.
+The sampler (:func:`mixrl.rl.engine.sampling.sample_rows`, in the engine and in-process) makes a
+:class:`TokenRecord` per generated token; the wire module (:mod:`mixrl.rl.engine.protocol`) carries
+it through ``/generate`` and reads it back; the rollout appends it, plus loss-masked tool/environment
+tokens, to a :class:`Trajectory`; the buffer stores trajectories as JSON lines; the trainer turns a
+batch of them into tensors (:func:`mixrl.rl.trainer.batch.collate`).  The trainer never re-tokenizes
+text: ``prompt_ids`` + ``tokens`` is exactly the sequence the engines saw.  The fields and their
+meaning: docs/architecture.md, "The token record".
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ class TokenRecord(BaseModel):
     support_size: int = Field(
         default=0,
         ge=0,
-        description="How many leading candidates formed the sampling support S (top-p ∩ top-k); "
-        "0 = sampled from the whole vocabulary.",
+        description="How many leading candidates formed the sampling support S (top-p ∩ top-k ∩ "
+        "min-p; greedy decoding: 1); 0 = sampled from the whole vocabulary.",
     )
     weight_version: int = Field(ge=0, description="Weight version of the sampler that produced the token.")
 

@@ -1,4 +1,4 @@
-"""The corrected policy objective (DESIGN.md §4.3): GRPO advantages, MIS/TIS weights, score
+"""The corrected policy objective (docs/corrections.md): GRPO advantages, MIS/TIS weights, score
 centering, top-p mask replay and the sampler–trainer mismatch metrics.  Pure torch, no I/O.
 
 For a framework author::

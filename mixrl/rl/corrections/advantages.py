@@ -1,4 +1,4 @@
-"""GRPO group advantages (DESIGN.md §4.3, last bullet)."""
+"""GRPO group advantages (docs/corrections.md, "GRPO advantage")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Which corrections the objective applies (DESIGN.md §4.3)."""
+"""Which corrections the objective applies (docs/corrections.md)."""
 
 from __future__ import annotations
 

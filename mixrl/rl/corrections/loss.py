@@ -221,7 +221,7 @@ def token_policy_loss(
     vocab_group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
 ) -> tuple[Tensor, PolicyLossMetrics]:
-    """The corrected policy loss of DESIGN.md §4.3 on the trainer's logits.
+    """The corrected policy loss of docs/corrections.md on the trainer's logits.
 
     Args:
         logits: [N, V] trainer logits at the N generated positions, already divided by the sampling

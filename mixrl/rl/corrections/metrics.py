@@ -1,4 +1,4 @@
-"""Per-token mismatch diagnostics returned with the loss (DESIGN.md §4.3, last paragraph)."""
+"""Per-token mismatch diagnostics returned with the loss (docs/corrections.md, "Diagnostics")."""
 
 from __future__ import annotations
 

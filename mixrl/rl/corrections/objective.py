@@ -1,4 +1,4 @@
-"""The corrected objective of DESIGN.md §4.3, one block of positions at a time.
+"""The corrected objective of docs/corrections.md, one block of positions at a time.
 
 A position's computation has three parts:
 
@@ -135,7 +135,7 @@ def _outside_factor(out_mass_p: Tensor, out_mass_q: Tensor, config: CorrectionCo
 def corrected_terms(
     sums: VocabSums, rows: TokenRows, config: CorrectionConfig, denominator: float
 ) -> CorrectedTerms:
-    """DESIGN.md §4.3 for each position, from the vocabulary sums and the sampler's record."""
+    """The objective of docs/corrections.md for each position, from the vocabulary sums and the sampler's record."""
     valid, in_s = rows.valid, rows.in_support
     has_s = rows.support_size > 0
     zero = torch.zeros((), dtype=sums.shift.dtype, device=sums.shift.device)

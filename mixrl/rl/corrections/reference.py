@@ -1,4 +1,4 @@
-"""A plain, dense implementation of DESIGN.md §4.3, for checking the fast path and as the naive
+"""A plain, dense implementation of docs/corrections.md, for checking the fast path and as the naive
 baseline of ``bench/corrections.py``.
 
 It materializes every distribution as a full [N, V] tensor and lets autograd differentiate the
