@@ -23,7 +23,7 @@ from mixrl.operator.autoscaling.promql import (
     sustained_query,
 )
 from mixrl.operator.controller.handlers import register_autoscaling
-from mixrl.operator.controller.kube import Connection, KubeClient
+from mixrl.operator.kube.client import Connection, KubeClient
 
 from .conftest import EngineMetrics, engine_job, free_port, needs_prometheus
 

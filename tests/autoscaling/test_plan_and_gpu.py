@@ -10,9 +10,9 @@ import pytest
 
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
+from mixrl.operator.autoscaling.gpu_check import wrong_gpu_value
 from mixrl.operator.autoscaling.loop import PoolMemory, load_of, plan_pool
 from mixrl.operator.autoscaling.pool_api import MetricsUnavailable, Observation
-from mixrl.operator.controller.gpu_check import wrong_gpu_value
 from mixrl.rl.gpu_identity import gpu_identity, product_label
 
 RUN = resolve(load_rlrun("examples/rlrun-mixed.yaml"))  # targetPerReplica 16; h100-fp8 capacity 1.5

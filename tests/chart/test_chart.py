@@ -25,8 +25,8 @@ from mixrl.operator.build.monitoring import collapse_rule_groups, dashboard
 from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
 from mixrl.operator.build.pools import pool_children
 from mixrl.operator.build.resources import run_objects
-from mixrl.operator.controller.rbac import operator_rules, permissions
 from mixrl.operator.install import chart as chart_module
+from mixrl.operator.kube.rbac import operator_rules, permissions
 from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority
 
 from ..operator.support import small_run

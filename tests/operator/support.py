@@ -11,9 +11,9 @@ from typing import Any
 import kmock
 import kopf
 
-from mixrl.operator.controller import rbac
 from mixrl.operator.controller.handlers import build_registry
 from mixrl.operator.controller.runtime import OperatorConfig, Runtime
+from mixrl.operator.kube import rbac
 
 from .emulator import ApiServer
 

@@ -21,6 +21,7 @@ from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE, GPU_TYPES
 from mixrl.api.loader import load_rlrun, parse_document
 from mixrl.api.models import RESERVED_POOL_NAMES, RLRun, SamplerPool
 from mixrl.api.resolve import ENGINE_PORT, SGLANG_IMAGE, SGLANG_QUANTIZATION, ResolvedRun, resolve
+from mixrl.operator.autoscaling.gpu_check import wrong_gpu_value
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.keda import pool_scaled_object
 from mixrl.operator.build.objects import (
@@ -36,7 +37,6 @@ from mixrl.operator.build.objects import (
 from mixrl.operator.build.podspec import with_shared
 from mixrl.operator.build.pools import clamp_replicas, pool_children, pool_objects, seed_replicas
 from mixrl.operator.build.resources import run_objects
-from mixrl.operator.controller.gpu_check import wrong_gpu_value
 from mixrl.rl.buffer import cli as buffer_cli
 from mixrl.rl.engine import drain as drain_module
 from mixrl.rl.engine import server as engine_server

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixrl.operator.controller import rbac
 from mixrl.operator.install import chart as chart_module
+from mixrl.operator.kube import rbac
 
 from .emulator import ApiServer
 from .support import (

@@ -11,9 +11,9 @@ import kmock
 import kopf
 import pytest
 
-from mixrl.operator.controller import rbac
-from mixrl.operator.controller.kube import ApiError, Connection, KubeClient, UndeclaredApiCall
 from mixrl.operator.controller.runtime import OperatorConfig, backoff
+from mixrl.operator.kube import rbac
+from mixrl.operator.kube.client import ApiError, Connection, KubeClient, UndeclaredApiCall
 from mixrl.operator.main import parse_args
 
 from .emulator import ApiServer

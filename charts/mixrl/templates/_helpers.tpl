@@ -72,7 +72,7 @@ rendering). */}}
 {{- join "," .Values.watch.namespaces -}}
 {{- end -}}
 
-{{/* The operator's RBAC rules (generated from mixrl/operator/controller/rbac.py into files/rbac/): what every
+{{/* The operator's RBAC rules (generated from mixrl/operator/kube/rbac.py into files/rbac/): what every
 operator needs, plus the rules of each feature the values turn on. Called with
 (dict "root" $ "scope" "clusterwide"|"namespaced"). */}}
 {{- define "mixrl.rules" -}}

@@ -34,6 +34,7 @@ import aiohttp
 
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
+from mixrl.operator.autoscaling.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
 from mixrl.operator.autoscaling.policy import (
     BudgetRequest,
     Decision,
@@ -52,15 +53,16 @@ from mixrl.operator.autoscaling.pool_api import (
     rfc3339,
 )
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, gpu_models_query, load_query
-from mixrl.operator.controller.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
-from mixrl.operator.controller.kube import ApiError, KubeClient
-from mixrl.operator.controller.rbac import SAMPLERPOOLS
-from mixrl.operator.controller.status import METRICS_AVAILABLE, make_condition
+from mixrl.operator.kube.client import ApiError, KubeClient
+from mixrl.operator.kube.conditions import make_condition
+from mixrl.operator.kube.rbac import SAMPLERPOOLS
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
 log = logging.getLogger("mixrl.operator.autoscaling")
 
+METRICS_AVAILABLE = "MetricsAvailable"
+"""A SamplerPool condition this loop owns (Prometheus answered, or why not)."""
 UPDATING_WEIGHTS = "UpdatingWeights"
 """A SamplerPool condition whoever syncs weights sets True while engines load a new version."""
 SCALED_REASON = "Scaled"

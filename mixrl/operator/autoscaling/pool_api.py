@@ -17,8 +17,8 @@ import aiohttp
 
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
-from mixrl.operator.controller.kube import KubeClient
-from mixrl.operator.controller.rbac import EVENTS, SAMPLERPOOLS
+from mixrl.operator.kube.client import KubeClient
+from mixrl.operator.kube.rbac import EVENTS, SAMPLERPOOLS
 
 Obj = dict[str, Any]
 
@@ -125,13 +125,13 @@ def rfc3339(now: float) -> str:
 class PoolApi:
     """The three calls the loop makes, through the operator's API client.
 
-    The client (:class:`mixrl.operator.controller.kube.KubeClient`) checks every call against the RBAC
-    registry (:data:`mixrl.operator.controller.rbac.RECONCILER`) before sending it, so the chart's rules are
+    The client (:class:`mixrl.operator.kube.client.KubeClient`) checks every call against the RBAC
+    registry (:data:`mixrl.operator.kube.rbac.RECONCILER`) before sending it, so the chart's rules are
     generated from these calls too.  ``scale_via="subresource"`` (the default, what a cluster needs)
     patches ``…/samplerpools/NAME/scale`` with ``{"spec": {"replicas": N}}``; the API server maps it
     onto the CRD's ``specReplicasPath`` (``.spec.replicas``).  ``"object"`` merge-patches the
     SamplerPool itself — for an API that has no scale semantics.  Failures are
-    :class:`mixrl.operator.controller.kube.ApiError`.
+    :class:`mixrl.operator.kube.client.ApiError`.
     """
 
     def __init__(self, client: KubeClient, scale_via: Literal["subresource", "object"] = "subresource"):

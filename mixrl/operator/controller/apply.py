@@ -28,8 +28,8 @@ from fractions import Fraction
 from typing import Any
 
 from mixrl.operator.build.objects import HASH_ANNOTATION
-from mixrl.operator.controller.kube import ApiError, KubeClient
-from mixrl.operator.controller.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
+from mixrl.operator.kube.client import ApiError, KubeClient
+from mixrl.operator.kube.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
 
 Obj = dict[str, Any]
 

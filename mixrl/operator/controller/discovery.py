@@ -11,8 +11,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from mixrl.operator.build.objects import BuildOptions, Images, Monitoring
-from mixrl.operator.controller.kube import KubeClient
-from mixrl.operator.controller.rbac import PODMONITORS, SCALEDOBJECTS, ApiResource
+from mixrl.operator.kube.client import KubeClient
+from mixrl.operator.kube.rbac import PODMONITORS, SCALEDOBJECTS, ApiResource
 
 
 @dataclass

@@ -42,17 +42,17 @@ from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.loop import AutoscalingLoop
 from mixrl.operator.build import labels as L
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
-from mixrl.operator.controller.kube import ApiError, Connection
-from mixrl.operator.controller.rbac import (
+from mixrl.operator.controller.reconcile import Outcome
+from mixrl.operator.controller.runtime import OperatorConfig, Runtime, backoff
+from mixrl.operator.controller.status import Reason
+from mixrl.operator.kube.client import ApiError, Connection
+from mixrl.operator.kube.rbac import (
     CHILD_RESOURCES,
     PODMONITORS,
     SAMPLERPOOLS,
     SCALEDOBJECTS,
     ApiResource,
 )
-from mixrl.operator.controller.reconcile import Outcome
-from mixrl.operator.controller.runtime import OperatorConfig, Runtime, backoff
-from mixrl.operator.controller.status import Reason
 
 Obj = dict[str, Any]
 

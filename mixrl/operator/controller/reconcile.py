@@ -23,6 +23,7 @@ from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
+from mixrl.operator.autoscaling.loop import METRICS_AVAILABLE
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.keda import pool_scaled_object
 from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
@@ -38,10 +39,7 @@ from mixrl.operator.controller.apply import (
     label,
 )
 from mixrl.operator.controller.discovery import Discovery
-from mixrl.operator.controller.kube import ApiError, KubeClient
-from mixrl.operator.controller.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
 from mixrl.operator.controller.status import (
-    METRICS_AVAILABLE,
     PoolState,
     Reason,
     WorkloadState,
@@ -52,6 +50,8 @@ from mixrl.operator.controller.status import (
     run_status,
 )
 from mixrl.operator.install.policy import OPEN, Policy, violation
+from mixrl.operator.kube.client import ApiError, KubeClient
+from mixrl.operator.kube.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
 
 Obj = dict[str, Any]
 Event = tuple[str, str, str]

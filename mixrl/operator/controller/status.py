@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mixrl.operator.kube.conditions import make_condition, merge_conditions
+
 Obj = dict[str, Any]
 
 READY = "Ready"
@@ -21,8 +23,6 @@ INVALID_SPEC = "InvalidSpec"
 POLICY_VIOLATION = "PolicyViolation"
 """True while the cluster's policy refuses what the run asks for (mixrl.operator.install.policy); there only
 then, so runs the policy allows carry no condition about a policy they never met."""
-METRICS_AVAILABLE = "MetricsAvailable"
-"""A SamplerPool condition the built-in autoscaler owns (Prometheus answered, or why not)."""
 AUTOSCALER_READY = "AutoscalerReady"
 """Whether whoever the spec names to scale the pools can do it (the built-in loop, KEDA, nobody)."""
 COMPONENT_CONDITIONS = ("TrainerReady", "BufferReady", "RouterReady", "RolloutReady", "SamplersReady")
@@ -182,28 +182,6 @@ def autoscaler_value(
         Reason.AUTOSCALING_DISABLED,
         "autoscaling.engine is none: replicas change only by kubectl scale",
     )
-
-
-def make_condition(
-    kind: str, value: tuple[str, str, str], generation: int | None, now: str, previous: list[Obj]
-) -> Obj:
-    status, reason, message = value
-    before = next((c for c in previous if c.get("type") == kind), None)
-    flipped = before is None or before.get("status") != status
-    return {
-        "type": kind,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": now if flipped else before.get("lastTransitionTime", now),
-        "observedGeneration": generation,
-    }
-
-
-def merge_conditions(previous: list[Obj], ours: list[Obj]) -> list[Obj]:
-    """Ours in a fixed order, then everyone else's as they were."""
-    own = {c["type"] for c in ours}
-    return [*ours, *(c for c in previous if c.get("type") not in own)]
 
 
 def pool_summaries(previous: list[Obj], pools: list[PoolState]) -> list[Obj]:

@@ -5,7 +5,7 @@
 
 Generated: the mixrl CRD templates (from mixrl.api.crd, behind ``crds.install``), kopf's peering
 CRDs (chart ``crds/``: installed before the templates, which create a peering object), the RBAC
-rules (from mixrl.operator.controller.rbac, the calls the operator makes: the rules every operator needs, and
+rules (from mixrl.operator.kube.rbac, the calls the operator makes: the rules every operator needs, and
 one file per feature the chart grants only when its values enable that feature), and the collapse
 alerts and Grafana dashboard (from mixrl.operator.build.monitoring, with the metric names of
 mixrl.rl.metrics), and the CEL of the RLRun admission policy (from mixrl.operator.install.policy, the checks the
@@ -25,7 +25,8 @@ import yaml
 from mixrl.api.crd import rlrun_crd, samplerpool_crd
 from mixrl.api.models import GROUP
 from mixrl.operator.build.monitoring import collapse_rule_groups, dashboard
-from mixrl.operator.controller.rbac import (
+from mixrl.operator.install.policy import admission_rules
+from mixrl.operator.kube.rbac import (
     CLUSTER_KOPF_PEERINGS,
     FRAMEWORK,
     KOPF_PEERINGS,
@@ -37,7 +38,6 @@ from mixrl.operator.controller.rbac import (
     permissions,
     policy_rules,
 )
-from mixrl.operator.install.policy import admission_rules
 
 Rule = dict[str, Any]
 Feature = dict[Key, frozenset[str] | None]

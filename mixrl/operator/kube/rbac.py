@@ -1,6 +1,6 @@
 """Every Kubernetes API call the operator makes, as (API group, resource, verb): the source of RBAC.
 
-The client in :mod:`mixrl.operator.controller.kube` refuses a call that is not declared here, so this registry
+The client in :mod:`mixrl.operator.kube.client` refuses a call that is not declared here, so this registry
 cannot fall behind the code; the Helm chart's rules are generated from :func:`operator_rules`
 (``python -m mixrl.operator.install.chart``), and the tests check both that the generated files are in sync
 and that every request the running operator sends to the emulator is covered.
@@ -90,7 +90,7 @@ POD_MONITOR_WRITES = frozenset({"get", "create", "patch"})
 POD_MONITOR_CLEANUP = frozenset({"get", "delete"})
 
 # Calls made by mixrl's own code (the reconcilers and the built-in autoscaler), through
-# mixrl.operator.controller.kube.
+# mixrl.operator.kube.client.
 RECONCILER: dict[Key, frozenset[str]] = {
     # Children, written by server-side apply (create and patch) after a get that compares them.
     ("", "configmaps"): frozenset({"get", "create", "patch"}),

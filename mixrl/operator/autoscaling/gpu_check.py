@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mixrl.api.memory import SHARED_SUFFIX
-from mixrl.operator.controller.status import make_condition
+from mixrl.operator.kube.conditions import make_condition
 from mixrl.rl.gpu_identity import product_label
 
 WRONG_GPU_TYPE = "WrongGpuType"

@@ -2,7 +2,7 @@
 
 It speaks the few calls the operator needs — get, list, create, server-side apply, merge patch,
 delete (with a propagation policy), discovery — and nothing else.  Every call names its RBAC verb and is checked against
-:data:`mixrl.operator.controller.rbac.RECONCILER` (or the peering read) before it is sent, so an undeclared
+:data:`mixrl.operator.kube.rbac.RECONCILER` (or the peering read) before it is sent, so an undeclared
 call fails in the tests instead of with a 403 in a cluster.  Credentials come from the same login kopf performs (a kopf
 ``ConnectionInfo``), read again on each request so a refreshed token is used at once.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 
 from mixrl import __version__
-from mixrl.operator.controller.rbac import PEERING_READS, RECONCILER, ApiResource, is_allowed
+from mixrl.operator.kube.rbac import PEERING_READS, RECONCILER, ApiResource, is_allowed
 
 FIELD_MANAGER = "mixrl-operator"
 USER_AGENT = f"mixrl-operator/{__version__}"
