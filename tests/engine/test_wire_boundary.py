@@ -22,6 +22,7 @@ WIRE_NAMES = frozenset(
         "top_logprobs_num",
         "return_sampling_mask",
         "meta_info",
+        "completion_tokens",
         "output_token_logprobs",
         "output_top_logprobs",
         "output_token_sampling_mask",
@@ -38,12 +39,18 @@ WIRE_NAMES = frozenset(
 
 
 def wire_strings(source: str) -> list[tuple[int, str]]:
-    """(line, name) of every string constant in ``source`` that is exactly a wire-format name."""
-    return [
-        (node.lineno, node.value)
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in WIRE_NAMES
-    ]
+    """(line, name) of every wire-format name ``source`` spells: a string constant that is exactly
+    one, or a bytes constant (a pattern over raw bodies) that contains one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Constant):
+            continue
+        if isinstance(node.value, str) and node.value in WIRE_NAMES:
+            found.append((node.lineno, node.value))
+        elif isinstance(node.value, bytes):
+            text = node.value.decode("utf-8", "replace")
+            found += [(node.lineno, name) for name in sorted(WIRE_NAMES) if f'"{name}"' in text]
+    return found
 
 
 def test_only_the_protocol_module_spells_the_wire_format() -> None:
@@ -64,3 +71,4 @@ def test_the_check_sees_a_hand_built_body() -> None:
         (1, "top_logprobs_num"),
     ]
     assert wire_strings('"""Docs may name meta_info and top_logprobs_num in prose."""') == []
+    assert wire_strings("""pattern = rb'"completion_tokens"\\s*:'""") == [(1, "completion_tokens")]

@@ -33,6 +33,7 @@ record requires; a support member whose log-prob the response does not carry is 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -521,6 +522,19 @@ def pool_from_headers(headers: Mapping[str, str], default: PoolInfo) -> PoolInfo
     if not pool:
         return default
     return PoolInfo(pool, headers.get(GPU_TYPE_HEADER, ""), headers.get(PRECISION_HEADER, ""))
+
+
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+
+def completion_token_counts(raw: bytes) -> list[int]:
+    """Every ``meta_info.completion_tokens`` in a raw response body (or a streamed chunk), in order.
+
+    Read without parsing: a body that carries top-K log-probs per token runs to megabytes (the
+    router counts tokens of every answer it passes on).  JSON escapes quotes inside strings, so
+    text the model generated cannot match.
+    """
+    return [int(count) for count in _COMPLETION_TOKENS.findall(raw)]
 
 
 def parse_response(

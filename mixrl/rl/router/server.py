@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +43,7 @@ from mixrl.rl.engine.protocol import (
     PRECISION_HEADER,
     REPLICA_HEADER,
     SESSION_HEADER,
+    completion_token_counts,
 )
 from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
 from mixrl.rl.router.config import RouterConfig, check_replica_url
@@ -54,10 +54,6 @@ log = logging.getLogger("mixrl.router")
 
 CLIENT_CLOSED = 499
 """Status recorded when the client went away before the replica answered (nginx's convention)."""
-
-# Counting tokens from the raw body avoids parsing responses that carry top-K logprobs per token
-# (megabytes).  JSON escapes quotes inside strings, so this cannot match text the model generated.
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """host, port -> IP addresses currently behind that name (empty when the name does not exist)."""
@@ -83,11 +79,6 @@ def replica_url(address: str, port: int) -> str:
 
 OPEN_ROUTES = frozenset({("POST", "/generate"), ("GET", "/pools"), ("GET", "/health"), ("GET", "/metrics")})
 """Routes that answer without the run's token; everything else changes state and needs it."""
-
-
-def count_completion_tokens(body: bytes) -> int:
-    """Completion tokens in a /generate answer (one count per item of a batched request)."""
-    return sum(int(match) for match in _COMPLETION_TOKENS.findall(body))
 
 
 @dataclass(frozen=True)
@@ -308,7 +299,7 @@ class Router:
                 payload = await upstream.read()
                 status = upstream.status
             if status == 200:
-                tokens = count_completion_tokens(payload)
+                tokens = sum(completion_token_counts(payload))  # one count per item of a batch
             return web.Response(body=payload, status=status, headers=headers)
         except TimeoutError:  # first: aiohttp's socket timeouts are also ClientConnectionErrors
             status = 504
@@ -339,9 +330,9 @@ class Router:
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
             tail = (tail + chunk)[-4096:]
-            counts = _COMPLETION_TOKENS.findall(tail)
+            counts = completion_token_counts(tail)
             if counts:
-                tokens = int(counts[-1])
+                tokens = counts[-1]
         await response.write_eof()
         return response, tokens
 
