@@ -23,7 +23,7 @@ APP = "mixrl"
 MANAGER = "mixrl-operator"
 
 Component = Literal["trainer", "sampler", "router", "rollout", "buffer", "run"]
-"""``run`` marks the objects shared by the whole run (ConfigMap, weights volume, PodMonitor)."""
+"""``run`` marks the objects shared by the whole run (ConfigMap, token Secret, weights volume, PodMonitor)."""
 
 # Children are named <run>-<suffix> for components and <run>-<pool> for pools, so a pool may not be
 # named like a component suffix (it would collide with the component's objects): the API rejects

@@ -95,7 +95,8 @@ def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None
 
 
 class Runtime:
-    """Per-operator state: the API client, the connection kopf logged in with, per-object locks."""
+    """Per-operator state: the API client and the connection kopf logged in with, API discovery,
+    per-object locks, the queue of debounced reconciles; ``post_event`` is kopf's event sink."""
 
     def __init__(self, config: OperatorConfig, post_event: EventSink):
         self.config = config
