@@ -1,7 +1,10 @@
 """Run an aiohttp app as a component process: listen, announce the port, stop on SIGTERM or SIGINT.
 
 The engine, the router and the buffer all serve this way; the local runner and the tests start them
-with ``--port 0 --port-file F`` and read the port the OS chose from F.
+with ``--port 0 --port-file F`` and read the port the OS chose from F.  The router and the buffer
+share the rest of their skeleton too: an app behind the run's token with ``GET /metrics`` from a
+Prometheus registry (:func:`component_app`), the same ``/metrics`` alone for the pod's metrics port
+(:func:`metrics_app`), and :func:`serve_component`, which serves both as the listening flags say.
 """
 
 from __future__ import annotations
@@ -10,10 +13,13 @@ import argparse
 import asyncio
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from mixrl.rl.auth import AuthToken, auth_middlewares
 
 AIOHTTP_SHUTDOWN_TIMEOUT = 60.0  # aiohttp's own default wait for in-flight requests on cleanup
 
@@ -96,3 +102,66 @@ async def serve_app(
             on_stop()
         for each in runners:
             await each.cleanup()
+
+
+def metrics_handler(
+    registry: CollectorRegistry, in_thread: bool = False
+) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """``GET /metrics`` of ``registry``; ``in_thread`` collects off the event loop (a collector that
+    reads files or takes locks)."""
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(generate_latest, registry) if in_thread else generate_latest(registry)
+        response = web.Response(body=body)
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    return handle
+
+
+def component_app(
+    metrics: Callable[[web.Request], Awaitable[web.Response]],
+    auth_token: AuthToken | None,
+    open_routes: Collection[tuple[str, str]],
+    log: logging.Logger,
+    client_max_size: int,
+) -> web.Application:
+    """A component's app: the run's token on every route but ``open_routes``, and ``GET /metrics``."""
+    app = web.Application(
+        client_max_size=client_max_size, middlewares=auth_middlewares(auth_token, open_routes, log)
+    )
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def metrics_app(metrics: Callable[[web.Request], Awaitable[web.Response]]) -> web.Application:
+    """Only ``GET /metrics``, for a separate metrics port."""
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def serve_component(
+    app: web.Application,
+    metrics: Callable[[web.Request], Awaitable[web.Response]],
+    args: argparse.Namespace,
+    *,
+    log: logging.Logger,
+    on_listening: Callable[[int], None],
+    shutdown_timeout: float = AIOHTTP_SHUTDOWN_TIMEOUT,
+) -> None:
+    """Serve ``app`` as :func:`add_listen_arguments`' flags in ``args`` say (and ``/metrics`` alone on
+    ``--metrics-port``) until SIGTERM or SIGINT."""
+    asyncio.run(
+        serve_app(
+            app,
+            args.host,
+            args.port,
+            log=log,
+            port_file=args.port_file,
+            metrics_app=metrics_app(metrics) if args.metrics_port is not None else None,
+            metrics_port=args.metrics_port,
+            on_listening=on_listening,
+            shutdown_timeout=shutdown_timeout,
+        )
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -14,7 +13,7 @@ from mixrl.api.resolve import BUFFER_PORT, ResolvedRun
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args, warn_if_open
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import BufferLogError, TrajectoryBuffer
-from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_app
+from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_component
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -68,39 +67,24 @@ def main(argv: list[str]) -> int:
     except (BufferLogError, OSError) as exc:
         print(f"mixrl buffer: --dir: {exc}", file=sys.stderr)
         return 2
-    try:
-        server = BufferServer(buffer, run.name, auth_token)
-        asyncio.run(serve(server, args.host, args.port, args.port_file, args.metrics_port))
-    finally:
-        buffer.close()
-    return 0
-
-
-async def serve(
-    server: BufferServer, host: str, port: int, port_file: Path | None, metrics_port: int | None = None
-) -> None:
-    """Serve until SIGTERM or SIGINT; every acknowledged write is already on disk."""
+    server = BufferServer(buffer, run.name, auth_token)
 
     def announce(bound: int) -> None:
-        state = server.buffer.state
+        state = buffer.state
         log.info(
             "listening on http://%s:%d; %d prompts × %d samples per update, max staleness %s",
-            host,
+            args.host,
             bound,
             state.prompts_per_update,
             state.samples_per_prompt,
             state.max_staleness,
         )
-        warn_if_open(server.auth_token, log, "post trajectories, take batches and commit steps")
+        warn_if_open(auth_token, log, "post trajectories, take batches and commit steps")
 
-    await serve_app(
-        server.app(),
-        host,
-        port,
-        log=log,
-        port_file=port_file,
-        metrics_app=server.metrics_app() if metrics_port is not None else None,
-        metrics_port=metrics_port,
-        on_listening=announce,
-        shutdown_timeout=5.0,
-    )
+    try:  # until SIGTERM or SIGINT; every acknowledged write is already on disk
+        serve_component(
+            server.app(), server.metrics, args, log=log, on_listening=announce, shutdown_timeout=5.0
+        )
+    finally:
+        buffer.close()
+    return 0

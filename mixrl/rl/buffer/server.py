@@ -29,16 +29,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl import metrics
-from mixrl.rl.auth import AuthToken, auth_middlewares
+from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.grouping import StepError
 from mixrl.rl.buffer.store import Evaluation, TrajectoryBuffer
+from mixrl.rl.serving import component_app, metrics_handler
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -199,13 +200,13 @@ class BufferServer:
         self.auth_token = auth_token
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(BufferCollector(buffer, run))
+        # Collected off the event loop: the collector reads the buffer's state under its lock.
+        self.metrics = metrics_handler(self.registry, in_thread=True)
         self._arrivals = asyncio.Condition()
         self._closing = False
 
     def app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=1 << 31, middlewares=auth_middlewares(self.auth_token, OPEN_ROUTES, log)
-        )
+        app = component_app(self.metrics, self.auth_token, OPEN_ROUTES, log, client_max_size=1 << 31)
         app.router.add_post("/trajectories", self._post_trajectories)
         app.router.add_post("/batch", self._take_batch)
         app.router.add_get("/batch", self._read_batch)
@@ -214,14 +215,7 @@ class BufferServer:
         app.router.add_get("/evaluations", self._get_evaluations)
         app.router.add_get("/stats", self._stats)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
         app.on_shutdown.append(self._on_shutdown)
-        return app
-
-    def metrics_app(self) -> web.Application:
-        """Only ``GET /metrics``, for a separate metrics port."""
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
         return app
 
     async def _on_shutdown(self, app: web.Application) -> None:
@@ -300,9 +294,3 @@ class BufferServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(generate_latest, self.registry)
-        response = web.Response(body=body)
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response

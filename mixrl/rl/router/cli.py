@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from mixrl.api.resolve import ENGINE_PORT, ROUTER_PORT
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args, warn_if_open
 from mixrl.rl.router.config import RouterConfigError, from_resolved_run, load_replicas_file
 from mixrl.rl.router.server import Router, RouterSettings
-from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_app
+from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_component
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,28 +98,13 @@ def main(argv: list[str]) -> int:
         auth_token=auth_token,
     )
     router = Router(config, settings)
-    asyncio.run(serve(router, args.host, args.port, args.port_file, args.metrics_port))
-    return 0
-
-
-async def serve(
-    router: Router, host: str, port: int, port_file: Path | None, metrics_port: int | None = None
-) -> None:
-    """Serve until SIGTERM or SIGINT, then stop cleanly (in-flight requests get their answers)."""
     log = logging.getLogger("mixrl.router")
 
     def announce(bound: int) -> None:
         pools = ", ".join(f"{p.name} ({len(p.replicas)} replicas)" for p in router.state.pools.values())
-        log.info("listening on http://%s:%d; pools: %s", host, bound, pools)
-        warn_if_open(router.settings.auth_token, log, "reload every engine's weights and change pools")
+        log.info("listening on http://%s:%d; pools: %s", args.host, bound, pools)
+        warn_if_open(auth_token, log, "reload every engine's weights and change pools")
 
-    await serve_app(
-        router.app(),
-        host,
-        port,
-        log=log,
-        port_file=port_file,
-        metrics_app=router.metrics_app() if metrics_port is not None else None,
-        metrics_port=metrics_port,
-        on_listening=announce,
-    )
+    # Until SIGTERM or SIGINT, then a clean stop: in-flight requests get their answers.
+    serve_component(router.app(), router.metrics, args, log=log, on_listening=announce)
+    return 0

@@ -32,11 +32,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixrl.api.resolve import ENGINE_PORT
-from mixrl.rl.auth import AuthToken, auth_middlewares, bearer_headers
+from mixrl.rl.auth import AuthToken, bearer_headers
 from mixrl.rl.engine.protocol import (
     GPU_TYPE_HEADER,
     POOL_HEADER,
@@ -49,6 +48,7 @@ from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
 from mixrl.rl.router.config import RouterConfig, check_replica_url
 from mixrl.rl.router.exporter import make_registry
 from mixrl.rl.router.state import NoReadyReplica, Route, RouterState
+from mixrl.rl.serving import component_app, metrics_handler
 
 log = logging.getLogger("mixrl.router")
 
@@ -125,6 +125,7 @@ class Router:
         self.resolver = resolver or getaddrinfo_resolver
         self.clock = clock
         self.registry, self.latency = make_registry(self.state, self.run)
+        self.metrics = metrics_handler(self.registry)
         self._http: aiohttp.ClientSession | None = None
         self._slot_freed = asyncio.Condition()
         # Router-side throughput samples for measured pools whose engines export no gen_throughput.
@@ -133,24 +134,14 @@ class Router:
     # ------------------------------------------------------------------ application
 
     def app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=1 << 30,
-            middlewares=auth_middlewares(self.settings.auth_token, OPEN_ROUTES, log),
-        )
+        app = component_app(self.metrics, self.settings.auth_token, OPEN_ROUTES, log, client_max_size=1 << 30)
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/sessions/{session}/end", self._end_session)
         app.router.add_put("/pools/{pool}", self._put_pool)
         app.router.add_get("/pools", self._get_pools)
         app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/update_weights_from_disk", self._update_weights)
         app.cleanup_ctx.append(self._lifecycle)
-        return app
-
-    def metrics_app(self) -> web.Application:
-        """Only ``GET /metrics``, for a separate metrics port."""
-        app = web.Application()
-        app.router.add_get("/metrics", self._metrics)
         return app
 
     async def _lifecycle(self, app: web.Application) -> AsyncIterator[None]:
@@ -420,11 +411,6 @@ class Router:
     async def _health(self, request: web.Request) -> web.Response:
         ready = sum(len(pool.ready_replicas()) for pool in self.state.pools.values())
         return web.json_response({"status": "ok", "ready_replicas": ready})
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(self.registry))
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
 
     # ------------------------------------------------------------------ fan-out
 
