@@ -11,6 +11,8 @@ current version before SGLang starts, because SGLang loads its first checkpoint 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from mixrl.api.launch import AUTH_TOKEN_ENV, component_command
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
@@ -143,25 +145,17 @@ def pool_objects(
         engine_mounts.append(mount("dshm", "/dev/shm"))
     sync_env = [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}]
     sync_resources = resources(weight_sync_footprint(resolved, pool))
-    components = options.images.components
-    sidecar = container(
-        "weight-sync",
-        components,
-        component_command(resolved, "weight-sync", pod_where(resolved), pool),
-        sync_env,
-        sync_mounts,
-        resources=sync_resources,
-    )
-    # Every engine starts from the latest version: SGLang loads its first checkpoint at launch, and
-    # the torch engine needs a model directory.
-    init = container(
-        "weights-init",
-        components,
-        component_command(resolved, "weights-init", pod_where(resolved), pool),
-        sync_env,
-        sync_mounts,
-        resources=sync_resources,
-    )
+    where = pod_where(resolved)
+
+    def sync_container(name: Literal["weight-sync", "weights-init"]) -> Obj:
+        command = component_command(resolved, name, where, pool)
+        return container(
+            name, options.images.components, command, sync_env, sync_mounts, resources=sync_resources
+        )
+
+    # The init container makes every engine start from the latest version (SGLang loads its first
+    # checkpoint at launch, and the torch engine needs a model directory); the sidecar follows.
+    sidecar, init = sync_container("weight-sync"), sync_container("weights-init")
     scheduling = gpu_scheduling(
         pool.gpu_products,
         pool.node_selector,
