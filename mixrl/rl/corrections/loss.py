@@ -17,13 +17,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mixrl.rl.corrections.config import CorrectionConfig, CorrectionInputError
-from mixrl.rl.corrections.inputs import PreparedBatch, compute_dtype, prepare_batch
 from mixrl.rl.corrections.metrics import PolicyLossMetrics, build_metrics
 from mixrl.rl.corrections.objective import (
     CorrectedTerms,
+    PreparedBatch,
+    compute_dtype,
     corrected_terms,
     extreme_ratio,
     logit_gradient,
+    prepare_batch,
     vocab_sums,
 )
 from mixrl.rl.corrections.vocab import VocabShard, global_vocab_size
