@@ -1,4 +1,4 @@
-"""The autoscaling benchmark of issue 7, on the fleet simulator (examples/rlrun-mixed.yaml's pools).
+"""The autoscaling benchmark, on the fleet simulator (examples/rlrun-mixed.yaml's pools).
 
     .venv/bin/python bench/autoscaling.py [--seeds 5] [--plots docs/img]
 

@@ -11,7 +11,7 @@ compared each decode one step in turn (rotating who goes first), so a burst of l
 processes hits them alike.  Precision ratios are the median over steps of the paired per-step
 ratios; tokens/s figures use the median step time.  Cached vs uncached compares total decode time.
 
-Targets (issue 4):
+Targets:
   emulated weight precisions  >= 0.90x the bf16 decode speed (quantized once at load, not per step)
   FP8 KV cache                <= 1.30x the per-token cost of the bf16 KV cache
   cached decoding             >= 10x the uncached speed at 256 generated tokens (batch 1, judged after

@@ -4,7 +4,7 @@
 
 Prints, per weight format, the time to quantize-dequantize, pack and unpack one size×size weight on
 `--threads` CPU threads, and ratios against two baselines run here: the FP8 block path, and a naive
-NVFP4 that rounds to E2M1 by argmin over all 16 codes (what quant.py avoids). Target (issue 4): a
+NVFP4 that rounds to E2M1 by argmin over all 16 codes (what quant.py avoids). Target: a
 4096×4096 NVFP4 weight in well under a second on one core. Then the weight store: publishing a
 state dict (safetensors + fsync + sha256 manifest + rename) against a plain `save_file`, and the time
 to verify-and-load it.

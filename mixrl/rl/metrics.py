@@ -1,4 +1,4 @@
-"""Every Prometheus metric name mixrl exports or queries, in one place (DESIGN.md §4.4).
+"""Every Prometheus metric name mixrl exports or queries, in one place (docs/architecture.md#metrics).
 
 Engines export SGLang's own names, so the router and the autoscaler cannot tell the torch engine
 from a real SGLang server.  mixrl's own series are ``mixrl_*`` with the labels ``run``, ``pool``,

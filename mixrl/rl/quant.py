@@ -1,6 +1,6 @@
 """Precision emulation: what a sampler's weights and KV cache look like at its serving precision.
 
-Every format follows the recipe in REFERENCE.md §1 (docs/precisions.md states each rule and the
+Every format follows its published recipe (docs/precisions.md states each rule, its source and the
 measured error bands). Weights are quantized once and dequantized back to the caller's dtype
 ("fake quantization"), so a torch model runs at the numbers the real kernels would see. The packed
 forms (`pack` / `unpack`) hold the same numbers as checkpoint tensors, bit for bit.

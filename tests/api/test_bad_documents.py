@@ -1,4 +1,4 @@
-"""Bad RLRun documents, each refused with exactly one line naming the field (issue 14, part 4).
+"""Bad RLRun documents, each refused with exactly one line naming the field.
 
 Each case starts from examples/rlrun-mixed.yaml and breaks one thing a careless or hostile user
 might write; the expected line is what `mixrl validate` prints after the file name.  The same table

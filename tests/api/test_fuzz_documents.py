@@ -1,4 +1,4 @@
-"""Fuzzing RLRun documents (issue 14, part 7): success or clear lines, never a traceback or a hang.
+"""Fuzzing RLRun documents: success or clear lines, never a traceback or a hang.
 
 Every case goes through what `mixrl validate` runs on a file: YAML text -> the safe loader
 (:func:`mixrl.api.loader.parse_yaml`) -> :func:`mixrl.api.loader.parse_document`.  The properties:

@@ -1,4 +1,4 @@
-"""Exact expectations under μ, by enumerating every token of a small vocabulary (DESIGN.md §4.3).
+"""Exact expectations under μ, by enumerating every token of a small vocabulary (docs/corrections.md).
 
 For one position we call the objective once per possible sampled token a (with its recorded
 log q(a)) and weight each gradient by μ(a).  The closed forms below are written from the design's

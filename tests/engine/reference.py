@@ -1,4 +1,4 @@
-"""Float64 references for the sampling math, written to be read against DESIGN.md §4.2."""
+"""Float64 references for the sampling math, written to be read against docs/architecture.md#the-token-record."""
 
 from __future__ import annotations
 

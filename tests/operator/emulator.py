@@ -1,6 +1,6 @@
 """A Kubernetes API stand-in: kmock's emulator plus the API-server behaviour the operator relies on.
 
-kmock (REFERENCE.md §5) serves discovery, list, watch, create, merge patch and delete in memory.
+kmock (the kopf project's API mock) serves discovery, list, watch, create, merge patch and delete in memory.
 What it lacks and the operator depends on is added here, each piece a small, named emulation of
 what kube-apiserver or kube-controller-manager does:
 

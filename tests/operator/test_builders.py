@@ -1,5 +1,5 @@
 """The pure builders: every object they produce, checked against Kubernetes' own schemas and the
-conventions of DESIGN.md §4.5 (labels, owners, security, GPU scheduling)."""
+conventions of docs/architecture.md#objects-and-labels (labels, owners, security, GPU scheduling)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Everything here is real: the quantizers, torch's float8 casts, and `transformers
 models built from tiny configs on this machine (random weights, nothing downloaded). The expected
 numbers come from hand-worked cases and from plain float64 references in reference.py that
 enumerate the format's code points; no GPU or serving kernel runs here, so "what the kernel sees"
-is checked against the published recipes (REFERENCE.md §1), not against SGLang itself.
+is checked against the published recipes (docs/precisions.md), not against SGLang itself.
 """
 
 from __future__ import annotations

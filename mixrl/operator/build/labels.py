@@ -1,4 +1,4 @@
-"""Labels and names of every object the operator creates (DESIGN.md §4.5).
+"""Labels and names of every object the operator creates (docs/architecture.md#objects-and-labels).
 
 Selector labels are a stable subset: a Deployment's or StatefulSet's selector is immutable, so it
 holds only what can never change for that workload (run, component, pool).  Descriptive labels

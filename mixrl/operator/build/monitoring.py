@@ -1,4 +1,4 @@
-"""Alert rules for the three signs of collapse (DESIGN.md §4.4) and the Grafana dashboard (pure).
+"""Alert rules for the three signs of collapse (docs/architecture.md#metrics) and the Grafana dashboard (pure).
 
 The Helm chart ships both (``python -m mixrl.operator.install.chart`` writes them into charts/mixrl/files),
 built from the metric names in :mod:`mixrl.rl.metrics`, so a renamed series cannot leave a stale

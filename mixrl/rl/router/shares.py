@@ -1,7 +1,7 @@
 """Which pool gets the next session: target shares and a low-discrepancy scheduler (pure, no I/O).
 
 A pool's weight is its capacity per replica times its ready replicas, so shares follow the pools
-as they scale (issue 7, item 4).  Sessions are dealt by *deficit counters* (smooth weighted round
+as they scale.  Sessions are dealt by *deficit counters* (smooth weighted round
 robin with shares that sum to 1): every pool accrues its share per session and the pool owed the
 most gets the session.  After n sessions a pool's count differs from the sum of its shares over
 those n sessions by less than one session per pool, so the observed split converges as 1/n instead
