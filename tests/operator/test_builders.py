@@ -35,8 +35,8 @@ from mixrl.operator.build.objects import (
     desired_hash,
 )
 from mixrl.operator.build.podspec import with_shared
-from mixrl.operator.build.pools import clamp_replicas, pool_children, pool_objects, seed_replicas
-from mixrl.operator.build.resources import run_objects
+from mixrl.operator.build.pools import pool_children, pool_objects
+from mixrl.operator.build.resources import clamp_replicas, run_objects, seed_replicas
 from mixrl.rl.buffer import cli as buffer_cli
 from mixrl.rl.engine import drain as drain_module
 from mixrl.rl.engine import server as engine_server

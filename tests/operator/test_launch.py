@@ -20,8 +20,8 @@ from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.operator.build.objects import BuildOptions, Owner
 from mixrl.operator.build.podspec import pod_where
-from mixrl.operator.build.pools import pool_children, seed_replicas
-from mixrl.operator.build.resources import run_objects
+from mixrl.operator.build.pools import pool_children
+from mixrl.operator.build.resources import run_objects, seed_replicas
 
 GOLDEN: dict[str, Any] = json.loads((Path(__file__).parent / "command_lines.json").read_text())
 

@@ -1,5 +1,5 @@
-"""Pure builders for one sampler pool: its SamplerPool (from the run) and, from the SamplerPool,
-its Deployment and headless Service.
+"""Pure builders for one sampler pool's children, from its SamplerPool: its Deployment and headless
+Service (the SamplerPool itself is one of the run's objects, built in resources.py).
 
 An engine pod: the engine container (SGLang's server with the pool's quantization, KV-cache dtype,
 metrics and sampling-mask flags, or mixrl's torch engine), GPUs requested through
@@ -14,18 +14,14 @@ from __future__ import annotations
 from typing import Literal
 
 from mixrl.api.launch import AUTH_TOKEN_ENV, component_command
-from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.objects import (
     CONFIG_HASH_ANNOTATION,
-    POOL_CONFIG_HASH_LABEL,
     BuildOptions,
     Owner,
     engine_footprint,
-    metadata,
     pod_template,
-    pool_children_hash,
     pool_config_hash,
     scrape_annotations,
     service,
@@ -52,42 +48,6 @@ from mixrl.operator.build.podspec import (
     resources,
     server_probes,
 )
-
-
-def seed_replicas(pool: ResolvedPool) -> int:
-    """Replicas a new SamplerPool starts with: minReplicas, at least 1, never above maxReplicas."""
-    return min(pool.initial_replicas, pool.max_replicas)
-
-
-def clamp_replicas(replicas: int, pool: ResolvedPool) -> int:
-    return max(pool.min_replicas, min(replicas, pool.max_replicas))
-
-
-def sampler_pool(resolved: ResolvedRun, pool: ResolvedPool, owner: Owner) -> Obj:
-    """The pool's scaling adapter, *without* ``spec.replicas``: after creation that field belongs to
-    the autoscaler, ``kubectl scale``, HPA or KEDA; the run's controller sets it only when it
-    creates the pool (:func:`seed_replicas`) or when new bounds exclude it (:func:`clamp_replicas`)."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": "SamplerPool",
-        "metadata": metadata(
-            pool.object_name,
-            resolved.namespace,
-            {**L.pool_labels(resolved, pool), POOL_CONFIG_HASH_LABEL: pool_children_hash(resolved, pool)},
-            owner,
-        ),
-        "spec": {
-            "run": resolved.name,
-            "pool": pool.name,
-            "gpuType": pool.gpu_type,
-            "weightPrecision": pool.weight_precision,
-            "kvCacheDtype": pool.kv_cache_dtype,
-            "engine": pool.engine,
-            "minReplicas": pool.min_replicas,
-            "maxReplicas": pool.max_replicas,
-            "capacity": pool.capacity,
-        },
-    }
 
 
 def engine_container(

@@ -28,18 +28,21 @@ from typing import Literal
 
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.launch import component_command, weights_volume_path
-from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
+from mixrl.api.models import API_VERSION
+from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.objects import (
     COMPONENT_FOOTPRINTS,
     CONFIG_HASH_ANNOTATION,
     POD_INDEX_LABEL,
+    POOL_CONFIG_HASH_LABEL,
     BuildOptions,
     Monitoring,
     Owner,
     config_hash,
     metadata,
     pod_template,
+    pool_children_hash,
     scrape_annotations,
     service,
     trainer_footprint,
@@ -65,7 +68,6 @@ from mixrl.operator.build.podspec import (
     resources,
     server_probes,
 )
-from mixrl.operator.build.pools import sampler_pool
 
 # ----------------------------------------------------------------------------- shared objects
 
@@ -334,6 +336,45 @@ def pod_monitor(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> O
 
 
 # ----------------------------------------------------------------------------- the whole run
+
+
+# ----------------------------------------------------------------------------- the pools' adapters
+
+
+def seed_replicas(pool: ResolvedPool) -> int:
+    """Replicas a new SamplerPool starts with: minReplicas, at least 1, never above maxReplicas."""
+    return min(pool.initial_replicas, pool.max_replicas)
+
+
+def clamp_replicas(replicas: int, pool: ResolvedPool) -> int:
+    return max(pool.min_replicas, min(replicas, pool.max_replicas))
+
+
+def sampler_pool(resolved: ResolvedRun, pool: ResolvedPool, owner: Owner) -> Obj:
+    """The pool's scaling adapter, *without* ``spec.replicas``: after creation that field belongs to
+    the autoscaler, ``kubectl scale``, HPA or KEDA; the run's controller sets it only when it
+    creates the pool (:func:`seed_replicas`) or when new bounds exclude it (:func:`clamp_replicas`)."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": "SamplerPool",
+        "metadata": metadata(
+            pool.object_name,
+            resolved.namespace,
+            {**L.pool_labels(resolved, pool), POOL_CONFIG_HASH_LABEL: pool_children_hash(resolved, pool)},
+            owner,
+        ),
+        "spec": {
+            "run": resolved.name,
+            "pool": pool.name,
+            "gpuType": pool.gpu_type,
+            "weightPrecision": pool.weight_precision,
+            "kvCacheDtype": pool.kv_cache_dtype,
+            "engine": pool.engine,
+            "minReplicas": pool.min_replicas,
+            "maxReplicas": pool.max_replicas,
+            "capacity": pool.capacity,
+        },
+    }
 
 
 def run_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:

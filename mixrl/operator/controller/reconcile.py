@@ -28,8 +28,8 @@ from mixrl.operator.build import labels as L
 from mixrl.operator.build.keda import pool_scaled_object
 from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
 from mixrl.operator.build.podspec import AUTH_TOKEN_KEY
-from mixrl.operator.build.pools import clamp_replicas, pool_children, seed_replicas
-from mixrl.operator.build.resources import pod_monitor, run_objects
+from mixrl.operator.build.pools import pool_children
+from mixrl.operator.build.resources import clamp_replicas, pod_monitor, run_objects, seed_replicas
 from mixrl.operator.controller.apply import (
     Applied,
     ApplyReport,
