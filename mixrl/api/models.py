@@ -482,13 +482,14 @@ class WeightsSpec(Model):
 
 class AutoscalingSpec(Model):
     engine: Literal["builtin", "keda", "none"] = "builtin"
-    """Who scales pools: mixrl's own loop, KEDA ScaledObjects, or nobody (replicas stay at minReplicas)."""
+    """Who scales pools: mixrl's own loop, KEDA ScaledObjects, or ``none``: the operator seeds a new
+    pool with max(minReplicas, 1) replicas and then leaves ``replicas`` to ``kubectl scale`` or an HPA."""
     prometheus_url: Annotated[str, Field(max_length=2048, pattern=r"^https?://\S+$")] = (
         "http://prometheus-operated.monitoring.svc:9090"
     )
     """Prometheus HTTP API base URL."""
     query: str | None = Field(default=None, max_length=4096)
-    """PromQL per pool (``{pool}`` and ``{namespace}`` are substituted); default: queued plus running
+    """PromQL per pool (``{pool}``, ``{namespace}``, ``{run}`` and ``{object}`` are substituted); default: queued plus running
     requests summed over the pool's engine pods."""
     target_per_replica: Float = Field(default=8.0, gt=0, le=MAX_CAPACITY)
     """Desired load (queued + running requests) per ready replica of capacity 1.0 (a pool's target

@@ -7,13 +7,14 @@ object the components read from the run's ConfigMap.
 What one RLRun ``r`` in namespace ``ns`` becomes:
 
 - ConfigMap ``r-config``: ``run.json`` (the resolved run) and ``drain.py`` (the engines' preStop hook);
+- Secret ``r-auth``: the run's bearer token (made once, never rewritten);
 - PersistentVolumeClaim ``r-weights`` when the weight store is a path (ReadWriteMany: the trainer
   writes, every engine pod reads, on any node), of ``weights.storageClassName`` or the operator's
   default class;
 - trainer: StatefulSet ``r-trainer`` (``nodes`` pods, torchrun's c10d rendezvous on pod 0) and its
   headless Service;
 - buffer: StatefulSet ``r-buffer`` with a volume claim, and its headless Service;
-- router: Deployment and Service ``r-router``; rollout workers: Deployment ``r-rollout``;
+- router: Deployment and Service ``r-router``; rollout workers: StatefulSet ``r-rollout``;
 - one SamplerPool ``r-<pool>`` per pool, from which :mod:`mixrl.operator.build.pools` builds the pool's
   Deployment and headless Service (owned by the SamplerPool, written only by its controller);
 - monitoring: a PodMonitor when the cluster serves ``monitoring.coreos.com``, scrape annotations
