@@ -1,5 +1,6 @@
 """The trainer loop against the real buffer over loopback HTTP: resuming from a checkpoint whose step
-the buffer never saw committed (a crash between the two) goes on with the next step."""
+the buffer never saw committed (a crash between the two) goes on with the next step; a fresh run
+publishes version 0 itself."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import ASSIGNMENTS, TrajectoryBuffer
+from mixrl.rl.models import load_model
 from mixrl.rl.trainer.main import TrainerLoop
+from mixrl.rl.weights import WeightStore
 
 from ..api.conftest import ROOT
 from .conftest import synthetic_group
@@ -80,3 +83,32 @@ async def test_a_resume_commits_the_checkpointed_step_and_goes_on(
     assert stats["committed_step"] == 2 and stats["batches"] == 2
     records = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in records] == [1, 2]
+
+
+def test_a_fresh_run_publishes_the_base_weights_as_version_0_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    run = small_run(tmp_path, total_steps=1)
+    store = WeightStore(run.weights.store)
+    assert store.versions() == []  # nobody staged a version: engines would wait for one forever
+
+    def resumed() -> TrainerLoop:
+        loop = TrainerLoop(
+            run,
+            buffer_url="http://127.0.0.1:9",
+            router_url=None,
+            run_dir=tmp_path,
+            model_path=str(tiny_model_dir),
+        )
+        loop.resume()
+        return loop
+
+    resumed()
+    assert store.versions() == [0]
+    published = store.load(0)
+    base = load_model(str(tiny_model_dir)).state_dict()
+    assert published.keys() == base.keys()
+    assert all(torch.equal(published[name], base[name].to(torch.bfloat16)) for name in base)
+    manifest = (Path(store.path(0)) / "manifest.json").read_bytes()
+    resumed()  # already there: not published again
+    assert store.versions() == [0] and (Path(store.path(0)) / "manifest.json").read_bytes() == manifest

@@ -1,5 +1,8 @@
 """``mixrl trainer``: take batches from the buffer, update the policy, publish each new version.
 
+Before the first step the trainer publishes the weights it holds if the store lacks them (version 0
+from ``model.path`` on a fresh run), so engines always have a version to start from.
+
 The loop, per step s (the trainer holds weight version s − 1 while computing step s):
   1. ask the buffer for step s's batch (the same batch again after a crash: nothing is lost);
   2. recompute π on exactly the sampled ids, apply the corrected objective, step AdamW;
@@ -140,6 +143,22 @@ class TrainerLoop:
             if version > self.step:
                 log.info("removing weight version %d (newer than the checkpoint)", version)
                 self.store.remove(version)
+        self.publish_held_version()
+
+    def publish_held_version(self) -> None:
+        """Publish the weights the trainer holds (version = its step) if the store lacks them.
+
+        Engines start from the store's latest version (a cluster's ``weights-init`` waits for one),
+        and the trainer waits for their samples, so the first version must not depend on anyone but
+        the trainer: at step 0 this publishes the base weights (``model.path``) as version 0.
+        ``mixrl run`` publishes its warm start as version 0 before the engines start, and then this
+        finds it there and does nothing.
+        """
+        if self.step in self.store.versions():
+            return
+        log.info("publishing weight version %d (the weights the trainer holds)", self.step)
+        state = self.trainer.state_dict_for_publication()
+        self.store.publish(self.step, state, {"step": self.step}, self.model_config)
 
     async def reload_engines(self, version: int) -> None:
         if self.router_url is None:
