@@ -48,6 +48,10 @@ AUTH_TOKEN_ENV = "MIXRL_AUTH_TOKEN"
 the kubelet expands ``$(MIXRL_AUTH_TOKEN)`` in the command, so the pod spec never holds the token."""
 
 
+ONE_MACHINE = "standalone"
+"""``Where.rendezvous`` for a trainer whose ranks all run on this machine (torchrun ``--standalone``)."""
+
+
 @dataclass(frozen=True)
 class Where:
     """Everything about a component's command line that depends on where the run's processes live."""
@@ -81,7 +85,10 @@ class Where:
     """The trainer tells the engines (through the router) to load each version it publishes; off
     where every engine pod's weight-sync sidecar converts the version and reloads its own engine."""
     rendezvous: str | None = None
-    """torchrun's c10d endpoint, for a trainer of more than one process; None runs one process."""
+    """torchrun's c10d endpoint for a trainer of more than one process, across the trainer's nodes
+    (a pod); :data:`ONE_MACHINE` runs all of the trainer's processes on this machine (a laptop)."""
+    torchrun: tuple[str, ...] = ("torchrun",)
+    """How torchrun is run: the image's ``torchrun``, or this interpreter's ``-m torch.distributed.run``."""
     trainer_model_path: str | None = None
     """The trainer's initial checkpoint; None: the spec's ``model.path``."""
     tokenizer: str | None = None
@@ -166,11 +173,20 @@ def _trainer(resolved: ResolvedRun, where: Where) -> list[str]:
         *_auth(where),
     ]
     spec = resolved.trainer.spec
-    nproc = max(spec.gpus_per_node, 1)
+    nproc = max(spec.gpus_per_node, 1)  # on gpuType cpu: processes per node
     if where.rendezvous is None or (spec.nodes == 1 and nproc == 1):
         return [*where.program, *args]
+    if where.rendezvous == ONE_MACHINE:  # every rank here: the same world size, one node
+        return [
+            *where.torchrun,
+            "--standalone",
+            f"--nproc-per-node={spec.nodes * nproc}",
+            "-m",
+            "mixrl.cli",
+            *args,
+        ]
     return [
-        "torchrun",
+        *where.torchrun,
         f"--nnodes={spec.nodes}",
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",

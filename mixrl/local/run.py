@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.api.errors import InvalidSpec
-from mixrl.api.launch import SERVER_PORTS, Component, Where, component_command, port_file, process_name
+from mixrl.api.launch import (
+    ONE_MACHINE,
+    SERVER_PORTS,
+    Component,
+    Where,
+    component_command,
+    port_file,
+    process_name,
+)
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.local.processes import MIXRL, Process, ProcessStartError, wait_healthy
@@ -86,6 +94,9 @@ class Supervisor:
             reload_through_router=True,
             trainer_model_path=model_path,
             tokenizer=tokenizer_path,
+            # nodes × gpusPerNode trainer processes (processes per node on gpuType cpu), all here.
+            rendezvous=ONE_MACHINE,
+            torchrun=(sys.executable, "-m", "torch.distributed.run"),
         )
 
     def _component(self, component: Component, pool: ResolvedPool | None = None, replica: int = 0) -> Process:

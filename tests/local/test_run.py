@@ -85,6 +85,25 @@ def test_short_run_trains_with_engines_reloading(tmp_path: Path, model_cache: Pa
     assert token not in result.stdout + result.stderr
 
 
+def test_a_two_process_trainer_trains_through_torchrun(tmp_path: Path, model_cache: Path) -> None:
+    spec = small_run(tmp_path, "ranks", steps=3)
+    doc = yaml.safe_load(spec.read_text())
+    doc["spec"]["trainer"]["gpusPerNode"] = 2  # on gpuType cpu: two trainer processes
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        mixrl_run(spec, run_dir, model_cache), capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "rank 0 of 2" in log and "rank 1 of 2" in log
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]  # rank 0 alone logs, each step once
+    assert any(r["grad_norm"] > 0 for r in records)
+    store = sorted(p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("v"))
+    assert store[-1] == "v00000003"
+
+
 def test_killed_trainer_resumes_and_loses_no_trajectory(tmp_path: Path, model_cache: Path) -> None:
     spec = small_run(tmp_path, "killtest", steps=6)
     run_dir = tmp_path / "run"

@@ -83,8 +83,9 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def shard_model(model: torch.nn.Module, param_dtype: torch.dtype) -> torch.nn.Module:
-    """FSDP2 over all ranks: each decoder layer one unit, the root (embeddings, norm, head) another.
+def shard_model(root: torch.nn.Module, decoder: torch.nn.Module, param_dtype: torch.dtype) -> torch.nn.Module:
+    """FSDP2 over all ranks: each of ``decoder.layers`` one unit, ``root`` (which holds the decoder,
+    the embeddings, the final norm and the head) another.
 
     ``param_dtype`` is the compute dtype (BF16 for ``precision: bf16``); the sharded master weights
     stay in their dtype (FP32) and gradients are reduced in FP32.
@@ -92,14 +93,16 @@ def shard_model(model: torch.nn.Module, param_dtype: torch.dtype) -> torch.nn.Mo
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     for layer in decoder.layers:
         fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    assert isinstance(model, FSDPModule)
+    fully_shard(root, mp_policy=policy)
+    assert isinstance(root, FSDPModule)
     # Each rank's loss is already divided by the whole batch's token count: sum, don't average.
-    model.set_gradient_divide_factor(1.0)
-    return model
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return root
 
 
 def shard_rows(lengths: Sequence[int], world_size: int) -> list[list[int]]:

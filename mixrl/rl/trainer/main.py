@@ -10,7 +10,13 @@ The loop, per step s (the trainer holds weight version s − 1 while computing s
      through the router to reload it, between decode steps, while sessions continue; in a cluster
      the trainer has no ``--router`` and each engine pod's weight-sync sidecar converts the version
      to its pool's precision and reloads its own engine (the launch table, mixrl.api.launch);
-  4. checkpoint, then commit step s to the buffer; log metrics to JSONL and Prometheus.
+  4. write step s's metrics line (JSONL, and Prometheus), then the checkpoint when one is due, then
+     commit step s to the buffer: a crash between any two redoes the step on the same batch, and
+     resume() drops the metrics lines of steps after the checkpoint, so every step is logged once.
+
+Under torchrun (``trainer.nodes`` × ``gpusPerNode`` processes) every rank reads the same batch and
+computes its share of it (FSDP2, mixrl.rl.trainer.distributed); rank 0 alone publishes, commits,
+reloads the engines and writes metrics, and the ranks meet after each commit.
 
 Every request carries the run's token (``--auth-token-file`` or ``$MIXRL_AUTH_TOKEN``; docs/auth.md):
 the buffer's batches and commits and (with ``--router``) the router's weight fan-out need it.  A refused token is fatal
@@ -43,6 +49,7 @@ from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer
 from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.models import load_model
+from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.telemetry import TrainerTelemetry
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
@@ -50,6 +57,7 @@ from mixrl.rl.weights import WeightStore
 
 log = logging.getLogger("mixrl.trainer")
 CHECKPOINT = "trainer.pt"
+METRICS = "metrics.jsonl"
 
 
 class ReloadRefused(RuntimeError):
@@ -117,6 +125,12 @@ class TrainerLoop:
         self.store = WeightStore(run.weights.store)
         self.telemetry = telemetry
         spec = run.trainer.spec
+        # One process, or one rank of a torchrun group (nodes × gpusPerNode processes): every rank
+        # computes its share of each step; rank 0 alone publishes, commits and writes metrics.
+        self.ranks = distributed.Ranks.from_env()
+        distributed.init_process_group(self.ranks, torch.device("cpu"))
+        if self.ranks.distributed:
+            log.info("rank %d of %d (FSDP2 over gloo)", self.ranks.rank, self.ranks.world_size)
         torch.manual_seed(0)
         self.trainer = TorchPolicyTrainer(
             load_model(model_path),
@@ -127,6 +141,7 @@ class TrainerLoop:
             grad_clip=spec.optimizer.grad_clip,
             temperature=run.trainer.temperature,
             micro_batch_tokens=spec.micro_batch_tokens,
+            ranks=self.ranks,
         )
         self.model_config = self.trainer.model.config.to_dict()
         self.step = 0
@@ -139,11 +154,25 @@ class TrainerLoop:
             log.info("resumed from %s at step %d", path, self.step)
         # Versions published after the checkpoint came from updates that are now redone (on the same
         # batches: the buffer hands step N the same groups again), so they are replaced.
-        for version in self.store.versions():
-            if version > self.step:
-                log.info("removing weight version %d (newer than the checkpoint)", version)
-                self.store.remove(version)
+        if self.ranks.is_main:
+            for version in self.store.versions():
+                if version > self.step:
+                    log.info("removing weight version %d (newer than the checkpoint)", version)
+                    self.store.remove(version)
+            self.forget_metrics_after(self.step)
         self.publish_held_version()
+
+    def forget_metrics_after(self, step: int) -> None:
+        """Drop metrics lines of steps after the checkpoint: they are trained again, and logged again.
+
+        Each step's line is written before its checkpoint and its commit, so a crash never leaves a
+        trained step without its line; a step redone after a crash is logged once.
+        """
+        path = self.run_dir / METRICS
+        if not path.exists():
+            return
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines(True) if _step_of(line) <= step]
+        path.write_text("".join(kept), encoding="utf-8")
 
     def publish_held_version(self) -> None:
         """Publish the weights the trainer holds (version = its step) if the store lacks them.
@@ -154,11 +183,14 @@ class TrainerLoop:
         ``mixrl run`` publishes its warm start as version 0 before the engines start, and then this
         finds it there and does nothing.
         """
-        if self.step in self.store.versions():
+        missing = self.step not in self.store.versions()
+        if not distributed.agree_on_count(int(missing)):
             return
-        log.info("publishing weight version %d (the weights the trainer holds)", self.step)
-        state = self.trainer.state_dict_for_publication()
-        self.store.publish(self.step, state, {"step": self.step}, self.model_config)
+        state = self.trainer.state_dict_for_publication()  # every rank: the shards are gathered
+        if self.ranks.is_main:
+            log.info("publishing weight version %d (the weights the trainer holds)", self.step)
+            self.store.publish(self.step, state, {"step": self.step}, self.model_config)
+        distributed.barrier()
 
     async def reload_engines(self, version: int) -> None:
         if self.router_url is None:
@@ -183,15 +215,16 @@ class TrainerLoop:
     async def train(self) -> None:
         total = self.run.trainer.spec.total_steps
         started = time.time()
-        metrics_path = self.run_dir / "metrics.jsonl"
-        if self.step > 0:
+        main = self.ranks.is_main
+        if self.step > 0 and main:
             # The checkpoint holds step s's update, so step s is consumed; a crash between saving
             # the checkpoint and committing would otherwise leave it open and the buffer would
             # refuse step s + 1.
             await self.buffer.commit(self.step)
+        distributed.barrier()
         while (total is None or self.step < total) and not self.stopping.is_set():
             step = self.step + 1
-            batch = await self.buffer.get_batch(step)
+            batch = await self.buffer.get_batch(step)  # every rank reads the same batch
             if batch is None:  # long-poll timed out: no full batch yet
                 continue
             groups = [group.trajectories for group in batch.groups]
@@ -200,27 +233,38 @@ class TrainerLoop:
             )
             result = await asyncio.to_thread(self.trainer.step, policy_batch)
             state = await asyncio.to_thread(self.trainer.state_dict_for_publication)
-            await asyncio.to_thread(self.store.publish, step, state, {"step": step}, self.model_config)
-            await self.reload_engines(step)
-            await asyncio.to_thread(self.store.prune, self.run.weights.keep_versions)
+            if main:
+                await asyncio.to_thread(self.store.publish, step, state, {"step": step}, self.model_config)
+                await self.reload_engines(step)
+                await asyncio.to_thread(self.store.prune, self.run.weights.keep_versions)
+                # The line first: a crash after it redoes the step, and resume() drops the line.
+                record = step_record(step, result, groups, started)
+                with (self.run_dir / METRICS).open("a", encoding="utf-8") as out:
+                    out.write(json.dumps(record) + "\n")
             self.step = step
             if step % self.run.trainer.spec.checkpoint_every == 0 or step == total:
                 await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir / CHECKPOINT, step)
-            await self.buffer.commit(step)
-            record = step_record(step, result, groups, started)
-            with metrics_path.open("a", encoding="utf-8") as out:
-                out.write(json.dumps(record) + "\n")
-            if self.telemetry is not None:
-                self.telemetry.observe(record)
-            log.info(
-                "step %d reward %.3f kl %.4f grad %.3f tok/s %.0f",
-                step,
-                record.get("reward", 0.0),
-                record.get("kl_k3", 0.0),
-                result.grad_norm,
-                record["tokens_per_s"],
-            )
+            if main:
+                await self.buffer.commit(step)
+                if self.telemetry is not None:
+                    self.telemetry.observe(record)
+                log.info(
+                    "step %d reward %.3f kl %.4f grad %.3f tok/s %.0f",
+                    step,
+                    record.get("reward", 0.0),
+                    record.get("kl_k3", 0.0),
+                    result.grad_norm,
+                    record["tokens_per_s"],
+                )
+            distributed.barrier()  # the other ranks ask for step + 1 only once it is open
         await self.buffer.close()
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1  # a damaged line is kept, as a line a reader can see
 
 
 def main(argv: list[str]) -> int:
@@ -285,6 +329,7 @@ def main(argv: list[str]) -> int:
 
     try:
         asyncio.run(_main())
+        distributed.destroy_process_group()
     except BufferError as exc:  # a refused step or an unreachable buffer: one line, no traceback
         print(f"mixrl trainer: buffer: {exc}", file=sys.stderr)
         return 1

@@ -2,9 +2,11 @@
 
 The model is a ``transformers`` causal LM.  Hidden states come from the base model and the
 objective computes logits chunk by chunk against the LM head (``chunked_token_policy_loss``), so
-a batch never materializes [tokens × vocabulary] logits.  On CPU the trainer computes in float32
-(bfloat16 matmuls are slow there) and publishes bfloat16 weights, as a BF16 trainer would; on GPU
-set ``compute_dtype=torch.bfloat16``.
+a batch never materializes [tokens × vocabulary] logits.  One process computes in
+``compute_dtype`` (float32 on CPU, where bfloat16 matmuls are slow) and publishes bfloat16
+weights, as a BF16 trainer would.  With more than one rank (``torchrun``) the model is sharded with
+FSDP2: FP32 master weights, compute in ``compute_dtype``, gradients reduced in FP32, each rank
+taking its share of the step's trajectories (:mod:`mixrl.rl.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from mixrl.rl.corrections import CorrectionConfig, chunked_token_policy_loss
+from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import PolicyBatch
+from mixrl.rl.trainer.distributed import Ranks
 
 
 @dataclass
@@ -45,6 +50,33 @@ def split_rows_by_tokens(batch: PolicyBatch, micro_batch_tokens: int) -> list[li
     return micro
 
 
+class PolicyTrunk(torch.nn.Module):
+    """The causal LM up to its head: the hidden states at the loss positions, and the head's weight.
+
+    One module whose forward yields both, so that FSDP gathers the embeddings, the final norm and
+    the (possibly tied) head together for the loss, which multiplies hidden states by the head
+    chunk by chunk itself.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = decoder_of(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state[rows, positions], self.model.get_output_embeddings().weight
+
+
+def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 class TorchPolicyTrainer:
     def __init__(
         self,
@@ -59,8 +91,17 @@ class TorchPolicyTrainer:
         micro_batch_tokens: int = 16384,
         chunk_size: int = 1024,
         compute_dtype: torch.dtype = torch.float32,
+        ranks: Ranks | None = None,
     ) -> None:
-        self.model = model.to(compute_dtype)
+        self.ranks = ranks or Ranks()
+        if self.ranks.distributed:  # FP32 master weights, sharded; compute in compute_dtype
+            self.model = model.to(torch.float32)
+            self.trunk = distributed.shard_model(
+                PolicyTrunk(self.model), decoder_of(self.model), compute_dtype
+            )
+        else:
+            self.model = model.to(compute_dtype)
+            self.trunk = PolicyTrunk(self.model)
         self.model.train()
         self.model.requires_grad_(True)
         self.corrections = corrections
@@ -75,26 +116,36 @@ class TorchPolicyTrainer:
             weight_decay=weight_decay,
         )
 
-    def _hidden_and_head(self, micro: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        base = self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        out = base(input_ids=micro.input_ids, attention_mask=micro.attention_mask, use_cache=False)
-        hidden = out.last_hidden_state[micro.loss_tokens.rows, micro.loss_tokens.positions]
-        return hidden, self.model.get_output_embeddings().weight
-
     def step(self, batch: PolicyBatch) -> StepResult:
-        """One policy update on a whole batch (gradient accumulation over micro-batches)."""
+        """One policy update on a whole batch (gradient accumulation over micro-batches).
+
+        With several ranks each takes its share of the trajectories; the loss is divided by the
+        whole batch's token count everywhere, and gradients are summed across ranks, so the update
+        is the single-process one.
+        """
         start = time.perf_counter()
-        total_tokens = max(batch.num_tokens, 1)
+        local = batch
+        if self.ranks.distributed:
+            lengths = batch.attention_mask.sum(dim=1).tolist()
+            local = batch.select_rows(distributed.shard_rows(lengths, self.ranks.world_size)[self.ranks.rank])
+        total_tokens = max(batch.num_tokens, 1)  # every rank holds the whole batch: no reduction needed
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), dtype=torch.float64)
         per_token: dict[str, list[torch.Tensor]] = {}
         pool_index: list[torch.Tensor] = []
-        for rows in split_rows_by_tokens(batch, self.micro_batch_tokens):
-            micro = batch.select_rows(rows)
-            if micro.num_tokens == 0:
+        micro_batches = [
+            micro
+            for rows in split_rows_by_tokens(local, self.micro_batch_tokens)
+            if rows and (micro := local.select_rows(rows)).num_tokens > 0
+        ]
+        # FSDP's gathers are collective: every rank runs as many passes as the busiest one.
+        for index in range(distributed.agree_on_count(len(micro_batches))):
+            if index >= len(micro_batches):
+                self._empty_pass()
                 continue
-            hidden, head = self._hidden_and_head(micro)
+            micro = micro_batches[index]
             tokens = micro.loss_tokens
+            hidden, head = self.trunk(micro.input_ids, micro.attention_mask, tokens.rows, tokens.positions)
             loss, metrics = chunked_token_policy_loss(
                 hidden,
                 head,
@@ -110,22 +161,33 @@ class TorchPolicyTrainer:
                 num_loss_tokens=total_tokens,  # the denominator is the whole batch's token count
             )
             loss.backward()
-            loss_sum += float(loss.detach())
+            loss_sum += loss.detach().double()
             for name, values in metrics.per_token.items():
                 per_token.setdefault(name, []).append(values.detach().float())
             pool_index.append(tokens.pool_index)
         grad_norm = self._clip_and_norm()
         self.optimizer.step()
-        token_metrics = {name: torch.cat(values) for name, values in per_token.items()}
         pools = torch.cat(pool_index) if pool_index else torch.zeros(0, dtype=torch.long)
+        names, sums, counts = metric_sums(per_token, pools, len(batch.pools))
+        reduced = distributed.all_reduce_sum(torch.cat([loss_sum.view(1), sums.flatten(), counts]))
+        n = sums.numel()
+        sums, counts = reduced[1 : 1 + n].view_as(sums), reduced[1 + n :]
         return StepResult(
-            loss=loss_sum,
+            loss=float(reduced[0]),
             grad_norm=grad_norm,
             tokens=batch.num_tokens,
             seconds=time.perf_counter() - start,
-            metrics=summarize(token_metrics, batch),
-            per_pool=summarize_per_pool(token_metrics, pools, batch),
+            metrics=summarize(names, sums, counts, batch),
+            per_pool=summarize_per_pool(names, sums, counts, batch),
         )
+
+    def _empty_pass(self) -> None:
+        """A forward and backward that changes no gradient, for a rank with no micro-batch left."""
+        one = torch.zeros((1, 1), dtype=torch.long)
+        hidden, head = self.trunk(
+            one, torch.ones_like(one), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        )
+        (hidden.sum() * 0.0 + head.sum() * 0.0).backward()
 
     def _clip_and_norm(self) -> float:
         parameters = [p for p in self.model.parameters() if p.grad is not None]
@@ -135,28 +197,45 @@ class TorchPolicyTrainer:
         return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
 
     def state_dict_for_publication(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-        """Weights as the samplers receive them (BF16), contiguous and untied for safetensors."""
+        """Weights as the samplers receive them (BF16), contiguous and untied for safetensors.
+
+        With several ranks the shards are gathered: every rank must call this, rank 0 gets the
+        weights and the others an empty dict.
+        """
         return {
-            name: t.detach().to(dtype).contiguous().clone() for name, t in self.model.state_dict().items()
+            name: t.detach().to(dtype).contiguous().clone() for name, t in self._full_state()["model"].items()
         }
 
-    def save_checkpoint(self, path: Path, step: int, extra: dict[str, Any] | None = None) -> None:
-        tmp = path.with_suffix(".tmp")
-        torch.save(
-            {
-                "step": step,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                **(extra or {}),
-            },
-            tmp,
+    def _full_state(self, with_optimizer: bool = False) -> dict[str, Any]:
+        """Unsharded model (and optimizer) state keyed by parameter name, the same on any number of
+        ranks; with several ranks it is gathered to the CPU of rank 0 (empty dicts on the others)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.ranks.distributed)
+        model, optimizer = get_state_dict(
+            self.trunk, self.optimizer if with_optimizer else [], options=options
         )
-        tmp.replace(path)  # atomic: a crash leaves the previous checkpoint intact
+        state = {"model": {name.removeprefix("model."): t for name, t in model.items()}}
+        return state | ({"optimizer": optimizer} if with_optimizer else {})
+
+    def save_checkpoint(self, path: Path, step: int, extra: dict[str, Any] | None = None) -> None:
+        """The whole state in one file, written by rank 0: tensors and plain values only, so that
+        :meth:`load_checkpoint` reads it with ``weights_only=True``, on any number of ranks."""
+        state = self._full_state(with_optimizer=True)
+        if self.ranks.is_main:
+            tmp = path.with_suffix(".tmp")
+            torch.save({"step": step, **state, **(extra or {})}, tmp)
+            tmp.replace(path)  # atomic: a crash leaves the previous checkpoint intact
+        distributed.barrier()
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Every rank reads the whole file (no pickled code: ``weights_only``) and keeps its shards."""
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        set_state_dict(
+            self.trunk,
+            self.optimizer,
+            model_state_dict={f"model.{name}": t for name, t in state["model"].items()},
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
         return state
 
 
@@ -164,10 +243,26 @@ class TorchPolicyTrainer:
 LOGGED_NAMES = {"k1": "kl_k1", "k3": "kl_k3"}
 
 
-def summarize(per_token: dict[str, torch.Tensor], batch: PolicyBatch) -> dict[str, float]:
+def metric_sums(
+    per_token: dict[str, list[torch.Tensor]], pool_index: torch.Tensor, num_pools: int
+) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """Per-token metrics as sums per pool ([metrics, pools], float64) and token counts per pool:
+    the form that adds up across ranks."""
+    names = sorted(per_token)
+    sums = torch.zeros((len(names), num_pools), dtype=torch.float64)
+    for row, name in enumerate(names):
+        sums[row].index_add_(0, pool_index, torch.cat(per_token[name]).double())
+    counts = torch.bincount(pool_index, minlength=num_pools).double()
+    return names, sums, counts
+
+
+def summarize(
+    names: list[str], sums: torch.Tensor, counts: torch.Tensor, batch: PolicyBatch
+) -> dict[str, float]:
+    total = float(counts.sum())
     out = {
-        LOGGED_NAMES.get(name, name): float(values.mean()) if values.numel() else 0.0
-        for name, values in per_token.items()
+        LOGGED_NAMES.get(name, name): float(sums[row].sum()) / total if total else 0.0
+        for row, name in enumerate(names)
     }
     out["reward"] = float(batch.rewards.mean())
     staleness = batch.loss_tokens.staleness
@@ -177,18 +272,18 @@ def summarize(per_token: dict[str, torch.Tensor], batch: PolicyBatch) -> dict[st
 
 
 def summarize_per_pool(
-    per_token: dict[str, torch.Tensor], pool_index: torch.Tensor, batch: PolicyBatch
+    names: list[str], sums: torch.Tensor, counts: torch.Tensor, batch: PolicyBatch
 ) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for i, pool in enumerate(batch.pools):
-        token_mask = pool_index == i
         row_mask = batch.trajectory_pool == i
+        tokens = float(counts[i])
         stats = {
-            LOGGED_NAMES.get(name, name): float(values[token_mask].mean())
-            for name, values in per_token.items()
-            if token_mask.any()
+            LOGGED_NAMES.get(name, name): float(sums[row, i]) / tokens
+            for row, name in enumerate(names)
+            if tokens
         }
-        stats["tokens"] = float(token_mask.sum())
+        stats["tokens"] = tokens
         stats["trajectories"] = float(row_mask.sum())
         if row_mask.any():
             stats["reward"] = float(batch.rewards[row_mask].mean())
