@@ -30,6 +30,6 @@ if [ "${MIXRL_SKIP_PROMETHEUS:-0}" != 1 ] && ! command -v prometheus >/dev/null;
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing Debian's prometheus package (for the autoscaling tests)"
     (apt-get install -y -qq prometheus >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq prometheus >/dev/null 2>&1; }) \
-      || echo "setup: could not install prometheus; the tests that need it will be skipped"
+      || echo "setup: could not install prometheus; the tests that need it will fail"
   fi
 fi

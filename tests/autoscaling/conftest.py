@@ -33,9 +33,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder, generate_latest
 
 PROMETHEUS = shutil.which("prometheus")
-needs_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None, reason="the prometheus binary is absent (apt-get install -y prometheus)"
-)
+needs_prometheus = pytest.mark.needs_prometheus  # tests/conftest.py fails these without the binary
 
 
 def free_port() -> int:
