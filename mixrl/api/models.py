@@ -10,6 +10,7 @@ fields, per-component settings) is computed by :func:`mixrl.api.resolve.resolve`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Self
 
@@ -145,8 +146,9 @@ class Model(BaseModel):
 
 class ModelSpec(Model):
     path: Location
-    """Base checkpoint: a local directory, a URL the weight store understands, or ``tiny:<kind>``
-    for a tiny model built locally from a config (``tiny:qwen3``, ``tiny:qwen3_moe``; CPU runs)."""
+    """Base checkpoint: a directory the trainer can read (in a cluster, on a mounted volume), or
+    ``tiny:<kind>`` for a tiny model built locally from a config (``tiny:qwen3``, ``tiny:qwen3_moe``;
+    CPU runs). URLs (``s3://``…) are refused: nothing downloads the model."""
     tokenizer: Location | None = None
     """Tokenizer location; defaults to the checkpoint's own (tiny models use mixrl's built-in one)."""
     chat_template: str | None = Field(default=None, max_length=65536)
@@ -157,6 +159,13 @@ class ModelSpec(Model):
     """Parameter count in billions, every expert of an MoE included (e.g. 30 for Qwen3-30B-A3B).
     When set, validation refuses a pool or trainer whose GPUs cannot hold the weights, and the
     operator sizes the memory of the containers that load whole checkpoints from it."""
+
+    @field_validator("path")
+    @classmethod
+    def _local_path(cls, path: str) -> str:
+        if re.match(rules.URL_SCHEME, path):
+            raise ValueError(rules.MODEL_PATH_IS_LOCAL.message())
+        return path
 
 
 class Parallelism(Model):
@@ -199,18 +208,22 @@ class ResourceRequirements(Model):
 
 class TrainerSpec(Model):
     backend: Literal["torch", "megatron"] = "torch"
-    """Training backend: ``torch`` (CPU or GPU, FSDP2 on many GPUs) or ``megatron`` (GPU)."""
+    """Training backend: ``torch`` (one process, or FSDP2 data parallelism over nodes x gpusPerNode
+    processes; computes on CPU today). ``megatron`` (tensor, pipeline and expert parallelism) is not
+    implemented yet and is refused."""
     gpu_type: str = Field(default="H100", json_schema_extra={"enum": list(GPU_TYPES)})
     """GPU type of the trainer nodes (a key of the GPU table, or ``cpu``)."""
     nodes: Int = Field(default=1, ge=1, le=INT32_MAX)
     """Number of trainer nodes."""
     gpus_per_node: Int = Field(default=8, ge=0, le=MAX_GPUS_PER_POD)
-    """GPUs per trainer node (0 on CPU; at least 1 on a GPU type)."""
+    """GPUs per trainer node (at least 1 on a GPU type), one trainer process each; on gpuType cpu the
+    number of trainer processes per node (0 or 1: one)."""
     parallelism: Parallelism = Field(default_factory=Parallelism)
-    """Model parallelism of the trainer: tp x pp x cp and tp x pp x ep must divide the trainer's world
-    size, nodes x gpusPerNode (nodes on CPU)."""
+    """Model parallelism of the trainer (megatron backend only; the torch backend needs all sizes 1):
+    tp x pp x cp and tp x pp x ep must divide the trainer's world size, nodes x gpusPerNode."""
     precision: Literal["bf16"] = "bf16"
-    """Trainer precision: the trainer always learns in BF16."""
+    """Trainer precision: every published version is BF16. The torch backend computes on the CPU in
+    FP32 (FP32 master weights and reductions); BF16 compute on GPUs is not implemented yet."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     """Optimizer settings."""
     total_steps: Int | None = Field(default=None, gt=0, le=INT32_MAX)
@@ -242,6 +255,10 @@ class TrainerSpec(Model):
             raise rules.PARALLELISM_DIVIDES.error(world=world, tp=p.tp, pp=p.pp, cp=p.cp)
         if world % (p.tp * p.pp * p.ep) != 0:
             raise rules.EXPERT_PARALLELISM_DIVIDES.error(world=world, tp=p.tp, pp=p.pp, ep=p.ep)
+        if self.backend == "megatron":
+            raise rules.MEGATRON_NOT_BUILT.error()
+        if (p.tp, p.pp, p.ep, p.cp) != (1, 1, 1, 1):
+            raise rules.TORCH_IS_DATA_PARALLEL.error()
         return self
 
 
@@ -478,6 +495,13 @@ class WeightsSpec(Model):
     """StorageClass of that volume; it must offer ReadWriteMany (the trainer writes, engines on other
     nodes read: NFS, CephFS, EFS, Filestore, Azure Files…). Null: the operator's default (the chart's
     weights.storageClassName), else the cluster's default class."""
+
+    @field_validator("store")
+    @classmethod
+    def _store_is_a_path(cls, store: str) -> str:
+        if re.match(rules.URL_SCHEME, store) and not store.startswith("file://"):
+            raise ValueError(rules.STORE_IS_A_PATH.message())
+        return store
 
 
 class AutoscalingSpec(Model):

@@ -54,6 +54,8 @@ Reason = Literal["FieldValueInvalid", "FieldValueForbidden"]
 prints the value instead of the message."""
 
 LOW_PRECISIONS: frozenset[str] = frozenset({"fp8", "mxfp4", "nvfp4"})
+URL_SCHEME = "^[A-Za-z][A-Za-z0-9+.-]*://"
+"""A location that starts like a URL (``s3://``, ``https://``…), as opposed to a path."""
 """Weight precisions whose KV cache defaults to fp8."""
 RESERVED_POOL_NAMES: frozenset[str] = frozenset(
     {"config", "trainer", "router", "rollout", "buffer", "weights"}
@@ -409,6 +411,54 @@ EXPERT_PARALLELISM_DIVIDES = Rule(
     unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name),
 )
 
+MODEL_PATH_IS_LOCAL = Rule(
+    "model-path-is-local",
+    ("ModelSpec",),
+    "path",
+    "must be a directory the trainer can read (a mounted volume) or tiny:<kind>: the trainer loads "
+    "it with transformers from local files and downloads nothing (no s3://, hf:// or https:// URLs)",
+    "FieldValueInvalid",
+    condition=lambda node: f"!{node.value('path')}.matches('{URL_SCHEME}')",
+)
+
+STORE_IS_A_PATH = Rule(
+    "weight-store-is-a-path",
+    ("WeightsSpec",),
+    "store",
+    "must be a path or a file:// URL (the trainer and the engines share it as a volume); object "
+    "stores such as s3:// have no storage backend yet",
+    "FieldValueInvalid",
+    condition=lambda node: (
+        f"!{node.value('store')}.matches('{URL_SCHEME}') || {node.value('store')}.startsWith('file://')"
+    ),
+)
+
+MEGATRON_NOT_BUILT = Rule(
+    "megatron-backend-not-built",
+    (TRAINER,),
+    "backend",
+    "backend megatron is not implemented yet: use backend torch (FSDP2 data parallelism over "
+    "nodes x gpusPerNode processes); docs/api.md says what each backend does",
+    "FieldValueForbidden",
+    condition=lambda node: f"{node.value('backend')} != 'megatron'",
+    unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name, EXPERT_PARALLELISM_DIVIDES.name),
+)
+
+TORCH_IS_DATA_PARALLEL = Rule(
+    "torch-backend-is-data-parallel",
+    (TRAINER,),
+    "parallelism",
+    "the torch backend is data parallel (FSDP2): tp, pp, ep and cp must be 1 "
+    "(tensor, pipeline, expert and context parallelism need the megatron backend)",
+    "FieldValueInvalid",
+    condition=lambda node: (
+        f"{node.value('backend')} != 'torch' || ("
+        + " && ".join(f"{node.nested_value('parallelism', size)} == 1" for size in ("tp", "pp", "ep", "cp"))
+        + ")"
+    ),
+    unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name, EXPERT_PARALLELISM_DIVIDES.name),
+)
+
 # ----------------------------------------------------------------------------- algorithm
 
 BETAS = Rule(
@@ -530,6 +580,8 @@ RUN_NAME_LENGTH = Rule(
 )
 
 RULES: tuple[Rule, ...] = (
+    MODEL_PATH_IS_LOCAL,
+    STORE_IS_A_PATH,
     RESERVED_POOL_NAME,
     REPLICA_BOUNDS,
     *WEIGHTS_NEED.values(),
@@ -542,6 +594,8 @@ RULES: tuple[Rule, ...] = (
     TRAINER_NEEDS_GPUS,
     PARALLELISM_DIVIDES,
     EXPERT_PARALLELISM_DIVIDES,
+    MEGATRON_NOT_BUILT,
+    TORCH_IS_DATA_PARALLEL,
     BETAS,
     TOP_K,
     MIS_RANGE,

@@ -172,9 +172,30 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         " (nodes x gpusPerNode)",
     ),
     "expert-parallel-16-with-tp-4-on-32": (
-        at("spec", "trainer", "parallelism", "ep", value=16),
+        at("spec", "trainer", "parallelism", value={"tp": 4, "ep": 16}),
         "spec.trainer.parallelism.ep: tp x pp x ep (4 x 1 x 16) must divide the trainer's world size 32"
         " (nodes x gpusPerNode)",
+    ),
+    "megatron-backend": (
+        at("spec", "trainer", "backend", value="megatron"),
+        "spec.trainer.backend: backend megatron is not implemented yet: use backend torch (FSDP2 data"
+        " parallelism over nodes x gpusPerNode processes); docs/api.md says what each backend does",
+    ),
+    "tensor-parallel-on-the-torch-backend": (
+        at("spec", "trainer", "parallelism", "tp", value=2),
+        "spec.trainer.parallelism: the torch backend is data parallel (FSDP2): tp, pp, ep and cp must be 1"
+        " (tensor, pipeline, expert and context parallelism need the megatron backend)",
+    ),
+    "model-path-on-s3": (
+        at("spec", "model", "path", value="s3://models/Qwen3-8B"),
+        "spec.model.path: must be a directory the trainer can read (a mounted volume) or tiny:<kind>: the"
+        " trainer loads it with transformers from local files and downloads nothing (no s3://, hf:// or"
+        " https:// URLs)",
+    ),
+    "weight-store-on-s3": (
+        at("spec", "weights", "store", value="s3://bucket/run"),
+        "spec.weights.store: must be a path or a file:// URL (the trainer and the engines share it as a"
+        " volume); object stores such as s3:// have no storage backend yet",
     ),
     "gpu-budget-below-minimums": (
         at("spec", "autoscaling", "gpuBudget", value=2),

@@ -415,6 +415,31 @@ CASES: dict[str, Case] = {
         "spec.trainer.parallelism: tp x pp x cp (2147483647 x 2147483647 x 2147483647) must divide the"
         " trainer's world size 32 (nodes x gpusPerNode)",
     ),
+    "megatron-backend": Case(
+        "megatron-backend-not-built",
+        _set("spec", "trainer", "backend", value="megatron"),
+        "spec.trainer.backend: backend megatron is not implemented yet: use backend torch (FSDP2 data"
+        " parallelism over nodes x gpusPerNode processes); docs/api.md says what each backend does",
+    ),
+    "tensor-parallel-on-the-torch-backend": Case(  # 2 divides 32: only the backend refuses it
+        "torch-backend-is-data-parallel",
+        _set("spec", "trainer", "parallelism", value={"tp": 2}),
+        "spec.trainer.parallelism: the torch backend is data parallel (FSDP2): tp, pp, ep and cp must be 1"
+        " (tensor, pipeline, expert and context parallelism need the megatron backend)",
+    ),
+    "model-path-on-s3": Case(
+        "model-path-is-local",
+        _set("spec", "model", "path", value="s3://models/Qwen3-8B"),
+        "spec.model.path: must be a directory the trainer can read (a mounted volume) or tiny:<kind>: the"
+        " trainer loads it with transformers from local files and downloads nothing (no s3://, hf:// or"
+        " https:// URLs)",
+    ),
+    "weight-store-on-s3": Case(
+        "weight-store-is-a-path",
+        _set("spec", "weights", "store", value="s3://bucket/run"),
+        "spec.weights.store: must be a path or a file:// URL (the trainer and the engines share it as a"
+        " volume); object stores such as s3:// have no storage backend yet",
+    ),
     "gpu-budget-below-minimums": Case(  # minReplicas 2 + 1 + 1 + 1 at one GPU each
         "gpu-budget-covers-minimums",
         _set("spec", "autoscaling", "gpuBudget", value=4),
@@ -449,8 +474,8 @@ VALID: dict[str, Callable[[Doc], None]] = {
     "top-k-off": _set("spec", "algorithm", "topP", "k", value=-1),
     "cpu-pool-without-gpus": _pool(7, gpuType="cpu", engine="torch", gpusPerReplica=0),
     "cpu-trainer-without-gpus": _set("spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 0}),
-    "parallelism-that-divides": _set(
-        "spec", "trainer", "parallelism", value={"tp": 8, "pp": 2, "cp": 2, "ep": 2}
+    "data-parallel-trainer-on-cpu": _set(  # two trainer processes, sizes 1 spelled out
+        "spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 2, "parallelism": {"tp": 1, "ep": 1}}
     ),
     "gpu-budget-that-covers": _set("spec", "autoscaling", "gpuBudget", value=5),
     "toleration-equal-with-key": _pool(

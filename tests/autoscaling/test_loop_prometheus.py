@@ -129,7 +129,7 @@ def rlrun(prometheus_url: str) -> dict[str, Any]:
         "kind": "RLRun",
         "metadata": {"name": "demo", "namespace": NS, "uid": "run-uid", "resourceVersion": "1"},
         "spec": {
-            "model": {"path": "s3://models/x"},
+            "model": {"path": "/weights/base/x"},
             "samplerPools": [
                 {
                     "name": "b200",

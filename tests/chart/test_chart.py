@@ -536,7 +536,9 @@ def test_notes_point_at_what_the_chart_ships(helm: Helm, tmp_path: Path) -> None
     assert "release=kube-prometheus-stack" in notes
     # The minimal run it prints is valid, and fits its GPUs.
     manifest = yaml.safe_load(
-        notes.split("<<'YAML'\n")[1].split("  YAML\n")[0].replace("<your checkpoint URL>", "s3://m")
+        notes.split("<<'YAML'\n")[1]
+        .split("  YAML\n")[0]
+        .replace("<your checkpoint directory on the weights volume>", "/weights/base/m")
     )
     parse_document({**manifest, "metadata": {**manifest["metadata"], "namespace": "rl"}})
     watched = helm.notes(namespaced("rl", "eval"), tmp_path / "ns")

@@ -33,7 +33,7 @@ def small_run(name: str = "demo", pools: list[Obj] | None = None) -> Obj:
         "kind": "RLRun",
         "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {
-            "model": {"path": "s3://models/qwen3-8b"},
+            "model": {"path": "/weights/base/qwen3-8b"},
             "trainer": {"gpuType": "H200", "nodes": 2, "gpusPerNode": 8},
             "samplerPools": pools
             or [

@@ -531,12 +531,6 @@ def test_weights_volume_only_for_filesystem_stores() -> None:
     assert pvc["spec"] == {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "100Gi"}}}
     _, engine = engine_of(resolved)
     assert {"name": "weights", "mountPath": "/weights", "readOnly": True} in engine["volumeMounts"]
-    manifest = small_run()
-    manifest["spec"]["weights"] = {"store": "s3://bucket/run"}
-    remote = resolved_of(manifest)
-    objects = everything(remote)
-    assert not any(o["kind"] == "PersistentVolumeClaim" for o in objects)
-    assert "persistentVolumeClaim" not in json.dumps([t for _, t in pod_templates(objects)])
 
 
 def test_monitoring_mode_chooses_podmonitor_or_scrape_annotations() -> None:

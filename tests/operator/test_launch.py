@@ -1,6 +1,6 @@
 """The launch table reproduces the command lines the operator's builders wrote before it existed.
 
-``command_lines.json`` holds, for every example run and a few variants (CPU, an object store, a
+``command_lines.json`` holds, for every example run and a few variants (CPU, a
 one-node multi-GPU trainer), the manifest and the command of every container the builders made
 before :func:`mixrl.api.launch.component_command` became their only source; both the table and the
 builders built on it must still produce exactly those.
