@@ -25,6 +25,9 @@ from typing import Final
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from prometheus_client import CollectorRegistry
+
+from mixrl.rl.metrics import MIXRL_AUTH_REFUSED_TOTAL, create
 
 TOKEN_ENV: Final = "MIXRL_AUTH_TOKEN"
 TOKEN_FILE_FLAG: Final = "--auth-token-file"
@@ -205,14 +208,30 @@ def unauthorized(message: str, invalid_token: bool) -> web.Response:
     return web.json_response({"error": message}, status=401, headers={"WWW-Authenticate": challenge})
 
 
-def auth_middleware(token: AuthToken, open_routes: Collection[Route], log: logging.Logger) -> Middleware:
+def refusal_counter(registry: CollectorRegistry, run: str, component: str) -> Callable[[str], None]:
+    """``mixrl_auth_refused_requests_total`` for one server, counted by reason (``missing``/``wrong``)."""
+    counter = create(MIXRL_AUTH_REFUSED_TOTAL, registry)
+    for reason in ("missing", "wrong"):  # exported at 0 from the start, so rate() sees the first one
+        counter.labels(run=run, component=component, reason=reason)
+    return lambda reason: counter.labels(run=run, component=component, reason=reason).inc()
+
+
+def auth_middleware(
+    token: AuthToken,
+    open_routes: Collection[Route],
+    log: logging.Logger,
+    count_refusal: Callable[[str], None] | None = None,
+) -> Middleware:
     """Require the token on every route of the app except ``open_routes``.
 
     Deny by default: a route added later is protected unless it is listed as open.  ``HEAD``
     counts as ``GET``.  Requests that match no route pass through to aiohttp's own 404 / 405.
+    Each refusal is logged (at most every 10 s) and passed to ``count_refusal`` (``missing`` or
+    ``wrong``; :func:`refusal_counter` makes one).
     """
     opened = frozenset((method.upper(), path) for method, path in open_routes)
     refusals = _RefusalLog(log)
+    count = count_refusal or (lambda _reason: None)
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -225,6 +244,7 @@ def auth_middleware(token: AuthToken, open_routes: Collection[Route], log: loggi
         match = _BEARER.fullmatch(request.headers.get("Authorization", ""))
         if match is None:
             refusals.refused(request, "no bearer token")
+            count("missing")
             return unauthorized(
                 f"unauthorized: {request.method} {resource.canonical} needs the run's token "
                 "(Authorization: Bearer <token>)",
@@ -232,6 +252,7 @@ def auth_middleware(token: AuthToken, open_routes: Collection[Route], log: loggi
             )
         if not token.matches(match.group(1)):
             refusals.refused(request, "wrong token")
+            count("wrong")
             return unauthorized("unauthorized: the bearer token is not this run's", invalid_token=True)
         return await handler(request)
 
@@ -239,7 +260,10 @@ def auth_middleware(token: AuthToken, open_routes: Collection[Route], log: loggi
 
 
 def auth_middlewares(
-    token: AuthToken | None, open_routes: Collection[Route], log: logging.Logger
+    token: AuthToken | None,
+    open_routes: Collection[Route],
+    log: logging.Logger,
+    count_refusal: Callable[[str], None] | None = None,
 ) -> list[Middleware]:
     """``[auth_middleware(...)]`` with a token, ``[]`` without one (``--insecure-no-auth``)."""
-    return [] if token is None else [auth_middleware(token, open_routes, log)]
+    return [] if token is None else [auth_middleware(token, open_routes, log, count_refusal)]

@@ -340,6 +340,15 @@ MIXRL_COST_DOLLARS_TOTAL = MetricSpec(
     "mixrl_cost_dollars_total", "counter", "Accumulated GPU cost (costPerGpuHour × GPU hours).", MIXRL_LABELS
 )
 
+# authentication — mixrl.rl.auth, in the registry of every server that checks the run's token
+MIXRL_AUTH_REFUSED_TOTAL = MetricSpec(
+    "mixrl_auth_refused_requests_total",
+    "counter",
+    "Requests refused for want of the run's token (reason: missing or wrong); a rise means a caller"
+    " without the run's Secret keeps trying.",
+    ("run", "component", "reason"),
+)
+
 MIXRL_METRICS: tuple[MetricSpec, ...] = (
     *MIXRL_ROUTER_METRICS,
     MIXRL_ROLLOUT_EPISODES_TOTAL,
@@ -357,4 +366,5 @@ MIXRL_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_TRAINER_STALENESS,
     MIXRL_TRAINER_TOKENS_TOTAL,
     MIXRL_COST_DOLLARS_TOTAL,
+    MIXRL_AUTH_REFUSED_TOTAL,
 )

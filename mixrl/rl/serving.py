@@ -125,10 +125,13 @@ def component_app(
     open_routes: Collection[tuple[str, str]],
     log: logging.Logger,
     client_max_size: int,
+    count_refusal: Callable[[str], None] | None = None,
 ) -> web.Application:
-    """A component's app: the run's token on every route but ``open_routes``, and ``GET /metrics``."""
+    """A component's app: the run's token on every route but ``open_routes``, and ``GET /metrics``;
+    ``count_refusal`` counts the refused requests (:func:`mixrl.rl.auth.refusal_counter`)."""
     app = web.Application(
-        client_max_size=client_max_size, middlewares=auth_middlewares(auth_token, open_routes, log)
+        client_max_size=client_max_size,
+        middlewares=auth_middlewares(auth_token, open_routes, log, count_refusal),
     )
     app.router.add_get("/metrics", metrics)
     return app

@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from mixrl.rl import auth
 from mixrl.rl.auth import AuthConfigError, AuthToken
@@ -177,3 +178,38 @@ async def test_refusals_are_reported_at_most_every_ten_seconds_with_a_count(
 def test_bearer_headers() -> None:
     assert auth.bearer_headers(None) == {}
     assert auth.bearer_headers(TOKEN) == {"Authorization": f"Bearer {TOKEN.reveal()}"}
+
+
+async def test_refusals_are_counted_by_reason_in_the_servers_registry() -> None:
+    registry = CollectorRegistry()
+    count = auth.refusal_counter(registry, "demo", "buffer")
+
+    def refused(reason: str) -> float | None:
+        labels = {"run": "demo", "component": "buffer", "reason": reason}
+        return registry.get_sample_value("mixrl_auth_refused_requests_total", labels)
+
+    assert (refused("missing"), refused("wrong")) == (0.0, 0.0)  # exported before the first one
+
+    async def act(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application(
+        middlewares=auth.auth_middlewares(TOKEN, {("GET", "/read")}, logging.getLogger("test.auth"), count)
+    )
+    app.router.add_get("/read", act)
+    app.router.add_post("/write", act)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://{host}:{port}") as http:
+            for headers in ({}, {}, {"Authorization": "Bearer " + "w" * 40}, auth.bearer_headers(TOKEN)):
+                async with http.post("/write", headers=headers):
+                    pass
+            async with http.get("/read"):  # open: never counted
+                pass
+    finally:
+        await runner.cleanup()
+    assert (refused("missing"), refused("wrong")) == (2.0, 1.0)

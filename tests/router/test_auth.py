@@ -66,6 +66,12 @@ async def test_the_weight_fan_out_needs_the_token_and_carries_it_to_each_replica
     assert (status, answer["success"]) == (200, True)
     assert engine.update_bodies == [body]
     assert engine.authorizations[-1] == RIGHT["Authorization"]
+    # Each refusal is counted by reason on the router's /metrics.
+    async with router.http.get(f"{router.url}/metrics") as response:
+        text = await response.text()
+    for reason in ("missing", "wrong"):
+        line = f'mixrl_auth_refused_requests_total{{component="router",reason="{reason}",run="test"}} 1.0'
+        assert line in text, text
 
 
 async def test_pool_changes_and_session_ends_need_the_token(

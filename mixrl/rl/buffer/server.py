@@ -36,7 +36,7 @@ from pydantic import ValidationError
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl import metrics
-from mixrl.rl.auth import AuthToken
+from mixrl.rl.auth import AuthToken, refusal_counter
 from mixrl.rl.buffer.grouping import StepError
 from mixrl.rl.buffer.store import Evaluation, TrajectoryBuffer
 from mixrl.rl.serving import component_app, metrics_handler
@@ -206,7 +206,8 @@ class BufferServer:
         self._closing = False
 
     def app(self) -> web.Application:
-        app = component_app(self.metrics, self.auth_token, OPEN_ROUTES, log, client_max_size=1 << 31)
+        refused = refusal_counter(self.registry, self.run, "buffer")
+        app = component_app(self.metrics, self.auth_token, OPEN_ROUTES, log, 1 << 31, refused)
         app.router.add_post("/trajectories", self._post_trajectories)
         app.router.add_post("/batch", self._take_batch)
         app.router.add_get("/batch", self._read_batch)

@@ -34,6 +34,7 @@ from mixrl.rl.auth import (
     AuthToken,
     add_auth_arguments,
     auth_middlewares,
+    refusal_counter,
     token_from_args,
     warn_if_open,
 )
@@ -235,7 +236,12 @@ def build_app(service: EngineService, auth_token: AuthToken | None = None) -> we
     """
     app = web.Application(
         # The token is checked first, before a body is read or a field is looked at.
-        middlewares=[*auth_middlewares(auth_token, OPEN_ROUTES, log), _errors],
+        middlewares=[
+            *auth_middlewares(
+                auth_token, OPEN_ROUTES, log, refusal_counter(service.stats.registry, "", "engine")
+            ),
+            _errors,
+        ],
         client_max_size=service.config.max_request_mib << 20,
         # Cancel a request's handler when its client disconnects: generate() then aborts the
         # client's sequences instead of decoding them to the end for nobody.

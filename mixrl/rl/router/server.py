@@ -35,7 +35,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixrl.api.resolve import ENGINE_PORT
-from mixrl.rl.auth import AuthToken, bearer_headers
+from mixrl.rl.auth import AuthToken, bearer_headers, refusal_counter
 from mixrl.rl.engine.protocol import (
     GPU_TYPE_HEADER,
     POOL_HEADER,
@@ -134,7 +134,8 @@ class Router:
     # ------------------------------------------------------------------ application
 
     def app(self) -> web.Application:
-        app = component_app(self.metrics, self.settings.auth_token, OPEN_ROUTES, log, client_max_size=1 << 30)
+        refused = refusal_counter(self.registry, self.run, "router")
+        app = component_app(self.metrics, self.settings.auth_token, OPEN_ROUTES, log, 1 << 30, refused)
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/sessions/{session}/end", self._end_session)
         app.router.add_put("/pools/{pool}", self._put_pool)
