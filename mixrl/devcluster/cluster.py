@@ -435,9 +435,13 @@ class Cluster:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and any(_alive(state.pids.get(n, 0)) for n in stopped):
                 time.sleep(0.1)
-            for name in stopped:
-                if _alive(state.pids[name]):
-                    _signal_group(state.pids[name], signal.SIGKILL)
+            killed = [name for name in stopped if _alive(state.pids[name])]
+            for name in killed:
+                _signal_group(state.pids[name], signal.SIGKILL)
+            # SIGKILL is not instant: return only once the kernel has taken them down.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(_alive(state.pids[n]) for n in killed):
+                time.sleep(0.05)
             for pid in state.pids.values():
                 if (child := _CHILDREN.pop(pid, None)) is not None:
                     child.wait()

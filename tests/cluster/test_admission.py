@@ -138,9 +138,19 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.PARALLELISM_DIVIDES.name,
         at("spec", "trainer", "parallelism", value={"tp": 2**31 - 1, "pp": 2**31 - 1, "cp": 2**31 - 1}),
     ),
-    "expert-parallel-16-on-32": (
+    "expert-parallel-16-with-tp-4-on-32": (
         rules.EXPERT_PARALLELISM_DIVIDES.name,
-        at("spec", "trainer", "parallelism", "ep", value=16),
+        at("spec", "trainer", "parallelism", value={"tp": 4, "ep": 16}),
+    ),
+    "megatron-backend": (rules.MEGATRON_NOT_BUILT.name, at("spec", "trainer", "backend", value="megatron")),
+    "tensor-parallel-on-the-torch-backend": (
+        rules.TORCH_IS_DATA_PARALLEL.name,
+        at("spec", "trainer", "parallelism", "tp", value=2),
+    ),
+    "model-path-on-s3": (rules.MODEL_PATH_IS_LOCAL.name, at("spec", "model", "path", value="s3://m/qwen3")),
+    "weight-store-on-s3": (
+        rules.STORE_IS_A_PATH.name,
+        at("spec", "weights", "store", value="s3://bucket/run"),
     ),
     "gpu-budget-below-minimums": (
         rules.GPU_BUDGET_COVERS_MINIMUMS.name,

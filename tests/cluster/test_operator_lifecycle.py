@@ -31,8 +31,9 @@ def small_run(namespace: str, **spec: Any) -> dict[str, Any]:
     doc = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
     doc["metadata"] = {"name": RUN, "namespace": namespace}
     doc["spec"]["samplerPools"] = [p for p in doc["spec"]["samplerPools"] if p["name"] in POOLS]
-    # One 8-GPU node: tensor x expert parallelism must divide its 8 GPUs (4 x 2).
-    doc["spec"]["trainer"].update(nodes=1, gpusPerNode=8, parallelism={"tp": 4, "pp": 1, "ep": 2, "cp": 1})
+    # One 8-GPU node: eight data-parallel ranks.
+    doc["spec"]["trainer"].update(nodes=1, gpusPerNode=8)
+    doc["spec"]["trainer"].pop("parallelism", None)
     doc["spec"]["autoscaling"] = {"engine": "none"}
     doc["spec"].update(spec)
     return doc
