@@ -93,3 +93,21 @@ def test_a_two_rank_checkpoint_resumes_on_one_rank_and_vice_versa(
     weights = load_file(str(back / "weights.safetensors"))
     for name, value in expected.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_rank_without_trajectories_still_takes_part(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module
+) -> None:
+    # Two trajectories for three ranks: rank 2 runs empty passes and the update is still the one
+    # a single process makes.
+    groups_json = tmp_path / "two.json"
+    group = synthetic_group(model, "p", 2, pool="a", seed=7, noise=0.3)
+    groups_json.write_text(json.dumps([[t.model_dump(mode="json") for t in group]]))
+    expected, results = single_process(tiny_model_dir, groups_json, steps=1)
+    torchrun(3, tiny_model_dir, groups_json, tmp_path, 1, cwd=tmp_path)
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    for name, value in expected.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    (step,) = json.loads((tmp_path / "rank2.json").read_text())
+    assert step["metrics"]["kl_k3"] == pytest.approx(results[0].metrics["kl_k3"], rel=1e-5, abs=1e-9)
+    assert step["loss"] == pytest.approx(results[0].loss, rel=1e-5, abs=1e-7)

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from mixrl.rl.corrections import CorrectionConfig, chunked_token_policy_loss
+from mixrl.rl.corrections.metrics import METRIC_KEYS
 from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import PolicyBatch
 from mixrl.rl.trainer.distributed import Ranks
@@ -248,10 +249,11 @@ def metric_sums(
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """Per-token metrics as sums per pool ([metrics, pools], float64) and token counts per pool:
     the form that adds up across ranks."""
-    names = sorted(per_token)
+    names = list(METRIC_KEYS)  # every rank the same, even one that had no token this step
     sums = torch.zeros((len(names), num_pools), dtype=torch.float64)
     for row, name in enumerate(names):
-        sums[row].index_add_(0, pool_index, torch.cat(per_token[name]).double())
+        if name in per_token:
+            sums[row].index_add_(0, pool_index, torch.cat(per_token[name]).double())
     counts = torch.bincount(pool_index, minlength=num_pools).double()
     return names, sums, counts
 
