@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -98,8 +99,10 @@ def test_the_token_file_is_readable_by_its_owner_only(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------- middleware
 
 
-@pytest.fixture
-async def app_url() -> AsyncIterator[tuple[str, list[str]]]:
+@asynccontextmanager
+async def small_app(
+    count_refusal: Callable[[str], None] | None = None,
+) -> AsyncIterator[tuple[str, list[str]]]:
     """A small app: an open GET, a protected POST, a protected route with a variable part."""
     done: list[str] = []
 
@@ -107,9 +110,8 @@ async def app_url() -> AsyncIterator[tuple[str, list[str]]]:
         done.append(f"{request.method} {request.path}")
         return web.json_response({"ok": True})
 
-    app = web.Application(
-        middlewares=auth.auth_middlewares(TOKEN, {("GET", "/read")}, logging.getLogger("test.auth"))
-    )
+    log = logging.getLogger("test.auth")
+    app = web.Application(middlewares=auth.auth_middlewares(TOKEN, {("GET", "/read")}, log, count_refusal))
     app.router.add_get("/read", act)
     app.router.add_post("/write", act)
     app.router.add_post("/things/{name}/end", act)
@@ -118,8 +120,16 @@ async def app_url() -> AsyncIterator[tuple[str, list[str]]]:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     host, port = runner.addresses[0][:2]
-    yield f"http://{host}:{port}", done
-    await runner.cleanup()
+    try:
+        yield f"http://{host}:{port}", done
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def app_url() -> AsyncIterator[tuple[str, list[str]]]:
+    async with small_app() as served:
+        yield served
 
 
 async def test_the_middleware_protects_everything_not_listed_as_open(app_url: tuple[str, list[str]]) -> None:
@@ -190,26 +200,10 @@ async def test_refusals_are_counted_by_reason_in_the_servers_registry() -> None:
 
     assert (refused("missing"), refused("wrong")) == (0.0, 0.0)  # exported before the first one
 
-    async def act(_: web.Request) -> web.Response:
-        return web.json_response({"ok": True})
-
-    app = web.Application(
-        middlewares=auth.auth_middlewares(TOKEN, {("GET", "/read")}, logging.getLogger("test.auth"), count)
-    )
-    app.router.add_get("/read", act)
-    app.router.add_post("/write", act)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        async with aiohttp.ClientSession(base_url=f"http://{host}:{port}") as http:
-            for headers in ({}, {}, {"Authorization": "Bearer " + "w" * 40}, auth.bearer_headers(TOKEN)):
-                async with http.post("/write", headers=headers):
-                    pass
-            async with http.get("/read"):  # open: never counted
+    async with small_app(count) as (url, _), aiohttp.ClientSession(base_url=url) as http:
+        for headers in ({}, {}, {"Authorization": "Bearer " + "w" * 40}, auth.bearer_headers(TOKEN)):
+            async with http.post("/write", headers=headers):
                 pass
-    finally:
-        await runner.cleanup()
+        async with http.get("/read"):  # open: never counted
+            pass
     assert (refused("missing"), refused("wrong")) == (2.0, 1.0)

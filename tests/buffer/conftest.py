@@ -9,7 +9,6 @@ invented token ids (the buffer never looks inside tokens beyond versions and mas
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,8 @@ from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
+
+from ..fakes import no_leftover_tasks as no_leftover_tasks
 
 
 def make_trajectory(
@@ -110,16 +111,6 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         await running.client.close()
         await runner.cleanup()
         running.buffer.close()
-
-
-@pytest.fixture(autouse=True)
-async def no_leftover_tasks() -> AsyncIterator[None]:
-    """Fail a test that leaves an asyncio task running (fixtures have been torn down by then)."""
-    yield
-    current = asyncio.current_task()
-    await asyncio.sleep(0)
-    left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-    assert not left, f"test left asyncio tasks behind: {left}"
 
 
 def write_run_config(path: Path, prompts: int, samples: int, max_staleness: int | None = None) -> Path:
