@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import aiohttp
@@ -237,3 +238,26 @@ async def test_metrics_exported(start_buffer) -> None:
     assert samples[("mixrl_buffer_staleness_bucket", "fp8", "1.0")] == 4
     assert samples[("mixrl_buffer_staleness_sum", "fp8", None)] == 2
     assert samples[("mixrl_buffer_eval_pass_at_k", None, "1")] == 0.4
+
+
+async def test_a_client_gone_mid_body_stores_nothing_and_logs_no_traceback(
+    start_buffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    running = await start_buffer()
+    host, port = running.url.removeprefix("http://").split(":")
+    body = b'[{"prompt_id": "p", "sample_index": 0'  # the start of a body announced much longer
+    with caplog.at_level(logging.INFO):
+        _, writer = await asyncio.open_connection(host, int(port))
+        head = f"POST /trajectories HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        writer.write((head + "Content-Length: 100000\r\n\r\n").encode() + body)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+        for _ in range(100):  # until the server has seen the connection go
+            if any("went away" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.02)
+    assert any("went away" in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert (await running.client.stats())["trajectories"] == 0  # nothing half-stored
+    assert (running.buffer.dir / "trajectories.jsonl").read_text() == ""

@@ -68,6 +68,22 @@ def _shown(raw: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + f"… ({len(raw)} characters)"
 
 
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived whole: nothing is stored."""
+
+
+async def _body(request: web.Request) -> bytes:
+    """The whole body, or :class:`ClientGone` when the client went away mid-body (one INFO line,
+    no traceback: a dropped connection is the client's business, and nothing was half-stored)."""
+    try:
+        return await request.read()
+    except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is a ConnectionResetError
+        log.info(
+            "%s %s: the client went away mid-body (%s); nothing stored", request.method, request.path, exc
+        )
+        raise ClientGone from None
+
+
 def _json_body(raw: bytes) -> Any:
     """The JSON of a request body; ValueError with one line (``body: not JSON (...)``) otherwise."""
     try:
@@ -227,9 +243,11 @@ class BufferServer:
 
     async def _post_trajectories(self, request: web.Request) -> web.Response:
         try:
-            trajectories = parse_trajectories(_json_body(await request.read()))
+            trajectories = parse_trajectories(_json_body(await _body(request)))
         except ValueError as exc:
             return _bad_request(str(exc))
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
         completed = await asyncio.to_thread(self.buffer.append, trajectories)
         async with self._arrivals:
             self._arrivals.notify_all()
@@ -279,11 +297,13 @@ class BufferServer:
 
     async def _post_evaluation(self, request: web.Request) -> web.Response:
         try:
-            evaluation = Evaluation.model_validate(_json_body(await request.read()))
+            evaluation = Evaluation.model_validate(_json_body(await _body(request)))
         except ValidationError as exc:
             return _bad_request(_error_location(exc, "evaluation"))
         except ValueError as exc:
             return _bad_request(str(exc))
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
         await asyncio.to_thread(self.buffer.add_evaluation, evaluation)
         return web.json_response({"accepted": True})
 
