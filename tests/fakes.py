@@ -69,6 +69,8 @@ class FakeEngine:
     delay: float = 0.0
     hold: asyncio.Event | None = None
     """When set, /generate waits for this event before answering (to keep requests in flight)."""
+    update_delay: float = 0.0
+    """Seconds /update_weights_from_disk takes (a reload in progress)."""
     api_key: str | None = None
     """As SGLang's ``--api-key``: every route but /health and /metrics needs ``Bearer <api_key>``."""
     generate_bodies: list[bytes] = field(default_factory=list)
@@ -77,11 +79,14 @@ class FakeEngine:
     authorizations: list[str | None] = field(default_factory=list)
     """The Authorization header of every /generate and /update_weights_from_disk received."""
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a /generate's caller went away mid-request (its handler is cancelled, as in the
+    torch engine, whose scheduler then aborts the sequence)."""
     runner: web.AppRunner | None = None
     url: str = ""
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._api_key_check])
+        app = web.Application(middlewares=[self._api_key_check], handler_args={"handler_cancellation": True})
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -115,10 +120,14 @@ class FakeEngine:
         self.generate_bodies.append(raw)
         self.sessions_seen.append(request.headers.get(SESSION_HEADER))
         self.arrived.set()
-        if self.hold is not None:
-            await self.hold.wait()
-        if self.delay:
-            await asyncio.sleep(self.delay)
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            if self.delay:
+                await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
         body = json.loads(raw)
         if body.get("stream"):
             return await self._stream(request, int(body.get("sampling_params", {}).get("max_new_tokens", 4)))
@@ -148,7 +157,9 @@ class FakeEngine:
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _update(self, request: web.Request) -> web.Response:
-        self.update_bodies.append(await request.json())
+        body = await request.json()
+        await asyncio.sleep(self.update_delay)
+        self.update_bodies.append(body)
         return web.json_response({"success": True, "message": f"{self.name} loaded"})
 
 

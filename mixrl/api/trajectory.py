@@ -129,3 +129,26 @@ class Trajectory(BaseModel):
         """The oldest weight version among generated tokens (NO_VERSION if none)."""
         versions = [v for v, m in zip(self.weight_version, self.loss_mask, strict=True) if m]
         return min(versions) if versions else NO_VERSION
+
+
+JSON_NUMBER_BYTES = 26
+"""Most bytes one number takes in a JSON body: the longest float64 repr (``-2.2250738585072014e-308``,
+24 characters), its comma and the space Python's encoder puts after it."""
+JSON_TRAJECTORY_OVERHEAD = 64 << 10
+"""Bytes of a trajectory's fixed fields (names, ids, reward, split; each capped far below this)."""
+
+
+def largest_json_bytes(context_tokens: int, candidates: int) -> int:
+    """An upper bound on one trajectory's JSON size when its context holds ``context_tokens``
+    tokens with ``candidates`` candidates recorded per generated token.
+
+    Every context token appears once (``prompt_ids`` or ``tokens``), and at most it also has a loss
+    mask, a log q, a support size, a weight version and ``candidates`` ids and log q's, each list
+    with its brackets.  The buffer derives its request limit from this, so a real group always
+    fits and a body of gigabytes is refused before it is read whole."""
+    numbers_per_token = 5 + 2 * candidates
+    brackets_per_token = 8  # the two candidate lists: "[", "]", ", " each
+    return (
+        context_tokens * (numbers_per_token * JSON_NUMBER_BYTES + brackets_per_token)
+        + JSON_TRAJECTORY_OVERHEAD
+    )

@@ -4,7 +4,8 @@ The engine, the router and the buffer all serve this way; the local runner and t
 with ``--port 0 --port-file F`` and read the port the OS chose from F.  The router and the buffer
 share the rest of their skeleton too: an app behind the run's token with ``GET /metrics`` from a
 Prometheus registry (:func:`component_app`), the same ``/metrics`` alone for the pod's metrics port
-(:func:`metrics_app`), and :func:`serve_component`, which serves both as the listening flags say.
+(:func:`metrics_app`), :func:`serve_component`, which serves both as the listening flags say, and
+:func:`read_body`, which turns a client gone mid-body into one INFO line instead of a traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from mixrl.rl.auth import AuthToken, auth_middlewares
 
 AIOHTTP_SHUTDOWN_TIMEOUT = 60.0  # aiohttp's own default wait for in-flight requests on cleanup
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived whole: nothing was acted on."""
+
+
+async def read_body(request: web.Request, log: logging.Logger) -> bytes:
+    """The whole body, or :class:`ClientGone` when the client went away mid-body (one INFO line,
+    no traceback: a dropped connection is the client's business, and nothing was half-done).
+    A body over the app's ``client_max_size`` still answers 413 (aiohttp's own HTTP error)."""
+    try:
+        return await request.read()
+    except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is a ConnectionResetError
+        log.info("%s %s: the client went away mid-body (%s); nothing done", request.method, request.path, exc)
+        raise ClientGone from None
+    except asyncio.CancelledError:  # the same, in an app that cancels the handlers of gone clients
+        log.info("%s %s: the client went away mid-body; nothing done", request.method, request.path)
+        raise
 
 
 def add_listen_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
@@ -126,12 +145,16 @@ def component_app(
     log: logging.Logger,
     client_max_size: int,
     count_refusal: Callable[[str], None] | None = None,
+    cancel_on_disconnect: bool = False,
 ) -> web.Application:
     """A component's app: the run's token on every route but ``open_routes``, and ``GET /metrics``;
-    ``count_refusal`` counts the refused requests (:func:`mixrl.rl.auth.refusal_counter`)."""
+    ``count_refusal`` counts the refused requests (:func:`mixrl.rl.auth.refusal_counter`);
+    ``cancel_on_disconnect`` cancels a request's handler when its client goes away (aiohttp's
+    ``handler_cancellation``, off by default), so work done for that client stops."""
     app = web.Application(
         client_max_size=client_max_size,
         middlewares=auth_middlewares(auth_token, open_routes, log, count_refusal),
+        handler_args={"handler_cancellation": cancel_on_disconnect},
     )
     app.router.add_get("/metrics", metrics)
     return app

@@ -90,11 +90,12 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         max_staleness: int | None = None,
         directory: Path | None = None,
         auth_token: AuthToken | None = None,
+        max_body_bytes: int = 64 << 20,
     ) -> RunningBuffer:
         buffer = TrajectoryBuffer(
             directory or tmp_path / "buffer", prompts_per_update, samples_per_prompt, max_staleness
         )
-        server = BufferServer(buffer, run="test", auth_token=auth_token)
+        server = BufferServer(buffer, run="test", auth_token=auth_token, max_body_bytes=max_body_bytes)
         runner = web.AppRunner(server.app(), shutdown_timeout=0.5)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

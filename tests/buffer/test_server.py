@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mixrl.api.loader import load_rlrun
+from mixrl.api.resolve import resolve
+from mixrl.api.trajectory import TokenRecord, Trajectory
 from mixrl.rl.buffer.client import BufferError
+from mixrl.rl.buffer.server import body_limit
 
 from .conftest import group_of, make_trajectory
 
@@ -260,4 +266,58 @@ async def test_a_client_gone_mid_body_stores_nothing_and_logs_no_traceback(
     assert any("went away" in r.getMessage() for r in caplog.records)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert (await running.client.stats())["trajectories"] == 0  # nothing half-stored
+    assert (running.buffer.dir / "trajectories.jsonl").read_text() == ""
+
+
+WORST_LOGPROB = -2.2250738585072014e-308  # the longest float64 repr
+WORST_ID = 2**31 - 1
+
+
+def largest_group(samples: int, context_tokens: int, candidates: int) -> list[Trajectory]:
+    """A group as large as a run lets it be: a one-token prompt, then generated tokens up to the
+    context limit, each with K candidates, every number at its longest JSON form."""
+    group = []
+    for index in range(samples):
+        trajectory = Trajectory(
+            prompt_id="p" * 200,
+            sample_index=index,
+            pool="pool",
+            prompt_ids=[WORST_ID],
+            reward=WORST_LOGPROB,
+            finish_reason="context_limit",
+            num_turns=WORST_ID,
+        )
+        record = TokenRecord(
+            token_id=WORST_ID,
+            logprob=WORST_LOGPROB,
+            cand_ids=[WORST_ID] * candidates,
+            cand_logprobs=[WORST_LOGPROB] * candidates,
+            support_size=candidates,
+            weight_version=WORST_ID,
+        )
+        for _ in range(context_tokens - 1):
+            trajectory.append_generated(record)
+        group.append(trajectory)
+    return group
+
+
+async def test_the_body_limit_fits_the_largest_group_of_the_run_and_no_more(start_buffer) -> None:
+    run = resolve(load_rlrun(Path(__file__).parents[2] / "examples" / "quickstart.yaml"))
+    limit = body_limit(run)
+    group = largest_group(
+        run.trainer.samples_per_prompt, run.model.max_context_tokens, run.sampling.top_logprobs_num
+    )
+    body = json.dumps([t.model_dump(mode="json") for t in group])  # as the buffer client sends it
+    assert len(body) <= limit < 3 * len(body)  # always fits, yet a bound, not a guess of gigabytes
+    running = await start_buffer(samples_per_prompt=run.trainer.samples_per_prompt, max_body_bytes=limit)
+    assert await running.client.post_trajectories(group) == 1  # accepted whole: the group is complete
+    assert (await running.client.stats())["trajectories"] == len(group)
+
+
+async def test_a_body_beyond_the_limit_gets_413_and_stores_nothing(start_buffer) -> None:
+    running = await start_buffer(samples_per_prompt=2, max_body_bytes=4096)
+    with pytest.raises(BufferError, match="413: Maximum request body size 4096 exceeded") as refused:
+        await running.client.post_trajectories(largest_group(2, 64, 4))
+    assert refused.value.status == 413 and "\n" not in str(refused.value)
+    assert (await running.client.stats())["trajectories"] == 0
     assert (running.buffer.dir / "trajectories.jsonl").read_text() == ""

@@ -224,7 +224,7 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         prompts_per_update: int, samples_per_prompt: int, auth_token: AuthToken | None = None
     ) -> RunningBuffer:
         buffer = TrajectoryBuffer(tmp_path / "buffer", prompts_per_update, samples_per_prompt)
-        runner, url = await serve(BufferServer(buffer, run="test", auth_token=auth_token).app())
+        runner, url = await serve(BufferServer(buffer, run="test", auth_token=auth_token, max_body_bytes=64 << 20).app())
         client = BufferClient(url, retries=1, backoff_s=0.05, auth_token=auth_token)
         running = RunningBuffer(buffer, url, client)
         started.append((runner, running))

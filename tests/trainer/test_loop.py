@@ -37,7 +37,7 @@ def small_run(tmp_path: Path, total_steps: int) -> ResolvedRun:
 @asynccontextmanager
 async def buffer_at(directory: Path) -> AsyncIterator[str]:
     buffer = TrajectoryBuffer(directory, prompts_per_update=1, samples_per_prompt=2)
-    runner = web.AppRunner(BufferServer(buffer).app(), shutdown_timeout=0.5)
+    runner = web.AppRunner(BufferServer(buffer, max_body_bytes=64 << 20).app(), shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

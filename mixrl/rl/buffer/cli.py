@@ -11,7 +11,7 @@ from pathlib import Path
 from mixrl.api.loader import load_resolved
 from mixrl.api.resolve import BUFFER_PORT, ResolvedRun
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args, warn_if_open
-from mixrl.rl.buffer.server import BufferServer
+from mixrl.rl.buffer.server import BufferServer, body_limit
 from mixrl.rl.buffer.store import BufferLogError, TrajectoryBuffer
 from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_component
 
@@ -67,17 +67,18 @@ def main(argv: list[str]) -> int:
     except (BufferLogError, OSError) as exc:
         print(f"mixrl buffer: --dir: {exc}", file=sys.stderr)
         return 2
-    server = BufferServer(buffer, run.name, auth_token)
+    server = BufferServer(buffer, run.name, auth_token, max_body_bytes=body_limit(run))
 
     def announce(bound: int) -> None:
         state = buffer.state
         log.info(
-            "listening on http://%s:%d; %d prompts × %d samples per update, max staleness %s",
+            "listening on http://%s:%d; %d prompts × %d samples per update, max staleness %s, bodies up to %d MiB",
             args.host,
             bound,
             state.prompts_per_update,
             state.samples_per_prompt,
             state.max_staleness,
+            server.max_body_bytes >> 20,
         )
         warn_if_open(auth_token, log, "post trajectories, take batches and commit steps")
 

@@ -14,6 +14,8 @@ connection could not be made at all, so a retry can never log the same trajector
 from __future__ import annotations
 
 import asyncio
+import io
+import json as jsonlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,14 +102,27 @@ class BufferClient(SessionClient):
     ) -> tuple[int, Any]:
         url = f"{self.base_url}{path}"
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        # A group is megabytes of JSON: encoded once, and streamed from a file-like object, which
+        # aiohttp sends in chunks (raw bytes of that size would be written in one go, and warned about).
+        body = None if json is None else jsonlib.dumps(json).encode()
+        headers = dict(self.headers) if body is None else {**self.headers, "Content-Type": "application/json"}
         error: Exception | None = None
         for attempt in range(self.retries + 1):
             try:
                 async with self._http().request(
-                    method, url, json=json, params=params, timeout=timeout, headers=self.headers
+                    method,
+                    url,
+                    data=None if body is None else io.BytesIO(body),
+                    params=params,
+                    timeout=timeout,
+                    headers=headers,
                 ) as resp:
                     status = resp.status
-                    payload = await resp.json() if status != 204 else None
+                    # aiohttp's own answers (413 for a body over the limit) are plain text.
+                    json_answer = resp.content_type == "application/json"
+                    payload = (
+                        (await resp.json() if json_answer else await resp.text()) if status != 204 else None
+                    )
             except aiohttp.ClientConnectorError as exc:  # never connected: nothing was sent
                 error = exc
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:

@@ -34,12 +34,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from pydantic import ValidationError
 
-from mixrl.api.trajectory import Trajectory
+from mixrl.api.resolve import ResolvedRun
+from mixrl.api.trajectory import Trajectory, largest_json_bytes
 from mixrl.rl import metrics
 from mixrl.rl.auth import AuthToken, refusal_counter
 from mixrl.rl.buffer.grouping import StepError
 from mixrl.rl.buffer.store import Evaluation, TrajectoryBuffer
-from mixrl.rl.serving import component_app, metrics_handler
+from mixrl.rl.serving import ClientGone, component_app, metrics_handler, read_body
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -66,22 +67,6 @@ def _shown(raw: str, limit: int = 200) -> str:
     """repr() of a client's value for an error message, cut short: never echo megabytes back."""
     text = repr(raw)
     return text if len(text) <= limit else text[:limit] + f"… ({len(raw)} characters)"
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body arrived whole: nothing is stored."""
-
-
-async def _body(request: web.Request) -> bytes:
-    """The whole body, or :class:`ClientGone` when the client went away mid-body (one INFO line,
-    no traceback: a dropped connection is the client's business, and nothing was half-stored)."""
-    try:
-        return await request.read()
-    except ConnectionError as exc:  # aiohttp's ClientConnectionResetError is a ConnectionResetError
-        log.info(
-            "%s %s: the client went away mid-body (%s); nothing stored", request.method, request.path, exc
-        )
-        raise ClientGone from None
 
 
 def _json_body(raw: bytes) -> Any:
@@ -207,13 +192,30 @@ class BufferCollector(Collector):
         yield family
 
 
-class BufferServer:
-    """``auth_token``: required on every route outside :data:`OPEN_ROUTES` (None: no check)."""
+def body_limit(run: ResolvedRun) -> int:
+    """The largest request body the buffer reads: one group (``samplesPerPrompt`` trajectories, the
+    rollout posts a group at a time) at ``model.maxContextTokens`` with K candidates on every token.
+    A real group always fits; a body beyond it gets 413 before it is read whole."""
+    largest = largest_json_bytes(run.model.max_context_tokens, run.sampling.top_logprobs_num)
+    return run.trainer.samples_per_prompt * largest
 
-    def __init__(self, buffer: TrajectoryBuffer, run: str = "", auth_token: AuthToken | None = None) -> None:
+
+class BufferServer:
+    """``auth_token``: required on every route outside :data:`OPEN_ROUTES` (None: no check);
+    ``max_body_bytes``: 413 beyond it (:func:`body_limit` of the run)."""
+
+    def __init__(
+        self,
+        buffer: TrajectoryBuffer,
+        run: str = "",
+        auth_token: AuthToken | None = None,
+        *,
+        max_body_bytes: int,
+    ) -> None:
         self.buffer = buffer
         self.run = run
         self.auth_token = auth_token
+        self.max_body_bytes = max_body_bytes
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(BufferCollector(buffer, run))
         # Collected off the event loop: the collector reads the buffer's state under its lock.
@@ -223,7 +225,7 @@ class BufferServer:
 
     def app(self) -> web.Application:
         refused = refusal_counter(self.registry, self.run, "buffer")
-        app = component_app(self.metrics, self.auth_token, OPEN_ROUTES, log, 1 << 31, refused)
+        app = component_app(self.metrics, self.auth_token, OPEN_ROUTES, log, self.max_body_bytes, refused)
         app.router.add_post("/trajectories", self._post_trajectories)
         app.router.add_post("/batch", self._take_batch)
         app.router.add_get("/batch", self._read_batch)
@@ -243,7 +245,7 @@ class BufferServer:
 
     async def _post_trajectories(self, request: web.Request) -> web.Response:
         try:
-            trajectories = parse_trajectories(_json_body(await _body(request)))
+            trajectories = parse_trajectories(_json_body(await read_body(request, log)))
         except ValueError as exc:
             return _bad_request(str(exc))
         except ClientGone:
@@ -297,7 +299,7 @@ class BufferServer:
 
     async def _post_evaluation(self, request: web.Request) -> web.Response:
         try:
-            evaluation = Evaluation.model_validate(_json_body(await _body(request)))
+            evaluation = Evaluation.model_validate(_json_body(await read_body(request, log)))
         except ValidationError as exc:
             return _bad_request(_error_location(exc, "evaluation"))
         except ValueError as exc:

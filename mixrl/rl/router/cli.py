@@ -11,7 +11,7 @@ from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ENGINE_PORT, ROUTER_PORT
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args, warn_if_open
 from mixrl.rl.router.config import RouterConfigError, from_resolved_run, load_replicas_file
-from mixrl.rl.router.server import Router, RouterSettings
+from mixrl.rl.router.server import Router, RouterSettings, body_limit
 from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_component
 
 
@@ -96,6 +96,7 @@ def main(argv: list[str]) -> int:
         discover_dns=args.replicas is None if args.discover_dns is None else args.discover_dns,
         engine_port=args.engine_port,
         auth_token=auth_token,
+        max_request_bytes=body_limit(run.model.max_context_tokens),
     )
     router = Router(config, settings)
     log = logging.getLogger("mixrl.router")

@@ -48,12 +48,26 @@ from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
 from mixrl.rl.router.config import RouterConfig, check_replica_url
 from mixrl.rl.router.exporter import make_registry
 from mixrl.rl.router.state import NoReadyReplica, Route, RouterState
-from mixrl.rl.serving import component_app, metrics_handler
+from mixrl.rl.serving import ClientGone, component_app, metrics_handler, read_body
 
 log = logging.getLogger("mixrl.router")
 
 CLIENT_CLOSED = 499
 """Status recorded when the client went away before the replica answered (nginx's convention)."""
+
+ENGINE_BODY_LIMIT = 8 << 20
+"""The torch engine's default request limit (``--max-request-mib 8``): the router's floor."""
+BYTES_PER_CONTEXT_TOKEN = 32
+"""Most JSON bytes one context token takes in a request: an id is at most 11 (ten digits and a
+comma); as text a token is a few characters, each at most 6 once escaped (``\\uXXXX``)."""
+
+
+def body_limit(max_context_tokens: int) -> int:
+    """The largest request body the router reads: a ``/generate`` carrying a whole context, plus
+    1 MiB for the sampling fields, and never less than an engine accepts by default.  A body
+    beyond it gets 413 before it is read whole (an engine would refuse it anyway)."""
+    return max(ENGINE_BODY_LIMIT, BYTES_PER_CONTEXT_TOKEN * max_context_tokens + (1 << 20))
+
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 """host, port -> IP addresses currently behind that name (empty when the name does not exist)."""
@@ -100,6 +114,8 @@ class RouterSettings:
     auth_token: AuthToken | None = None
     """The run's token: required on the router's state-changing routes and sent to every replica
     (None: no check and nothing sent, as with ``--insecure-no-auth``).  Its repr is hidden."""
+    max_request_bytes: int = ENGINE_BODY_LIMIT
+    """413 beyond it (:func:`body_limit` of the run's context)."""
 
 
 def _retry_response(message: str, **extra: Any) -> web.Response:
@@ -135,7 +151,17 @@ class Router:
 
     def app(self) -> web.Application:
         refused = refusal_counter(self.registry, self.run, "router")
-        app = component_app(self.metrics, self.settings.auth_token, OPEN_ROUTES, log, 1 << 30, refused)
+        # A client gone mid-turn cancels its proxied request: the closed upstream connection makes
+        # the engine abort the sequence instead of decoding it to the end for nobody.
+        app = component_app(
+            self.metrics,
+            self.settings.auth_token,
+            OPEN_ROUTES,
+            log,
+            self.settings.max_request_bytes,
+            refused,
+            cancel_on_disconnect=True,
+        )
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/sessions/{session}/end", self._end_session)
         app.router.add_put("/pools/{pool}", self._put_pool)
@@ -259,7 +285,10 @@ class Router:
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         started = self.clock()
-        body = await request.read()
+        try:
+            body = await read_body(request, log)
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
         session_id = request.headers.get(SESSION_HEADER) or None
         try:
             route = await self._wait_for_slot(self.state.route(session_id, started), session_id)
@@ -377,8 +406,10 @@ class Router:
         if name not in self.state.pools:
             return web.json_response({"error": f"pool: no pool named {name!r}"}, status=404)
         try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
+            body = json.loads(await read_body(request, log))
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             return _bad_request(f"body: not JSON ({exc})")
         if not isinstance(body, dict):
             return _bad_request("body: expected a JSON object with 'replicas'")
@@ -416,8 +447,14 @@ class Router:
     # ------------------------------------------------------------------ fan-out
 
     async def _update_weights(self, request: web.Request) -> web.Response:
-        """Send SGLang's /update_weights_from_disk body to every ready replica; report each result."""
-        body = await request.read()
+        """Send SGLang's /update_weights_from_disk body to every ready replica; report each result.
+
+        Shielded: a caller that goes away (or times out) mid-reload does not cut the fan-out short,
+        which would leave some replicas half-way through their reload."""
+        try:
+            body = await read_body(request, log)
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
         targets = [
             (pool.name, replica.url)
             for pool in self.state.pools.values()
@@ -425,7 +462,8 @@ class Router:
         ]
         if not targets:
             return _retry_response("no ready replica to update; retry when replicas are up", results=[])
-        results = await asyncio.gather(*(self._update_one(pool, url, body) for pool, url in targets))
+        fan_out = asyncio.gather(*(self._update_one(pool, url, body) for pool, url in targets))
+        results = await asyncio.shield(fan_out)
         success = all(result["success"] for result in results)
         return web.json_response({"success": success, "results": results}, status=200 if success else 502)
 
