@@ -29,10 +29,10 @@ import torch
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import Trajectory
 from mixrl.local.demos import WarmStartRecipe, warm_start_recipe
+from mixrl.rl.environments.filetree import FileTreeEnvironment, FileTreeTask, generate_tasks
 from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.agent import run_episode, summarize_evaluation
 from mixrl.rl.rollout.local_sampler import LocalSampler
-from mixrl.rl.rollout.tasks import Task, generate_tasks
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
 
@@ -50,7 +50,7 @@ def quickstart_sampling(max_new_tokens: int = 16) -> SamplingParams:
 async def play(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
-    tasks: list[Task],
+    tasks: list[FileTreeTask],
     samples: int,
     sampling: SamplingParams,
     seed: int,
@@ -58,6 +58,7 @@ async def play(
     max_context: int = 256,
 ) -> list[list[Trajectory]]:
     model.eval()
+    environment = FileTreeEnvironment()
     async with LocalSampler(
         model,
         tokenizer.stop_token_ids,
@@ -70,7 +71,15 @@ async def play(
         flat = await asyncio.gather(
             *[
                 run_episode(
-                    sampler.generate, task, tokenizer, sampling, max_turns, max_context, 3, sample_index=i
+                    sampler.generate,
+                    environment,
+                    task,
+                    tokenizer,
+                    sampling,
+                    max_turns,
+                    max_context,
+                    3,
+                    sample_index=i,
                 )
                 for task in tasks
                 for i in range(samples)
@@ -80,7 +89,7 @@ async def play(
 
 
 def heldout_pass1(
-    model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[Task], samples: int, seed: int
+    model: torch.nn.Module, tokenizer: Tokenizer, tasks: list[FileTreeTask], samples: int, seed: int
 ) -> float:
     groups = asyncio.run(play(model, tokenizer, tasks, samples, quickstart_sampling(), seed))
     return summarize_evaluation(groups, [1])["pass_at_k"]["1"]

@@ -11,7 +11,7 @@ import sys
 
 # name -> (module exposing main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "validate": ("mixrl.api.validate_cmd", "check RLRun YAML files; one line per problem"),
+    "validate": ("mixrl.rl.environments.validate_cmd", "check RLRun YAML files; one line per problem"),
     "crds": ("mixrl.api.crd_cmd", "write (or --check) crds/*.yaml from the API models"),
     "run": ("mixrl.local.run", "run an RLRun on this machine with the same components"),
     "report": ("mixrl.local.report", "redraw the plots and report of a run directory"),

@@ -437,24 +437,39 @@ class DatasetSpec(Model):
     """Number of training tasks."""
     heldout_size: Int = Field(default=256, gt=0, le=INT32_MAX)
     """Number of held-out tasks (never trained on)."""
+    train: Location | None = None
+    """Training tasks from a file instead of the environment's generator: a local ``.jsonl`` (one
+    JSON object per line) or ``.parquet`` file, one task per row, read by the rollout worker (in a
+    cluster: a path inside its image or on a mounted volume); the first ``trainSize`` rows are used."""
+    heldout: Location | None = None
+    """Held-out tasks from a file (as ``train``); the first ``heldoutSize`` rows are used."""
 
 
 ENVIRONMENT_TOOLS: dict[str, tuple[str, ...]] = {"filetree": ("ls", "cat", "submit")}
 """The built-in environments and the tools each offers (filetree's are implemented in
-:mod:`mixrl.rl.rollout.tasks`, whose ``TOOLS`` a test keeps equal to these)."""
+:mod:`mixrl.rl.environments.filetree`, whose ``TOOLS`` a test keeps equal to these)."""
 SUBMIT_TOOL = "submit"
-"""The tool that ends an episode with an answer: the only way to earn a reward."""
+"""The tool that ends a filetree episode with an answer: the only way to earn a reward there."""
+IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+"""``package.module:ClassName``: an environment of the user's own (docs/rollout.md)."""
 
 
 class RolloutSpec(Model):
-    environment: Word = "filetree"
-    """Task family: ``filetree`` (built in: inspect a virtual file tree with tools, submit an answer)."""
+    environment: str = Field(default="filetree", min_length=1, max_length=255)
+    """Task family: ``filetree`` (built in: inspect a virtual file tree with tools, submit an answer),
+    or your own as ``package.module:ClassName``, a subclass of
+    ``mixrl.rl.environments.base.Environment`` importable by the rollout worker (``mixrl validate``
+    and ``mixrl run`` import it and check it; the operator checks only this form)."""
+    environment_args: dict[str, Any] = Field(default_factory=dict, max_length=64)
+    """Keyword arguments for the environment's constructor (any JSON values)."""
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
     """Where tasks come from."""
-    tools: list[Word] = Field(default_factory=lambda: ["ls", "cat", "submit"], max_length=64)
-    """Tools offered to the agent."""
+    tools: list[Word] | None = Field(default=None, max_length=64)
+    """Tools offered to the agent, among the environment's; null = all of them."""
     max_turns: Int = Field(default=16, gt=0, le=INT32_MAX)
     """Most assistant turns per episode."""
+    max_observation_tokens: Int = Field(default=1024, gt=0, le=INT32_MAX)
+    """Longest observation (a tool's output) in tokens; a longer one is cut to this many."""
     format_error_limit: Int = Field(default=3, gt=0, le=INT32_MAX)
     """End an episode after this many consecutive replies without a tool call (the paper uses 3)."""
     concurrency: Int = Field(default=64, gt=0, le=INT32_MAX)
@@ -468,15 +483,26 @@ class RolloutSpec(Model):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if ":" in self.environment:
+            # The user's own: only its form is checked here (the operator cannot import it);
+            # mixrl validate, mixrl run and the rollout worker import it and check its tools.
+            if not IMPORT_PATH.match(self.environment):
+                reason = f"{names.shown(self.environment)} is not an import path package.module:ClassName"
+                raise field_error("environment", reason)
+            return self
         offered = ENVIRONMENT_TOOLS.get(self.environment)
         if offered is None:
-            reason = f"unknown environment {names.shown(self.environment)}; built in: {', '.join(ENVIRONMENT_TOOLS)}"
+            reason = (
+                f"unknown environment {names.shown(self.environment)}; built in: {', '.join(ENVIRONMENT_TOOLS)}"
+                " (or your own as package.module:ClassName)"
+            )
             raise field_error("environment", reason)
-        unknown = [tool for tool in self.tools if tool not in offered]
+        tools = offered if self.tools is None else self.tools
+        unknown = [tool for tool in tools if tool not in offered]
         if unknown:
             reason = f"{unknown} not offered by {self.environment} (it has {', '.join(offered)})"
             raise field_error("tools", reason)
-        if SUBMIT_TOOL not in self.tools:
+        if self.environment == "filetree" and SUBMIT_TOOL not in tools:
             raise field_error("tools", f"without {SUBMIT_TOOL} no episode can earn a reward")
         return self
 

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from mixrl.api.errors import InvalidSpec, Problem
 from mixrl.api.loader import ManifestUnreadable, parse_document, read_documents
+from mixrl.api.models import RLRun
+
+RunCheck = Callable[[RLRun], list[str]]
+"""More checks of a valid RLRun that need more than the api (one line per problem): the ``mixrl``
+command passes :func:`mixrl.rl.environments.validate_cmd.check_environment`, which imports the
+spec's environment; mixrl.api itself imports nothing of the runtime."""
 
 MAX_PROBLEMS = 20
 """Problems printed per document; a document of garbage has thousands, and the first ones say enough."""
@@ -36,11 +43,19 @@ def _lines(label: str, problems: list[Problem]) -> list[str]:
     return lines
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], run_check: RunCheck | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mixrl validate", description=__doc__)
     parser.add_argument("paths", nargs="+", metavar="FILE", help="RLRun YAML files or directories of them")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
+    if run_check is not None:
+        parser.add_argument(
+            "--no-import",
+            action="store_true",
+            help="do not import rollout.environment (one that only the rollout image has): check its form only",
+        )
     args = parser.parse_args(argv)
+    if getattr(args, "no_import", False):
+        run_check = None
 
     files, empty = _expand(args.paths)
     for line in empty:
@@ -76,6 +91,11 @@ def main(argv: list[str]) -> int:
                     f"{document.label}: metadata.name: {resource.kind} {meta.name!r} ({where}) is also"
                     f" defined by {first}"
                 )
+                continue
+            problems = run_check(resource) if run_check is not None and isinstance(resource, RLRun) else []
+            if problems:
+                invalid = True
+                print("\n".join(f"{document.label}: {problem}" for problem in problems))
                 continue
             if not args.quiet:
                 print(f"{document.label}: valid {resource.kind} {meta.name!r}")

@@ -25,28 +25,30 @@ from typing import Any
 import torch
 
 from mixrl.api.resolve import SamplingParams
-from mixrl.rl.rollout.agent import run_episode
-from mixrl.rl.rollout.env import FileTreeEnv, ToolCall
-from mixrl.rl.rollout.local_sampler import LocalSampler
-from mixrl.rl.rollout.tasks import (
+from mixrl.rl.environments.filetree import (
     TOOL_CAT,
     TOOL_LS,
     TOOL_SUBMIT,
     Difficulty,
-    Task,
+    FileTreeEnvironment,
+    FileTreeEpisode,
+    FileTreeTask,
     generate_tasks,
     parse_config,
 )
+from mixrl.rl.environments.tools import ToolCall
+from mixrl.rl.rollout.agent import run_episode
+from mixrl.rl.rollout.local_sampler import LocalSampler
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
 
-def expert_replies(task: Task, opened: str | None = None) -> list[str]:
+def expert_replies(task: FileTreeTask, opened: str | None = None) -> list[str]:
     """The demonstrator's three replies: list the tree, read a file, submit the asked key's line.
 
     ``opened`` is the file it reads: by default the asked section's file (the right answer); a
     careless demonstrator reads another file and reports the line it finds there (a wrong answer).
     """
-    env = FileTreeEnv(task)
+    env = FileTreeEpisode(task)
     path = opened if opened is not None else asked_file(task)
     text = env.read_file(path)
     if text is None:
@@ -57,20 +59,20 @@ def expert_replies(task: Task, opened: str | None = None) -> list[str]:
     return [TOOL_LS, f"{TOOL_CAT} {path}", f"{TOOL_SUBMIT} {line}"]
 
 
-def asked_file(task: Task) -> str:
-    return next(p for p in FileTreeEnv(task).list_files() if p.rsplit(".", 1)[0] == task.section)
+def asked_file(task: FileTreeTask) -> str:
+    return next(p for p in FileTreeEpisode(task).list_files() if p.rsplit(".", 1)[0] == task.section)
 
 
-def careless_choice(task: Task, mistake_rate: float, rng: random.Random) -> str | None:
+def careless_choice(task: FileTreeTask, mistake_rate: float, rng: random.Random) -> str | None:
     """The file a careless demonstrator opens: with probability ``mistake_rate`` the first one ``ls``
     lists (which is sometimes the asked one), else None (the asked file)."""
     if rng.random() < mistake_rate:
-        return FileTreeEnv(task).list_files()[0]
+        return FileTreeEpisode(task).list_files()[0]
     return None
 
 
 def demonstration_tokens(
-    task: Task, tokenizer: Tokenizer, opened: str | None = None
+    task: FileTreeTask, tokenizer: Tokenizer, opened: str | None = None
 ) -> tuple[list[int], list[int]]:
     """A demonstration episode as ``(input_ids, loss_mask)``; the mask is 1 on the assistant's tokens.
 
@@ -78,7 +80,7 @@ def demonstration_tokens(
     generation prompt, ...), so what is learned here is what the rollout asks for.  ``opened``
     as in :func:`expert_replies`.
     """
-    env = FileTreeEnv(task)
+    env = FileTreeEpisode(task)
     ids = tokenizer.prompt_ids(task.question)
     mask = [0] * len(ids)
     replies = expert_replies(task, opened)
@@ -89,9 +91,9 @@ def demonstration_tokens(
         if n == len(replies) - 1:
             break
         words = reply.split()
-        call = ToolCall(TOOL_LS) if words[0] == TOOL_LS else ToolCall(TOOL_CAT, words[1])
-        observation = env.run_tool(call)
-        observation_ids = tokenizer.observation_ids(observation.role, observation.text)
+        call = ToolCall(TOOL_LS) if words[0] == TOOL_LS else ToolCall(TOOL_CAT, {"path": words[1]})
+        step = env.run_tool(call)
+        observation_ids = tokenizer.observation_ids(step.role, step.observation)
         ids += observation_ids
         mask += [0] * len(observation_ids)
     return ids, mask
@@ -119,7 +121,7 @@ def masked_next_token_loss(
 async def measure_success(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
-    tasks: Sequence[Task],
+    tasks: Sequence[FileTreeTask],
     sampling: SamplingParams,
     max_turns: int = 6,
     max_context_tokens: int = 256,
@@ -140,9 +142,11 @@ async def measure_success(
             seed=seed,
             pad_id=tokenizer.pad_id,
         ) as sampler:
+            environment = FileTreeEnvironment()
             episodes = [
                 run_episode(
                     sampler.generate,
+                    environment,
                     task,
                     tokenizer,
                     sampling,
@@ -182,11 +186,11 @@ class WarmStartReport:
 def warm_start(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
-    tasks: Sequence[Task],
+    tasks: Sequence[FileTreeTask],
     steps: int,
     lr: float = 3e-3,
     target_success: float | None = None,
-    probe_tasks: Sequence[Task] = (),
+    probe_tasks: Sequence[FileTreeTask] = (),
     probe_every: int = 50,
     sampling: SamplingParams | None = None,
     batch_size: int = 32,

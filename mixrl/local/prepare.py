@@ -1,9 +1,10 @@
 """The model a local run starts from: a tiny model built from a config and warm-started, cached.
 
 ``model.path: tiny:<kind>`` builds a tiny ``transformers`` model locally (nothing is downloaded),
-with the built-in task family's tokenizer, and runs the warm start: a short supervised phase on
-generated demonstrations that stops at a moderate success rate, so RL starts neither near 0 nor
-near 1.  The result is cached under ``<cache>/models/`` by a hash of everything that determines
+with mixrl's word tokenizer over the environment's vocabulary, and, for the built-in filetree
+environment, runs the warm start: a short supervised phase on generated demonstrations that stops
+at a moderate success rate, so RL starts neither near 0 nor near 1.  Other environments have no
+demonstrations: their tiny model starts from its random initialization.  The result is cached under ``<cache>/models/`` by a hash of everything that determines
 it, so later runs skip it.  Any other ``model.path`` is a local Hugging Face directory used as is.
 The starting weights are then published as version 0 of the run's weight store (BF16, as the
 trainer publishes every later version).
@@ -24,6 +25,8 @@ from transformers.utils import logging as hf_logging
 
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.local.demos import WarmStartRecipe, warm_start_recipe
+from mixrl.rl.environments.filetree import Difficulty
+from mixrl.rl.environments.registry import load_environment
 from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.tokenizer import Tokenizer
 from mixrl.rl.weights import WeightStore
@@ -61,6 +64,7 @@ def tiny_recipe(run: ResolvedRun, kind: str, tokenizer: Tokenizer) -> dict[str, 
         "warm_start": WarmStartRecipe().as_dict(),
         "tokenizer": hashlib.sha256(tokenizer.to_json().encode()).hexdigest(),
         "environment": run.rollout.environment,
+        "environment_args": run.rollout.environment_args,
         "dataset_seed": run.rollout.dataset.seed,
         "temperature": run.sampling.temperature,
         "top_p": run.sampling.top_p,
@@ -73,6 +77,11 @@ def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Pat
     """Create, warm-start and save a tiny model into ``out`` (which must not exist yet)."""
     tmp = out.with_name(out.name + f".tmp-{time.time_ns()}")
     create_tiny_checkpoint(tmp, kind, vocab_size=tokenizer.vocab_size, seed=MODEL_SEED, **TINY_ARCHITECTURE)
+    if run.rollout.environment != "filetree":
+        _say(f"no warm start: {run.rollout.environment} has no demonstrations; RL starts from random weights")
+        tokenizer.save(tmp / TOKENIZER_FILE)
+        _publish_dir(tmp, out)
+        return
     model = load_model(tmp)
     sampling = SamplingParams(
         temperature=run.sampling.temperature,
@@ -90,7 +99,13 @@ def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Pat
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(MODEL_SEED)
         report = warm_start_recipe(
-            model, tokenizer, run.rollout.dataset.seed, sampling, WarmStartRecipe(), progress=_say
+            model,
+            tokenizer,
+            run.rollout.dataset.seed,
+            sampling,
+            WarmStartRecipe(),
+            difficulty=Difficulty(**run.rollout.environment_args),
+            progress=_say,
         )
     torch.set_num_threads(threads)
     _say(
@@ -101,6 +116,10 @@ def build_tiny_model(run: ResolvedRun, kind: str, tokenizer: Tokenizer, out: Pat
     (tmp / "warm_start.json").write_text(
         json.dumps({"steps": report.steps, "seconds": report.seconds, "probes": report.probes}, indent=2)
     )
+    _publish_dir(tmp, out)
+
+
+def _publish_dir(tmp: Path, out: Path) -> None:
     try:
         tmp.rename(out)  # atomic: a concurrent or interrupted build never leaves a half-written cache entry
     except OSError:
@@ -114,7 +133,13 @@ def prepare_model(run: ResolvedRun, cache: Path, run_dir: Path) -> PreparedModel
     path = run.model.path
     if path.startswith(TINY_PREFIX):
         kind = path.removeprefix(TINY_PREFIX)
-        tokenizer = Tokenizer.filetree()
+        words = load_environment(run.rollout.environment, run.rollout.environment_args).vocabulary()
+        if words is None:
+            raise ValueError(
+                f"model.path: {path} uses mixrl's word tokenizer, but {run.rollout.environment} has no "
+                "vocabulary(); use a real model directory with its tokenizer"
+            )
+        tokenizer = Tokenizer.from_words(words)
         key = hashlib.sha256(
             json.dumps(tiny_recipe(run, kind, tokenizer), sort_keys=True).encode()
         ).hexdigest()

@@ -248,6 +248,13 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    from mixrl.rl.environments.registry import check_rollout  # imports the user's environment
+
+    environment_problems = check_rollout(rlrun.spec.rollout)
+    for problem in environment_problems:
+        print(f"{args.file}: {problem}", file=sys.stderr)
+    if environment_problems:
+        return 1
 
     from mixrl.local.prepare import prepare_model  # torch and transformers load from here on
 

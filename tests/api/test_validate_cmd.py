@@ -119,8 +119,9 @@ def test_an_unknown_environment_or_tool_is_rejected_before_any_pod_starts(tmp_pa
     doc = yaml.safe_load((ROOT / "examples" / "rlrun-homogeneous.yaml").read_text())
     cases = {
         "swe": (
-            {"environment": "swe"},
-            "spec.rollout.environment: unknown environment 'swe'; built in: filetree",
+            {"environment": "swebench"},
+            "spec.rollout.environment: unknown environment 'swebench'; built in: filetree"
+            " (or your own as package.module:ClassName)",
         ),
         "bash": (
             {"tools": ["ls", "bash", "submit"]},
@@ -140,6 +141,6 @@ def test_an_unknown_environment_or_tool_is_rejected_before_any_pod_starts(tmp_pa
 
 def test_the_built_in_environment_offers_exactly_the_tools_the_rollout_implements() -> None:
     from mixrl.api.models import ENVIRONMENT_TOOLS
-    from mixrl.rl.rollout.tasks import TOOLS
+    from mixrl.rl.environments.filetree import TOOLS
 
     assert ENVIRONMENT_TOOLS == {"filetree": TOOLS}

@@ -37,7 +37,7 @@ from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
 from mixrl.rl.engine.protocol import GenerateResult, PoolInfo
-from mixrl.rl.rollout.tasks import parse_config
+from mixrl.rl.environments.filetree import parse_config
 from mixrl.rl.rollout.tokenizer import END, TOOL, Tokenizer
 from mixrl.rl.router.config import PoolConfig, RouterConfig
 from mixrl.rl.router.server import Router, RouterSettings
@@ -224,7 +224,9 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         prompts_per_update: int, samples_per_prompt: int, auth_token: AuthToken | None = None
     ) -> RunningBuffer:
         buffer = TrajectoryBuffer(tmp_path / "buffer", prompts_per_update, samples_per_prompt)
-        runner, url = await serve(BufferServer(buffer, run="test", auth_token=auth_token, max_body_bytes=64 << 20).app())
+        runner, url = await serve(
+            BufferServer(buffer, run="test", auth_token=auth_token, max_body_bytes=64 << 20).app()
+        )
         client = BufferClient(url, retries=1, backoff_s=0.05, auth_token=auth_token)
         running = RunningBuffer(buffer, url, client)
         started.append((runner, running))

@@ -9,9 +9,8 @@ import pytest
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import NO_VERSION, Trajectory
+from mixrl.rl.environments.filetree import FileTreeEnvironment, FileTreeTask, generate_tasks
 from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, pass_at_k, run_episode
-from mixrl.rl.rollout.env import NO_TOOL_CALL
-from mixrl.rl.rollout.tasks import Task, generate_tasks
 
 from .conftest import TOKENIZER, ScriptedGenerate
 
@@ -19,12 +18,14 @@ SAMPLING = SamplingParams(
     temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=16, top_logprobs_num=2, return_sampling_mask=False
 )
 TASK = generate_tasks(0, 1, "train")[0]
+ENV = FileTreeEnvironment()
+NO_TOOL_CALL = ENV.no_tool_call.content
 
 
-async def play(generate: ScriptedGenerate, task: Task = TASK, **kwargs: object) -> Trajectory:
+async def play(generate: ScriptedGenerate, task: FileTreeTask = TASK, **kwargs: object) -> Trajectory:
     settings: dict[str, object] = {"max_turns": 8, "max_context_tokens": 256, "format_error_limit": 3}
     settings.update(kwargs)
-    return await run_episode(generate, task, TOKENIZER, SAMPLING, **settings)  # type: ignore[arg-type]
+    return await run_episode(generate, ENV, task, TOKENIZER, SAMPLING, **settings)  # type: ignore[arg-type]
 
 
 def replies(trajectory: Trajectory) -> list[list[int]]:
@@ -142,7 +143,7 @@ async def test_a_tool_call_resets_the_format_error_count() -> None:
 async def test_a_reply_cut_by_max_new_tokens_is_closed_and_counted() -> None:
     sampling = SAMPLING.model_copy(update={"max_new_tokens": 5})
     generate = ScriptedGenerate("chatty")
-    trajectory = await run_episode(generate, TASK, TOKENIZER, sampling, 8, 256, 3)
+    trajectory = await run_episode(generate, ENV, TASK, TOKENIZER, sampling, 8, 256, 3)
     assert (trajectory.finish_reason, trajectory.num_turns) == ("format_errors", 3)
     assert generate.budgets == [5, 5, 5]
     # each cut reply is followed by a loss-masked <|end|> the model did not write
@@ -187,7 +188,7 @@ async def test_engine_misbehaviour_is_reported() -> None:
 
     with pytest.raises(ValueError, match="generate returned 2 tokens for max_new_tokens 1"):
         await run_episode(
-            TooLong(), TASK, TOKENIZER, SAMPLING.model_copy(update={"max_new_tokens": 1}), 8, 256
+            TooLong(), ENV, TASK, TOKENIZER, SAMPLING.model_copy(update={"max_new_tokens": 1}), 8, 256
         )
 
 
@@ -219,11 +220,11 @@ async def test_evaluate_averages_pass_at_k_over_tasks() -> None:
     tasks = generate_tasks(1, 6, "heldout")
     wrong_on = {tasks[1].id, tasks[4].id}
 
-    async def episode(task: Task, index: int) -> Trajectory:
+    async def episode(task: FileTreeTask, index: int) -> Trajectory:
         # one task in three fails always; on the others, only sample 0 succeeds
         behaviour = "wrong" if task.id in wrong_on or index > 0 else "expert"
         return await run_episode(
-            ScriptedGenerate(behaviour), task, TOKENIZER, SAMPLING, 8, 256, 3, sample_index=index
+            ScriptedGenerate(behaviour), ENV, task, TOKENIZER, SAMPLING, 8, 256, 3, sample_index=index
         )
 
     result = await evaluate(episode, tasks, samples_per_task=4, pass_k=[1, 2, 4], concurrency=5)

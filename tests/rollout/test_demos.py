@@ -17,9 +17,14 @@ from mixrl.local.demos import (
     masked_next_token_loss,
     warm_start,
 )
+from mixrl.rl.environments.filetree import (
+    Difficulty,
+    FileTreeEnvironment,
+    FileTreeEpisode,
+    check,
+    generate_tasks,
+)
 from mixrl.rl.models import create_tiny_checkpoint, load_model
-from mixrl.rl.rollout.env import FileTreeEnv, check
-from mixrl.rl.rollout.tasks import Difficulty, generate_tasks
 
 from .conftest import TOKENIZER, ScriptedGenerate
 from .test_agent import SAMPLING
@@ -33,7 +38,9 @@ async def test_demonstration_is_what_the_agent_loop_builds(index: int) -> None:
 
     task = TASKS[index]
     ids, mask = demonstration_tokens(task, TOKENIZER)
-    trajectory = await run_episode(ScriptedGenerate(), task, TOKENIZER, SAMPLING, 8, 256, 3)
+    trajectory = await run_episode(
+        ScriptedGenerate(), FileTreeEnvironment(), task, TOKENIZER, SAMPLING, 8, 256, 3
+    )
     assert trajectory.reward == 1.0
     assert ids == trajectory.prompt_ids + trajectory.tokens
     assert mask == [0] * len(trajectory.prompt_ids) + trajectory.loss_mask
@@ -41,7 +48,7 @@ async def test_demonstration_is_what_the_agent_loop_builds(index: int) -> None:
 
 def test_careless_demonstrations_open_the_first_file_and_report_it() -> None:
     for task in TASKS:
-        first = FileTreeEnv(task).list_files()[0]
+        first = FileTreeEpisode(task).list_files()[0]
         replies = expert_replies(task, first)
         assert replies[:2] == ["ls", f"cat {first}"]
         line = replies[2].removeprefix("submit ")
@@ -60,7 +67,7 @@ def test_careless_share_follows_the_rate() -> None:
     choices = [careless_choice(task, 0.85, rng) for task in tasks]
     careless = [(t, c) for t, c in zip(tasks, choices, strict=True) if c is not None]
     assert len(careless) / len(tasks) == pytest.approx(0.85, abs=0.03)
-    assert all(c == FileTreeEnv(t).list_files()[0] for t, c in careless)
+    assert all(c == FileTreeEpisode(t).list_files()[0] for t, c in careless)
     assert all(careless_choice(t, 0.0, rng) is None for t in tasks[:50])
 
 

@@ -6,14 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.rl.rollout.env import NO_SUCH_FILE, NO_TOOL_CALL
-from mixrl.rl.rollout.tasks import WORDS, Difficulty, generate_tasks
+from mixrl.rl.environments.filetree import (
+    NO_SUCH_FILE,
+    WORDS,
+    Difficulty,
+    FileTreeEnvironment,
+    generate_tasks,
+)
 from mixrl.rl.rollout.tokenizer import SPECIAL_TOKENS, Tokenizer, split_words
 
 
 def every_text() -> list[str]:
     tasks = generate_tasks(3, 40, "train", Difficulty(files=4, lines=3)) + generate_tasks(3, 10, "heldout")
-    texts = [NO_SUCH_FILE, NO_TOOL_CALL]
+    texts = [NO_SUCH_FILE, FileTreeEnvironment.no_tool_call.content]
     for task in tasks:
         texts += [task.question, task.answer, " ".join(task.files), *task.files.values()]
         texts += [f"cat {path}" for path in task.files] + [f"submit {task.answer}"]

@@ -22,9 +22,9 @@ from mixrl.api.trajectory import Trajectory
 from mixrl.local.demos import demonstration_tokens
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.engine.protocol import EngineResponseError, PoolInfo, parse_response
+from mixrl.rl.environments.filetree import FileTreeEnvironment, generate_tasks
 from mixrl.rl.rollout.router_client import RouterClient
 from mixrl.rl.rollout.stats import RolloutStats
-from mixrl.rl.rollout.tasks import generate_tasks
 from mixrl.rl.rollout.worker import RolloutWorker, WorkerSettings, main, next_evaluation_step
 
 from ..fakes import FakeEngine
@@ -179,6 +179,9 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None
         await asyncio.sleep(0.02)
 
 
+FILETREE = FileTreeEnvironment()
+
+
 def task_of(prompt_id: str) -> Any:
     task_id = prompt_id.split("/")[0]
     return next(t for t in generate_tasks(0, 64, "train") if t.id == task_id)
@@ -195,7 +198,7 @@ async def test_worker_feeds_the_buffer_and_evaluates(
     client = RouterClient(router.url, SETTINGS.sampling, TOKENIZER.stop_token_ids)
     lines: list[str] = []
     worker = RolloutWorker(
-        SETTINGS, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=0.2, say=lines.append
+        SETTINGS, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=0.2, say=lines.append
     )
     stopping = asyncio.Event()
     running = asyncio.create_task(worker.run(stopping))
@@ -267,7 +270,7 @@ async def test_a_dying_replica_costs_a_retry_not_an_episode(
     settings = WorkerSettings.from_run(resolved_run(concurrency=8))
     client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids, backoff_s=0.01)
     worker = RolloutWorker(
-        settings, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
+        settings, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
     )
     stopping = asyncio.Event()
     running = asyncio.create_task(worker.run(stopping))
@@ -441,7 +444,7 @@ async def test_production_pauses_when_the_trainer_falls_behind(
     settings = WorkerSettings.from_run(resolved_run(), max_steps_ahead=2)  # at most 2 steps x 2 groups
     client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids)
     worker = RolloutWorker(
-        settings, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
+        settings, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
     )
     stopping = asyncio.Event()
     running = asyncio.create_task(worker.run(stopping))

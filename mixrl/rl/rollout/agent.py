@@ -1,15 +1,22 @@
-"""The agent loop: one multi-turn episode, token-in-token-out, and held-out evaluation (pass@k).
+"""The agent loop: one multi-turn episode of any environment, token-in-token-out, and held-out
+evaluation (pass@k).
 
-The context is a list of token ids that only grows: the prompt, then every generated token (with
-its sampler record) and every environment token (loss-masked), each encoded once when appended.
-What the engine receives for turn n is exactly ``prompt_ids + tokens`` after turn n-1, so the
-trainer, which sees the same two lists, never re-tokenizes anything.
+The context is a list of token ids that only grows: the prompt (the environment's first
+messages), then every generated token (with its sampler record) and every environment token
+(loss-masked), each encoded once when appended.  What the engine receives for turn n is exactly
+``prompt_ids + tokens`` after turn n-1, so the trainer, which sees the same two lists, never
+re-tokenizes anything.
 
-An episode ends
-- on ``submit``: reward 1 if the answer passes the task's check in a fresh environment, else 0;
-- at ``max_turns`` assistant replies, or when the context reaches ``max_context_tokens`` (reward 0);
-- after ``format_error_limit`` consecutive replies without a tool call (reward 0,
-  finish_reason ``format_errors``: the paper's collapse signature).
+Each reply is parsed by the environment's parser against the offered tools; a valid call is
+executed by the episode (``Episode.step``), anything else gets the environment's
+``no_tool_call`` message.  An episode ends
+- when a step says ``done`` (filetree: ``submit``), with the step's finish reason;
+- at ``max_turns`` assistant replies, or when the context reaches ``max_context_tokens``;
+- after ``format_error_limit`` consecutive replies without a tool call (finish_reason
+  ``format_errors``: the paper's collapse signature).
+Then ``Episode.finish(reason)`` gives the reward and the recorded finish reason, and
+``Episode.close()`` runs however the episode ended.  Observations are cut to
+``max_observation_tokens`` tokens.
 
 ``generate`` is any async callable ``(input_ids, max_new_tokens) -> GenerateResult``: the router
 client (one session per episode), an engine client, or the in-process sampler.
@@ -19,19 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.engine.protocol import GenerateResult, PoolInfo, TurnFinish
-from mixrl.rl.rollout.env import FileTreeEnv, check, parse_tool_call
-from mixrl.rl.rollout.tasks import TOOL_SUBMIT, TOOLS, Task
+from mixrl.rl.environments.base import Environment, Episode, Outcome, TaskLike
+from mixrl.rl.environments.tools import Tool
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
-FinishReason = Literal["submitted", "max_turns", "context_limit", "format_errors", "aborted"]
+FINISH_REASON = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+"""What a finish reason may look like: it becomes a metric label and a key of evaluation results."""
 MAX_ABORTED_CONTINUATIONS = 8
 """An engine may abort a request (a weight update with abort_all_requests); the turn then continues
 from the tokens it already produced.  More aborts than this in one turn end the episode."""
@@ -62,7 +71,8 @@ class EpisodeSettings:
 
 async def run_episode(
     generate: Generate,
-    task: Task,
+    environment: Environment[Any],
+    task: TaskLike,
     tokenizer: Tokenizer,
     sampling: SamplingParams,
     max_turns: int,
@@ -73,66 +83,99 @@ async def run_episode(
     run: str = "",
     prompt_id: str | None = None,
     sample_index: int = 0,
-    tools: Collection[str] = TOOLS,
+    tools: Sequence[Tool] | None = None,
+    max_observation_tokens: int | None = None,
 ) -> Trajectory:
-    """Play one episode of ``task`` and return its trajectory (reward and finish reason set).
+    """Play one episode of ``task`` in ``environment`` and return its trajectory (reward and finish
+    reason set).
 
-    ``tools``: the tools offered; a call to any other counts as a reply without a tool call.
+    ``tools``: the tools offered (default: all the environment's); a call to any other counts as a
+    reply without a tool call.
     """
     settings = EpisodeSettings(sampling, max_turns, max_context_tokens, format_error_limit)
+    offered = list(environment.tools()) if tools is None else list(tools)
     pool = pool_info or PoolInfo()
-    trajectory = Trajectory(
-        run=run,
-        prompt_id=prompt_id or task.id,
-        sample_index=sample_index,
-        pool=pool.pool,
-        gpu_type=pool.gpu_type,
-        precision=pool.precision,
-        prompt_ids=tokenizer.prompt_ids(task.question),
-        split=task.split,
-    )
-    env = FileTreeEnv(task)
+    messages, episode = await environment.reset(task)
+    try:
+        trajectory = Trajectory(
+            run=run,
+            prompt_id=prompt_id or task.id,
+            sample_index=sample_index,
+            pool=pool.pool,
+            gpu_type=pool.gpu_type,
+            precision=pool.precision,
+            prompt_ids=tokenizer.chat_prompt_ids(messages),
+            split=task.split,
+        )
+        reason = await _play(
+            generate, environment, episode, tokenizer, settings, offered, trajectory, max_observation_tokens
+        )
+        outcome = await episode.finish(reason)
+    finally:
+        await episode.close()
+    _check_outcome(outcome, environment)
+    trajectory.finish_reason = outcome.finish_reason
+    trajectory.reward = float(outcome.reward)
+    return trajectory
+
+
+async def _play(
+    generate: Generate,
+    environment: Environment[Any],
+    episode: Episode,
+    tokenizer: Tokenizer,
+    settings: EpisodeSettings,
+    offered: Sequence[Tool],
+    trajectory: Trajectory,
+    max_observation_tokens: int | None,
+) -> str:
+    """The turns of one episode; returns why it ended."""
     replies_without_call = 0
     while True:
         if trajectory.num_turns >= settings.max_turns:
-            return _finish(trajectory, "max_turns", 0.0)
+            return "max_turns"
         room = settings.max_context_tokens - _context_length(trajectory)
         if room <= 0:
-            return _finish(trajectory, "context_limit", 0.0)
+            return "context_limit"
         budget = min(settings.sampling.max_new_tokens, room)
         reply, finish = await _generate_turn(generate, trajectory, budget)
         trajectory.num_turns += 1
         if finish == "length" and budget == room:
-            return _finish(trajectory, "context_limit", 0.0)
+            return "context_limit"
         if not reply or reply[-1] not in tokenizer.stop_token_ids:
             # The reply was cut by max_new_tokens (or the engine trimmed the stop token): close the
             # turn with a loss-masked <|end|> so the next turn starts from a well-formed chat.
             trajectory.append_observation([tokenizer.end_id])
-        call = parse_tool_call(tokenizer.reply_text(reply), tools)
-        if call is not None and call.tool == TOOL_SUBMIT:
-            return _finish(trajectory, "submitted", 1.0 if check(task, call.argument) else 0.0)
+        call = environment.parser.parse(tokenizer.reply_text(reply), offered)
         if call is None:
             replies_without_call += 1
             if replies_without_call >= settings.format_error_limit:
-                return _finish(trajectory, "format_errors", 0.0)
-            observation = env.no_tool_call()
+                return "format_errors"
+            role, text = environment.no_tool_call.role, environment.no_tool_call.content
         else:
             replies_without_call = 0
-            observation = env.run_tool(call)
-        observation_ids = tokenizer.observation_ids(observation.role, observation.text)
+            step = await episode.step(call)
+            if step.done:
+                return step.finish_reason
+            role, text = step.role, step.observation
+        observation_ids = tokenizer.observation_ids(role, text, max_observation_tokens)  # type: ignore[arg-type]
         if _context_length(trajectory) + len(observation_ids) > settings.max_context_tokens:
-            return _finish(trajectory, "context_limit", 0.0)
+            return "context_limit"
         trajectory.append_observation(observation_ids)
+
+
+def _check_outcome(outcome: Outcome, environment: Environment[Any]) -> None:
+    name = type(environment).__name__
+    if not isinstance(outcome, Outcome):
+        raise TypeError(f"{name}: Episode.finish must return an Outcome, got {type(outcome).__name__}")
+    if not FINISH_REASON.match(outcome.finish_reason):
+        raise ValueError(f"{name}: finish reason {outcome.finish_reason!r} is not a short lower-case word")
+    if not math.isfinite(float(outcome.reward)):
+        raise ValueError(f"{name}: reward {outcome.reward!r} is not a finite number")
 
 
 def _context_length(trajectory: Trajectory) -> int:
     return len(trajectory.prompt_ids) + len(trajectory.tokens)
-
-
-def _finish(trajectory: Trajectory, reason: FinishReason, reward: float) -> Trajectory:
-    trajectory.finish_reason = reason
-    trajectory.reward = reward
-    return trajectory
 
 
 async def _generate_turn(
@@ -174,13 +217,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-EpisodeFn = Callable[[Task, int], Awaitable[Trajectory]]
+EpisodeFn = Callable[[Any, int], Awaitable[Trajectory]]
 """``(task, sample_index) -> Trajectory``: plays one episode, opening and closing its own session."""
 
 
 async def evaluate(
     episode: EpisodeFn,
-    tasks: Sequence[Task],
+    tasks: Sequence[TaskLike],
     samples_per_task: int,
     pass_k: Sequence[int],
     concurrency: int = 32,
@@ -201,7 +244,7 @@ async def evaluate(
         raise ValueError("tasks: evaluation needs at least one task")
     gate = asyncio.Semaphore(concurrency)
 
-    async def one(task: Task, index: int) -> Trajectory:
+    async def one(task: TaskLike, index: int) -> Trajectory:
         async with gate:
             return await episode(task, index)
 

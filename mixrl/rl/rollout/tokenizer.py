@@ -1,7 +1,8 @@
-"""A local, deterministic word-level tokenizer over the task family's closed vocabulary.
+"""A local, deterministic word-level tokenizer over an environment's closed vocabulary.
 
-Nothing is downloaded or trained: the vocabulary is the special tokens followed by
-:data:`mixrl.rl.rollout.tasks.WORDS`, in a fixed order, so token ids never change between runs.
+Nothing is downloaded or trained: the vocabulary is the special tokens followed by the
+environment's words (:meth:`mixrl.rl.environments.base.Environment.vocabulary`; filetree's are
+:data:`mixrl.rl.environments.filetree.WORDS`), in a fixed order, so token ids never change between runs.
 
 Text is split into words (runs of letters, numbers, file extensions such as ``.cfg``, newlines,
 single punctuation marks); ``decode`` joins them with single spaces, attaching extensions to the
@@ -24,7 +25,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from mixrl.rl.rollout.tasks import WORDS
+from mixrl.rl.environments.base import Message
+from mixrl.rl.environments.filetree import WORDS
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 USER, ASSISTANT, TOOL, END = "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"
@@ -72,9 +74,15 @@ class Tokenizer:
         self.role_ids: dict[str, int] = {role: self._ids[marker] for role, marker in ROLE_MARKERS.items()}
 
     @classmethod
+    def from_words(cls, words: Iterable[str]) -> Tokenizer:
+        """The special tokens, then ``words`` (an environment's vocabulary) without repeats."""
+        extra = [word for word in dict.fromkeys(words) if word not in SPECIAL_TOKENS]
+        return cls([*SPECIAL_TOKENS, *extra])
+
+    @classmethod
     def filetree(cls) -> Tokenizer:
         """The built-in tokenizer of the ``filetree`` task family."""
-        return cls([*SPECIAL_TOKENS, *WORDS])
+        return cls.from_words(WORDS)
 
     @property
     def vocab_size(self) -> int:
@@ -117,9 +125,25 @@ class Tokenizer:
         """The episode's first context: ``<bos> <|user|> question <|end|> <|assistant|>``."""
         return [self.bos_id, *self.render("user", question), *self.generation_prompt()]
 
-    def observation_ids(self, role: Role, text: str) -> list[int]:
-        """An environment turn followed by the next generation prompt (all loss-masked)."""
-        return [*self.render(role, text), *self.generation_prompt()]
+    def chat_prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """An episode's first context from an environment's messages: ``<bos>``, each turn, and the
+        generation prompt (one user message gives exactly :meth:`prompt_ids`)."""
+        ids = [self.bos_id]
+        for message in messages:
+            if message.role not in self.role_ids:
+                raise ValueError(
+                    f"messages: the word tokenizer has no {message.role!r} role (it has {', '.join(self.role_ids)})"
+                )
+            ids += self.render(message.role, message.content)  # type: ignore[arg-type]
+        return [*ids, *self.generation_prompt()]
+
+    def observation_ids(self, role: Role, text: str, max_tokens: int | None = None) -> list[int]:
+        """An environment turn followed by the next generation prompt (all loss-masked); the text's
+        tokens are cut to ``max_tokens`` (rollout.maxObservationTokens)."""
+        if role not in self.role_ids:
+            raise ValueError(f"role: expected one of {', '.join(self.role_ids)}, got {role!r}")
+        body = self.encode(text)[:max_tokens]
+        return [self.role_ids[role], *body, self.end_id, *self.generation_prompt()]
 
     def reply_text(self, ids: Sequence[int]) -> str:
         """The text of a generated reply, without its stop token."""

@@ -28,8 +28,8 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mixrl.api.loader import load_resolved
@@ -38,10 +38,13 @@ from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
 from mixrl.rl.buffer.client import BufferClient, BufferError
 from mixrl.rl.engine.protocol import EngineResponseError
+from mixrl.rl.environments.base import Environment, Split, TaskLike
+from mixrl.rl.environments.datasets import load_tasks
+from mixrl.rl.environments.registry import check_rollout, load_environment, offered_tools
+from mixrl.rl.environments.tools import Tool
 from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, run_episode
 from mixrl.rl.rollout.router_client import RouterClient, RouterError
 from mixrl.rl.rollout.stats import RolloutStats
-from mixrl.rl.rollout.tasks import Difficulty, Task, generate_tasks
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
 log = logging.getLogger("mixrl.rollout")
@@ -59,7 +62,8 @@ class WorkerSettings:
     max_turns: int
     max_context_tokens: int
     format_error_limit: int
-    tools: tuple[str, ...]
+    tools: tuple[str, ...] | None
+    """Offered tools by name; None = every tool the environment offers."""
     concurrency: int
     samples_per_prompt: int
     dataset_seed: int
@@ -76,7 +80,18 @@ class WorkerSettings:
     flight); 0 = never pause.  Bounds staleness and leaves CPU to the trainer when sampling is fast."""
     worker_index: int = 0
     workers: int = 1
-    difficulty: Difficulty = field(default_factory=Difficulty)
+    environment: str = "filetree"
+    environment_args: dict[str, Any] | None = None
+    max_observation_tokens: int | None = None
+    train_path: str | None = None
+    """Training tasks from this dataset file; None = the environment's generator."""
+    heldout_path: str | None = None
+
+    def tasks(self, environment: Environment[Any], split: Split) -> Sequence[TaskLike]:
+        """The tasks of ``split``: from the dataset file the spec names, else generated."""
+        if split == "train":
+            return load_tasks(environment, split, self.train_size, self.dataset_seed, self.train_path)
+        return load_tasks(environment, split, self.heldout_size, self.dataset_seed, self.heldout_path)
 
     @staticmethod
     def from_run(
@@ -85,7 +100,8 @@ class WorkerSettings:
         rollout, evaluation = run.rollout, run.evaluation
         if max_steps_ahead is None:
             max_steps_ahead = rollout.max_steps_ahead
-        # rollout.environment and rollout.tools were checked by mixrl.api when the run was resolved.
+        # rollout.environment's form and the built-ins' tools were checked by mixrl.api when the run
+        # was resolved; an environment of the user's own is checked when the worker loads it.
         if max_steps_ahead < 0:
             raise ValueError(f"max-steps-ahead: must be 0 (no limit) or positive, got {max_steps_ahead}")
         if not 0 <= worker_index < rollout.workers:
@@ -97,7 +113,7 @@ class WorkerSettings:
             max_turns=rollout.max_turns,
             max_context_tokens=run.model.max_context_tokens,
             format_error_limit=rollout.format_error_limit,
-            tools=tuple(rollout.tools),
+            tools=None if rollout.tools is None else tuple(rollout.tools),
             concurrency=rollout.concurrency,
             samples_per_prompt=run.trainer.samples_per_prompt,
             dataset_seed=rollout.dataset.seed,
@@ -112,6 +128,11 @@ class WorkerSettings:
             max_steps_ahead=max_steps_ahead,
             worker_index=worker_index,
             workers=rollout.workers,
+            environment=rollout.environment,
+            environment_args=dict(rollout.environment_args),
+            max_observation_tokens=rollout.max_observation_tokens,
+            train_path=rollout.dataset.train,
+            heldout_path=rollout.dataset.heldout,
         )
 
 
@@ -123,14 +144,16 @@ def next_evaluation_step(step: int, every: int, total: int | None) -> int | None
     return following if total is None else min(following, total)
 
 
-def training_stream(settings: WorkerSettings, nonce: str) -> Iterator[tuple[str, Task]]:
+def training_stream(
+    settings: WorkerSettings, environment: Environment[Any], nonce: str
+) -> Iterator[tuple[str, TaskLike]]:
     """(prompt_id, task) forever: this worker's shard of the training split, reshuffled every epoch.
 
     ``nonce`` makes prompt ids unique per worker process, so a restarted worker's groups never
     merge with the groups its predecessor left unfinished.
     """
-    tasks = generate_tasks(settings.dataset_seed, settings.train_size, "train", settings.difficulty)
-    shard = tasks[settings.worker_index :: settings.workers]
+    tasks = settings.tasks(environment, "train")
+    shard = list(tasks[settings.worker_index :: settings.workers])
     if not shard:
         raise ValueError(
             f"rollout.dataset.trainSize: {settings.train_size} tasks leave worker "
@@ -159,6 +182,7 @@ class RolloutWorker:
     def __init__(
         self,
         settings: WorkerSettings,
+        environment: Environment[Any],
         tokenizer: Tokenizer,
         router: RouterClient,
         buffer: BufferClient,
@@ -169,6 +193,8 @@ class RolloutWorker:
         say: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.environment = environment
+        self.tools: list[Tool] = offered_tools(environment, settings.tools)
         self.tokenizer = tokenizer
         self.router = router
         self.buffer = buffer
@@ -177,9 +203,7 @@ class RolloutWorker:
         self.progress_s = progress_s
         self.say = say or (lambda line: print(line, flush=True))
         self.nonce = uuid.uuid4().hex[:8]
-        self.heldout = generate_tasks(
-            settings.dataset_seed, settings.heldout_size, "heldout", settings.difficulty
-        )[: settings.eval_tasks]
+        self.heldout = list(settings.tasks(environment, "heldout"))[: settings.eval_tasks]
         self.trainer_step = 0
         self.groups_ready = 0
         """Complete groups waiting in the buffer at the last poll."""
@@ -192,12 +216,13 @@ class RolloutWorker:
         """Notified when the trainer step, the buffer's backlog or the groups in flight change."""
 
     # ------------------------------------------------------------------ episodes
-    async def play(self, task: Task, sample_index: int, prompt_id: str) -> Trajectory:
+    async def play(self, task: TaskLike, sample_index: int, prompt_id: str) -> Trajectory:
         """One episode in its own router session; the session is ended however the episode ends."""
         session_id = f"{self.settings.run or 'mixrl'}-{self.nonce}-{uuid.uuid4().hex[:12]}"
         try:
             trajectory = await run_episode(
                 self.router.generator(session_id),
+                self.environment,
                 task,
                 self.tokenizer,
                 self.settings.sampling,
@@ -207,14 +232,15 @@ class RolloutWorker:
                 run=self.settings.run,
                 prompt_id=prompt_id,
                 sample_index=sample_index,
-                tools=self.settings.tools,
+                tools=self.tools,
+                max_observation_tokens=self.settings.max_observation_tokens,
             )
         finally:
             await self.router.end_session(session_id)
         self.stats.episode_ended(trajectory)
         return trajectory
 
-    async def _group_member(self, group: _Group, task: Task, index: int) -> None:
+    async def _group_member(self, group: _Group, task: TaskLike, index: int) -> None:
         try:
             group.trajectories[index] = await self.play(task, index, group.prompt_id)
         except EPISODE_FAILURES as exc:
@@ -261,7 +287,7 @@ class RolloutWorker:
     async def produce(self) -> None:
         """Start groups while the trainer still needs data; each episode holds one concurrency slot."""
         async with asyncio.TaskGroup() as running:
-            for prompt_id, task in training_stream(self.settings, self.nonce):
+            for prompt_id, task in training_stream(self.settings, self.environment, self.nonce):
                 async with self._changed:
                     await self._changed.wait_for(self._room_for_a_group)
                 if self.training_done.is_set():
@@ -329,7 +355,7 @@ class RolloutWorker:
             log.error("evaluation of step %d not accepted by the buffer: %s", step, exc)
         return result
 
-    async def _heldout_episode(self, task: Task, index: int, attempts: int = 3) -> Trajectory:
+    async def _heldout_episode(self, task: TaskLike, index: int, attempts: int = 3) -> Trajectory:
         """A held-out episode; one whose engine failed is played again (a lost one would bias pass@k)."""
         for _ in range(attempts - 1):
             try:
@@ -411,7 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router", required=True, help="router URL (or one engine's URL: same API)")
     parser.add_argument("--buffer", required=True, help="buffer URL")
     parser.add_argument(
-        "--tokenizer", default=None, help="tokenizer JSON (default: the built-in filetree one)"
+        "--tokenizer",
+        default=None,
+        help="tokenizer JSON (default: the word tokenizer over the environment's vocabulary)",
     )
     parser.add_argument(
         "--worker-index", type=int, default=0, help="this worker's index among rollout.workers"
@@ -430,16 +458,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args: argparse.Namespace) -> tuple[ResolvedRun, WorkerSettings, Tokenizer, AuthToken | None]:
+@dataclass(frozen=True)
+class Loaded:
+    run: ResolvedRun
+    settings: WorkerSettings
+    environment: Environment[Any]
+    tokenizer: Tokenizer
+    auth_token: AuthToken | None
+
+
+def _load(args: argparse.Namespace) -> Loaded:
     run = load_resolved(args.config)  # a RunConfigError is a ValueError: one line
     settings = WorkerSettings.from_run(run, args.worker_index, args.max_steps_ahead)
-    tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else Tokenizer.filetree()
-    return run, settings, tokenizer, token_from_args(args)  # AuthConfigError is a ValueError
+    problems = check_rollout(run.rollout)
+    if problems:
+        raise ValueError(problems[0])
+    environment = load_environment(settings.environment, settings.environment_args)
+    if args.tokenizer:
+        tokenizer = Tokenizer.load(args.tokenizer)
+    else:
+        words = environment.vocabulary()
+        if words is None:
+            raise ValueError(
+                f"--tokenizer: {settings.environment} has no word vocabulary; give the model's tokenizer"
+            )
+        tokenizer = Tokenizer.from_words(words)
+    auth_token = token_from_args(args)  # an AuthConfigError is a ValueError
+    return Loaded(run, settings, environment, tokenizer, auth_token)
 
 
 async def serve(
     args: argparse.Namespace,
     settings: WorkerSettings,
+    environment: Environment[Any],
     tokenizer: Tokenizer,
     auth_token: AuthToken | None = None,
 ) -> None:
@@ -453,6 +504,7 @@ async def serve(
     buffer = BufferClient(args.buffer, auth_token=auth_token)
     worker = RolloutWorker(
         settings,
+        environment,
         tokenizer,
         router,
         buffer,
@@ -462,7 +514,7 @@ async def serve(
     )
     print(
         f"rollout: worker {settings.worker_index}/{settings.workers} of run {settings.run!r}: "
-        f"{settings.concurrency} concurrent episodes, groups of {settings.samples_per_prompt}, "
+        f"environment {settings.environment}, {settings.concurrency} concurrent episodes, groups of {settings.samples_per_prompt}, "
         f"{len(worker.heldout)} held-out tasks; router {args.router}, buffer {args.buffer}",
         flush=True,
     )
@@ -481,13 +533,13 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
     try:
-        _, settings, tokenizer, auth_token = _load(args)
+        loaded = _load(args)
     except ValueError as exc:
         print(f"mixrl rollout: {exc}", file=sys.stderr)
         return 2
     status = 0
     try:
-        asyncio.run(serve(args, settings, tokenizer, auth_token))
+        asyncio.run(serve(args, loaded.settings, loaded.environment, loaded.tokenizer, loaded.auth_token))
     except* BufferError as refused:  # raised only for a 401, through the worker's task groups
         print(f"mixrl rollout: buffer: {_first_leaf(refused)}", file=sys.stderr)
         status = 1

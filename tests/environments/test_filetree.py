@@ -6,11 +6,27 @@ import hashlib
 
 import pytest
 
-from mixrl.rl.rollout.env import NO_SUCH_FILE, NO_TOOL_CALL, FileTreeEnv, ToolCall, check, parse_tool_call
-from mixrl.rl.rollout.tasks import EXTENSIONS, HELDOUT_BUCKETS, Difficulty, Task, generate_tasks
+from mixrl.rl.environments.filetree import (
+    EXTENSIONS,
+    HELDOUT_BUCKETS,
+    NO_SUCH_FILE,
+    Difficulty,
+    FileTreeEnvironment,
+    FileTreeEpisode,
+    FileTreeTask,
+    check,
+    generate_tasks,
+)
+from mixrl.rl.environments.tools import ToolCall
+
+ENV = FileTreeEnvironment()
 
 
-def answer_tuple(task: Task) -> tuple[str, str, str, str]:
+def parse_tool_call(reply: str, tools: tuple[str, ...] = ("ls", "cat", "submit")) -> ToolCall | None:
+    return ENV.parser.parse(reply, [tool for tool in ENV.tools() if tool.name in tools])
+
+
+def answer_tuple(task: FileTreeTask) -> tuple[str, str, str, str]:
     path = next(p for p in task.files if p.rsplit(".", 1)[0] == task.section)
     key, value = task.answer.split()
     return task.section, path[len(task.section) :], key, value
@@ -90,10 +106,10 @@ def test_checker_accepts_exactly_the_asked_line() -> None:
 def test_checker_rebuilds_a_fresh_environment() -> None:
     """The checker reads the files of a new environment, so nothing an episode did can matter."""
     task = generate_tasks(0, 1, "train")[0]
-    used = FileTreeEnv(task)
+    used = FileTreeEpisode(task)
     used._files.clear()  # an episode's environment, however damaged
     assert check(task, task.answer)
-    assert FileTreeEnv(task).list_files() == sorted(task.files)
+    assert FileTreeEpisode(task).list_files() == sorted(task.files)
     # the checker derives the answer from the tree, not from task.answer
     key, value = task.answer.split()
     forged = task.model_copy(update={"answer": f"{key} {int(value) + 1}"})
@@ -105,8 +121,9 @@ def test_checker_rebuilds_a_fresh_environment() -> None:
     [
         ("ls", ToolCall("ls")),
         ("  ls  ", ToolCall("ls")),
-        ("cat net.cfg", ToolCall("cat", "net.cfg")),
-        ("submit port 42", ToolCall("submit", "port 42")),
+        ("cat net.cfg", ToolCall("cat", {"path": "net.cfg"})),
+        ("submit port 42", ToolCall("submit", {"answer": "port 42"})),
+        ("submit  port   42 ", ToolCall("submit", {"answer": "port 42"})),
         ("ls net.cfg", None),
         ("cat", None),
         ("cat a.cfg b.cfg", None),
@@ -122,17 +139,43 @@ def test_tool_call_parsing(reply: str, call: ToolCall | None) -> None:
 
 def test_tools_not_offered_are_not_calls() -> None:
     assert parse_tool_call("ls", tools=("cat", "submit")) is None
-    assert parse_tool_call("cat a.cfg", tools=("cat", "submit")) == ToolCall("cat", "a.cfg")
+    assert parse_tool_call("cat a.cfg", tools=("cat", "submit")) == ToolCall("cat", {"path": "a.cfg"})
 
 
-def test_tool_outputs() -> None:
+async def test_tool_outputs_and_rewards() -> None:
     task = generate_tasks(0, 1, "train")[0]
-    env = FileTreeEnv(task)
-    listing = env.run_tool(ToolCall("ls"))
-    assert listing.role == "tool" and listing.text == " ".join(sorted(task.files))
+    messages, episode = await ENV.reset(task)
+    assert [(m.role, m.content) for m in messages] == [("user", task.question)]
+    listing = await episode.step(ToolCall("ls"))
+    assert (listing.role, listing.observation, listing.done) == ("tool", " ".join(sorted(task.files)), False)
     path = sorted(task.files)[1]
-    assert env.run_tool(ToolCall("cat", path)).text == task.files[path]
-    assert env.run_tool(ToolCall("cat", "nope.cfg")).text == NO_SUCH_FILE
-    assert env.no_tool_call().role == "user" and env.no_tool_call().text == NO_TOOL_CALL
-    with pytest.raises(ValueError, match="submit ends the episode"):
-        env.run_tool(ToolCall("submit", "x 1"))
+    assert (await episode.step(ToolCall("cat", {"path": path}))).observation == task.files[path]
+    assert (await episode.step(ToolCall("cat", {"path": "nope.cfg"}))).observation == NO_SUCH_FILE
+    assert (ENV.no_tool_call.role, ENV.no_tool_call.content) == ("user", "no tool call")
+    submitted = await episode.step(ToolCall("submit", {"answer": task.answer}))
+    assert (submitted.done, submitted.finish_reason) == (True, "submitted")
+    outcome = await episode.finish("submitted")
+    assert (outcome.reward, outcome.finish_reason) == (1.0, "submitted")
+    # a right answer counts only when the episode ended by submitting it
+    assert (await episode.finish("max_turns")).reward == 0.0
+    _, wrong = await ENV.reset(task)
+    await wrong.step(ToolCall("submit", {"answer": "port 1000"}))
+    assert (await wrong.finish("submitted")).reward == 0.0
+
+
+def test_environment_args_are_the_difficulty() -> None:
+    env = FileTreeEnvironment(files=5, lines=2)
+    assert all(len(t.files) == 5 for t in env.generate_tasks("train", 10, 3))
+    assert env.generate_tasks("train", 10, 3) == generate_tasks(3, 10, "train", Difficulty(files=5, lines=2))
+    with pytest.raises(ValueError, match="files: must be between 1 and 12"):
+        FileTreeEnvironment(files=13)
+
+
+def test_tasks_read_from_rows_keep_their_fields_and_take_the_file_split() -> None:
+    task = generate_tasks(0, 1, "train")[0]
+    row = task.model_dump()
+    assert ENV.task_from_record(row, "heldout", 0) == task.model_copy(update={"split": "heldout"})
+    del row["id"]
+    assert ENV.task_from_record(row, "train", 7).id == "ft-train-7"
+    with pytest.raises(ValueError, match="row 3: question: Field required"):
+        ENV.task_from_record({"files": {}, "section": "a", "key": "b", "answer": "c"}, "train", 3)

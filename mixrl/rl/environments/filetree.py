@@ -1,9 +1,9 @@
-"""The built-in ``filetree`` task family: read a setting from a small virtual file tree.
+"""The built-in ``filetree`` environment: read a setting from a small virtual file tree.
 
 It has the shape of the paper's agentic coding at a size a tiny model learns on a CPU: the agent
 sees a question, inspects a file tree with ``ls`` and ``cat``, and submits an answer that a checker
 verifies in a *fresh* environment built from the task (reward 1 if it passes, else 0;
-:func:`mixrl.rl.rollout.env.check`).
+:func:`check`).
 
 A task's tree holds a few config files, one per *section* (``net.cfg``, ``db.ini``, ...), each with
 ``key value`` lines (the ssh_config / nginx style).  Keys repeat across files with different values, so the question
@@ -22,19 +22,31 @@ Everything is generated deterministically from a seed.  The split of a task is d
 of what determines its answer (section, extension, key, value), so a held-out task never shares
 that tuple with any training task, whatever sizes are asked for.  The closed word lists below are
 the task family's whole vocabulary (:data:`WORDS`); the tokenizer is built from them.
+
+Tools (:class:`FileTreeEnvironment`, in the plain-text format):
+
+- ``ls``            -> the file names, sorted, separated by spaces
+- ``cat <path>``    -> the file's text, or ``error : no such file``
+- ``submit <text>`` -> ends the episode; :func:`check` judges the answer in another fresh episode
+
+A fresh :class:`FileTreeEpisode` is built for every episode (and for every check), so nothing one
+episode does can leak into another.  A reply that is not exactly one of these calls is a *reply
+without a tool call* (the paper's format error); mixrl answers it with ``no tool call``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-Split = Literal["train", "heldout"]
-SPLITS: tuple[Split, ...] = ("train", "heldout")
+from mixrl.rl.environments.base import SPLITS, Environment, Episode, Message, Outcome, Split, StepResult
+from mixrl.rl.environments.tools import PlainTextParser, Tool, ToolCall
+
 HELDOUT_BUCKETS = 8
 """One in this many answer tuples is held out."""
 
@@ -122,7 +134,7 @@ class Difficulty:
             raise ValueError(f"extensions: must be between 1 and {len(EXTENSIONS)}, got {self.extensions}")
 
 
-class Task(BaseModel):
+class FileTreeTask(BaseModel):
     """One task: a file tree, a question, and what a correct submission must equal."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -161,7 +173,7 @@ def question_text(section: str, key: str) -> str:
     return f"what is {key} in {section} ?"
 
 
-def _candidate(seed: int, index: int, difficulty: Difficulty) -> Task:
+def _candidate(seed: int, index: int, difficulty: Difficulty) -> FileTreeTask:
     rng = random.Random(
         f"filetree|{seed}|{index}|{difficulty.files}|{difficulty.lines}|{difficulty.extensions}"
     )
@@ -182,7 +194,7 @@ def _candidate(seed: int, index: int, difficulty: Difficulty) -> Task:
     split = _answer_split(sections[0], extension, key, value)
     ordered = dict(sorted(files.items()))
     digest = hashlib.sha256(repr((sorted(files.items()), sections[0], key)).encode()).hexdigest()[:12]
-    return Task(
+    return FileTreeTask(
         id=f"ft-{digest}",
         split=split,
         files=ordered,
@@ -193,7 +205,9 @@ def _candidate(seed: int, index: int, difficulty: Difficulty) -> Task:
     )
 
 
-def generate_tasks(seed: int, n: int, split: Split, difficulty: Difficulty | None = None) -> list[Task]:
+def generate_tasks(
+    seed: int, n: int, split: Split, difficulty: Difficulty | None = None
+) -> list[FileTreeTask]:
     """The first ``n`` distinct tasks of ``split`` in the stream generated from ``seed``.
 
     Deterministic: the same arguments always give the same list, and a smaller ``n`` gives a prefix.
@@ -203,7 +217,7 @@ def generate_tasks(seed: int, n: int, split: Split, difficulty: Difficulty | Non
     if n < 0:
         raise ValueError(f"n: must be non-negative, got {n}")
     difficulty = difficulty or Difficulty()
-    tasks: list[Task] = []
+    tasks: list[FileTreeTask] = []
     seen: set[str] = set()
     index = misses = 0
     # A candidate lands in the held-out split with probability 1/8; a long run of candidates that
@@ -219,3 +233,106 @@ def generate_tasks(seed: int, n: int, split: Split, difficulty: Difficulty | Non
             tasks.append(task)
             misses = 0
     return tasks
+
+
+# ----------------------------------------------------------------------------- the environment
+
+NO_SUCH_FILE = "error : no such file"
+SUBMITTED = "submitted"
+
+FILETREE_TOOLS: tuple[Tool, ...] = (
+    Tool(TOOL_LS, "List the files of the tree."),
+    Tool(
+        TOOL_CAT,
+        "Print one file.",
+        {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    ),
+    Tool(
+        TOOL_SUBMIT,
+        "Submit the answer, the setting's line `key value`; ends the episode.",
+        {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
+    ),
+)
+
+
+class FileTreeEpisode(Episode):
+    """One episode's private copy of a task's file tree."""
+
+    def __init__(self, task: FileTreeTask) -> None:
+        self.task = task
+        self._files: dict[str, str] = dict(task.files)
+        self.submission: str | None = None
+
+    def list_files(self) -> list[str]:
+        return sorted(self._files)
+
+    def read_file(self, path: str) -> str | None:
+        return self._files.get(path)
+
+    def run_tool(self, call: ToolCall) -> StepResult:
+        """The step, synchronously (the warm start's demonstrations replay it)."""
+        if call.name == TOOL_LS:
+            return StepResult(" ".join(self.list_files()))
+        if call.name == TOOL_CAT:
+            text = self.read_file(call.arguments["path"])
+            return StepResult(NO_SUCH_FILE if text is None else text)
+        if call.name == TOOL_SUBMIT:
+            self.submission = call.arguments["answer"]
+            return StepResult("", done=True, finish_reason=SUBMITTED)
+        raise ValueError(f"tool: filetree has no tool {call.name!r}")
+
+    async def step(self, call: ToolCall) -> StepResult:
+        return self.run_tool(call)
+
+    async def finish(self, reason: str) -> Outcome:
+        """1 for a submission that passes :func:`check`; 0 for a wrong one and for any other ending."""
+        passed = reason == SUBMITTED and self.submission is not None and check(self.task, self.submission)
+        return Outcome(1.0 if passed else 0.0, reason)
+
+
+class FileTreeEnvironment(Environment[FileTreeTask]):
+    """The built-in environment; ``environmentArgs`` are :class:`Difficulty`'s fields."""
+
+    parser: ClassVar[PlainTextParser] = PlainTextParser(rest_of_reply=(TOOL_SUBMIT,))
+
+    def __init__(self, files: int = 3, lines: int = 1, extensions: int = len(EXTENSIONS)) -> None:
+        self.difficulty = Difficulty(files=files, lines=lines, extensions=extensions)
+
+    def tools(self) -> Sequence[Tool]:
+        return FILETREE_TOOLS
+
+    async def reset(self, task: FileTreeTask) -> tuple[list[Message], Episode]:
+        return [Message("user", task.question)], FileTreeEpisode(task)
+
+    def generate_tasks(self, split: Split, n: int, seed: int) -> list[FileTreeTask]:
+        return generate_tasks(seed, n, split, self.difficulty)
+
+    def task_from_record(self, record: Mapping[str, Any], split: Split, index: int) -> FileTreeTask:
+        """A row holding a task's fields (``files``, ``question``, ``section``, ``key``, ``answer``,
+        optionally ``id``); its split is the file's."""
+        row = {key: value for key, value in record.items() if key != "split"}
+        row.setdefault("id", f"ft-{split}-{index}")
+        try:
+            return FileTreeTask.model_validate({**row, "split": split})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"row {index}: {where}: {first['msg']}") from None
+
+    def vocabulary(self) -> Sequence[str]:
+        return WORDS
+
+
+def check(task: FileTreeTask, submission: str) -> bool:
+    """Whether ``submission`` answers ``task``, judged in a fresh episode built from the task.
+
+    The checker does not trust ``task.answer``: it rebuilds the tree, finds the asked section's
+    file, reads it and parses it, as a test suite would run against a clean checkout.
+    """
+    episode = FileTreeEpisode(task)
+    paths = [path for path in episode.list_files() if path.rsplit(".", 1)[0] == task.section]
+    if len(paths) != 1:
+        return False
+    expected = parse_config(episode.read_file(paths[0]) or "").get(task.key)
+    submitted = parse_config(" ".join(submission.split()))
+    return expected is not None and submitted == {task.key: expected}
