@@ -17,7 +17,8 @@ Damage on start: a last line without its newline that is nevertheless a complete
 kept (its newline is added); any other unterminated last line (a write torn by a crash, never
 acknowledged) is moved to ``<log>.damaged`` and cut from the log, never silently dropped.  A bad
 line anywhere else in the trajectory or assignment log stops the start with one line,
-``log <file> is damaged at line N: <reason>``.  The evaluation log is telemetry: a bad line there is
+``log <file> is damaged at line N: <reason>``; a trajectory line must be a whole Trajectory, as
+the trainer reads it.  The evaluation log is telemetry: a bad line there is
 skipped with a warning and never blocks a restart.
 
 Thread safety: every public method holds one lock, so the HTTP layer may call them from worker
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, TrajectoryMeta
@@ -205,6 +206,28 @@ def _meta_problem(record: dict[str, Any]) -> str | None:
     return None
 
 
+def _validation_problem(exc: ValidationError) -> str:
+    """pydantic's first complaint as ``<field path>: <reason>`` (it never quotes the input)."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in first["loc"])
+    problem = f"{where}: {first['msg']}" if where else str(first["msg"])
+    return problem if len(problem) <= 300 else problem[:300] + "…"
+
+
+def _logged_trajectory(path: Path, number: int, line: bytes) -> Trajectory:
+    """Line ``number`` of the trajectory log as the Trajectory the trainer will read it as.
+
+    Checked whole, not only the fields grouping reads: a line the trainer cannot read would
+    otherwise be handed out in a batch, and the same batch again after every restart of the
+    trainer.  (Parsing the line straight into the model is also quicker than ``json.loads``.)
+    """
+    try:
+        return Trajectory.model_validate_json(line)
+    except ValidationError as exc:
+        problem = _meta_problem(_record(path, number, line)) or _validation_problem(exc)
+        raise damaged(path, number, problem) from None
+
+
 def _complete_trajectory(line: bytes) -> bool:
     try:
         Trajectory.model_validate(_json_line(line))
@@ -350,11 +373,7 @@ class TrajectoryBuffer:
     def _replay(self) -> None:
         path = self.dir / TRAJECTORIES
         for offset, number, line in _read_lines(path, _complete_trajectory):
-            record = _record(path, number, line)
-            problem = _meta_problem(record)
-            if problem is not None:
-                raise damaged(path, number, problem)
-            meta = meta_of(number, record)
+            meta = meta_of(number, _logged_trajectory(path, number, line))
             self._offsets.append((offset, len(line)))
             self.state.add(meta)
             self.telemetry.received[meta.pool] += 1

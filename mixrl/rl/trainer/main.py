@@ -171,8 +171,11 @@ class TrainerLoop:
         path = self.run_dir / METRICS
         if not path.exists():
             return
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines(True) if _step_of(line) <= step]
-        path.write_text("".join(kept), encoding="utf-8")
+        # Bytes: a line of binary garbage is kept as it is, and never stops the resume.
+        kept = [line for line in path.read_bytes().splitlines(True) if _step_of(line) <= step]
+        if kept and not kept[-1].endswith(b"\n"):  # a torn last line: the next step's starts anew
+            kept[-1] += b"\n"
+        path.write_bytes(b"".join(kept))
 
     def publish_held_version(self) -> None:
         """Publish the weights the trainer holds (version = its step) if the store lacks them.
@@ -260,11 +263,14 @@ class TrainerLoop:
         await self.buffer.close()
 
 
-def _step_of(line: str) -> int:
+def _step_of(line: bytes) -> int:
+    """The line's integer step, as the readers take it (``mixrl.local.report.has_step``); -1 for a
+    damaged line (kept, as a line a reader can see)."""
     try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return -1  # a damaged line is kept, as a line a reader can see
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError, RecursionError):  # (RecursionError: "[" * 10**5)
+        return -1
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
 def main(argv: list[str]) -> int:
