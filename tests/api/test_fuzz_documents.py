@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +36,7 @@ from hypothesis import strategies as st
 
 from mixrl.api.crd import openapi_to_jsonschema, rlrun_crd
 from mixrl.api.errors import MAX_LINE, InvalidSpec
-from mixrl.api.loader import ManifestUnreadable, parse_document, parse_yaml
+from mixrl.api.loader import MAX_ALIASES, MAX_NODES, ManifestUnreadable, parse_document, parse_yaml
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
 
@@ -320,3 +321,59 @@ def test_in_range_mutations_agree_with_the_api_server_rules(doc: Doc) -> None:
         assert admission == [], (result, admission)
         return
     assert result == admission, (result, admission)
+
+
+# ------------------------------------------------- the loader's limits, on generated documents
+# (issue #14 item 4: duplicate keys and alias expansion, beyond the hand-written cases of
+# tests/api/test_loader.py)
+
+KEY_LINE = re.compile(r"^(?P<indent>(?:  )*)(?P<key>[A-Za-z][A-Za-z0-9]*): \S")
+
+
+@st.composite
+def duplicated_key(draw: st.DrawFn) -> tuple[str, str]:
+    """A valid example's YAML with one ``key: value`` line repeated right below itself, the copy
+    holding any scalar: the loader must name the key, whatever the value."""
+    lines = dump(copy.deepcopy(draw(st.sampled_from(EXAMPLES)))).splitlines()
+    candidates = [i for i, line in enumerate(lines) if KEY_LINE.match(line)]
+    index = draw(st.sampled_from(candidates))
+    match = KEY_LINE.match(lines[index])
+    assert match is not None
+    value = yaml.safe_dump(draw(scalars), default_flow_style=True).splitlines()[0].removesuffix(" ...")
+    lines.insert(index + 1, f"{match['indent']}{match['key']}: {value}")
+    return "\n".join(lines) + "\n", match["key"]
+
+
+@settings(FUZZ, max_examples=60)
+@given(duplicated_key())
+def test_a_duplicated_key_anywhere_is_one_line_naming_it(case: tuple[str, str]) -> None:
+    text, key = case
+    [result] = check(text)
+    assert len(result) == 1 and f"duplicate key '{key}'" in result[0], result
+
+
+@st.composite
+def alias_bomb(draw: st.DrawFn) -> tuple[str, int, int]:
+    """A valid example with one unknown top-level key holding a ladder of anchors, each rung
+    ``width`` aliases of the one below: ``width ** depth`` nodes once expanded, from a handful to
+    far beyond any limit."""
+    width, depth = draw(st.integers(1, 12)), draw(st.integers(1, 14))
+    rungs = ["bomb:", "  l0: &l0 [lol]"]
+    rungs += [f"  l{d}: &l{d} [{', '.join([f'*l{d - 1}'] * width)}]" for d in range(1, depth + 1)]
+    spec = dump(copy.deepcopy(draw(st.sampled_from(EXAMPLES))))
+    return spec + "\n".join(rungs) + "\n", width, depth
+
+
+@settings(FUZZ, max_examples=40)
+@given(alias_bomb())
+def test_alias_ladders_are_read_or_refused_in_one_line_within_the_deadline(
+    case: tuple[str, int, int],
+) -> None:
+    text, width, depth = case
+    [result] = check(text)
+    assert len(result) == 1, result
+    refused = result[0].startswith(f"{SOURCE}: ")
+    if width * depth > MAX_ALIASES or width**depth > 10 * MAX_NODES:
+        assert refused and ("aliases" in result[0] or "nodes" in result[0]), result
+    elif width**depth < MAX_NODES // 10:
+        assert result == ["bomb: unknown field (check the spelling; unknown fields are rejected)"], result
