@@ -33,3 +33,12 @@ if [ "${MIXRL_SKIP_PROMETHEUS:-0}" != 1 ] && ! command -v prometheus >/dev/null;
       || echo "setup: could not install prometheus; the tests that need it will fail"
   fi
 fi
+
+# The sandbox that runs model-generated code (mixrl/rl/sandbox/, docs/sandbox.md) is bubblewrap.
+if [ "${MIXRL_SKIP_BWRAP:-0}" != 1 ] && ! command -v bwrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing Debian's bubblewrap package (for the sandbox tests)"
+    (apt-get install -y -qq bubblewrap >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; }) \
+      || echo "setup: could not install bubblewrap; the tests that need it will fail"
+  fi
+fi

@@ -1,0 +1,49 @@
+"""Helpers of the sandbox tests: a sandbox, and what the host sees of the processes it ran."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mixrl.rl.sandbox import Sandbox
+
+needs_bwrap = pytest.mark.needs_bwrap  # tests/conftest.py fails these without the binary
+
+
+@pytest.fixture
+def sandbox() -> Sandbox:
+    return Sandbox()
+
+
+@pytest.fixture
+def token() -> str:
+    """A word to put in a command line, to find its processes on the host afterwards."""
+    return f"mixrltoken{uuid.uuid4().hex[:12]}"
+
+
+def host_processes(token: str) -> list[int]:
+    """Host pids whose command line holds ``token`` (this test process's own excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if token.encode() in cmdline and b"pytest" not in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def host_uid(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
