@@ -154,7 +154,8 @@ def prepare_model(run: ResolvedRun, cache: Path, run_dir: Path) -> PreparedModel
         model_dir = Path(path)
         if not (model_dir / "config.json").exists():
             raise FileNotFoundError(f"model.path: {path} is not a local model directory (no config.json)")
-        tokenizer_path = run.model.tokenizer or str(model_dir / TOKENIZER_FILE)
+        # a Hugging Face tokenizer directory and its chat template (or model.chatTemplate)
+        tokenizer_path = run.model.tokenizer or str(model_dir)
 
     store = WeightStore(run.weights.store)
     latest = store.latest()

@@ -37,7 +37,7 @@ from mixrl.api.trajectory import Trajectory
 from mixrl.rl.engine.protocol import GenerateResult, PoolInfo, TurnFinish
 from mixrl.rl.environments.base import Environment, Episode, Outcome, TaskLike
 from mixrl.rl.environments.tools import Tool
-from mixrl.rl.rollout.tokenizer import Tokenizer
+from mixrl.rl.rollout.chat_tokenizer import ChatTokenizer
 
 FINISH_REASON = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 """What a finish reason may look like: it becomes a metric label and a key of evaluation results."""
@@ -73,7 +73,7 @@ async def run_episode(
     generate: Generate,
     environment: Environment[Any],
     task: TaskLike,
-    tokenizer: Tokenizer,
+    tokenizer: ChatTokenizer,
     sampling: SamplingParams,
     max_turns: int,
     max_context_tokens: int,
@@ -104,7 +104,7 @@ async def run_episode(
             pool=pool.pool,
             gpu_type=pool.gpu_type,
             precision=pool.precision,
-            prompt_ids=tokenizer.chat_prompt_ids(messages),
+            prompt_ids=tokenizer.chat_prompt_ids(messages, offered),
             split=task.split,
         )
         reason = await _play(
@@ -123,7 +123,7 @@ async def _play(
     generate: Generate,
     environment: Environment[Any],
     episode: Episode,
-    tokenizer: Tokenizer,
+    tokenizer: ChatTokenizer,
     settings: EpisodeSettings,
     offered: Sequence[Tool],
     trajectory: Trajectory,

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mixrl.rl.environments.base import Message
 from mixrl.rl.environments.filetree import WORDS
@@ -125,9 +125,10 @@ class Tokenizer:
         """The episode's first context: ``<bos> <|user|> question <|end|> <|assistant|>``."""
         return [self.bos_id, *self.render("user", question), *self.generation_prompt()]
 
-    def chat_prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+    def chat_prompt_ids(self, messages: Sequence[Message], tools: Sequence[Any] = ()) -> list[int]:
         """An episode's first context from an environment's messages: ``<bos>``, each turn, and the
-        generation prompt (one user message gives exactly :meth:`prompt_ids`)."""
+        generation prompt (one user message gives exactly :meth:`prompt_ids`).  ``tools`` are not
+        rendered: a word-level model learns them from the task, not from a schema."""
         ids = [self.bos_id]
         for message in messages:
             if message.role not in self.role_ids:

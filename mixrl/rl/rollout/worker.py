@@ -43,9 +43,9 @@ from mixrl.rl.environments.datasets import load_tasks
 from mixrl.rl.environments.registry import check_rollout, load_environment, offered_tools
 from mixrl.rl.environments.tools import Tool
 from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, run_episode
+from mixrl.rl.rollout.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from mixrl.rl.rollout.router_client import RouterClient, RouterError
 from mixrl.rl.rollout.stats import RolloutStats
-from mixrl.rl.rollout.tokenizer import Tokenizer
 
 log = logging.getLogger("mixrl.rollout")
 
@@ -183,7 +183,7 @@ class RolloutWorker:
         self,
         settings: WorkerSettings,
         environment: Environment[Any],
-        tokenizer: Tokenizer,
+        tokenizer: ChatTokenizer,
         router: RouterClient,
         buffer: BufferClient,
         *,
@@ -439,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer JSON (default: the word tokenizer over the environment's vocabulary)",
+        help="mixrl word-tokenizer JSON or a Hugging Face tokenizer directory (default: model.tokenizer, "
+        "else model.path; for tiny: models the word tokenizer over the environment's vocabulary)",
     )
     parser.add_argument(
         "--worker-index", type=int, default=0, help="this worker's index among rollout.workers"
@@ -458,12 +459,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def tokenizer_location(run: ResolvedRun, flag: str | None) -> str | None:
+    """``--tokenizer``, else the model's own (``model.tokenizer``, else ``model.path``: what the
+    operator's pods read), else None for a ``tiny:`` model: the word tokenizer over the environment's
+    vocabulary."""
+    if flag:
+        return flag
+    if run.model.path.startswith("tiny:"):
+        return None
+    return run.model.tokenizer or run.model.path
+
+
 @dataclass(frozen=True)
 class Loaded:
     run: ResolvedRun
     settings: WorkerSettings
     environment: Environment[Any]
-    tokenizer: Tokenizer
+    tokenizer: ChatTokenizer
     auth_token: AuthToken | None
 
 
@@ -474,15 +486,12 @@ def _load(args: argparse.Namespace) -> Loaded:
     if problems:
         raise ValueError(problems[0])
     environment = load_environment(settings.environment, settings.environment_args)
-    if args.tokenizer:
-        tokenizer = Tokenizer.load(args.tokenizer)
-    else:
-        words = environment.vocabulary()
-        if words is None:
-            raise ValueError(
-                f"--tokenizer: {settings.environment} has no word vocabulary; give the model's tokenizer"
-            )
-        tokenizer = Tokenizer.from_words(words)
+    tokenizer = load_chat_tokenizer(
+        tokenizer_location(run, args.tokenizer),
+        run.model.chat_template,
+        environment.vocabulary(),
+        settings.environment,
+    )
     auth_token = token_from_args(args)  # an AuthConfigError is a ValueError
     return Loaded(run, settings, environment, tokenizer, auth_token)
 
@@ -491,7 +500,7 @@ async def serve(
     args: argparse.Namespace,
     settings: WorkerSettings,
     environment: Environment[Any],
-    tokenizer: Tokenizer,
+    tokenizer: ChatTokenizer,
     auth_token: AuthToken | None = None,
 ) -> None:
     stopping = asyncio.Event()
