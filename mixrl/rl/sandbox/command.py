@@ -27,6 +27,7 @@ from mixrl.rl.sandbox.limits import Limits, prlimit_args
 
 SEED_DIR = "/seed"
 WORK_DIR = "/work"
+EXTRA_BIN = "/opt/mixrl/bin"
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 ETC_FILES = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime")
@@ -73,7 +74,7 @@ class SandboxConfig:
     """Files read back from ``/work`` after a run; past it the rest are dropped with a note."""
     base_env: tuple[tuple[str, str], ...] = field(
         default=(
-            ("PATH", "/usr/local/bin:/usr/bin:/bin"),
+            ("PATH", f"{EXTRA_BIN}:/usr/local/bin:/usr/bin:/bin"),
             ("HOME", WORK_DIR),
             ("TMPDIR", "/tmp"),
             ("LANG", "C.UTF-8"),
@@ -128,6 +129,8 @@ def bwrap_argv(config: SandboxConfig, limits: Limits, seed_dir: str, command: st
         argv += ["--ro-bind-try", path, path]
     for path in config.ro_paths:
         argv += ["--ro-bind", path, path]
+    # `python` is python3, as Debian's python-is-python3 makes it: what models (and people) type
+    argv += ["--dir", EXTRA_BIN, "--symlink", "/usr/bin/python3", f"{EXTRA_BIN}/python"]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--size", str(limits.disk_bytes), "--tmpfs", WORK_DIR]
     argv += ["--size", str(limits.disk_bytes), "--tmpfs", "/tmp"]

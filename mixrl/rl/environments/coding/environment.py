@@ -1,0 +1,266 @@
+"""The agentic coding environment: edit a repository snapshot, run commands in the sandbox, be scored by tests.
+
+Tools (JSON schemas; :class:`CodingEnvironment` reads the Hermes/Qwen ``<tool_call>`` JSON of real
+chat models, :class:`PlainCodingEnvironment` the plain ``name words...`` of tiny models):
+
+- ``list_files``                 -> the snapshot's paths, one per line
+- ``read_file {path}``           -> the file's text
+- ``write_file {path, content}`` -> writes it (creates or replaces) in the snapshot
+- ``run {command}``              -> runs ``/bin/sh -c command`` in a fresh sandbox holding the
+  snapshot; the files it leaves in ``/work`` become the snapshot (a run killed by a limit leaves
+  the snapshot as it was)
+- ``submit``                     -> ends the episode
+
+Every file operation works on the episode's own copy of the task's snapshot (a dict in memory);
+nothing the agent does touches the host's files, and every command runs in a sandbox
+(:mod:`mixrl.rl.sandbox`).
+
+The reward is the share of the task's hidden tests that pass, run in a sandbox on the snapshot
+with the hidden tests added, when the episode ends by ``submit``, at ``rollout.maxTurns`` or at the
+context limit (the work done counts, submitted or not).  An episode mixrl ends after
+``rollout.formatErrorLimit`` consecutive replies without a valid tool call (the seed's three
+empty replies) scores 0 and runs no tests.  Observations are cut to ``max_observation_chars``
+here, then to ``rollout.maxObservationTokens`` by mixrl.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from mixrl.rl.environments.base import Environment, Episode, Message, Outcome, Split, StepResult
+from mixrl.rl.environments.coding import swe
+from mixrl.rl.environments.coding.scoring import TestScore, score, test_command_for
+from mixrl.rl.environments.coding.tasks import FAMILIES, LEVELS, CodingTask, generate_tasks
+from mixrl.rl.environments.tools import JsonToolCallParser, PlainTextParser, Tool, ToolCall, ToolCallParser
+from mixrl.rl.sandbox import Limits, Sandbox, SandboxConfig, SandboxResult
+from mixrl.rl.sandbox.files import check_path
+
+TOOL_LIST, TOOL_READ, TOOL_WRITE, TOOL_RUN, TOOL_SUBMIT = (
+    "list_files",
+    "read_file",
+    "write_file",
+    "run",
+    "submit",
+)
+TOOLS: tuple[Tool, ...] = (
+    Tool(TOOL_LIST, "List the repository's files."),
+    Tool(
+        TOOL_READ,
+        "Read one file of the repository.",
+        {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    ),
+    Tool(
+        TOOL_WRITE,
+        "Create or replace one file of the repository.",
+        {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"],
+        },
+    ),
+    Tool(
+        TOOL_RUN,
+        "Run a shell command in the repository's root, in a sandbox without network.",
+        {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+    ),
+    Tool(TOOL_SUBMIT, "Finish: the hidden tests are run on the repository as it is."),
+)
+SUBMITTED = "submitted"
+TRUNCATED = "\n[... {more} more characters]"
+
+
+class CodingEpisode(Episode):
+    """One episode: a private copy of the task's snapshot, and the sandbox its commands run in."""
+
+    def __init__(self, task: CodingTask, environment: CodingEnvironment) -> None:
+        self.task = task
+        self.environment = environment
+        self.files: dict[str, bytes] = {path: text.encode() for path, text in task.files.items()}
+        self.score: TestScore | None = None
+        """The hidden tests' result, once :meth:`finish` ran them."""
+        self.test_result: SandboxResult | None = None
+
+    async def step(self, call: ToolCall) -> StepResult:
+        arguments = call.arguments
+        if call.name == TOOL_SUBMIT:
+            return StepResult("submitted", done=True, finish_reason=SUBMITTED)
+        if call.name == TOOL_LIST:
+            return self._observe("\n".join(sorted(self.files)) or "(no files)")
+        if call.name == TOOL_READ:
+            path = self._path(arguments["path"])
+            if path is None or path not in self.files:
+                return self._observe(f"error: no such file: {arguments['path']}")
+            return self._observe(self.files[path].decode(errors="replace"))
+        if call.name == TOOL_WRITE:
+            return self._observe(self._write(arguments["path"], arguments["content"]))
+        if call.name == TOOL_RUN:
+            result = await self.environment.sandbox.run(
+                arguments["command"], self.files, self.environment.limits
+            )
+            if result.files is not None:
+                self.files = result.files
+            return self._observe(describe_run(result))
+        raise ValueError(f"tool: {call.name!r} is not a coding tool")
+
+    def _path(self, given: str) -> str | None:
+        try:
+            return check_path(given)
+        except ValueError:
+            return None
+
+    def _write(self, given: str, content: str) -> str:
+        try:
+            path = check_path(given)
+        except ValueError as error:
+            return f"error: {error}"
+        data = content.encode()
+        if len(data) > self.environment.limits.file_bytes:
+            return f"error: {len(data)} bytes is more than a file may hold ({self.environment.limits.file_bytes})"
+        clash = [
+            other for other in self.files if other.startswith(path + "/") or path.startswith(other + "/")
+        ]
+        if clash:
+            return f"error: {path} and {clash[0]} cannot both exist (one would be the other's directory)"
+        self.files[path] = data
+        return f"wrote {len(data)} bytes to {path}"
+
+    def _observe(self, text: str) -> StepResult:
+        return StepResult(cap(text, self.environment.max_observation_chars))
+
+    async def finish(self, reason: str) -> Outcome:
+        if reason == "format_errors":
+            return Outcome(0.0, reason)
+        self.score, self.test_result = await self.environment.run_tests(self.task, self.files)
+        return Outcome(self.score.share, reason)
+
+
+class CodingEnvironment(Environment[CodingTask]):
+    """Agentic coding over generated tasks (``levels``) or your own (``tasks``: a directory in the
+    SWE-style layout; rows of ``rollout.dataset`` files work too, paths relative to ``root``).
+
+    ``limits`` and ``test_limits``: :class:`mixrl.rl.sandbox.Limits` fields for each ``run`` and for
+    the hidden tests' run; ``ro_paths``: extra read-only host paths in the sandbox (an interpreter
+    with your test framework); ``max_concurrent``: sandboxes at once in this worker."""
+
+    parser: ClassVar[ToolCallParser] = JsonToolCallParser()
+
+    def __init__(
+        self,
+        levels: Sequence[int] = LEVELS,
+        tasks: str | None = None,
+        root: str | None = None,
+        limits: Mapping[str, Any] | None = None,
+        test_limits: Mapping[str, Any] | None = None,
+        max_observation_chars: int = 4000,
+        ro_paths: Sequence[str] = (),
+        max_concurrent: int = 8,
+        bwrap: str = "bwrap",
+    ) -> None:
+        bad = [level for level in levels if level not in LEVELS]
+        if bad or not levels:
+            raise ValueError(f"levels: each must be one of {list(LEVELS)}, got {list(levels)}")
+        if max_observation_chars <= 0:
+            raise ValueError(f"max_observation_chars: must be positive, got {max_observation_chars}")
+        if shutil.which(bwrap) is None:
+            raise ValueError(
+                f"the coding environment runs every command in bubblewrap ({bwrap!r}), which is not "
+                "installed here: apt-get install bubblewrap"
+            )
+        self.levels = tuple(levels)
+        self.tasks_dir = Path(tasks) if tasks is not None else None
+        if self.tasks_dir is not None and not self.tasks_dir.is_dir():
+            raise ValueError(f"tasks: {tasks} is not a directory")
+        self.root = Path(root) if root is not None else Path.cwd()
+        self.limits = _limits(limits, "limits", Limits())
+        self.test_limits = _limits(test_limits, "test_limits", Limits(wall_s=30.0, cpu_s=20))
+        self.max_observation_chars = max_observation_chars
+        self.sandbox = Sandbox(
+            SandboxConfig(bwrap=bwrap, ro_paths=tuple(ro_paths), max_concurrent=max_concurrent)
+        )
+
+    def tools(self) -> Sequence[Tool]:
+        return TOOLS
+
+    async def reset(self, task: CodingTask) -> tuple[list[Message], Episode]:
+        listing = ", ".join(sorted(task.files))
+        prompt = f"{task.problem}\nThe repository holds: {listing}. Submit when done."
+        return [Message("user", prompt)], CodingEpisode(task, self)
+
+    def generate_tasks(self, split: Split, n: int, seed: int) -> Sequence[CodingTask]:
+        if self.tasks_dir is not None:
+            return swe.load_task_dir(self.tasks_dir, split)[:n]
+        return generate_tasks(split, n, seed, self.levels)
+
+    def task_from_record(self, record: Mapping[str, Any], split: Split, index: int) -> CodingTask:
+        return swe.task_from_record(record, split, index, self.root)
+
+    async def run_tests(
+        self, task: CodingTask, files: Mapping[str, bytes]
+    ) -> tuple[TestScore, SandboxResult]:
+        """The hidden tests on ``files``: in a sandbox, with a fresh nonce in the test command."""
+        nonce = secrets.token_hex(8)
+        tree = {**files, **{path: text.encode() for path, text in task.hidden_tests.items()}}
+        result = await self.sandbox.run(test_command_for(task.test_command, nonce), tree, self.test_limits)
+        return score(result.stdout + "\n" + result.stderr, result.exit_code, nonce), result
+
+
+class PlainCodingEnvironment(CodingEnvironment):
+    """The same environment for tiny models and mixrl's word tokenizer: plain-text calls
+    (``write_file solution.py def scale ( x ) : return 7 * x + 3``; the content and the command
+    take the rest of the reply, on one line) and a closed vocabulary."""
+
+    parser: ClassVar[ToolCallParser] = PlainTextParser(rest_of_reply=(TOOL_WRITE, TOOL_RUN))
+
+    def vocabulary(self) -> Sequence[str]:
+        from mixrl.rl.rollout.tokenizer import split_words  # the tokenizer's own word rule
+
+        texts = [tool.name for tool in TOOLS] + list(VOCABULARY_TEXTS)
+        for family in FAMILIES:
+            texts += [family.statement, family.signature, family.reference, *family.names]
+        words = [word for text in texts for word in split_words(text)]
+        return list(dict.fromkeys([*words, *(str(n) for n in range(101))]))
+
+
+VOCABULARY_TEXTS: tuple[str, ...] = (
+    "def return if else for in range while and or not True False None import from print len sum min max",
+    "abs str int list ord chr join append x y n xs text i j k c out total _ python solution .py .md",
+    "test_solution README The repository holds : , . Submit when done Examples are in run",
+    "( ) [ ] { } = == + - * / // % < > <= >= ' \" # ! ; \n",
+    "wrote bytes to error no such file exit code ok timeout memory disk output_limit killed stdout stderr",
+    "examples pass Traceback most recent call last File line NameError SyntaxError AssertionError",
+    "submitted more characters",
+)
+
+
+def describe_run(result: SandboxResult) -> str:
+    """A ``run`` tool's observation: how it ended, then its output."""
+    head = f"exit code {result.exit_code if result.exit_code is not None else '-'} ({result.finish_reason}"
+    head += f": {result.detail})" if result.detail else ")"
+    parts = [head]
+    if result.stdout:
+        parts += ["stdout:", result.stdout.rstrip("\n")]
+    if result.stderr:
+        parts += ["stderr:", result.stderr.rstrip("\n")]
+    return "\n".join(parts)
+
+
+def cap(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + TRUNCATED.format(more=len(text) - limit)
+
+
+def _limits(given: Mapping[str, Any] | None, name: str, default: Limits) -> Limits:
+    if given is None:
+        return default
+    known = set(Limits.__dataclass_fields__)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown {unknown}; known: {sorted(known)}")
+    fields = {key: getattr(default, key) for key in known} | dict(given)
+    try:
+        return Limits(**fields)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None

@@ -1,0 +1,317 @@
+"""Coding tasks: a repository snapshot with a stub to fill in, a problem statement, hidden tests.
+
+:class:`CodingTask` is what every source of tasks produces: the generated set below, and the
+SWE-style loader (:mod:`mixrl.rl.environments.coding.swe`).  The agent sees ``files`` (the
+snapshot) and ``problem``; ``hidden_tests`` are added to the snapshot only when the episode is
+scored, and ``test_command`` runs them in the sandbox
+(:mod:`mixrl.rl.environments.coding.scoring` reads how many passed).
+
+The generated set needs nothing downloaded.  Each *family* is a small Python function with a
+reference implementation; its parameters (constants, the function's name) are drawn from a seed,
+so :func:`generate_tasks` is deterministic.  Levels grade the difficulty:
+
+1. one-line arithmetic (``return 7 * x + 3``),
+2. loops over lists and strings,
+3. small algorithms (Fibonacci modulo m, run-length encoding, a digital root in base b).
+
+The expected outputs are computed on the host by running the *reference* (this module's own code,
+never the model's).  A task's split is a hash of its family and parameters, so a held-out task never
+shares them with a training task whatever sizes are asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixrl.rl.environments.base import SPLITS, Split
+
+HELDOUT_BUCKETS = 8
+"""One in this many parameter tuples is held out."""
+LEVELS: tuple[int, ...] = (1, 2, 3)
+SOLUTION_FILE = "solution.py"
+HIDDEN_TEST_FILE = "test_hidden.py"
+HIDDEN_CASES = 8
+VISIBLE_CASES = 2
+
+
+@dataclass(frozen=True)
+class CodingTask:
+    """One coding task (whatever its source)."""
+
+    id: str
+    split: Split
+    problem: str
+    files: Mapping[str, str]
+    """The repository snapshot the agent starts from: relative path -> text."""
+    hidden_tests: Mapping[str, str]
+    """Added to the snapshot only for scoring (they replace an agent's file of the same path)."""
+    test_command: str
+    """Run in the sandbox's ``/work`` after the hidden tests are added; its output is scored."""
+    level: int = 0
+    """1-3 for generated tasks; 0 for tasks from elsewhere."""
+    reference: Mapping[str, str] = field(default_factory=dict)
+    """A known-good solution (files to write), when there is one: the oracle of the tests."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A function family: its statement, reference source and test inputs, from drawn parameters."""
+
+    name: str
+    level: int
+    names: tuple[str, ...]
+    """Function names to draw from."""
+    draw: Callable[[random.Random], dict[str, int]]
+    statement: str
+    """``str.format`` template over the function's name ``fn`` and the drawn parameters."""
+    signature: str
+    """``fn(...)`` arguments and annotations, e.g. ``x: int`` (``-> ...`` included)."""
+    reference: str
+    """Template of the reference body's source (indented by four spaces)."""
+    inputs: Callable[[random.Random, dict[str, int]], list[tuple[Any, ...]]]
+
+
+def _ints(rng: random.Random, count: int, low: int, high: int) -> list[tuple[Any, ...]]:
+    return [(rng.randint(low, high),) for _ in range(count)]
+
+
+def _lists(rng: random.Random, count: int) -> list[tuple[Any, ...]]:
+    return [([rng.randint(-20, 20) for _ in range(rng.randint(0, 9))],) for _ in range(count)]
+
+
+def _words(rng: random.Random, count: int) -> list[tuple[Any, ...]]:
+    letters = "abcxyz"
+    return [("".join(rng.choice(letters) for _ in range(rng.randint(0, 10))),) for _ in range(count)]
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        "affine",
+        1,
+        ("scale", "transform", "adjust"),
+        lambda rng: {"a": rng.randint(2, 9), "b": rng.randint(1, 20)},
+        "Implement {fn}(x) in solution.py: return {a} times x plus {b}.",
+        "x: int) -> int",
+        "    return {a} * x + {b}\n",
+        lambda rng, p: _ints(rng, 12, -50, 50),
+    ),
+    Family(
+        "clamp",
+        1,
+        ("clamp", "bound", "limit_to"),
+        lambda rng: {"lo": (lo := rng.randint(-10, 10)), "hi": lo + rng.randint(1, 20)},
+        "Implement {fn}(x) in solution.py: return x limited to the range {lo} to {hi} (both included).",
+        "x: int) -> int",
+        "    return min(max(x, {lo}), {hi})\n",
+        lambda rng, p: _ints(rng, 12, p["lo"] - 15, p["hi"] + 15),
+    ),
+    Family(
+        "multiple",
+        1,
+        ("is_multiple", "divides", "fits"),
+        lambda rng: {"k": rng.randint(2, 9)},
+        "Implement {fn}(x) in solution.py: return True when x is a multiple of {k}, else False.",
+        "x: int) -> bool",
+        "    return x % {k} == 0\n",
+        lambda rng, p: [
+            (p["k"] * rng.randint(-6, 6) + rng.choice((0, 0, 1, p["k"] - 1)),) for _ in range(12)
+        ],
+    ),
+    Family(
+        "count_above",
+        2,
+        ("count_above", "tally", "how_many"),
+        lambda rng: {"t": rng.randint(-5, 10)},
+        "Implement {fn}(xs) in solution.py: return how many numbers of the list xs are greater than {t}.",
+        "xs: list[int]) -> int",
+        "    return sum(1 for x in xs if x > {t})\n",
+        lambda rng, p: _lists(rng, 12),
+    ),
+    Family(
+        "every_nth",
+        2,
+        ("every_nth", "pick", "stride"),
+        lambda rng: {"k": rng.randint(2, 4), "s": rng.randint(0, 2)},
+        "Implement {fn}(xs) in solution.py: return the list of every {k}th element of xs, starting at index {s}.",
+        "xs: list[int]) -> list[int]",
+        "    return xs[{s}::{k}]\n",
+        lambda rng, p: _lists(rng, 12),
+    ),
+    Family(
+        "shift_letters",
+        2,
+        ("shift", "rotate", "encode"),
+        lambda rng: {"k": rng.randint(1, 25)},
+        "Implement {fn}(text) in solution.py: shift every lowercase letter a-z of text {k} places forward "
+        "in the alphabet, wrapping from z to a; leave other characters alone.",
+        "text: str) -> str",
+        "    return ''.join(chr((ord(c) - 97 + {k}) % 26 + 97) if 'a' <= c <= 'z' else c for c in text)\n",
+        lambda rng, p: _words(rng, 12),
+    ),
+    Family(
+        "fib_mod",
+        3,
+        ("fib_mod", "sequence", "nth_term"),
+        lambda rng: {"m": rng.randint(7, 97), "a": rng.randint(0, 3), "b": rng.randint(1, 4)},
+        "Implement {fn}(n) in solution.py: the sequence starts {a}, {b}, and each later term is the sum of "
+        "the two before it; return term n (term 0 is {a}) modulo {m}.",
+        "n: int) -> int",
+        "    x, y = {a}, {b}\n    for _ in range(n):\n        x, y = y, x + y\n    return x % {m}\n",
+        lambda rng, p: _ints(rng, 12, 0, 60),
+    ),
+    Family(
+        "run_length",
+        3,
+        ("run_length", "compress", "squeeze"),
+        lambda rng: {"min_run": rng.randint(1, 3)},
+        "Implement {fn}(text) in solution.py: replace each run of the same character that is at least "
+        "{min_run} long by the character followed by the run's length; shorter runs stay as they are.",
+        "text: str) -> str",
+        "    out, i = [], 0\n    while i < len(text):\n        j = i\n"
+        "        while j < len(text) and text[j] == text[i]:\n            j += 1\n"
+        "        out.append(text[i] + str(j - i) if j - i >= {min_run} else text[i:j])\n        i = j\n"
+        "    return ''.join(out)\n",
+        lambda rng, p: _words(rng, 12),
+    ),
+    Family(
+        "digit_root",
+        3,
+        ("digit_root", "fold_digits", "reduce_digits"),
+        lambda rng: {"base": rng.randint(3, 12)},
+        "Implement {fn}(n) in solution.py: for n >= 0, repeatedly replace n by the sum of its digits written "
+        "in base {base} until it has one digit; return that digit as an int.",
+        "n: int) -> int",
+        "    while n >= {base}:\n        total = 0\n        while n:\n            total += n % {base}\n"
+        "            n //= {base}\n        n = total\n    return n\n",
+        lambda rng, p: _ints(rng, 12, 0, 100000),
+    ),
+)
+FAMILIES_BY_NAME: dict[str, Family] = {family.name: family for family in FAMILIES}
+
+
+def _split_of(family: str, fn: str, params: Mapping[str, int]) -> Split:
+    key = json.dumps([family, fn, sorted(params.items())])
+    bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % HELDOUT_BUCKETS
+    return "heldout" if bucket == 0 else "train"
+
+
+def reference_source(family: Family, fn: str, params: Mapping[str, int]) -> str:
+    """The whole reference ``solution.py``."""
+    return f"def {fn}({family.signature}:\n{family.reference.format(**params)}"
+
+
+def stub_source(family: Family, fn: str, statement: str) -> str:
+    return f'def {fn}({family.signature}:\n    """{statement}"""\n    raise NotImplementedError\n'
+
+
+def _expected(source: str, fn: str, inputs: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """The reference's outputs: this module's own trusted source, run on the host."""
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<reference {fn}>", "exec"), namespace)
+    return [namespace[fn](*args) for args in inputs]
+
+
+def hidden_test_source(fn: str, cases: Sequence[tuple[tuple[Any, ...], Any]]) -> str:
+    """A self-contained runner of the cases (:data:`mixrl.rl.environments.coding.scoring.RESULT_LINE`).
+
+    Outputs are compared as canonical JSON, not with ``==``: an object whose ``__eq__`` says yes to
+    everything does not pass.  Each case has one CPU-second alarm."""
+    encoded = json.dumps([[list(args), expected] for args, expected in cases])
+    return f'''"""Hidden tests of {fn} (added at scoring time)."""
+import json, signal, sys
+
+def main(nonce):
+    cases = json.loads({encoded!r})
+    try:
+        from solution import {fn} as candidate
+    except BaseException as error:
+        print("cannot import {fn} from solution.py:", type(error).__name__, error)
+        candidate = None
+    passed = 0
+    def alarm(signum, frame):
+        raise TimeoutError("a case took more than a second")
+    signal.signal(signal.SIGALRM, alarm)
+    for args, expected in cases:
+        ok = False
+        if candidate is not None:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 1.0)
+                ok = json.dumps(candidate(*args), sort_keys=True) == json.dumps(expected, sort_keys=True)
+            except BaseException as error:
+                print("case", args, "raised", type(error).__name__, error)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        if not ok and candidate is not None:
+            print("case", args, "failed")
+        passed += ok
+    sys.stdout.flush()
+    print("mixrl-tests", nonce, passed, len(cases), flush=True)
+
+main(sys.argv.pop(1))
+'''
+
+
+def visible_test_source(fn: str, cases: Sequence[tuple[tuple[Any, ...], Any]]) -> str:
+    lines = [f"from solution import {fn}", "", ""]
+    for number, (args, expected) in enumerate(cases):
+        call = ", ".join(repr(a) for a in args)
+        lines += [f"def test_example_{number}():", f"    assert {fn}({call}) == {expected!r}", "", ""]
+    lines += ["if __name__ == '__main__':"]
+    lines += [f"    test_example_{number}()" for number in range(len(cases))]
+    lines += ["    print('examples pass')", ""]
+    return "\n".join(lines)
+
+
+def build_task(family: Family, fn: str, params: dict[str, int], rng: random.Random) -> CodingTask:
+    statement = family.statement.format(fn=fn, **params)
+    source = reference_source(family, fn, params)
+    inputs = family.inputs(rng, params)
+    cases = list(zip(inputs, _expected(source, fn, inputs), strict=True))
+    visible, hidden = cases[:VISIBLE_CASES], cases[VISIBLE_CASES : VISIBLE_CASES + HIDDEN_CASES]
+    digest = hashlib.sha256(json.dumps([family.name, fn, sorted(params.items())]).encode()).hexdigest()[:8]
+    return CodingTask(
+        id=f"{family.name}-{digest}",
+        split=_split_of(family.name, fn, params),
+        problem=f"{statement} Examples are in test_solution.py (run: python test_solution.py).",
+        files={
+            SOLUTION_FILE: stub_source(family, fn, statement),
+            "test_solution.py": visible_test_source(fn, visible),
+            "README.md": f"# {fn}\n\n{statement}\n",
+        },
+        hidden_tests={HIDDEN_TEST_FILE: hidden_test_source(fn, hidden)},
+        test_command=f"python3 {HIDDEN_TEST_FILE} {{nonce}}",
+        level=family.level,
+        reference={SOLUTION_FILE: source},
+    )
+
+
+def generate_tasks(split: Split, n: int, seed: int, levels: Sequence[int] = LEVELS) -> list[CodingTask]:
+    """The first ``n`` distinct tasks of ``split`` drawn from ``seed``, levels in turn."""
+    if split not in SPLITS:
+        raise ValueError(f"split: must be one of {SPLITS}, got {split!r}")
+    if n < 0:
+        raise ValueError(f"n: must be non-negative, got {n}")
+    bad = [level for level in levels if level not in LEVELS]
+    if bad or not levels:
+        raise ValueError(f"levels: each must be one of {LEVELS}, got {list(levels)}")
+    families = [family for family in FAMILIES if family.level in levels]
+    tasks: dict[str, CodingTask] = {}
+    rng = random.Random(f"coding-{seed}")
+    attempts = 0
+    while len(tasks) < n:
+        attempts += 1
+        if attempts > 200 * (n + 10):
+            raise ValueError(f"n: the families of levels {list(levels)} hold fewer than {n} {split} tasks")
+        family = families[attempts % len(families)]
+        fn, params = rng.choice(family.names), family.draw(rng)
+        if _split_of(family.name, fn, params) != split:
+            continue
+        # the inputs' generator depends on the task alone: one id, one task, whatever the seed
+        task = build_task(family, fn, params, random.Random(f"{family.name}-{fn}-{params}"))
+        tasks.setdefault(task.id, task)
+    return list(tasks.values())

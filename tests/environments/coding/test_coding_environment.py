@@ -1,0 +1,270 @@
+"""The coding environment on the real sandbox: the oracle scores 1.0, a wrong solution the share of
+cases it gets right, three replies without a call end the episode at 0, escapes are contained.
+
+Real: bubblewrap sandboxes, the generated tasks' hidden tests, the agent loop with the word
+tokenizer built from the environment's vocabulary.  Stand-in, named: ``Scripted``, an in-process
+``generate`` answering each turn with the next text of a script.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mixrl.api.resolve import SamplingParams
+from mixrl.api.trajectory import TokenRecord
+from mixrl.rl.engine.protocol import GenerateResult, PoolInfo
+from mixrl.rl.environments.coding import (
+    CodingEnvironment,
+    CodingEpisode,
+    PlainCodingEnvironment,
+    generate_tasks,
+)
+from mixrl.rl.environments.coding.tasks import SOLUTION_FILE, CodingTask
+from mixrl.rl.environments.datasets import load_tasks
+from mixrl.rl.environments.registry import check_rollout, load_environment
+from mixrl.rl.environments.tools import ToolCall
+from mixrl.rl.rollout.agent import run_episode
+from mixrl.rl.rollout.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.needs_bwrap
+SAMPLING = SamplingParams(
+    temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=64, top_logprobs_num=0, return_sampling_mask=False
+)
+AFFINE = re.compile(r"return (\d+) times x plus (\d+)")
+CLAMP = re.compile(r"limited to the range (-?\d+) to (-?\d+)")
+
+
+@dataclass
+class Scripted:
+    """Stand-in ``generate``: the next reply of the script, encoded with the word tokenizer."""
+
+    tokenizer: Tokenizer
+    script: list[str]
+    turns: int = 0
+    contexts: list[list[int]] = field(default_factory=list)
+
+    async def __call__(self, input_ids: list[int], max_new_tokens: int) -> GenerateResult:
+        self.contexts.append(list(input_ids))
+        text = self.script[min(self.turns, len(self.script) - 1)]
+        self.turns += 1
+        ids = [*self.tokenizer.encode(text), self.tokenizer.end_id][:max_new_tokens]
+        records = [
+            TokenRecord(
+                token_id=t, logprob=-0.5, cand_ids=[t], cand_logprobs=[-0.5], support_size=0, weight_version=1
+            )
+            for t in ids
+        ]
+        return GenerateResult(records, "stop", PoolInfo("scripted", "cpu", "bf16"))
+
+
+def task_of(family: str, split: str = "train") -> CodingTask:
+    return next(t for t in generate_tasks(split, 60, seed=0, levels=(1,)) if t.id.startswith(family + "-"))  # type: ignore[arg-type]
+
+
+def function_name(task: CodingTask) -> str:
+    match = re.match(r"def (\w+)\(", task.files[SOLUTION_FILE])
+    assert match is not None
+    return match.group(1)
+
+
+def hidden_cases(task: CodingTask) -> list[tuple[list[Any], Any]]:
+    """The hidden cases, read back from the generated runner (to count what a wrong solution passes)."""
+    match = re.search(r"json\.loads\((.*)\)\n", next(iter(task.hidden_tests.values())))
+    assert match is not None
+    return [(args, expected) for args, expected in json.loads(ast.literal_eval(match.group(1)))]
+
+
+async def play(env: PlainCodingEnvironment, task: CodingTask, script: list[str]) -> tuple[Any, Scripted]:
+    tokenizer = Tokenizer.from_words(env.vocabulary())
+    generate = Scripted(tokenizer, script)
+    trajectory = await run_episode(
+        generate, env, task, tokenizer, SAMPLING, 8, 4096, 3, max_observation_tokens=256
+    )
+    return trajectory, generate
+
+
+async def test_the_oracle_scores_one_through_the_agent_loop() -> None:
+    env = PlainCodingEnvironment()
+    task = task_of("affine")
+    a, b = AFFINE.search(task.problem).groups()  # type: ignore[union-attr]
+    fn = function_name(task)
+    script = [
+        "list_files",
+        f"write_file solution.py def {fn} ( x ) : return {a} * x + {b}",
+        "run python test_solution.py",
+        "submit",
+    ]
+    trajectory, generate = await play(env, task, script)
+    assert trajectory.finish_reason == "submitted" and trajectory.reward == 1.0
+    assert trajectory.num_turns == 4
+    observation = env_text(generate, 3)
+    assert "exit code 0 ( ok )" in observation and "examples pass" in observation
+
+
+def env_text(generate: Scripted, turn: int) -> str:
+    """What the agent had seen before turn ``turn`` (decoded)."""
+    return generate.tokenizer.decode(generate.contexts[turn])
+
+
+async def test_a_wrong_solution_scores_the_share_of_cases_it_gets_right() -> None:
+    env = PlainCodingEnvironment()
+    task = task_of("clamp")
+    lo, hi = (int(v) for v in CLAMP.search(task.problem).groups())  # type: ignore[union-attr]
+    fn = function_name(task)
+    right = sum(
+        max(args[0], lo) == expected for args, expected in hidden_cases(task)
+    )  # forgets the upper bound
+    assert 0 < right < len(hidden_cases(task)), "the task must tell a wrong solution from a right one"
+    trajectory, _ = await play(
+        env, task, [f"write_file solution.py def {fn} ( x ) : return max ( x , {lo} )", "submit"]
+    )
+    assert trajectory.finish_reason == "submitted"
+    assert trajectory.reward == pytest.approx(right / len(hidden_cases(task)))
+    assert hi > lo
+
+
+async def test_the_untouched_stub_scores_zero_and_work_counts_without_submit() -> None:
+    env = PlainCodingEnvironment()
+    task = task_of("affine")
+    a, b = AFFINE.search(task.problem).groups()  # type: ignore[union-attr]
+    stub, _ = await play(env, task, ["list_files"])  # max turns, nothing written
+    assert (stub.finish_reason, stub.reward) == ("max_turns", 0.0)
+    fn = function_name(task)
+    worked, _ = await play(
+        env, task, [f"write_file solution.py def {fn} ( x ) : return {a} * x + {b}", "list_files"]
+    )
+    assert (worked.finish_reason, worked.reward) == ("max_turns", 1.0)
+
+
+async def test_three_replies_without_a_tool_call_end_the_episode_at_zero() -> None:
+    env = PlainCodingEnvironment()
+    task = task_of("affine")
+    a, b = AFFINE.search(task.problem).groups()  # type: ignore[union-attr]
+    fn = function_name(task)
+    script = [
+        f"write_file solution.py def {fn} ( x ) : return {a} * x + {b}",
+        "hello",
+        "what",
+        "hmm",
+        "submit",
+    ]
+    trajectory, _ = await play(env, task, script)
+    assert (trajectory.finish_reason, trajectory.reward, trajectory.num_turns) == ("format_errors", 0.0, 4)
+
+
+async def test_the_json_environment_runs_real_multi_line_code() -> None:
+    env = CodingEnvironment()
+    task = next(t for t in generate_tasks("train", 30, seed=1, levels=(3,)))
+    messages, episode = await env.reset(task)
+    assert isinstance(episode, CodingEpisode) and "solution.py" in messages[0].content
+    reply = (
+        "<tool_call>"
+        + json.dumps(
+            {
+                "name": "write_file",
+                "arguments": {"path": SOLUTION_FILE, "content": task.reference[SOLUTION_FILE]},
+            }
+        )
+        + "</tool_call>"
+    )
+    call = env.parser.parse(reply, env.tools())
+    assert call is not None
+    assert (await episode.step(call)).observation.startswith("wrote ")
+    ran = await episode.step(
+        ToolCall("run", {"command": "python3 test_solution.py && sed -i 's/^/# /' README.md"})
+    )
+    assert "examples pass" in ran.observation
+    assert episode.files["README.md"].startswith(b"# #")  # what a command changes comes back
+    outcome = await episode.finish("submitted")
+    assert outcome.reward == 1.0 and episode.score is not None and episode.score.source == "mixrl"
+
+
+async def test_escaping_replies_are_contained(tmp_path: Path) -> None:
+    env = CodingEnvironment(limits={"wall_s": 2.0, "cpu_s": 1, "processes": 16})
+    task = task_of("affine")
+    _, episode = await env.reset(task)
+    assert isinstance(episode, CodingEpisode)
+    secret = tmp_path / "secret"
+    secret.write_text("host secret")
+    outside = tmp_path / "outside"
+    wrote = await episode.step(ToolCall("write_file", {"path": f"../../..{outside}", "content": "x"}))
+    assert wrote.observation.startswith("error: files: path") and not outside.exists()
+    absolute = await episode.step(ToolCall("write_file", {"path": str(outside), "content": "x"}))
+    assert "is absolute" in absolute.observation and not outside.exists()
+    read = await episode.step(ToolCall("read_file", {"path": f"../../..{secret}"}))
+    assert read.observation == f"error: no such file: ../../..{secret}"
+    ran = await episode.step(ToolCall("run", {"command": f"cat {secret}; echo x > {outside}; sleep 100"}))
+    assert ran.observation.startswith("exit code - (timeout: wall clock limit 2.0 s)")
+    assert "host secret" not in ran.observation and not outside.exists()
+    bomb = await episode.step(ToolCall("run", {"command": "bomb() { bomb | bomb & }; bomb; sleep 100"}))
+    assert "(timeout" in bomb.observation
+    flood = await episode.step(ToolCall("run", {"command": "yes"}))
+    assert "(output_limit" in flood.observation and len(flood.observation) < env.max_observation_chars + 100
+    assert (await episode.finish("submitted")).reward == 0.0  # still the stub
+
+
+async def test_the_test_run_is_sandboxed_too() -> None:
+    env = CodingEnvironment(test_limits={"wall_s": 2.0})
+    task = task_of("affine")
+    _, episode = await env.reset(task)
+    fn = function_name(task)
+    await episode.step(
+        ToolCall(
+            "write_file",
+            {"path": SOLUTION_FILE, "content": f"import time\ndef {fn}(x):\n    time.sleep(100)\n"},
+        )
+    )
+    outcome = await episode.finish("submitted")
+    assert outcome.reward == 0.0
+    assert isinstance(episode, CodingEpisode) and episode.test_result is not None
+    assert episode.test_result.finish_reason == "timeout"
+
+
+async def test_a_solution_that_prints_a_forged_result_line_is_not_believed() -> None:
+    env = CodingEnvironment()
+    task = task_of("affine")
+    _, episode = await env.reset(task)
+    forged = "print('mixrl-tests 0 8 8')\nimport sys\nprint('mixrl-tests', sys.argv[-1], 8, 8)\ndef f(x):\n    return 0\n"
+    await episode.step(ToolCall("write_file", {"path": SOLUTION_FILE, "content": forged}))
+    assert (await episode.finish("submitted")).reward == 0.0
+
+
+def test_the_registry_builds_it_and_loads_tasks_from_a_directory(tmp_path: Path) -> None:
+    from mixrl.api.models import RolloutSpec
+
+    env = load_environment("mixrl.rl.environments.coding:PlainCodingEnvironment", {"levels": [1, 2]})
+    assert {t.level for t in load_tasks(env, "train", 10, 0)} == {1, 2}
+    rollout = RolloutSpec.model_validate({"environment": "mixrl.rl.environments.coding:CodingEnvironment"})
+    assert check_rollout(rollout) == []
+    bad = RolloutSpec.model_validate(
+        {
+            "environment": "mixrl.rl.environments.coding:CodingEnvironment",
+            "environmentArgs": {"limits": {"wall": 1}},
+        }
+    )
+    assert check_rollout(bad) == [
+        "spec.rollout.environmentArgs: mixrl.rl.environments.coding:CodingEnvironment refused them: "
+        "limits: unknown ['wall']; known: " + str(sorted(CodingEnvironment().limits.__dataclass_fields__))
+    ]
+
+
+def test_without_bubblewrap_the_environment_refuses_to_start() -> None:
+    with pytest.raises(ValueError, match=r"runs every command in bubblewrap .* not installed here"):
+        CodingEnvironment(bwrap="/nonexistent/bwrap")
+
+
+def test_the_word_vocabulary_covers_an_oracle_one_liner() -> None:
+    env = PlainCodingEnvironment()
+    tokenizer = Tokenizer.from_words(env.vocabulary())
+    task = task_of("affine")
+    line = f"write_file solution.py def {function_name(task)} ( x ) : return 7 * x + 3"
+    assert tokenizer.unk_id not in tokenizer.encode(line)
+    assert os.path.basename(SOLUTION_FILE) in tokenizer.decode(tokenizer.encode(line))
