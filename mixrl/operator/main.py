@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.operator.build import labels as L
-from mixrl.operator.build.objects import Images
+from mixrl.operator.build.objects import Images, Scrapers
 from mixrl.operator.install.policy import Policy, flag_problem, prefix_problem, unique
 
 DEV_PRIORITY = 666  # kopf's convention: a developer's operator outranks the deployed one
@@ -169,6 +169,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "GPUTYPE:KEY=VALUE",
         "a node label that identifies a GPU type's nodes without GPU Feature Discovery (repeatable)",
     )
+    network = parser.add_argument_group("network policies: only a run's own components reach each other")
+    network.add_argument(
+        "--no-network-policies",
+        dest="network_policies",
+        action="store_false",
+        help="create no NetworkPolicies for the runs (the platform manages policies itself)",
+    )
+    repeatable(
+        network,
+        "--scraper-pod-label",
+        "scraper_pod_labels",
+        "KEY=VALUE",
+        "the metrics scrapers are the pods with all these labels (repeatable; "
+        "none: app.kubernetes.io/name=prometheus)",
+    )
+    network.add_argument(
+        "--scraper-namespace", metavar="NAME", help="the metrics scrapers' namespace (default: any namespace)"
+    )
     policy = parser.add_argument_group(
         "policy: what an RLRun may ask for (a run asking for more is marked PolicyViolation, nothing of it created)"
     )
@@ -264,6 +282,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for key, _ in args.pod_monitor_labels:
         if key in OWN_LABELS:
             parser.error(f"--pod-monitor-label: {key} is the operator's own label on each run's objects")
+    args.scraper_pod_labels = parsed(parser, "--scraper-pod-label", args.scraper_pod_labels, parse_label)
+    scraper_namespace = args.scraper_namespace
+    if scraper_namespace is not None and (problem := dns_name_problem(scraper_namespace)) is not None:
+        parser.error(f"--scraper-namespace: {problem}")
     args.gpu_node_labels = parsed(parser, "--gpu-node-label", args.gpu_node_labels, parse_gpu_node_label)
     for prefix in args.allowed_image_prefixes:
         if (problem := prefix_problem(prefix)) is not None:
@@ -306,7 +328,15 @@ def images_of(args: argparse.Namespace) -> Images:
         weights_storage_class=args.weights_storage_class,
         pod_monitor_labels=dict(args.pod_monitor_labels),
         gpu_node_selectors=selectors,
+        network_policies=scrapers_of(args),
     )
+
+
+def scrapers_of(args: argparse.Namespace) -> Scrapers | None:
+    if not args.network_policies:
+        return None
+    labels = dict(args.scraper_pod_labels) or dict(Scrapers().pod_labels)
+    return Scrapers(pod_labels=labels, namespace=args.scraper_namespace)
 
 
 def policy_of(args: argparse.Namespace) -> Policy:

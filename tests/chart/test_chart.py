@@ -22,7 +22,7 @@ from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
 from mixrl.operator.build.monitoring import collapse_rule_groups, dashboard
-from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
+from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner, Scrapers
 from mixrl.operator.build.pools import pool_children
 from mixrl.operator.build.resources import run_objects
 from mixrl.operator.install import chart as chart_module
@@ -553,3 +553,19 @@ def test_deployment_args_are_single_tokens() -> None:
         if stripped.startswith(("- --", '- {{ printf "--')):
             literal = stripped[2:].split("{{")[0] if stripped.startswith("- --") else "--x"
             assert len(shlex.split(literal)) == 1, stripped
+
+
+def test_network_policy_values_reach_the_operator(helm: Helm) -> None:
+    default = images_of(parse_args(operator_args(helm.template(clusterwide()))))
+    assert default.network_policies == Scrapers()
+    values = clusterwide()
+    values["networkPolicies"].update(scraperPodLabels={"app": "vmagent"}, scraperNamespace="monitoring")
+    chosen = images_of(parse_args(operator_args(helm.template(values))))
+    assert chosen.network_policies == Scrapers(pod_labels={"app": "vmagent"}, namespace="monitoring")
+    values["networkPolicies"]["enabled"] = False
+    args = operator_args(helm.template(values))
+    assert "--no-network-policies" in args and not [a for a in args if a.startswith("--scraper")]
+    assert images_of(parse_args(args)).network_policies is None
+    values = clusterwide()
+    values["networkPolicies"]["scraperNamespace"] = "Not_A_Namespace"
+    assert "/networkPolicies/scraperNamespace" in helm.refusal(values)

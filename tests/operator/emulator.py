@@ -57,6 +57,7 @@ RESOURCES: dict[str, tuple[str, bool, set[str]]] = {
     "v1/events": ("Event", True, set()),
     "apps/v1/deployments": ("Deployment", True, {"status", "scale"}),
     "apps/v1/statefulsets": ("StatefulSet", True, {"status", "scale"}),
+    "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set()),
     "mixrl.dev/v1alpha1/rlruns": ("RLRun", True, {"status"}),
     "mixrl.dev/v1alpha1/samplerpools": ("SamplerPool", True, {"status", "scale"}),
     "kopf.dev/v1/clusterkopfpeerings": ("ClusterKopfPeering", False, set()),

@@ -10,7 +10,7 @@ import pytest
 
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator.build.objects import BuildOptions, Owner
+from mixrl.operator.build.objects import BuildOptions, Images, Owner
 from mixrl.operator.build.resources import run_objects
 from mixrl.operator.controller.apply import (
     Failure,
@@ -202,9 +202,11 @@ def test_the_operator_watches_only_the_kinds_it_may_create() -> None:
         return {r.plural for resources in watched_children(config).values() for r in resources}
 
     core = {"configmaps", "services", "persistentvolumeclaims", "deployments", "statefulsets"}
-    assert watched(OperatorConfig()) == core | {"podmonitors", "scaledobjects"}
+    assert watched(OperatorConfig()) == core | {"podmonitors", "scaledobjects", "networkpolicies"}
     # The chart grants PodMonitors and ScaledObjects only with these features on: a watch without
-    # the permission would fail forever.
-    assert watched(OperatorConfig(monitoring="annotations", keda="off")) == core
+    # the permission would fail forever.  Without policies of its own the operator needs no watch.
+    no_extras = OperatorConfig(monitoring="annotations", keda="off", images=Images(network_policies=None))
+    assert watched(no_extras) == core
     # One selector per API group: kopf then discovers only those groups.
-    assert set(watched_children(OperatorConfig())) == {"", "apps", "monitoring.coreos.com", "keda.sh"}
+    groups = {"", "apps", "monitoring.coreos.com", "keda.sh", "networking.k8s.io"}
+    assert set(watched_children(OperatorConfig())) == groups

@@ -44,6 +44,7 @@ CHILD_RESOURCES = {
     "PersistentVolumeClaim": "v1/persistentvolumeclaims",
     "Deployment": DEPLOYMENTS,
     "StatefulSet": STATEFULSETS,
+    "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
     "SamplerPool": SAMPLERPOOLS,
 }
 SP_PATH = f"/apis/mixrl.dev/v1alpha1/namespaces/{NAMESPACE}/samplerpools"

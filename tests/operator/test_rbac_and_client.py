@@ -93,6 +93,7 @@ async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiSer
         ("keda.sh", "scaledobjects", "create"),
         ("keda.sh", "scaledobjects", "patch"),
         ("keda.sh", "scaledobjects", "delete"),
+        ("networking.k8s.io", "networkpolicies", "delete"),  # test_network_policies.py
         ("monitoring.coreos.com", "podmonitors", "get"),
         ("monitoring.coreos.com", "podmonitors", "create"),
         ("monitoring.coreos.com", "podmonitors", "patch"),

@@ -63,6 +63,24 @@ class Owner:
         }
 
 
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+"""Set by the API server on every namespace (Kubernetes ≥ 1.22): selects a namespace by name."""
+
+
+@dataclass(frozen=True)
+class Scrapers:
+    """Who may read the components' ``/metrics`` through the run's NetworkPolicies: pods with all of
+    ``pod_labels``, in the namespace ``namespace`` (None: any namespace).  The default matches the
+    Prometheus pods of kube-prometheus-stack and of the Prometheus Operator."""
+
+    pod_labels: Mapping[str, str] = field(default_factory=lambda: {L.NAME: "prometheus"})
+    namespace: str | None = None
+
+    def peer(self) -> dict[str, Any]:
+        namespaces = {} if self.namespace is None else {"matchLabels": {NAMESPACE_NAME_LABEL: self.namespace}}
+        return {"namespaceSelector": namespaces, "podSelector": {"matchLabels": dict(self.pod_labels)}}
+
+
 @dataclass(frozen=True)
 class Images:
     """What every run's pods take from the platform rather than from the spec, set once per operator
@@ -92,6 +110,9 @@ class Images:
     gpu_node_selectors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """GPU type -> node labels that identify its nodes where GPU Feature Discovery does not label
     ``nvidia.com/gpu.product``; an alternative (OR-ed) to the product affinity, not an addition."""
+    network_policies: Scrapers | None = field(default_factory=Scrapers)
+    """Each run gets NetworkPolicies (:mod:`mixrl.operator.build.network`) letting these scrapers
+    read its metrics; None: the operator creates none (the platform manages policies itself)."""
 
     def trainer(self, backend: str) -> str:
         return self.trainer_megatron if backend == "megatron" else self.trainer_torch

@@ -18,7 +18,9 @@ What one RLRun ``r`` in namespace ``ns`` becomes:
 - one SamplerPool ``r-<pool>`` per pool, from which :mod:`mixrl.operator.build.pools` builds the pool's
   Deployment and headless Service (owned by the SamplerPool, written only by its controller);
 - monitoring: a PodMonitor when the cluster serves ``monitoring.coreos.com``, scrape annotations
-  on the pod templates otherwise.
+  on the pod templates otherwise;
+- NetworkPolicies ``r-<component>-ingress``: only the run's own components reach each other
+  (:mod:`mixrl.operator.build.network`), unless the operator runs with ``--no-network-policies``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mixrl.api.launch import component_command, weights_volume_path
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.build import labels as L
+from mixrl.operator.build.network import network_policies
 from mixrl.operator.build.objects import (
     COMPONENT_FOOTPRINTS,
     CONFIG_HASH_ANNOTATION,
@@ -392,4 +395,6 @@ def run_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> l
     objects += [sampler_pool(resolved, pool, owner) for pool in resolved.pools]
     if options.monitoring is Monitoring.POD_MONITOR:
         objects.append(pod_monitor(resolved, owner, options))
+    if options.images.network_policies is not None:
+        objects += network_policies(resolved, owner, options.images.network_policies)
     return [with_hash(obj) for obj in objects]

@@ -48,6 +48,7 @@ from mixrl.operator.controller.status import Reason
 from mixrl.operator.kube.client import ApiError, Connection
 from mixrl.operator.kube.rbac import (
     CHILD_RESOURCES,
+    NETWORKPOLICIES,
     PODMONITORS,
     SAMPLERPOOLS,
     SCALEDOBJECTS,
@@ -119,7 +120,7 @@ def watched_children(config: OperatorConfig) -> dict[str, tuple[ApiResource, ...
     """API group -> the kinds of child watched in it: every kind the operator creates except
     SamplerPools (watched for their own handlers); events of any of them reconcile the owner.
 
-    PodMonitors and ScaledObjects only where this configuration may create them: the chart grants
+    PodMonitors, ScaledObjects and NetworkPolicies only where this configuration may create them: the chart grants
     their RBAC only then, and a watch the RBAC refuses would fail forever.  Where the cluster does
     not serve them (no Prometheus Operator, no KEDA) kopf warns once at start and watches nothing."""
     skipped: set[ApiResource] = {SAMPLERPOOLS}
@@ -127,6 +128,8 @@ def watched_children(config: OperatorConfig) -> dict[str, tuple[ApiResource, ...
         skipped.add(PODMONITORS)
     if config.keda == "off":
         skipped.add(SCALEDOBJECTS)
+    if config.images.network_policies is None:  # --no-network-policies: leftovers are read by name
+        skipped.add(NETWORKPOLICIES)
     groups: dict[str, tuple[ApiResource, ...]] = {}
     for resource in CHILD_RESOURCES:
         if resource not in skipped:

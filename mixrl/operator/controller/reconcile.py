@@ -26,7 +26,8 @@ from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.loop import METRICS_AVAILABLE
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.keda import pool_scaled_object
-from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
+from mixrl.operator.build.network import network_policies
+from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner, Scrapers
 from mixrl.operator.build.podspec import AUTH_TOKEN_KEY
 from mixrl.operator.build.pools import pool_children
 from mixrl.operator.build.resources import clamp_replicas, pod_monitor, run_objects, seed_replicas
@@ -51,7 +52,14 @@ from mixrl.operator.controller.status import (
 )
 from mixrl.operator.install.policy import OPEN, Policy, violation
 from mixrl.operator.kube.client import ApiError, KubeClient
-from mixrl.operator.kube.rbac import PODMONITORS, RLRUNS, SAMPLERPOOLS, SCALEDOBJECTS, ApiResource
+from mixrl.operator.kube.rbac import (
+    NETWORKPOLICIES,
+    PODMONITORS,
+    RLRUNS,
+    SAMPLERPOOLS,
+    SCALEDOBJECTS,
+    ApiResource,
+)
 
 Obj = dict[str, Any]
 Event = tuple[str, str, str]
@@ -202,6 +210,8 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     removed = await remove_stale_pools(ctx.client, resolved, meta["uid"], report)
     if options.monitoring is Monitoring.ANNOTATIONS:
         await remove_leftover_pod_monitor(ctx, resolved, owner, options, report)
+    if options.images.network_policies is None:
+        await remove_leftover_network_policies(ctx, resolved, owner, report)
 
     def live(kind: str, suffix: str) -> Obj | None:
         found = applied.get(f"{kind}/{L.child_name(resolved.name, suffix)}")
@@ -315,6 +325,21 @@ async def remove_leftover_pod_monitor(
             await delete_leftover(ctx.client, PODMONITORS, resolved.namespace, name, owner.uid, report)
     except ApiError as exc:
         report.failures.append(Failure(f"PodMonitor/{name}", str(exc), True, exc.status, exc.retry_after))
+
+
+async def remove_leftover_network_policies(
+    ctx: Context, resolved: ResolvedRun, owner: Owner, report: ApplyReport
+) -> None:
+    """``--no-network-policies``: delete the run's NetworkPolicies that an earlier operator made
+    (the platform now manages policies; two sets would both apply).  A failure is reported like a
+    child's, and the rest of the run is still applied."""
+    for policy in network_policies(resolved, owner, Scrapers()):  # the builder's names for them
+        name = policy["metadata"]["name"]
+        try:
+            await delete_leftover(ctx.client, NETWORKPOLICIES, resolved.namespace, name, owner.uid, report)
+        except ApiError as exc:
+            failure = Failure(f"NetworkPolicy/{name}", str(exc), True, exc.status, exc.retry_after)
+            report.failures.append(failure)
 
 
 # ----------------------------------------------------------------------------- SamplerPool

@@ -53,6 +53,7 @@ RLRUNS = ApiResource(GROUP, VERSION, "rlruns", "RLRun")
 SAMPLERPOOLS = ApiResource(GROUP, VERSION, "samplerpools", "SamplerPool")
 PODMONITORS = ApiResource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor")
 SCALEDOBJECTS = ApiResource("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject")
+NETWORKPOLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 KOPF_PEERINGS = ApiResource("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
 CLUSTER_KOPF_PEERINGS = ApiResource(
     "kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False
@@ -67,6 +68,7 @@ CHILD_RESOURCES = (
     SAMPLERPOOLS,
     PODMONITORS,
     SCALEDOBJECTS,
+    NETWORKPOLICIES,
 )
 # The run's token Secret is a child too, but not watched: a watch needs list on every Secret of the
 # namespace, so a deleted token Secret is recreated by the periodic resync instead.
@@ -105,6 +107,9 @@ RECONCILER: dict[Key, frozenset[str]] = {
     ("apps", "statefulsets"): frozenset({"get", "create", "patch", "delete"}),
     # One PodMonitor per run; deleted in annotations mode when an earlier mode left one.
     ("monitoring.coreos.com", "podmonitors"): POD_MONITOR_WRITES | POD_MONITOR_CLEANUP,
+    # One NetworkPolicy per component of a run; deleted when the operator runs with
+    # --no-network-policies and an earlier operator left them.
+    ("networking.k8s.io", "networkpolicies"): frozenset({"get", "create", "patch", "delete"}),
     # KEDA mode: one ScaledObject per SamplerPool; deleted when the run leaves KEDA mode.
     ("keda.sh", "scaledobjects"): frozenset({"get", "create", "patch", "delete"}),
     # A SamplerPool's controller reads its run; a run's controller lists its pools to remove old ones.
@@ -137,6 +142,7 @@ FRAMEWORK: dict[Key, frozenset[str]] = {
     ("apps", "statefulsets"): frozenset({"list", "watch"}),
     ("monitoring.coreos.com", "podmonitors"): frozenset({"list", "watch"}),
     ("keda.sh", "scaledobjects"): frozenset({"list", "watch"}),
+    ("networking.k8s.io", "networkpolicies"): frozenset({"list", "watch"}),
     ("", "events"): frozenset({"create"}),
 }
 PEERING_VERBS = frozenset({"get", "list", "watch", "patch"})
