@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 
 from mixrl.rl.environments.coding.tasks import SOLUTION_FILE, generate_tasks
 from mixrl.rl.sandbox import Limits, Sandbox, SandboxConfig
@@ -118,13 +119,11 @@ async def bench(calls: int, concurrency: int) -> list[tuple[str, float, float, f
     rows = []
     for command in COMMANDS:
         print(f"{command!r}: {calls} calls at concurrency {concurrency}", flush=True)
-        await measure("warm-up", lambda c=command: sandboxed_call(c), max(calls // 20, 2), concurrency)
+        await measure("warm-up", partial(sandboxed_call, command), max(calls // 20, 2), concurrency)
         base_rate, base_lat = await measure(
-            "baseline ", lambda c=command: unsandboxed(c, files), calls, concurrency
+            "baseline ", partial(unsandboxed, command, files), calls, concurrency
         )
-        box_rate, box_lat = await measure(
-            "sandboxed", lambda c=command: sandboxed_call(c), calls, concurrency
-        )
+        box_rate, box_lat = await measure("sandboxed", partial(sandboxed_call, command), calls, concurrency)
         rows.append(
             (
                 command,

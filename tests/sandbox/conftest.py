@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,14 @@ needs_bwrap = pytest.mark.needs_bwrap  # tests/conftest.py fails these without t
 @pytest.fixture
 def sandbox() -> Sandbox:
     return Sandbox()
+
+
+@pytest.fixture(autouse=True)
+def no_seed_directory_left() -> Iterator[None]:
+    """Every test: the host directories the sandboxes' files were written to are gone afterwards."""
+    before = set(Path(tempfile.gettempdir()).glob("mixrl-sandbox-*"))
+    yield
+    assert set(Path(tempfile.gettempdir()).glob("mixrl-sandbox-*")) - before == set()
 
 
 @pytest.fixture

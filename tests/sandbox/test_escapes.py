@@ -216,6 +216,33 @@ async def test_a_fork_bomb_in_one_sandbox_does_not_starve_another(sandbox: Sandb
     assert calm == ["ok:ab"] * 3
 
 
+async def test_a_cancelled_call_kills_its_sandbox(sandbox: Sandbox, token: str) -> None:
+    run = asyncio.create_task(sandbox.run(f"sleep 100 # {token}", {}, Limits(wall_s=30.0)))
+    for _ in range(100):
+        if host_processes(token):
+            break
+        await asyncio.sleep(0.05)
+    assert host_processes(token), "the command never started"
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert host_processes(token) == []
+
+
+async def test_many_sandboxes_at_once_stay_apart() -> None:
+    sandbox = Sandbox(SandboxConfig(max_concurrent=4))
+    results = await asyncio.gather(
+        *(
+            sandbox.run(
+                f"cat mine; ls /work; echo {i} > /tmp/t; sleep 0.2; cat /tmp/t", {"mine": f"{i}\n"}, QUICK
+            )
+            for i in range(8)
+        )
+    )
+    assert [r.stdout.split() for r in results] == [[str(i), "mine", str(i)] for i in range(8)]
+    assert all(r.files == {"mine": f"{i}\n".encode()} for i, r in enumerate(results))
+
+
 async def test_a_missing_bubblewrap_refuses_to_run_anything() -> None:
     sandbox = Sandbox(SandboxConfig(bwrap="/nonexistent/bwrap"))
     with pytest.raises(

@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from mixrl.rl.sandbox.command import COPY_FAILED, STARTED, SandboxConfig, bwrap_argv
 from mixrl.rl.sandbox.files import read_tar, write_tree
@@ -133,9 +133,11 @@ class Sandbox:
             raise
         finally:
             os.close(write_end)
+        results_pipe = os.fdopen(read_end, "rb", buffering=0)
         streams = _Streams()
         overflowed = asyncio.Event()
         killed_for = ""
+        helpers: list[asyncio.Task[Any]] = []
         try:
             assert process.stdout is not None and process.stderr is not None
             readers = [
@@ -145,29 +147,29 @@ class Sandbox:
                 asyncio.create_task(
                     _drain(process.stderr, limits.output_bytes, "stderr", streams, overflowed)
                 ),
-                asyncio.create_task(_read_results(read_end, 2 * limits.disk_bytes + 2**20, streams)),
+                asyncio.create_task(_read_results(results_pipe, 2 * limits.disk_bytes + 2**20, streams)),
             ]
-            read_end = -1
             ended = asyncio.create_task(process.wait())
             overflow_seen = asyncio.create_task(overflowed.wait())
+            helpers = [*readers, ended, overflow_seen]
             await asyncio.wait(
                 {ended, overflow_seen}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED
             )
-            overflow_seen.cancel()
             if not ended.done():
                 killed_for = "output_limit" if overflowed.is_set() else "timeout"
                 _kill(process)
                 await ended
-            _, pending = await asyncio.wait(readers, timeout=DRAIN_GRACE_S)
-            for reader in pending:
-                reader.cancel()
+            await asyncio.wait(readers, timeout=DRAIN_GRACE_S)
         finally:
-            if read_end >= 0:
-                os.close(read_end)
+            # also on cancellation: the sandbox never outlives the call
             if process.returncode is None:
                 _kill(process)
                 with contextlib.suppress(ProcessLookupError):
                     await process.wait()
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            results_pipe.close()
         wall_s = time.monotonic() - started
         return _result(streams, process.returncode, killed_for, limits, wall_s, self.config.max_files)
 
@@ -205,13 +207,11 @@ async def _drain(
     setattr(streams, name, bytes(kept))
 
 
-async def _read_results(descriptor: int, cap: int, streams: _Streams) -> None:
+async def _read_results(pipe: BinaryIO, cap: int, streams: _Streams) -> None:
     """The wrapper's results pipe: the started line, the status line, then a tar of /work."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=READ_CHUNK)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(descriptor, "rb", buffering=0)
-    )
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
     kept = bytearray()
     too_long = False
     try:
@@ -248,29 +248,33 @@ def _result(
             files, dropped = read_tar(archive, max_files)
         except tarfile.TarError as error:
             detail = f"the files did not come back: {error}"
-    common = {
-        "stdout": _text(streams.stdout, limits.output_bytes, streams.overflow == "stdout"),
-        "stderr": stderr_text,
-        "wall_s": wall_s,
-        "files": files,
-        "dropped": tuple(dropped),
-    }
+    exit_code, reason, why = _ending(status, returncode, killed_for, streams.overflow, stderr_text, limits)
+    return SandboxResult(
+        exit_code,
+        stdout=_text(streams.stdout, limits.output_bytes, streams.overflow == "stdout"),
+        stderr=stderr_text,
+        finish_reason=reason,
+        wall_s=wall_s,
+        files=files,
+        detail=why or detail,
+        dropped=tuple(dropped),
+    )
+
+
+def _ending(
+    status: int | None, returncode: int | None, killed_for: str, overflow: str, stderr: str, limits: Limits
+) -> tuple[int | None, FinishReason, str]:
+    """The exit code, finish reason and detail of a run the sandbox was built for."""
     if killed_for == "timeout":
-        return SandboxResult(
-            None, finish_reason="timeout", detail=f"wall clock limit {limits.wall_s} s", **common
-        )
+        return None, "timeout", f"wall clock limit {limits.wall_s} s"
     if killed_for == "output_limit":
-        detail = f"{streams.overflow} passed {limits.output_bytes} bytes"
-        return SandboxResult(None, finish_reason="output_limit", detail=detail, **common)
+        return None, "output_limit", f"{overflow} passed {limits.output_bytes} bytes"
     if status is None:
         if returncode == COPY_FAILED:
-            return SandboxResult(
-                None, finish_reason="disk", detail=f"the files passed {limits.disk_bytes} bytes", **common
-            )
-        detail = f"the sandbox's wrapper ended before the command did (status {returncode})"
-        return SandboxResult(None, finish_reason="killed", detail=detail, **common)
-    reason, why = classify(status, stderr_text, limits)
-    return SandboxResult(status, finish_reason=reason, detail=why or detail, **common)
+            return None, "disk", f"the files passed {limits.disk_bytes} bytes"
+        return None, "killed", f"the sandbox's wrapper ended before the command did (status {returncode})"
+    reason, why = classify(status, stderr, limits)
+    return status, reason, why
 
 
 def classify(status: int, stderr: str, limits: Limits) -> tuple[FinishReason, str]:

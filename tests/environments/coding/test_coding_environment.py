@@ -9,6 +9,7 @@ tokenizer built from the environment's vocabulary.  Stand-in, named: ``Scripted`
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import os
 import re
@@ -268,3 +269,21 @@ def test_the_word_vocabulary_covers_an_oracle_one_liner() -> None:
     line = f"write_file solution.py def {function_name(task)} ( x ) : return 7 * x + 3"
     assert tokenizer.unk_id not in tokenizer.encode(line)
     assert os.path.basename(SOLUTION_FILE) in tokenizer.decode(tokenizer.encode(line))
+
+
+async def test_many_episodes_at_once_keep_their_own_snapshots() -> None:
+    env = CodingEnvironment(max_concurrent=4)
+    tasks = generate_tasks("train", 6, seed=5)
+
+    async def episode_of(task: CodingTask, solve: bool) -> float:
+        _, episode = await env.reset(task)
+        if solve:
+            await episode.step(
+                ToolCall("write_file", {"path": SOLUTION_FILE, "content": task.reference[SOLUTION_FILE]})
+            )
+        await episode.step(ToolCall("run", {"command": "python test_solution.py > ran.txt 2>&1"}))
+        assert isinstance(episode, CodingEpisode) and "ran.txt" in episode.files
+        return (await episode.finish("submitted")).reward
+
+    rewards = await asyncio.gather(*(episode_of(task, solve=i % 2 == 0) for i, task in enumerate(tasks)))
+    assert rewards == [1.0, 0.0] * 3
