@@ -113,6 +113,12 @@ async def test_filling_the_disk_stops_at_the_tmpfs_size(sandbox: Sandbox) -> Non
     assert result.files is not None and sum(map(len, result.files.values())) <= limits.disk_bytes
 
 
+async def test_files_too_big_for_the_working_directory_end_with_disk(sandbox: Sandbox) -> None:
+    result = await sandbox.run("echo never", {"big.bin": b"x" * 2**21}, Limits(disk_bytes=2**20))
+    assert result.finish_reason == "disk" and result.exit_code is None and result.stdout == "", result
+    assert result.detail == "the files passed 1048576 bytes"
+
+
 async def test_one_file_past_the_file_size_limit_ends_with_sigxfsz(sandbox: Sandbox) -> None:
     limits = Limits(wall_s=5.0, file_bytes=2**20)
     result = await sandbox.run("head -c 5000000 /dev/zero > big", {}, limits)
