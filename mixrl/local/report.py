@@ -60,24 +60,45 @@ def has_step(record: dict[str, Any]) -> bool:
     return isinstance(step, int) and not isinstance(step, bool)
 
 
+def number(value: Any) -> float | None:
+    """A JSON number as a float; anything else a damaged or foreign record may hold there (a
+    string, a list, a bool) is None, so it is left off a plot rather than ending the report."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def pass_at_k(evaluation: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's ``{k: rate}``, keeping the entries with an integer k and a numeric rate."""
+    rates = {k: number(v) for k, v in mapping(evaluation.get("pass_at_k")).items() if k.isdigit()}
+    return {k: v for k, v in rates.items() if v is not None}
+
+
 def step_records(path: Path) -> list[dict[str, Any]]:
     """The records of a telemetry log that carry their step (the others cannot be placed on a plot)."""
     return [record for record in read_jsonl(path) if has_step(record)]
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    points = [(r["step"], r[key]) for r in records if has_step(r) and isinstance(r.get(key), int | float)]
-    return [p[0] for p in points], [float(p[1]) for p in points]
+    points = [
+        (r["step"], value) for r in records if has_step(r) and (value := number(r.get(key))) is not None
+    ]
+    return [p[0] for p in points], [p[1] for p in points]
 
 
 def pool_series(records: list[dict[str, Any]], key: str) -> dict[str, tuple[list[int], list[float]]]:
     out: dict[str, tuple[list[int], list[float]]] = {}
     for record in records:
-        for pool, stats in record.get("pools", {}).items():
-            if stats.get(key) is not None:
+        for pool, stats in mapping(record.get("pools")).items():
+            value = number(mapping(stats).get(key))
+            if value is not None:
                 steps, values = out.setdefault(pool, ([], []))
                 steps.append(record["step"])
-                values.append(float(stats[key]))
+                values.append(value)
     return out
 
 
@@ -88,21 +109,21 @@ def summary(records: list[dict[str, Any]], evaluations: list[dict[str, Any]]) ->
         window = max(1, min(5, len(records) // 4 or 1))
         early, late = records[:window], records[-window:]
         for key in ("reward", "kl_k3", "extreme_ratio", "grad_norm", "entropy", "staleness_mean"):
-            e = [r[key] for r in early if r.get(key) is not None]
-            lt = [r[key] for r in late if r.get(key) is not None]
+            e = [v for r in early if (v := number(r.get(key))) is not None]
+            lt = [v for r in late if (v := number(r.get(key))) is not None]
             if e and lt:
                 out[f"{key}_early"] = sum(e) / len(e)
                 out[f"{key}_late"] = sum(lt) / len(lt)
         if out.get("kl_k3_early"):
             out["kl_growth"] = out["kl_k3_late"] / max(out["kl_k3_early"], 1e-12)
-        out["tokens_per_s"] = sum(r.get("tokens_per_s", 0.0) for r in records) / len(records)
-        out["elapsed_s"] = records[-1].get("elapsed")
+        out["tokens_per_s"] = sum(number(r.get("tokens_per_s")) or 0.0 for r in records) / len(records)
+        out["elapsed_s"] = number(records[-1].get("elapsed"))
     if evaluations:
         first, last = evaluations[0], evaluations[-1]
         out["eval_first_step"], out["eval_last_step"] = first["step"], last["step"]
-        for k, value in first.get("pass_at_k", {}).items():
-            out[f"pass@{k}_first"] = value
-            out[f"pass@{k}_last"] = last.get("pass_at_k", {}).get(k)
+        for k in sorted({k for e in evaluations for k in pass_at_k(e)}, key=int):
+            rates = [rate for e in evaluations if (rate := pass_at_k(e).get(k)) is not None]
+            out[f"pass@{k}_first"], out[f"pass@{k}_last"] = rates[0], rates[-1]
     return out
 
 
@@ -123,9 +144,9 @@ def write_report(run_dir: Path) -> Path:
             for pool, (s, v) in pool_series(records, "reward").items():
                 ax.plot(s, v, alpha=0.5, label=pool)
         elif name == "pass_at_k":
-            ks = sorted({k for e in evaluations for k in e.get("pass_at_k", {})}, key=int)
+            ks = sorted({k for e in evaluations for k in pass_at_k(e)}, key=int)
             for k in ks:
-                pts = [(e["step"], e["pass_at_k"][k]) for e in evaluations if k in e.get("pass_at_k", {})]
+                pts = [(e["step"], pass_at_k(e)[k]) for e in evaluations if k in pass_at_k(e)]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"pass@{k}")
         elif name in ("kl", "extreme_ratio"):
             key = "kl_k3" if name == "kl" else "extreme_ratio"

@@ -24,7 +24,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixrl.local.report import read_jsonl, step_records
+from mixrl.local.report import pass_at_k, pool_series, read_jsonl, series, step_records, summary, write_report
 from mixrl.local.run import Progress
 from mixrl.rl.buffer.store import EVALUATIONS, Evaluation, TrajectoryBuffer
 from mixrl.rl.trainer.main import METRICS, TrainerLoop
@@ -192,3 +192,51 @@ def test_the_trainer_resumes_whatever_its_metrics_log_holds(
             COUNTS["data lost"] += 1
             raise AssertionError("the record appended after the resume is not read back")
     COUNTS["accepted"] += 1
+
+
+# ----------------------------------------------------------------------------- the report
+
+REPORT_KEYS = ("reward", "kl_k3", "extreme_ratio", "tokens_per_s", "elapsed", "staleness_mean", "grad_norm")
+odd_records = st.fixed_dictionaries(
+    {"step": st.integers(0, 50)},
+    optional={
+        **{key: st.one_of(odd_values, json_garbage) for key in REPORT_KEYS},
+        "pools": st.one_of(
+            odd_values, st.dictionaries(st.text(max_size=4), st.one_of(odd_values, json_garbage))
+        ),
+        "pass_at_k": st.one_of(odd_values, st.dictionaries(st.text(max_size=3), odd_values)),
+    },
+)
+
+
+@settings(FUZZ, max_examples=150)
+@given(metrics=st.lists(odd_records, max_size=8), evaluations=st.lists(odd_records, max_size=4))
+def test_the_reports_figures_take_whatever_records_hold(
+    metrics: list[dict[str, Any]], evaluations: list[dict[str, Any]]
+) -> None:
+    COUNTS["cases"] += 1
+    figures = summary(metrics, evaluations)
+    assert figures["steps"] == (metrics[-1]["step"] if metrics else 0)
+    assert all(isinstance(v, int | float | type(None)) for v in figures.values())
+    for key in REPORT_KEYS:
+        steps, values = series(metrics, key)
+        assert len(steps) == len(values) and all(isinstance(v, float) for v in values)
+        for pool_steps, pool_values in pool_series(metrics, key).values():
+            assert len(pool_steps) == len(pool_values)
+    for evaluation in evaluations:
+        assert all(k.isdigit() and isinstance(v, float) for k, v in pass_at_k(evaluation).items())
+
+
+def test_a_report_is_written_from_damaged_records(tmp_path: Path) -> None:
+    lines = [
+        {"step": 1, "reward": "high", "pools": []},
+        {"step": 2, "reward": 0.5, "kl_k3": [1], "pools": {"fp8": {"kl_k3": "big"}, "bf16": 3}},
+        {"step": 3, "reward": 0.75, "pools": {"fp8": {"reward": 0.5}}},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    evaluations = [{"step": 1, "pass_at_k": [1]}, {"step": 2, "pass_at_k": {"1": 0.5, "x": 1, "2": "most"}}]
+    (tmp_path / "evaluations.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
+    write_report(tmp_path)
+    figures = json.loads((tmp_path / "summary.json").read_text())
+    assert figures["steps"] == 3 and figures["pass@1_last"] == 0.5
+    assert (tmp_path / "report.png").stat().st_size > 0
