@@ -151,6 +151,15 @@ async def test_a_background_process_does_not_outlive_its_command(sandbox: Sandbo
     assert host_processes(token) == []
 
 
+async def test_open_files_stop_at_their_limit_and_the_hostname_is_the_sandboxes(sandbox: Sandbox) -> None:
+    probe = "import errno\nfiles = []\ntry:\n    while True: files.append(open('/dev/null'))\nexcept OSError as e: print(e.errno == errno.EMFILE, len(files))\n"
+    result = await sandbox.run(
+        "python3 probe.py; cat /proc/sys/kernel/hostname", {"probe.py": probe}, Limits(open_files=16)
+    )
+    emfile, opened, hostname = result.stdout.split()
+    assert emfile == "True" and int(opened) < 16 and hostname == "sandbox", result
+
+
 async def test_burning_cpu_ends_at_the_cpu_limit(sandbox: Sandbox) -> None:
     result = await sandbox.run("python3 -c 'while True: pass'", {}, Limits(wall_s=5.0, cpu_s=1))
     assert result.finish_reason == "timeout" and result.exit_code == 128 + 24, result
