@@ -583,6 +583,49 @@ class EvaluationSpec(Model):
         return self
 
 
+# ----------------------------------------------------------------------------- run health
+
+
+class CollapseSpec(Model):
+    """Thresholds of the three signs of collapse (docs/health.md).  The defaults are the seed's and
+    also the chart's Prometheus alert rules' (mixrl.operator.build.monitoring reads them from here)."""
+
+    kl_growth: Float = Field(default=3.0, gt=1, le=MAX_CAPACITY)
+    """Raise the KL sign when a pool's (or the run's) sampler-trainer KL (k3) reaches this many times
+    its early-run baseline."""
+    kl_floor: Float = Field(default=1e-4, ge=0, le=MAX_CAPACITY)
+    """KL below this is noise and never raises the sign (a KL of 1e-6 may triple without meaning)."""
+    reward_drop: Float = Field(default=0.3, gt=0, lt=1)
+    """Raise the reward sign when the smoothed reward falls this fraction below its best."""
+    format_error_share: Float = Field(default=0.5, gt=0, lt=1)
+    """Raise the format sign when more than this share of episodes ends on repeated format errors."""
+    baseline_steps: Int = Field(default=5, gt=0, le=100_000)
+    """The KL baseline is the median of the first this many steps with data."""
+    window: Int = Field(default=5, gt=0, le=100_000)
+    """Signs are judged on the median (reward, KL) or mean (format errors) of the last this many steps,
+    so a one-step spike or a noisy reward raises nothing."""
+
+
+HEALTH_ACTIONS_NOT_IMPLEMENTED = {
+    "pause": "pause is not implemented yet (only none: raised signs are reported, not acted on)"
+}
+"""Actions a later version may take, refused with their reason (no field that does nothing)."""
+
+
+class HealthSpec(Model):
+    collapse: CollapseSpec = Field(default_factory=CollapseSpec)
+    """Thresholds of the signs of collapse."""
+    action: Literal["none"] = "none"
+    """What a raised sign does: ``none`` (shown in ``mixrl run``'s progress line and report)."""
+
+    @field_validator("action", mode="before")
+    @classmethod
+    def _not_implemented(cls, value: Any) -> Any:
+        if isinstance(value, str) and value in HEALTH_ACTIONS_NOT_IMPLEMENTED:
+            raise ValueError(HEALTH_ACTIONS_NOT_IMPLEMENTED[value])
+        return value
+
+
 # ----------------------------------------------------------------------------- RLRun
 
 
@@ -603,6 +646,8 @@ class RLRunSpec(Model):
     """Pool autoscaling from Prometheus."""
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     """Held-out evaluation."""
+    health: HealthSpec = Field(default_factory=HealthSpec)
+    """Run health: thresholds of the signs of collapse and what a raised sign does."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -5,18 +5,24 @@ built from the metric names in :mod:`mixrl.rl.metrics`, so a renamed series cann
 alert behind.
 
 The three signs, as the paper saw them before a run collapsed:
-- reward falls: the 15-minute mean reward drops 30 % or more below its best 15-minute mean of the
-  last 6 hours;
-- KL grows: a pool's sampler–trainer KL (k3) reaches 3× its early level — PromQL has no "first
-  value", so the early level is the lowest 15-minute mean of the last 12 hours, which for a
-  degrading run is its early level;
-- format errors: most episodes (> 50 %) end on repeated replies without a tool call.
+- reward falls: the 15-minute mean reward drops ``rewardDrop`` (30 %) or more below its best
+  15-minute mean of the last 6 hours;
+- KL grows: a pool's sampler–trainer KL (k3) reaches ``klGrowth`` (3×) its early level — PromQL has
+  no "first value", so the early level is the lowest 15-minute mean of the last 12 hours, which for
+  a degrading run is its early level;
+- format errors: more than ``formatErrorShare`` (50 %) of episodes end on repeated replies without
+  a tool call.
+
+The thresholds are the defaults of ``spec.health.collapse`` (:class:`mixrl.api.models.CollapseSpec`),
+the same numbers ``mixrl run`` judges a run by (mixrl.rl.health.collapse): defined once, there.  The
+chart's rules are one set for every run, so a run's own ``spec.health`` does not change them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mixrl.api.models import CollapseSpec
 from mixrl.rl.metrics import (
     MIXRL_BUFFER_STALENESS,
     MIXRL_COST_DOLLARS_TOTAL,
@@ -38,11 +44,8 @@ from mixrl.rl.metrics import (
 
 Obj = dict[str, Any]
 
-REWARD_DROP = 0.30
-KL_GROWTH = 3.0
-KL_FLOOR = 1e-4
-"""Below this KL the ratio is noise: a run that starts at 1e-6 may triple without meaning anything."""
-FORMAT_ERROR_SHARE = 0.5
+DEFAULT_THRESHOLDS = CollapseSpec()
+"""The defaults of ``spec.health.collapse``: the chart's rules."""
 
 REWARD = MIXRL_TRAINER_REWARD.name
 KL = MIXRL_TRAINER_KL.name
@@ -50,22 +53,23 @@ EPISODES = MIXRL_ROLLOUT_EPISODES_TOTAL.name
 FORMAT_ERRORS = MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL.name
 
 
-def reward_falling_expr() -> str:
+def reward_falling_expr(t: CollapseSpec) -> str:
     recent = f"avg by (run) (avg_over_time({REWARD}[15m]))"
     best = f"max_over_time(avg by (run) (avg_over_time({REWARD}[15m]))[6h:5m])"
-    return f"{recent} < ({1 - REWARD_DROP:g} * {best}) and {best} > 0"
+    return f"{recent} < ({1 - t.reward_drop:g} * {best}) and {best} > 0"
 
 
-def kl_growing_expr() -> str:
+def kl_growing_expr(t: CollapseSpec) -> str:
+    # kl_floor: below it the ratio is noise (a run that starts at 1e-6 may triple meaning nothing).
     recent = f"max by (run, pool) (avg_over_time({KL}[15m]))"
     early = f"min_over_time(max by (run, pool) (avg_over_time({KL}[15m]))[12h:5m])"
-    return f"{recent} >= ({KL_GROWTH:g} * {early}) and {recent} > {KL_FLOOR:g}"
+    return f"{recent} >= ({t.kl_growth:g} * {early}) and {recent} > {t.kl_floor:g}"
 
 
-def format_error_expr() -> str:
+def format_error_expr(t: CollapseSpec) -> str:
     errors = f"sum by (run) (rate({FORMAT_ERRORS}[15m]))"
     episodes = f"sum by (run) (rate({EPISODES}[15m]))"
-    return f"({errors} / {episodes}) > {FORMAT_ERROR_SHARE:g}"
+    return f"({errors} / {episodes}) > {t.format_error_share:g}"
 
 
 def alert(name: str, expr: str, duration: str, summary: str, description: str) -> Obj:
@@ -78,35 +82,39 @@ def alert(name: str, expr: str, duration: str, summary: str, description: str) -
     }
 
 
-def collapse_rule_groups() -> list[Obj]:
-    """``spec.groups`` of the chart's PrometheusRule."""
+def collapse_rule_groups(t: CollapseSpec = DEFAULT_THRESHOLDS) -> list[Obj]:
+    """``spec.groups`` of the chart's PrometheusRule, for the thresholds ``t`` (the chart: defaults)."""
     return [
         {
             "name": "mixrl-collapse",
             "rules": [
                 alert(
                     "MixrlRewardFalling",
-                    reward_falling_expr(),
+                    reward_falling_expr(t),
                     "15m",
-                    "Run {{ $labels.run }}: reward fell 30% below its best",
-                    "The 15-minute mean training reward is more than 30% below its best 15-minute mean of "
-                    "the last 6 hours. With a rising KL this is how mismatch-driven collapse begins.",
+                    f"Run {{{{ $labels.run }}}}: reward fell {t.reward_drop:.0%} below its best",
+                    f"The 15-minute mean training reward is more than {t.reward_drop:.0%} below its best "
+                    "15-minute mean of the last 6 hours. With a rising KL this is how mismatch-driven "
+                    "collapse begins.",
                 ),
                 alert(
                     "MixrlKLGrowing",
-                    kl_growing_expr(),
+                    kl_growing_expr(t),
                     "15m",
-                    "Run {{ $labels.run }}, pool {{ $labels.pool }}: sampler-trainer KL tripled",
-                    "The pool's KL (k3) is at least 3x its early level (lowest 15-minute mean of the last "
-                    "12 hours). Check the pool's precision and kernels; consider MIS or a narrower range.",
+                    f"Run {{{{ $labels.run }}}}, pool {{{{ $labels.pool }}}}: sampler-trainer KL grew "
+                    f"{t.kl_growth:g}x",
+                    f"The pool's KL (k3) is at least {t.kl_growth:g}x its early level (lowest 15-minute "
+                    "mean of the last 12 hours). Check the pool's precision and kernels; consider MIS or a "
+                    "narrower range.",
                 ),
                 alert(
                     "MixrlFormatErrorEpisodes",
-                    format_error_expr(),
+                    format_error_expr(t),
                     "10m",
-                    "Run {{ $labels.run }}: most episodes end on repeated format errors",
-                    "More than half of the episodes of the last 15 minutes ended after consecutive replies "
-                    "without a tool call: the policy is losing its output format.",
+                    f"Run {{{{ $labels.run }}}}: over {t.format_error_share:.0%} of episodes end on "
+                    "repeated format errors",
+                    f"More than {t.format_error_share:.0%} of the episodes of the last 15 minutes ended "
+                    "after consecutive replies without a tool call: the policy is losing its output format.",
                 ),
             ],
         }
