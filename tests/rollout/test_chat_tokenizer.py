@@ -168,3 +168,28 @@ def test_the_worker_reads_the_models_own_tokenizer_unless_told_otherwise() -> No
     assert tokenizer_location(real, None) == "/models/qwen3-8b"  # what the operator's pods read
     own = real.model_copy(update={"model": real.model.model_copy(update={"tokenizer": "/models/tok"})})
     assert tokenizer_location(own, None) == "/models/tok"
+
+
+def test_the_operators_rollout_pods_can_read_the_models_tokenizer() -> None:
+    """In the cluster the worker reads model.path (examples/rlrun-minimal.yaml: on the weights
+    volume), so its pods mount that volume, read-only."""
+    from mixrl.api.loader import load_rlrun
+    from mixrl.api.resolve import resolve
+    from mixrl.operator.build.objects import BuildOptions, Owner
+    from mixrl.operator.build.resources import run_objects
+
+    resolved = resolve(load_rlrun(Path(__file__).parents[2] / "examples" / "rlrun-minimal.yaml"))
+    objects = run_objects(
+        resolved, Owner("mixrl.dev/v1alpha1", "RLRun", resolved.name, "uid"), BuildOptions()
+    )
+    (rollout,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("-rollout")
+    ]
+    pod = rollout["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert resolved.model.path.startswith("/weights/")
+    assert mounts["/weights"]["readOnly"] is True
+    (claim,) = [v["persistentVolumeClaim"] for v in pod["volumes"] if v["name"] == mounts["/weights"]["name"]]
+    assert claim == {"claimName": f"{resolved.name}-weights", "readOnly": True}
+    assert "--tokenizer" not in container["command"] + container.get("args", [])

@@ -292,15 +292,18 @@ def router_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
 
 def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
     """``rollout.workers`` agent-loop workers; a StatefulSet so each knows its index (its share of
-    the tasks) from the pod-index label, passed on the command line through ``$(POD_INDEX)``."""
-    main = component_container(resolved, "rollout", options, [port("metrics", METRICS_PORT)], [])
+    the tasks) from the pod-index label, passed on the command line through ``$(POD_INDEX)``.  The
+    weights volume is mounted read-only: the worker reads the model's tokenizer and chat template
+    from ``model.tokenizer`` or ``model.path``, which live there beside the base weights."""
+    weight_volumes, weight_mounts = weights_volume_and_mount(resolved, read_only=True)
+    main = component_container(resolved, "rollout", options, [port("metrics", METRICS_PORT)], weight_mounts)
     main["env"].append(
         {
             "name": "POD_INDEX",
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}},
         }
     )
-    template = component_template(resolved, "rollout", main, [], options)
+    template = component_template(resolved, "rollout", main, weight_volumes, options)
     return [statefulset(resolved, "rollout", resolved.rollout.workers, template, owner)]
 
 
