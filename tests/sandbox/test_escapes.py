@@ -266,6 +266,14 @@ async def test_a_missing_bubblewrap_refuses_to_run_anything() -> None:
         await sandbox.run("true")
 
 
+def test_check_builds_one_sandbox_or_says_why(sandbox: Sandbox) -> None:
+    sandbox.check()
+    with pytest.raises(
+        SandboxUnavailable, match="could not build the sandbox: bwrap: Can't find source path /nope"
+    ):
+        Sandbox(SandboxConfig(ro_paths=("/nope",))).check()
+
+
 async def test_a_sandbox_bubblewrap_cannot_build_is_reported_not_run(sandbox: Sandbox) -> None:
     broken = Sandbox(SandboxConfig(ro_paths=("/nonexistent-path-for-the-test",)))
     with pytest.raises(

@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
 import tarfile
 import tempfile
 import time
@@ -97,12 +98,7 @@ class Sandbox:
         if not isinstance(command, str) or not command.strip():
             raise ValueError(f"command: must be a non-empty string, got {command!r}")
         limits = limits or Limits()
-        program = shutil.which(self.config.bwrap)
-        if program is None:
-            raise SandboxUnavailable(
-                f"bubblewrap ({self.config.bwrap!r}) is not installed: apt-get install bubblewrap "
-                "(scripts/setup.sh does it as root); no command runs unsandboxed"
-            )
+        program = self._program()
         async with self._gate:
             seed = tempfile.mkdtemp(prefix="mixrl-sandbox-")
             try:
@@ -114,6 +110,46 @@ class Sandbox:
                 return await self._run(argv, limits)
             finally:
                 shutil.rmtree(seed, ignore_errors=True)
+
+    def _program(self) -> str:
+        program = shutil.which(self.config.bwrap)
+        if program is None:
+            raise SandboxUnavailable(
+                f"bubblewrap ({self.config.bwrap!r}) is not installed: apt-get install bubblewrap "
+                "(scripts/setup.sh does it as root); no command runs unsandboxed"
+            )
+        return program
+
+    def check(self, timeout_s: float = 10.0) -> None:
+        """Build one sandbox now and run ``true`` in it (blocking, about 20 ms); SandboxUnavailable
+        with bubblewrap's own words when it cannot, so that a worker fails at start, not mid-run."""
+        program = self._program()
+        seed = tempfile.mkdtemp(prefix="mixrl-sandbox-")
+        read_end, write_end = os.pipe()  # the results pipe; an empty /work's archive fits its buffer
+        try:
+            if os.geteuid() == 0:
+                os.chown(seed, self.config.host_uid, self.config.host_uid)
+            argv = bwrap_argv(self.config, Limits(), seed, "true")
+            argv[0] = program
+            done = subprocess.run(
+                argv, stdin=write_end, capture_output=True, timeout=timeout_s, env={},
+                check=False, **self._drop_privileges(),
+            )  # fmt: skip
+            os.close(write_end)
+            write_end = -1
+            with os.fdopen(read_end, "rb") as results:
+                read_end = -1
+                started = results.read(len(STARTED)) == STARTED
+        except subprocess.TimeoutExpired:
+            raise SandboxUnavailable(f"bubblewrap did not run `true` within {timeout_s} s") from None
+        finally:
+            for descriptor in (read_end, write_end):
+                if descriptor >= 0:
+                    os.close(descriptor)
+            shutil.rmtree(seed, ignore_errors=True)
+        if done.returncode != 0 or not started:
+            message = done.stderr.decode(errors="replace").strip()[:500]
+            raise SandboxUnavailable(f"bubblewrap could not build the sandbox: {message}")
 
     async def _run(self, argv: list[str], limits: Limits) -> SandboxResult:
         started = time.monotonic()

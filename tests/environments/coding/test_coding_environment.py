@@ -258,8 +258,16 @@ def test_the_registry_builds_it_and_loads_tasks_from_a_directory(tmp_path: Path)
 
 
 def test_without_bubblewrap_the_environment_refuses_to_start() -> None:
-    with pytest.raises(ValueError, match=r"runs every command in bubblewrap .* not installed here"):
+    with pytest.raises(
+        ValueError,
+        match=r"runs every command in a sandbox: bubblewrap .* is not installed: apt-get install bubblewrap",
+    ):
         CodingEnvironment(bwrap="/nonexistent/bwrap")
+    with pytest.raises(
+        ValueError,
+        match="sandbox: bubblewrap could not build the sandbox: bwrap: Can't find source path /nope",
+    ):
+        CodingEnvironment(ro_paths=["/nope"])
 
 
 def test_the_word_vocabulary_covers_an_oracle_one_liner() -> None:

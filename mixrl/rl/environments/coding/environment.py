@@ -26,7 +26,6 @@ here, then to ``rollout.maxObservationTokens`` by mixrl.
 from __future__ import annotations
 
 import secrets
-import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,7 +35,7 @@ from mixrl.rl.environments.coding import swe
 from mixrl.rl.environments.coding.scoring import TestScore, score, test_command_for
 from mixrl.rl.environments.coding.tasks import FAMILIES, LEVELS, CodingTask, generate_tasks
 from mixrl.rl.environments.tools import JsonToolCallParser, PlainTextParser, Tool, ToolCall, ToolCallParser
-from mixrl.rl.sandbox import Limits, Sandbox, SandboxConfig, SandboxResult
+from mixrl.rl.sandbox import Limits, Sandbox, SandboxConfig, SandboxResult, SandboxUnavailable
 from mixrl.rl.sandbox.files import check_path
 
 TOOL_LIST, TOOL_READ, TOOL_WRITE, TOOL_RUN, TOOL_SUBMIT = (
@@ -165,11 +164,6 @@ class CodingEnvironment(Environment[CodingTask]):
             raise ValueError(f"levels: each must be one of {list(LEVELS)}, got {list(levels)}")
         if max_observation_chars <= 0:
             raise ValueError(f"max_observation_chars: must be positive, got {max_observation_chars}")
-        if shutil.which(bwrap) is None:
-            raise ValueError(
-                f"the coding environment runs every command in bubblewrap ({bwrap!r}), which is not "
-                "installed here: apt-get install bubblewrap"
-            )
         self.levels = tuple(levels)
         self.tasks_dir = Path(tasks) if tasks is not None else None
         if self.tasks_dir is not None and not self.tasks_dir.is_dir():
@@ -181,6 +175,10 @@ class CodingEnvironment(Environment[CodingTask]):
         self.sandbox = Sandbox(
             SandboxConfig(bwrap=bwrap, ro_paths=tuple(ro_paths), max_concurrent=max_concurrent)
         )
+        try:
+            self.sandbox.check()  # here, where the worker starts, rather than in its first episode
+        except SandboxUnavailable as error:
+            raise ValueError(f"the coding environment runs every command in a sandbox: {error}") from None
 
     def tools(self) -> Sequence[Tool]:
         return TOOLS
