@@ -317,3 +317,33 @@ async def test_a_bad_finish_reason_is_refused_and_the_episode_still_closed(user_
     finally:
         module.EchoEpisode.finish = original
     assert env.closed == ["closed"]
+
+
+def test_the_rollout_worker_refuses_an_unusable_environment_or_dataset_with_one_line(
+    tmp_path: Path, user_package: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixrl.rl.rollout.worker import main
+
+    from ..rollout.test_worker import resolved_run
+
+    def start(**rollout: Any) -> str:
+        config = tmp_path / "resolved.json"
+        config.write_text(resolved_run(**rollout).model_dump_json())
+        args = ["--config", str(config), "--router", "http://x", "--buffer", "http://y", "--insecure-no-auth"]
+        assert main(args) == 2
+        return capsys.readouterr().err.strip()
+
+    assert start(environment="nowhere.envs:X").startswith(
+        "mixrl rollout: spec.rollout.environment: cannot import 'nowhere.envs' (ModuleNotFoundError"
+    )
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"id": "a", "word": "fig"}\n')
+    files = {"train": str(rows), "heldout": str(tmp_path / "none.jsonl")}
+    assert start(environment=USER_ENVIRONMENT, dataset=files) == (
+        f"mixrl rollout: spec.rollout.dataset.heldout: no such file {tmp_path / 'none.jsonl'}"
+    )
+    rows.write_text('{"id": "a"}\n{"id": "a"}\n')
+    files["heldout"] = str(rows)
+    assert start(environment=USER_ENVIRONMENT, dataset=files) == (
+        f"mixrl rollout: {rows}: task id 'a' appears twice"
+    )

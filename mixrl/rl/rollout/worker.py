@@ -38,7 +38,7 @@ from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
 from mixrl.rl.buffer.client import BufferClient, BufferError
 from mixrl.rl.engine.protocol import EngineResponseError
-from mixrl.rl.environments.base import Environment, Split, TaskLike
+from mixrl.rl.environments.base import SPLITS, Environment, Split, TaskLike
 from mixrl.rl.environments.datasets import load_tasks
 from mixrl.rl.environments.registry import check_rollout, load_environment, offered_tools
 from mixrl.rl.environments.tools import Tool
@@ -486,6 +486,8 @@ def _load(args: argparse.Namespace) -> Loaded:
     if problems:
         raise ValueError(problems[0])
     environment = load_environment(settings.environment, settings.environment_args)
+    for split in SPLITS:  # a dataset row the environment cannot read: one line now, not a traceback later
+        settings.tasks(environment, split)
     tokenizer = load_chat_tokenizer(
         tokenizer_location(run, args.tokenizer),
         run.model.chat_template,
