@@ -599,11 +599,16 @@ class CollapseSpec(Model):
     """Raise the reward sign when the smoothed reward falls this fraction below its best."""
     format_error_share: Float = Field(default=0.5, gt=0, lt=1)
     """Raise the format sign when more than this share of episodes ends on repeated format errors."""
-    baseline_steps: Int = Field(default=5, gt=0, le=100_000)
-    """The KL baseline is the median of the first this many steps with data."""
+    baseline_steps: Int = Field(default=10, gt=0, le=100_000)
+    """The KL baseline is the median of the first this many steps with data.  Not fewer by default:
+    the first steps train on fresher tokens than the steady asynchronous pipeline does (step 1 on
+    staleness 0), so a short baseline understates the KL that staleness alone will bring."""
     window: Int = Field(default=5, gt=0, le=100_000)
-    """Signs are judged on the median (reward, KL) or mean (format errors) of the last this many steps,
-    so a one-step spike or a noisy reward raises nothing."""
+    """The KL and format-error signs are judged on the last this many steps (the KL's median, so a
+    one-step spike raises nothing; the format-error share's mean)."""
+    reward_window: Int = Field(default=15, gt=0, le=100_000)
+    """The reward is smoothed by the mean of this many steps: a step's mean reward is noisy (about
+    ±16 % on the quickstart), and a shorter window's lows would read as a fall from its highs."""
 
 
 HEALTH_ACTIONS_NOT_IMPLEMENTED = {

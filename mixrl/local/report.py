@@ -12,6 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixrl.api.errors import InvalidSpec
+from mixrl.api.loader import ManifestUnreadable, load_rlrun
+from mixrl.api.models import CollapseSpec
+from mixrl.rl.health.collapse import assess, report_lines
+
 PANELS: list[tuple[str, str, str]] = [
     # (file name, title, y label)
     ("reward", "Training reward", "mean reward"),
@@ -127,6 +132,18 @@ def summary(records: list[dict[str, Any]], evaluations: list[dict[str, Any]]) ->
     return out
 
 
+def run_thresholds(run_dir: Path) -> tuple[CollapseSpec, str]:
+    """The run's spec.health.collapse (from the rlrun.yaml ``mixrl run`` copies into the run
+    directory) and where it came from; the defaults when that file is missing or no longer valid."""
+    path = run_dir / "rlrun.yaml"
+    if not path.exists():
+        return CollapseSpec(), "the defaults (no rlrun.yaml in the run directory)"
+    try:
+        return load_rlrun(path).spec.health.collapse, "spec.health.collapse of rlrun.yaml"
+    except (InvalidSpec, ManifestUnreadable) as exc:
+        return CollapseSpec(), f"the defaults (rlrun.yaml is not a valid RLRun: {exc})"
+
+
 def write_report(run_dir: Path) -> Path:
     import matplotlib
 
@@ -196,6 +213,8 @@ def write_report(run_dir: Path) -> Path:
         "|---|---|",
     ]
     lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
+    collapse, source = run_thresholds(run_dir)
+    lines += ["", *report_lines(assess(records, collapse), collapse, source)]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return run_dir / "report.png"
 

@@ -35,10 +35,12 @@ from mixrl.api.launch import (
     process_name,
 )
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
+from mixrl.api.models import CollapseSpec
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.local.processes import MIXRL, Process, ProcessStartError, wait_healthy
 from mixrl.local.report import step_records, write_report
 from mixrl.rl.auth import AuthToken, write_token_file
+from mixrl.rl.health.collapse import assess
 
 MAX_TRAINER_RESTARTS = 3
 # One intra-op thread per process: the local run has more processes than cores, and OpenMP threads
@@ -164,11 +166,14 @@ def _number(value: Any, default: float = 0.0) -> float:
 
 
 class Progress:
-    """Periodic progress lines: step, reward, held-out pass@k, KL, throughput, ETA."""
+    """Periodic progress lines: step, reward, held-out pass@k, KL, throughput, ETA, and a warning
+    while a sign of collapse is raised (mixrl.rl.health.collapse, thresholds of spec.health)."""
 
-    def __init__(self, run_dir: Path, total_steps: int | None) -> None:
+    def __init__(self, run_dir: Path, total_steps: int | None, collapse: CollapseSpec | None = None) -> None:
         self.run_dir = run_dir
         self.total = total_steps
+        self.collapse = collapse or CollapseSpec()
+        self.warned: set[tuple[str, str]] = set()
         self.started = time.monotonic()
         self.shown_step = 0
         self.last_line = 0.0
@@ -207,7 +212,14 @@ class Progress:
                 )
                 + f" (step {e['step']})"
             )
+        raised = assess(records, self.collapse).raised
+        if raised:
+            parts.append("WARNING collapse risk: " + ", ".join(sign.short() for sign in raised))
         print("  ".join(parts), flush=True)
+        for sign in raised:  # the figures once per sign and scope; the progress line repeats the gist
+            if (sign.name, sign.scope) not in self.warned:
+                self.warned.add((sign.name, sign.scope))
+                print(f"mixrl run: warning: {sign.describe()}", flush=True)
 
 
 def evaluations_to_run_dir(run_dir: Path) -> None:
@@ -275,7 +287,7 @@ def main(argv: list[str]) -> int:
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     prepared = prepare_model(resolved, cache, run_dir)
     supervisor = Supervisor(resolved, run_dir, prepared.model_path, prepared.tokenizer_path)
-    progress = Progress(run_dir, resolved.trainer.spec.total_steps)
+    progress = Progress(run_dir, resolved.trainer.spec.total_steps, rlrun.spec.health.collapse)
     previous = signal.signal(signal.SIGINT, _raise_interrupt)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     status = 0

@@ -7,9 +7,10 @@ is judged on a smoothed figure so that noise raises nothing:
 - **KL growing** (per pool and for the run): the median KL of the last ``window`` steps is at least
   ``klGrowth`` × the baseline, the median of the first ``baselineSteps`` steps with data, and above
   ``klFloor``.  Judged once ``baselineSteps + window`` steps have data, so the two never overlap.
-- **Reward falling** (the run): the reward smoothed by a trailing ``window``-step median is
+- **Reward falling** (the run): the reward smoothed by a trailing ``rewardWindow``-step mean is
   ``rewardDrop`` or more below the best smoothed value so far (only when that best is positive: a
-  fraction of a non-positive best means nothing).
+  fraction of a non-positive best means nothing).  A mean, not a median: a step's reward is bounded
+  and its noise is wide, where a mean's lows and highs stay closer together than a median's.
 - **Format errors** (the run): the mean share of episodes ending on repeated format errors over the
   last ``window`` steps is above ``formatErrorShare``.
 
@@ -147,14 +148,14 @@ def kl_sign(points: Sequence[Point], spec: CollapseSpec, scope: str) -> Sign | N
 
 
 def smoothed(values: Sequence[float], window: int) -> list[float]:
-    """Trailing medians of ``window`` values (one per position from ``window - 1`` on)."""
-    return [median(values[end - window : end]) for end in range(window, len(values) + 1)]
+    """Trailing means of ``window`` values (one per position from ``window - 1`` on)."""
+    return [sum(values[end - window : end]) / window for end in range(window, len(values) + 1)]
 
 
 def reward_sign(points: Sequence[Point], spec: CollapseSpec) -> Sign | None:
-    if len(points) < spec.window:
+    if len(points) < spec.reward_window:
         return None
-    smooth = smoothed([value for _, value in points], spec.window)
+    smooth = smoothed([value for _, value in points], spec.reward_window)
     best, current = max(smooth), smooth[-1]
     threshold = (1 - spec.reward_drop) * best
     raised = best > 0 and current < threshold
@@ -178,3 +179,23 @@ def assess(records: Sequence[Record], spec: CollapseSpec | None = None) -> Asses
     signs.append(reward_sign(run_series(records, REWARD_KEY), spec))
     signs.append(format_error_sign(run_series(records, FORMAT_ERROR_KEY), spec))
     return Assessment(tuple(sign for sign in signs if sign is not None))
+
+
+def report_lines(assessment: Assessment, spec: CollapseSpec, source: str) -> list[str]:
+    """The report's "Run health" section (Markdown): every sign judged, raised ones first."""
+    lines = [
+        "## Run health",
+        "",
+        f"Signs of collapse (docs/health.md), thresholds from {source}: KL ≥ {spec.kl_growth:g}× its "
+        f"baseline (median of the first {spec.baseline_steps} steps, above {spec.kl_floor:g}), reward "
+        f"{spec.reward_drop:.0%} below its best (mean of {spec.reward_window} steps), format-error endings "
+        f"above {spec.format_error_share:.0%}; KL and format errors judged on the last {spec.window} steps.",
+        "",
+    ]
+    if not assessment.signs:
+        return [*lines, "Too few steps to judge any sign.", ""]
+    ordered = sorted(assessment.signs, key=lambda sign: not sign.raised)
+    lines += [f"- {'**RAISED** ' if sign.raised else ''}{sign.describe()}" for sign in ordered]
+    if not assessment.raised:
+        lines += ["", "No sign of collapse."]
+    return [*lines, ""]

@@ -1,0 +1,124 @@
+"""Mismatch-aware routing: a pool's health from its mismatch, and traffic share = capacity × health (pure).
+
+A pool whose samples drift from the trainer (a bad kernel, a too-aggressive precision) feeds the
+trainer tokens with a large importance ratio; down-weighting that pool before the run degrades is
+cheaper than correcting it afterwards.  Each observation of a pool (once per trainer step) is
+compared with two thresholds:
+
+- **bad**: its mismatch KL (k3) or its share of tokens with an extreme ratio is above its threshold;
+- **good**: both are below ``recover_fraction`` × their thresholds (the gap between the two levels
+  is the hysteresis: a pool hovering near a threshold neither falls nor recovers).
+
+After ``degrade_after`` bad observations in a row the pool's health is multiplied by ``step``
+(once per further bad observation), never below ``floor``, so a degraded pool keeps a trickle of
+traffic and keeps being measured; after ``recover_after`` good ones in a row it is divided by
+``step`` (once per further good observation), up to 1.  An observation that is neither, or a
+missing one, resets both streaks and keeps the health, so a single spike or a single quiet step
+changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    # No default thresholds: what counts as a bad mismatch depends on the model and the precisions
+    # (the tiny quickstart's pools start near 0.02 and settle near 0.003), so the caller chooses.
+    kl_threshold: float
+    """Mismatch KL (k3) above which an observation is bad."""
+    extreme_share_threshold: float
+    """Share of tokens with a ratio outside [0.2, 5] above which an observation is bad."""
+    recover_fraction: float = 0.5
+    """An observation is good when both figures are below this fraction of their thresholds."""
+    degrade_after: int = 3
+    """Bad observations in a row before the health falls."""
+    recover_after: int = 3
+    """Good observations in a row before the health rises."""
+    step: float = 0.5
+    """Factor the health is multiplied by per bad observation (divided by per good one)."""
+    floor: float = 0.1
+    """Lowest health: a degraded pool keeps this fraction of its capacity's traffic."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.kl_threshold > 0:
+            problems.append(f"kl_threshold must be > 0, got {self.kl_threshold}")
+        if not self.extreme_share_threshold > 0:
+            problems.append(f"extreme_share_threshold must be > 0, got {self.extreme_share_threshold}")
+        if not 0 < self.recover_fraction <= 1:
+            problems.append(f"recover_fraction must be in (0, 1], got {self.recover_fraction}")
+        if self.degrade_after < 1 or self.recover_after < 1:
+            problems.append("degrade_after and recover_after must be at least 1")
+        if not 0 < self.step < 1:
+            problems.append(f"step must be in (0, 1), got {self.step}")
+        if not 0 < self.floor <= 1:
+            problems.append(f"floor must be in (0, 1], got {self.floor}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One pool's mismatch at one trainer step (the staleness-0 KL when the trainer logs one)."""
+
+    kl: float
+    extreme_share: float
+
+
+@dataclass(frozen=True)
+class PoolHealth:
+    health: float = 1.0
+    bad_streak: int = 0
+    good_streak: int = 0
+
+
+HEALTHY = PoolHealth()
+
+
+def observe(state: PoolHealth, observation: Observation | None, policy: HealthPolicy) -> PoolHealth:
+    """The pool's health after one more observation (None: the pool had no tokens this step)."""
+    if observation is None:
+        return PoolHealth(state.health)
+    bad = observation.kl > policy.kl_threshold or observation.extreme_share > policy.extreme_share_threshold
+    good = (
+        observation.kl < policy.recover_fraction * policy.kl_threshold
+        and observation.extreme_share < policy.recover_fraction * policy.extreme_share_threshold
+    )
+    if bad:
+        streak = state.bad_streak + 1
+        health = (
+            max(policy.floor, state.health * policy.step) if streak >= policy.degrade_after else state.health
+        )
+        return PoolHealth(health, bad_streak=streak)
+    if good:
+        streak = state.good_streak + 1
+        health = min(1.0, state.health / policy.step) if streak >= policy.recover_after else state.health
+        return PoolHealth(health, good_streak=streak)
+    return PoolHealth(state.health)
+
+
+def observe_all(
+    states: Mapping[str, PoolHealth], observations: Mapping[str, Observation], policy: HealthPolicy
+) -> dict[str, PoolHealth]:
+    """Every pool's health after one step; a pool of ``states`` without an observation holds."""
+    pools = {*states, *observations}
+    return {
+        pool: observe(states.get(pool, HEALTHY), observations.get(pool), policy) for pool in sorted(pools)
+    }
+
+
+def health_weighted_shares(
+    capacity: Mapping[str, float], health: Mapping[str, PoolHealth]
+) -> dict[str, float]:
+    """Traffic shares: each pool's capacity (e.g. its target share by capacity) × its health, normalised.
+
+    A pool without a health entry counts as healthy; if no pool has capacity every share is 0.
+    """
+    weights = {pool: max(value, 0.0) * health.get(pool, HEALTHY).health for pool, value in capacity.items()}
+    total = sum(weights.values())
+    if total <= 0:
+        return dict.fromkeys(capacity, 0.0)
+    return {pool: weight / total for pool, weight in weights.items()}
