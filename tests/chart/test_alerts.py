@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from mixrl.api.models import CollapseSpec
 from mixrl.operator.build.monitoring import collapse_rule_groups
 
 PROMTOOL = shutil.which("promtool")
@@ -34,11 +36,16 @@ def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
 
 
+def write_rules(tmp_path: Path, thresholds: CollapseSpec | None = None) -> Path:
+    path = tmp_path / "rules.yaml"
+    groups = collapse_rule_groups() if thresholds is None else collapse_rule_groups(thresholds)
+    path.write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    return path
+
+
 @pytest.fixture
 def rules_file(tmp_path: Path) -> Path:
-    path = tmp_path / "rules.yaml"
-    path.write_text(yaml.safe_dump({"groups": collapse_rule_groups()}, sort_keys=False))
-    return path
+    return write_rules(tmp_path)
 
 
 def test_rules_are_valid_promql(rules_file: Path) -> None:
@@ -157,3 +164,70 @@ def test_the_rule_tests_have_teeth(rules_file: Path) -> None:
     ]
     result = run_rule_tests(rules_file, tests)
     assert result.returncode != 0
+
+
+def values(points: list[float]) -> str:
+    """A promtool series written out point by point (one per minute)."""
+    return " ".join(f"{value:.6g}" for value in points)
+
+
+def noisy_healthy_tests(alerts: list[str]) -> list[dict[str, Any]]:
+    """Six hours of noise: reward 0.5 ± 0.15, KL 0.002 ± 40 % with one 20x minute, 30 % format
+    errors; expecting none of ``alerts`` every 15 minutes."""
+    rng = random.Random(0)
+    minutes = 360
+    reward = [rng.uniform(0.35, 0.65) for _ in range(minutes)]
+    kl = [0.002 * rng.uniform(0.6, 1.4) for _ in range(minutes)]
+    kl[200] *= 20
+    episodes, errors = [0.0], [0.0]
+    for _ in range(minutes - 1):
+        episodes.append(episodes[-1] + 10)
+        errors.append(errors[-1] + rng.randint(0, 6))  # 3 of 10 on average
+    series = [
+        {"series": 'mixrl_trainer_reward{run="a",pool=""}', "values": values(reward)},
+        {"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": values(kl)},
+        {"series": 'mixrl_rollout_episodes_total{run="a",pool="h100"}', "values": values(episodes)},
+        {
+            "series": 'mixrl_rollout_format_error_episodes_total{run="a",pool="h100"}',
+            "values": values(errors),
+        },
+    ]
+    checks = [
+        {"eval_time": f"{minute}m", "alertname": name, "exp_alerts": []}
+        for minute in range(30, minutes, 15)
+        for name in alerts
+    ]
+    return [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]
+
+
+def test_a_noisy_healthy_run_fires_no_alert(rules_file: Path) -> None:
+    result = run_rule_tests(rules_file, noisy_healthy_tests(list(RULES)))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("alert", "tight"),
+    [
+        ("MixrlRewardFalling", CollapseSpec(reward_drop=0.05)),
+        ("MixrlKLGrowing", CollapseSpec(kl_growth=1.1)),
+        ("MixrlFormatErrorEpisodes", CollapseSpec(format_error_share=0.2)),
+    ],
+)
+def test_the_noisy_run_is_live_tight_thresholds_fire_on_it(
+    tmp_path: Path, alert: str, tight: CollapseSpec
+) -> None:
+    """The quiet of the test above is the thresholds', not a series the rules never read."""
+    result = run_rule_tests(write_rules(tmp_path, tight), noisy_healthy_tests([alert]))
+    assert result.returncode != 0 and alert in result.stdout + result.stderr
+
+
+def test_the_rules_follow_the_thresholds_they_are_generated_from(tmp_path: Path) -> None:
+    """The chart's rules are collapse_rule_groups() with spec.health.collapse's defaults; others move them."""
+    assert collapse_rule_groups() == collapse_rule_groups(CollapseSpec())
+    series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.004x120"}]  # 4x
+    fires = [expected("MixrlKLGrowing", run="a", pool="h100")]
+    for growth, alerts in ((3.0, fires), (5.0, [])):
+        check = {"eval_time": "200m", "alertname": "MixrlKLGrowing", "exp_alerts": alerts}
+        tests = [{"interval": "1m", "input_series": series, "alert_rule_test": [check]}]
+        result = run_rule_tests(write_rules(tmp_path, CollapseSpec(kl_growth=growth)), tests)
+        assert result.returncode == 0, f"klGrowth {growth}: " + result.stdout + result.stderr
