@@ -16,6 +16,7 @@ from mixrl.rl.health.collapse import (
     smoothed,
 )
 
+from .false_alarms import false_alarm_rate
 from .streams import healthy, recorded, with_changes
 
 SPEC = CollapseSpec()
@@ -176,3 +177,8 @@ def test_damaged_records_are_skipped_not_fatal() -> None:
 
 def test_smoothing_is_a_trailing_median() -> None:
     assert smoothed([1, 8, 3, 1, 11], 3) == [4, 4, 5]
+
+
+def test_the_default_reward_window_keeps_noisy_plateaus_quiet_where_a_short_one_does_not() -> None:
+    assert false_alarm_rate(SPEC, seeds=40, steps=200) == 0.0
+    assert false_alarm_rate(CollapseSpec(reward_window=5), seeds=40, steps=200) > 0.5
