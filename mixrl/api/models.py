@@ -222,8 +222,9 @@ class TrainerSpec(Model):
     """Model parallelism of the trainer (megatron backend only; the torch backend needs all sizes 1):
     tp x pp x cp and tp x pp x ep must divide the trainer's world size, nodes x gpusPerNode."""
     precision: Literal["bf16"] = "bf16"
-    """Trainer precision: every published version is BF16. The torch backend computes on the CPU in
-    FP32 (FP32 master weights and reductions); BF16 compute on GPUs is not implemented yet."""
+    """Trainer precision: every published version is BF16, and master weights, gradients, reductions
+    and the optimizer are FP32. The torch backend computes in BF16 on GPUs (autocast; FSDP2's
+    mixed precision with several ranks) and in FP32 on CPUs, whose BF16 matmuls are far slower."""
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     """Optimizer settings."""
     total_steps: Int | None = Field(default=None, gt=0, le=INT32_MAX)

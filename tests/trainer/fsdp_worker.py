@@ -1,6 +1,7 @@
 """One rank of a data-parallel trainer, started by torchrun from test_fsdp.py.
 
-Arguments: MODEL_DIR GROUPS_JSON OUT_DIR STEPS [CHECKPOINT_TO_LOAD] [CHECKPOINT_TO_SAVE].  Runs STEPS
+Arguments: MODEL_DIR GROUPS_JSON OUT_DIR STEPS [CHECKPOINT_TO_LOAD] [CHECKPOINT_TO_SAVE]; the compute
+dtype is ``$COMPUTE_DTYPE`` (``float32`` unless set, as on CPUs; ``bfloat16`` as on GPUs).  Runs STEPS
 policy steps on the same batch (after loading the checkpoint, if given) and writes what rank 0
 sees: the step results (every rank's, to compare) and the published weights.
 """
@@ -8,6 +9,7 @@ sees: the step results (every rank's, to compare) and the published weights.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,8 +28,14 @@ def main(model_dir: str, groups_json: str, out_dir: str, steps: int, load: str =
     ranks = distributed.Ranks.from_env()
     distributed.init_process_group(ranks, torch.device("cpu"))
     torch.manual_seed(0)
+    compute_dtype = getattr(torch, os.environ.get("COMPUTE_DTYPE", "float32"))
     trainer = TorchPolicyTrainer(
-        load_model(model_dir), CorrectionConfig(), lr=1e-3, micro_batch_tokens=24, ranks=ranks
+        load_model(model_dir),
+        CorrectionConfig(),
+        lr=1e-3,
+        micro_batch_tokens=24,
+        compute_dtype=compute_dtype,
+        ranks=ranks,
     )
     if load:
         trainer.load_checkpoint(Path(load))

@@ -7,6 +7,7 @@ The ranks are real processes started by torchrun, as ``mixrl run`` and the opera
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,22 +36,26 @@ def groups_json(tmp_path: Path, model: torch.nn.Module) -> Path:
     return path
 
 
-def torchrun(ranks: int, *args: str | Path, cwd: Path) -> None:
+def torchrun(ranks: int, *args: str | Path, cwd: Path, compute_dtype: str = "float32") -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
                str(WORKER), *map(str, args)]  # fmt: skip
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "COMPUTE_DTYPE": compute_dtype}
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
 
 
 def single_process(
-    model_dir: Path, groups_json: Path, steps: int
+    model_dir: Path, groups_json: Path, steps: int, compute_dtype: torch.dtype = torch.float32
 ) -> tuple[dict[str, torch.Tensor], list[Any]]:
     torch.manual_seed(0)
-    trainer = TorchPolicyTrainer(load_model(model_dir), CorrectionConfig(), lr=1e-3, micro_batch_tokens=24)
+    trainer = TorchPolicyTrainer(
+        load_model(model_dir), CorrectionConfig(), lr=1e-3, micro_batch_tokens=24, compute_dtype=compute_dtype
+    )
     from mixrl.api.trajectory import Trajectory
 
     groups = [[Trajectory.model_validate(t) for t in g] for g in json.loads(groups_json.read_text())]
     results = [trainer.step(collate(groups, trainer_version=0)) for _ in range(steps)]
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters()), "FP32 master weights"
     return trainer.state_dict_for_publication(torch.float32), results
 
 
@@ -111,3 +116,22 @@ def test_a_rank_without_trajectories_still_takes_part(
     (step,) = json.loads((tmp_path / "rank2.json").read_text())
     assert step["metrics"]["kl_k3"] == pytest.approx(results[0].metrics["kl_k3"], rel=1e-5, abs=1e-9)
     assert step["loss"] == pytest.approx(results[0].loss, rel=1e-5, abs=1e-7)
+
+
+def test_bf16_compute_keeps_fp32_masters_and_two_ranks_agree_with_one(
+    tmp_path: Path, tiny_model_dir: Path, groups_json: Path
+) -> None:
+    """BF16 compute as on GPUs (autocast in one process, FSDP2's mixed-precision policy over two
+    ranks): the masters stay FP32, the update is BF16's, not FP32's, and the ranks make it too."""
+    fp32, _ = single_process(tiny_model_dir, groups_json, steps=1)
+    bf16, results = single_process(tiny_model_dir, groups_json, steps=1, compute_dtype=torch.bfloat16)
+    torchrun(2, tiny_model_dir, groups_json, tmp_path, 1, cwd=tmp_path, compute_dtype="bfloat16")
+    ranks = load_file(str(tmp_path / "weights.safetensors"))
+    moved = max(float((bf16[name] - fp32[name]).abs().max()) for name in fp32)
+    assert moved > 1e-6, "BF16 compute changed nothing: it was not used"
+    for name, value in bf16.items():
+        # The same BF16 rounding happens in other places (autocast's per-op casts against FSDP's
+        # cast of the gathered weights), so the two agree to BF16's precision, not bit for bit.
+        torch.testing.assert_close(ranks[name], value, rtol=2e-2, atol=2e-3, msg=name)
+    (step,) = json.loads((tmp_path / "rank0.json").read_text())
+    assert step["loss"] == pytest.approx(results[0].loss, rel=5e-2, abs=1e-3)

@@ -40,6 +40,9 @@ class LossTokens:
         """The tokens where ``keep`` (a [N] bool mask or index tensor) selects, every column alike."""
         return LossTokens(**{f.name: getattr(self, f.name)[keep] for f in fields(self)})
 
+    def to(self, device: torch.device) -> LossTokens:
+        return LossTokens(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
 
 @dataclass
 class PolicyBatch:
@@ -53,6 +56,15 @@ class PolicyBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.loss_tokens.tokens.numel())
+
+    def to(self, device: torch.device) -> PolicyBatch:
+        """The tensors the forward and the loss read, on ``device`` (the rest stays where it is)."""
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            loss_tokens=self.loss_tokens.to(device),
+        )
 
     def select_rows(self, rows: Sequence[int]) -> PolicyBatch:
         """A micro-batch: the given trajectories, with their tokens, re-indexed from row 0."""

@@ -69,13 +69,20 @@ def device_for(ranks: Ranks) -> torch.device:
     return torch.device("cpu")
 
 
+_collectives_on = torch.device("cpu")
+"""Where this process's collectives put their tensors: NCCL reduces only GPU tensors, gloo CPU ones."""
+
+
 def init_process_group(ranks: Ranks, device: torch.device) -> None:
-    """Join the group torchrun set up (``MASTER_ADDR``/``MASTER_PORT``); nothing for one process."""
+    """Join the group torchrun set up (``MASTER_ADDR``/``MASTER_PORT``) over NCCL on GPUs and gloo
+    on CPUs; nothing for one process."""
+    global _collectives_on
     if not ranks.distributed or dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=None)
+    _collectives_on = device
 
 
 def destroy_process_group() -> None:
@@ -124,16 +131,16 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     """The element-wise sum over ranks (``values`` itself for one process)."""
     if not dist.is_initialized():
         return values
-    reduced = values.detach().clone().to(torch.float64)
+    reduced = values.detach().to(_collectives_on, torch.float64, copy=True)
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
-    return reduced.to(values.dtype)
+    return reduced.to(values.device, values.dtype)
 
 
 def agree_on_count(count: int) -> int:
     """The largest ``count`` over ranks: how many passes every rank runs."""
     if not dist.is_initialized():
         return count
-    value = torch.tensor([count], dtype=torch.int64)
+    value = torch.tensor([count], dtype=torch.int64, device=_collectives_on)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return int(value.item())
 

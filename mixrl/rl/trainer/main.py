@@ -128,9 +128,13 @@ class TrainerLoop:
         # One process, or one rank of a torchrun group (nodes × gpusPerNode processes): every rank
         # computes its share of each step; rank 0 alone publishes, commits and writes metrics.
         self.ranks = distributed.Ranks.from_env()
-        distributed.init_process_group(self.ranks, torch.device("cpu"))
+        device = distributed.device_for(self.ranks)
+        distributed.init_process_group(self.ranks, device)
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         if self.ranks.distributed:
-            log.info("rank %d of %d (FSDP2 over gloo)", self.ranks.rank, self.ranks.world_size)
+            backend = "NCCL" if device.type == "cuda" else "gloo"
+            log.info("rank %d of %d (FSDP2 over %s)", self.ranks.rank, self.ranks.world_size, backend)
+        log.info("computing on %s in %s (FP32 master weights and reductions)", device, compute_dtype)
         torch.manual_seed(0)
         self.trainer = TorchPolicyTrainer(
             load_model(model_path),
@@ -141,6 +145,8 @@ class TrainerLoop:
             grad_clip=spec.optimizer.grad_clip,
             temperature=run.trainer.temperature,
             micro_batch_tokens=spec.micro_batch_tokens,
+            compute_dtype=compute_dtype,
+            device=device,
             ranks=self.ranks,
         )
         self.model_config = self.trainer.model.config.to_dict()

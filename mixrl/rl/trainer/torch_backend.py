@@ -2,11 +2,14 @@
 
 The model is a ``transformers`` causal LM.  Hidden states come from the base model and the
 objective computes logits chunk by chunk against the LM head (``chunked_token_policy_loss``), so
-a batch never materializes [tokens × vocabulary] logits.  One process computes in
-``compute_dtype`` (float32 on CPU, where bfloat16 matmuls are slow) and publishes bfloat16
-weights, as a BF16 trainer would.  With more than one rank (``torchrun``) the model is sharded with
-FSDP2: FP32 master weights, compute in ``compute_dtype``, gradients reduced in FP32, each rank
-taking its share of the step's trajectories (:mod:`mixrl.rl.trainer.distributed`).
+a batch never materializes [tokens × vocabulary] logits; the log-softmax and everything after it
+run in FP32 whatever the compute dtype.  Master weights, gradients and AdamW's state are FP32;
+the model computes in ``compute_dtype`` (BF16 on GPUs, as the seed's trainer does; FP32 on CPUs,
+whose BF16 matmuls are about 100× slower here) on ``device``, and every published version is
+BF16.  One process computes under ``torch.autocast``; with more than one rank (``torchrun``) the
+model is sharded with FSDP2, whose mixed-precision policy casts the gathered weights to
+``compute_dtype`` and reduces gradients in FP32, each rank taking its share of the step's
+trajectories (:mod:`mixrl.rl.trainer.distributed`).
 """
 
 from __future__ import annotations
@@ -71,7 +74,11 @@ class PolicyTrunk(torch.nn.Module):
         positions: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out = decoder_of(self.model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.last_hidden_state[rows, positions], self.model.get_output_embeddings().weight
+        hidden = out.last_hidden_state[rows, positions]
+        # Under autocast the hidden states come out in the compute dtype and the FP32 head does
+        # not: cast it (in the graph, so its gradient reaches the FP32 weight).  FSDP's gathered
+        # head already has the compute dtype, and the cast is a no-op.
+        return hidden, self.model.get_output_embeddings().weight.to(hidden.dtype)
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -92,17 +99,16 @@ class TorchPolicyTrainer:
         micro_batch_tokens: int = 16384,
         chunk_size: int = 1024,
         compute_dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
         ranks: Ranks | None = None,
     ) -> None:
         self.ranks = ranks or Ranks()
-        if self.ranks.distributed:  # FP32 master weights, sharded; compute in compute_dtype
-            self.model = model.to(torch.float32)
-            self.trunk = distributed.shard_model(
-                PolicyTrunk(self.model), decoder_of(self.model), compute_dtype
-            )
-        else:
-            self.model = model.to(compute_dtype)
-            self.trunk = PolicyTrunk(self.model)
+        self.device = device or torch.device("cpu")
+        self.compute_dtype = compute_dtype
+        self.model = model.to(self.device, torch.float32)  # FP32 master weights
+        self.trunk: torch.nn.Module = PolicyTrunk(self.model)
+        if self.ranks.distributed:  # sharded; FSDP casts to compute_dtype when it gathers
+            self.trunk = distributed.shard_model(self.trunk, decoder_of(self.model), compute_dtype)
         self.model.train()
         self.model.requires_grad_(True)
         self.corrections = corrections
@@ -144,9 +150,10 @@ class TorchPolicyTrainer:
             if index >= len(micro_batches):
                 self._empty_pass()
                 continue
-            micro = micro_batches[index]
+            pool_index.append(micro_batches[index].loss_tokens.pool_index)  # on the CPU, for the sums
+            micro = micro_batches[index].to(self.device)
             tokens = micro.loss_tokens
-            hidden, head = self.trunk(micro.input_ids, micro.attention_mask, tokens.rows, tokens.positions)
+            hidden, head = self._forward(micro.input_ids, micro.attention_mask, tokens.rows, tokens.positions)
             loss, metrics = chunked_token_policy_loss(
                 hidden,
                 head,
@@ -162,10 +169,9 @@ class TorchPolicyTrainer:
                 num_loss_tokens=total_tokens,  # the denominator is the whole batch's token count
             )
             loss.backward()
-            loss_sum += loss.detach().double()
+            loss_sum += loss.detach().double().cpu()
             for name, values in metrics.per_token.items():
-                per_token.setdefault(name, []).append(values.detach().float())
-            pool_index.append(tokens.pool_index)
+                per_token.setdefault(name, []).append(values.detach().float().cpu())
         grad_norm = self._clip_and_norm()
         self.optimizer.step()
         pools = torch.cat(pool_index) if pool_index else torch.zeros(0, dtype=torch.long)
@@ -182,12 +188,18 @@ class TorchPolicyTrainer:
             per_pool=summarize_per_pool(names, sums, counts, batch),
         )
 
+    def _forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trunk in the compute dtype: FSDP casts the weights itself; one process autocasts."""
+        lower = self.compute_dtype != torch.float32 and not self.ranks.distributed
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=lower):
+            hidden, head = self.trunk(*inputs)
+        return hidden, head
+
     def _empty_pass(self) -> None:
         """A forward and backward that changes no gradient, for a rank with no micro-batch left."""
-        one = torch.zeros((1, 1), dtype=torch.long)
-        hidden, head = self.trunk(
-            one, torch.ones_like(one), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-        )
+        one = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        hidden, head = self._forward(one, torch.ones_like(one), zero, zero)
         (hidden.sum() * 0.0 + head.sum() * 0.0).backward()
 
     def _clip_and_norm(self) -> float:
@@ -204,7 +216,8 @@ class TorchPolicyTrainer:
         weights and the others an empty dict.
         """
         return {
-            name: t.detach().to(dtype).contiguous().clone() for name, t in self._full_state()["model"].items()
+            name: t.detach().to("cpu", dtype).contiguous().clone()
+            for name, t in self._full_state()["model"].items()
         }
 
     def _full_state(self, with_optimizer: bool = False) -> dict[str, Any]:

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The trainer on a GPU machine (issue #12): BF16 compute on CUDA with FP32 masters, agreement with
+# the CPU's FP32 step, and torchrun over NCCL. Needs CUDA torch and the project's Python packages.
+# Usage, from the repository root: scripts/gpu/trainer-check.sh   (records nothing; paste its lines
+# into docs/benchmarks.md, "GPU checks").
+set -euo pipefail
+python=${PYTHON:-python3}
+"$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
+"$python" -m pip install --quiet --no-deps -e . >/dev/null
+model_dir=$(mktemp -d)
+"$python" -c "import sys; from mixrl.rl.models import create_tiny_checkpoint; create_tiny_checkpoint(sys.argv[1], 'qwen3', vocab_size=48, seed=3)  # the tests' vocabulary (tests/trainer/conftest.py VOCAB)" "$model_dir/model"
+model_dir=$model_dir/model
+exec "$python" scripts/gpu/trainer_check.py "$model_dir"
