@@ -9,7 +9,8 @@ import pytest
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "needs_bwrap: runs commands in a bubblewrap sandbox; fails (never skips) when bwrap is absent"
+        "markers",
+        "needs_bwrap: runs commands in a bubblewrap sandbox; fails (never skips) when bwrap is absent",
     )
 
 
