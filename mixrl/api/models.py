@@ -446,9 +446,15 @@ class DatasetSpec(Model):
     """Held-out tasks from a file (as ``train``); the first ``heldoutSize`` rows are used."""
 
 
-ENVIRONMENT_TOOLS: dict[str, tuple[str, ...]] = {"filetree": ("ls", "cat", "submit")}
-"""The built-in environments and the tools each offers (filetree's are implemented in
-:mod:`mixrl.rl.environments.filetree`, whose ``TOOLS`` a test keeps equal to these)."""
+_CODING_TOOLS = ("list_files", "read_file", "write_file", "run", "submit")
+ENVIRONMENT_TOOLS: dict[str, tuple[str, ...]] = {
+    "filetree": ("ls", "cat", "submit"),
+    "coding": _CODING_TOOLS,
+    "coding-plain": _CODING_TOOLS,
+}
+"""The built-in environments and the tools each offers (implemented in
+:mod:`mixrl.rl.environments.filetree` and :mod:`mixrl.rl.environments.coding`, whose ``TOOLS`` a
+test keeps equal to these)."""
 SUBMIT_TOOL = "submit"
 """The tool that ends a filetree episode with an answer: the only way to earn a reward there."""
 IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
@@ -457,9 +463,10 @@ IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 class RolloutSpec(Model):
     environment: str = Field(default="filetree", min_length=1, max_length=255)
-    """Task family: ``filetree`` (built in: inspect a virtual file tree with tools, submit an answer),
-    or your own as ``package.module:ClassName``, a subclass of
-    ``mixrl.rl.environments.base.Environment`` importable by the rollout worker (``mixrl validate``
+    """Task family: built in, ``filetree`` (inspect a virtual file tree with tools, submit an
+    answer), ``coding`` (the agentic coding task in a sandbox, JSON tool calls for chat models) or
+    ``coding-plain`` (the same with plain-text calls, for tiny models); or your own as
+    ``package.module:ClassName``, a subclass of ``mixrl.rl.environments.base.Environment`` importable by the rollout worker (``mixrl validate``
     and ``mixrl run`` import it and check it; the operator checks only this form)."""
     environment_args: dict[str, Any] = Field(default_factory=dict, max_length=64)
     """Keyword arguments for the environment's constructor (any JSON values)."""

@@ -120,7 +120,7 @@ def test_an_unknown_environment_or_tool_is_rejected_before_any_pod_starts(tmp_pa
     cases = {
         "swe": (
             {"environment": "swebench"},
-            "spec.rollout.environment: unknown environment 'swebench'; built in: filetree"
+            "spec.rollout.environment: unknown environment 'swebench'; built in: filetree, coding, coding-plain"
             " (or your own as package.module:ClassName)",
         ),
         "bash": (
@@ -139,8 +139,18 @@ def test_an_unknown_environment_or_tool_is_rejected_before_any_pod_starts(tmp_pa
         assert (result.returncode, result.stdout.splitlines()) == (1, [f"{path}: {line}"])
 
 
-def test_the_built_in_environment_offers_exactly_the_tools_the_rollout_implements() -> None:
+def test_the_built_in_environments_offer_exactly_the_tools_the_rollout_implements() -> None:
     from mixrl.api.models import ENVIRONMENT_TOOLS
-    from mixrl.rl.environments.filetree import TOOLS
+    from mixrl.rl.environments import coding, filetree
+    from mixrl.rl.environments.coding.environment import TOOLS as CODING_TOOLS
+    from mixrl.rl.environments.registry import BUILT_IN, environment_class
 
-    assert ENVIRONMENT_TOOLS == {"filetree": TOOLS}
+    coding_tools = tuple(tool.name for tool in CODING_TOOLS)
+    assert {
+        "filetree": filetree.TOOLS,
+        "coding": coding_tools,
+        "coding-plain": coding_tools,
+    } == ENVIRONMENT_TOOLS
+    assert environment_class("coding") is coding.CodingEnvironment
+    assert environment_class("coding-plain") is coding.PlainCodingEnvironment
+    assert BUILT_IN.keys() == ENVIRONMENT_TOOLS.keys()

@@ -205,7 +205,11 @@ def test_the_built_in_resolves_by_name_and_a_users_by_import_path(user_package: 
 @pytest.mark.parametrize(
     ("environment", "args", "line"),
     [
-        ("swebench", {}, "spec.rollout.environment: unknown environment 'swebench'; built in: filetree"),
+        (
+            "swebench",
+            {},
+            "spec.rollout.environment: unknown environment 'swebench'; built in: filetree, coding, coding-plain",
+        ),
         ("nowhere.envs:X", {}, "spec.rollout.environment: cannot import 'nowhere.envs' (ModuleNotFoundError"),
         (
             f"{USER_PACKAGE}.echo:Missing",

@@ -71,7 +71,7 @@ def test_validate_refuses_an_unknown_name_and_a_malformed_path(tmp_path: Path) -
     result = validate(unknown, malformed)
     assert result.returncode == 1
     assert result.stdout.splitlines() == [
-        f"{unknown}: spec.rollout.environment: unknown environment 'swebench'; built in: filetree "
+        f"{unknown}: spec.rollout.environment: unknown environment 'swebench'; built in: filetree, coding, coding-plain "
         "(or your own as package.module:ClassName)",
         f"{malformed}: spec.rollout.environment: 'my_envs.echo:' is not an import path package.module:ClassName",
     ]

@@ -21,7 +21,11 @@ from mixrl.rl.environments.base import SPLITS, Environment, NoTaskGenerator
 from mixrl.rl.environments.datasets import DATASET_SUFFIXES
 from mixrl.rl.environments.tools import Tool
 
-BUILT_IN: dict[str, str] = {"filetree": "mixrl.rl.environments.filetree:FileTreeEnvironment"}
+BUILT_IN: dict[str, str] = {
+    "filetree": "mixrl.rl.environments.filetree:FileTreeEnvironment",
+    "coding": "mixrl.rl.environments.coding:CodingEnvironment",
+    "coding-plain": "mixrl.rl.environments.coding:PlainCodingEnvironment",
+}
 """Built-in environment names -> their import paths."""
 
 FIELD = "spec.rollout.environment"
