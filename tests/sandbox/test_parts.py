@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import tarfile
 from pathlib import Path
 
@@ -18,14 +19,19 @@ from mixrl.rl.sandbox.runner import classify
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("wall_s", 0, "limits.wall_s: must be positive, got 0"),
+        ("wall_s", 0, "limits.wall_s: must be positive and at most 2**62, got 0"),
+        (
+            "file_bytes",
+            2**63,
+            "limits.file_bytes: must be positive and at most 2**62, got 9223372036854775808",
+        ),
         ("cpu_s", 1.5, "limits.cpu_s: must be a whole number, got 1.5"),
         ("memory_bytes", True, "limits.memory_bytes: must be a number, got True"),
         ("processes", 2, "limits.processes: must be at least 4"),
     ],
 )
 def test_bad_limits_name_the_field(field: str, value: object, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace(".", r"\.", 1)):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Limits(**{field: value})  # type: ignore[arg-type]
 
 

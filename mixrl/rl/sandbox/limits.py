@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 MiB = 1024 * 1024
+LARGEST = 2**62
+"""The largest limit taken: rlimits are 64-bit, and a wall clock beyond it is no limit at all."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,8 @@ class Limits:
                 raise ValueError(f"limits.{field.name}: must be a number, got {value!r}")
             if field.type == "int" and not isinstance(value, int):
                 raise ValueError(f"limits.{field.name}: must be a whole number, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"limits.{field.name}: must be positive, got {value!r}")
+            if not 0 < value <= LARGEST:  # NaN fails this too
+                raise ValueError(f"limits.{field.name}: must be positive and at most 2**62, got {value!r}")
         if self.processes < 4:
             raise ValueError(
                 f"limits.processes: must be at least 4 (the sandbox's init, its wrapper shell, "

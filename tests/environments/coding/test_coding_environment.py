@@ -257,6 +257,32 @@ def test_the_registry_builds_it_and_loads_tasks_from_a_directory(tmp_path: Path)
     ]
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        ({"limits": {"cpu_s": 10**40}}, "limits: limits.cpu_s: must be positive and at most 2**62, got 1"),
+        (
+            {"limits": {"wall_s": float("nan")}},
+            "limits: limits.wall_s: must be positive and at most 2**62, got nan",
+        ),
+        ({"max_concurrent": 10**40}, "max_concurrent: a whole number from 1 to 2**31, got 1"),
+        (
+            {"max_observation_chars": float("inf")},
+            "max_observation_chars: a whole number from 1 to 2**31, got inf",
+        ),
+        (
+            {"max_observation_chars": "abc"},
+            "max_observation_chars: a whole number from 1 to 2**31, got 'abc'",
+        ),
+        ({"levels": 5}, "levels: a list of levels among [1, 2, 3], got 5"),
+    ],
+)
+def test_out_of_range_arguments_are_refused_in_one_line(args: dict, line: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        CodingEnvironment(**args)
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+
+
 def test_without_bubblewrap_the_environment_refuses_to_start() -> None:
     with pytest.raises(
         ValueError,

@@ -159,11 +159,17 @@ class CodingEnvironment(Environment[CodingTask]):
         max_concurrent: int = 8,
         bwrap: str = "bwrap",
     ) -> None:
+        if not isinstance(levels, Sequence) or isinstance(levels, str) or not levels:
+            raise ValueError(f"levels: a list of levels among {list(LEVELS)}, got {levels!r}")
         bad = [level for level in levels if level not in LEVELS]
-        if bad or not levels:
+        if bad:
             raise ValueError(f"levels: each must be one of {list(LEVELS)}, got {list(levels)}")
-        if max_observation_chars <= 0:
-            raise ValueError(f"max_observation_chars: must be positive, got {max_observation_chars}")
+        for name, value in (
+            ("max_observation_chars", max_observation_chars),
+            ("max_concurrent", max_concurrent),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 2**31:
+                raise ValueError(f"{name}: a whole number from 1 to 2**31, got {value!r}")
         self.levels = tuple(levels)
         self.tasks_dir = Path(tasks) if tasks is not None else None
         if self.tasks_dir is not None and not self.tasks_dir.is_dir():
