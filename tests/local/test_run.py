@@ -104,8 +104,27 @@ def test_a_two_process_trainer_trains_through_torchrun(tmp_path: Path, model_cac
     assert store[-1] == "v00000003"
 
 
-def test_killed_trainer_resumes_and_loses_no_trajectory(tmp_path: Path, model_cache: Path) -> None:
+def rank_pid(torchrun_pid: int, local_rank: int) -> int:
+    """The pid of one rank torchrun started (its children carry LOCAL_RANK in their environment)."""
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    for child in map(int, children):
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"LOCAL_RANK={local_rank}".encode() in environ:
+            return child
+    raise AssertionError(f"torchrun {torchrun_pid} has no rank {local_rank} among {children}")
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "a-dead-rank-of-two"])
+def test_killed_trainer_resumes_and_loses_no_trajectory(
+    tmp_path: Path, model_cache: Path, ranks: int
+) -> None:
+    """SIGKILL of the trainer, or of one rank of two (torchrun then stops the other and exits, and
+    the run restarts the group): the run resumes from the checkpoint and loses nothing."""
     spec = small_run(tmp_path, "killtest", steps=6)
+    if ranks > 1:
+        doc = yaml.safe_load(spec.read_text())
+        doc["spec"]["trainer"]["gpusPerNode"] = ranks  # on gpuType cpu: that many trainer processes
+        spec.write_text(yaml.safe_dump(doc, sort_keys=False))
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
         mixrl_run(spec, run_dir, model_cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -117,7 +136,8 @@ def test_killed_trainer_resumes_and_loses_no_trajectory(tmp_path: Path, model_ca
             assert time.monotonic() < deadline, "the run made no progress"
             time.sleep(0.2)
         trainer_pid = int((run_dir / "logs" / "trainer.pid").read_text())
-        os.kill(trainer_pid, signal.SIGKILL)  # no chance to save or commit anything
+        victim = trainer_pid if ranks == 1 else rank_pid(trainer_pid, local_rank=1)
+        os.kill(victim, signal.SIGKILL)  # no chance to save or commit anything
         output, _ = process.communicate(timeout=600)
     finally:
         if process.poll() is None:
