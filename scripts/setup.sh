@@ -25,6 +25,24 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# SGLang's own argument parser checks every launch flag the operator generates (tests/sglang/). The
+# pinned release (SGLANG_VERSION in mixrl/api/resolve.py) goes into its own directory outside the
+# repository, with --no-deps and only the pure-Python packages its parser imports; the tests run it
+# with .venv's interpreter (torch, numpy, pydantic from there), so nothing lands in .venv itself.
+if [ "${MIXRL_SKIP_SGLANG:-0}" != 1 ]; then
+  sglang_version=$("$VENV/bin/python" -c "from mixrl.api.resolve import SGLANG_VERSION; print(SGLANG_VERSION)")
+  sglang_env=${MIXRL_SGLANG_ENV:-$HOME/.cache/mixrl/sglang-$sglang_version}
+  sglang_pkgs="sglang==$sglang_version orjson psutil pybase64 starlette msgspec pyzmq ipython traitlets"
+  if [ "$(cat "$sglang_env/.mixrl-installed" 2>/dev/null)" != "$sglang_pkgs" ]; then
+    echo "setup: installing SGLang $sglang_version's argument parser into $sglang_env (test-only)"
+    rm -rf "$sglang_env" && mkdir -p "$sglang_env"
+    # shellcheck disable=SC2086  # the package list is meant to split
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$sglang_env" $sglang_pkgs
+    PYTHONPATH="$sglang_env" "$VENV/bin/python" -c "import sglang.srt.server_args" # fail loudly
+    echo "$sglang_pkgs" > "$sglang_env/.mixrl-installed"
+  fi
+fi
+
 # Tests that need a real Prometheus server use the Debian package; install it when we can.
 if [ "${MIXRL_SKIP_PROMETHEUS:-0}" != 1 ] && ! command -v prometheus >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -32,7 +32,11 @@ ROUTER_PORT = 8000
 BUFFER_PORT = 8100
 METRICS_PORT = 9400
 
-SGLANG_IMAGE = "lmsysorg/sglang:v0.5.6"
+SGLANG_VERSION = "0.5.23"
+"""The SGLang release mixrl's launch flags are written for and tested against (its own argument
+parser, tests/sglang/): the first with ``--sampling-mask-max-tokens``, ``--weight-version`` and an
+``/update_weights_from_disk`` that refuses, rather than breaks on, a flush under load."""
+SGLANG_IMAGE = f"lmsysorg/sglang:v{SGLANG_VERSION}"
 """The official SGLang release the operator runs by default (its ``--sglang-image``)."""
 MIXRL_IMAGE_PREFIX = "ghcr.io/mixrl/mixrl"
 """mixrl's images are ``<prefix>-<name>:<version>`` (images/README.md)."""
@@ -48,6 +52,9 @@ SGLANG_QUANTIZATION: dict[str, str | None] = {
     "nvfp4": "modelopt_fp4",
     "mxfp4": None,
 }
+# fp8 KV cache: the converted checkpoints carry no k_scale/v_scale, so SGLang uses its per-layer
+# default of 1.0 (keys and values cast as they are, unclamped).  A deliberate, documented choice
+# (docs/engine.md, "SGLang launch flags"): mixrl does not calibrate KV scales.
 SGLANG_KV_CACHE_DTYPE = {"bf16": "auto", "fp8": "fp8_e4m3"}
 
 
@@ -144,19 +151,30 @@ def default_kv_cache_dtype(pool: SamplerPoolTemplate) -> Literal["bf16", "fp8"]:
     return "fp8" if pool.weight_precision in LOW_PRECISIONS else "bf16"
 
 
-def engine_args(pool: SamplerPoolTemplate, kv_cache_dtype: str, sampling: SamplingParams) -> tuple[str, ...]:
-    """Engine flags for one pool: SGLang's launch flags, or the torch engine's equivalents."""
+def engine_args(
+    pool: SamplerPoolTemplate, kv_cache_dtype: str, sampling: SamplingParams, model: ModelSpec
+) -> tuple[str, ...]:
+    """Engine flags for one pool: SGLang's launch flags, or the torch engine's equivalents.
+
+    Each SGLang flag, and why, is in docs/engine.md ("SGLang launch flags")."""
     if pool.engine == "torch":
         args = ["--weight-precision", pool.weight_precision, "--kv-cache-dtype", kv_cache_dtype]
         return (*args, "--pool", pool.name, *pool.engine_args)
     args = ["--tp-size", str(max(pool.gpus_per_replica, 1)), "--enable-metrics"]
+    # mixrl sends token ids and reads token ids: the tokenizer stays with the rollout workers, and
+    # the published checkpoints need no tokenizer files.
+    args += ["--skip-tokenizer-init"]
+    # The spec's context bound, not the checkpoint config's (SGLang refuses one above the config's).
+    args += ["--context-length", str(model.max_context_tokens)]
     quantization = SGLANG_QUANTIZATION[pool.weight_precision]
     if quantization is not None:
         args += ["--quantization", quantization]
     args += ["--kv-cache-dtype", SGLANG_KV_CACHE_DTYPE[kv_cache_dtype]]
-    if sampling.return_sampling_mask:
-        # The trainer replays the sampler's support: the server must be able to return it.
-        args += ["--sampling-mask-max-tokens", str(sampling.top_logprobs_num)]
+    mask_limit = sampling.rule.mask_limit()
+    if sampling.return_sampling_mask and mask_limit is not None:
+        # The trainer replays the sampler's support: the server must be able to return it, and
+        # aborts a request whose support exceeds the limit (SamplingRule.mask_limit).
+        args += ["--sampling-mask-max-tokens", str(mask_limit)]
     return (*args, *pool.engine_args)
 
 
@@ -202,7 +220,7 @@ def resolve(run: RLRun) -> ResolvedRun:
                 tolerations=tuple(pool.scheduling.tolerations),
                 priority_class_name=pool.scheduling.priority_class_name,
                 image=pool.image,
-                engine_args=engine_args(pool, kv, sampling),
+                engine_args=engine_args(pool, kv, sampling, spec.model),
             )
         )
     trainer = spec.trainer

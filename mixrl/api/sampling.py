@@ -58,3 +58,24 @@ class SamplingRule:
         max(K, |S|) candidates itself, and SGLang needs a finite top-k for the mask anyway.)
         """
         return max(requested, self.top_k) if self.top_k > 0 else requested
+
+    def mask_limit(self) -> int | None:
+        """SGLang's ``--sampling-mask-max-tokens`` for this rule; None leaves SGLang's default.
+
+        SGLang aborts a request whose realised support exceeds the limit, and ties at the top-k
+        cut can make the support larger than top-k, so the limit is strictly above the largest
+        support the rule allows: twice it (top-k, or 1 when greedy), leaving as many slots again for
+        ties.  Without a top-k SGLang returns no mask at all (it needs a finite top-k), so no limit
+        fits and SGLang's own default stays.
+        """
+        if self.greedy:
+            bound = 1
+        elif self.top_k > 0:
+            bound = self.top_k
+        else:
+            return None
+        return MASK_TIE_HEADROOM * bound
+
+
+MASK_TIE_HEADROOM = 2
+"""The mask limit is this many times the largest support a rule allows (strictly above it)."""

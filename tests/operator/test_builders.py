@@ -370,7 +370,8 @@ def test_sglang_engines_get_their_precision_flags(gpu: str, precision: str) -> N
         assert command[command.index("--quantization") + 1] == quantization
     kv = "fp8_e4m3" if precision != "bf16" else "auto"
     assert command[command.index("--kv-cache-dtype") + 1] == kv
-    assert command[command.index("--sampling-mask-max-tokens") + 1] == "64"
+    # Strictly above top-k: SGLang aborts a request whose support exceeds the limit.
+    assert command[command.index("--sampling-mask-max-tokens") + 1] == "128"
     assert resolved.pools[0].image is None and engine["image"] == Images().sglang == SGLANG_IMAGE
     # SGLang starts from the converted checkpoint the init container writes.
     (init,) = spec["initContainers"]

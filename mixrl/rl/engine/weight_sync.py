@@ -10,7 +10,18 @@ engine starts from), then as the ``weight-sync`` sidecar (follow the weight stor
 - ``<output>/current`` is a symlink to the checkpoint the engine should serve; SGLang's
   ``--model-path`` points at it, so a restarted engine starts from the latest version.
 - When the store's latest version differs from the one the engine reports, the sidecar pauses
-  generation in place, calls ``/update_weights_from_disk`` and continues: sessions keep going.
+  generation ``in_place``, calls ``/update_weights_from_disk`` with ``flush_cache: false`` and
+  continues: sessions keep going, their next tokens come from the new weights and carry the new
+  version.  SGLang refuses a cache flush while requests are running or queued (after an in-place
+  pause they still are): the update would load the weights, answer ``success: false`` and keep
+  reporting the old version.  The price of not flushing: prefixes cached before the update keep
+  the KV the previous version computed until they are evicted (docs/engine.md, "Weight updates").
+- An engine started from ``current`` reports no version of its own (SGLang's ``default``) until
+  its first update; the pod's command line cannot carry one (the init container picks the version
+  after the pod spec is written).  When ``current`` already is the latest version's checkpoint,
+  the sidecar labels the engine with ``/update_weight_version`` instead of reloading the same
+  weights.  Sound because ``current`` moves only after the engine confirms an update, so an engine
+  that never took one serves what ``current`` named when it started.
 - Those calls change the engine's state, so they carry the run's token (``--auth-token-file``, a
   mounted Secret, or ``$MIXRL_AUTH_TOKEN``); it goes with every request, as SGLang's ``--api-key``
   wants it even on ``/get_weight_version``.  The sidecar refuses to follow without one unless
@@ -90,15 +101,35 @@ async def prepare(
     return version
 
 
+UNLABELLED_VERSION = 0
+"""What :meth:`EngineClient.get_weight_version` reads from an engine started without a version
+(SGLang's ``default``)."""
+
+PAUSE_MODE = "in_place"
+"""Running requests stay where they are (their KV, their place in the batch) during the update."""
+FLUSH_CACHE = False
+"""SGLang refuses a flush while requests run after an in-place pause; see the module's docstring."""
+
+
+def serves_current(output: Path, target: str) -> bool:
+    """Whether ``output/current`` already names ``target`` (the checkpoint an engine started from)."""
+    link = output / "current"
+    return link.is_symlink() and os.path.realpath(link) == os.path.realpath(target)
+
+
 async def sync_engine(
-    store: WeightStore, pool: ResolvedPool, output: Path, engine: EngineClient, version: int
+    store: WeightStore, pool: ResolvedPool, output: Path, engine: EngineClient, version: int, served: int
 ) -> None:
-    """Move one engine to ``version`` without dropping its sessions."""
+    """Move one engine from ``served`` to ``version`` without dropping its sessions."""
     target = await asyncio.to_thread(checkpoint_for, store, pool, version)
-    await engine.pause_generation("in_place")
+    if served == UNLABELLED_VERSION and serves_current(output, target):
+        await engine.update_weight_version(version, abort_all_requests=False)
+        log.info("pool %s engine started from version %d: labelled, not reloaded", pool.name, version)
+        return
+    await engine.pause_generation(PAUSE_MODE)
     try:
         answer = await engine.update_weights_from_disk(
-            target, version, abort_all_requests=False, flush_cache=True
+            target, version, abort_all_requests=False, flush_cache=FLUSH_CACHE
         )
     finally:
         await engine.continue_generation()
@@ -126,7 +157,7 @@ async def follow(
             if latest is not None and await engine.health():
                 served = await engine.get_weight_version()
                 if served != latest:
-                    await sync_engine(store, pool, output, engine, latest)
+                    await sync_engine(store, pool, output, engine, latest, served)
         except EngineError as exc:
             if exc.status == 401:
                 raise SyncError(f"the engine refused the token: {exc}") from None
