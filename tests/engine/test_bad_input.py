@@ -185,6 +185,10 @@ async def test_seeds_deep_json_huge_strings_and_bodies_are_clear_errors(engine: 
     for seed in (2**64 - 1, -1, 0):
         status, payload = await post(engine, "/generate", generate(sampling_seed=seed))
         assert status == 200 and len(payload["output_ids"]) == 2, payload
+    for field in ("min_p", "top_p", "temperature"):  # an int too large for a float: range, not a crash
+        status, payload = await post(engine, "/generate", generate(**{field: 10**400}))
+        assert status == 400 and payload["error"]["param"] == f"sampling_params.{field}", payload
+        assert len(payload["error"]["message"]) < 400
 
     for path in ("/generate", "/update_weights_from_disk", "/pause_generation"):
         status, payload = await post(engine, path, b"[" * 100_000 + b"]" * 100_000)

@@ -112,7 +112,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    # An int is always finite; math.isfinite(10**400) would raise OverflowError converting it.
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _int(field: str, value: Any, low: int | None = None, high: int | None = None) -> int:
