@@ -54,7 +54,7 @@ SGLANG_QUANTIZATION: dict[str, str | None] = {
 }
 # fp8 KV cache: the converted checkpoints carry no k_scale/v_scale, so SGLang uses its per-layer
 # default of 1.0 (keys and values cast as they are, unclamped).  A deliberate, documented choice
-# (docs/engine.md, "SGLang launch flags"): mixrl does not calibrate KV scales.
+# (docs/engine.md, "FP8 KV-cache scales"): mixrl does not calibrate KV scales.
 SGLANG_KV_CACHE_DTYPE = {"bf16": "auto", "fp8": "fp8_e4m3"}
 
 
@@ -156,7 +156,7 @@ def engine_args(
 ) -> tuple[str, ...]:
     """Engine flags for one pool: SGLang's launch flags, or the torch engine's equivalents.
 
-    Each SGLang flag, and why, is in docs/engine.md ("SGLang launch flags")."""
+    Each SGLang flag, and why: docs/engine.md, "What each generated flag means, and why"."""
     if pool.engine == "torch":
         args = ["--weight-precision", pool.weight_precision, "--kv-cache-dtype", kv_cache_dtype]
         return (*args, "--pool", pool.name, *pool.engine_args)

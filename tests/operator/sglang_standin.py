@@ -2,7 +2,7 @@
 
 Real HTTP on loopback.  Requests generate one token every few milliseconds; each token records
 the weights that produced it and the version label the engine would report for it.  The rules,
-as SGLang's scheduler and tokenizer manager apply them (docs/engine.md, "Weight updates"):
+as SGLang's scheduler and tokenizer manager apply them (docs/engine.md, "Weight updates under load"):
 
 - ``/pause_generation``: ``in_place`` freezes running requests where they are; ``retract`` moves
   them back to the waiting queue; ``abort`` ends them.  Either way they are still unfinished.

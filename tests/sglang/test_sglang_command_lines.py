@@ -110,9 +110,9 @@ def test_every_generated_sglang_command_line_passes_sglangs_own_parser(sglang_pa
     lines = {**example_lines(), **variant_lines()}
     assert len(lines) == len(SAMPLING) * len(PRECISIONS) * len(KV_CACHE) + len(example_lines())
     version, results = sglang_parser.check(list(lines.values()))
-    assert version == SGLANG_VERSION
     refused = {name: why for name, why in zip(lines, results, strict=True) if why is not None}
-    assert not refused, json.dumps(refused, indent=1)
+    assert not refused, f"SGLang {version} refuses:\n" + json.dumps(refused, indent=1)
+    assert version == SGLANG_VERSION
 
 
 def test_the_parser_is_a_real_judge(sglang_parser: SGLangParser) -> None:

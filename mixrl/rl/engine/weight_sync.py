@@ -15,7 +15,8 @@ engine starts from), then as the ``weight-sync`` sidecar (follow the weight stor
   version.  SGLang refuses a cache flush while requests are running or queued (after an in-place
   pause they still are): the update would load the weights, answer ``success: false`` and keep
   reporting the old version.  The price of not flushing: prefixes cached before the update keep
-  the KV the previous version computed until they are evicted (docs/engine.md, "Weight updates").
+  the KV the previous version computed until they are evicted (docs/engine.md, "Weight updates
+  under load").
 - An engine started from ``current`` reports no version of its own (SGLang's ``default``) until
   its first update; the pod's command line cannot carry one (the init container picks the version
   after the pod spec is written).  When ``current`` already is the latest version's checkpoint,
