@@ -675,6 +675,9 @@ class RLRunSpec(Model):
         need = sum(pool.min_replicas * pool.gpus_per_replica for pool in self.sampler_pools)
         if budget is not None and need > budget:  # the autoscaler counts every pool alike
             raise rules.GPU_BUDGET_COVERS_MINIMUMS.error(budget=budget, need=need)
+        top_p = self.algorithm.top_p  # SGLang's sampling mask needs a finite top-k (SamplingRule.mask_limit)
+        if top_p.p < 1.0 and top_p.k == -1 and any(pool.engine == "sglang" for pool in self.sampler_pools):
+            raise rules.SGLANG_MASK_NEEDS_TOP_K.error()
         fit = memory_problem(self)  # mixrl.api.memory: do the weights fit the GPUs they land on?
         if fit is not None:
             raise field_error(*fit)

@@ -569,6 +569,29 @@ GPU_BUDGET_COVERS_MINIMUMS = Rule(
     },
 )
 
+
+def _sglang_mask_needs_top_k(node: Node) -> str:
+    # Absent algorithm, topP or p: p = 1 (no truncation); absent k: -1 (no cut).  The schema bounds
+    # k at -1, and k = 0 is top-k-nonzero's to report, so "no cut" is exactly k == -1.
+    pool = node.child("samplerPools")
+    top_p = "self.algorithm.topP"
+    return (
+        f"!has(self.algorithm) || !has({top_p}) || !has({top_p}.p) || {top_p}.p >= 1.0"
+        f" || (has({top_p}.k) && {top_p}.k != -1)"
+        f' || !self.samplerPools.exists(q, {pool.value("engine", on="q")} == "sglang")'
+    )
+
+
+SGLANG_MASK_NEEDS_TOP_K = Rule(
+    "sglang-mask-needs-top-k",
+    ("RLRunSpec",),
+    "algorithm.topP.k",
+    "top-p below 1 needs a positive k on SGLang pools: SGLang returns the sampling support only"
+    " under a finite top-k and aborts the request otherwise (or run every pool on the torch engine)",
+    "FieldValueInvalid",
+    condition=_sglang_mask_needs_top_k,
+)
+
 RUN_NAME_LENGTH = Rule(
     "run-name-length",
     ("RLRun",),
@@ -604,6 +627,7 @@ RULES: tuple[Rule, ...] = (
     SAMPLES_COVER_PASS_K,
     UNIQUE_POOL_NAMES,
     GPU_BUDGET_COVERS_MINIMUMS,
+    SGLANG_MASK_NEEDS_TOP_K,
     RUN_NAME_LENGTH,
 )
 """Every rule, in the order each model's validator checks them."""

@@ -440,6 +440,13 @@ CASES: dict[str, Case] = {
         "spec.weights.store: must be a path or a file:// URL (the trainer and the engines share it as a"
         " volume); object stores such as s3:// have no storage backend yet",
     ),
+    "top-p-without-top-k-on-sglang": Case(
+        "sglang-mask-needs-top-k",
+        _set("spec", "algorithm", "topP", "k", value=-1),
+        "spec.algorithm.topP.k: top-p below 1 needs a positive k on SGLang pools: SGLang returns the"
+        " sampling support only under a finite top-k and aborts the request otherwise (or run every"
+        " pool on the torch engine)",
+    ),
     "gpu-budget-below-minimums": Case(  # minReplicas 2 + 1 + 1 + 1 at one GPU each
         "gpu-budget-covers-minimums",
         _set("spec", "autoscaling", "gpuBudget", value=4),
@@ -471,7 +478,8 @@ VALID: dict[str, Callable[[Doc], None]] = {
     "cpu-with-torch": _pool(7, gpuType="cpu", engine="torch"),
     "pass-k-within-samples": _set("spec", "evaluation", value={"passK": [1, 4], "samplesPerTask": 4}),
     "name-of-30": _set("metadata", "name", value="r" * 30),
-    "top-k-off": _set("spec", "algorithm", "topP", "k", value=-1),
+    # k off with top-p on: refused on SGLang pools (sglang-mask-needs-top-k); with p = 1 it is valid.
+    "top-k-off": _set("spec", "algorithm", "topP", value={"p": 1.0, "k": -1}),
     "cpu-pool-without-gpus": _pool(7, gpuType="cpu", engine="torch", gpusPerReplica=0),
     "cpu-trainer-without-gpus": _set("spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 0}),
     "data-parallel-trainer-on-cpu": _set(  # two trainer processes, sizes 1 spelled out

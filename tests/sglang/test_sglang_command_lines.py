@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import parse_document, read_documents
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import SGLANG_IMAGE, SGLANG_VERSION, ResolvedRun, resolve
@@ -34,7 +35,6 @@ SAMPLING: dict[str, dict[str, Any]] = {
     "full softmax": {},
     "top-p and top-k (mask)": {"topP": {"p": 0.95, "k": 256}, "topCandidates": 20},
     "top-k only, small": {"topP": {"p": 1.0, "k": 8}, "topCandidates": 4},
-    "top-p without top-k": {"topP": {"p": 0.9}},
     "top-k 1": {"topP": {"p": 1.0, "k": 1}, "topCandidates": 1},
 }
 
@@ -142,11 +142,22 @@ def test_launch_flags_carry_the_spec(sglang_parser: SGLangParser) -> None:
     for name, line in lines.items():
         assert line[line.index("--context-length") + 1] == "40960", name
         assert "--skip-tokenizer-init" in line, name
-        if name.startswith(("full softmax", "top-p without top-k")):
-            # No mask asked for, or none SGLang can return: SGLang's own default limit stays.
+        if name.startswith("full softmax"):
+            # No mask asked for: SGLang's own default limit stays.
             assert "--sampling-mask-max-tokens" not in line, name
         kv = line[line.index("--kv-cache-dtype") + 1]
         assert kv == ("fp8_e4m3" if name.endswith("kvfp8") else "auto"), name
+
+
+def test_top_p_without_top_k_is_refused_on_sglang_pools() -> None:
+    # SGLang returns no mask without a finite top-k (it aborts the request): refused in one line.
+    with pytest.raises(InvalidSpec) as refused:
+        variant_run({"topP": {"p": 0.9}})
+    assert [str(problem) for problem in refused.value.problems] == [
+        "spec.algorithm.topP.k: top-p below 1 needs a positive k on SGLang pools: SGLang returns the"
+        " sampling support only under a finite top-k and aborts the request otherwise (or run every"
+        " pool on the torch engine)"
+    ]
 
 
 def pinned_tag(image: str) -> str:
