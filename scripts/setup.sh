@@ -34,12 +34,19 @@ if [ "${MIXRL_SKIP_SGLANG:-0}" != 1 ]; then
   sglang_env=${MIXRL_SGLANG_ENV:-$HOME/.cache/mixrl/sglang-$sglang_version}
   sglang_pkgs="sglang==$sglang_version orjson psutil pybase64 starlette msgspec pyzmq ipython traitlets"
   if [ "$(cat "$sglang_env/.mixrl-installed" 2>/dev/null)" != "$sglang_pkgs" ]; then
-    echo "setup: installing SGLang $sglang_version's argument parser into $sglang_env (test-only)"
-    rm -rf "$sglang_env" && mkdir -p "$sglang_env"
+    if [ -e "$sglang_env" ] && [ ! -f "$sglang_env/.mixrl-installed" ]; then
+      echo "setup: $sglang_env exists and is not an SGLang environment setup made; move it or set MIXRL_SGLANG_ENV" >&2
+      exit 1
+    fi
+    echo "setup: installing SGLang $sglang_version's argument parser into $sglang_env (test-only): $sglang_pkgs"
+    staging="$sglang_env.partial"
+    rm -rf "$staging" && mkdir -p "$staging"
     # shellcheck disable=SC2086  # the package list is meant to split
-    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$sglang_env" $sglang_pkgs
-    PYTHONPATH="$sglang_env" "$VENV/bin/python" -c "import sglang.srt.server_args" # fail loudly
-    echo "$sglang_pkgs" > "$sglang_env/.mixrl-installed"
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps --target "$staging" $sglang_pkgs
+    PYTHONPATH="$staging" "$VENV/bin/python" -c "import sglang.srt.server_args" # fail loudly
+    echo "$sglang_pkgs" > "$staging/.mixrl-installed"
+    rm -rf "$sglang_env" && mv "$staging" "$sglang_env"
+    echo "setup: SGLang $sglang_version's parser ready ($(du -sh "$sglang_env" | cut -f1))"
   fi
 fi
 

@@ -152,6 +152,10 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.STORE_IS_A_PATH.name,
         at("spec", "weights", "store", value="s3://bucket/run"),
     ),
+    "top-p-without-top-k-on-sglang": (
+        rules.SGLANG_MASK_NEEDS_TOP_K.name,
+        at("spec", "algorithm", "topP", "k", value=-1),
+    ),
     "gpu-budget-below-minimums": (
         rules.GPU_BUDGET_COVERS_MINIMUMS.name,
         at("spec", "autoscaling", "gpuBudget", value=2),
