@@ -40,6 +40,8 @@ class StandInSGLang:
     label: str = "default"
     token_interval_s: float = 0.005
     paused: bool = False
+    healthy: bool = True
+    """False: /health answers 503, as an engine still loading its model."""
     unfinished: set[int] = field(default_factory=set)
     loads: list[dict[str, Any]] = field(default_factory=list)
     answers: list[dict[str, Any]] = field(default_factory=list)
@@ -63,7 +65,7 @@ class StandInSGLang:
         return app
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({})
+        return web.json_response({}, status=200 if self.healthy else 503)
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.label})

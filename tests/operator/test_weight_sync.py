@@ -249,6 +249,37 @@ async def test_an_engine_started_from_the_latest_version_is_labelled_not_reloade
         await runner.cleanup()
 
 
+async def test_an_engine_that_comes_up_is_labelled_within_a_second_not_a_poll_interval(
+    tiny: tuple[str, WeightStore, ResolvedRun], tmp_path: Path
+) -> None:
+    # Until it is labelled, an engine reports `default` for the tokens it serves: the sidecar
+    # watches an engine that is not up, or not labelled, every UNSETTLED_POLL_S, not every --poll.
+    model_dir, store, run = tiny
+    pool, output = run.pool("emul"), tmp_path / "engine-weights"
+    await asyncio.to_thread(publish, store, model_dir, 0)
+    await asyncio.to_thread(publish, store, model_dir, 1, 1.5)
+    await weight_sync.prepare(store, pool, output, 0.02, 30)
+    standin = StandInSGLang(weights=str(output / "current"), healthy=False)
+    runner, url = await serve(standin)
+    stop = asyncio.Event()
+    try:
+        async with EngineClient(url) as engine:
+            follower = asyncio.create_task(weight_sync.follow(store, pool, output, engine, 60.0, stop))
+            await asyncio.sleep(0.3)
+            assert standin.label == "default"
+            standin.healthy = True  # the model is loaded
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while standin.label != "1":
+                assert loop.time() - start < 5 * weight_sync.UNSETTLED_POLL_S, "not labelled promptly"
+                await asyncio.sleep(0.01)
+            stop.set()
+            await asyncio.wait_for(follower, 10)
+        assert standin.loads == []
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_unlabelled_engine_behind_the_link_is_reloaded(
     tiny: tuple[str, WeightStore, ResolvedRun], tmp_path: Path
 ) -> None:

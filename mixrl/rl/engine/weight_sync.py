@@ -106,6 +106,9 @@ UNLABELLED_VERSION = 0
 """What :meth:`EngineClient.get_weight_version` reads from an engine started without a version
 (SGLang's ``default``)."""
 
+UNSETTLED_POLL_S = 0.5
+"""How often the sidecar looks at an engine that is not up or not labelled yet (cheap: loopback)."""
+
 PAUSE_MODE = "in_place"
 """Running requests stay where they are (their KV, their place in the batch) during the update."""
 FLUSH_CACHE = False
@@ -151,14 +154,19 @@ async def follow(
     """Until ``stop``: whenever the store's latest version is not the engine's, sync the engine.
 
     ``!=`` rather than ``>``: a trainer that resumes from an older checkpoint removes the newer
-    versions, and the engines must follow it back."""
+    versions, and the engines must follow it back.  Until the engine is up and labelled it is
+    checked every :data:`UNSETTLED_POLL_S` rather than every ``poll_s``: an engine that has just
+    (re)started reports SGLang's ``default`` for the tokens it serves until it is labelled."""
     while not stop.is_set():
+        settled = False
         try:
             latest = await asyncio.to_thread(store.latest)
+            settled = latest is None  # nothing to serve yet: the store is checked every poll_s
             if latest is not None and await engine.health():
                 served = await engine.get_weight_version()
                 if served != latest:
                     await sync_engine(store, pool, output, engine, latest, served)
+                settled = served != UNLABELLED_VERSION or latest == UNLABELLED_VERSION
         except EngineError as exc:
             if exc.status == 401:
                 raise SyncError(f"the engine refused the token: {exc}") from None
@@ -166,7 +174,7 @@ async def follow(
         except (SyncError, WeightStoreError, OSError) as exc:
             log.warning("weight sync of pool %s: %s (retrying)", pool.name, exc)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=poll_s)
+            await asyncio.wait_for(stop.wait(), timeout=poll_s if settled else min(poll_s, UNSETTLED_POLL_S))
 
 
 def build_parser() -> argparse.ArgumentParser:
