@@ -34,8 +34,9 @@ METRICS_PORT = 9400
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release mixrl's launch flags are written for and tested against (its own argument
-parser, tests/sglang/): the first with ``--sampling-mask-max-tokens``, ``--weight-version`` and an
-``/update_weights_from_disk`` that refuses, rather than breaks on, a flush under load."""
+parser, tests/sglang/): it has ``--sampling-mask-max-tokens``, ``--weight-version`` and an
+``/update_weights_from_disk`` that refuses a flush under load with ``success: false`` (0.5.6 rejects
+the first flag and asserts in its scheduler on the last)."""
 SGLANG_IMAGE = f"lmsysorg/sglang:v{SGLANG_VERSION}"
 """The official SGLang release the operator runs by default (its ``--sglang-image``)."""
 MIXRL_IMAGE_PREFIX = "ghcr.io/mixrl/mixrl"

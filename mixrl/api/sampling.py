@@ -65,8 +65,8 @@ class SamplingRule:
         SGLang aborts a request whose realised support exceeds the limit, and ties at the top-k
         cut can make the support larger than top-k, so the limit is strictly above the largest
         support the rule allows: twice it (top-k, or 1 when greedy), leaving as many slots again for
-        ties.  Without a top-k SGLang returns no mask at all (it needs a finite top-k), so no limit
-        fits and SGLang's own default stays.
+        ties.  Without a top-k no limit fits: SGLang aborts a mask request without a finite top-k,
+        and the run's validation refuses such a rule on SGLang pools (sglang-mask-needs-top-k).
         """
         if self.greedy:
             bound = 1
