@@ -79,7 +79,9 @@ def mapping(value: Any) -> dict[str, Any]:
 
 def pass_at_k(evaluation: dict[str, Any]) -> dict[str, float]:
     """An evaluation's ``{k: rate}``, keeping the entries with an integer k and a numeric rate."""
-    rates = {k: number(v) for k, v in mapping(evaluation.get("pass_at_k")).items() if k.isascii() and k.isdigit()}
+    rates = {
+        k: number(v) for k, v in mapping(evaluation.get("pass_at_k")).items() if k.isascii() and k.isdigit()
+    }
     return {k: v for k, v in rates.items() if v is not None}
 
 
