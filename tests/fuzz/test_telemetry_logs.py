@@ -234,7 +234,10 @@ def test_a_report_is_written_from_damaged_records(tmp_path: Path) -> None:
         {"step": 3, "reward": 0.75, "pools": {"fp8": {"reward": 0.5}}},
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    evaluations = [{"step": 1, "pass_at_k": [1]}, {"step": 2, "pass_at_k": {"1": 0.5, "x": 1, "2": "most", "²": 0.3}}]
+    evaluations = [
+        {"step": 1, "pass_at_k": [1]},
+        {"step": 2, "pass_at_k": {"1": 0.5, "x": 1, "2": "most", "²": 0.3}},
+    ]
     (tmp_path / "evaluations.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evaluations))
     write_report(tmp_path)
     figures = json.loads((tmp_path / "summary.json").read_text())
