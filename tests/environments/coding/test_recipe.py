@@ -27,7 +27,7 @@ def test_the_coding_recipe_runs_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
     rollout_log = (run_dir / "logs" / "rollout.log").read_text()
-    assert "environment mixrl.rl.environments.coding:PlainCodingEnvironment" in rollout_log
+    assert "environment coding-plain" in rollout_log
     trajectories = read_jsonl(run_dir / "buffer" / "trajectories.jsonl")
     assert len(trajectories) >= 2 * 4 * 4  # two steps of promptsPerUpdate x samplesPerPrompt
     assert {t["finish_reason"] for t in trajectories} <= FINISH_REASONS
