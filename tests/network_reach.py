@@ -57,3 +57,18 @@ def reachable(policies: list[Obj], source: Pod, target: Pod, port: str) -> bool:
             if port_ok and peer_ok:
                 return True
     return False
+
+
+COMPONENT = "app.kubernetes.io/component"
+
+
+def open_connections(policies: list[Obj], pods: list[Pod]) -> set[tuple[str, str, str]]:
+    """(from component, to component, named port) of every connection the policies let through
+    between the given pods."""
+    return {
+        (source.labels[COMPONENT], target.labels[COMPONENT], port)
+        for source in pods
+        for target in pods
+        for port in target.ports
+        if reachable(policies, source, target, port)
+    }

@@ -10,10 +10,8 @@ import yaml
 
 from mixrl.operator.build.objects import NAMESPACE_NAME_LABEL
 
-from ..network_reach import Pod, reachable
+from ..network_reach import COMPONENT, Pod, open_connections, reachable
 from .conftest import ROOT, Bed, OperatorProcess, wait_for
-
-COMPONENT = "app.kubernetes.io/component"
 
 
 def live_pods(cluster: Bed, namespace: str, run: str) -> list[Pod]:
@@ -66,13 +64,7 @@ def test_the_api_server_takes_the_runs_policies_and_they_open_only_what_it_needs
         f"{name}-{c}-ingress" for c in components
     )
     assert all(p["metadata"]["ownerReferences"][0]["kind"] == "RLRun" for p in policies)
-    opened = {
-        (source.labels[COMPONENT], target.labels[COMPONENT], port)
-        for source in pods
-        for target in pods
-        for port in target.ports
-        if reachable(policies, source, target, port)
-    }
+    opened = open_connections(policies, pods)
     assert {(s, t) for s, t, _ in opened} == {
         ("rollout", "router"),
         ("rollout", "buffer"),

@@ -20,7 +20,7 @@ from mixrl.operator.build.pools import pool_children
 from mixrl.operator.build.resources import run_objects, seed_replicas
 from mixrl.operator.kube import rbac
 
-from ..network_reach import Pod, reachable
+from ..network_reach import COMPONENT, Pod, open_connections, reachable
 from .emulator import ApiServer
 from .support import NAMESPACE, assert_covered, create, eventually, operator_calls, settled, small_run
 
@@ -72,16 +72,8 @@ WANTED = {
 
 def test_only_the_connections_a_run_needs_are_open_between_its_pods() -> None:
     pods, policies = run_pods_and_policies("demo", "rl", Scrapers())
-    component = "app.kubernetes.io/component"
-    opened = {
-        (source.labels[component], target.labels[component], port)
-        for source in pods
-        for target in pods
-        for port in target.ports
-        if reachable(policies, source, target, port)
-    }
-    assert opened == WANTED
-    assert {t.labels[component] for t in pods} == {"trainer", "buffer", "router", "rollout", "sampler"}
+    assert open_connections(policies, pods) == WANTED
+    assert {t.labels[COMPONENT] for t in pods} == {"trainer", "buffer", "router", "rollout", "sampler"}
 
 
 def test_another_run_and_other_pods_reach_nothing_but_scrapers_read_metrics() -> None:
