@@ -17,8 +17,8 @@ of any weight against the FP32 update after the same steps (how far BF16 compute
 On a CPU the BF16 figure measures this CPU's BF16 matmuls (without native BF16 units, emulated and
 slow), not a GPU's; the memory figures do not depend on the device.
 
-    python bench/trainer.py           # hidden 256, 4 layers, 3 timed steps (about 3 minutes on 2 cores)
-    python bench/trainer.py --quick   # hidden 128, 2 layers, 2 timed steps (about 1 minute)
+    python bench/trainer.py           # hidden 256, 4 layers, 3 timed steps
+    python bench/trainer.py --quick   # hidden 128, 2 layers, 2 timed steps (64 s on 2 busy cores)
 """
 
 from __future__ import annotations
