@@ -14,7 +14,7 @@ from typing import Any
 
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
-from mixrl.operator.build.network import network_policies
+from mixrl.operator.build.network import network_policies, policy_names
 from mixrl.operator.build.objects import NAMESPACE_NAME_LABEL, BuildOptions, Images, Owner, Scrapers
 from mixrl.operator.build.pools import pool_children
 from mixrl.operator.build.resources import run_objects, seed_replicas
@@ -105,6 +105,7 @@ def test_every_component_has_one_policy_named_after_it() -> None:
         p["metadata"]["name"] for p in network_policies(resolved, Owner("v", "RLRun", "q", "u"), Scrapers())
     ]
     assert names == [f"quickstart-{c}-ingress" for c in ("trainer", "buffer", "router", "sampler", "rollout")]
+    assert policy_names(resolved) == names  # the names the switch-off deletes by
 
 
 async def test_without_network_policies_the_earlier_operators_are_deleted_and_no_more_made(

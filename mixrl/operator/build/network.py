@@ -57,6 +57,11 @@ SCRAPED_PORTS: dict[L.Component, tuple[str, ...]] = {
 }
 
 
+def policy_names(resolved: ResolvedRun) -> list[str]:
+    """``<run>-<component>-ingress`` for every component: the names of the run's policies."""
+    return [L.child_name(resolved.name, f"{component}-ingress") for component in INGRESS]
+
+
 def network_policy(resolved: ResolvedRun, component: L.Component, owner: Owner, scrapers: Scrapers) -> Obj:
     callers, ports = INGRESS[component]
     rules: list[Obj] = []

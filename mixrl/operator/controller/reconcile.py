@@ -26,8 +26,8 @@ from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.loop import METRICS_AVAILABLE
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.keda import pool_scaled_object
-from mixrl.operator.build.network import network_policies
-from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner, Scrapers
+from mixrl.operator.build.network import policy_names
+from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
 from mixrl.operator.build.podspec import AUTH_TOKEN_KEY
 from mixrl.operator.build.pools import pool_children
 from mixrl.operator.build.resources import clamp_replicas, pod_monitor, run_objects, seed_replicas
@@ -333,8 +333,7 @@ async def remove_leftover_network_policies(
     """``--no-network-policies``: delete the run's NetworkPolicies that an earlier operator made
     (the platform now manages policies; two sets would both apply).  A failure is reported like a
     child's, and the rest of the run is still applied."""
-    for policy in network_policies(resolved, owner, Scrapers()):  # the builder's names for them
-        name = policy["metadata"]["name"]
+    for name in policy_names(resolved):
         try:
             await delete_leftover(ctx.client, NETWORKPOLICIES, resolved.namespace, name, owner.uid, report)
         except ApiError as exc:
