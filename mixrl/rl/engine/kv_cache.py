@@ -2,7 +2,10 @@
 
 A running batch keeps one transformers ``Cache`` whose layers hold keys and values of shape
 [batch, kv_heads, length, head_dim], left-padded: row b's real tokens occupy the last
-``mask[b].sum()`` columns, and ``mask`` [batch, length] marks them.  Requests join by padding the
+``mask[b].sum()`` columns, and ``mask`` [batch, length] marks them.  (A row prefilled on top of a
+cached prefix may have padding between the prefix and its new tokens; see :func:`prefilled_batch`.
+Nothing relies on a row's real columns being contiguous: positions count real tokens, attention
+reads the mask.)  Requests join by padding the
 shorter of two caches on the left and concatenating along the batch; finished requests leave by
 selecting rows, after which columns that are padding for every remaining row are trimmed.  Attention
 never reads a padded column (the mask excludes it), and padded columns are zero so that a masked
@@ -12,10 +15,15 @@ FP8 KV cache (SGLang ``--kv-cache-dtype fp8_e4m3``): keys and values are quantiz
 per-layer scalar scale *as they are written*, so attention reads exactly what an FP8 cache would
 return; the new token's own key and value are written before attention reads them, as in SGLang.
 Only the new tokens are converted at each step, never the whole cache.
+
+Prefix cache (:class:`PrefixCache`): the keys and values of finished sequences, kept under a token
+budget with LRU eviction, so that a request starting with a held sequence's ids (an agent session's
+next turn) computes only its new tokens.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -122,3 +130,143 @@ def concat(first: BatchKV, second: BatchKV) -> BatchKV:
             [_left_pad(layer_a.values, pad_a), _left_pad(layer_b.values, pad_b)], dim=0
         )
     return BatchKV(cache=first.cache, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The prefix cache
+
+LayerKV = list[tuple[Tensor, Tensor]]
+"""One sequence's keys and values: per decoder layer a pair of [kv_heads, length, head_dim]."""
+
+
+@dataclass
+class _Entry:
+    tokens: Tensor  # [length] int64: the ids whose keys and values ``kv`` holds, in order
+    kv: LayerKV
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class PrefixCache:
+    """Keys and values of finished sequences, reused by later requests that start with the same ids.
+
+    Why whole sequences rather than a radix tree of shared segments: a hit must become one dense
+    row of the left-padded batch cache anyway, so a tree would concatenate its segments at every
+    lookup; matching a prompt against every held sequence gives the same hit length as a radix tree
+    (its longest match *is* the longest common prefix over the sequences it holds), and the
+    workload it is for — an agent session whose next turn extends its previous one — keeps one
+    entry per session, because an entry that is a prefix of a newer one is dropped when the newer
+    one arrives.  The price is memory: ``G`` samples of one prompt hold ``G`` copies of that prompt's
+    keys and values, bounded like everything else by the budget.
+
+    The budget is in tokens (one token = every layer's key and value for it); the least recently
+    used entries are evicted first, and an entry larger than the whole budget is not kept.  The
+    cache knows nothing of weight versions: its owner (the runner) clears it whenever the weights
+    change and never inserts keys and values computed under older weights.
+    """
+
+    def __init__(self, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._next_key = 0
+        self.held_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.held_tokens = 0
+
+    def match(self, prompt: Sequence[int]) -> tuple[int, LayerKV]:
+        """The longest cached prefix of ``prompt`` that leaves at least one token to compute.
+
+        Returns its length and its keys and values (views of the entry's; ``(0, [])`` on a miss);
+        the entry becomes the most recently used.
+        """
+        limit = len(prompt) - 1
+        if limit < 1 or not self._entries:
+            return 0, []
+        query = torch.tensor(list(prompt[:limit]), dtype=torch.long)
+        best_key, best = None, 0
+        for key, entry in self._entries.items():
+            n = _common_prefix(query, entry.tokens)
+            if n > best:
+                best_key, best = key, n
+        if best_key is None:
+            return 0, []
+        self._entries.move_to_end(best_key)
+        kv = self._entries[best_key].kv
+        return best, [(k[:, :best], v[:, :best]) for k, v in kv]
+
+    def insert(self, tokens: Sequence[int], kv: LayerKV) -> None:
+        """Hold ``kv`` (the keys and values of ``tokens``, in order), evicting least recently used entries."""
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        length = int(ids.shape[0])
+        if length == 0 or length > self.max_tokens:
+            return
+        if kv and int(kv[0][0].shape[1]) != length:
+            raise ValueError(f"kv: holds {int(kv[0][0].shape[1])} tokens for {length} ids")
+        for key, entry in list(self._entries.items()):
+            n = _common_prefix(ids, entry.tokens)
+            if n == entry.length:  # the new sequence extends (or repeats) this one: it supersedes it
+                self._remove(key)
+            elif n == length:  # already held inside a longer entry
+                self._entries.move_to_end(key)
+                return
+        self._entries[self._next_key] = _Entry(tokens=ids, kv=kv)
+        self._next_key += 1
+        self.held_tokens += length
+        while self.held_tokens > self.max_tokens:
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, key: int) -> None:
+        self.held_tokens -= self._entries.pop(key).length
+
+
+def _common_prefix(a: Tensor, b: Tensor) -> int:
+    n = min(int(a.shape[0]), int(b.shape[0]))
+    if n == 0:
+        return 0
+    differ = torch.nonzero(a[:n] != b[:n])
+    return int(differ[0, 0]) if differ.numel() else n
+
+
+def prefilled_batch(
+    prefixes: Sequence[tuple[int, LayerKV]], layer_scales: Sequence[tuple[float, float] | None]
+) -> tuple[BatchKV, int]:
+    """A batch cache holding each row's cached prefix, right-aligned in its first columns.
+
+    Returns the cache (its mask covers only the prefix columns) and the prefix width P.  The rows'
+    new tokens are fed after these columns, right-aligned too, so a row whose new part is shorter
+    than the longest one has padding between its prefix and its new tokens: the mask marks it, the
+    positions count only real tokens, and attention never reads it.
+    """
+    width = max(n for n, _ in prefixes)
+    cache = new_cache(layer_scales)
+    mask = torch.zeros(len(prefixes), width, dtype=torch.bool)
+    for row, (n, _) in enumerate(prefixes):
+        mask[row, width - n :] = True
+    template = next(kv for n, kv in prefixes if n)
+    for i, layer in enumerate(cache.layers):
+        k0, v0 = template[i]
+        keys = torch.zeros(len(prefixes), k0.shape[0], width, k0.shape[2], dtype=k0.dtype)
+        values = torch.zeros(len(prefixes), v0.shape[0], width, v0.shape[2], dtype=v0.dtype)
+        for row, (n, kv) in enumerate(prefixes):
+            if n:
+                keys[row, :, width - n :] = kv[i][0]
+                values[row, :, width - n :] = kv[i][1]
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    return BatchKV(cache=cache, mask=mask), width
+
+
+def row_kv(kv: BatchKV, row: int) -> LayerKV:
+    """Row ``row``'s real keys and values, in order, copied out of the batch (for the prefix cache)."""
+    real = kv.mask[row]
+    # boolean indexing copies, so the entry does not pin the batch's tensors
+    return [(layer.keys[row][:, real], layer.values[row][:, real]) for layer in kv.cache.layers]

@@ -338,6 +338,8 @@ class FinishedSequence(Protocol):
     def tokens(self) -> list[TokenRecord]: ...
     @property
     def finish_reason(self) -> dict[str, Any] | None: ...
+    @property
+    def cached_tokens(self) -> int: ...
 
 
 def renormalized_logprob(record: TokenRecord) -> float:
@@ -363,7 +365,7 @@ def build_response(item: GenerateItem, seq: FinishedSequence, e2e_latency: float
         "finish_reason": seq.finish_reason,
         "prompt_tokens": len(seq.prompt_ids),
         "completion_tokens": len(tokens),
-        "cached_tokens": 0,
+        "cached_tokens": seq.cached_tokens,
         "weight_version": str(version) if version is not None else None,
         "e2e_latency": e2e_latency,
         "output_token_weight_versions": [t.weight_version for t in tokens],

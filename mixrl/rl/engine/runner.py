@@ -13,6 +13,15 @@ rounding in batched matrix products.
 With ``use_kv_cache=False`` every step recomputes the whole sequences instead (the baseline of the
 cached/uncached benchmark, and an independent path for tests).
 
+With a prefix cache (``prefix_cache_tokens`` > 0, :class:`~mixrl.rl.engine.kv_cache.PrefixCache`),
+a finished sequence leaves its keys and values behind, and an admitted prompt that starts with a
+held sequence's ids is prefilled on top of them: only its new tokens are computed, and
+``Sequence.cached_tokens`` says how many were reused (SGLang's ``meta_info.cached_tokens``).  Keys
+and values are tagged with the weights that computed them: setting ``weight_version`` or
+``kv_scales`` (what every weight update does) empties the cache, and a sequence whose prefill ran
+under older weights is not cached when it finishes, so keys and values of one version are never
+reused under another.
+
 This module does no I/O and knows nothing of HTTP; the scheduler calls it from a worker thread.
 """
 
@@ -26,7 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from mixrl.api.trajectory import TokenRecord
-from mixrl.rl.engine.kv_cache import BatchKV, concat, new_cache
+from mixrl.rl.engine.kv_cache import BatchKV, PrefixCache, concat, new_cache, prefilled_batch, row_kv
 from mixrl.rl.engine.sampling import RowSampling, sample_rows
 
 
@@ -44,6 +53,10 @@ class Sequence:
     finish_reason: dict | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    cached_tokens: int = 0
+    """Prompt tokens whose keys and values came from the prefix cache (SGLang's ``cached_tokens``)."""
+    weights_epoch: int = -1
+    """The runner's weights epoch when this sequence was prefilled (its cache is of those weights)."""
 
     @property
     def output_ids(self) -> list[int]:
@@ -78,8 +91,13 @@ class ModelRunner:
         pad_token_id: int = 0,
         use_kv_cache: bool = True,
         seed: int = 0,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         self.model = model
+        self.weights_epoch = 0
+        self.prefix_cache = (
+            PrefixCache(prefix_cache_tokens) if use_kv_cache and prefix_cache_tokens > 0 else None
+        )
         self.weight_version = weight_version
         self.context_length = context_length
         self.kv_scales = list(kv_scales)
@@ -88,16 +106,54 @@ class ModelRunner:
         self.default_generator = torch.Generator().manual_seed(seed)
         self._running: _Running | None = None
         self.tokens_generated = 0  # over the runner's lifetime
+        # Over the runner's lifetime, for the engine's metrics: prompt tokens prefilled, and how many
+        # of them the prefix cache supplied (cache hit rate = cached / prompt).
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
 
     # ------------------------------------------------------------------ state
     @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: int) -> None:
+        # Set by every weight update (and relabel): the held keys and values may be of other weights.
+        self._weight_version = version
+        self.weights_changed()
+
+    @property
+    def kv_scales(self) -> list[tuple[float, float] | None]:
+        return self._kv_scales
+
+    @kv_scales.setter
+    def kv_scales(self, scales: Seq[tuple[float, float] | None]) -> None:
+        self._kv_scales = list(scales)
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Forget every cached prefix; sequences prefilled before now will not be cached."""
+        self.weights_epoch += 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def flush_prefix_cache(self) -> None:
+        """SGLang's ``/flush_cache``: drop every cached prefix (running sequences are untouched)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    @property
     def running(self) -> list[Sequence]:
         return list(self._running.seqs) if self._running else []
 
-    def cached_tokens(self) -> int:
-        """Real tokens held in the KV cache (0 without a cache)."""
+    def kv_used_tokens(self) -> int:
+        """Real tokens held in the running batch's KV cache (0 without a cache)."""
         return self._running.kv.used_tokens() if self._running and self._running.kv else 0
+
+    def prefix_cache_tokens(self) -> int:
+        """Tokens held by the prefix cache (0 without one)."""
+        return self.prefix_cache.held_tokens if self.prefix_cache is not None else 0
 
     # ------------------------------------------------------------------ batch changes
     def add(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -110,12 +166,10 @@ class ModelRunner:
         done = [s for s, f in zip(seqs, finished, strict=True) if f]
         if not live:
             return done
-        ids, mask = self._left_padded([s.prompt_ids for s in live])
         if self.use_kv_cache:
-            kv = BatchKV(cache=new_cache(self.kv_scales), mask=mask)
-            logits = self._forward(ids, mask, kv)
-            kv.zero_padding()
+            kv, logits = self._prefill(live)
         else:
+            ids, mask = self._left_padded([s.prompt_ids for s in live])
             kv = None
             logits = self._forward(ids, mask, None)
         pending = self._sample_into(live, logits)
@@ -158,6 +212,38 @@ class ModelRunner:
         return self._drop_finished()
 
     # ------------------------------------------------------------------ internals
+    def _prefill(self, seqs: list[Sequence]) -> tuple[BatchKV, Tensor]:
+        """Prefill ``seqs`` into a new batch cache, on top of their cached prefixes where there are any."""
+        hits = [self.prefix_cache.match(s.prompt_ids) if self.prefix_cache else (0, []) for s in seqs]
+        for seq, (cached, _) in zip(seqs, hits, strict=True):
+            seq.cached_tokens = cached
+            seq.weights_epoch = self.weights_epoch
+            self.prompt_tokens_total += len(seq.prompt_ids)
+            self.cached_tokens_total += cached
+        ids, new_mask = self._left_padded([s.prompt_ids[n:] for s, (n, _) in zip(seqs, hits, strict=True)])
+        if not any(n for n, _ in hits):
+            kv = BatchKV(cache=new_cache(self.kv_scales), mask=new_mask)
+            logits = self._forward(ids, new_mask, kv)
+        else:
+            kv, width = prefilled_batch(hits, self.kv_scales)
+            kv.mask = torch.cat([kv.mask, new_mask], dim=1)
+            positions = (kv.mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, width:]
+            logits = self._forward(ids, kv.mask, kv, positions=positions)
+        kv.zero_padding()
+        return kv, logits
+
+    def _cache_finished(self, run: _Running, rows: list[int]) -> None:
+        """Hand the keys and values of finished rows to the prefix cache (those of current weights)."""
+        if self.prefix_cache is None or run.kv is None:
+            return
+        for row in rows:
+            seq = run.seqs[row]
+            if seq.weights_epoch != self.weights_epoch:
+                continue  # (partly) computed by weights that are no longer served
+            kv = row_kv(run.kv, row)
+            fed = (seq.prompt_ids + seq.output_ids)[: int(kv[0][0].shape[1])] if kv else []
+            self.prefix_cache.insert(fed, kv)
+
     def _left_padded(self, rows: list[list[int]]) -> tuple[Tensor, Tensor]:
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -222,6 +308,7 @@ class ModelRunner:
             return []
         done = [s for s, f in zip(run.seqs, finished, strict=True) if f]
         keep = [i for i, f in enumerate(finished) if not f]
+        self._cache_finished(run, [i for i, f in enumerate(finished) if f])
         if not keep:
             self._running = None
             return done

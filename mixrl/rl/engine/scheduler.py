@@ -267,7 +267,7 @@ class Scheduler:
             queued=len(self._waiting),
             running=0 if self.paused else running,
             paused=running if self.paused else 0,
-            used_tokens=self.runner.cached_tokens(),
+            used_tokens=self.runner.kv_used_tokens(),
         )
 
     def _finish_all(self, message: str) -> None:

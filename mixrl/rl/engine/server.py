@@ -140,7 +140,8 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     raw_version = body.get("weight_version")
     version = None if raw_version is None else parse_version("weight_version", raw_version)
     abort_all = _field(body, "abort_all_requests", bool, False)
-    _field(body, "flush_cache", bool, True)  # no prefix cache to flush; checked for type only
+    # checked for type only: every update empties the prefix cache (ModelRunner.weights_changed)
+    _field(body, "flush_cache", bool, True)
     ok, message = await service.update_weights_from_disk(model_path, version, abort_all)
     payload = {"success": ok, "message": message, "weight_version": str(service.weight_version)}
     return web.json_response(payload, status=200 if ok else 400)
@@ -191,8 +192,10 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    # SGLang flushes its prefix (radix) cache here; the torch engine keeps no prefix cache.
-    return web.Response(status=200, text="Cache flushed (the torch engine keeps no prefix cache).")
+    # SGLang flushes its prefix (radix) cache here; running requests keep their own keys and values.
+    service = request.app[SERVICE_KEY]
+    await service.sched.control(service.runner.flush_prefix_cache)
+    return web.Response(status=200, text="Cache flushed.")
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -306,6 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=0, help="seed for requests without sampling_seed")
     p.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--disable-kv-cache", action="store_true", help="recompute whole sequences every step")
+    p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang's flag)")
+    p.add_argument(
+        "--prefix-cache-max-tokens",
+        type=int,
+        default=0,
+        help="prefix cache budget in tokens, LRU-evicted (0: --max-total-tokens)",
+    )
     p.add_argument(
         "--weight-root",
         default="",
@@ -337,6 +347,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         sampling_mask_max_tokens=args.sampling_mask_max_tokens,
         random_seed=args.random_seed,
         use_kv_cache=not args.disable_kv_cache,
+        radix_cache=not args.disable_radix_cache,
+        prefix_cache_max_tokens=args.prefix_cache_max_tokens,
         weight_root=args.weight_root,
         max_request_mib=args.max_request_mib,
     )

@@ -47,6 +47,10 @@ class EngineConfig:
     sampling_mask_max_tokens: int = 4096
     random_seed: int = 0
     use_kv_cache: bool = True
+    radix_cache: bool = True
+    """Keep finished sequences' keys and values for requests that extend them (off: --disable-radix-cache)."""
+    prefix_cache_max_tokens: int = 0
+    """The prefix cache's budget in tokens, LRU-evicted; 0: the KV budget (max_total_tokens)."""
     weight_root: str = ""
     """Weight updates load only from inside this directory; "": the directory holding --model-path
     (after following links), which is the weight store when the engine starts from a version."""
@@ -68,6 +72,8 @@ class EngineConfig:
             raise ValueError("max_running_requests: must be >= 1")
         if self.sampling_mask_max_tokens < 1:
             raise ValueError("sampling_mask_max_tokens: must be >= 1")
+        if self.prefix_cache_max_tokens < 0:
+            raise ValueError(f"prefix_cache_max_tokens: must be >= 0, got {self.prefix_cache_max_tokens}")
 
 
 _DECIMAL = re.compile(r"-?[0-9]+")
@@ -121,6 +127,7 @@ class EngineService:
         self.context_length = config.context_length or int(model.config.max_position_embeddings)
         self.model_path = config.model_path
         self.weight_root = Path(config.weight_root or Path(config.model_path).resolve().parent).resolve()
+        max_total = config.max_total_tokens or config.max_running_requests * self.context_length
         runner = ModelRunner(
             model,
             weight_version=config.weight_version,
@@ -129,12 +136,12 @@ class EngineService:
             pad_token_id=int(model.config.pad_token_id or 0),
             use_kv_cache=config.use_kv_cache,
             seed=config.random_seed,
+            prefix_cache_tokens=(config.prefix_cache_max_tokens or max_total) if config.radix_cache else 0,
         )
         self.runner = runner
         self.eos_token_ids = _eos_ids(model)
         self.sampling_defaults = _generation_defaults(model)
         self.served_model_name = config.served_model_name or config.model_path
-        max_total = config.max_total_tokens or config.max_running_requests * self.context_length
         self.stats = EngineStats(self.served_model_name, max_total)
         self.scheduler: Scheduler | None = None
         self._update_lock = asyncio.Lock()
