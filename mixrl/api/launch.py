@@ -95,6 +95,9 @@ class Where:
     """The rollout worker's tokenizer JSON; None: the built-in filetree one."""
     worker_index: str = "0"
     """The rollout worker's index (in a StatefulSet pod ``$(POD_INDEX)``, which the kubelet expands)."""
+    hold_when_done: bool = False
+    """The trainer keeps running (serving its metrics) after its last step instead of exiting: in a
+    pod, whose StatefulSet would restart a container that exits; the operator then scales it down."""
     engine_weight_version: int | None = None
     """The version at ``engine_model_path`` when the engine is told it (else the engine's default)."""
     engine_weights_dir: str | None = None
@@ -171,6 +174,7 @@ def _trainer(resolved: ResolvedRun, where: Where) -> list[str]:
         *(["--model-path", where.trainer_model_path] if where.trainer_model_path is not None else []),
         *_metrics(where),
         *_auth(where),
+        *(["--hold-when-done"] if where.hold_when_done else []),
     ]
     spec = resolved.trainer.spec
     nproc = max(spec.gpus_per_node, 1)  # on gpuType cpu: processes per node

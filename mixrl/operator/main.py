@@ -244,6 +244,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_false",
         help="do not run the built-in autoscaler (pools of builtin runs keep their replicas)",
     )
+    status = parser.add_argument_group("live status: RLRun and SamplerPool figures from Prometheus")
+    status.add_argument(
+        "--no-live-status",
+        dest="live_status",
+        action="store_false",
+        help="write no figures, no phase end and no CollapseRisk (the reconcilers' conditions stay)",
+    )
+    status.add_argument(
+        "--status-seconds",
+        type=float,
+        default=15.0,
+        help="read each run's figures this often (default 15)",
+    )
+    status.add_argument(
+        "--status-write-seconds",
+        type=float,
+        default=30.0,
+        help="write one object's status at most this often, phase and CollapseRisk flips excepted (default 30)",
+    )
     parser.add_argument(
         "--drain-seconds", type=int, default=300, help="how long engines may drain on shutdown"
     )
@@ -260,6 +279,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.drain_seconds < 0:
         parser.error("--drain-seconds: must be 0 or more")
+    for flag, value in (
+        ("--status-seconds", args.status_seconds),
+        ("--status-write-seconds", args.status_write_seconds),
+    ):
+        if not value > 0 or value == float("inf"):
+            parser.error(f"{flag}: must be a number of seconds above 0, got {value}")
     if args.resync_seconds < 0:
         parser.error("--resync-seconds: must be 0 or more")
     if args.namespaces and any(not ns for ns in args.namespaces):
@@ -366,6 +391,7 @@ def main(argv: list[str]) -> int:
 
     from mixrl.operator.autoscaling.loop import LoopSettings
     from mixrl.operator.controller.handlers import build_registry
+    from mixrl.operator.controller.observer import ObserverSettings
     from mixrl.operator.controller.runtime import OperatorConfig
 
     kopf.configure(verbose=args.verbose or args.dev, debug=args.verbose)
@@ -378,6 +404,11 @@ def main(argv: list[str]) -> int:
         keda=args.keda,
         policy=policy_of(args),
         autoscaling=LoopSettings() if args.builtin_autoscaler else None,
+        live_status=(
+            ObserverSettings(interval_s=args.status_seconds, min_write_interval_s=args.status_write_seconds)
+            if args.live_status
+            else None
+        ),
         login=kopf.login_via_client if args.dev else None,
     )
     registry, _ = build_registry(config)

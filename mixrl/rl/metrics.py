@@ -55,8 +55,14 @@ def promql_any_spelling(name: str) -> str:
 
 # ------------------------------------------------------------------------ engine: SGLang's names
 
-ENGINE_LABELS = ("model_name",)
-"""SGLang labels its series with the served model name (other labels vary by version)."""
+ENGINE_LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
+"""SGLang's scheduler-side series (load, KV cache, queue time) carry these labels (0.5.23; one
+engine: ``engine_type="unified"`` and rank 0 everywhere)."""
+REQUEST_LABELS = ("model_name", "engine_type")
+"""SGLang's tokenizer-side series (per-request counts and latencies) carry these."""
+STREAM_LABELS = (*REQUEST_LABELS, "is_streaming")
+"""… and those counted separately for streamed requests ("true" / "false")."""
+CACHE_SOURCE_LABELS = (*REQUEST_LABELS, "cache_source")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -83,30 +89,30 @@ SGLANG_MAX_TOTAL_NUM_TOKENS = MetricSpec(
     "sglang:max_total_num_tokens", "gauge", "KV-cache token capacity.", ENGINE_LABELS
 )
 SGLANG_PROMPT_TOKENS_TOTAL = MetricSpec(
-    "sglang:prompt_tokens_total", "counter", "Prompt tokens processed.", ENGINE_LABELS
+    "sglang:prompt_tokens_total", "counter", "Prompt tokens processed.", STREAM_LABELS
 )
 SGLANG_GENERATION_TOKENS_TOTAL = MetricSpec(
-    "sglang:generation_tokens_total", "counter", "Tokens generated.", ENGINE_LABELS
+    "sglang:generation_tokens_total", "counter", "Tokens generated.", STREAM_LABELS
 )
 SGLANG_TIME_TO_FIRST_TOKEN = MetricSpec(
     "sglang:time_to_first_token_seconds",
     "histogram",
     "Arrival to first token.",
-    ENGINE_LABELS,
+    STREAM_LABELS,
     _LATENCY_BUCKETS,
 )
 SGLANG_INTER_TOKEN_LATENCY = MetricSpec(
     "sglang:inter_token_latency_seconds",
     "histogram",
-    "Time between consecutive tokens of a request.",
-    ENGINE_LABELS,
+    "Time between consecutive tokens of a request, one observation per token.",
+    REQUEST_LABELS,
     _TOKEN_LATENCY_BUCKETS,
 )
 SGLANG_E2E_REQUEST_LATENCY = MetricSpec(
     "sglang:e2e_request_latency_seconds",
     "histogram",
     "Arrival to completion.",
-    ENGINE_LABELS,
+    STREAM_LABELS,
     _LATENCY_BUCKETS,
 )
 SGLANG_QUEUE_TIME = MetricSpec(
@@ -115,6 +121,31 @@ SGLANG_QUEUE_TIME = MetricSpec(
     "Arrival to admission into the batch.",
     ENGINE_LABELS,
     _LATENCY_BUCKETS,
+)
+
+SGLANG_NUM_REQUESTS_TOTAL = MetricSpec(
+    "sglang:num_requests_total", "counter", "Requests finished (aborted ones included).", STREAM_LABELS
+)
+SGLANG_NUM_ABORTED_REQUESTS_TOTAL = MetricSpec(
+    "sglang:num_aborted_requests_total", "counter", "Requests that finished with an abort.", REQUEST_LABELS
+)
+SGLANG_CACHED_TOKENS_TOTAL = MetricSpec(
+    "sglang:cached_tokens_total",
+    "counter",
+    "Prompt tokens served from the prefix cache, by source.",
+    CACHE_SOURCE_LABELS,
+)
+SGLANG_CACHE_HIT_RATE = MetricSpec(
+    "sglang:cache_hit_rate",
+    "gauge",
+    "Prefix-cache hit rate: cached / prompt tokens of recently finished requests.",
+    ENGINE_LABELS,
+)
+SGLANG_KV_USED_TOKENS = MetricSpec(
+    "sglang:kv_used_tokens", "gauge", "KV token slots used by running requests.", ENGINE_LABELS
+)
+SGLANG_KV_AVAILABLE_TOKENS = MetricSpec(
+    "sglang:kv_available_tokens", "gauge", "Free KV token slots.", ENGINE_LABELS
 )
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
@@ -131,6 +162,12 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     SGLANG_INTER_TOKEN_LATENCY,
     SGLANG_E2E_REQUEST_LATENCY,
     SGLANG_QUEUE_TIME,
+    SGLANG_NUM_REQUESTS_TOTAL,
+    SGLANG_NUM_ABORTED_REQUESTS_TOTAL,
+    SGLANG_CACHED_TOKENS_TOTAL,
+    SGLANG_CACHE_HIT_RATE,
+    SGLANG_KV_USED_TOKENS,
+    SGLANG_KV_AVAILABLE_TOKENS,
 )
 
 # ------------------------------------------------------------------------- mixrl's own series
@@ -203,6 +240,12 @@ MIXRL_ROUTER_REPLICAS_READY = MetricSpec(
 MIXRL_ROUTER_GENERATED_TOKENS_TOTAL = MetricSpec(
     "mixrl_router_generated_tokens_total", "counter", "Completion tokens returned by a pool.", MIXRL_LABELS
 )
+MIXRL_ROUTER_WEIGHT_VERSION = MetricSpec(
+    "mixrl_router_serving_weight_version",
+    "gauge",
+    "Newest weight version in a pool's answers (meta_info.weight_version): what the pool serves.",
+    MIXRL_LABELS,
+)
 MIXRL_ROUTER_REQUEST_LATENCY = MetricSpec(
     "mixrl_router_request_latency_seconds",
     "histogram",
@@ -223,6 +266,7 @@ MIXRL_ROUTER_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_ROUTER_REPLICAS,
     MIXRL_ROUTER_REPLICAS_READY,
     MIXRL_ROUTER_GENERATED_TOKENS_TOTAL,
+    MIXRL_ROUTER_WEIGHT_VERSION,
     MIXRL_ROUTER_REQUEST_LATENCY,
 )
 # rollout
@@ -333,6 +377,18 @@ MIXRL_TRAINER_ENTROPY = MetricSpec(
 MIXRL_TRAINER_STALENESS = MetricSpec(
     "mixrl_trainer_staleness", "gauge", "Mean weight-version lag of trained tokens.", MIXRL_LABELS
 )
+MIXRL_TRAINER_FORMAT_ERROR_ENDINGS = MetricSpec(
+    "mixrl_trainer_format_error_endings",
+    "gauge",
+    "Share of the last batch's episodes that ended on repeated format errors (a sign of collapse).",
+    MIXRL_LABELS,
+)
+MIXRL_TRAINER_FINISHED = MetricSpec(
+    "mixrl_trainer_finished",
+    "gauge",
+    "1 once the trainer has taken trainer.totalSteps steps and published the last version, else 0.",
+    MIXRL_LABELS,
+)
 MIXRL_TRAINER_TOKENS_TOTAL = MetricSpec(
     "mixrl_trainer_tokens_total", "counter", "Tokens trained on.", MIXRL_LABELS
 )
@@ -364,6 +420,8 @@ MIXRL_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_TRAINER_GRAD_NORM,
     MIXRL_TRAINER_ENTROPY,
     MIXRL_TRAINER_STALENESS,
+    MIXRL_TRAINER_FORMAT_ERROR_ENDINGS,
+    MIXRL_TRAINER_FINISHED,
     MIXRL_TRAINER_TOKENS_TOTAL,
     MIXRL_COST_DOLLARS_TOTAL,
     MIXRL_AUTH_REFUSED_TOTAL,

@@ -463,7 +463,14 @@ def test_the_trainer_command_uses_only_flags_the_trainer_has() -> None:
     assert usage.returncode == 0, usage.stderr
     # No --router: in a cluster each engine's weight-sync sidecar converts and reloads every version
     # (SGLang pools need the converted checkpoint); the router reload is the local runtime's.
-    assert flags == ["--config", "--buffer", "--run-dir", "--metrics-port", "--auth-token-file"]
+    assert flags == [
+        "--config",
+        "--buffer",
+        "--run-dir",
+        "--metrics-port",
+        "--auth-token-file",
+        "--hold-when-done",
+    ]
     assert "--router" in usage.stdout, "the trainer still has the flag: leaving it out is a choice"
     for flag in flags:
         assert flag in usage.stdout, flag

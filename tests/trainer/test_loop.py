@@ -4,11 +4,16 @@ publishes version 0 itself."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
+import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import aiohttp
 import torch
 from aiohttp import web
 
@@ -18,11 +23,17 @@ from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import ASSIGNMENTS, TrajectoryBuffer
 from mixrl.rl.models import load_model
-from mixrl.rl.trainer.main import TrainerLoop
+from mixrl.rl.trainer.main import FINISHED, TrainerLoop
 from mixrl.rl.weights import WeightStore
 
 from ..api.conftest import ROOT
 from .conftest import synthetic_group
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def small_run(tmp_path: Path, total_steps: int) -> ResolvedRun:
@@ -83,6 +94,45 @@ async def test_a_resume_commits_the_checkpointed_step_and_goes_on(
     assert stats["committed_step"] == 2 and stats["batches"] == 2
     records = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in records] == [1, 2]
+    assert json.loads((run_dir / FINISHED).read_text())["weight_version"] == 2
+
+
+async def test_a_finished_trainer_holds_until_sigterm_with_hold_when_done(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module
+) -> None:
+    """In a pod the StatefulSet restarts a container that exits, even with 0: the finished trainer
+    keeps serving /metrics (``mixrl_trainer_finished`` 1) until the operator scales it down."""
+    run_dir, config = tmp_path / "run", tmp_path / "resolved.json"
+    config.write_text(small_run(tmp_path, total_steps=1).model_dump_json())
+    metrics_port = free_port()
+    async with buffer_at(tmp_path / "buffer") as url:
+        async with BufferClient(url) as client:
+            await client.post_trajectories(synthetic_group(model, "a", 2, pool="bf16", seed=0))
+        trainer = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "mixrl.cli", "trainer", "--config", str(config), "--buffer", url,
+            "--run-dir", str(run_dir), "--model-path", str(tiny_model_dir), "--insecure-no-auth",
+            "--metrics-port", str(metrics_port), "--hold-when-done",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            for _ in range(600):
+                if (run_dir / FINISHED).exists() or trainer.returncode is not None:
+                    break
+                await asyncio.sleep(0.1)
+            assert (run_dir / FINISHED).exists(), "the trainer did not finish its one step"
+            await asyncio.sleep(2.0)
+            assert trainer.returncode is None, "a finished trainer with --hold-when-done exited"
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(f"http://127.0.0.1:{metrics_port}/metrics") as response,
+            ):
+                text = await response.text()
+            assert 'mixrl_trainer_finished{gpu_type="",pool="all",precision="",run="quickstart"} 1.0' in text
+        finally:
+            if trainer.returncode is None:
+                trainer.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(trainer.communicate(), timeout=60)
+    assert trainer.returncode == 0, stderr.decode()[-2000:]
 
 
 def test_a_fresh_run_publishes_the_base_weights_as_version_0_once(

@@ -62,6 +62,7 @@ def pod_where(resolved: ResolvedRun) -> Where:
         worker_index="$(POD_INDEX)",
         engine_weights_dir=ENGINE_WEIGHTS_DIR,
         engine_url=f"http://127.0.0.1:{ENGINE_PORT}",
+        hold_when_done=True,
     )
 
 

@@ -384,9 +384,31 @@ def sampler_pool(resolved: ResolvedRun, pool: ResolvedPool, owner: Owner) -> Obj
     }
 
 
-def run_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
+RELEASED_AT_THE_END = ("trainer", "rollout", "router")
+"""The workloads a finished run scales to zero, beside its sampler pools (the buffer keeps its logs
+served)."""
+
+
+def released(objects: list[Obj], resolved: ResolvedRun) -> list[Obj]:
+    """A finished run's objects: the trainer, rollout, router and every SamplerPool at zero
+    replicas, so the run's GPUs and CPUs are free; claims, weights and the buffer's logs stay
+    (docs/health.md#the-end-of-a-run).  A SamplerPool's replicas otherwise belong to whoever scales
+    it (no ``spec.replicas`` in what is desired); at the end the operator takes them back."""
+    names = {L.child_name(resolved.name, component) for component in RELEASED_AT_THE_END}
+    for obj in objects:
+        if obj["kind"] == "SamplerPool" or (
+            obj["kind"] in ("Deployment", "StatefulSet") and obj["metadata"]["name"] in names
+        ):
+            obj["spec"]["replicas"] = 0
+    return objects
+
+
+def run_objects(
+    resolved: ResolvedRun, owner: Owner, options: BuildOptions, finished: bool = False
+) -> list[Obj]:
     """Everything the RLRun owns directly, each with its desired-hash annotation, in apply order
-    (configuration and volumes before the workloads that mount them)."""
+    (configuration and volumes before the workloads that mount them); ``finished``: the run is
+    Succeeded or Failed, so its workloads are :func:`released`."""
     objects: list[Obj] = [config_map(resolved, owner), auth_secret(resolved, owner)]
     pvc = weights_pvc(resolved, owner, options)
     if pvc is not None:
@@ -400,4 +422,6 @@ def run_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> l
         objects.append(pod_monitor(resolved, owner, options))
     if options.images.network_policies is not None:
         objects += network_policies(resolved, owner, options.images.network_policies)
+    if finished:
+        objects = released(objects, resolved)
     return [with_hash(obj) for obj in objects]

@@ -42,6 +42,7 @@ from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.loop import AutoscalingLoop
 from mixrl.operator.build import labels as L
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
+from mixrl.operator.controller.observer import StatusObserver
 from mixrl.operator.controller.reconcile import Outcome
 from mixrl.operator.controller.runtime import OperatorConfig, Runtime, backoff
 from mixrl.operator.controller.status import Reason
@@ -177,6 +178,22 @@ def register_autoscaling(registry: kopf.OperatorRegistry, loop: AutoscalingLoop)
         await loop.stop()
 
 
+def register_live_status(registry: kopf.OperatorRegistry, observer: StatusObserver) -> None:
+    """Feed the live status loop the RLRuns kopf watches, and run it from startup to cleanup."""
+
+    @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
+    def status_sees_run(body: kopf.Body, type: str | None, **_: Any) -> None:
+        observer.observe_run(plain(body), deleted=type == "DELETED")
+
+    @kopf.on.startup(registry=registry)
+    async def status_start(**_: Any) -> None:
+        observer.start()
+
+    @kopf.on.cleanup(registry=registry)
+    async def status_stop(**_: Any) -> None:
+        await observer.stop()
+
+
 def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runtime]:
     registry = kopf.OperatorRegistry()
     rt = Runtime(config, post_event)
@@ -217,11 +234,23 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         )
         register_autoscaling(registry, rt.autoscaler)
 
+    if config.live_status is not None:
+        rt.observer = StatusObserver(
+            rt.client,
+            config.live_status,
+            reconcile=lambda namespace, name: rt.request("RLRun", namespace, name),
+            may_act=rt.active_in,
+            lock=rt.lock,  # keys as runtime.lock_key
+        )
+        register_live_status(registry, rt.observer)
+
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
         await rt.stop()  # pending retries and the resync: they use the client too
         if rt.autoscaler is not None:  # before closing: its last writes go through the shared client
             await rt.autoscaler.stop()
+        if rt.observer is not None:
+            await rt.observer.stop()
         await rt.client.close()
 
     @kopf.on.login(registry=registry)

@@ -190,13 +190,17 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     report = ApplyReport()
     applied: dict[str, Applied] = {}
     alive = owner_check(ctx.client, RLRUNS, body)
-    objects = run_objects(resolved, owner, options)
+    # A run that ended (the live status loop decides: mixrl.operator.controller.observer) keeps its
+    # objects but releases its GPUs: trainer, rollout and router at zero, every pool at zero.
+    finished = previous.get("phase") in FINAL_PHASES
+    objects = run_objects(resolved, owner, options, finished=finished)
     for desired in objects:
         seed = on_update = None
         if desired["kind"] == "SamplerPool":
             pool = resolved.pool(desired["spec"]["pool"])
-            seed = {"spec": {"replicas": seed_replicas(pool)}}
-            on_update = within_bounds(pool)
+            # A finished run's pools carry replicas 0 in what is desired (the builder's released()).
+            seed = None if finished else {"spec": {"replicas": seed_replicas(pool)}}
+            on_update = None if finished else within_bounds(pool)
         elif desired["kind"] == "Secret":  # the run's API token, made once (docs/auth.md)
             seed = {"stringData": {AUTH_TOKEN_KEY: secrets.token_urlsafe(32)}}
         try:
@@ -278,6 +282,9 @@ def pool_state(name: str, live: Obj) -> PoolState:
         rolling_out=(generation is not None and (observed is None or observed < generation))
         or ready.get("reason") == Reason.ROLLING_OUT,
     )
+
+
+FINAL_PHASES = ("Succeeded", "Failed")
 
 
 def within_bounds(pool: ResolvedPool) -> Callable[[Obj], Obj]:
@@ -390,8 +397,11 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
             return Outcome(report=report)
         if desired["kind"] == "Deployment":
             deployment = result
+    finished = (run_body.get("status") or {}).get("phase") in FINAL_PHASES
     try:
-        autoscaler = await reconcile_scaled_object(ctx.client, resolved, pool, body, options, report, alive)
+        autoscaler = await reconcile_scaled_object(
+            ctx.client, resolved, pool, body, options, report, alive, finished
+        )
     except OwnerGone:
         return Outcome(report=report)
     selector = L.selector_string(L.selector_labels(resolved.name, "sampler", pool.name))
@@ -430,14 +440,16 @@ async def reconcile_scaled_object(
     options: BuildOptions,
     report: ApplyReport,
     alive: Callable[[], Awaitable[None]],
+    finished: bool = False,
 ) -> tuple[str, str, str]:
     """KEDA mode: apply the pool's ScaledObject (owned by the SamplerPool, so removing the pool
-    removes it).  Otherwise delete the one an earlier KEDA mode left.  Returns AutoscalerReady.
+    removes it).  Otherwise — or once the run has ended (``finished``: KEDA would scale the pool
+    back to its minimum) — delete the one an earlier KEDA mode left.  Returns AutoscalerReady.
 
     Nothing is asked of a cluster without KEDA (discovery says so): there can be no ScaledObject to
     delete, and in KEDA mode the condition says KEDA is missing."""
     engine = resolved.autoscaling.engine
-    if options.keda and engine == "keda":
+    if options.keda and engine == "keda" and not finished:
         desired = pool_scaled_object(resolved, pool, owner_of(body))
         await apply_object(client, desired, report, None, alive)
         return autoscaler_value(engine, True, desired["metadata"]["name"])

@@ -23,6 +23,7 @@ from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings
 from mixrl.operator.build.objects import Images
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
 from mixrl.operator.controller.discovery import Discovery
+from mixrl.operator.controller.observer import ObserverSettings, StatusObserver
 from mixrl.operator.controller.peering import paused_by_peers
 from mixrl.operator.controller.reconcile import Context, Outcome, reconcile_pool, reconcile_run
 from mixrl.operator.controller.status import PROGRESSING, Reason
@@ -79,6 +80,9 @@ class OperatorConfig:
     autoscaling: LoopSettings | None = field(default_factory=LoopSettings)
     """The built-in autoscaler's settings; None runs no built-in autoscaler (pools of ``builtin``
     runs then keep their replicas)."""
+    live_status: ObserverSettings | None = field(default_factory=ObserverSettings)
+    """The live status loop's settings (mixrl.operator.controller.observer); None writes no figures,
+    phase end or CollapseRisk (the reconcilers' conditions are written either way)."""
     keda: str = "auto"
     """``auto`` (ScaledObjects when keda.sh/v1alpha1 serves scaledobjects), ``on`` or ``off``."""
     policy: Policy = OPEN
@@ -122,6 +126,7 @@ class Runtime:
         self._slots: asyncio.Semaphore | None = None
         self._resync: asyncio.Task[None] | None = None
         self.autoscaler: AutoscalingLoop | None = None
+        self.observer: StatusObserver | None = None
         self.peering: PeeringSettings | None = None
         """kopf's peering settings once it started (the peering name, scope and priority it runs with)."""
 

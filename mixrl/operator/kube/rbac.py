@@ -47,6 +47,7 @@ SECRETS = ApiResource("", "v1", "secrets", "Secret")
 SERVICES = ApiResource("", "v1", "services", "Service")
 PVCS = ApiResource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 EVENTS = ApiResource("", "v1", "events", "Event")
+PODS = ApiResource("", "v1", "pods", "Pod")
 DEPLOYMENTS = ApiResource("apps", "v1", "deployments", "Deployment")
 STATEFULSETS = ApiResource("apps", "v1", "statefulsets", "StatefulSet")
 RLRUNS = ApiResource(GROUP, VERSION, "rlruns", "RLRun")
@@ -120,6 +121,8 @@ RECONCILER: dict[Key, frozenset[str]] = {
     # The built-in autoscaler: replicas through the scale subresource, a Scaled event per change.
     (GROUP, "samplerpools/scale"): frozenset({"patch"}),
     ("", "events"): frozenset({"create"}),
+    # The live status reads the trainer's pods: containers that keep failing fail the run.
+    ("", "pods"): frozenset({"list"}),
     # Children carry blockOwnerDeletion; with the OwnerReferencesPermissionEnforcement admission
     # plugin (OpenShift and others) that needs update on the owner's finalizers subresource.
     (GROUP, "rlruns/finalizers"): frozenset({"update"}),

@@ -56,6 +56,14 @@ class RouterCollector(Collector):
         ]
         for spec, value_of in series:
             yield self._family(spec, value_of)
+        # Only pools that have answered with a version: 0 would read as "serving version 0".
+        spec = metrics.MIXRL_ROUTER_WEIGHT_VERSION
+        version = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+        for pool in self.state.pools.values():
+            if pool.weight_version is not None:
+                labels = [self.run, pool.name, pool.gpu_type, pool.precision]
+                version.add_metric(labels, float(pool.weight_version))
+        yield version
 
 
 def make_registry(state: RouterState, run: str) -> tuple[CollectorRegistry, Histogram]:

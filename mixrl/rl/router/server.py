@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -84,6 +85,18 @@ async def getaddrinfo_resolver(host: str, port: int) -> list[str]:
             return []
         raise
     return sorted({str(info[4][0]) for info in infos})
+
+
+_WEIGHT_VERSION = re.compile(rb'"weight_version"\s*:\s*"(\d{1,9})"')
+
+
+def newest_weight_version(raw: bytes) -> int | None:
+    """The newest ``meta_info.weight_version`` (SGLang's string) in a raw answer, None if none.
+
+    Read without parsing, as the token counts are (:func:`completion_token_counts`): JSON escapes
+    the quotes inside generated text, so only the field itself matches."""
+    versions = [int(found) for found in _WEIGHT_VERSION.findall(raw)]
+    return max(versions) if versions else None
 
 
 def replica_url(address: str, port: int) -> str:
@@ -298,6 +311,7 @@ class Router:
         self.state.begin(route.pool, route.replica)
         status: int | None = CLIENT_CLOSED
         tokens = 0
+        version: int | None = None
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
             forward = {"Content-Type": request.headers.get("Content-Type", "application/json")}
@@ -315,12 +329,13 @@ class Router:
                 }
                 if upstream.content_type == "text/event-stream":
                     status = upstream.status
-                    response, tokens = await self._stream(request, upstream, headers)
+                    response, tokens, version = await self._stream(request, upstream, headers)
                     return response
                 payload = await upstream.read()
                 status = upstream.status
             if status == 200:
                 tokens = sum(completion_token_counts(payload))  # one count per item of a batch
+                version = newest_weight_version(payload)
             return web.Response(body=payload, status=status, headers=headers)
         except TimeoutError:  # first: aiohttp's socket timeouts are also ClientConnectionErrors
             status = 504
@@ -333,7 +348,7 @@ class Router:
             status = None
             return self._replica_failed(route, session_id, exc)
         finally:
-            self.state.finish(route.pool, route.replica, tokens, status)
+            self.state.finish(route.pool, route.replica, tokens, status, version)
             self.latency.labels(self.run, pool.name, pool.gpu_type, pool.precision).observe(
                 self.clock() - started
             )
@@ -342,11 +357,13 @@ class Router:
 
     async def _stream(
         self, request: web.Request, upstream: aiohttp.ClientResponse, headers: dict[str, str]
-    ) -> tuple[web.StreamResponse, int]:
-        """Pass a streamed answer through chunk by chunk; its chunks carry cumulative token counts."""
+    ) -> tuple[web.StreamResponse, int, int | None]:
+        """Pass a streamed answer through chunk by chunk; its chunks carry cumulative token counts
+        (and the version that served them)."""
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)
         tokens = 0
+        version: int | None = None
         tail = b""
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
@@ -354,8 +371,11 @@ class Router:
             counts = completion_token_counts(tail)
             if counts:
                 tokens = counts[-1]
+            found = newest_weight_version(tail)
+            if found is not None:
+                version = max(found, version or 0)
         await response.write_eof()
-        return response, tokens
+        return response, tokens, version
 
     def _replica_failed(self, route: Route, session_id: str | None, exc: Exception) -> web.Response:
         """The replica is gone: mark it down and move the session now, so the retried turn just works."""

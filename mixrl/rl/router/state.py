@@ -55,6 +55,8 @@ class Pool:
     errors: int = 0
     """Requests that failed: replica unreachable, or an error status (≥ 400) from the engine."""
     generated_tokens: int = 0
+    weight_version: int | None = None
+    """The newest weight version in this pool's answers (None until one names its version)."""
 
     def ready_replicas(self) -> list[Replica]:
         return [replica for replica in self.replicas.values() if replica.ready]
@@ -235,10 +237,20 @@ class RouterState:
         if replica is not None:
             replica.in_flight += 1
 
-    def finish(self, pool: str, url: str, generated_tokens: int = 0, status: int | None = 200) -> None:
-        """A forwarded request ended with an HTTP status, or None when the replica was unreachable."""
+    def finish(
+        self,
+        pool: str,
+        url: str,
+        generated_tokens: int = 0,
+        status: int | None = 200,
+        weight_version: int | None = None,
+    ) -> None:
+        """A forwarded request ended with an HTTP status, or None when the replica was unreachable;
+        ``weight_version``: the newest version its answer names."""
         the_pool = self.pool(pool)
         the_pool.generated_tokens += generated_tokens
+        if weight_version is not None:
+            the_pool.weight_version = max(weight_version, the_pool.weight_version or 0)
         if status is not None:
             the_pool.requests += 1
         if status is None or status >= 400:

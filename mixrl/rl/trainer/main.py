@@ -58,6 +58,8 @@ from mixrl.rl.weights import WeightStore
 log = logging.getLogger("mixrl.trainer")
 CHECKPOINT = "trainer.pt"
 METRICS = "metrics.jsonl"
+FINISHED = "finished.json"
+"""Written once the last step is taken (mixrl report and the operator read the run's end from it)."""
 
 
 class ReloadRefused(RuntimeError):
@@ -267,6 +269,24 @@ class TrainerLoop:
                 )
             distributed.barrier()  # the other ranks ask for step + 1 only once it is open
         await self.buffer.close()
+        if total is not None and self.step >= total:
+            self.finished()
+
+    @property
+    def done(self) -> bool:
+        total = self.run.trainer.spec.total_steps
+        return total is not None and self.step >= total
+
+    def finished(self) -> None:
+        """Record that the run's last step is taken: ``finished.json`` in the run directory (the
+        step and the final weight version) and the ``mixrl_trainer_finished`` series."""
+        if not self.ranks.is_main:
+            return
+        log.info("finished: %d steps taken, the final weights are version %d", self.step, self.step)
+        record = {"step": self.step, "weight_version": self.step, "time": time.time()}
+        (self.run_dir / FINISHED).write_text(json.dumps(record) + "\n", encoding="utf-8")
+        if self.telemetry is not None:
+            self.telemetry.mark_finished(self.step, self.step)
 
 
 def _step_of(line: bytes) -> int:
@@ -297,6 +317,12 @@ def main(argv: list[str]) -> int:
         "--model-path", default=None, help="initial checkpoint (default: the spec's model.path)"
     )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
+    parser.add_argument(
+        "--hold-when-done",
+        action="store_true",
+        help="after the last step keep serving /metrics until SIGTERM instead of exiting (in a pod: a"
+        " StatefulSet restarts a container that exits; the operator scales the finished trainer down)",
+    )
     add_auth_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -331,6 +357,9 @@ def main(argv: list[str]) -> int:
         train = asyncio.create_task(loop.train())
         stop = asyncio.create_task(loop.stopping.wait())
         await asyncio.wait({train, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if train.done() and train.exception() is None and loop.done and args.hold_when_done:
+            log.info("holding until SIGTERM (--hold-when-done)")
+            await stop
         if not train.done():
             train.cancel()  # mid-step state is discarded: the checkpoint and the buffer hold the truth
         (outcome,) = await asyncio.gather(train, return_exceptions=True)

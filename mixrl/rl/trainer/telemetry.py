@@ -17,6 +17,7 @@ GAUGES = {
     "kl_k3": m.MIXRL_TRAINER_KL,
     "extreme_ratio": m.MIXRL_TRAINER_EXTREME_RATIO_SHARE,
     "entropy": m.MIXRL_TRAINER_ENTROPY,
+    "format_error_endings": m.MIXRL_TRAINER_FORMAT_ERROR_ENDINGS,
 }
 
 
@@ -33,6 +34,8 @@ class TrainerTelemetry:
         self.grad_norm = m.create(m.MIXRL_TRAINER_GRAD_NORM, self.registry)
         self.staleness = m.create(m.MIXRL_TRAINER_STALENESS, self.registry)
         self.tokens = m.create(m.MIXRL_TRAINER_TOKENS_TOTAL, self.registry)
+        self.finished = m.create(m.MIXRL_TRAINER_FINISHED, self.registry)
+        self.finished.labels(**self._labels(ALL_POOLS)).set(0)
         if port:
             start_http_server(port, addr=host, registry=self.registry)
 
@@ -44,6 +47,13 @@ class TrainerTelemetry:
             "gpu_type": resolved.gpu_type if resolved else "",
             "precision": resolved.weight_precision if resolved else "",
         }
+
+    def mark_finished(self, step: int, version: int) -> None:
+        """The last step is taken: the series say so (the operator reads it as the run's end)."""
+        everything = self._labels(ALL_POOLS)
+        self.step.labels(**everything).set(step)
+        self.version.labels(**everything).set(version)
+        self.finished.labels(**everything).set(1)
 
     def observe(self, record: dict[str, Any]) -> None:
         everything = self._labels(ALL_POOLS)

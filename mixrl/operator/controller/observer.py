@@ -1,0 +1,377 @@
+"""The live status loop: reads each run's figures from Prometheus and writes its status (I/O).
+
+Composition is pure (:mod:`mixrl.operator.controller.live_status`); this is the reading and the
+writing.  Every ``interval_s`` (per run), for every RLRun kopf has shown it:
+
+1. instant queries for the run's figures, and one range query for the trainer's history since the
+   last poll (the collapse signs are judged on the whole run, and Prometheus keeps it across an
+   operator restart);
+2. the trainer's pods, for a trainer that keeps failing (Failed);
+3. the run's status and each of its SamplerPools' statuses are merge-patched, only when they
+   changed, and never more often than ``min_write_interval_s`` unless the phase or CollapseRisk
+   flips — so an idle run costs no writes at all (``writes`` counts them);
+4. a Warning event when CollapseRisk becomes True, a Normal one when the run succeeds, a Warning
+   when it fails; and at either end a reconcile of the run, which releases its GPUs.
+
+Each status is composed and written under the object's lock (the one its reconciler holds) from a
+fresh read: a reconcile writes the whole status from what it read, so the two never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+from mixrl.api.errors import InvalidSpec
+from mixrl.api.loader import parse_document
+from mixrl.api.models import RLRun
+from mixrl.api.resolve import resolve
+from mixrl.operator.build import labels as L
+from mixrl.operator.controller.live_status import (
+    COLLAPSE_RISK,
+    Figures,
+    figures_from,
+    history_query,
+    live_pool_status,
+    live_run_status,
+    records_from_history,
+    run_queries,
+    trainer_failure,
+)
+from mixrl.operator.controller.reconcile import manifest
+from mixrl.operator.kube.client import ApiError, KubeClient
+from mixrl.operator.kube.rbac import EVENTS, PODS, RLRUNS, SAMPLERPOOLS
+from mixrl.rl.health.collapse import assess
+
+log = logging.getLogger("mixrl.operator.status")
+
+Obj = dict[str, Any]
+Key = tuple[str, str]
+
+
+class PrometheusError(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+async def prometheus_api(
+    session: aiohttp.ClientSession, base_url: str, path: str, params: Mapping[str, str], timeout_s: float
+) -> Any:
+    """``data.result`` of one Prometheus API call, or PrometheusError(reason, message)."""
+    url = base_url.rstrip("/") + path
+    try:
+        async with session.get(
+            url, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as response:
+            payload = await response.json(content_type=None)
+            status = response.status
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        raise PrometheusError("PrometheusUnreachable", f"{url}: {exc or type(exc).__name__}") from exc
+    if not isinstance(payload, dict) or payload.get("status") != "success":
+        detail = payload.get("error") if isinstance(payload, dict) else "not a Prometheus answer"
+        raise PrometheusError("QueryFailed", f"HTTP {status}: {detail}")
+    return (payload.get("data") or {}).get("result") or []
+
+
+def _number(raw: Any) -> float:
+    try:
+        return float(raw)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+async def query_vector(
+    session: aiohttp.ClientSession, base_url: str, query: str, timeout_s: float
+) -> dict[str, float]:
+    """An instant vector as value by ``pool`` label ("" for a series without one)."""
+    result = await prometheus_api(session, base_url, "/api/v1/query", {"query": query}, timeout_s)
+    return {
+        str(item.get("metric", {}).get("pool", "")): _number(item.get("value", [0, None])[1])
+        for item in result
+        if isinstance(item, dict)
+    }
+
+
+async def query_history(
+    session: aiohttp.ClientSession, base_url: str, query: str, start: float, end: float, timeout_s: float
+) -> list[tuple[dict[str, str], list[tuple[float, float]]]]:
+    # At most ~10,000 points per series (Prometheus refuses 11,000), never finer than 1 s (the
+    # finest scrape interval in use; a trainer step takes longer).
+    step = max(1.0, (end - start) / 10_000)
+    params = {"query": query, "start": f"{start:.3f}", "end": f"{end:.3f}", "step": f"{step:.3f}"}
+    result = await prometheus_api(session, base_url, "/api/v1/query_range", params, timeout_s)
+    return [
+        (dict(item.get("metric", {})), [(float(t), _number(v)) for t, v in item.get("values", [])])
+        for item in result
+        if isinstance(item, dict)
+    ]
+
+
+def rfc3339(now: float) -> str:
+    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def created_at(body: Obj) -> float | None:
+    stamp = body.get("metadata", {}).get("creationTimestamp")
+    try:
+        return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass
+class ObserverSettings:
+    interval_s: float = 15.0
+    """How often each run's figures are read."""
+    min_write_interval_s: float = 30.0
+    """Fewest seconds between two status writes of one object (flips of phase or CollapseRisk excepted)."""
+    query_timeout_s: float = 10.0
+    tick_s: float = 1.0
+
+
+@dataclass
+class RunMemory:
+    records: dict[int, Obj] = field(default_factory=dict)
+    """The trainer's per-step records read so far (the collapse signs' input)."""
+    history_until: float | None = None
+    last_read: float = -math.inf
+    last_write: dict[str, float] = field(default_factory=dict)
+    """Object name -> when its status was last written."""
+    collapse: str | None = None
+    """CollapseRisk's status at the last write (an event is posted when it becomes True)."""
+
+
+Reconcile = Callable[[str, str], None]
+Gate = Callable[[str], Awaitable[bool]]
+
+
+class StatusObserver:
+    """Keeps the RLRuns kopf shows it (watch events) and writes their live status."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        settings: ObserverSettings | None = None,
+        reconcile: Reconcile | None = None,
+        may_act: Gate | None = None,
+        clock: Callable[[], float] = time.time,
+        lock: Callable[[str], asyncio.Lock] | None = None,
+    ):
+        self.client = client
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.lock = lock or (lambda key: self._locks.setdefault(key, asyncio.Lock()))
+        """Object key (``Kind/namespace/name``) -> the lock its reconciler holds while it writes."""
+        self.settings = settings or ObserverSettings()
+        self.reconcile = reconcile
+        self.may_act = may_act
+        self.clock = clock
+        self.runs: dict[Key, Obj] = {}
+        self.memory: dict[Key, RunMemory] = {}
+        self.writes = 0
+        """Status patches sent (tests count them: an idle run must cost none)."""
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def observe_run(self, body: Mapping[str, Any], deleted: bool) -> None:
+        meta = body["metadata"]
+        key = (meta.get("namespace") or "default", meta["name"])
+        if deleted:
+            self.runs.pop(key, None)
+            self.memory.pop(key, None)
+        else:
+            self.runs[key] = dict(body)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._forever(), name="mixrl-status")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _forever(self) -> None:
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # one bad run or a lost connection must not end the loop
+                log.exception("status tick failed")
+            await asyncio.sleep(self.settings.tick_s)
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def tick(self) -> None:
+        now = self.clock()
+        for key, body in list(self.runs.items()):
+            memory = self.memory.setdefault(key, RunMemory())
+            if now - memory.last_read < self.settings.interval_s:
+                continue
+            if self.may_act is not None and not await self.may_act(key[0]):
+                continue
+            memory.last_read = now
+            try:
+                await self.observe(body, memory, now)
+            except ApiError as exc:
+                log.warning("status of RLRun %s/%s not written: %s", *key, exc)
+
+    async def observe(self, body: Obj, memory: RunMemory, now: float) -> None:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        if (body.get("status") or {}).get("phase") == "Invalid":
+            return
+        try:
+            run = parse_document(manifest(body))
+            assert isinstance(run, RLRun)
+            resolved = resolve(run)
+        except InvalidSpec:  # the reconciler reports it; there is nothing live to show
+            return
+        url = resolved.autoscaling.prometheus_url
+        timeout = self.settings.query_timeout_s
+        figures, problem = Figures(), None
+        try:
+            answers = {
+                figure: await query_vector(self.session(), url, query, timeout)
+                for figure, query in run_queries(namespace, name).items()
+            }
+            figures = figures_from(answers)
+            start = memory.history_until or created_at(body) or now - 86_400.0
+            history = await query_history(
+                self.session(), url, history_query(namespace, name), start, now, timeout
+            )
+            for record in records_from_history(history):
+                memory.records[record["step"]] = record
+            memory.history_until = now
+        except PrometheusError as exc:
+            problem = (exc.reason, exc.message)
+        pods = await self.client.list(PODS, namespace, L.selector_labels(name, "trainer"))
+        failure = trainer_failure(pods)
+        collapse_spec = run.spec.health.collapse
+        records = [memory.records[step] for step in sorted(memory.records)]
+        assessment = assess(records, collapse_spec) if records else None
+        judged = len(records) >= collapse_spec.baseline_steps + collapse_spec.window
+        # Composed and written under the run's lock from the run as it is now: a reconcile writes
+        # the whole status from what it read, so the two must not interleave.
+        async with self.lock(f"RLRun/{namespace}/{name}"):
+            fresh = await self.client.get(RLRUNS, namespace, name)
+            if fresh is None or fresh["metadata"].get("uid") != meta.get("uid"):
+                return
+            previous = fresh.get("status") or {}
+            new = live_run_status(
+                previous,
+                figures,
+                fresh["metadata"].get("generation"),
+                rfc3339(now),
+                assessment=assessment,
+                judged=judged,
+                trainer_failure=failure,
+                problem=problem,
+            )
+            written = await self._write_run(fresh, previous, new, memory, now)
+        if written:
+            await self._events(fresh, previous, new, memory, now)
+        if problem is None:
+            await self._write_pools(namespace, name, figures, memory, now)
+
+    async def _write_run(self, body: Obj, previous: Obj, new: Obj, memory: RunMemory, now: float) -> bool:
+        meta = body["metadata"]
+        if new == previous:
+            return False
+        flipped = new.get("phase") != previous.get("phase") or _condition_status(
+            new, COLLAPSE_RISK
+        ) != _condition_status(previous, COLLAPSE_RISK)
+        last = memory.last_write.get(meta["name"], -math.inf)
+        if not flipped and now - last < self.settings.min_write_interval_s:
+            return False
+        await self.client.merge_patch(
+            RLRUNS, meta["namespace"], meta["name"], {"status": new}, subresource="status"
+        )
+        self.writes += 1
+        memory.last_write[meta["name"]] = now
+        return True
+
+    async def _events(self, body: Obj, previous: Obj, new: Obj, memory: RunMemory, now: float) -> None:
+        meta = body["metadata"]
+        risk = _condition_status(new, COLLAPSE_RISK)
+        if risk == "True" and memory.collapse != "True":
+            message = next(c["message"] for c in new["conditions"] if c["type"] == COLLAPSE_RISK)
+            await self.post_event(body, "Warning", "CollapseRisk", message, now)
+        memory.collapse = risk
+        phase = new.get("phase")
+        if phase != previous.get("phase") and phase in ("Succeeded", "Failed"):
+            kind = "Normal" if phase == "Succeeded" else "Warning"
+            await self.post_event(body, kind, phase, str(new.get("message", phase)), now)
+            if self.reconcile is not None:  # the reconciler releases a finished run's GPUs
+                self.reconcile(meta["namespace"], meta["name"])
+
+    async def _write_pools(
+        self, namespace: str, run: str, figures: Figures, memory: RunMemory, now: float
+    ) -> None:
+        for listed in await self.client.list(SAMPLERPOOLS, namespace, L.selector_labels(run, "sampler")):
+            name = listed["metadata"]["name"]
+            if now - memory.last_write.get(name, -math.inf) < self.settings.min_write_interval_s:
+                continue
+            live = figures.pools.get(listed.get("spec", {}).get("pool", ""), {})
+            if live_pool_status(listed.get("status") or {}, live) == (listed.get("status") or {}):
+                continue
+            async with self.lock(f"SamplerPool/{namespace}/{name}"):  # as the pool's reconcile
+                pool = await self.client.get(SAMPLERPOOLS, namespace, name)
+                if pool is None:
+                    continue
+                previous = pool.get("status") or {}
+                new = live_pool_status(previous, live)
+                if new == previous:
+                    continue
+                changed = {k: v for k, v in new.items() if previous.get(k) != v}
+                await self.client.merge_patch(
+                    SAMPLERPOOLS, namespace, name, {"status": changed}, subresource="status"
+                )
+            self.writes += 1
+            memory.last_write[name] = now
+
+    async def post_event(self, body: Obj, kind: str, reason: str, message: str, now: float) -> None:
+        meta = body["metadata"]
+        stamp = rfc3339(now)
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{int(now * 1e9):x}", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": body.get("apiVersion", f"{RLRUNS.group}/{RLRUNS.version}"),
+                "kind": "RLRun",
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+            },
+            "type": kind,
+            "reason": reason,
+            "message": message[:1000],
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+            "source": {"component": "mixrl-status"},
+            "reportingComponent": "mixrl-status",
+        }
+        await self.client.create(EVENTS, meta["namespace"], event)
+
+
+def _condition_status(status: Obj, kind: str) -> str | None:
+    return next((c.get("status") for c in status.get("conditions") or [] if c.get("type") == kind), None)

@@ -1,0 +1,193 @@
+"""The live status end to end: a real Prometheus scrapes a stand-in of the run's components, and the
+operator (a separate process, with the chart's RBAC) writes the RLRun's and SamplerPools' status —
+with the built-in autoscaler off — raises CollapseRisk with an Event, writes nothing while the run
+is idle, and at the end marks the run Succeeded and releases its GPUs.
+
+Stand-in: the components. KWOK pods run no container, so one loopback exporter plays the trainer
+and the router: it serves their series (names from mixrl.rl.metrics, labels as their telemetry
+sets them, ``namespace`` as a cluster's pod discovery would attach it) with values the test sets.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from mixrl.devcluster.cluster import free_port
+from mixrl.rl import metrics as m
+
+from .conftest import ROOT, Bed, OperatorProcess, start_operator, stop_operator, wait_for
+from .test_autoscaling import start_prometheus
+
+POOLS = ("h100-fp8", "b200-nvfp4")
+
+
+class RunExporter:
+    """The trainer's and the router's series of one run; ``step`` advances on its own when ``moving``."""
+
+    def __init__(self, namespace: str, run: str):
+        self.namespace, self.run = namespace, run
+        self.step = 0
+        self.kl = dict.fromkeys(POOLS, 0.001)
+        self.finished = 0
+        self.moving = False
+        self.port = free_port()
+        exporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = exporter.exposition().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._advance, daemon=True).start()
+
+    def _advance(self) -> None:
+        while True:
+            time.sleep(1.0)
+            if self.moving:
+                self.step += 1
+
+    def labels(self, pool: str, pod: str) -> str:
+        return f'namespace="{self.namespace}",pod="{pod}",run="{self.run}",pool="{pool}",gpu_type="",precision=""'
+
+    def exposition(self) -> str:
+        trainer, router = f"{self.run}-trainer-0", f"{self.run}-router-abc-def"
+        run = self.labels("all", trainer)
+        lines = [
+            f"{m.MIXRL_TRAINER_STEP.name}{{{run}}} {self.step}",
+            f"{m.MIXRL_TRAINER_WEIGHT_VERSION.name}{{{run}}} {self.step}",
+            f"{m.MIXRL_TRAINER_REWARD.name}{{{run}}} 0.5",
+            f"{m.MIXRL_TRAINER_KL.name}{{{run}}} {sum(self.kl.values()) / len(self.kl)}",
+            f"{m.MIXRL_TRAINER_FORMAT_ERROR_ENDINGS.name}{{{run}}} 0",
+            f"{m.MIXRL_TRAINER_FINISHED.name}{{{run}}} {self.finished}",
+        ]
+        for index, pool in enumerate(POOLS):
+            lines.append(f"{m.MIXRL_TRAINER_KL.name}{{{self.labels(pool, trainer)}}} {self.kl[pool]}")
+            share = 0.25 if index == 0 else 0.75
+            lines.append(f"{m.MIXRL_ROUTER_TRAFFIC_SHARE.name}{{{self.labels(pool, router)}}} {share}")
+            version = max(self.step - 1, 0)
+            lines.append(f"{m.MIXRL_ROUTER_WEIGHT_VERSION.name}{{{self.labels(pool, router)}}} {version}")
+        return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def status_operator(cluster: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    running = start_operator(
+        cluster,
+        tmp_path_factory.mktemp("status-operator"),
+        "--status-seconds=1",
+        "--status-write-seconds=2",
+        "--no-builtin-autoscaler",
+    )
+    try:
+        yield running
+    finally:
+        stop_operator(running)
+        print(f"--- operator log (last lines)\n{running.log_tail()}")
+    assert not running.denied(cluster), running.denied(cluster)
+
+
+def status_writes(operator: OperatorProcess, cluster: Bed, since: int) -> list[str]:
+    return [
+        e["requestURI"]
+        for e in operator.writes(cluster, since)
+        if e.get("objectRef", {}).get("subresource") == "status"
+    ]
+
+
+def test_status_is_live_collapse_is_flagged_idle_costs_nothing_and_the_end_releases_gpus(
+    cluster: Bed, status_operator: OperatorProcess, namespace: str, tmp_path: Path
+) -> None:
+    run = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
+    run["metadata"]["namespace"] = namespace
+    name = run["metadata"]["name"]
+    run["spec"]["samplerPools"] = [p for p in run["spec"]["samplerPools"] if p["name"] in POOLS]
+    for pool in run["spec"]["samplerPools"]:
+        pool.update(minReplicas=1, maxReplicas=2)
+    prom_port = free_port()
+    run["spec"]["autoscaling"] = {"engine": "none", "prometheusUrl": f"http://127.0.0.1:{prom_port}"}
+    run["spec"]["health"] = {"collapse": {"baselineSteps": 3, "window": 2}}
+    exporter = RunExporter(namespace, name)
+    prometheus = start_prometheus(tmp_path, prom_port, f"127.0.0.1:{exporter.port}")
+    try:
+        cluster.apply(run)
+        exporter.moving = True
+
+        def rlrun() -> dict[str, Any]:
+            return cluster.get(f"rlr/{name}", "-n", namespace).get("status") or {}
+
+        def condition(kind: str) -> dict[str, Any]:
+            return next((c for c in rlrun().get("conditions", []) if c["type"] == kind), {})
+
+        # 1. Live values on the run, in its pools list and on each SamplerPool.
+        wait_for(lambda: (rlrun().get("step") or 0) >= 4, timeout=90, what="the trainer's step in the status")
+        wait_for(
+            lambda: condition("CollapseRisk").get("status"), equals="False", timeout=60, what="judged healthy"
+        )
+        status = rlrun()
+        assert status["phase"] in ("Pending", "Running") and status["weightVersion"] >= 3
+        assert status["reward"] == 0.5
+        summary = {p["name"]: p for p in status["pools"]}
+        assert summary["h100-fp8"]["trafficShare"] == 0.25 and summary["b200-nvfp4"]["kl"] == 0.001
+        pool = cluster.get(f"sp/{name}-h100-fp8", "-n", namespace)["status"]
+        assert pool["trafficShare"] == 0.25 and pool["kl"] == 0.001 and pool["servingWeightVersion"] >= 2
+        table = cluster.kubectl("get", "rlr,sp", "-n", namespace).stdout
+        assert "0.25" in table and "0.5" in table, table
+
+        # 2. Idle: nothing changes, so nothing is written (a write per change, at most one per 2 s).
+        exporter.moving = False
+        time.sleep(4)  # the last changed figures land
+        since = len(status_operator.requests(cluster))
+        time.sleep(8)
+        assert status_writes(status_operator, cluster, since) == []
+
+        # 3. Collapse in one pool: its KL grows past 3x its baseline.
+        exporter.kl["b200-nvfp4"] = 0.01
+        exporter.moving = True
+        risk = wait_for(
+            lambda: condition("CollapseRisk") if condition("CollapseRisk").get("status") == "True" else None,
+            timeout=60,
+            what="CollapseRisk",
+        )
+        assert risk["reason"] == "SignsOfCollapse" and "pool b200-nvfp4" in risk["message"], risk
+        events = cluster.get("events", "-n", namespace, "--field-selector", "reason=CollapseRisk")["items"]
+        assert [e["type"] for e in events] == ["Warning"] and "b200-nvfp4" in events[0]["message"]
+
+        # 4. The end: the trainer says it finished; the run succeeds and its GPUs are released.
+        exporter.finished = 1
+        wait_for(lambda: rlrun().get("phase"), equals="Succeeded", timeout=60, what="phase Succeeded")
+        assert rlrun()["reason"] == "TotalStepsReached"
+
+        def released() -> list[int]:
+            found = cluster.kubectl(
+                "get", f"statefulset/{name}-trainer", f"statefulset/{name}-rollout", f"deployment/{name}-router",
+                *[f"sp/{name}-{p}" for p in POOLS], "-n", namespace, "-o", "json",
+            )  # fmt: skip
+            return [item["spec"]["replicas"] for item in json.loads(found.stdout)["items"]]
+
+        wait_for(released, equals=[0] * 5, timeout=60, what="trainer, rollout, router and pools at zero")
+        ended = cluster.get("events", "-n", namespace, "--field-selector", "reason=Succeeded")["items"]
+        assert len(ended) == 1 and ended[0]["involvedObject"]["kind"] == "RLRun"
+        buffer = cluster.get(f"statefulset/{name}-buffer", "-n", namespace)
+        assert buffer["spec"]["replicas"] == 1  # its logs stay served
+    finally:
+        prometheus.terminate()
+        prometheus.wait(10)
+        exporter.server.shutdown()

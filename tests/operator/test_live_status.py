@@ -1,0 +1,197 @@
+"""The live status: queries, figures, phases, failure and the collapse condition (pure parts).
+
+The loop itself runs against a real API server and a real Prometheus in
+tests/cluster/test_live_status.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mixrl.api.models import CollapseSpec
+from mixrl.operator.controller.live_status import (
+    COLLAPSE_RISK,
+    METRICS_AVAILABLE,
+    Figures,
+    LiveReason,
+    figures_from,
+    history_query,
+    live_pool_status,
+    live_run_status,
+    records_from_history,
+    run_queries,
+    significant,
+    trainer_failure,
+)
+from mixrl.rl.health.collapse import assess
+
+NOW = "2026-12-01T00:00:00Z"
+LATER = "2026-12-01T00:05:00Z"
+
+
+def previous_status() -> dict[str, Any]:
+    return {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True", "reason": "AllComponentsReady"}],
+        "pools": [
+            {"name": "fp8", "gpuType": "H100", "replicas": 2, "readyReplicas": 2},
+            {"name": "bf16", "gpuType": "H200", "replicas": 1, "readyReplicas": 1},
+        ],
+    }
+
+
+def answers(step: float = 7, finished: float = 0) -> dict[str, dict[str, float]]:
+    return {
+        "step": {"": step},
+        "weight_version": {"": step},
+        "reward": {"": 0.612345},
+        "finished": {"": finished},
+        "kl": {"all": 0.002, "fp8": 0.0031234567, "bf16": 0.0009},
+        "traffic_share": {"fp8": 0.4, "bf16": 0.6},
+        "tokens_per_second": {"fp8": 1234.5678},
+        "serving_weight_version": {"fp8": 6, "bf16": 7},
+    }
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status["conditions"] if c["type"] == kind)
+
+
+def test_queries_select_the_run_in_its_namespace_and_escape_label_values() -> None:
+    queries = run_queries("team-a", 'we"ird')
+    assert queries["step"] == 'max(mixrl_trainer_step{namespace="team-a",run="we\\"ird",pool="all"})'
+    assert queries["kl"].startswith("max by (pool) (mixrl_trainer_kl{")
+    assert "rate(mixrl_router_generated_tokens_total" in queries["tokens_per_second"]
+    assert history_query("ns", "r").startswith('{__name__=~"mixrl_trainer_step|')
+
+
+def test_live_fields_land_on_the_run_and_its_pools_rounded() -> None:
+    status = live_run_status(previous_status(), figures_from(answers()), 3, NOW)
+    assert (status["step"], status["weightVersion"], status["reward"]) == (7, 7, 0.6123)
+    fp8, bf16 = status["pools"]
+    assert fp8 == {
+        "name": "fp8",
+        "gpuType": "H100",
+        "replicas": 2,
+        "readyReplicas": 2,
+        "kl": 0.003123,
+        "trafficShare": 0.4,
+        "tokensPerSecond": 1235.0,
+        "servingWeightVersion": 6,
+    }
+    assert bf16["servingWeightVersion"] == 7 and "tokensPerSecond" not in bf16
+    assert condition(status, METRICS_AVAILABLE)["status"] == "True"
+    assert condition(status, "Ready")["reason"] == "AllComponentsReady"  # others' conditions kept
+    assert status["phase"] == "Running"
+
+
+def test_the_same_figures_compose_the_same_status_so_nothing_is_written() -> None:
+    first = live_run_status(previous_status(), figures_from(answers()), 3, NOW)
+    again = live_run_status(first, figures_from(answers()), 3, LATER)
+    assert again == first  # lastTransitionTime moves only on a flip
+    jittered = answers()
+    jittered["reward"] = {"": 0.6123449}  # below the 4 significant digits
+    assert live_run_status(first, figures_from(jittered), 3, LATER) == first
+
+
+def test_finished_trainer_makes_the_run_succeed_and_the_phase_is_final() -> None:
+    done = live_run_status(previous_status(), figures_from(answers(step=40, finished=1)), 3, NOW)
+    assert done["phase"] == "Succeeded"
+    assert done["reason"] == LiveReason.FINISHED and done["message"] == "finished: 40 steps taken"
+    # A trainer that restarts afterwards (its series at 0 again) does not undo the end.
+    restarted = live_run_status(done, figures_from(answers(step=0, finished=0)), 3, LATER)
+    assert restarted["phase"] == "Succeeded"
+
+
+def crash_looping_pod(restarts: int, exit_code: int, message: str = "") -> dict[str, Any]:
+    terminated = {"exitCode": exit_code, "reason": "Error" if exit_code else "Completed", "message": message}
+    return {
+        "metadata": {"name": "r-trainer-0"},
+        "status": {
+            "containerStatuses": [
+                {"name": "trainer", "restartCount": restarts, "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                 "lastState": {"terminated": terminated}},
+            ]
+        },
+    }  # fmt: skip
+
+
+def test_a_trainer_that_keeps_failing_fails_the_run_with_its_last_error() -> None:
+    pods = [crash_looping_pod(6, 1, "Traceback...\nmixrl trainer: buffer: step 3 refused\n")]
+    why = trainer_failure(pods)
+    assert why == "trainer r-trainer-0 failed 6 times (exit code 1): mixrl trainer: buffer: step 3 refused"
+    failed = live_run_status(previous_status(), Figures(), 3, NOW, trainer_failure=why)
+    assert failed["phase"] == "Failed" and failed["reason"] == LiveReason.TRAINER_FAILED
+    assert failed["message"] == why
+    # Fewer restarts, or a container that exited 0, is no failure.
+    assert trainer_failure([crash_looping_pod(5, 1)]) is None
+    assert trainer_failure([crash_looping_pod(9, 0)]) is None
+
+
+def test_prometheus_unreachable_keeps_the_last_figures_and_says_why() -> None:
+    known = live_run_status(previous_status(), figures_from(answers()), 3, NOW)
+    lost = live_run_status(known, Figures(), 3, LATER, problem=("PrometheusUnreachable", "http://p: refused"))
+    assert lost["step"] == 7 and lost["pools"] == known["pools"]
+    available = condition(lost, METRICS_AVAILABLE)
+    assert (available["status"], available["reason"]) == ("False", "PrometheusUnreachable")
+    assert available["lastTransitionTime"] == LATER
+    empty = live_run_status(previous_status(), Figures(), 3, NOW)
+    assert condition(empty, METRICS_AVAILABLE)["reason"] == LiveReason.NO_SERIES
+
+
+def history(
+    points: list[tuple[float, int, float, float]],
+) -> list[tuple[dict[str, str], list[tuple[float, float]]]]:
+    """Range-query series from (time, step, run KL, fp8 KL) samples."""
+    run = {"run": "r", "pool": "all"}
+    return [
+        ({"__name__": "mixrl_trainer_step", **run}, [(t, s) for t, s, _, _ in points]),
+        ({"__name__": "mixrl_trainer_kl", **run}, [(t, k) for t, _, k, _ in points]),
+        ({"__name__": "mixrl_trainer_kl", "run": "r", "pool": "fp8"}, [(t, k) for t, _, _, k in points]),
+        ({"__name__": "mixrl_trainer_reward", **run}, [(t, 0.5) for t, _, _, _ in points]),
+    ]
+
+
+def test_history_becomes_one_record_per_step_and_feeds_the_collapse_signs() -> None:
+    # Two samples of step 1 (the last wins), none of step 0 (no update yet).
+    points = [(0.0, 0, 0.0, 0.0), (1.0, 1, 0.001, 0.5), (2.0, 1, 0.001, 0.001)]
+    points += [(float(t), t - 1, 0.001, 0.001 if t < 14 else 0.01) for t in range(3, 22)]
+    records = records_from_history(history(points))
+    assert [r["step"] for r in records] == list(range(1, 21))
+    assert records[0]["pools"]["fp8"]["kl_k3"] == 0.001 and records[0]["kl_k3"] == 0.001
+    spec = CollapseSpec(baseline_steps=5, window=3)
+    raised = assess(records, spec).raised
+    assert [(s.name, s.scope) for s in raised] == [("kl_growing", "fp8")]
+    status = live_run_status(
+        previous_status(), figures_from(answers()), 3, NOW, assessment=assess(records, spec), judged=True
+    )
+    risk = condition(status, COLLAPSE_RISK)
+    assert risk["status"] == "True" and "pool fp8" in risk["message"]
+    healthy = records_from_history(history([(float(t), t, 0.001, 0.001) for t in range(1, 21)]))
+    calm = live_run_status(
+        previous_status(), figures_from(answers()), 3, NOW, assessment=assess(healthy, spec), judged=True
+    )
+    assert condition(calm, COLLAPSE_RISK)["status"] == "False"
+    early = live_run_status(previous_status(), figures_from(answers()), 3, NOW, assessment=None, judged=False)
+    assert condition(early, COLLAPSE_RISK)["status"] == "Unknown"
+
+
+def test_pool_status_gets_its_figures_and_keeps_the_rest() -> None:
+    previous = {"replicas": 2, "readyReplicas": 2, "selector": "s", "conditions": [{"type": "Ready"}]}
+    new = live_pool_status(previous, figures_from(answers()).pools["fp8"])
+    assert new == {
+        **previous,
+        "kl": 0.003123,
+        "trafficShare": 0.4,
+        "tokensPerSecond": 1235.0,
+        "servingWeightVersion": 6,
+    }
+
+
+def test_significant_digits() -> None:
+    assert [significant(v) for v in (0.0, 123456.0, 0.000123456, -2.71828)] == [
+        0.0,
+        123500.0,
+        0.0001235,
+        -2.718,
+    ]
