@@ -31,11 +31,13 @@ from mixrl.rl.metrics import (
     MIXRL_ROUTER_QUEUE_DEPTH,
     MIXRL_ROUTER_REPLICAS_READY,
     MIXRL_ROUTER_TRAFFIC_SHARE,
+    MIXRL_ROUTER_WEIGHT_VERSION,
     MIXRL_TRAINER_EXTREME_RATIO_SHARE,
     MIXRL_TRAINER_GRAD_NORM,
     MIXRL_TRAINER_KL,
     MIXRL_TRAINER_REWARD,
     MIXRL_TRAINER_STEP,
+    MIXRL_TRAINER_WEIGHT_VERSION,
     SGLANG_GEN_THROUGHPUT,
     SGLANG_NUM_QUEUE_REQS,
     SGLANG_NUM_RUNNING_REQS,
@@ -218,6 +220,15 @@ def dashboard() -> Obj:
             0,
             48,
             "currencyUSD",
+        ),
+        panel(
+            "Weight version: published and served per pool",
+            [
+                (f"max({MIXRL_TRAINER_WEIGHT_VERSION.name}{sel})", "published"),
+                (f"max by (pool) ({MIXRL_ROUTER_WEIGHT_VERSION.name}{sel})", "{{pool}}"),
+            ],
+            12,
+            48,
         ),
     ]
     for index, item in enumerate(panels, start=1):
