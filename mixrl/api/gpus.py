@@ -143,3 +143,27 @@ def markdown_table() -> str:
             f"| {'yes' if gpu.fp4_tensor_cores else 'no'} | {gpu.memory_gib or '—'} | {products} |"
         )
     return "\n".join(rows) + "\n"
+
+
+# ----------------------------------------------------------------------------- default prices
+
+DEFAULT_PRICES_DATE = "2026-12-01"
+"""When :data:`DEFAULT_PRICE_PER_GPU_HOUR` was last set."""
+DEFAULT_PRICE_PER_GPU_HOUR: dict[str, float] = {
+    "A100": 1.2,
+    "H100": 2.5,
+    "H200": 3.5,
+    "B200": 6.0,
+    "B300": 8.0,
+    "RTX-PRO-6000": 1.6,
+    "cpu": 0.0,
+}
+"""Dollars per GPU-hour the autoscaler assumes for a pool without ``costPerGpuHour``: round
+on-demand figures at the level of public neo-cloud list prices (the same ones
+examples/rlrun-mixed.yaml states), not a quote from any provider — set ``costPerGpuHour`` to what
+you pay.  Only the ratios between pools matter to the ordering (cheapest throughput first)."""
+
+
+def default_price(gpu_type: str) -> float:
+    """The assumed price of one GPU-hour of ``gpu_type`` (:data:`DEFAULT_PRICE_PER_GPU_HOUR`)."""
+    return DEFAULT_PRICE_PER_GPU_HOUR[gpu_type]

@@ -567,6 +567,23 @@ class AutoscalingSpec(Model):
     gpu_budget: Int | None = Field(default=None, gt=0, le=INT32_MAX)
     """Total GPUs all pools may use together, filled by cost per token; null = no shared budget. It
     must cover the pools' minimums (the sum of minReplicas x gpusPerReplica)."""
+    pending_timeout_seconds: Float | None = Field(default=600.0, gt=0, le=MAX_SECONDS)
+    """Replicas requested but not ready this long, with none becoming ready, are released and the
+    pool may not grow for as long again (a spot pool that lost its nodes): another pool takes the
+    load. null = wait forever."""
+    objective: Literal["queue", "trainer"] = "queue"
+    """``queue``: each pool keeps targetPerReplica requests per replica (web-serving style). ``trainer``:
+    size the whole fleet to the trainer: the cheapest sampler capacity that keeps the trainer's idle
+    share under trainerIdleTarget and the buffered plus in-flight data within
+    [minStepsAhead, rollout.maxStepsAhead] steps (docs/autoscaling.md)."""
+    trainer_idle_target: Float = Field(default=0.05, ge=0, lt=1)
+    """``objective: trainer``: the largest share of time the trainer may wait for data."""
+    min_steps_ahead: Float = Field(default=1.0, ge=0, le=MAX_CAPACITY)
+    """``objective: trainer``: the low end of the band of buffered plus in-flight data, in steps; the
+    high end is rollout.maxStepsAhead (the rollout's own back-pressure)."""
+    cost_budget_per_hour: Float | None = Field(default=None, gt=0, le=MAX_CAPACITY)
+    """``objective: trainer``: most dollars per hour all pools may cost together (costPerGpuHour, or
+    the default price table); null = none."""
 
 
 class EvaluationSpec(Model):
@@ -675,6 +692,8 @@ class RLRunSpec(Model):
         need = sum(pool.min_replicas * pool.gpus_per_replica for pool in self.sampler_pools)
         if budget is not None and need > budget:  # the autoscaler counts every pool alike
             raise rules.GPU_BUDGET_COVERS_MINIMUMS.error(budget=budget, need=need)
+        if self.autoscaling.objective == "trainer" and self.autoscaling.engine != "builtin":
+            raise rules.TRAINER_OBJECTIVE_NEEDS_BUILTIN.error(engine=self.autoscaling.engine)
         top_p = self.algorithm.top_p  # SGLang's sampling mask needs a finite top-k (SamplingRule.mask_limit)
         if top_p.p < 1.0 and top_p.k == -1 and any(pool.engine == "sglang" for pool in self.sampler_pools):
             raise rules.SGLANG_MASK_NEEDS_TOP_K.error()
@@ -844,6 +863,15 @@ class ScaleDecision(Model):
     """Why (ratio, bounds, stabilization, budget…)."""
 
 
+class ScaleRecommendation(Model):
+    time: Float = Field(ge=0, le=2.0**40)
+    """Unix time of the recommendation."""
+    replicas: Int = Field(ge=0, le=INT32_MAX)
+    """The fewest replicas it allowed (a scale-down goes no lower within the window)."""
+    kind: Literal["pool", "fleet"] = "pool"
+    """``pool``: the pool's own recommendation; ``fleet``: the replicas the fleet step requested."""
+
+
 class SamplerPoolStatus(Model):
     replicas: int = 0
     """Pods that exist (scale subresource)."""
@@ -861,6 +889,8 @@ class SamplerPoolStatus(Model):
     """Mean sampler–trainer KL (k3) of this pool's tokens."""
     last_scale_decisions: list[ScaleDecision] = Field(default_factory=list)
     """The most recent scaling decisions, newest last."""
+    autoscaler_window: list[ScaleRecommendation] = Field(default_factory=list)
+    """The built-in autoscaler's scale-down window (written by it, read back after a restart)."""
 
 
 class SamplerPool(Model):

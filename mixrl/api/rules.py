@@ -592,6 +592,21 @@ SGLANG_MASK_NEEDS_TOP_K = Rule(
     condition=_sglang_mask_needs_top_k,
 )
 
+TRAINER_OBJECTIVE_NEEDS_BUILTIN = Rule(
+    "trainer-objective-needs-builtin",
+    ("RLRunSpec",),
+    "autoscaling.objective",
+    "trainer sizes the whole fleet in mixrl's own loop and needs engine builtin, not {engine}"
+    " (KEDA scales each pool from its own query)",
+    "FieldValueForbidden",
+    condition=lambda node: (
+        "!has(self.autoscaling) || !has(self.autoscaling.objective)"
+        " || self.autoscaling.objective != 'trainer'"
+        " || (has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin') == 'builtin'"
+    ),
+    values=lambda node: {"engine": "(has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin')"},
+)
+
 RUN_NAME_LENGTH = Rule(
     "run-name-length",
     ("RLRun",),
@@ -627,6 +642,7 @@ RULES: tuple[Rule, ...] = (
     SAMPLES_COVER_PASS_K,
     UNIQUE_POOL_NAMES,
     GPU_BUDGET_COVERS_MINIMUMS,
+    TRAINER_OBJECTIVE_NEEDS_BUILTIN,
     SGLANG_MASK_NEEDS_TOP_K,
     RUN_NAME_LENGTH,
 )

@@ -453,6 +453,15 @@ CASES: dict[str, Case] = {
         "spec.autoscaling.gpuBudget: 4 GPUs cannot hold the pools' minimums: minReplicas x gpusPerReplica"
         " sum to 5",
     ),
+    "trainer-objective-with-keda": Case(
+        "trainer-objective-needs-builtin",
+        lambda doc: [
+            _set("spec", "autoscaling", "objective", value="trainer")(doc),
+            _set("spec", "autoscaling", "engine", value="keda")(doc),
+        ],
+        "spec.autoscaling.objective: trainer sizes the whole fleet in mixrl's own loop and needs engine"
+        " builtin, not keda (KEDA scales each pool from its own query)",
+    ),
     "gpu-budget-below-default-minimums": Case(  # pools without minReplicas or gpusPerReplica: 1 x 1
         "gpu-budget-covers-minimums",
         lambda doc: [

@@ -160,6 +160,10 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.GPU_BUDGET_COVERS_MINIMUMS.name,
         at("spec", "autoscaling", "gpuBudget", value=2),
     ),
+    "trainer-objective-with-keda": (
+        rules.TRAINER_OBJECTIVE_NEEDS_BUILTIN.name,
+        at("spec", "autoscaling", value={"engine": "keda", "objective": "trainer"}),
+    ),
 }
 
 # name -> (the field the schema's bounds refuse, the document): simple bounds live in the schema

@@ -33,7 +33,7 @@ from mixrl.operator.autoscaling.policy import (
     PolicyConfig,
     PolicyState,
     PoolLoad,
-    allocate_gpu_budget,
+    budget_step,
     decide,
 )
 
@@ -182,6 +182,7 @@ class _Fleet:
         keep = 1 + (strategy.sustained_window_s or 0) // strategy.scrape_interval_s
         self.scrapes: deque[np.ndarray] = deque(maxlen=keep)
         self.states = {p.name: PolicyState() for p in pools}
+        self.budget_requests: dict[str, BudgetRequest] = {}
         self.actions: list[tuple[float, str, int, int]] = []
 
     def n_starting(self) -> np.ndarray:
@@ -253,6 +254,7 @@ class _Fleet:
         assert configs is not None
         starting = self.n_starting()
         decided: dict[str, int] = {}
+        ceilings: dict[str, int | None] = {}
         sustained = np.mean(self.scrapes, axis=0) if self.strategy.sustained_window_s else None
         for i, pool in enumerate(self.pools):
             load = PoolLoad(
@@ -266,22 +268,31 @@ class _Fleet:
             decision = decide(load, self.states[pool.name], configs[pool.name], float(now))
             self.states[pool.name] = decision.state
             decided[pool.name] = decision.desired
+            ceilings[pool.name] = decision.ceiling
         if self.strategy.gpu_budget is not None:
-            requests = [
-                BudgetRequest(
-                    p.name,
-                    decided[p.name],
-                    configs[p.name].min_replicas,
-                    configs[p.name].max_replicas,
-                    p.capacity,
-                    p.gpus_per_replica,
-                    p.cost_per_gpu_hour,
-                )
-                for p in self.pools
-            ]
-            allocation = allocate_gpu_budget(requests, self.strategy.gpu_budget)
+            # The loop's budget step (AutoscalingLoop.apply_budget), pool after pool, each seeing
+            # the others' latest requests.
             for i, pool in enumerate(self.pools):
-                target = allocation[pool.name].replicas
+                request = BudgetRequest(
+                    pool.name,
+                    decided[pool.name],
+                    configs[pool.name].min_replicas,
+                    configs[pool.name].max_replicas,
+                    pool.capacity,
+                    pool.gpus_per_replica,
+                    pool.cost_per_gpu_hour,
+                    ceiling=ceilings[pool.name],
+                )
+                allocation, self.budget_requests[pool.name], self.states[pool.name] = budget_step(
+                    request,
+                    list(self.budget_requests.values()),
+                    self.states[pool.name],
+                    int(self.desired[i]),
+                    float(now),
+                    configs[pool.name].scale_down_window_s,
+                    self.strategy.gpu_budget,
+                )
+                target = allocation.replicas
                 if updating and target < self.desired[i]:
                     target = int(self.desired[i])  # never remove a replica mid-update
                 decided[pool.name] = target

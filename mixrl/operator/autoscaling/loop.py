@@ -41,7 +41,7 @@ from mixrl.operator.autoscaling.policy import (
     PolicyConfig,
     PolicyState,
     PoolLoad,
-    allocate_gpu_budget,
+    budget_step,
     decide,
 )
 from mixrl.operator.autoscaling.pool_api import (
@@ -50,9 +50,16 @@ from mixrl.operator.autoscaling.pool_api import (
     PoolApi,
     observe,
     query_label_values,
+    query_prometheus,
     rfc3339,
 )
-from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, gpu_models_query, load_query
+from mixrl.operator.autoscaling.promql import (
+    SUSTAINED_STEP,
+    SUSTAINED_WINDOW,
+    gpu_models_query,
+    load_query,
+    paused_query,
+)
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.conditions import make_condition
 from mixrl.operator.kube.rbac import SAMPLERPOOLS
@@ -74,10 +81,42 @@ METRICS_REASON = "MetricsUnavailable"
 
 @dataclass
 class PoolMemory:
-    """What the loop remembers of one pool between polls (in memory, as HPA does)."""
+    """What the loop remembers of one pool between polls; the scale-down window is also written to
+    the pool's ``status.autoscalerWindow`` and read back by a restarted operator."""
 
     state: PolicyState = field(default_factory=PolicyState)
     last_poll: float | None = None
+    refused: str | None = None
+    """The last bounds problem reported (one Warning event per problem, not one per poll)."""
+
+
+def window_status(state: PolicyState, now: float, window_s: float) -> list[Obj]:
+    """The part of the window that can still bound a scale-down: per kind, each entry not exceeded
+    by a later one (a sliding maximum needs no more), for ``status.autoscalerWindow``."""
+    out: list[Obj] = []
+    for kind, entries in (("pool", state.recommendations), ("fleet", state.targets)):
+        kept: list[tuple[float, int]] = []
+        for t, r in entries:
+            if t <= now - window_s:
+                continue
+            while kept and kept[-1][1] <= r:
+                kept.pop()
+            kept.append((t, r))
+        out += [{"time": t, "replicas": r, "kind": kind} for t, r in kept]
+    return out
+
+
+def restored_state(pool_body: Obj, now: float, window_s: float) -> PolicyState:
+    """The policy state of a pool this operator has no memory of: the window from the pool's
+    status, or — a pool that never had one — its current replicas as a recommendation made now,
+    so a restart never drops a pool below its replicas before a full window has passed."""
+    status = pool_body.get("status") or {}
+    entries = [e for e in status.get("autoscalerWindow") or [] if float(e.get("time", 0)) > now - window_s]
+    pool = tuple((float(e["time"]), int(e["replicas"])) for e in entries if e.get("kind", "pool") == "pool")
+    fleet = tuple((float(e["time"]), int(e["replicas"])) for e in entries if e.get("kind") == "fleet")
+    if pool or fleet:
+        return PolicyState(recommendations=pool, targets=fleet)
+    return PolicyState.seeded(now, int((pool_body.get("spec") or {}).get("replicas") or 0))
 
 
 @dataclass(frozen=True)
@@ -95,12 +134,16 @@ def pool_of(run: ResolvedRun, pool_body: Obj) -> ResolvedPool:
     return run.pool(pool_body["spec"]["pool"])
 
 
-def load_of(pool_body: Obj, observation: Observation) -> PoolLoad:
+def load_of(pool_body: Obj, observation: Observation, paused: float | None = None) -> PoolLoad:
+    """The policy's view of one pool.  ``paused``: requests its engines hold paused (the weight
+    update, :func:`mixrl.operator.autoscaling.promql.paused_query`); an ``UpdatingWeights``
+    condition set by hand counts too."""
     spec, status = pool_body.get("spec") or {}, pool_body.get("status") or {}
     replicas = int(spec.get("replicas") or 0)
     ready = int(status.get("readyReplicas") or 0)
     conditions = status.get("conditions") or []
     updating = any(c.get("type") == UPDATING_WEIGHTS and c.get("status") == "True" for c in conditions)
+    updating = updating or (paused or 0) > 0
     return PoolLoad(
         load=observation.load,
         sustained=observation.sustained,
@@ -112,12 +155,22 @@ def load_of(pool_body: Obj, observation: Observation) -> PoolLoad:
     )
 
 
+class BoundsRefused(ValueError):
+    """The SamplerPool's own bounds contradict each other: the loop does not scale it."""
+
+
 def config_of(run: ResolvedRun, pool: ResolvedPool, pool_body: Obj) -> PolicyConfig:
-    """The pool's policy; the SamplerPool's own bounds win (``kubectl edit`` may have changed them)."""
+    """The pool's policy; the SamplerPool's own bounds win (``kubectl edit`` may have changed them).
+    Bounds that contradict each other are refused, never repaired: the CRD's CEL rule refuses them
+    at admission, and a pool that got past it (an older CRD) is left alone with one Warning."""
     spec = pool_body.get("spec") or {}
     low = int(spec.get("minReplicas", pool.min_replicas))
     high = int(spec.get("maxReplicas", pool.max_replicas))
-    return PolicyConfig.from_spec(run.autoscaling, pool, min_replicas=low, max_replicas=max(low, high))
+    if high < low:
+        raise BoundsRefused(
+            f"spec.maxReplicas: {high} is below spec.minReplicas {low}; not scaling this pool"
+        )
+    return PolicyConfig.from_spec(run.autoscaling, pool, min_replicas=low, max_replicas=high)
 
 
 def metrics_condition(
@@ -142,9 +195,11 @@ def plan_pool(
     history: int = 10,
     decision: Decision | None = None,
     gpu_models: set[str] | None = None,
+    window: list[Obj] | None = None,
 ) -> PoolPlan:
     """One poll of one pool, without I/O.  ``decision`` overrides the policy (the GPU budget);
-    ``gpu_models`` are the GPU models the pool's pods report (None: unknown)."""
+    ``gpu_models`` are the GPU models the pool's pods report (None: unknown); ``window`` is the
+    scale-down window to persist (:func:`window_status`; written when it changed)."""
     pool = pool_of(run, pool_body)
     load = load_of(pool_body, observation)
     if decision is None:
@@ -167,6 +222,8 @@ def plan_pool(
             patch["conditions"] = [*(c for c in current if c.get("type") != WRONG_GPU_TYPE), wrong_gpu]
             if wrong_gpu["status"] == "True":
                 event = ("Warning", WRONG_GPU_TYPE, wrong_gpu["message"])
+    if window is not None and window != status.get("autoscalerWindow"):
+        patch["autoscalerWindow"] = window
     replicas = None
     if decision.changed:
         replicas = decision.desired
@@ -209,6 +266,8 @@ class LoopSettings:
 PoolLock = Callable[[str, str], asyncio.Lock]
 Gate = Callable[[str], Awaitable[bool]]
 Observer = Callable[[aiohttp.ClientSession, str, str, float, tuple[str, str]], Awaitable[Observation]]
+Scalar = Callable[[aiohttp.ClientSession, str, str, float], Awaitable[float]]
+"""One instant query that returns one number (:func:`query_prometheus`)."""
 
 
 class AutoscalingLoop:
@@ -223,6 +282,7 @@ class AutoscalingLoop:
         owns_client: bool = False,
         lock: PoolLock | None = None,
         may_act: Gate | None = None,
+        scalar: Scalar = query_prometheus,
     ):
         self.settings = settings or LoopSettings()
         self.client = client
@@ -238,6 +298,7 @@ class AutoscalingLoop:
         self._paused: set[str] = set()
         self.clock = clock
         self.observer = observer
+        self.scalar = scalar
         self.runs: dict[Key, Obj] = {}
         self.pools: dict[Key, Obj] = {}
         self.memory: dict[Key, PoolMemory] = {}
@@ -301,8 +362,8 @@ class AutoscalingLoop:
     def resolved_run(self, pool_body: Obj) -> ResolvedRun | None:
         namespace = pool_body["metadata"].get("namespace") or "default"
         run_body = self.runs.get((namespace, (pool_body.get("spec") or {}).get("run", "")))
-        if run_body is None:
-            return None
+        if run_body is None or (run_body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return None  # an ended run's pools stay at zero (mixrl.operator.controller.reconcile.at_zero)
         try:
             return resolve(
                 RLRun.model_validate({k: run_body[k] for k in ("apiVersion", "kind", "metadata", "spec")})
@@ -401,14 +462,39 @@ class AutoscalingLoop:
                 )
             except MetricsUnavailable:
                 models = None  # GPU telemetry is optional; the load decided the replicas
+        paused = None
+        if observation.problem is None:
+            try:
+                paused = await self.scalar(
+                    self.session(),
+                    run.autoscaling.prometheus_url,
+                    paused_query(run.namespace, pool.object_name),
+                    self.settings.query_timeout_s,
+                )
+            except MetricsUnavailable:
+                paused = None  # no paused series: no engine holds requests for an update
         async with self.lock(*key):
             body = await self.live_pool(key, cached)
             if body is None:
                 return None
-            decision = decide(load_of(body, observation), memory.state, config_of(run, pool, body), now)
+            window_s = run.autoscaling.scale_down_window_seconds
+            if memory.last_poll is None:
+                memory.state = restored_state(body, now, window_s)
+            try:
+                config = config_of(run, pool, body)
+            except BoundsRefused as exc:
+                memory.last_poll = now
+                if memory.refused != str(exc):
+                    memory.refused = str(exc)
+                    log.warning("autoscaling %s/%s: %s", *key, exc)
+                    await PoolApi(self.client).post_event(body, "Warning", "BoundsRefused", str(exc), now)
+                return None
+            memory.refused = None
+            observation = observation.asleep(int((body.get("spec") or {}).get("replicas") or 0))
+            decision = decide(load_of(body, observation, paused), memory.state, config, now)
             memory.state, memory.last_poll = decision.state, now
-            if run.autoscaling.gpu_budget is not None and observation.problem is None:
-                decision = self.apply_budget(key, body, run, pool, decision)
+            if run.autoscaling.gpu_budget is not None:
+                decision = self.apply_budget(key, body, run, pool, decision, observation, now)
             plan = plan_pool(
                 body,
                 run,
@@ -418,29 +504,62 @@ class AutoscalingLoop:
                 history=self.settings.history,
                 decision=decision,
                 gpu_models=models,
+                window=window_status(memory.state, now, window_s),
             )
             await self.write(key, body, plan, now)
         return plan
 
     def apply_budget(
-        self, key: Key, body: Obj, run: ResolvedRun, pool: ResolvedPool, decision: Decision
+        self,
+        key: Key,
+        body: Obj,
+        run: ResolvedRun,
+        pool: ResolvedPool,
+        decision: Decision,
+        observation: Observation,
+        now: float,
     ) -> Decision:
-        """Share the run's GPU budget using every pool's latest own decision (cheapest first)."""
-        assert run.autoscaling.gpu_budget is not None
+        """Share the run's GPU budget using every pool's latest own decision (cheapest first).
+
+        Every poll updates this pool's request, metrics or not: a pool whose metrics are missing is
+        pinned at its replicas (it will not apply a grant), so no stale request counts.  A cut
+        waits for the window as rule 6 does: the allocation made without floors is remembered
+        (:func:`record_target`) and the pool goes no lower than the highest of the window
+        (:func:`stabilized_floor`)."""
+        budget = run.autoscaling.gpu_budget
+        assert budget is not None
         config = config_of(run, pool, body)
+        memory = self.memory[key]
+        pinned = observation.problem is not None
         requests = self._budget.setdefault((key[0], run.name), {})
-        requests[pool.name] = BudgetRequest(
+        for name in [n for n in requests if n not in {p.name for p in run.pools}]:
+            del requests[name]
+        # A pool capped by rule 8 still wants its recommendation: the demand stays, other pools cover it.
+        wanted = decision.desired
+        if decision.ceiling is not None and decision.recommendation is not None:
+            wanted = max(wanted, decision.recommendation)
+        request = BudgetRequest(
             pool.name,
-            decision.desired,
+            wanted,
             config.min_replicas,
             config.max_replicas,
             pool.capacity or 1.0,
             pool.gpus_per_replica,
             pool.cost_per_gpu_hour,
+            floor=decision.current if pinned else 0,
+            ceiling=decision.current if pinned else decision.ceiling,
         )
-        for name in [n for n in requests if n not in {p.name for p in run.pools}]:
-            del requests[name]
-        allocation = allocate_gpu_budget(list(requests.values()), run.autoscaling.gpu_budget)[pool.name]
+        allocation, requests[pool.name], memory.state = budget_step(
+            request,
+            list(requests.values()),
+            memory.state,
+            decision.current,
+            now,
+            run.autoscaling.scale_down_window_seconds,
+            budget,
+        )
+        if pinned:
+            return decision
         desired = allocation.replicas
         if desired < decision.current and load_of(body, Observation(None, None)).updating_weights:
             desired = decision.current  # never remove a replica mid-update

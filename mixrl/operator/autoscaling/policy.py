@@ -26,6 +26,10 @@ summed over its engines) into a desired replica count.  The rules, in the order 
    the load must exceed the window's peak by (1 + tolerance)² before the pool scales up again, so
    noise smaller than that never makes a pool go down and back up (HPA has no headroom).
 7. **Weight updates**: no replica is removed while the pool is loading a new weight version.
+8. **Pending timeout**: replicas requested but not ready while no replica became ready for
+   ``pendingTimeout`` seconds (a spot pool that lost its nodes, a quota) stop counting as capacity
+   and are released, and the pool may not grow for another ``pendingTimeout``: the fleet step (the
+   GPU budget or the RL objective) places that capacity on another pool.
 
 :func:`allocate_gpu_budget` is the optional global step: all pools share a GPU budget, filled
 cheapest capacity first (cost per token ∝ costPerGpuHour · gpusPerReplica / capacity).
@@ -50,6 +54,7 @@ HPA_SCALE_DOWN_WINDOW_S = 300.0
 KEDA_POLLING_INTERVAL_S = 30.0
 KEDA_COOLDOWN_PERIOD_S = 300.0
 DEFAULT_BURST_RATIO = 2.0
+DEFAULT_PENDING_TIMEOUT_S = 600.0
 
 # Float noise in load / target must not turn 16.000000001 into 17 replicas.
 _CEIL_EPSILON = 1e-9
@@ -111,6 +116,8 @@ class PolicyConfig:
     """Replicas to apply when metrics are unavailable; None holds the current count."""
     poll_interval_s: float = KEDA_POLLING_INTERVAL_S
     """How often the loop (or the simulator) calls :func:`decide`."""
+    pending_timeout_s: float | None = DEFAULT_PENDING_TIMEOUT_S
+    """Replicas not ready after this long without progress are released (rule 8); None: never."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -138,6 +145,8 @@ class PolicyConfig:
             problems.append(f"scale_down_headroom: must be in [0, 1) or None, got {self.scale_down_headroom}")
         if self.fallback_replicas is not None and self.fallback_replicas < 0:
             problems.append(f"fallback_replicas: must be ≥ 0, got {self.fallback_replicas}")
+        if self.pending_timeout_s is not None and not self.pending_timeout_s > 0:
+            problems.append(f"pending_timeout_s: must be > 0 or None, got {self.pending_timeout_s}")
         if problems:
             raise ValueError(f"PolicyConfig.{problems[0]}")
 
@@ -173,12 +182,19 @@ class PolicyConfig:
             count_starting=True,
             fallback_replicas=spec.fallback_replicas,
             poll_interval_s=spec.poll_interval_seconds,
+            pending_timeout_s=spec.pending_timeout_seconds,
         )
 
     @classmethod
     def keda_like(cls, min_replicas: int, max_replicas: int, target_per_replica: float) -> PolicyConfig:
         """KEDA's and HPA's defaults: 30 s polling, 300 s cooldown and stabilization, max(4, 100 %)
-        per 15 s up, no burst allowance, load measured per ready replica."""
+        per 15 s up, no burst allowance, no headroom, no pending timeout.
+
+        KEDA's Prometheus trigger is an External metric with an ``AverageValue`` target, for which
+        HPA computes ``desired = ceil(usage / target)`` from the query's total, whatever the pods'
+        readiness (``usage / (target · spec.replicas)`` only decides the tolerance): the same
+        recommendation as mixrl's rule 1 with every requested replica counted, which
+        ``count_starting=True`` with nothing stuck is."""
         return cls(
             min_replicas=min_replicas,
             max_replicas=max_replicas,
@@ -190,20 +206,69 @@ class PolicyConfig:
             scale_up_period_s=HPA_SCALE_UP_PERIOD_S,
             activation_threshold=0.0,
             burst_ratio=None,
-            count_starting=False,
+            count_starting=True,
             scale_down_headroom=0.0,
             poll_interval_s=KEDA_POLLING_INTERVAL_S,
+            pending_timeout_s=None,
         )
 
 
 @dataclass(frozen=True)
 class PolicyState:
-    """What the policy remembers between polls (kept in memory, as HPA does)."""
+    """What the policy remembers between polls (the loop also persists it in the pool's status)."""
 
     recommendations: tuple[tuple[float, int], ...] = ()
     """(time, bounded scale-down recommendation) within the scale-down window, oldest first."""
     scale_ups: tuple[tuple[float, int], ...] = ()
     """(time, replicas added) within the scale-up period, oldest first."""
+    targets: tuple[tuple[float, int], ...] = ()
+    """(time, replicas finally requested after the fleet step) within the scale-down window: a
+    fleet-level cut (budget, objective) goes no lower than their highest (:func:`stabilized_floor`)."""
+    pending_since: float | None = None
+    """Since when replicas have been requested but not ready with no replica becoming ready."""
+    ready_seen: int = 0
+    """Ready replicas at the last poll (a rise is progress: it restarts the pending clock)."""
+    blocked_until: float | None = None
+    """After a pending timeout released replicas, the pool may not grow before this time."""
+
+    @classmethod
+    def seeded(cls, now: float, replicas: int) -> PolicyState:
+        """The state of a pool the policy has no memory of (an operator restart): its current
+        replicas count as a recommendation made now, so nothing is removed before a full window."""
+        return cls(recommendations=((now, replicas),), targets=((now, replicas),))
+
+
+def track_pending(
+    state: PolicyState, load: PoolLoad, now: float, config: PolicyConfig
+) -> tuple[PolicyState, int]:
+    """Rule 8's clock: the state to keep and how many requested replicas are stuck (0: none).
+
+    The clock starts when replicas are requested but not ready, and restarts whenever the ready
+    count rises (a cold start in progress is not stuck: one replica after another comes up).  When
+    it has run ``pending_timeout_s``, every replica still not ready is stuck."""
+    unready = max(load.replicas - load.ready, 0)
+    since = state.pending_since
+    if unready == 0:
+        since = None
+    elif since is None or load.ready > state.ready_seen:
+        since = now
+    stuck = 0
+    if config.pending_timeout_s is not None and since is not None and now - since >= config.pending_timeout_s:
+        stuck = unready
+    return replace(state, pending_since=since, ready_seen=load.ready), stuck
+
+
+def stabilized_floor(state: PolicyState, current: int, now: float, window_s: float) -> int:
+    """The fewest replicas a fleet-level cut may leave this poll: the highest target requested
+    within the window, at most the current count (a cut waits for the window, as rule 6 does)."""
+    recent = [r for t, r in state.targets if t > now - window_s]
+    return min(current, max(recent, default=0))
+
+
+def record_target(state: PolicyState, target: int, now: float, window_s: float) -> PolicyState:
+    """Remember the replicas finally requested this poll (for :func:`stabilized_floor`)."""
+    kept = tuple((t, r) for t, r in state.targets if t > now - window_s)
+    return replace(state, targets=(*kept, (now, target)))
 
 
 @dataclass(frozen=True)
@@ -216,14 +281,18 @@ class Decision:
     ratio: float | None = None
     state: PolicyState = field(default_factory=PolicyState)
     """The state to pass to the next call."""
+    ceiling: int | None = None
+    """Set when rule 8 capped the pool (stuck replicas released, growth blocked): the fleet step
+    (budget, objective) must not give it more than this now."""
 
     @property
     def changed(self) -> bool:
         return self.desired != self.current
 
 
-def _recommend(load: PoolLoad, config: PolicyConfig) -> tuple[int, float | None, str]:
-    """Rules 1–3: the unbounded recommendation, the ratio it came from, and why."""
+def _recommend(load: PoolLoad, config: PolicyConfig, stuck: int = 0) -> tuple[int, float | None, str]:
+    """Rules 1–3: the unbounded recommendation, the ratio it came from, and why (``stuck``
+    replicas, rule 8, are not capacity)."""
     assert load.load is not None
     demand, target, current = load.load, config.target_per_replica, load.replicas
     if current == 0:
@@ -238,7 +307,9 @@ def _recommend(load: PoolLoad, config: PolicyConfig) -> tuple[int, float | None,
         return 0, None, f"idle: load {demand:g} ≤ activation threshold {config.activation_threshold:g}"
 
     if config.count_starting:
-        base = load.ready + load.starting
+        base = load.ready + load.starting - stuck
+        if base <= 0 and stuck:
+            return max(1, _ceil(demand / target)), None, f"none of {current} requested replicas became ready"
         if base == 0:
             base = current  # nothing measured yet: every requested replica is on its way
         ratio = demand / (target * base)
@@ -299,7 +370,8 @@ def decide(load: PoolLoad, state: PolicyState, config: PolicyConfig, now: float)
             desired, why = current, why + "; held during weight update"
         return Decision(current, desired, why, None, None, state)
 
-    raw, ratio, why = _recommend(load, config)
+    state, stuck = track_pending(state, load, now, config)
+    raw, ratio, why = _recommend(load, config, stuck)
     recommendation = _clamp(raw, config)
     if recommendation != raw:
         bound = "maxReplicas" if raw > recommendation else "minReplicas"
@@ -338,12 +410,29 @@ def decide(load: PoolLoad, state: PolicyState, config: PolicyConfig, now: float)
         why += f"; bounded to {bounded}"
         desired = bounded
 
+    # Rule 8: stuck replicas are released (they serve nothing); the pool waits before growing.
+    ceiling = None
+    if stuck:
+        ceiling = max(config.min_replicas, current - stuck)
+        if desired > ceiling:
+            desired = ceiling
+            why += f"; pending timeout: {stuck} not ready after {config.pending_timeout_s:g} s, released"
+        assert config.pending_timeout_s is not None
+        state = replace(state, blocked_until=now + config.pending_timeout_s, pending_since=None)
+    elif state.blocked_until is not None and now < state.blocked_until:
+        ceiling = max(current, config.min_replicas)
+        if desired > ceiling:
+            desired = ceiling
+            why += "; growth blocked after a pending timeout"
+
     period_start = now - config.scale_up_period_s
     scale_ups = tuple((t, n) for t, n in state.scale_ups if t > period_start)
     if desired > current:
         scale_ups += ((now, desired - current),)
     next_state = replace(state, recommendations=history, scale_ups=scale_ups)
-    return Decision(current, desired, f"{current} → {desired}: {why}", recommendation, ratio, next_state)
+    return Decision(
+        current, desired, f"{current} → {desired}: {why}", recommendation, ratio, next_state, ceiling
+    )
 
 
 # ----------------------------------------------------------------------------- global GPU budget
@@ -360,6 +449,27 @@ class BudgetRequest:
     capacity: float
     gpus_per_replica: int
     cost_per_gpu_hour: float | None
+    floor: int = 0
+    """The fewest replicas a cut may leave now (:func:`stabilized_floor`: cuts wait for the window)."""
+    ceiling: int | None = None
+    """The most replicas the pool may have now (None: ``max_replicas``); a pool whose metrics are
+    missing is pinned (floor = ceiling = its replicas), one after a pending timeout is capped."""
+
+    @property
+    def pinned(self) -> bool:
+        return self.ceiling is not None and self.floor >= self.ceiling
+
+    @property
+    def low(self) -> int:
+        return min(max(self.min_replicas, self.floor), self.high)
+
+    @property
+    def high(self) -> int:
+        return (
+            self.max_replicas
+            if self.ceiling is None
+            else max(self.min_replicas, min(self.max_replicas, self.ceiling))
+        )
 
     @property
     def cost_per_capacity_hour(self) -> float:
@@ -380,9 +490,11 @@ def allocate_gpu_budget(requests: Sequence[BudgetRequest], gpu_budget: int) -> d
     """Share ``gpu_budget`` GPUs among pools, cheapest capacity first.
 
     The demand is the capacity the pools asked for together, ``Σ desired · capacity``; every pool
-    first gets its ``minReplicas`` (a hard bound, even over budget), then the cheapest pools are
-    filled up to ``maxReplicas`` until the demand is covered or the budget is spent.  The router
-    sends sessions in proportion to ready capacity, so load follows the replicas to the cheap pools.
+    first gets its ``minReplicas`` (a hard bound, even over budget) and its ``floor`` (what the
+    scale-down window still holds; floors are given up dearest first when they do not fit), then
+    the cheapest pools are filled up to their ceiling until the demand is covered or the budget is
+    spent.  The router sends sessions in proportion to ready capacity, so load follows the replicas
+    to the cheap pools.
     """
     if gpu_budget <= 0:
         raise ValueError(f"gpu_budget: must be > 0, got {gpu_budget}")
@@ -390,14 +502,20 @@ def allocate_gpu_budget(requests: Sequence[BudgetRequest], gpu_budget: int) -> d
     if len(set(names)) != len(names):
         raise ValueError(f"requests: duplicate pool names in {names}")
     demand = sum(r.desired * r.capacity for r in requests)
-    replicas = {r.name: r.min_replicas for r in requests}
-    used = sum(r.min_replicas * r.gpus_per_replica for r in requests)
-    have = sum(r.min_replicas * r.capacity for r in requests)
-    over_budget = used > gpu_budget
+    replicas = {r.name: r.low for r in requests}
+    over_budget = sum(r.min_replicas * r.gpus_per_replica for r in requests) > gpu_budget
+    for request in sorted(requests, key=lambda r: (-r.cost_per_capacity_hour, r.name)):
+        excess = sum(replicas[r.name] * r.gpus_per_replica for r in requests) - gpu_budget
+        if excess <= 0 or request.gpus_per_replica == 0:
+            continue
+        give_up = min(replicas[request.name] - request.min_replicas, _ceil(excess / request.gpus_per_replica))
+        replicas[request.name] -= max(0, give_up)
+    used = sum(replicas[r.name] * r.gpus_per_replica for r in requests)
+    have = sum(replicas[r.name] * r.capacity for r in requests)
     for request in sorted(requests, key=lambda r: (r.cost_per_capacity_hour, r.name)):
         if have >= demand - _CEIL_EPSILON:
             break
-        room = request.max_replicas - replicas[request.name]
+        room = request.high - replicas[request.name]
         needed = _ceil((demand - have) / request.capacity)
         affordable = (
             room if request.gpus_per_replica == 0 else (gpu_budget - used) // request.gpus_per_replica
@@ -419,3 +537,25 @@ def allocate_gpu_budget(requests: Sequence[BudgetRequest], gpu_budget: int) -> d
             why = "budget: as desired"
         out[request.name] = Allocation(n, why)
     return out
+
+
+def budget_step(
+    own: BudgetRequest,
+    others: Sequence[BudgetRequest],
+    state: PolicyState,
+    current: int,
+    now: float,
+    window_s: float,
+    gpu_budget: int,
+) -> tuple[Allocation, BudgetRequest, PolicyState]:
+    """One pool's share of the budget, its cuts stabilized: the allocation made without floors is
+    remembered (:func:`record_target`) and the pool keeps at least the highest of the window
+    (:func:`stabilized_floor`) — unless the budget itself is exceeded, which wins.  Returns the
+    allocation, the request to remember (with its floor) and the state."""
+    unfloored = [r if r.pinned else replace(r, floor=0) for r in others if r.name != own.name]
+    raw = allocate_gpu_budget([*unfloored, own], gpu_budget)[own.name].replicas
+    state = record_target(state, raw, now, window_s)
+    if not own.pinned:
+        own = replace(own, floor=stabilized_floor(state, current, now, window_s))
+    rest = [r for r in others if r.name != own.name]
+    return allocate_gpu_budget([*rest, own], gpu_budget)[own.name], own, state

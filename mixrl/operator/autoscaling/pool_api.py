@@ -96,6 +96,15 @@ class Observation:
     sustained: float | None
     problem: MetricsUnavailable | None = None
 
+    def asleep(self, replicas: int) -> Observation:
+        """A pool at zero replicas has no engines, so the engine query has no series: that is load
+        0, not missing metrics (KEDA's ``ignoreNullValues``).  Without it a sleeping pool fell out
+        of the GPU budget while its stale request still counted, and ``fallbackReplicas`` woke it
+        into a wake/sleep loop."""
+        if replicas == 0 and self.problem is not None and self.problem.reason == "NoSeries":
+            return Observation(0.0, 0.0)
+        return self
+
 
 async def observe(
     session: aiohttp.ClientSession,

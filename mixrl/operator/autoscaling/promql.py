@@ -21,6 +21,7 @@ from mixrl.api.resolve import ResolvedPool, ResolvedRun
 from mixrl.rl.metrics import (
     MIXRL_ROUTER_QUEUE_DEPTH,
     MIXRL_ROUTER_REQUESTS_IN_FLIGHT,
+    SGLANG_NUM_PAUSED_REQS,
     SGLANG_NUM_QUEUE_REQS,
     SGLANG_NUM_RUNNING_REQS,
 )
@@ -59,6 +60,15 @@ def names_regex(names: tuple[str, ...]) -> str:
 def default_load_query(namespace: str, object_name: str) -> str:
     """Queued plus running requests summed over the pool's engine pods, both metric spellings."""
     metrics = names_regex(QUEUE_METRICS + RUNNING_METRICS)
+    return f'sum({{__name__=~"{metrics}",{pod_matchers(namespace, object_name)}}})'
+
+
+def paused_query(namespace: str, object_name: str) -> str:
+    """Requests the pool's engines hold paused, both spellings: above 0 while the weight-sync
+    sidecar has paused generation in place to load a new version (pause, update, continue), so it
+    marks the weight update as the engines live it (the sidecar itself has no Kubernetes access)."""
+    paused = SGLANG_NUM_PAUSED_REQS.name
+    metrics = names_regex((paused, paused.replace(":", "_")))
     return f'sum({{__name__=~"{metrics}",{pod_matchers(namespace, object_name)}}})'
 
 
