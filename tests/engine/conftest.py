@@ -135,3 +135,45 @@ def random_prompts(count: int, seed: int, low: int = 2, high: int = 12) -> list[
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (count,), generator=g).tolist()
     return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ROLE_WORDS = ["system", "user", "assistant"]
+
+
+def word(i: int) -> str:
+    """The tiny tokenizer's word for id ``i`` beyond its special and role tokens (fixed width, so no
+    word is a substring of another)."""
+    return f"w{i:03d}"
+
+
+def save_tiny_tokenizer(directory: Path) -> Path:
+    """A real Hugging Face fast tokenizer (word level, VOCAB ids, a ChatML-like chat template) saved
+    in ``directory``: nothing downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    head = [*SPECIAL_TOKENS, *ROLE_WORDS]
+    vocab = {w: i for i, w in enumerate(head)}
+    vocab.update({word(i): i for i in range(len(head), VOCAB)})
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        unk_token="<unk>",
+        eos_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[2:],
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(save_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer")))

@@ -12,15 +12,18 @@ them): the per-token ``meta_info`` fields ``output_token_weight_versions`` and
 
 Parsing requests follows SGLang: unknown fields are ignored (the sglang-router adds ``"model":
 null``, for one), while a known field with a wrong type or value is a :class:`RequestError` naming
-it (the server answers HTTP 400).  Fields that SGLang accepts but this token-in/token-out engine
-cannot honour (``text``, ``stop`` strings, ``stream``, penalties, constrained decoding, ``n`` > 1,
-input log-probs) are refused by name rather than silently ignored.
+it (the server answers HTTP 400).  Every field of SGLang's ``GenerateReqInput`` and
+``SamplingParams`` is classified in :data:`GENERATE_FIELDS` / :data:`SAMPLING_FIELDS` (honoured,
+refused, not applicable); a refused field that asks for something (any value but its "off" value)
+is a :class:`RequestError` naming it, never silently ignored.  Text in and out, stop strings and
+chat templates need the model's tokenizer (a :class:`TextCodec`); without one, those fields are
+refused naming why.
 
 Reading responses needs only SGLang's standard fields (``output_ids``,
 ``meta_info.output_token_logprobs``); mixrl's extra fields refine them when present:
 
-- ``output_token_weight_versions`` (per token); else ``meta_info.weight_version`` for every token
-  (SGLang reports one version per request; SGLang's initial version string ``"default"`` reads as 0);
+- ``output_token_weight_versions`` (per token); else SGLang's ``weight_versions`` spans; else
+  ``meta_info.weight_version`` for every token (SGLang's initial version ``"default"`` reads as 0);
 - ``output_token_support_size`` (per token); else ``len(output_token_sampling_mask[t])``; else 0.
 
 Candidates are the position's ``output_top_logprobs``.  When a support S is known, its members are
@@ -32,6 +35,7 @@ record requires; a support member whose log-prob the response does not carry is 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Mapping
@@ -81,6 +85,14 @@ class EngineResponseError(ValueError):
     """An engine response that does not hold what a token record needs."""
 
 
+class TextCodec(Protocol):
+    """What the wire format needs of the model's tokenizer (mixrl.rl.engine.text.HFTextCodec)."""
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Seq[int], *, skip_special_tokens: bool = True, spaces: bool = True) -> str: ...
+    def token_text(self, token_id: int) -> str: ...
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
     """One prompt's ``sampling_params``, checked."""
@@ -90,6 +102,13 @@ class SamplingRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    stop: tuple[str, ...] = ()
+    """Stop strings (need the tokenizer); the text is cut before the match unless ``no_stop_trim``."""
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    stream_interval: int = 1
 
 
 @dataclass(frozen=True)
@@ -102,6 +121,190 @@ class GenerateItem:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     return_sampling_mask: bool = False
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
+    stream: bool = False
+
+
+# ------------------------------------------------------------------------- the field table
+
+FieldStatus = Literal["honoured", "refused", "not applicable"]
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """How the torch engine treats one field of SGLang's API.
+
+    ``refused``: any value but an "off" one (None, false, 0, "", [], {} or ``off``) is a 400 naming
+    the field; ``example`` is a value that asks for it (the conformance test sends it).
+    ``not applicable``: accepted and without effect because the engine has nothing it could change
+    (one data-parallel rank, no routing policy), said in ``why``.
+    """
+
+    status: FieldStatus
+    why: str = ""
+    off: Any = None
+    example: Any = "on"
+
+    def asks(self, value: Any) -> bool:
+        """Whether ``value`` asks for the feature (is not an "off" value)."""
+        if value is None:
+            return False
+        if isinstance(self.off, bool):  # a switch that is on by default (log_metrics)
+            return value is not self.off
+        if value is False or (isinstance(value, str | list | dict) and not value):
+            return False
+        if _is_number(value) and value == 0:
+            return False
+        return value != self.off
+
+
+def _honoured(why: str = "") -> FieldRule:
+    return FieldRule("honoured", why)
+
+
+def _refused(why: str, off: Any = None, example: Any = "on") -> FieldRule:
+    return FieldRule("refused", why, off, example)
+
+
+_NO_MM = "multimodal input is not supported (text-only causal LMs)"
+_NO_DISAGG = "prefill/decode disaggregation is not supported"
+_INTERNAL = "an SGLang-internal field, not for clients"
+
+GENERATE_FIELDS: dict[str, FieldRule] = {
+    "rid": _honoured("a string, or one per prompt; a string for a batch becomes rid_0, rid_1, …"),
+    "text": _honoured("needs the tokenizer (refused without one)"),
+    "input_ids": _honoured(),
+    "sampling_params": _honoured("one object, or one per prompt"),
+    "return_logprob": _honoured(),
+    "logprob_start_len": _honoured("-1 only (output log-probs); input log-probs are refused"),
+    "top_logprobs_num": _honoured(),
+    "return_sampling_mask": _honoured(),
+    "sampling_logprobs_mode": _refused(
+        "only 'selected' (the sampled token's renormalized log-prob) is implemented",
+        off="selected",
+        example="support",
+    ),
+    "return_text_in_logprobs": _honoured("needs the tokenizer (refused without one)"),
+    "stream": _honoured("server-sent events as SGLang streams them"),
+    "return_prompt_token_ids": _honoured(),
+    "no_logs": _honoured("the engine never logs request contents"),
+    "session_id": FieldRule("not applicable", "a routing identity; it changes nothing in one engine"),
+    "routing_key": FieldRule("not applicable", "the engine has no routing-key schedule policy"),
+    "conversation_id": FieldRule("not applicable", "used by SGLang for request tracking only"),
+    "log_metrics": _refused("every request is counted in the metrics", off=True, example=False),
+    "token_ids_logprob": _refused("log-probs of chosen token ids are not implemented", example=[1]),
+    "input_embeds": _refused("not supported; send input_ids or text", example=[[0.0]]),
+    "image_data": _refused(_NO_MM),
+    "video_data": _refused(_NO_MM),
+    "audio_data": _refused(_NO_MM),
+    "mm_hashes": _refused(_NO_MM),
+    "mm_content_hashes": _refused(_NO_MM),
+    "use_audio_in_video": _refused(_NO_MM, example=True),
+    "video_config": _refused(_NO_MM, example={"fps": 1}),
+    "modalities": _refused(_NO_MM, example=["image"]),
+    "max_dynamic_patch": _refused(_NO_MM, example=2),
+    "min_dynamic_patch": _refused(_NO_MM, example=2),
+    "image_max_dynamic_patch": _refused(_NO_MM, example=2),
+    "video_max_dynamic_patch": _refused(_NO_MM, example=2),
+    "images_config": _refused(_NO_MM, example={"a": 1}),
+    "mm_processor_kwargs": _refused(_NO_MM, example={"a": 1}),
+    "need_wait_for_mm_inputs": _refused(_NO_MM, example=True),
+    "num_items_assigned": _refused(_NO_MM, example={"image": [1]}),
+    "encoder_urls": _refused(_NO_MM, example=["http://x"]),
+    "watermark": _refused("watermarking is not implemented", example={"key": 1}),
+    "return_flat_raw_top_logprobs": _refused("flat log-prob arrays are not implemented", example=True),
+    "return_flat_raw_output_top_logprobs": _refused("flat log-prob arrays are not implemented", example=True),
+    "return_flat_raw_top_logprobs_b64": _refused("flat log-prob arrays are not implemented", example=True),
+    "return_hidden_states": _refused("hidden states are not returned", example=True),
+    "return_routed_experts": _refused("routed experts are not returned", example=True),
+    "routed_experts_start_len": _refused("routed experts are not returned", example=1),
+    "return_indexer_topk": _refused("indexer top-k is not returned", example=True),
+    "return_entropy": _refused("entropy is not returned", example=True),
+    "return_bytes": _refused(_INTERNAL, example=True),
+    "session_params": _refused(
+        "SGLang sessions (continual prompting) are not implemented", example={"id": "s"}
+    ),
+    "lora_path": _refused("LoRA adapters are not supported"),
+    "lora_id": _refused("LoRA adapters are not supported"),
+    "custom_logit_processor": _refused("custom logit processors are not supported"),
+    "positional_embed_overrides": _refused("embedding overrides are not supported", example=[1]),
+    "bootstrap_host": _refused(_NO_DISAGG),
+    "bootstrap_port": _refused(_NO_DISAGG, example=1),
+    "bootstrap_room": _refused(_NO_DISAGG, example=1),
+    "bootstrap_pair_key": _refused(_NO_DISAGG),
+    "decode_tp_size": _refused(_NO_DISAGG, example=2),
+    "disagg_prefill_dp_rank": _refused(_NO_DISAGG, example=1),
+    "routed_dp_rank": _refused("the engine has one data-parallel rank, 0", example=1),
+    "data_parallel_rank": _refused("the engine has one data-parallel rank, 0", example=1),
+    "background": _refused("background responses are not supported", example=True),
+    "require_reasoning": _refused("reasoning control is not supported", example=True),
+    "max_thinking_tokens": _refused("reasoning control is not supported", example=8),
+    "priority": _refused("priority scheduling is not implemented", example=1),
+    "extra_key": _refused("prefix-cache keys are not implemented"),
+    "cache_salt": _refused("prefix-cache keys are not implemented"),
+    "custom_labels": _refused("custom metric labels are not supported", example={"a": "b"}),
+    "kv_hints": _refused("KV hints are not supported"),
+    "multi_item_delimiter_indices": _refused("multi-item scoring is not supported", example=[1]),
+    "token_indices_to_pool": _refused("pooling is not supported", example=[1]),
+    "external_trace_header": _refused("trace propagation is not supported", example={"a": "b"}),
+    "http_worker_ipc": _refused(_INTERNAL),
+    "received_time": _refused(_INTERNAL, example=1.0),
+}
+"""Every field of SGLang's ``GenerateReqInput`` (0.5.23), as the torch engine treats it."""
+
+_PENALTY = "penalties are not implemented by the torch engine"
+_GRAMMAR = "constrained decoding is not supported"
+
+SAMPLING_FIELDS: dict[str, FieldRule] = {
+    "max_new_tokens": _honoured(),
+    "stop": _honoured("needs the tokenizer (refused without one); the match is cut from the text"),
+    "stop_token_ids": _honoured(),
+    "temperature": _honoured(),
+    "top_p": _honoured(),
+    "top_k": _honoured(),
+    "min_p": _honoured(),
+    "ignore_eos": _honoured(),
+    "sampling_seed": _honoured(),
+    "n": _honoured("samples per prompt, prompt-major as SGLang orders them"),
+    "no_stop_trim": _honoured(),
+    "skip_special_tokens": _honoured("for the text (needs the tokenizer)"),
+    "spaces_between_special_tokens": _honoured("for the text (needs the tokenizer)"),
+    "stream_interval": _honoured("tokens per streamed chunk"),
+    "stop_regex": _refused("stop regexes are not implemented; use stop strings", example="a+"),
+    "frequency_penalty": _refused(_PENALTY, off=0.0, example=0.5),
+    "presence_penalty": _refused(_PENALTY, off=0.0, example=0.5),
+    "repetition_penalty": _refused(_PENALTY, off=1.0, example=1.2),
+    "min_new_tokens": _refused("min_new_tokens is not implemented by the torch engine", off=0, example=2),
+    "beam_width": _refused("beam search is not implemented", off=1, example=2),
+    "json_schema": _refused(_GRAMMAR, example="{}"),
+    "regex": _refused(_GRAMMAR, example="a+"),
+    "ebnf": _refused(_GRAMMAR, example="root ::= 'a'"),
+    "structural_tag": _refused(_GRAMMAR, example="{}"),
+    "ebnf_full_assistant": _refused(_GRAMMAR, example=True),
+    "logit_bias": _refused("logit bias is not implemented", example={"1": 2.0}),
+    "custom_params": _refused("custom logit processors are not supported", example={"a": 1}),
+    "watermark": _refused("watermarking is not implemented", example={"key": 1}),
+    "stop_strs": _refused(_INTERNAL + "; send stop", example=["x"]),
+    "stop_regex_strs": _refused(_INTERNAL + "; send stop_regex", example=["x"]),
+    "stop_str_max_len": _refused(_INTERNAL, example=1),
+    "stop_regex_max_len": _refused(_INTERNAL, example=1),
+    "is_normalized": _refused(_INTERNAL, example=True),
+}
+"""Every field of SGLang's ``SamplingParams`` (0.5.23), as the torch engine treats it."""
+
+
+CHAT_WIRE_FIELDS: dict[str, FieldRule] = {
+    "return_sampling_mask": _refused("the sampling mask is served by /generate", example=True),
+}
+"""Fields of SGLang's ChatCompletionRequest spelled like /generate's (so defined in this module)."""
+
+
+def refuse_asked(field_prefix: str, raw: Mapping[str, Any], table: Mapping[str, FieldRule]) -> None:
+    """A RequestError naming the first refused field of ``table`` that ``raw`` asks for."""
+    for name, rule in table.items():
+        if rule.status == "refused" and name in raw and rule.asks(raw[name]):
+            raise RequestError(f"{field_prefix}{name}", rule.why)
 
 
 # ---------------------------------------------------------------------------------- type checks
@@ -151,32 +354,40 @@ def _token_ids(field: str, value: Any, vocab_size: int, allow_empty: bool = Fals
 
 # ------------------------------------------------------------------------------ sampling params
 
-_UNSUPPORTED_SAMPLING: dict[str, tuple[Any, str]] = {
-    # name: (value meaning "off", why another value is refused)
-    "frequency_penalty": (0.0, "penalties are not implemented by the torch engine"),
-    "presence_penalty": (0.0, "penalties are not implemented by the torch engine"),
-    "repetition_penalty": (1.0, "penalties are not implemented by the torch engine"),
-    "min_new_tokens": (0, "min_new_tokens is not implemented by the torch engine"),
-    "n": (1, "only n=1 is supported; send the prompt several times"),
-    "json_schema": (None, "constrained decoding is not supported"),
-    "regex": (None, "constrained decoding is not supported"),
-    "ebnf": (None, "constrained decoding is not supported"),
-}
+MAX_STOP_STRINGS = 32  # SGLang's MAX_STOP_COUNT
+MAX_SAMPLES = 64
+"""Most samples per prompt (``n``): each is a running sequence."""
 
 
-def parse_sampling(field: str, raw: Any, defaults: dict[str, Any]) -> SamplingRequest:
+def _stop_strings(field: str, raw: Any, codec: TextCodec | None) -> tuple[str, ...]:
+    if raw is None or raw == "" or raw == []:
+        return ()
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(field, "must be a non-empty string or a list of them")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(field, f"has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+    if codec is None:
+        raise RequestError(field, NO_TOKENIZER + "; use stop_token_ids")
+    return tuple(dict.fromkeys(stops))
+
+
+NO_TOKENIZER = (
+    "needs the model's tokenizer, and this engine has none (--skip-tokenizer-init, or no tokenizer "
+    "files at --model-path; pass --tokenizer-path)"
+)
+
+
+def parse_sampling(
+    field: str, raw: Any, defaults: dict[str, Any], codec: TextCodec | None = None
+) -> SamplingRequest:
     """Check one ``sampling_params`` object; unknown keys are ignored, as SGLang does."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise RequestError(field, f"must be an object, got {type(raw).__name__}")
     merged = {**defaults, **{k: v for k, v in raw.items() if v is not None}}
-    for name, (off, why) in _UNSUPPORTED_SAMPLING.items():
-        if name in raw and raw[name] is not None and raw[name] != off:
-            raise RequestError(f"{field}.{name}", why)
-    stop = raw.get("stop")
-    if stop not in (None, "", []):
-        raise RequestError(f"{field}.stop", "stop strings need a tokenizer; this engine takes stop_token_ids")
+    refuse_asked(f"{field}.", raw, SAMPLING_FIELDS)
     top_k = _int(f"{field}.top_k", merged.get("top_k", -1), -1)
     if top_k == 0:
         raise RequestError(f"{field}.top_k", "must be -1 (no top-k) or a positive integer, got 0")
@@ -192,12 +403,21 @@ def parse_sampling(field: str, raw: Any, defaults: dict[str, Any]) -> SamplingRe
         top_k=top_k,
         min_p=_float(f"{field}.min_p", merged.get("min_p", 0.0), 0.0, 1.0),
     )
+    text_flags = {
+        name: _bool(f"{field}.{name}", merged.get(name, True))
+        for name in ("skip_special_tokens", "spaces_between_special_tokens")
+    }
     return SamplingRequest(
         rule=rule,
         max_new_tokens=_int(f"{field}.max_new_tokens", merged.get("max_new_tokens", 128), 0),
         stop_token_ids=tuple(stop_ids),
         ignore_eos=_bool(f"{field}.ignore_eos", merged.get("ignore_eos", False)),
         sampling_seed=None if seed is None else _int(f"{field}.sampling_seed", seed, *SEED_RANGE),
+        stop=_stop_strings(f"{field}.stop", raw.get("stop"), codec),
+        no_stop_trim=_bool(f"{field}.no_stop_trim", merged.get("no_stop_trim", False)),
+        n=_int(f"{field}.n", merged.get("n", 1), 1, MAX_SAMPLES),
+        stream_interval=_int(f"{field}.stream_interval", merged.get("stream_interval", 1), 1),
+        **text_flags,
     )
 
 
@@ -265,29 +485,67 @@ def _per_item(body: dict[str, Any], name: str, count: int, batched: bool, defaul
     return [value] * count
 
 
-def parse_generate(
-    body: Any, *, vocab_size: int, context_length: int, sampling_defaults: dict[str, Any] | None = None
-) -> tuple[list[GenerateItem], bool]:
-    """Check a /generate body; returns its items and whether it was a batch (list of prompts)."""
-    if not isinstance(body, dict):
-        raise RequestError("body", "must be a JSON object")
-    for name, why in (
-        ("text", "this engine is token-in/token-out (no tokenizer); send input_ids"),
-        ("input_embeds", "not supported; send input_ids"),
-        ("image_data", "multimodal input is not supported"),
-    ):
-        if body.get(name) is not None:
-            raise RequestError(name, why)
-    if body.get("stream"):
-        raise RequestError("stream", "streaming is not supported by the torch engine")
-    raw_ids = body.get("input_ids")
+def _prompts(body: dict[str, Any], vocab_size: int, codec: TextCodec | None) -> tuple[list[list[int]], bool]:
+    """The prompts' token ids (from ``text`` through the tokenizer, or ``input_ids``) and whether
+    the request is a batch."""
+    text, raw_ids = body.get("text"), body.get("input_ids")
+    if text is not None and raw_ids is not None:
+        raise RequestError("text", "give text or input_ids, not both")
+    if text is not None:
+        if codec is None:
+            raise RequestError("text", NO_TOKENIZER + "; send input_ids")
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise RequestError("text", "must be a string or a non-empty list of strings")
+        prompts = [codec.encode(t) for t in texts]
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise RequestError(f"text[{i}]" if batched else "text", "encodes to no tokens")
+        return prompts, batched
     if raw_ids is None:
-        raise RequestError("input_ids", "is required")
+        raise RequestError("input_ids", "is required (or text)")
     batched = isinstance(raw_ids, list) and bool(raw_ids) and isinstance(raw_ids[0], list)
     if batched:
-        prompts = [_token_ids(f"input_ids[{i}]", ids, vocab_size) for i, ids in enumerate(raw_ids)]
-    else:
-        prompts = [_token_ids("input_ids", raw_ids, vocab_size)]
+        return [_token_ids(f"input_ids[{i}]", ids, vocab_size) for i, ids in enumerate(raw_ids)], True
+    return [_token_ids("input_ids", raw_ids, vocab_size)], False
+
+
+def _rids(raw: Any, count: int, batched: bool) -> list[str | None]:
+    """SGLang's request ids: a string names a single request, or is the prefix of a batch's
+    ``<rid>_<i>``; a list gives one per prompt."""
+    if raw is None:
+        return [None] * count
+    if isinstance(raw, str):
+        return [f"{raw}_{i}" for i in range(count)] if batched else [raw]
+    if batched and isinstance(raw, list):
+        if len(raw) != count:
+            raise RequestError("rid", f"has {len(raw)} entries for {count} prompts")
+        for i, rid in enumerate(raw):
+            if rid is not None and not isinstance(rid, str):
+                raise RequestError(f"rid[{i}]", "must be a string")
+        return list(raw)
+    raise RequestError("rid", "must be a string" + (" or a list of strings" if batched else ""))
+
+
+def parse_generate(
+    body: Any,
+    *,
+    vocab_size: int,
+    context_length: int,
+    sampling_defaults: dict[str, Any] | None = None,
+    codec: TextCodec | None = None,
+) -> tuple[list[GenerateItem], bool]:
+    """Check a /generate body; returns its items and whether the answer is a list.
+
+    With ``n`` > 1 every prompt is sampled n times, prompt-major (p0 s0, p0 s1, …, p1 s0, …) as
+    SGLang orders them, and the answer is a list even for one prompt; each sample gets its own id.
+    """
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    refuse_asked("", body, GENERATE_FIELDS)
+    stream = _bool("stream", body.get("stream") or False)
+    prompts, batched = _prompts(body, vocab_size, codec)
     for i, ids in enumerate(prompts):
         if len(ids) >= context_length:
             name = f"input_ids[{i}]" if batched else "input_ids"
@@ -298,30 +556,50 @@ def parse_generate(
     if batched and isinstance(raw_sampling, list):
         if len(raw_sampling) != n:
             raise RequestError("sampling_params", f"has {len(raw_sampling)} entries for {n} prompts")
-        sampling = [parse_sampling(f"sampling_params[{i}]", s, defaults) for i, s in enumerate(raw_sampling)]
+        sampling = [
+            parse_sampling(f"sampling_params[{i}]", s, defaults, codec) for i, s in enumerate(raw_sampling)
+        ]
+        if len({s.n for s in sampling}) > 1:
+            raise RequestError("sampling_params", "n must be the same for every prompt of a batch")
     else:
-        sampling = [parse_sampling("sampling_params", raw_sampling, defaults)] * n
+        sampling = [parse_sampling("sampling_params", raw_sampling, defaults, codec)] * n
+    samples = sampling[0].n
 
     def where(name: str, i: int) -> str:
         return f"{name}[{i}]" if batched and isinstance(body.get(name), list) else name
 
-    rids = _per_item(body, "rid", n, batched, None)
+    rids = _rids(body.get("rid"), n, batched)
     return_logprob = _per_item(body, "return_logprob", n, batched, False)
     top_num = _per_item(body, "top_logprobs_num", n, batched, 0)
     start_len = _per_item(body, "logprob_start_len", n, batched, -1)
     masks = _per_item(body, "return_sampling_mask", n, batched, False)
+    text_in_logprobs = _bool("return_text_in_logprobs", body.get("return_text_in_logprobs") or False)
+    if text_in_logprobs and codec is None:
+        raise RequestError("return_text_in_logprobs", NO_TOKENIZER)
+    prompt_ids = _bool("return_prompt_token_ids", body.get("return_prompt_token_ids") or False)
     items: list[GenerateItem] = []
     for i in range(n):
-        if rids[i] is not None and not isinstance(rids[i], str):
-            raise RequestError(where("rid", i), "must be a string")
         want_logprob = _bool(where("return_logprob", i), return_logprob[i])
         k = _int(where("top_logprobs_num", i), top_num[i], 0, vocab_size)
         start = _int(where("logprob_start_len", i), start_len[i], -1)
         if want_logprob and start != -1:
             raise RequestError(where("logprob_start_len", i), "input log-probs are not supported; use -1")
         want_mask = _bool(where("return_sampling_mask", i), masks[i])
-        items.append(GenerateItem(rids[i], prompts[i], sampling[i], want_logprob, k, want_mask))
-    return items, batched
+        for _ in range(samples):
+            items.append(
+                GenerateItem(
+                    rids[i] if samples == 1 else None,
+                    prompts[i],
+                    sampling[i],
+                    want_logprob,
+                    k,
+                    want_mask,
+                    text_in_logprobs,
+                    prompt_ids,
+                    stream,
+                )
+            )
+    return items, batched or samples > 1
 
 
 # ------------------------------------------------------------------ the response (server side)
@@ -352,36 +630,112 @@ def renormalized_logprob(record: TokenRecord) -> float:
     return record.logprob - top - math.log(math.fsum(math.exp(lp - top) for lp in support))
 
 
-def build_response(item: GenerateItem, seq: FinishedSequence, e2e_latency: float) -> dict[str, Any]:
-    """SGLang's /generate response for one finished sequence, with mixrl's per-token fields.
+def weight_version_spans(versions: Seq[int]) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions``: runs of tokens produced by one version,
+    ``{version (a string), start, end}`` with ``end`` exclusive."""
+    spans: list[dict[str, Any]] = []
+    for t, version in enumerate(versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = t + 1
+        else:
+            spans.append({"version": str(version), "start": t, "end": t + 1})
+    return spans
 
-    Each record holds at least its support's candidates; the response carries what the request
-    asked for: ``top_logprobs_num`` candidates, or all of them with ``return_sampling_mask``.
+
+def versions_from_spans(spans: Any, n: int) -> list[int] | None:
+    """Per-token versions from SGLang's ``weight_versions`` spans (None if they do not cover n tokens)."""
+    if not isinstance(spans, list):
+        return None
+    versions: list[int] = []
+    for span in spans:
+        if not isinstance(span, Mapping) or span.get("start") != len(versions):
+            return None
+        versions += [parse_weight_version(span.get("version"))] * (int(span["end"]) - int(span["start"]))
+    return versions if len(versions) == n else None
+
+
+def output_text(
+    item: GenerateItem, output_ids: Seq[int], finish: Mapping[str, Any] | None, codec: TextCodec
+) -> str:
+    """The generated text as SGLang returns it: decoded with the request's flags, cut before a
+    matched stop string unless ``no_stop_trim``."""
+    s = item.sampling
+    text = codec.decode(
+        output_ids, skip_special_tokens=s.skip_special_tokens, spaces=s.spaces_between_special_tokens
+    )
+    matched = finish.get("matched") if finish else None
+    if isinstance(matched, str) and not s.no_stop_trim and matched in text:
+        text = text[: text.index(matched)]
+    return text
+
+
+def build_response(
+    item: GenerateItem, seq: FinishedSequence, e2e_latency: float, codec: TextCodec | None = None
+) -> dict[str, Any]:
+    """SGLang's /generate response for a sequence (finished, or in flight for a streamed chunk:
+    then ``finish_reason`` is null), with mixrl's per-token fields.
+
+    Keys are omitted unless asked for, as SGLang omits them: log-probs only with
+    ``return_logprob``, ``output_top_logprobs`` only with ``top_logprobs_num`` > 0 (or the
+    sampling mask, whose support's log-probs it carries), the mask fields only with
+    ``return_sampling_mask``, ``text`` only with a tokenizer.
     """
-    tokens = seq.tokens
+    tokens = list(seq.tokens)  # a snapshot: the model thread appends while a stream reads
+    finish = seq.finish_reason
+    ids = [t.token_id for t in tokens]
     version = tokens[-1].weight_version if tokens else None
     meta: dict[str, Any] = {
         "id": seq.rid,
-        "finish_reason": seq.finish_reason,
+        "finish_reason": finish,
         "prompt_tokens": len(seq.prompt_ids),
         "completion_tokens": len(tokens),
-        "cached_tokens": seq.cached_tokens,
+        "cached_tokens": int(getattr(seq, "cached_tokens", 0)),
         "weight_version": str(version) if version is not None else None,
+        "weight_versions": weight_version_spans([t.weight_version for t in tokens]),
         "e2e_latency": e2e_latency,
-        "output_token_weight_versions": [t.weight_version for t in tokens],
     }
     if item.return_logprob:
-        shown = None if item.return_sampling_mask else item.top_logprobs_num
-        meta["output_token_logprobs"] = [[t.logprob, t.token_id, None] for t in tokens]
-        meta["output_top_logprobs"] = [
-            [[lp, tid, None] for lp, tid in zip(t.cand_logprobs[:shown], t.cand_ids[:shown], strict=True)]
-            for t in tokens
-        ]
+
+        def shown_text(token_id: int) -> str | None:
+            return codec.token_text(token_id) if item.return_text_in_logprobs and codec else None
+
+        meta["output_token_logprobs"] = [[t.logprob, t.token_id, shown_text(t.token_id)] for t in tokens]
+        if item.top_logprobs_num > 0 or item.return_sampling_mask:
+            shown = None if item.return_sampling_mask else item.top_logprobs_num
+            meta["output_top_logprobs"] = [
+                [
+                    [lp, tid, shown_text(tid)]
+                    for lp, tid in zip(t.cand_logprobs[:shown], t.cand_ids[:shown], strict=True)
+                ]
+                for t in tokens
+            ]
         meta["output_token_support_size"] = [t.support_size for t in tokens]
+        meta["output_token_weight_versions"] = [t.weight_version for t in tokens]
     if item.return_sampling_mask:
         meta["output_token_sampling_mask"] = [t.cand_ids[: t.support_size] for t in tokens]
         meta["output_token_sampling_logprobs"] = [renormalized_logprob(t) for t in tokens]
-    return {"text": "", "output_ids": [t.token_id for t in tokens], "meta_info": meta}
+    out: dict[str, Any] = {}
+    if codec is not None:
+        out["text"] = output_text(item, ids, finish, codec)
+    out["output_ids"] = ids
+    if item.return_prompt_token_ids:
+        out["prompt_token_ids"] = list(item.input_ids)
+    out["meta_info"] = meta
+    return out
+
+
+def get_load_entry(
+    running: int, waiting: int, used_tokens: int, pending_tokens: int, now: float
+) -> dict[str, Any]:
+    """One data-parallel rank's entry of SGLang's ``GET /get_load`` (a list, one per rank)."""
+    return {
+        "dp_rank": 0,
+        "num_reqs": running + waiting,
+        "num_waiting_reqs": waiting,
+        "num_tokens": used_tokens + pending_tokens,
+        "num_pending_tokens": pending_tokens,
+        "ts_tic": now,
+    }
 
 
 # ------------------------------------------------------------------ the response (client side)
@@ -473,6 +827,8 @@ def token_records(response: dict[str, Any]) -> list[TokenRecord]:
     sizes = meta.get("output_token_support_size")
     versions = meta.get("output_token_weight_versions")
     if versions is None:
+        versions = versions_from_spans(meta.get("weight_versions"), n)
+    if versions is None:
         versions = [parse_weight_version(meta.get("weight_version"))] * n
     records: list[TokenRecord] = []
     for t in range(n):
@@ -549,3 +905,28 @@ def parse_response(
     finish, detail = _turn_finish(payload.get("meta_info") or {})
     pool = pool_from_headers(headers or {}, default_pool or PoolInfo())
     return GenerateResult(token_records(payload), finish, pool, detail)
+
+
+# ----------------------------------------------------------------------- streams and /v1 usage
+
+SSE_DONE = b"data: [DONE]\n\n"
+"""The last event of an SGLang stream."""
+
+
+def sse_event(payload: Mapping[str, Any]) -> bytes:
+    """One server-sent event of an SGLang stream: ``data: <json>`` and a blank line."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def stream_chunk(response: dict[str, Any], index: int | None) -> dict[str, Any]:
+    """A streamed /generate chunk: the cumulative response; in a batch SGLang adds the item's ``index``."""
+    return response if index is None else {**response, "index": index}
+
+
+def openai_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """The ``usage`` object of an OpenAI-compatible answer."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

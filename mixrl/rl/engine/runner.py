@@ -28,6 +28,7 @@ This module does no I/O and knows nothing of HTTP; the scheduler calls it from a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -57,6 +58,8 @@ class Sequence:
     """Prompt tokens whose keys and values came from the prefix cache (SGLang's ``cached_tokens``)."""
     weights_epoch: int = -1
     """The runner's weights epoch when this sequence was prefilled (its cache is of those weights)."""
+    stop_check: Callable[[list[int]], str | None] | None = None
+    """The stop string the output ids end in, if any (the service's stop strings; needs a tokenizer)."""
 
     @property
     def output_ids(self) -> list[int]:
@@ -288,6 +291,8 @@ class ModelRunner:
         last = seq.tokens[-1].token_id
         if last in seq.stop_token_ids:
             seq.finish_reason = {"type": "stop", "matched": last}
+        elif seq.stop_check is not None and (matched := seq.stop_check(seq.output_ids)) is not None:
+            seq.finish_reason = {"type": "stop", "matched": matched}
         elif (
             len(seq.tokens) >= seq.max_new_tokens
             or len(seq.prompt_ids) + len(seq.tokens) >= self.context_length

@@ -243,15 +243,11 @@ class Scheduler:
         return True
 
     def _resolve(self, finished: list[Sequence]) -> None:
-        now = time.perf_counter()
         for seq in finished:
             entry = self._book.pop(seq)
             if entry is None:
                 continue
-            decode = None
-            if seq.first_token_time is not None and seq.last_token_time is not None:
-                decode = (seq.last_token_time - seq.first_token_time, len(seq.tokens) - 1)
-            self.stats.finished(entry.arrival, seq.first_token_time, decode, now)
+            # per-request series (latencies, counts by is_streaming) are recorded by the service
             if not entry.future.done():
                 entry.future.set_result(seq)
         self._count_new_tokens()

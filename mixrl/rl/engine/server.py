@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,20 @@ from mixrl.rl.auth import (
     token_from_args,
     warn_if_open,
 )
+from mixrl.rl.engine import openai_api
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
-from mixrl.rl.engine.protocol import GenerateItem, RequestError, SamplingRequest, parse_generate
+from mixrl.rl.engine.protocol import (
+    SSE_DONE,
+    GenerateItem,
+    RequestError,
+    SamplingRequest,
+    parse_generate,
+    sse_event,
+    stream_chunk,
+)
 from mixrl.rl.engine.scheduler import PAUSE_MODES
 from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService, parse_version
+from mixrl.rl.engine.text import TokenizerError
 from mixrl.rl.quant import WEIGHT_FORMATS
 from mixrl.rl.serving import serve_app
 
@@ -64,6 +75,10 @@ OPEN_ROUTES = frozenset(
         ("GET", "/health"),
         ("GET", "/health_generate"),
         ("GET", "/metrics"),
+        ("GET", "/get_load"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
     }
 )
 """Routes that answer without the run's token: they read or generate, and change no state.
@@ -115,7 +130,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 # ----------------------------------------------------------------------------------- handlers
 
 
-async def generate(request: web.Request) -> web.Response:
+async def generate(request: web.Request) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
     body = await _json_body(request)
     items, batched = parse_generate(
@@ -123,9 +138,75 @@ async def generate(request: web.Request) -> web.Response:
         vocab_size=service.vocab_size,
         context_length=service.context_length,
         sampling_defaults=service.sampling_defaults,
+        codec=service.codec,
     )
+    if items and items[0].stream:
+        return await _stream(request, service, items, batched)
     results = await service.generate(items)
     return web.json_response(results if batched else results[0])
+
+
+async def _stream(
+    request: web.Request, service: EngineService, items: list[GenerateItem], batched: bool
+) -> web.StreamResponse:
+    """SGLang's stream: one ``data: {...}`` event per chunk (the cumulative response; ``index`` in a
+    batch), then ``data: [DONE]``.  A client that goes away cancels this handler, which closes the
+    stream and aborts the items still running."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    chunks = service.stream(items)
+    try:
+        async for index, chunk in chunks:
+            await response.write(sse_event(stream_chunk(chunk, index if batched else None)))
+    finally:
+        await chunks.aclose()
+    await response.write(SSE_DONE)
+    await response.write_eof()
+    return response
+
+
+async def get_load(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE_KEY].load())
+
+
+def _openai_args(service: EngineService) -> dict[str, Any]:
+    return {
+        "vocab_size": service.vocab_size,
+        "context_length": service.context_length,
+        "defaults": service.sampling_defaults,
+        "codec": service.codec,
+    }
+
+
+async def v1_models(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    return web.json_response(
+        openai_api.models_response(
+            service.served_model_name, service.model_path, service.context_length, int(time.time())
+        )
+    )
+
+
+async def v1_completions(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    parsed = openai_api.parse_completion(await _json_body(request), **_openai_args(service))
+    seqs = await service.run(parsed.items)
+    assert service.codec is not None  # parse_completion refuses requests without a tokenizer
+    answer = openai_api.completion_response(
+        parsed, seqs, service.codec, parsed.model or service.served_model_name, int(time.time())
+    )
+    return web.json_response(answer)
+
+
+async def v1_chat_completions(request: web.Request) -> web.Response:
+    service = request.app[SERVICE_KEY]
+    parsed = openai_api.parse_chat(await _json_body(request), **_openai_args(service))
+    seqs = await service.run(parsed.items)
+    assert service.codec is not None  # parse_chat refuses requests without a tokenizer
+    answer = openai_api.chat_response(
+        parsed, seqs, service.codec, parsed.model or service.served_model_name, int(time.time())
+    )
+    return web.json_response(answer)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
@@ -275,6 +356,10 @@ def build_app(service: EngineService, auth_token: AuthToken | None = None) -> we
     r.add_post("/continue_generation", continue_generation)
     r.add_post("/abort_request", abort_request)
     r.add_get("/metrics", metrics)
+    r.add_get("/get_load", get_load)
+    r.add_get("/v1/models", v1_models)
+    r.add_post("/v1/completions", v1_completions)
+    r.add_post("/v1/chat/completions", v1_chat_completions)
     return app
 
 
@@ -326,6 +411,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-request-mib", type=int, default=8, help="largest request body in MiB (413 beyond it)"
     )
     p.add_argument("--enable-metrics", action="store_true", help="accepted for SGLang parity; always on")
+    p.add_argument(
+        "--tokenizer-path",
+        default="",
+        help="tokenizer for text in and out (default: --model-path, if it holds a Hugging Face tokenizer)",
+    )
+    p.add_argument(
+        "--skip-tokenizer-init", action="store_true", help="token-in/token-out only; text requests get 400"
+    )
     add_auth_arguments(p)
     p.add_argument("--log-level", default="info")
     return p
@@ -351,6 +444,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefix_cache_max_tokens=args.prefix_cache_max_tokens,
         weight_root=args.weight_root,
         max_request_mib=args.max_request_mib,
+        tokenizer_path=args.tokenizer_path,
+        skip_tokenizer_init=args.skip_tokenizer_init,
     )
 
 
@@ -431,6 +526,9 @@ def main(argv: list[str]) -> int:
     hf_logging.disable_progress_bar()
     try:
         service = EngineService(config)
+    except TokenizerError as exc:
+        print(f"mixrl engine: {exc}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"mixrl engine: cannot load --model-path {config.model_path}: {exc}", file=sys.stderr)
         return 2

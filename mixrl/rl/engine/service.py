@@ -9,6 +9,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,12 @@ import torch
 from mixrl import __version__
 from mixrl.rl.engine import weights_io
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
-from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response, clip
+from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response, clip, get_load_entry
 from mixrl.rl.engine.runner import ModelRunner, Sequence
 from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.engine.scheduler import Scheduler
-from mixrl.rl.engine.stats import EngineStats
+from mixrl.rl.engine.stats import EngineStats, FinishedRequest
+from mixrl.rl.engine.text import load_codec
 from mixrl.rl.models import load_model
 from mixrl.rl.quant import WEIGHT_FORMATS
 from mixrl.rl.weights import MANIFEST, MAX_VERSION, WeightStoreError, load_checkpoint_dir
@@ -56,6 +58,10 @@ class EngineConfig:
     (after following links), which is the weight store when the engine starts from a version."""
     max_request_mib: int = 8
     """Largest request body, in MiB (413 beyond it)."""
+    tokenizer_path: str = ""
+    """The tokenizer for text in and out; "": the model path, if it holds one (as SGLang)."""
+    skip_tokenizer_init: bool = False
+    """Token-in/token-out only, as SGLang's --skip-tokenizer-init."""
 
     def __post_init__(self) -> None:
         if self.weight_precision not in WEIGHT_FORMATS:
@@ -116,6 +122,17 @@ def confined_path(field: str, raw: str, root: Path) -> Path:
     return resolved
 
 
+@dataclass
+class _Tracked:
+    """A request followed by the service: its sequence, and the tokens seen at the last step."""
+
+    seq: Sequence
+    streaming: bool
+    arrival: float
+    seen: int = 0
+    last: float = 0.0
+
+
 class EngineService:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -139,6 +156,9 @@ class EngineService:
             prefix_cache_tokens=(config.prefix_cache_max_tokens or max_total) if config.radix_cache else 0,
         )
         self.runner = runner
+        self.codec = load_codec(
+            config.model_path, config.tokenizer_path or None, config.skip_tokenizer_init, runner.vocab_size
+        )
         self.eos_token_ids = _eos_ids(model)
         self.sampling_defaults = _generation_defaults(model)
         self.served_model_name = config.served_model_name or config.model_path
@@ -146,6 +166,8 @@ class EngineService:
         self.scheduler: Scheduler | None = None
         self._update_lock = asyncio.Lock()
         self._rid_counter = 0
+        self._live: dict[int, _Tracked] = {}
+        self.stats.add_listener(self._on_tokens)
 
     def _kv_scales(self, tensors: dict[str, torch.Tensor]) -> list[tuple[float, float] | None]:
         if self.config.kv_cache_dtype != "fp8":
@@ -182,6 +204,9 @@ class EngineService:
         stop_ids = set(s.stop_token_ids)
         if not s.ignore_eos:
             stop_ids |= self.eos_token_ids
+        stop_check = None
+        if s.stop and self.codec is not None:
+            stop_check = self.codec.stop_check(s.stop, s.skip_special_tokens)
         return Sequence(
             rid=item.rid or f"mixrl-{self._rid_counter}",
             prompt_ids=item.input_ids,
@@ -194,16 +219,110 @@ class EngineService:
             max_new_tokens=s.max_new_tokens,
             stop_token_ids=frozenset(stop_ids),
             generator=None if s.sampling_seed is None else torch.Generator().manual_seed(s.sampling_seed),
+            stop_check=stop_check,
         )
 
+    def _track(self, seq: Sequence, streaming: bool) -> _Tracked:
+        """Follow ``seq`` token by token (inter-token latency) until :meth:`_done` records it."""
+        tracked = _Tracked(seq, streaming, arrival=time.perf_counter())
+        self._live[id(seq)] = tracked
+        return tracked
+
+    def _on_tokens(self, now: float) -> None:
+        for tracked in self._live.values():
+            count = len(tracked.seq.tokens)
+            if count > tracked.seen:
+                if tracked.seen > 0:  # the first token's wait is the time to first token
+                    self.stats.inter_token(now - tracked.last, count - tracked.seen)
+                tracked.seen, tracked.last = count, now
+
+    def _done(self, tracked: _Tracked) -> None:
+        self._live.pop(id(tracked.seq), None)
+        seq = tracked.seq
+        self.stats.request_finished(
+            FinishedRequest(
+                streaming=tracked.streaming,
+                arrival=tracked.arrival,
+                first_token=seq.first_token_time,
+                end=time.perf_counter(),
+                prompt_tokens=len(seq.prompt_ids),
+                completion_tokens=len(seq.tokens),
+                cached_tokens=seq.cached_tokens,
+                aborted=bool(seq.finish_reason and seq.finish_reason.get("type") == "abort"),
+            )
+        )
+
+    async def run(self, items: list[GenerateItem]) -> list[Sequence]:
+        """Generate every item to its end; the finished sequences, in order."""
+        tracked = [self._track(self.new_sequence(item), streaming=False) for item in items]
+
+        async def one(t: _Tracked) -> Sequence:
+            try:
+                return await self.sched.generate(t.seq)
+            finally:
+                self._done(t)
+
+        return list(await asyncio.gather(*(one(t) for t in tracked)))
+
     async def generate(self, items: list[GenerateItem]) -> list[dict[str, Any]]:
+        """/generate: one SGLang response per item."""
         start = time.perf_counter()
+        seqs = await self.run(items)
+        elapsed = time.perf_counter() - start
+        return [build_response(item, seq, elapsed, self.codec) for item, seq in zip(items, seqs, strict=True)]
 
-        async def one(item: GenerateItem) -> dict[str, Any]:
-            seq = await self.sched.generate(self.new_sequence(item))
-            return build_response(item, seq, time.perf_counter() - start)
+    async def stream(self, items: list[GenerateItem]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """/generate with ``stream``: (item index, cumulative response so far) every
+        ``stream_interval`` tokens of an item and once at its end (with its ``finish_reason``), as
+        SGLang streams them.  Closing the iterator early aborts the items still running.
 
-        return list(await asyncio.gather(*(one(item) for item in items)))
+        Chunks are built when the scheduler reports a step (on the event loop, between two model
+        steps), so each chunk is exactly the tokens of the steps so far.
+        """
+        start = time.perf_counter()
+        tracked = [self._track(self.new_sequence(item), streaming=True) for item in items]
+        tasks = [asyncio.ensure_future(self.sched.generate(t.seq)) for t in tracked]
+        chunks: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+        sent = [0] * len(items)
+        final = [False] * len(items)
+
+        def emit(i: int) -> None:
+            seq = tracked[i].seq
+            if seq.finished:
+                final[i] = True
+                self._done(tracked[i])
+            sent[i] = len(seq.tokens)
+            chunks.put_nowait((i, build_response(items[i], seq, time.perf_counter() - start, self.codec)))
+
+        def on_step(now: float) -> None:
+            for i, t in enumerate(tracked):
+                due = len(t.seq.tokens) - sent[i] >= items[i].sampling.stream_interval
+                if not final[i] and (t.seq.finished or due):
+                    emit(i)
+
+        self.stats.add_listener(on_step)
+        try:
+            while True:
+                while not chunks.empty():
+                    yield chunks.get_nowait()
+                if all(final):
+                    break
+                getter = asyncio.ensure_future(chunks.get())
+                running = [task for task, f in zip(tasks, final, strict=True) if not f and not task.done()]
+                await asyncio.wait([getter, *running], return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+                for i, task in enumerate(tasks):
+                    if task.done() and not final[i]:  # finished without a step report (shutdown)
+                        emit(i)
+        finally:
+            self.stats.remove_listener(on_step)
+            for i, (t, task) in enumerate(zip(tracked, tasks, strict=True)):
+                if not final[i]:
+                    task.cancel()  # the scheduler aborts the sequence before its next step
+                    self._done(t)
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_disk(
@@ -272,12 +391,26 @@ class EngineService:
     def model_info(self) -> dict[str, Any]:
         return {
             "model_path": self.model_path,
-            "tokenizer_path": None,
+            "tokenizer_path": self.codec.path if self.codec else None,
             "is_generation": True,
             "weight_version": str(self.weight_version),
             "served_model_name": self.served_model_name,
             "preferred_sampling_params": self.sampling_defaults or None,
         }
+
+    def load(self) -> list[dict[str, Any]]:
+        """SGLang's ``GET /get_load``: one entry per data-parallel rank (the engine has one)."""
+        # prompts not yet prefilled: the requests followed by the service that have no token yet
+        waiting = sum(len(t.seq.prompt_ids) for t in self._live.values() if not t.seq.tokens)
+        return [
+            get_load_entry(
+                running=self.sched.num_running,
+                waiting=self.sched.num_waiting,
+                used_tokens=self.runner.kv_used_tokens(),
+                pending_tokens=waiting,
+                now=time.perf_counter(),
+            )
+        ]
 
     def server_info(self) -> dict[str, Any]:
         report = self.quantization

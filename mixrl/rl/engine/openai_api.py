@@ -1,0 +1,474 @@
+"""SGLang's OpenAI-compatible API on the torch engine: ``/v1/models``, ``/v1/completions`` and
+``/v1/chat/completions`` (pure translation; no I/O).
+
+A request becomes the same :class:`~mixrl.rl.engine.protocol.GenerateItem` list a ``/generate``
+request does (one per prompt and sample, prompt-major), so sampling, stop strings and records are
+the engine's own; the answer is built from the finished sequences.  As in SGLang:
+
+- ``logprobs`` (completions: an int, the top candidates per token; chat: ``logprobs: true`` with
+  ``top_logprobs: k``) carry the sampler's log q = log softmax(z / T), before truncation;
+- ``return_token_ids: true`` adds the ids: ``token_ids`` and ``prompt_token_ids`` per completion
+  choice, ``prompt_token_ids`` and ``response_token_ids`` per chat choice;
+- SGLang's extra sampling fields (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos``,
+  ``no_stop_trim``, ``skip_special_tokens``, ``rid``) are honoured; every other field of SGLang's
+  ``CompletionRequest`` / ``ChatCompletionRequest`` is classified in :data:`COMPLETION_FIELDS` /
+  :data:`CHAT_FIELDS`, and one that asks for something the engine cannot do is refused by name.
+
+Both need the model's tokenizer (the answer is text; chat needs its template).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mixrl.api.trajectory import TokenRecord
+from mixrl.rl.engine.protocol import (
+    CHAT_WIRE_FIELDS,
+    GENERATE_FIELDS,
+    NO_TOKENIZER,
+    SAMPLING_FIELDS,
+    FieldRule,
+    GenerateItem,
+    RequestError,
+    TextCodec,
+    openai_usage,
+    output_text,
+    parse_sampling,
+    refuse_asked,
+)
+
+OPENAI_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's (and SGLang's CompletionRequest's) ``max_tokens`` default for completions."""
+
+
+class ChatCodec(TextCodec, Protocol):
+    @property
+    def has_chat_template(self) -> bool: ...
+    def chat_ids(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]: ...
+
+
+class FinishedSeq(Protocol):
+    @property
+    def rid(self) -> str: ...
+    @property
+    def prompt_ids(self) -> list[int]: ...
+    @property
+    def tokens(self) -> list[TokenRecord]: ...
+    @property
+    def finish_reason(self) -> dict[str, Any] | None: ...
+
+
+def _from(table: dict[str, FieldRule], name: str, why: str = "") -> FieldRule:
+    rule = table[name]
+    return FieldRule(rule.status, why or rule.why, rule.off, rule.example)
+
+
+_H = FieldRule("honoured")
+_NA = "not applicable"
+
+_SHARED_FIELDS: dict[str, FieldRule] = {
+    "model": FieldRule(_NA, "the engine serves one model; any name is answered by it"),
+    "user": FieldRule(_NA, "an end-user id for abuse tracking; nothing to track here"),
+    "session_id": _from(GENERATE_FIELDS, "session_id"),
+    "n": FieldRule("honoured", "choices per prompt"),
+    "seed": FieldRule("honoured", "the sampling seed"),
+    "stop": FieldRule("honoured", "stop strings"),
+    "temperature": _H,
+    "top_p": _H,
+    "top_k": _H,
+    "min_p": _H,
+    "max_tokens": _H,
+    "stop_token_ids": _H,
+    "no_stop_trim": _H,
+    "ignore_eos": _H,
+    "skip_special_tokens": _H,
+    "rid": _H,
+    "return_token_ids": FieldRule("honoured", "token ids of the prompt and the output"),
+    "stream": FieldRule("refused", "streaming on /v1 is not implemented; /generate streams", example=True),
+    "stream_options": FieldRule(
+        "refused", "streaming on /v1 is not implemented", example={"include_usage": True}
+    ),
+    "frequency_penalty": _from(SAMPLING_FIELDS, "frequency_penalty"),
+    "presence_penalty": _from(SAMPLING_FIELDS, "presence_penalty"),
+    "repetition_penalty": _from(SAMPLING_FIELDS, "repetition_penalty"),
+    "min_tokens": _from(SAMPLING_FIELDS, "min_new_tokens"),
+    "logit_bias": _from(SAMPLING_FIELDS, "logit_bias"),
+    "regex": _from(SAMPLING_FIELDS, "regex"),
+    "ebnf": _from(SAMPLING_FIELDS, "ebnf"),
+    "stop_regex": _from(SAMPLING_FIELDS, "stop_regex"),
+    "custom_params": _from(SAMPLING_FIELDS, "custom_params"),
+    "watermark": _from(SAMPLING_FIELDS, "watermark"),
+    "response_format": FieldRule(
+        "refused", "structured output is not supported", off={"type": "text"}, example={"type": "json_object"}
+    ),
+    "return_hidden_states": _from(GENERATE_FIELDS, "return_hidden_states"),
+    "return_routed_experts": _from(GENERATE_FIELDS, "return_routed_experts"),
+    "routed_experts_start_len": _from(GENERATE_FIELDS, "routed_experts_start_len"),
+    "return_cached_tokens_details": FieldRule("refused", "cache details are not reported", example=True),
+    "return_spec_tokens_details": FieldRule("refused", "there is no speculative decoding", example=True),
+    "lora_path": _from(GENERATE_FIELDS, "lora_path"),
+    "session_params": _from(GENERATE_FIELDS, "session_params"),
+    "custom_logit_processor": _from(GENERATE_FIELDS, "custom_logit_processor"),
+    "images_config": _from(GENERATE_FIELDS, "images_config"),
+    "mm_processor_kwargs": _from(GENERATE_FIELDS, "mm_processor_kwargs"),
+    "data_parallel_rank": _from(GENERATE_FIELDS, "data_parallel_rank"),
+    "extra_key": _from(GENERATE_FIELDS, "extra_key"),
+    "cache_salt": _from(GENERATE_FIELDS, "cache_salt"),
+    "priority": _from(GENERATE_FIELDS, "priority"),
+    "custom_labels": _from(GENERATE_FIELDS, "custom_labels"),
+}
+
+COMPLETION_FIELDS: dict[str, FieldRule] = {
+    **_SHARED_FIELDS,
+    "prompt": FieldRule("honoured", "a string, a list of strings, a list of ids or a list of id lists"),
+    "logprobs": FieldRule("honoured", "top candidates per token (an integer)"),
+    "json_schema": _from(SAMPLING_FIELDS, "json_schema"),
+    "best_of": FieldRule("refused", "best_of is not implemented; use n", off=1, example=2),
+    "echo": FieldRule("refused", "echoing the prompt is not implemented", example=True),
+    "suffix": FieldRule("refused", "suffixes (insertion) are not supported"),
+}
+"""Every field of SGLang's ``CompletionRequest`` (0.5.23), as the torch engine treats it."""
+
+CHAT_FIELDS: dict[str, FieldRule] = {
+    **_SHARED_FIELDS,
+    "messages": FieldRule("honoured", "rendered by the tokenizer's chat template"),
+    "logprobs": FieldRule("honoured", "the sampled token's log-prob"),
+    "top_logprobs": FieldRule("honoured", "top candidates per token"),
+    "max_completion_tokens": FieldRule("honoured", "as max_tokens"),
+    "return_prompt_token_ids": FieldRule("honoured", "the rendered prompt's ids"),
+    "chat_template_kwargs": FieldRule("refused", "template arguments are not passed", example={"a": 1}),
+    "continue_final_message": FieldRule(
+        "refused", "continuing the final message is not supported", example=True
+    ),
+    "tools": FieldRule("refused", "tool-call parsing is not implemented", example=[{"type": "function"}]),
+    "tool_choice": FieldRule("refused", "tool-call parsing is not implemented", off="none", example="auto"),
+    "parallel_tool_calls": FieldRule(_NA, "without tools there are no tool calls"),
+    "separate_reasoning": FieldRule(_NA, "no reasoning parser is configured (as SGLang without one)"),
+    "stream_reasoning": FieldRule(_NA, "no reasoning parser is configured (as SGLang without one)"),
+    "reasoning_effort": FieldRule("refused", "reasoning control is not supported"),
+    "thinking": FieldRule("refused", "reasoning control is not supported", example={"type": "enabled"}),
+    "task": FieldRule("refused", "tasks are not supported"),
+    "return_meta_info": FieldRule("refused", "meta_info is served by /generate", example=True),
+    "return_input_ids_in_sglext": FieldRule(
+        "refused", "sglext is not implemented; use return_token_ids", example=True
+    ),
+    "return_output_ids_in_sglext": FieldRule(
+        "refused", "sglext is not implemented; use return_token_ids", example=True
+    ),
+    **CHAT_WIRE_FIELDS,
+    "sampling_logprobs_mode": _from(GENERATE_FIELDS, "sampling_logprobs_mode"),
+    "return_flat_raw_output_top_logprobs": _from(GENERATE_FIELDS, "return_flat_raw_output_top_logprobs"),
+    "return_flat_raw_top_logprobs_b64": _from(GENERATE_FIELDS, "return_flat_raw_top_logprobs_b64"),
+    "max_dynamic_patch": _from(GENERATE_FIELDS, "max_dynamic_patch"),
+    "min_dynamic_patch": _from(GENERATE_FIELDS, "min_dynamic_patch"),
+    "use_audio_in_video": _from(GENERATE_FIELDS, "use_audio_in_video"),
+    "video_config": _from(GENERATE_FIELDS, "video_config"),
+    "input_ids": FieldRule("refused", "send messages (or use /v1/completions with token ids)", example=[1]),
+}
+"""Every field of SGLang's ``ChatCompletionRequest`` (0.5.23), as the torch engine treats it."""
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A checked /v1 request: the engine items, and what the answer shows."""
+
+    items: list[GenerateItem]
+    prompts: int
+    samples: int
+    top_logprobs: int | None  # None: no logprobs
+    return_token_ids: bool
+    model: str
+
+
+_SAMPLING_NAMES = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "no_stop_trim",
+    "ignore_eos",
+    "skip_special_tokens",
+    "n",
+)
+"""The /v1 fields that are SGLang sampling parameters of the same name."""
+
+
+def _sampling(body: dict[str, Any], defaults: dict[str, Any], codec: TextCodec, max_tokens: Any) -> Any:
+    raw: dict[str, Any] = {name: body[name] for name in _SAMPLING_NAMES if body.get(name) is not None}
+    if body.get("seed") is not None:
+        raw["sampling_seed"] = body["seed"]
+    raw["max_new_tokens"] = max_tokens
+    try:
+        return parse_sampling("", raw, defaults, codec)
+    except RequestError as exc:  # name the OpenAI field, not the sampling_params path
+        name = exc.field.lstrip(".")
+        name = {"sampling_seed": "seed", "max_new_tokens": "max_tokens"}.get(name, name)
+        raise RequestError(name, str(exc).split(": ", 1)[1]) from None
+
+
+def _prompt_ids(raw: Any, codec: TextCodec, vocab_size: int, context_length: int) -> list[list[int]]:
+    if isinstance(raw, str):
+        prompts = [codec.encode(raw)]
+    elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
+        prompts = [codec.encode(p) for p in raw]
+    elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        prompts = [list(raw)]
+    elif isinstance(raw, list) and raw and all(isinstance(p, list) and p for p in raw):
+        prompts = [list(p) for p in raw]
+    else:
+        raise RequestError(
+            "prompt", "must be a string, a list of strings, a list of ids or a list of id lists"
+        )
+    for i, ids in enumerate(prompts):
+        if not ids:
+            raise RequestError("prompt", f"prompt {i} encodes to no tokens")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                raise RequestError("prompt", f"prompt {i}: token ids must be integers in [0, {vocab_size})")
+        if len(ids) >= context_length:
+            raise RequestError(
+                "prompt", f"prompt {i} has {len(ids)} tokens; the context length is {context_length}"
+            )
+    return prompts
+
+
+def _items(
+    prompts: list[list[int]], sampling: Any, rid: Any, top: int | None, token_ids: bool
+) -> list[GenerateItem]:
+    if rid is not None and not isinstance(rid, str):
+        raise RequestError("rid", "must be a string")
+    single = len(prompts) == 1 and sampling.n == 1
+    return [
+        GenerateItem(
+            rid if single else (f"{rid}_{i * sampling.n + j}" if rid else None),
+            ids,
+            sampling,
+            return_logprob=top is not None,
+            top_logprobs_num=top or 0,
+            return_prompt_token_ids=token_ids,
+        )
+        for i, ids in enumerate(prompts)
+        for j in range(sampling.n)
+    ]
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(name, f"must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _top(name: str, value: Any, vocab_size: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= vocab_size:
+        raise RequestError(name, f"must be an integer in [0, {vocab_size}], got {value!r}")
+    return value
+
+
+def _max_tokens(body: dict[str, Any], default: int | None, context_length: int) -> int:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    return context_length if value is None and default is None else (default if value is None else value)
+
+
+def parse_completion(
+    body: Any, *, vocab_size: int, context_length: int, defaults: dict[str, Any], codec: TextCodec | None
+) -> OpenAIRequest:
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    refuse_asked("", body, COMPLETION_FIELDS)
+    if codec is None:
+        raise RequestError("prompt", NO_TOKENIZER)
+    if body.get("prompt") is None:
+        raise RequestError("prompt", "is required")
+    prompts = _prompt_ids(body["prompt"], codec, vocab_size, context_length)
+    sampling = _sampling(body, defaults, codec, _max_tokens(body, OPENAI_DEFAULT_MAX_TOKENS, context_length))
+    raw_top = body.get("logprobs")
+    top = None if raw_top is None else _top("logprobs", raw_top, vocab_size)
+    token_ids = _bool(body, "return_token_ids")
+    items = _items(prompts, sampling, body.get("rid"), top, token_ids)
+    return OpenAIRequest(items, len(prompts), sampling.n, top, token_ids, str(body.get("model") or ""))
+
+
+def parse_chat(
+    body: Any, *, vocab_size: int, context_length: int, defaults: dict[str, Any], codec: ChatCodec | None
+) -> OpenAIRequest:
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    refuse_asked("", body, CHAT_FIELDS)
+    if codec is None:
+        raise RequestError("messages", NO_TOKENIZER)
+    if not codec.has_chat_template:
+        raise RequestError("messages", "the tokenizer has no chat template")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages", "must be a non-empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"messages[{i}]", "must be an object with a role")
+        if not isinstance(message.get("content"), str):
+            raise RequestError(
+                f"messages[{i}].content", "must be a string (multimodal parts are not supported)"
+            )
+    ids = codec.chat_ids([{"role": m["role"], "content": m["content"]} for m in messages])
+    if len(ids) >= context_length:
+        raise RequestError("messages", f"render to {len(ids)} tokens; the context length is {context_length}")
+    sampling = _sampling(body, defaults, codec, _max_tokens(body, None, context_length - len(ids)))
+    top = None
+    if _bool(body, "logprobs"):
+        top = _top("top_logprobs", body.get("top_logprobs") or 0, vocab_size)
+    elif body.get("top_logprobs"):
+        raise RequestError("top_logprobs", "needs logprobs: true")
+    token_ids = _bool(body, "return_token_ids") or _bool(body, "return_prompt_token_ids")
+    items = _items([ids], sampling, body.get("rid"), top, token_ids)
+    return OpenAIRequest(items, 1, sampling.n, top, token_ids, str(body.get("model") or ""))
+
+
+# ---------------------------------------------------------------------------------- answers
+
+
+def _finish(seq: FinishedSeq) -> tuple[str | None, Any]:
+    reason = seq.finish_reason or {}
+    return reason.get("type"), reason.get("matched")
+
+
+def _usage(request: OpenAIRequest, seqs: Sequence[FinishedSeq]) -> dict[str, Any]:
+    # prompt tokens once per prompt (SGLang counts a prompt once for its n choices)
+    prompt = sum(len(seq.prompt_ids) for seq in seqs[:: request.samples])
+    return openai_usage(prompt, sum(len(seq.tokens) for seq in seqs))
+
+
+def completion_response(
+    request: OpenAIRequest, seqs: Sequence[FinishedSeq], codec: TextCodec, model: str, created: int
+) -> dict[str, Any]:
+    choices = []
+    for index, (item, seq) in enumerate(zip(request.items, seqs, strict=True)):
+        ids = [t.token_id for t in seq.tokens]
+        kind, matched = _finish(seq)
+        choice: dict[str, Any] = {
+            "index": index,
+            "text": output_text(item, ids, seq.finish_reason, codec),
+            "logprobs": None,
+            "finish_reason": kind,
+            "matched_stop": matched,
+        }
+        if request.top_logprobs is not None:
+            tokens = [codec.token_text(t.token_id) for t in seq.tokens]
+            offsets, at = [], 0
+            for text in tokens:
+                offsets.append(at)
+                at += len(text)
+            choice["logprobs"] = {
+                "text_offset": offsets,
+                "token_logprobs": [t.logprob for t in seq.tokens],
+                "tokens": tokens,
+                "top_logprobs": [
+                    {codec.token_text(c): lp for c, lp in zip(t.cand_ids, t.cand_logprobs, strict=True)}
+                    if request.top_logprobs
+                    else None
+                    for t in _top_candidates(seq.tokens, request.top_logprobs)
+                ],
+            }
+        if request.return_token_ids:
+            choice["token_ids"] = ids
+            choice["prompt_token_ids"] = list(seq.prompt_ids)
+        choices.append(choice)
+    return {
+        "id": seqs[0].rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(request, seqs),
+    }
+
+
+@dataclass(frozen=True)
+class _Shown:
+    token_id: int
+    logprob: float
+    cand_ids: list[int]
+    cand_logprobs: list[float]
+
+
+def _top_candidates(tokens: Sequence[TokenRecord], k: int) -> list[_Shown]:
+    """Each token with its ``k`` most likely candidates (most likely first, as the record keeps them)."""
+    out = []
+    for t in tokens:
+        order = sorted(range(len(t.cand_ids)), key=lambda i: (-t.cand_logprobs[i], t.cand_ids[i]))[:k]
+        out.append(
+            _Shown(t.token_id, t.logprob, [t.cand_ids[i] for i in order], [t.cand_logprobs[i] for i in order])
+        )
+    return out
+
+
+def _token_entry(codec: TextCodec, token_id: int, logprob: float) -> dict[str, Any]:
+    text = codec.token_text(token_id)
+    return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
+
+
+def chat_response(
+    request: OpenAIRequest, seqs: Sequence[FinishedSeq], codec: TextCodec, model: str, created: int
+) -> dict[str, Any]:
+    choices = []
+    for index, (item, seq) in enumerate(zip(request.items, seqs, strict=True)):
+        ids = [t.token_id for t in seq.tokens]
+        kind, matched = _finish(seq)
+        choice: dict[str, Any] = {
+            "index": index,
+            "message": {"role": "assistant", "content": output_text(item, ids, seq.finish_reason, codec)},
+            "logprobs": None,
+            "finish_reason": kind,
+            "matched_stop": matched,
+        }
+        if request.top_logprobs is not None:
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        **_token_entry(codec, t.token_id, t.logprob),
+                        "top_logprobs": [
+                            _token_entry(codec, c, lp)
+                            for c, lp in zip(t.cand_ids, t.cand_logprobs, strict=True)
+                        ],
+                    }
+                    for t in _top_candidates(seq.tokens, request.top_logprobs)
+                ]
+            }
+        if request.return_token_ids:
+            choice["prompt_token_ids"] = list(seq.prompt_ids)
+            choice["response_token_ids"] = ids
+        choices.append(choice)
+    return {
+        "id": seqs[0].rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(request, seqs),
+    }
+
+
+def models_response(
+    served_model_name: str, model_path: str, context_length: int, created: int
+) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": served_model_name,
+                "object": "model",
+                "created": created,
+                "owned_by": "mixrl",
+                "root": model_path,
+                "parent": None,
+                "max_model_len": context_length,
+            }
+        ],
+    }
