@@ -20,13 +20,31 @@ Targets:
                               fixed per-step cost in transformers (~4-6 ms of Python) caps it; batch 16
                               is compared over --cache-tokens-b16 tokens, its uncached run being slow)
 
+Prefix cache (``--only prefix-cache``, or after the above in a full run): agent episodes of
+``--turns`` turns, each turn's prompt being the whole history so far (a system prompt shared by every
+episode, the episode's task, then per turn the reply and a tool result), ``--episodes`` episodes at
+once as a rollout worker runs them.  Each turn of every episode is one request, run to its end.
+  episode throughput          >= 3x with the prefix cache than without, at six turns (generated
+                              tokens per second of wall time over whole episodes, prefill included;
+                              the two run the same episodes turn by turn in lockstep, and their
+                              sampled tokens are compared)
+  router stickiness           the cache hit rate (cached / prompt tokens over every request) of
+                              --replicas engine replicas, each with its own prefix cache, when the
+                              turns are placed by mixrl's router (RouterState.route with the
+                              episode's session id: sticky) and when they are dealt round-robin
+                              (the router has no round-robin policy: the bench deals each request to
+                              the next replica itself, in the order the turns arrive, shuffled per
+                              turn as finishing turns would); reported, no target
+
     python bench/engine.py                 # full run (a few minutes on one core)
     python bench/engine.py --quick         # smaller, for a smoke check
+    python bench/engine.py --only prefix-cache   # the prefix-cache part alone (about a minute)
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import tempfile
@@ -40,6 +58,8 @@ from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.engine.weights_io import apply_precision_
 from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.quant import WEIGHT_FORMATS
+from mixrl.rl.router.config import PoolConfig
+from mixrl.rl.router.state import RouterState
 
 KV_FP8 = "bf16+kv_fp8"
 CONFIGS = (*WEIGHT_FORMATS, KV_FP8)  # weights bf16 with an FP8 KV cache
@@ -60,13 +80,16 @@ class Progress:
             self.last = now
 
 
-def _runner(model: torch.nn.Module, layers: int, fp8_kv: bool, cached: bool, context: int) -> ModelRunner:
+def _runner(
+    model: torch.nn.Module, layers: int, fp8_kv: bool, cached: bool, context: int, prefix_cache: int = 0
+) -> ModelRunner:
     return ModelRunner(
         model,
         weight_version=0,
         context_length=context,
         kv_scales=[(1.0, 1.0) if fp8_kv else None] * layers,
         use_kv_cache=cached,
+        prefix_cache_tokens=prefix_cache,
     )
 
 
@@ -101,6 +124,144 @@ def lockstep(
     return times
 
 
+# ------------------------------------------------------------------ prefix cache: multi-turn episodes
+
+
+class Episodes:
+    """The prompts of ``count`` agent episodes, turn by turn: the same for every configuration."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        g = torch.Generator().manual_seed(7)
+        system = torch.randint(1, args.vocab, (args.system_tokens,), generator=g).tolist()
+        self.args = args
+        self.histories = [
+            system + torch.randint(1, args.vocab, (args.task_tokens,), generator=g).tolist()
+            for _ in range(args.episodes)
+        ]
+        self._g = g
+
+    def requests(self, turn: int) -> list[Sequence]:
+        return [
+            Sequence(
+                rid=f"ep{i}-turn{turn}",
+                prompt_ids=list(history),
+                sampling=RowSampling(temperature=1.0),
+                max_new_tokens=self.args.reply_tokens,
+                generator=torch.Generator().manual_seed(1000 * i + turn),
+            )
+            for i, history in enumerate(self.histories)
+        ]
+
+    def advance(self, finished: list[Sequence]) -> None:
+        """Each episode's next prompt: its history, its reply, and a tool result."""
+        for i, seq in enumerate(finished):
+            tool = torch.randint(1, self.args.vocab, (self.args.tool_tokens,), generator=self._g).tolist()
+            self.histories[i] = self.histories[i] + seq.output_ids + tool
+
+
+def _run_to_end(runner: ModelRunner, seqs: list[Sequence]) -> float:
+    start = time.perf_counter()
+    runner.add(seqs)
+    while runner.running:
+        runner.step()
+    return time.perf_counter() - start
+
+
+def prefix_cache_throughput(model: torch.nn.Module, args: argparse.Namespace, progress: Progress) -> bool:
+    """Whole episodes with and without the prefix cache, turn by turn in lockstep."""
+    budget = 64 * args.context
+    runners = {
+        "prefix cache": _runner(model, args.layers, False, True, args.context, prefix_cache=budget),
+        "no prefix cache": _runner(model, args.layers, False, True, args.context),
+    }
+    episodes = {name: Episodes(args) for name in runners}
+    seconds = dict.fromkeys(runners, 0.0)
+    generated = dict.fromkeys(runners, 0)
+    same_tokens = True
+    for turn in range(args.turns):
+        order = list(runners) if turn % 2 == 0 else list(reversed(runners))
+        played = {}
+        for name in order:
+            played[name] = episodes[name].requests(turn)
+            seconds[name] += _run_to_end(runners[name], played[name])
+            generated[name] += sum(len(s.tokens) for s in played[name])
+            episodes[name].advance(played[name])
+        same_tokens &= [s.output_ids for s in played["prefix cache"]] == [
+            s.output_ids for s in played["no prefix cache"]
+        ]
+        progress.advance(1, "prefix cache episodes")
+    cached = runners["prefix cache"]
+    tok_s = {name: generated[name] / seconds[name] for name in runners}
+    ratio = seconds["no prefix cache"] / seconds["prefix cache"]
+    passed = ratio >= 3
+    print(
+        f"{args.episodes} episodes x {args.turns} turns (system {args.system_tokens} + task {args.task_tokens} "
+        f"tokens, per turn {args.reply_tokens} generated + {args.tool_tokens} tool tokens):"
+    )
+    for name in runners:
+        print(
+            f"  {name:<16} {seconds[name]:6.2f} s  {tok_s[name]:7.0f} generated tok/s  "
+            f"{args.episodes / seconds[name]:6.2f} episodes/s"
+        )
+    print(
+        f"  prefix cache = {ratio:.2f}x the episode throughput   target >= 3  {'ok' if passed else 'MISS'}; "
+        f"hit rate {cached.cached_tokens_total / cached.prompt_tokens_total:.1%} of "
+        f"{cached.prompt_tokens_total} prompt tokens; sampled tokens identical: {same_tokens}"
+    )
+    return passed
+
+
+def stickiness(model: torch.nn.Module, args: argparse.Namespace, progress: Progress) -> None:
+    """Cache hit rate over ``--replicas`` replicas: sticky sessions (mixrl's router) vs round-robin."""
+    urls = [f"http://replica-{r}" for r in range(args.replicas)]
+    for policy in ("sticky (mixrl router)", "round-robin (dealt by the bench)"):
+        replicas = {
+            url: _runner(model, args.layers, False, True, args.context, prefix_cache=64 * args.context)
+            for url in urls
+        }
+        router = RouterState([PoolConfig(name="pool", replicas=tuple(urls))])
+        for url in urls:
+            router.set_ready("pool", url, True)
+        episodes = Episodes(args)
+        shuffle = random.Random(3)
+        dealt = 0
+        for turn in range(args.turns):
+            seqs = episodes.requests(turn)
+            arrival = list(range(len(seqs)))
+            shuffle.shuffle(arrival)
+            placed: dict[str, list[Sequence]] = {url: [] for url in urls}
+            for i in arrival:
+                if policy.startswith("sticky"):
+                    url = router.route(f"ep{i}", now=float(turn)).replica
+                    router.begin("pool", url)  # in flight: the next new session goes elsewhere
+                else:
+                    url = urls[dealt % len(urls)]
+                    dealt += 1
+                placed[url].append(seqs[i])
+            for url, batch in placed.items():
+                if batch:
+                    _run_to_end(replicas[url], batch)
+                if policy.startswith("sticky"):
+                    for _ in batch:
+                        router.finish("pool", url)
+            episodes.advance(seqs)
+            progress.advance(1, f"stickiness, {policy}")
+        prompt = sum(r.prompt_tokens_total for r in replicas.values())
+        cached = sum(r.cached_tokens_total for r in replicas.values())
+        print(
+            f"  {policy:<34} cache hit rate {cached / prompt:6.1%}  ({cached} of {prompt} prompt tokens "
+            f"over {args.replicas} replicas)"
+        )
+
+
+def prefix_cache_benchmark(models: dict[str, torch.nn.Module], args: argparse.Namespace) -> bool:
+    progress = Progress(args.turns * 3)
+    passed = prefix_cache_throughput(models["bf16"], args, progress)
+    print(f"router stickiness, {args.episodes} episodes x {args.turns} turns:")
+    stickiness(models["bf16"], args, progress)
+    return passed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=256)
@@ -123,14 +284,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--judge-prompt-len", type=int, default=512, help="the batch-1 cache comparison judged")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--quick", action="store_true", help="fewer tokens and rounds (smoke check)")
+    p.add_argument("--only", choices=("decode", "prefix-cache"), help="run one part (default: both)")
+    p.add_argument("--episodes", type=int, default=8, help="prefix cache: episodes at once")
+    p.add_argument("--turns", type=int, default=6, help="prefix cache: turns per episode")
+    p.add_argument("--system-tokens", type=int, default=512, help="prefix cache: shared system prompt")
+    p.add_argument("--task-tokens", type=int, default=64, help="prefix cache: each episode's task")
+    p.add_argument("--reply-tokens", type=int, default=32, help="prefix cache: generated per turn")
+    p.add_argument("--tool-tokens", type=int, default=128, help="prefix cache: tool result per turn")
+    p.add_argument("--replicas", type=int, default=4, help="prefix cache: replicas behind the router")
     args = p.parse_args(argv)
     if args.quick:
         args.new_tokens, args.repeats, args.cache_tokens, args.cache_tokens_b16 = 24, 1, 48, 8
         args.prompt_len = min(args.prompt_len, 64)
         args.cache_prompt_lens = [min(n, 64) for n in args.cache_prompt_lens]
+        args.episodes, args.turns, args.system_tokens, args.tool_tokens = 4, 3, 64, 32
+    for name in ("episodes", "turns", "reply_tokens", "replicas"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    for name in ("system_tokens", "task_tokens", "tool_tokens"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')}: must be >= 0, got {getattr(args, name)}")
+    if args.system_tokens + args.task_tokens < 1:
+        p.error("--system-tokens, --task-tokens: the first prompt needs at least one token")
     torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     context = max(args.prompt_len, *args.cache_prompt_lens) + max(args.new_tokens, args.cache_tokens) + 8
+    episode_len = args.system_tokens + args.task_tokens + args.turns * (args.reply_tokens + args.tool_tokens)
+    args.context = episode_len + 8
+    context = max(context, args.context)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = create_tiny_checkpoint(
@@ -154,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         f"qwen3 hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} ({n_params / 1e6:.1f} M parameters), "
         f"prompt {args.prompt_len} tokens; torch {torch.__version__}, {args.threads} thread(s)"
     )
+    if args.only == "prefix-cache":
+        passed = prefix_cache_benchmark(models, args)
+        if args.quick:
+            print("quick run: too short to judge the targets")
+            return 0
+        print("all targets met" if passed else "some targets missed")
+        return 0 if passed else 1
     total = (
         2 * args.repeats * args.new_tokens
         + len(args.cache_prompt_lens) * args.cache_tokens
@@ -208,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             f"batch {batch}, {tokens} generated tokens after a {prompt_len}-token prompt: cached "
             f"{tok_s['cached']:.0f} tok/s, uncached {tok_s['uncached']:.1f} tok/s = {speedup:.1f}x   {verdict}"
         )
+    if args.only is None:
+        ok &= prefix_cache_benchmark(models, args)
     if args.quick:
         print("quick run: too short to judge the targets (the cache speed-up grows with length)")
         return 0

@@ -145,8 +145,11 @@ def test_multi_turn_sessions_with_the_cache_equal_those_without(dense_path: str)
     assert reused > prompts / 2  # four turns: most of each prompt is history
 
 
-def test_hits_of_different_lengths_and_a_miss_share_one_prefill(dense_path: str) -> None:
-    model = reference_model(dense_path)
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_hits_of_different_lengths_and_a_miss_share_one_prefill(
+    kind: str, dense_path: str, moe_path: str
+) -> None:
+    model = reference_model(dense_path if kind == "dense" else moe_path)
     runs = {}
     for budget in (100_000, 0):
         runner = _runner(model, budget)

@@ -37,11 +37,45 @@ KV_CACHE_DTYPES = ("bf16", "fp8")
 
 
 class EngineKVLayer(DynamicLayer):
-    """A growing cache layer; with an FP8 scale pair, keys/values are FP8-rounded on the way in."""
+    """A growing cache layer; with an FP8 scale pair, keys/values are FP8-rounded on the way in.
+
+    Keys and values live in buffers with room to grow (doubling), and ``keys``/``values`` are views
+    of their filled part: a decode step writes one column in place instead of copying the whole
+    cache as transformers' ``DynamicLayer`` does with ``torch.cat`` (a cost that grows with the
+    context, every step).  Assigning ``keys``/``values`` (batch surgery below) replaces the buffer.
+    """
 
     def __init__(self, fp8_scales: tuple[float, float] | None = None) -> None:
+        self._key_buffer: Tensor | None = None
+        self._value_buffer: Tensor | None = None
+        # filled columns of each buffer: one length each, since surgery assigns keys before values
+        self._key_length = self._value_length = 0
         super().__init__()
         self.fp8_scales = fp8_scales
+
+    @staticmethod
+    def _filled(buffer: Tensor | None, length: int) -> Tensor | None:
+        return buffer if buffer is None or buffer.dim() < 2 else buffer[..., :length, :]
+
+    @staticmethod
+    def _columns(tensor: Tensor | None) -> int:
+        return int(tensor.shape[-2]) if tensor is not None and tensor.dim() >= 2 else 0
+
+    @property  # type: ignore[override]
+    def keys(self) -> Tensor | None:
+        return self._filled(self._key_buffer, self._key_length)
+
+    @keys.setter
+    def keys(self, tensor: Tensor | None) -> None:
+        self._key_buffer, self._key_length = tensor, self._columns(tensor)
+
+    @property  # type: ignore[override]
+    def values(self) -> Tensor | None:
+        return self._filled(self._value_buffer, self._value_length)
+
+    @values.setter
+    def values(self, tensor: Tensor | None) -> None:
+        self._value_buffer, self._value_length = tensor, self._columns(tensor)
 
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
@@ -50,7 +84,31 @@ class EngineKVLayer(DynamicLayer):
             k_scale, v_scale = self.fp8_scales
             key_states = fp8_kv_quant_dequant(key_states, k_scale)
             value_states = fp8_kv_quant_dequant(value_states, v_scale)
-        return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = self._key_buffer, self._value_buffer
+        assert keys is not None and values is not None
+        start = self._key_length
+        if keys.dim() < 2 or start == 0:
+            self.keys, self.values = key_states, value_states
+            return key_states, value_states
+        assert self._value_length == start, "keys and values must hold the same columns"
+        end = start + int(key_states.shape[-2])
+        if end > keys.shape[-2]:
+            room = max(end, 2 * start)
+            keys, values = _grown(keys, start, room), _grown(values, start, room)
+            self._key_buffer, self._value_buffer = keys, values
+        keys[..., start:end, :] = key_states
+        values[..., start:end, :] = value_states
+        self._key_length = self._value_length = end
+        return keys[..., :end, :], values[..., :end, :]
+
+
+def _grown(buffer: Tensor, filled: int, room: int) -> Tensor:
+    """A copy of ``buffer``'s first ``filled`` columns with room for ``room`` columns in all."""
+    grown = torch.zeros(*buffer.shape[:-2], room, buffer.shape[-1], dtype=buffer.dtype)
+    grown[..., :filled, :] = buffer[..., :filled, :]
+    return grown
 
 
 def new_cache(layer_scales: Sequence[tuple[float, float] | None]) -> Cache:
