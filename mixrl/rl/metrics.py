@@ -240,6 +240,12 @@ MIXRL_ROUTER_REPLICAS_READY = MetricSpec(
 MIXRL_ROUTER_GENERATED_TOKENS_TOTAL = MetricSpec(
     "mixrl_router_generated_tokens_total", "counter", "Completion tokens returned by a pool.", MIXRL_LABELS
 )
+MIXRL_ROUTER_POOL_HEALTH = MetricSpec(
+    "mixrl_router_pool_health",
+    "gauge",
+    "A pool's health in [floor, 1] from its fresh mismatch (spec.health.routing); shares are capacity x health.",
+    MIXRL_LABELS,
+)
 MIXRL_ROUTER_WEIGHT_VERSION = MetricSpec(
     "mixrl_router_serving_weight_version",
     "gauge",
@@ -267,6 +273,7 @@ MIXRL_ROUTER_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_ROUTER_REPLICAS_READY,
     MIXRL_ROUTER_GENERATED_TOKENS_TOTAL,
     MIXRL_ROUTER_WEIGHT_VERSION,
+    MIXRL_ROUTER_POOL_HEALTH,
     MIXRL_ROUTER_REQUEST_LATENCY,
 )
 # rollout
@@ -284,6 +291,13 @@ MIXRL_ROLLOUT_TOKENS_TOTAL = MetricSpec(
 )
 MIXRL_ROLLOUT_REWARD = MetricSpec(
     "mixrl_rollout_reward", "gauge", "Mean episode reward (recent).", MIXRL_LABELS
+)
+MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL = MetricSpec(
+    "mixrl_rollout_tied_support_tokens_total",
+    "counter",
+    "Generated tokens whose sampling support was larger than the returned candidates (ties at the"
+    " top-k cut); kept, the unreturned members recorded at the cut's log-prob.",
+    MIXRL_LABELS,
 )
 # buffer — mixrl.rl.buffer.  Per-pool series use MIXRL_LABELS; whole-buffer series only "run".
 # Staleness of a token = trainer step − its weight_version, observed when a batch is handed out.
@@ -365,6 +379,15 @@ MIXRL_TRAINER_REWARD = MetricSpec(
 MIXRL_TRAINER_KL = MetricSpec(
     "mixrl_trainer_kl", "gauge", "Sampler-trainer KL per token (k3), last batch.", MIXRL_LABELS
 )
+MIXRL_TRAINER_KL_FRESH = MetricSpec(
+    "mixrl_trainer_kl_fresh",
+    "gauge",
+    "Sampler-trainer KL per token (k3) over fresh tokens only (staleness 0: sampled with the weights"
+    " the trainer scored them with), last batch: the precision and kernel mismatch without drift."
+    " k3 is unbiased for KL(sampler || trainer) only when the sampler's distribution is the one the"
+    " trainer compares with (top-p replay on, or no top-p).",
+    MIXRL_LABELS,
+)
 MIXRL_TRAINER_EXTREME_RATIO_SHARE = MetricSpec(
     "mixrl_trainer_extreme_ratio_share", "gauge", "Share of tokens with ratio outside [0.2, 5].", MIXRL_LABELS
 )
@@ -411,11 +434,13 @@ MIXRL_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL,
     MIXRL_ROLLOUT_TOKENS_TOTAL,
     MIXRL_ROLLOUT_REWARD,
+    MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL,
     *MIXRL_BUFFER_METRICS,
     MIXRL_TRAINER_STEP,
     MIXRL_TRAINER_WEIGHT_VERSION,
     MIXRL_TRAINER_REWARD,
     MIXRL_TRAINER_KL,
+    MIXRL_TRAINER_KL_FRESH,
     MIXRL_TRAINER_EXTREME_RATIO_SHARE,
     MIXRL_TRAINER_GRAD_NORM,
     MIXRL_TRAINER_ENTROPY,

@@ -28,8 +28,11 @@ Reading responses needs only SGLang's standard fields (``output_ids``,
 
 Candidates are the position's ``output_top_logprobs``.  When a support S is known, its members are
 put first (most likely first), so S is always the leading ``support_size`` candidates as the token
-record requires; a support member whose log-prob the response does not carry is an error (ask for
-``top_logprobs_num >= top_k``, which :func:`generate_body` does).  SGLang's
+record requires.  A support larger than the returned candidates (SGLang's ties at the top-k cut,
+when every returned candidate is a member) gets its unreturned members at the cut's log q and is
+counted (:func:`unreturned_members`, ``GenerateResult.tied_support_tokens``); any other support
+member without a log-prob is an error (ask for ``top_logprobs_num >= top_k``, which
+:func:`generate_body` does).  SGLang's
 ``output_token_sampling_logprobs`` is written (for parity) but not needed to read a record back.
 """
 
@@ -761,6 +764,9 @@ class GenerateResult:
     pool: PoolInfo = field(default_factory=PoolInfo)
     finish_detail: Mapping[str, Any] = field(default_factory=dict)
     """SGLang's ``meta_info.finish_reason`` object (e.g. an abort's ``message``)."""
+    tied_support_tokens: int = 0
+    """Tokens whose support had members without a returned log-prob (ties at the top-k cut),
+    kept with those members at the cut's log q (:func:`unreturned_members`)."""
 
     @property
     def output_ids(self) -> list[int]:
@@ -789,23 +795,46 @@ def parse_weight_version(value: Any) -> int:
         raise EngineResponseError(f"weight_version: expected an integer version, got {value!r}") from None
 
 
-def _candidates(
-    top: list[Any] | None, token_id: int, logprob: float, mask: list[int] | None
-) -> tuple[list[int], list[float]]:
+def _known_logprobs(top: list[Any] | None) -> dict[int, float]:
     known: dict[int, float] = {}
     for entry in top or []:
         known.setdefault(int(entry[1]), float(entry[0]))
+    return known
+
+
+def unreturned_members(top: list[Any] | None, token_id: int, mask: list[int] | None) -> list[int]:
+    """Members of the support S that came without a log-prob: neither a candidate nor the token.
+
+    SGLang returns ``top_logprobs_num`` candidates (≥ top-k) and a mask that can be larger, up to
+    ``--sampling-mask-max-tokens``: its top-k keeps every token tied with the k-th ("cutoff ties",
+    its help says).  Such members are tied at the cut, so their log q is the least log q among the
+    returned members, and :func:`_candidates` records them with it rather than losing the episode
+    (docs/engine.md, "Ties at the top-k cut").
+    """
+    known = _known_logprobs(top)
+    return [i for i in mask or [] if i not in known and i != token_id]
+
+
+def _candidates(
+    top: list[Any] | None, token_id: int, logprob: float, mask: list[int] | None
+) -> tuple[list[int], list[float]]:
+    known = _known_logprobs(top)
     ordered = sorted(known.items(), key=lambda kv: -kv[1])
     if not mask:
         return [i for i, _ in ordered], [lp for _, lp in ordered]
     known.setdefault(token_id, logprob)
-    missing = [i for i in mask if i not in known]
-    if missing:
-        raise EngineResponseError(
-            f"output_top_logprobs: support member {missing[0]} has no log-prob; request "
-            f"top_logprobs_num >= top_k so the top candidates cover the sampling support"
-        )
+    missing = unreturned_members(top, token_id, mask)
     members = set(mask)
+    if missing:
+        outside = [i for i in _known_logprobs(top) if i not in members]
+        if outside:  # S is a prefix of the ranking: a non-member outranks the unreturned member
+            raise EngineResponseError(
+                f"output_top_logprobs: support member {missing[0]} has no log-prob and candidate "
+                f"{outside[0]} outside the support is returned; request top_logprobs_num >= top_k "
+                "so the top candidates cover the sampling support"
+            )
+        cut = min(known[i] for i in mask if i in known)
+        known.update(dict.fromkeys(missing, cut))
     head = sorted(((i, known[i]) for i in members), key=lambda kv: -kv[1])
     tail = [(i, lp) for i, lp in sorted(known.items(), key=lambda kv: -kv[1]) if i not in members]
     merged = head + tail
@@ -904,7 +933,18 @@ def parse_response(
         raise EngineResponseError("/generate: expected a JSON object per prompt")
     finish, detail = _turn_finish(payload.get("meta_info") or {})
     pool = pool_from_headers(headers or {}, default_pool or PoolInfo())
-    return GenerateResult(token_records(payload), finish, pool, detail)
+    records = token_records(payload)
+    return GenerateResult(records, finish, pool, detail, tied_support_tokens(payload))
+
+
+def tied_support_tokens(response: dict[str, Any]) -> int:
+    """Tokens of a response (already read by :func:`token_records`) whose support had members
+    without a returned log-prob."""
+    meta = response.get("meta_info") or {}
+    masks = meta.get("output_token_sampling_mask") or []
+    tops = meta.get("output_top_logprobs") or [None] * len(masks)
+    token_lps = meta["output_token_logprobs"]
+    return sum(1 for t, mask in enumerate(masks) if unreturned_members(tops[t], int(token_lps[t][1]), mask))
 
 
 # ----------------------------------------------------------------------- streams and /v1 usage

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl import metrics
+from mixrl.rl.engine.protocol import GenerateResult
 
 RECENT_EPISODES = 256
 """Window of the recent reward and format-error share in progress lines."""
@@ -36,6 +37,8 @@ class RolloutStats:
         self._format_errors = metrics.create(metrics.MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL, self.registry)
         self._tokens = metrics.create(metrics.MIXRL_ROLLOUT_TOKENS_TOTAL, self.registry)
         self._reward = metrics.create(metrics.MIXRL_ROLLOUT_REWARD, self.registry)
+        self._tied = metrics.create(metrics.MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL, self.registry)
+        self.tied_support_tokens = 0
         self._recent_by_pool: dict[tuple[str, ...], deque[float]] = {}
 
     def episode_ended(self, trajectory: Trajectory) -> None:
@@ -52,6 +55,14 @@ class RolloutStats:
         window = self._recent_by_pool.setdefault(labels, deque(maxlen=RECENT_EPISODES))
         window.append(reward)
         self._reward.labels(*labels).set(sum(window) / len(window))
+
+    def turn_received(self, result: GenerateResult) -> None:
+        """One turn's answer: count tokens kept with a support larger than their candidates."""
+        if result.tied_support_tokens:
+            self.tied_support_tokens += result.tied_support_tokens
+            pool = result.pool
+            labels = (self.run, pool.pool, pool.gpu_type, pool.precision)
+            self._tied.labels(*labels).inc(result.tied_support_tokens)
 
     def evaluation_done(self, result: dict[str, Any]) -> None:
         self.last_evaluation = result

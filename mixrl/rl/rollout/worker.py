@@ -37,7 +37,7 @@ from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
 from mixrl.rl.buffer.client import BufferClient, BufferError
-from mixrl.rl.engine.protocol import EngineResponseError
+from mixrl.rl.engine.protocol import EngineResponseError, GenerateResult
 from mixrl.rl.environments.base import SPLITS, Environment, Split, TaskLike
 from mixrl.rl.environments.datasets import load_tasks
 from mixrl.rl.environments.registry import check_rollout, load_environment, offered_tools
@@ -219,9 +219,16 @@ class RolloutWorker:
     async def play(self, task: TaskLike, sample_index: int, prompt_id: str) -> Trajectory:
         """One episode in its own router session; the session is ended however the episode ends."""
         session_id = f"{self.settings.run or 'mixrl'}-{self.nonce}-{uuid.uuid4().hex[:12]}"
+        generate = self.router.generator(session_id)
+
+        async def counted(input_ids: list[int], max_new_tokens: int) -> GenerateResult:
+            result = await generate(input_ids, max_new_tokens)
+            self.stats.turn_received(result)
+            return result
+
         try:
             trajectory = await run_episode(
-                self.router.generator(session_id),
+                counted,
                 self.environment,
                 task,
                 self.tokenizer,
