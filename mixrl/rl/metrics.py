@@ -147,6 +147,12 @@ SGLANG_KV_USED_TOKENS = MetricSpec(
 SGLANG_KV_AVAILABLE_TOKENS = MetricSpec(
     "sglang:kv_available_tokens", "gauge", "Free KV token slots.", ENGINE_LABELS
 )
+SGLANG_KV_EVICTABLE_TOKENS = MetricSpec(
+    "sglang:kv_evictable_tokens",
+    "gauge",
+    "KV token slots held by the prefix cache (evictable).",
+    ENGINE_LABELS,
+)
 
 ENGINE_METRICS: tuple[MetricSpec, ...] = (
     SGLANG_NUM_QUEUE_REQS,
@@ -168,6 +174,7 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     SGLANG_CACHE_HIT_RATE,
     SGLANG_KV_USED_TOKENS,
     SGLANG_KV_AVAILABLE_TOKENS,
+    SGLANG_KV_EVICTABLE_TOKENS,
 )
 
 # ------------------------------------------------------------------------- mixrl's own series

@@ -335,3 +335,31 @@ async def test_metrics_have_sglangs_names_labels_and_per_token_latency(dense_pat
         assert engine in _samples(text, gauge), gauge
     assert "# TYPE sglang:cached_tokens_total counter" in text
     assert _labels(**request, cache_source="device") in _samples(text, "sglang:cached_tokens_total")
+
+
+async def test_the_prefix_caches_hits_are_exported_as_sglang_does(dense_path: str) -> None:
+    """A second turn that extends the first reuses its keys and values: ``meta_info.cached_tokens``,
+    ``sglang:cached_tokens_total`` and ``sglang:cache_hit_rate`` say how many, and the evictable /
+    available KV gauges account for what the prefix cache holds."""
+    sampling = {**GREEDY, "max_new_tokens": 4}
+    async with serving(model_path=dense_path, served_model_name="tiny", max_total_tokens=1000) as (
+        url,
+        _,
+        session,
+    ):
+        _, first = await post(
+            session, f"{url}/generate", {"input_ids": [1, 2, 3, 4], "sampling_params": sampling}
+        )
+        turn = [1, 2, 3, 4, *first["output_ids"], 9, 10]
+        _, second = await post(session, f"{url}/generate", {"input_ids": turn, "sampling_params": sampling})
+        async with session.get(f"{url}/metrics") as response:
+            text = await response.text()
+    cached = second["meta_info"]["cached_tokens"]
+    assert cached >= 4  # at least the first prompt's keys and values were reused
+    request = {"engine_type": "unified", "model_name": "tiny"}
+    assert _samples(text, "sglang:cached_tokens_total")[_labels(**request, cache_source="device")] == cached
+    engine = _labels(**request, tp_rank="0", pp_rank="0", moe_ep_rank="0")
+    assert _samples(text, "sglang:cache_hit_rate")[engine] == pytest.approx(cached / (4 + len(turn)))
+    evictable = _samples(text, "sglang:kv_evictable_tokens")[engine]
+    assert evictable > 0
+    assert _samples(text, "sglang:kv_available_tokens")[engine] == 1000 - evictable

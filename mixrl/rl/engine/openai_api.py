@@ -119,7 +119,6 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
     "extra_key": _from(GENERATE_FIELDS, "extra_key"),
     "cache_salt": _from(GENERATE_FIELDS, "cache_salt"),
     "priority": _from(GENERATE_FIELDS, "priority"),
-    "custom_labels": _from(GENERATE_FIELDS, "custom_labels"),
 }
 
 COMPLETION_FIELDS: dict[str, FieldRule] = {
@@ -130,6 +129,7 @@ COMPLETION_FIELDS: dict[str, FieldRule] = {
     "best_of": FieldRule("refused", "best_of is not implemented; use n", off=1, example=2),
     "echo": FieldRule("refused", "echoing the prompt is not implemented", example=True),
     "suffix": FieldRule("refused", "suffixes (insertion) are not supported"),
+    "custom_labels": _from(GENERATE_FIELDS, "custom_labels"),
 }
 """Every field of SGLang's ``CompletionRequest`` (0.5.23), as the torch engine treats it."""
 

@@ -229,6 +229,8 @@ class EngineService:
         return tracked
 
     def _on_tokens(self, now: float) -> None:
+        # between two model steps, so the prefix cache is not changing under us
+        self.stats.evictable_tokens = self.runner.prefix_cache_tokens()
         for tracked in self._live.values():
             count = len(tracked.seq.tokens)
             if count > tracked.seen:

@@ -51,6 +51,7 @@ class EngineStats:
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_prompts: deque[tuple[float, int, int]] = deque()  # (end, cached, prompt tokens)
         self._listeners: list[Callable[[float], None]] = []
+        self.evictable_tokens = 0  # held by the prefix cache (EngineService sets it after each step)
         self._get(m.SGLANG_MAX_TOTAL_NUM_TOKENS).set(max_total_tokens)
         self._get(m.SGLANG_KV_AVAILABLE_TOKENS).set(max_total_tokens)
         for spec in m.ENGINE_METRICS:  # expose every series from the start, at 0
@@ -79,7 +80,9 @@ class EngineStats:
         self._get(m.SGLANG_NUM_PAUSED_REQS).set(paused)
         self._get(m.SGLANG_NUM_USED_TOKENS).set(used_tokens)
         self._get(m.SGLANG_KV_USED_TOKENS).set(used_tokens)
-        self._get(m.SGLANG_KV_AVAILABLE_TOKENS).set(max(0, self.max_total_tokens - used_tokens))
+        self._get(m.SGLANG_KV_EVICTABLE_TOKENS).set(self.evictable_tokens)
+        free = self.max_total_tokens - used_tokens - self.evictable_tokens
+        self._get(m.SGLANG_KV_AVAILABLE_TOKENS).set(max(0, free))
         self._get(m.SGLANG_TOKEN_USAGE).set(
             used_tokens / self.max_total_tokens if self.max_total_tokens else 0.0
         )
