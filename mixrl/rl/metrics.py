@@ -349,6 +349,18 @@ MIXRL_BUFFER_STEP = MetricSpec(
 MIXRL_BUFFER_COMMITTED_STEP = MetricSpec(
     "mixrl_buffer_committed_step", "gauge", "Latest step whose batch the trainer committed.", BUFFER_LABELS
 )
+MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL = MetricSpec(
+    "mixrl_buffer_trainer_wait_seconds_total",
+    "counter",
+    "Seconds the trainer's batch requests waited for data (its rate is the trainer's idle share).",
+    BUFFER_LABELS,
+)
+MIXRL_BUFFER_TRAINER_BUSY_SECONDS = MetricSpec(
+    "mixrl_buffer_trainer_busy_seconds",
+    "gauge",
+    "Seconds from handing the trainer a batch to its next request: its compute time per step.",
+    BUFFER_LABELS,
+)
 MIXRL_BUFFER_EVAL_PASS_AT_K = MetricSpec(
     "mixrl_buffer_eval_pass_at_k",
     "gauge",
@@ -366,6 +378,8 @@ MIXRL_BUFFER_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_BUFFER_BATCHES_TOTAL,
     MIXRL_BUFFER_STEP,
     MIXRL_BUFFER_COMMITTED_STEP,
+    MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL,
+    MIXRL_BUFFER_TRAINER_BUSY_SECONDS,
     MIXRL_BUFFER_EVAL_PASS_AT_K,
 )
 # trainer

@@ -71,6 +71,8 @@ class Harness:
         self.api = FakeApi(pools)
         self.loads = loads
         self.paused = paused
+        self.values: dict[str, float] = {}
+        """Scripted answers of the other instant queries: a substring of the query -> its value."""
         self.now = 1_000_000.0
 
         async def observer(session: Any, url: str, query: str, timeout: float, window: Any) -> Observation:
@@ -82,6 +84,9 @@ class Harness:
             raise AssertionError(query)
 
         async def scalar(session: Any, url: str, query: str, timeout: float) -> float:
+            for needle, value in self.values.items():
+                if needle in query:
+                    return value
             if self.paused:
                 return self.paused
             raise MetricsUnavailable("NoSeries", "nothing paused")
@@ -106,6 +111,13 @@ class Harness:
             await self.loop.poll(key, self.loop.pools[key], run, run.pool(pool), memory, self.now)
         finally:
             await self.loop.stop()  # closes the loop's HTTP session (the scripted answers need none)
+
+    async def poll_run(self) -> list:
+        """One tick of the whole loop (the trainer objective plans a run's pools together)."""
+        try:
+            return await self.loop.tick()
+        finally:
+            await self.loop.stop()
 
     def replicas(self, pool: str) -> int:
         return int(self.api.pools[f"{RUN}-{pool}"]["spec"]["replicas"])

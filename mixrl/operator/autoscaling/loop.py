@@ -32,9 +32,17 @@ from typing import Any, Literal
 
 import aiohttp
 
+from mixrl.api.gpus import default_price
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
+from mixrl.operator.autoscaling.objective import (
+    FleetPool,
+    ObjectiveConfig,
+    ObjectiveMemory,
+    TrainerSignals,
+    stabilized_plan,
+)
 from mixrl.operator.autoscaling.policy import (
     BudgetRequest,
     Decision,
@@ -43,6 +51,8 @@ from mixrl.operator.autoscaling.policy import (
     PoolLoad,
     budget_step,
     decide,
+    pending_ceiling,
+    track_pending,
 )
 from mixrl.operator.autoscaling.pool_api import (
     MetricsUnavailable,
@@ -56,9 +66,12 @@ from mixrl.operator.autoscaling.pool_api import (
 from mixrl.operator.autoscaling.promql import (
     SUSTAINED_STEP,
     SUSTAINED_WINDOW,
+    TRAINER_WINDOW,
     gpu_models_query,
     load_query,
     paused_query,
+    pool_throughput_query,
+    trainer_queries,
 )
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.conditions import make_condition
@@ -303,6 +316,9 @@ class AutoscalingLoop:
         self.pools: dict[Key, Obj] = {}
         self.memory: dict[Key, PoolMemory] = {}
         self._budget: dict[Key, dict[str, BudgetRequest]] = {}
+        self.run_memory: dict[Key, ObjectiveMemory] = {}
+        """(namespace, run) -> the trainer objective's estimates (``objective: trainer`` runs)."""
+        self._run_polled: dict[Key, float] = {}
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -394,9 +410,13 @@ class AutoscalingLoop:
         """Poll every due pool once; returns what was done (for tests and logs)."""
         done = []
         verdicts: dict[str, bool] = {}
+        fleets: dict[Key, tuple[ResolvedRun, list[Key]]] = {}
         for key, body in list(self.pools.items()):
             run = self.resolved_run(body)
             if run is None or run.autoscaling.engine != "builtin":
+                continue
+            if run.autoscaling.objective == "trainer":  # the run's fleet is planned as one
+                fleets.setdefault((key[0], run.name), (run, []))[1].append(key)
                 continue
             memory = self.memory.setdefault(key, PoolMemory())
             now = self.clock()
@@ -418,6 +438,141 @@ class AutoscalingLoop:
                 continue
             if plan is not None:
                 done.append((key, plan))
+        for run_key, (run, keys) in fleets.items():
+            now = self.clock()
+            last = self._run_polled.get(run_key)
+            if last is not None and now - last < run.autoscaling.poll_interval_seconds:
+                continue
+            if not await self.active_in(run_key[0], verdicts):
+                continue
+            self._run_polled[run_key] = now
+            try:
+                done += await self.poll_fleet(run_key, run, keys, now)
+            except ApiError as exc:
+                log.warning("autoscaling run %s/%s: %s", *run_key, exc)
+        return done
+
+    async def _value(self, run: ResolvedRun, query: str) -> float | None:
+        """One number from Prometheus, or None (no series, or no answer: the objective holds)."""
+        try:
+            return await self.scalar(
+                self.session(), run.autoscaling.prometheus_url, query, self.settings.query_timeout_s
+            )
+        except MetricsUnavailable:
+            return None
+
+    async def poll_fleet(
+        self, run_key: Key, run: ResolvedRun, keys: list[Key], now: float
+    ) -> list[tuple[Key, PoolPlan]]:
+        """``objective: trainer``: read the run's and every pool's series, plan the fleet as one
+        (:func:`mixrl.operator.autoscaling.objective.stabilized_plan`), then write each pool
+        under its lock, from the live pool (a pool whose replicas moved meanwhile waits a poll)."""
+        a = run.autoscaling
+        url, timeout = a.prometheus_url, self.settings.query_timeout_s
+        queries = trainer_queries(run.namespace, run.name)
+        signals = TrainerSignals(**{name: await self._value(run, q) for name, q in queries.items()})
+        views: list[FleetPool] = []
+        seen: dict[str, tuple[Key, Obj, Observation, ResolvedPool]] = {}
+        for key in keys:
+            cached = self.pools.get(key)
+            body = None if cached is None else await self.live_pool(key, cached)
+            if body is None:
+                continue
+            try:
+                pool = pool_of(run, body)
+                config = config_of(run, pool, body)
+            except KeyError:
+                continue
+            except BoundsRefused as exc:
+                memory = self.memory.setdefault(key, PoolMemory())
+                if memory.refused != str(exc):
+                    memory.refused = str(exc)
+                    await PoolApi(self.client).post_event(body, "Warning", "BoundsRefused", str(exc), now)
+                continue
+            memory = self.memory.setdefault(key, PoolMemory())
+            if memory.last_poll is None:
+                memory.state = restored_state(body, now, a.scale_down_window_seconds)
+            memory.refused = None
+            replicas = int((body.get("spec") or {}).get("replicas") or 0)
+            window = (TRAINER_WINDOW, "15s")
+            observation = (
+                await self.observer(self.session(), url, load_query(a, run, pool), timeout, window)
+            ).asleep(replicas)
+            paused = await self._value(run, paused_query(run.namespace, pool.object_name))
+            load = load_of(body, observation, paused)
+            memory.state, stuck = track_pending(memory.state, load, now, config)
+            memory.state, ceiling = pending_ceiling(memory.state, replicas, stuck, now, config)
+            price = (
+                pool.cost_per_gpu_hour if pool.cost_per_gpu_hour is not None else default_price(pool.gpu_type)
+            )
+            views.append(
+                FleetPool(
+                    pool.name,
+                    replicas,
+                    load.ready,
+                    pool.capacity or 1.0,
+                    pool.gpus_per_replica,
+                    price,
+                    config.min_replicas,
+                    config.max_replicas,
+                    throughput=await self._value(
+                        run, pool_throughput_query(run.namespace, run.name, pool.name)
+                    ),
+                    load=observation.sustained,
+                    stuck=stuck,
+                    floor=replicas if load.updating_weights else 0,
+                    ceiling=ceiling,
+                )
+            )
+            seen[pool.name] = (key, body, observation, pool)
+        if not views:
+            return []
+        objective = ObjectiveConfig(
+            step_size=run.trainer.prompts_per_update * run.trainer.samples_per_prompt,
+            concurrency=run.rollout.concurrency * run.rollout.workers,
+            sessions_per_capacity=a.target_per_replica,
+            idle_target=a.trainer_idle_target,
+            min_steps_ahead=a.min_steps_ahead,
+            max_steps_ahead=run.rollout.max_steps_ahead or None,
+            tolerance=a.tolerance,
+            horizon_s=a.scale_down_window_seconds,
+            gpu_budget=a.gpu_budget,
+            cost_budget_per_hour=a.cost_budget_per_hour,
+        )
+        states = {name: self.memory[key].state for name, (key, _, _, _) in seen.items()}
+        plan, states = stabilized_plan(
+            views, signals, objective, self.run_memory.get(run_key, ObjectiveMemory()), states, now,
+            a.scale_down_window_seconds,
+        )  # fmt: skip
+        self.run_memory[run_key] = plan.memory
+        if plan.recommended_concurrency is not None:
+            log.info("%s/%s: %s", *run_key, plan.summary)
+        done = []
+        for view in views:
+            key, read, observation, pool = seen[view.name]
+            memory = self.memory[key]
+            memory.state, memory.last_poll = states[view.name], now
+            async with self.lock(*key):
+                body = await self.live_pool(key, read)
+                if body is None or (body.get("spec") or {}).get("replicas") != (read.get("spec") or {}).get(
+                    "replicas"
+                ):
+                    continue
+                target = plan.targets[view.name]
+                reason = f"{view.replicas} → {target}: {plan.reasons[view.name]}"
+                decision = Decision(view.replicas, target, reason, None, None, memory.state)
+                pool_plan = plan_pool(
+                    body,
+                    run,
+                    observation,
+                    memory,
+                    now,
+                    history=self.settings.history,
+                    decision=decision,
+                    window=window_status(memory.state, now, a.scale_down_window_seconds),
+                )
+                await self.write(key, body, pool_plan, now)
+            done.append((key, pool_plan))
         return done
 
     async def live_pool(self, key: Key, cached: Obj) -> Obj | None:

@@ -258,6 +258,20 @@ def track_pending(
     return replace(state, pending_since=since, ready_seen=load.ready), stuck
 
 
+def pending_ceiling(
+    state: PolicyState, current: int, stuck: int, now: float, config: PolicyConfig
+) -> tuple[PolicyState, int | None]:
+    """Rule 8's cap: with ``stuck`` replicas, the pool keeps only the others (and may not grow for
+    ``pending_timeout_s``); while blocked, it keeps its count.  None: no cap."""
+    if stuck:
+        assert config.pending_timeout_s is not None
+        blocked = replace(state, blocked_until=now + config.pending_timeout_s, pending_since=None)
+        return blocked, max(config.min_replicas, current - stuck)
+    if state.blocked_until is not None and now < state.blocked_until:
+        return state, max(current, config.min_replicas)
+    return state, None
+
+
 def stabilized_floor(state: PolicyState, current: int, now: float, window_s: float) -> int:
     """The fewest replicas a fleet-level cut may leave this poll: the highest target requested
     within the window, at most the current count (a cut waits for the window, as rule 6 does)."""
@@ -411,18 +425,12 @@ def decide(load: PoolLoad, state: PolicyState, config: PolicyConfig, now: float)
         desired = bounded
 
     # Rule 8: stuck replicas are released (they serve nothing); the pool waits before growing.
-    ceiling = None
-    if stuck:
-        ceiling = max(config.min_replicas, current - stuck)
-        if desired > ceiling:
-            desired = ceiling
+    state, ceiling = pending_ceiling(state, current, stuck, now, config)
+    if ceiling is not None and desired > ceiling:
+        desired = ceiling
+        if stuck:
             why += f"; pending timeout: {stuck} not ready after {config.pending_timeout_s:g} s, released"
-        assert config.pending_timeout_s is not None
-        state = replace(state, blocked_until=now + config.pending_timeout_s, pending_since=None)
-    elif state.blocked_until is not None and now < state.blocked_until:
-        ceiling = max(current, config.min_replicas)
-        if desired > ceiling:
-            desired = ceiling
+        else:
             why += "; growth blocked after a pending timeout"
 
     period_start = now - config.scale_up_period_s

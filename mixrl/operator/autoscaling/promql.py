@@ -19,8 +19,14 @@ import re
 from mixrl.api.models import AutoscalingSpec
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
 from mixrl.rl.metrics import (
+    MIXRL_BUFFER_BATCHES_TOTAL,
+    MIXRL_BUFFER_TRAINER_BUSY_SECONDS,
+    MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL,
+    MIXRL_BUFFER_TRAJECTORIES,
+    MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL,
     MIXRL_ROUTER_QUEUE_DEPTH,
     MIXRL_ROUTER_REQUESTS_IN_FLIGHT,
+    MIXRL_ROUTER_SESSIONS,
     SGLANG_NUM_PAUSED_REQS,
     SGLANG_NUM_QUEUE_REQS,
     SGLANG_NUM_RUNNING_REQS,
@@ -112,3 +118,32 @@ ROUTER_LOAD_QUERY = (
 """A template for ``autoscaling.query``: the router's view of a pool's load (requests forwarded
 and not yet answered, plus those it holds for a slot).  Same meaning as the engine default, from
 the router's series (names in :mod:`mixrl.rl.metrics`)."""
+
+
+# ----------------------------------------------------------------------------- objective: trainer
+
+TRAINER_WINDOW = "5m"
+"""The window of every rate the trainer objective reads (several steps of a minutes-long step)."""
+
+
+def _run_matchers(namespace: str, run: str) -> str:
+    return f'namespace="{_label_value(namespace)}",run="{_label_value(run)}"'
+
+
+def trainer_queries(namespace: str, run: str, window: str = TRAINER_WINDOW) -> dict[str, str]:
+    """The run-wide series of ``objective: trainer`` (fields of
+    :class:`mixrl.operator.autoscaling.objective.TrainerSignals`), from the buffer and the router."""
+    m = _run_matchers(namespace, run)
+    return {
+        "step_rate": f"sum(rate({MIXRL_BUFFER_BATCHES_TOTAL.name}{{{m}}}[{window}]))",
+        "idle_share": f"sum(rate({MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL.name}{{{m}}}[{window}]))",
+        "busy_step_s": f"avg(avg_over_time({MIXRL_BUFFER_TRAINER_BUSY_SECONDS.name}{{{m}}}[{window}]))",
+        "buffered": f"sum({MIXRL_BUFFER_TRAJECTORIES.name}{{{m}}})",
+        "in_flight": f"sum({MIXRL_ROUTER_SESSIONS.name}{{{m}}})",
+    }
+
+
+def pool_throughput_query(namespace: str, run: str, pool: str, window: str = TRAINER_WINDOW) -> str:
+    """Trajectories per second the buffer received from one pool (the pool's delivered supply)."""
+    m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
+    return f"sum(rate({MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL.name}{{{m}}}[{window}]))"

@@ -222,6 +222,10 @@ class BufferServer:
         self.metrics = metrics_handler(self.registry, in_thread=True)
         self._arrivals = asyncio.Condition()
         self._closing = False
+        # The trainer's clock, for the autoscaler (objective: trainer): waits and compute per step.
+        self._trainer_wait = metrics.create(metrics.MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL, self.registry)
+        self._trainer_busy = metrics.create(metrics.MIXRL_BUFFER_TRAINER_BUSY_SECONDS, self.registry)
+        self._handed_at: float | None = None
 
     def app(self) -> web.Application:
         refused = refusal_counter(self.registry, self.run, "buffer")
@@ -267,23 +271,35 @@ class BufferServer:
             timeout = _timeout_param(request)
         except ValueError as exc:
             return _bad_request(str(exc))
-        deadline = asyncio.get_running_loop().time() + timeout
+        asked = asyncio.get_running_loop().time()
+        deadline = asked + timeout
+        if reserve and self._handed_at is not None:
+            self._trainer_busy.labels(self.run).set(asked - self._handed_at)  # type: ignore[union-attr]
+            self._handed_at = None
         while True:
             async with self._arrivals:
                 try:
                     payload = await asyncio.to_thread(self.buffer.batch, step, reserve)
                 except StepError as exc:
                     return web.json_response({"error": str(exc)}, status=409)
+                now = asyncio.get_running_loop().time()
                 if payload is not None:
                     if reserve:  # wake readers (GET) waiting for this step to be taken
                         self._arrivals.notify_all()
+                        self._trainer_wait.labels(self.run).inc(now - asked)  # type: ignore[union-attr]
+                        self._handed_at = now
                     return web.Response(body=payload.body, content_type="application/json")
-                remaining = deadline - asyncio.get_running_loop().time()
+                remaining = deadline - now
                 if remaining <= 0 or self._closing:
+                    if reserve:
+                        self._trainer_wait.labels(self.run).inc(now - asked)  # type: ignore[union-attr]
                     return web.Response(status=204)
                 try:
                     await asyncio.wait_for(self._arrivals.wait(), remaining)
                 except TimeoutError:
+                    if reserve:
+                        waited = asyncio.get_running_loop().time() - asked
+                        self._trainer_wait.labels(self.run).inc(waited)  # type: ignore[union-attr]
                     return web.Response(status=204)
 
     async def _commit(self, request: web.Request) -> web.Response:

@@ -1,0 +1,363 @@
+"""The RL-aware fleet objective (``autoscaling.objective: trainer``): pure functions, no I/O.
+
+In an RL run the rollout workers *create* the samplers' load (``rollout.concurrency`` sessions
+each), so a per-replica load target settles wherever the concurrency puts it, whatever the trainer
+needs.  This objective sizes the whole fleet to the trainer instead:
+
+    minimise  Σ pools  replicas · gpusPerReplica · price          (sampler dollars per hour)
+    such that trainer idle share ≤ trainerIdleTarget
+              minStepsAhead ≤ (buffered + in flight) / step size ≤ rollout.maxStepsAhead
+              Σ replicas · gpusPerReplica ≤ gpuBudget,  Σ dollars per hour ≤ costBudgetPerHour
+
+- **Demand** (trajectories/s): the trainer's consumption at full speed, ``step size / busy seconds
+  per step``, where busy = (1 − idle share) / measured steps per second, times (1 − idle target),
+  corrected by the backlog's distance from the band over ``horizon_s`` (inside the band: none).
+- **Supply**: each pool's measured trajectories/s per ready replica, divided by the share of its
+  slots the rollout kept busy over the same window (back-pressure and a small concurrency leave
+  replicas partly idle; a weight update's pause is real and stays in).  Pools without a
+  measurement (at zero) are estimated from the others per unit of capacity.
+- **Fill**: from each pool's floor (its minimum, or what the scale-down window still holds), pools
+  are filled by cost per unit of throughput until supply covers demand, within their ceilings and
+  the budgets; what the raw fill leaves out is emptied most-expensive first once the window lets
+  it go (:func:`mixrl.operator.autoscaling.policy.stabilized_floor`).  Pools at zero are woken here.
+- **Dead band**: when the current supply is within ``tolerance`` of demand nothing moves, so a
+  steady run — sampler-bound or trainer-bound — makes no reversals.
+- **Concurrency**: replicas beyond what ``concurrency / sessionsPerCapacity`` can keep busy are
+  waste, so the fill stops there, and :attr:`FleetPlan.recommended_concurrency` says what the
+  rollout would need.  The rollout's concurrency is fixed when its workers start (an asyncio
+  semaphore), so it is reported, not applied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from mixrl.operator.autoscaling.policy import PolicyState, record_target, stabilized_floor
+
+_EPS = 1e-9
+EMA_WEIGHT = 0.5
+"""Weight of a new measurement in the per-replica throughput estimate."""
+MIN_BUSY_SHARE = 0.2
+"""A pool busy less than this share of its slots over the window teaches nothing about its speed."""
+
+
+@dataclass(frozen=True)
+class FleetPool:
+    """One pool as the objective sees it at one poll."""
+
+    name: str
+    replicas: int
+    """Requested now (``spec.replicas``)."""
+    ready: int
+    capacity: float
+    gpus_per_replica: int
+    price_per_gpu_hour: float
+    min_replicas: int
+    max_replicas: int
+    throughput: float | None = None
+    """Trajectories per second the pool delivered over the rate window; None: not measured."""
+    load: float | None = None
+    """Queued plus running requests on its engines averaged over the same window (the queue
+    policy's signal): how busy the rollout kept its ready replicas while ``throughput`` was measured."""
+    stuck: int = 0
+    """Requested replicas past the pending timeout: not capacity."""
+    floor: int = 0
+    """The fewest replicas it may keep now (window, weight update); at most ``replicas``."""
+    ceiling: int | None = None
+    """The most it may have now (pending timeout); None: ``max_replicas``."""
+
+    @property
+    def high(self) -> int:
+        top = self.max_replicas if self.ceiling is None else min(self.max_replicas, self.ceiling)
+        return max(self.min_replicas, top)
+
+    @property
+    def low(self) -> int:
+        return min(max(self.min_replicas, self.floor), self.high)
+
+
+@dataclass(frozen=True)
+class TrainerSignals:
+    """The run-wide series (one Prometheus query each; None: no answer)."""
+
+    step_rate: float | None
+    """Trainer steps per second (``rate(mixrl_buffer_batches_total[w])``)."""
+    idle_share: float | None
+    """Share of time the trainer waited for a batch (``rate(mixrl_buffer_trainer_wait_seconds_total[w])``)."""
+    buffered: float | None
+    """Trajectories waiting in the buffer (``sum(mixrl_buffer_trajectories)``)."""
+    in_flight: float | None
+    """Trajectories being generated (``sum(mixrl_router_sessions)``: one session per episode)."""
+    busy_step_s: float | None = None
+    """Seconds the trainer computed per step, its wait left out (``avg_over_time`` of
+    ``mixrl_buffer_trainer_busy_seconds``); None: derived from ``step_rate`` and ``idle_share``."""
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    step_size: int
+    """Trajectories per trainer step (promptsPerUpdate × samplesPerPrompt)."""
+    concurrency: int
+    """Rollout sessions at once, all workers together."""
+    sessions_per_capacity: float
+    """Sessions one replica of capacity 1 keeps busy (the run's targetPerReplica)."""
+    idle_target: float = 0.05
+    min_steps_ahead: float = 1.0
+    max_steps_ahead: float | None = 2.0
+    """The rollout's back-pressure; None: none (no upper end of the band)."""
+    tolerance: float = 0.1
+    horizon_s: float = 300.0
+    """The backlog's distance from the band is closed over this long."""
+    gpu_budget: int | None = None
+    cost_budget_per_hour: float | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("step_size", self.step_size > 0, "must be > 0"),
+            ("concurrency", self.concurrency > 0, "must be > 0"),
+            ("sessions_per_capacity", self.sessions_per_capacity > 0, "must be > 0"),
+            ("idle_target", 0 <= self.idle_target < 1, "must be in [0, 1)"),
+            ("min_steps_ahead", self.min_steps_ahead >= 0, "must be ≥ 0"),
+            ("tolerance", 0 <= self.tolerance < 1, "must be in [0, 1)"),
+            ("horizon_s", self.horizon_s > 0, "must be > 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"ObjectiveConfig.{name}: {why}, got {getattr(self, name)}")
+
+    @property
+    def useful_capacity(self) -> float:
+        """The most capacity the rollout's sessions keep busy."""
+        return self.concurrency / self.sessions_per_capacity
+
+
+@dataclass(frozen=True)
+class ObjectiveMemory:
+    """What the objective remembers between polls."""
+
+    rates: Mapping[str, float] = field(default_factory=dict)
+    """Pool -> trajectories/s one ready replica delivers when kept busy."""
+    busy_step_s: float | None = None
+    """Seconds the trainer computes per step (its idle time left out)."""
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    targets: dict[str, int]
+    reasons: dict[str, str]
+    demand: float | None
+    """Trajectories/s the fleet should deliver; None: not known yet (held)."""
+    supply: float
+    """Trajectories/s the targets deliver (estimated)."""
+    recommended_concurrency: int | None
+    """Rollout sessions the demand needs, when above the configured concurrency."""
+    memory: ObjectiveMemory
+    summary: str
+
+
+def update_memory(
+    memory: ObjectiveMemory, pools: Sequence[FleetPool], signals: TrainerSignals, config: ObjectiveConfig
+) -> ObjectiveMemory:
+    """Fold this poll's measurements into the estimates."""
+    rates = dict(memory.rates)
+    for pool in pools:
+        if pool.ready <= 0 or pool.throughput is None or pool.throughput <= 0:
+            continue
+        # What one replica delivers when kept busy: the rollout may have kept it only partly busy
+        # (back-pressure, a concurrency that does not fill the fleet), so divide by that share.
+        slots = pool.ready * pool.capacity * config.sessions_per_capacity
+        busy = 1.0 if pool.load is None else min(1.0, pool.load / slots)
+        if busy < MIN_BUSY_SHARE:
+            continue  # too idle to tell
+        measured = pool.throughput / pool.ready / busy
+        old = rates.get(pool.name)
+        rates[pool.name] = measured if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * measured
+    busy = memory.busy_step_s
+    measured_busy = signals.busy_step_s
+    if (
+        measured_busy is None
+        and signals.step_rate
+        and signals.step_rate > _EPS
+        and signals.idle_share is not None
+    ):
+        measured_busy = (1 - min(max(signals.idle_share, 0.0), 1.0)) / signals.step_rate
+    if measured_busy is not None and measured_busy > _EPS:
+        busy = measured_busy if busy is None else (1 - EMA_WEIGHT) * busy + EMA_WEIGHT * measured_busy
+    return ObjectiveMemory(rates, busy)
+
+
+def replica_rates(pools: Sequence[FleetPool], memory: ObjectiveMemory) -> dict[str, float | None]:
+    """Trajectories/s per replica, measured or estimated per unit of capacity from the others."""
+    known = [(p, memory.rates[p.name]) for p in pools if p.name in memory.rates]
+    per_capacity = sum(r for _, r in known) / sum(p.capacity for p, _ in known) if known else None
+    out: dict[str, float | None] = {}
+    for pool in pools:
+        if pool.name in memory.rates:
+            out[pool.name] = memory.rates[pool.name]
+        else:
+            out[pool.name] = None if per_capacity is None else per_capacity * pool.capacity
+    return out
+
+
+def demand_of(signals: TrainerSignals, config: ObjectiveConfig, busy_step_s: float | None) -> float | None:
+    """Trajectories/s: the trainer's full-speed consumption less the idle it may have, corrected by
+    the backlog's distance from the band."""
+    if busy_step_s is None:
+        return None
+    base = config.step_size / busy_step_s * (1 - config.idle_target)
+    backlog = (signals.buffered or 0.0) + (signals.in_flight or 0.0)
+    low = config.min_steps_ahead * config.step_size
+    high = math.inf if config.max_steps_ahead is None else config.max_steps_ahead * config.step_size
+    correction = 0.0
+    if backlog < low:
+        correction = (low - backlog) / config.horizon_s
+    elif backlog > high:
+        correction = -(backlog - high) / config.horizon_s
+    return max(0.0, base + correction)
+
+
+def _fits(pools: Sequence[FleetPool], targets: Mapping[str, int], config: ObjectiveConfig) -> bool:
+    gpus = sum(targets[p.name] * p.gpus_per_replica for p in pools)
+    dollars = sum(targets[p.name] * p.gpus_per_replica * p.price_per_gpu_hour for p in pools)
+    if config.gpu_budget is not None and gpus > config.gpu_budget:
+        return False
+    return config.cost_budget_per_hour is None or dollars <= config.cost_budget_per_hour + _EPS
+
+
+def fill(
+    pools: Sequence[FleetPool], rates: Mapping[str, float | None], demand: float, config: ObjectiveConfig
+) -> tuple[dict[str, int], float, float]:
+    """Targets covering ``demand`` cheapest throughput first, from the floors; returns the targets,
+    their supply and the capacity the demand would need beyond what the concurrency keeps busy."""
+    targets = {p.name: p.low for p in pools}
+    # Floors over a budget: give them up dearest throughput first, down to the minimums.
+    by_cost = sorted(pools, key=lambda p: (_unit_cost(p, rates), p.name))
+    for pool in reversed(by_cost):
+        while not _fits(pools, targets, config) and targets[pool.name] > pool.min_replicas:
+            targets[pool.name] -= 1
+    supply = sum(targets[p.name] * (rates[p.name] or 0.0) for p in pools)
+    capacity = sum(targets[p.name] * p.capacity for p in pools)
+    short = 0.0
+    for pool in by_cost:
+        rate = rates[pool.name]
+        if rate is None or rate <= 0:
+            continue
+        while supply < demand - _EPS and targets[pool.name] < pool.high:
+            if capacity + pool.capacity > config.useful_capacity + _EPS:
+                short = (demand - supply) / rate * pool.capacity
+                break
+            targets[pool.name] += 1
+            if not _fits(pools, targets, config):
+                targets[pool.name] -= 1
+                break
+            supply += rate
+            capacity += pool.capacity
+    return targets, supply, short
+
+
+def _unit_cost(pool: FleetPool, rates: Mapping[str, float | None]) -> float:
+    """The fill's order: dollars per hour per unit of declared capacity, as the GPU budget's.
+
+    The measured rates decide how many replicas cover the demand, not the order: two pools a few
+    percent apart would swap places with every wobble of a throughput measurement (a 300 s rate
+    of trajectories that each take minutes), and each swap would start one pool's replicas and
+    drop another's.  A pool without a measurement or an estimate sorts last."""
+    rate = rates[pool.name]
+    if rate is None or rate <= 0:
+        return math.inf
+    return pool.gpus_per_replica * pool.price_per_gpu_hour / pool.capacity
+
+
+def plan_fleet(
+    pools: Sequence[FleetPool], signals: TrainerSignals, config: ObjectiveConfig, memory: ObjectiveMemory
+) -> FleetPlan:
+    """One poll of the whole fleet: every pool's target replicas and why."""
+    names = [p.name for p in pools]
+    if len(set(names)) != len(names):
+        raise ValueError(f"pools: duplicate names in {names}")
+    memory = update_memory(memory, pools, signals, config)
+    rates = replica_rates(pools, memory)
+    demand = demand_of(signals, config, memory.busy_step_s)
+    held = {p.name: min(max(p.replicas - p.stuck, p.low), p.high) for p in pools}
+    if demand is None or all(r is None for r in rates.values()):
+        if all(p.replicas == 0 for p in pools):  # nothing runs: wake the cheapest capacity
+            cheapest = min(
+                (p for p in pools if p.high > 0),
+                key=lambda p: (p.gpus_per_replica * p.price_per_gpu_hour / p.capacity, p.name),
+                default=None,
+            )
+            if cheapest is not None:
+                held[cheapest.name] = max(held[cheapest.name], 1)
+        why = (
+            "no trainer step measured yet: holding"
+            if demand is None
+            else "no throughput measured yet: holding"
+        )
+        return FleetPlan(held, dict.fromkeys(names, why), demand, 0.0, None, memory, why)
+
+    supply_now = sum((p.replicas - p.stuck) * (rates[p.name] or 0.0) for p in pools)
+    forced = any(held[p.name] != p.replicas for p in pools)
+    backlog = (signals.buffered or 0.0) + (signals.in_flight or 0.0)
+    summary = (
+        f"demand {demand:.3g} traj/s (trainer {config.step_size} per {memory.busy_step_s:.3g} s busy, "
+        f"backlog {backlog / config.step_size:.2f} steps), supply {supply_now:.3g}"
+    )
+    if not forced and abs(supply_now - demand) <= config.tolerance * demand:
+        return FleetPlan(
+            held,
+            dict.fromkeys(names, f"{summary}: within tolerance {config.tolerance:g}"),
+            demand,
+            supply_now,
+            None,
+            memory,
+            summary,
+        )
+    targets, supply, short = fill(pools, rates, demand, config)
+    recommended = None
+    if short > 0:
+        needed_capacity = sum(targets[p.name] * p.capacity for p in pools) + short
+        recommended = math.ceil(needed_capacity * config.sessions_per_capacity)
+        summary += (
+            f"; rollout concurrency {config.concurrency} keeps only {config.useful_capacity:.3g} capacity "
+            f"busy: {recommended} sessions would serve the demand (set rollout.concurrency; it is not"
+            " changed live)"
+        )
+    reasons = {}
+    for pool in pools:
+        what = "cheapest throughput first" if targets[pool.name] > pool.low else "dearest emptied first"
+        if targets[pool.name] == pool.low and pool.low > pool.min_replicas:
+            what = "held by the scale-down window"
+        reasons[pool.name] = f"{summary}: {what}"
+    return FleetPlan(targets, reasons, demand, supply, recommended, memory, summary)
+
+
+def with_floors(pools: Sequence[FleetPool], floors: Mapping[str, int]) -> list[FleetPool]:
+    return [replace(p, floor=floors.get(p.name, 0)) for p in pools]
+
+
+def stabilized_plan(
+    pools: Sequence[FleetPool],
+    signals: TrainerSignals,
+    config: ObjectiveConfig,
+    memory: ObjectiveMemory,
+    states: Mapping[str, PolicyState],
+    now: float,
+    window_s: float,
+) -> tuple[FleetPlan, dict[str, PolicyState]]:
+    """:func:`plan_fleet` with cuts that wait for the scale-down window, as the GPU budget's do:
+    the plan made from the pools' own floors is remembered per pool (:func:`record_target`) and
+    the final plan keeps each pool at least at the highest of the window."""
+    # The raw plan ignores every floor, the weight-update hold included: what the window remembers
+    # is what the fleet needs, not what a hold kept (or the window would never end).
+    raw = plan_fleet(with_floors(pools, {}), signals, config, memory)
+    next_states = {}
+    floors = {}
+    for pool in pools:
+        state = record_target(states.get(pool.name, PolicyState()), raw.targets[pool.name], now, window_s)
+        next_states[pool.name] = state
+        floors[pool.name] = max(
+            pool.floor, stabilized_floor(state, pool.replicas - pool.stuck, now, window_s)
+        )
+    return plan_fleet(with_floors(pools, floors), signals, config, memory), next_states

@@ -1,0 +1,152 @@
+"""The trainer objective (``autoscaling.objective: trainer``), pure: demand, supply, fill, holds."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from mixrl.operator.autoscaling.objective import (
+    FleetPool,
+    ObjectiveConfig,
+    ObjectiveMemory,
+    TrainerSignals,
+    demand_of,
+    plan_fleet,
+    stabilized_plan,
+    update_memory,
+)
+from mixrl.operator.autoscaling.policy import PolicyState
+
+CONFIG = ObjectiveConfig(step_size=1000, concurrency=4000, sessions_per_capacity=10, idle_target=0.0)
+# 1000 trajectories per 100 s of trainer compute: 10 trajectories/s at full speed.
+STEADY = TrainerSignals(step_rate=0.01, idle_share=0.0, buffered=500.0, in_flight=1000.0, busy_step_s=100.0)
+# Per replica: cheap delivers 1 trajectory/s for $2/h, dear 2/s for $8/h (twice the cost per unit).
+MEMORY = ObjectiveMemory(rates={"cheap": 1.0, "dear": 2.0}, busy_step_s=100.0)
+
+
+def pool(name: str, replicas: int, **kw: object) -> FleetPool:
+    fields: dict = dict(
+        ready=replicas,
+        capacity=1.0 if name == "cheap" else 2.0,
+        gpus_per_replica=1,
+        price_per_gpu_hour=2.0 if name == "cheap" else 8.0,
+        min_replicas=0,
+        max_replicas=6,
+    )
+    fields.update(kw)
+    return FleetPool(name, replicas, **fields)
+
+
+def test_demand_is_the_trainers_rate_less_its_idle_target() -> None:
+    config = replace(CONFIG, idle_target=0.1)
+    assert demand_of(STEADY, config, 100.0) == pytest.approx(9.0)
+
+
+@pytest.mark.parametrize(
+    ("buffered", "in_flight", "expected"),
+    [
+        (500.0, 1000.0, 10.0),  # 1.5 steps: inside [1, 2]
+        (0.0, 400.0, 10.0 + 600 / 300),  # 0.4 steps: 600 short, closed over 300 s
+        (2500.0, 500.0, 10.0 - 1000 / 300),  # 3 steps: 1000 over the top
+    ],
+)
+def test_the_backlog_outside_its_band_corrects_the_demand(
+    buffered: float, in_flight: float, expected: float
+) -> None:
+    signals = replace(STEADY, buffered=buffered, in_flight=in_flight)
+    assert demand_of(signals, CONFIG, 100.0) == pytest.approx(expected)
+
+
+def test_busy_time_comes_from_the_step_rate_when_the_gauge_is_missing() -> None:
+    signals = replace(STEADY, busy_step_s=None, step_rate=0.005, idle_share=0.5)
+    assert update_memory(ObjectiveMemory(), [], signals, CONFIG).busy_step_s == pytest.approx(100.0)
+
+
+def test_throughput_is_divided_by_how_busy_the_rollout_kept_the_pool() -> None:
+    half_busy = pool("cheap", 4, throughput=2.0, load=20.0)  # 20 sessions on 40 slots
+    memory = update_memory(ObjectiveMemory(), [half_busy], STEADY, CONFIG)
+    assert memory.rates["cheap"] == pytest.approx(1.0)  # 2 / 4 replicas / 0.5 busy
+    idle = pool("cheap", 4, throughput=0.1, load=2.0)  # 5 % busy: says nothing about speed
+    assert update_memory(memory, [idle], STEADY, CONFIG).rates["cheap"] == pytest.approx(1.0)
+
+
+def test_cheapest_throughput_first_and_pools_at_zero_are_woken() -> None:
+    plan = plan_fleet([pool("cheap", 0), pool("dear", 1)], STEADY, CONFIG, MEMORY)
+    # 10 trajectories/s: six cheap replicas (its maximum) then two dear ones.
+    assert plan.targets == {"cheap": 6, "dear": 2}
+    assert plan.supply == pytest.approx(10.0)
+
+
+def test_the_dearest_pool_is_emptied_first() -> None:
+    fewer = replace(STEADY, busy_step_s=200.0)  # the trainer slowed to half: 5 trajectories/s
+    memory = replace(MEMORY, busy_step_s=200.0)
+    plan = plan_fleet([pool("cheap", 6), pool("dear", 2)], fewer, CONFIG, memory)
+    assert plan.targets == {"cheap": 5, "dear": 0}
+
+
+def test_within_tolerance_nothing_moves() -> None:
+    plan = plan_fleet([pool("cheap", 6), pool("dear", 2)], replace(STEADY, busy_step_s=104.0), CONFIG, MEMORY)
+    assert plan.targets == {"cheap": 6, "dear": 2} and "within tolerance" in plan.reasons["cheap"]
+
+
+def test_budgets_bound_the_fill() -> None:
+    gpus = plan_fleet([pool("cheap", 0), pool("dear", 0)], STEADY, replace(CONFIG, gpu_budget=7), MEMORY)
+    assert gpus.targets == {"cheap": 6, "dear": 1}
+    dollars = plan_fleet(
+        [pool("cheap", 0), pool("dear", 0)], STEADY, replace(CONFIG, cost_budget_per_hour=20.0), MEMORY
+    )
+    assert dollars.targets == {"cheap": 6, "dear": 1}  # $12 + $8
+
+
+def test_replicas_the_concurrency_cannot_fill_are_not_added_and_the_need_is_reported() -> None:
+    small = replace(CONFIG, concurrency=60)  # 60 sessions keep 6 capacity busy
+    plan = plan_fleet([pool("cheap", 0), pool("dear", 0)], STEADY, small, MEMORY)
+    assert plan.targets == {"cheap": 6, "dear": 0}
+    assert plan.recommended_concurrency == 100  # 6 + 4 capacity (two dear replicas) × 10 sessions
+    assert "not changed live" in plan.summary
+
+
+def test_without_a_measured_step_the_fleet_holds_and_a_sleeping_one_wakes_cheapest() -> None:
+    nothing = TrainerSignals(None, None, None, None)
+    held = plan_fleet([pool("cheap", 2), pool("dear", 1)], nothing, CONFIG, ObjectiveMemory())
+    assert held.targets == {"cheap": 2, "dear": 1} and held.demand is None
+    asleep = plan_fleet([pool("cheap", 0), pool("dear", 0)], nothing, CONFIG, ObjectiveMemory())
+    assert asleep.targets == {"cheap": 1, "dear": 0}
+
+
+def test_stuck_replicas_are_not_supply_and_the_demand_moves_to_another_pool() -> None:
+    pools = [pool("cheap", 6, ready=2, stuck=4, ceiling=2), pool("dear", 1)]
+    plan = plan_fleet(pools, STEADY, CONFIG, MEMORY)
+    assert plan.targets == {"cheap": 2, "dear": 4}
+
+
+def test_cuts_wait_for_the_window() -> None:
+    states = {"cheap": PolicyState(), "dear": PolicyState()}
+    pools = [pool("cheap", 6), pool("dear", 2)]
+    plan, states = stabilized_plan(pools, STEADY, CONFIG, MEMORY, states, 0.0, 300.0)
+    assert plan.targets == {"cheap": 6, "dear": 2}
+    fewer = replace(STEADY, busy_step_s=200.0)
+    memory = replace(MEMORY, busy_step_s=200.0)
+    held, states = stabilized_plan(pools, fewer, CONFIG, memory, states, 30.0, 300.0)
+    assert held.targets == {"cheap": 6, "dear": 2}  # the window still holds them
+    later, _ = stabilized_plan(pools, fewer, CONFIG, memory, states, 301.0, 300.0)
+    assert later.targets == {"cheap": 5, "dear": 0}
+
+
+def test_a_weight_update_floor_holds_but_is_not_remembered() -> None:
+    states = {"cheap": PolicyState(), "dear": PolicyState()}
+    fewer = replace(STEADY, busy_step_s=200.0)
+    memory = replace(MEMORY, busy_step_s=200.0)
+    updating = [pool("cheap", 6, floor=6), pool("dear", 2, floor=2)]
+    held, states = stabilized_plan(updating, fewer, CONFIG, memory, states, 400.0, 300.0)
+    assert held.targets == {"cheap": 6, "dear": 2}
+    after, _ = stabilized_plan(
+        [pool("cheap", 6), pool("dear", 2)], fewer, CONFIG, memory, states, 430.0, 300.0
+    )
+    assert after.targets == {"cheap": 5, "dear": 0}
+
+
+def test_bad_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^ObjectiveConfig\.step_size: must be > 0, got 0$"):
+        ObjectiveConfig(step_size=0, concurrency=1, sessions_per_capacity=1)

@@ -1,0 +1,45 @@
+"""The trainer's clock on the buffer's /metrics: what ``autoscaling.objective: trainer`` reads."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from mixrl.rl import metrics
+
+from .conftest import group_of
+
+
+async def scrape(url: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    }
+
+
+async def test_wait_and_compute_time_of_the_trainer_are_exported(start_buffer) -> None:
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2)
+    wait, busy = (
+        metrics.MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL.name,
+        metrics.MIXRL_BUFFER_TRAINER_BUSY_SECONDS.name,
+    )
+    assert await running.client.get_batch(1, timeout=0.3) is None  # no data: 0.3 s of idle trainer
+    first = await scrape(running.url)
+    assert 0.25 <= first[wait] < 2 and busy not in first
+    waiting = asyncio.create_task(running.client.get_batch(1, timeout=10))
+    await asyncio.sleep(0.4)
+    await running.client.post_trajectories(group_of("a", 2))
+    assert await asyncio.wait_for(waiting, 5) is not None
+    await asyncio.sleep(0.5)  # the trainer "computes" step 1
+    await running.client.commit(1)
+    await running.client.post_trajectories(group_of("b", 2))
+    assert await running.client.get_batch(2, timeout=5) is not None
+    second = await scrape(running.url)
+    assert second[wait] >= first[wait] + 0.35  # the wait for step 1's data
+    assert 0.45 <= second[busy] < 3  # from handing out step 1 to asking for step 2
