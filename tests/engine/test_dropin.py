@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,7 +24,7 @@ from transformers import AutoTokenizer
 from mixrl.rl.engine.protocol import token_records
 from mixrl.rl.engine.service import EngineService
 
-from .conftest import serve_in_process, word
+from .conftest import save_tiny_tokenizer, serve_in_process, word
 
 pytestmark = pytest.mark.asyncio
 
@@ -363,3 +364,24 @@ async def test_the_prefix_caches_hits_are_exported_as_sglang_does(dense_path: st
     evictable = _samples(text, "sglang:kv_evictable_tokens")[engine]
     assert evictable > 0
     assert _samples(text, "sglang:kv_available_tokens")[engine] == 1000 - evictable
+
+
+async def test_a_tokenizer_that_does_not_fit_is_one_line_at_start(
+    dense_path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mixrl.rl.engine import server
+
+    assert (
+        server.main(["--model-path", dense_path, "--insecure-no-auth", "--tokenizer-path", str(tmp_path)])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"mixrl engine: --tokenizer-path {tmp_path}: cannot load a tokenizer"
+    )
+    big = tmp_path / "big"
+    hf = AutoTokenizer.from_pretrained(save_tiny_tokenizer(tmp_path / "tok"), local_files_only=True)
+    hf.add_tokens([f"extra{i}" for i in range(3)])  # 515 ids for a 512-token model
+    hf.save_pretrained(str(big))
+    assert server.main(["--model-path", dense_path, "--insecure-no-auth", "--tokenizer-path", str(big)]) == 2
+    assert "the tokenizer has 515 ids, the model's vocabulary 512" in capsys.readouterr().err

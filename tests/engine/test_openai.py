@@ -161,7 +161,12 @@ async def test_fields_the_engine_cannot_honour_are_refused_by_name(
                 "logit_bias",
             ),
             (lambda: api.completions.create(model=MODEL, prompt="w040", echo=True), "echo"),
-            (lambda: api.completions.create(model=MODEL, prompt="w040", stream=True), "stream"),
+            (
+                lambda: api.completions.create(
+                    model=MODEL, prompt="w040", stream=True, stream_options={"continuous_usage_stats": True}
+                ),
+                "stream_options.continuous_usage_stats",
+            ),
             (
                 lambda: api.chat.completions.create(
                     model=MODEL, messages=chat, tools=[{"type": "function", "function": {"name": "f"}}]
@@ -185,3 +190,38 @@ async def test_fields_the_engine_cannot_honour_are_refused_by_name(
             with pytest.raises(openai.BadRequestError) as refused:
                 await api.completions.create(model=MODEL, prompt="w040")
         assert refused.value.param == "prompt" and "tokenizer" in refused.value.message
+
+
+async def test_streams_are_openai_chunks_that_add_up_to_the_whole_answer(
+    dense_path: str, tokenizer_dir: str
+) -> None:
+    prompt = " ".join(word(i) for i in (40, 41, 300))
+    messages = [{"role": "user", "content": prompt}]
+    greedy = {"model": MODEL, "max_tokens": 6, "temperature": 0, "extra_body": GREEDY_EXTRA}
+    async with (
+        serve_in_process(model_path=dense_path, tokenizer_path=tokenizer_dir) as (url, _),
+        client(url) as api,
+    ):
+        whole = await api.completions.create(prompt=prompt, logprobs=2, **greedy)
+        chunks = [
+            c
+            async for c in await api.completions.create(
+                prompt=prompt, logprobs=2, stream=True, stream_options={"include_usage": True}, **greedy
+            )
+        ]
+        *parts, usage = chunks
+        assert usage.choices == [] and usage.usage.completion_tokens == 6 and usage.usage.prompt_tokens == 3
+        assert len(parts) == 6  # one chunk per generated token
+        assert "".join(c.choices[0].text for c in parts) == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in parts] == [None] * 5 + ["length"]
+        streamed = [lp for c in parts for lp in c.choices[0].logprobs.token_logprobs]
+        assert streamed == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=1e-5)
+
+        chat = await api.chat.completions.create(messages=messages, **greedy)
+        deltas = [
+            c async for c in await api.chat.completions.create(messages=messages, stream=True, **greedy)
+        ]
+        assert deltas[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in deltas) == chat.choices[0].message.content
+        assert deltas[-1].choices[0].finish_reason == "length"
+        assert all(c.object == "chat.completion.chunk" for c in deltas)

@@ -88,10 +88,8 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
     "skip_special_tokens": _H,
     "rid": _H,
     "return_token_ids": FieldRule("honoured", "token ids of the prompt and the output"),
-    "stream": FieldRule("refused", "streaming on /v1 is not implemented; /generate streams", example=True),
-    "stream_options": FieldRule(
-        "refused", "streaming on /v1 is not implemented", example={"include_usage": True}
-    ),
+    "stream": FieldRule("honoured", "server-sent chunks, then data: [DONE]"),
+    "stream_options": FieldRule("honoured", "include_usage (continuous_usage_stats is refused)"),
     "frequency_penalty": _from(SAMPLING_FIELDS, "frequency_penalty"),
     "presence_penalty": _from(SAMPLING_FIELDS, "presence_penalty"),
     "repetition_penalty": _from(SAMPLING_FIELDS, "repetition_penalty"),
@@ -182,6 +180,8 @@ class OpenAIRequest:
     top_logprobs: int | None  # None: no logprobs
     return_token_ids: bool
     model: str
+    stream: bool = False
+    include_usage: bool = False
 
 
 _SAMPLING_NAMES = (
@@ -294,7 +294,8 @@ def parse_completion(
     top = None if raw_top is None else _top("logprobs", raw_top, vocab_size)
     token_ids = _bool(body, "return_token_ids")
     items = _items(prompts, sampling, body.get("rid"), top, token_ids)
-    return OpenAIRequest(items, len(prompts), sampling.n, top, token_ids, str(body.get("model") or ""))
+    model = str(body.get("model") or "")
+    return OpenAIRequest(items, len(prompts), sampling.n, top, token_ids, model, *_streaming(body, token_ids))
 
 
 def parse_chat(
@@ -328,7 +329,28 @@ def parse_chat(
         raise RequestError("top_logprobs", "needs logprobs: true")
     token_ids = _bool(body, "return_token_ids") or _bool(body, "return_prompt_token_ids")
     items = _items([ids], sampling, body.get("rid"), top, token_ids)
-    return OpenAIRequest(items, 1, sampling.n, top, token_ids, str(body.get("model") or ""))
+    model = str(body.get("model") or "")
+    return OpenAIRequest(items, 1, sampling.n, top, token_ids, model, *_streaming(body, token_ids))
+
+
+def _streaming(body: dict[str, Any], token_ids: bool) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``, checked."""
+    stream = _bool(body, "stream")
+    if stream and token_ids:
+        raise RequestError("return_token_ids", "is not supported with streaming (as SGLang's chat)")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise RequestError("stream_options", "must be an object")
+    if not stream:
+        raise RequestError("stream_options", "needs stream: true")
+    if options.get("continuous_usage_stats"):
+        raise RequestError("stream_options.continuous_usage_stats", "usage is reported once, at the end")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise RequestError("stream_options.include_usage", "must be true or false")
+    return stream, bool(include)
 
 
 # ---------------------------------------------------------------------------------- answers
@@ -360,22 +382,7 @@ def completion_response(
             "matched_stop": matched,
         }
         if request.top_logprobs is not None:
-            tokens = [codec.token_text(t.token_id) for t in seq.tokens]
-            offsets, at = [], 0
-            for text in tokens:
-                offsets.append(at)
-                at += len(text)
-            choice["logprobs"] = {
-                "text_offset": offsets,
-                "token_logprobs": [t.logprob for t in seq.tokens],
-                "tokens": tokens,
-                "top_logprobs": [
-                    {codec.token_text(c): lp for c, lp in zip(t.cand_ids, t.cand_logprobs, strict=True)}
-                    if request.top_logprobs
-                    else None
-                    for t in _top_candidates(seq.tokens, request.top_logprobs)
-                ],
-            }
+            choice["logprobs"] = _completion_logprobs(seq.tokens, request.top_logprobs, codec, 0)
         if request.return_token_ids:
             choice["token_ids"] = ids
             choice["prompt_token_ids"] = list(seq.prompt_ids)
@@ -414,6 +421,39 @@ def _token_entry(codec: TextCodec, token_id: int, logprob: float) -> dict[str, A
     return {"token": text, "bytes": list(text.encode("utf-8")), "logprob": logprob}
 
 
+def _chat_logprobs(tokens: Sequence[TokenRecord], k: int, codec: TextCodec) -> list[dict[str, Any]]:
+    return [
+        {
+            **_token_entry(codec, t.token_id, t.logprob),
+            "top_logprobs": [
+                _token_entry(codec, c, lp) for c, lp in zip(t.cand_ids, t.cand_logprobs, strict=True)
+            ],
+        }
+        for t in _top_candidates(tokens, k)
+    ]
+
+
+def _completion_logprobs(
+    tokens: Sequence[TokenRecord], k: int, codec: TextCodec, offset: int
+) -> dict[str, Any]:
+    texts = [codec.token_text(t.token_id) for t in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [t.logprob for t in tokens],
+        "tokens": texts,
+        "top_logprobs": [
+            {codec.token_text(c): lp for c, lp in zip(t.cand_ids, t.cand_logprobs, strict=True)}
+            if k
+            else None
+            for t in _top_candidates(tokens, k)
+        ],
+    }
+
+
 def chat_response(
     request: OpenAIRequest, seqs: Sequence[FinishedSeq], codec: TextCodec, model: str, created: int
 ) -> dict[str, Any]:
@@ -429,18 +469,7 @@ def chat_response(
             "matched_stop": matched,
         }
         if request.top_logprobs is not None:
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        **_token_entry(codec, t.token_id, t.logprob),
-                        "top_logprobs": [
-                            _token_entry(codec, c, lp)
-                            for c, lp in zip(t.cand_ids, t.cand_logprobs, strict=True)
-                        ],
-                    }
-                    for t in _top_candidates(seq.tokens, request.top_logprobs)
-                ]
-            }
+            choice["logprobs"] = {"content": _chat_logprobs(seq.tokens, request.top_logprobs, codec)}
         if request.return_token_ids:
             choice["prompt_token_ids"] = list(seq.prompt_ids)
             choice["response_token_ids"] = ids
@@ -452,6 +481,105 @@ def chat_response(
         "model": model,
         "choices": choices,
         "usage": _usage(request, seqs),
+    }
+
+
+# ---------------------------------------------------------------------------------- streams
+
+
+@dataclass
+class ChoiceStream:
+    """What one choice of a streamed /v1 answer has sent so far."""
+
+    text: str = ""
+    tokens: int = 0
+    started: bool = False
+
+
+def _delta(item: GenerateItem, seq: FinishedSeq, sent: ChoiceStream, codec: TextCodec) -> str:
+    """The text this chunk adds.  Held back while the text so far does not extend what was sent
+    (a stop string being completed is cut off again at the end)."""
+    text = output_text(item, [t.token_id for t in seq.tokens], seq.finish_reason, codec)
+    if not text.startswith(sent.text):
+        return ""
+    delta, sent.text = text[len(sent.text) :], text
+    return delta
+
+
+def completion_chunk(
+    request: OpenAIRequest,
+    index: int,
+    seq: FinishedSeq,
+    sent: ChoiceStream,
+    codec: TextCodec,
+    model: str,
+    created: int,
+) -> dict[str, Any]:
+    """One ``text_completion`` chunk of choice ``index``: the text and log-probs since the last."""
+    new = list(seq.tokens[sent.tokens :])
+    kind, matched = _finish(seq)
+    offset = len(sent.text)
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": _delta(request.items[index], seq, sent, codec),
+        "logprobs": None,
+        "finish_reason": kind,
+        "matched_stop": matched,
+    }
+    if request.top_logprobs is not None and new:
+        choice["logprobs"] = _completion_logprobs(new, request.top_logprobs, codec, offset)
+    sent.tokens += len(new)
+    return {
+        "id": seq.rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def chat_chunk(
+    request: OpenAIRequest,
+    index: int,
+    seq: FinishedSeq,
+    sent: ChoiceStream,
+    codec: TextCodec,
+    model: str,
+    created: int,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` of choice ``index``: the role first, then content deltas."""
+    new = list(seq.tokens[sent.tokens :])
+    kind, matched = _finish(seq)
+    delta: dict[str, Any] = {"content": _delta(request.items[index], seq, sent, codec)}
+    if not sent.started:
+        delta = {"role": "assistant", **delta}
+        sent.started = True
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": kind,
+                              "matched_stop": matched}  # fmt: skip
+    if request.top_logprobs is not None and new:
+        choice["logprobs"] = {"content": _chat_logprobs(new, request.top_logprobs, codec)}
+    sent.tokens += len(new)
+    return {
+        "id": seq.rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk(
+    request: OpenAIRequest, seqs: Sequence[FinishedSeq], kind: str, model: str, created: int
+) -> dict[str, Any]:
+    """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
+    usage = _usage(request, seqs)
+    return {
+        "id": seqs[0].rid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
     }
 
 

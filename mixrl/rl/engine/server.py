@@ -46,6 +46,7 @@ from mixrl.rl.engine.protocol import (
     GenerateItem,
     RequestError,
     SamplingRequest,
+    build_response,
     parse_generate,
     sse_event,
     stream_chunk,
@@ -156,7 +157,8 @@ async def _stream(
     await response.prepare(request)
     chunks = service.stream(items)
     try:
-        async for index, chunk in chunks:
+        async for index, snapshot in chunks:
+            chunk = build_response(items[index], snapshot, snapshot.e2e_latency, service.codec)
             await response.write(sse_event(stream_chunk(chunk, index if batched else None)))
     finally:
         await chunks.aclose()
@@ -187,26 +189,48 @@ async def v1_models(request: web.Request) -> web.Response:
     )
 
 
-async def v1_completions(request: web.Request) -> web.Response:
+async def _v1(request: web.Request, chat: bool) -> web.StreamResponse:
+    """/v1/completions or /v1/chat/completions: the whole answer, or with ``stream`` its chunks as
+    server-sent events (one per step of a choice, then the usage if asked, then ``[DONE]``)."""
     service = request.app[SERVICE_KEY]
-    parsed = openai_api.parse_completion(await _json_body(request), **_openai_args(service))
-    seqs = await service.run(parsed.items)
-    assert service.codec is not None  # parse_completion refuses requests without a tokenizer
-    answer = openai_api.completion_response(
-        parsed, seqs, service.codec, parsed.model or service.served_model_name, int(time.time())
-    )
-    return web.json_response(answer)
+    parse = openai_api.parse_chat if chat else openai_api.parse_completion
+    parsed = parse(await _json_body(request), **_openai_args(service))
+    codec = service.codec
+    assert codec is not None  # the parsers refuse requests without a tokenizer
+    model, created = parsed.model or service.served_model_name, int(time.time())
+    if not parsed.stream:
+        seqs = await service.run(parsed.items)
+        answer = openai_api.chat_response if chat else openai_api.completion_response
+        return web.json_response(answer(parsed, seqs, codec, model, created))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    sent = [openai_api.ChoiceStream() for _ in parsed.items]
+    last: dict[int, Any] = {}
+    chunk = openai_api.chat_chunk if chat else openai_api.completion_chunk
+    snapshots = service.stream(parsed.items)
+    try:
+        async for index, snapshot in snapshots:
+            last[index] = snapshot
+            await response.write(
+                sse_event(chunk(parsed, index, snapshot, sent[index], codec, model, created))
+            )
+    finally:
+        await snapshots.aclose()
+    if parsed.include_usage:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        seqs = [last[i] for i in range(len(parsed.items))]
+        await response.write(sse_event(openai_api.usage_chunk(parsed, seqs, kind, model, created)))
+    await response.write(SSE_DONE)
+    await response.write_eof()
+    return response
 
 
-async def v1_chat_completions(request: web.Request) -> web.Response:
-    service = request.app[SERVICE_KEY]
-    parsed = openai_api.parse_chat(await _json_body(request), **_openai_args(service))
-    seqs = await service.run(parsed.items)
-    assert service.codec is not None  # parse_chat refuses requests without a tokenizer
-    answer = openai_api.chat_response(
-        parsed, seqs, service.codec, parsed.model or service.served_model_name, int(time.time())
-    )
-    return web.json_response(answer)
+async def v1_completions(request: web.Request) -> web.StreamResponse:
+    return await _v1(request, chat=False)
+
+
+async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _v1(request, chat=True)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mixrl import __version__
+from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine import weights_io
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response, clip, get_load_entry
@@ -120,6 +121,23 @@ def confined_path(field: str, raw: str, root: Path) -> Path:
     if not resolved.is_relative_to(root):
         raise RequestError(field, f"is outside the weight root {root} (--weight-root), got {raw!r}")
     return resolved
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A sequence as it stood between two model steps (what one streamed chunk shows)."""
+
+    rid: str
+    prompt_ids: list[int]
+    tokens: list[TokenRecord]
+    finish_reason: dict[str, Any] | None
+    cached_tokens: int
+    e2e_latency: float
+
+    @classmethod
+    def of(cls, seq: Sequence, e2e_latency: float) -> Snapshot:
+        reason = dict(seq.finish_reason) if seq.finish_reason else None
+        return cls(seq.rid, seq.prompt_ids, list(seq.tokens), reason, seq.cached_tokens, e2e_latency)
 
 
 @dataclass
@@ -273,10 +291,10 @@ class EngineService:
         elapsed = time.perf_counter() - start
         return [build_response(item, seq, elapsed, self.codec) for item, seq in zip(items, seqs, strict=True)]
 
-    async def stream(self, items: list[GenerateItem]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        """/generate with ``stream``: (item index, cumulative response so far) every
-        ``stream_interval`` tokens of an item and once at its end (with its ``finish_reason``), as
-        SGLang streams them.  Closing the iterator early aborts the items still running.
+    async def stream(self, items: list[GenerateItem]) -> AsyncIterator[tuple[int, Snapshot]]:
+        """Streaming: (item index, the item's sequence so far) every ``stream_interval`` tokens of an
+        item and once at its end (with its ``finish_reason``), as SGLang streams them.  Closing the
+        iterator early aborts the items still running.
 
         Chunks are built when the scheduler reports a step (on the event loop, between two model
         steps), so each chunk is exactly the tokens of the steps so far.
@@ -284,7 +302,7 @@ class EngineService:
         start = time.perf_counter()
         tracked = [self._track(self.new_sequence(item), streaming=True) for item in items]
         tasks = [asyncio.ensure_future(self.sched.generate(t.seq)) for t in tracked]
-        chunks: asyncio.Queue[tuple[int, dict[str, Any]]] = asyncio.Queue()
+        chunks: asyncio.Queue[tuple[int, Snapshot]] = asyncio.Queue()
         sent = [0] * len(items)
         final = [False] * len(items)
 
@@ -294,7 +312,7 @@ class EngineService:
                 final[i] = True
                 self._done(tracked[i])
             sent[i] = len(seq.tokens)
-            chunks.put_nowait((i, build_response(items[i], seq, time.perf_counter() - start, self.codec)))
+            chunks.put_nowait((i, Snapshot.of(seq, time.perf_counter() - start)))
 
         def on_step(now: float) -> None:
             for i, t in enumerate(tracked):

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from mixrl.rl.engine.protocol import clip
+
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -114,12 +116,14 @@ def load_codec(
             return None
     from transformers import AutoTokenizer
 
+    where = f"--tokenizer-path {path}" if tokenizer_path else f"--model-path {path} (its tokenizer files)"
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise TokenizerError(f"--tokenizer-path {path}: cannot load a tokenizer ({exc})") from None
-    if len(hf) > vocab_size:
         raise TokenizerError(
-            f"--tokenizer-path {path}: the tokenizer has {len(hf)} ids, the model's vocabulary {vocab_size}"
-        )
+            f"{where}: cannot load a tokenizer ({clip(' '.join(str(exc).split()), 300)}); "
+            "pass --tokenizer-path or --skip-tokenizer-init"
+        ) from None
+    if len(hf) > vocab_size:
+        raise TokenizerError(f"{where}: the tokenizer has {len(hf)} ids, the model's vocabulary {vocab_size}")
     return HFTextCodec(hf, str(path))
