@@ -1,16 +1,24 @@
-"""The autoscaling benchmark, on the fleet simulator (examples/rlrun-mixed.yaml's pools).
+"""The autoscaling benchmark: strategies on a trainer-coupled fleet (examples/rlrun-mixed.yaml's pools).
 
-    .venv/bin/python bench/autoscaling.py [--seeds 5] [--plots docs/img]
+    .venv/bin/python bench/autoscaling.py [--plots docs/img] [--quick]
 
-1. Load step: 400 → 1600 live sessions at once.  Time until the requested capacity covers the new
-   load (≥ (1 − tolerance) × load / target), against one poll interval plus one scrape of metric
-   age; and time until that capacity is ready (cold start included).  mixrl vs KEDA-like.
-2. Steady noisy load: 1000 sessions, ±5 % per-minute noise, 4 h per seed: scaling reversals
-   (a pool scaled one way and then the other within 10 minutes).
-3. A simulated day: cost per million tokens and queue wait against static peak provisioning
-   (target: cost ≤ 0.8× static with p95 wait within 2× of static's).
+The run: 128 prompts × 8 samples = 1,024 trajectories per step, rollout concurrency 4 × 256,
+``maxStepsAhead`` 2, a 20 s weight update after every step, 4,000-token trajectories, 1,000
+tokens/s per unit of capacity (mixrl/operator/autoscaling/trainer_sim.py has the model).  Sweeps:
 
-Every ratio is against a baseline simulated in the same run with the same seed.
+1. trainer step time 60 / 120 / 240 s (sampler-bound by the concurrency, balanced, trainer-bound);
+2. rollout concurrency 512 / 1,024 / 2,048 at 120 s;
+3. changes: the b200 spot pool loses half its nodes at 1.5 h; the same plus responses growing
+   to 6,000 tokens; the trainer speeding up from 120 s to 80 s per step at 2 h.
+
+Strategies, all in the same run on the same seed: ``mixrl`` (``objective: trainer``), ``queue``
+(mixrl's per-replica policy, ``objective: queue``), ``keda`` (KEDA as HPA computes an External
+AverageValue) and ``static`` (a fleet sized to the trainer at the start, cheapest capacity first:
+the AReaL / verl way).  Targets: on the steady runs ``mixrl`` costs at most 1.05× static per step at
+≥ 0.95× its steps/h with 0 reversals; on the changing runs it makes more steps/h than static at a
+cost per step no more than 1.05× static's.
+
+``--legacy`` runs the earlier web-traffic benchmark (load step, steady noise, a simulated day).
 """
 
 from __future__ import annotations
@@ -18,10 +26,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from mixrl.operator.autoscaling import trainer_sim as ts
 from mixrl.operator.autoscaling.fleet import SimResult, Strategy, Workload, simulate
 from mixrl.operator.autoscaling.simulate import (
     ProgressPrinter,
@@ -164,16 +174,192 @@ def _plot(results: dict[str, SimResult], directory: Path, scenario: str) -> None
         print(f"   plot: {target} ({target.stat().st_size // 1024} KB)")
 
 
+# ----------------------------------------------------------------------------- trainer-coupled sweeps
+
+BASE_RUN = ts.TrainerRun(tokens_per_trajectory=(4000.0, 4000.0))
+LOSS_AT_S = 5400.0
+
+
+def scenarios(hours: float) -> list[tuple[str, str, ts.TrainerRun]]:
+    """(sweep, name, run): steady runs first, then the changing ones."""
+    base = replace(BASE_RUN, hours=hours)
+    loss_at = min(LOSS_AT_S, hours * 3600 / 3)
+    return [
+        ("step time", "steady, 60 s steps", replace(base, step_seconds=((0.0, 60.0),))),
+        ("step time", "steady, 120 s steps", base),
+        ("step time", "steady, 240 s steps", replace(base, step_seconds=((0.0, 240.0),))),
+        ("concurrency", "steady, concurrency 512", replace(base, concurrency=512)),
+        ("concurrency", "steady, concurrency 2048", replace(base, concurrency=2048)),
+        ("availability", "spot pool loses half", replace(base, spot_pool="b200-nvfp4", loss_at_s=loss_at)),
+        (
+            "availability",
+            "loss + longer responses",
+            replace(base, spot_pool="b200-nvfp4", loss_at_s=loss_at, tokens_per_trajectory=(4000.0, 6000.0)),
+        ),
+        (
+            "trainer rate",
+            "trainer 120 → 80 s at 1/2",
+            replace(base, step_seconds=((0.0, 120.0), (hours * 1800, 80.0))),
+        ),
+    ]
+
+
+def strategies(pools, configs, run: ts.TrainerRun) -> list[ts.Strategy]:
+    return [
+        ts.Strategy("mixrl", "trainer", configs=configs, objective=ts.objective_config(run)),
+        ts.Strategy("queue", "queue", configs=configs),
+        ts.Strategy("keda", "queue", configs=keda_configs(pools, configs), sustained=False),
+        ts.Strategy("static", "static", static_replicas=ts.static_sized_to_trainer(pools, run)),
+    ]
+
+
+def row(result: ts.RunResult) -> dict[str, float | str]:
+    regain = result.time_to_regain()
+    return {
+        "strategy": result.strategy,
+        "steps_per_hour": round(result.steps_per_hour, 2),
+        "idle": round(result.idle_share, 4),
+        "cost_per_step": round(result.cost_per_step, 3),
+        "staleness_p50": result.staleness_quantile(0.5),
+        "staleness_p95": result.staleness_quantile(0.95),
+        "reversals_per_hour": round(result.reversals_per_hour, 2),
+        "regain_s": "—" if regain is None else ("never" if regain == float("inf") else f"{regain:.0f}"),
+        "gpus_max": result.gpus_max,
+    }
+
+
+def sweep_table(rows: list[dict[str, float | str]]) -> str:
+    columns = [
+        ("strategy", "strategy", "{}"),
+        ("steps_per_hour", "steps/h", "{:.1f}"),
+        ("idle", "idle", "{:.1%}"),
+        ("cost_per_step", "$/step", "{:.2f}"),
+        ("staleness_p50", "stale p50", "{:.0f}"),
+        ("staleness_p95", "p95", "{:.0f}"),
+        ("reversals_per_hour", "rev/h", "{:.2f}"),
+        ("regain_s", "regain s", "{}"),
+        ("gpus_max", "GPUs max", "{}"),
+    ]
+    cells = [[title for _, title, _ in columns]]
+    cells += [[fmt.format(r[key]) for key, _, fmt in columns] for r in rows]
+    widths = [max(len(r[c]) for r in cells) for c in range(len(columns))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+
+def run_sweeps(seed: int, plots: Path | None, hours: float, quiet: bool = False) -> int:
+    started = time.perf_counter()
+    pools, _, configs, _ = fleet_from_spec(SPEC)
+    runs = scenarios(hours)
+    verdicts, table = [], {}
+    timelines: dict[str, ts.RunResult] = {}
+    for index, (sweep, name, run) in enumerate(runs, 1):
+        results = {}
+        for strategy in strategies(pools, configs, run):
+            results[strategy.name] = ts.simulate_run(pools, run, strategy, seed=seed)
+            if not quiet:
+                print(
+                    f"[{index}/{len(runs)}] {name}: {strategy.name} done "
+                    f"({time.perf_counter() - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        ours, static = results["mixrl"], results["static"]
+        steady = name.startswith("steady")
+        if steady:
+            ok = (
+                ours.cost_per_step <= 1.05 * static.cost_per_step
+                and ours.steps_per_hour >= 0.95 * static.steps_per_hour
+                and ours.reversals() == 0
+            )
+            target = "≤ 1.05× static $/step at ≥ 0.95× its steps/h, 0 reversals"
+        else:
+            ok = (
+                ours.steps_per_hour > static.steps_per_hour
+                and ours.cost_per_step <= 1.05 * static.cost_per_step
+            )
+            target = "more steps/h than static at ≤ 1.05× its $/step"
+        verdicts.append(ok)
+        table[name] = [row(r) for r in results.values()]
+        print(f"\n{index}. {sweep}: {name} ({hours:g} h)")
+        print("   " + sweep_table(table[name]).replace("\n", "\n   "))
+        print(
+            f"   mixrl vs static: {ours.cost_per_step / static.cost_per_step:.2f}× $/step, "
+            f"{ours.steps_per_hour / static.steps_per_hour:.2f}× steps/h; "
+            f"vs queue {ours.cost_per_step / results['queue'].cost_per_step:.2f}× $/step; "
+            f"target {target}: {'PASS' if ok else 'FAIL'}"
+        )
+        if ours.recommended_concurrency is not None:
+            print(
+                f"   mixrl: the demand needs rollout concurrency {ours.recommended_concurrency} (reported, not applied)"
+            )
+        if name == "spot pool loses half":
+            timelines = results
+    if plots is not None:
+        _plot_sweeps(table, timelines, plots)
+    print(f"\n{sum(verdicts)} of {len(verdicts)} targets met in {time.perf_counter() - started:.0f} s")
+    return 0 if all(verdicts) else 1
+
+
+def _plot_sweeps(table: dict[str, list[dict]], timelines: dict[str, ts.RunResult], directory: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(table)
+    strategies_ = [r["strategy"] for r in table[names[0]]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    width = 0.8 / len(strategies_)
+    for k, strategy in enumerate(strategies_):
+        xs = [i + k * width for i in range(len(names))]
+        axes[0].bar(xs, [table[n][k]["cost_per_step"] for n in names], width, label=strategy)
+        axes[1].bar(xs, [table[n][k]["steps_per_hour"] for n in names], width, label=strategy)
+    for ax, title in zip(axes, ("$ per trainer step", "trainer steps per hour"), strict=True):
+        ax.set_xticks(
+            [i + 0.4 - width / 2 for i in range(len(names))], names, rotation=35, ha="right", fontsize=7
+        )
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = directory / "autoscaling-trainer-sweeps.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    print(f"   plot: {path} ({path.stat().st_size // 1024} KB)")
+    if timelines:
+        fig, axes = plt.subplots(2, 1, figsize=(9, 4.6), sharex=True)
+        for name, result in timelines.items():
+            hours = result.times / 3600
+            axes[0].plot(hours, result.cost_rate, label=name, lw=1)
+            axes[1].plot(hours, result.backlog, label=name, lw=1)
+        axes[0].set_ylabel("$ / h", fontsize=8)
+        axes[1].set_ylabel("buffered + in flight (steps)", fontsize=8)
+        axes[1].set_xlabel("hours (spot pool loses half its nodes at the dashed line)", fontsize=8)
+        for ax in axes:
+            if next(iter(timelines.values())).loss_at_s is not None:
+                ax.axvline(next(iter(timelines.values())).loss_at_s / 3600, ls="--", c="grey", lw=0.8)
+        axes[0].legend(fontsize=7, ncol=4)
+        fig.tight_layout()
+        path = directory / "autoscaling-trainer-loss.png"
+        fig.savefig(path, dpi=60)
+        plt.close(fig)
+        print(f"   plot: {path} ({path.stat().st_size // 1024} KB)")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=5, help="seeds for the steady scenario")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the step and day scenarios")
+    parser.add_argument("--seeds", type=int, default=5, help="--legacy: seeds for the steady scenario")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument("--plots", type=Path, default=None, help="write PNG plots to this directory")
+    parser.add_argument("--quick", action="store_true", help="2 h runs instead of 4 h (a smoke test)")
+    parser.add_argument("--legacy", action="store_true", help="the web-traffic benchmark instead")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     if args.seeds <= 0:
         print(f"--seeds: must be > 0, got {args.seeds}", file=sys.stderr)
         return 2
+    if not args.legacy:
+        return run_sweeps(args.seed, args.plots, 2.0 if args.quick else 4.0, quiet=args.quiet)
     started = time.perf_counter()
     pools, _, configs, _ = fleet_from_spec(SPEC)
     progress = None if args.quiet else ProgressPrinter()

@@ -20,8 +20,10 @@ needs.  This objective sizes the whole fleet to the trainer instead:
   are filled by cost per unit of throughput until supply covers demand, within their ceilings and
   the budgets; what the raw fill leaves out is emptied most-expensive first once the window lets
   it go (:func:`mixrl.operator.autoscaling.policy.stabilized_floor`).  Pools at zero are woken here.
-- **Dead band**: when the current supply is within ``tolerance`` of demand nothing moves, so a
-  steady run — sampler-bound or trainer-bound — makes no reversals.
+- **Dead band**: while the current supply is within ``tolerance`` of the demand nothing moves, so
+  a steady run — sampler-bound or trainer-bound — makes no reversals.  While the trainer idles
+  more than its target (plus :data:`IDLE_MARGIN`), the band loses its lower half: a supply short of
+  the demand is then filled even within the tolerance.
 - **Concurrency**: replicas beyond what ``concurrency / sessionsPerCapacity`` can keep busy are
   waste, so the fill stops there, and :attr:`FleetPlan.recommended_concurrency` says what the
   rollout would need.  The rollout's concurrency is fixed when its workers start (an asyncio
@@ -39,6 +41,8 @@ from mixrl.operator.autoscaling.policy import PolicyState, record_target, stabil
 _EPS = 1e-9
 EMA_WEIGHT = 0.5
 """Weight of a new measurement in the per-replica throughput estimate."""
+IDLE_MARGIN = 0.02
+"""Idle share above the target that counts as starving (measurement noise below it)."""
 MIN_BUSY_SHARE = 0.2
 """A pool busy less than this share of its slots over the window teaches nothing about its speed."""
 
@@ -304,7 +308,12 @@ def plan_fleet(
         f"demand {demand:.3g} traj/s (trainer {config.step_size} per {memory.busy_step_s:.3g} s busy, "
         f"backlog {backlog / config.step_size:.2f} steps), supply {supply_now:.3g}"
     )
-    if not forced and abs(supply_now - demand) <= config.tolerance * demand:
+    # The trainer itself says whether supply is short: idling above its target (plus a margin)
+    # means the estimates are optimistic, so the band loses its lower half.
+    idle = signals.idle_share
+    starving = idle is not None and idle > config.idle_target + IDLE_MARGIN
+    low = demand if starving else (1 - config.tolerance) * demand
+    if not forced and low - _EPS <= supply_now <= (1 + config.tolerance) * demand:
         return FleetPlan(
             held,
             dict.fromkeys(names, f"{summary}: within tolerance {config.tolerance:g}"),

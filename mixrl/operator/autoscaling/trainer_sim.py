@@ -1,0 +1,536 @@
+"""A trainer-coupled fleet model: rollout sessions, back-pressure, a trainer, sampler pools.
+
+What ``bench/autoscaling.py`` runs to compare autoscaling strategies on an RL run.  A model, not
+the system; one-second steps, fluid where counts are large, deterministic for a seed:
+
+- **Rollout**: at most ``concurrency`` sessions at once (one trajectory each); a new one starts
+  only while buffered plus in-flight trajectories stay below ``max_steps_ahead × step_size`` (the
+  workers' back-pressure).  The router puts new sessions on pools in proportion to ready capacity
+  and keeps them there, moving a pool's sessions only when it has no ready replica.
+- **Samplers**: a ready replica of capacity ``c`` generates ``tokens_per_s_per_capacity · c``
+  tokens/s while it has at least ``sessions_per_capacity · c`` sessions, proportionally less with
+  fewer; a trajectory needs ``tokens_per_trajectory`` tokens, which grows linearly over the run
+  (longer responses) with ±``length_noise`` per minute.  New replicas serve after the GPU type's
+  cold start (±10 %); a removed replica stops at once (its sessions go back to the router).
+- **Trainer**: takes ``step_size`` trajectories (oldest first) once they are buffered, computes for
+  ``step_seconds`` (a schedule: the trainer rate may change mid-run), publishes a version; every
+  pool then pauses ``weight_update_s`` to load it.  Staleness of a trajectory = the trainer's
+  version when it is consumed − the version its session started under.
+- **Capacity loss**: at ``loss_at_s`` the spot pool loses ``loss_fraction`` of its nodes: replicas
+  beyond the nodes left die, and new ones beyond them stay Pending (no node) until ``back_at_s``.
+  Pending pods without a node are not billed.
+- **Signals**: what Prometheus would hold, scraped every 15 s: per pool its sessions (the engines'
+  queued + running requests) and trajectories/s over the last minute; the buffer's backlog, the
+  sessions in flight, trainer steps/s and its idle share over five minutes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from mixrl.operator.autoscaling.fleet import FleetPool
+from mixrl.operator.autoscaling.objective import (
+    FleetPool as ObjectivePool,
+)
+from mixrl.operator.autoscaling.objective import (
+    ObjectiveConfig,
+    ObjectiveMemory,
+    TrainerSignals,
+    stabilized_plan,
+)
+from mixrl.operator.autoscaling.policy import (
+    PolicyConfig,
+    PolicyState,
+    PoolLoad,
+    decide,
+    pending_ceiling,
+    track_pending,
+)
+
+RATE_WINDOW_S = 300
+THROUGHPUT_WINDOW_S = 300
+SCRAPE_S = 15
+
+
+@dataclass(frozen=True)
+class TrainerRun:
+    hours: float = 4.0
+    step_size: int = 1024
+    concurrency: int = 1024
+    max_steps_ahead: float = 2.0
+    step_seconds: tuple[tuple[float, float], ...] = ((0.0, 120.0),)
+    """(from second, trainer compute seconds per step), in time order."""
+    weight_update_s: float = 20.0
+    tokens_per_trajectory: tuple[float, float] = (4000.0, 5000.0)
+    """At the start and at the end of the run (linear growth between)."""
+    length_noise: float = 0.05
+    tokens_per_s_per_capacity: float = 1000.0
+    sessions_per_capacity: float = 16.0
+    spot_pool: str | None = None
+    loss_at_s: float | None = None
+    loss_fraction: float = 0.5
+    back_at_s: float | None = None
+    warmup_s: int = 3600
+    """Simulated before the measurement starts (the fleet settles)."""
+
+    def step_seconds_at(self, t: float) -> float:
+        current = self.step_seconds[0][1]
+        for start, seconds in self.step_seconds:
+            if t >= start:
+                current = seconds
+        return current
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    kind: str
+    """``trainer`` (the objective), ``queue`` (per-pool policy), ``static``."""
+    configs: Mapping[str, PolicyConfig] | None = None
+    objective: ObjectiveConfig | None = None
+    static_replicas: Mapping[str, int] | None = None
+    poll_s: int = 30
+    window_s: float = 300.0
+    sustained: bool = True
+    """``queue``: the policy also sees the load's one-minute average (mixrl's spike confirmation);
+    False for KEDA, which has none."""
+
+
+@dataclass
+class RunResult:
+    strategy: str
+    pools: tuple[str, ...]
+    seconds: float
+    steps: int
+    idle_s: float
+    cost: float
+    staleness: dict[int, int]
+    actions: list[tuple[float, str, int, int]]
+    gpus_max: int
+    gpu_seconds_over_budget: float
+    step_times: list[float]
+    times: np.ndarray
+    replicas: np.ndarray
+    cost_rate: np.ndarray
+    backlog: np.ndarray
+    recommended_concurrency: int | None = None
+    loss_at_s: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def steps_per_hour(self) -> float:
+        return self.steps / self.seconds * 3600
+
+    @property
+    def idle_share(self) -> float:
+        return self.idle_s / self.seconds
+
+    @property
+    def cost_per_step(self) -> float:
+        return self.cost / self.steps if self.steps else math.inf
+
+    def staleness_quantile(self, q: float) -> float:
+        total = sum(self.staleness.values())
+        if not total:
+            return 0.0
+        seen = 0
+        for value in sorted(self.staleness):
+            seen += self.staleness[value]
+            if seen >= q * total:
+                return float(value)
+        return float(max(self.staleness))
+
+    def reversals(self, window_s: float = 600.0) -> int:
+        count, last = 0, {}
+        for t, pool, before, after in self.actions:
+            direction = 1 if after > before else -1
+            previous = last.get(pool)
+            if previous is not None and previous[1] != direction and t - previous[0] <= window_s:
+                count += 1
+            last[pool] = (t, direction)
+        return count
+
+    @property
+    def reversals_per_hour(self) -> float:
+        return self.reversals() / self.seconds * 3600
+
+    def time_to_regain(self, share: float = 0.95, window_s: float = 900.0) -> float | None:
+        """Seconds from the capacity loss until the trainer's step rate over ``window_s`` is back to
+        ``share`` of what it was before the loss (None: no loss; inf: never)."""
+        if self.loss_at_s is None:
+            return None
+        times = np.array(self.step_times)
+        before = ((times > self.loss_at_s - window_s) & (times <= self.loss_at_s)).sum()
+        if before == 0:
+            return math.inf
+        for t in np.arange(self.loss_at_s + 60, self.seconds + 1, 30.0):
+            recent = ((times > t - window_s) & (times <= t)).sum()
+            if t - window_s >= self.loss_at_s and recent >= share * before:
+                return float(t - window_s - self.loss_at_s) if t - window_s > self.loss_at_s else 0.0
+        return math.inf
+
+
+Progress = Callable[[str, float, float], None]
+
+
+def simulate_run(
+    pools: Sequence[FleetPool],
+    run: TrainerRun,
+    strategy: Strategy,
+    *,
+    seed: int = 0,
+    gpu_budget: int | None = None,
+    sample_every_s: int = 60,
+) -> RunResult:
+    """One strategy over one run; see the module docstring for the model."""
+    rng = np.random.default_rng(seed)
+    n = len(pools)
+    names = tuple(p.name for p in pools)
+    cap = np.array([p.capacity for p in pools])
+    price = np.array([p.gpus_per_replica * p.cost_per_gpu_hour / 3600 for p in pools])
+    gpus = np.array([p.gpus_per_replica for p in pools])
+    if strategy.static_replicas is not None:
+        desired = np.array([strategy.static_replicas[p.name] for p in pools], dtype=np.int64)
+    else:
+        desired = np.array([max(p.min_replicas, 0) for p in pools], dtype=np.int64)
+        if desired.sum() == 0:
+            desired[int(np.argmin(price / cap))] = 1
+    ready = desired.copy()
+    starting: list[list[float]] = [[] for _ in range(n)]
+    nodes = np.full(n, np.iinfo(np.int64).max // 4, dtype=np.int64)
+    spot = names.index(run.spot_pool) if run.spot_pool is not None else None
+
+    sessions = np.zeros(n)  # fluid sessions per pool
+    session_versions: list[deque[list[float]]] = [deque() for _ in range(n)]  # [version, count]
+    progress = np.zeros(n)  # fractional trajectories completed, carried over
+    buffer: deque[list[float]] = deque()  # [version, count]
+    buffered = 0.0
+    version = 0
+    trainer_busy_until: float | None = None
+    pause_until = -math.inf
+    total = run.warmup_s + int(run.hours * 3600)
+    noise = np.exp(rng.normal(0.0, run.length_noise, total // 60 + 2))
+
+    completions: deque[np.ndarray] = deque(maxlen=THROUGHPUT_WINDOW_S)
+    step_log: list[float] = []
+    all_steps: list[float] = []  # including the warm-up: what Prometheus would have seen
+    busy_log: deque[tuple[float, float]] = deque()  # (time, trainer compute seconds of a step)
+    idle_log: deque[float] = deque()
+    states = {p.name: PolicyState() for p in pools}
+    objective_memory = ObjectiveMemory()
+    actions: list[tuple[float, str, int, int]] = []
+    staleness: dict[int, int] = {}
+    steps = 0
+    idle_s = cost = over_budget = 0.0
+    gpus_max = 0
+    recommended = None
+    samples: dict[str, list] = {"times": [], "replicas": [], "cost_rate": [], "backlog": []}
+    signals = TrainerSignals(None, None, None, None)
+    per_pool_load = np.zeros(n)
+    load_scrapes: deque[np.ndarray] = deque(maxlen=RATE_WINDOW_S // SCRAPE_S)
+    per_pool_throughput = np.zeros(n)
+
+    def set_replicas(i: int, target: int, now: float) -> None:
+        current = int(desired[i])
+        if target == current:
+            return
+        if target > current:
+            for _ in range(target - current):
+                if ready[i] + len(starting[i]) >= nodes[i]:
+                    starting[i].append(math.inf)  # Pending: no node
+                else:
+                    bisect.insort(starting[i], now + pools[i].cold_start_s * rng.uniform(0.9, 1.1))
+        else:
+            remove = current - target
+            # Pending ones first (latest first), then ready replicas; their sessions go back.
+            drop = min(remove, len(starting[i]))
+            if drop:
+                del starting[i][-drop:]
+            kill = remove - drop
+            if kill:
+                lost = sessions[i] * kill / max(ready[i], 1)
+                _take(session_versions[i], lost)
+                sessions[i] -= lost
+                ready[i] -= kill
+        desired[i] = target
+        actions.append((now, pools[i].name, current, target))
+
+    for tick in range(total):
+        now = float(tick - run.warmup_s)
+        recording = now >= 0
+        # capacity loss and return
+        if spot is not None and run.loss_at_s is not None and now == run.loss_at_s:
+            have = int(ready[spot] + sum(1 for s in starting[spot] if s != math.inf))
+            nodes[spot] = max(0, math.floor(have * (1 - run.loss_fraction)))
+            if ready[spot] > nodes[spot]:
+                kill = int(ready[spot] - nodes[spot])
+                lost = sessions[spot] * kill / max(ready[spot], 1)
+                _take(session_versions[spot], lost)
+                sessions[spot] -= lost
+                ready[spot] -= kill
+                starting[spot] = [math.inf] * kill + [s for s in starting[spot]]
+                starting[spot].sort()
+            room = int(nodes[spot] - ready[spot])
+            starting[spot] = sorted(s if k < room else math.inf for k, s in enumerate(starting[spot]))
+        if spot is not None and run.back_at_s is not None and now == run.back_at_s:
+            nodes[spot] = np.iinfo(np.int64).max // 4
+            starting[spot] = sorted(
+                (now + pools[spot].cold_start_s if s == math.inf else s) for s in starting[spot]
+            )
+        for i in range(n):
+            while starting[i] and starting[i][0] <= now:
+                starting[i].pop(0)
+                ready[i] += 1
+        # the router: sessions of a pool with no ready replica move
+        ready_cap = ready * cap
+        if ready_cap.sum() > 0:
+            for i in np.flatnonzero((ready == 0) & (sessions > 0)):
+                moved = sessions[i]
+                cohort = _take(session_versions[i], moved)
+                sessions[i] = 0
+                share = ready_cap / ready_cap.sum()
+                for j in np.flatnonzero(share > 0):
+                    sessions[j] += moved * share[j]
+                    for v, c in cohort:
+                        _put(session_versions[j], v, c * share[j])
+        # the rollout: new sessions under the concurrency and the back-pressure
+        in_flight = float(sessions.sum())
+        room = min(run.concurrency - in_flight, run.max_steps_ahead * run.step_size - buffered - in_flight)
+        if room >= 1 and ready_cap.sum() > 0:
+            share = ready_cap / ready_cap.sum()
+            for j in np.flatnonzero(share > 0):
+                sessions[j] += room * share[j]
+                _put(session_versions[j], version, room * share[j])
+        # generation
+        length = np.interp(max(now, 0), [0, run.hours * 3600], run.tokens_per_trajectory) * noise[tick // 60]
+        done = np.zeros(n)
+        if now >= pause_until:
+            busy = np.minimum(1.0, sessions / np.maximum(ready_cap * run.sessions_per_capacity, 1e-9))
+            tokens = ready_cap * run.tokens_per_s_per_capacity * busy
+            progress += tokens / length
+            done = np.minimum(np.floor(progress), np.floor(sessions))
+            progress -= done
+            for i in np.flatnonzero(done):
+                for v, c in _take(session_versions[i], done[i]):
+                    _put(buffer, v, c)
+                sessions[i] -= done[i]
+                buffered += done[i]
+        completions.append(done)
+        # the trainer
+        if trainer_busy_until is not None and now >= trainer_busy_until:
+            trainer_busy_until = None
+            version += 1
+            pause_until = now + run.weight_update_s
+            all_steps.append(now)
+            if recording:
+                steps += 1
+                step_log.append(now)
+        if trainer_busy_until is None:
+            if buffered >= run.step_size:
+                for v, c in _take(buffer, run.step_size):
+                    if recording:
+                        key = int(version - v)
+                        staleness[key] = staleness.get(key, 0) + round(c)
+                buffered -= run.step_size
+                trainer_busy_until = now + run.step_seconds_at(now)
+                busy_log.append((now, run.step_seconds_at(now)))
+            elif recording:
+                idle_s += 1
+                idle_log.append(now)
+            else:
+                idle_log.append(now)
+        while idle_log and idle_log[0] <= now - RATE_WINDOW_S:
+            idle_log.popleft()
+        # bill
+        billed = ready + np.array([sum(1 for s in st if s != math.inf) for st in starting])
+        if recording:
+            cost += float((billed * price).sum())
+            used = int((desired * gpus).sum())
+            gpus_max = max(gpus_max, used)
+            if gpu_budget is not None and used > gpu_budget:
+                over_budget += 1
+        # scrape
+        if tick % SCRAPE_S == 0:
+            per_pool_load = sessions.copy()
+            load_scrapes.append(per_pool_load)
+            per_pool_throughput = np.sum(completions, axis=0) / max(len(completions), 1)
+            recent_steps = len(_recent(all_steps, now))
+            window = min(RATE_WINDOW_S, tick) or 1
+            while busy_log and busy_log[0][0] <= now - RATE_WINDOW_S and len(busy_log) > 1:
+                busy_log.popleft()
+            signals = TrainerSignals(
+                step_rate=recent_steps / window if tick >= RATE_WINDOW_S else None,
+                idle_share=len(idle_log) / window,
+                buffered=buffered,
+                in_flight=float(sessions.sum()),
+                busy_step_s=float(np.mean([b for _, b in busy_log])) if busy_log else None,
+            )
+        # poll
+        if strategy.kind != "static" and tick % strategy.poll_s == 0:
+            targets = _poll(
+                strategy, pools, desired, ready, starting, per_pool_load, per_pool_throughput, signals,
+                states, objective_memory, now, pause_until > now, gpu_budget, load_scrapes,
+            )  # fmt: skip
+            if strategy.kind == "trainer":
+                targets, objective_memory, recommended = targets
+            for i, p in enumerate(pools):
+                set_replicas(i, targets[p.name], now)
+        if recording and tick % sample_every_s == 0:
+            samples["times"].append(now)
+            samples["replicas"].append(desired.copy())
+            samples["cost_rate"].append(float((billed * price).sum() * 3600))
+            samples["backlog"].append((buffered + float(sessions.sum())) / run.step_size)
+    return RunResult(
+        strategy=strategy.name,
+        pools=names,
+        seconds=run.hours * 3600,
+        steps=steps,
+        idle_s=idle_s,
+        cost=cost,
+        staleness=staleness,
+        actions=[a for a in actions if a[0] >= 0],
+        gpus_max=gpus_max,
+        gpu_seconds_over_budget=over_budget,
+        step_times=step_log,
+        times=np.array(samples["times"]),
+        replicas=np.array(samples["replicas"]),
+        cost_rate=np.array(samples["cost_rate"]),
+        backlog=np.array(samples["backlog"]),
+        recommended_concurrency=recommended,
+        loss_at_s=run.loss_at_s if spot is not None else None,
+    )
+
+
+def _recent(log: list[float], now: float) -> list[float]:
+    start = bisect.bisect_right(log, now - RATE_WINDOW_S)
+    return log[start:]
+
+
+def _put(fifo: deque[list[float]], version: float, count: float) -> None:
+    if count <= 0:
+        return
+    if fifo and fifo[-1][0] == version:
+        fifo[-1][1] += count
+    else:
+        fifo.append([version, count])
+
+
+def _take(fifo: deque[list[float]], count: float) -> list[tuple[float, float]]:
+    """Remove ``count`` from the oldest cohorts; returns (version, count) taken."""
+    out = []
+    while count > 1e-9 and fifo:
+        head = fifo[0]
+        take = min(head[1], count)
+        out.append((head[0], take))
+        head[1] -= take
+        count -= take
+        if head[1] <= 1e-9:
+            fifo.popleft()
+    return out
+
+
+def _poll(
+    strategy: Strategy,
+    pools: Sequence[FleetPool],
+    desired: np.ndarray,
+    ready: np.ndarray,
+    starting: list[list[float]],
+    load: np.ndarray,
+    throughput: np.ndarray,
+    signals: TrainerSignals,
+    states: dict[str, PolicyState],
+    memory: ObjectiveMemory,
+    now: float,
+    updating: bool,
+    gpu_budget: int | None,
+    load_scrapes: deque[np.ndarray],
+):
+    mean_load = np.mean(load_scrapes, axis=0) if load_scrapes else load
+    if strategy.kind == "queue":
+        assert strategy.configs is not None
+        minute = list(load_scrapes)[-(60 // SCRAPE_S) :]
+        sustained = np.mean(minute, axis=0) if strategy.sustained and minute else None
+        out = {}
+        for i, p in enumerate(pools):
+            observed = PoolLoad(
+                load=float(load[i]),
+                sustained=None if sustained is None else float(sustained[i]),
+                replicas=int(desired[i]),
+                ready=int(ready[i]),
+                starting=len(starting[i]),
+                updating_weights=updating,
+            )
+            decision = decide(observed, states[p.name], strategy.configs[p.name], now)
+            states[p.name] = decision.state
+            out[p.name] = decision.desired
+        return out
+    assert strategy.objective is not None and strategy.configs is not None
+    views = []
+    for i, p in enumerate(pools):
+        config = strategy.configs[p.name]
+        observed = PoolLoad(
+            load=float(load[i]), replicas=int(desired[i]), ready=int(ready[i]), starting=len(starting[i])
+        )
+        state, stuck = track_pending(states[p.name], observed, now, config)
+        state, ceiling = pending_ceiling(state, int(desired[i]), stuck, now, config)
+        states[p.name] = state
+        views.append(
+            ObjectivePool(
+                p.name,
+                int(desired[i]),
+                int(ready[i]),
+                p.capacity,
+                p.gpus_per_replica,
+                p.cost_per_gpu_hour,
+                config.min_replicas,
+                config.max_replicas,
+                throughput=float(throughput[i]) if ready[i] else None,
+                load=float(mean_load[i]),
+                stuck=stuck,
+                floor=int(desired[i]) if updating else 0,
+                ceiling=ceiling,
+            )
+        )
+    objective = (
+        strategy.objective if gpu_budget is None else replace(strategy.objective, gpu_budget=gpu_budget)
+    )
+    plan, next_states = stabilized_plan(views, signals, objective, memory, states, now, strategy.window_s)
+    states.update(next_states)
+    return plan.targets, plan.memory, plan.recommended_concurrency
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+def static_sized_to_trainer(pools: Sequence[FleetPool], run: TrainerRun) -> dict[str, int]:
+    """A fixed fleet sized to the trainer at the start (the AReaL / verl way): the capacity whose
+    saturated throughput equals the trainer's consumption, on the cheapest capacity first."""
+    step_s = run.step_seconds_at(0.0)
+    need_tokens = run.step_size / step_s * run.tokens_per_trajectory[0]
+    # Engines generate nothing while they load a version: weight_update_s of every step.
+    need = need_tokens / run.tokens_per_s_per_capacity / max(1e-9, 1 - run.weight_update_s / step_s)
+    need = min(need, run.concurrency / run.sessions_per_capacity)
+    out = {p.name: p.min_replicas for p in pools}
+    have = sum(p.min_replicas * p.capacity for p in pools)
+    for pool in sorted(pools, key=lambda p: p.gpus_per_replica * p.cost_per_gpu_hour / p.capacity):
+        while have < need - 1e-9 and out[pool.name] < pool.max_replicas:
+            out[pool.name] += 1
+            have += pool.capacity
+    return out
+
+
+def objective_config(run: TrainerRun, **overrides: float) -> ObjectiveConfig:
+    values = dict(
+        step_size=run.step_size,
+        concurrency=run.concurrency,
+        sessions_per_capacity=run.sessions_per_capacity,
+        max_steps_ahead=run.max_steps_ahead,
+    )
+    values.update(overrides)
+    return ObjectiveConfig(**values)  # type: ignore[arg-type]
