@@ -275,12 +275,17 @@ def component_command(
         ]
     if component == "router":
         replicas = [] if where.replicas_file is None else ["--replicas", where.replicas_file]
+        # Mismatch-aware routing reads the trainer's per-pool mismatch from the buffer.
+        mismatch = (
+            ["--buffer", _known(where.buffer_url, "the buffer's URL")] if resolved.health.routing else []
+        )
         return [
             *where.program,
             "router",
             "--config",
             where.config,
             *replicas,
+            *mismatch,
             *_listen(where, "router", None, 0, metrics=True),
             *_auth(where),
         ]

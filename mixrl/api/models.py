@@ -10,6 +10,7 @@ fields, per-component settings) is computed by :func:`mixrl.api.resolve.resolve`
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Self
@@ -70,6 +71,32 @@ def _checked_by(check: Callable[[Any], str | None]) -> Callable[[Any], Any]:
 
 _labels = _checked_by(names.labels_problem)
 """Label keys and values (metadata.labels, node selectors), checked as one map for one line."""
+
+INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _json_numbers_problem(value: Any, where: str = "") -> str | None:
+    """Free-form JSON (an environment's arguments) as Kubernetes stores it: integers in 64 bits and
+    finite numbers; a larger integer would pass here and be refused by the API server."""
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    elif isinstance(value, int) and not INT64_RANGE[0] <= value <= INT64_RANGE[1]:
+        return f"{where or 'value'}: integer out of range (Kubernetes stores integers in 64 bits)"
+    elif isinstance(value, float) and not math.isfinite(value):
+        return f"{where or 'value'}: must be a finite number"
+    else:
+        return None
+    for key, item in items:
+        problem = _json_numbers_problem(
+            item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}".lstrip(".")
+        )
+        if problem is not None:
+            return problem
+    return None
 
 
 def _schema(**schema: Any) -> Any:
@@ -468,7 +495,9 @@ class RolloutSpec(Model):
     ``coding-plain`` (the same with plain-text calls, for tiny models); or your own as
     ``package.module:ClassName``, a subclass of ``mixrl.rl.environments.base.Environment`` importable by the rollout worker (``mixrl validate``
     and ``mixrl run`` import it and check it; the operator checks only this form)."""
-    environment_args: dict[str, Any] = Field(default_factory=dict, max_length=64)
+    environment_args: Annotated[dict[str, Any], AfterValidator(_checked_by(_json_numbers_problem))] = Field(
+        default_factory=dict, max_length=64
+    )
     """Keyword arguments for the environment's constructor (any JSON values)."""
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
     """Where tasks come from."""
@@ -642,9 +671,33 @@ HEALTH_ACTIONS_NOT_IMPLEMENTED = {
 """Actions a later version may take, refused with their reason (no field that does nothing)."""
 
 
+class RoutingHealthSpec(Model):
+    """Mismatch-aware routing (docs/health.md#mismatch-aware-routing): the router's traffic shares
+    become capacity × health, where a pool's health falls while its fresh (staleness-0) mismatch
+    stays above a threshold.  No default thresholds: what counts as a bad mismatch depends on the
+    model and the precisions (the tiny quickstart's pools start near 0.02 and settle near 0.003)."""
+
+    kl_threshold: Float = Field(gt=0, le=MAX_CAPACITY)
+    """A step's fresh KL (k3) of a pool above this is a bad observation."""
+    extreme_share_threshold: Float = Field(gt=0, le=1)
+    """A step's share of a pool's fresh tokens with a ratio outside [0.2, 5] above this is bad."""
+    recover_fraction: Float = Field(default=0.5, gt=0, le=1)
+    """An observation is good when both figures are below this fraction of their thresholds."""
+    degrade_after: Int = Field(default=3, ge=1, le=100_000)
+    """Bad observations in a row before the health falls."""
+    recover_after: Int = Field(default=3, ge=1, le=100_000)
+    """Good observations in a row before the health rises."""
+    step: Float = Field(default=0.5, gt=0, lt=1)
+    """Factor the health is multiplied by per further bad observation (divided by per good one)."""
+    floor: Float = Field(default=0.1, gt=0, le=1)
+    """Lowest health: a degraded pool keeps this fraction of its capacity's traffic (and is still measured)."""
+
+
 class HealthSpec(Model):
     collapse: CollapseSpec = Field(default_factory=CollapseSpec)
     """Thresholds of the signs of collapse."""
+    routing: RoutingHealthSpec | None = None
+    """Mismatch-aware routing; null = traffic by capacity alone."""
     action: Literal["none"] = "none"
     """What a raised sign does: ``none`` (shown in ``mixrl run``'s progress line and report)."""
 
@@ -733,8 +786,16 @@ class PoolSummary(Model):
     """Share of sessions routed to this pool."""
     kl: float | None = None
     """Mean sampler–trainer KL (k3) of this pool's tokens at the last step."""
+    kl_fresh: float | None = None
+    """The same over the pool's fresh tokens alone (staleness 0): its precision mismatch without drift."""
+    health: float | None = None
+    """The router's mismatch-aware health of the pool, in [floor, 1] (spec.health.routing)."""
     extreme_ratio_share: float | None = None
     """Share of this pool's tokens whose ratio is outside [0.2, 5]."""
+    tokens_per_second: float | None = None
+    """Completion tokens per second the router passed back from this pool (one-minute rate)."""
+    serving_weight_version: int | None = None
+    """The newest weight version in this pool's answers."""
 
 
 class RLRunStatus(Model):
@@ -754,6 +815,10 @@ class RLRunStatus(Model):
     """Number of sampler pools (for the printer column)."""
     reward: float | None = None
     """Mean training reward at the last step."""
+    reason: str | None = None
+    """Why the run ended: TotalStepsReached (Succeeded) or TrainerFailed (Failed)."""
+    message: str | None = None
+    """The end in words: the steps taken, or the trainer's last error."""
 
 
 OBJECT_META_FIELDS = frozenset(
@@ -887,6 +952,16 @@ class SamplerPoolStatus(Model):
     """Share of the run's sessions routed here."""
     kl: float | None = None
     """Mean sampler–trainer KL (k3) of this pool's tokens."""
+    kl_fresh: float | None = None
+    """The same over the pool's fresh tokens alone (staleness 0): its precision mismatch without drift."""
+    health: float | None = None
+    """The router's mismatch-aware health of the pool, in [floor, 1] (spec.health.routing)."""
+    extreme_ratio_share: float | None = None
+    """Share of this pool's tokens whose ratio is outside [0.2, 5]."""
+    tokens_per_second: float | None = None
+    """Completion tokens per second the router passed back from this pool (one-minute rate)."""
+    serving_weight_version: int | None = None
+    """The newest weight version in this pool's answers."""
     last_scale_decisions: list[ScaleDecision] = Field(default_factory=list)
     """The most recent scaling decisions, newest last."""
     autoscaler_window: list[ScaleRecommendation] = Field(default_factory=list)

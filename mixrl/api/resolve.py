@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.models import (
     LOW_PRECISIONS,
     AutoscalingSpec,
     EvaluationSpec,
+    HealthSpec,
     ModelSpec,
     RLRun,
     RolloutSpec,
@@ -138,6 +139,7 @@ class ResolvedRun(Frozen):
     weights: WeightsSpec
     autoscaling: AutoscalingSpec
     evaluation: EvaluationSpec
+    health: HealthSpec = Field(default_factory=HealthSpec)
 
     def pool(self, name: str) -> ResolvedPool:
         for pool in self.pools:
@@ -246,4 +248,5 @@ def resolve(run: RLRun) -> ResolvedRun:
         weights=spec.weights,
         autoscaling=spec.autoscaling,
         evaluation=spec.evaluation,
+        health=spec.health,
     )

@@ -247,6 +247,12 @@ MIXRL_ROUTER_REPLICAS_READY = MetricSpec(
 MIXRL_ROUTER_GENERATED_TOKENS_TOTAL = MetricSpec(
     "mixrl_router_generated_tokens_total", "counter", "Completion tokens returned by a pool.", MIXRL_LABELS
 )
+MIXRL_ROUTER_POOL_HEALTH = MetricSpec(
+    "mixrl_router_pool_health",
+    "gauge",
+    "A pool's health in [floor, 1] from its fresh mismatch (spec.health.routing); shares are capacity x health.",
+    MIXRL_LABELS,
+)
 MIXRL_ROUTER_WEIGHT_VERSION = MetricSpec(
     "mixrl_router_serving_weight_version",
     "gauge",
@@ -274,6 +280,7 @@ MIXRL_ROUTER_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_ROUTER_REPLICAS_READY,
     MIXRL_ROUTER_GENERATED_TOKENS_TOTAL,
     MIXRL_ROUTER_WEIGHT_VERSION,
+    MIXRL_ROUTER_POOL_HEALTH,
     MIXRL_ROUTER_REQUEST_LATENCY,
 )
 # rollout
@@ -393,6 +400,15 @@ MIXRL_TRAINER_REWARD = MetricSpec(
 MIXRL_TRAINER_KL = MetricSpec(
     "mixrl_trainer_kl", "gauge", "Sampler-trainer KL per token (k3), last batch.", MIXRL_LABELS
 )
+MIXRL_TRAINER_KL_FRESH = MetricSpec(
+    "mixrl_trainer_kl_fresh",
+    "gauge",
+    "Sampler-trainer KL per token (k3) over fresh tokens only (staleness 0: sampled with the weights"
+    " the trainer scored them with), last batch: the precision and kernel mismatch without drift."
+    " k3 is unbiased for KL(sampler || trainer) only when the sampler's distribution is the one the"
+    " trainer compares with (top-p replay on, or no top-p).",
+    MIXRL_LABELS,
+)
 MIXRL_TRAINER_EXTREME_RATIO_SHARE = MetricSpec(
     "mixrl_trainer_extreme_ratio_share", "gauge", "Share of tokens with ratio outside [0.2, 5].", MIXRL_LABELS
 )
@@ -445,6 +461,7 @@ MIXRL_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_TRAINER_WEIGHT_VERSION,
     MIXRL_TRAINER_REWARD,
     MIXRL_TRAINER_KL,
+    MIXRL_TRAINER_KL_FRESH,
     MIXRL_TRAINER_EXTREME_RATIO_SHARE,
     MIXRL_TRAINER_GRAD_NORM,
     MIXRL_TRAINER_ENTROPY,

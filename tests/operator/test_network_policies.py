@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.api.loader import load_rlrun
+from mixrl.api.models import RoutingHealthSpec
 from mixrl.api.resolve import resolve
 from mixrl.operator.build.network import network_policies, policy_names
 from mixrl.operator.build.objects import NAMESPACE_NAME_LABEL, BuildOptions, Images, Owner, Scrapers
@@ -47,9 +48,13 @@ def pods_of(objects: list[Obj]) -> list[Pod]:
     return pods
 
 
-def run_pods_and_policies(name: str, namespace: str, scrapers: Scrapers) -> tuple[list[Pod], list[Obj]]:
+def run_pods_and_policies(
+    name: str, namespace: str, scrapers: Scrapers, routing: bool = False
+) -> tuple[list[Pod], list[Obj]]:
     run = load_rlrun(ROOT / "examples" / "rlrun-mixed.yaml")
     run.metadata.name, run.metadata.namespace = name, namespace
+    if routing:
+        run.spec.health.routing = RoutingHealthSpec(kl_threshold=0.01, extreme_share_threshold=0.01)
     resolved = resolve(run)
     options = BuildOptions(images=Images(network_policies=scrapers))
     objects = run_objects(resolved, Owner("mixrl.dev/v1alpha1", "RLRun", name, "uid"), options)
@@ -74,6 +79,11 @@ def test_only_the_connections_a_run_needs_are_open_between_its_pods() -> None:
     pods, policies = run_pods_and_policies("demo", "rl", Scrapers())
     assert open_connections(policies, pods) == WANTED
     assert {t.labels[COMPONENT] for t in pods} == {"trainer", "buffer", "router", "rollout", "sampler"}
+
+
+def test_mismatch_aware_routing_opens_the_buffer_to_the_router_and_nothing_else() -> None:
+    pods, policies = run_pods_and_policies("demo", "rl", Scrapers(), routing=True)
+    assert open_connections(policies, pods) == WANTED | {("router", "buffer", "http")}
 
 
 def test_another_run_and_other_pods_reach_nothing_but_scrapers_read_metrics() -> None:

@@ -106,3 +106,20 @@ def test_trajectories_round_trip_through_json(model: torch.nn.Module) -> None:
     group = synthetic_group(model, "p", 2, "pool", seed=1, top_k=4)
     again = [Trajectory.model_validate_json(t.model_dump_json()) for t in group]
     assert again == group
+
+
+def test_fresh_mismatch_counts_only_tokens_of_the_trainers_own_version(model: torch.nn.Module) -> None:
+    """kl_k3_fresh is the k3 of staleness-0 tokens alone (the precision effect, apart from drift)."""
+    fresh = synthetic_group(model, "p", 2, "a", seed=1, version=3, noise=0.2)
+    stale = synthetic_group(model, "q", 2, "b", seed=2, version=2, noise=2.0)
+    batch = collate([fresh, stale], trainer_version=3)
+    config = CorrectionConfig(mis=(0.2, 5.0))
+    result = TorchPolicyTrainer(copy.deepcopy(model), config, lr=0.0).step(batch)
+    pools = result.per_pool
+    assert pools["a"]["fresh_tokens"] == pools["a"]["tokens"]
+    assert pools["a"]["kl_k3_fresh"] == pytest.approx(pools["a"]["kl_k3"], rel=1e-9)
+    assert "kl_k3_fresh" not in pools["b"] and "fresh_tokens" not in pools["b"]  # every token stale
+    # The run's fresh figure is pool a's: the noisier stale pool does not raise it.
+    assert result.metrics["kl_k3_fresh"] == pytest.approx(pools["a"]["kl_k3"], rel=1e-9)
+    assert result.metrics["kl_k3"] > result.metrics["kl_k3_fresh"]
+    assert result.metrics["fresh_tokens"] == pools["a"]["tokens"]

@@ -28,6 +28,7 @@ from mixrl.rl.metrics import (
     MIXRL_COST_DOLLARS_TOTAL,
     MIXRL_ROLLOUT_EPISODES_TOTAL,
     MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL,
+    MIXRL_ROUTER_POOL_HEALTH,
     MIXRL_ROUTER_QUEUE_DEPTH,
     MIXRL_ROUTER_REPLICAS_READY,
     MIXRL_ROUTER_TRAFFIC_SHARE,
@@ -35,6 +36,7 @@ from mixrl.rl.metrics import (
     MIXRL_TRAINER_EXTREME_RATIO_SHARE,
     MIXRL_TRAINER_GRAD_NORM,
     MIXRL_TRAINER_KL,
+    MIXRL_TRAINER_KL_FRESH,
     MIXRL_TRAINER_REWARD,
     MIXRL_TRAINER_STEP,
     MIXRL_TRAINER_WEIGHT_VERSION,
@@ -229,6 +231,18 @@ def dashboard() -> Obj:
             ],
             12,
             48,
+        ),
+        panel(
+            "Fresh (staleness-0) KL (k3) per pool",
+            [(f"max by (pool) ({MIXRL_TRAINER_KL_FRESH.name}{sel})", "{{pool}}")],
+            0,
+            56,
+        ),
+        panel(
+            "Pool health (mismatch-aware routing)",
+            [(f"max by (pool) ({MIXRL_ROUTER_POOL_HEALTH.name}{sel})", "{{pool}}")],
+            12,
+            56,
         ),
     ]
     for index, item in enumerate(panels, start=1):

@@ -8,7 +8,9 @@ them, on which named container port; a pod that a policy selects refuses every o
 to                    from                                        port
 ====================  ==========================================  ===================
 trainer               the other trainer ranks (rendezvous, NCCL)  every port
-buffer                rollout workers (groups), the trainer       ``http``
+buffer                rollout workers (groups), the trainer;      ``http``
+                      the router with ``spec.health.routing``
+                      (it reads the trainer's mismatch there)
 router                rollout workers (``/generate``)             ``http``
 sampler engines       the router (``/generate``, probes, reloads) ``engine``
 every pod             the metrics scrapers                        ``metrics``, ``engine``
@@ -62,8 +64,17 @@ def policy_names(resolved: ResolvedRun) -> list[str]:
     return [L.child_name(resolved.name, f"{component}-ingress") for component in INGRESS]
 
 
+def callers_of(resolved: ResolvedRun, component: L.Component) -> tuple[L.Component, ...]:
+    """The run's components that may connect to ``component``: :data:`INGRESS`, plus the router to
+    the buffer when it routes by mismatch (it polls the buffer's ``GET /stats``)."""
+    callers = INGRESS[component][0]
+    if component == "buffer" and resolved.health.routing is not None:
+        callers = (*callers, "router")
+    return callers
+
+
 def network_policy(resolved: ResolvedRun, component: L.Component, owner: Owner, scrapers: Scrapers) -> Obj:
-    callers, ports = INGRESS[component]
+    callers, ports = callers_of(resolved, component), INGRESS[component][1]
     rules: list[Obj] = []
     if callers:
         rule: Obj = {"from": [_run_pods(resolved, caller) for caller in callers]}

@@ -16,10 +16,12 @@ What is written, and from which series (names in :mod:`mixrl.rl.metrics`):
   Failed when the trainer's containers keep failing), the conditions ``MetricsAvailable`` and
   ``CollapseRisk`` (:mod:`mixrl.rl.health.collapse` on the run's history);
 - each pool (in the run's ``pools`` list and on the SamplerPool): ``kl`` and ``extremeRatioShare``
-  (the trainer's, over all of the pool's tokens of the last batch — the trainer does not yet log a
-  staleness-0 KL apart, so stale tokens' drift is included), ``trafficShare`` (the router's share
-  of sessions), ``tokensPerSecond`` (tokens the router passed back from the pool, over one minute)
-  and ``servingWeightVersion`` (the newest version in the pool's answers).
+  (the trainer's, over all of the pool's tokens of the last batch, stale ones included),
+  ``klFresh`` (the same KL over its fresh tokens alone, staleness 0: the precision effect without
+  drift; absent in a step without fresh tokens), ``health`` (the router's mismatch-aware health,
+  with ``spec.health.routing``), ``trafficShare`` (the router's share of sessions),
+  ``tokensPerSecond`` (tokens the router passed back from the pool, over one minute) and
+  ``servingWeightVersion`` (the newest version in the pool's answers).
 
 Figures are rounded to :data:`SIGNIFICANT` digits, so that a write happens when a figure moves,
 not when its last bit does.
@@ -76,6 +78,8 @@ def run_queries(namespace: str, run: str) -> dict[str, str]:
         "reward": f"max({m.MIXRL_TRAINER_REWARD.name}{everything})",
         "finished": f"max({m.MIXRL_TRAINER_FINISHED.name}{everything})",
         "kl": f"max by (pool) ({m.MIXRL_TRAINER_KL.name}{per_pool})",
+        "kl_fresh": f"max by (pool) ({m.MIXRL_TRAINER_KL_FRESH.name}{per_pool})",
+        "health": f"max by (pool) ({m.MIXRL_ROUTER_POOL_HEALTH.name}{per_pool})",
         "extreme_ratio_share": f"max by (pool) ({m.MIXRL_TRAINER_EXTREME_RATIO_SHARE.name}{per_pool})",
         "traffic_share": f"max by (pool) ({m.MIXRL_ROUTER_TRAFFIC_SHARE.name}{per_pool})",
         "tokens_per_second": (
@@ -176,6 +180,8 @@ def significant(value: float, digits: int = SIGNIFICANT) -> float:
 
 POOL_FIELDS = {
     "kl": "kl",
+    "kl_fresh": "klFresh",
+    "health": "health",
     "extreme_ratio_share": "extremeRatioShare",
     "traffic_share": "trafficShare",
     "tokens_per_second": "tokensPerSecond",

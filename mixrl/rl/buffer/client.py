@@ -25,6 +25,7 @@ import aiohttp
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.grouping import StalenessStats
+from mixrl.rl.health.routing import MismatchReport
 from mixrl.rl.http import SessionClient
 
 
@@ -171,6 +172,10 @@ class BufferClient(SessionClient):
     async def commit(self, step: int) -> None:
         """Mark the step just served consumed (again for one already committed: a no-op)."""
         await self._request("POST", "/commit", params={"step": str(step)}, idempotent=True)
+
+    async def post_mismatch(self, report: MismatchReport) -> None:
+        """One step's per-pool fresh mismatch, for the router's health (a later step replaces it)."""
+        await self._request("POST", "/mismatch", json=report.model_dump(), idempotent=True)
 
     async def stats(self) -> dict[str, Any]:
         _, payload = await self._request("GET", "/stats", idempotent=True)

@@ -40,6 +40,7 @@ from mixrl.rl import metrics
 from mixrl.rl.auth import AuthToken, refusal_counter
 from mixrl.rl.buffer.grouping import StepError
 from mixrl.rl.buffer.store import Evaluation, TrajectoryBuffer
+from mixrl.rl.health.routing import MismatchReport
 from mixrl.rl.serving import ClientGone, component_app, metrics_handler, read_body
 
 log = logging.getLogger("mixrl.buffer")
@@ -226,6 +227,8 @@ class BufferServer:
         self._trainer_wait = metrics.create(metrics.MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL, self.registry)
         self._trainer_busy = metrics.create(metrics.MIXRL_BUFFER_TRAINER_BUSY_SECONDS, self.registry)
         self._handed_at: float | None = None
+        self.mismatch: MismatchReport | None = None
+        """The trainer's latest per-pool fresh mismatch (in memory: the next step brings another)."""
 
     def app(self) -> web.Application:
         refused = refusal_counter(self.registry, self.run, "buffer")
@@ -237,6 +240,7 @@ class BufferServer:
         app.router.add_post("/evaluations", self._post_evaluation)
         app.router.add_get("/evaluations", self._get_evaluations)
         app.router.add_get("/stats", self._stats)
+        app.router.add_post("/mismatch", self._post_mismatch)
         app.router.add_get("/health", self._health)
         app.on_shutdown.append(self._on_shutdown)
         return app
@@ -329,7 +333,25 @@ class BufferServer:
         return web.json_response({"evaluations": list(self.buffer.evaluations)})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response(await asyncio.to_thread(self.buffer.stats))
+        stats = await asyncio.to_thread(self.buffer.stats)
+        stats["mismatch"] = self.mismatch.model_dump() if self.mismatch is not None else None
+        return web.json_response(stats)
+
+    async def _post_mismatch(self, request: web.Request) -> web.Response:
+        """The trainer's per-pool fresh mismatch of one step, which the router reads back from
+        ``GET /stats`` (docs/health.md#mismatch-aware-routing).  An older step than the one held is
+        ignored, so a trainer redoing a step after a crash cannot move the router back."""
+        try:
+            report = MismatchReport.model_validate(_json_body(await read_body(request, log)))
+        except ValidationError as exc:
+            return _bad_request(_error_location(exc, "mismatch"))
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
+        if self.mismatch is None or report.step >= self.mismatch.step:
+            self.mismatch = report
+        return web.json_response({"accepted": True, "step": self.mismatch.step})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -22,6 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from mixrl.api.models import RoutingHealthSpec
+
 
 @dataclass(frozen=True)
 class HealthPolicy:
@@ -122,3 +126,60 @@ def health_weighted_shares(
     if total <= 0:
         return dict.fromkeys(capacity, 0.0)
     return {pool: weight / total for pool, weight in weights.items()}
+
+
+def policy_of(spec: RoutingHealthSpec) -> HealthPolicy:
+    """The policy ``spec.health.routing`` describes."""
+    return HealthPolicy(
+        kl_threshold=spec.kl_threshold,
+        extreme_share_threshold=spec.extreme_share_threshold,
+        recover_fraction=spec.recover_fraction,
+        degrade_after=spec.degrade_after,
+        recover_after=spec.recover_after,
+        step=spec.step,
+        floor=spec.floor,
+    )
+
+
+# ----------------------------------------------------------------------------- the wire
+# The trainer posts one report per step to the buffer (POST /mismatch); the router reads the latest
+# from the buffer's GET /stats ("mismatch").  One path for a laptop and a cluster, no Prometheus.
+
+
+class PoolMismatch(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kl: float = Field(ge=0, allow_inf_nan=False)
+    """The pool's fresh (staleness-0) KL (k3) at this step."""
+    extreme_share: float = Field(ge=0, le=1)
+    """The share of its fresh tokens with a ratio outside [0.2, 5]."""
+    tokens: int = Field(gt=0)
+    """Fresh tokens the figures are measured on."""
+
+
+class MismatchReport(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: int = Field(ge=0)
+    """The trainer step the figures come from."""
+    pools: dict[str, PoolMismatch] = Field(default_factory=dict, max_length=4096)
+    """Pools with fresh tokens at this step (a pool absent had none: its health holds)."""
+
+    def observations(self) -> dict[str, Observation]:
+        return {name: Observation(p.kl, p.extreme_share) for name, p in self.pools.items()}
+
+
+def mismatch_report(step: int, per_pool: Mapping[str, Mapping[str, float]]) -> MismatchReport:
+    """The report of one trainer step from its per-pool figures (``kl_k3_fresh``,
+    ``extreme_ratio_fresh``, ``fresh_tokens``: mixrl.rl.trainer.torch_backend); pools without fresh
+    tokens are left out."""
+    pools = {
+        name: PoolMismatch(
+            kl=max(float(stats["kl_k3_fresh"]), 0.0),
+            extreme_share=min(max(float(stats["extreme_ratio_fresh"]), 0.0), 1.0),
+            tokens=int(stats["fresh_tokens"]),
+        )
+        for name, stats in per_pool.items()
+        if stats.get("fresh_tokens") and "kl_k3_fresh" in stats
+    }
+    return MismatchReport(step=step, pools=pools)

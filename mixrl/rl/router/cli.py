@@ -10,6 +10,7 @@ from pathlib import Path
 from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ENGINE_PORT, ROUTER_PORT
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args, warn_if_open
+from mixrl.rl.health.routing import policy_of
 from mixrl.rl.router.config import RouterConfigError, from_resolved_run, load_replicas_file
 from mixrl.rl.router.server import Router, RouterSettings, body_limit
 from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_component
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--request-timeout", type=float, default=900.0, help="longest /generate at a replica (s)"
     )
+    parser.add_argument(
+        "--buffer",
+        default=None,
+        help="buffer URL: read the trainer's per-pool mismatch there for mismatch-aware routing"
+        " (spec.health.routing; without it the router routes by capacity alone)",
+    )
     add_auth_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser
@@ -97,7 +104,15 @@ def main(argv: list[str]) -> int:
         engine_port=args.engine_port,
         auth_token=auth_token,
         max_request_bytes=body_limit(run.model.max_context_tokens),
+        buffer_url=args.buffer,
+        health_policy=policy_of(run.health.routing) if run.health.routing is not None else None,
     )
+    if settings.health_policy is not None and args.buffer is None:
+        print(
+            "mixrl router: --buffer: required by spec.health.routing (the mismatch is read there)",
+            file=sys.stderr,
+        )
+        return 2
     router = Router(config, settings)
     log = logging.getLogger("mixrl.router")
 

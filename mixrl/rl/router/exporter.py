@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mixrl.rl import metrics
+from mixrl.rl.health.routing import HEALTHY
 from mixrl.rl.metrics import MetricSpec
 from mixrl.rl.router.state import Pool, RouterState
 
@@ -53,6 +54,7 @@ class RouterCollector(Collector):
             (metrics.MIXRL_ROUTER_REPLICAS, lambda p: len(p.replicas)),
             (metrics.MIXRL_ROUTER_REPLICAS_READY, lambda p: len(p.ready_replicas())),
             (metrics.MIXRL_ROUTER_GENERATED_TOKENS_TOTAL, lambda p: p.generated_tokens),
+            (metrics.MIXRL_ROUTER_POOL_HEALTH, lambda p: self.state.health.get(p.name, HEALTHY).health),
         ]
         for spec, value_of in series:
             yield self._family(spec, value_of)

@@ -45,6 +45,7 @@ from mixrl.rl.engine.protocol import (
     SESSION_HEADER,
     completion_token_counts,
 )
+from mixrl.rl.health.routing import HealthPolicy, MismatchReport
 from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
 from mixrl.rl.router.config import RouterConfig, check_replica_url
 from mixrl.rl.router.exporter import make_registry
@@ -129,6 +130,10 @@ class RouterSettings:
     (None: no check and nothing sent, as with ``--insecure-no-auth``).  Its repr is hidden."""
     max_request_bytes: int = ENGINE_BODY_LIMIT
     """413 beyond it (:func:`body_limit` of the run's context)."""
+    buffer_url: str | None = None
+    """Where the trainer's per-pool fresh mismatch is read (the buffer's ``GET /stats``)."""
+    health_policy: HealthPolicy | None = None
+    """Mismatch-aware routing (``spec.health.routing``); None: shares by capacity alone."""
 
 
 def _retry_response(message: str, **extra: Any) -> web.Response:
@@ -190,12 +195,35 @@ class Router:
             connector=aiohttp.TCPConnector(limit=0), headers=bearer_headers(self.settings.auth_token)
         )
         await self.poll_once()
-        monitor = asyncio.create_task(self._monitor(), name="router-monitor")
+        tasks = [asyncio.create_task(self._monitor(), name="router-monitor")]
+        if self.settings.health_policy is not None and self.settings.buffer_url is not None:
+            tasks.append(asyncio.create_task(self._watch_mismatch(), name="router-mismatch"))
         yield
-        monitor.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await monitor
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self._http.close()
+
+    async def _watch_mismatch(self) -> None:
+        """Read the trainer's latest per-pool fresh mismatch from the buffer; each new step moves
+        the pools' health (mixrl.rl.health.routing) and so the shares of new sessions."""
+        assert self.settings.health_policy is not None and self.settings.buffer_url is not None
+        url = f"{self.settings.buffer_url.rstrip('/')}/stats"
+        while True:
+            try:
+                timeout = aiohttp.ClientTimeout(total=max(self.settings.health_timeout, 1.0) * 2)
+                async with self.http.get(url, timeout=timeout) as response:
+                    stats = await response.json(content_type=None)
+                raw = stats.get("mismatch") if isinstance(stats, dict) else None
+                if raw is not None:
+                    report = MismatchReport.model_validate(raw)
+                    if self.state.observe_mismatch(report, self.settings.health_policy):
+                        health = {name: round(h.health, 3) for name, h in sorted(self.state.health.items())}
+                        log.info("pool health after step %d: %s", report.step, health)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                log.warning("cannot read the trainer's mismatch from %s: %s", url, exc)
+            await asyncio.sleep(self.settings.health_interval)
 
     @property
     def http(self) -> aiohttp.ClientSession:

@@ -12,6 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mixrl.rl.health.routing import (
+    HEALTHY,
+    HealthPolicy,
+    MismatchReport,
+    PoolHealth,
+    health_weighted_shares,
+    observe_all,
+)
 from mixrl.rl.router.config import PoolConfig
 from mixrl.rl.router.shares import PeakThroughput, PoolCapacity, ShareScheduler, target_shares
 
@@ -97,6 +105,9 @@ class RouterState:
         self.session_ttl = session_ttl
         self.sessions: dict[str, Session] = {}
         self.scheduler = ShareScheduler()
+        self.health: dict[str, PoolHealth] = {}
+        """Each pool's health from the trainer's fresh mismatch (empty: routing by capacity alone)."""
+        self.mismatch_step: int | None = None
         self.refresh_shares()
 
     # ----------------------------------------------------------------- pools and replicas
@@ -165,7 +176,22 @@ class RouterState:
         }
 
     def refresh_shares(self) -> None:
-        self.scheduler.set_shares(target_shares(self.capacities()))
+        shares = target_shares(self.capacities())
+        if self.health:  # mismatch-aware routing: capacity × health (mixrl.rl.health.routing)
+            shares = health_weighted_shares(shares, self.health)
+        self.scheduler.set_shares(shares)
+
+    def observe_mismatch(self, report: MismatchReport, policy: HealthPolicy) -> bool:
+        """One trainer step's fresh mismatch: every pool's health moves (a pool absent from the
+        report holds), and the shares follow.  Only a newer step counts; returns whether it did."""
+        if self.mismatch_step is not None and report.step <= self.mismatch_step:
+            return False
+        self.mismatch_step = report.step
+        observations = {name: obs for name, obs in report.observations().items() if name in self.pools}
+        states = {name: self.health.get(name, HEALTHY) for name in self.pools}
+        self.health = observe_all(states, observations, policy)
+        self.refresh_shares()
+        return True
 
     # ----------------------------------------------------------------- sessions
 
@@ -297,6 +323,7 @@ class RouterState:
                     "in_flight": sum(r.in_flight for r in pool.replicas.values()),
                     "queue_depth": sum(r.waiting for r in pool.replicas.values()),
                     "generated_tokens": pool.generated_tokens,
+                    "health": self.health.get(name, HEALTHY).health,
                     "requests": pool.requests,
                     "errors": pool.errors,
                     "replica_failures": pool.replica_failures,

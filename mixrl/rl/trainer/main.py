@@ -48,6 +48,7 @@ from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
 from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.corrections import CorrectionConfig
+from mixrl.rl.health.routing import mismatch_report
 from mixrl.rl.models import load_model
 from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import collate
@@ -257,6 +258,8 @@ class TrainerLoop:
                 await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir / CHECKPOINT, step)
             if main:
                 await self.buffer.commit(step)
+                # The router's mismatch-aware shares read it back from the buffer (docs/health.md).
+                await self.buffer.post_mismatch(mismatch_report(step, record["pools"]))
                 if self.telemetry is not None:
                     self.telemetry.observe(record)
                 log.info(

@@ -15,6 +15,7 @@ ALL_POOLS = "all"
 GAUGES = {
     "reward": m.MIXRL_TRAINER_REWARD,
     "kl_k3": m.MIXRL_TRAINER_KL,
+    "kl_k3_fresh": m.MIXRL_TRAINER_KL_FRESH,
     "extreme_ratio": m.MIXRL_TRAINER_EXTREME_RATIO_SHARE,
     "entropy": m.MIXRL_TRAINER_ENTROPY,
     "format_error_endings": m.MIXRL_TRAINER_FORMAT_ERROR_ENDINGS,

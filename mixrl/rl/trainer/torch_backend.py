@@ -140,6 +140,7 @@ class TorchPolicyTrainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         per_token: dict[str, list[torch.Tensor]] = {}
         pool_index: list[torch.Tensor] = []
+        staleness: list[torch.Tensor] = []
         micro_batches = [
             micro
             for rows in split_rows_by_tokens(local, self.micro_batch_tokens)
@@ -151,6 +152,7 @@ class TorchPolicyTrainer:
                 self._empty_pass()
                 continue
             pool_index.append(micro_batches[index].loss_tokens.pool_index)  # on the CPU, for the sums
+            staleness.append(micro_batches[index].loss_tokens.staleness)
             micro = micro_batches[index].to(self.device)
             tokens = micro.loss_tokens
             hidden, head = self._forward(micro.input_ids, micro.attention_mask, tokens.rows, tokens.positions)
@@ -175,17 +177,24 @@ class TorchPolicyTrainer:
         grad_norm = self._clip_and_norm()
         self.optimizer.step()
         pools = torch.cat(pool_index) if pool_index else torch.zeros(0, dtype=torch.long)
+        # Fresh tokens (staleness 0: sampled with the weights the trainer scores them with) measure
+        # the sampler's precision and kernels alone, apart from the drift of stale tokens.
+        fresh = torch.cat(staleness) == 0 if staleness else torch.zeros(0, dtype=torch.bool)
         names, sums, counts = metric_sums(per_token, pools, len(batch.pools))
-        reduced = distributed.all_reduce_sum(torch.cat([loss_sum.view(1), sums.flatten(), counts]))
-        n = sums.numel()
-        sums, counts = reduced[1 : 1 + n].view_as(sums), reduced[1 + n :]
+        _, fresh_sums, fresh_counts = metric_sums(per_token, pools, len(batch.pools), mask=fresh)
+        parts = [loss_sum.view(1), sums, counts, fresh_sums, fresh_counts]
+        reduced = distributed.all_reduce_sum(torch.cat([part.flatten() for part in parts]))
+        chunks = reduced.split([part.numel() for part in parts])
+        _, sums, counts, fresh_sums, fresh_counts = (
+            chunk.view(part.shape) for chunk, part in zip(chunks, parts, strict=True)
+        )
         return StepResult(
             loss=float(reduced[0]),
             grad_norm=grad_norm,
             tokens=batch.num_tokens,
             seconds=time.perf_counter() - start,
-            metrics=summarize(names, sums, counts, batch),
-            per_pool=summarize_per_pool(names, sums, counts, batch),
+            metrics=summarize(names, sums, counts, batch) | fresh_summary(names, fresh_sums, fresh_counts),
+            per_pool=summarize_per_pool(names, sums, counts, batch, (fresh_sums, fresh_counts)),
         )
 
     def _forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,18 +266,37 @@ class TorchPolicyTrainer:
 LOGGED_NAMES = {"k1": "kl_k1", "k3": "kl_k3"}
 
 
+FRESH_METRICS = {"k3": "kl_k3_fresh", "extreme_ratio": "extreme_ratio_fresh"}
+"""The metrics also logged over fresh tokens alone (staleness 0), and their logged names."""
+
+
 def metric_sums(
-    per_token: dict[str, list[torch.Tensor]], pool_index: torch.Tensor, num_pools: int
+    per_token: dict[str, list[torch.Tensor]],
+    pool_index: torch.Tensor,
+    num_pools: int,
+    mask: torch.Tensor | None = None,
 ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """Per-token metrics as sums per pool ([metrics, pools], float64) and token counts per pool:
-    the form that adds up across ranks."""
+    the form that adds up across ranks.  ``mask``: only the tokens where it is True."""
     names = list(METRIC_KEYS)  # every rank the same, even one that had no token this step
     sums = torch.zeros((len(names), num_pools), dtype=torch.float64)
+    keep = mask if mask is not None else torch.ones_like(pool_index, dtype=torch.bool)
+    pools = pool_index[keep]
     for row, name in enumerate(names):
         if name in per_token:
-            sums[row].index_add_(0, pool_index, torch.cat(per_token[name]).double())
-    counts = torch.bincount(pool_index, minlength=num_pools).double()
+            sums[row].index_add_(0, pools, torch.cat(per_token[name]).double()[keep])
+    counts = torch.bincount(pools, minlength=num_pools).double()
     return names, sums, counts
+
+
+def fresh_summary(names: list[str], sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
+    """The run's mismatch over fresh tokens (absent in a step that trained on none)."""
+    total = float(counts.sum())
+    if not total:
+        return {}
+    out = {logged: float(sums[names.index(name)].sum()) / total for name, logged in FRESH_METRICS.items()}
+    out["fresh_tokens"] = total
+    return out
 
 
 def summarize(
@@ -287,7 +315,11 @@ def summarize(
 
 
 def summarize_per_pool(
-    names: list[str], sums: torch.Tensor, counts: torch.Tensor, batch: PolicyBatch
+    names: list[str],
+    sums: torch.Tensor,
+    counts: torch.Tensor,
+    batch: PolicyBatch,
+    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for i, pool in enumerate(batch.pools):
@@ -298,6 +330,11 @@ def summarize_per_pool(
             for row, name in enumerate(names)
             if tokens
         }
+        if fresh is not None and float(fresh[1][i]):
+            fresh_tokens = float(fresh[1][i])
+            for name, logged in FRESH_METRICS.items():
+                stats[logged] = float(fresh[0][names.index(name), i]) / fresh_tokens
+            stats["fresh_tokens"] = fresh_tokens
         stats["tokens"] = tokens
         stats["trajectories"] = float(row_mask.sum())
         if row_mask.any():
