@@ -135,6 +135,10 @@ async def test_without_a_tokenizer_text_fields_are_refused_naming_why(dense_path
                 session, f"{url}/generate", {"input_ids": [1, 2], "sampling_params": GREEDY}
             )
             assert status == 200 and "text" not in ok  # token-in/token-out: no text key, as SGLang
+            # a sampling key SGLang's SamplingParams does not have is refused (SGLang raises on it too)
+            body = {"input_ids": [1], "sampling_params": {"tempreature": 1}}
+            status, error = await post(session, f"{url}/generate", body)
+            assert status == 400 and error["error"]["param"] == "sampling_params.tempreature"
 
 
 async def test_fields_are_omitted_unless_asked_for(dense_path: str) -> None:
@@ -311,6 +315,8 @@ async def test_metrics_have_sglangs_names_labels_and_per_token_latency(dense_pat
             session, f"{url}/generate", {"input_ids": [1, 2], "sampling_params": GREEDY, "stream": True}
         )
         abort = {"input_ids": [1, 2], "sampling_params": {**GREEDY, "max_new_tokens": 10_000}}
+        unlogged = {"input_ids": [1, 2], "sampling_params": GREEDY, "log_metrics": False}
+        assert (await post(session, f"{url}/generate", unlogged))[0] == 200  # not counted below
         task = asyncio.create_task(post(session, f"{url}/generate", abort))
         await asyncio.sleep(0.3)
         await post(session, f"{url}/abort_request", {"abort_all": True})

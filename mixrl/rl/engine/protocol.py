@@ -10,9 +10,10 @@ them): the per-token ``meta_info`` fields ``output_token_weight_versions`` and
 - Server side (the torch engine): :func:`parse_generate` checks a request, :func:`build_response`
   writes the response for a finished sequence's token records.
 
-Parsing requests follows SGLang: unknown fields are ignored (the sglang-router adds ``"model":
-null``, for one), while a known field with a wrong type or value is a :class:`RequestError` naming
-it (the server answers HTTP 400).  Every field of SGLang's ``GenerateReqInput`` and
+Parsing requests follows SGLang: unknown top-level fields are ignored (the sglang-router adds
+``"model": null``, for one) and unknown ``sampling_params`` keys are refused (SGLang builds
+``SamplingParams(**sampling_params)``), while a known field with a wrong type or value is a
+:class:`RequestError` naming it (the server answers HTTP 400).  Every field of SGLang's ``GenerateReqInput`` and
 ``SamplingParams`` is classified in :data:`GENERATE_FIELDS` / :data:`SAMPLING_FIELDS` (honoured,
 refused, not applicable); a refused field that asks for something (any value but its "off" value)
 is a :class:`RequestError` naming it, never silently ignored.  Text in and out, stop strings and
@@ -127,6 +128,7 @@ class GenerateItem:
     return_text_in_logprobs: bool = False
     return_prompt_token_ids: bool = False
     stream: bool = False
+    log_metrics: bool = True
 
 
 # ------------------------------------------------------------------------- the field table
@@ -195,7 +197,7 @@ GENERATE_FIELDS: dict[str, FieldRule] = {
     "session_id": FieldRule("not applicable", "a routing identity; it changes nothing in one engine"),
     "routing_key": FieldRule("not applicable", "the engine has no routing-key schedule policy"),
     "conversation_id": FieldRule("not applicable", "used by SGLang for request tracking only"),
-    "log_metrics": _refused("every request is counted in the metrics", off=True, example=False),
+    "log_metrics": _honoured("false leaves the request out of the per-request metrics"),
     "token_ids_logprob": _refused("log-probs of chosen token ids are not implemented", example=[1]),
     "input_embeds": _refused("not supported; send input_ids or text", example=[[0.0]]),
     "image_data": _refused(_NO_MM),
@@ -384,11 +386,15 @@ NO_TOKENIZER = (
 def parse_sampling(
     field: str, raw: Any, defaults: dict[str, Any], codec: TextCodec | None = None
 ) -> SamplingRequest:
-    """Check one ``sampling_params`` object; unknown keys are ignored, as SGLang does."""
+    """Check one ``sampling_params`` object.  A key SGLang's ``SamplingParams`` does not have is
+    refused naming it, as SGLang refuses it (it builds ``SamplingParams(**sampling_params)``)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise RequestError(field, f"must be an object, got {type(raw).__name__}")
+    for name in raw:
+        if name not in SAMPLING_FIELDS:
+            raise RequestError(f"{field}.{name}", "is not one of SGLang's sampling parameters")
     merged = {**defaults, **{k: v for k, v in raw.items() if v is not None}}
     refuse_asked(f"{field}.", raw, SAMPLING_FIELDS)
     top_k = _int(f"{field}.top_k", merged.get("top_k", -1), -1)
@@ -580,6 +586,7 @@ def parse_generate(
     if text_in_logprobs and codec is None:
         raise RequestError("return_text_in_logprobs", NO_TOKENIZER)
     prompt_ids = _bool("return_prompt_token_ids", body.get("return_prompt_token_ids") or False)
+    log_metrics = _bool("log_metrics", True if body.get("log_metrics") is None else body["log_metrics"])
     items: list[GenerateItem] = []
     for i in range(n):
         want_logprob = _bool(where("return_logprob", i), return_logprob[i])
@@ -600,6 +607,7 @@ def parse_generate(
                     text_in_logprobs,
                     prompt_ids,
                     stream,
+                    log_metrics,
                 )
             )
     return items, batched or samples > 1

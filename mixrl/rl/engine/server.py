@@ -288,6 +288,7 @@ async def health_generate(request: web.Request) -> web.Response:
         rid="health_generate",
         input_ids=[0],
         sampling=SamplingRequest(rule=SamplingRule(temperature=0.0), max_new_tokens=1),
+        log_metrics=False,  # as SGLang's health check: not a client's request
     )
     try:
         await asyncio.wait_for(service.generate([probe]), HEALTH_GENERATE_TIMEOUT_S)

@@ -147,6 +147,7 @@ class _Tracked:
     seq: Sequence
     streaming: bool
     arrival: float
+    log_metrics: bool = True
     seen: int = 0
     last: float = 0.0
 
@@ -240,9 +241,11 @@ class EngineService:
             stop_check=stop_check,
         )
 
-    def _track(self, seq: Sequence, streaming: bool) -> _Tracked:
-        """Follow ``seq`` token by token (inter-token latency) until :meth:`_done` records it."""
-        tracked = _Tracked(seq, streaming, arrival=time.perf_counter())
+    def _track(self, item: GenerateItem, streaming: bool) -> _Tracked:
+        """A new sequence for ``item``, followed token by token (inter-token latency) until
+        :meth:`_done` records it (in the metrics unless the item says ``log_metrics: false``)."""
+        seq = self.new_sequence(item)
+        tracked = _Tracked(seq, streaming, arrival=time.perf_counter(), log_metrics=item.log_metrics)
         self._live[id(seq)] = tracked
         return tracked
 
@@ -252,13 +255,15 @@ class EngineService:
         for tracked in self._live.values():
             count = len(tracked.seq.tokens)
             if count > tracked.seen:
-                if tracked.seen > 0:  # the first token's wait is the time to first token
+                if tracked.seen > 0 and tracked.log_metrics:  # the first token's wait is the TTFT
                     self.stats.inter_token(now - tracked.last, count - tracked.seen)
                 tracked.seen, tracked.last = count, now
 
     def _done(self, tracked: _Tracked) -> None:
         self._live.pop(id(tracked.seq), None)
         seq = tracked.seq
+        if not tracked.log_metrics:
+            return
         self.stats.request_finished(
             FinishedRequest(
                 streaming=tracked.streaming,
@@ -274,7 +279,7 @@ class EngineService:
 
     async def run(self, items: list[GenerateItem]) -> list[Sequence]:
         """Generate every item to its end; the finished sequences, in order."""
-        tracked = [self._track(self.new_sequence(item), streaming=False) for item in items]
+        tracked = [self._track(item, streaming=False) for item in items]
 
         async def one(t: _Tracked) -> Sequence:
             try:
@@ -300,7 +305,7 @@ class EngineService:
         steps), so each chunk is exactly the tokens of the steps so far.
         """
         start = time.perf_counter()
-        tracked = [self._track(self.new_sequence(item), streaming=True) for item in items]
+        tracked = [self._track(item, streaming=True) for item in items]
         tasks = [asyncio.ensure_future(self.sched.generate(t.seq)) for t in tracked]
         chunks: asyncio.Queue[tuple[int, Snapshot]] = asyncio.Queue()
         sent = [0] * len(items)
