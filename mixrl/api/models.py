@@ -796,6 +796,10 @@ class PoolSummary(Model):
     """Completion tokens per second the router passed back from this pool (one-minute rate)."""
     serving_weight_version: int | None = None
     """The newest weight version in this pool's answers."""
+    gpu_hours: float | None = None
+    """GPU-hours this pool's pods have held since the run started."""
+    cost: float | None = None
+    """Their price in dollars (costPerGpuHour, else the default table of mixrl.api.gpus)."""
 
 
 class RLRunStatus(Model):
@@ -815,6 +819,18 @@ class RLRunStatus(Model):
     """Number of sampler pools (for the printer column)."""
     reward: float | None = None
     """Mean training reward at the last step."""
+    gpu_hours: float | None = None
+    """GPU-hours of the whole run so far: every pool's pods and the trainer's nodes."""
+    cost: float | None = None
+    """Their price in dollars."""
+    cost_per_update: float | None = None
+    """Dollars per trainer update: cost ÷ step."""
+    trainer_gpu_hours: float | None = None
+    """GPU-hours of the trainer's nodes."""
+    trainer_cost: float | None = None
+    """Their price in dollars (the default table of mixrl.api.gpus for the trainer's GPU type)."""
+    spend_updated_at: str | None = None
+    """RFC 3339 time the spend figures were last written (an operator restart accrues from there)."""
     reason: str | None = None
     """Why the run ended: TotalStepsReached (Succeeded) or TrainerFailed (Failed)."""
     message: str | None = None

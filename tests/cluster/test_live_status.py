@@ -148,6 +148,10 @@ def test_status_is_live_collapse_is_flagged_idle_costs_nothing_and_the_end_relea
         assert summary["h100-fp8"]["trafficShare"] == 0.25 and summary["b200-nvfp4"]["kl"] == 0.001
         pool = cluster.get(f"sp/{name}-h100-fp8", "-n", namespace)["status"]
         assert pool["trafficShare"] == 0.25 and pool["kl"] == 0.001 and pool["servingWeightVersion"] >= 2
+        # Spend: both pools' pods and the trainer's 32 H200 GPUs, priced by the default table.
+        assert status["cost"] > 0 and status["trainerGpuHours"] > 0
+        assert status["costPerUpdate"] == pytest.approx(status["cost"] / status["step"], rel=2e-3)
+        assert all(p["gpuHours"] > 0 for p in status["pools"])
         table = cluster.kubectl("get", "rlr,sp", "-n", namespace).stdout
         assert "0.25" in table and "0.5" in table, table
 

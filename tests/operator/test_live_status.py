@@ -12,8 +12,10 @@ from mixrl.api.models import CollapseSpec
 from mixrl.operator.controller.live_status import (
     COLLAPSE_RISK,
     METRICS_AVAILABLE,
+    TRAINER,
     Figures,
     LiveReason,
+    Spend,
     figures_from,
     history_query,
     live_pool_status,
@@ -21,6 +23,8 @@ from mixrl.operator.controller.live_status import (
     records_from_history,
     run_queries,
     significant,
+    spend_fields,
+    spend_from_status,
     trainer_failure,
 )
 from mixrl.rl.health.collapse import assess
@@ -195,3 +199,28 @@ def test_significant_digits() -> None:
         0.0001235,
         -2.718,
     ]
+
+
+def test_spend_accrues_gpu_hours_at_each_pools_price_and_survives_a_restart() -> None:
+    spend = Spend().accrue(8, 3.5, now=1000.0)  # the first sample only starts the clock
+    assert (spend.gpu_hours, spend.dollars) == (0.0, 0.0)
+    spend = spend.accrue(8, 3.5, now=1000.0 + 1800)  # 8 GPUs for half an hour at $3.5
+    assert (spend.gpu_hours, spend.dollars) == (4.0, 14.0)
+    status = spend_fields(
+        {"step": 7, "pools": [{"name": "fp8"}, {"name": "bf16"}]},
+        {"fp8": Spend(2.0, 5.0, 0.0), "bf16": Spend(1.0, 3.5, 0.0), TRAINER: spend},
+        NOW,
+    )
+    assert status["gpuHours"] == 7.0 and status["cost"] == 22.5
+    assert status["costPerUpdate"] == significant(22.5 / 7)
+    assert status["pools"] == [
+        {"name": "fp8", "gpuHours": 2.0, "cost": 5.0},
+        {"name": "bf16", "gpuHours": 1.0, "cost": 3.5},
+    ]
+    assert (status["trainerGpuHours"], status["trainerCost"], status["spendUpdatedAt"]) == (4.0, 14.0, NOW)
+    # An operator restart reads it back and goes on accruing from the time it was written.
+    again = spend_from_status(status)
+    assert again["fp8"].dollars == 5.0 and again[TRAINER].gpu_hours == 4.0
+    written_at = again["fp8"].since
+    assert written_at is not None
+    assert again["fp8"].accrue(2, 2.5, written_at + 3600).dollars == 10.0

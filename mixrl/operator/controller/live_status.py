@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from mixrl.operator.kube.conditions import make_condition, merge_conditions
@@ -292,3 +293,69 @@ def trainer_failure(pods: Sequence[Obj], limit: int = FAILED_AFTER_RESTARTS) -> 
             why = f": {detail[-1]}" if detail else ""
             return f"trainer {name} failed {container['restartCount']} times (exit code {code}){why}"
     return None
+
+
+# ----------------------------------------------------------------------------- spend
+
+TRAINER = "trainer"
+SPEND_WRITE_INTERVAL_S = 300.0
+"""Spend alone (no new step, no phase change) is written at most this often: GPUs held by an idle
+run cost money, but a write every poll for it would be the write storm the rate limit prevents."""
+
+
+@dataclass(frozen=True)
+class Spend:
+    """GPU-hours and dollars accrued by one pool (or the trainer) up to ``since`` (unix time)."""
+
+    gpu_hours: float = 0.0
+    dollars: float = 0.0
+    since: float | None = None
+
+    def accrue(self, gpus: float, price_per_gpu_hour: float, now: float) -> Spend:
+        """``gpus`` held since the last accrual (sampled now: the poll interval is the resolution)."""
+        hours = max(now - self.since, 0.0) / 3600 if self.since is not None else 0.0
+        return Spend(self.gpu_hours + gpus * hours, self.dollars + gpus * hours * price_per_gpu_hour, now)
+
+
+def spend_from_status(status: Obj) -> dict[str, Spend]:
+    """The spend a status recorded (after an operator restart the accrual goes on from there)."""
+    since = _unix(status.get("spendUpdatedAt"))
+    spends = {TRAINER: Spend(status.get("trainerGpuHours") or 0.0, status.get("trainerCost") or 0.0, since)}
+    for pool in status.get("pools") or []:
+        spends[pool.get("name", "")] = Spend(pool.get("gpuHours") or 0.0, pool.get("cost") or 0.0, since)
+    return spends
+
+
+def spend_fields(previous: Obj, spends: Mapping[str, Spend], now: str) -> Obj:
+    """The status's spend fields: per pool, the trainer, the run's total and its cost per update."""
+    status = dict(previous)
+    pools = []
+    for summary in previous.get("pools") or []:
+        spend = spends.get(summary.get("name", ""))
+        if spend is not None:
+            summary = {
+                **summary,
+                "gpuHours": significant(spend.gpu_hours),
+                "cost": significant(spend.dollars),
+            }
+        pools.append(summary)
+    if pools:
+        status["pools"] = pools
+    trainer = spends.get(TRAINER, Spend())
+    status["trainerGpuHours"] = significant(trainer.gpu_hours)
+    status["trainerCost"] = significant(trainer.dollars)
+    total = sum(spend.dollars for spend in spends.values())
+    status["gpuHours"] = significant(sum(spend.gpu_hours for spend in spends.values()))
+    status["cost"] = significant(total)
+    step = status.get("step") or 0
+    if step > 0:
+        status["costPerUpdate"] = significant(total / step)
+    status["spendUpdatedAt"] = now
+    return status
+
+
+def _unix(stamp: Any) -> float | None:
+    try:
+        return datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None

@@ -32,19 +32,25 @@ from typing import Any
 import aiohttp
 
 from mixrl.api.errors import InvalidSpec
+from mixrl.api.gpus import default_price
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
-from mixrl.api.resolve import resolve
+from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.operator.build import labels as L
 from mixrl.operator.controller.live_status import (
     COLLAPSE_RISK,
+    SPEND_WRITE_INTERVAL_S,
+    TRAINER,
     Figures,
+    Spend,
     figures_from,
     history_query,
     live_pool_status,
     live_run_status,
     records_from_history,
     run_queries,
+    spend_fields,
+    spend_from_status,
     trainer_failure,
 )
 from mixrl.operator.controller.reconcile import manifest
@@ -150,6 +156,10 @@ class RunMemory:
     """Object name -> when its status was last written."""
     collapse: str | None = None
     """CollapseRisk's status at the last write (an event is posted when it becomes True)."""
+    spends: dict[str, Spend] | None = None
+    """GPU-hours and dollars per pool and the trainer, accrued at every poll (None until read
+    back from the status, so an operator restart goes on from what was written)."""
+    spend_written: float = -math.inf
 
 
 Reconcile = Callable[[str, str], None]
@@ -264,6 +274,7 @@ class StatusObserver:
             problem = (exc.reason, exc.message)
         pods = await self.client.list(PODS, namespace, L.selector_labels(name, "trainer"))
         failure = trainer_failure(pods)
+        pool_bodies = await self.client.list(SAMPLERPOOLS, namespace, L.selector_labels(name, "sampler"))
         collapse_spec = run.spec.health.collapse
         records = [memory.records[step] for step in sorted(memory.records)]
         assessment = assess(records, collapse_spec) if records else None
@@ -285,11 +296,42 @@ class StatusObserver:
                 trainer_failure=failure,
                 problem=problem,
             )
+            spends = self._accrue(memory, previous, resolved, pool_bodies, now)
+            moved = new.get("step") != previous.get("step") or new.get("phase") != previous.get("phase")
+            if moved or now - memory.spend_written >= SPEND_WRITE_INTERVAL_S:
+                new = spend_fields(new, spends, rfc3339(now))
             written = await self._write_run(fresh, previous, new, memory, now)
+            if written and new.get("spendUpdatedAt") != previous.get("spendUpdatedAt"):
+                memory.spend_written = now
         if written:
             await self._events(fresh, previous, new, memory, now)
         if problem is None:
             await self._write_pools(namespace, name, figures, memory, now)
+
+    def _accrue(
+        self, memory: RunMemory, previous: Obj, resolved: ResolvedRun, pool_bodies: list[Obj], now: float
+    ) -> dict[str, Spend]:
+        """GPUs held since the last poll, priced: each pool's existing pods (``status.replicas``:
+        a Pending pod's node is billed too) × its GPUs per replica, and the trainer's nodes until
+        the run ends.  Prices: ``costPerGpuHour``, else the default table (mixrl.api.gpus)."""
+        if memory.spends is None:
+            memory.spends = spend_from_status(previous)
+        existing = {
+            body.get("spec", {}).get("pool", ""): int((body.get("status") or {}).get("replicas") or 0)
+            for body in pool_bodies
+        }
+        for pool in resolved.pools:
+            price = (
+                pool.cost_per_gpu_hour if pool.cost_per_gpu_hour is not None else default_price(pool.gpu_type)
+            )
+            gpus = existing.get(pool.name, 0) * pool.gpus_per_replica
+            memory.spends[pool.name] = memory.spends.get(pool.name, Spend()).accrue(gpus, price, now)
+        trainer = resolved.trainer.spec
+        ended = (previous.get("phase") or "") in ("Succeeded", "Failed")
+        gpus = 0 if ended else trainer.nodes * trainer.gpus_per_node
+        spend = memory.spends.get(TRAINER, Spend())
+        memory.spends[TRAINER] = spend.accrue(gpus, default_price(trainer.gpu_type), now)
+        return memory.spends
 
     async def _write_run(self, body: Obj, previous: Obj, new: Obj, memory: RunMemory, now: float) -> bool:
         meta = body["metadata"]
