@@ -437,7 +437,11 @@ MIXRL_TRAINER_TOKENS_TOTAL = MetricSpec(
     "mixrl_trainer_tokens_total", "counter", "Tokens trained on.", MIXRL_LABELS
 )
 MIXRL_COST_DOLLARS_TOTAL = MetricSpec(
-    "mixrl_cost_dollars_total", "counter", "Accumulated GPU cost (costPerGpuHour × GPU hours).", MIXRL_LABELS
+    "mixrl_cost_dollars_total",
+    "counter",
+    "GPU cost of a pool's replicas the router knows (pods with an address), accrued each monitoring"
+    " round: replicas × gpusPerReplica × costPerGpuHour (else the default table of mixrl.api.gpus).",
+    MIXRL_LABELS,
 )
 
 # authentication — mixrl.rl.auth, in the registry of every server that checks the run's token

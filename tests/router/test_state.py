@@ -124,3 +124,21 @@ def test_snapshot_reports_shares_and_load() -> None:
     assert (snapshot["a"]["sessions_assigned"], snapshot["b"]["sessions_assigned"]) == (2, 6)
     assert snapshot["b"]["in_flight"] == 1
     assert snapshot["a"]["active_session_share"] == pytest.approx(0.25)
+
+
+def test_cost_accrues_for_every_known_replica_at_its_pools_price_and_is_exported() -> None:
+    from prometheus_client import generate_latest
+
+    from mixrl.rl.router.exporter import make_registry
+
+    pools = [
+        PoolConfig(
+            name="h100", replicas=("http://a:1", "http://b:1"), gpus_per_replica=1, price_per_gpu_hour=2.5
+        ),
+        PoolConfig(name="b200", replicas=("http://c:1",), gpus_per_replica=8, price_per_gpu_hour=6.0),
+    ]
+    state = RouterState(pools)
+    state.accrue_cost(1800)  # half an hour; a replica not yet ready costs all the same (its node runs)
+    assert state.pools["h100"].cost_dollars == 2.5 and state.pools["b200"].cost_dollars == 24.0
+    text = generate_latest(make_registry(state, "r")[0]).decode()
+    assert 'mixrl_cost_dollars_total{gpu_type="",pool="b200",precision="",run="r"} 24.0' in text

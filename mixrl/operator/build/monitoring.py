@@ -224,6 +224,19 @@ def dashboard() -> Obj:
             "currencyUSD",
         ),
         panel(
+            "Sampler cost per trainer update (last hour)",
+            [
+                (
+                    f"sum(increase({MIXRL_COST_DOLLARS_TOTAL.name}{sel}[1h])) / "
+                    f'clamp_min(delta({MIXRL_TRAINER_STEP.name}{{run="$run",pool="all"}}[1h]), 1)',
+                    "samplers",
+                )
+            ],
+            0,
+            64,
+            "currencyUSD",
+        ),
+        panel(
             "Weight version: published and served per pool",
             [
                 (f"max({MIXRL_TRAINER_WEIGHT_VERSION.name}{sel})", "published"),

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from mixrl.api.gpus import default_price
 from mixrl.api.resolve import ResolvedRun
 
 
@@ -33,6 +34,9 @@ class PoolConfig(BaseModel):
     replicas: tuple[str, ...] = ()
     service: str | None = None
     """DNS name of the pool's headless Service (used with --discover-dns)."""
+    gpus_per_replica: int = Field(default=0, ge=0)
+    price_per_gpu_hour: float = Field(default=0.0, ge=0)
+    """Dollars per GPU-hour (``costPerGpuHour``, else the default table): the cost counter's rate."""
 
     @field_validator("replicas")
     @classmethod
@@ -104,6 +108,12 @@ def from_resolved_run(
                     capacity=pool.capacity,
                     replicas=listed.get(pool.name, ()),
                     service=f"{pool.object_name}{suffix}",
+                    gpus_per_replica=pool.gpus_per_replica,
+                    price_per_gpu_hour=(
+                        pool.cost_per_gpu_hour
+                        if pool.cost_per_gpu_hour is not None
+                        else default_price(pool.gpu_type)
+                    ),
                 )
             )
         except ValidationError as exc:

@@ -54,6 +54,7 @@ class RouterCollector(Collector):
             (metrics.MIXRL_ROUTER_REPLICAS, lambda p: len(p.replicas)),
             (metrics.MIXRL_ROUTER_REPLICAS_READY, lambda p: len(p.ready_replicas())),
             (metrics.MIXRL_ROUTER_GENERATED_TOKENS_TOTAL, lambda p: p.generated_tokens),
+            (metrics.MIXRL_COST_DOLLARS_TOTAL, lambda p: p.cost_dollars),
             (metrics.MIXRL_ROUTER_POOL_HEALTH, lambda p: self.state.health.get(p.name, HEALTHY).health),
         ]
         for spec, value_of in series:

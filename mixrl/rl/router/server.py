@@ -164,6 +164,7 @@ class Router:
         self._slot_freed = asyncio.Condition()
         # Router-side throughput samples for measured pools whose engines export no gen_throughput.
         self._token_marks: dict[tuple[str, str], tuple[float, int]] = {}
+        self._cost_mark: float | None = None
 
     # ------------------------------------------------------------------ application
 
@@ -241,7 +242,12 @@ class Router:
                 log.exception("replica monitoring round failed")
 
     async def poll_once(self) -> None:
-        """One monitoring round: DNS discovery, health of every replica, throughput, session expiry."""
+        """One monitoring round: DNS discovery, health of every replica, throughput, session expiry,
+        and the GPU cost of the replicas held since the last round."""
+        now = self.clock()
+        if self._cost_mark is not None:
+            self.state.accrue_cost(now - self._cost_mark)
+        self._cost_mark = now
         if self.settings.discover_dns:
             await self.discover()
         targets = [(pool.name, url) for pool in self.state.pools.values() for url in pool.replicas]

@@ -65,6 +65,10 @@ class Pool:
     generated_tokens: int = 0
     weight_version: int | None = None
     """The newest weight version in this pool's answers (None until one names its version)."""
+    gpus_per_replica: int = 0
+    price_per_gpu_hour: float = 0.0
+    cost_dollars: float = 0.0
+    """GPU cost of the replicas the router has known, accrued at each monitoring round."""
 
     def ready_replicas(self) -> list[Replica]:
         return [replica for replica in self.replicas.values() if replica.ready]
@@ -99,6 +103,10 @@ class RouterState:
         for config in pools:
             pool = Pool(config.name, config.gpu_type, config.precision, config.capacity)
             pool.replicas = {url: Replica(url) for url in config.replicas}
+            pool.gpus_per_replica, pool.price_per_gpu_hour = (
+                config.gpus_per_replica,
+                config.price_per_gpu_hour,
+            )
             self.pools[config.name] = pool
         if not self.pools:
             raise ValueError("the router needs at least one pool")
@@ -174,6 +182,13 @@ class RouterState:
             name: PoolCapacity(pool.capacity, pool.measured_capacity(), len(pool.ready_replicas()))
             for name, pool in self.pools.items()
         }
+
+    def accrue_cost(self, seconds: float) -> None:
+        """Every pool's replicas (the ones the router knows: pods with an address, ready or not)
+        held for ``seconds`` more, at their price."""
+        for pool in self.pools.values():
+            gpus = len(pool.replicas) * pool.gpus_per_replica
+            pool.cost_dollars += gpus * pool.price_per_gpu_hour * max(seconds, 0.0) / 3600
 
     def refresh_shares(self) -> None:
         shares = target_shares(self.capacities())
