@@ -391,3 +391,24 @@ async def test_a_tokenizer_that_does_not_fit_is_one_line_at_start(
     hf.save_pretrained(str(big))
     assert server.main(["--model-path", dense_path, "--insecure-no-auth", "--tokenizer-path", str(big)]) == 2
     assert "the tokenizer has 515 ids, the model's vocabulary 512" in capsys.readouterr().err
+
+
+async def test_a_stream_whose_client_goes_away_is_aborted(dense_path: str) -> None:
+    body = {"input_ids": [5, 6], "sampling_params": {**GREEDY, "max_new_tokens": 5000}, "stream": True}
+    async with serving(model_path=dense_path, served_model_name="tiny") as (url, service, session):
+        async with aiohttp.ClientSession() as other, other.post(f"{url}/generate", json=body) as response:
+            first = await response.content.readline()
+            assert first.startswith(b"data: {")
+        # the connection is closed: the request leaves the batch within a step or two
+        for _ in range(200):
+            async with session.get(f"{url}/get_load") as load:
+                if (await load.json())[0]["num_reqs"] == 0:
+                    break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the abandoned stream is still running")
+        assert service.sched.num_running == 0
+        async with session.get(f"{url}/metrics") as response:
+            text = await response.text()
+    aborted = _samples(text, "sglang:num_aborted_requests_total")
+    assert aborted == {_labels(engine_type="unified", model_name="tiny"): 1}

@@ -260,10 +260,13 @@ class EngineService:
                 tracked.seen, tracked.last = count, now
 
     def _done(self, tracked: _Tracked) -> None:
+        """Record a request that ended: finished, or given up by its client (its handler was
+        cancelled before the scheduler marked the abort, which it does at the next step)."""
         self._live.pop(id(tracked.seq), None)
         seq = tracked.seq
         if not tracked.log_metrics:
             return
+        reason = seq.finish_reason
         self.stats.request_finished(
             FinishedRequest(
                 streaming=tracked.streaming,
@@ -273,7 +276,7 @@ class EngineService:
                 prompt_tokens=len(seq.prompt_ids),
                 completion_tokens=len(seq.tokens),
                 cached_tokens=seq.cached_tokens,
-                aborted=bool(seq.finish_reason and seq.finish_reason.get("type") == "abort"),
+                aborted=reason is None or reason.get("type") == "abort",
             )
         )
 
