@@ -27,6 +27,10 @@ PANELS: list[tuple[str, str, str]] = [
     ("grad_norm", "Gradient norm", "‖g‖"),
     ("entropy", "Trainer entropy", "nats"),
     ("format_errors", "Episodes ended on repeated format errors", "share"),
+    ("kl_fresh", "Fresh (staleness-0) KL (k3) per pool: precision alone", "KL"),
+    ("kl_fresh_k1", "Fresh KL (k1, unbiased without replay) per pool", "KL"),
+    ("kl_by_staleness", "KL (k3) of the run by staleness", "KL"),
+    ("extreme_vs_samples", "Share of samples vs share of extreme-ratio tokens", "share of the run"),
 ]
 
 
@@ -109,6 +113,72 @@ def pool_series(records: list[dict[str, Any]], key: str) -> dict[str, tuple[list
     return out
 
 
+def staleness_series(records: list[dict[str, Any]], key: str) -> dict[str, tuple[list[int], list[float]]]:
+    """The run's ``key`` per staleness bin (``by_staleness`` of each record), by bin."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for record in records:
+        for lag, stats in sorted(mapping(record.get("by_staleness")).items()):
+            value = number(mapping(stats).get(key))
+            if value is not None:
+                steps, values = out.setdefault(lag, ([], []))
+                steps.append(record["step"])
+                values.append(value)
+    return out
+
+
+def pool_shares(records: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Each pool's share of the run's trained samples and of its extreme-ratio tokens, over the
+    whole run (the seed's table: a pool can draw 10 % of samples and 29 % of extreme tokens)."""
+    samples: dict[str, float] = {}
+    extreme: dict[str, float] = {}
+    for record in records:
+        for pool, raw in mapping(record.get("pools")).items():
+            stats = mapping(raw)
+            trajectories, tokens = number(stats.get("trajectories")), number(stats.get("tokens"))
+            share = number(stats.get("extreme_ratio"))
+            samples[pool] = samples.get(pool, 0.0) + (trajectories or 0.0)
+            extreme[pool] = extreme.get(pool, 0.0) + (share or 0.0) * (tokens or 0.0)
+    total_samples, total_extreme = sum(samples.values()), sum(extreme.values())
+    return {
+        pool: (
+            samples[pool] / total_samples if total_samples else 0.0,
+            extreme.get(pool, 0.0) / total_extreme if total_extreme else 0.0,
+        )
+        for pool in samples
+    }
+
+
+def mismatch_lines(records: list[dict[str, Any]]) -> list[str]:
+    """The report's mismatch section: per pool, fresh KL (its precision alone) over the last steps
+    and its share of samples against its share of extreme-ratio tokens."""
+    shares = pool_shares(records)
+    if not shares:
+        return []
+    late = records[-max(1, min(10, len(records) // 4 or 1)) :]
+    lines = [
+        "## Mismatch per pool",
+        "",
+        "Fresh tokens are those sampled with the weights the trainer scored them with (staleness 0): their",
+        "KL is the pool's precision and kernels alone. k1 is unbiased whatever the sampling; k3 has lower",
+        "variance but reads low without top-p replay. Shares are over the whole run.",
+        "",
+        "| pool | fresh KL k3 (last steps) | fresh KL k1 | share of samples | share of extreme-ratio tokens |",
+        "|---|---|---|---|---|",
+    ]
+    for pool in sorted(shares):
+        figures = []
+        for key in ("kl_k3_fresh", "kl_k1_fresh"):
+            values = [
+                v
+                for r in late
+                if (v := number(mapping(mapping(r.get("pools")).get(pool)).get(key))) is not None
+            ]
+            figures.append(f"{sum(values) / len(values):.4g}" if values else "no fresh tokens")
+        sample_share, extreme_share = shares[pool]
+        lines.append(f"| {pool} | {figures[0]} | {figures[1]} | {sample_share:.1%} | {extreme_share:.1%} |")
+    return lines
+
+
 def summary(records: list[dict[str, Any]], evaluations: list[dict[str, Any]]) -> dict[str, Any]:
     """The figures a closing note or a comparison table needs."""
     out: dict[str, Any] = {"steps": records[-1]["step"] if records else 0}
@@ -180,10 +250,27 @@ def write_report(run_dir: Path) -> Path:
             ax.plot(*series(records, "entropy"))
         elif name == "format_errors":
             ax.plot(*series(records, "format_error_endings"))
+        elif name in ("kl_fresh", "kl_fresh_k1"):
+            key = "kl_k3_fresh" if name == "kl_fresh" else "kl_k1_fresh"
+            for pool, (s, v) in pool_series(records, key).items():
+                ax.plot(s, v, label=pool)
+        elif name == "kl_by_staleness":
+            for lag, (s, v) in staleness_series(records, "kl_k3").items():
+                ax.plot(s, v, label=f"staleness {lag}")
+        elif name == "extreme_vs_samples":
+            shares = pool_shares(records)
+            pools = sorted(shares)
+            x = range(len(pools))
+            ax.bar([i - 0.2 for i in x], [shares[p][0] for p in pools], width=0.4, label="samples")
+            ax.bar(
+                [i + 0.2 for i in x], [shares[p][1] for p in pools], width=0.4, label="extreme-ratio tokens"
+            )
+            ax.set_xticks(list(x), pools, fontsize=7)
+            ax.set_xlabel("pool")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
 
-    figure, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    figure, axes = plt.subplots(3, 4, figsize=(20, 12.5))
     for ax, (name, title, ylabel) in zip(axes.flat, PANELS, strict=True):
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("trainer step")
@@ -215,6 +302,7 @@ def write_report(run_dir: Path) -> Path:
         "|---|---|",
     ]
     lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
+    lines += ["", *mismatch_lines(records)]
     collapse, source = run_thresholds(run_dir)
     lines += ["", *report_lines(assess(records, collapse), collapse, source)]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

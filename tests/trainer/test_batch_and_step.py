@@ -123,3 +123,24 @@ def test_fresh_mismatch_counts_only_tokens_of_the_trainers_own_version(model: to
     assert result.metrics["kl_k3_fresh"] == pytest.approx(pools["a"]["kl_k3"], rel=1e-9)
     assert result.metrics["kl_k3"] > result.metrics["kl_k3_fresh"]
     assert result.metrics["fresh_tokens"] == pools["a"]["tokens"]
+
+
+def test_mismatch_by_staleness_bins_add_up_to_the_whole_batch(model: torch.nn.Module) -> None:
+    groups = [
+        synthetic_group(
+            model, f"p{version}", 2, pool, seed=version, version=version, noise=0.5 * (5 - version)
+        )
+        for version, pool in ((5, "a"), (4, "a"), (3, "b"), (1, "b"))
+    ]
+    result = TorchPolicyTrainer(copy.deepcopy(model), CorrectionConfig(), lr=0.0).step(
+        collate(groups, trainer_version=5)
+    )
+    run_bins = result.metrics["by_staleness"]
+    assert set(run_bins) == {"0", "1", "2", "3+"}  # lags 0, 1, 2 and 4
+    assert set(result.per_pool["a"]["by_staleness"]) == {"0", "1"}
+    assert set(result.per_pool["b"]["by_staleness"]) == {"2", "3+"}
+    for key in ("kl_k3", "kl_k1", "extreme_ratio"):
+        tokens = sum(b["tokens"] for b in run_bins.values())
+        pooled = sum(b[key] * b["tokens"] for b in run_bins.values()) / tokens
+        assert pooled == pytest.approx(result.metrics[key], rel=1e-6, abs=1e-9)
+    assert result.metrics["kl_k1_fresh"] == pytest.approx(run_bins["0"]["kl_k1"])

@@ -177,24 +177,25 @@ class TorchPolicyTrainer:
         grad_norm = self._clip_and_norm()
         self.optimizer.step()
         pools = torch.cat(pool_index) if pool_index else torch.zeros(0, dtype=torch.long)
-        # Fresh tokens (staleness 0: sampled with the weights the trainer scores them with) measure
-        # the sampler's precision and kernels alone, apart from the drift of stale tokens.
-        fresh = torch.cat(staleness) == 0 if staleness else torch.zeros(0, dtype=torch.bool)
+        # Mismatch by staleness: fresh tokens (staleness 0: sampled with the weights the trainer
+        # scores them with) measure the sampler's precision and kernels alone; the other bins add
+        # the drift of stale weights, which is the same for every pool.
+        lags = torch.cat(staleness) if staleness else torch.zeros(0, dtype=torch.long)
         names, sums, counts = metric_sums(per_token, pools, len(batch.pools))
-        _, fresh_sums, fresh_counts = metric_sums(per_token, pools, len(batch.pools), mask=fresh)
-        parts = [loss_sum.view(1), sums, counts, fresh_sums, fresh_counts]
+        parts = [loss_sum.view(1), sums, counts]
+        for mask in staleness_masks(lags).values():
+            parts += metric_sums(per_token, pools, len(batch.pools), mask=mask)[1:]
         reduced = distributed.all_reduce_sum(torch.cat([part.flatten() for part in parts]))
         chunks = reduced.split([part.numel() for part in parts])
-        _, sums, counts, fresh_sums, fresh_counts = (
-            chunk.view(part.shape) for chunk, part in zip(chunks, parts, strict=True)
-        )
+        _, sums, counts, *binned = (chunk.view(part.shape) for chunk, part in zip(chunks, parts, strict=True))
+        bins = {name: (binned[2 * i], binned[2 * i + 1]) for i, name in enumerate(STALENESS_BINS)}
         return StepResult(
             loss=float(reduced[0]),
             grad_norm=grad_norm,
             tokens=batch.num_tokens,
             seconds=time.perf_counter() - start,
-            metrics=summarize(names, sums, counts, batch) | fresh_summary(names, fresh_sums, fresh_counts),
-            per_pool=summarize_per_pool(names, sums, counts, batch, (fresh_sums, fresh_counts)),
+            metrics=summarize(names, sums, counts, batch) | staleness_summary(names, bins),
+            per_pool=summarize_per_pool(names, sums, counts, batch, bins),
         )
 
     def _forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,8 +267,18 @@ class TorchPolicyTrainer:
 LOGGED_NAMES = {"k1": "kl_k1", "k3": "kl_k3"}
 
 
-FRESH_METRICS = {"k3": "kl_k3_fresh", "extreme_ratio": "extreme_ratio_fresh"}
-"""The metrics also logged over fresh tokens alone (staleness 0), and their logged names."""
+STALENESS_BINS = ("0", "1", "2", "3+")
+"""The staleness bins mismatch is logged by (trainer version − token version)."""
+BINNED_METRICS = {"k3": "kl_k3", "k1": "kl_k1", "extreme_ratio": "extreme_ratio"}
+"""The metrics logged per staleness bin.  k1 (−log r) is an unbiased estimate of KL(sampler ‖
+trainer) whatever the sampling; k3 has lower variance but is unbiased only when the trainer's
+distribution is normalised over the sampler's support (top-p replay on, or no top-p): without
+replay it is low by the trainer's mass outside the sampler's nucleus."""
+
+
+def staleness_masks(lags: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One token mask per :data:`STALENESS_BINS` entry (the last takes every larger lag)."""
+    return {"0": lags == 0, "1": lags == 1, "2": lags == 2, "3+": lags >= 3}
 
 
 def metric_sums(
@@ -289,14 +300,32 @@ def metric_sums(
     return names, sums, counts
 
 
-def fresh_summary(names: list[str], sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
-    """The run's mismatch over fresh tokens (absent in a step that trained on none)."""
-    total = float(counts.sum())
-    if not total:
-        return {}
-    out = {logged: float(sums[names.index(name)].sum()) / total for name, logged in FRESH_METRICS.items()}
-    out["fresh_tokens"] = total
+def binned(names: list[str], sums: torch.Tensor, counts: torch.Tensor) -> dict[str, float]:
+    """The binned metrics of one bin's sums (summed over the given pools' columns) and its tokens."""
+    tokens = float(counts.sum())
+    out = {logged: float(sums[names.index(name)].sum()) / tokens for name, logged in BINNED_METRICS.items()}
+    out["tokens"] = tokens
     return out
+
+
+def with_fresh(stats: dict[str, float], by_staleness: dict[str, dict[str, float]]) -> dict[str, float]:
+    """``kl_k3_fresh``, ``kl_k1_fresh``, ``extreme_ratio_fresh``, ``fresh_tokens``: bin 0 by name
+    (what the collapse signs, the live status and mismatch-aware routing read)."""
+    fresh = by_staleness.get("0")
+    if fresh is not None:
+        stats.update({f"{key}_fresh": value for key, value in fresh.items() if key != "tokens"})
+        stats["fresh_tokens"] = fresh["tokens"]
+    if by_staleness:
+        stats["by_staleness"] = by_staleness  # type: ignore[assignment]  # a nested record
+    return stats
+
+
+def staleness_summary(
+    names: list[str], bins: dict[str, tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, float]:
+    """The run's mismatch per staleness bin (bins without tokens left out)."""
+    by_staleness = {b: binned(names, s, c) for b, (s, c) in bins.items() if float(c.sum())}
+    return with_fresh({}, by_staleness)
 
 
 def summarize(
@@ -319,7 +348,7 @@ def summarize_per_pool(
     sums: torch.Tensor,
     counts: torch.Tensor,
     batch: PolicyBatch,
-    fresh: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bins: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for i, pool in enumerate(batch.pools):
@@ -330,11 +359,12 @@ def summarize_per_pool(
             for row, name in enumerate(names)
             if tokens
         }
-        if fresh is not None and float(fresh[1][i]):
-            fresh_tokens = float(fresh[1][i])
-            for name, logged in FRESH_METRICS.items():
-                stats[logged] = float(fresh[0][names.index(name), i]) / fresh_tokens
-            stats["fresh_tokens"] = fresh_tokens
+        by_staleness = {
+            b: binned(names, s[:, i : i + 1], c[i : i + 1])
+            for b, (s, c) in (bins or {}).items()
+            if float(c[i])
+        }
+        with_fresh(stats, by_staleness)
         stats["tokens"] = tokens
         stats["trajectories"] = float(row_mask.sum())
         if row_mask.any():
