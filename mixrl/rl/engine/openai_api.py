@@ -30,6 +30,7 @@ from mixrl.rl.engine.protocol import (
     NO_TOKENIZER,
     SAMPLING_FIELDS,
     FieldRule,
+    FieldStatus,
     GenerateItem,
     RequestError,
     TextCodec,
@@ -68,7 +69,7 @@ def _from(table: dict[str, FieldRule], name: str, why: str = "") -> FieldRule:
 
 
 _H = FieldRule("honoured")
-_NA = "not applicable"
+_NA: FieldStatus = "not applicable"
 
 _SHARED_FIELDS: dict[str, FieldRule] = {
     "model": FieldRule(_NA, "the engine serves one model; any name is answered by it"),
@@ -273,9 +274,10 @@ def _top(name: str, value: Any, vocab_size: int) -> int:
     return value
 
 
-def _max_tokens(body: dict[str, Any], default: int | None, context_length: int) -> int:
+def _max_tokens(body: dict[str, Any], default: int) -> Any:
+    """``max_completion_tokens`` or ``max_tokens`` as sent (checked as max_new_tokens), else ``default``."""
     value = body.get("max_completion_tokens", body.get("max_tokens"))
-    return context_length if value is None and default is None else (default if value is None else value)
+    return default if value is None else value
 
 
 def parse_completion(
@@ -289,7 +291,7 @@ def parse_completion(
     if body.get("prompt") is None:
         raise RequestError("prompt", "is required")
     prompts = _prompt_ids(body["prompt"], codec, vocab_size, context_length)
-    sampling = _sampling(body, defaults, codec, _max_tokens(body, OPENAI_DEFAULT_MAX_TOKENS, context_length))
+    sampling = _sampling(body, defaults, codec, _max_tokens(body, OPENAI_DEFAULT_MAX_TOKENS))
     raw_top = body.get("logprobs")
     top = None if raw_top is None else _top("logprobs", raw_top, vocab_size)
     token_ids = _bool(body, "return_token_ids")
@@ -321,7 +323,7 @@ def parse_chat(
     ids = codec.chat_ids([{"role": m["role"], "content": m["content"]} for m in messages])
     if len(ids) >= context_length:
         raise RequestError("messages", f"render to {len(ids)} tokens; the context length is {context_length}")
-    sampling = _sampling(body, defaults, codec, _max_tokens(body, None, context_length - len(ids)))
+    sampling = _sampling(body, defaults, codec, _max_tokens(body, context_length - len(ids)))
     top = None
     if _bool(body, "logprobs"):
         top = _top("top_logprobs", body.get("top_logprobs") or 0, vocab_size)

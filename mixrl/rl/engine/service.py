@@ -9,7 +9,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -299,7 +299,7 @@ class EngineService:
         elapsed = time.perf_counter() - start
         return [build_response(item, seq, elapsed, self.codec) for item, seq in zip(items, seqs, strict=True)]
 
-    async def stream(self, items: list[GenerateItem]) -> AsyncIterator[tuple[int, Snapshot]]:
+    async def stream(self, items: list[GenerateItem]) -> AsyncGenerator[tuple[int, Snapshot], None]:
         """Streaming: (item index, the item's sequence so far) every ``stream_interval`` tokens of an
         item and once at its end (with its ``finish_reason``), as SGLang streams them.  Closing the
         iterator early aborts the items still running.
