@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from mixrl.operator.autoscaling.promql import pool_throughput_query, trainer_queries
+import aiohttp
+import pytest
 
+from mixrl.operator.autoscaling.promql import (
+    default_load_query,
+    pool_busy_query,
+    pool_throughput_query,
+    trainer_queries,
+)
+
+from .conftest import EngineMetrics, engine_job, free_port
 from .test_fleet_bugs import NS, RUN, Harness, pool_body, run_body
+from .test_loop_prometheus import eventually_value, value_of
 
 
 def test_the_trainer_queries_read_the_buffer_and_the_router() -> None:
@@ -32,6 +42,7 @@ async def test_the_fleet_is_sized_to_the_trainer_cheapest_capacity_first() -> No
     h = Harness(run, pools, {"h100-fp8": None, "b300-nvfp4": 16 * 4.0, "h100-bf16": None})
     # Trainer: 1024 trajectories per 128 s of compute = 8/s; the fleet delivers 0.8/s.
     h.values = {
+        "clamp_max": 1.0,  # the pools' busy share: the rollout keeps them busy
         "mixrl_buffer_trainer_busy_seconds": 128.0,
         "mixrl_buffer_batches_total": 1 / 900,
         "mixrl_buffer_trainer_wait_seconds_total": 0.85,
@@ -52,3 +63,54 @@ async def test_a_queue_run_is_planned_pool_by_pool() -> None:
     h = Harness(run, [pool_body("h100-fp8", replicas=1, ready=1, low=1, high=8)], {"h100-fp8": 16 * 1.5 * 3})
     [(_, plan)] = await h.poll_run()
     assert plan.decision.desired == 3 and "traj/s" not in plan.decision.reason
+
+
+async def test_every_trainer_query_runs_on_a_real_prometheus(serve, prometheus) -> None:
+    """The buffer's and the router's series as they expose them, scraped every second: each query
+    of the objective returns a number (a typo in PromQL would be QueryFailed, not a value)."""
+    scrapes = {"n": 0}
+    buffer_port, router_port, engine_port = free_port(), free_port(), free_port()
+    labels = f'run="{RUN}",pool="b200-nvfp4",gpu_type="B200",precision="nvfp4"'
+
+    async def buffer(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        scrapes["n"] += 1
+        n = scrapes["n"]
+        lines = [
+            f'mixrl_buffer_batches_total{{run="{RUN}"}} {n // 2}',
+            f'mixrl_buffer_trainer_wait_seconds_total{{run="{RUN}"}} {0.25 * n}',
+            f'mixrl_buffer_trainer_busy_seconds{{run="{RUN}"}} 120',
+            f"mixrl_buffer_trajectories{{{labels}}} 300",
+            f"mixrl_buffer_trajectories_received_total{{{labels}}} {4 * n}",
+        ]
+        return aiohttp.web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def router(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        text = f"mixrl_router_sessions{{{labels}}} 512\nmixrl_router_replicas_ready{{{labels}}} 2\n"
+        return aiohttp.web.Response(text=text, content_type="text/plain")
+
+    engine = EngineMetrics(negotiate=False)
+    engine.set(20, 30)
+    await serve(buffer, buffer_port)
+    await serve(router, router_port)
+    await serve(engine.handle, engine_port)
+    job = "  - job_name: {0}\n    honor_labels: true\n    static_configs:\n      - targets: ['127.0.0.1:{1}']\n        labels: {{namespace: {2}}}\n"
+    server = await prometheus(
+        [
+            job.format("buffer", buffer_port, NS),
+            job.format("router", router_port, NS),
+            engine_job("e", engine_port, NS, f"{RUN}-b200-nvfp4-abcde-11111"),
+        ]
+    )
+    queries = {**trainer_queries(NS, RUN), "supply": pool_throughput_query(NS, RUN, "b200-nvfp4")}
+    # A short subquery window: a 5m:15s one has no aligned steps with samples in a fresh Prometheus.
+    load = default_load_query(NS, f"{RUN}-b200-nvfp4")
+    queries["busy"] = pool_busy_query(load, NS, RUN, "b200-nvfp4", 16 * 3.2, ("3s", "1s"))
+
+    async with aiohttp.ClientSession() as session:
+        await value_of(session, server.url, "count(up == 1)", 3.0)  # every target scraped
+        # rate() over the window needs two samples of a counter: wait for the second scrape
+        await value_of(session, server.url, "count(count_over_time(mixrl_buffer_batches_total[5m]) > 1)", 1.0)
+        values = {name: await eventually_value(session, server.url, q) for name, q in queries.items()}
+    assert values["busy_step_s"] == 120 and values["buffered"] == 300 and values["in_flight"] == 512
+    assert 0 < values["idle_share"] < 1 and 0 < values["step_rate"] < 1 and values["supply"] > 0
+    assert values["busy"] == pytest.approx(50 / (16 * 3.2 * 2))  # 50 requests on 2 × 51.2 slots

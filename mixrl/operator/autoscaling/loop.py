@@ -70,6 +70,7 @@ from mixrl.operator.autoscaling.promql import (
     gpu_models_query,
     load_query,
     paused_query,
+    pool_busy_query,
     pool_throughput_query,
     trainer_queries,
 )
@@ -519,6 +520,16 @@ class AutoscalingLoop:
                         run, pool_throughput_query(run.namespace, run.name, pool.name)
                     ),
                     load=observation.sustained,
+                    busy_share=await self._value(
+                        run,
+                        pool_busy_query(
+                            load_query(a, run, pool),
+                            run.namespace,
+                            run.name,
+                            pool.name,
+                            a.target_per_replica * (pool.capacity or 1.0),
+                        ),
+                    ),
                     stuck=stuck,
                     floor=replicas if load.updating_weights else 0,
                     ceiling=ceiling,

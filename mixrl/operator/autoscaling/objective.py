@@ -22,8 +22,8 @@ needs.  This objective sizes the whole fleet to the trainer instead:
   it go (:func:`mixrl.operator.autoscaling.policy.stabilized_floor`).  Pools at zero are woken here.
 - **Dead band**: while the current supply is within ``tolerance`` of the demand nothing moves, so
   a steady run — sampler-bound or trainer-bound — makes no reversals.  While the trainer idles
-  more than its target (plus :data:`IDLE_MARGIN`), the band loses its lower half: a supply short of
-  the demand is then filled even within the tolerance.
+  more than its target (plus :data:`IDLE_MARGIN`), the band's lower half shrinks to half the
+  tolerance: a supply short of the demand is then filled sooner.
 - **Concurrency**: replicas beyond what ``concurrency / sessionsPerCapacity`` can keep busy are
   waste, so the fill stops there, and :attr:`FleetPlan.recommended_concurrency` says what the
   rollout would need.  The rollout's concurrency is fixed when its workers start (an asyncio
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from mixrl.operator.autoscaling.policy import PolicyState, record_target, stabilized_floor
 
 _EPS = 1e-9
-EMA_WEIGHT = 0.5
+EMA_WEIGHT = 0.2
 """Weight of a new measurement in the per-replica throughput estimate."""
 IDLE_MARGIN = 0.02
 """Idle share above the target that counts as starving (measurement noise below it)."""
@@ -65,6 +65,10 @@ class FleetPool:
     load: float | None = None
     """Queued plus running requests on its engines averaged over the same window (the queue
     policy's signal): how busy the rollout kept its ready replicas while ``throughput`` was measured."""
+    busy_share: float | None = None
+    """The share of its slots kept busy, averaged per scrape over the same window (better than
+    ``load``: a burst that overfills the slots and then leaves them idle averages to a full load
+    but a half-busy pool); None: from ``load``."""
     stuck: int = 0
     """Requested replicas past the pending timeout: not capacity."""
     floor: int = 0
@@ -173,6 +177,8 @@ def update_memory(
         # (back-pressure, a concurrency that does not fill the fleet), so divide by that share.
         slots = pool.ready * pool.capacity * config.sessions_per_capacity
         busy = 1.0 if pool.load is None else min(1.0, pool.load / slots)
+        if pool.busy_share is not None:
+            busy = min(1.0, pool.busy_share)
         if busy < MIN_BUSY_SHARE:
             continue  # too idle to tell
         measured = pool.throughput / pool.ready / busy
@@ -309,10 +315,11 @@ def plan_fleet(
         f"backlog {backlog / config.step_size:.2f} steps), supply {supply_now:.3g}"
     )
     # The trainer itself says whether supply is short: idling above its target (plus a margin)
-    # means the estimates are optimistic, so the band loses its lower half.
+    # means the estimates are optimistic, so the band's lower half shrinks to half the tolerance
+    # (not to nothing: a supply a hair short would add a replica that the next estimate removes).
     idle = signals.idle_share
     starving = idle is not None and idle > config.idle_target + IDLE_MARGIN
-    low = demand if starving else (1 - config.tolerance) * demand
+    low = (1 - (config.tolerance / 2 if starving else config.tolerance)) * demand
     if not forced and low - _EPS <= supply_now <= (1 + config.tolerance) * demand:
         return FleetPlan(
             held,

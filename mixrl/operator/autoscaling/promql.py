@@ -25,6 +25,7 @@ from mixrl.rl.metrics import (
     MIXRL_BUFFER_TRAJECTORIES,
     MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL,
     MIXRL_ROUTER_QUEUE_DEPTH,
+    MIXRL_ROUTER_REPLICAS_READY,
     MIXRL_ROUTER_REQUESTS_IN_FLIGHT,
     MIXRL_ROUTER_SESSIONS,
     SGLANG_NUM_PAUSED_REQS,
@@ -147,3 +148,22 @@ def pool_throughput_query(namespace: str, run: str, pool: str, window: str = TRA
     """Trajectories per second the buffer received from one pool (the pool's delivered supply)."""
     m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
     return f"sum(rate({MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL.name}{{{m}}}[{window}]))"
+
+
+def pool_busy_query(
+    load: str,
+    namespace: str,
+    run: str,
+    pool: str,
+    slots_per_replica: float,
+    window: tuple[str, str] = (TRAINER_WINDOW, SUSTAINED_STEP),
+) -> str:
+    """The share of a pool's slots kept busy, averaged per scrape over the window: its load (the
+    pool's load query) over ``slots_per_replica`` × the replicas the router sees ready, at most 1.
+
+    Averaging the clipped share, not the load, matters: a rollout that refills a whole step at once
+    overfills the slots and then leaves them idle, which averages to a full load but a half-busy pool."""
+    m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
+    ready = f"sum({MIXRL_ROUTER_REPLICAS_READY.name}{{{m}}})"
+    span, step = window
+    return f"avg_over_time(clamp_max(({load}) / ({slots_per_replica:g} * {ready}), 1)[{span}:{step}])"

@@ -471,6 +471,15 @@ def _poll(
             out[p.name] = decision.desired
         return out
     assert strategy.objective is not None and strategy.configs is not None
+    # What avg_over_time(clamp_max(load / slots, 1)[5m:15s]) would say (slots at today's ready count).
+    slots = np.maximum(
+        ready * np.array([p.capacity for p in pools]) * strategy.objective.sessions_per_capacity, 1e-9
+    )
+    busy_share = (
+        np.mean([np.minimum(1.0, s / slots) for s in load_scrapes], axis=0)
+        if load_scrapes
+        else np.ones(len(pools))
+    )
     views = []
     for i, p in enumerate(pools):
         config = strategy.configs[p.name]
@@ -492,6 +501,7 @@ def _poll(
                 config.max_replicas,
                 throughput=float(throughput[i]) if ready[i] else None,
                 load=float(mean_load[i]),
+                busy_share=float(busy_share[i]),
                 stuck=stuck,
                 floor=int(desired[i]) if updating else 0,
                 ceiling=ceiling,
