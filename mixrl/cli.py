@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "crds": ("mixrl.api.crd_cmd", "write (or --check) crds/*.yaml from the API models"),
     "run": ("mixrl.local.run", "run an RLRun on this machine with the same components"),
     "report": ("mixrl.local.report", "redraw the plots and report of a run directory"),
+    "ablate": ("mixrl.local.ablation", "the stability study: corrections arms x fleets x seeds, one table"),
     "engine": ("mixrl.rl.engine.server", "serve a transformers model with SGLang's HTTP API"),
     "router": ("mixrl.rl.router", "session router across sampler pools"),
     "rollout": ("mixrl.rl.rollout.worker", "agent loops producing trajectories"),

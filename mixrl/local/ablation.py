@@ -1,0 +1,431 @@
+"""``mixrl ablate FILE``: the seed's stability study on this machine — arms × fleets × seeds.
+
+From one RLRun, every combination of
+
+- an **arm** (:data:`ARMS`): which corrections train and how the samplers sample — plain GRPO on the
+  full vocabulary, GRPO + MIS, score centering (SC) alone, GRPO with top-p and no mask replay,
+  SC + MIS, and SC + MIS + top-p with mask replay (the seed's stable recipe);
+- a **fleet** (:data:`FLEETS`): the run's own sampler pools (``mixed``), or as many pools all at
+  BF16 with a BF16 KV cache (``bf16``, the homogeneous baseline);
+- a **seed**: each engine's ``--random-seed`` (the samplers' draws; the tasks, the warm start and
+  the trainer stay the same, so seeds differ by sampling alone);
+
+is run with ``mixrl run`` into ``OUT/runs/<arm>-<fleet>-s<seed>/``, ``--jobs`` at a time.  A
+finished run (its ``summary.json`` names the wanted step count) is skipped, an interrupted one
+resumes from its checkpoint, so running the same command again completes a study.  Then one table
+(``OUT/ablation.md``, ``OUT/ablation.json``) and plots (``OUT/ablation.png``): final and best
+held-out pass@1 with the spread over seeds, the collapse signs raised, the fresh (staleness-0) KL
+of each fleet and the mixed/homogeneous ratio of it (the seed's 4.7×), and each pool's share of
+samples against its share of extreme-ratio tokens.
+
+The arms and fleets are pure functions of the RLRun document (:func:`arm_document`); the runs are
+the real local runtime.  What this does not do yet: held-out evaluation comes from the run's own
+evaluator (its sampler pools, its top-p, while training continues), not from a separate BF16
+evaluator on the full vocabulary as the seed's protocol has it (docs/benchmarks.md, "Ablation").
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mixrl.api.errors import InvalidSpec
+from mixrl.api.loader import ManifestUnreadable, load_rlrun, parse_document
+from mixrl.local.report import mapping, number, pool_shares, step_records
+from mixrl.rl.health.collapse import assess
+
+Doc = dict[str, Any]
+
+FULL_VOCABULARY = {"p": 1.0, "k": -1, "maskReplay": True}
+MIS = [0.2, 5.0]
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    title: str
+    mis: bool
+    score_centering: bool
+    top_p: bool
+    replay: bool = True
+
+
+ARMS: dict[str, Arm] = {
+    arm.name: arm
+    for arm in (
+        Arm("grpo", "GRPO", mis=False, score_centering=False, top_p=False),
+        Arm("grpo-mis", "GRPO+MIS", mis=True, score_centering=False, top_p=False),
+        Arm("sc", "SC", mis=False, score_centering=True, top_p=False),
+        Arm(
+            "grpo-topp", "GRPO+top-p (no replay)", mis=False, score_centering=False, top_p=True, replay=False
+        ),
+        Arm("sc-mis", "SC+MIS", mis=True, score_centering=True, top_p=False),
+        Arm("sc-mis-topp", "SC+MIS+top-p replay", mis=True, score_centering=True, top_p=True),
+    )
+}
+"""The seed's six arms.  Without top-p the samplers draw from the whole vocabulary (p 1, no top-k)."""
+FLEETS = ("mixed", "bf16")
+DEFAULT_TOP_P = {"p": 0.95, "k": 32}
+"""The nucleus of the top-p arms when the RLRun itself samples the whole vocabulary."""
+
+
+def arm_document(run: Doc, arm: Arm, fleet: str, seed: int) -> Doc:
+    """The RLRun document of one run of the study (pure: ``run`` is left as it was)."""
+    if fleet not in FLEETS:
+        raise ValueError(f"fleet: {fleet!r} is not one of {', '.join(FLEETS)}")
+    doc = copy.deepcopy(run)
+    doc["metadata"]["name"] = f"{arm.name}-{fleet}-s{seed}"[:40]
+    spec = doc["spec"]
+    algorithm = spec.setdefault("algorithm", {})
+    given = algorithm.get("topP") or {}
+    nucleus = {"p": given["p"], "k": given.get("k", -1)} if given.get("p", 1.0) < 1.0 else dict(DEFAULT_TOP_P)
+    algorithm["topP"] = {**nucleus, "maskReplay": arm.replay} if arm.top_p else dict(FULL_VOCABULARY)
+    corrections = algorithm.setdefault("corrections", {})
+    corrections["mis"] = list(MIS) if arm.mis else None
+    corrections["scoreCentering"] = arm.score_centering
+    pools = []
+    for pool in spec["samplerPools"]:
+        pool = dict(pool)
+        if fleet == "bf16":
+            pool.update(weightPrecision="bf16", kvCacheDtype="bf16")
+        pool["engineArgs"] = [*pool.get("engineArgs", []), "--random-seed", str(seed)]
+        pools.append(pool)
+    if fleet == "bf16":  # pool names carry the precision in the examples: say it is a BF16 copy
+        for index, pool in enumerate(pools):
+            pool["name"] = f"bf16-{index}"
+    spec["samplerPools"] = pools
+    return doc
+
+
+@dataclass(frozen=True)
+class Job:
+    arm: Arm
+    fleet: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm.name}-{self.fleet}-s{self.seed}"
+
+
+def jobs_of(arms: Sequence[str], fleets: Sequence[str], seeds: int) -> list[Job]:
+    return [Job(ARMS[arm], fleet, seed) for seed in range(seeds) for arm in arms for fleet in fleets]
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """A run of the study is done when its report names the wanted number of steps."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("steps") == steps
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def run_job(
+    job: Job, run: Doc, out: Path, steps: int, python: str = sys.executable
+) -> tuple[Job, float, str]:
+    """One run of the study through ``mixrl run`` (resumed when interrupted); (job, seconds, status)."""
+    run_dir = out / "runs" / job.name
+    if finished(run_dir, steps):
+        return job, 0.0, "done before"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest = run_dir.parent / f"{job.name}.yaml"
+    manifest.write_text(yaml.safe_dump(arm_document(run, job.arm, job.fleet, job.seed), sort_keys=False))
+    started = time.monotonic()
+    with (run_dir.parent / f"{job.name}.log").open("ab") as log:
+        result = subprocess.run(
+            [
+                python,
+                "-m",
+                "mixrl.cli",
+                "run",
+                str(manifest),
+                "--run-dir",
+                str(run_dir),
+                "--steps",
+                str(steps),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            check=False,
+        )
+    status = (
+        "ok" if result.returncode == 0 and finished(run_dir, steps) else f"failed (exit {result.returncode})"
+    )
+    return job, time.monotonic() - started, status
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def late_mean(records: list[Doc], key: str, pool: str | None = None, fraction: float = 0.25) -> float | None:
+    """Mean of ``key`` over the last ``fraction`` of the steps (a pool's own figure with ``pool``)."""
+    tail = records[-max(1, int(len(records) * fraction)) :]
+    values = []
+    for record in tail:
+        source = mapping(mapping(record.get("pools")).get(pool)) if pool is not None else record
+        value = number(source.get(key))
+        if value is not None:
+            values.append(value)
+    return sum(values) / len(values) if values else None
+
+
+def run_figures(run_dir: Path) -> Doc:
+    """What the table needs from one finished run directory."""
+    records = step_records(run_dir / "metrics.jsonl")
+    evaluations = step_records(run_dir / "evaluations.jsonl")
+    pass1 = [rate for e in evaluations if (rate := number(mapping(e.get("pass_at_k")).get("1"))) is not None]
+    pools = sorted({pool for r in records for pool in mapping(r.get("pools"))})
+    return {
+        "steps": records[-1]["step"] if records else 0,
+        "final_pass1": pass1[-1] if pass1 else None,
+        "best_pass1": max(pass1) if pass1 else None,
+        "pass1_curve": [(e["step"], number(mapping(e.get("pass_at_k")).get("1"))) for e in evaluations],
+        "reward_curve": [(r["step"], number(r.get("reward"))) for r in records],
+        "signs": sorted({f"{s.name}({s.scope})" for s in assess(records).raised}),
+        "fresh_kl_k3": late_mean(records, "kl_k3_fresh"),
+        "fresh_kl_k1": late_mean(records, "kl_k1_fresh"),
+        "kl_k3": late_mean(records, "kl_k3"),
+        "format_error_endings": late_mean(records, "format_error_endings"),
+        "pool_fresh_kl_k3": {pool: late_mean(records, "kl_k3_fresh", pool) for pool in pools},
+        "pool_shares": pool_shares(records),
+    }
+
+
+def spread(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
+    """(mean, standard deviation over seeds, how many seeds had the figure)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None, 0
+    deviation = statistics.stdev(present) if len(present) > 1 else 0.0
+    return statistics.fmean(present), deviation, len(present)
+
+
+def shown(value: tuple[float | None, float | None, int], digits: str = ".3f") -> str:
+    mean, deviation, count = value
+    if mean is None:
+        return "–"
+    return f"{mean:{digits}} ± {deviation:{digits}}" if count > 1 else f"{mean:{digits}}"
+
+
+def study_table(
+    figures: dict[str, Doc], arms: Sequence[str], fleets: Sequence[str], seeds: int
+) -> tuple[list[str], Doc]:
+    """The study's Markdown table and its figures as JSON (means and spreads over seeds)."""
+    rows: Doc = {}
+    lines = [
+        "| arm | fleet | seeds | final pass@1 | best pass@1 | seeds with a collapse sign | fresh KL k3 | fresh KL k1 | format-error endings |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm in arms:
+        for fleet in fleets:
+            runs = [figures[name] for s in range(seeds) if (name := f"{arm}-{fleet}-s{s}") in figures]
+            if not runs:
+                continue
+            row = {
+                key: spread([r[key] for r in runs])
+                for key in ("final_pass1", "best_pass1", "fresh_kl_k3", "fresh_kl_k1", "format_error_endings")
+            }
+            collapsed = sum(1 for r in runs if r["signs"])
+            rows[f"{arm}/{fleet}"] = {**row, "runs": len(runs), "collapsed": collapsed,
+                                      "signs": sorted({s for r in runs for s in r["signs"]})}  # fmt: skip
+            lines.append(
+                f"| {ARMS[arm].title} | {fleet} | {len(runs)} | {shown(row['final_pass1'])} | "
+                f"{shown(row['best_pass1'])} | {collapsed}/{len(runs)} | {shown(row['fresh_kl_k3'], '.2e')} | "
+                f"{shown(row['fresh_kl_k1'], '.2e')} | {shown(row['format_error_endings'], '.2f')} |"
+            )
+    ratios = []
+    for arm in arms:
+        mixed, bf16 = rows.get(f"{arm}/mixed"), rows.get(f"{arm}/bf16")
+        if mixed and bf16 and mixed["fresh_kl_k1"][0] and bf16["fresh_kl_k1"][0]:
+            ratio = mixed["fresh_kl_k1"][0] / bf16["fresh_kl_k1"][0]
+            ratios.append(f"| {ARMS[arm].title} | {ratio:.2f}× |")
+            rows[f"{arm}/mixed"]["fresh_kl_ratio_to_bf16"] = ratio
+    if ratios:
+        lines += ["", "Fresh (staleness-0) KL, mixed fleet ÷ homogeneous BF16 fleet (k1; the seed: ≈ 4.7×):", "",
+                  "| arm | ratio |", "|---|---|", *ratios]  # fmt: skip
+    return lines, rows
+
+
+def extreme_lines(figures: dict[str, Doc]) -> list[str]:
+    """Per pool of the mixed fleet, over every arm and seed: share of samples, share of extreme tokens."""
+    samples: dict[str, list[float]] = {}
+    extreme: dict[str, list[float]] = {}
+    for name, figure in figures.items():
+        if "-mixed-" not in name:
+            continue
+        for pool, (sample_share, extreme_share) in figure["pool_shares"].items():
+            samples.setdefault(pool, []).append(sample_share)
+            extreme.setdefault(pool, []).append(extreme_share)
+    if not samples:
+        return []
+    lines = ["", "Mixed fleet, per pool (mean over every arm and seed; the seed: H100 FP8 drew 10 % of the",
+             "samples and 29 % of the extreme-ratio tokens):", "",
+             "| pool | share of samples | share of extreme-ratio tokens |", "|---|---|---|"]  # fmt: skip
+    for pool in sorted(samples):
+        lines.append(
+            f"| {pool} | {statistics.fmean(samples[pool]):.1%} | {statistics.fmean(extreme[pool]):.1%} |"
+        )
+    return lines
+
+
+def plot_study(
+    figures: dict[str, Doc], arms: Sequence[str], fleets: Sequence[str], seeds: int, path: Path
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (curves, kl) = plt.subplots(1, 2, figsize=(14, 5))
+    for arm in arms:
+        for fleet in fleets:
+            runs = [figures[n] for s in range(seeds) if (n := f"{arm}-{fleet}-s{s}") in figures]
+            by_step: dict[int, list[float]] = {}
+            for run in runs:
+                for step, rate in run["pass1_curve"]:
+                    if rate is not None:
+                        by_step.setdefault(step, []).append(rate)
+            if not by_step:
+                continue
+            steps = sorted(by_step)
+            means = [statistics.fmean(by_step[s]) for s in steps]
+            low = [min(by_step[s]) for s in steps]
+            high = [max(by_step[s]) for s in steps]
+            style = "-" if fleet == "mixed" else "--"
+            (line,) = curves.plot(steps, means, style, label=f"{ARMS[arm].title} / {fleet}")
+            curves.fill_between(steps, low, high, alpha=0.15, color=line.get_color())
+    curves.set(
+        title=f"Held-out pass@1 (band: min–max over {seeds} seeds)", xlabel="trainer step", ylabel="pass@1"
+    )
+    curves.legend(fontsize=7)
+    curves.grid(alpha=0.3)
+    labels, values = [], []
+    for arm in arms:
+        for fleet in fleets:
+            got = [
+                f["fresh_kl_k1"]
+                for s in range(seeds)
+                if (f := figures.get(f"{arm}-{fleet}-s{s}")) and f["fresh_kl_k1"] is not None
+            ]
+            if got:
+                labels.append(f"{ARMS[arm].title}\n{fleet}")
+                values.append(statistics.fmean(got))
+    kl.bar(range(len(values)), values)
+    kl.set_xticks(range(len(values)), labels, fontsize=6, rotation=60)
+    kl.set(title="Fresh (staleness-0) KL, k1, last quarter of the steps", ylabel="KL")
+    kl.grid(alpha=0.3, axis="y")
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def write_study(out: Path, arms: Sequence[str], fleets: Sequence[str], seeds: int, command: str) -> Path:
+    figures = {
+        job.name: run_figures(out / "runs" / job.name)
+        for job in jobs_of(arms, fleets, seeds)
+        if (out / "runs" / job.name / "metrics.jsonl").exists()
+    }
+    table, rows = study_table(figures, arms, fleets, seeds)
+    lines = ["# Ablation study", "", f"`{command}`", "", *table, *extreme_lines(figures), "",
+             "![ablation](ablation.png)", ""]  # fmt: skip
+    (out / "ablation.md").write_text("\n".join(lines), encoding="utf-8")
+    (out / "ablation.json").write_text(json.dumps({"rows": rows, "runs": figures}, indent=1) + "\n")
+    plot_study(figures, arms, fleets, seeds, out / "ablation.png")
+    return out / "ablation.md"
+
+
+def _names(raw: str, known: Sequence[str], flag: str) -> list[str]:
+    names = [name.strip() for name in raw.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ValueError(f"{flag}: {unknown[0] if unknown else raw!r} is not one of {', '.join(known)}")
+    return names
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mixrl ablate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", type=Path, help="the RLRun the study varies")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--fleets", default=",".join(FLEETS), help="mixed, bf16 or both")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per arm and fleet (default 3)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="trainer steps per run (default: the RLRun's)"
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (each is several processes)")
+    parser.add_argument("--out", type=Path, default=Path("runs") / "ablation", help="study directory")
+    args = parser.parse_args(argv)
+    try:
+        arms = _names(args.arms, list(ARMS), "--arms")
+        fleets = _names(args.fleets, FLEETS, "--fleets")
+        if args.seeds <= 0 or args.jobs <= 0 or (args.steps is not None and args.steps <= 0):
+            raise ValueError("--seeds, --jobs and --steps: must be positive")
+        run = load_rlrun(args.file)
+    except (ValueError, InvalidSpec, ManifestUnreadable) as exc:
+        print(f"mixrl ablate: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    steps = args.steps or run.spec.trainer.total_steps
+    if steps is None:
+        print("mixrl ablate: --steps: required (the RLRun has no trainer.totalSteps)", file=sys.stderr)
+        return 2
+    # The document as written (a dump would turn a null the user chose back into its default).
+    document = yaml.safe_load(args.file.read_text(encoding="utf-8"))
+    for job in jobs_of(arms, fleets, args.seeds):  # every derived run must be valid before any starts
+        try:
+            load_rlrun_document(arm_document(document, job.arm, job.fleet, job.seed))
+        except InvalidSpec as exc:
+            print(f"mixrl ablate: {job.name}: {exc.first_line}", file=sys.stderr)
+            return 2
+    jobs = jobs_of(arms, fleets, args.seeds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(
+        f"mixrl ablate: {len(jobs)} runs of {steps} steps, {args.jobs} at a time, in {args.out}", flush=True
+    )
+    started, done, took = time.monotonic(), 0, []
+    failed = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = [pool.submit(run_job, job, document, args.out, steps) for job in jobs]
+        for future in as_completed(futures):
+            job, seconds, status = future.result()
+            done += 1
+            if seconds:
+                took.append(seconds)
+            if not status.startswith(("ok", "done")):
+                failed.append(job.name)
+            left = len(jobs) - done
+            eta = statistics.fmean(took) * math.ceil(left / args.jobs) if took else 0.0
+            rate = done / max(time.monotonic() - started, 1e-9) * 3600
+            print(
+                f"[{done}/{len(jobs)}] {job.name}: {status} in {seconds:.0f}s  ({rate:.1f} runs/h, ETA {eta:.0f}s)",
+                flush=True,
+            )
+    command = " ".join(["mixrl ablate", str(args.file), f"--arms {','.join(arms)}", f"--fleets {','.join(fleets)}",
+                        f"--seeds {args.seeds}", f"--steps {steps}"])  # fmt: skip
+    report = write_study(args.out, arms, fleets, args.seeds, command)
+    print(f"mixrl ablate: table in {report}, plots in {args.out / 'ablation.png'}")
+    if failed:
+        print(
+            f"mixrl ablate: failed: {', '.join(failed)} (logs in {args.out / 'runs'}); run again to resume",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def load_rlrun_document(doc: Doc) -> None:
+    """Validate a derived document as ``mixrl run`` will load it."""
+    parse_document(doc)
