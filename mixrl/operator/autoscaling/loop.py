@@ -332,6 +332,8 @@ class AutoscalingLoop:
         key = (meta.get("namespace") or "default", meta["name"])
         if deleted:
             self.runs.pop(key, None)
+            self.run_memory.pop(key, None)
+            self._run_polled.pop(key, None)
         else:
             self.runs[key] = dict(body)
 
