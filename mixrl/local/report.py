@@ -309,11 +309,50 @@ def write_report(run_dir: Path) -> Path:
     return run_dir / "report.png"
 
 
+def fetch_from_buffer(url: str, run_dir: Path, timeout_s: float = 60.0) -> int:
+    """A cluster run's telemetry from its buffer (which outlives the finished trainer): the
+    trainer's records as ``metrics.jsonl`` and the held-out results as ``evaluations.jsonl``.
+    Returns the number of steps fetched; OSError or ValueError name what failed."""
+    import urllib.error
+    import urllib.request
+
+    def get(path: str) -> bytes:
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout_s) as response:
+                return bytes(response.read())
+        except urllib.error.URLError as exc:
+            raise OSError(f"{url.rstrip('/')}{path}: {exc.reason}") from None
+
+    records = get("/trainer-metrics")
+    evaluations = json.loads(get("/evaluations")).get("evaluations")
+    if not isinstance(evaluations, list):
+        raise ValueError(f"{url}/evaluations: not a buffer's answer")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_bytes(records)
+    lines = "".join(json.dumps(e) + "\n" for e in evaluations)
+    (run_dir / "evaluations.jsonl").write_text(lines, encoding="utf-8")
+    return len(records.splitlines())
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mixrl report", description=__doc__)
-    parser.add_argument("run_dir", help="a run directory (runs/<name>)")
+    parser.add_argument("run_dir", help="a run directory (runs/<name>); with --buffer, where to write")
+    parser.add_argument(
+        "--buffer",
+        default=None,
+        metavar="URL",
+        help="fetch a cluster run's telemetry from its buffer first, e.g. after"
+        " `kubectl port-forward svc/<run>-buffer 8100`: http://127.0.0.1:8100",
+    )
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
+    if args.buffer is not None:
+        try:
+            steps = fetch_from_buffer(args.buffer, run_dir)
+        except (OSError, ValueError) as exc:
+            print(f"mixrl report: --buffer: {exc}", file=sys.stderr)
+            return 2
+        print(f"fetched {steps} steps from {args.buffer}")
     if not (run_dir / "metrics.jsonl").exists():
         print(f"mixrl report: {run_dir}: no metrics.jsonl (not a run directory?)", file=sys.stderr)
         return 2

@@ -177,6 +177,10 @@ class BufferClient(SessionClient):
         """One step's per-pool fresh mismatch, for the router's health (a later step replaces it)."""
         await self._request("POST", "/mismatch", json=report.model_dump(), idempotent=True)
 
+    async def post_trainer_record(self, record: Mapping[str, Any]) -> None:
+        """One step's metrics record, kept by the buffer after the trainer is gone."""
+        await self._request("POST", "/trainer-metrics", json=dict(record), idempotent=True)
+
     async def stats(self) -> dict[str, Any]:
         _, payload = await self._request("GET", "/stats", idempotent=True)
         return dict(payload)

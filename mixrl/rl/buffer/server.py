@@ -50,6 +50,7 @@ OPEN_ROUTES = frozenset(
         ("GET", "/batch"),
         ("GET", "/evaluations"),
         ("GET", "/stats"),
+        ("GET", "/trainer-metrics"),
         ("GET", "/health"),
         ("GET", "/metrics"),
     }
@@ -241,6 +242,8 @@ class BufferServer:
         app.router.add_get("/evaluations", self._get_evaluations)
         app.router.add_get("/stats", self._stats)
         app.router.add_post("/mismatch", self._post_mismatch)
+        app.router.add_post("/trainer-metrics", self._post_trainer_record)
+        app.router.add_get("/trainer-metrics", self._get_trainer_records)
         app.router.add_get("/health", self._health)
         app.on_shutdown.append(self._on_shutdown)
         return app
@@ -336,6 +339,23 @@ class BufferServer:
         stats = await asyncio.to_thread(self.buffer.stats)
         stats["mismatch"] = self.mismatch.model_dump() if self.mismatch is not None else None
         return web.json_response(stats)
+
+    async def _post_trainer_record(self, request: web.Request) -> web.Response:
+        """One step's record of the trainer's metrics.jsonl, kept durably (docs/health.md#the-end-of-a-run)."""
+        try:
+            record = _json_body(await read_body(request, log))
+            step = await asyncio.to_thread(self.buffer.add_trainer_record, record)
+        except ValueError as exc:
+            return _bad_request(f"record: {exc}")
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
+        return web.json_response({"accepted": True, "step": step})
+
+    async def _get_trainer_records(self, request: web.Request) -> web.Response:
+        """The trainer's records as JSON lines, one per step in step order (a redone step's last)."""
+        records = dict(self.buffer.trainer_records)
+        body = "".join(json.dumps(records[step]) + "\n" for step in sorted(records))
+        return web.Response(text=body, content_type="application/x-ndjson")
 
     async def _post_mismatch(self, request: web.Request) -> web.Response:
         """The trainer's per-pool fresh mismatch of one step, which the router reads back from

@@ -7,6 +7,8 @@ Files under the buffer's directory::
                          {"kind": "drop", "step", "groups": [[seq, ...], ...]}
                          {"kind": "commit", "step"}
     evaluations.jsonl    held-out results posted by the rollout worker
+    trainer-metrics.jsonl  the trainer's per-step records (a copy of its metrics.jsonl, so a run's
+                         telemetry stays readable from the buffer once the trainer is gone)
 
 Every write is flushed and fsynced before it is acknowledged; a decision (batch, drop, commit) is
 logged before it is applied.  On start the buffer replays the trajectory log through the same pure
@@ -48,6 +50,7 @@ log = logging.getLogger("mixrl.buffer")
 TRAJECTORIES = "trajectories.jsonl"
 ASSIGNMENTS = "assignments.jsonl"
 EVALUATIONS = "evaluations.jsonl"
+TRAINER_METRICS = "trainer-metrics.jsonl"
 
 PoolKey = tuple[str, str, str]
 
@@ -331,6 +334,8 @@ class TrajectoryBuffer:
         self.telemetry = Telemetry()
         self.latest_requested_step: int | None = None
         self.evaluations: list[dict[str, Any]] = []
+        self.trainer_records: dict[int, dict[str, Any]] = {}
+        """The trainer's latest record per step (a redone step replaces the one before)."""
         self._offsets: list[tuple[int, int]] = []  # seq -> (offset, length) in the trajectory log
         self._batch_places: dict[int, tuple[int, int]] = {}  # step -> its batch record in the assignments log
         self._lock = threading.RLock()
@@ -339,6 +344,7 @@ class TrajectoryBuffer:
         self._traj_log = self._open_append(TRAJECTORIES)
         self._assign_log = self._open_append(ASSIGNMENTS)
         self._eval_log = self._open_append(EVALUATIONS)
+        self._trainer_log = self._open_append(TRAINER_METRICS)
         _fsync_dir(self.dir)
         self._reader = (self.dir / TRAJECTORIES).open("rb")
         self._assign_reader = (self.dir / ASSIGNMENTS).open("rb")
@@ -356,7 +362,14 @@ class TrajectoryBuffer:
 
     def close(self) -> None:
         with self._lock:
-            for f in (self._traj_log, self._assign_log, self._eval_log, self._reader, self._assign_reader):
+            for f in (
+                self._traj_log,
+                self._assign_log,
+                self._eval_log,
+                self._trainer_log,
+                self._reader,
+                self._assign_reader,
+            ):
                 f.close()
 
     def __enter__(self) -> TrajectoryBuffer:
@@ -403,6 +416,14 @@ class TrajectoryBuffer:
             except ValueError as exc:
                 reason = str(exc).splitlines()[0]
                 log.warning("%s: skipping line %d, not an evaluation record (%s)", path, number + 1, reason)
+        path = self.dir / TRAINER_METRICS
+        self.trainer_records = {}
+        for _, number, line in _read_lines(path, _complete_object):
+            try:  # telemetry too: a bad line is skipped with a warning
+                record = _json_line(line)
+                self.trainer_records[trainer_step(record)] = record
+            except ValueError as exc:
+                log.warning("%s: skipping line %d (%s)", path, number + 1, str(exc).splitlines()[0])
         if self.state.assigned:
             self.latest_requested_step = max(self.state.assigned)
 
@@ -527,6 +548,14 @@ class TrajectoryBuffer:
             self._write(self._eval_log, [json.dumps(record).encode()])
             self.evaluations.append(record)
 
+    def add_trainer_record(self, record: dict[str, Any]) -> int:
+        """One step's record of the trainer's metrics.jsonl, logged before it is acknowledged."""
+        step = trainer_step(record)
+        with self._lock:
+            self._write(self._trainer_log, [json.dumps(record).encode()])
+            self.trainer_records[step] = record
+        return step
+
     # ------------------------------------------------------------------ reads
 
     def _read(self, seq: int) -> bytes:
@@ -582,6 +611,14 @@ class TrajectoryBuffer:
                 "samples_per_prompt": state.samples_per_prompt,
                 "max_staleness": state.max_staleness,
             }
+
+
+def trainer_step(record: Any) -> int:
+    """The step of a trainer record: a JSON object with an integer ``step`` ≥ 1 (else ValueError)."""
+    step = record.get("step") if isinstance(record, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError("a trainer record is a JSON object with an integer step >= 1")
+    return step
 
 
 def _combine(stats: Sequence[StalenessStats]) -> StalenessStats:

@@ -258,8 +258,10 @@ class TrainerLoop:
                 await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir / CHECKPOINT, step)
             if main:
                 await self.buffer.commit(step)
-                # The router's mismatch-aware shares read it back from the buffer (docs/health.md).
+                # The router's mismatch-aware shares read it back from the buffer (docs/health.md),
+                # and the buffer keeps the run's telemetry once a finished trainer is scaled away.
                 await self.buffer.post_mismatch(mismatch_report(step, record["pools"]))
+                await self.buffer.post_trainer_record(record)
                 if self.telemetry is not None:
                     self.telemetry.observe(record)
                 log.info(
