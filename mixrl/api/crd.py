@@ -268,6 +268,7 @@ def rlrun_crd(table: GpuTable = GPU_TABLE) -> dict[str, Any]:
             _column("Version", "integer", ".status.weightVersion", "Latest weight version"),
             _column("Pools", "integer", ".status.poolCount", "Sampler pools"),
             _column("Reward", "number", ".status.reward", "Mean training reward at the last step"),
+            _column("$/update", "number", ".status.costPerUpdate", "GPU cost per trainer update", priority=1),
             AGE,
         ],
         "An RL run: one BF16 trainer fed asynchronously by sampler pools of mixed GPUs and precisions.",
@@ -290,6 +291,10 @@ def samplerpool_crd() -> dict[str, Any]:
             _column("Ready", "integer", ".status.readyReplicas", "Ready replicas"),
             _column("Share", "number", ".status.trafficShare", "Share of the run's sessions"),
             _column("KL", "number", ".status.kl", "Sampler-trainer KL (k3)"),
+            _column(
+                "Fresh KL", "number", ".status.klFresh", "KL (k3) of fresh (staleness-0) tokens", priority=1
+            ),
+            _column("Health", "number", ".status.health", "Mismatch-aware routing health", priority=1),
             AGE,
         ],
         "One sampler pool of an RLRun (one GPU type and precision), scalable by kubectl, HPA or KEDA.",

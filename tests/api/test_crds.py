@@ -55,9 +55,9 @@ def test_subresources_names_and_columns() -> None:
         "labelSelectorPath": ".status.selector",
     }
     columns = [c["name"] for c in rlrun["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert columns == ["Phase", "Step", "Version", "Pools", "Reward", "Age"]
+    assert columns == ["Phase", "Step", "Version", "Pools", "Reward", "$/update", "Age"]
     columns = [c["name"] for c in pool["spec"]["versions"][0]["additionalPrinterColumns"]]
-    assert columns == ["GPU", "Precision", "Desired", "Ready", "Share", "KL", "Age"]
+    assert columns == ["GPU", "Precision", "Desired", "Ready", "Share", "KL", "Fresh KL", "Health", "Age"]
     # every column points at a field the schema has
     for crd in (rlrun, pool):
         version = crd["spec"]["versions"][0]
