@@ -157,7 +157,9 @@ def test_status_is_live_collapse_is_flagged_idle_costs_nothing_and_the_end_relea
 
         # 2. Idle: nothing changes, so nothing is written (a write per change, at most one per 2 s).
         exporter.moving = False
-        time.sleep(4)  # the last changed figures land
+        last = exporter.step
+        wait_for(lambda: rlrun().get("step"), equals=last, timeout=60, what="the last step in the status")
+        time.sleep(4)  # and whatever changed with it (a write at most every 2 s)
         since = len(status_operator.requests(cluster))
         time.sleep(8)
         assert status_writes(status_operator, cluster, since) == []

@@ -246,8 +246,8 @@ class StatusObserver:
     async def observe(self, body: Obj, memory: RunMemory, now: float) -> None:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        if (body.get("status") or {}).get("phase") == "Invalid":
-            return
+        if (body.get("status") or {}).get("phase") in ("Invalid", "Succeeded", "Failed"):
+            return  # nothing live to show; an ended run's last figures and spend were written at its end
         try:
             run = parse_document(manifest(body))
             assert isinstance(run, RLRun)
