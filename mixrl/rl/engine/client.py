@@ -103,21 +103,20 @@ class EngineClient(SessionClient):
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: list[int], **params: Any) -> GenerateResult:
         """Generate from one prompt; ``params`` are :func:`request_body`'s."""
-        _, payload = await self._request(
-            "POST", "/generate", request_body(input_ids, **params), idempotent=False
-        )
-        return parse_response(payload)
+        body = request_body(input_ids, **params)
+        _, payload = await self._request("POST", "/generate", body, idempotent=False)
+        return parse_response(payload, support_requested=bool(body.get("return_sampling_mask")))
 
     async def generate_batch(self, prompts: list[list[int]], **params: Any) -> list[GenerateResult]:
         """Generate from several prompts in one request (same sampling parameters for all)."""
         if not prompts:
             return []
-        _, payload = await self._request(
-            "POST", "/generate", request_body(prompts, **params), idempotent=False
-        )
+        body = request_body(prompts, **params)
+        _, payload = await self._request("POST", "/generate", body, idempotent=False)
         if not isinstance(payload, list) or len(payload) != len(prompts):
             raise EngineResponseError(f"/generate: expected {len(prompts)} results for a batch")
-        return [parse_response(p) for p in payload]
+        asked = bool(body.get("return_sampling_mask"))
+        return [parse_response(p, support_requested=asked) for p in payload]
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_disk(

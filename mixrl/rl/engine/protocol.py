@@ -934,11 +934,31 @@ def completion_token_counts(raw: bytes) -> list[int]:
 
 
 def parse_response(
-    payload: Any, headers: Mapping[str, str] | None = None, default_pool: PoolInfo | None = None
+    payload: Any,
+    headers: Mapping[str, str] | None = None,
+    default_pool: PoolInfo | None = None,
+    *,
+    support_requested: bool = False,
 ) -> GenerateResult:
-    """One prompt's ``/generate`` response (and the router's headers, if any) as a GenerateResult."""
+    """One prompt's ``/generate`` response (and the router's headers, if any) as a GenerateResult.
+
+    ``support_requested``: the request set ``return_sampling_mask``; an answer with neither the mask
+    nor mixrl's support sizes is an error, not records without their support (a proxy that drops
+    the field, such as sglang-router 0.3.2, would otherwise make a truncated rule look untruncated).
+    """
     if not isinstance(payload, dict):
         raise EngineResponseError("/generate: expected a JSON object per prompt")
+    meta = payload.get("meta_info") or {}
+    if (
+        support_requested
+        and "output_token_sampling_mask" not in meta
+        and "output_token_support_size" not in meta
+    ):
+        raise EngineResponseError(
+            "output_token_sampling_mask: absent although the request set return_sampling_mask; "
+            "something between client and engine dropped the field (sglang-router 0.3.2 does: "
+            "use mixrl's router, docs/router.md)"
+        )
     finish, detail = _turn_finish(payload.get("meta_info") or {})
     pool = pool_from_headers(headers or {}, default_pool or PoolInfo())
     records = token_records(payload)
