@@ -29,6 +29,20 @@ TRUNCATED = {"temperature": 1.0, "top_p": 0.9, "top_k": 8}
 """A truncating rule: mixrl asks for the sampling support (return_sampling_mask)."""
 
 
+ROUTER_ADDS = {
+    "model": None,
+    "return_text_in_logprobs": False,
+    "stream": False,
+    "log_metrics": True,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
+"""What sglang-router 0.3.2 adds to every non-streamed /generate body (docs/router.md)."""
+
+
 def generate_requests(recorders: list[Recorder]) -> list[dict[str, Any]]:
     return [seen.json() for r in recorders for seen in r.requests("/generate")]
 
@@ -48,11 +62,12 @@ def assert_carried(sent: dict[str, Any], received: dict[str, Any], dropped: set[
 async def test_candidates_and_records_arrive_unchanged(behind_router) -> None:  # type: ignore[no-untyped-def]
     params = {"max_new_tokens": 6, "temperature": 1.0, "top_logprobs_num": 5, "sampling_seed": 3}
     async with behind_router() as (url, recorders), EngineClient(url) as client:
-        result = await client.generate(PROMPT, **params, stop_token_ids=[2])
-        sent = request_body(PROMPT, **params, stop_token_ids=[2])
+        result = await client.generate(PROMPT, **params, stop_token_ids=[2], rid="turn-1")
+        sent = request_body(PROMPT, **params, stop_token_ids=[2], rid="turn-1")
         (received,) = generate_requests(recorders)
     assert_carried(sent, received)
-    assert received["model"] is None  # the router's own addition, which SGLang ignores
+    added = {k: v for k, v in received.items() if k not in sent}
+    assert added == ROUTER_ADDS  # the router's own additions, at values SGLang and the engine accept
     assert len(result.records) == 6 and result.finish_reason == "length"
     for record in result.records:
         assert len(record.cand_ids) >= 5 and record.weight_version == 0
