@@ -150,3 +150,11 @@ def test_a_weight_update_floor_holds_but_is_not_remembered() -> None:
 def test_bad_config_names_the_field() -> None:
     with pytest.raises(ValueError, match=r"^ObjectiveConfig\.step_size: must be > 0, got 0$"):
         ObjectiveConfig(step_size=0, concurrency=1, sessions_per_capacity=1)
+
+
+def test_a_stuck_replica_kept_by_min_replicas_is_not_counted_as_supply() -> None:
+    # cheap keeps its minimum of one replica, but that replica is stuck Pending: dear covers it all.
+    pools = [pool("cheap", 1, ready=0, stuck=1, ceiling=1, min_replicas=1), pool("dear", 0)]
+    nine = replace(STEADY, busy_step_s=1000 / 9)  # 9 trajectories/s
+    plan = plan_fleet(pools, nine, CONFIG, replace(MEMORY, busy_step_s=1000 / 9))
+    assert plan.targets == {"cheap": 1, "dear": 5}  # 9 / 2 → 5; counting the stuck one gave 4

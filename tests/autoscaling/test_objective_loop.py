@@ -58,6 +58,14 @@ async def test_the_fleet_is_sized_to_the_trainer_cheapest_capacity_first() -> No
     assert "cheapest throughput first" in decisions[-1]["reason"]
 
 
+async def test_a_zero_scale_down_window_still_plans() -> None:
+    run = run_body(objective="trainer", scaleDownWindowSeconds=0)
+    h = Harness(run, [pool_body("b300-nvfp4", replicas=1, ready=1, low=1, high=8)], {"b300-nvfp4": 64.0})
+    h.values = {"clamp_max": 1.0, "mixrl_buffer_trainer_busy_seconds": 128.0, 'pool="b300-nvfp4"': 0.8}
+    await h.poll_run()  # raised "ObjectiveConfig.horizon_s: must be > 0" every tick before
+    assert h.replicas("b300-nvfp4") == 8
+
+
 async def test_a_queue_run_is_planned_pool_by_pool() -> None:
     run = run_body()  # objective: queue (the default)
     h = Harness(run, [pool_body("h100-fp8", replicas=1, ready=1, low=1, high=8)], {"h100-fp8": 16 * 1.5 * 3})

@@ -320,6 +320,7 @@ class AutoscalingLoop:
         self.run_memory: dict[Key, ObjectiveMemory] = {}
         """(namespace, run) -> the trainer objective's estimates (``objective: trainer`` runs)."""
         self._run_polled: dict[Key, float] = {}
+        self._fleet_said: dict[Key, str] = {}
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
@@ -548,7 +549,8 @@ class AutoscalingLoop:
             min_steps_ahead=a.min_steps_ahead,
             max_steps_ahead=run.rollout.max_steps_ahead or None,
             tolerance=a.tolerance,
-            horizon_s=a.scale_down_window_seconds,
+            # The backlog's distance closes over the window, at least one poll (a window may be 0).
+            horizon_s=max(a.scale_down_window_seconds, a.poll_interval_seconds),
             gpu_budget=a.gpu_budget,
             cost_budget_per_hour=a.cost_budget_per_hour,
         )
@@ -558,8 +560,10 @@ class AutoscalingLoop:
             a.scale_down_window_seconds,
         )  # fmt: skip
         self.run_memory[run_key] = plan.memory
-        if plan.recommended_concurrency is not None:
-            log.info("%s/%s: %s", *run_key, plan.summary)
+        if plan.demand is None or plan.recommended_concurrency is not None:
+            if self._fleet_said.get(run_key) != plan.summary:  # a hold's reason, once
+                log.info("%s/%s: %s", *run_key, plan.summary)
+            self._fleet_said[run_key] = plan.summary
         done = []
         for view in views:
             key, read, observation, pool = seen[view.name]

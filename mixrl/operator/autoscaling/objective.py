@@ -247,7 +247,7 @@ def fill(
     for pool in reversed(by_cost):
         while not _fits(pools, targets, config) and targets[pool.name] > pool.min_replicas:
             targets[pool.name] -= 1
-    supply = sum(targets[p.name] * (rates[p.name] or 0.0) for p in pools)
+    supply = sum(max(0, targets[p.name] - p.stuck) * (rates[p.name] or 0.0) for p in pools)  # stuck: none
     capacity = sum(targets[p.name] * p.capacity for p in pools)
     short = 0.0
     for pool in by_cost:
