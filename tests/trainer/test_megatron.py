@@ -1,0 +1,133 @@
+"""Megatron-core pieces of the trainer, with real megatron-core (a dev dependency: these tests fail,
+never skip, when it is missing).
+
+On the CPU, two torchrun ranks form real ``parallel_state`` tensor-parallel groups over gloo and build
+megatron-core's ``GPTModel`` (local layer spec, ``use_cpu_initialization``): the Hugging Face Qwen3
+weights go in through mixrl.rl.trainer.megatron_convert, come back out exactly, and the corrected loss
+on the vocabulary-parallel output layer's logit shards equals the unsharded loss, gradients included.
+``GPTModel.forward`` itself needs CUDA in megatron-core 0.16 (the rotary table and the attention's
+matmul buffer are allocated on ``torch.cuda.current_device()``): that check runs when CUDA is present.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
+from mixrl.rl.models import load_model, tiny_config
+from mixrl.rl.trainer.megatron_convert import (
+    check_supported,
+    hf_to_megatron,
+    megatron_to_hf,
+    tp_shard,
+    tp_unshard,
+)
+
+WORKER = Path(__file__).with_name("megatron_worker.py")
+
+
+def run_worker(model_dir: Path, out: Path, ranks: int, device: str) -> list[dict[str, Any]]:
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               str(WORKER), str(model_dir), str(out), device]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def cpu_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_worker(tiny_model_dir, tmp_path_factory.mktemp("megatron") / "out", ranks=2, device="cpu")
+
+
+def hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in load_model(model_dir).state_dict().items()}
+
+
+def test_hf_megatron_hf_round_trip_through_a_tensor_parallel_gpt_model_is_exact(
+    cpu_ranks: list[dict[str, Any]], tiny_model_dir: Path
+) -> None:
+    assert [r["tp_rank"] for r in cpu_ranks] == [0, 1]
+    for r in cpu_ranks:  # every Megatron parameter was loaded, nothing was left over
+        assert r["missing"] == [] and r["unexpected"] == []
+    expected = hf_state(tiny_model_dir)
+    back = cpu_ranks[0]["hf_back"]
+    assert sorted(back) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_corrected_loss_on_megatron_vocab_parallel_logits_equals_the_unsharded_loss(
+    cpu_ranks: list[dict[str, Any]], tiny_model_dir: Path
+) -> None:
+    head = hf_state(tiny_model_dir)["lm_head.weight"].clone().requires_grad_(True)
+    hidden = cpu_ranks[0]["hidden"].clone().requires_grad_(True)
+    loss, metrics = token_policy_loss(hidden @ head.T, *cpu_ranks[0]["records"], CorrectionConfig(), None)
+    loss.backward()
+    assert head.grad is not None and hidden.grad is not None
+    for r in cpu_ranks:  # every rank gets the whole loss, metrics and hidden-state gradient
+        torch.testing.assert_close(r["loss"], loss.detach(), rtol=1e-5, atol=1e-6)
+        for key, values in metrics.per_token.items():
+            torch.testing.assert_close(r["metrics"][key], values.detach(), rtol=1e-5, atol=1e-6)
+        # Megatron's copy_to_tensor_model_parallel_region sums the shards' contributions.
+        torch.testing.assert_close(r["grad_hidden"], hidden.grad, rtol=1e-5, atol=1e-6)
+    vocab = head.shape[0]
+    assert [r["grad_head_shard"].shape[0] for r in cpu_ranks] == [vocab // 2, vocab // 2]
+    torch.testing.assert_close(torch.cat([r["grad_head_shard"] for r in cpu_ranks]), head.grad)
+    assert all(r["grad_head_shard"].abs().max() > 0 for r in cpu_ranks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPTModel.forward needs CUDA in megatron-core 0.16")
+def test_gpt_model_forward_matches_hugging_face_and_backpropagates_on_cuda(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    ranks = run_worker(tiny_model_dir, tmp_path / "out", ranks=1, device="cuda")
+    with torch.no_grad():
+        ids = torch.randint(1, 48, (2, 7), generator=torch.Generator().manual_seed(5))
+        expected = load_model(tiny_model_dir)(input_ids=ids).logits
+    torch.testing.assert_close(ranks[0]["logits_shard"], expected, rtol=1e-3, atol=1e-3)
+    assert ranks[0]["params_without_grad"] == []
+
+
+def test_conversion_functions_invert_each_other_for_any_tensor_parallel_size(tiny_model_dir: Path) -> None:
+    config = load_model(tiny_model_dir).config
+    state = hf_state(tiny_model_dir)
+    whole = hf_to_megatron(state, config)
+    for tp in (1, 2):
+        shards = [tp_shard(whole, rank, tp) for rank in range(tp)]
+        if tp == 2:  # rank 0's fc1 is [gate rows 0..63; up rows 0..63], not the first half of [gate; up]
+            fc1 = shards[0]["decoder.layers.0.mlp.linear_fc1.weight"]
+            assert torch.equal(fc1[:64], state["model.layers.0.mlp.gate_proj.weight"][:64])
+            assert torch.equal(fc1[64:], state["model.layers.0.mlp.up_proj.weight"][:64])
+        back = megatron_to_hf(tp_unshard(shards), config)
+        assert all(torch.equal(back[k], v) for k, v in state.items()) and sorted(back) == sorted(state)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (tiny_config("qwen3_moe", 48), "model_type: the megatron conversion maps Qwen3 dense models"),
+        (tiny_config("qwen3", 48, tie_word_embeddings=True), "tie_word_embeddings: "),
+    ],
+)
+def test_unsupported_configs_are_refused_naming_the_field(config: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_supported(config)
+
+
+def test_a_shard_that_does_not_split_is_refused(tiny_model_dir: Path) -> None:
+    whole = hf_to_megatron(hf_state(tiny_model_dir), load_model(tiny_model_dir).config)
+    with pytest.raises(
+        ValueError, match=r"embedding.word_embeddings.weight: dim 0 of size 48 does not split"
+    ):
+        tp_shard(whole, 0, 5)
+    with pytest.raises(ValueError, match=r"tp_rank: must be in \[0, 2\)"):
+        tp_shard(whole, 2, 2)
