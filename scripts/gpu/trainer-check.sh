@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The trainer on a GPU machine (issue #12): BF16 compute on CUDA with FP32 masters, agreement with
-# the CPU's FP32 step, and torchrun over NCCL. Needs CUDA torch and the project's Python packages.
+# the CPU's FP32 step, torchrun over NCCL, and megatron-core's GPTModel on CUDA. Needs CUDA torch and the project's Python packages.
 # Usage, from the repository root: scripts/gpu/trainer-check.sh   (records nothing; paste its lines
 # into docs/benchmarks.md, "GPU checks").
 set -euo pipefail
@@ -10,4 +10,14 @@ python=${PYTHON:-python3}
 model_dir=$(mktemp -d)
 "$python" -c "import sys; from mixrl.rl.models import create_tiny_checkpoint; create_tiny_checkpoint(sys.argv[1], 'qwen3', vocab_size=48, seed=3)  # the tests' vocabulary (tests/trainer/conftest.py VOCAB)" "$model_dir/model"
 model_dir=$model_dir/model
-exec "$python" scripts/gpu/trainer_check.py "$model_dir"
+"$python" scripts/gpu/trainer_check.py "$model_dir"
+
+# The Megatron-core checks (tests/trainer/test_megatron.py): on a GPU the CUDA-only one runs too
+# (GPTModel.forward against the Hugging Face logits, and a backward). MIXRL_WHEELS: a directory of
+# wheels (megatron-core, pytest and its plugins) for a machine without a package index.
+if ! "$python" -c "import megatron.core, pytest, pytest_timeout, pytest_asyncio" 2>/dev/null; then
+  "$python" -m pip install --quiet ${MIXRL_WHEELS:+--no-index --find-links "$MIXRL_WHEELS"} \
+    "megatron-core>=0.16,<0.17" pytest pytest-timeout pytest-asyncio
+fi
+"$python" -m pytest -q -rs -p no:cacheprovider tests/trainer/test_megatron.py
+echo "trainer-check: megatron-core checks passed"

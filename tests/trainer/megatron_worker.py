@@ -38,6 +38,7 @@ with warnings.catch_warnings():
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -134,6 +135,7 @@ def main(argv: list[str]) -> int:
 
         ids = torch.randint(1, hf.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
         if device.type == "cuda":
+            model_parallel_cuda_manual_seed(0)  # the attention's dropout forks Megatron's CUDA RNG tracker
             model.cuda()
             with torch.no_grad():
                 result["logits_shard"] = model_logits(model, ids.cuda()).cpu()

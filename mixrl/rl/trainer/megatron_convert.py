@@ -1,7 +1,7 @@
 """Hugging Face Qwen3 (dense) <-> Megatron-core ``GPTModel`` weights, and their tensor-parallel shards.
 
 megatron-bridge is the maintained converter, but its releases import Transformer Engine at module
-load and pin ``transformers<5`` (docs/trainer.md, "The Megatron backend"), so neither installs
+load and pin ``transformers<5`` (docs/api.md, "Trainer backends"), so neither installs
 beside this project's transformers nor imports on a CPU.  This module is the small, pure piece the
 backend needs instead, for the architecture mixrl trains: Qwen3 dense, with Megatron's *local* layer
 spec (``get_gpt_layer_local_spec(qk_layernorm=True)``: separate RMSNorm modules, no TE fusion).
