@@ -86,6 +86,8 @@ METRICS_AVAILABLE = "MetricsAvailable"
 """A SamplerPool condition this loop owns (Prometheus answered, or why not)."""
 UPDATING_WEIGHTS = "UpdatingWeights"
 """A SamplerPool condition whoever syncs weights sets True while engines load a new version."""
+BACKLOG_HORIZON_S = 300.0
+"""The shortest time ``objective: trainer`` closes the backlog's distance from its band over."""
 SCALED_REASON = "Scaled"
 METRICS_REASON = "MetricsUnavailable"
 
@@ -549,8 +551,9 @@ class AutoscalingLoop:
             min_steps_ahead=a.min_steps_ahead,
             max_steps_ahead=run.rollout.max_steps_ahead or None,
             tolerance=a.tolerance,
-            # The backlog's distance closes over the window, at least one poll (a window may be 0).
-            horizon_s=max(a.scale_down_window_seconds, a.poll_interval_seconds),
+            # The backlog's distance closes over the window, at least BACKLOG_HORIZON_S: a window
+            # of 0 (or seconds) would turn one step of backlog into hundreds of trajectories/s.
+            horizon_s=max(a.scale_down_window_seconds, BACKLOG_HORIZON_S),
             gpu_budget=a.gpu_budget,
             cost_budget_per_hour=a.cost_budget_per_hour,
         )
