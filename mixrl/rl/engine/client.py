@@ -105,7 +105,7 @@ class EngineClient(SessionClient):
         """Generate from one prompt; ``params`` are :func:`request_body`'s."""
         body = request_body(input_ids, **params)
         _, payload = await self._request("POST", "/generate", body, idempotent=False)
-        return parse_response(payload, support_requested=bool(body.get("return_sampling_mask")))
+        return parse_response(payload, request=body)
 
     async def generate_batch(self, prompts: list[list[int]], **params: Any) -> list[GenerateResult]:
         """Generate from several prompts in one request (same sampling parameters for all)."""
@@ -115,8 +115,7 @@ class EngineClient(SessionClient):
         _, payload = await self._request("POST", "/generate", body, idempotent=False)
         if not isinstance(payload, list) or len(payload) != len(prompts):
             raise EngineResponseError(f"/generate: expected {len(prompts)} results for a batch")
-        asked = bool(body.get("return_sampling_mask"))
-        return [parse_response(p, support_requested=asked) for p in payload]
+        return [parse_response(p, request=body) for p in payload]
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_disk(

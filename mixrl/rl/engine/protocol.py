@@ -938,22 +938,20 @@ def parse_response(
     headers: Mapping[str, str] | None = None,
     default_pool: PoolInfo | None = None,
     *,
-    support_requested: bool = False,
+    request: Mapping[str, Any] | None = None,
 ) -> GenerateResult:
     """One prompt's ``/generate`` response (and the router's headers, if any) as a GenerateResult.
 
-    ``support_requested``: the request set ``return_sampling_mask``; an answer with neither the mask
-    nor mixrl's support sizes is an error, not records without their support (a proxy that drops
-    the field, such as sglang-router 0.3.2, would otherwise make a truncated rule look untruncated).
+    ``request``: the body it answers.  When that set ``return_sampling_mask``, an answer with neither
+    the mask nor mixrl's support sizes is an error, not records without their support (a proxy that
+    drops the field, such as sglang-router 0.3.2, would otherwise make a truncated rule look
+    untruncated).
     """
     if not isinstance(payload, dict):
         raise EngineResponseError("/generate: expected a JSON object per prompt")
     meta = payload.get("meta_info") or {}
-    if (
-        support_requested
-        and "output_token_sampling_mask" not in meta
-        and "output_token_support_size" not in meta
-    ):
+    asked = bool((request or {}).get("return_sampling_mask"))
+    if asked and "output_token_sampling_mask" not in meta and "output_token_support_size" not in meta:
         raise EngineResponseError(
             "output_token_sampling_mask: absent although the request set return_sampling_mask; "
             "something between client and engine dropped the field (sglang-router 0.3.2 does: "
