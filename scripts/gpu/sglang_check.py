@@ -225,6 +225,21 @@ def check_records(episodes: list[list[Any]], allowed: set[int], after_update: bo
     return tokens
 
 
+LOAD_TOKENS = 2048
+"""Tokens per turn while the update happens: long enough that turns are running when it lands."""
+
+
+async def until_running(engine: Any, episodes: asyncio.Task[Any]) -> None:
+    """Until SGLang reports running requests (``sglang:num_running_reqs``), so the update is under load."""
+    while True:
+        if episodes.done():
+            raise CheckFailed("the loaded episodes finished before any request was seen running")
+        metrics = await engine.metrics()
+        if metrics.get("sglang:num_running_reqs", 0.0) >= 1:
+            return
+        await asyncio.sleep(0.05)
+
+
 async def play(client: Any, count: int, turns: int, max_new_tokens: int, tag: str) -> list[list[Any]]:
     """``count`` episodes of ``turns`` turns each, concurrently; each turn extends the history."""
     import random
@@ -283,10 +298,8 @@ async def gpu_run(args: argparse.Namespace, resolved: ResolvedRun, pool: Resolve
 
             trained = {n: (t.float() + 0.01 * t.float().std()).to(t.dtype) for n, t in state.items()}
             store.publish(1, trained, {"step": 1}, config)
-            under_load = asyncio.create_task(play(rollout, args.episodes, 2, 256, "load"))
-            await asyncio.sleep(args.update_after)
-            if under_load.done():
-                raise CheckFailed("the episodes finished before the update: raise --update-after's load")
+            under_load = asyncio.create_task(play(rollout, args.episodes, 2, LOAD_TOKENS, "load"))
+            await until_running(engine, under_load)
             await weight_sync.sync_engine(store, pool, output, engine, 1, served)
             if await engine.get_weight_version() != 1:
                 raise CheckFailed("after the weight-sync sequence the engine does not report version 1")
@@ -295,6 +308,8 @@ async def gpu_run(args: argparse.Namespace, resolved: ResolvedRun, pool: Resolve
             mixed = sum(
                 1 for turns in loaded for r in turns if len({x.weight_version for x in r.records}) > 1
             )
+            if mixed == 0:
+                raise CheckFailed("no turn spans both versions: the update did not happen under load")
             say(
                 f"weight update under load: engine on version 1; {tokens} token records checked, {mixed} turns span both versions"
             )
@@ -319,7 +334,6 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--port", type=int, default=ENGINE_PORT)
     parser.add_argument("--episodes", type=int, default=4)
-    parser.add_argument("--update-after", type=float, default=1.0, help="seconds into the loaded episodes")
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--sglang-env", type=Path, default=None, help="the parser environment (--dry-run)")
