@@ -1,8 +1,8 @@
 """One rank of the Megatron-core checks on CPU (run by test_megatron.py through torchrun, 2 ranks, gloo).
 
-usage: megatron_worker.py MODEL_DIR OUT_DIR DEVICE   (DEVICE: cpu, gloo; or cuda, NCCL)
+usage: megatron_worker.py MODEL_DIR OUT_DIR DEVICE EP   (DEVICE: cpu, gloo; or cuda, NCCL)
 
-Tensor parallelism spans all the ranks. On cuda the worker also runs ``GPTModel.forward`` and a
+Expert parallelism EP (MoE models), tensor parallelism the rest of the ranks. On cuda the worker also runs ``GPTModel.forward`` and a
 backward, which megatron-core cannot run on a CPU.
 
 Real: megatron-core's ``parallel_state`` groups (tensor parallel 2) over gloo, its ``GPTModel`` built
@@ -26,9 +26,10 @@ from mixrl.rl.models import load_model
 from mixrl.rl.trainer.megatron_convert import (
     gpt_model_kwargs,
     hf_to_megatron,
+    local_layer_spec_kwargs,
     megatron_to_hf,
-    tp_shard,
-    tp_unshard,
+    parallel_shard,
+    parallel_unshard,
     transformer_config_kwargs,
 )
 
@@ -46,10 +47,11 @@ def build_gpt_model(hf_config: Any) -> GPTModel:
     config = TransformerConfig(
         **transformer_config_kwargs(hf_config),
         tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(),
+        expert_model_parallel_size=mpu.get_expert_model_parallel_world_size(),
         use_cpu_initialization=True,
         params_dtype=torch.float32,
     )
-    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(**local_layer_spec_kwargs(hf_config))
     return GPTModel(config, spec, **gpt_model_kwargs(hf_config))
 
 
@@ -66,15 +68,17 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
 def round_trip(model: GPTModel, hf_state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, Any]:
     """Load this rank's shard of the converted weights into the real GPTModel, read them back,
     gather the shards and convert back to Hugging Face names."""
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-    shard = tp_shard(hf_to_megatron(hf_state, hf_config), tp_rank, mpu.get_tensor_model_parallel_world_size())
+    place = (mpu.get_expert_model_parallel_rank(), mpu.get_tensor_model_parallel_rank())
+    tp_size, ep_size = mpu.get_tensor_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
+    shard = parallel_shard(hf_to_megatron(hf_state, hf_config), place[1], tp_size, place[0], ep_size)
     missing, unexpected = model.load_state_dict(shard, strict=False)
-    shards = all_gather_objects(megatron_state(model), mpu.get_tensor_model_parallel_group())
-    back = megatron_to_hf(tp_unshard(shards), hf_config)
+    shards = dict(all_gather_objects((place, megatron_state(model)), dist.group.WORLD))
+    back = megatron_to_hf(parallel_unshard(shards), hf_config)
     return {
+        "place": place,
         "missing": [k for k in missing if not k.endswith("_extra_state")],
         "unexpected": list(unexpected),
-        "hf_back": back if tp_rank == 0 else None,
+        "hf_back": back if dist.get_rank() == 0 else None,
     }
 
 
@@ -119,12 +123,14 @@ def sharded_loss(model: GPTModel, hidden: torch.Tensor, records: tuple[torch.Ten
 
 
 def main(argv: list[str]) -> int:
-    model_dir, out_dir, device = Path(argv[0]), Path(argv[1]), torch.device(argv[2])
+    model_dir, out_dir, device, ep = Path(argv[0]), Path(argv[1]), torch.device(argv[2]), int(argv[3])
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     try:
-        mpu.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=dist.get_world_size() // ep, expert_model_parallel_size=ep
+        )
         rank = dist.get_rank()
         hf = load_model(model_dir)
         hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
@@ -150,7 +156,8 @@ def main(argv: list[str]) -> int:
         hidden = out.hidden_states[-1].reshape(-1, hf.config.hidden_size)  # after the final norm
         records = sampler_records(out.logits.reshape(-1, hf.config.vocab_size), seed=11)
         result["hidden"], result["records"] = hidden, records
-        result.update(sharded_loss(model, hidden, records))
+        if mpu.get_tensor_model_parallel_world_size() > 1:
+            result.update(sharded_loss(model, hidden, records))
         torch.save(result, out_dir / f"rank{rank}.pt")
     finally:
         mpu.destroy_model_parallel()

@@ -3,7 +3,8 @@ never skip, when it is missing).
 
 On the CPU, two torchrun ranks form real ``parallel_state`` tensor-parallel groups over gloo and build
 megatron-core's ``GPTModel`` (local layer spec, ``use_cpu_initialization``): the Hugging Face Qwen3
-weights go in through mixrl.rl.trainer.megatron_convert, come back out exactly, and the corrected loss
+weights (dense with tensor parallelism 2; MoE with expert parallelism 2 and with tensor parallelism 2)
+go in through mixrl.rl.trainer.megatron_convert, come back out exactly, and the corrected loss
 on the vocabulary-parallel output layer's logit shards equals the unsharded loss, gradients included.
 ``GPTModel.forward`` itself needs CUDA in megatron-core 0.16 (the rotary table and the attention's
 matmul buffer are allocated on ``torch.cuda.current_device()``): that check runs when CUDA is present.
@@ -15,28 +16,29 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
 from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
-from mixrl.rl.models import load_model, tiny_config
+from mixrl.rl.models import create_tiny_checkpoint, load_model, tiny_config
 from mixrl.rl.trainer.megatron_convert import (
     check_supported,
     hf_to_megatron,
     megatron_to_hf,
-    tp_shard,
-    tp_unshard,
+    parallel_shard,
+    parallel_unshard,
 )
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 
 
-def run_worker(model_dir: Path, out: Path, ranks: int, device: str) -> list[dict[str, Any]]:
+def run_worker(model_dir: Path, out: Path, ranks: int, device: str, ep: int = 1) -> list[dict[str, Any]]:
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(WORKER), str(model_dir), str(out), device]  # fmt: skip
+               str(WORKER), str(model_dir), str(out), device, str(ep)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
@@ -48,21 +50,41 @@ def cpu_ranks(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return run_worker(tiny_model_dir, tmp_path_factory.mktemp("megatron") / "out", ranks=2, device="cpu")
 
 
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(
+        create_tiny_checkpoint(tmp_path_factory.mktemp("moe") / "model", "qwen3_moe", vocab_size=48, seed=3)
+    )
+
+
 def hf_state(model_dir: Path) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in load_model(model_dir).state_dict().items()}
+
+
+def assert_round_trip_exact(ranks: list[dict[str, Any]], model_dir: Path) -> None:
+    for r in ranks:  # every Megatron parameter was loaded, nothing was left over
+        assert r["missing"] == [] and r["unexpected"] == []
+    expected = hf_state(model_dir)
+    back = ranks[0]["hf_back"]
+    assert sorted(back) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(back[name], tensor), name
 
 
 def test_hf_megatron_hf_round_trip_through_a_tensor_parallel_gpt_model_is_exact(
     cpu_ranks: list[dict[str, Any]], tiny_model_dir: Path
 ) -> None:
-    assert [r["tp_rank"] for r in cpu_ranks] == [0, 1]
-    for r in cpu_ranks:  # every Megatron parameter was loaded, nothing was left over
-        assert r["missing"] == [] and r["unexpected"] == []
-    expected = hf_state(tiny_model_dir)
-    back = cpu_ranks[0]["hf_back"]
-    assert sorted(back) == sorted(expected)
-    for name, tensor in expected.items():
-        assert torch.equal(back[name], tensor), name
+    assert [r["place"] for r in cpu_ranks] == [(0, 0), (0, 1)]  # (ep_rank, tp_rank)
+    assert_round_trip_exact(cpu_ranks, tiny_model_dir)
+
+
+@pytest.mark.parametrize(("ep", "places"), [(2, [(0, 0), (1, 0)]), (1, [(0, 0), (0, 1)])])
+def test_qwen3_moe_round_trip_through_an_expert_or_tensor_parallel_gpt_model_is_exact(
+    tiny_moe_dir: Path, tmp_path: Path, ep: int, places: list[tuple[int, int]]
+) -> None:
+    ranks = run_worker(tiny_moe_dir, tmp_path / "out", ranks=2, device="cpu", ep=ep)
+    assert [r["place"] for r in ranks] == places
+    assert_round_trip_exact(ranks, tiny_moe_dir)
 
 
 def test_corrected_loss_on_megatron_vocab_parallel_logits_equals_the_unsharded_loss(
@@ -89,32 +111,54 @@ def test_corrected_loss_on_megatron_vocab_parallel_logits_equals_the_unsharded_l
 def test_gpt_model_forward_matches_hugging_face_and_backpropagates_on_cuda(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    ranks = run_worker(tiny_model_dir, tmp_path / "out", ranks=1, device="cuda")
-    with torch.no_grad():
-        ids = torch.randint(1, 48, (2, 7), generator=torch.Generator().manual_seed(5))
-        expected = load_model(tiny_model_dir)(input_ids=ids).logits
-    torch.testing.assert_close(ranks[0]["logits_shard"], expected, rtol=1e-3, atol=1e-3)
-    assert ranks[0]["params_without_grad"] == []
+    for model_dir in (
+        tiny_model_dir,
+        create_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", vocab_size=48, seed=3),
+    ):
+        ranks = run_worker(Path(model_dir), tmp_path / f"out-{Path(model_dir).name}", ranks=1, device="cuda")
+        with torch.no_grad():
+            ids = torch.randint(1, 48, (2, 7), generator=torch.Generator().manual_seed(5))
+            expected = load_model(model_dir)(input_ids=ids).logits
+        torch.testing.assert_close(ranks[0]["logits_shard"], expected, rtol=1e-3, atol=1e-3)
+        assert ranks[0]["params_without_grad"] == []
 
 
 def test_conversion_functions_invert_each_other_for_any_tensor_parallel_size(tiny_model_dir: Path) -> None:
     config = load_model(tiny_model_dir).config
     state = hf_state(tiny_model_dir)
     whole = hf_to_megatron(state, config)
-    for tp in (1, 2):
-        shards = [tp_shard(whole, rank, tp) for rank in range(tp)]
+    for tp in (1, 2, 4):
+        shards = {(0, rank): parallel_shard(whole, rank, tp) for rank in range(tp)}
         if tp == 2:  # rank 0's fc1 is [gate rows 0..63; up rows 0..63], not the first half of [gate; up]
-            fc1 = shards[0]["decoder.layers.0.mlp.linear_fc1.weight"]
+            fc1 = shards[(0, 0)]["decoder.layers.0.mlp.linear_fc1.weight"]
             assert torch.equal(fc1[:64], state["model.layers.0.mlp.gate_proj.weight"][:64])
             assert torch.equal(fc1[64:], state["model.layers.0.mlp.up_proj.weight"][:64])
-        back = megatron_to_hf(tp_unshard(shards), config)
+        back = megatron_to_hf(parallel_unshard(shards), config)
         assert all(torch.equal(back[k], v) for k, v in state.items()) and sorted(back) == sorted(state)
+
+
+def test_moe_experts_go_to_their_expert_parallel_rank_renumbered(tiny_moe_dir: Path) -> None:
+    config = load_model(tiny_moe_dir).config
+    state = hf_state(tiny_moe_dir)
+    whole = hf_to_megatron(state, config)
+    shards = {(ep, tp): parallel_shard(whole, tp, 2, ep, 2) for ep in range(2) for tp in range(2)}
+    # 8 experts over 2 expert-parallel ranks: rank 1's local expert 0 is global expert 4
+    local = shards[(1, 0)]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"]
+    assert torch.equal(local, state["model.layers.1.mlp.experts.down_proj"][4][:, :16])
+    assert "decoder.layers.1.mlp.experts.local_experts.4.linear_fc2.weight" not in shards[(1, 0)]
+    back = megatron_to_hf(parallel_unshard(shards), config)
+    assert all(torch.equal(back[k], v) for k, v in state.items()) and sorted(back) == sorted(state)
+    with pytest.raises(ValueError, match=r"ep_size: 8 experts do not split into 3 expert-parallel ranks"):
+        parallel_shard(whole, 0, 1, 0, 3)
+    with pytest.raises(ValueError, match=r"shards: no part for \(ep_rank, tp_rank\) \[\(1, 1\)\]"):
+        parallel_unshard({k: v for k, v in shards.items() if k != (1, 1)})
 
 
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (tiny_config("qwen3_moe", 48), "model_type: the megatron conversion maps Qwen3 dense models"),
+        (SimpleNamespace(model_type="llama"), "model_type: the megatron conversion maps Qwen3 dense and MoE"),
+        (tiny_config("qwen3_moe", 48, decoder_sparse_step=2), "decoder_sparse_step: the megatron conversion"),
         (tiny_config("qwen3", 48, tie_word_embeddings=True), "tie_word_embeddings: "),
     ],
 )
@@ -128,6 +172,6 @@ def test_a_shard_that_does_not_split_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(
         ValueError, match=r"embedding.word_embeddings.weight: dim 0 of size 48 does not split"
     ):
-        tp_shard(whole, 0, 5)
+        parallel_shard(whole, 0, 5)
     with pytest.raises(ValueError, match=r"tp_rank: must be in \[0, 2\)"):
-        tp_shard(whole, 2, 2)
+        parallel_shard(whole, 2, 2)
