@@ -5,8 +5,9 @@ From one RLRun, every combination of
 - an **arm** (:data:`ARMS`): which corrections train and how the samplers sample — plain GRPO on the
   full vocabulary, GRPO + MIS, score centering (SC) alone, GRPO with top-p and no mask replay,
   SC + MIS, and SC + MIS + top-p with mask replay (the seed's stable recipe);
-- a **fleet** (:data:`FLEETS`): the run's own sampler pools (``mixed``), or as many pools all at
-  BF16 with a BF16 KV cache (``bf16``, the homogeneous baseline);
+- a **fleet** (:data:`FLEETS`): the run's own sampler pools (``mixed``), as many pools all at
+  BF16 with a BF16 KV cache (``bf16``, the homogeneous baseline), or the run's pools with
+  mismatch-aware routing (``mixed-health``);
 - a **seed**: each engine's ``--random-seed`` (the samplers' draws; the tasks, the warm start and
   the trainer stay the same, so seeds differ by sampling alone);
 
@@ -78,7 +79,13 @@ ARMS: dict[str, Arm] = {
     )
 }
 """The seed's six arms.  Without top-p the samplers draw from the whole vocabulary (p 1, no top-k)."""
-FLEETS = ("mixed", "bf16")
+FLEETS = ("mixed", "bf16", "mixed-health")
+"""``mixed-health``: the run's own pools with mismatch-aware routing (``spec.health.routing`` at
+:data:`ROUTING`): the comparison of capacity × health against plain capacity routing."""
+ROUTING = {"klThreshold": 0.003, "extremeShareThreshold": 0.002, "degradeAfter": 3, "recoverAfter": 3}
+"""Thresholds of the ``mixed-health`` fleet: between the quickstart's BF16 pool's fresh mismatch
+(k3 about 3e-5) and its low-precision pools' (2e-3 to 4e-3), so the FP4 pools are the ones to
+lose traffic if their fresh mismatch stays high."""
 DEFAULT_TOP_P = {"p": 0.95, "k": 32}
 """The nucleus of the top-p arms when the RLRun itself samples the whole vocabulary."""
 
@@ -108,6 +115,8 @@ def arm_document(run: Doc, arm: Arm, fleet: str, seed: int) -> Doc:
         for index, pool in enumerate(pools):
             pool["name"] = f"bf16-{index}"
     spec["samplerPools"] = pools
+    if fleet == "mixed-health":
+        spec.setdefault("health", {})["routing"] = dict(ROUTING)
     return doc
 
 
@@ -361,7 +370,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mixrl ablate", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", type=Path, help="the RLRun the study varies")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    parser.add_argument("--fleets", default=",".join(FLEETS), help="mixed, bf16 or both")
+    parser.add_argument(
+        "--fleets", default="mixed,bf16", help=f"comma-separated, of {', '.join(FLEETS)} (default mixed,bf16)"
+    )
     parser.add_argument("--seeds", type=int, default=3, help="seeds per arm and fleet (default 3)")
     parser.add_argument(
         "--steps", type=int, default=None, help="trainer steps per run (default: the RLRun's)"

@@ -35,6 +35,10 @@ def test_every_arm_and_fleet_is_a_valid_run_that_differs_only_where_it_should(ar
         assert (algorithm.top_p.p, algorithm.top_p.k) == (1.0, -1)
     precisions = [pool.weight_precision for pool in resolved.pools]
     assert precisions == (["bf16"] * 4 if fleet == "bf16" else ["nvfp4", "mxfp4", "fp8", "bf16"])
+    routing = resolved.health.routing
+    assert (routing is not None) == (fleet == "mixed-health")
+    if routing is not None:  # the router is started with --buffer to read the mismatch
+        assert routing.kl_threshold == 0.003
     assert all(pool.engine_args[-2:] == ("--random-seed", "2") for pool in resolved.pools)
     assert QUICKSTART["spec"]["algorithm"]["topP"]["p"] == 0.95  # the input is left as it was
     # Everything else is the study's RLRun: tasks, model, trainer, evaluation.
