@@ -82,6 +82,21 @@ def round_trip(model: GPTModel, hf_state: dict[str, torch.Tensor], hf_config: An
     }
 
 
+def layer_outputs(model: GPTModel, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Megatron's own pieces of layer 0 on this rank, run on the CPU: the fused QKV projection split
+    into query, key and value heads (q/k norms applied), and a dense MLP's output (megatron-core 0.16's
+    MoE router moves its weight to ``torch.cuda.current_device()``: MoE blocks run on CUDA only).
+
+    ``x`` is [seq, batch, hidden]. The heads are this rank's (tensor parallelism splits them); the MLP
+    output is whole (its row-parallel ``linear_fc2`` all-reduces)."""
+    layer = model.decoder.layers[0]
+    q, k, v = layer.self_attention.get_query_key_value_tensors(x, None)
+    outputs = {"q": q, "k": k, "v": v}
+    if not hasattr(layer.mlp, "router"):  # the MoE router moves its weight to CUDA in its forward
+        outputs["mlp"], _ = layer.mlp(x)
+    return outputs
+
+
 def model_logits(model: GPTModel, ids: torch.Tensor) -> torch.Tensor:
     """This rank's vocabulary shard of ``GPTModel.forward``'s logits, [batch, seq, V/tp] (CUDA only:
     megatron-core 0.16 allocates the rotary table and the attention's matmul buffer on
@@ -152,6 +167,8 @@ def main(argv: list[str]) -> int:
             model.cpu()
 
         with torch.no_grad():
+            x = torch.randn(7, 2, hf.config.hidden_size, generator=torch.Generator().manual_seed(6))
+            result["layer0"] = layer_outputs(model, x)
             out = hf(input_ids=ids, output_hidden_states=True)
         hidden = out.hidden_states[-1].reshape(-1, hf.config.hidden_size)  # after the final norm
         records = sampler_records(out.logits.reshape(-1, hf.config.vocab_size), seed=11)

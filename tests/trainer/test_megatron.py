@@ -85,6 +85,38 @@ def test_qwen3_moe_round_trip_through_an_expert_or_tensor_parallel_gpt_model_is_
     ranks = run_worker(tiny_moe_dir, tmp_path / "out", ranks=2, device="cpu", ep=ep)
     assert [r["place"] for r in ranks] == places
     assert_round_trip_exact(ranks, tiny_moe_dir)
+    assert_layer0_computes_what_hugging_face_computes(ranks, tiny_moe_dir)
+
+
+def assert_layer0_computes_what_hugging_face_computes(ranks: list[dict[str, Any]], model_dir: Path) -> None:
+    """Megatron's modules, holding the converted weights, compute Hugging Face's layer 0 pieces: the
+    query/key/value heads (the fused QKV layout and the q/k norms) and, for a dense model, the MLP's
+    output (the [gate; up] layout). An MoE block runs only on CUDA (its router's forward)."""
+    layer = load_model(model_dir).model.layers[0]
+    attn = layer.self_attn
+    x = torch.randn(7, 2, attn.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    heads = (*x.shape[:2], -1, attn.head_dim)
+    with torch.no_grad():
+        expected = {
+            "q": attn.q_norm(attn.q_proj(x).view(heads)),
+            "k": attn.k_norm(attn.k_proj(x).view(heads)),
+            "v": attn.v_proj(x).view(heads),
+        }
+        dense = attn.config.model_type == "qwen3"
+        expected_mlp = layer.mlp(x.transpose(0, 1).contiguous()).transpose(0, 1) if dense else None
+    for name, value in expected.items():  # tensor parallelism splits the heads: rank order on dim 2
+        parts = [r["layer0"][name] for r in ranks if r["place"][0] == 0]
+        torch.testing.assert_close(torch.cat(parts, dim=2), value, rtol=1e-5, atol=1e-6)
+    for r in ranks:
+        assert ("mlp" in r["layer0"]) == dense
+        if dense:
+            torch.testing.assert_close(r["layer0"]["mlp"], expected_mlp, rtol=1e-5, atol=1e-6)
+
+
+def test_megatron_modules_compute_the_hugging_face_layer_on_cpu(
+    cpu_ranks: list[dict[str, Any]], tiny_model_dir: Path
+) -> None:
+    assert_layer0_computes_what_hugging_face_computes(cpu_ranks, tiny_model_dir)
 
 
 def test_corrected_loss_on_megatron_vocab_parallel_logits_equals_the_unsharded_loss(
