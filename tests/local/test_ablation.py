@@ -66,7 +66,7 @@ def test_the_table_gives_means_spreads_collapses_and_the_fleet_ratio() -> None:
     assert mixed["final_pass1"][1] == pytest.approx(0.1414, rel=1e-3)  # standard deviation over seeds
     assert mixed["collapsed"] == 1 and mixed["fresh_kl_ratio_to_bf16"] == pytest.approx(5.0)
     assert "| SC+MIS+top-p replay | mixed | 2 | 0.700 ± 0.141 | 0.800 ± 0.141 | 1/2 |" in lines[2]
-    assert "| SC+MIS+top-p replay | 5.00× |" in lines
+    assert "| SC+MIS+top-p replay | k3 | 5.0× |" in lines
 
 
 def test_a_fast_study_runs_resumes_and_writes_its_table(tmp_path: Path) -> None:
