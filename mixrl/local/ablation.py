@@ -422,7 +422,7 @@ def main(argv: list[str]) -> int:
                 failed.append(job.name)
             left = len(jobs) - done
             eta = statistics.fmean(took) * math.ceil(left / args.jobs) if took else 0.0
-            rate = done / max(time.monotonic() - started, 1e-9) * 3600
+            rate = len(took) / max(time.monotonic() - started, 1e-9) * 3600  # of the runs that ran
             print(
                 f"[{done}/{len(jobs)}] {job.name}: {status} in {seconds:.0f}s  ({rate:.1f} runs/h, ETA {eta:.0f}s)",
                 flush=True,
