@@ -122,7 +122,7 @@ def sharded_loss(model: GPTModel, hidden: torch.Tensor, records: tuple[torch.Ten
     tp_rank = mpu.get_tensor_model_parallel_rank()
     hidden = hidden.clone().requires_grad_(True)
     model.output_layer.weight.grad = None
-    shard, _ = model.output_layer(hidden[:, None, :])  # [N, 1, V/TP]
+    shard, _ = model.output_layer(hidden[:, None, :])  # [N, 1, V/tp]
     shard = shard[:, 0, :]
     loss, metrics = token_policy_loss(
         shard, *records, CorrectionConfig(), None,
@@ -173,7 +173,11 @@ def main(argv: list[str]) -> int:
         hidden = out.hidden_states[-1].reshape(-1, hf.config.hidden_size)  # after the final norm
         records = sampler_records(out.logits.reshape(-1, hf.config.vocab_size), seed=11)
         result["hidden"], result["records"] = hidden, records
-        if mpu.get_tensor_model_parallel_world_size() > 1:
+        if model.share_embeddings_and_output_weights:  # the output layer takes the embedding's shard
+            with torch.no_grad():
+                shared = model.shared_embedding_or_output_weight()
+                result["logits_from_shared"] = model.output_layer(hidden[:, None, :], weight=shared)[0][:, 0]
+        elif mpu.get_tensor_model_parallel_world_size() > 1:
             result.update(sharded_loss(model, hidden, records))
         torch.save(result, out_dir / f"rank{rank}.pt")
     finally:

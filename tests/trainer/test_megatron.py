@@ -3,11 +3,13 @@ never skip, when it is missing).
 
 On the CPU, two torchrun ranks form real ``parallel_state`` tensor-parallel groups over gloo and build
 megatron-core's ``GPTModel`` (local layer spec, ``use_cpu_initialization``): the Hugging Face Qwen3
-weights (dense with tensor parallelism 2; MoE with expert parallelism 2 and with tensor parallelism 2)
-go in through mixrl.rl.trainer.megatron_convert, come back out exactly, and the corrected loss
-on the vocabulary-parallel output layer's logit shards equals the unsharded loss, gradients included.
-``GPTModel.forward`` itself needs CUDA in megatron-core 0.16 (the rotary table and the attention's
-matmul buffer are allocated on ``torch.cuda.current_device()``): that check runs when CUDA is present.
+weights (dense with tensor parallelism 2, untied and tied; MoE with expert parallelism 2 and with
+tensor parallelism 2) go in through mixrl.rl.trainer.megatron_convert and come back out exactly;
+Megatron's own QKV split and dense MLP compute the Hugging Face layer; and the corrected loss on the
+vocabulary-parallel output layer's logit shards equals the unsharded loss, gradients included.
+``GPTModel.forward`` itself needs CUDA in megatron-core 0.16 (the rotary table, the attention's matmul
+buffer and the MoE router's weight go to ``torch.cuda.current_device()``): that check runs when CUDA
+is present.
 """
 
 from __future__ import annotations
@@ -78,6 +80,19 @@ def test_hf_megatron_hf_round_trip_through_a_tensor_parallel_gpt_model_is_exact(
     assert_round_trip_exact(cpu_ranks, tiny_model_dir)
 
 
+def test_tied_embeddings_round_trip_through_a_tensor_parallel_gpt_model(tmp_path: Path) -> None:
+    model_dir = Path(
+        create_tiny_checkpoint(tmp_path / "tied", "qwen3", vocab_size=48, seed=4, tie_word_embeddings=True)
+    )
+    state = hf_state(model_dir)
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    ranks = run_worker(model_dir, tmp_path / "out", ranks=2, device="cpu")
+    assert_round_trip_exact(ranks, model_dir)
+    torch.testing.assert_close(
+        ranks[0]["logits_from_shared"], ranks[0]["hidden"] @ state["lm_head.weight"][:24].T
+    )
+
+
 @pytest.mark.parametrize(("ep", "places"), [(2, [(0, 0), (1, 0)]), (1, [(0, 0), (0, 1)])])
 def test_qwen3_moe_round_trip_through_an_expert_or_tensor_parallel_gpt_model_is_exact(
     tiny_moe_dir: Path, tmp_path: Path, ep: int, places: list[tuple[int, int]]
@@ -146,6 +161,7 @@ def test_gpt_model_forward_matches_hugging_face_and_backpropagates_on_cuda(
     for model_dir in (
         tiny_model_dir,
         create_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", vocab_size=48, seed=3),
+        create_tiny_checkpoint(tmp_path / "tied", "qwen3", vocab_size=48, seed=4, tie_word_embeddings=True),
     ):
         ranks = run_worker(Path(model_dir), tmp_path / f"out-{Path(model_dir).name}", ranks=1, device="cuda")
         with torch.no_grad():
@@ -191,7 +207,6 @@ def test_moe_experts_go_to_their_expert_parallel_rank_renumbered(tiny_moe_dir: P
     [
         (SimpleNamespace(model_type="llama"), "model_type: the megatron conversion maps Qwen3 dense and MoE"),
         (tiny_config("qwen3_moe", 48, decoder_sparse_step=2), "decoder_sparse_step: the megatron conversion"),
-        (tiny_config("qwen3", 48, tie_word_embeddings=True), "tie_word_embeddings: "),
     ],
 )
 def test_unsupported_configs_are_refused_naming_the_field(config: Any, message: str) -> None:

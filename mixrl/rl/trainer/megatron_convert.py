@@ -67,6 +67,16 @@ _TOP_RENAMES = {
 }
 
 
+def tied(hf_config: Any) -> bool:
+    """Whether the LM head is the embedding (small Qwen3 models): Megatron then has no
+    ``output_layer.weight`` and its output layer uses the embedding's vocabulary shard."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+def _top_renames(hf_config: Any) -> dict[str, str]:
+    return {hf: mc for hf, mc in _TOP_RENAMES.items() if not (tied(hf_config) and hf == "lm_head.weight")}
+
+
 def is_moe(hf_config: Any) -> bool:
     return getattr(hf_config, "model_type", None) == "qwen3_moe"
 
@@ -78,8 +88,6 @@ def check_supported(hf_config: Any) -> None:
             f"model_type: the megatron conversion maps Qwen3 dense and MoE models (qwen3, qwen3_moe), "
             f"got {getattr(hf_config, 'model_type', None)!r}"
         )
-    if getattr(hf_config, "tie_word_embeddings", False):
-        raise ValueError("tie_word_embeddings: the megatron conversion needs an untied lm_head")
     if getattr(hf_config, "attention_bias", False):
         raise ValueError("attention_bias: Qwen3 has no attention biases; this config asks for them")
     if is_moe(hf_config) and (hf_config.decoder_sparse_step != 1 or list(hf_config.mlp_only_layers or [])):
@@ -155,7 +163,7 @@ def gpt_model_kwargs(hf_config: Any) -> dict[str, Any]:
         "max_sequence_length": hf_config.max_position_embeddings,
         "position_embedding_type": "rope",
         "rotary_base": rope_theta(hf_config),
-        "share_embeddings_and_output_weights": False,
+        "share_embeddings_and_output_weights": tied(hf_config),
     }
 
 
@@ -178,7 +186,7 @@ def hf_to_megatron(hf_state: Mapping[str, Tensor], hf_config: Any) -> StateDict:
     """The whole (unsharded) Megatron ``GPTModel`` state dict of a Hugging Face Qwen3 state dict."""
     check_supported(hf_config)
     groups, per_group, head_dim, hidden = _qkv_shape(hf_config)
-    out: StateDict = {mc: hf_state[hf] for hf, mc in _TOP_RENAMES.items()}
+    out: StateDict = {mc: hf_state[hf] for hf, mc in _top_renames(hf_config).items()}
     for layer in range(hf_config.num_hidden_layers):
         hf_prefix, mc_prefix = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for hf, mc in _LAYER_RENAMES.items():
@@ -209,7 +217,9 @@ def megatron_to_hf(mc_state: Mapping[str, Tensor], hf_config: Any) -> StateDict:
     """The Hugging Face Qwen3 state dict of a whole (unsharded) Megatron ``GPTModel`` state dict."""
     check_supported(hf_config)
     groups, per_group, head_dim, hidden = _qkv_shape(hf_config)
-    out: StateDict = {hf: mc_state[mc] for hf, mc in _TOP_RENAMES.items()}
+    out: StateDict = {hf: mc_state[mc] for hf, mc in _top_renames(hf_config).items()}
+    if tied(hf_config):  # Hugging Face's state dict names the shared tensor twice
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     for layer in range(hf_config.num_hidden_layers):
         hf_prefix, mc_prefix = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for hf, mc in _LAYER_RENAMES.items():
