@@ -168,7 +168,10 @@ def test_gpt_model_forward_matches_hugging_face_and_backpropagates_on_cuda(
             ids = torch.randint(1, 48, (2, 7), generator=torch.Generator().manual_seed(5))
             expected = load_model(model_dir)(input_ids=ids).logits
         torch.testing.assert_close(ranks[0]["logits_shard"], expected, rtol=1e-3, atol=1e-3)
-        assert ranks[0]["params_without_grad"] == []
+        # Every parameter gets a gradient, except MoE experts no token was routed to.
+        without = ranks[0]["params_without_grad"]
+        assert all(".local_experts." in name for name in without), without
+        assert len(without) < 2 * 8 * 2  # not every expert of every layer (fc1 + fc2, 8 experts, 2 layers)
 
 
 def test_conversion_functions_invert_each_other_for_any_tensor_parallel_size(tiny_model_dir: Path) -> None:
