@@ -328,18 +328,20 @@ def plot_study(
     curves.grid(alpha=0.3)
     labels, values = [], []
     for arm in arms:
+        key = "fresh_kl_k1" if ARMS[arm].top_p and not ARMS[arm].replay else "fresh_kl_k3"
         for fleet in fleets:
             got = [
-                f["fresh_kl_k1"]
+                f[key]
                 for s in range(seeds)
-                if (f := figures.get(f"{arm}-{fleet}-s{s}")) and f["fresh_kl_k1"] is not None
+                if (f := figures.get(f"{arm}-{fleet}-s{s}")) and f[key] is not None
             ]
             if got:
-                labels.append(f"{ARMS[arm].title}\n{fleet}")
+                labels.append(f"{ARMS[arm].title}\n{fleet} ({key.removeprefix('fresh_kl_')})")
                 values.append(statistics.fmean(got))
     kl.bar(range(len(values)), values)
+    kl.set_yscale("log")
     kl.set_xticks(range(len(values)), labels, fontsize=6, rotation=60)
-    kl.set(title="Fresh (staleness-0) KL, k1, last quarter of the steps", ylabel="KL")
+    kl.set(title="Fresh (staleness-0) KL, last quarter of the steps, mean over seeds", ylabel="KL")
     kl.grid(alpha=0.3, axis="y")
     figure.tight_layout()
     figure.savefig(path, dpi=90)
