@@ -488,6 +488,26 @@ IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 """``package.module:ClassName``: an environment of the user's own (docs/rollout.md)."""
 
 
+class SandboxPodsSpec(Model):
+    """Sandbox pods in a cluster (docs/sandbox.md#sandbox-pods-in-a-cluster): each rollout worker
+    keeps a warm pool of them and runs each sandboxed command in a pod of its own, deleted after it."""
+
+    pool_size: Int = Field(default=4, gt=0, le=1024)
+    """Warm sandbox pods each rollout worker keeps ready; a command waits for one when all are busy."""
+    runtime_class_name: DnsSubdomain | None = None
+    """RuntimeClass of the sandbox pods (``gvisor``, ``kata``: a kernel of their own); null = the
+    cluster's default runtime."""
+    image: Image | None = None
+    """Image of the sandbox pods (it must hold mixrl and whatever the tasks' commands need);
+    defaults to mixrl's components image."""
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements(cpu="1", memory="1Gi")
+    )
+    """CPU and memory of each sandbox pod (request = limit)."""
+    ready_timeout_seconds: Int = Field(default=120, gt=0, le=86400)
+    """A pod not ready this long after it was created is deleted and replaced."""
+
+
 class RolloutSpec(Model):
     environment: str = Field(default="filetree", min_length=1, max_length=255)
     """Task family: built in, ``filetree`` (inspect a virtual file tree with tools, submit an
@@ -517,6 +537,9 @@ class RolloutSpec(Model):
     """Back-pressure: a worker starts no new group while the buffer holds this many trainer steps of
     data (ready plus in flight); 0 = never wait. Staleness stays unbounded (no data is dropped); this
     only keeps samplers from running far ahead of the trainer."""
+    sandbox: SandboxPodsSpec | None = None
+    """In a cluster: run the environment's sandboxed commands in sandbox pods
+    (docs/sandbox.md#sandbox-pods-in-a-cluster); null = the local sandbox inside the worker's pod."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:

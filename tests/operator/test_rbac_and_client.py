@@ -102,6 +102,21 @@ async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiSer
         ("mixrl.dev", "rlruns/finalizers", "update"),
         ("mixrl.dev", "samplerpools/finalizers", "update"),
         ("kopf.dev", "clusterkopfpeerings", "get"),
+        # Held only to grant them to the rollout workers' Role (RBAC escalation prevention), never called.
+        ("", "pods", "create"),
+        ("", "pods", "get"),
+        ("", "pods", "delete"),
+        # The rollout workers' account of a run with spec.rollout.sandbox (none here;
+        # tests/cluster/test_sandbox_pods.py has one, under the chart's RBAC).
+        ("", "serviceaccounts", "get"),
+        ("", "serviceaccounts", "create"),
+        ("", "serviceaccounts", "patch"),
+        ("rbac.authorization.k8s.io", "roles", "get"),
+        ("rbac.authorization.k8s.io", "roles", "create"),
+        ("rbac.authorization.k8s.io", "roles", "patch"),
+        ("rbac.authorization.k8s.io", "rolebindings", "get"),
+        ("rbac.authorization.k8s.io", "rolebindings", "create"),
+        ("rbac.authorization.k8s.io", "rolebindings", "patch"),
     }, unused
 
 

@@ -22,7 +22,7 @@ PRECISION = "mixrl.dev/precision"
 APP = "mixrl"
 MANAGER = "mixrl-operator"
 
-Component = Literal["trainer", "sampler", "router", "rollout", "buffer", "run"]
+Component = Literal["trainer", "sampler", "router", "rollout", "buffer", "run", "sandbox"]
 """``run`` marks the objects shared by the whole run (ConfigMap, token Secret, weights volume, PodMonitor)."""
 
 # Children are named <run>-<suffix> for components and <run>-<pool> for pools, so a pool may not be

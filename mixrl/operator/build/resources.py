@@ -25,6 +25,7 @@ What one RLRun ``r`` in namespace ``ns`` becomes:
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from importlib.resources import files as package_files
 from typing import Literal
@@ -34,6 +35,7 @@ from mixrl.api.launch import component_command, weights_volume_path
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.build import labels as L
+from mixrl.operator.build import sandbox
 from mixrl.operator.build.network import network_policies
 from mixrl.operator.build.objects import (
     COMPONENT_FOOTPRINTS,
@@ -304,6 +306,10 @@ def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         }
     )
     template = component_template(resolved, "rollout", main, weight_volumes, options)
+    if sandbox.enabled(resolved) is not None:
+        # The one component that calls the API: it creates and deletes its sandbox pods.
+        template["spec"]["serviceAccountName"] = sandbox.account_name(resolved)
+        template["spec"]["automountServiceAccountToken"] = True
     return [statefulset(resolved, "rollout", resolved.rollout.workers, template, owner)]
 
 
@@ -410,6 +416,10 @@ def run_objects(
     (configuration and volumes before the workloads that mount them); ``finished``: the run is
     Succeeded or Failed, so its workloads are :func:`released`."""
     objects: list[Obj] = [config_map(resolved, owner), auth_secret(resolved, owner)]
+    if sandbox.enabled(resolved) is not None:
+        template = sandbox.sandbox_pod_template(resolved, owner, options.images)
+        objects[0]["data"][sandbox.SANDBOX_TEMPLATE_KEY] = json.dumps(template, indent=2, sort_keys=True)
+        objects += sandbox.sandbox_objects(resolved, owner)
     pvc = weights_pvc(resolved, owner, options)
     if pvc is not None:
         objects.append(pvc)

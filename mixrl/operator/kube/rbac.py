@@ -55,6 +55,9 @@ SAMPLERPOOLS = ApiResource(GROUP, VERSION, "samplerpools", "SamplerPool")
 PODMONITORS = ApiResource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor")
 SCALEDOBJECTS = ApiResource("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject")
 NETWORKPOLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
+SERVICEACCOUNTS = ApiResource("", "v1", "serviceaccounts", "ServiceAccount")
+ROLES = ApiResource("rbac.authorization.k8s.io", "v1", "roles", "Role")
+ROLEBINDINGS = ApiResource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding")
 KOPF_PEERINGS = ApiResource("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
 CLUSTER_KOPF_PEERINGS = ApiResource(
     "kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False
@@ -73,8 +76,10 @@ CHILD_RESOURCES = (
 )
 # The run's token Secret is a child too, but not watched: a watch needs list on every Secret of the
 # namespace, so a deleted token Secret is recreated by the periodic resync instead.
+# So are the rollout workers' ServiceAccount, Role and RoleBinding of a run with sandbox pods
+# (mixrl.operator.build.sandbox): rarely changed, recreated by the resync like the Secret.
 BY_KIND: dict[tuple[str, str], ApiResource] = {
-    (r.api_version, r.kind): r for r in (*CHILD_RESOURCES, SECRETS)
+    (r.api_version, r.kind): r for r in (*CHILD_RESOURCES, SECRETS, SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 }
 
 
@@ -121,8 +126,15 @@ RECONCILER: dict[Key, frozenset[str]] = {
     # The built-in autoscaler: replicas through the scale subresource, a Scaled event per change.
     (GROUP, "samplerpools/scale"): frozenset({"patch"}),
     ("", "events"): frozenset({"create"}),
-    # The live status reads the trainer's pods: containers that keep failing fail the run.
-    ("", "pods"): frozenset({"list"}),
+    # The live status reads the trainer's pods: containers that keep failing fail the run.  With
+    # spec.rollout.sandbox the operator grants the rollout workers pods create/get/list/delete in a
+    # Role, and Kubernetes lets it grant only what it holds itself (RBAC escalation prevention):
+    # it holds them for that alone, and never creates or deletes a pod.
+    ("", "pods"): frozenset({"list", "create", "get", "delete"}),
+    # The rollout workers' account, Role and RoleBinding of a run with sandbox pods.
+    ("", "serviceaccounts"): frozenset({"get", "create", "patch"}),
+    ("rbac.authorization.k8s.io", "roles"): frozenset({"get", "create", "patch"}),
+    ("rbac.authorization.k8s.io", "rolebindings"): frozenset({"get", "create", "patch"}),
     # Children carry blockOwnerDeletion; with the OwnerReferencesPermissionEnforcement admission
     # plugin (OpenShift and others) that needs update on the owner's finalizers subresource.
     (GROUP, "rlruns/finalizers"): frozenset({"update"}),
