@@ -8,31 +8,13 @@ import asyncio
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 from mixrl.rl.buffer.client import BufferClient
-from mixrl.rl.buffer.server import BufferServer
-from mixrl.rl.buffer.store import TrajectoryBuffer
 
-
-@asynccontextmanager
-async def buffer_at(directory: Path) -> AsyncIterator[str]:
-    buffer = TrajectoryBuffer(directory, prompts_per_update=1, samples_per_prompt=2)
-    runner = web.AppRunner(BufferServer(buffer, max_body_bytes=1 << 20).app(), shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
-        buffer.close()
+from ..servers import buffer_at
 
 
 def record(step: int, reward: float) -> dict:

@@ -10,39 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from mixrl.rl.buffer.client import BufferClient
-from mixrl.rl.buffer.server import BufferServer
-from mixrl.rl.buffer.store import TrajectoryBuffer
 from mixrl.rl.health.routing import HealthPolicy, mismatch_report
 from mixrl.rl.router.server import RouterSettings
 
+from ..servers import buffer_at
 from .conftest import RunningRouter, pools_config
 
 POLICY = HealthPolicy(kl_threshold=0.01, extreme_share_threshold=0.05, degrade_after=2, recover_after=2)
 BAD = {"kl_k3_fresh": 0.05, "extreme_ratio_fresh": 0.0, "fresh_tokens": 120}
 GOOD = {"kl_k3_fresh": 0.001, "extreme_ratio_fresh": 0.0, "fresh_tokens": 200}
-
-
-@asynccontextmanager
-async def buffer_at(directory: Path) -> AsyncIterator[str]:
-    buffer = TrajectoryBuffer(directory, prompts_per_update=1, samples_per_prompt=2)
-    runner = web.AppRunner(BufferServer(buffer, max_body_bytes=1 << 20).app(), shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
-        buffer.close()
 
 
 async def eventually(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:

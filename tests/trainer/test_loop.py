@@ -9,24 +9,21 @@ import json
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import torch
-from aiohttp import web
 
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.rl.buffer.client import BufferClient
-from mixrl.rl.buffer.server import BufferServer
-from mixrl.rl.buffer.store import ASSIGNMENTS, TrajectoryBuffer
+from mixrl.rl.buffer.store import ASSIGNMENTS
 from mixrl.rl.models import load_model
 from mixrl.rl.trainer.main import FINISHED, TrainerLoop
 from mixrl.rl.weights import WeightStore
 
 from ..api.conftest import ROOT
+from ..servers import buffer_at
 from .conftest import synthetic_group
 
 
@@ -43,21 +40,6 @@ def small_run(tmp_path: Path, total_steps: int) -> ResolvedRun:
     return run.model_copy(
         update={"trainer": run.trainer.model_copy(update={"spec": spec}), "weights": weights}
     )
-
-
-@asynccontextmanager
-async def buffer_at(directory: Path) -> AsyncIterator[str]:
-    buffer = TrajectoryBuffer(directory, prompts_per_update=1, samples_per_prompt=2)
-    runner = web.AppRunner(BufferServer(buffer, max_body_bytes=64 << 20).app(), shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
-        buffer.close()
 
 
 async def test_a_resume_commits_the_checkpointed_step_and_goes_on(
