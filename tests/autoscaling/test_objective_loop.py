@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
+import aiohttp.web
 import pytest
 
 from mixrl.operator.autoscaling.promql import (
     default_load_query,
     pool_busy_query,
+    pool_rate_per_replica_query,
     pool_throughput_query,
     trainer_queries,
 )
@@ -122,3 +126,33 @@ async def test_every_trainer_query_runs_on_a_real_prometheus(serve, prometheus) 
     assert values["busy_step_s"] == 120 and values["buffered"] == 300 and values["in_flight"] == 512
     assert 0 < values["idle_share"] < 1 and 0 < values["step_rate"] < 1 and values["supply"] > 0
     assert values["busy"] == pytest.approx(50 / (16 * 3.2 * 2))  # 50 requests on 2 × 51.2 slots
+
+
+async def test_a_young_series_reads_at_its_real_speed_per_replica(serve, prometheus) -> None:
+    """A pool two ready replicas strong delivering 2 trajectories/s each, its series seconds old:
+    ``rate()/ready`` divides by the whole 5-minute window and read it at a few percent of its speed
+    (on the test bed every pool went to its maximum); the per-replica query reads ≈ 2."""
+    start = asyncio.get_running_loop().time()
+    labels = f'run="{RUN}",pool="b200-nvfp4"'
+
+    async def buffer(_: aiohttp.web.Request) -> aiohttp.web.Response:
+        received = 2 * 2 * (asyncio.get_running_loop().time() - start)
+        text = (
+            f"mixrl_buffer_trajectories_received_total{{{labels}}} {received}\n"
+            f"mixrl_router_replicas_ready{{{labels}}} 2\n"
+        )
+        return aiohttp.web.Response(text=text, content_type="text/plain")
+
+    port = free_port()
+    await serve(buffer, port)
+    job = "  - job_name: b\n    honor_labels: true\n    static_configs:\n      - targets: ['127.0.0.1:{0}']\n        labels: {{namespace: {1}}}\n"
+    server = await prometheus([job.format(port, NS)])
+    async with aiohttp.ClientSession() as session:
+        counter = "mixrl_buffer_trajectories_received_total"
+        await value_of(session, server.url, f"count(count_over_time({counter}[5m]) >= 5)", 1.0)
+        per_replica = await eventually_value(
+            session, server.url, pool_rate_per_replica_query(NS, RUN, "b200-nvfp4")
+        )
+        naive = await eventually_value(session, server.url, pool_throughput_query(NS, RUN, "b200-nvfp4")) / 2
+    assert per_replica == pytest.approx(2.0, rel=0.3)
+    assert naive < 0.5  # what the objective was given before

@@ -52,6 +52,7 @@ from mixrl.operator.autoscaling.policy import (
     budget_step,
     decide,
     pending_ceiling,
+    stuck_until_ready,
     track_pending,
 )
 from mixrl.operator.autoscaling.pool_api import (
@@ -71,7 +72,7 @@ from mixrl.operator.autoscaling.promql import (
     load_query,
     paused_query,
     pool_busy_query,
-    pool_throughput_query,
+    pool_rate_per_replica_query,
     trainer_queries,
 )
 from mixrl.operator.kube.client import ApiError, KubeClient
@@ -104,6 +105,9 @@ class PoolMemory:
     last_poll: float | None = None
     refused: str | None = None
     """The last bounds problem reported (one Warning event per problem, not one per poll)."""
+    released_at: int | None = None
+    """``objective: trainer``: ready replicas when a pending timeout last released some (see
+    :func:`mixrl.operator.autoscaling.policy.stuck_until_ready`)."""
 
 
 def window_status(state: PolicyState, now: float, window_s: float) -> list[Obj]:
@@ -508,6 +512,10 @@ class AutoscalingLoop:
             load = load_of(body, observation, paused)
             memory.state, stuck = track_pending(memory.state, load, now, config)
             memory.state, ceiling = pending_ceiling(memory.state, replicas, stuck, now, config)
+            memory.released_at, stuck = stuck_until_ready(memory.released_at, load, stuck)
+            per_replica = await self._value(
+                run, pool_rate_per_replica_query(run.namespace, run.name, pool.name)
+            )
             price = (
                 pool.cost_per_gpu_hour if pool.cost_per_gpu_hour is not None else default_price(pool.gpu_type)
             )
@@ -521,9 +529,9 @@ class AutoscalingLoop:
                     price,
                     config.min_replicas,
                     config.max_replicas,
-                    throughput=await self._value(
-                        run, pool_throughput_query(run.namespace, run.name, pool.name)
-                    ),
+                    # Per replica over the window, times the replicas ready now: the objective
+                    # divides by those again (promql.pool_rate_per_replica_query says why).
+                    throughput=None if per_replica is None else per_replica * load.ready,
                     load=observation.sustained,
                     busy_share=await self._value(
                         run,

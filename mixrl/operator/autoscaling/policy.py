@@ -258,6 +258,23 @@ def track_pending(
     return replace(state, pending_since=since, ready_seen=load.ready), stuck
 
 
+def stuck_until_ready(released_at: int | None, load: PoolLoad, stuck: int) -> tuple[int | None, int]:
+    """Rule 8 for a fleet planned as one: replicas released as stuck stay not-capacity until the
+    pool's ready count rises.  Returns (the ready count at the release to remember, None once
+    something came up; the stuck replicas to count).
+
+    After a pending timeout the pending clock restarts (:func:`pending_ceiling`), so for another
+    ``pending_timeout_s`` :func:`track_pending` says nothing is stuck: a replica kept Pending by
+    ``minReplicas`` on a pool whose nodes are gone would count as supply again, the objective would
+    take the replacing pool's replicas back, and give them again at the next timeout (on the test
+    bed: 7 → 5 → 7 every 40 s)."""
+    if stuck:
+        return load.ready, stuck
+    if released_at is not None and load.ready <= released_at:
+        return released_at, max(load.replicas - load.ready, 0)
+    return None, 0
+
+
 def pending_ceiling(
     state: PolicyState, current: int, stuck: int, now: float, config: PolicyConfig
 ) -> tuple[PolicyState, int | None]:

@@ -150,6 +150,27 @@ def pool_throughput_query(namespace: str, run: str, pool: str, window: str = TRA
     return f"sum(rate({MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL.name}{{{m}}}[{window}]))"
 
 
+REPLICA_SECONDS_STEP = "1s"
+"""The step of the replica-seconds subquery: one second, so a series younger than the window (a run
+that just started, a pool just woken) counts its replica-seconds to within a scrape interval."""
+
+
+def pool_rate_per_replica_query(namespace: str, run: str, pool: str, window: str = TRAINER_WINDOW) -> str:
+    """Trajectories per second one ready replica of a pool delivered: what the buffer received from
+    it over the window, divided by the replica-seconds the router saw ready over the same window.
+
+    ``sum(rate(...)) / ready`` is wrong twice: ``rate`` divides by the whole window even when the
+    series is younger than it (5 minutes after a start or a wake, a pool 2 minutes old reads at 2/5
+    of its speed), and the replicas ready now are not those that delivered over the window (after
+    a scale-up the new ones count before they delivered anything).  Both parts here cover the same
+    span: the fleet would otherwise see its replicas as slow and fill every pool to its maximum."""
+    m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
+    received = f"sum(increase({MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL.name}{{{m}}}[{window}]))"
+    ready = f"sum({MIXRL_ROUTER_REPLICAS_READY.name}{{{m}}})"
+    seconds = int(REPLICA_SECONDS_STEP.removesuffix("s"))
+    return f"{received} / (sum_over_time(({ready})[{window}:{REPLICA_SECONDS_STEP}]) * {seconds})"
+
+
 def pool_busy_query(
     load: str,
     namespace: str,

@@ -1,0 +1,67 @@
+"""A replica released as stuck stays not-capacity until the pool's ready count rises (the fleet
+objective's rule 8; the test bed's capacity-loss run flapped 7 → 5 → 7 without it)."""
+
+from __future__ import annotations
+
+from mixrl.operator.autoscaling.objective import (
+    FleetPool,
+    ObjectiveConfig,
+    ObjectiveMemory,
+    TrainerSignals,
+    plan_fleet,
+)
+from mixrl.operator.autoscaling.policy import (
+    PolicyConfig,
+    PolicyState,
+    PoolLoad,
+    pending_ceiling,
+    stuck_until_ready,
+    track_pending,
+)
+
+CONFIG = PolicyConfig(min_replicas=1, max_replicas=8, target_per_replica=16.0, pending_timeout_s=20)
+
+
+def poll(
+    state: PolicyState, released: int | None, load: PoolLoad, now: float
+) -> tuple[PolicyState, int | None, int, int]:
+    """One poll of the loop's rule-8 steps for one pool: (state, released_at, plain stuck, stuck)."""
+    state, plain = track_pending(state, load, now, CONFIG)
+    state, _ = pending_ceiling(state, load.replicas, plain, now, CONFIG)
+    released, stuck = stuck_until_ready(released, load, plain)
+    return state, released, plain, stuck
+
+
+def test_a_released_replica_stays_stuck_until_one_comes_up() -> None:
+    # The pool's nodes are gone: its one replica (minReplicas) stays Pending.
+    lost = PoolLoad(load=None, replicas=1, ready=0, starting=1)
+    state, released = PolicyState(), None
+    plain_counts, counts = [], []
+    for now in range(0, 80, 2):
+        state, released, plain, stuck = poll(state, released, lost, float(now))
+        plain_counts.append(plain)
+        counts.append(stuck)
+    assert 0 in plain_counts[11:]  # the restarted pending clock alone says "not stuck" again
+    assert counts[10:] == [1] * len(counts[10:])  # from the first timeout on: stuck, every poll
+    # The nodes come back: the replica comes up, and the pool counts as capacity again.
+    state, released, _, stuck = poll(state, released, PoolLoad(load=None, replicas=1, ready=1), 80.0)
+    assert (released, stuck) == (None, 0)
+
+
+def test_the_fleet_does_not_take_the_replacement_back() -> None:
+    """The objective's view while the lost pool's replica is counted stuck versus not."""
+    signals = TrainerSignals(
+        step_rate=None, idle_share=0.0, buffered=256.0, in_flight=1024.0, busy_step_s=256.0
+    )
+    config = ObjectiveConfig(step_size=1024, concurrency=1024, sessions_per_capacity=16)
+    memory = ObjectiveMemory(rates={"b200": 1.0, "h200": 0.5625}, busy_step_s=256.0)
+
+    def plan(stuck: int) -> dict[str, int]:
+        pools = [
+            FleetPool("b200", 1, 0, 3.2, 4, 6.0, 1, 8, stuck=stuck, ceiling=1),  # growth blocked
+            FleetPool("h200", 7, 7, 1.8, 4, 3.5, 0, 8, throughput=7 * 0.5625, busy_share=1.0),
+        ]
+        return plan_fleet(pools, signals, config, memory).targets
+
+    assert plan(stuck=1) == {"b200": 1, "h200": 7}  # 3.94 traj/s for 3.8: within tolerance
+    assert plan(stuck=0) == {"b200": 1, "h200": 5}  # the Pending replica read as 1 traj/s

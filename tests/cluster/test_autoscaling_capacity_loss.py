@@ -1,0 +1,227 @@
+"""``objective: trainer`` end to end: a pool's nodes go away mid-run and the fleet moves to the next pool.
+
+Real: the control plane, the scheduler placing the pools' pods on their GPU nodes, the node
+lifecycle controller evicting pods from nodes tainted ``NoExecute`` (the nodes are "lost": their
+pods go, replacements stay Pending), the operator as its own process with the built-in loop, and
+a real Prometheus.  Stand-in: the run's series.  One loopback exporter plays the buffer, the router
+and every engine pod: each Running pod of a pool delivers that pool's trajectories/s and keeps its
+slots busy; the trainer computes 1,024 trajectories per ``BUSY_S`` seconds.
+
+The router's shares: the router process itself is NOT run here (KWOK pods run no engine to route
+to).  What is checked is the router's own rule, :func:`mixrl.rl.router.shares.target_shares` (pure:
+shares by capacity × ready replicas), fed the ready replicas the test bed reports in each
+SamplerPool's status before and after the loss: the new sessions' share moves from b200 to h200.
+That the running router applies that rule to its pools is tested in tests/router, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_TABLE
+from mixrl.devcluster.cluster import free_port
+from mixrl.operator.autoscaling.promql import (
+    default_load_query,
+    pool_busy_query,
+    pool_rate_per_replica_query,
+    trainer_queries,
+)
+from mixrl.rl.router.shares import PoolCapacity, target_shares
+
+from .conftest import ROOT, Bed, OperatorProcess, wait_for
+from .test_autoscaling import start_prometheus
+
+CHEAP, NEXT = "b200-nvfp4", "h200-fp8"  # $6 per 3.2 capacity, then $3.5 per 1.8
+CAPACITY = {CHEAP: 3.2, NEXT: 1.8}  # as examples/rlrun-mixed.yaml declares them
+RATE = {CHEAP: 1.0, NEXT: 0.5625}  # trajectories/s per Running replica (∝ capacity)
+BUSY_S = 256.0  # 1024 trajectories per 256 s of compute: 4/s, × (1 − 0.05) idle target = 3.8/s
+TAINT = "mixrl.dev/test-lost=gone:NoExecute"
+
+
+class RunExporter:
+    """The buffer's, the router's and the engines' series of one run, from the pods that run."""
+
+    def __init__(self, cluster: Bed, namespace: str, run: str):
+        self.cluster, self.namespace, self.run = cluster, namespace, run
+        self.port = free_port()
+        self.received = {CHEAP: 0.0, NEXT: 0.0}
+        self.last = time.monotonic()
+        self.lock = threading.Lock()
+        exporter = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = exporter.exposition().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def running(self, pool: str) -> list[str]:
+        items = self.cluster.handle.api_get(
+            self.cluster.state,
+            f"/api/v1/namespaces/{self.namespace}/pods?labelSelector=mixrl.dev%2Fpool%3D{pool}",
+        )["items"]
+        return [
+            p["metadata"]["name"]
+            for p in items
+            if p.get("status", {}).get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+        ]
+
+    def exposition(self) -> str:
+        with self.lock:
+            now = time.monotonic()
+            pods = {pool: self.running(pool) for pool in RATE}
+            for pool, names in pods.items():
+                self.received[pool] += RATE[pool] * len(names) * (now - self.last)
+            self.last = now
+            run = f'namespace="{self.namespace}",run="{self.run}"'
+            lines = [
+                f"mixrl_buffer_trainer_busy_seconds{{{run}}} {BUSY_S}",
+                f"mixrl_buffer_trainer_wait_seconds_total{{{run}}} 0",
+                f"mixrl_buffer_batches_total{{{run}}} 0",
+                f'mixrl_router_sessions{{{run},pool="{CHEAP}"}} 1024',
+            ]
+            # 256 buffered + 1024 in flight = 1.25 steps: inside the band [1, maxStepsAhead 2]
+            lines.append(f'mixrl_buffer_trajectories{{{run},pool="{CHEAP}"}} 256')
+            for pool, names in pods.items():
+                labels = f'{run},pool="{pool}"'
+                lines.append(f"mixrl_buffer_trajectories_received_total{{{labels}}} {self.received[pool]}")
+                lines.append(f"mixrl_router_replicas_ready{{{labels}}} {len(names)}")
+                for pod in names:  # every slot busy: 16 sessions per unit of capacity
+                    capacity = CAPACITY[pool]
+                    engine = f'namespace="{self.namespace}",pod="{pod}",model_name="stand-in"'
+                    lines.append(f"sglang:num_running_reqs{{{engine}}} {16 * capacity}")
+            return "\n".join(lines) + "\n"
+
+
+def objective_inputs(prom_url: str, namespace: str, run: str) -> dict[str, Any]:
+    """What the objective reads, asked of the test's Prometheus with the objective's own queries."""
+    queries = dict(trainer_queries(namespace, run))
+    for pool, capacity in CAPACITY.items():
+        load = default_load_query(namespace, f"{run}-{pool}")
+        queries[f"{pool} per replica"] = pool_rate_per_replica_query(namespace, run, pool)
+        queries[f"{pool} busy"] = pool_busy_query(load, namespace, run, pool, 16 * capacity)
+    out: dict[str, Any] = {}
+    for what, query in queries.items():
+        url = f"{prom_url}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            out[what] = [r["value"][1] for r in json.load(answer)["data"]["result"]]
+    return out
+
+
+def test_a_lost_pool_is_replaced_by_the_next_cheapest(
+    cluster: Bed, operator: OperatorProcess, namespace: str, tmp_path: Path
+) -> None:
+    run = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
+    run["metadata"]["namespace"] = namespace
+    run["spec"]["samplerPools"] = [p for p in run["spec"]["samplerPools"] if p["name"] in RATE]
+    for pool in run["spec"]["samplerPools"]:
+        pool.update(minReplicas=0 if pool["name"] == NEXT else 1, maxReplicas=8)
+    prom_port = free_port()
+    run["spec"]["autoscaling"] = {
+        "engine": "builtin",
+        "objective": "trainer",
+        "prometheusUrl": f"http://127.0.0.1:{prom_port}",
+        "targetPerReplica": 16,
+        "pollIntervalSeconds": 2,
+        "scaleDownWindowSeconds": 0,
+        "pendingTimeoutSeconds": 20,
+    }
+    name = run["metadata"]["name"]
+    exporter = RunExporter(cluster, namespace, name)
+    exporter.thread.start()
+    prometheus = start_prometheus(tmp_path, prom_port, f"127.0.0.1:{exporter.port}")
+    b200 = set(GPU_TABLE["B200"].gfd_products)
+    nodes = [
+        n["metadata"]["name"]
+        for n in cluster.get("nodes")["items"]
+        if n["metadata"]["labels"].get(GPU_PRODUCT_LABEL) in b200
+    ]
+    assert nodes, "the test bed has B200 nodes"
+    try:
+        cluster.apply(run)
+
+        def replicas() -> tuple[int, int] | None:
+            found = cluster.kubectl(
+                "get", f"sp/{name}-{CHEAP}", f"sp/{name}-{NEXT}", "-n", namespace, "-o", "json", check=False
+            )
+            if found.returncode != 0:
+                return None
+            cheap, nxt = json.loads(found.stdout)["items"]
+            return cheap["spec"]["replicas"], nxt["spec"]["replicas"]
+
+        def ready() -> tuple[int, int]:
+            pools = (cluster.get(f"sp/{name}-{pool}", "-n", namespace) for pool in (CHEAP, NEXT))
+            cheap, nxt = (int(p.get("status", {}).get("readyReplicas") or 0) for p in pools)
+            return cheap, nxt
+
+        def router_shares() -> dict[str, float]:
+            """The router's rule on the ready replicas the test bed reports (the router is not run)."""
+            counts = dict(zip((CHEAP, NEXT), ready(), strict=True))
+            return target_shares({p: PoolCapacity(CAPACITY[p], None, counts[p]) for p in counts})
+
+        def explained(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return wait_for(*args, **kwargs)
+            except AssertionError as exc:
+                decisions = {
+                    pool: cluster.get(f"sp/{name}-{pool}", "-n", namespace)["status"].get(
+                        "lastScaleDecisions", []
+                    )
+                    for pool in RATE
+                }
+                log = [
+                    line
+                    for line in operator.log_tail(2000).splitlines()
+                    if "autoscal" in line and "Handler" not in line
+                ]
+                raise AssertionError(
+                    f"{exc}\nPrometheus: {objective_inputs(f'http://127.0.0.1:{prom_port}', namespace, name)}"
+                    f"\ndecisions: {json.dumps(decisions, indent=1)}\noperator log:\n" + "\n".join(log[-60:])
+                ) from None
+
+        # 3.8 trajectories/s at 1.0 per b200 replica: four b200 replicas, the next pool asleep.
+        explained(replicas, equals=(4, 0), timeout=120, what="the fleet sized to the trainer on b200")
+        wait_for(lambda: len(exporter.running(CHEAP)), equals=4, timeout=60, what="four b200 pods Running")
+        wait_for(ready, equals=(4, 0), timeout=60, what="four b200 replicas ready in the pool's status")
+        assert router_shares() == {CHEAP: 1.0, NEXT: 0.0}
+        cluster.kubectl("taint", "nodes", *nodes, TAINT)  # the b200 nodes are lost
+        # Their pods are evicted, the replacements stay Pending; after the pending timeout the
+        # b200 pool keeps what runs (none) and h200-fp8 takes the demand: ceil(3.8 / 0.5625) = 7.
+        explained(replicas, equals=(1, 7), timeout=300, what="capacity moved to h200-fp8")
+        wait_for(lambda: len(exporter.running(NEXT)), equals=7, timeout=120, what="seven h200 pods Running")
+        decisions = cluster.get(f"sp/{name}-{NEXT}", "-n", namespace)["status"]["lastScaleDecisions"]
+        assert "cheapest throughput first" in decisions[-1]["reason"]
+        wait_for(ready, equals=(0, 7), timeout=60, what="seven h200 replicas ready, none on b200")
+        assert router_shares() == {CHEAP: 0.0, NEXT: 1.0}
+        # Settled: no reversal for longer than the pending timeout (the Pending b200 replica's
+        # clock restarting must not count it as capacity again and take h200 replicas back).
+        seen = set()
+        deadline = time.monotonic() + 45
+        while time.monotonic() < deadline:
+            seen.add(replicas())
+            time.sleep(1)
+        assert seen == {(1, 7)}, f"the fleet moved after the loss was covered: {sorted(seen)}"
+    finally:
+        cluster.kubectl("taint", "nodes", *nodes, TAINT.split("=")[0] + "-", check=False)
+        prometheus.terminate()
+        prometheus.wait(10)
+        exporter.server.shutdown()
+        exporter.server.server_close()
