@@ -62,7 +62,6 @@ from mixrl.operator.autoscaling.pool_api import (
     observe,
     query_label_values,
     query_prometheus,
-    rfc3339,
 )
 from mixrl.operator.autoscaling.promql import (
     SUSTAINED_STEP,
@@ -77,6 +76,7 @@ from mixrl.operator.autoscaling.promql import (
 )
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.conditions import make_condition
+from mixrl.operator.kube.events import rfc3339
 from mixrl.operator.kube.rbac import SAMPLERPOOLS
 
 Obj = dict[str, Any]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 import aiohttp
@@ -18,6 +17,7 @@ import aiohttp
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
 from mixrl.operator.kube.client import KubeClient
+from mixrl.operator.kube.events import event_object
 from mixrl.operator.kube.rbac import EVENTS, SAMPLERPOOLS
 
 Obj = dict[str, Any]
@@ -127,10 +127,6 @@ async def observe(
     return Observation(load, sustained)
 
 
-def rfc3339(now: float) -> str:
-    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class PoolApi:
     """The three calls the loop makes, through the operator's API client.
 
@@ -156,27 +152,10 @@ class PoolApi:
         await self.client.merge_patch(SAMPLERPOOLS, namespace, name, patch, subresource="status")
 
     async def post_event(self, pool_body: Obj, kind: str, reason: str, message: str, now: float) -> None:
-        meta = pool_body["metadata"]
-        stamp = rfc3339(now)
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            # Named as client-go's event recorder names them: <object>.<unix nanoseconds in hex>.
-            "metadata": {"name": f"{meta['name']}.{int(now * 1e9):x}", "namespace": meta["namespace"]},
-            "involvedObject": {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": "SamplerPool",
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta.get("uid"),
-            },
-            "type": kind,
-            "reason": reason,
-            "message": message,
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-            "source": {"component": "mixrl-autoscaler"},
-            "reportingComponent": "mixrl-autoscaler",
+        involved = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "SamplerPool",
+            "metadata": pool_body["metadata"],
         }
-        await self.client.create(EVENTS, meta["namespace"], event)
+        event = event_object(involved, kind, reason, message, now, "mixrl-autoscaler")
+        await self.client.create(EVENTS, pool_body["metadata"]["namespace"], event)

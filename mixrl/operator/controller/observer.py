@@ -55,6 +55,7 @@ from mixrl.operator.controller.live_status import (
 )
 from mixrl.operator.controller.reconcile import manifest
 from mixrl.operator.kube.client import ApiError, KubeClient
+from mixrl.operator.kube.events import event_object, rfc3339
 from mixrl.operator.kube.rbac import EVENTS, PODS, RLRUNS, SAMPLERPOOLS
 from mixrl.rl.health.collapse import assess
 
@@ -122,10 +123,6 @@ async def query_history(
         for item in result
         if isinstance(item, dict)
     ]
-
-
-def rfc3339(now: float) -> str:
-    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def created_at(body: Obj) -> float | None:
@@ -390,29 +387,13 @@ class StatusObserver:
             memory.last_write[name] = now
 
     async def post_event(self, body: Obj, kind: str, reason: str, message: str, now: float) -> None:
-        meta = body["metadata"]
-        stamp = rfc3339(now)
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"name": f"{meta['name']}.{int(now * 1e9):x}", "namespace": meta["namespace"]},
-            "involvedObject": {
-                "apiVersion": body.get("apiVersion", f"{RLRUNS.group}/{RLRUNS.version}"),
-                "kind": "RLRun",
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta.get("uid"),
-            },
-            "type": kind,
-            "reason": reason,
-            "message": message[:1000],
-            "firstTimestamp": stamp,
-            "lastTimestamp": stamp,
-            "count": 1,
-            "source": {"component": "mixrl-status"},
-            "reportingComponent": "mixrl-status",
+        involved = {
+            "apiVersion": f"{RLRUNS.group}/{RLRUNS.version}",
+            "kind": "RLRun",
+            "metadata": body["metadata"],
         }
-        await self.client.create(EVENTS, meta["namespace"], event)
+        event = event_object(involved, kind, reason, message, now, "mixrl-status")
+        await self.client.create(EVENTS, body["metadata"]["namespace"], event)
 
 
 def _condition_status(status: Obj, kind: str) -> str | None:

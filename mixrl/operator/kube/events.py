@@ -1,0 +1,39 @@
+"""Kubernetes Events as the operator's loops post them (pure: the object only)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+Obj = dict[str, Any]
+
+
+def rfc3339(now: float) -> str:
+    return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def event_object(involved: Obj, kind: str, reason: str, message: str, now: float, component: str) -> Obj:
+    """A core/v1 Event about ``involved`` (an object with apiVersion, kind and metadata), named as
+    client-go's event recorder names them: ``<object>.<unix nanoseconds in hex>``."""
+    meta = involved["metadata"]
+    stamp = rfc3339(now)
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{int(now * 1e9):x}", "namespace": meta["namespace"]},
+        "involvedObject": {
+            "apiVersion": involved["apiVersion"],
+            "kind": involved["kind"],
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "type": kind,
+        "reason": reason,
+        "message": message[:1000],
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+        "source": {"component": component},
+        "reportingComponent": component,
+    }
