@@ -116,7 +116,7 @@ class Figures:
     run: dict[str, float] = field(default_factory=dict)
     """Run-wide figures: step, weight_version, reward, finished."""
     pools: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per pool: kl, extreme_ratio_share, traffic_share, tokens_per_second, serving_weight_version."""
+    """Per pool: the keys of :data:`POOL_FIELDS` (kl, kl_fresh, health, extreme_ratio_share, ...)."""
 
     @property
     def empty(self) -> bool:
