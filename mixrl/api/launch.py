@@ -41,6 +41,12 @@ COMPONENTS: tuple[Component, ...] = (
 SERVER_PORTS: dict[str, int] = {"buffer": BUFFER_PORT, "router": ROUTER_PORT, "engine": ENGINE_PORT}
 """The fixed port of each server where it owns its network namespace (a pod)."""
 
+LABELLED_FILE = "labelled"
+"""In an engine pod's weights directory: written by the weight-sync sidecar while its engine is up
+and labels its tokens with a version (the file holds it), removed while the engine is down or
+unlabelled.  The pod's readiness gate (mixrl.operator.build.pools), so no request reaches an engine
+that would label its tokens ``default``."""
+
 AUTH_TOKEN_FLAG = "--auth-token-file"
 """How every mixrl component is given the run's token (docs/auth.md)."""
 AUTH_TOKEN_ENV = "MIXRL_AUTH_TOKEN"

@@ -1054,3 +1054,21 @@ def test_every_component_gets_the_runs_token_and_sglang_its_api_key() -> None:
                 assert command[command.index("--auth-token-file") + 1] == "/var/run/mixrl/auth/token", c[
                     "name"
                 ]
+
+
+def test_an_engine_pod_is_ready_only_while_its_sidecar_has_seen_the_engine_labelled() -> None:
+    from mixrl.api.launch import LABELLED_FILE
+    from mixrl.operator.build.podspec import ENGINE_WEIGHTS_DIR
+
+    resolved = resolve(load_rlrun(ROOT / "examples" / "rlrun-mixed.yaml"))
+    pool = resolved.pools[0]
+    owner = Owner("mixrl.dev/v1alpha1", "SamplerPool", pool.object_name, "p")
+    deployment = next(
+        o for o in pool_children(resolved, pool, 1, owner, BuildOptions()) if o["kind"] == "Deployment"
+    )
+    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    probe = containers["weight-sync"]["readinessProbe"]
+    assert probe["exec"]["command"] == ["cat", f"{ENGINE_WEIGHTS_DIR}/{LABELLED_FILE}"]
+    # The file is in the volume both containers share, where the sidecar writes it.
+    mounts = {m["mountPath"] for m in containers["weight-sync"]["volumeMounts"]}
+    assert ENGINE_WEIGHTS_DIR in mounts

@@ -13,6 +13,7 @@ import torch
 from aiohttp import web
 from transformers.utils import logging as hf_logging
 
+from mixrl.api.launch import LABELLED_FILE
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
@@ -270,12 +271,28 @@ async def test_an_engine_that_comes_up_is_labelled_within_a_second_not_a_poll_in
             standin.healthy = True  # the model is loaded
             loop = asyncio.get_running_loop()
             start = loop.time()
+            gate = output / LABELLED_FILE  # the pod's readiness gate: absent while unlabelled
+            assert not gate.exists()
             while standin.label != "1":
                 assert loop.time() - start < 5 * weight_sync.UNSETTLED_POLL_S, "not labelled promptly"
                 await asyncio.sleep(0.01)
+            while not gate.exists():
+                assert loop.time() - start < 10 * weight_sync.UNSETTLED_POLL_S, "gate not opened"
+                await asyncio.sleep(0.01)
+            assert gate.read_text() == "1"
             stop.set()
             await asyncio.wait_for(follower, 10)
         assert standin.loads == []
+        # The engine restarts: unlabelled again, so the gate closes until it is labelled once more.
+        standin.label, standin.healthy = "default", False
+        stop = asyncio.Event()
+        async with EngineClient(url) as engine:
+            follower = asyncio.create_task(weight_sync.follow(store, pool, output, engine, 60.0, stop))
+            while gate.exists():
+                assert loop.time() - start < 20, "the gate stayed open for a restarted engine"
+                await asyncio.sleep(0.01)
+            stop.set()
+            await asyncio.wait_for(follower, 10)
     finally:
         await runner.cleanup()
 

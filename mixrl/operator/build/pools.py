@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mixrl.api.launch import AUTH_TOKEN_ENV, component_command
+from mixrl.api.launch import AUTH_TOKEN_ENV, LABELLED_FILE, component_command
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.objects import (
@@ -116,6 +116,14 @@ def pool_objects(
     # The init container makes every engine start from the latest version (SGLang loads its first
     # checkpoint at launch, and the torch engine needs a model directory); the sidecar follows.
     sidecar, init = sync_container("weight-sync"), sync_container("weights-init")
+    # The readiness gate: the pod is Ready (and so in the pool's Service, where the router finds
+    # it) only while the sidecar has seen the engine up and labelling its tokens with a version,
+    # never in the half second after a (re)start when it would label them `default`.
+    sidecar["readinessProbe"] = {
+        "exec": {"command": ["cat", f"{ENGINE_WEIGHTS_DIR}/{LABELLED_FILE}"]},
+        "periodSeconds": 2,
+        "failureThreshold": 1,
+    }
     scheduling = gpu_scheduling(
         pool.gpu_products,
         pool.node_selector,

@@ -42,6 +42,7 @@ import sys
 import time
 from pathlib import Path
 
+from mixrl.api.launch import LABELLED_FILE
 from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args
@@ -158,7 +159,7 @@ async def follow(
     checked every :data:`UNSETTLED_POLL_S` rather than every ``poll_s``: an engine that has just
     (re)started reports SGLang's ``default`` for the tokens it serves until it is labelled."""
     while not stop.is_set():
-        settled = False
+        settled = labelled = False
         try:
             latest = await asyncio.to_thread(store.latest)
             settled = latest is None  # nothing to serve yet: the store is checked every poll_s
@@ -166,7 +167,12 @@ async def follow(
                 served = await engine.get_weight_version()
                 if served != latest:
                     await sync_engine(store, pool, output, engine, latest, served)
+                    served = latest
                 settled = served != UNLABELLED_VERSION or latest == UNLABELLED_VERSION
+                # An older version than the latest still labels its tokens truly: only an
+                # unlabelled engine (just restarted) is kept out of service.
+                labelled = settled
+            mark_labelled(output, served if labelled else None)
         except EngineError as exc:
             if exc.status == 401:
                 raise SyncError(f"the engine refused the token: {exc}") from None
@@ -175,6 +181,18 @@ async def follow(
             log.warning("weight sync of pool %s: %s (retrying)", pool.name, exc)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=poll_s if settled else min(poll_s, UNSETTLED_POLL_S))
+
+
+def mark_labelled(output: Path, version: int | None) -> None:
+    """The readiness gate's file (:data:`mixrl.api.launch.LABELLED_FILE`): the version the engine
+    labels its tokens with, or no file while it is down or unlabelled."""
+    path = output / LABELLED_FILE
+    if version is None:
+        path.unlink(missing_ok=True)
+    elif not path.exists() or path.read_text() != str(version):
+        staged = path.with_suffix(".tmp")
+        staged.write_text(str(version))
+        staged.replace(path)
 
 
 def build_parser() -> argparse.ArgumentParser:
