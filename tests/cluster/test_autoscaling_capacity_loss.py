@@ -11,7 +11,8 @@ The router's shares: the router process itself is NOT run here (KWOK pods run no
 to).  What is checked is the router's own rule, :func:`mixrl.rl.router.shares.target_shares` (pure:
 shares by capacity × ready replicas), fed the ready replicas the test bed reports in each
 SamplerPool's status before and after the loss: the new sessions' share moves from b200 to h200.
-That the running router applies that rule to its pools is tested in tests/router, not here.
+That the running router applies that rule when its pools change is tested in tests/router/test_proxy.py
+(test_put_pools_changes_replicas_and_shares_follow), not here.
 """
 
 from __future__ import annotations
