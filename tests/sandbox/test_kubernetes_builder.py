@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -16,6 +18,7 @@ from mixrl.operator.build import sandbox as B
 from mixrl.operator.build.objects import BuildOptions, Images, Owner
 from mixrl.operator.build.resources import run_objects
 from mixrl.operator.kube import rbac
+from mixrl.rl.rollout import worker
 from mixrl.rl.sandbox import kubernetes as K
 from mixrl.rl.sandbox.lease import WORKER_LABEL, executor_port, named_pod
 from tests.network_reach import Pod, reachable
@@ -168,3 +171,14 @@ def test_bad_sandbox_fields_are_refused_by_name() -> None:
         resolved_of({"runtimeClassName": "Not A Name"})
     with pytest.raises(ValueError, match="sizeOfPool"):
         resolved_of({"sizeOfPool": 2})
+
+
+def test_the_rollout_worker_refuses_sandbox_pods_it_does_not_use_yet(tmp_path: Path) -> None:
+    """Built by the operator, not used by the worker yet: it says so in one line, not silently."""
+    config = tmp_path / "run.json"
+    config.write_text(resolved_of(SPEC).model_dump_json())
+    args = argparse.Namespace(config=str(config), worker_index=0, max_steps_ahead=None, tokenizer=None)
+    with pytest.raises(
+        ValueError, match=r"^spec\.rollout\.sandbox: the rollout worker does not run commands"
+    ):
+        worker._load(args)

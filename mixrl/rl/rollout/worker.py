@@ -492,6 +492,11 @@ def _load(args: argparse.Namespace) -> Loaded:
     problems = check_rollout(run.rollout)
     if problems:
         raise ValueError(problems[0])
+    if run.rollout.sandbox is not None:
+        raise ValueError(
+            "spec.rollout.sandbox: the rollout worker does not run commands in sandbox pods yet "
+            "(docs/sandbox.md#sandbox-pods-in-a-cluster); leave it out to use the local sandbox"
+        )
     environment = load_environment(settings.environment, settings.environment_args)
     for split in SPLITS:  # a dataset row the environment cannot read: one line now, not a traceback later
         settings.tasks(environment, split)
