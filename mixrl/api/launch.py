@@ -47,6 +47,10 @@ and labels its tokens with a version (the file holds it), removed while the engi
 unlabelled.  The pod's readiness gate (mixrl.operator.build.pools), so no request reaches an engine
 that would label its tokens ``default``."""
 
+SANDBOX_TEMPLATE_FILE = "sandbox-pod.json"
+"""Beside the resolved run in its ConfigMap (``spec.rollout.sandbox``): the sandbox pod every rollout
+worker creates for its warm pool (mixrl.operator.build.sandbox builds it, the worker reads it)."""
+
 AUTH_TOKEN_FLAG = "--auth-token-file"
 """How every mixrl component is given the run's token (docs/auth.md)."""
 AUTH_TOKEN_ENV = "MIXRL_AUTH_TOKEN"

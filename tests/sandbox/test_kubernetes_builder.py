@@ -173,12 +173,11 @@ def test_bad_sandbox_fields_are_refused_by_name() -> None:
         resolved_of({"sizeOfPool": 2})
 
 
-def test_the_rollout_worker_refuses_sandbox_pods_it_does_not_use_yet(tmp_path: Path) -> None:
-    """Built by the operator, not used by the worker yet: it says so in one line, not silently."""
+def test_the_rollout_worker_takes_sandbox_pods_from_the_manifest_beside_its_config(tmp_path: Path) -> None:
+    """The worker reads the operator's pod manifest beside the resolved run; without it, one line
+    (tests/sandbox/test_backend.py: the other refusals, and the environment using the pods)."""
     config = tmp_path / "run.json"
     config.write_text(resolved_of(SPEC).model_dump_json())
     args = argparse.Namespace(config=str(config), worker_index=0, max_steps_ahead=None, tokenizer=None)
-    with pytest.raises(
-        ValueError, match=r"^spec\.rollout\.sandbox: the rollout worker does not run commands"
-    ):
+    with pytest.raises(ValueError, match=r"^spec\.rollout\.sandbox: cannot read the sandbox pod manifest"):
         worker._load(args)

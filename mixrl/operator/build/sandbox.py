@@ -23,6 +23,7 @@ so deleting the run deletes them through the garbage collector.
 
 from __future__ import annotations
 
+from mixrl.api.launch import SANDBOX_TEMPLATE_FILE
 from mixrl.api.models import SandboxPodsSpec
 from mixrl.api.resolve import ResolvedRun
 from mixrl.operator.build import labels as L
@@ -43,8 +44,8 @@ WORK_DIR = "/work"
 WORK_SIZE = "512Mi"
 """The tmpfs ``/work`` of a sandbox pod (memory-backed, counted against the pod's memory limit)."""
 TMP_SIZE = "64Mi"
-SANDBOX_TEMPLATE_KEY = "sandbox-pod.json"
-"""The run ConfigMap's key holding :func:`sandbox_pod_template`."""
+SANDBOX_TEMPLATE_KEY = SANDBOX_TEMPLATE_FILE
+"""The run ConfigMap's key holding :func:`sandbox_pod_template` (the file name the worker reads)."""
 ROLLOUT_ACCOUNT_SUFFIX = "rollout"
 ROLLOUT_SANDBOX_RULES: dict[tuple[str, str], frozenset[str]] = {
     ("", "pods"): frozenset({"create", "get", "list", "delete"}),

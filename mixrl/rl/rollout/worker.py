@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import random
 import signal
 import sys
@@ -30,8 +32,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from mixrl.api.launch import SANDBOX_TEMPLATE_FILE
 from mixrl.api.loader import load_resolved
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.api.trajectory import Trajectory
@@ -46,6 +50,9 @@ from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, run_episode
 from mixrl.rl.rollout.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from mixrl.rl.rollout.router_client import RouterClient, RouterError
 from mixrl.rl.rollout.stats import RolloutStats
+from mixrl.rl.sandbox.backend import use_sandbox
+from mixrl.rl.sandbox.kubernetes import KubePodClient, KubernetesSandbox, SandboxPods
+from mixrl.rl.sandbox.runner import SandboxUnavailable
 
 log = logging.getLogger("mixrl.rollout")
 
@@ -484,6 +491,8 @@ class Loaded:
     environment: Environment[Any]
     tokenizer: ChatTokenizer
     auth_token: AuthToken | None
+    sandbox_pods: KubernetesSandbox | None = None
+    """``spec.rollout.sandbox``: started and closed by :func:`serve`."""
 
 
 def _load(args: argparse.Namespace) -> Loaded:
@@ -492,11 +501,9 @@ def _load(args: argparse.Namespace) -> Loaded:
     problems = check_rollout(run.rollout)
     if problems:
         raise ValueError(problems[0])
-    if run.rollout.sandbox is not None:
-        raise ValueError(
-            "spec.rollout.sandbox: the rollout worker does not run commands in sandbox pods yet "
-            "(docs/sandbox.md#sandbox-pods-in-a-cluster); leave it out to use the local sandbox"
-        )
+    pods = sandbox_pods(run, Path(args.config).parent) if run.rollout.sandbox is not None else None
+    if pods is not None:  # every environment of this process runs its commands in sandbox pods
+        use_sandbox(lambda _config: pods)
     environment = load_environment(settings.environment, settings.environment_args)
     for split in SPLITS:  # a dataset row the environment cannot read: one line now, not a traceback later
         settings.tasks(environment, split)
@@ -507,7 +514,35 @@ def _load(args: argparse.Namespace) -> Loaded:
         settings.environment,
     )
     auth_token = token_from_args(args)  # an AuthConfigError is a ValueError
-    return Loaded(run, settings, environment, tokenizer, auth_token)
+    return Loaded(run, settings, environment, tokenizer, auth_token, pods)
+
+
+def sandbox_pods(run: ResolvedRun, config_dir: Path) -> KubernetesSandbox:
+    """``spec.rollout.sandbox``: this worker's warm pool of sandbox pods, from the pod manifest the
+    operator put beside the resolved run, named after this pod (``POD_NAME``); SandboxUnavailable
+    (a ValueError's one line) outside a pod with the rollout's service account."""
+    spec = run.rollout.sandbox
+    assert spec is not None
+    path = config_dir / SANDBOX_TEMPLATE_FILE
+    try:
+        template = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"spec.rollout.sandbox: cannot read the sandbox pod manifest {path}: {exc}"
+        ) from None
+    worker = os.environ.get("POD_NAME")
+    if not worker:
+        raise ValueError(
+            "spec.rollout.sandbox: POD_NAME is not set (the worker names its sandbox pods after its pod)"
+        )
+    try:
+        client = KubePodClient.in_cluster()
+    except SandboxUnavailable as exc:
+        raise ValueError(str(exc)) from None
+    pool = SandboxPods(
+        client, template, worker=worker, size=spec.pool_size, ready_timeout_s=spec.ready_timeout_seconds
+    )
+    return KubernetesSandbox(pool)
 
 
 async def serve(
@@ -516,8 +551,11 @@ async def serve(
     environment: Environment[Any],
     tokenizer: ChatTokenizer,
     auth_token: AuthToken | None = None,
+    sandbox_pods: KubernetesSandbox | None = None,
 ) -> None:
     stopping = asyncio.Event()
+    if sandbox_pods is not None:  # deletes an earlier incarnation's pods, starts filling the pool
+        await sandbox_pods.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
@@ -550,6 +588,8 @@ async def serve(
         await buffer.close()
         if metrics is not None:
             await metrics.cleanup()
+        if sandbox_pods is not None:  # every pod of this worker is deleted
+            await sandbox_pods.close()
 
 
 def main(argv: list[str]) -> int:
@@ -562,7 +602,16 @@ def main(argv: list[str]) -> int:
         return 2
     status = 0
     try:
-        asyncio.run(serve(args, loaded.settings, loaded.environment, loaded.tokenizer, loaded.auth_token))
+        asyncio.run(
+            serve(
+                args,
+                loaded.settings,
+                loaded.environment,
+                loaded.tokenizer,
+                loaded.auth_token,
+                loaded.sandbox_pods,
+            )
+        )
     except* BufferError as refused:  # raised only for a 401, through the worker's task groups
         print(f"mixrl rollout: buffer: {_first_leaf(refused)}", file=sys.stderr)
         status = 1

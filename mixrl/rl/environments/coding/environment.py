@@ -35,7 +35,8 @@ from mixrl.rl.environments.coding import swe
 from mixrl.rl.environments.coding.scoring import TestScore, score, test_command_for
 from mixrl.rl.environments.coding.tasks import FAMILIES, LEVELS, CodingTask, generate_tasks
 from mixrl.rl.environments.tools import JsonToolCallParser, PlainTextParser, Tool, ToolCall, ToolCallParser
-from mixrl.rl.sandbox import Limits, Sandbox, SandboxConfig, SandboxResult, SandboxUnavailable
+from mixrl.rl.sandbox import Limits, SandboxConfig, SandboxResult, SandboxUnavailable
+from mixrl.rl.sandbox.backend import make_sandbox
 from mixrl.rl.sandbox.files import check_path
 
 TOOL_LIST, TOOL_READ, TOOL_WRITE, TOOL_RUN, TOOL_SUBMIT = (
@@ -178,7 +179,8 @@ class CodingEnvironment(Environment[CodingTask]):
         self.limits = _limits(limits, "limits", Limits())
         self.test_limits = _limits(test_limits, "test_limits", Limits(wall_s=30.0, cpu_s=20))
         self.max_observation_chars = max_observation_chars
-        self.sandbox = Sandbox(
+        # The process's backend: bubblewrap here, sandbox pods in a cluster (spec.rollout.sandbox).
+        self.sandbox = make_sandbox(
             SandboxConfig(bwrap=bwrap, ro_paths=tuple(ro_paths), max_concurrent=max_concurrent)
         )
         try:
