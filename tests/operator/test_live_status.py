@@ -224,3 +224,19 @@ def test_spend_accrues_gpu_hours_at_each_pools_price_and_survives_a_restart() ->
     written_at = again["fp8"].since
     assert written_at is not None
     assert again["fp8"].accrue(2, 2.5, written_at + 3600).dollars == 10.0
+
+
+def test_the_live_conditions_keep_their_place_so_two_writers_never_rewrite_each_other() -> None:
+    """The reconciler puts its conditions first; the live status updates its own where they stand.
+    Each putting its own first would reorder the list on every write of the other: a write storm."""
+    from mixrl.operator.kube.conditions import merge_conditions
+
+    reconciled = [{"type": t, "status": "True"} for t in ("Ready", "Progressing")]
+    live = live_run_status({"phase": "Running", "conditions": reconciled}, figures_from(answers()), 3, NOW)
+    order = [c["type"] for c in live["conditions"]]
+    assert order == ["Ready", "Progressing", METRICS_AVAILABLE, COLLAPSE_RISK]  # new ones at the end
+    # The reconciler writes again (its own first, the others as they were), then the live status:
+    again = merge_conditions(live["conditions"], [dict(c) for c in reconciled])
+    assert [c["type"] for c in again] == order
+    relive = live_run_status({**live, "conditions": again}, figures_from(answers()), 3, LATER)
+    assert relive == {**live, "conditions": again}  # nothing to write

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from mixrl.operator.kube.conditions import make_condition, merge_conditions
+from mixrl.operator.kube.conditions import make_condition, update_conditions
 from mixrl.rl import metrics as m
 from mixrl.rl.health.collapse import Assessment
 
@@ -261,7 +261,7 @@ def live_run_status(
             status["reason"] = LiveReason.TRAINER_FAILED
             status["message"] = trainer_failure[:1000]
         status["phase"] = phase
-    status["conditions"] = merge_conditions(old, ours)
+    status["conditions"] = update_conditions(old, ours)  # the reconciler's stay first, in their order
     return status
 
 

@@ -311,8 +311,11 @@ class StatusObserver:
         """GPUs held since the last poll, priced: each pool's existing pods (``status.replicas``:
         a Pending pod's node is billed too) × its GPUs per replica, and the trainer's nodes until
         the run ends.  Prices: ``costPerGpuHour``, else the default table (mixrl.api.gpus)."""
-        if memory.spends is None:
+        if memory.spends is None:  # first look since this operator started: go on from the status
             memory.spends = spend_from_status(previous)
+            written_at = memory.spends[TRAINER].since
+            if written_at is not None:  # so a restart on an unchanged cluster writes nothing at once
+                memory.spend_written = written_at
         existing = {
             body.get("spec", {}).get("pool", ""): int((body.get("status") or {}).get("replicas") or 0)
             for body in pool_bodies

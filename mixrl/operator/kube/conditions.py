@@ -33,3 +33,12 @@ def merge_conditions(previous: list[Obj], ours: list[Obj]) -> list[Obj]:
     """Ours in a fixed order, then everyone else's as they were."""
     own = {c["type"] for c in ours}
     return [*ours, *(c for c in previous if c.get("type") not in own)]
+
+
+def update_conditions(previous: list[Obj], ours: list[Obj]) -> list[Obj]:
+    """Ours where they stood (new ones at the end), everyone else's untouched: for a writer whose
+    conditions sit after another writer's, so that neither reorders the list the other wrote (two
+    writers that each put their own first would rewrite the list back and forth)."""
+    by_type = {c["type"]: c for c in ours}
+    kept = [by_type.pop(c.get("type"), c) for c in previous]
+    return [*kept, *(c for c in ours if c["type"] in by_type)]
