@@ -23,7 +23,6 @@ ScaledObjects), pools of ``none`` runs are left alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -78,6 +77,7 @@ from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.conditions import make_condition
 from mixrl.operator.kube.events import rfc3339
 from mixrl.operator.kube.rbac import SAMPLERPOOLS
+from mixrl.operator.kube.ticker import Ticker
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
@@ -290,8 +290,10 @@ Scalar = Callable[[aiohttp.ClientSession, str, str, float], Awaitable[float]]
 """One instant query that returns one number (:func:`query_prometheus`)."""
 
 
-class AutoscalingLoop:
+class AutoscalingLoop(Ticker):
     """Keeps the latest RLRuns and SamplerPools (fed by watch events) and scales the pools."""
+
+    tick_name = "mixrl-autoscaler"
 
     def __init__(
         self,
@@ -305,6 +307,7 @@ class AutoscalingLoop:
         scalar: Scalar = query_prometheus,
     ):
         self.settings = settings or LoopSettings()
+        super().__init__(self.settings.tick_s, log)
         self.client = client
         self.owns_client = owns_client
         """Close the client at :meth:`stop` (False when it is the operator's shared client)."""
@@ -327,8 +330,6 @@ class AutoscalingLoop:
         """(namespace, run) -> the trainer objective's estimates (``objective: trainer`` runs)."""
         self._run_polled: dict[Key, float] = {}
         self._fleet_said: dict[Key, str] = {}
-        self._task: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     def _own_lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -354,42 +355,18 @@ class AutoscalingLoop:
         else:
             self.pools[key] = dict(body)
 
-    # -- lifecycle
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="mixrl-autoscaler")
-
+    # -- lifecycle (start, the tick loop and the HTTP session: Ticker)
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await super().stop()
         if self.owns_client:
             await self.client.close()
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except Exception:  # one bad pool or a lost connection must not end the loop
-                log.exception("autoscaler tick failed")
-            await asyncio.sleep(self.settings.tick_s)
-
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        return self._session
 
     # -- one tick
     def resolved_run(self, pool_body: Obj) -> ResolvedRun | None:
         namespace = pool_body["metadata"].get("namespace") or "default"
         run_body = self.runs.get((namespace, (pool_body.get("spec") or {}).get("run", "")))
         if run_body is None or (run_body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            return None  # an ended run's pools stay at zero (mixrl.operator.controller.reconcile.at_zero)
+            return None  # an ended run's pools stay at zero (mixrl.operator.build.resources.released)
         try:
             return resolve(
                 RLRun.model_validate({k: run_body[k] for k in ("apiVersion", "kind", "metadata", "spec")})

@@ -20,7 +20,6 @@ fresh read: a reconcile writes the whole status from what it read, so the two ne
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -57,6 +56,7 @@ from mixrl.operator.controller.reconcile import manifest
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.events import event_object, rfc3339
 from mixrl.operator.kube.rbac import EVENTS, PODS, RLRUNS, SAMPLERPOOLS
+from mixrl.operator.kube.ticker import Ticker
 from mixrl.rl.health.collapse import assess
 
 log = logging.getLogger("mixrl.operator.status")
@@ -163,8 +163,10 @@ Reconcile = Callable[[str, str], None]
 Gate = Callable[[str], Awaitable[bool]]
 
 
-class StatusObserver:
+class StatusObserver(Ticker):
     """Keeps the RLRuns kopf shows it (watch events) and writes their live status."""
+
+    tick_name = "mixrl-status"
 
     def __init__(
         self,
@@ -175,11 +177,13 @@ class StatusObserver:
         clock: Callable[[], float] = time.time,
         lock: Callable[[str], asyncio.Lock] | None = None,
     ):
+        settings = settings or ObserverSettings()
+        super().__init__(settings.tick_s, log)
         self.client = client
         self._locks: dict[str, asyncio.Lock] = {}
         self.lock = lock or (lambda key: self._locks.setdefault(key, asyncio.Lock()))
         """Object key (``Kind/namespace/name``) -> the lock its reconciler holds while it writes."""
-        self.settings = settings or ObserverSettings()
+        self.settings = settings
         self.reconcile = reconcile
         self.may_act = may_act
         self.clock = clock
@@ -187,8 +191,6 @@ class StatusObserver:
         self.memory: dict[Key, RunMemory] = {}
         self.writes = 0
         """Status patches sent (tests count them: an idle run must cost none)."""
-        self._task: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     def observe_run(self, body: Mapping[str, Any], deleted: bool) -> None:
         meta = body["metadata"]
@@ -198,33 +200,6 @@ class StatusObserver:
             self.memory.pop(key, None)
         else:
             self.runs[key] = dict(body)
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._forever(), name="mixrl-status")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _forever(self) -> None:
-        while True:
-            try:
-                await self.tick()
-            except Exception:  # one bad run or a lost connection must not end the loop
-                log.exception("status tick failed")
-            await asyncio.sleep(self.settings.tick_s)
-
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        return self._session
 
     async def tick(self) -> None:
         now = self.clock()
