@@ -15,16 +15,14 @@ import json
 import shutil
 import subprocess
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_TABLE
 from mixrl.devcluster.cluster import free_port
 
-from .conftest import ROOT, Bed, OperatorProcess, wait_for
+from .conftest import ROOT, Bed, OperatorProcess, exposition_server, wait_for
 
 POOL = "h100-fp8"
 TARGET = 4.0  # load per replica of capacity 1.0
@@ -37,21 +35,7 @@ class PoolExporter:
         self.cluster, self.namespace, self.deployment = cluster, namespace, deployment
         self.load = 0.0
         self.port = free_port()
-        exporter = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = exporter.exposition().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = exposition_server(self.exposition, self.port)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def pods(self) -> list[str]:

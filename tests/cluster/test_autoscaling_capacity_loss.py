@@ -22,7 +22,6 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from mixrl.operator.autoscaling.promql import (
 )
 from mixrl.rl.router.shares import PoolCapacity, target_shares
 
-from .conftest import ROOT, Bed, OperatorProcess, wait_for
+from .conftest import ROOT, Bed, OperatorProcess, exposition_server, wait_for
 from .test_autoscaling import start_prometheus
 
 CHEAP, NEXT = "b200-nvfp4", "h200-fp8"  # $6 per 3.2 capacity, then $3.5 per 1.8
@@ -58,21 +57,7 @@ class RunExporter:
         self.received = {CHEAP: 0.0, NEXT: 0.0}
         self.last = time.monotonic()
         self.lock = threading.Lock()
-        exporter = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = exporter.exposition().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = exposition_server(self.exposition, self.port)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def running(self, pool: str) -> list[str]:

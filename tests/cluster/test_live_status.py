@@ -14,7 +14,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import yaml
 from mixrl.devcluster.cluster import free_port
 from mixrl.rl import metrics as m
 
-from .conftest import ROOT, Bed, OperatorProcess, start_operator, stop_operator, wait_for
+from .conftest import ROOT, Bed, OperatorProcess, exposition_server, start_operator, stop_operator, wait_for
 from .test_autoscaling import start_prometheus
 
 POOLS = ("h100-fp8", "b200-nvfp4")
@@ -40,21 +39,7 @@ class RunExporter:
         self.finished = 0
         self.moving = False
         self.port = free_port()
-        exporter = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = exporter.exposition().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.server = exposition_server(self.exposition, self.port)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         threading.Thread(target=self._advance, daemon=True).start()
 
