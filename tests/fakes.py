@@ -40,11 +40,13 @@ async def serve(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str
 
 
 def counting_reply(name: str) -> Reply:
-    """``max_new_tokens`` ids 0, 1, 2, … without log-probs; ``meta_info.served_by`` names the engine."""
+    """``max_new_tokens`` ids 0, 1, 2, … without log-probs; ``meta_info.served_by`` names the engine.
+    Asked for the sampling support (``return_sampling_mask``) it answers one member per token, the
+    token itself, as SGLang answers a confident truncated rule."""
 
     def reply(body: dict[str, Any]) -> dict[str, Any]:
         n = int(body.get("sampling_params", {}).get("max_new_tokens", 4))
-        meta = {
+        meta: dict[str, Any] = {
             "id": body.get("rid") or "r",
             "prompt_tokens": len(body.get("input_ids", [])),
             "completion_tokens": n,
@@ -52,6 +54,8 @@ def counting_reply(name: str) -> Reply:
             "finish_reason": {"type": "length", "length": n},
             "served_by": name,
         }
+        if body.get("return_sampling_mask"):
+            meta["output_token_sampling_mask"] = [[i] for i in range(n)]
         return {"text": "", "output_ids": list(range(n)), "meta_info": meta}
 
     return reply

@@ -136,7 +136,9 @@ class ScriptedGenerate:
 
 
 def scripted_reply(behaviour: str = "expert", version: int = 0) -> Reply:
-    """The stand-in policy's ``/generate`` answer, with SGLang's standard fields only."""
+    """The stand-in policy's ``/generate`` answer, with SGLang's standard fields only.  Asked for the
+    sampling support (``return_sampling_mask``) it answers ``output_token_sampling_mask`` as SGLang
+    does: here the token alone (its q ≈ 0.99 fills any top-p), the first of its candidates."""
 
     def reply(body: dict[str, Any]) -> dict[str, Any]:
         context = body["input_ids"]
@@ -157,6 +159,8 @@ def scripted_reply(behaviour: str = "expert", version: int = 0) -> Reply:
                 [[lp, i, None] for i, lp in zip(r.cand_ids, r.cand_logprobs, strict=True)] for r in records
             ],
         }
+        if body.get("return_sampling_mask"):
+            meta["output_token_sampling_mask"] = [[r.token_id] for r in records]
         return {"text": "", "output_ids": reply, "meta_info": meta}
 
     return reply

@@ -89,6 +89,14 @@ class EngineResponseError(ValueError):
     """An engine response that does not hold what a token record needs."""
 
 
+class SamplingMaskMissing(EngineResponseError):
+    """The request asked for the sampling support and the answer has none: something between the
+    client and the engine dropped ``return_sampling_mask`` (or the engine cannot answer it).  Unlike
+    a malformed answer this repeats on every turn, so callers stop rather than drop the episode."""
+
+    field = "output_token_sampling_mask"
+
+
 class TextCodec(Protocol):
     """What the wire format needs of the model's tokenizer (mixrl.rl.engine.text.HFTextCodec)."""
 
@@ -952,7 +960,7 @@ def parse_response(
     meta = payload.get("meta_info") or {}
     asked = bool((request or {}).get("return_sampling_mask"))
     if asked and "output_token_sampling_mask" not in meta and "output_token_support_size" not in meta:
-        raise EngineResponseError(
+        raise SamplingMaskMissing(
             "output_token_sampling_mask: absent although the request set return_sampling_mask; "
             "something between client and engine dropped the field (sglang-router 0.3.2 does: "
             "use mixrl's router, docs/router.md)"

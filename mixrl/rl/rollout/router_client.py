@@ -6,6 +6,11 @@ module's (:mod:`mixrl.rl.engine.protocol`): SGLang's native ``/generate`` body w
 parameter explicit, and a response read into token records together with the pool that served the
 turn (the router's ``X-Mixrl-Pool`` / ``-Gpu-Type`` / ``-Precision`` headers).
 
+When the body asks for the sampling support (``return_sampling_mask``, a truncating rule) and
+the answer has none, the turn fails with :class:`~mixrl.rl.engine.protocol.SamplingMaskMissing`
+naming the field: a proxy dropped it (sglang-router 0.3.2 does) or the engine cannot answer it, and
+records without their support would read as an untruncated rule.  The worker stops on it.
+
 When a session's replica dies the router moves the session and answers 503 (502/504 likewise ask
 for a retry): the turn is sent again, unchanged, after a short backoff.  Nothing of the episode
 is lost because the context lives here, not in the engine.
@@ -110,7 +115,9 @@ class RouterClient(SessionClient):
                     except ValueError:
                         payload = {"error": "answer is not JSON"}
                     if status == 200:
-                        return parse_response(payload, resp.headers, self.default_pool)
+                        # request=body: an answer without the support it asked for is an error
+                        # (SamplingMaskMissing), never records that look untruncated
+                        return parse_response(payload, resp.headers, self.default_pool, request=body)
                     reason = payload.get("error") if isinstance(payload, dict) else payload
             except (aiohttp.ClientConnectionError, TimeoutError) as exc:
                 status, reason = None, f"{type(exc).__name__}: {exc}"

@@ -41,7 +41,7 @@ from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
 from mixrl.rl.buffer.client import BufferClient, BufferError
-from mixrl.rl.engine.protocol import EngineResponseError, GenerateResult
+from mixrl.rl.engine.protocol import EngineResponseError, GenerateResult, SamplingMaskMissing
 from mixrl.rl.environments.base import SPLITS, Environment, Split, TaskLike
 from mixrl.rl.environments.datasets import load_tasks
 from mixrl.rl.environments.registry import check_rollout, load_environment, offered_tools
@@ -57,7 +57,9 @@ from mixrl.rl.sandbox.runner import SandboxUnavailable
 log = logging.getLogger("mixrl.rollout")
 
 EPISODE_FAILURES = (RouterError, EpisodeAborted, EngineResponseError)
-"""An episode that ends in one of these is dropped (with its group); anything else is a bug."""
+"""An episode that ends in one of these is dropped (with its group); anything else is a bug.
+Except :class:`SamplingMaskMissing`: it would recur on every turn (a proxy dropping the field), so it
+stops the worker with one line instead of dropping every group."""
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,8 @@ class RolloutWorker:
     async def _group_member(self, group: _Group, task: TaskLike, index: int) -> None:
         try:
             group.trajectories[index] = await self.play(task, index, group.prompt_id)
+        except SamplingMaskMissing:
+            raise
         except EPISODE_FAILURES as exc:
             if not group.failed:
                 log.warning("group %s dropped: an episode failed: %s", group.prompt_id, exc)
@@ -374,6 +378,8 @@ class RolloutWorker:
         for _ in range(attempts - 1):
             try:
                 return await self.play(task, index, f"{task.id}/eval")
+            except SamplingMaskMissing:
+                raise
             except EPISODE_FAILURES as exc:
                 log.warning("held-out episode of %s failed (%s); playing it again", task.id, exc)
         return await self.play(task, index, f"{task.id}/eval")
@@ -614,6 +620,9 @@ def main(argv: list[str]) -> int:
         )
     except* BufferError as refused:  # raised only for a 401, through the worker's task groups
         print(f"mixrl rollout: buffer: {_first_leaf(refused)}", file=sys.stderr)
+        status = 1
+    except* SamplingMaskMissing as missing:  # every turn would fail alike: one line, not a drop per group
+        print(f"mixrl rollout: engine: {_first_leaf(missing)}", file=sys.stderr)
         status = 1
     return status
 
