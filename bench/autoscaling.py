@@ -228,6 +228,21 @@ def row(result: ts.RunResult) -> dict[str, float | str]:
     }
 
 
+def cost_breakdown(ours: ts.RunResult, static: ts.RunResult) -> str:
+    """mixrl's cost per step over static's as the product of its four factors (RunResult.extra)."""
+    a, b = ours.extra, static.extra
+    price = a["dollars_per_capacity_hour"] / b["dollars_per_capacity_hour"]
+    paused = (1 - b["paused_share"]) / (1 - a["paused_share"])
+    busy = b["busy_share"] / a["busy_share"]
+    tokens = a["tokens_per_step"] / b["tokens_per_step"]
+    return (
+        f"$/step {ours.cost_per_step / static.cost_per_step:.3f}× = price per capacity-hour {price:.3f}× "
+        f"· weight-update pause {paused:.3f}× ({a['paused_share']:.1%} vs {b['paused_share']:.1%} of billed "
+        f"capacity) · idle slots {busy:.3f}× (busy {a['busy_share']:.1%} vs {b['busy_share']:.1%}) "
+        f"· tokens per step {tokens:.3f}×"
+    )
+
+
 def sweep_table(rows: list[dict[str, float | str]]) -> str:
     columns = [
         ("strategy", "strategy", "{}"),
@@ -288,6 +303,8 @@ def run_sweeps(seed: int, plots: Path | None, hours: float, quiet: bool = False)
             f"vs queue {ours.cost_per_step / results['queue'].cost_per_step:.2f}× $/step; "
             f"target {target}: {'PASS' if ok else 'FAIL'}"
         )
+        if not steady:
+            print("   " + cost_breakdown(ours, static))
         if ours.recommended_concurrency is not None:
             print(
                 f"   mixrl: the demand needs rollout concurrency {ours.recommended_concurrency} (reported, not applied)"

@@ -14,6 +14,7 @@ from mixrl.operator.autoscaling.policy import (
     PolicyConfig,
     PolicyState,
     PoolLoad,
+    fleet_pending,
     pending_ceiling,
     stuck_until_ready,
     track_pending,
@@ -65,3 +66,63 @@ def test_the_fleet_does_not_take_the_replacement_back() -> None:
 
     assert plan(stuck=1) == {"b200": 1, "h200": 7}  # 3.94 traj/s for 3.8: within tolerance
     assert plan(stuck=0) == {"b200": 1, "h200": 5}  # the Pending replica read as 1 traj/s
+
+
+def test_a_pool_on_probation_does_not_grow_until_a_replica_comes_up() -> None:
+    """fleet_pending, the rule-8 step the loop and the trainer-coupled simulator share: after a
+    release the pool's ceiling stays at its count (its minReplicas replica Pending is the probe)
+    past the block, and lifts when a replica comes up."""
+    lost = PoolLoad(load=None, replicas=1, ready=0, starting=1)
+    state = PolicyState()
+    ceilings = []
+    for now in range(0, 120, 2):
+        state, stuck, ceiling = fleet_pending(state, lost, float(now), CONFIG)
+        ceilings.append((stuck, ceiling))
+    released = ceilings.index((1, 1))  # the first timeout
+    assert released <= 11
+    # The block of pending_ceiling ends 20 s after each release; the pool still may not grow.
+    assert ceilings[released:] == [(1, 1)] * len(ceilings[released:])
+    up = PoolLoad(load=None, replicas=1, ready=1)
+    state, stuck, _ = fleet_pending(state, up, 120.0, CONFIG)
+    assert (state.released_at, stuck) == (None, 0)
+    state, stuck, ceiling = fleet_pending(state, up, 160.0, CONFIG)  # the last release's block is over
+    assert (stuck, ceiling) == (0, None)
+
+
+def test_a_pool_on_probation_with_nothing_pending_may_probe_one_replica() -> None:
+    """Half the nodes left: after the release the pool has only ready replicas, so one more may be
+    asked (the probe); while that one is Pending the pool may not grow further."""
+    state = PolicyState()
+    for now in range(0, 22, 2):  # 6 requested, 3 ready, stuck at the timeout (20 s)
+        state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 6, 3, starting=3), float(now), CONFIG)
+    assert (stuck, ceiling) == (3, 3)
+    state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 3, 3), 30.0, CONFIG)  # cut to 3: blocked
+    assert (stuck, ceiling) == (0, 3)
+    state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 3, 3), 60.0, CONFIG)  # block over
+    assert (stuck, ceiling) == (0, 4)
+    state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 4, 3, starting=1), 62.0, CONFIG)
+    assert (stuck, ceiling) == (1, 4)  # the probe is not supply, and nothing more is ordered
+    state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 4, 4), 64.0, CONFIG)  # it came up
+    assert (state.released_at, stuck, ceiling) == (None, 0, None)  # (the block ended at 40 s)
+
+
+def test_the_fleet_does_not_move_back_to_the_lost_pool_after_the_block() -> None:
+    """The test bed's intermittent (1, 7) → (5, 0): once the block after the release ended, a fill
+    (the backlog below its band) grew the cheaper lost pool, counting its new Pending replicas as
+    supply, and the window then let the replacing pool go."""
+    signals = TrainerSignals(step_rate=None, idle_share=0.0, buffered=0.0, in_flight=600.0, busy_step_s=256.0)
+    config = ObjectiveConfig(step_size=1024, concurrency=1024, sessions_per_capacity=16)
+    memory = ObjectiveMemory(rates={"b200": 1.0, "h200": 0.5625}, busy_step_s=256.0)
+    state = PolicyState()
+    for now in range(0, 30, 2):  # b200's one replica (its minimum) Pending since its nodes went
+        state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 1, 0, starting=1), float(now), CONFIG)
+    targets = []
+    for now in range(30, 120, 2):
+        state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 1, 0, starting=1), float(now), CONFIG)
+        pools = [
+            FleetPool("b200", 1, 0, 3.2, 4, 6.0, 1, 8, stuck=stuck, ceiling=ceiling),
+            FleetPool("h200", 7, 7, 1.8, 4, 3.5, 0, 8, throughput=7 * 0.5625, busy_share=1.0),
+        ]
+        targets.append(plan_fleet(pools, signals, config, memory).targets)
+    assert all(t["b200"] == 1 for t in targets), targets
+    assert targets[-1]["h200"] == 8  # the short supply goes to the pool that has nodes

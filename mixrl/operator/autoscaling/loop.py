@@ -50,9 +50,7 @@ from mixrl.operator.autoscaling.policy import (
     PoolLoad,
     budget_step,
     decide,
-    pending_ceiling,
-    stuck_until_ready,
-    track_pending,
+    fleet_pending,
 )
 from mixrl.operator.autoscaling.pool_api import (
     MetricsUnavailable,
@@ -105,9 +103,6 @@ class PoolMemory:
     last_poll: float | None = None
     refused: str | None = None
     """The last bounds problem reported (one Warning event per problem, not one per poll)."""
-    released_at: int | None = None
-    """``objective: trainer``: ready replicas when a pending timeout last released some (see
-    :func:`mixrl.operator.autoscaling.policy.stuck_until_ready`)."""
 
 
 def window_status(state: PolicyState, now: float, window_s: float) -> list[Obj]:
@@ -487,9 +482,7 @@ class AutoscalingLoop(Ticker):
             ).asleep(replicas)
             paused = await self._value(run, paused_query(run.namespace, pool.object_name))
             load = load_of(body, observation, paused)
-            memory.state, stuck = track_pending(memory.state, load, now, config)
-            memory.state, ceiling = pending_ceiling(memory.state, replicas, stuck, now, config)
-            memory.released_at, stuck = stuck_until_ready(memory.released_at, load, stuck)
+            memory.state, stuck, ceiling = fleet_pending(memory.state, load, now, config)
             per_replica = await self._value(
                 run, pool_rate_per_replica_query(run.namespace, run.name, pool.name)
             )

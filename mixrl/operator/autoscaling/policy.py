@@ -230,6 +230,9 @@ class PolicyState:
     """Ready replicas at the last poll (a rise is progress: it restarts the pending clock)."""
     blocked_until: float | None = None
     """After a pending timeout released replicas, the pool may not grow before this time."""
+    released_at: int | None = None
+    """Fleet-planned pools (:func:`fleet_pending`): the ready count when a pending timeout last
+    released replicas; None once the ready count rose above it (:func:`stuck_until_ready`)."""
 
     @classmethod
     def seeded(cls, now: float, replicas: int) -> PolicyState:
@@ -271,7 +274,9 @@ def stuck_until_ready(released_at: int | None, load: PoolLoad, stuck: int) -> tu
     if stuck:
         return load.ready, stuck
     if released_at is not None and load.ready <= released_at:
-        return released_at, max(load.replicas - load.ready, 0)
+        # The lowest count since the release: a pool cut further (or a replica lost) that then
+        # gets one up has shown that its replicas come up again.
+        return load.ready, max(load.replicas - load.ready, 0)
     return None, 0
 
 
@@ -287,6 +292,32 @@ def pending_ceiling(
     if state.blocked_until is not None and now < state.blocked_until:
         return state, max(current, config.min_replicas)
     return state, None
+
+
+def fleet_pending(
+    state: PolicyState, load: PoolLoad, now: float, config: PolicyConfig
+) -> tuple[PolicyState, int, int | None]:
+    """Rule 8 for a pool the fleet step plans (``objective: trainer``): the state to keep, the
+    requested replicas that are not capacity, and the cap on the pool now (None: none).
+
+    :func:`track_pending`, :func:`pending_ceiling`, then :func:`stuck_until_ready`, in that order;
+    the built-in loop and the trainer-coupled simulator both call this, so the simulator's figures
+    come from the rule the operator applies."""
+    state, stuck = track_pending(state, load, now, config)
+    state, ceiling = pending_ceiling(state, load.replicas, stuck, now, config)
+    released_at, stuck = stuck_until_ready(state.released_at, load, stuck)
+    if released_at is not None:
+        # On probation until a replica comes up: the pool does not grow.  Once the block of
+        # pending_ceiling is over, growth would put Pending replicas where the nodes are gone and
+        # the fill would count them as supply for the poll that orders them, cut the replacing
+        # pools after the window and start over at the next timeout (the trainer-coupled model's
+        # run 7 went 4 -> 14 -> 4 b200 replicas, h200 8 -> 1 -> 8, in 20 minutes).  One replica is
+        # the probe: a pool with none pending may ask for one more (it counts as stuck, not as
+        # supply, from the next poll); the ones ``minReplicas`` keeps Pending are probes already.
+        probe = load.replicas if load.replicas > load.ready else load.replicas + 1
+        cap = max(config.min_replicas, probe)
+        ceiling = cap if ceiling is None else min(ceiling, cap)
+    return replace(state, released_at=released_at), stuck, ceiling
 
 
 def stabilized_floor(state: PolicyState, current: int, now: float, window_s: float) -> int:

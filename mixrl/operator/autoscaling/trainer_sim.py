@@ -49,8 +49,7 @@ from mixrl.operator.autoscaling.policy import (
     PolicyState,
     PoolLoad,
     decide,
-    pending_ceiling,
-    track_pending,
+    fleet_pending,
 )
 
 RATE_WINDOW_S = 300
@@ -122,6 +121,11 @@ class RunResult:
     recommended_concurrency: int | None = None
     loss_at_s: float | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    """Where the cost per step goes: ``dollars_per_capacity_hour`` (billed), ``paused_share`` (of
+    billed capacity-seconds, weight updates), ``busy_share`` (tokens generated over what the
+    unpaused billed capacity could), ``tokens_per_step`` (generated ÷ steps).  Their product,
+    ``dollars_per_capacity_hour / 3600 × tokens_per_step / (tokens_per_s_per_capacity × (1 −
+    paused_share) × busy_share)``, is the cost per step."""
 
     @property
     def steps_per_hour(self) -> float:
@@ -218,6 +222,7 @@ def simulate_run(
     noise = np.exp(rng.normal(0.0, run.length_noise, total // 60 + 2))
 
     completions: deque[np.ndarray] = deque(maxlen=THROUGHPUT_WINDOW_S)
+    ready_seconds: deque[np.ndarray] = deque(maxlen=THROUGHPUT_WINDOW_S)
     step_log: list[float] = []
     all_steps: list[float] = []  # including the warm-up: what Prometheus would have seen
     busy_log: deque[tuple[float, float]] = deque()  # (time, trainer compute seconds of a step)
@@ -228,12 +233,16 @@ def simulate_run(
     staleness: dict[int, int] = {}
     steps = 0
     idle_s = cost = over_budget = 0.0
+    # Where the cost per step goes (RunResult.extra): billed capacity-seconds, the part of them
+    # paused by weight updates, and the tokens generated.
+    billed_capacity_s = paused_capacity_s = generated = 0.0
     gpus_max = 0
     recommended = None
     samples: dict[str, list] = {"times": [], "replicas": [], "cost_rate": [], "backlog": []}
     signals = TrainerSignals(None, None, None, None)
     per_pool_load = np.zeros(n)
     load_scrapes: deque[np.ndarray] = deque(maxlen=RATE_WINDOW_S // SCRAPE_S)
+    ready_scrapes: deque[np.ndarray] = deque(maxlen=RATE_WINDOW_S // SCRAPE_S)
     per_pool_throughput = np.zeros(n)
 
     def set_replicas(i: int, target: int, now: float) -> None:
@@ -314,6 +323,8 @@ def simulate_run(
             busy = np.minimum(1.0, sessions / np.maximum(ready_cap * run.sessions_per_capacity, 1e-9))
             tokens = ready_cap * run.tokens_per_s_per_capacity * busy
             progress += tokens / length
+            if recording:
+                generated += float(tokens.sum())
             done = np.minimum(np.floor(progress), np.floor(sessions))
             progress -= done
             for i in np.flatnonzero(done):
@@ -322,6 +333,7 @@ def simulate_run(
                 sessions[i] -= done[i]
                 buffered += done[i]
         completions.append(done)
+        ready_seconds.append(ready.copy())
         # the trainer
         if trainer_busy_until is not None and now >= trainer_busy_until:
             trainer_busy_until = None
@@ -351,6 +363,9 @@ def simulate_run(
         billed = ready + np.array([sum(1 for s in st if s != math.inf) for st in starting])
         if recording:
             cost += float((billed * price).sum())
+            billed_capacity_s += float((billed * cap).sum())
+            if now < pause_until:
+                paused_capacity_s += float((billed * cap).sum())
             used = int((desired * gpus).sum())
             gpus_max = max(gpus_max, used)
             if gpu_budget is not None and used > gpu_budget:
@@ -359,7 +374,11 @@ def simulate_run(
         if tick % SCRAPE_S == 0:
             per_pool_load = sessions.copy()
             load_scrapes.append(per_pool_load)
-            per_pool_throughput = np.sum(completions, axis=0) / max(len(completions), 1)
+            ready_scrapes.append(ready.copy())
+            # As the loop reads it (promql.pool_rate_per_replica_query): delivered over the window
+            # per ready replica-second of the same span, times the replicas ready now.
+            per_replica = np.sum(completions, axis=0) / np.maximum(np.sum(ready_seconds, axis=0), 1e-9)
+            per_pool_throughput = per_replica * ready
             recent_steps = len(_recent(all_steps, now))
             window = min(RATE_WINDOW_S, tick) or 1
             while busy_log and busy_log[0][0] <= now - RATE_WINDOW_S and len(busy_log) > 1:
@@ -375,7 +394,7 @@ def simulate_run(
         if strategy.kind != "static" and tick % strategy.poll_s == 0:
             targets = _poll(
                 strategy, pools, desired, ready, starting, per_pool_load, per_pool_throughput, signals,
-                states, objective_memory, now, pause_until > now, gpu_budget, load_scrapes,
+                states, objective_memory, now, pause_until > now, gpu_budget, load_scrapes, ready_scrapes,
             )  # fmt: skip
             if strategy.kind == "trainer":
                 targets, objective_memory, recommended = targets
@@ -404,6 +423,13 @@ def simulate_run(
         backlog=np.array(samples["backlog"]),
         recommended_concurrency=recommended,
         loss_at_s=run.loss_at_s if spot is not None else None,
+        extra={
+            "dollars_per_capacity_hour": cost / max(billed_capacity_s, 1e-9) * 3600,
+            "paused_share": paused_capacity_s / max(billed_capacity_s, 1e-9),
+            "busy_share": generated
+            / max((billed_capacity_s - paused_capacity_s) * run.tokens_per_s_per_capacity, 1e-9),
+            "tokens_per_step": generated / max(steps, 1),
+        },
     )
 
 
@@ -450,6 +476,7 @@ def _poll(
     updating: bool,
     gpu_budget: int | None,
     load_scrapes: deque[np.ndarray],
+    ready_scrapes: deque[np.ndarray],
 ):
     mean_load = np.mean(load_scrapes, axis=0) if load_scrapes else load
     if strategy.kind == "queue":
@@ -471,12 +498,17 @@ def _poll(
             out[p.name] = decision.desired
         return out
     assert strategy.objective is not None and strategy.configs is not None
-    # What avg_over_time(clamp_max(load / slots, 1)[5m:15s]) would say (slots at today's ready count).
-    slots = np.maximum(
-        ready * np.array([p.capacity for p in pools]) * strategy.objective.sessions_per_capacity, 1e-9
-    )
+    # What avg_over_time(clamp_max(load / slots, 1)[5m:15s]) says: each scrape against the
+    # replicas ready at that scrape (promql.pool_busy_query).
+    per_slot = np.array([p.capacity for p in pools]) * strategy.objective.sessions_per_capacity
     busy_share = (
-        np.mean([np.minimum(1.0, s / slots) for s in load_scrapes], axis=0)
+        np.mean(
+            [
+                np.minimum(1.0, s / np.maximum(r * per_slot, 1e-9))
+                for s, r in zip(load_scrapes, ready_scrapes, strict=True)
+            ],
+            axis=0,
+        )
         if load_scrapes
         else np.ones(len(pools))
     )
@@ -486,9 +518,7 @@ def _poll(
         observed = PoolLoad(
             load=float(load[i]), replicas=int(desired[i]), ready=int(ready[i]), starting=len(starting[i])
         )
-        state, stuck = track_pending(states[p.name], observed, now, config)
-        state, ceiling = pending_ceiling(state, int(desired[i]), stuck, now, config)
-        states[p.name] = state
+        states[p.name], stuck, ceiling = fleet_pending(states[p.name], observed, now, config)
         views.append(
             ObjectivePool(
                 p.name,
