@@ -79,3 +79,19 @@ def test_capacity_loss_is_replaced_from_another_pool() -> None:
 def test_a_gpu_budget_is_kept() -> None:
     result = simulate_run(POOLS, RUN, mixrl(), gpu_budget=5)
     assert result.gpus_max <= 5 and result.gpu_seconds_over_budget == 0
+
+
+def test_the_model_keeps_the_lost_pool_on_probation_as_the_loop_does() -> None:
+    """The simulator calls the loop's rule-8 step (policy.fleet_pending): after the pending timeout
+    released the spot pool's replicas that have no node, the pool asks for at most one more (the
+    probe) while its nodes stay gone, and the replacing pool is not given back."""
+    lossy = replace(RUN, hours=3.0, spot_pool="spot", loss_at_s=3600.0)
+    ours = simulate_run(POOLS, lossy, mixrl(lossy))
+    spot = [(t, before, after) for t, pool, before, after in ours.actions if pool == "spot" and t > 3600]
+    release = next((t, after) for t, before, after in spot if after < before)
+    assert release[0] <= 3600 + 600 + 2 * 30
+    assert max(after for t, _, after in spot if t > release[0]) <= release[1] + 1
+    dear = [
+        (t, before, after) for t, pool, before, after in ours.actions if pool == "dear" and t > release[0]
+    ]
+    assert not any(after < before for _, before, after in dear), dear
