@@ -90,8 +90,6 @@ def test_the_model_keeps_the_lost_pool_on_probation_as_the_loop_does() -> None:
     spot = [(t, before, after) for t, pool, before, after in ours.actions if pool == "spot" and t > 3600]
     release = next((t, after) for t, before, after in spot if after < before)
     assert release[0] <= 3600 + 600 + 2 * 30
-    assert max(after for t, _, after in spot if t > release[0]) <= release[1] + 1
-    dear = [
-        (t, before, after) for t, pool, before, after in ours.actions if pool == "dear" and t > release[0]
-    ]
-    assert not any(after < before for _, before, after in dear), dear
+    assert max((after for t, _, after in spot if t > release[0]), default=0) <= release[1] + 1
+    dear = [after for t, pool, _, after in ours.actions if pool == "dear" and t >= release[0]]
+    assert dear and min(dear) >= 3, dear  # it settles (its rate measured), it is not given back
