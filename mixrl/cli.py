@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("mixrl.rl.engine.server", "serve a transformers model with SGLang's HTTP API"),
     "router": ("mixrl.rl.router", "session router across sampler pools"),
     "rollout": ("mixrl.rl.rollout.worker", "agent loops producing trajectories"),
+    "evaluate": ("mixrl.rl.rollout.evaluator", "held-out pass@k on a BF16 engine, exactly the version named"),
     "buffer": ("mixrl.rl.buffer", "trajectory buffer service"),
     "trainer": ("mixrl.rl.trainer.main", "policy trainer (torch backend)"),
     "operator": ("mixrl.operator.main", "the Kubernetes operator (kopf)"),

@@ -26,9 +26,12 @@ from typing import Literal
 
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
 
-Component = Literal["trainer", "buffer", "router", "rollout", "engine", "weight-sync", "weights-init"]
+Component = Literal[
+    "trainer", "buffer", "router", "rollout", "engine", "weight-sync", "weights-init", "evaluator"
+]
 """What a run starts: four services, one engine per pool replica, and beside each engine in a pod the
-weight-sync sidecar and its init container (``weights-init``: the starting checkpoint, then exit)."""
+weight-sync sidecar and its init container (``weights-init``: the starting checkpoint, then exit);
+with ``evaluation.sampler: bf16`` also the evaluator and its own engine (pool ``evaluator``)."""
 COMPONENTS: tuple[Component, ...] = (
     "trainer",
     "buffer",
@@ -37,6 +40,7 @@ COMPONENTS: tuple[Component, ...] = (
     "engine",
     "weight-sync",
     "weights-init",
+    "evaluator",
 )
 SERVER_PORTS: dict[str, int] = {"buffer": BUFFER_PORT, "router": ROUTER_PORT, "engine": ENGINE_PORT}
 """The fixed port of each server where it owns its network namespace (a pod)."""
@@ -114,6 +118,8 @@ class Where:
     """Where the weight-sync containers write the pool's conversion (only where they run: a pod)."""
     engine_url: str | None = None
     """The engine the weight-sync sidecar reloads (its own pod's)."""
+    evaluator_engine_url: str | None = None
+    """The evaluator's own engine (``evaluation.sampler: bf16``), which only the evaluator reloads."""
 
 
 def process_name(component: Component, pool: ResolvedPool | None = None, replica: int = 0) -> str:
@@ -313,6 +319,19 @@ def component_command(
             "--worker-index",
             where.worker_index,
             *_metrics(where),
+            *_auth(where),
+        ]
+    if component == "evaluator":
+        return [
+            *where.program,
+            "evaluate",
+            "--config",
+            where.config,
+            "--engine",
+            _known(where.evaluator_engine_url, "the evaluator engine's URL"),
+            "--buffer",
+            _known(where.buffer_url, "the buffer's URL"),
+            *(["--tokenizer", where.tokenizer] if where.tokenizer is not None else []),
             *_auth(where),
         ]
     assert pool is not None, f"{component} belongs to a pool"

@@ -640,7 +640,16 @@ class AutoscalingSpec(Model):
 
 class EvaluationSpec(Model):
     every_steps: Int = Field(default=10, gt=0, le=INT32_MAX)
-    """Evaluate on the held-out tasks every this many steps."""
+    """Evaluate on the held-out tasks every this many steps (and at step 0 and trainer.totalSteps)."""
+    sampler: Literal["pools", "bf16"] = "pools"
+    """Who plays the held-out episodes. ``pools``: the rollout worker, on the training pools with the
+    run's sampling, while training goes on (an evaluation names the oldest version that produced a
+    token). ``bf16``: the stability study's protocol (docs/rollout.md#the-bf16-evaluator), ``mixrl
+    evaluate`` with its own torch engine holding BF16 weights: it loads exactly version N for the evaluation of step N (nothing updates it meanwhile),
+    samples the full vocabulary at the run's temperature (no top-p, no top-k), and goes on from the
+    buffer's evaluations after a restart; the trainer keeps each evaluation step's version until it
+    is evaluated. ``bf16`` runs with ``mixrl run``; the operator does not start an evaluator yet and
+    refuses it."""
     pass_k: list[Annotated[Int, Field(le=INT32_MAX)]] = Field(
         default_factory=lambda: [1], max_length=rules.MAX_PASS_K
     )

@@ -140,6 +140,11 @@ class ResolvedRun(Frozen):
     autoscaling: AutoscalingSpec
     evaluation: EvaluationSpec
     health: HealthSpec = Field(default_factory=HealthSpec)
+    evaluation_pool: ResolvedPool | None = None
+    """``evaluation.sampler: bf16``: the evaluator's own engine (torch, BF16 weights), outside the
+    router and the training pools; None when the rollout worker evaluates on the pools."""
+    evaluation_sampling: SamplingParams | None = None
+    """How the evaluator samples: the run's temperature over the full vocabulary."""
 
     def pool(self, name: str) -> ResolvedPool:
         for pool in self.pools:
@@ -154,6 +159,14 @@ def default_kv_cache_dtype(pool: SamplerPoolTemplate) -> Literal["bf16", "fp8"]:
     return "fp8" if pool.weight_precision in LOW_PRECISIONS else "bf16"
 
 
+def torch_engine_args(
+    pool: str, weight_precision: str, kv_cache_dtype: str, extra: list[str] | tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """The torch engine's flags: its emulated precisions and the pool it reports."""
+    args = ("--weight-precision", weight_precision, "--kv-cache-dtype", kv_cache_dtype)
+    return (*args, "--pool", pool, *extra)
+
+
 def engine_args(
     pool: SamplerPoolTemplate, kv_cache_dtype: str, sampling: SamplingParams, model: ModelSpec
 ) -> tuple[str, ...]:
@@ -161,8 +174,7 @@ def engine_args(
 
     Each SGLang flag, and why: docs/engine.md, "What each generated flag means, and why"."""
     if pool.engine == "torch":
-        args = ["--weight-precision", pool.weight_precision, "--kv-cache-dtype", kv_cache_dtype]
-        return (*args, "--pool", pool.name, *pool.engine_args)
+        return torch_engine_args(pool.name, pool.weight_precision, kv_cache_dtype, pool.engine_args)
     args = ["--tp-size", str(max(pool.gpus_per_replica, 1)), "--enable-metrics"]
     # mixrl sends token ids and reads token ids: the tokenizer stays with the rollout workers, and
     # the published checkpoints need no tokenizer files.
@@ -227,6 +239,17 @@ def resolve(run: RLRun) -> ResolvedRun:
             )
         )
     trainer = spec.trainer
+    evaluation_pool, evaluation_sampling = None, None
+    if spec.evaluation.sampler == "bf16":
+        evaluation_sampling = SamplingParams(
+            temperature=rule.temperature,
+            top_p=1.0,
+            top_k=-1,
+            max_new_tokens=algorithm.max_new_tokens,
+            top_logprobs_num=0,
+            return_sampling_mask=False,
+        )
+        evaluation_pool = evaluator_pool(run.metadata.name)
     return ResolvedRun(
         name=run.metadata.name,
         namespace=run.metadata.namespace or "default",
@@ -249,4 +272,32 @@ def resolve(run: RLRun) -> ResolvedRun:
         autoscaling=spec.autoscaling,
         evaluation=spec.evaluation,
         health=spec.health,
+        evaluation_pool=evaluation_pool,
+        evaluation_sampling=evaluation_sampling,
+    )
+
+
+EVALUATOR_POOL = "evaluator"
+"""The evaluator engine's pool name (reserved: no sampler pool may take it)."""
+
+
+def evaluator_pool(run_name: str) -> ResolvedPool:
+    """The BF16 engine of ``evaluation.sampler: bf16``: one torch replica, BF16 weights and KV cache."""
+    return ResolvedPool(
+        name=EVALUATOR_POOL,
+        object_name=f"{run_name}-{EVALUATOR_POOL}",
+        gpu_type="cpu",
+        gpus_per_replica=0,
+        weight_precision="bf16",
+        kv_cache_dtype="bf16",
+        engine="torch",
+        capacity=None,
+        min_replicas=1,
+        max_replicas=1,
+        initial_replicas=1,
+        cost_per_gpu_hour=None,
+        gpu_products=(),
+        node_selector={},
+        image=None,
+        engine_args=torch_engine_args(EVALUATOR_POOL, "bf16", "bf16"),
     )

@@ -58,7 +58,7 @@ URL_SCHEME = "^[A-Za-z][A-Za-z0-9+.-]*://"
 """A location that starts like a URL (``s3://``, ``https://``…), as opposed to a path."""
 """Weight precisions whose KV cache defaults to fp8."""
 RESERVED_POOL_NAMES: frozenset[str] = frozenset(
-    {"config", "trainer", "router", "rollout", "buffer", "weights"}
+    {"config", "trainer", "router", "rollout", "buffer", "weights", "evaluator"}
 )
 """Suffixes of the run's own children (``<run>-trainer``…): a pool with one of these names would collide."""
 MAX_RUN_NAME = 30

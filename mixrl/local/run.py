@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.api.errors import InvalidSpec
+from mixrl.api.evaluation import evaluation_steps
 from mixrl.api.launch import (
     ONE_MACHINE,
     SERVER_PORTS,
@@ -74,6 +75,9 @@ class Supervisor:
         self.run = run
         self.run_dir = run_dir
         self.components: list[Process] = []
+        self.evaluator: Process | None = None
+        """``evaluation.sampler: bf16``: mixrl evaluate (started with the rest)."""
+        self.evaluator_restarts = 0
         # A new token per start: components of an earlier start (or anyone who read its file)
         # cannot act on this one.  Every component reads it from the file, never from its argv.
         token_path = run_dir / AUTH_TOKEN_FILE
@@ -123,10 +127,20 @@ class Supervisor:
             engines[pool.name] = [self._component("engine", pool, i) for i in range(pool.initial_replicas)]
             for engine in engines[pool.name]:
                 engine.start(env=SINGLE_THREAD)
-        wait_healthy([buffer, *(e for pool in engines.values() for e in pool)], timeout=300)
+        # evaluation.sampler bf16: the evaluator's own engine, which the router never sees.
+        evaluator_engine = None
+        if run.evaluation_pool is not None:
+            evaluator_engine = self._component("engine", run.evaluation_pool)
+            evaluator_engine.start(env=SINGLE_THREAD)
+        own = [evaluator_engine] if evaluator_engine is not None else []
+        wait_healthy([buffer, *(e for pool in engines.values() for e in pool), *own], timeout=300)
         replicas = {name: [engine.url for engine in pool] for name, pool in engines.items()}
         self.replicas_path.write_text(json.dumps(replicas, indent=2))
         self.where = replace(self.where, buffer_url=buffer.url)
+        if evaluator_engine is not None:
+            self.where = replace(self.where, evaluator_engine_url=evaluator_engine.url)
+            self.evaluator = self._component("evaluator")
+            self.evaluator.start(env=SINGLE_THREAD)
 
         router = self._component("router")
         router.start()
@@ -141,18 +155,34 @@ class Supervisor:
     def stop(self) -> None:
         # Producers first, then the trainer, the router, the engines and the buffer last, so that no
         # trajectory in flight is lost.
-        order = ["rollout", "trainer", "router", "engine", "buffer"]
+        order = ["rollout", "evaluator", "trainer", "router", "engine", "buffer"]
         for prefix in order:
             for component in self.components:
                 if component.name.startswith(prefix):
                     component.stop()
 
+    def revive_evaluator(self) -> None:
+        """Restart a failed evaluator (a few times): it goes on from the evaluations in the buffer,
+        and the trainer keeps the versions it has still to evaluate."""
+        evaluator = self.evaluator
+        if evaluator is None or evaluator.alive or evaluator.returncode == 0:
+            return
+        if self.evaluator_restarts < MAX_TRAINER_RESTARTS:
+            self.evaluator_restarts += 1
+            print(
+                f"mixrl run: evaluator exited with code {evaluator.returncode}; restarting it "
+                f"({self.evaluator_restarts}/{MAX_TRAINER_RESTARTS})",
+                flush=True,
+            )
+            evaluator.start(env=SINGLE_THREAD)
+
     def failed_component(self) -> Process | None:
         for component in self.components:
             if component is self.trainer or component.alive:
                 continue
-            # Servers must stay up; the rollout worker may end on its own after the last step.
-            if component is not self.rollout or component.returncode != 0:
+            # Servers must stay up; the rollout worker and the evaluator may end on their own after
+            # the last step.
+            if component not in (self.rollout, self.evaluator) or component.returncode != 0:
                 return component
         if not self.trainer.alive and self.trainer.returncode != 0:
             return self.trainer
@@ -307,6 +337,7 @@ def main(argv: list[str]) -> int:
                 )
                 supervisor.trainer.start(env=SINGLE_THREAD)
                 continue
+            supervisor.revive_evaluator()
             failed = supervisor.failed_component()
             if failed is not None:
                 print(
@@ -345,12 +376,19 @@ def main(argv: list[str]) -> int:
 def wait_for_final_evaluation(
     run_dir: Path, run: ResolvedRun, supervisor: Supervisor, timeout: float = 180
 ) -> None:
-    """The rollout worker evaluates after the last step; keep the engines up until it has."""
+    """The rollout worker (or the BF16 evaluator, which may be several evaluations behind)
+    evaluates after the last step; keep the engines up until it has."""
     total = run.trainer.spec.total_steps
     if total is None:
         return
+    evaluator = supervisor.evaluator or supervisor.rollout
+    if supervisor.evaluator is not None:
+        timeout *= 1 + len(list(evaluation_steps(run.evaluation.every_steps, total)))
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and supervisor.rollout.alive:
+    while time.monotonic() < deadline:
+        supervisor.revive_evaluator()
+        if not evaluator.alive:
+            break
         evaluations = step_records(run_dir / "buffer" / "evaluations.jsonl")
         if evaluations and evaluations[-1]["step"] >= total:
             return

@@ -26,7 +26,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -493,11 +493,12 @@ class WeightStore:
         """Remove one version (and its converted checkpoints), e.g. one a resumed trainer will redo."""
         self.storage.remove(version_dir_name(_check_version(version)))
 
-    def prune(self, keep: int) -> list[int]:
-        """Remove all but the newest ``keep`` versions (and stale staging leftovers); returns the removed."""
+    def prune(self, keep: int, protect: Collection[int] = ()) -> list[int]:
+        """Remove all but the newest ``keep`` versions and those in ``protect`` (and stale staging
+        leftovers); returns the removed."""
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep: expected an integer ≥ 1, got {keep!r}")
-        doomed = self.versions()[:-keep]
+        doomed = [v for v in self.versions()[:-keep] if v not in protect]
         for version in doomed:
             self.remove(version)
         self.storage.remove_stale_staging(STALE_STAGING_S)

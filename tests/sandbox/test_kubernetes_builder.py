@@ -180,4 +180,4 @@ def test_the_rollout_worker_takes_sandbox_pods_from_the_manifest_beside_its_conf
     config.write_text(resolved_of(SPEC).model_dump_json())
     args = argparse.Namespace(config=str(config), worker_index=0, max_steps_ahead=None, tokenizer=None)
     with pytest.raises(ValueError, match=r"^spec\.rollout\.sandbox: cannot read the sandbox pod manifest"):
-        worker._load(args)
+        worker.load_worker(args)

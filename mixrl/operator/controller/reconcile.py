@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from mixrl.api.errors import InvalidSpec
+from mixrl.api.errors import InvalidSpec, Problem
 from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
@@ -107,6 +107,12 @@ def manifest(body: Obj) -> Obj:
     }
 
 
+EVALUATOR_NOT_IN_CLUSTER = (
+    "bf16 (the BF16 evaluator) runs with mixrl run only: the operator does not start an evaluator "
+    "and its engine; use pools"
+)
+
+
 class PolicyRefused(Exception):
     """A valid run asks for what the cluster's policy does not allow; the message is one line."""
 
@@ -117,6 +123,8 @@ def resolve_run(body: Obj, policy: Policy = OPEN) -> ResolvedRun:
     run = parse_document(manifest(body))
     assert isinstance(run, RLRun)
     resolved = resolve(run)  # pool names that would collide with a component's objects are invalid
+    if resolved.evaluation_pool is not None:
+        raise InvalidSpec([Problem("spec.evaluation.sampler", EVALUATOR_NOT_IN_CLUSTER)])
     refused = violation(policy, run.spec)
     if refused is not None:
         raise PolicyRefused(refused)

@@ -95,6 +95,9 @@ class WorkerSettings:
     train_path: str | None = None
     """Training tasks from this dataset file; None = the environment's generator."""
     heldout_path: str | None = None
+    evaluates: bool = True
+    """The worker evaluates the held-out split on the pools (``evaluation.sampler: pools``); with
+    ``bf16`` the evaluator does (mixrl.rl.rollout.evaluator)."""
 
     def tasks(self, environment: Environment[Any], split: Split) -> Sequence[TaskLike]:
         """The tasks of ``split``: from the dataset file the spec names, else generated."""
@@ -142,6 +145,7 @@ class WorkerSettings:
             max_observation_tokens=rollout.max_observation_tokens,
             train_path=rollout.dataset.train,
             heldout_path=rollout.dataset.heldout,
+            evaluates=evaluation.sampler == "pools",
         )
 
 
@@ -404,7 +408,8 @@ class RolloutWorker:
         """Evaluate the starting weights, then produce and evaluate until ``stopping`` is set."""
         progress = asyncio.create_task(self.report_progress())
         try:
-            if await self.read_buffer() and self.trainer_step == 0:
+            evaluates = self.settings.evaluates
+            if await self.read_buffer() and self.trainer_step == 0 and evaluates:
                 # The warm-start baseline, measured before any training episode competes for the engines.
                 await _until(stopping, self.evaluate_heldout(0))
             if stopping.is_set():
@@ -412,7 +417,11 @@ class RolloutWorker:
             async with asyncio.TaskGroup() as tasks:
                 jobs = [
                     tasks.create_task(job)
-                    for job in (self.produce(), self.watch_trainer(), self.poll_buffer())
+                    for job in (
+                        self.produce(),
+                        self.poll_buffer(),
+                        *([self.watch_trainer()] if evaluates else []),
+                    )
                 ]
                 await stopping.wait()
                 for job in jobs:
@@ -501,7 +510,8 @@ class Loaded:
     """``spec.rollout.sandbox``: started and closed by :func:`serve`."""
 
 
-def _load(args: argparse.Namespace) -> Loaded:
+def load_worker(args: argparse.Namespace) -> Loaded:
+    """The run, settings, environment, tokenizer and token of a worker's (or evaluator's) arguments."""
     run = load_resolved(args.config)  # a RunConfigError is a ValueError: one line
     settings = WorkerSettings.from_run(run, args.worker_index, args.max_steps_ahead)
     problems = check_rollout(run.rollout)
@@ -602,7 +612,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
     try:
-        loaded = _load(args)
+        loaded = load_worker(args)
     except ValueError as exc:
         print(f"mixrl rollout: {exc}", file=sys.stderr)
         return 2

@@ -42,6 +42,7 @@ from typing import Any
 import aiohttp
 import torch
 
+from mixrl.api.evaluation import BF16_PROTOCOL, evaluated_steps, protected_versions
 from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ResolvedRun
 from mixrl.api.trajectory import Trajectory
@@ -204,6 +205,14 @@ class TrainerLoop:
             self.store.publish(self.step, state, {"step": self.step}, self.model_config)
         distributed.barrier()
 
+    async def prune(self) -> None:
+        """Old versions out of the store, except those the BF16 evaluator has still to evaluate."""
+        protect: set[int] = set()
+        if self.run.evaluation.sampler == BF16_PROTOCOL:
+            evaluated = evaluated_steps(await self.buffer.evaluations())
+            protect = protected_versions(self.run, await asyncio.to_thread(self.store.versions), evaluated)
+        await asyncio.to_thread(self.store.prune, self.run.weights.keep_versions, protect)
+
     async def reload_engines(self, version: int) -> None:
         if self.router_url is None:
             return
@@ -248,7 +257,7 @@ class TrainerLoop:
             if main:
                 await asyncio.to_thread(self.store.publish, step, state, {"step": step}, self.model_config)
                 await self.reload_engines(step)
-                await asyncio.to_thread(self.store.prune, self.run.weights.keep_versions)
+                await self.prune()
                 # The line first: a crash after it redoes the step, and resume() drops the line.
                 record = step_record(step, result, groups, started)
                 with (self.run_dir / METRICS).open("a", encoding="utf-8") as out:
