@@ -20,9 +20,9 @@ of each fleet and the mixed/homogeneous ratio of it (the seed's 4.7×), and each
 samples against its share of extreme-ratio tokens.
 
 The arms and fleets are pure functions of the RLRun document (:func:`arm_document`); the runs are
-the real local runtime.  What this does not do yet: held-out evaluation comes from the run's own
-evaluator (its sampler pools, its top-p, while training continues), not from a separate BF16
-evaluator on the full vocabulary as the seed's protocol has it (docs/benchmarks.md, "Ablation").
+the real local runtime.  Held-out pass@k comes from the BF16 evaluator (``evaluation.sampler:
+bf16``: exactly the version each evaluation names, the full vocabulary; docs/rollout.md#the-bf16-evaluator)
+unless ``--evaluation pools`` asks for the run's own pools, as the first study recorded used.
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ DEFAULT_TOP_P = {"p": 0.95, "k": 32}
 """The nucleus of the top-p arms when the RLRun itself samples the whole vocabulary."""
 
 
-def arm_document(run: Doc, arm: Arm, fleet: str, seed: int) -> Doc:
-    """The RLRun document of one run of the study (pure: ``run`` is left as it was)."""
+def arm_document(run: Doc, arm: Arm, fleet: str, seed: int, evaluation: str = "bf16") -> Doc:
+    """The RLRun document of one run of the study (pure: ``run`` is left as it was); ``evaluation``
+    is its ``evaluation.sampler`` (the BF16 evaluator by default, the study's protocol)."""
     if fleet not in FLEETS:
         raise ValueError(f"fleet: {fleet!r} is not one of {', '.join(FLEETS)}")
     doc = copy.deepcopy(run)
@@ -117,6 +118,7 @@ def arm_document(run: Doc, arm: Arm, fleet: str, seed: int) -> Doc:
     spec["samplerPools"] = pools
     if fleet == "mixed-health":
         spec.setdefault("health", {})["routing"] = dict(ROUTING)
+    spec.setdefault("evaluation", {})["sampler"] = evaluation
     return doc
 
 
@@ -144,7 +146,7 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 
 def run_job(
-    job: Job, run: Doc, out: Path, steps: int, python: str = sys.executable
+    job: Job, run: Doc, out: Path, steps: int, python: str = sys.executable, evaluation: str = "bf16"
 ) -> tuple[Job, float, str]:
     """One run of the study through ``mixrl run`` (resumed when interrupted); (job, seconds, status)."""
     run_dir = out / "runs" / job.name
@@ -152,7 +154,8 @@ def run_job(
         return job, 0.0, "done before"
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = run_dir.parent / f"{job.name}.yaml"
-    manifest.write_text(yaml.safe_dump(arm_document(run, job.arm, job.fleet, job.seed), sort_keys=False))
+    document = arm_document(run, job.arm, job.fleet, job.seed, evaluation)
+    manifest.write_text(yaml.safe_dump(document, sort_keys=False))
     started = time.monotonic()
     with (run_dir.parent / f"{job.name}.log").open("ab") as log:
         result = subprocess.run(
@@ -383,6 +386,12 @@ def main(argv: list[str]) -> int:
         "--steps", type=int, default=None, help="trainer steps per run (default: the RLRun's)"
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (each is several processes)")
+    parser.add_argument(
+        "--evaluation",
+        choices=("bf16", "pools"),
+        default="bf16",
+        help="evaluation.sampler of every run: the BF16 evaluator (default) or the training pools",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs") / "ablation", help="study directory")
     args = parser.parse_args(argv)
     try:
@@ -402,7 +411,7 @@ def main(argv: list[str]) -> int:
     document = yaml.safe_load(args.file.read_text(encoding="utf-8"))
     for job in jobs_of(arms, fleets, args.seeds):  # every derived run must be valid before any starts
         try:
-            load_rlrun_document(arm_document(document, job.arm, job.fleet, job.seed))
+            load_rlrun_document(arm_document(document, job.arm, job.fleet, job.seed, args.evaluation))
         except InvalidSpec as exc:
             print(f"mixrl ablate: {job.name}: {exc.first_line}", file=sys.stderr)
             return 2
@@ -414,7 +423,10 @@ def main(argv: list[str]) -> int:
     started, done, took = time.monotonic(), 0, []
     failed = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [pool.submit(run_job, job, document, args.out, steps) for job in jobs]
+        futures = [
+            pool.submit(run_job, job, document, args.out, steps, sys.executable, args.evaluation)
+            for job in jobs
+        ]
         for future in as_completed(futures):
             job, seconds, status = future.result()
             done += 1

@@ -41,9 +41,14 @@ def test_every_arm_and_fleet_is_a_valid_run_that_differs_only_where_it_should(ar
         assert routing.kl_threshold == 0.003
     assert all(pool.engine_args[-2:] == ("--random-seed", "2") for pool in resolved.pools)
     assert QUICKSTART["spec"]["algorithm"]["topP"]["p"] == 0.95  # the input is left as it was
-    # Everything else is the study's RLRun: tasks, model, trainer, evaluation.
-    for key in ("model", "trainer", "rollout", "evaluation"):
+    # Everything else is the study's RLRun: tasks, model, trainer, evaluation, the latter by the
+    # BF16 evaluator unless the study asks for the pools.
+    for key in ("model", "trainer", "rollout"):
         assert doc["spec"][key] == QUICKSTART["spec"][key]
+    assert doc["spec"]["evaluation"] == {**QUICKSTART["spec"]["evaluation"], "sampler": "bf16"}
+    assert resolved.evaluation_pool is not None
+    on_pools = arm_document(QUICKSTART, ARMS[arm], fleet, seed=2, evaluation="pools")
+    assert resolve(parse_document(on_pools)).evaluation_pool is None
 
 
 def figures(final: float, kl: float, signs: list[str]) -> dict[str, Any]:
