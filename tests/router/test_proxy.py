@@ -218,7 +218,8 @@ async def test_queue_depth_counts_requests_held_above_the_inflight_limit(engines
     )
     tasks = [asyncio.create_task(running.generate(f"s{i}")) for i in range(5)]
     replica = running.router.state.replica("p", engine.url)
-    while replica.in_flight + replica.waiting < 5:
+    # The router counts a request in flight before it reaches the engine: wait for both.
+    while replica.in_flight + replica.waiting < 5 or len(engine.generate_bodies) < 2:
         await asyncio.sleep(0.01)
     assert (replica.in_flight, replica.waiting) == (2, 3)
     assert len(engine.generate_bodies) == 2
@@ -323,3 +324,52 @@ async def test_dns_discovery_with_stand_in_resolver(engines, start_router) -> No
 async def _kill_when_arrived(engine) -> None:  # type: ignore[no-untyped-def]
     await asyncio.wait_for(engine.arrived.wait(), 5)
     await engine.kill()
+
+
+async def test_a_pool_that_loses_half_its_replicas_hands_sessions_to_the_others(
+    engines, start_router
+) -> None:
+    """Two of pool a's four engines fail their probe: a holds half the sessions on a third of the
+    ready capacity, so the sessions that lost their replica go to b at their next turn (not to a's
+    last two replicas), until a is back near its share; then nothing moves, also when they return."""
+    a = [await engines(f"a{i}") for i in range(4)]
+    b = [await engines(f"b{i}") for i in range(4)]
+    running = await start_router(pools_config({"a": (1.0, a), "b": (1.0, b)}))
+    first = {}
+    for i in range(80):
+        response = await running.generate(f"s{i}")
+        first[f"s{i}"] = (response.headers[POOL_HEADER], response.headers[REPLICA_HEADER])
+    assert Counter(pool for pool, _ in first.values()) == {"a": 40, "b": 40}
+    for engine in a[:2]:
+        engine.healthy = False
+    await running.router.poll_once()
+    lost = {a[0].url, a[1].url}
+    after = {}
+    for sid in first:
+        response = await running.generate(sid)
+        assert response.status == 200
+        after[sid] = (response.headers[POOL_HEADER], response.headers[REPLICA_HEADER])
+    moved = {sid for sid in first if first[sid][0] == "a" and after[sid][0] == "b"}
+    held = sum(1 for pool, _ in after.values() if pool == "a")
+    fair = 80 / 3
+    assert fair <= held <= 1.1 * fair + 1 and len(moved) == 40 - held
+    assert {first[sid][1] for sid in moved} <= lost  # only sessions whose replica was gone
+    kept = [sid for sid in first if first[sid][0] == "a" and first[sid][1] not in lost]
+    assert all(after[sid] == first[sid] for sid in kept)  # the others kept replica and cache
+    for engine in a[:2]:
+        engine.healthy = True
+    await running.router.poll_once()
+    for sid in first:
+        response = await running.generate(sid)
+        assert response.headers[POOL_HEADER] == after[sid][0]  # settled: no move back
+    snapshot = {p["name"]: p for p in (await running.get_json("/pools"))["pools"]}
+    assert snapshot["a"]["sessions_rebalanced_out"] == len(moved) and not snapshot["a"]["draining"]
+    async with running.http.get(f"{running.url}/metrics") as response:
+        text = await response.text()
+    moved_metric = {
+        s.labels["pool"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "mixrl_router_sessions_moved_total"
+    }
+    assert moved_metric == {"a": len(moved), "b": 0}

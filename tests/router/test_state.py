@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from mixrl.rl.router.config import PoolConfig
@@ -142,3 +144,74 @@ def test_cost_accrues_for_every_known_replica_at_its_pools_price_and_is_exported
     assert state.pools["h100"].cost_dollars == 2.5 and state.pools["b200"].cost_dollars == 24.0
     text = generate_latest(make_registry(state, "r")[0]).decode()
     assert 'mixrl_cost_dollars_total{gpu_type="",pool="b200",precision="",run="r"} 24.0' in text
+
+
+def spread(state: RouterState, n: int) -> list[str]:
+    sessions = [f"s{i}" for i in range(n)]
+    for sid in sessions:
+        state.route(sid, now=0)
+    return sessions
+
+
+def test_a_pool_that_lost_half_its_capacity_sheds_sessions_from_lost_replicas_first() -> None:
+    state = state_with({"a": 4, "b": 4})
+    sessions = spread(state, 80)
+    assert state.active_sessions() == {"a": 40, "b": 40}
+    lost = ["http://a0:1", "http://a1:1"]
+    for url in lost:
+        state.mark_down("a", url)
+    before = {sid: (s.pool, s.replica) for sid, s in state.sessions.items()}
+    moves = [(sid, state.route(sid, now=1)) for sid in sessions]
+    fair = 80 / 3  # a's share is 2 of 6 replicas now
+    held = state.active_sessions()["a"]
+    assert fair <= held <= 1.1 * fair + 1  # back near its share, not below it
+    moved = [sid for sid, route in moves if route.pool == "b" and before[sid][0] == "a"]
+    assert len(moved) == 40 - held
+    assert all(before[sid][1] in lost for sid in moved)  # only sessions that had lost their replica
+    assert state.pools["a"].sessions_rebalanced_out == len(moved)
+    # Settled: more turns move nothing, and a's replicas coming back moves nothing back.
+    assert all(not state.route(sid, now=2).moved for sid in sessions)
+    for url in lost:
+        state.set_ready("a", url, True)
+    routes = [state.route(sid, now=3) for sid in sessions]
+    assert state.active_sessions() == {"a": held, "b": 80 - held}
+    assert not any(r.moved and r.pool != state.sessions[r.session].pool for r in routes)
+    assert state.pools["b"].sessions_rebalanced_out == 0
+
+
+def test_sessions_on_working_replicas_move_only_when_the_lost_ones_are_not_enough() -> None:
+    state = state_with({"a": 8, "b": 9})
+    sessions = spread(state, 170)
+    assert state.active_sessions() == {"a": 80, "b": 90}
+    # Lost one at a time: three losses stay within bounds (at most 1.32 × the share), so their
+    # sessions move to a's other replicas, which end up holding more than a's share.
+    for k in range(3):
+        state.mark_down("a", f"http://a{k}:1")
+        assert all(not state.route(sid, now=1).moved or state.sessions[sid].pool == "a" for sid in sessions)
+    assert state.active_sessions()["a"] == 80 and not state.pools["a"].draining
+    # The fourth: 80 sessions on 4 of 13 replicas (1.53 × the share).  The 16 that lost their
+    # replica are not enough to get back to 1.1 × the share: a few with a working replica move too.
+    state.mark_down("a", "http://a3:1")
+    homeless = {sid for sid, s in state.sessions.items() if s.replica == "http://a3:1"}
+    live = {sid for sid, s in state.sessions.items() if s.pool == "a"} - homeless
+    fair = 170 * 4 / 13
+    for sid in sessions:
+        state.route(sid, now=2)
+    assert {state.sessions[sid].pool for sid in homeless} == {"b"}
+    live_moved = sum(1 for sid in live if state.sessions[sid].pool == "b")
+    assert live_moved == len(live) - math.floor(1.1 * fair)  # exactly down to the stopping mark
+    assert state.active_sessions()["a"] == math.floor(1.1 * fair)
+    assert state.pools["a"].sessions_rebalanced_out == len(homeless) + live_moved
+    assert not state.pools["a"].draining
+    assert all(not state.route(sid, now=3).moved for sid in sessions)  # no swing back
+
+
+def test_another_pool_growing_does_not_move_sessions_that_have_a_replica() -> None:
+    state = state_with({"a": 2, "b": 2})
+    state.set_ready("b", "http://b0:1", False)
+    state.set_ready("b", "http://b1:1", False)
+    sessions = spread(state, 40)  # all on a
+    for url in ("http://b0:1", "http://b1:1"):
+        state.set_ready("b", url, True)  # a holds 2 × its share now, but lost nothing
+    assert all(state.route(sid, now=1).pool == "a" for sid in sessions)
+    assert state.pools["a"].sessions_rebalanced_out == 0

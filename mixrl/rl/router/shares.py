@@ -132,3 +132,40 @@ class PeakThroughput:
         """The recent peak, or None before any positive sample."""
         peak = max(self._samples, default=0.0)
         return peak if peak > 0 else None
+
+
+# ----------------------------------------------------------------------------- rebalancing
+
+REBALANCE_START = 1.5
+"""A pool that lost ready capacity sheds sessions once it holds this many times its share of them."""
+REBALANCE_STOP = 1.1
+"""...and keeps shedding until it holds at most this many times its share (the hysteresis)."""
+REBALANCE_MIN_EXCESS = 2
+"""Sessions above its share a pool must hold before it starts (a handful of sessions is noise)."""
+
+
+def keeps_draining(draining: bool, held: int, fair: float, lost_capacity: bool) -> bool:
+    """Whether a pool sheds its sessions now (moves them to other pools at their next request).
+
+    ``held``: its live sessions; ``fair``: its target share × all live sessions; ``lost_capacity``:
+    its ready capacity fell since it last held no more than its share.  It starts only after a loss
+    (another pool's growth alone never moves sessions that have a working replica and its prefix
+    cache: new sessions follow the shares) and only at :data:`REBALANCE_START` × its share; it stops
+    at :data:`REBALANCE_STOP` ×, so sessions moved out do not make it swing back and forth."""
+    if draining:
+        return held > REBALANCE_STOP * fair and held - fair >= 1
+    return lost_capacity and held >= REBALANCE_START * fair and held - fair >= REBALANCE_MIN_EXCESS
+
+
+def rebalance_destination(held: Mapping[str, int], shares: Mapping[str, float], source: str) -> str | None:
+    """The pool a session shed by ``source`` goes to: the one furthest below its share of the live
+    sessions (ties: the first listed); None when no other pool is below its share."""
+    total = sum(held.values())
+    best, room = None, 0.0
+    for name, share in shares.items():
+        if name == source or share <= 0:
+            continue
+        below = share * total - held.get(name, 0)
+        if below > room:
+            best, room = name, below
+    return best

@@ -1,9 +1,12 @@
 """The router's bookkeeping: pools, replicas, sessions and load (pure: no I/O, time is passed in).
 
-A session is bound to one pool for its whole life and to one replica while that replica is
-ready, so the replica's prefix cache keeps the conversation.  New sessions go to the pool chosen
-by the :class:`~mixrl.rl.router.shares.ShareScheduler` and, inside it, to the least-loaded ready
-replica.  The HTTP layer (``server.py``) calls :meth:`RouterState.route` before each request and
+A session is bound to one pool and to one replica while that replica is ready, so the replica's
+prefix cache keeps the conversation.  New sessions go to the pool chosen by the
+:class:`~mixrl.rl.router.shares.ShareScheduler` and, inside it, to the least-loaded ready
+replica.  A session leaves its pool when the pool has no ready replica, or when the pool lost
+ready capacity and holds far more than its share of the live sessions
+(:func:`~mixrl.rl.router.shares.keeps_draining`): then its sessions move, at their next
+request, to the pool furthest below its share, until it is back near its own.  The HTTP layer (``server.py``) calls :meth:`RouterState.route` before each request and
 :meth:`begin` / :meth:`finish` around it.
 """
 
@@ -21,7 +24,16 @@ from mixrl.rl.health.routing import (
     observe_all,
 )
 from mixrl.rl.router.config import PoolConfig
-from mixrl.rl.router.shares import PeakThroughput, PoolCapacity, ShareScheduler, target_shares
+from mixrl.rl.router.shares import (
+    REBALANCE_STOP,
+    PeakThroughput,
+    PoolCapacity,
+    ShareScheduler,
+    capacity_per_replica,
+    keeps_draining,
+    rebalance_destination,
+    target_shares,
+)
 
 
 class NoReadyReplica(Exception):
@@ -56,6 +68,17 @@ class Pool:
     sessions_assigned: int = 0
     """Sessions given to this pool so far (new ones and ones moved here from another pool)."""
     sessions_moved_out: int = 0
+    """Sessions that left this pool for another (no ready replica here, or rebalanced)."""
+    sessions_rebalanced_out: int = 0
+    """Of those, the ones moved because the pool lost capacity and held too many (while it had
+    a ready replica)."""
+    draining: bool = False
+    """Shedding sessions now (:func:`~mixrl.rl.router.shares.keeps_draining`)."""
+    ready_capacity: float = 0.0
+    """Capacity per replica × ready replicas, as of the last share refresh."""
+    balanced_capacity: float = 0.0
+    """Its ready capacity when it last held no more than its share of the sessions (raised with
+    every rise): below it, the pool has lost capacity since."""
     replica_failures: int = 0
     """Times a replica of this pool was found unreachable by a request."""
     requests: int = 0
@@ -112,6 +135,8 @@ class RouterState:
             raise ValueError("the router needs at least one pool")
         self.session_ttl = session_ttl
         self.sessions: dict[str, Session] = {}
+        self.held: dict[str, int] = dict.fromkeys(self.pools, 0)
+        """Live sessions bound to each pool (kept as sessions come, move and go)."""
         self.scheduler = ShareScheduler()
         self.health: dict[str, PoolHealth] = {}
         """Each pool's health from the trainer's fresh mismatch (empty: routing by capacity alone)."""
@@ -191,7 +216,12 @@ class RouterState:
             pool.cost_dollars += gpus * pool.price_per_gpu_hour * max(seconds, 0.0) / 3600
 
     def refresh_shares(self) -> None:
-        shares = target_shares(self.capacities())
+        capacities = self.capacities()
+        per_replica = capacity_per_replica(capacities)
+        for name, pool in self.pools.items():
+            pool.ready_capacity = per_replica[name] * capacities[name].ready_replicas
+            pool.balanced_capacity = max(pool.balanced_capacity, pool.ready_capacity)
+        shares = target_shares(capacities)
         if self.health:  # mismatch-aware routing: capacity × health (mixrl.rl.health.routing)
             shares = health_weighted_shares(shares, self.health)
         self.scheduler.set_shares(shares)
@@ -221,17 +251,24 @@ class RouterState:
             replica = self._least_loaded(pool_name)
             replica.sessions += 1
             self.sessions[session_id] = Session(session_id, pool_name, replica.url, now)
+            self.held[pool_name] += 1
             return Route(pool_name, replica.url, session_id)
         session.last_seen = now
         pool = self.pools[session.pool]
         current = pool.replicas.get(session.replica) if session.replica else None
-        if current is not None and current.ready:
+        live = current is not None and current.ready
+        destination = self._shed_to(pool, live) if pool.ready_replicas() else None
+        if destination is None and live:
             return Route(pool.name, current.url, session_id)
-        # Its replica is gone or down: another replica of the same pool, else another pool.
+        # Its replica is gone or down, or its pool sheds sessions: another replica of the same
+        # pool, else another pool.
         self._unbind(session)
-        if not pool.ready_replicas():
-            session.pool = self._assign_pool()  # raises when no pool can take it: the session waits
-            pool.sessions_moved_out += 1
+        if destination is not None:
+            self._rehome(session, destination)
+            self.pools[destination].sessions_assigned += 1
+            pool.sessions_rebalanced_out += 1
+        elif not pool.ready_replicas():
+            self._rehome(session, self._assign_pool())  # raises when no pool can take it: it waits
         replica = self._least_loaded(session.pool)
         replica.sessions += 1
         session.replica = replica.url
@@ -242,7 +279,40 @@ class RouterState:
         if session is None:
             return False
         self._unbind(session)
+        self.held[session.pool] -= 1
         return True
+
+    def _shed_to(self, pool: Pool, live: bool) -> str | None:
+        """Where a session of ``pool`` moves now if the pool sheds sessions (None: it stays).
+
+        ``live``: the session's replica is ready (it has a prefix cache to lose).  Sessions whose
+        replica is gone or down lose theirs anyway, so they go first: a live one moves only while
+        the pool's sessions on ready replicas alone are above the stopping mark."""
+        total = sum(self.held.values())
+        share = self.scheduler.shares.get(pool.name, 0.0)
+        fair = share * total
+        held = self.held[pool.name]
+        lost = pool.ready_capacity < pool.balanced_capacity - 1e-9
+        pool.draining = keeps_draining(pool.draining, held, fair, lost)
+        if not pool.draining:
+            if held <= fair + 1e-9:  # at or below its share: what it has now is the new normal
+                pool.balanced_capacity = pool.ready_capacity
+            return None
+        if live:
+            bound = sum(r.sessions for r in pool.ready_replicas())
+            if bound <= REBALANCE_STOP * fair:
+                return None
+        destination = rebalance_destination(self.held, self.scheduler.shares, pool.name)
+        if destination is None or not self.pools[destination].ready_replicas():
+            return None
+        return destination
+
+    def _rehome(self, session: Session, pool_name: str) -> None:
+        """Move an unbound session to another pool."""
+        self.pools[session.pool].sessions_moved_out += 1
+        self.held[session.pool] -= 1
+        self.held[pool_name] += 1
+        session.pool = pool_name
 
     def expire_sessions(self, now: float) -> list[str]:
         """Forget sessions idle for longer than the TTL (their rollout worker is gone)."""
@@ -304,10 +374,7 @@ class RouterState:
     # ----------------------------------------------------------------- views
 
     def active_sessions(self) -> dict[str, int]:
-        counts = dict.fromkeys(self.pools, 0)
-        for session in self.sessions.values():
-            counts[session.pool] += 1
-        return counts
+        return dict(self.held)
 
     def snapshot(self) -> dict[str, object]:
         """What ``GET /pools`` shows."""
@@ -342,6 +409,9 @@ class RouterState:
                     "requests": pool.requests,
                     "errors": pool.errors,
                     "replica_failures": pool.replica_failures,
+                    "sessions_moved_out": pool.sessions_moved_out,
+                    "sessions_rebalanced_out": pool.sessions_rebalanced_out,
+                    "draining": pool.draining,
                     "replicas": [
                         {
                             "url": r.url,
