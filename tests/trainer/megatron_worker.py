@@ -1,6 +1,8 @@
 """One rank of the Megatron-core checks on CPU (run by test_megatron.py through torchrun, 2 ranks, gloo).
 
-usage: megatron_worker.py MODEL_DIR OUT_DIR DEVICE EP   (DEVICE: cpu, gloo; or cuda, NCCL)
+usage: megatron_worker.py MODEL_DIR OUT_DIR DEVICE EP [PP]   (DEVICE: cpu, gloo; or cuda, NCCL)
+
+With PP > 1 the ranks are pipeline stages instead, and only the weights' round trip runs.
 
 Expert parallelism EP (MoE models), tensor parallelism the rest of the ranks. On cuda the worker also runs ``GPTModel.forward`` and a
 backward, which megatron-core cannot run on a CPU.
@@ -30,6 +32,8 @@ from mixrl.rl.trainer.megatron_convert import (
     megatron_to_hf,
     parallel_shard,
     parallel_unshard,
+    pipeline_shard,
+    pipeline_unshard,
     transformer_config_kwargs,
 )
 
@@ -137,11 +141,53 @@ def sharded_loss(model: GPTModel, hidden: torch.Tensor, records: tuple[torch.Ten
     }
 
 
+def pipeline_round_trip(model_dir: Path, out_dir: Path, pp: int) -> None:
+    """Pipeline parallelism ``pp`` over all ranks: each builds its stage's ``GPTModel`` (its layers,
+    the embedding on the first stage, the final norm and output layer on the last), loads its part
+    of the converted weights, and the gathered parts convert back."""
+    mpu.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    rank = dist.get_rank()
+    hf = load_model(model_dir)
+    hf_state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    stage = mpu.get_pipeline_model_parallel_rank()
+    config = TransformerConfig(
+        **transformer_config_kwargs(hf.config),
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
+    spec = get_gpt_layer_local_spec(**local_layer_spec_kwargs(hf.config))
+    model = GPTModel(
+        config, spec, pre_process=stage == 0, post_process=stage == pp - 1, **gpt_model_kwargs(hf.config)
+    )
+    part = pipeline_shard(hf_to_megatron(hf_state, hf.config), hf.config, stage, pp)
+    missing, unexpected = model.load_state_dict(part, strict=False)
+    parts = dict(all_gather_objects((stage, megatron_state(model)), dist.group.WORLD))
+    back = megatron_to_hf(pipeline_unshard(parts, hf.config), hf.config)
+    result = {
+        "place": (stage,),
+        "missing": [k for k in missing if not k.endswith("_extra_state")],
+        "unexpected": list(unexpected),
+        "layers": len(model.decoder.layers),
+        "hf_back": back if rank == 0 else None,
+    }
+    torch.save(result, out_dir / f"rank{rank}.pt")
+
+
 def main(argv: list[str]) -> int:
     model_dir, out_dir, device, ep = Path(argv[0]), Path(argv[1]), torch.device(argv[2]), int(argv[3])
+    pp = int(argv[4]) if len(argv) > 4 else 1
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if pp > 1:
+        try:
+            pipeline_round_trip(model_dir, out_dir, pp)
+        finally:
+            mpu.destroy_model_parallel()
+            dist.destroy_process_group()
+        return 0
     try:
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=dist.get_world_size() // ep, expert_model_parallel_size=ep

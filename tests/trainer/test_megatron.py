@@ -32,15 +32,19 @@ from mixrl.rl.trainer.megatron_convert import (
     megatron_to_hf,
     parallel_shard,
     parallel_unshard,
+    pipeline_shard,
+    pipeline_unshard,
 )
 
 WORKER = Path(__file__).with_name("megatron_worker.py")
 
 
-def run_worker(model_dir: Path, out: Path, ranks: int, device: str, ep: int = 1) -> list[dict[str, Any]]:
+def run_worker(
+    model_dir: Path, out: Path, ranks: int, device: str, ep: int = 1, pp: int = 1
+) -> list[dict[str, Any]]:
     out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(WORKER), str(model_dir), str(out), device, str(ep)]  # fmt: skip
+               str(WORKER), str(model_dir), str(out), device, str(ep), str(pp)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
@@ -225,3 +229,40 @@ def test_a_shard_that_does_not_split_is_refused(tiny_model_dir: Path) -> None:
         parallel_shard(whole, 0, 5)
     with pytest.raises(ValueError, match=r"tp_rank: must be in \[0, 2\)"):
         parallel_shard(whole, 2, 2)
+
+
+TIED_PIPELINE_NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="megatron-core 0.16 moves a tied embedding to CUDA to share it across pipeline stages",
+)
+
+
+@pytest.mark.parametrize("tie", [False, pytest.param(True, marks=TIED_PIPELINE_NEEDS_CUDA)])
+def test_pipeline_stages_hold_their_layers_and_round_trip_through_real_gpt_model_stages(
+    tmp_path: Path, tie: bool
+) -> None:
+    """Two pipeline stages of megatron-core's ``GPTModel`` (parallel_state over gloo): each stage's
+    part of the weights loads with nothing missing or left over, and the parts come back exactly;
+    a tied model's last stage gets the embedding as its output layer."""
+    model_dir = Path(
+        create_tiny_checkpoint(tmp_path / "model", "qwen3", vocab_size=48, seed=5, tie_word_embeddings=tie)
+    )
+    config = load_model(model_dir).config
+    ranks = run_worker(model_dir, tmp_path / "out", ranks=2, device="cuda" if tie else "cpu", pp=2)
+    assert [r["place"] for r in ranks] == [(0,), (1,)]
+    assert [r["layers"] for r in ranks] == [config.num_hidden_layers // 2] * 2
+    assert_round_trip_exact(ranks, model_dir)
+
+
+def test_pipeline_parts_renumber_layers_and_refuse_an_uneven_split(tiny_model_dir: Path) -> None:
+    config = load_model(tiny_model_dir).config
+    whole = hf_to_megatron(hf_state(tiny_model_dir), config)
+    first, last = (pipeline_shard(whole, config, rank, 2) for rank in range(2))
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+    assert "output_layer.weight" in last and "embedding.word_embeddings.weight" not in last
+    per_stage = config.num_hidden_layers // 2
+    name = "self_attention.linear_qkv.weight"
+    assert torch.equal(last[f"decoder.layers.0.{name}"], whole[f"decoder.layers.{per_stage}.{name}"])
+    assert pipeline_unshard({0: first, 1: last}, config).keys() == whole.keys()
+    with pytest.raises(ValueError, match="do not split evenly"):
+        pipeline_shard(whole, config, 0, config.num_hidden_layers + 1)

@@ -331,3 +331,58 @@ def parallel_unshard(shards: Mapping[tuple[int, int], Mapping[str, Tensor]]) -> 
             elif ep == 0:
                 out[name] = whole
     return out
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(?P<index>\d+)\.(?P<tail>.*)$")
+_FIRST_STAGE = ("embedding.",)
+_LAST_STAGE = ("decoder.final_layernorm.", "output_layer.")
+
+
+def pipeline_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The global indices of the decoder layers pipeline stage ``pp_rank`` holds (Megatron's even
+    split: every stage the same number of layers)."""
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank: must be in [0, {pp_size}), got {pp_rank}")
+    if num_layers % pp_size:
+        raise ValueError(f"pp_size: {num_layers} layers do not split evenly into {pp_size} pipeline stages")
+    per_stage = num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
+
+
+def pipeline_shard(mc_state: Mapping[str, Tensor], hf_config: Any, pp_rank: int, pp_size: int) -> StateDict:
+    """The part of a whole Megatron state dict that pipeline stage ``pp_rank`` holds: its layers,
+    numbered from 0 as the stage's ``GPTModel`` numbers them, the embedding on the first stage, the
+    final norm and the output layer on the last.  A tied model's last stage (of several) has an
+    output layer of its own, which Megatron keeps equal to the first stage's embedding: it gets the
+    embedding's weight."""
+    layers = pipeline_layers(hf_config.num_hidden_layers, pp_rank, pp_size)
+    first, last = pp_rank == 0, pp_rank == pp_size - 1
+    out: StateDict = {}
+    for name, tensor in mc_state.items():
+        layer = _LAYER.match(name)
+        if layer:
+            index = int(layer["index"])
+            if index in layers:
+                out[f"decoder.layers.{index - layers.start}.{layer['tail']}"] = tensor
+        elif (name.startswith(_FIRST_STAGE) and first) or (name.startswith(_LAST_STAGE) and last):
+            out[name] = tensor
+    if tied(hf_config) and pp_size > 1 and last:
+        out["output_layer.weight"] = mc_state["embedding.word_embeddings.weight"]
+    return out
+
+
+def pipeline_unshard(stages: Mapping[int, Mapping[str, Tensor]], hf_config: Any) -> StateDict:
+    """The whole Megatron state dict from every pipeline stage's part, keyed by ``pp_rank``."""
+    pp_size = len(stages)
+    if set(stages) != set(range(pp_size)):
+        raise ValueError(f"stages: expected pipeline ranks 0..{pp_size - 1}, got {sorted(stages)}")
+    out: StateDict = {}
+    for pp_rank in range(pp_size):
+        start = pipeline_layers(hf_config.num_hidden_layers, pp_rank, pp_size).start
+        for name, tensor in stages[pp_rank].items():
+            layer = _LAYER.match(name)
+            if layer:
+                out[f"decoder.layers.{start + int(layer['index'])}.{layer['tail']}"] = tensor
+            elif not (name == "output_layer.weight" and tied(hf_config)):
+                out[name] = tensor
+    return out
