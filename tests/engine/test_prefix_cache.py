@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mixrl.rl.engine.kv_cache import PrefixCache
+from mixrl.rl.engine.kv_cache import SHARED_PREFIX_MIN_TOKENS, PrefixCache, shared_prefixes
 from mixrl.rl.engine.runner import ModelRunner, Sequence
 from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.models import create_tiny_checkpoint
@@ -178,6 +178,72 @@ def test_hits_of_different_lengths_and_a_miss_share_one_prefill(
         _assert_same(c, p)
     assert [s.cached_tokens for s in runs[100_000]][-1] == 0
     assert all(s.cached_tokens > 0 for s in runs[100_000][:-1])
+
+
+def test_shared_prefixes_are_those_of_sorted_neighbours_beyond_their_hits() -> None:
+    system, a, b = list(range(1, 41)), [50] * 10, [60] * 10
+    prompts = [system + a, system + b, system + a, [7] * 50]
+    # two samples of one prompt share all of it but the last token; both share the system prompt with b
+    assert shared_prefixes(prompts, [0, 0, 0, 0]) == [tuple(system), tuple(system + a[:-1])]
+    # a hit that already covers the system prompt leaves only what lies beyond it (10 < 32 tokens)
+    assert shared_prefixes(prompts, [40, 40, 40, 0]) == []
+    assert shared_prefixes(prompts, [0, 0, 0, 0], min_tokens=45) == [tuple(system + a[:-1])]
+    assert shared_prefixes([system], [0]) == [] and SHARED_PREFIX_MIN_TOKENS == 32
+
+
+class _CountingModel(torch.nn.Module):
+    """The model, counting the token positions each forward pass computes."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config, self.computed = model, model.config, 0
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def forward(self, **kwargs: object) -> object:
+        ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+        assert isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor)
+        self.computed += int(mask[:, -ids.shape[1] :].sum())  # the fed columns' real tokens
+        return self.inner(**kwargs)
+
+
+def test_prompts_admitted_together_compute_their_shared_prefix_once(dense_path: str) -> None:
+    """Episodes with one system prompt, and samples of one prompt (a GRPO group), in one admission:
+    the shared part is computed once, and the results equal those without the cache."""
+    model = reference_model(dense_path)
+    system = random_prompts(1, seed=21, low=48, high=49)[0]
+    tasks = random_prompts(2, seed=22, low=6, high=7)
+    prompts = [system + tasks[0], system + tasks[0], system + tasks[0], system + tasks[1]]
+    runs, computed = {}, {}
+    for budget in (100_000, 0):
+        counting = _CountingModel(model)
+        runner = _runner(counting, budget)  # type: ignore[arg-type]
+        seqs = [
+            Sequence(
+                rid=str(i),
+                prompt_ids=list(p),
+                sampling=SAMPLING,
+                max_new_tokens=5,
+                generator=torch.Generator().manual_seed(70 + i),
+            )
+            for i, p in enumerate(prompts)
+        ]
+        runner.add(seqs)
+        computed[budget] = counting.computed
+        while runner.running:
+            runner.step()
+        runs[budget] = (seqs, runner)
+    for c, p in zip(runs[100_000][0], runs[0][0], strict=True):
+        _assert_same(c, p)
+    # without the cache: 4 x 54 positions; with it: the system prompt once (48), then the first
+    # prompt's own part once (5, one short of its end), then 1 + 1 + 1 + 6 for the four rows
+    assert computed[0] == 4 * 54
+    assert computed[100_000] == 48 + 5 + 9
+    # the first row to reuse a prefix computed for the batch pays for it: cached counts only reuse
+    seqs, runner = runs[100_000]
+    assert [s.cached_tokens for s in seqs] == [0, 53, 53, 48]
+    assert runner.cached_tokens_total == 154 and runner.prompt_tokens_total == 4 * 54
 
 
 def test_weight_changes_invalidate_the_cache(dense_path: str, tmp_path: Path) -> None:

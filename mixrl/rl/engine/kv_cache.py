@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import Tensor
@@ -76,6 +77,14 @@ class EngineKVLayer(DynamicLayer):
     @values.setter
     def values(self, tensor: Tensor | None) -> None:
         self._value_buffer, self._value_length = tensor, self._columns(tensor)
+
+    def adopt(self, keys: Tensor, values: Tensor, filled: int) -> None:
+        """Hold ``keys``/``values`` as buffers whose first ``filled`` columns are real (the rest is
+        room to grow into without a copy)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        self._key_buffer, self._value_buffer = keys, values
+        self._key_length = self._value_length = filled
 
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
@@ -136,12 +145,20 @@ class BatchKV:
         return int(self.mask.sum())
 
     def zero_padding(self) -> None:
-        """Zero keys/values in padded columns (prefill writes whatever the pad token produced)."""
-        keep = self.mask[:, None, :, None]
-        for layer in self.cache.layers:
-            if layer.is_initialized and layer.keys.numel():
-                layer.keys = layer.keys * keep
-                layer.values = layer.values * keep
+        """Zero keys/values in padded columns (prefill writes whatever the pad token produced).
+
+        In place: the layers keep their buffers (and the room to grow in them), and a batch without
+        padding costs nothing; a copy here would be a pass over the whole cache at every admission.
+        """
+        pad = ~self.mask
+        if not bool(pad.any()):
+            return
+        pad = pad[:, None, :, None]
+        with torch.inference_mode():  # the prefill's tensors are inference tensors: written in that mode
+            for layer in self.cache.layers:
+                if layer.is_initialized and layer.keys.numel():
+                    layer.keys.masked_fill_(pad, 0.0)
+                    layer.values.masked_fill_(pad, 0.0)
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (in that order), then drop columns that are padding for all of them."""
@@ -286,6 +303,36 @@ class PrefixCache:
         self.held_tokens -= self._entries.pop(key).length
 
 
+SHARED_PREFIX_MIN_TOKENS = 32
+"""Prompts admitted together that share at least this many tokens beyond what the cache gives them
+have the shared part computed once (:func:`shared_prefixes`); SGLang's radix cache uses the same
+threshold for its in-batch prefix caching."""
+
+
+def shared_prefixes(
+    prompts: Sequence[Sequence[int]], hits: Sequence[int], min_tokens: int = SHARED_PREFIX_MIN_TOKENS
+) -> list[tuple[int, ...]]:
+    """Prefixes that two or more of ``prompts`` share, beyond their cache hits ``hits``, shortest first.
+
+    Prompts admitted together (the samples of one prompt, episodes with one system prompt) would
+    otherwise each compute their common part: computed once and put in the prefix cache first, it is
+    a hit for all of them.  The longest common prefix of two prompts is that of two neighbours in
+    sorted order, so only neighbours are compared; a prefix stops one token short of the shorter
+    prompt, since every prompt computes its last token for its logits.  A prefix counts when it
+    reaches at least ``min_tokens`` beyond the longer of the two hits (a row whose hit already
+    covers it would make it a hit for the other row too).
+    """
+    order = sorted(range(len(prompts)), key=lambda i: list(prompts[i]))
+    found: set[tuple[int, ...]] = set()
+    for a, b in pairwise(order):
+        first, second = prompts[a], prompts[b]
+        limit = min(len(first), len(second)) - 1
+        n = next((i for i in range(limit) if first[i] != second[i]), max(limit, 0))
+        if n >= max(hits[a], hits[b]) + min_tokens:
+            found.add(tuple(first[:n]))
+    return sorted(found, key=len)
+
+
 def _common_prefix(a: Tensor, b: Tensor) -> int:
     n = min(int(a.shape[0]), int(b.shape[0]))
     if n == 0:
@@ -295,16 +342,20 @@ def _common_prefix(a: Tensor, b: Tensor) -> int:
 
 
 def prefilled_batch(
-    prefixes: Sequence[tuple[int, LayerKV]], layer_scales: Sequence[tuple[float, float] | None]
+    prefixes: Sequence[tuple[int, LayerKV]],
+    layer_scales: Sequence[tuple[float, float] | None],
+    room: int = 0,
 ) -> tuple[BatchKV, int]:
     """A batch cache holding each row's cached prefix, right-aligned in its first columns.
 
     Returns the cache (its mask covers only the prefix columns) and the prefix width P.  The rows'
     new tokens are fed after these columns, right-aligned too, so a row whose new part is shorter
     than the longest one has padding between its prefix and its new tokens: the mask marks it, the
-    positions count only real tokens, and attention never reads it.
+    positions count only real tokens, and attention never reads it.  ``room``: columns to allocate
+    in all (at least P), so that the new tokens are written in place instead of into a grown copy.
     """
     width = max(n for n, _ in prefixes)
+    columns = max(width, room)
     cache = new_cache(layer_scales)
     mask = torch.zeros(len(prefixes), width, dtype=torch.bool)
     for row, (n, _) in enumerate(prefixes):
@@ -312,14 +363,13 @@ def prefilled_batch(
     template = next(kv for n, kv in prefixes if n)
     for i, layer in enumerate(cache.layers):
         k0, v0 = template[i]
-        keys = torch.zeros(len(prefixes), k0.shape[0], width, k0.shape[2], dtype=k0.dtype)
-        values = torch.zeros(len(prefixes), v0.shape[0], width, v0.shape[2], dtype=v0.dtype)
+        keys = torch.zeros(len(prefixes), k0.shape[0], columns, k0.shape[2], dtype=k0.dtype)
+        values = torch.zeros(len(prefixes), v0.shape[0], columns, v0.shape[2], dtype=v0.dtype)
         for row, (n, kv) in enumerate(prefixes):
             if n:
-                keys[row, :, width - n :] = kv[i][0]
-                values[row, :, width - n :] = kv[i][1]
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values
+                keys[row, :, width - n : width] = kv[i][0]
+                values[row, :, width - n : width] = kv[i][1]
+        layer.adopt(keys, values, width)
     return BatchKV(cache=cache, mask=mask), width
 
 

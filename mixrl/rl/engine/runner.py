@@ -36,8 +36,20 @@ import torch
 from torch import Tensor, nn
 
 from mixrl.api.trajectory import TokenRecord
-from mixrl.rl.engine.kv_cache import BatchKV, PrefixCache, concat, new_cache, prefilled_batch, row_kv
+from mixrl.rl.engine.kv_cache import (
+    BatchKV,
+    LayerKV,
+    PrefixCache,
+    concat,
+    new_cache,
+    prefilled_batch,
+    row_kv,
+    shared_prefixes,
+)
 from mixrl.rl.engine.sampling import RowSampling, sample_rows
+
+MAX_SHARED_PREFIX_PASSES = 4
+"""At most this many extra forward passes per admission compute prefixes that its prompts share."""
 
 
 @dataclass
@@ -217,18 +229,58 @@ class ModelRunner:
     # ------------------------------------------------------------------ internals
     def _prefill(self, seqs: list[Sequence]) -> tuple[BatchKV, Tensor]:
         """Prefill ``seqs`` into a new batch cache, on top of their cached prefixes where there are any."""
-        hits = [self.prefix_cache.match(s.prompt_ids) if self.prefix_cache else (0, []) for s in seqs]
-        for seq, (cached, _) in zip(seqs, hits, strict=True):
-            seq.cached_tokens = cached
+        prompts = [s.prompt_ids for s in seqs]
+        shared = self._share_prefixes(prompts) if self.prefix_cache is not None and len(seqs) > 1 else []
+        hits = [self.prefix_cache.match(p) if self.prefix_cache else (0, []) for p in prompts]
+        # A prefix computed for the batch just now is charged to the first row that reuses it, as
+        # SGLang's in-batch prefix caching has one request compute it and the others hit it: the
+        # cached counts (and the hit rate) count only what the batch did not compute.
+        charged = [0] * len(seqs)
+        for prefix, computed in shared:
+            for row, (prompt, (n, _)) in enumerate(zip(prompts, hits, strict=True)):
+                if n >= len(prefix) and tuple(prompt[: len(prefix)]) == prefix:
+                    charged[row] += computed
+                    break
+        for seq, (n, _), charge in zip(seqs, hits, charged, strict=True):
+            seq.cached_tokens = max(n - charge, 0)
             seq.weights_epoch = self.weights_epoch
             self.prompt_tokens_total += len(seq.prompt_ids)
-            self.cached_tokens_total += cached
-        ids, new_mask = self._left_padded([s.prompt_ids[n:] for s, (n, _) in zip(seqs, hits, strict=True)])
+            self.cached_tokens_total += seq.cached_tokens
+        return self._prefill_rows([p[n:] for p, (n, _) in zip(prompts, hits, strict=True)], hits)
+
+    def _share_prefixes(self, prompts: list[list[int]]) -> list[tuple[tuple[int, ...], int]]:
+        """Compute the prefixes that several of ``prompts`` share (:func:`shared_prefixes`) once each,
+        into the prefix cache; returns each with the number of tokens computed for it.
+
+        A prefix that extends another one is computed in a later pass, on top of it (the samples of
+        two prompts under one system prompt: the system prompt, then each prompt's own part).
+        """
+        cache = self.prefix_cache
+        assert cache is not None
+        pending = shared_prefixes(prompts, [cache.match(p)[0] for p in prompts])
+        done: list[tuple[tuple[int, ...], int]] = []
+        for _ in range(MAX_SHARED_PREFIX_PASSES):
+            if not pending:
+                break
+            ready = [p for p in pending if not any(len(q) < len(p) and p[: len(q)] == q for q in pending)]
+            hits = [cache.match(p) for p in ready]
+            kv, _ = self._prefill_rows([list(p[n:]) for p, (n, _) in zip(ready, hits, strict=True)], hits)
+            for row, (prefix, (n, _)) in enumerate(zip(ready, hits, strict=True)):
+                cache.insert(prefix, row_kv(kv, row))
+                done.append((prefix, len(prefix) - n))
+            pending = [p for p in pending if p not in ready]
+        return done
+
+    def _prefill_rows(
+        self, new_parts: list[list[int]], hits: list[tuple[int, LayerKV]]
+    ) -> tuple[BatchKV, Tensor]:
+        """Prefill each row's ``new_parts`` on top of its cached prefix (``hits``: length and keys and values)."""
+        ids, new_mask = self._left_padded(new_parts)
         if not any(n for n, _ in hits):
             kv = BatchKV(cache=new_cache(self.kv_scales), mask=new_mask)
             logits = self._forward(ids, new_mask, kv)
         else:
-            kv, width = prefilled_batch(hits, self.kv_scales)
+            kv, width = prefilled_batch(hits, self.kv_scales, room=max(n for n, _ in hits) + ids.shape[1])
             kv.mask = torch.cat([kv.mask, new_mask], dim=1)
             positions = (kv.mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, width:]
             logits = self._forward(ids, kv.mask, kv, positions=positions)
