@@ -26,8 +26,8 @@ episode, the episode's task, then per turn the reply and a tool result), ``--epi
 once as a rollout worker runs them.  Each turn of every episode is one request, run to its end.
   episode throughput          >= 3x with the prefix cache than without, at six turns (generated
                               tokens per second of wall time over whole episodes, prefill included;
-                              the two run the same episodes turn by turn in lockstep, and their
-                              sampled tokens are compared)
+                              the two run the same episodes in lockstep, each admission and each
+                              decode step in turn, and their sampled tokens are compared)
   router stickiness           the cache hit rate (cached / prompt tokens over every request) of
                               --replicas engine replicas, each with its own prefix cache, when the
                               turns are placed by mixrl's router (RouterState.route with the
@@ -178,12 +178,25 @@ def prefix_cache_throughput(model: torch.nn.Module, args: argparse.Namespace, pr
     seconds = dict.fromkeys(runners, 0.0)
     generated = dict.fromkeys(runners, 0)
     same_tokens = True
+    names = list(runners)
     for turn in range(args.turns):
-        order = list(runners) if turn % 2 == 0 else list(reversed(runners))
-        played = {}
-        for name in order:
-            played[name] = episodes[name].requests(turn)
-            seconds[name] += _run_to_end(runners[name], played[name])
+        played = {name: episodes[name].requests(turn) for name in names}
+        # Step by step in lockstep (as the decode comparisons above): both admit their requests,
+        # then decode one step each in turn, rotating who goes first, so that a burst of load from
+        # other processes hits both alike instead of whichever arm was running a whole turn then.
+        for name in names[turn % 2 :] + names[: turn % 2]:
+            start = time.perf_counter()
+            runners[name].add(played[name])
+            seconds[name] += time.perf_counter() - start
+        step = 0
+        while any(runners[name].running for name in names):
+            for name in names[step % 2 :] + names[: step % 2]:
+                if runners[name].running:
+                    start = time.perf_counter()
+                    runners[name].step()
+                    seconds[name] += time.perf_counter() - start
+            step += 1
+        for name in names:
             generated[name] += sum(len(s.tokens) for s in played[name])
             episodes[name].advance(played[name])
         same_tokens &= [s.output_ids for s in played["prefix cache"]] == [

@@ -246,7 +246,8 @@ class ModelRunner:
             seq.weights_epoch = self.weights_epoch
             self.prompt_tokens_total += len(seq.prompt_ids)
             self.cached_tokens_total += seq.cached_tokens
-        return self._prefill_rows([p[n:] for p, (n, _) in zip(prompts, hits, strict=True)], hits)
+        new_parts = [p[n:] for p, (n, _) in zip(prompts, hits, strict=True)]
+        return self._prefill_rows(new_parts, hits, decode_room=max(s.max_new_tokens for s in seqs))
 
     def _share_prefixes(self, prompts: list[list[int]]) -> list[tuple[tuple[int, ...], int]]:
         """Compute the prefixes that several of ``prompts`` share (:func:`shared_prefixes`) once each,
@@ -272,15 +273,19 @@ class ModelRunner:
         return done
 
     def _prefill_rows(
-        self, new_parts: list[list[int]], hits: list[tuple[int, LayerKV]]
+        self, new_parts: list[list[int]], hits: list[tuple[int, LayerKV]], decode_room: int = 0
     ) -> tuple[BatchKV, Tensor]:
-        """Prefill each row's ``new_parts`` on top of its cached prefix (``hits``: length and keys and values)."""
+        """Prefill each row's ``new_parts`` on top of its cached prefix (``hits``: length and keys and
+        values); ``decode_room``: columns to allocate beyond them for the decode steps to come."""
         ids, new_mask = self._left_padded(new_parts)
         if not any(n for n, _ in hits):
             kv = BatchKV(cache=new_cache(self.kv_scales), mask=new_mask)
             logits = self._forward(ids, new_mask, kv)
         else:
-            kv, width = prefilled_batch(hits, self.kv_scales, room=max(n for n, _ in hits) + ids.shape[1])
+            # Room for the new tokens and the decode steps to come, written in place rather than
+            # into a grown copy; at most twice the filled width, what the first growth would take.
+            filled = max(n for n, _ in hits) + ids.shape[1]
+            kv, width = prefilled_batch(hits, self.kv_scales, room=filled + min(decode_room, filled))
             kv.mask = torch.cat([kv.mask, new_mask], dim=1)
             positions = (kv.mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, width:]
             logits = self._forward(ids, kv.mask, kv, positions=positions)
