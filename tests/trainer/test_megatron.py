@@ -14,6 +14,7 @@ is present.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
 from mixrl.rl.models import create_tiny_checkpoint, load_model, tiny_config
@@ -266,3 +268,45 @@ def test_pipeline_parts_renumber_layers_and_refuse_an_uneven_split(tiny_model_di
     assert pipeline_unshard({0: first, 1: last}, config).keys() == whole.keys()
     with pytest.raises(ValueError, match="do not split evenly"):
         pipeline_shard(whole, config, 0, config.num_hidden_layers + 1)
+
+
+TRAINER_WORKER = Path(__file__).with_name("megatron_trainer_worker.py")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="MegatronPolicyTrainer needs CUDA (megatron-core 0.16)"
+)
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
+def test_megatron_trainer_makes_the_torch_backends_update_on_cuda(
+    tmp_path: Path, tiny_model_dir: Path, groups_json: Path, tp: int, pp: int
+) -> None:
+    """Two steps of the megatron backend (BF16, distributed optimizer) against the torch backend's
+    BF16 steps on the same batch: the same update to BF16's precision, the same loss and metrics;
+    its checkpoint loads back to the same weights."""
+    ranks = tp * pp
+    if torch.cuda.device_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs")
+    from mixrl.api.trajectory import Trajectory
+    from mixrl.rl.trainer.batch import collate
+
+    from .conftest import reference_trainer
+
+    reference = reference_trainer(tiny_model_dir, torch.bfloat16)
+    groups = [[Trajectory.model_validate(t) for t in g] for g in json.loads(groups_json.read_text())]
+    expected = [reference.step(collate(groups, trainer_version=0)) for _ in range(2)]
+    want = reference.state_dict_for_publication(torch.float32)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               str(TRAINER_WORKER), str(tiny_model_dir), str(groups_json), str(tmp_path), "2", str(tp), str(pp)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    got = json.loads((tmp_path / "results.json").read_text())
+    for step, reference_step in zip(got["steps"], expected, strict=True):
+        assert step["loss"] == pytest.approx(reference_step.loss, rel=5e-2, abs=1e-3)
+        assert step["metrics"]["kl_k3"] == pytest.approx(reference_step.metrics["kl_k3"], rel=0.2, abs=1e-4)
+    weights = load_file(str(tmp_path / "weights.safetensors"))
+    assert weights.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(weights[name], value, rtol=2e-2, atol=2e-3, msg=name)
+    assert got["loaded_step"] == 2
+    reloaded = load_file(str(tmp_path / "reloaded.safetensors"))
+    assert all(torch.equal(reloaded[name], weights[name]) for name in weights)
