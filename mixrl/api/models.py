@@ -236,8 +236,9 @@ class ResourceRequirements(Model):
 class TrainerSpec(Model):
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend: ``torch`` (one process, or FSDP2 data parallelism over nodes x gpusPerNode
-    processes; computes on CPU today). ``megatron`` (tensor, pipeline and expert parallelism) is not
-    implemented yet and is refused."""
+    processes; on GPUs or CPUs). ``megatron``: megatron-core's GPTModel with tensor, pipeline and
+    expert parallelism from ``parallelism`` and the distributed optimizer, on CUDA GPUs only (no
+    context parallelism yet); docs/api.md#trainer-backends."""
     gpu_type: str = Field(default="H100", json_schema_extra={"enum": list(GPU_TYPES)})
     """GPU type of the trainer nodes (a key of the GPU table, or ``cpu``)."""
     nodes: Int = Field(default=1, ge=1, le=INT32_MAX)
@@ -283,8 +284,10 @@ class TrainerSpec(Model):
             raise rules.PARALLELISM_DIVIDES.error(world=world, tp=p.tp, pp=p.pp, cp=p.cp)
         if world % (p.tp * p.pp * p.ep) != 0:
             raise rules.EXPERT_PARALLELISM_DIVIDES.error(world=world, tp=p.tp, pp=p.pp, ep=p.ep)
-        if self.backend == "megatron":
-            raise rules.MEGATRON_NOT_BUILT.error()
+        if self.backend == "megatron" and GPU_TABLE[self.gpu_type].emulated:
+            raise rules.MEGATRON_NEEDS_GPUS.error(gpu_type=self.gpu_type)
+        if self.backend == "megatron" and p.cp != 1:
+            raise rules.MEGATRON_NO_CONTEXT_PARALLEL.error()
         if (p.tp, p.pp, p.ep, p.cp) != (1, 1, 1, 1):
             raise rules.TORCH_IS_DATA_PARALLEL.error()
         return self
@@ -834,6 +837,17 @@ class PoolSummary(Model):
     """Their price in dollars (costPerGpuHour, else the default table of mixrl.api.gpus)."""
 
 
+class ConcurrencyRecommendation(Model):
+    sessions: int
+    """Rollout sessions, all workers together, the trainer's demand needs."""
+    configured: int
+    """What the run has now: ``rollout.concurrency × rollout.workers``."""
+    time: str = ""
+    """RFC 3339 time the autoscaler computed it."""
+    message: str = ""
+    """The fleet plan it came from (demand, supply, what the concurrency keeps busy)."""
+
+
 class RLRunStatus(Model):
     phase: Literal["Pending", "Running", "Succeeded", "Failed", "Invalid"] | None = None
     """Lifecycle phase."""
@@ -861,6 +875,10 @@ class RLRunStatus(Model):
     """GPU-hours of the trainer's nodes."""
     trainer_cost: float | None = None
     """Their price in dollars (the default table of mixrl.api.gpus for the trainer's GPU type)."""
+    recommended_concurrency: ConcurrencyRecommendation | None = None
+    """``autoscaling.objective: trainer``: the rollout concurrency the trainer's demand needs, when the
+    configured one keeps too little capacity busy (null: it suffices).  Reported, not applied: the
+    workers' concurrency is fixed when they start, so set ``spec.rollout.concurrency``."""
     spend_updated_at: str | None = None
     """RFC 3339 time the spend figures were last written (an operator restart accrues from there)."""
     reason: str | None = None

@@ -32,6 +32,8 @@ class FakeApi:
         self.pools = {p["metadata"]["name"]: p for p in pools}
         self.writes: list[tuple[str, str, Obj]] = []
         self.events: list[Obj] = []
+        self.run_writes: list[tuple[str, str, Obj]] = []
+        """Patches of RLRuns (their status: the recommended concurrency)."""
 
     async def get(self, resource: Any, namespace: str, name: str) -> Obj | None:
         return copy.deepcopy(self.pools.get(name))
@@ -39,6 +41,9 @@ class FakeApi:
     async def merge_patch(
         self, resource: Any, namespace: str, name: str, body: Obj, subresource: str | None = None
     ) -> Obj:
+        if resource.plural == "rlruns":
+            self.run_writes.append((name, subresource or "", body))
+            return body
         self.writes.append((name, subresource or "", body))
         target = self.pools[name]
         for key, value in body.items():

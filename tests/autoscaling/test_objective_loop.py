@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import aiohttp.web
 import pytest
 
+from mixrl.api.models import ConcurrencyRecommendation
+from mixrl.operator.autoscaling.loop import concurrency_status
+from mixrl.operator.autoscaling.objective import FleetPlan, ObjectiveMemory
 from mixrl.operator.autoscaling.promql import (
     default_load_query,
     pool_busy_query,
@@ -156,3 +160,66 @@ async def test_a_young_series_reads_at_its_real_speed_per_replica(serve, prometh
         naive = await eventually_value(session, server.url, pool_throughput_query(NS, RUN, "b200-nvfp4")) / 2
     assert per_replica == pytest.approx(2.0, rel=0.3)
     assert naive < 0.5  # what the objective was given before
+
+
+def concurrency_bound(**autoscaling: Any) -> Harness:
+    """b300 alone delivers 0.8 trajectories/s per replica (0.2 per capacity unit); the trainer wants
+    8/s, 40 units, but 64 × 4 sessions keep only 256 / 16 = 16 units busy."""
+    run = run_body(objective="trainer", **autoscaling)
+    run["spec"]["rollout"]["concurrency"] = 64
+    h = Harness(run, [pool_body("b300-nvfp4", replicas=1, ready=1, low=1, high=16)], {"b300-nvfp4": 64.0})
+    h.values = {
+        "clamp_max": 1.0,
+        "mixrl_buffer_trainer_busy_seconds": 128.0 * 0.95,  # 1024 per 121.6 s × 0.95 = 8/s
+        "mixrl_buffer_trainer_wait_seconds_total": 0.5,
+        "mixrl_buffer_trajectories{": 1024.0,  # 1.25 steps with those in flight: inside the band
+        "mixrl_router_sessions": 256.0,
+        'pool="b300-nvfp4"': 0.8,
+    }
+    return h
+
+
+async def test_the_concurrency_the_demand_needs_is_written_to_the_run_status() -> None:
+    h = concurrency_bound()
+    await h.poll_run()
+    assert h.replicas("b300-nvfp4") == 4  # what 256 sessions keep busy, no more
+    [(name, subresource, patch)] = h.api.run_writes
+    assert (name, subresource) == (RUN, "status")
+    value = patch["status"]["recommendedConcurrency"]
+    assert (value["sessions"], value["configured"]) == (40 * 16, 256)  # 40 units × 16 sessions each
+    assert "rollout concurrency 256" in value["message"] and value["time"].endswith("Z")
+    ConcurrencyRecommendation.model_validate(value)  # the CRD's own model
+    # The same figure again: no second write (one per change, not one per poll).
+    h.now += 60
+    await h.poll_run()
+    assert len(h.api.run_writes) == 1
+
+
+async def test_a_run_that_leaves_the_trainer_objective_has_its_recommendation_cleared() -> None:
+    h = concurrency_bound()
+    await h.poll_run()
+    assert len(h.api.run_writes) == 1
+    run = dict(h.loop.runs[(NS, RUN)])
+    run["spec"] = {**run["spec"], "autoscaling": {**run["spec"]["autoscaling"], "objective": "queue"}}
+    h.loop.observe_run(run, deleted=False)
+    h.now += 60
+    await h.poll_run()
+    assert h.api.run_writes[-1] == (RUN, "status", {"status": {"recommendedConcurrency": None}})
+    h.now += 60
+    await h.poll_run()
+    assert len(h.api.run_writes) == 2  # cleared once
+
+
+def test_the_recommendation_is_cleared_only_by_a_fill_that_found_the_concurrency_enough() -> None:
+    previous = {"sessions": 640, "configured": 256, "time": "t", "message": "m"}
+    memory = ObjectiveMemory()
+
+    def plan(recommended: int | None, filled: bool) -> FleetPlan:
+        return FleetPlan({}, {}, 8.0, 8.0, recommended, memory, "s", filled=filled)
+
+    assert concurrency_status(previous, plan(None, filled=False), 256, 0.0, 0.1) == (False, None)
+    assert concurrency_status(previous, plan(None, filled=True), 256, 0.0, 0.1) == (True, None)
+    assert concurrency_status(None, plan(None, filled=True), 256, 0.0, 0.1) == (False, None)
+    assert concurrency_status(previous, plan(660, filled=True), 256, 0.0, 0.1)[0] is False  # wobble
+    assert concurrency_status(previous, plan(720, filled=True), 256, 0.0, 0.1)[1]["sessions"] == 720
+    assert concurrency_status(previous, plan(640, filled=True), 512, 0.0, 0.1)[1]["configured"] == 512

@@ -36,6 +36,7 @@ from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
 from mixrl.operator.autoscaling.objective import (
+    FleetPlan,
     FleetPool,
     ObjectiveConfig,
     ObjectiveMemory,
@@ -168,6 +169,37 @@ def load_of(pool_body: Obj, observation: Observation, paused: float | None = Non
         starting=max(replicas - ready, 0),
         updating_weights=updating,
     )
+
+
+RECOMMENDED_CONCURRENCY = "recommendedConcurrency"
+"""The RLRun status field ``objective: trainer`` reports the concurrency in (models.ConcurrencyRecommendation)."""
+
+
+def concurrency_status(
+    previous: Obj | None, plan: FleetPlan, configured: int, now: float, tolerance: float
+) -> tuple[bool, Obj | None]:
+    """Whether to write ``status.recommendedConcurrency`` and its new value (None: clear it).
+
+    Set when the fill found the concurrency short; cleared only when a fill found it enough (a
+    hold or a plan inside the dead band learns nothing about it); rewritten when the sessions
+    figure moves by more than ``tolerance`` of it or the configured concurrency changed, so the
+    estimate's wobble from poll to poll does not write the run every poll."""
+    wanted = plan.recommended_concurrency
+    if wanted is None:
+        return (previous is not None and plan.filled), None
+    if (
+        previous is not None
+        and previous.get("configured") == configured
+        and abs(wanted - int(previous.get("sessions") or 0)) <= tolerance * wanted
+    ):
+        return False, previous
+    value = {
+        "sessions": wanted,
+        "configured": configured,
+        "time": rfc3339(now),
+        "message": plan.summary[:500],
+    }
+    return True, value
 
 
 class BoundsRefused(ValueError):
@@ -432,7 +464,32 @@ class AutoscalingLoop(Ticker):
                 done += await self.poll_fleet(run_key, run, keys, now)
             except ApiError as exc:
                 log.warning("autoscaling run %s/%s: %s", *run_key, exc)
+        await self.clear_stale_concurrency(fleets, verdicts)
         return done
+
+    async def clear_stale_concurrency(self, fleets: Mapping[Key, Any], verdicts: dict[str, bool]) -> None:
+        """A run that left ``objective: trainer`` (or the built-in engine) keeps no recommendation
+        nobody updates any more."""
+        for run_key, body in list(self.runs.items()):
+            if run_key in fleets or RECOMMENDED_CONCURRENCY not in (body.get("status") or {}):
+                continue
+            if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue  # an ended run keeps what it was told last
+            autoscaling = (body.get("spec") or {}).get("autoscaling") or {}
+            if (
+                autoscaling.get("objective") == "trainer"
+                and autoscaling.get("engine", "builtin") == "builtin"
+            ):
+                continue  # planned on another tick (its pools not seen yet, or not due)
+            if not await self.active_in(run_key[0], verdicts):
+                continue
+            try:
+                await PoolApi(self.client).patch_run_status(*run_key, {RECOMMENDED_CONCURRENCY: None})
+            except ApiError as exc:
+                log.warning("autoscaling run %s/%s: %s", *run_key, exc)
+                continue
+            status = {k: v for k, v in (body.get("status") or {}).items() if k != RECOMMENDED_CONCURRENCY}
+            self.runs[run_key] = {**body, "status": status}
 
     async def _value(self, run: ResolvedRun, query: str) -> float | None:
         """One number from Prometheus, or None (no series, or no answer: the objective holds)."""
@@ -571,7 +628,25 @@ class AutoscalingLoop(Ticker):
                 )
                 await self.write(key, body, pool_plan, now)
             done.append((key, pool_plan))
+        await self.report_concurrency(run_key, plan, objective, now, a.tolerance)
         return done
+
+    async def report_concurrency(
+        self, run_key: Key, plan: FleetPlan, objective: ObjectiveConfig, now: float, tolerance: float
+    ) -> None:
+        """Write the concurrency the demand needs to the run's status (it cannot be set live)."""
+        body = self.runs.get(run_key)
+        if body is None:
+            return
+        status = body.get("status") or {}
+        write, value = concurrency_status(
+            status.get(RECOMMENDED_CONCURRENCY), plan, objective.concurrency, now, tolerance
+        )
+        if not write:
+            return
+        await PoolApi(self.client).patch_run_status(*run_key, {RECOMMENDED_CONCURRENCY: value})
+        # The watch brings the run back; until then the cache must not ask for the same write.
+        self.runs[run_key] = {**body, "status": {**status, RECOMMENDED_CONCURRENCY: value}}
 
     async def live_pool(self, key: Key, cached: Obj) -> Obj | None:
         """The pool as the API server has it now (None when it is gone or was replaced).

@@ -163,6 +163,9 @@ class FleetPlan:
     """Rollout sessions the demand needs, when above the configured concurrency."""
     memory: ObjectiveMemory
     summary: str
+    filled: bool = False
+    """The fill ran (the supply was outside the dead band): ``recommended_concurrency`` None then
+    means the concurrency suffices; after a hold or inside the band it means nothing was learnt."""
 
 
 def update_memory(
@@ -346,7 +349,7 @@ def plan_fleet(
         if targets[pool.name] == pool.low and pool.low > pool.min_replicas:
             what = "held by the scale-down window"
         reasons[pool.name] = f"{summary}: {what}"
-    return FleetPlan(targets, reasons, demand, supply, recommended, memory, summary)
+    return FleetPlan(targets, reasons, demand, supply, recommended, memory, summary, filled=True)
 
 
 def with_floors(pools: Sequence[FleetPool], floors: Mapping[str, int]) -> list[FleetPool]:

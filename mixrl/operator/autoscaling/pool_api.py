@@ -18,7 +18,7 @@ from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
 from mixrl.operator.kube.client import KubeClient
 from mixrl.operator.kube.events import event_object
-from mixrl.operator.kube.rbac import EVENTS, SAMPLERPOOLS
+from mixrl.operator.kube.rbac import EVENTS, RLRUNS, SAMPLERPOOLS
 
 Obj = dict[str, Any]
 
@@ -150,6 +150,10 @@ class PoolApi:
 
     async def patch_status(self, namespace: str, name: str, patch: Obj) -> None:
         await self.client.merge_patch(SAMPLERPOOLS, namespace, name, patch, subresource="status")
+
+    async def patch_run_status(self, namespace: str, name: str, patch: Obj) -> None:
+        """The run's own status (``objective: trainer`` reports the concurrency the demand needs)."""
+        await self.client.merge_patch(RLRUNS, namespace, name, {"status": patch}, subresource="status")
 
     async def post_event(self, pool_body: Obj, kind: str, reason: str, message: str, now: float) -> None:
         involved = {
