@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import yaml
+
 from mixrl.operator.controller.status import (
     COMPONENT_CONDITIONS,
     PoolState,
@@ -167,3 +171,17 @@ def test_pool_status_drops_the_loops_condition_once_another_engine_scales() -> N
     dropped = pool_status(previous, 1, None, "a=b", T0, keda, drop=("MetricsAvailable",))
     assert set(conditions(dropped)) == {"Ready", "AutoscalerReady", "WrongGpuType"}
     assert dropped["lastScaleDecisions"] == [{"toReplicas": 2}], "the decision history stays"
+
+
+def test_the_autoscalers_concurrency_recommendation_survives_the_reconciler_and_the_crd() -> None:
+    """status.recommendedConcurrency is the built-in autoscaler's (objective: trainer): the run's
+    controller carries it over, and the CRD declares it (the API server would prune it otherwise)."""
+    recommendation = {"sessions": 640, "configured": 256, "time": T0, "message": "demand 8 traj/s"}
+    previous = {"recommendedConcurrency": recommendation}
+    status = run_status(previous, 3, ready_components(), [PoolState("a", "B200", "nvfp4", 2, 2)], T1)
+    assert status["recommendedConcurrency"] == recommendation
+    crd = yaml.safe_load(Path("crds/rlruns.mixrl.dev.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    declared = schema["properties"]["recommendedConcurrency"]
+    assert set(declared["properties"]) == set(recommendation)
+    assert declared["properties"]["sessions"]["type"] == "integer"
