@@ -9,7 +9,7 @@ import aiohttp
 import aiohttp.web
 import pytest
 
-from mixrl.api.models import ConcurrencyRecommendation
+from mixrl.api.models import GROUP, ConcurrencyRecommendation
 from mixrl.operator.autoscaling.loop import concurrency_status
 from mixrl.operator.autoscaling.objective import FleetPlan, ObjectiveMemory
 from mixrl.operator.autoscaling.promql import (
@@ -19,6 +19,7 @@ from mixrl.operator.autoscaling.promql import (
     pool_throughput_query,
     trainer_queries,
 )
+from mixrl.operator.kube.rbac import is_allowed, permissions
 
 from .conftest import EngineMetrics, engine_job, free_port
 from .test_fleet_bugs import NS, RUN, Harness, pool_body, run_body
@@ -189,6 +190,8 @@ async def test_the_concurrency_the_demand_needs_is_written_to_the_run_status() -
     assert (value["sessions"], value["configured"]) == (40 * 16, 256)  # 40 units × 16 sessions each
     assert "rollout concurrency 256" in value["message"] and value["time"].endswith("Z")
     ConcurrencyRecommendation.model_validate(value)  # the CRD's own model
+    for clusterwide in (True, False):  # the operator's RBAC table (and so the chart) grants the write
+        assert is_allowed(permissions(clusterwide), GROUP, "rlruns/status", "patch")
     # The same figure again: no second write (one per change, not one per poll).
     h.now += 60
     await h.poll_run()
