@@ -9,14 +9,20 @@ perturbed) instead of coming from engines; the engines' side is covered by tests
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from mixrl.api.trajectory import TokenRecord, Trajectory
+from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
 
 VOCAB = 48
 
@@ -81,3 +87,36 @@ def synthetic_group(
 @pytest.fixture
 def model(tiny_model_dir: Path) -> torch.nn.Module:
     return load_model(tiny_model_dir)
+
+
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+
+
+@pytest.fixture
+def groups_json(tmp_path: Path, model: torch.nn.Module) -> Path:
+    # Two pools, unequal lengths and enough tokens for several micro-batches per rank.
+    groups = [synthetic_group(model, f"p{i}", 3, pool=("a", "b")[i % 2], seed=i, noise=0.3) for i in range(3)]
+    path = tmp_path / "groups.json"
+    path.write_text(json.dumps([[t.model_dump(mode="json") for t in g] for g in groups]))
+    return path
+
+
+def torchrun(
+    ranks: int, *args: str | Path, cwd: Path, compute_dtype: str = "float32", check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """``fsdp_worker.py`` on ``ranks`` real processes under torchrun (gloo), as mixrl run starts them."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+               str(WORKER), *map(str, args)]  # fmt: skip
+    env = {**os.environ, "COMPUTE_DTYPE": compute_dtype}
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    if check:
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+    return done
+
+
+def reference_trainer(model_dir: Path, compute_dtype: torch.dtype = torch.float32) -> TorchPolicyTrainer:
+    """The one-process trainer the workers are compared with (the workers' settings)."""
+    torch.manual_seed(0)
+    return TorchPolicyTrainer(
+        load_model(model_dir), CorrectionConfig(), lr=1e-3, micro_batch_tokens=24, compute_dtype=compute_dtype
+    )

@@ -1,20 +1,28 @@
-"""One rank of a data-parallel trainer, started by torchrun from test_fsdp.py.
+"""One rank of a data-parallel trainer, started by torchrun from test_fsdp.py and test_checkpoint.py.
 
-Arguments: MODEL_DIR GROUPS_JSON OUT_DIR STEPS [CHECKPOINT_TO_LOAD] [CHECKPOINT_TO_SAVE]; the compute
-dtype is ``$COMPUTE_DTYPE`` (``float32`` unless set, as on CPUs; ``bfloat16`` as on GPUs).  Runs STEPS
-policy steps on the same batch (after loading the checkpoint, if given) and writes what rank 0
-sees: the step results (every rank's, to compare) and the published weights.
+Arguments: MODEL_DIR GROUPS_JSON OUT_DIR STEPS, then optionally ``--load CHECKPOINT`` (resume from it
+first), ``--save RUN_DIR`` (a sharded checkpoint there after the last step, or every
+``--save-every`` steps) and ``--kill-in-save STEP`` (rank 0 SIGKILLs itself inside the save of that
+step, once DCP has written every shard and the metadata: a crash mid-save).  The compute dtype is
+``$COMPUTE_DTYPE`` (``float32`` unless set, as on CPUs; ``bfloat16`` as on GPUs).  Runs STEPS policy
+steps on the same batch and writes what rank 0 sees: the step results (every rank's, to compare),
+the published weights and the whole AdamW state, gathered.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.corrections import CorrectionConfig
@@ -24,39 +32,81 @@ from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
 
 
-def main(model_dir: str, groups_json: str, out_dir: str, steps: int, load: str = "", save: str = "") -> None:
+def optimizer_tensors(trainer: TorchPolicyTrainer) -> dict[str, torch.Tensor]:
+    """AdamW's whole state, ``<parameter>/<exp_avg|exp_avg_sq|step>`` (gathered: rank 0 gets it)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=trainer.ranks.distributed)
+    _, optimizer = get_state_dict(trainer.trunk, trainer.optimizer, options=options)
+    state: dict[str, dict[str, Any]] = optimizer.get("state", {})
+    return {
+        f"{name}/{key}": value.detach().to("cpu", torch.float32).contiguous().clone()
+        for name, values in state.items()
+        for key, value in values.items()
+    }
+
+
+def kill_rank0_in_save(step: int, saving: list[int]) -> None:
+    """Rank 0 dies once DCP has committed its metadata for ``step``, before mixrl renames it."""
+    finish = FileSystemWriter.finish
+
+    def dying_finish(self: FileSystemWriter, *args: Any, **kwargs: Any) -> None:
+        finish(self, *args, **kwargs)
+        if saving[0] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    FileSystemWriter.finish = dying_finish  # type: ignore[method-assign]
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("groups_json")
+    parser.add_argument("out_dir")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--load", default="")
+    parser.add_argument("--save", default="")
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--kill-in-save", type=int, default=0)
+    args = parser.parse_args(argv)
     ranks = distributed.Ranks.from_env()
     distributed.init_process_group(ranks, torch.device("cpu"))
     torch.manual_seed(0)
     compute_dtype = getattr(torch, os.environ.get("COMPUTE_DTYPE", "float32"))
     trainer = TorchPolicyTrainer(
-        load_model(model_dir),
+        load_model(args.model_dir),
         CorrectionConfig(),
         lr=1e-3,
         micro_batch_tokens=24,
         compute_dtype=compute_dtype,
         ranks=ranks,
     )
-    if load:
-        trainer.load_checkpoint(Path(load))
-    raw = json.loads(Path(groups_json).read_text())
+    step = trainer.load_checkpoint(Path(args.load)) if args.load else 0
+    saving = [0]
+    if args.kill_in_save and ranks.is_main:
+        kill_rank0_in_save(args.kill_in_save, saving)
+    raw = json.loads(Path(args.groups_json).read_text())
     groups = [[Trajectory.model_validate(t) for t in group] for group in raw]
     results = []
-    for _ in range(steps):
+    for index in range(args.steps):
         result = trainer.step(collate(groups, trainer_version=0))
         results.append({"loss": result.loss, "grad_norm": result.grad_norm, "metrics": result.metrics,
                         "per_pool": result.per_pool})  # fmt: skip
-    if save:
-        trainer.save_checkpoint(Path(save), step=steps)
+        step += 1
+        last = index == args.steps - 1
+        if args.save and (last or (args.save_every and step % args.save_every == 0)):
+            saving[0] = step
+            trainer.save_checkpoint(Path(args.save), step=step)
     weights = trainer.state_dict_for_publication(torch.float32)
-    out = Path(out_dir)
+    optimizer = optimizer_tensors(trainer)
+    out = Path(args.out_dir)
     (out / f"rank{ranks.rank}.json").write_text(json.dumps(results))
     if ranks.is_main:
         save_file(weights, str(out / "weights.safetensors"))
+        save_file(optimizer, str(out / "optimizer.safetensors"))
+        (out / "step.json").write_text(json.dumps(step))
     else:
         assert weights == {}, "only rank 0 receives the gathered weights"
     distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:])
+    main(sys.argv[1:])

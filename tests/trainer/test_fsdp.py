@@ -1,5 +1,5 @@
 """The FSDP2 trainer with real collectives: two torchrun ranks on gloo must make the update one
-process makes (parameters, loss, metrics), and checkpoints must resume on another number of ranks.
+process makes (parameters, loss, metrics); checkpoints across rank counts are test_checkpoint.py's.
 
 The ranks are real processes started by torchrun, as ``mixrl run`` and the operator start them.
 """
@@ -7,9 +7,6 @@ The ranks are real processes started by torchrun, as ``mixrl run`` and the opera
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,40 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.models import load_model
 from mixrl.rl.trainer.batch import collate
-from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
 
-from .conftest import synthetic_group
-
-WORKER = Path(__file__).with_name("fsdp_worker.py")
-
-
-@pytest.fixture
-def groups_json(tmp_path: Path, model: torch.nn.Module) -> Path:
-    # Two pools, unequal lengths and enough tokens for several micro-batches per rank.
-    groups = [synthetic_group(model, f"p{i}", 3, pool=("a", "b")[i % 2], seed=i, noise=0.3) for i in range(3)]
-    path = tmp_path / "groups.json"
-    path.write_text(json.dumps([[t.model_dump(mode="json") for t in g] for g in groups]))
-    return path
-
-
-def torchrun(ranks: int, *args: str | Path, cwd: Path, compute_dtype: str = "float32") -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-               str(WORKER), *map(str, args)]  # fmt: skip
-    env = {**os.environ, "COMPUTE_DTYPE": compute_dtype}
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
+from .conftest import reference_trainer, synthetic_group, torchrun
 
 
 def single_process(
     model_dir: Path, groups_json: Path, steps: int, compute_dtype: torch.dtype = torch.float32
 ) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    torch.manual_seed(0)
-    trainer = TorchPolicyTrainer(
-        load_model(model_dir), CorrectionConfig(), lr=1e-3, micro_batch_tokens=24, compute_dtype=compute_dtype
-    )
+    trainer = reference_trainer(model_dir, compute_dtype)
     from mixrl.api.trajectory import Trajectory
 
     groups = [[Trajectory.model_validate(t) for t in g] for g in json.loads(groups_json.read_text())]
@@ -78,26 +51,6 @@ def test_two_ranks_make_the_single_process_update(
             for key in ("kl_k3", "extreme_ratio", "reward"):
                 assert got["metrics"][key] == pytest.approx(want.metrics[key], rel=1e-5, abs=1e-9), key
             assert got["per_pool"]["a"]["tokens"] == want.per_pool["a"]["tokens"]
-
-
-def test_a_two_rank_checkpoint_resumes_on_one_rank_and_vice_versa(
-    tmp_path: Path, tiny_model_dir: Path, groups_json: Path
-) -> None:
-    expected, _ = single_process(tiny_model_dir, groups_json, steps=3)
-    two, one = tmp_path / "two", tmp_path / "one"
-    two.mkdir(), one.mkdir()
-    torchrun(2, tiny_model_dir, groups_json, two, 2, "", two / "ckpt.pt", cwd=two)
-    torchrun(1, tiny_model_dir, groups_json, one, 1, two / "ckpt.pt", cwd=one)
-    weights = load_file(str(one / "weights.safetensors"))
-    for name, value in expected.items():  # 2 steps on 2 ranks + 1 on 1 rank = 3 steps on 1 process
-        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    back = tmp_path / "back"
-    back.mkdir()
-    torchrun(1, tiny_model_dir, groups_json, one, 2, "", one / "ckpt.pt", cwd=one)
-    torchrun(2, tiny_model_dir, groups_json, back, 1, one / "ckpt.pt", cwd=back)
-    weights = load_file(str(back / "weights.safetensors"))
-    for name, value in expected.items():
-        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_a_rank_without_trajectories_still_takes_part(

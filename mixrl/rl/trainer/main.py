@@ -10,9 +10,11 @@ The loop, per step s (the trainer holds weight version s − 1 while computing s
      through the router to reload it, between decode steps, while sessions continue; in a cluster
      the trainer has no ``--router`` and each engine pod's weight-sync sidecar converts the version
      to its pool's precision and reloads its own engine (the launch table, mixrl.api.launch);
-  4. write step s's metrics line (JSONL, and Prometheus), then the checkpoint when one is due, then
-     commit step s to the buffer: a crash between any two redoes the step on the same batch, and
-     resume() drops the metrics lines of steps after the checkpoint, so every step is logged once.
+  4. write step s's metrics line (JSONL, and Prometheus), then the checkpoint when one is due (every
+     rank writes its own shards into ``checkpoint.tmp-<s>/``, committed by renaming it to
+     ``checkpoint-<s>/``: mixrl.rl.trainer.checkpoint), then commit step s to the buffer: a crash
+     between any two redoes the step on the same batch, and resume() drops the metrics lines of
+     steps after the checkpoint, so every step is logged once.
 
 Under torchrun (``trainer.nodes`` × ``gpusPerNode`` processes) every rank reads the same batch and
 computes its share of it (FSDP2, mixrl.rl.trainer.distributed); rank 0 alone publishes, commits,
@@ -51,14 +53,13 @@ from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.health.routing import mismatch_report
 from mixrl.rl.models import load_model
-from mixrl.rl.trainer import distributed
+from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.telemetry import TrainerTelemetry
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
 from mixrl.rl.weights import WeightStore
 
 log = logging.getLogger("mixrl.trainer")
-CHECKPOINT = "trainer.pt"
 METRICS = "metrics.jsonl"
 FINISHED = "finished.json"
 """Written once the last step is taken (mixrl report and the operator read the run's end from it)."""
@@ -158,9 +159,11 @@ class TrainerLoop:
         self.stopping = asyncio.Event()
 
     def resume(self) -> None:
-        path = self.run_dir / CHECKPOINT
-        if path.exists():
-            self.step = int(self.trainer.load_checkpoint(path)["step"])
+        """Go on from the newest checkpoint in the run directory (``checkpoint-<step>/``, sharded;
+        written on any number of ranks, mixrl.rl.trainer.checkpoint), if there is one."""
+        path = checkpoint.latest_on_every_rank(self.run_dir)
+        if path is not None:
+            self.step = self.trainer.load_checkpoint(path)
             log.info("resumed from %s at step %d", path, self.step)
         # Versions published after the checkpoint came from updates that are now redone (on the same
         # batches: the buffer hands step N the same groups again), so they are replaced.
@@ -264,7 +267,7 @@ class TrainerLoop:
                     out.write(json.dumps(record) + "\n")
             self.step = step
             if step % self.run.trainer.spec.checkpoint_every == 0 or step == total:
-                await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir / CHECKPOINT, step)
+                await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir, step)
             if main:
                 await self.buffer.commit(step)
                 # The router's mismatch-aware shares read it back from the buffer (docs/health.md),
@@ -362,7 +365,11 @@ def main(argv: list[str]) -> int:
         telemetry=telemetry,
         auth_token=auth_token,
     )
-    loop.resume()
+    try:
+        loop.resume()
+    except checkpoint.CheckpointError as exc:
+        print(f"mixrl trainer: checkpoint: {exc}", file=sys.stderr)
+        return 1
 
     async def _main() -> None:
         event_loop = asyncio.get_running_loop()
@@ -390,5 +397,8 @@ def main(argv: list[str]) -> int:
         return 1
     except ReloadRefused as exc:
         print(f"mixrl trainer: router: {exc}", file=sys.stderr)
+        return 1
+    except checkpoint.CheckpointError as exc:  # a save that could not be committed
+        print(f"mixrl trainer: checkpoint: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from mixrl.rl.corrections import CorrectionConfig, chunked_token_policy_loss
 from mixrl.rl.corrections.metrics import METRIC_KEYS
-from mixrl.rl.trainer import distributed
+from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import PolicyBatch
 from mixrl.rl.trainer.distributed import Ranks
 
@@ -240,18 +240,39 @@ class TorchPolicyTrainer:
         state = {"model": {name.removeprefix("model."): t for name, t in model.items()}}
         return state | ({"optimizer": optimizer} if with_optimizer else {})
 
-    def save_checkpoint(self, path: Path, step: int, extra: dict[str, Any] | None = None) -> None:
-        """The whole state in one file, written by rank 0: tensors and plain values only, so that
-        :meth:`load_checkpoint` reads it with ``weights_only=True``, on any number of ranks."""
-        state = self._full_state(with_optimizer=True)
-        if self.ranks.is_main:
-            tmp = path.with_suffix(".tmp")
-            torch.save({"step": step, **state, **(extra or {})}, tmp)
-            tmp.replace(path)  # atomic: a crash leaves the previous checkpoint intact
-        distributed.barrier()
+    def _sharded_state(self) -> dict[str, Any]:
+        """Model and AdamW state as this rank holds it, keyed by parameter name: under FSDP2 each
+        tensor a DTensor (this rank's shard), in one process the whole tensor; nothing gathered."""
+        model, optimizer = get_state_dict(self.trunk, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
 
-    def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Every rank reads the whole file (no pickled code: ``weights_only``) and keeps its shards."""
+    def save_checkpoint(self, run_dir: Path, step: int) -> Path:
+        """A sharded checkpoint of this step, ``run_dir/checkpoint-<step>`` (collective: every rank
+        writes its own shards, :mod:`mixrl.rl.trainer.checkpoint`), committed atomically."""
+        state = self._sharded_state() | {"step": step}
+        return checkpoint.save(run_dir, step, state, is_main=self.ranks.is_main)
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Load a checkpoint written on any number of ranks (collective); returns its step.
+
+        ``path`` is a ``checkpoint-<step>`` directory (each rank reads only the pieces of the
+        shards it holds; no pickle from the files runs), or a single-file ``trainer.pt`` of the
+        whole state from before sharded checkpoints (read with ``weights_only=True``).
+        """
+        if path.is_file():
+            return self._load_single_file(path)
+        state = self._sharded_state() | {"step": -1}
+        checkpoint.load(path, state)
+        set_state_dict(
+            self.trunk, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        step = state["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step != checkpoint.step_of(path):
+            raise checkpoint.CheckpointError(f"{path}: holds step {step!r}, not the one its name gives")
+        return step
+
+    def _load_single_file(self, path: Path) -> int:
+        """Every rank reads the whole file (``weights_only``) and keeps its shards."""
         state = torch.load(path, map_location="cpu", weights_only=True)
         set_state_dict(
             self.trunk,
@@ -260,7 +281,7 @@ class TorchPolicyTrainer:
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True),
         )
-        return state
+        return int(state["step"])
 
 
 # The objective's metric keys, as the trainer logs them (k1/k3 are sampler–trainer KL estimates).
