@@ -6,7 +6,9 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
 - **Rollout**: at most ``concurrency`` sessions at once (one trajectory each); a new one starts
   only while buffered plus in-flight trajectories stay below ``max_steps_ahead × step_size`` (the
   workers' back-pressure).  The router puts new sessions on pools in proportion to ready capacity
-  and keeps them there, moving a pool's sessions only when it has no ready replica.
+  and keeps them there, moving a pool's sessions when it has no ready replica.  The sessions of a
+  replica that dies are dropped (new ones start by the shares), so no pool holds more than its
+  share after a loss and the router's rebalancing (``shares.keeps_draining``) has nothing to do.
 - **Samplers**: a ready replica of capacity ``c`` generates ``tokens_per_s_per_capacity · c``
   tokens/s while it has at least ``sessions_per_capacity · c`` sessions, proportionally less with
   fewer; a trajectory needs ``tokens_per_trajectory`` tokens, which grows linearly over the run
@@ -20,8 +22,11 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
   beyond the nodes left die, and new ones beyond them stay Pending (no node) until ``back_at_s``.
   Pending pods without a node are not billed.
 - **Signals**: what Prometheus would hold, scraped every 15 s: per pool its sessions (the engines'
-  queued + running requests) and trajectories/s over the last minute; the buffer's backlog, the
-  sessions in flight, trainer steps/s and its idle share over five minutes.
+  queued + running requests), its busy share per scrape against the replicas ready then, and the
+  trajectories it delivered over five minutes per ready replica-second of the same five minutes
+  (the loop's queries); the buffer's backlog, the sessions in flight, trainer steps/s and its idle
+  share over five minutes.  The policy is the loop's own pure code: ``decide`` per pool, or
+  ``fleet_pending`` (rule 8) and ``stabilized_plan`` for the fleet.
 """
 
 from __future__ import annotations
