@@ -433,14 +433,26 @@ STORE_IS_A_PATH = Rule(
     ),
 )
 
-MEGATRON_NOT_BUILT = Rule(
-    "megatron-backend-not-built",
+MEGATRON_NEEDS_GPUS = Rule(
+    "megatron-backend-needs-gpus",
     (TRAINER,),
     "backend",
-    "backend megatron is not implemented yet: use backend torch (FSDP2 data parallelism over "
-    "nodes x gpusPerNode processes); docs/api.md says what each backend does",
+    "backend megatron trains on CUDA GPUs only (megatron-core); gpuType {gpu_type} needs backend torch",
     "FieldValueForbidden",
-    condition=lambda node: f"{node.value('backend')} != 'megatron'",
+    condition=lambda node: (
+        f"{node.value('backend')} != 'megatron' || !({node.value('gpuType')} in {cel_literal(node.emulated_gpus())})"
+    ),
+    values=lambda node: {"gpu_type": node.value("gpuType")},
+    unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name, EXPERT_PARALLELISM_DIVIDES.name),
+)
+
+MEGATRON_NO_CONTEXT_PARALLEL = Rule(
+    "megatron-backend-without-context-parallelism",
+    (TRAINER,),
+    "parallelism",
+    "the megatron backend does not support context parallelism yet: cp must be 1",
+    "FieldValueInvalid",
+    condition=lambda node: f"{node.value('backend')} != 'megatron' || {node.nested_value('parallelism', 'cp')} == 1",
     unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name, EXPERT_PARALLELISM_DIVIDES.name),
 )
 
@@ -632,7 +644,8 @@ RULES: tuple[Rule, ...] = (
     TRAINER_NEEDS_GPUS,
     PARALLELISM_DIVIDES,
     EXPERT_PARALLELISM_DIVIDES,
-    MEGATRON_NOT_BUILT,
+    MEGATRON_NEEDS_GPUS,
+    MEGATRON_NO_CONTEXT_PARALLEL,
     TORCH_IS_DATA_PARALLEL,
     BETAS,
     TOP_K,

@@ -12,8 +12,10 @@ model_dir=$(mktemp -d)
 model_dir=$model_dir/model
 "$python" scripts/gpu/trainer_check.py "$model_dir"
 
-# The Megatron-core checks (tests/trainer/test_megatron.py): on a GPU the CUDA-only one runs too
-# (GPTModel.forward against the Hugging Face logits, and a backward). MIXRL_WHEELS: a directory of
+# The Megatron-core checks (tests/trainer/test_megatron.py): on a GPU the CUDA-only ones run too
+# (GPTModel.forward against the Hugging Face logits, and a backward; two steps of the megatron
+# backend against the torch backend's BF16 steps, with tp 1, tp 2 and pp 2 as the GPUs allow, and
+# its checkpoint reloaded). MIXRL_WHEELS: a directory of
 # wheels (megatron-core, pytest and its plugins) for a machine without a package index.
 if ! "$python" -c "import megatron.core, pytest, pytest_timeout, pytest_asyncio" 2>/dev/null; then
   "$python" -m pip install --quiet ${MIXRL_WHEELS:+--no-index --find-links "$MIXRL_WHEELS"} \

@@ -176,10 +176,15 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         "spec.trainer.parallelism.ep: tp x pp x ep (4 x 1 x 16) must divide the trainer's world size 32"
         " (nodes x gpusPerNode)",
     ),
-    "megatron-backend": (
-        at("spec", "trainer", "backend", value="megatron"),
-        "spec.trainer.backend: backend megatron is not implemented yet: use backend torch (FSDP2 data"
-        " parallelism over nodes x gpusPerNode processes); docs/api.md says what each backend does",
+    "megatron-backend-on-cpu": (
+        lambda doc: doc["spec"]["trainer"].update(backend="megatron", gpuType="cpu"),
+        "spec.trainer.backend: backend megatron trains on CUDA GPUs only (megatron-core); gpuType cpu"
+        " needs backend torch",
+    ),
+    "megatron-backend-with-context-parallelism": (
+        lambda doc: doc["spec"]["trainer"].update(backend="megatron", parallelism={"cp": 2}),
+        "spec.trainer.parallelism: the megatron backend does not support context parallelism yet: cp"
+        " must be 1",
     ),
     "tensor-parallel-on-the-torch-backend": (
         at("spec", "trainer", "parallelism", "tp", value=2),

@@ -415,11 +415,17 @@ CASES: dict[str, Case] = {
         "spec.trainer.parallelism: tp x pp x cp (2147483647 x 2147483647 x 2147483647) must divide the"
         " trainer's world size 32 (nodes x gpusPerNode)",
     ),
-    "megatron-backend": Case(
-        "megatron-backend-not-built",
-        _set("spec", "trainer", "backend", value="megatron"),
-        "spec.trainer.backend: backend megatron is not implemented yet: use backend torch (FSDP2 data"
-        " parallelism over nodes x gpusPerNode processes); docs/api.md says what each backend does",
+    "megatron-backend-on-cpu": Case(
+        "megatron-backend-needs-gpus",
+        lambda doc: doc["spec"]["trainer"].update(backend="megatron", gpuType="cpu"),
+        "spec.trainer.backend: backend megatron trains on CUDA GPUs only (megatron-core); gpuType cpu"
+        " needs backend torch",
+    ),
+    "megatron-backend-with-context-parallelism": Case(
+        "megatron-backend-without-context-parallelism",
+        lambda doc: doc["spec"]["trainer"].update(backend="megatron", parallelism={"cp": 2}),
+        "spec.trainer.parallelism: the megatron backend does not support context parallelism yet: cp"
+        " must be 1",
     ),
     "tensor-parallel-on-the-torch-backend": Case(  # 2 divides 32: only the backend refuses it
         "torch-backend-is-data-parallel",

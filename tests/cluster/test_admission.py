@@ -142,7 +142,20 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.EXPERT_PARALLELISM_DIVIDES.name,
         at("spec", "trainer", "parallelism", value={"tp": 4, "ep": 16}),
     ),
-    "megatron-backend": (rules.MEGATRON_NOT_BUILT.name, at("spec", "trainer", "backend", value="megatron")),
+    "megatron-backend-on-cpu": (
+        rules.MEGATRON_NEEDS_GPUS.name,
+        at(
+            "spec", "trainer", value={**example()["spec"]["trainer"], "backend": "megatron", "gpuType": "cpu"}
+        ),
+    ),
+    "megatron-backend-with-context-parallelism": (
+        rules.MEGATRON_NO_CONTEXT_PARALLEL.name,
+        at(
+            "spec",
+            "trainer",
+            value={**example()["spec"]["trainer"], "backend": "megatron", "parallelism": {"cp": 2}},
+        ),
+    ),
     "tensor-parallel-on-the-torch-backend": (
         rules.TORCH_IS_DATA_PARALLEL.name,
         at("spec", "trainer", "parallelism", "tp", value=2),
