@@ -9,7 +9,9 @@ Three separable steps, so each is tested on its own:
    memory → a :class:`PoolPlan`: the replica count to write (or none), the status patch
    (``lastScaleDecisions``, the MetricsAvailable and WrongGpuType conditions) and the event.
 3. ``PoolApi`` (same module as 1) — the writes: ``PATCH …/samplerpools/NAME/scale``,
-   ``PATCH …/status``, ``POST …/events``, through the operator's RBAC-checked API client.
+   ``PATCH …/status``, ``POST …/events``, and for ``objective: trainer`` the run's
+   ``PATCH …/rlruns/NAME/status`` (``recommendedConcurrency``, :func:`concurrency_status`), through
+   the operator's RBAC-checked API client.
 
 No kopf here.  The kopf layer (:func:`mixrl.operator.controller.handlers.register_autoscaling`)
 feeds :class:`AutoscalingLoop` the latest RLRuns and SamplerPools from its watch events, starts it
