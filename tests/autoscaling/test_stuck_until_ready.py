@@ -126,3 +126,20 @@ def test_the_fleet_does_not_move_back_to_the_lost_pool_after_the_block() -> None
         targets.append(plan_fleet(pools, signals, config, memory).targets)
     assert all(t["b200"] == 1 for t in targets), targets
     assert targets[-1]["h200"] == 8  # the short supply goes to the pool that has nodes
+
+
+def test_one_probe_per_pending_timeout() -> None:
+    """A probe the plan stops wanting goes before it times out; the next may come only a pending
+    timeout after the last one was seen Pending, not at the next poll."""
+    state = PolicyState()
+    for now in range(0, 22, 2):
+        state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 6, 3, starting=3), float(now), CONFIG)
+    assert stuck == 3  # released at 20 s
+    state, _, ceiling = fleet_pending(state, PoolLoad(None, 3, 3), 42.0, CONFIG)  # block over
+    assert ceiling == 4  # the first probe may go (the release was seen 22 s ago)
+    state, _, ceiling = fleet_pending(state, PoolLoad(None, 4, 3, starting=1), 44.0, CONFIG)
+    assert ceiling == 4
+    state, _, ceiling = fleet_pending(state, PoolLoad(None, 3, 3), 46.0, CONFIG)  # the plan cut it
+    assert ceiling == 3  # not straight back
+    state, _, ceiling = fleet_pending(state, PoolLoad(None, 3, 3), 64.0, CONFIG)
+    assert ceiling == 4  # 20 s after the probe was seen Pending

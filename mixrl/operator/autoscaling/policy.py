@@ -233,6 +233,9 @@ class PolicyState:
     released_at: int | None = None
     """Fleet-planned pools (:func:`fleet_pending`): the ready count when a pending timeout last
     released replicas; None once the ready count rose above it (:func:`stuck_until_ready`)."""
+    probed_at: float | None = None
+    """On probation: when a replica beyond the ready ones was last seen Pending (one probe per
+    ``pending_timeout_s``)."""
 
     @classmethod
     def seeded(cls, now: float, replicas: int) -> PolicyState:
@@ -314,10 +317,24 @@ def fleet_pending(
         # run 7 went 4 -> 14 -> 4 b200 replicas, h200 8 -> 1 -> 8, in 20 minutes).  One replica is
         # the probe: a pool with none pending may ask for one more (it counts as stuck, not as
         # supply, from the next poll); the ones ``minReplicas`` keeps Pending are probes already.
-        probe = load.replicas if load.replicas > load.ready else load.replicas + 1
+        # At most one probe per pending timeout: one the plan stops wanting goes before it times
+        # out, and must not come straight back.
+        probed_at = state.probed_at
+        if load.replicas > load.ready:
+            probed_at = now if probed_at is None else probed_at
+            probe = load.replicas
+        elif (
+            probed_at is None
+            or config.pending_timeout_s is None
+            or now - probed_at >= config.pending_timeout_s
+        ):
+            probed_at, probe = None, load.replicas + 1
+        else:
+            probe = load.replicas
         cap = max(config.min_replicas, probe)
         ceiling = cap if ceiling is None else min(ceiling, cap)
-    return replace(state, released_at=released_at), stuck, ceiling
+        return replace(state, released_at=released_at, probed_at=probed_at), stuck, ceiling
+    return replace(state, released_at=None, probed_at=None), stuck, ceiling
 
 
 def stabilized_floor(state: PolicyState, current: int, now: float, window_s: float) -> int:
