@@ -1,9 +1,11 @@
 """One rank of a data-parallel trainer, started by torchrun from test_fsdp.py and test_checkpoint.py.
 
 Arguments: MODEL_DIR GROUPS_JSON OUT_DIR STEPS, then optionally ``--load CHECKPOINT`` (resume from it
-first), ``--save RUN_DIR`` (a sharded checkpoint there after the last step, or every
-``--save-every`` steps) and ``--kill-in-save STEP`` (rank 0 SIGKILLs itself inside the save of that
-step, once DCP has written every shard and the metadata: a crash mid-save).  The compute dtype is
+first), ``--resume RUN_DIR`` (from its newest checkpoint, as the trainer does), ``--save RUN_DIR``
+(a sharded checkpoint there after the last step, or every ``--save-every`` steps),
+``--kill-in-save STEP`` (rank 0 SIGKILLs itself inside the save of that step, once DCP has written
+every shard and the metadata: a crash mid-save) and ``--dir-per-rank`` (each rank's run directory
+is ``RUN_DIR/rank<r>``, as on nodes that do not share a volume).  The compute dtype is
 ``$COMPUTE_DTYPE`` (``float32`` unless set, as on CPUs; ``bfloat16`` as on GPUs).  Runs STEPS policy
 steps on the same batch and writes what rank 0 sees: the step results (every rank's, to compare),
 the published weights and the whole AdamW state, gathered.
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.models import load_model
-from mixrl.rl.trainer import distributed
+from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
 
@@ -66,6 +68,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--save", default="")
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--kill-in-save", type=int, default=0)
+    parser.add_argument("--resume", default="")
+    parser.add_argument("--dir-per-rank", action="store_true")
     args = parser.parse_args(argv)
     ranks = distributed.Ranks.from_env()
     distributed.init_process_group(ranks, torch.device("cpu"))
@@ -79,6 +83,9 @@ def main(argv: list[str]) -> None:
         compute_dtype=compute_dtype,
         ranks=ranks,
     )
+    mine = f"rank{ranks.rank}" if args.dir_per_rank else ""
+    if args.resume and (found := checkpoint.latest_on_every_rank(Path(args.resume, mine))):
+        args.load = str(found)
     step = trainer.load_checkpoint(Path(args.load)) if args.load else 0
     saving = [0]
     if args.kill_in_save and ranks.is_main:
@@ -94,7 +101,7 @@ def main(argv: list[str]) -> None:
         last = index == args.steps - 1
         if args.save and (last or (args.save_every and step % args.save_every == 0)):
             saving[0] = step
-            trainer.save_checkpoint(Path(args.save), step=step)
+            trainer.save_checkpoint(Path(args.save, mine), step=step)
     weights = trainer.state_dict_for_publication(torch.float32)
     optimizer = optimizer_tensors(trainer)
     out = Path(args.out_dir)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from mixrl.api.trajectory import Trajectory
+from mixrl.rl.models import create_tiny_checkpoint
 from mixrl.rl.trainer import checkpoint
 from mixrl.rl.trainer.batch import PolicyBatch, collate
 from mixrl.rl.trainer.checkpoint import CheckpointError
@@ -143,6 +145,26 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(
     assert sorted(path.name for path in run.iterdir()) == ["checkpoint-2"]  # the leftovers removed
 
 
+def test_ranks_that_do_not_share_the_run_directory_are_told_so(
+    tmp_path: Path, tiny_model_dir: Path, groups_json: Path
+) -> None:
+    """Each rank on its own directory (nodes with a volume each): a save is refused before its
+    commit, and so is a resume where the ranks find different checkpoints."""
+    run = tmp_path / "run"
+    (run / "rank1").mkdir(parents=True)
+    trainer = reference_trainer(tiny_model_dir)
+    trainer.step(batch_of(groups_json))
+    trainer.save_checkpoint(run / "rank0", step=1)  # rank 0 sees a checkpoint, rank 1 none
+    args = (tiny_model_dir, groups_json, tmp_path, 1, "--dir-per-rank")
+    resumed = torchrun(2, *args, "--resume", run, cwd=tmp_path, check=False)
+    assert resumed.returncode != 0
+    assert "the trainer's ranks see different checkpoints" in resumed.stdout + resumed.stderr
+    saved = torchrun(2, *args, "--save", tmp_path / "other", cwd=tmp_path, check=False)
+    assert saved.returncode != 0
+    assert "rank 0 does not see __1_0.distcp that other ranks wrote" in saved.stdout + saved.stderr
+    assert checkpoint.latest(tmp_path / "other" / "rank0") is None  # nothing committed
+
+
 class RunsCode:
     """A pickle that runs ``touch MARKER`` when unpickled (what a hostile run volume could hold)."""
 
@@ -208,6 +230,19 @@ def test_metadata_naming_files_outside_the_checkpoint_is_refused(
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CheckpointError, match=r"'\.\./\.\./elsewhere\.distcp' is not a shard file"):
         trainer.load_checkpoint(path)
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(
+    tmp_path: Path, tiny_model_dir: Path, groups_json: Path
+) -> None:
+    other = create_tiny_checkpoint(tmp_path / "wider", "qwen3", vocab_size=64, seed=3)
+    path = reference_trainer(Path(other)).save_checkpoint(tmp_path / "run", step=1)
+    with pytest.raises(CheckpointError) as refused:
+        reference_trainer(tiny_model_dir).load_checkpoint(path)
+    assert "\n" not in str(refused.value)
+    assert re.search(
+        r"checkpoint-1: not loaded: rank 0: ValueError: Size mismatch .*embed_tokens", str(refused.value)
+    )
 
 
 def test_a_single_file_checkpoint_from_before_dcp_still_loads_and_is_replaced(

@@ -118,9 +118,15 @@ def save(run_dir: Path, step: int, state: dict[str, Any], *, is_main: bool) -> P
             shutil.rmtree(leftover)
         pending.mkdir(parents=True)
     distributed.barrier()  # no rank writes before the directory is there and empty
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: meant
-        written = dcp.save(state, storage_writer=FileSystemWriter(pending, thread_count=1, sync_files=True))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: meant
+            writer = FileSystemWriter(pending, thread_count=1, sync_files=True)
+            written = dcp.save(state, storage_writer=writer)
+    except CheckpointException as exc:  # a failed write on any rank fails every rank
+        raise CheckpointError(
+            f"{pending}: not written, the previous checkpoint stays: {_reason(exc)}"
+        ) from None
     problem = _unwritten(pending, written) if is_main else ""
     if distributed.agree_on_count(int(bool(problem))):  # every rank fails, the previous checkpoint stays
         raise CheckpointError(problem or f"{pending}: not committed: rank 0 found it incomplete")
@@ -131,11 +137,10 @@ def save(run_dir: Path, step: int, state: dict[str, Any], *, is_main: bool) -> P
             shutil.rmtree(final)
         pending.rename(final)  # the commit: one rename, of a directory whose files are all synced
         _sync(run_dir)
-        for older in [*run_dir.glob(f"{PREFIX}*"), run_dir / LEGACY]:
-            if older != final and older.is_dir():
+        for older in run_dir.glob(f"{PREFIX}*"):
+            if older != final:
                 shutil.rmtree(older)
-            elif older.is_file():
-                older.unlink()
+        (run_dir / LEGACY).unlink(missing_ok=True)
     distributed.barrier()  # the others go on once the step's checkpoint is in place
     return final
 
@@ -177,13 +182,15 @@ def load(path: Path, state: dict[str, Any]) -> None:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner())
     except CheckpointException as exc:  # what DCP makes of a failure on any rank
-        reasons = [failure[0] for failure in exc.failures.values()]
-        ours = next((r for r in reasons if isinstance(r, CheckpointError)), None)
-        raise CheckpointError(str(ours) if ours else f"{path}: {reasons[0]}") from None
-    except (RuntimeError, KeyError, ValueError, AssertionError) as exc:
-        if isinstance(exc, CheckpointError):
-            raise
-        raise CheckpointError(f"{path}: does not fit this trainer's model and optimizer: {exc}") from None
+        ours = [f[0] for f in exc.failures.values() if isinstance(f[0], CheckpointError)]
+        raise CheckpointError(str(ours[0]) if ours else f"{path}: not loaded: {_reason(exc)}") from None
+
+
+def _reason(exc: CheckpointException) -> str:
+    """DCP's exception (every failing rank's traceback) as one line: the first rank's error."""
+    rank, (error, _) = min(exc.failures.items(), key=lambda item: item[0])
+    lines = str(error).strip().splitlines() or [""]
+    return f"rank {rank}: {type(error).__name__}: {lines[0]}"
 
 
 def _allowed_globals() -> frozenset[tuple[str, str]]:
