@@ -42,8 +42,7 @@ def main(argv: list[str]) -> None:
         result = trainer.step(collate(groups, trainer_version=0))
         results.append({"loss": result.loss, "grad_norm": result.grad_norm, "metrics": result.metrics})
     weights = trainer.state_dict_for_publication(torch.float32)
-    trainer.save_checkpoint(out / "checkpoint", steps)
-    step = trainer.load_checkpoint(out / "checkpoint")
+    step = trainer.load_checkpoint(trainer.save_checkpoint(out, steps))
     reloaded = trainer.state_dict_for_publication(torch.float32)
     if ranks.is_main:
         (out / "results.json").write_text(json.dumps({"steps": results, "loaded_step": step}))

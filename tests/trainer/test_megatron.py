@@ -310,3 +310,28 @@ def test_megatron_trainer_makes_the_torch_backends_update_on_cuda(
     assert got["loaded_step"] == 2
     reloaded = load_file(str(tmp_path / "reloaded.safetensors"))
     assert all(torch.equal(reloaded[name], weights[name]) for name in weights)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_the_megatron_trainer_refuses_a_machine_without_cuda_in_one_line(tmp_path: Path) -> None:
+    import yaml
+
+    from mixrl.api.loader import parse_document
+    from mixrl.api.resolve import resolve
+
+    doc = yaml.safe_load((Path(__file__).parents[2] / "examples" / "rlrun-mixed.yaml").read_text())
+    doc["spec"]["trainer"]["backend"] = "megatron"
+    config = tmp_path / "resolved.json"
+    config.write_text(resolve(parse_document(doc)).model_dump_json())
+    token = tmp_path / "token"
+    token.write_text("t" * 40)
+    token.chmod(0o600)
+    command = [sys.executable, "-m", "mixrl.cli", "trainer", "--config", str(config), "--buffer",
+               "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run"), "--auth-token-file", str(token)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("mixrl trainer: spec.trainer.backend: megatron trains on")
+    )

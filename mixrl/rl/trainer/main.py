@@ -55,6 +55,7 @@ from mixrl.rl.health.routing import mismatch_report
 from mixrl.rl.models import load_model
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
+from mixrl.rl.trainer.megatron_backend import BackendUnavailable, MegatronPolicyTrainer
 from mixrl.rl.trainer.telemetry import TrainerTelemetry
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
 from mixrl.rl.weights import WeightStore
@@ -141,20 +142,30 @@ class TrainerLoop:
             log.info("rank %d of %d (FSDP2 over %s)", self.ranks.rank, self.ranks.world_size, backend)
         log.info("computing on %s in %s (FP32 master weights and reductions)", device, compute_dtype)
         torch.manual_seed(0)
-        self.trainer = TorchPolicyTrainer(
-            load_model(model_path),
-            correction_config(run),
-            lr=spec.optimizer.lr,
-            betas=spec.optimizer.betas,
-            weight_decay=spec.optimizer.weight_decay,
-            grad_clip=spec.optimizer.grad_clip,
-            temperature=run.trainer.temperature,
-            micro_batch_tokens=spec.micro_batch_tokens,
-            compute_dtype=compute_dtype,
-            device=device,
-            ranks=self.ranks,
-        )
-        self.model_config = self.trainer.model.config.to_dict()
+        optimizer = {
+            "lr": spec.optimizer.lr,
+            "betas": spec.optimizer.betas,
+            "weight_decay": spec.optimizer.weight_decay,
+            "grad_clip": spec.optimizer.grad_clip,
+            "temperature": run.trainer.temperature,
+            "micro_batch_tokens": spec.micro_batch_tokens,
+        }
+        self.trainer: TorchPolicyTrainer | MegatronPolicyTrainer
+        if spec.backend == "megatron":  # imports megatron-core (the megatron trainer image has it)
+            self.trainer = MegatronPolicyTrainer(
+                model_path, correction_config(run), spec.parallelism, **optimizer
+            )
+            self.model_config = self.trainer.model_config
+        else:
+            self.trainer = TorchPolicyTrainer(
+                load_model(model_path),
+                correction_config(run),
+                **optimizer,
+                compute_dtype=compute_dtype,
+                device=device,
+                ranks=self.ranks,
+            )
+            self.model_config = self.trainer.model.config.to_dict()
         self.step = 0
         self.stopping = asyncio.Event()
 
@@ -356,15 +367,19 @@ def main(argv: list[str]) -> int:
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     telemetry = TrainerTelemetry(run, port=args.metrics_port) if args.metrics_port else None
-    loop = TrainerLoop(
-        run,
-        buffer_url=args.buffer,
-        router_url=args.router,
-        run_dir=run_dir,
-        model_path=args.model_path or run.model.path,
-        telemetry=telemetry,
-        auth_token=auth_token,
-    )
+    try:
+        loop = TrainerLoop(
+            run,
+            buffer_url=args.buffer,
+            router_url=args.router,
+            run_dir=run_dir,
+            model_path=args.model_path or run.model.path,
+            telemetry=telemetry,
+            auth_token=auth_token,
+        )
+    except BackendUnavailable as exc:
+        print(f"mixrl trainer: {exc}", file=sys.stderr)
+        return 2
     try:
         loop.resume()
     except checkpoint.CheckpointError as exc:

@@ -13,7 +13,7 @@ summed over the data-parallel ranks, so the update is the torch backend's token 
 
 CUDA only.  megatron-core 0.16 runs ``GPTModel.forward``, its DDP buffers and its pipeline
 schedules on the current CUDA device; on a CPU the construction fails with one line
-(:data:`NEEDS_CUDA`).  What runs without a GPU is tested on the CPU (tests/trainer/test_megatron.py:
+(:data:`NEEDS_CUDA`, :class:`BackendUnavailable`).  What runs without a GPU is tested on the CPU (tests/trainer/test_megatron.py:
 the weights' conversion for every kind of parallelism, Megatron's modules against the Hugging Face
 layers, the objective on vocabulary shards); this class itself is run by
 ``scripts/gpu/trainer-check.sh`` and by the CUDA-only test of tests/trainer/test_megatron.py.
@@ -24,6 +24,7 @@ Not supported yet, and refused by validation: context parallelism (cp > 1).
 from __future__ import annotations
 
 import functools
+import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from mixrl.api.models import Parallelism
 from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
 from mixrl.rl.models import load_model
-from mixrl.rl.trainer import distributed
+from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import PolicyBatch
 from mixrl.rl.trainer.megatron_convert import (
     check_supported,
@@ -66,6 +67,10 @@ NEEDS_CUDA = (
     "spec.trainer.backend: megatron trains on CUDA GPUs only (megatron-core 0.16 runs GPTModel.forward, "
     "its DDP buffers and its pipeline schedules on the current CUDA device); use backend torch here"
 )
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run on this machine (one line: why, and what to use instead)."""
 
 
 def _megatron() -> dict[str, Any]:
@@ -116,9 +121,12 @@ class MegatronPolicyTrainer:
         seed: int = 0,
     ) -> None:
         if not torch.cuda.is_available():
-            raise RuntimeError(NEEDS_CUDA)
+            raise BackendUnavailable(NEEDS_CUDA)
         if parallelism.cp != 1:
             raise ValueError("spec.trainer.parallelism.cp: context parallelism is not supported yet")
+        if not dist.is_initialized():  # one process, started without torchrun: a group of one
+            torch.cuda.set_device(0)
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
         mc = _megatron()
         self.mc = mc
         self.mpu = mpu = mc["mpu"]
@@ -339,16 +347,39 @@ class MegatronPolicyTrainer:
         model = self.model.module.sharded_state_dict()
         return {"model": model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
 
-    def save_checkpoint(self, directory: Path, step: int) -> None:
+    def save_checkpoint(self, run_dir: Path, step: int) -> Path:
         """Megatron's distributed checkpoint of the model and the distributed optimizer (each rank
-        writes its shards; loadable on another parallel layout) into ``directory``."""
-        directory.mkdir(parents=True, exist_ok=True)
-        self.mc["dist_checkpointing"].save({**self._sharded_state(), "step": step}, str(directory))
+        writes its shards; loadable on another parallel layout), named and committed as the torch
+        backend's (:mod:`mixrl.rl.trainer.checkpoint`): written into ``checkpoint.tmp-<step>/``,
+        renamed to ``checkpoint-<step>/`` by rank 0 once complete, older checkpoints removed."""
+        final, pending = run_dir / f"{checkpoint.PREFIX}{step}", run_dir / f"{checkpoint.PENDING}{step}"
+        main = dist.get_rank() == 0
+        if main:
+            for leftover in run_dir.glob(f"{checkpoint.PENDING}*"):
+                shutil.rmtree(leftover)
+            pending.mkdir(parents=True)
+        distributed.barrier()
+        self.mc["dist_checkpointing"].save({**self._sharded_state(), "step": step}, str(pending))
+        distributed.barrier()
+        if main:
+            if final.exists():
+                shutil.rmtree(final)
+            pending.rename(final)
+            for older in run_dir.glob(f"{checkpoint.PREFIX}*"):
+                if older != final:
+                    shutil.rmtree(older)
+        distributed.barrier()
+        return final
 
-    def load_checkpoint(self, directory: Path) -> int:
-        loaded = self.mc["dist_checkpointing"].load(
-            {**self._sharded_state(loading=True), "step": 0}, str(directory)
-        )
+    def load_checkpoint(self, path: Path) -> int:
+        """Load a checkpoint of this backend, written on any parallel layout; returns its step.
+        Megatron's loader reads DCP's ``.metadata`` with ``pickle`` (the torch backend's restricted
+        reader does not cover Megatron's strategies yet): load only checkpoints of this run."""
+        state = {**self._sharded_state(loading=True), "step": -1}
+        loaded = self.mc["dist_checkpointing"].load(state, str(path))
         self.model.module.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
-        return int(loaded["step"])
+        step = loaded["step"]
+        if not isinstance(step, int) or step != checkpoint.step_of(path):
+            raise checkpoint.CheckpointError(f"{path}: holds step {step!r}, not the one its name gives")
+        return step
