@@ -215,3 +215,13 @@ def test_another_pool_growing_does_not_move_sessions_that_have_a_replica() -> No
         state.set_ready("b", url, True)  # a holds 2 × its share now, but lost nothing
     assert all(state.route(sid, now=1).pool == "a" for sid in sessions)
     assert state.pools["a"].sessions_rebalanced_out == 0
+
+
+def test_a_lower_capacity_is_no_loss_of_replicas() -> None:
+    state = state_with({"a": 2, "b": 2})
+    sessions = spread(state, 40)
+    state.set_capacity("a", 0.25)  # a's share falls to 1/5: it holds 2.5 × that, but lost no replica
+    assert all(not state.route(sid, now=1).moved for sid in sessions)
+    state.mark_down("a", "http://a0:1")  # now it has lost one: its sessions leave, then some
+    moved = [state.route(sid, now=2) for sid in sessions]
+    assert state.pools["a"].sessions_rebalanced_out == sum(r.moved and r.pool == "b" for r in moved) > 0

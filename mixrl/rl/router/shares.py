@@ -137,7 +137,7 @@ class PeakThroughput:
 # ----------------------------------------------------------------------------- rebalancing
 
 REBALANCE_START = 1.5
-"""A pool that lost ready capacity sheds sessions once it holds this many times its share of them."""
+"""A pool that lost ready replicas sheds sessions once it holds this many times its share of them."""
 REBALANCE_STOP = 1.1
 """...and keeps shedding until it holds at most this many times its share (the hysteresis)."""
 REBALANCE_MIN_EXCESS = 2
@@ -148,7 +148,7 @@ def keeps_draining(draining: bool, held: int, fair: float, lost_capacity: bool) 
     """Whether a pool sheds its sessions now (moves them to other pools at their next request).
 
     ``held``: its live sessions; ``fair``: its target share × all live sessions; ``lost_capacity``:
-    its ready capacity fell since it last held no more than its share.  It starts only after a loss
+    its ready replicas fell since it last held no more than its share.  It starts only after a loss
     (another pool's growth alone never moves sessions that have a working replica and its prefix
     cache: new sessions follow the shares) and only at :data:`REBALANCE_START` × its share; it stops
     at :data:`REBALANCE_STOP` ×, so sessions moved out do not make it swing back and forth."""

@@ -29,7 +29,6 @@ from mixrl.rl.router.shares import (
     PeakThroughput,
     PoolCapacity,
     ShareScheduler,
-    capacity_per_replica,
     keeps_draining,
     rebalance_destination,
     target_shares,
@@ -74,11 +73,12 @@ class Pool:
     a ready replica)."""
     draining: bool = False
     """Shedding sessions now (:func:`~mixrl.rl.router.shares.keeps_draining`)."""
-    ready_capacity: float = 0.0
-    """Capacity per replica × ready replicas, as of the last share refresh."""
-    balanced_capacity: float = 0.0
-    """Its ready capacity when it last held no more than its share of the sessions (raised with
-    every rise): below it, the pool has lost capacity since."""
+    ready_count: int = 0
+    """Ready replicas, as of the last share refresh."""
+    balanced_count: int = 0
+    """Its ready replicas when it last held no more than its share of the sessions (raised with
+    every rise): below it, the pool has lost replicas since.  Counted in replicas, not capacity: a
+    measured capacity's wobble, or a capacity set lower, is no loss of nodes."""
     replica_failures: int = 0
     """Times a replica of this pool was found unreachable by a request."""
     requests: int = 0
@@ -217,10 +217,9 @@ class RouterState:
 
     def refresh_shares(self) -> None:
         capacities = self.capacities()
-        per_replica = capacity_per_replica(capacities)
         for name, pool in self.pools.items():
-            pool.ready_capacity = per_replica[name] * capacities[name].ready_replicas
-            pool.balanced_capacity = max(pool.balanced_capacity, pool.ready_capacity)
+            pool.ready_count = capacities[name].ready_replicas
+            pool.balanced_count = max(pool.balanced_count, pool.ready_count)
         shares = target_shares(capacities)
         if self.health:  # mismatch-aware routing: capacity × health (mixrl.rl.health.routing)
             shares = health_weighted_shares(shares, self.health)
@@ -292,11 +291,11 @@ class RouterState:
         share = self.scheduler.shares.get(pool.name, 0.0)
         fair = share * total
         held = self.held[pool.name]
-        lost = pool.ready_capacity < pool.balanced_capacity - 1e-9
+        lost = pool.ready_count < pool.balanced_count
         pool.draining = keeps_draining(pool.draining, held, fair, lost)
         if not pool.draining:
             if held <= fair + 1e-9:  # at or below its share: what it has now is the new normal
-                pool.balanced_capacity = pool.ready_capacity
+                pool.balanced_count = pool.ready_count
             return None
         if live:
             bound = sum(r.sessions for r in pool.ready_replicas())
