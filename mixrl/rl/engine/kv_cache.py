@@ -115,7 +115,8 @@ class EngineKVLayer(DynamicLayer):
 
 def _grown(buffer: Tensor, filled: int, room: int) -> Tensor:
     """A copy of ``buffer``'s first ``filled`` columns with room for ``room`` columns in all."""
-    grown = torch.zeros(*buffer.shape[:-2], room, buffer.shape[-1], dtype=buffer.dtype)
+    # empty, not zeros: the room beyond ``filled`` is always written before anything reads it
+    grown = torch.empty(*buffer.shape[:-2], room, buffer.shape[-1], dtype=buffer.dtype)
     grown[..., :filled, :] = buffer[..., :filled, :]
     return grown
 
@@ -363,9 +364,13 @@ def prefilled_batch(
     template = next(kv for n, kv in prefixes if n)
     for i, layer in enumerate(cache.layers):
         k0, v0 = template[i]
-        keys = torch.zeros(len(prefixes), k0.shape[0], columns, k0.shape[2], dtype=k0.dtype)
-        values = torch.zeros(len(prefixes), v0.shape[0], columns, v0.shape[2], dtype=v0.dtype)
+        # Only the first ``width`` columns are read before being written: the padding among them
+        # is zeroed, the prefixes copied, and the room after them left as allocated.
+        keys = torch.empty(len(prefixes), k0.shape[0], columns, k0.shape[2], dtype=k0.dtype)
+        values = torch.empty(len(prefixes), v0.shape[0], columns, v0.shape[2], dtype=v0.dtype)
         for row, (n, kv) in enumerate(prefixes):
+            keys[row, :, : width - n] = 0.0
+            values[row, :, : width - n] = 0.0
             if n:
                 keys[row, :, width - n : width] = kv[i][0]
                 values[row, :, width - n : width] = kv[i][1]

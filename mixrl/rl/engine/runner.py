@@ -22,6 +22,9 @@ and values are tagged with the weights that computed them: setting ``weight_vers
 under older weights is not cached when it finishes, so keys and values of one version are never
 reused under another.
 
+The runner switches its model to the engine's attention (:mod:`mixrl.rl.engine.attention`:
+transformers' SDPA, bit-identical, without copying the keys and values per query head).
+
 This module does no I/O and knows nothing of HTTP; the scheduler calls it from a worker thread.
 """
 
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from mixrl.api.trajectory import TokenRecord
+from mixrl.rl.engine.attention import use_engine_attention
 from mixrl.rl.engine.kv_cache import (
     BatchKV,
     LayerKV,
@@ -109,6 +113,7 @@ class ModelRunner:
         prefix_cache_tokens: int = 0,
     ) -> None:
         self.model = model
+        use_engine_attention(model)  # SDPA without a copy of the keys and values per query head
         self.weights_epoch = 0
         self.prefix_cache = (
             PrefixCache(prefix_cache_tokens) if use_kv_cache and prefix_cache_tokens > 0 else None

@@ -1,0 +1,88 @@
+"""The engine's attention (``mixrl_sdpa``): transformers' SDPA without the per-head copy, same bits.
+
+Real: the tiny transformers Qwen3 models (dense and MoE, grouped-query: 4 query heads on 2 key and
+value heads), the runner.  The reference is the same model on transformers' own ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers.integrations.sdpa_attention as hf_sdpa
+
+from mixrl.rl.engine.attention import ENGINE_ATTENTION, use_engine_attention
+from mixrl.rl.engine.runner import ModelRunner, Sequence
+from mixrl.rl.engine.sampling import RowSampling
+
+from .conftest import random_prompts, reference_model
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_logits_are_bit_identical_to_transformers_sdpa(kind: str, dense_path: str, moe_path: str) -> None:
+    path = dense_path if kind == "dense" else moe_path
+    plain, engine = reference_model(path), reference_model(path)
+    assert plain.config._attn_implementation == "sdpa" and plain.config.num_key_value_heads < (
+        plain.config.num_attention_heads
+    )
+    use_engine_attention(engine)
+    assert engine.config._attn_implementation == ENGINE_ATTENTION
+    ids = torch.randint(1, 200, (3, 24), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(3, 24, dtype=torch.bool)
+    mask[0, :9] = False  # left padding: the masked path
+    positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        for kwargs in (
+            {"attention_mask": mask, "position_ids": positions},
+            {"attention_mask": torch.ones(3, 24, dtype=torch.bool)},  # no padding: the causal path
+        ):
+            assert torch.equal(plain(input_ids=ids, **kwargs).logits, engine(input_ids=ids, **kwargs).logits)
+
+
+def test_a_prefill_on_a_cached_prefix_does_not_repeat_the_keys_and_values(
+    dense_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' ``repeat_kv`` copies the whole cache per layer before a masked prefill; the
+    engine's prefills (cached prefix or not) never call it, and decode steps never did."""
+    model = reference_model(dense_path)
+    runner = ModelRunner(
+        model,
+        weight_version=0,
+        context_length=512,
+        kv_scales=[None] * model.config.num_hidden_layers,
+        prefix_cache_tokens=10_000,
+    )
+    called: list[int] = []
+    original = hf_sdpa.repeat_kv
+
+    def counting(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
+        called.append(n_rep)
+        return original(hidden, n_rep)
+
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", counting)
+    prompts = random_prompts(3, seed=5, low=10, high=20)
+    first = [
+        Sequence(rid=str(i), prompt_ids=p, sampling=RowSampling(temperature=0.0), max_new_tokens=4)
+        for i, p in enumerate(prompts)
+    ]
+    runner.add(first)
+    while runner.running:
+        runner.step()
+    second = [
+        Sequence(
+            rid=f"b{i}",
+            prompt_ids=[*s.prompt_ids, *s.output_ids, 7, 8, 9],
+            sampling=RowSampling(temperature=0.0),
+            max_new_tokens=4,
+        )
+        for i, s in enumerate(first)
+    ]
+    runner.add(second)
+    while runner.running:
+        runner.step()
+    assert all(s.cached_tokens > 0 for s in second)
+    assert called == []
+    # the reference: transformers' own sdpa does copy (so the check above can fail)
+    plain = reference_model(dense_path)
+    with torch.inference_mode():
+        plain(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[False, True, True]]))
+    assert called
