@@ -52,16 +52,7 @@ from mixrl.rl.trainer.megatron_convert import (
     pipeline_unshard,
     transformer_config_kwargs,
 )
-from mixrl.rl.trainer.torch_backend import (
-    STALENESS_BINS,
-    StepResult,
-    metric_sums,
-    split_rows_by_tokens,
-    staleness_masks,
-    staleness_summary,
-    summarize,
-    summarize_per_pool,
-)
+from mixrl.rl.trainer.torch_backend import StepResult, split_rows_by_tokens, step_result
 
 NEEDS_CUDA = (
     "spec.trainer.backend: megatron trains on CUDA GPUs only (megatron-core 0.16 runs GPTModel.forward, "
@@ -282,36 +273,18 @@ class MegatronPolicyTrainer:
     ) -> StepResult:
         """The step's metrics, as the torch backend logs them.  Only the last pipeline stage computed
         them, and its tensor-parallel ranks all the same: rank 0 of each tensor-parallel group on the
-        last stage contributes, and one sum over every rank gives each the whole batch's figures."""
-        counts_here = self.mpu.is_pipeline_last_stage() and self.place[2] == 0
+        last stage contributes, and the sum over every rank gives each the whole batch's figures."""
+        mine = records if self.mpu.is_pipeline_last_stage() and self.place[2] == 0 else []
         per_token: dict[str, list[torch.Tensor]] = {}
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        pools_parts, lags_parts = [], []
-        for loss, metrics, pools, lags in records if counts_here else []:
-            loss_sum += loss
+        for _, metrics, _, _ in mine:
             for name, values in metrics.items():
                 per_token.setdefault(name, []).append(values)
-            pools_parts.append(pools)
-            lags_parts.append(lags)
-        pools = torch.cat(pools_parts) if pools_parts else torch.zeros(0, dtype=torch.long)
-        lags = torch.cat(lags_parts) if lags_parts else torch.zeros(0, dtype=torch.long)
-        names, sums, counts = metric_sums(per_token, pools, len(batch.pools))
-        parts = [loss_sum.view(1), sums, counts]
-        for mask in staleness_masks(lags).values():
-            parts += metric_sums(per_token, pools, len(batch.pools), mask=mask)[1:]
-        reduced = distributed.all_reduce_sum(torch.cat([part.flatten() for part in parts]))
-        chunks = reduced.split([part.numel() for part in parts])
-        _, sums, counts, *binned = (chunk.view(part.shape) for chunk, part in zip(chunks, parts, strict=True))
-        bins = {name: (binned[2 * i], binned[2 * i + 1]) for i, name in enumerate(STALENESS_BINS)}
-        total = max(batch.num_tokens, 1)
-        return StepResult(
-            loss=float(reduced[0]) / total,  # the token mean, as the torch backend reports it
-            grad_norm=grad_norm,
-            tokens=batch.num_tokens,
-            seconds=time.perf_counter() - start,
-            metrics=summarize(names, sums, counts, batch) | staleness_summary(names, bins),
-            per_pool=summarize_per_pool(names, sums, counts, batch, bins),
-        )
+        empty = torch.zeros(0, dtype=torch.long)
+        pools = torch.cat([r[2] for r in mine]) if mine else empty
+        lags = torch.cat([r[3] for r in mine]) if mine else empty
+        # Each loss is a sum over its tokens: this rank's part of the token mean.
+        loss = sum((r[0] for r in mine), torch.zeros((), dtype=torch.float64)) / max(batch.num_tokens, 1)
+        return step_result(batch, loss, per_token, pools, lags, grad_norm, start)
 
     # ------------------------------------------------------------------ weights out
     @property

@@ -9,7 +9,8 @@ where a BF16 step took 3.8× an FP32 one in bench/trainer.py) on ``device``, and
 BF16.  One process computes under ``torch.autocast``; with more than one rank (``torchrun``) the
 model is sharded with FSDP2, whose mixed-precision policy casts the gathered weights to
 ``compute_dtype`` and reduces gradients in FP32, each rank taking its share of the step's
-trajectories (:mod:`mixrl.rl.trainer.distributed`).
+trajectories (:mod:`mixrl.rl.trainer.distributed`).  Checkpoints are sharded: each rank saves and
+loads only the state it holds, on any number of ranks (:mod:`mixrl.rl.trainer.checkpoint`).
 """
 
 from __future__ import annotations
@@ -177,26 +178,8 @@ class TorchPolicyTrainer:
         grad_norm = self._clip_and_norm()
         self.optimizer.step()
         pools = torch.cat(pool_index) if pool_index else torch.zeros(0, dtype=torch.long)
-        # Mismatch by staleness: fresh tokens (staleness 0: sampled with the weights the trainer
-        # scores them with) measure the sampler's precision and kernels alone; the other bins add
-        # the drift of stale weights, which is the same for every pool.
         lags = torch.cat(staleness) if staleness else torch.zeros(0, dtype=torch.long)
-        names, sums, counts = metric_sums(per_token, pools, len(batch.pools))
-        parts = [loss_sum.view(1), sums, counts]
-        for mask in staleness_masks(lags).values():
-            parts += metric_sums(per_token, pools, len(batch.pools), mask=mask)[1:]
-        reduced = distributed.all_reduce_sum(torch.cat([part.flatten() for part in parts]))
-        chunks = reduced.split([part.numel() for part in parts])
-        _, sums, counts, *binned = (chunk.view(part.shape) for chunk, part in zip(chunks, parts, strict=True))
-        bins = {name: (binned[2 * i], binned[2 * i + 1]) for i, name in enumerate(STALENESS_BINS)}
-        return StepResult(
-            loss=float(reduced[0]),
-            grad_norm=grad_norm,
-            tokens=batch.num_tokens,
-            seconds=time.perf_counter() - start,
-            metrics=summarize(names, sums, counts, batch) | staleness_summary(names, bins),
-            per_pool=summarize_per_pool(names, sums, counts, batch, bins),
-        )
+        return step_result(batch, loss_sum, per_token, pools, lags, grad_norm, start)
 
     def _forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The trunk in the compute dtype: FSDP casts the weights itself; one process autocasts."""
@@ -300,6 +283,42 @@ replay it is low by the trainer's mass outside the sampler's nucleus."""
 def staleness_masks(lags: torch.Tensor) -> dict[str, torch.Tensor]:
     """One token mask per :data:`STALENESS_BINS` entry (the last takes every larger lag)."""
     return {"0": lags == 0, "1": lags == 1, "2": lags == 2, "3+": lags >= 3}
+
+
+def step_result(
+    batch: PolicyBatch,
+    loss_sum: torch.Tensor,
+    per_token: dict[str, list[torch.Tensor]],
+    pools: torch.Tensor,
+    lags: torch.Tensor,
+    grad_norm: float,
+    started: float,
+) -> StepResult:
+    """A step's result from this rank's share of it, summed over every rank (each backend calls
+    this on every rank; a rank that computed nothing gives empty tensors): ``loss_sum``, this rank's
+    part of the batch's token-mean loss; ``per_token``, its tokens' metrics; ``pools`` and ``lags``,
+    each token's pool index and staleness.
+
+    Mismatch is also reported by staleness: fresh tokens (staleness 0: sampled with the weights the
+    trainer scores them with) measure the sampler's precision and kernels alone; the other bins add
+    the drift of stale weights, which is the same for every pool.
+    """
+    names, sums, counts = metric_sums(per_token, pools, len(batch.pools))
+    parts = [loss_sum.view(1), sums, counts]
+    for mask in staleness_masks(lags).values():
+        parts += metric_sums(per_token, pools, len(batch.pools), mask=mask)[1:]
+    reduced = distributed.all_reduce_sum(torch.cat([part.flatten() for part in parts]))
+    chunks = reduced.split([part.numel() for part in parts])
+    _, sums, counts, *binned = (chunk.view(part.shape) for chunk, part in zip(chunks, parts, strict=True))
+    bins = {name: (binned[2 * i], binned[2 * i + 1]) for i, name in enumerate(STALENESS_BINS)}
+    return StepResult(
+        loss=float(reduced[0]),
+        grad_norm=grad_norm,
+        tokens=batch.num_tokens,
+        seconds=time.perf_counter() - started,
+        metrics=summarize(names, sums, counts, batch) | staleness_summary(names, bins),
+        per_pool=summarize_per_pool(names, sums, counts, batch, bins),
+    )
 
 
 def metric_sums(
