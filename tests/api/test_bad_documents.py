@@ -378,7 +378,8 @@ SPEC_MODELS = [
     m
     for m in vars(models).values()
     if isinstance(m, type) and issubclass(m, models.Model) and m is not models.Model
-    and not m.__name__.endswith(("Status", "Summary")) and m.__name__ not in {"Condition", "ScaleDecision"}
+    and not m.__name__.endswith(("Status", "Summary"))
+    and m.__name__ not in {"Condition", "ScaleDecision", "ConcurrencyRecommendation"}  # written by the operator
 ]  # fmt: skip
 
 
