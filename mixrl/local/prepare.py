@@ -29,7 +29,7 @@ from mixrl.rl.environments.filetree import Difficulty
 from mixrl.rl.environments.registry import load_environment
 from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.tokenizer import Tokenizer
-from mixrl.rl.weights import WeightStore
+from mixrl.rl.weights import WeightStore, tokenizer_files
 
 TINY_PREFIX = "tiny:"
 TOKENIZER_FILE = "tokenizer.json"
@@ -164,6 +164,7 @@ def prepare_model(run: ResolvedRun, cache: Path, run_dir: Path) -> PreparedModel
         state = {
             name: t.detach().to(torch.bfloat16).contiguous().clone() for name, t in model.state_dict().items()
         }
-        store.publish(0, state, {"source": str(model_dir)}, model.config.to_dict())
+        files = tokenizer_files(tokenizer_path)  # none for tiny: models (the word tokenizer is mixrl's)
+        store.publish(0, state, {"source": str(model_dir)}, model.config.to_dict(), files=files)
         latest = 0
     return PreparedModel(str(model_dir), tokenizer_path, latest, store.path(latest))

@@ -393,6 +393,28 @@ def _check_version(version: object) -> int:
     return version
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+"""The files of a Hugging Face tokenizer that a checkpoint directory may hold."""
+
+
+def tokenizer_files(directory: str | Path | None) -> dict[str, Path]:
+    """The Hugging Face tokenizer files in ``directory`` (none for a ``tiny:`` model, a missing
+    directory or one without a tokenizer): what each published version carries beside its weights."""
+    if directory is None or str(directory).startswith("tiny:"):
+        return {}
+    root = Path(str(directory).removeprefix("file://"))
+    return {name: root / name for name in TOKENIZER_FILES if (root / name).is_file()}
+
+
 class WeightStore:
     """Versioned checkpoints under ``url`` (see the module docstring for the layout)."""
 
@@ -420,11 +442,14 @@ class WeightStore:
         config: Mapping[str, Any] | None = None,
         *,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        files: Mapping[str, Path] | None = None,
     ) -> str:
         """Write ``state_dict`` (stored as given) as ``version``; visible only once complete.
 
         ``config`` (a transformers config dict) is stored as config.json, which makes the directory
         loadable with ``AutoModelForCausalLM.from_pretrained``. ``metadata`` (JSON) goes into the manifest.
+        ``files`` (name -> source, e.g. :func:`tokenizer_files`) are copied in beside the weights and
+        listed in the manifest like them, so ``AutoTokenizer.from_pretrained`` loads the version too.
         """
         name = version_dir_name(_check_version(version))
         if not isinstance(state_dict, Mapping) or not state_dict:
@@ -440,6 +465,14 @@ class WeightStore:
             _write_shards(tmp, state_dict, max_shard_bytes, f"publish v{version}")
             if config is not None:
                 _write_json(tmp / "config.json", dict(config))
+            for name, source in (files or {}).items():
+                if (
+                    Path(name).name != name
+                    or name in (MANIFEST, "config.json")
+                    or name.endswith(".safetensors")
+                ):
+                    raise ValueError(f"files: {name!r} is not a plain file name beside the weights")
+                shutil.copyfile(source, tmp / name)
             _write_manifest(tmp, _manifest(tmp, version, len(state_dict), metadata))
         log.info(
             "published weight version %d (%d tensors) at %s", version, len(state_dict), self.path(version)

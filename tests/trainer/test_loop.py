@@ -144,3 +144,41 @@ def test_a_fresh_run_publishes_the_base_weights_as_version_0_once(
     manifest = (Path(store.path(0)) / "manifest.json").read_bytes()
     resumed()  # already there: not published again
     assert store.versions() == [0] and (Path(store.path(0)) / "manifest.json").read_bytes() == manifest
+
+
+def save_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A real Hugging Face fast tokenizer over ``vocab_size`` words (nothing downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0", eos_token="w1").save_pretrained(
+        str(directory)
+    )
+
+
+def test_every_published_version_carries_the_models_tokenizer(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Versions load as an engine loads a checkpoint directory: transformers' model and tokenizer
+    from the version alone, the tokenizer files listed in the manifest like the weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for item in Path(tiny_model_dir).iterdir():
+        (model_dir / item.name).write_bytes(item.read_bytes())
+    vocab = load_model(model_dir).config.vocab_size
+    save_word_tokenizer(model_dir, vocab)
+    run = small_run(tmp_path, total_steps=1)
+    loop = TrainerLoop(
+        run, buffer_url="http://127.0.0.1:9", router_url=None, run_dir=tmp_path, model_path=str(model_dir)
+    )
+    loop.resume()  # publishes version 0
+    version = Path(WeightStore(run.weights.store).path(0))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(loop.tokenizer_files)
+    manifest = json.loads((version / "manifest.json").read_text())
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(manifest["files"])
+    tokenizer = AutoTokenizer.from_pretrained(str(version), local_files_only=True)
+    assert tokenizer("w3 w5")["input_ids"] == [3, 5]
+    model = AutoModelForCausalLM.from_pretrained(str(version), local_files_only=True)
+    assert model.config.vocab_size == vocab

@@ -291,3 +291,22 @@ def test_remove_one_version_then_publish_it_again(store: WeightStore) -> None:
     assert store.versions() == [1, 2] and store.latest() == 2
     store.publish(3, _tensors(30))
     torch.testing.assert_close(store.load(3), _tensors(30))
+
+
+def test_files_beside_the_weights_are_plain_names_and_listed(tmp_path: Path) -> None:
+    from mixrl.rl.weights import tokenizer_files
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "tokenizer.json").write_text("{}")
+    (source / "notes.txt").write_text("not a tokenizer file")
+    assert tokenizer_files(source) == {"tokenizer.json": source / "tokenizer.json"}
+    assert tokenizer_files("tiny:qwen3") == {} and tokenizer_files(None) == {}
+    store = WeightStore(str(tmp_path / "store"))
+    store.publish(0, {"w": torch.ones(2)}, files=tokenizer_files(source))
+    manifest = json.loads((Path(store.path(0)) / "manifest.json").read_text())
+    assert manifest["files"]["tokenizer.json"]["bytes"] == 2
+    for bad in ("../escape.json", "manifest.json", "model.safetensors"):
+        with pytest.raises(ValueError, match="not a plain file name"):
+            store.publish(1, {"w": torch.ones(2)}, files={bad: source / "tokenizer.json"})
+    assert store.versions() == [0]  # a refused publication leaves nothing behind

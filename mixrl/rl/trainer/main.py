@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -58,7 +59,7 @@ from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.megatron_backend import BackendUnavailable, MegatronPolicyTrainer
 from mixrl.rl.trainer.telemetry import TrainerTelemetry
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
-from mixrl.rl.weights import WeightStore
+from mixrl.rl.weights import WeightStore, tokenizer_files
 
 log = logging.getLogger("mixrl.trainer")
 METRICS = "metrics.jsonl"
@@ -166,6 +167,8 @@ class TrainerLoop:
                 ranks=self.ranks,
             )
             self.model_config = self.trainer.model.config.to_dict()
+        # Every version carries the model's tokenizer, so any engine (and transformers) loads it.
+        self.tokenizer_files = tokenizer_files(run.model.tokenizer or model_path)
         self.step = 0
         self.stopping = asyncio.Event()
 
@@ -216,7 +219,9 @@ class TrainerLoop:
         state = self.trainer.state_dict_for_publication()  # every rank: the shards are gathered
         if self.ranks.is_main:
             log.info("publishing weight version %d (the weights the trainer holds)", self.step)
-            self.store.publish(self.step, state, {"step": self.step}, self.model_config)
+            self.store.publish(
+                self.step, state, {"step": self.step}, self.model_config, files=self.tokenizer_files
+            )
         distributed.barrier()
 
     async def prune(self) -> None:
@@ -269,7 +274,13 @@ class TrainerLoop:
             result = await asyncio.to_thread(self.trainer.step, policy_batch)
             state = await asyncio.to_thread(self.trainer.state_dict_for_publication)
             if main:
-                await asyncio.to_thread(self.store.publish, step, state, {"step": step}, self.model_config)
+                await asyncio.to_thread(
+                    functools.partial(self.store.publish, files=self.tokenizer_files),
+                    step,
+                    state,
+                    {"step": step},
+                    self.model_config,
+                )
                 await self.reload_engines(step)
                 await self.prune()
                 # The line first: a crash after it redoes the step, and resume() drops the line.
