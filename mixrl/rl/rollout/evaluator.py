@@ -1,4 +1,5 @@
-"""``mixrl evaluate``: held-out pass@k by the seed's protocol (``evaluation.sampler: bf16``).
+"""``mixrl evaluate``: held-out pass@k by the stability study's protocol (``evaluation.sampler:
+bf16``; docs/rollout.md#the-bf16-evaluator).
 
 The rollout worker's evaluation (``sampler: pools``) plays the held-out episodes on the training
 pools while training goes on, so an evaluation mixes precisions and versions.  This evaluator owns
@@ -14,7 +15,8 @@ for the evaluation of step N it
 Evaluated steps: 0 (the warm start), every ``evaluation.everySteps``, and ``trainer.totalSteps``.
 A restarted evaluator reads the buffer's evaluations and goes on with the first step it has not
 posted, so no evaluation is lost or counted twice; the trainer keeps every evaluation step's
-version in the store until its evaluation is in the buffer (:func:`protected_versions`).  After
+version in the store until its evaluation is in the buffer
+(:func:`mixrl.api.evaluation.protected_versions`).  After
 the last step it exits.
 """
 
