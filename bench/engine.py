@@ -183,11 +183,14 @@ def prefix_cache_throughput(model: torch.nn.Module, args: argparse.Namespace, pr
     same_tokens = True
     names = list(runners)
 
-    def timed(name: str, call: Callable[[], object]) -> None:
+    phases = {name: dict.fromkeys(("first prefill", "later prefills", "decode steps"), 0.0) for name in names}
+
+    def timed(name: str, phase: str, call: Callable[[], object]) -> None:
         wall, thread = time.perf_counter(), time.thread_time()
         call()
         seconds[name] += time.perf_counter() - wall
         cpu[name] += time.thread_time() - thread
+        phases[name][phase] += time.thread_time() - thread
 
     for turn in range(args.turns):
         played = {name: episodes[name].requests(turn) for name in names}
@@ -195,12 +198,13 @@ def prefix_cache_throughput(model: torch.nn.Module, args: argparse.Namespace, pr
         # then decode one step each in turn, rotating who goes first, so that a burst of load from
         # other processes hits both alike instead of whichever arm was running a whole turn then.
         for name in names[turn % 2 :] + names[: turn % 2]:
-            timed(name, functools.partial(runners[name].add, played[name]))
+            phase = "first prefill" if turn == 0 else "later prefills"
+            timed(name, phase, functools.partial(runners[name].add, played[name]))
         step = 0
         while any(runners[name].running for name in names):
             for name in names[step % 2 :] + names[: step % 2]:
                 if runners[name].running:
-                    timed(name, runners[name].step)
+                    timed(name, "decode steps", runners[name].step)
             step += 1
         for name in names:
             generated[name] += sum(len(s.tokens) for s in played[name])
@@ -228,6 +232,9 @@ def prefix_cache_throughput(model: torch.nn.Module, args: argparse.Namespace, pr
         f"{cached.prompt_tokens_total} prompt tokens; sampled tokens identical: {same_tokens}"
     )
     print(f"  (the same ratio in CPU time: {cpu['no prefix cache'] / cpu['prefix cache']:.2f}x, not judged)")
+    for name in names:
+        split = ", ".join(f"{phase} {value:.2f} s" for phase, value in phases[name].items())
+        print(f"  {name} CPU time: {split}")
     return passed
 
 
