@@ -60,12 +60,16 @@ def written(out: Path) -> State:
 
 
 def assert_same_state(got: State, want: State, label: str = "") -> None:
-    """Equal within FP32 reduction-order noise: the update's sums run in another order on two ranks."""
+    """Equal within FP32 reduction-order noise.  The update's sums run in another order on two
+    ranks, and AdamW, dividing by √v, turns that noise into ~1e-5 on an element whose gradient is
+    near zero, hence 5e-5 on the weights (5% of one step's largest move at lr 1e-3).  A resume
+    that lost AdamW's state moves the weights by a median 5e-4 here (94% of them past 5e-5), and
+    its moments are compared to 1e-4 of their scale."""
     (weights, optimizer), (want_weights, want_optimizer) = got, want
     assert weights.keys() == want_weights.keys() and optimizer.keys() == want_optimizer.keys()
     for name, value in want_weights.items():
         torch.testing.assert_close(
-            weights[name], value, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{label} {name}: {m}"
+            weights[name], value, rtol=1e-4, atol=5e-5, msg=lambda m, name=name: f"{label} {name}: {m}"
         )
     for name, value in want_optimizer.items():
         if name.endswith("/step"):
