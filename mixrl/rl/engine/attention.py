@@ -83,5 +83,6 @@ def use_engine_attention(model: nn.Module) -> None:
     """Switch ``model`` from transformers' ``sdpa`` to :data:`ENGINE_ATTENTION` (other implementations
     are left as they are)."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(ENGINE_ATTENTION)
+    switch = getattr(model, "set_attn_implementation", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa" and callable(switch):
+        switch(ENGINE_ATTENTION)

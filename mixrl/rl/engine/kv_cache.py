@@ -374,6 +374,7 @@ def prefilled_batch(
             if n:
                 keys[row, :, width - n : width] = kv[i][0]
                 values[row, :, width - n : width] = kv[i][1]
+        assert isinstance(layer, EngineKVLayer)  # new_cache makes only these
         layer.adopt(keys, values, width)
     return BatchKV(cache=cache, mask=mask), width
 
