@@ -516,6 +516,11 @@ def test_trainer_statefulset_rendezvous_on_pod_zero() -> None:
     assert values[0]["values"] == with_shared(GPU_TABLE["H200"].gfd_products)
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert "/weights" in mounts and not mounts["/weights"].get("readOnly")
+    # Every rank writes its checkpoint shards into one directory: the two pods share it on the
+    # ReadWriteMany weights volume, instead of a claim each.
+    run_dir = mounts["/var/lib/mixrl/trainer"]
+    assert (run_dir["name"], run_dir["subPath"]) == (mounts["/weights"]["name"], "trainer-run")
+    assert "volumeClaimTemplates" not in trainer["spec"]
 
 
 def test_a_single_cpu_trainer_runs_without_torchrun() -> None:
@@ -525,8 +530,10 @@ def test_a_single_cpu_trainer_runs_without_torchrun() -> None:
     )
     command = trainer["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[:4] == ["mixrl", "trainer", "--config", "/etc/mixrl/run.json"]
-    (claim,) = trainer["spec"]["volumeClaimTemplates"]
+    (claim,) = trainer["spec"]["volumeClaimTemplates"]  # one pod: its run directory is its own
     assert claim["metadata"]["name"] == "run"
+    mounts = {m["mountPath"]: m for m in trainer["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["/var/lib/mixrl/trainer"] == {"name": "run", "mountPath": "/var/lib/mixrl/trainer"}
 
 
 def test_weights_volume_only_for_filesystem_stores() -> None:

@@ -27,8 +27,9 @@ Component = Literal["trainer", "sampler", "router", "rollout", "buffer", "run", 
 
 # Children are named <run>-<suffix> for components and <run>-<pool> for pools, so a pool may not be
 # named like a component suffix (it would collide with the component's objects): the API rejects
-# those names (mixrl.api.models.RESERVED_POOL_NAMES, which a test keeps equal to these).
-COMPONENT_SUFFIXES = ("config", "trainer", "router", "rollout", "buffer", "weights")
+# those names (mixrl.api.models.RESERVED_POOL_NAMES, which a test keeps equal to these).  ``evaluator``
+# is the BF16 evaluator's pool and process name (mixrl.api.resolve.EVALUATOR_POOL; mixrl run only).
+COMPONENT_SUFFIXES = ("config", "trainer", "router", "rollout", "buffer", "weights", "evaluator")
 
 
 def selector_labels(run: str, component: Component, pool: str | None = None) -> dict[str, str]:

@@ -34,6 +34,8 @@ RDZV_PORT = 29500
 ENGINE_WEIGHTS_DIR = "/var/lib/mixrl/engine-weights"
 BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
 TRAINER_RUN_DIR = "/var/lib/mixrl/trainer"
+TRAINER_RUN_SUBPATH = "trainer-run"
+"""With several trainer nodes: their shared run directory, on the run's weights volume."""
 
 
 def service_url(resolved: ResolvedRun, component: L.Component, port_number: int) -> str:
@@ -105,8 +107,10 @@ def empty_dir(name: str, medium: str | None = None, size_limit: str | None = Non
     return {"name": name, "emptyDir": spec}
 
 
-def mount(name: str, path: str, read_only: bool = False) -> Obj:
+def mount(name: str, path: str, read_only: bool = False, sub_path: str | None = None) -> Obj:
     out: Obj = {"name": name, "mountPath": path}
+    if sub_path is not None:
+        out["subPath"] = sub_path
     if read_only:
         out["readOnly"] = True
     return out

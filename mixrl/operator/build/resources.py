@@ -42,6 +42,7 @@ from mixrl.operator.build.objects import (
     CONFIG_HASH_ANNOTATION,
     POD_INDEX_LABEL,
     POOL_CONFIG_HASH_LABEL,
+    WEIGHTS_MOUNT,
     BuildOptions,
     Monitoring,
     Owner,
@@ -60,6 +61,7 @@ from mixrl.operator.build.podspec import (
     BUFFER_DATA_DIR,
     RDZV_PORT,
     TRAINER_RUN_DIR,
+    TRAINER_RUN_SUBPATH,
     Obj,
     base_env,
     base_mounts,
@@ -170,7 +172,16 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     gpus = spec.gpus_per_node
     weight_volumes, weight_mounts = weights_volume_and_mount(resolved, read_only=False)
     volumes = list(weight_volumes)
-    mounts = [*base_mounts(), *weight_mounts, mount("run", TRAINER_RUN_DIR)]
+    # Every rank writes its shards of a checkpoint into the one run directory (mixrl.rl.trainer.
+    # checkpoint): one pod keeps it on a volume of its own, several share a directory on the run's
+    # ReadWriteMany weights volume (a claim per pod would give each rank a directory of its own).
+    shared = spec.nodes > 1 and weight_volumes
+    run_mount = (
+        mount(WEIGHTS_MOUNT, TRAINER_RUN_DIR, sub_path=TRAINER_RUN_SUBPATH)
+        if shared
+        else mount("run", TRAINER_RUN_DIR)
+    )
+    mounts = [*base_mounts(), *weight_mounts, run_mount]
     if gpus > 0:  # NCCL and data loaders need a large /dev/shm
         volumes.append(empty_dir("dshm", medium="Memory"))
         mounts.append(mount("dshm", "/dev/shm"))
@@ -199,7 +210,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     )
     # Parallel pod management (the helper's default): every node must be up for the rendezvous.
     # The run volume holds checkpoints and metrics.jsonl; optimizer state is sized like the weights.
-    claims = [claim_template("run", labels, resolved.weights.volume_size)]
+    claims = [] if shared else [claim_template("run", labels, resolved.weights.volume_size)]
     trainers = statefulset(resolved, "trainer", spec.nodes, template, owner, claims)
     # Pod DNS records must exist before readiness, or the rendezvous on pod 0 cannot be found.
     headless = service(
