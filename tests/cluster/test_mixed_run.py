@@ -175,7 +175,12 @@ def test_kubectl_scale_and_an_hpa_drive_the_pool(
 def test_delete_removes_every_child_through_the_garbage_collector(
     cluster: Bed, mixed_run: dict[str, Any], namespace: str
 ) -> None:
-    wait_for(lambda: len(cluster.get("pvc", "-n", namespace)["items"]) >= 3, 60, what="the run's claims")
+    claims = {f"{RUN}-weights", f"data-{RUN}-buffer-0"}  # the 4 trainer nodes share the weights volume
+
+    def made() -> bool:
+        return claims <= {c["metadata"]["name"] for c in cluster.get("pvc", "-n", namespace)["items"]}
+
+    wait_for(made, 60, what="the run's claims")
     cluster.kubectl("delete", "rlr", RUN, "-n", namespace, "--wait=true", "--timeout=60s")
 
     def leftovers() -> list[str]:
