@@ -452,7 +452,9 @@ MEGATRON_NO_CONTEXT_PARALLEL = Rule(
     "parallelism",
     "the megatron backend does not support context parallelism yet: cp must be 1",
     "FieldValueInvalid",
-    condition=lambda node: f"{node.value('backend')} != 'megatron' || {node.nested_value('parallelism', 'cp')} == 1",
+    condition=lambda node: (
+        f"{node.value('backend')} != 'megatron' || {node.nested_value('parallelism', 'cp')} == 1"
+    ),
     unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name, EXPERT_PARALLELISM_DIVIDES.name),
 )
 
