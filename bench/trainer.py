@@ -10,14 +10,16 @@ real processes under torchrun:
 - ``1 rank bf16``: BF16 compute (autocast), FP32 masters, as on a GPU.
 
 Reported per configuration: the bytes of model state each rank holds (its parameter shards, their
-gradients and AdamW's two moments), the process's peak resident set, and the median step time; as
-ratios against the baseline measured in the same run.  BF16's last column is the largest change
+gradients and AdamW's two moments), the process's peak resident set and the part of it training
+added (the peak less the resident set after the imports, before the model is loaded), the median
+step time and the batch's tokens per second; as ratios against the baseline measured in the same
+run.  ``--plot PATH`` draws them.  BF16's last column is the largest change
 of any weight against the FP32 update after the same steps (how far BF16 compute moves it).
 
 On a CPU the BF16 figure measures this CPU's BF16 matmuls (without native BF16 units, emulated and
 slow), not a GPU's; the memory figures do not depend on the device.
 
-    python bench/trainer.py           # hidden 256, 4 layers, 3 timed steps
+    python bench/trainer.py           # hidden 768, 8 layers (74M parameters), 2 timed steps
     python bench/trainer.py --quick   # hidden 128, 2 layers, 2 timed steps (64 s on 2 busy cores)
 """
 
@@ -82,12 +84,20 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+def current_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def local_bytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor holds one shard
     return local.numel() * local.element_size()
 
 
 def worker(model_dir: str, groups_json: str, out: str, steps: int, dtype: str) -> None:
+    rss_at_start = current_rss_bytes()
     ranks = distributed.Ranks.from_env()
     distributed.init_process_group(ranks, torch.device("cpu"))
     torch.manual_seed(0)
@@ -113,7 +123,10 @@ def worker(model_dir: str, groups_json: str, out: str, steps: int, dtype: str) -
         "rank": ranks.rank,
         "state_bytes": state,
         "peak_rss": peak_rss_bytes(),
+        "training_rss": peak_rss_bytes() - rss_at_start,
         "step_s": statistics.median(times),
+        "tokens": batch.num_tokens,
+        "parameters": sum(p.numel() for p in trainer.model.parameters()),
     }
     Path(out, f"rank{ranks.rank}.json").write_text(json.dumps(record))
     if ranks.is_main:
@@ -134,7 +147,10 @@ def run_config(ranks: int, dtype: str, model_dir: str, groups_json: Path, steps:
     return {
         "state_bytes": max(r["state_bytes"] for r in records),
         "peak_rss": max(r["peak_rss"] for r in records),
+        "training_rss": max(r["training_rss"] for r in records),
         "step_s": max(r["step_s"] for r in records),
+        "tokens_per_s": records[0]["tokens"] / max(r["step_s"] for r in records),
+        "parameters": records[0]["parameters"],
         "weights": weights,
     }
 
@@ -148,10 +164,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--plot", type=Path, default=None, help="write the figures as a PNG here")
     args = parser.parse_args(argv)
-    hidden = args.hidden or (128 if args.quick else 256)
-    layers = args.layers or (2 if args.quick else 4)
-    steps = args.steps or (2 if args.quick else 3)
+    hidden = args.hidden or (128 if args.quick else 768)
+    layers = args.layers or (2 if args.quick else 8)
+    steps = args.steps or 2
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = create_tiny_checkpoint(
             Path(tmp, "model"), "qwen3", vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
@@ -169,23 +186,53 @@ def main(argv: list[str]) -> int:
             print(f"[{index + 1}/{len(CONFIGS)}] {name}: {results[name]['step_s']:.2f} s/step; "
                   f"elapsed {elapsed:.0f} s, about {eta:.0f} s left", file=sys.stderr, flush=True)  # fmt: skip
     base = results[CONFIGS[0][0]]
-    print(f"\nmodel: hidden {hidden}, {layers} layers, vocabulary {VOCAB}; batch 16 trajectories x 112 tokens; "
-          f"{steps} timed steps\n")  # fmt: skip
+    print(f"\nmodel: hidden {hidden}, {layers} layers, vocabulary {VOCAB}, {base['parameters'] / 1e6:.1f}M parameters; "
+          f"batch 16 trajectories x 112 tokens; {steps} timed steps\n")  # fmt: skip
     print(
-        "| configuration | model state per rank | vs 1 rank | peak RSS per rank | step s | vs 1 rank | max abs weight change vs fp32 |"
+        "| configuration | model state per rank | vs 1 rank | peak RSS per rank | training's part of it | vs 1 rank"
+        " | step s | tokens/s | vs 1 rank | max abs weight change vs fp32 |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for name, _, dtype in CONFIGS:
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in results:
         r = results[name]
         drift = max(float((r["weights"][k] - base["weights"][k]).abs().max()) for k in base["weights"])
-        drift_text = (
-            f"{drift:.1e}" if dtype == "bfloat16" else ("0 (baseline)" if r is base else f"{drift:.1e}")
-        )
+        drift_text = "0 (baseline)" if r is base else f"{drift:.1e}"
         print(
             f"| {name} | {r['state_bytes'] / 2**20:.1f} MiB | {r['state_bytes'] / base['state_bytes']:.2f} | "
-            f"{r['peak_rss'] / 2**20:.0f} MiB | {r['step_s']:.2f} | {r['step_s'] / base['step_s']:.2f} | {drift_text} |"
+            f"{r['peak_rss'] / 2**20:.0f} MiB | {r['training_rss'] / 2**20:.0f} MiB | "
+            f"{r['training_rss'] / base['training_rss']:.2f} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | {drift_text} |"
         )
+    if args.plot is not None:
+        plot(results, base, args.plot, f"{base['parameters'] / 1e6:.0f}M-parameter Qwen3-shaped model")
+        print(f"\nplot: {args.plot}")
     return 0
+
+
+def plot(results: dict[str, dict[str, Any]], base: dict[str, Any], path: Path, title: str) -> None:
+    """Per configuration, against one rank in FP32: memory per rank, and throughput."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    figure, (memory, speed) = plt.subplots(1, 2, figsize=(10, 3.6))
+    x = range(len(names))
+    state = [results[n]["state_bytes"] / base["state_bytes"] for n in names]
+    training = [results[n]["training_rss"] / base["training_rss"] for n in names]
+    memory.bar([i - 0.2 for i in x], state, 0.4, label="model state per rank")
+    memory.bar([i + 0.2 for i in x], training, 0.4, label="training's peak RSS per rank")
+    memory.axhline(0.6, color="grey", linestyle="--", linewidth=1, label="target for 2 ranks (0.6x)")
+    memory.set_ylabel("x one rank, FP32")
+    memory.legend(fontsize=8)
+    speed.bar(list(x), [results[n]["tokens_per_s"] / base["tokens_per_s"] for n in names], 0.5)
+    speed.set_ylabel("tokens/s, x one rank FP32")
+    for axes in (memory, speed):
+        axes.set_xticks(list(x), names)
+    figure.suptitle(f"bench/trainer.py: {title}, on this machine's CPUs")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
