@@ -110,9 +110,11 @@ def test_what_others_add_is_not_drift() -> None:
 
 
 def test_immutable_statefulset_fields_are_named() -> None:
-    before = built(small_run())["StatefulSet/demo-trainer"]
-    changed = small_run()
-    changed["spec"]["trainer"]["gpuType"] = "B200"
+    one_node = small_run()
+    one_node["spec"]["trainer"]["nodes"] = 1  # its run directory is a claim of its own
+    before = built(one_node)["StatefulSet/demo-trainer"]
+    changed = copy.deepcopy(one_node)
+    changed["spec"]["trainer"]["gpuType"] = "B200"  # relabels the claim template
     after = built(changed)["StatefulSet/demo-trainer"]
     live = as_served(before)
     assert immutable_changes(after, live) == ["spec.volumeClaimTemplates"]

@@ -90,7 +90,7 @@ async def test_a_failing_child_does_not_stop_the_others(api: ApiServer, operator
             message='StatefulSet.apps "demo-trainer" is invalid: spec.template: Invalid value: "…"',
         )
         changed = copy.deepcopy(manifest)
-        changed["spec"]["trainer"]["nodes"] = 1  # the trainer
+        changed["spec"]["trainer"]["nodes"] = 3  # the trainer (still several nodes: no claim template)
         changed["spec"]["rollout"] = {"workers": 3}  # the rollout workers, after it in apply order
         await patch(
             api,
@@ -114,7 +114,7 @@ async def test_a_failing_child_does_not_stop_the_others(api: ApiServer, operator
         )
         # Once the server accepts it, the retry applies it and the condition clears.
         fault.times = 0
-        await eventually(lambda: api.live(STATEFULSETS, NAMESPACE, "demo-trainer")["spec"]["replicas"] == 1)
+        await eventually(lambda: api.live(STATEFULSETS, NAMESPACE, "demo-trainer")["spec"]["replicas"] == 3)
         await play_workload_controllers(api)
         await eventually(
             lambda: progressing(api).get("reason") == "Reconciled", what="Progressing=Reconciled"
@@ -140,7 +140,9 @@ async def test_an_immutable_statefulset_change_recreates_it(api: ApiServer, oper
             message=STS_FORBIDDEN,
         )
         changed = copy.deepcopy(manifest)
-        changed["spec"]["trainer"]["gpuType"] = "B200"  # relabels the claim templates: immutable
+        # One node instead of two: the run directory becomes a claim of its own (a claim template
+        # appears: immutable), relabelled for the new GPU type.
+        changed["spec"]["trainer"].update(gpuType="B200", nodes=1)
         await patch(api, run_path("demo"), {"spec": {"trainer": changed["spec"]["trainer"]}})
 
         await eventually(
