@@ -80,7 +80,8 @@ class Storage(Protocol):
     def remove_stale_staging(self, older_than_s: float) -> int: ...
 
 
-def _fsync_path(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so that the names in it survive a power loss)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -113,7 +114,7 @@ class LocalStorage:
         tmp.mkdir()
         try:
             yield tmp
-            _fsync_path(tmp)
+            fsync_path(tmp)
             self._promote(tmp, self.root / name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -127,7 +128,7 @@ class LocalStorage:
             os.rename(tmp, final)
         except OSError as exc:
             raise WeightStoreError(f"{final}: cannot publish: {exc.strerror}") from exc
-        _fsync_path(final.parent)
+        fsync_path(final.parent)
 
     def remove(self, name: str) -> None:
         # Rename out of sight first, so a half-deleted entry is never seen as a corrupt version.
@@ -260,7 +261,7 @@ def _write_shards(directory: Path, tensors: Mapping[str, Tensor], max_shard_byte
     done = 0
     for name, shard in zip(names, shards, strict=True):
         save_file(_storable(shard), directory / name, metadata={"format": "pt"})
-        _fsync_path(directory / name)
+        fsync_path(directory / name)
         done += len(shard)
         progress.update(done, len(tensors))
     if len(shards) > 1:

@@ -42,7 +42,6 @@ metadata pickle read safely, and would take AdamW's param groups out of the form
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import re
 import shutil
@@ -60,6 +59,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 
 from mixrl.rl.trainer import distributed
+from mixrl.rl.weights import fsync_path
 
 PREFIX = "checkpoint-"
 """``checkpoint-<step>``: a complete checkpoint."""
@@ -108,16 +108,41 @@ def step_of(path: Path) -> int:
     return int(suffix) if _STEP.fullmatch(suffix) else 0
 
 
-def save(run_dir: Path, step: int, state: dict[str, Any], *, is_main: bool) -> Path:
-    """Write ``state`` as ``run_dir/checkpoint-<step>`` (every rank calls this with its own shards;
-    collective), then remove older checkpoints.  Returns the checkpoint's path."""
-    final = run_dir / f"{PREFIX}{step}"
+def begin(run_dir: Path, step: int, *, is_main: bool) -> Path:
+    """The empty ``checkpoint.tmp-<step>`` every rank writes its part of step ``step`` into
+    (collective); what earlier saves a crash interrupted is removed."""
     pending = run_dir / f"{PENDING}{step}"
     if is_main:
-        for leftover in run_dir.glob(f"{PENDING}*"):  # saves a crash interrupted
+        for leftover in run_dir.glob(f"{PENDING}*"):
             shutil.rmtree(leftover)
         pending.mkdir(parents=True)
     distributed.barrier()  # no rank writes before the directory is there and empty
+    return pending
+
+
+def commit(run_dir: Path, pending: Path, *, is_main: bool) -> Path:
+    """Make a completely written ``pending`` the checkpoint of its step (collective): one rename
+    of a directory whose files are all synced, then older checkpoints removed."""
+    final = run_dir / pending.name.replace(PENDING, PREFIX, 1)
+    if is_main:
+        fsync_path(pending)
+        if final.exists():
+            # Not in a run: after a resume from the newest checkpoint every save has a higher step.
+            shutil.rmtree(final)
+        pending.rename(final)
+        fsync_path(run_dir)
+        for older in run_dir.glob(f"{PREFIX}*"):
+            if older != final:
+                shutil.rmtree(older)
+        (run_dir / LEGACY).unlink(missing_ok=True)
+    distributed.barrier()  # the others go on once the step's checkpoint is in place
+    return final
+
+
+def save(run_dir: Path, step: int, state: dict[str, Any], *, is_main: bool) -> Path:
+    """Write ``state`` as ``run_dir/checkpoint-<step>`` (every rank calls this with its own shards;
+    collective), then remove older checkpoints.  Returns the checkpoint's path."""
+    pending = begin(run_dir, step, is_main=is_main)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: meant
@@ -130,19 +155,7 @@ def save(run_dir: Path, step: int, state: dict[str, Any], *, is_main: bool) -> P
     problem = _unwritten(pending, written) if is_main else ""
     if distributed.agree_on_count(int(bool(problem))):  # every rank fails, the previous checkpoint stays
         raise CheckpointError(problem or f"{pending}: not committed: rank 0 found it incomplete")
-    if is_main:
-        _sync(pending)
-        if final.exists():
-            # Not in a run: after a resume from the newest checkpoint every save has a higher step.
-            shutil.rmtree(final)
-        pending.rename(final)  # the commit: one rename, of a directory whose files are all synced
-        _sync(run_dir)
-        for older in run_dir.glob(f"{PREFIX}*"):
-            if older != final:
-                shutil.rmtree(older)
-        (run_dir / LEGACY).unlink(missing_ok=True)
-    distributed.barrier()  # the others go on once the step's checkpoint is in place
-    return final
+    return commit(run_dir, pending, is_main=is_main)
 
 
 def _unwritten(pending: Path, written: dcp_metadata.Metadata) -> str:
@@ -161,15 +174,6 @@ def _unwritten(pending: Path, written: dcp_metadata.Metadata) -> str:
         f"{pending}: rank 0 does not see {', '.join(missing)} that other ranks wrote: every rank"
         " must write into the same run directory (a trainer on several nodes needs one shared volume)"
     )
-
-
-def _sync(directory: Path) -> None:
-    """fsync a directory, so that the names in it (a rename, new files) survive a power loss."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load(path: Path, state: dict[str, Any]) -> None:

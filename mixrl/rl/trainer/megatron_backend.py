@@ -24,7 +24,6 @@ Not supported yet, and refused by validation: context parallelism (cp > 1).
 from __future__ import annotations
 
 import functools
-import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -113,8 +112,6 @@ class MegatronPolicyTrainer:
     ) -> None:
         if not torch.cuda.is_available():
             raise BackendUnavailable(NEEDS_CUDA)
-        if parallelism.cp != 1:
-            raise ValueError("spec.trainer.parallelism.cp: context parallelism is not supported yet")
         if not dist.is_initialized():  # one process, started without torchrun: a group of one
             torch.cuda.set_device(0)
             dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
@@ -325,24 +322,11 @@ class MegatronPolicyTrainer:
         writes its shards; loadable on another parallel layout), named and committed as the torch
         backend's (:mod:`mixrl.rl.trainer.checkpoint`): written into ``checkpoint.tmp-<step>/``,
         renamed to ``checkpoint-<step>/`` by rank 0 once complete, older checkpoints removed."""
-        final, pending = run_dir / f"{checkpoint.PREFIX}{step}", run_dir / f"{checkpoint.PENDING}{step}"
         main = dist.get_rank() == 0
-        if main:
-            for leftover in run_dir.glob(f"{checkpoint.PENDING}*"):
-                shutil.rmtree(leftover)
-            pending.mkdir(parents=True)
-        distributed.barrier()
+        pending = checkpoint.begin(run_dir, step, is_main=main)
         self.mc["dist_checkpointing"].save({**self._sharded_state(), "step": step}, str(pending))
         distributed.barrier()
-        if main:
-            if final.exists():
-                shutil.rmtree(final)
-            pending.rename(final)
-            for older in run_dir.glob(f"{checkpoint.PREFIX}*"):
-                if older != final:
-                    shutil.rmtree(older)
-        distributed.barrier()
-        return final
+        return checkpoint.commit(run_dir, pending, is_main=main)
 
     def load_checkpoint(self, path: Path) -> int:
         """Load a checkpoint of this backend, written on any parallel layout; returns its step.
