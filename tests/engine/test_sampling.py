@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mixrl.rl.engine.protocol import renormalized_logprob
-from mixrl.rl.engine.sampling import RowSampling, sample_rows
+from mixrl.rl.engine.sampling import RowSampling, sample_rows, sort_descending
 
 from . import reference
 
@@ -116,3 +116,36 @@ def test_greedy_decoding_truncates_to_the_top_token() -> None:
         assert record.token_id == int(row.argmax())
         assert (record.support_size, record.cand_ids) == (1, [record.token_id])
         assert renormalized_logprob(record) == 0.0
+
+
+@pytest.mark.parametrize("vocab", [2, 64, 2048, 151_936])
+def test_the_fast_sort_is_torchs_stable_descending_sort(vocab: int) -> None:
+    """Ties (lower id first), -0.0 beside 0.0, -inf, and a row with a NaN (torch's own sort)."""
+    g = torch.Generator().manual_seed(vocab)
+    values = torch.log_softmax(torch.randn(6, vocab, generator=g) * 4, dim=-1)
+    values[1] = torch.randint(-3, 1, (vocab,), generator=g).float()  # ties everywhere, 0.0 among them
+    values[2, ::2] = -0.0
+    values[2, 1::2] = 0.0
+    values[3, : vocab // 2] = float("-inf")
+    values[4] = values[4].round(decimals=1)  # many ties among distinct values
+    for rows in (values[:5], values):
+        if rows.shape[0] == 6:
+            rows[5, 0] = float("nan")
+        fast, order = sort_descending(rows)
+        ref, ref_order = torch.sort(rows, dim=-1, descending=True, stable=True)
+        assert torch.equal(order, ref_order)
+        assert torch.equal(fast.nan_to_num(), ref.nan_to_num())
+
+
+def test_rows_that_do_not_truncate_draw_as_the_truncating_path_would() -> None:
+    """The whole-vocabulary shortcut (every row untruncated) gives what the general path gives."""
+    logits = _logits(3, batch=6)
+    uniforms = torch.tensor([0.0, 0.1, 0.37, 0.5, 0.83, 0.999])
+    full = RowSampling(temperature=0.9, num_candidates=3)
+    # top_k = V truncates nothing either, but a truncating row in the batch takes the general path
+    cut = RowSampling(temperature=0.9, top_k=V, top_p=0.999_999, num_candidates=3)
+    alone = sample_rows(logits, [full] * 6, uniforms, weight_version=0)
+    mixed = sample_rows(logits, [full] * 5 + [cut], uniforms, weight_version=0)
+    assert [r.token_id for r in alone[:5]] == [r.token_id for r in mixed[:5]]
+    assert [r.logprob for r in alone[:5]] == [r.logprob for r in mixed[:5]]
+    assert all(r.support_size == 0 for r in alone)

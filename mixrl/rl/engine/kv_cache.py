@@ -382,5 +382,14 @@ def prefilled_batch(
 def row_kv(kv: BatchKV, row: int) -> LayerKV:
     """Row ``row``'s real keys and values, in order, copied out of the batch (for the prefix cache)."""
     real = kv.mask[row]
-    # boolean indexing copies, so the entry does not pin the batch's tensors
+    count = int(real.sum())
+    start = int(real.shape[0]) - count
+    if bool(real[start:].all()):
+        # the usual case, real columns after the row's padding: one copy of a slice (boolean
+        # indexing below gathers column by column, ~4x slower, at every finished sequence)
+        return [
+            (layer.keys[row, :, start:].clone(), layer.values[row, :, start:].clone())
+            for layer in kv.cache.layers
+        ]
+    # copies either way, so the entry does not pin the batch's tensors
     return [(layer.keys[row][:, real], layer.values[row][:, real]) for layer in kv.cache.layers]

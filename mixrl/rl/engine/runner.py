@@ -23,7 +23,9 @@ under older weights is not cached when it finishes, so keys and values of one ve
 reused under another.
 
 The runner switches its model to the engine's attention (:mod:`mixrl.rl.engine.attention`:
-transformers' SDPA, bit-identical, without copying the keys and values per query head).
+transformers' SDPA, bit-identical, without copying the keys and values per query head), and runs
+decode steps of a dense Qwen3 through :func:`~mixrl.rl.engine.decode.decode_step` (the same
+computation, bit-identical, without transformers' per-step Python).
 
 This module does no I/O and knows nothing of HTTP; the scheduler calls it from a worker thread.
 """
@@ -40,6 +42,7 @@ from torch import Tensor, nn
 
 from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine.attention import use_engine_attention
+from mixrl.rl.engine.decode import decode_step, supports_decode_step
 from mixrl.rl.engine.kv_cache import (
     BatchKV,
     LayerKV,
@@ -114,6 +117,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         use_engine_attention(model)  # SDPA without a copy of the keys and values per query head
+        # Decode steps without transformers' per-step Python where the model allows it (decode.py)
+        self._lean_decode = supports_decode_step(model)
         self.weights_epoch = 0
         self.prefix_cache = (
             PrefixCache(prefix_cache_tokens) if use_kv_cache and prefix_cache_tokens > 0 else None
@@ -205,7 +210,10 @@ class ModelRunner:
         if run.kv is not None:
             positions = run.kv.next_positions()
             mask = run.kv.append_column()
-            logits = self._forward(run.pending[:, None], mask, run.kv, positions=positions)
+            if self._lean_decode:
+                logits = decode_step(self.model, run.pending[:, None], mask, positions, run.kv.cache)
+            else:
+                logits = self._forward(run.pending[:, None], mask, run.kv, positions=positions)
         else:
             ids, mask = self._left_padded([s.prompt_ids + s.output_ids for s in run.seqs])
             logits = self._forward(ids, mask, None)

@@ -1,0 +1,114 @@
+"""One decode step of a dense Qwen3 model without transformers' per-step Python.
+
+A decode step feeds one token per row through a 4-layer, 4 M-parameter model in ~10 ms on one CPU
+core, and going through ``model(...)`` costs ~2 ms of that in Python that computes nothing: the
+decorators on every forward (kwarg deprecation, output capturing, config defaults), building the
+4-D mask from the 2-D one, the output dataclasses, config attribute lookups, and one
+``nn.Module.__call__`` per linear layer.  :func:`decode_step` makes the same calls on the same
+modules and weights in the same order — the norms, the rotary embedding, the cache update and the
+attention function are transformers' own, the linear layers ``F.linear`` on their weights (what
+``nn.Linear.forward`` is) — so its logits are bit-identical to ``model(...)``'s
+(``tests/engine/test_decode.py``), and weight updates, which copy into the same parameters, apply.
+
+Only what it was written against is taken (:func:`supports_decode_step`): ``Qwen3ForCausalLM`` with
+every layer of full attention, transformers' SDPA or the engine's (:mod:`~mixrl.rl.engine.attention`)
+and plain linear layers; anything else (the MoE model, another architecture) keeps ``model(...)``.
+Prefills keep ``model(...)`` too: a few calls per admission, whose Python cost is negligible next
+to their compute.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Attention,
+    Qwen3DecoderLayer,
+    Qwen3ForCausalLM,
+    Qwen3MLP,
+    apply_rotary_pos_emb,
+)
+
+from mixrl.rl.engine.attention import ENGINE_ATTENTION
+
+_ATTENTION = ("sdpa", ENGINE_ATTENTION)
+
+
+def supports_decode_step(model: nn.Module) -> bool:
+    """Whether :func:`decode_step` computes exactly what ``model(...)`` does for ``model``."""
+    if type(model) is not Qwen3ForCausalLM or model.training:
+        return False
+    config = model.config
+    if config._attn_implementation not in _ATTENTION:
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return False
+    inner = model.model
+    if type(model.lm_head) is not nn.Linear or len(inner.layers) != config.num_hidden_layers:
+        return False
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if (
+            type(layer) is not Qwen3DecoderLayer
+            or type(attn) is not Qwen3Attention
+            or type(mlp) is not Qwen3MLP
+        ):
+            return False
+        linears = (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+        )
+        if any(type(linear) is not nn.Linear for linear in linears):
+            return False
+    return True
+
+
+@torch.inference_mode()
+def decode_step(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, cache: Cache) -> Tensor:
+    """``model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+    logits_to_keep=1).logits[:, -1].float()`` for one token per row (``ids`` [B, 1]; ``mask`` [B, L]
+    covers the cache and the fed token), for a model :func:`supports_decode_step` accepts."""
+    inner = model.model
+    batch = int(ids.shape[0])
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, positions)
+    # What transformers' create_causal_mask gives SDPA for a single query token: no mask when no
+    # column is padding (the query may attend to every key), else the padding mask per row.
+    attention_mask = None if bool(mask.all()) else mask[:, None, None, :]
+    attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    for index, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        shape = (batch, 1, -1, attn.head_dim)
+        residual = hidden
+        hidden = layer.input_layernorm(hidden)
+        query = attn.q_norm(F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape)).transpose(
+            1, 2
+        )
+        key = attn.k_norm(F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape)).transpose(1, 2)
+        value = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        key, value = cache.update(key, value, index)
+        out, _ = attend(
+            attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, sliding_window=None
+        )
+        out = out.reshape(batch, 1, -1).contiguous()
+        hidden = residual + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        residual = hidden
+        hidden = layer.post_attention_layernorm(hidden)
+        gate = mlp.act_fn(F.linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias))
+        hidden = F.linear(
+            gate * F.linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias),
+            mlp.down_proj.weight,
+            mlp.down_proj.bias,
+        )
+        hidden = residual + hidden
+    hidden = inner.norm(hidden)
+    return F.linear(hidden[:, -1, :], model.lm_head.weight, model.lm_head.bias).float()
