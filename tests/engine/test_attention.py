@@ -86,3 +86,34 @@ def test_a_prefill_on_a_cached_prefix_does_not_repeat_the_keys_and_values(
     with torch.inference_mode():
         plain(input_ids=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[False, True, True]]))
     assert called
+
+
+def test_an_unpadded_decode_step_packs_the_query_heads(
+    dense_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without padding transformers hands SDPA the grouping (``enable_gqa``, slower on the CPU); the
+    engine packs a key-value head's query heads as its queries, as transformers does with a mask."""
+    plain, engine = reference_model(dense_path), reference_model(dense_path)
+    use_engine_attention(engine)
+    config = plain.config
+    ids = torch.randint(1, 200, (3, 12), generator=torch.Generator().manual_seed(8))
+    shapes: list[tuple[int, ...]] = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(query: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        shapes.append(tuple(query.shape))
+        return original(query, *args, **kwargs)
+
+    logits = []
+    with torch.inference_mode():
+        for model in (plain, engine):
+            out = model(input_ids=ids[:, :-1], use_cache=True)
+            monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+            step = model(input_ids=ids[:, -1:], cache=out.cache, use_cache=True)
+            monkeypatch.undo()
+            logits.append(step.logits)
+    groups = config.num_attention_heads // config.num_key_value_heads
+    layers = config.num_hidden_layers
+    assert shapes[:layers] == [(3, config.num_attention_heads, 1, config.head_dim)] * layers  # transformers
+    assert shapes[layers:] == [(3, config.num_key_value_heads, groups, config.head_dim)] * layers  # packed
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
