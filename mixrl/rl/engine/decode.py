@@ -78,7 +78,9 @@ def decode_step(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, 
     covers the cache and the fed token), for a model :func:`supports_decode_step` accepts."""
     inner = model.model
     batch = int(ids.shape[0])
-    hidden = inner.embed_tokens(ids)
+    # [B, hidden]: one token per row, so the linear layers get 2-D inputs (what a 3-D one is folded
+    # into anyway, minus the folding: the same products)
+    hidden = inner.embed_tokens(ids[:, 0])
     cos, sin = inner.rotary_emb(hidden, positions)
     # What transformers' create_causal_mask gives SDPA for a single query token: no mask when no
     # column is padding (the query may attend to every key), else the padding mask per row.
@@ -99,7 +101,7 @@ def decode_step(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, 
         out, _ = attend(
             attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, sliding_window=None
         )
-        out = out.reshape(batch, 1, -1).contiguous()
+        out = out.reshape(batch, -1)
         hidden = residual + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
         residual = hidden
         hidden = layer.post_attention_layernorm(hidden)
@@ -111,4 +113,4 @@ def decode_step(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, 
         )
         hidden = residual + hidden
     hidden = inner.norm(hidden)
-    return F.linear(hidden[:, -1, :], model.lm_head.weight, model.lm_head.bias).float()
+    return F.linear(hidden, model.lm_head.weight, model.lm_head.bias).float()
