@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from mixrl.operator.autoscaling.fleet import FleetPool
 from mixrl.operator.autoscaling.policy import PolicyConfig
 from mixrl.operator.autoscaling.trainer_sim import (
+    RunResult,
     Strategy,
     TrainerRun,
     objective_config,
     simulate_run,
     static_sized_to_trainer,
 )
+from mixrl.rl.router.shares import REBALANCE_START, REBALANCE_STOP
 
 POOLS = [
     FleetPool("spot", "B200", 3.2, 1, 6.0, 1, 12, 240.0),  # $1.88 per capacity-hour
@@ -93,3 +100,124 @@ def test_the_model_keeps_the_lost_pool_on_probation_as_the_loop_does() -> None:
     assert max((after for t, _, after in spot if t > release[0]), default=0) <= release[1] + 1
     dear = [after for t, pool, _, after in ours.actions if pool == "dear" and t >= release[0]]
     assert dear and min(dear) >= 3, dear  # it settles (its rate measured), it is not given back
+
+
+# ----------------------------------------------------------------------------- the trainer's cost
+
+
+def static(replicas: dict[str, int]) -> Strategy:
+    return Strategy("static", "static", static_replicas=replicas)
+
+
+def test_the_trainer_is_billed_for_the_whole_run_fed_or_idle() -> None:
+    billed = replace(RUN, trainer_gpus=8, trainer_price_per_gpu_hour=3.5)
+    fed = simulate_run(POOLS, billed, static(static_sized_to_trainer(POOLS, billed)))
+    starved = simulate_run(POOLS, billed, static({"spot": 2, "dear": 0}))
+    for result in (fed, starved):
+        assert result.trainer_cost == pytest.approx(8 * 3.5 * 2.0)  # GPUs × price × hours
+        assert result.total_cost == pytest.approx(result.cost + result.trainer_cost)
+        assert result.total_cost_per_step == pytest.approx(result.total_cost / result.steps)
+    assert starved.steps < 0.5 * fed.steps
+    # Fewer samplers cost less per step on their own, but the idle trainer's hours make the
+    # starved run's steps dearer in all.
+    assert starved.cost_per_step < fed.cost_per_step
+    assert starved.total_cost_per_step > 1.5 * fed.total_cost_per_step
+    # Without a trainer price the total is the samplers' (the default: 0 GPUs).
+    plain = simulate_run(POOLS, RUN, static({"spot": 2, "dear": 0}))
+    assert plain.trainer_cost == 0 and plain.total_cost_per_step == plain.cost_per_step
+
+
+def test_every_step_pauses_generation_for_the_weight_update_and_is_billed_as_paused_that_long() -> None:
+    sized = static(static_sized_to_trainer(POOLS, RUN))
+    result = simulate_run(POOLS, RUN, sized)
+    # A fixed fleet: the paused share of its billed capacity is the steps' pauses over the run.
+    expected = result.steps * RUN.weight_update_s / result.seconds
+    assert result.extra["paused_share"] == pytest.approx(expected, rel=0.02)
+    assert result.extra["busy_share"] <= 1.0 + 1e-9  # never more tokens than unpaused slots allow
+
+
+def test_the_trainer_is_priced_from_the_runs_spec_and_the_default_table() -> None:
+    from mixrl.api.gpus import default_price
+    from mixrl.operator.autoscaling.simulate import DEFAULT_SPEC, trainer_from_spec
+
+    # examples/rlrun-mixed.yaml: 4 nodes × 8 H200 GPUs; the RLRun states no trainer price, so the
+    # table the operator's live status bills the trainer at (mixrl.api.gpus) prices it.
+    assert trainer_from_spec(str(DEFAULT_SPEC)) == (32, default_price("H200"))
+
+
+def _bench() -> Any:
+    path = Path(__file__).resolve().parents[2] / "bench" / "autoscaling.py"
+    spec = importlib.util.spec_from_file_location("bench_autoscaling", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_changing_runs_are_judged_by_the_total_cost_per_step_steady_ones_by_the_samplers() -> None:
+    meets_target = _bench().meets_target
+
+    def result(steps: int, sampler: float, trainer: float) -> RunResult:
+        out = simulate_run(POOLS, replace(RUN, hours=0.05, warmup_s=0), static({"spot": 1, "dear": 0}))
+        return replace(out, steps=steps, cost=sampler, trainer_cost=trainer, seconds=3600.0, actions=[])
+
+    # Run 7's shape: 1.26× the steps at 1.10× the sampler $/step, the same trainer bill.
+    ours, base = result(28, 28 * 3.15, 112.0), result(22, 22 * 2.85, 112.0)
+    assert ours.cost_per_step > 1.05 * base.cost_per_step
+    assert ours.total_cost_per_step < base.total_cost_per_step
+    assert meets_target(ours, base, steady=False)[0]
+    assert not meets_target(ours, base, steady=True)[0]  # steady runs keep the sampler-only bound
+    # More steps but a dearer total: not met.
+    assert not meets_target(result(23, 23 * 6.0, 112.0), base, steady=False)[0]
+    # Fewer steps at a cheaper total: not met either.
+    assert not meets_target(result(21, 21 * 1.0, 112.0), base, steady=False)[0]
+
+
+# ----------------------------------------------------------------------------- the router's rebalancing
+
+FLEET = {"spot": 4, "dear": 4}  # spot's share of ready capacity: 12.8 / 20 = 0.64
+
+
+def _share_after_loss(result: RunResult, run: TrainerRun) -> tuple[float, float]:
+    """(the spot pool's share of the live sessions, its share of ready capacity) right after the loss."""
+    index = int(np.searchsorted(result.times, run.loss_at_s + 1))
+    held = result.sessions[index]
+    spot_replicas = result.replicas[index][0]
+    nodes = math.floor(FLEET["spot"] * (1 - run.loss_fraction))
+    ready_capacity = min(spot_replicas, nodes) * 3.2
+    return float(held[0] / held.sum()), ready_capacity / (ready_capacity + FLEET["dear"] * 1.8)
+
+
+def test_a_pool_that_lost_most_of_its_replicas_sheds_sessions_by_the_routers_rule() -> None:
+    lossy = replace(RUN, hours=1.0, warmup_s=1200, spot_pool="spot", loss_at_s=1800.0, loss_fraction=0.75)
+    result = simulate_run(POOLS, lossy, static(FLEET), sample_every_s=10)
+    held, share = _share_after_loss(result, lossy)
+    # 4 → 1 spot replica: its share of capacity falls to 0.31 while it holds 0.64 of the sessions
+    # (2.1×, above the router's 1.5× start): it sheds down to 1.1× its share, within a session.
+    assert share == pytest.approx(3.2 / 10.4)
+    assert held <= REBALANCE_STOP * share + 2 / result.sessions.sum(axis=1).max()
+    assert held >= share  # ...and not below: the rule stops there
+    assert result.sessions_rebalanced > 0
+
+
+def test_without_the_routers_rule_the_lost_pools_sessions_stay_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model calls the router's rule (mixrl.rl.router.shares.keeps_draining), not a copy: with
+    it switched off, the dead replicas' sessions stay in their pool (they are not dropped)."""
+    from mixrl.operator.autoscaling import trainer_sim
+
+    monkeypatch.setattr(trainer_sim, "keeps_draining", lambda *_: False)
+    lossy = replace(RUN, hours=1.0, warmup_s=1200, spot_pool="spot", loss_at_s=1800.0, loss_fraction=0.75)
+    result = simulate_run(POOLS, lossy, static(FLEET), sample_every_s=10)
+    held, share = _share_after_loss(result, lossy)
+    assert held > REBALANCE_START * share
+    assert result.sessions_rebalanced == 0
+
+
+def test_a_small_loss_below_the_routers_start_moves_no_session() -> None:
+    # 4 → 3 spot replicas: share 9.6 / 16.8 = 0.57 against 0.64 held (1.12×, under 1.5×).
+    lossy = replace(RUN, hours=1.0, warmup_s=1200, spot_pool="spot", loss_at_s=1800.0, loss_fraction=0.25)
+    result = simulate_run(POOLS, lossy, static(FLEET), sample_every_s=10)
+    held, share = _share_after_loss(result, lossy)
+    assert share == pytest.approx(9.6 / 16.8)
+    assert held > share  # over its share, yet under the start: the router leaves it
+    assert result.sessions_rebalanced == 0

@@ -7,8 +7,12 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
   only while buffered plus in-flight trajectories stay below ``max_steps_ahead × step_size`` (the
   workers' back-pressure).  The router puts new sessions on pools in proportion to ready capacity
   and keeps them there, moving a pool's sessions when it has no ready replica.  The sessions of a
-  replica that dies are dropped (new ones start by the shares), so no pool holds more than its
-  share after a loss and the router's rebalancing (``shares.keeps_draining``) has nothing to do.
+  replica that dies or is removed stay in its pool (the router binds them to another of its ready
+  replicas), so a pool that lost replicas holds more than its share; each second the model asks
+  the router's own rule (``mixrl.rl.router.shares.keeps_draining``, the pool furthest below its
+  share from ``rebalance_destination``) whether the pool sheds, and moves sessions one at a time
+  while it says so: from 1.5× its share after a loss down to 1.1×.  The router moves a session at
+  its next request; the model moves it at once.
 - **Samplers**: a ready replica of capacity ``c`` generates ``tokens_per_s_per_capacity · c``
   tokens/s while it has at least ``sessions_per_capacity · c`` sessions, proportionally less with
   fewer; a trajectory needs ``tokens_per_trajectory`` tokens, which grows linearly over the run
@@ -21,6 +25,9 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
 - **Capacity loss**: at ``loss_at_s`` the spot pool loses ``loss_fraction`` of its nodes: replicas
   beyond the nodes left die, and new ones beyond them stay Pending (no node) until ``back_at_s``.
   Pending pods without a node are not billed.
+- **Cost**: samplers are billed per ready or starting replica-second (``RunResult.cost``); the
+  trainer's ``trainer_gpus`` for the whole measured run at ``trainer_price_per_gpu_hour``, fed or
+  idle (``RunResult.trainer_cost``), since a run pays for its trainer either way.
 - **Signals**: what Prometheus would hold, scraped every 15 s: per pool its sessions (the engines'
   queued + running requests), its busy share per scrape against the replicas ready then, and the
   trajectories it delivered over five minutes per ready replica-second of the same five minutes
@@ -56,6 +63,7 @@ from mixrl.operator.autoscaling.policy import (
     decide,
     fleet_pending,
 )
+from mixrl.rl.router.shares import keeps_draining, rebalance_destination
 
 RATE_WINDOW_S = 300
 THROUGHPUT_WINDOW_S = 300
@@ -82,6 +90,11 @@ class TrainerRun:
     back_at_s: float | None = None
     warmup_s: int = 3600
     """Simulated before the measurement starts (the fleet settles)."""
+    trainer_gpus: int = 0
+    """The trainer's GPUs (nodes × gpusPerNode), billed for the whole run, fed or idle."""
+    trainer_price_per_gpu_hour: float = 0.0
+    """Dollars per trainer GPU-hour (``simulate.trainer_from_spec``: the price table the operator's
+    live status bills the trainer at)."""
 
     def step_seconds_at(self, t: float) -> float:
         current = self.step_seconds[0][1]
@@ -125,6 +138,12 @@ class RunResult:
     backlog: np.ndarray
     recommended_concurrency: int | None = None
     loss_at_s: float | None = None
+    trainer_cost: float = 0.0
+    """Dollars the trainer's GPUs cost over the measured run (``cost`` is the samplers' alone)."""
+    sessions: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    """Live sessions per pool at each sample (``times``), a row per sample."""
+    sessions_rebalanced: float = 0.0
+    """Sessions the router's rebalancing moved off pools that lost replicas (measured run)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Where the cost per step goes: ``dollars_per_capacity_hour`` (billed), ``paused_share`` (of
     billed capacity-seconds, weight updates), ``busy_share`` (tokens generated over what the
@@ -142,7 +161,18 @@ class RunResult:
 
     @property
     def cost_per_step(self) -> float:
+        """Sampler dollars per trainer step."""
         return self.cost / self.steps if self.steps else math.inf
+
+    @property
+    def total_cost(self) -> float:
+        """Samplers plus the trainer."""
+        return self.cost + self.trainer_cost
+
+    @property
+    def total_cost_per_step(self) -> float:
+        """Trainer and sampler dollars per trainer step: an idle trainer's hours count too."""
+        return self.total_cost / self.steps if self.steps else math.inf
 
     def staleness_quantile(self, q: float) -> float:
         total = sum(self.staleness.values())
@@ -249,6 +279,11 @@ def simulate_run(
     load_scrapes: deque[np.ndarray] = deque(maxlen=RATE_WINDOW_S // SCRAPE_S)
     ready_scrapes: deque[np.ndarray] = deque(maxlen=RATE_WINDOW_S // SCRAPE_S)
     per_pool_throughput = np.zeros(n)
+    # The router's rebalancing state per pool (RouterState: Pool.draining, Pool.balanced_count).
+    draining = [False] * n
+    balanced = ready.copy()
+    rebalanced = 0.0
+    samples["sessions"] = []
 
     def set_replicas(i: int, target: int, now: float) -> None:
         current = int(desired[i])
@@ -268,10 +303,7 @@ def simulate_run(
                 del starting[i][-drop:]
             kill = remove - drop
             if kill:
-                lost = sessions[i] * kill / max(ready[i], 1)
-                _take(session_versions[i], lost)
-                sessions[i] -= lost
-                ready[i] -= kill
+                ready[i] -= kill  # its sessions stay in the pool (see the rebalancing below)
         desired[i] = target
         actions.append((now, pools[i].name, current, target))
 
@@ -284,10 +316,7 @@ def simulate_run(
             nodes[spot] = max(0, math.floor(have * (1 - run.loss_fraction)))
             if ready[spot] > nodes[spot]:
                 kill = int(ready[spot] - nodes[spot])
-                lost = sessions[spot] * kill / max(ready[spot], 1)
-                _take(session_versions[spot], lost)
-                sessions[spot] -= lost
-                ready[spot] -= kill
+                ready[spot] -= kill  # their sessions stay in the pool, for the router to rebalance
                 starting[spot] = [math.inf] * kill + [s for s in starting[spot]]
                 starting[spot].sort()
             room = int(nodes[spot] - ready[spot])
@@ -313,6 +342,10 @@ def simulate_run(
                     sessions[j] += moved * share[j]
                     for v, c in cohort:
                         _put(session_versions[j], v, c * share[j])
+            # ...and a pool that lost ready replicas sheds by the router's own rule
+            shed = _rebalance(sessions, session_versions, ready, ready_cap, names, draining, balanced)
+            if recording:
+                rebalanced += shed
         # the rollout: new sessions under the concurrency and the back-pressure
         in_flight = float(sessions.sum())
         room = min(run.concurrency - in_flight, run.max_steps_ahead * run.step_size - buffered - in_flight)
@@ -324,7 +357,10 @@ def simulate_run(
         # generation
         length = np.interp(max(now, 0), [0, run.hours * 3600], run.tokens_per_trajectory) * noise[tick // 60]
         done = np.zeros(n)
-        if now >= pause_until:
+        # Whether this second is a weight update's: read before the trainer below may start one,
+        # so the second that generated is not billed as paused too.
+        paused = now < pause_until
+        if not paused:
             busy = np.minimum(1.0, sessions / np.maximum(ready_cap * run.sessions_per_capacity, 1e-9))
             tokens = ready_cap * run.tokens_per_s_per_capacity * busy
             progress += tokens / length
@@ -343,7 +379,8 @@ def simulate_run(
         if trainer_busy_until is not None and now >= trainer_busy_until:
             trainer_busy_until = None
             version += 1
-            pause_until = now + run.weight_update_s
+            # This second generated already: the pause is the next weight_update_s seconds.
+            pause_until = now + 1 + run.weight_update_s
             all_steps.append(now)
             if recording:
                 steps += 1
@@ -369,7 +406,7 @@ def simulate_run(
         if recording:
             cost += float((billed * price).sum())
             billed_capacity_s += float((billed * cap).sum())
-            if now < pause_until:
+            if paused:
                 paused_capacity_s += float((billed * cap).sum())
             used = int((desired * gpus).sum())
             gpus_max = max(gpus_max, used)
@@ -410,6 +447,7 @@ def simulate_run(
             samples["replicas"].append(desired.copy())
             samples["cost_rate"].append(float((billed * price).sum() * 3600))
             samples["backlog"].append((buffered + float(sessions.sum())) / run.step_size)
+            samples["sessions"].append(sessions.copy())
     return RunResult(
         strategy=strategy.name,
         pools=names,
@@ -428,6 +466,9 @@ def simulate_run(
         backlog=np.array(samples["backlog"]),
         recommended_concurrency=recommended,
         loss_at_s=run.loss_at_s if spot is not None else None,
+        trainer_cost=run.trainer_gpus * run.trainer_price_per_gpu_hour * run.hours,
+        sessions=np.array(samples["sessions"]).reshape(len(samples["sessions"]), n),
+        sessions_rebalanced=rebalanced,
         extra={
             "dollars_per_capacity_hour": cost / max(billed_capacity_s, 1e-9) * 3600,
             "paused_share": paused_capacity_s / max(billed_capacity_s, 1e-9),
@@ -436,6 +477,51 @@ def simulate_run(
             "tokens_per_step": generated / max(steps, 1),
         },
     )
+
+
+def _rebalance(
+    sessions: np.ndarray,
+    versions: list[deque[list[float]]],
+    ready: np.ndarray,
+    ready_cap: np.ndarray,
+    names: tuple[str, ...],
+    draining: list[bool],
+    balanced: np.ndarray,
+) -> float:
+    """The router's rebalancing after a capacity loss, one second of it; returns the sessions moved.
+
+    The rule is the router's (``keeps_draining``, ``rebalance_destination``); the bookkeeping around
+    it is RouterState._shed_to's: a pool lost capacity when its ready replicas fell below the count it
+    had when it last held no more than its share, and that count is renewed whenever it does.
+    Sessions move one at a time to the pool furthest below its share, as the router moves them (at
+    each one's next request), until the rule says stop."""
+    total = float(sessions.sum())
+    if total <= 0 or ready_cap.sum() <= 0:
+        return 0.0
+    shares = dict(zip(names, (ready_cap / ready_cap.sum()).tolist(), strict=True))
+    moved = 0.0
+    for i, name in enumerate(names):
+        fair = shares[name] * total
+        lost = bool(ready[i] < balanced[i])
+        draining[i] = keeps_draining(draining[i], round(sessions[i]), fair, lost)
+        if not draining[i]:
+            if sessions[i] <= fair + 1e-9:
+                balanced[i] = ready[i]
+            continue
+        while draining[i]:
+            held = {other: round(sessions[k]) for k, other in enumerate(names)}
+            destination = rebalance_destination(held, shares, name)
+            if destination is None:
+                break
+            j = names.index(destination)
+            step = min(1.0, float(sessions[i]))
+            for v, c in _take(versions[i], step):
+                _put(versions[j], v, c)
+            sessions[i] -= step
+            sessions[j] += step
+            moved += step
+            draining[i] = keeps_draining(True, round(sessions[i]), fair, lost)
+    return moved
 
 
 def _recent(log: list[float], now: float) -> list[float]:
