@@ -20,6 +20,8 @@ to their compute.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -38,8 +40,9 @@ from mixrl.rl.engine.attention import ENGINE_ATTENTION
 _ATTENTION = ("sdpa", ENGINE_ATTENTION)
 
 
-def supports_decode_step(model: nn.Module) -> bool:
-    """Whether :func:`decode_step` computes exactly what ``model(...)`` does for ``model``."""
+def supports_decode_step(module: nn.Module) -> bool:
+    """Whether :func:`decode_step` computes exactly what ``model(...)`` does for ``module``."""
+    model: Any = module  # transformers' submodules are untyped attributes
     if type(model) is not Qwen3ForCausalLM or model.training:
         return False
     config = model.config
@@ -73,10 +76,11 @@ def supports_decode_step(model: nn.Module) -> bool:
 
 
 @torch.inference_mode()
-def decode_step(model: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, cache: Cache) -> Tensor:
+def decode_step(module: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor, cache: Cache) -> Tensor:
     """``model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
     logits_to_keep=1).logits[:, -1].float()`` for one token per row (``ids`` [B, 1]; ``mask`` [B, L]
     covers the cache and the fed token), for a model :func:`supports_decode_step` accepts."""
+    model: Any = module  # transformers' submodules are untyped attributes
     inner = model.model
     batch = int(ids.shape[0])
     # [B, hidden]: one token per row, so the linear layers get 2-D inputs (what a 3-D one is folded
