@@ -17,7 +17,7 @@ Targets:
   cached decoding             >= 10x the uncached speed at 256 generated tokens (batch 1, judged after
                               a 512-token prompt and shown after a 128-token one too: the speed-up
                               grows with context, and below ~300 tokens of context this small model's
-                              fixed per-step cost in transformers (~4-6 ms of Python) caps it; batch 16
+                              fixed per-step cost (the decode step's Python and small kernels) caps it; batch 16
                               is compared over --cache-tokens-b16 tokens, its uncached run being slow)
 
 Prefix cache (``--only prefix-cache``, or after the above in a full run): agent episodes of
