@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections import deque
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -201,16 +202,37 @@ def test_a_pool_that_lost_most_of_its_replicas_sheds_sessions_by_the_routers_rul
 
 
 def test_without_the_routers_rule_the_lost_pools_sessions_stay_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The model calls the router's rule (mixrl.rl.router.shares.keeps_draining), not a copy: with
-    it switched off, the dead replicas' sessions stay in their pool (they are not dropped)."""
-    from mixrl.operator.autoscaling import trainer_sim
+    """The model calls the router's rule (mixrl.rl.router.shares.keeps_draining, through the
+    router's drain_step), not a copy: with it switched off where the router defines it, the dead
+    replicas' sessions stay in their pool (they are not dropped)."""
+    from mixrl.rl.router import shares
 
-    monkeypatch.setattr(trainer_sim, "keeps_draining", lambda *_: False)
+    monkeypatch.setattr(shares, "keeps_draining", lambda *_: False)
     lossy = replace(RUN, hours=1.0, warmup_s=1200, spot_pool="spot", loss_at_s=1800.0, loss_fraction=0.75)
     result = simulate_run(POOLS, lossy, static(FLEET), sample_every_s=10)
     held, share = _share_after_loss(result, lossy)
     assert held > REBALANCE_START * share
     assert result.sessions_rebalanced == 0
+
+
+def test_a_pool_that_grew_while_over_its_share_and_fell_back_has_lost_capacity() -> None:
+    """The balanced count rises with the ready replicas, as the router's share refresh raises it
+    (mixrl.rl.router.shares.balanced_after_refresh): a pool that grew 2 → 4 while holding more than
+    its share and then fell back to 2 lost capacity, although it is back at its old count."""
+    from mixrl.operator.autoscaling.trainer_sim import _rebalance
+
+    names = ("a", "b")
+    sessions = np.array([60.0, 40.0])
+    versions = [deque([[0.0, 60.0]]), deque([[0.0, 40.0]])]
+    draining, balanced = [False, False], np.array([2, 4])  # a had 2 when last at its share
+    ready = np.array([4, 4])  # a grew to 4 while holding 60 of 100 (over its half)
+    assert _rebalance(sessions, versions, ready, ready * 1.0, names, draining, balanced) == 0
+    assert balanced.tolist() == [4, 4]
+    ready = np.array([2, 4])  # ...and lost 2: 60 held against a share of 33.3 (1.8×)
+    moved = _rebalance(sessions, versions, ready, ready * 1.0, names, draining, balanced)
+    assert moved > 0
+    assert sessions[0] <= REBALANCE_STOP * 100 / 3 + 1
+    assert sessions.sum() == pytest.approx(100.0)
 
 
 def test_a_small_loss_below_the_routers_start_moves_no_session() -> None:

@@ -14,7 +14,9 @@ from mixrl.rl.router.shares import (
     PeakThroughput,
     PoolCapacity,
     ShareScheduler,
+    balanced_after_refresh,
     capacity_per_replica,
+    drain_step,
     target_shares,
 )
 from mixrl.rl.router.state import RouterState
@@ -170,3 +172,21 @@ def test_scheduler_discrepancy_stays_below_one_session_per_pool(
 def test_scheduler_with_no_share_returns_none() -> None:
     scheduler = ShareScheduler({"a": 0.0, "b": 0.0})
     assert scheduler.next_pool() is None
+
+
+def test_drain_step_counts_a_loss_from_the_last_balanced_count() -> None:
+    # 8 ready when last at its share, 4 now, 60 held against a fair 30 (2×): it lost and drains,
+    # and the count it lost from stays while it drains.
+    assert drain_step(False, 8, 4, 60, 30.0) == (True, 8)
+    # The same excess without a loss (4 of 4): no drain, and over its share the count stays.
+    assert drain_step(False, 4, 4, 60, 30.0) == (False, 4)
+    # Down to 1.1× its share: it stops, still over its share, so the count stays at 8 ...
+    assert drain_step(True, 8, 4, 33, 30.0) == (False, 8)
+    # ... and at its share what it has now is the new normal: a later loss counts from 4.
+    assert drain_step(False, 8, 4, 30, 30.0) == (False, 4)
+    assert drain_step(False, 4, 3, 60, 30.0) == (True, 4)
+
+
+def test_the_balanced_count_rises_with_the_ready_replicas_and_never_falls_on_a_refresh() -> None:
+    assert balanced_after_refresh(4, 6) == 6
+    assert balanced_after_refresh(6, 2) == 6

@@ -9,10 +9,11 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
   and keeps them there, moving a pool's sessions when it has no ready replica.  The sessions of a
   replica that dies or is removed stay in its pool (the router binds them to another of its ready
   replicas), so a pool that lost replicas holds more than its share; each second the model asks
-  the router's own rule (``mixrl.rl.router.shares.keeps_draining``, the pool furthest below its
-  share from ``rebalance_destination``) whether the pool sheds, and moves sessions one at a time
-  while it says so: from 1.5× its share after a loss down to 1.1×.  The router moves a session at
-  its next request; the model moves it at once.
+  the router's own rule (``mixrl.rl.router.shares.drain_step``: ``keeps_draining`` with its
+  capacity-loss bookkeeping; the pool furthest below its share from ``rebalance_destination``)
+  whether the pool sheds, and moves sessions one at a time while it says so: from 1.5× its share
+  after a loss down to 1.1×.  The router moves a session at its next request; the model moves it
+  at once.
 - **Samplers**: a ready replica of capacity ``c`` generates ``tokens_per_s_per_capacity · c``
   tokens/s while it has at least ``sessions_per_capacity · c`` sessions, proportionally less with
   fewer; a trajectory needs ``tokens_per_trajectory`` tokens, which grows linearly over the run
@@ -63,7 +64,7 @@ from mixrl.operator.autoscaling.policy import (
     decide,
     fleet_pending,
 )
-from mixrl.rl.router.shares import keeps_draining, rebalance_destination
+from mixrl.rl.router.shares import balanced_after_refresh, drain_step, rebalance_destination
 
 RATE_WINDOW_S = 300
 THROUGHPUT_WINDOW_S = 300
@@ -490,11 +491,14 @@ def _rebalance(
 ) -> float:
     """The router's rebalancing after a capacity loss, one second of it; returns the sessions moved.
 
-    The rule is the router's (``keeps_draining``, ``rebalance_destination``); the bookkeeping around
-    it is RouterState._shed_to's: a pool lost capacity when its ready replicas fell below the count it
-    had when it last held no more than its share, and that count is renewed whenever it does.
-    Sessions move one at a time to the pool furthest below its share, as the router moves them (at
-    each one's next request), until the rule says stop."""
+    The rule and its bookkeeping are the router's, called, not copied: ``balanced_after_refresh``
+    (``balanced`` rises with ``ready``: the router's share refresh, which sees every change of
+    ``ready``; this runs every second, after them), ``drain_step`` (``keeps_draining`` with the
+    capacity loss counted from ``balanced``, as ``RouterState._shed_to`` calls it) and
+    ``rebalance_destination``.  Sessions move one at a time to the pool furthest below its share, as
+    the router moves them (at each one's next request), until the rule says stop."""
+    for i in range(len(names)):
+        balanced[i] = balanced_after_refresh(int(balanced[i]), int(ready[i]))
     total = float(sessions.sum())
     if total <= 0 or ready_cap.sum() <= 0:
         return 0.0
@@ -502,12 +506,9 @@ def _rebalance(
     moved = 0.0
     for i, name in enumerate(names):
         fair = shares[name] * total
-        lost = bool(ready[i] < balanced[i])
-        draining[i] = keeps_draining(draining[i], round(sessions[i]), fair, lost)
-        if not draining[i]:
-            if sessions[i] <= fair + 1e-9:
-                balanced[i] = ready[i]
-            continue
+        draining[i], balanced[i] = drain_step(
+            draining[i], int(balanced[i]), int(ready[i]), round(sessions[i]), fair
+        )
         while draining[i]:
             held = {other: round(sessions[k]) for k, other in enumerate(names)}
             destination = rebalance_destination(held, shares, name)
@@ -520,7 +521,10 @@ def _rebalance(
             sessions[i] -= step
             sessions[j] += step
             moved += step
-            draining[i] = keeps_draining(True, round(sessions[i]), fair, lost)
+            # The router looks again at the next session's request (ready and the total unchanged).
+            draining[i], balanced[i] = drain_step(
+                True, int(balanced[i]), int(ready[i]), round(sessions[i]), fair
+            )
     return moved
 
 

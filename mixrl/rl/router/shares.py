@@ -169,3 +169,26 @@ def rebalance_destination(held: Mapping[str, int], shares: Mapping[str, float], 
         if below > room:
             best, room = name, below
     return best
+
+
+def balanced_after_refresh(balanced: int, ready: int) -> int:
+    """A pool's balanced count once a share refresh counted ``ready`` ready replicas.
+
+    The balanced count is its ready replicas when it last held no more than its share of the live
+    sessions; it rises with every rise of ``ready`` (a pool that grew and then fell back has lost
+    replicas even if it never got down to its share in between) and falls only in
+    :func:`drain_step`."""
+    return max(balanced, ready)
+
+
+def drain_step(draining: bool, balanced: int, ready: int, held: int, fair: float) -> tuple[bool, int]:
+    """One look at a pool: :func:`keeps_draining` with the capacity-loss bookkeeping around it.
+
+    ``balanced``: its balanced count (:func:`balanced_after_refresh`); it lost capacity when
+    ``ready`` is below it.  ``held`` and ``fair`` as for :func:`keeps_draining`.  Returns whether
+    it drains now and its balanced count after this look: a pool that does not drain and holds at
+    most its share takes what it has now as the new normal (a later loss is counted from there)."""
+    draining = keeps_draining(draining, held, fair, ready < balanced)
+    if not draining and held <= fair + 1e-9:
+        balanced = ready
+    return draining, balanced

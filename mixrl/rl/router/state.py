@@ -29,7 +29,8 @@ from mixrl.rl.router.shares import (
     PeakThroughput,
     PoolCapacity,
     ShareScheduler,
-    keeps_draining,
+    balanced_after_refresh,
+    drain_step,
     rebalance_destination,
     target_shares,
 )
@@ -77,8 +78,10 @@ class Pool:
     """Ready replicas, as of the last share refresh."""
     balanced_count: int = 0
     """Its ready replicas when it last held no more than its share of the sessions (raised with
-    every rise): below it, the pool has lost replicas since.  Counted in replicas, not capacity: a
-    measured capacity's wobble, or a capacity set lower, is no loss of nodes."""
+    every rise): below it, the pool has lost replicas since (the rule:
+    :func:`~mixrl.rl.router.shares.balanced_after_refresh`, :func:`~mixrl.rl.router.shares.drain_step`).
+    Counted in replicas, not capacity: a measured capacity's wobble, or a capacity set lower, is no
+    loss of nodes."""
     replica_failures: int = 0
     """Times a replica of this pool was found unreachable by a request."""
     requests: int = 0
@@ -219,7 +222,7 @@ class RouterState:
         capacities = self.capacities()
         for name, pool in self.pools.items():
             pool.ready_count = capacities[name].ready_replicas
-            pool.balanced_count = max(pool.balanced_count, pool.ready_count)
+            pool.balanced_count = balanced_after_refresh(pool.balanced_count, pool.ready_count)
         shares = target_shares(capacities)
         if self.health:  # mismatch-aware routing: capacity × health (mixrl.rl.health.routing)
             shares = health_weighted_shares(shares, self.health)
@@ -291,11 +294,10 @@ class RouterState:
         share = self.scheduler.shares.get(pool.name, 0.0)
         fair = share * total
         held = self.held[pool.name]
-        lost = pool.ready_count < pool.balanced_count
-        pool.draining = keeps_draining(pool.draining, held, fair, lost)
+        pool.draining, pool.balanced_count = drain_step(
+            pool.draining, pool.balanced_count, pool.ready_count, held, fair
+        )
         if not pool.draining:
-            if held <= fair + 1e-9:  # at or below its share: what it has now is the new normal
-                pool.balanced_count = pool.ready_count
             return None
         if live:
             bound = sum(r.sessions for r in pool.ready_replicas())
