@@ -167,3 +167,9 @@ you pay.  Only the ratios between pools matter to the ordering (cheapest through
 def default_price(gpu_type: str) -> float:
     """The assumed price of one GPU-hour of ``gpu_type`` (:data:`DEFAULT_PRICE_PER_GPU_HOUR`)."""
     return DEFAULT_PRICE_PER_GPU_HOUR[gpu_type]
+
+
+def price_per_gpu_hour(gpu_type: str, cost_per_gpu_hour: float | None) -> float:
+    """What one GPU-hour of a pool is billed at: its ``costPerGpuHour``, else
+    :func:`default_price` of its GPU type (the autoscaling loop's fill and the simulator alike)."""
+    return cost_per_gpu_hour if cost_per_gpu_hour is not None else default_price(gpu_type)

@@ -110,6 +110,42 @@ def test_fleet_from_the_mixed_example() -> None:
     assert policies["b200-nvfp4"].target_per_replica == pytest.approx(16 * 3.2)
 
 
+def test_a_pool_without_a_price_is_priced_as_the_loop_prices_it(tmp_path: Path) -> None:
+    """No costPerGpuHour: the default table of its GPU type (mixrl.api.gpus.price_per_gpu_hour,
+    the rule the autoscaling loop prices its fill by), not a refusal; a stated price still wins."""
+    from mixrl.api.gpus import default_price
+
+    text = Path("examples/rlrun-mixed.yaml").read_text()
+    unpriced = "minReplicas: 0, maxReplicas: 8, costPerGpuHour: 1.2}"  # a100-bf16
+    assert text.count(unpriced) == 1
+    text = text.replace(unpriced, "minReplicas: 0, maxReplicas: 8}")
+    text = text.replace("costPerGpuHour: 6.0}", "costPerGpuHour: 7.25}")  # b200-nvfp4
+    spec = tmp_path / "rlrun.yaml"
+    spec.write_text(text)
+    prices = {p.name: p.cost_per_gpu_hour for p in fleet_from_spec(str(spec))[0]}
+    assert prices["a100-bf16"] == default_price("A100")
+    assert prices["b200-nvfp4"] == 7.25
+    assert (
+        main(
+            [
+                str(spec),
+                "--scenario",
+                "step",
+                "--sessions",
+                "40",
+                "--hours",
+                "0.1",
+                "--quiet",
+                "--strategies",
+                "mixrl",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 0
+    )
+
+
 def test_cli_writes_summary_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         ["--scenario", "step", "--sessions", "150", "--hours", "0.5", "--out", str(tmp_path), "--quiet"]

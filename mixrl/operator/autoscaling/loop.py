@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from mixrl.api.gpus import default_price
+from mixrl.api.gpus import price_per_gpu_hour
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
@@ -545,9 +545,7 @@ class AutoscalingLoop(Ticker):
             per_replica = await self._value(
                 run, pool_rate_per_replica_query(run.namespace, run.name, pool.name)
             )
-            price = (
-                pool.cost_per_gpu_hour if pool.cost_per_gpu_hour is not None else default_price(pool.gpu_type)
-            )
+            price = price_per_gpu_hour(pool.gpu_type, pool.cost_per_gpu_hour)
             views.append(
                 FleetPool(
                     pool.name,

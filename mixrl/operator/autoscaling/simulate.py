@@ -83,22 +83,24 @@ def day_sessions(peak: int, rng: np.random.Generator, seconds: int = 86400) -> n
 
 
 def fleet_from_spec(path: str) -> tuple[list[FleetPool], PolicyConfig, dict[str, PolicyConfig], str]:
-    """The pools of an RLRun file and their mixrl policies (plus the run's name)."""
+    """The pools of an RLRun file and their mixrl policies (plus the run's name).
+
+    A pool without ``costPerGpuHour`` is priced as the autoscaling loop prices it
+    (:func:`mixrl.api.gpus.price_per_gpu_hour`: the default table of its GPU type)."""
+    from mixrl.api.gpus import price_per_gpu_hour
     from mixrl.api.loader import load_rlrun
     from mixrl.api.resolve import resolve
 
     resolved = resolve(load_rlrun(path))
     pools, configs = [], {}
     for pool in resolved.pools:
-        if pool.cost_per_gpu_hour is None:
-            raise ValueError(f"{path}: samplerPools {pool.name}: costPerGpuHour is needed to simulate costs")
         pools.append(
             FleetPool(
                 name=pool.name,
                 gpu_type=pool.gpu_type,
                 capacity=pool.capacity or 1.0,
                 gpus_per_replica=max(pool.gpus_per_replica, 1),
-                cost_per_gpu_hour=pool.cost_per_gpu_hour,
+                cost_per_gpu_hour=price_per_gpu_hour(pool.gpu_type, pool.cost_per_gpu_hour),
                 min_replicas=pool.min_replicas,
                 max_replicas=pool.max_replicas,
                 cold_start_s=COLD_START_S[pool.gpu_type],
