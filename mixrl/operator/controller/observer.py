@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from mixrl.api.errors import InvalidSpec
-from mixrl.api.gpus import default_price
+from mixrl.api.gpus import default_price, price_per_gpu_hour
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
@@ -296,9 +296,7 @@ class StatusObserver(Ticker):
             for body in pool_bodies
         }
         for pool in resolved.pools:
-            price = (
-                pool.cost_per_gpu_hour if pool.cost_per_gpu_hour is not None else default_price(pool.gpu_type)
-            )
+            price = price_per_gpu_hour(pool.gpu_type, pool.cost_per_gpu_hour)
             gpus = existing.get(pool.name, 0) * pool.gpus_per_replica
             memory.spends[pool.name] = memory.spends.get(pool.name, Spend()).accrue(gpus, price, now)
         trainer = resolved.trainer.spec

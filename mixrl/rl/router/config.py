@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from mixrl.api.gpus import default_price
+from mixrl.api.gpus import price_per_gpu_hour
 from mixrl.api.resolve import ResolvedRun
 
 
@@ -109,11 +109,7 @@ def from_resolved_run(
                     replicas=listed.get(pool.name, ()),
                     service=f"{pool.object_name}{suffix}",
                     gpus_per_replica=pool.gpus_per_replica,
-                    price_per_gpu_hour=(
-                        pool.cost_per_gpu_hour
-                        if pool.cost_per_gpu_hour is not None
-                        else default_price(pool.gpu_type)
-                    ),
+                    price_per_gpu_hour=price_per_gpu_hour(pool.gpu_type, pool.cost_per_gpu_hour),
                 )
             )
         except ValidationError as exc:
