@@ -17,6 +17,7 @@ when a fill finds the concurrency enough.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -67,6 +68,10 @@ def test_the_operator_writes_the_recommended_concurrency_only_when_it_changes(
     def replicas() -> int:
         return int(cluster.get(f"sp/{name}-{CHEAP}", "-n", namespace)["spec"]["replicas"])
 
+    def set_concurrency(sessions_per_worker: int) -> None:
+        patch = {"spec": {"rollout": {"concurrency": sessions_per_worker}}}
+        cluster.kubectl("patch", f"rlrun/{name}", "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+
     def explained(*args: Any, **kwargs: Any) -> Any:
         try:
             return wait_for(*args, **kwargs)
@@ -112,15 +117,7 @@ def test_the_operator_writes_the_recommended_concurrency_only_when_it_changes(
 
         # 3. The configured concurrency changes (4 workers × 8 = 32, still short of one replica's
         # 3.2 units): rewritten, the sessions figure the same within the tolerance.
-        cluster.kubectl(
-            "patch",
-            f"rlrun/{name}",
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            '{"spec":{"rollout":{"concurrency":8}}}',
-        )
+        set_concurrency(8)
         second = explained(
             lambda: (r := recommendation()) is not None and r.get("configured") == 32 and r,
             timeout=60,
@@ -131,15 +128,7 @@ def test_the_operator_writes_the_recommended_concurrency_only_when_it_changes(
 
         # 4. Enough concurrency (4 × 64 = 256 sessions keep 16 units busy, the demand needs 12.2):
         # the fill sizes the fleet and the recommendation is cleared.
-        cluster.kubectl(
-            "patch",
-            f"rlrun/{name}",
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            '{"spec":{"rollout":{"concurrency":64}}}',
-        )
+        set_concurrency(64)
         explained(lambda: recommendation() is None, timeout=60, what="the recommendation cleared")
         explained(
             replicas,
