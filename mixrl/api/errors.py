@@ -124,9 +124,12 @@ def problems_from_validation_error(exc: ValidationError) -> list[Problem]:
     problems: list[Problem] = []
     for error in exc.errors(include_url=False):
         loc: list[str | int] = []
-        for part in error["loc"]:
-            # Tagged unions and function validators insert non-field segments; drop them.
-            if isinstance(part, str) and ("[" in part or part.startswith("function-")):
+        parts = error["loc"]
+        for index, part in enumerate(parts):
+            # Tagged unions and function validators insert non-field segments; drop them.  An
+            # unknown field's own name (the last segment) is the user's key, whatever it spells.
+            user_key = error["type"] == "extra_forbidden" and index == len(parts) - 1
+            if isinstance(part, str) and not user_key and ("[" in part or part.startswith("function-")):
                 continue
             loc.append(part)
         if error["type"] == "mixrl_field":

@@ -298,6 +298,15 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         at("spec", "x" * 1000, value=1),
         f"spec[{'x' * 60!r}... (1000 characters)]: unknown field (check the spelling; unknown fields are rejected)",
     ),
+    # an unknown key that looks like one of pydantic's own location segments is still named
+    "unknown-field-a-bracket": (
+        at("[", value=0),
+        "['[']: unknown field (check the spelling; unknown fields are rejected)",
+    ),
+    "unknown-field-like-a-validator": (
+        at("spec", "trainer", "function-after[x]", value=0),
+        "spec.trainer['function-after[x]']: unknown field (check the spelling; unknown fields are rejected)",
+    ),
     "integer-key": (at("spec", "trainer", 7, value=1), "spec.trainer[7]: keys must be strings"),
     "model-a-list": (at("spec", "model", value=["tiny:qwen3"]), "spec.model: expected a mapping, got a list"),
     "model-path-empty": (
