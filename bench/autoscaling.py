@@ -16,8 +16,8 @@ Strategies, all in the same run on the same seed: ``mixrl`` (``objective: traine
 (mixrl's per-replica policy, ``objective: queue``), ``keda`` (KEDA as HPA computes an External
 AverageValue) and ``static`` (a fleet sized to the trainer at the start, cheapest capacity first:
 the AReaL / verl way).  ``moved``: sessions the router's rebalancing moved off a pool that lost
-replicas (its own rule, ``mixrl.rl.router.shares.keeps_draining``).  Two costs per step: the samplers' alone, and the run's total with the
-trainer's GPUs (4 nodes × 8 H200 at the default table's price, billed fed or idle).  Targets: on the
+replicas (its own rule, ``mixrl.rl.router.shares.drain_step``).  Two costs per step: the
+samplers' alone, and the run's total with the trainer's GPUs (4 nodes × 8 H200 at the default table's price, billed fed or idle).  Targets: on the
 steady runs ``mixrl`` costs at most 1.05× static's sampler dollars per step at ≥ 0.95× its steps/h
 with 0 reversals; on the changing runs it makes more steps/h than static at a lower total (trainer +
 sampler) cost per step.

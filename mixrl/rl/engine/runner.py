@@ -23,7 +23,8 @@ under older weights is not cached when it finishes, so keys and values of one ve
 reused under another.
 
 The runner switches its model to the engine's attention (:mod:`mixrl.rl.engine.attention`:
-transformers' SDPA, bit-identical, without copying the keys and values per query head), and runs
+transformers' SDPA without copying the keys and values per query head; bit-identical except an
+unpadded decode step, equal to ~1e-7), and runs
 decode steps of a dense Qwen3 through :func:`~mixrl.rl.engine.decode.decode_step` (the same
 computation, bit-identical, without transformers' per-step Python).
 
