@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Build the pinned binaries of the local Kubernetes test bed from Go modules, into a cache outside
 # the repository (reused when present):
-#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl  (k8s.io/kubernetes)
+#   kube-apiserver, kube-controller-manager, kube-scheduler, kubectl,
+#   kubelet, kube-proxy (the bed's real node)                          (k8s.io/kubernetes)
 #   etcd                                                               (go.etcd.io/etcd/server/v3)
 #   kwok                                                               (sigs.k8s.io/kwok)
 #   helm                                                               (helm.sh/helm/v3)
+#   coredns (Service DNS for the real node's pods)                     (github.com/coredns/coredns)
 # Prints the bin directory on its last line. Environment:
 #   MIXRL_CACHE   cache root (default ~/.cache/mixrl); binaries land in $MIXRL_CACHE/k8s/<versions>/bin
 #   GOFLAGS etc.  passed through to go
@@ -14,6 +16,7 @@ K8S_VERSION=v1.37.2      # k8s.io/kubernetes; its staging modules are v0.<minor>
 ETCD_VERSION=v3.6.16     # go.etcd.io/etcd/server/v3 (the API server of 1.37 wants etcd >= 3.5)
 KWOK_VERSION=v0.8.0      # sigs.k8s.io/kwok
 HELM_VERSION=v3.22.0     # helm.sh/helm/v3
+COREDNS_VERSION=v1.15.0  # github.com/coredns/coredns
 
 # Kubernetes' go.mod replaces each of these by ./staging/src/...; outside its repository every one is
 # pinned to the matching published version instead (the usual way to build it as a dependency).
@@ -24,12 +27,12 @@ kms kube-aggregator kube-controller-manager kube-proxy kube-scheduler kubectl ku
 mount-utils pod-security-admission sample-apiserver sample-cli-plugin sample-controller streaming"
 
 # Bump when the build recipe changes (flags, stamping), so cached binaries are rebuilt.
-RECIPE=2
+RECIPE=3
 
 CACHE=${MIXRL_CACHE:-$HOME/.cache/mixrl}
-ROOT="$CACHE/k8s/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION-r$RECIPE"
+ROOT="$CACHE/k8s/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION-helm-$HELM_VERSION-coredns-$COREDNS_VERSION-r$RECIPE"
 BIN="$ROOT/bin"
-BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm"
+BINARIES="kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy etcd kwok helm coredns"
 
 log() { echo "k8s-bin: $*" >&2; }
 fail() { echo "k8s-bin: $*" >&2; exit 1; }
@@ -63,7 +66,7 @@ built() {
 }
 
 k8s_wanted=""
-for b in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy; do
   case " $missing " in *" $b "*) k8s_wanted="$k8s_wanted $b" ;; esac
 done
 if [ -n "$k8s_wanted" ]; then
@@ -121,6 +124,7 @@ install_plain() {
 }
 case " $missing " in *" kwok "*) install_plain kwok sigs.k8s.io/kwok/cmd/kwok "$KWOK_VERSION" ;; esac
 case " $missing " in *" helm "*) install_plain helm helm.sh/helm/v3/cmd/helm "$HELM_VERSION" ;; esac
+case " $missing " in *" coredns "*) install_plain coredns github.com/coredns/coredns "$COREDNS_VERSION" ;; esac
 
 for b in $BINARIES; do [ -x "$BIN/$b" ] || fail "$b is missing from $BIN after the build"; done
 log "all binaries ready in $(($(date +%s) - started)) s"

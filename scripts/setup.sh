@@ -67,3 +67,22 @@ if [ "${MIXRL_SKIP_BWRAP:-0}" != 1 ] && ! command -v bwrap >/dev/null; then
       || echo "setup: could not install bubblewrap; the tests that need it will fail"
   fi
 fi
+
+# The test bed's real node (mixrl/devcluster/node.py, docs/dev-cluster.md): Debian's containerd,
+# runc, CNI plugins, nftables, conntrack and a static busybox (the pause and shell images); buildah
+# and mmdebstrap build the project's images without a registry (scripts/images.sh).
+real_node_pkgs="containerd runc containernetworking-plugins nftables conntrack busybox-static buildah mmdebstrap"
+if [ "${MIXRL_SKIP_REAL_NODE:-0}" != 1 ]; then
+  absent=""
+  for pkg in $real_node_pkgs; do dpkg -s "$pkg" >/dev/null 2>&1 || absent="$absent $pkg"; done
+  if [ -n "$absent" ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "setup: installing Debian's$absent (for the test bed's real node)"
+      # shellcheck disable=SC2086  # the package list is meant to split
+      (apt-get install -y -qq $absent >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $absent >/dev/null 2>&1; }) \
+        || echo "setup: could not install$absent; the real-node tests will fail"
+    else
+      echo "setup: the real-node tests need Debian's$absent (install them as root); they will fail without"
+    fi
+  fi
+fi

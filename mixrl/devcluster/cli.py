@@ -1,6 +1,7 @@
 """``mixrl dev-cluster up|down|status``: a real Kubernetes control plane on this machine.
 
     mixrl dev-cluster up                      # etcd, API server, controller-manager, scheduler, KWOK
+    mixrl dev-cluster up --real-nodes 1       # … and a real CPU node where pods run (as root)
     export KUBECONFIG=~/.cache/mixrl/dev-cluster/kubeconfig
     kubectl get nodes -L nvidia.com/gpu.product
     mixrl dev-cluster down                    # stops everything, removes the cluster's data
@@ -30,6 +31,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="node groups <gpuType>=<nodes>[x<gpusPerNode>], comma-separated, or a file holding them "
         f"(default {DEFAULT_FLEET})",
     )
+    up.add_argument(
+        "--real-nodes",
+        type=int,
+        default=0,
+        help="real CPU nodes (kubelet, containerd, kube-proxy; needs root) beside the KWOK fleet, "
+        "so pods really run (default 0)",
+    )
     up.add_argument("--volumes", type=int, default=8, help="pre-created PersistentVolumes (default 8)")
     up.add_argument("--timeout", type=float, default=90.0, help="seconds each component may take to start")
     commands.add_parser("down", help="stop every process and remove the cluster's data")
@@ -48,7 +56,7 @@ def main(argv: list[str]) -> int:
             if args.volumes < 0:
                 raise ValueError("--volumes: must be 0 or more")
             print(f"dev-cluster: starting in {cluster.dir} with {describe(groups)}")
-            cluster.up(groups, volumes=args.volumes, timeout=args.timeout)
+            cluster.up(groups, volumes=args.volumes, timeout=args.timeout, real_nodes=args.real_nodes)
             return 0
         if args.command == "down":
             cluster.down()

@@ -33,7 +33,9 @@ from pathlib import Path
 
 import yaml
 
+from mixrl.devcluster import images, node as real_node
 from mixrl.devcluster.fleet import KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, NodeGroup, fleet_nodes
+from mixrl.devcluster.network import HOST_IP, NETNS_DIR, Network, NetworkError, NodeAddress, node_addresses
 from mixrl.devcluster.stages import stages_yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +86,13 @@ class ClusterState:
     token: str
     ports: dict[str, int]
     pids: dict[str, int]
+    """Every process of the bed, in the order it started (``down`` stops them in reverse)."""
+    real_nodes: int = 0
+    address: str = "127.0.0.1"
+    """Where the API server listens: loopback, or the bed bridge's address when real nodes run."""
+    netns_before: list[str] | None = None
+    """The pod network namespaces that existed before the bed's nodes started (``down`` removes
+    only the ones its containerd made)."""
 
     @property
     def kubeconfig(self) -> Path:
@@ -104,21 +113,56 @@ def _openssl(*args: str, cwd: Path) -> None:
         raise ClusterError(f"openssl {args[0]} failed: {done.stderr.strip().splitlines()[-1:]}")
 
 
+PKI_VERSION = "2"
+"""Bump when the certificates below change (2: the bed bridge's address in the API server's names)."""
+
+
 def make_pki(pki: Path) -> None:
-    """A CA, the API server's serving certificate (loopback and in-cluster names) and the
-    service-account signing key pair."""
+    """A CA, the API server's serving certificate (loopback, the bed bridge's address and the
+    in-cluster names), its client certificate for the kubelets, and the service-account signing
+    key pair."""
     pki.mkdir(parents=True, exist_ok=True)
-    if (pki / "sa.pub").exists():
+    if (pki / "sa.pub").exists() and _read(pki / "version") == PKI_VERSION:
         return
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=mixrl-dev-ca",
              "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)  # fmt: skip
-    san = "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default.svc"
+    san = (f"subjectAltName=IP:127.0.0.1,IP:{HOST_IP},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+           "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver", "-addext", san,
              "-keyout", "apiserver.key", "-out", "apiserver.csr", cwd=pki)  # fmt: skip
     _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
              "-days", "3650", "-copy_extensions", "copyall", "-out", "apiserver.crt", cwd=pki)  # fmt: skip
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
+    # `kubectl logs/exec` go from the API server to the kubelet, which checks this client.
+    issue_certificate(pki, pki, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client")
+    (pki / "version").write_text(PKI_VERSION)
+
+
+def issue_certificate(ca_dir: Path, out: Path, name: str, subject: str, san: str | None = None) -> None:
+    """``<name>.crt``/``<name>.key`` in ``out``, signed by the bed's CA."""
+    out.mkdir(parents=True, exist_ok=True)
+    extra = ["-addext", f"subjectAltName={san}"] if san else []
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", subject, *extra,
+             "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=out)  # fmt: skip
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", str(ca_dir / "ca.crt"), "-CAkey", str(ca_dir / "ca.key"),
+             "-CAcreateserial", "-days", "3650", "-copy_extensions", "copyall", "-out", f"{name}.crt", cwd=out)  # fmt: skip
+
+
+def make_node_pki(bed: Path, node: NodeAddress) -> None:
+    """The node's serving certificate (its IP) and the clients of its kubelet and kube-proxy, as
+    Node authorization and the default RBAC expect them."""
+    ca, pki = bed / "pki", real_node.node_dir(bed, node) / "pki"
+    issue_certificate(ca, pki, "kubelet", f"/CN={node.name}", san=f"IP:{node.ip},DNS:{node.name}")
+    issue_certificate(ca, pki, "kubelet-client", f"/O=system:nodes/CN=system:node:{node.name}")
+    issue_certificate(ca, pki, "kube-proxy-client", "/CN=system:kube-proxy")
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 def kubeconfig(server: str, ca_file: Path, token: str, user: str = "admin") -> dict:
@@ -134,10 +178,23 @@ def kubeconfig(server: str, ca_file: Path, token: str, user: str = "admin") -> d
     }
 
 
-def component_commands(bin_dir: Path, run_dir: Path, ports: dict[str, int]) -> dict[str, list[str]]:
-    """The command line of every control-plane process (pure; ``up`` starts them in this order)."""
+def component_commands(
+    bin_dir: Path, run_dir: Path, ports: dict[str, int], address: str = "127.0.0.1"
+) -> dict[str, list[str]]:
+    """The command line of every control-plane process (pure; ``up`` starts them in this order).
+    ``address`` is where the API server listens: loopback for a KWOK-only bed, the bed bridge's
+    address when real nodes (and their pods) must reach it."""
     pki, kube = run_dir / "pki", str(run_dir / "kubeconfig")
     etcd = f"http://127.0.0.1:{ports['etcd']}"
+    loopback = address == "127.0.0.1"
+    # A loopback address cannot back the `kubernetes` Service; the bridge's can, as on a real cluster.
+    endpoints = ["--endpoint-reconciler-type=none"] if loopback else ["--endpoint-reconciler-type=lease"]
+    kubelet_client = [] if loopback else [
+        f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+        f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+        f"--kubelet-certificate-authority={pki / 'ca.crt'}",
+        "--kubelet-preferred-address-types=InternalIP",
+    ]  # fmt: skip
     return {
         "etcd": [
             str(bin_dir / "etcd"),
@@ -153,9 +210,10 @@ def component_commands(bin_dir: Path, run_dir: Path, ports: dict[str, int]) -> d
         "kube-apiserver": [
             str(bin_dir / "kube-apiserver"),
             f"--etcd-servers={etcd}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
-            "--endpoint-reconciler-type=none",  # a loopback address cannot back the kubernetes Service
+            f"--bind-address={address}",
+            f"--advertise-address={address}",
+            *endpoints,
+            *kubelet_client,
             f"--secure-port={ports['apiserver']}",
             f"--tls-cert-file={pki / 'apiserver.crt'}",
             f"--tls-private-key-file={pki / 'apiserver.key'}",
@@ -168,7 +226,7 @@ def component_commands(bin_dir: Path, run_dir: Path, ports: dict[str, int]) -> d
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             # The defaults (NamespaceLifecycle, LimitRanger, ServiceAccount, PodSecurity,
             # ResourceQuota, DefaultStorageClass, the admission webhooks…), named so a reader sees them.
-            "--enable-admission-plugins=NamespaceLifecycle,LimitRanger,ServiceAccount,PodSecurity,"
+            "--enable-admission-plugins=NamespaceLifecycle,LimitRanger,ServiceAccount,NodeRestriction,PodSecurity,"
             "DefaultStorageClass,DefaultTolerationSeconds,PersistentVolumeClaimResize,Priority,"
             "MutatingAdmissionWebhook,ValidatingAdmissionPolicy,ValidatingAdmissionWebhook,ResourceQuota",
             # Every request not made by the admin (the control plane's own components use the admin
@@ -233,8 +291,10 @@ AUDIT_POLICY = {
 }
 
 
-def storage_objects(volumes: int, size: str = "2Ti") -> list[dict]:
-    """A default StorageClass with no provisioner and pre-created PVs that claims bind to."""
+def storage_objects(volumes: int, size: str = "2Ti", volume_dir: Path | None = None) -> list[dict]:
+    """A default StorageClass with no provisioner and pre-created PVs that claims bind to.  With
+    ``volume_dir`` (a bed with real nodes) each PV is a directory there that pods really write;
+    without, the PVs are never mounted (no kubelet)."""
     objects: list[dict] = [
         {
             "apiVersion": "storage.k8s.io/v1",
@@ -262,7 +322,10 @@ def storage_objects(volumes: int, size: str = "2Ti") -> list[dict]:
                     "accessModes": ["ReadWriteOnce", "ReadWriteMany"],
                     "storageClassName": STORAGE_CLASS,
                     "persistentVolumeReclaimPolicy": "Delete",
-                    "hostPath": {"path": f"/tmp/mixrl-dev-volume-{index}"},  # never written: no kubelet
+                    "hostPath": {
+                        "path": str(volume_dir / str(index)) if volume_dir else f"/tmp/mixrl-dev-volume-{index}",
+                        "type": "Directory" if volume_dir else "DirectoryOrCreate",
+                    },
                 },
             }
         )
@@ -296,18 +359,24 @@ class Cluster:
         volumes: int = 8,
         timeout: float = 90.0,
         log: Callable[[str], None] = print,
+        real_nodes: int = 0,
     ) -> ClusterState:
+        """Start the control plane, the KWOK fleet ``groups`` and ``real_nodes`` real CPU nodes."""
         if any(self.running().values()):
             raise ClusterError(
                 f"a test bed is already running in {self.dir} (`mixrl dev-cluster down` first)"
             )
         started = time.monotonic()
         bin_dir = binaries_dir()
-        missing = [name for name in COMPONENTS if not (bin_dir / name).exists()]
+        wanted = COMPONENTS + (REAL_NODE_BINARIES if real_nodes else ())
+        missing = [name for name in wanted if not (bin_dir / name).exists()]
         if missing:
             raise ClusterError(
                 f"missing binaries in {bin_dir}: {', '.join(missing)} (run scripts/k8s-bin.sh)"
             )
+        nodes = node_addresses(real_nodes)
+        if nodes:
+            _check_real_node_host()
         shutil.rmtree(self.dir / "etcd", ignore_errors=True)  # a fresh cluster each time
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         make_pki(self.dir / "pki")
@@ -318,7 +387,8 @@ class Cluster:
             name: free_port()
             for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
         }
-        server = f"https://127.0.0.1:{ports['apiserver']}"
+        address = HOST_IP if nodes else "127.0.0.1"
+        server = f"https://{address}:{ports['apiserver']}"
         (self.dir / "kubeconfig").write_text(
             yaml.safe_dump(kubeconfig(server, self.dir / "pki" / "ca.crt", token))
         )
@@ -326,9 +396,18 @@ class Cluster:
         (self.dir / "kwok-stages.yaml").write_text(stages_yaml())
         (self.dir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
         (self.dir / "logs" / "audit.log").unlink(missing_ok=True)
-        state = ClusterState(str(self.dir), str(bin_dir), server, token, ports, {})
-        commands = component_commands(bin_dir, self.dir, ports)
+        state = ClusterState(str(self.dir), str(bin_dir), server, token, ports, {}, len(nodes), address)
+        commands = component_commands(bin_dir, self.dir, ports, address)
         try:
+            if nodes:
+                state.netns_before = _pod_netns()
+                self._save(state)
+                try:
+                    Network(self.dir / "network.json").up(nodes)
+                except NetworkError as exc:
+                    raise ClusterError(f"--real-nodes: building the bed's network failed: {exc}") from exc
+                log(f"dev-cluster: network {HOST_IP}/24 and {len(nodes)} node namespace(s) "
+                    f"({time.monotonic() - started:.1f} s)")  # fmt: skip
             self._start(state, "etcd", commands["etcd"])
             self._wait(state, "etcd", lambda: _http_ok(f"http://127.0.0.1:{ports['etcd']}/health"), timeout)
             self._start(state, "kube-apiserver", commands["kube-apiserver"])
@@ -336,16 +415,66 @@ class Cluster:
             log(f"dev-cluster: API server ready at {server} ({time.monotonic() - started:.1f} s)")
             for name in ("kube-controller-manager", "kube-scheduler", "kwok"):
                 self._start(state, name, commands[name])
-            nodes = fleet_nodes(groups)
-            self.kubectl(state, "create", "-f", "-", input=_yaml_list(nodes + storage_objects(volumes)))
-            self._wait(state, "kwok", lambda: self._ready_nodes(state) >= len(nodes), timeout)
+            fleet = fleet_nodes(groups)
+            volume_dir = self.dir / "volumes" if nodes else None
+            if volume_dir is not None:
+                for index in range(volumes):  # pods run as uid 1000: the directories are theirs to write
+                    (volume_dir / str(index)).mkdir(parents=True, exist_ok=True)
+                    os.chmod(volume_dir / str(index), 0o1777)
+            storage = storage_objects(volumes, volume_dir=volume_dir)
+            self.kubectl(state, "create", "-f", "-", input=_yaml_list(fleet + storage))
+            self._wait(state, "kwok", lambda: self._ready_nodes(state) >= len(fleet), timeout)
             self._wait(state, "kube-controller-manager", lambda: self._has_default_sa(state), timeout)
+            if nodes:
+                self._start_real_nodes(state, nodes, timeout, log)
         except BaseException:
             self.down(log=lambda _: None)
             raise
-        log(f"dev-cluster: {len(nodes)} nodes Ready in {time.monotonic() - started:.1f} s; "
+        real = f" ({len(nodes)} real)" if nodes else ""
+        log(f"dev-cluster: {len(fleet) + len(nodes)} nodes Ready{real} in {time.monotonic() - started:.1f} s; "
             f"export KUBECONFIG={state.kubeconfig}")  # fmt: skip
         return state
+
+    def _start_real_nodes(
+        self, state: ClusterState, nodes: list[NodeAddress], timeout: float, log: Callable[[str], None]
+    ) -> None:
+        """CoreDNS for the bed, then per node: containerd (with the bed's own images), the kubelet
+        and kube-proxy; returns once every node is Ready."""
+        started = time.monotonic()
+        bin_dir = Path(state.bin)
+        (self.dir / "Corefile").write_text(real_node.corefile(state.kubeconfig))
+        self._start(state, "coredns", [str(bin_dir / "coredns"), "-conf", str(self.dir / "Corefile")])
+        archives = []
+        for spec in images.node_images():
+            path = self.dir / "images" / (spec.reference.replace("/", "_").replace(":", "_") + ".tar")
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(images.oci_archive(spec))
+            archives.append(path)
+        for node in nodes:
+            make_node_pki(self.dir, node)
+            real_node.write_node_files(self.dir, node, state.server, images.PAUSE_IMAGE)
+            real_node.make_cgroups(node)
+            commands = real_node.node_commands(bin_dir, self.dir, node)
+            self._start(state, f"containerd-{node.index}", commands[f"containerd-{node.index}"])
+            socket = real_node.containerd_socket(self.dir, node)
+            self._wait(state, f"containerd-{node.index}", socket.exists, timeout)
+            for archive in archives:
+                import_image(socket, archive)
+            self._start(state, f"kubelet-{node.index}", commands[f"kubelet-{node.index}"])
+            self._start(state, f"kube-proxy-{node.index}", commands[f"kube-proxy-{node.index}"])
+        for node in nodes:
+            self._wait(state, f"kubelet-{node.index}", lambda n=node: self._node_ready(state, n.name), timeout)
+        log(f"dev-cluster: {len(nodes)} real node(s) Ready ({time.monotonic() - started:.1f} s)")
+
+    def _node_ready(self, state: ClusterState, name: str) -> bool:
+        try:
+            return _schedulable(self.api_get(state, f"/api/v1/nodes/{name}"))
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+
+    def _save(self, state: ClusterState) -> None:
+        self.state_file.write_text(json.dumps(asdict(state), indent=2))
+        os.chmod(self.state_file, 0o600)  # it holds the admin token
 
     def _start(self, state: ClusterState, name: str, command: list[str]) -> None:
         log_file = open(self.dir / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps it
@@ -353,8 +482,7 @@ class Cluster:
         log_file.close()
         _CHILDREN[process.pid] = process
         state.pids[name] = process.pid
-        self.state_file.write_text(json.dumps(asdict(state), indent=2))
-        os.chmod(self.state_file, 0o600)  # it holds the admin token
+        self._save(state)
 
     def _wait(self, state: ClusterState, name: str, ready: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -427,7 +555,7 @@ class Cluster:
         state = self.state()
         stopped: list[str] = []
         if state is not None:
-            for name in reversed(COMPONENTS):
+            for name in reversed(list(state.pids)):
                 pid = state.pids.get(name)
                 if pid and _alive(pid):
                     _signal_group(pid, signal.SIGTERM)
@@ -445,7 +573,8 @@ class Cluster:
             for pid in state.pids.values():
                 if (child := _CHILDREN.pop(pid, None)) is not None:
                     child.wait()
-        for path in ("etcd", "state.json", "tokens.csv", "kubeconfig"):
+            self._clean_real_nodes(state)
+        for path in ("etcd", "state.json", "tokens.csv", "kubeconfig", "nodes", "volumes"):
             target = self.dir / path
             if target.is_dir():
                 shutil.rmtree(target, ignore_errors=True)
@@ -453,6 +582,18 @@ class Cluster:
                 target.unlink(missing_ok=True)
         log(f"dev-cluster: stopped {', '.join(stopped) or 'nothing (none running)'}")
         return stopped
+
+    def _clean_real_nodes(self, state: ClusterState) -> None:
+        """What the real nodes' processes leave behind once stopped: containers and their shims,
+        mounts, cgroups, the pods' network namespaces, then the bed's network."""
+        for node in node_addresses(state.real_nodes):
+            real_node.clean_node(self.dir, node)
+        if state.netns_before is not None:
+            for name in sorted(set(_pod_netns()) - set(state.netns_before)):
+                subprocess.run(["umount", "-l", str(NETNS_DIR / name)], capture_output=True)
+                (NETNS_DIR / name).unlink(missing_ok=True)
+        if state.real_nodes or (self.dir / "network.json").exists():
+            Network(self.dir / "network.json").down()
 
     def status(self) -> dict:
         state = self.state()
@@ -465,6 +606,38 @@ class Cluster:
             out["readyz"] = self._api_ok(state, "/readyz")
             out["ready_nodes"] = self._ready_nodes(state)
         return out
+
+
+REAL_NODE_BINARIES = ("kubelet", "kube-proxy", "coredns")
+
+
+def _check_real_node_host() -> None:
+    """Real nodes need root (namespaces, cgroups, mounts) and the host's container runtime tools."""
+    if os.geteuid() != 0:
+        raise ClusterError("--real-nodes: needs root (network namespaces, cgroups and mounts)")
+    absent = [tool for tool in real_node.HOST_TOOLS if shutil.which(tool) is None]
+    if absent:
+        raise ClusterError(
+            f"--real-nodes: {', '.join(absent)} not found: scripts/setup.sh installs Debian's containerd, "
+            "runc, containernetworking-plugins and nftables (as root)"
+        )
+    if not (real_node.CNI_BIN / "bridge").exists():
+        raise ClusterError(f"--real-nodes: no CNI bridge plugin in {real_node.CNI_BIN} (containernetworking-plugins)")
+
+
+def import_image(socket: Path, archive: Path) -> None:
+    """Load an OCI archive into the node's containerd, where the kubelet's pods find it."""
+    done = subprocess.run(
+        ["ctr", f"--address={socket}", "-n", "k8s.io", "images", "import", str(archive)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise ClusterError(f"importing {archive.name} into containerd failed: {done.stderr.strip()}")
+
+
+def _pod_netns() -> list[str]:
+    return sorted(p.name for p in NETNS_DIR.glob("cni-*")) if NETNS_DIR.exists() else []
 
 
 def _schedulable(node: dict) -> bool:

@@ -283,3 +283,17 @@ def exposition_server(render: Callable[[], str], port: int) -> ThreadingHTTPServ
             pass
 
     return ThreadingHTTPServer(("127.0.0.1", port), Handler)
+
+
+@pytest.fixture(scope="session")
+def real_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    """A second control plane with one real CPU node (kubelet, containerd, kube-proxy, CoreDNS) and
+    no KWOK fleet, so every pod scheduled here really runs. Its own bed: on the shared one a CPU
+    pod could land on a KWOK CPU node and never start. Real nodes use the bed's fixed bridge and
+    namespaces, so one such bed runs at a time (tests/cluster/test_real_node.py ends it last)."""
+    handle = Cluster(tmp_path_factory.mktemp("real-bed"))
+    state = handle.up([], volumes=40, real_nodes=1, log=lambda line: print(line, file=sys.stderr))
+    try:
+        yield Bed(state, handle)
+    finally:
+        handle.down(log=lambda _: None)

@@ -1,0 +1,159 @@
+"""The test bed's real node: pods really run (kubelet, containerd, runc, the CNI bridge), reach each
+other through Services by name (kube-proxy, CoreDNS), reach the API server, answer ``kubectl logs``
+and ``exec`` (the API server's kubelet client certificate), reach nothing off the machine, and
+``down`` removes everything the node made."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from pathlib import Path
+
+from mixrl.devcluster import images, network, node
+from mixrl.devcluster.cluster import ClusterError
+from tests.cluster.conftest import Bed, wait_for
+
+SHELL = images.SHELL_IMAGE
+
+
+def namespace(bed: Bed) -> str:
+    name = f"real-{uuid.uuid4().hex[:6]}"
+    bed.kubectl("create", "namespace", name)
+    return name
+
+
+def pod(name: str, command: str, **spec: object) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": name}},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": SHELL, "command": ["sh", "-c", command]}],
+            **spec,
+        },
+    }
+
+
+def phase(bed: Bed, ns: str, name: str) -> str:
+    return bed.get("pod", name, "-n", ns).get("status", {}).get("phase", "")
+
+
+def finished(bed: Bed, ns: str, name: str, timeout: float = 60) -> str:
+    return wait_for(lambda: phase(bed, ns, name) if phase(bed, ns, name) in ("Succeeded", "Failed") else "",
+                    timeout=timeout, what=f"pod {name} to finish")  # fmt: skip
+
+
+def test_the_node_is_real_and_ready(real_bed: Bed) -> None:
+    nodes = real_bed.get("nodes")["items"]
+    assert [n["metadata"]["name"] for n in nodes] == ["mixrl-node-0"]
+    (item,) = nodes
+    assert item["metadata"]["labels"][node.REAL_NODE_LABEL] == "true"
+    info = item["status"]["nodeInfo"]
+    assert info["kubeletVersion"] == "v1.37.2" and info["containerRuntimeVersion"].startswith("containerd://")
+    addresses = {a["type"]: a["address"] for a in item["status"]["addresses"]}
+    assert addresses["InternalIP"] == network.node_addresses(1)[0].ip
+
+
+def test_a_pod_runs_and_its_log_is_read_through_the_kubelet(real_bed: Bed) -> None:
+    ns = namespace(real_bed)
+    real_bed.apply(pod("hello", "echo hello from $(hostname) as $(id -u)"), namespace=ns)
+    assert finished(real_bed, ns, "hello") == "Succeeded"
+    assert real_bed.kubectl("logs", "-n", ns, "hello").stdout.strip() == "hello from hello as 0"
+
+
+def test_services_resolve_by_name_and_exec_reaches_the_container(real_bed: Bed) -> None:
+    ns = namespace(real_bed)
+    server = pod("web", "mkdir -p /tmp/www && echo served-by-web > /tmp/www/index.html && httpd -f -p 8080 -h /tmp/www",
+                 restartPolicy="Always")  # fmt: skip
+    server["spec"]["containers"][0]["readinessProbe"] = {"tcpSocket": {"port": 8080}, "periodSeconds": 1}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web"},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+    real_bed.apply(server, namespace=ns)
+    real_bed.apply(service, namespace=ns)
+    real_bed.kubectl("wait", "-n", ns, "--for=condition=Ready", "pod/web", "--timeout=60s")
+    exec_out = real_bed.kubectl("exec", "-n", ns, "web", "--", "cat", "/tmp/www/index.html").stdout
+    assert exec_out.strip() == "served-by-web"
+    # Through the Service's cluster IP (kube-proxy) by its DNS name (CoreDNS), from another pod.
+    client = pod("client", f"wget -q -T 5 -O - http://web.{ns}.svc.cluster.local/index.html")
+    real_bed.apply(client, namespace=ns)
+    assert finished(real_bed, ns, "client") == "Succeeded", real_bed.kubectl("logs", "-n", ns, "client").stdout
+    assert real_bed.kubectl("logs", "-n", ns, "client").stdout.strip() == "served-by-web"
+
+
+def test_pods_reach_the_api_server_through_the_kubernetes_service(real_bed: Bed) -> None:
+    ns = namespace(real_bed)
+    real_bed.apply(pod("api", "nc -z -w 5 kubernetes.default.svc.cluster.local 443 && echo reached"), namespace=ns)
+    assert finished(real_bed, ns, "api") == "Succeeded", real_bed.kubectl("logs", "-n", ns, "api").stdout
+    assert real_bed.kubectl("logs", "-n", ns, "api").stdout.strip() == "reached"
+
+
+def test_nothing_leaves_the_machine(real_bed: Bed) -> None:
+    """A pod's packets to an address off the machine are dropped (the bed's forward rule), and names
+    outside the cluster do not resolve (CoreDNS has no upstream)."""
+    ns = namespace(real_bed)
+    probe = "nc -z -w 3 192.0.2.1 80 && echo LEFT; nslookup example.com >/dev/null 2>&1 && echo RESOLVED; echo done"
+    real_bed.apply(pod("out", probe), namespace=ns)
+    assert finished(real_bed, ns, "out") == "Succeeded"
+    assert real_bed.kubectl("logs", "-n", ns, "out").stdout.split() == ["done"]
+    rules = subprocess.run(["nft", "list", "table", "inet", network.NFT_TABLE], capture_output=True, text=True)
+    assert rules.returncode == 0 and "drop" in rules.stdout
+
+
+def test_claims_bind_to_volumes_the_pods_write(real_bed: Bed) -> None:
+    ns = namespace(real_bed)
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "data"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    writer = pod("writer", "echo kept > /data/file && cat /data/file",
+                 securityContext={"runAsUser": 1000, "runAsGroup": 1000},
+                 volumes=[{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}])  # fmt: skip
+    writer["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
+    real_bed.apply(claim, namespace=ns)
+    real_bed.apply(writer, namespace=ns)
+    assert finished(real_bed, ns, "writer") == "Succeeded", real_bed.kubectl("logs", "-n", ns, "writer").stdout
+    volume = real_bed.get("pvc", "data", "-n", ns)["spec"]["volumeName"]
+    path = Path(real_bed.get("pv", volume)["spec"]["hostPath"]["path"])
+    assert (path / "file").read_text() == "kept\n" and str(path).startswith(real_bed.state.dir)
+
+
+def test_down_removes_everything_the_node_made(real_bed: Bed) -> None:
+    """Last in this module: it ends the session's real-node bed."""
+    ns = namespace(real_bed)
+    real_bed.apply(pod("sleeper", "sleep 3600", restartPolicy="Always"), namespace=ns)
+    real_bed.kubectl("wait", "-n", ns, "--for=condition=Ready", "pod/sleeper", "--timeout=60s")
+    bed_dir = Path(real_bed.state.dir)
+    real_bed.handle.down(log=lambda _: None)
+    links = subprocess.run(["ip", "-j", "link"], capture_output=True, text=True).stdout
+    assert not [link["ifname"] for link in json.loads(links) if link["ifname"].startswith("mixrl")]
+    assert not list(network.NETNS_DIR.glob("mixrl-node-*"))
+    assert not set(real_bed.state.netns_before or []) ^ {p.name for p in network.NETNS_DIR.glob("cni-*")}
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(bed_dir) not in mounts
+    assert not list(Path("/sys/fs/cgroup").glob("*/mixrl-node-0"))
+    table = subprocess.run(["nft", "list", "table", "inet", network.NFT_TABLE], capture_output=True)
+    assert table.returncode != 0
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and str(bed_dir).encode() in _cmdline(p)]
+    assert left == [], f"processes of the bed still running: {[_cmdline(p)[:120] for p in left]}"
+    try:
+        real_bed.handle.api_get(real_bed.state, "/readyz")
+    except (OSError, ClusterError):
+        pass
+    else:
+        raise AssertionError("the API server still answers after down")
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
