@@ -33,7 +33,8 @@ from pathlib import Path
 
 import yaml
 
-from mixrl.devcluster import images, node as real_node
+from mixrl.devcluster import images
+from mixrl.devcluster import node as real_node
 from mixrl.devcluster.fleet import KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, NodeGroup, fleet_nodes
 from mixrl.devcluster.network import HOST_IP, NETNS_DIR, Network, NetworkError, NodeAddress, node_addresses
 from mixrl.devcluster.stages import stages_yaml
@@ -126,8 +127,10 @@ def make_pki(pki: Path) -> None:
         return
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650", "-subj", "/CN=mixrl-dev-ca",
              "-keyout", "ca.key", "-out", "ca.crt", cwd=pki)  # fmt: skip
-    san = (f"subjectAltName=IP:127.0.0.1,IP:{HOST_IP},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
-           "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
+    san = (
+        f"subjectAltName=IP:127.0.0.1,IP:{HOST_IP},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+        "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+    )
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=kube-apiserver", "-addext", san,
              "-keyout", "apiserver.key", "-out", "apiserver.csr", cwd=pki)  # fmt: skip
     _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
@@ -135,7 +138,9 @@ def make_pki(pki: Path) -> None:
     _openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
     # `kubectl logs/exec` go from the API server to the kubelet, which checks this client.
-    issue_certificate(pki, pki, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client")
+    issue_certificate(
+        pki, pki, "apiserver-kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client"
+    )
     (pki / "version").write_text(PKI_VERSION)
 
 
@@ -323,7 +328,9 @@ def storage_objects(volumes: int, size: str = "2Ti", volume_dir: Path | None = N
                     "storageClassName": STORAGE_CLASS,
                     "persistentVolumeReclaimPolicy": "Delete",
                     "hostPath": {
-                        "path": str(volume_dir / str(index)) if volume_dir else f"/tmp/mixrl-dev-volume-{index}",
+                        "path": str(volume_dir / str(index))
+                        if volume_dir
+                        else f"/tmp/mixrl-dev-volume-{index}",
                         "type": "Directory" if volume_dir else "DirectoryOrCreate",
                     },
                 },
@@ -463,7 +470,9 @@ class Cluster:
             self._start(state, f"kubelet-{node.index}", commands[f"kubelet-{node.index}"])
             self._start(state, f"kube-proxy-{node.index}", commands[f"kube-proxy-{node.index}"])
         for node in nodes:
-            self._wait(state, f"kubelet-{node.index}", lambda n=node: self._node_ready(state, n.name), timeout)
+            self._wait(
+                state, f"kubelet-{node.index}", lambda n=node: self._node_ready(state, n.name), timeout
+            )
         log(f"dev-cluster: {len(nodes)} real node(s) Ready ({time.monotonic() - started:.1f} s)")
 
     def _node_ready(self, state: ClusterState, name: str) -> bool:
@@ -622,7 +631,9 @@ def _check_real_node_host() -> None:
             "runc, containernetworking-plugins and nftables (as root)"
         )
     if not (real_node.CNI_BIN / "bridge").exists():
-        raise ClusterError(f"--real-nodes: no CNI bridge plugin in {real_node.CNI_BIN} (containernetworking-plugins)")
+        raise ClusterError(
+            f"--real-nodes: no CNI bridge plugin in {real_node.CNI_BIN} (containernetworking-plugins)"
+        )
 
 
 def import_image(socket: Path, archive: Path) -> None:

@@ -101,7 +101,11 @@ def oci_archive(spec: ImageSpec) -> bytes:
             "size": len(config_bytes),
         },
         "layers": [
-            {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": len(layer)}
+            {
+                "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                "digest": layer_digest,
+                "size": len(layer),
+            }
         ],
     }
     manifest_digest, manifest_bytes = _blob(json.dumps(manifest, sort_keys=True).encode())

@@ -48,8 +48,8 @@ def containerd_config(bed: Path, node: NodeAddress, sandbox_image: str) -> str:
     base = node_dir(bed, node) / "containerd"
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""version = 2
-root = "{base / 'root'}"
-state = "{base / 'state'}"
+root = "{base / "root"}"
+state = "{base / "state"}"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
   "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.tracing.processor.v1.otlp"]
 
@@ -57,13 +57,13 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   address = "{containerd_socket(bed, node)}"
 
 [ttrpc]
-  address = "{base / 'containerd.sock.ttrpc'}"
+  address = "{base / "containerd.sock.ttrpc"}"
 
 [debug]
   level = "warn"
 
 [plugins."io.containerd.internal.v1.opt"]
-  path = "{base / 'opt'}"
+  path = "{base / "opt"}"
 
 [{cri}]
   sandbox_image = "{sandbox_image}"
@@ -80,7 +80,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         SystemdCgroup = false
   [{cri}.cni]
     bin_dir = "{CNI_BIN}"
-    conf_dir = "{node_dir(bed, node) / 'cni'}"
+    conf_dir = "{node_dir(bed, node) / "cni"}"
 """
 
 
@@ -110,6 +110,10 @@ def cni_config(bed: Path, node: NodeAddress) -> dict:
 
 def cgroup_root(node: NodeAddress) -> str:
     return f"/{node.name}"
+
+
+EVICTION_HARD = {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
+                 "nodefs.inodesFree": "1%"}  # fmt: skip
 
 
 def kubelet_config(bed: Path, node: NodeAddress) -> dict:
@@ -144,8 +148,7 @@ def kubelet_config(bed: Path, node: NodeAddress) -> dict:
         "serializeImagePulls": False,
         # A shared development disk: evict only when it is really full, never collect the bed's
         # imported images (there is no registry to pull them again from).
-        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
-                         "nodefs.inodesFree": "1%"},  # fmt: skip
+        "evictionHard": EVICTION_HARD,
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
         "oomScoreAdj": 0,  # lowering it needs CAP_SYS_RESOURCE
@@ -221,7 +224,11 @@ def node_commands(bin_dir: Path, bed: Path, node: NodeAddress) -> dict[str, list
             f"--node-labels={REAL_NODE_LABEL}=true",
             "--v=0",
         ],
-        f"kube-proxy-{node.index}": [*inside, str(bin_dir / "kube-proxy"), f"--config={base / 'kube-proxy.yaml'}"],
+        f"kube-proxy-{node.index}": [
+            *inside,
+            str(bin_dir / "kube-proxy"),
+            f"--config={base / 'kube-proxy.yaml'}",
+        ],
     }
 
 
@@ -308,7 +315,9 @@ def _processes() -> list[tuple[int, str]]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                found.append((int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+                found.append(
+                    (int(entry.name), (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+                )
     return found
 
 

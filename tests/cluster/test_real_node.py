@@ -83,13 +83,17 @@ def test_services_resolve_by_name_and_exec_reaches_the_container(real_bed: Bed) 
     # Through the Service's cluster IP (kube-proxy) by its DNS name (CoreDNS), from another pod.
     client = pod("client", f"wget -q -T 5 -O - http://web.{ns}.svc.cluster.local/index.html")
     real_bed.apply(client, namespace=ns)
-    assert finished(real_bed, ns, "client") == "Succeeded", real_bed.kubectl("logs", "-n", ns, "client").stdout
+    assert finished(real_bed, ns, "client") == "Succeeded", real_bed.kubectl(
+        "logs", "-n", ns, "client"
+    ).stdout
     assert real_bed.kubectl("logs", "-n", ns, "client").stdout.strip() == "served-by-web"
 
 
 def test_pods_reach_the_api_server_through_the_kubernetes_service(real_bed: Bed) -> None:
     ns = namespace(real_bed)
-    real_bed.apply(pod("api", "nc -z -w 5 kubernetes.default.svc.cluster.local 443 && echo reached"), namespace=ns)
+    real_bed.apply(
+        pod("api", "nc -z -w 5 kubernetes.default.svc.cluster.local 443 && echo reached"), namespace=ns
+    )
     assert finished(real_bed, ns, "api") == "Succeeded", real_bed.kubectl("logs", "-n", ns, "api").stdout
     assert real_bed.kubectl("logs", "-n", ns, "api").stdout.strip() == "reached"
 
@@ -102,7 +106,9 @@ def test_nothing_leaves_the_machine(real_bed: Bed) -> None:
     real_bed.apply(pod("out", probe), namespace=ns)
     assert finished(real_bed, ns, "out") == "Succeeded"
     assert real_bed.kubectl("logs", "-n", ns, "out").stdout.split() == ["done"]
-    rules = subprocess.run(["nft", "list", "table", "inet", network.NFT_TABLE], capture_output=True, text=True)
+    rules = subprocess.run(
+        ["nft", "list", "table", "inet", network.NFT_TABLE], capture_output=True, text=True
+    )
     assert rules.returncode == 0 and "drop" in rules.stdout
 
 
@@ -120,7 +126,9 @@ def test_claims_bind_to_volumes_the_pods_write(real_bed: Bed) -> None:
     writer["spec"]["containers"][0]["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
     real_bed.apply(claim, namespace=ns)
     real_bed.apply(writer, namespace=ns)
-    assert finished(real_bed, ns, "writer") == "Succeeded", real_bed.kubectl("logs", "-n", ns, "writer").stdout
+    assert finished(real_bed, ns, "writer") == "Succeeded", real_bed.kubectl(
+        "logs", "-n", ns, "writer"
+    ).stdout
     volume = real_bed.get("pvc", "data", "-n", ns)["spec"]["volumeName"]
     path = Path(real_bed.get("pv", volume)["spec"]["hostPath"]["path"])
     assert (path / "file").read_text() == "kept\n" and str(path).startswith(real_bed.state.dir)
