@@ -66,3 +66,29 @@ def test_every_architecture_heading_the_code_cites_exists() -> None:
     assert cited, "the code cites docs/architecture.md"
     broken = sorted(f"{path}: #{anchor}" for path, anchor in cited if anchor not in headings)
     assert not broken, "citations of headings that docs/architecture.md does not have:\n" + "\n".join(broken)
+
+
+KUBECTL_GET = re.compile(r"kubectl get ([^\s`]+)[^`\n]*?(?:\s-w\b|--watch\b)")
+NOTES = ROOT / "charts" / "mixrl" / "templates" / "NOTES.txt"
+
+
+def test_documented_watches_name_one_type() -> None:
+    """``kubectl get a,b -w`` is refused by kubectl ("you may only specify a single resource type")."""
+    wrong = []
+    for doc in [*DOCS, NOTES]:
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for match in KUBECTL_GET.finditer(line):
+                if "," in match.group(1):
+                    wrong.append(f"{doc.name}:{number}: {line.strip()}")
+    assert not wrong, "watches of several types:\n" + "\n".join(wrong)
+
+
+def test_notes_commands_on_a_run_name_its_namespace() -> None:
+    """The run lives in a namespace of its own, not in the one the user's kubeconfig defaults to."""
+    lines = [line.strip() for line in NOTES.read_text().splitlines()]
+    run_commands = [
+        line for line in lines if re.match(r"kubectl (get|describe|scale|apply) (rlrun|samplerpool)", line)
+    ]
+    run_commands += [line for line in lines if line.startswith("kubectl apply")]
+    assert run_commands
+    assert [line for line in run_commands if " -n " not in line] == []
