@@ -26,7 +26,7 @@ SHELL_IMAGE = "mixrl.dev/busybox:1"
 # What the pause container runs: it sleeps until told to stop (a pod sandbox only holds namespaces).
 PAUSE_COMMAND = ["/bin/sh", "-c", 'trap "exit 0" TERM INT; while :; do sleep 3600 & wait $!; done']
 # The applets linked into the shell image (busybox answers to its own name under each).
-APPLETS = ("sh", "sleep", "cat", "echo", "ls", "wget", "nc", "nslookup", "env", "true", "false",
+APPLETS = ("sh", "sleep", "cat", "echo", "ls", "nc", "nslookup", "env", "true", "false",
            "test", "grep", "timeout", "hostname", "id", "mkdir", "rm", "touch", "date", "httpd", "ping")  # fmt: skip
 
 

@@ -81,18 +81,22 @@ def test_services_resolve_by_name_and_exec_reaches_the_container(real_bed: Bed) 
     exec_out = real_bed.kubectl("exec", "-n", ns, "web", "--", "cat", "/tmp/www/index.html").stdout
     assert exec_out.strip() == "served-by-web"
     # Through the Service's cluster IP (kube-proxy) by its DNS name (CoreDNS), from another pod.
-    client = pod("client", f"wget -q -T 5 -O - http://web.{ns}.svc.cluster.local/index.html")
+    # (busybox's nc: its static wget crashes resolving through glibc's NSS.)
+    request = f"printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | nc -w 5 web.{ns}.svc.cluster.local 80"
+    client = pod("client", request)
     real_bed.apply(client, namespace=ns)
     assert finished(real_bed, ns, "client") == "Succeeded", real_bed.kubectl(
         "logs", "-n", ns, "client"
     ).stdout
-    assert real_bed.kubectl("logs", "-n", ns, "client").stdout.strip() == "served-by-web"
+    response = real_bed.kubectl("logs", "-n", ns, "client").stdout
+    assert response.startswith("HTTP/1.1 200") and response.strip().endswith("served-by-web")
 
 
 def test_pods_reach_the_api_server_through_the_kubernetes_service(real_bed: Bed) -> None:
     ns = namespace(real_bed)
     real_bed.apply(
-        pod("api", "nc -z -w 5 kubernetes.default.svc.cluster.local 443 && echo reached"), namespace=ns
+        pod("api", "nc -w 5 kubernetes.default.svc.cluster.local 443 </dev/null && echo reached"),
+        namespace=ns,
     )
     assert finished(real_bed, ns, "api") == "Succeeded", real_bed.kubectl("logs", "-n", ns, "api").stdout
     assert real_bed.kubectl("logs", "-n", ns, "api").stdout.strip() == "reached"
@@ -102,10 +106,12 @@ def test_nothing_leaves_the_machine(real_bed: Bed) -> None:
     """A pod's packets to an address off the machine are dropped (the bed's forward rule), and names
     outside the cluster do not resolve (CoreDNS has no upstream)."""
     ns = namespace(real_bed)
-    probe = "nc -z -w 3 192.0.2.1 80 && echo LEFT; nslookup example.com >/dev/null 2>&1 && echo RESOLVED; echo done"
+    probe = ("nc -w 3 192.0.2.1 80 </dev/null && echo LEFT; nc -w 3 1.1.1.1 80 </dev/null && echo LEFT; "
+             "nslookup example.com >/dev/null 2>&1 && echo RESOLVED; echo done")  # fmt: skip
     real_bed.apply(pod("out", probe), namespace=ns)
     assert finished(real_bed, ns, "out") == "Succeeded"
-    assert real_bed.kubectl("logs", "-n", ns, "out").stdout.split() == ["done"]
+    words = real_bed.kubectl("logs", "-n", ns, "out").stdout.split()
+    assert words[-1] == "done" and "LEFT" not in words and "RESOLVED" not in words, words
     rules = subprocess.run(
         ["nft", "list", "table", "inet", network.NFT_TABLE], capture_output=True, text=True
     )
