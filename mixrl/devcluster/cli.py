@@ -38,6 +38,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="real CPU nodes (kubelet, containerd, kube-proxy; needs root) beside the KWOK fleet, "
         "so pods really run (default 0)",
     )
+    up.add_argument(
+        "--images",
+        action="store_true",
+        help="build the project's images (scripts/images.sh, cached) and import them into the real nodes; "
+        "writes <dir>/chart-values.yaml for `helm install -f`",
+    )
     up.add_argument("--volumes", type=int, default=8, help="pre-created PersistentVolumes (default 8)")
     up.add_argument("--timeout", type=float, default=90.0, help="seconds each component may take to start")
     commands.add_parser("down", help="stop every process and remove the cluster's data")
@@ -56,7 +62,8 @@ def main(argv: list[str]) -> int:
             if args.volumes < 0:
                 raise ValueError("--volumes: must be 0 or more")
             print(f"dev-cluster: starting in {cluster.dir} with {describe(groups)}")
-            cluster.up(groups, volumes=args.volumes, timeout=args.timeout, real_nodes=args.real_nodes)
+            cluster.up(groups, volumes=args.volumes, timeout=args.timeout, real_nodes=args.real_nodes,
+                       with_images=args.images)  # fmt: skip
             return 0
         if args.command == "down":
             cluster.down()

@@ -71,6 +71,58 @@ def binaries_dir() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
+@dataclass(frozen=True)
+class ProjectImage:
+    """One image of the project's Dockerfiles as ``scripts/images.sh`` built it."""
+
+    component: str
+    reference: str
+    archive: Path
+
+
+# Where each image goes in the chart's values (charts/mixrl/values.yaml).
+CHART_IMAGE_VALUES = {
+    "operator": ("image",),
+    "components": ("componentsImage",),
+    "trainer-torch": ("trainerImages", "torch"),
+    "engine-torch": ("engineImages", "torch"),
+}
+
+
+def project_images() -> list[ProjectImage]:
+    """Build (or find cached) the project's images: ``scripts/images.sh`` prints one
+    ``<component> <reference> <archive>`` line per image on stdout, its progress on stderr."""
+    script = REPO / "scripts" / "images.sh"
+    if not script.exists():
+        raise ClusterError("no scripts/images.sh: run from a mixrl checkout")
+    done = subprocess.run([str(script)], stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise ClusterError("scripts/images.sh failed (see its output above)")
+    found = []
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            found.append(ProjectImage(parts[0], parts[1], Path(parts[2])))
+    if not found:
+        raise ClusterError("scripts/images.sh printed no image")
+    return found
+
+
+def chart_values(built: list[ProjectImage]) -> dict:
+    """Helm values that make the chart's operator and every run's pods use the bed's images."""
+    values: dict = {}
+    for image in built:
+        path = CHART_IMAGE_VALUES.get(image.component)
+        if path is None:
+            continue
+        repository, tag = image.reference.rsplit(":", 1)
+        target = values
+        for key in path[:-1]:
+            target = target.setdefault(key, {})
+        target[path[-1]] = {"repository": repository, "tag": tag}
+    return values
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -367,8 +419,11 @@ class Cluster:
         timeout: float = 90.0,
         log: Callable[[str], None] = print,
         real_nodes: int = 0,
+        with_images: bool = False,
     ) -> ClusterState:
-        """Start the control plane, the KWOK fleet ``groups`` and ``real_nodes`` real CPU nodes."""
+        """Start the control plane, the KWOK fleet ``groups`` and ``real_nodes`` real CPU nodes;
+        ``with_images``: build the project's images (``scripts/images.sh``, cached), import them into
+        every real node and write ``chart-values.yaml`` for ``helm install -f``."""
         if any(self.running().values()):
             raise ClusterError(
                 f"a test bed is already running in {self.dir} (`mixrl dev-cluster down` first)"
@@ -384,6 +439,11 @@ class Cluster:
         nodes = node_addresses(real_nodes)
         if nodes:
             _check_real_node_host()
+        if with_images and not nodes:
+            raise ClusterError(
+                "--images: the project's images run only on real nodes (--real-nodes 1 or more)"
+            )
+        built = project_images() if with_images else []
         shutil.rmtree(self.dir / "etcd", ignore_errors=True)  # a fresh cluster each time
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
         make_pki(self.dir / "pki")
@@ -433,7 +493,7 @@ class Cluster:
             self._wait(state, "kwok", lambda: self._ready_nodes(state) >= len(fleet), timeout)
             self._wait(state, "kube-controller-manager", lambda: self._has_default_sa(state), timeout)
             if nodes:
-                self._start_real_nodes(state, nodes, timeout, log)
+                self._start_real_nodes(state, nodes, timeout, log, built)
         except BaseException:
             self.down(log=lambda _: None)
             raise
@@ -443,7 +503,12 @@ class Cluster:
         return state
 
     def _start_real_nodes(
-        self, state: ClusterState, nodes: list[NodeAddress], timeout: float, log: Callable[[str], None]
+        self,
+        state: ClusterState,
+        nodes: list[NodeAddress],
+        timeout: float,
+        log: Callable[[str], None],
+        built: list[ProjectImage],
     ) -> None:
         """CoreDNS for the bed, then per node: containerd (with the bed's own images), the kubelet
         and kube-proxy; returns once every node is Ready."""
@@ -457,6 +522,9 @@ class Cluster:
             path.parent.mkdir(exist_ok=True)
             path.write_bytes(images.oci_archive(spec))
             archives.append(path)
+        archives += [image.archive for image in built]
+        if built:
+            (self.dir / "chart-values.yaml").write_text(yaml.safe_dump(chart_values(built), sort_keys=False))
         for node in nodes:
             make_node_pki(self.dir, node)
             real_node.write_node_files(self.dir, node, state.server, images.PAUSE_IMAGE)
@@ -465,8 +533,12 @@ class Cluster:
             self._start(state, f"containerd-{node.index}", commands[f"containerd-{node.index}"])
             socket = real_node.containerd_socket(self.dir, node)
             self._wait(state, f"containerd-{node.index}", socket.exists, timeout)
+            imported = time.monotonic()
             for archive in archives:
                 import_image(socket, archive)
+            log(
+                f"dev-cluster: {len(archives)} images imported into {node.name} ({time.monotonic() - imported:.1f} s)"
+            )
             self._start(state, f"kubelet-{node.index}", commands[f"kubelet-{node.index}"])
             self._start(state, f"kube-proxy-{node.index}", commands[f"kube-proxy-{node.index}"])
         for node in nodes:
