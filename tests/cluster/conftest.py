@@ -285,14 +285,28 @@ def exposition_server(render: Callable[[], str], port: int) -> ThreadingHTTPServ
     return ThreadingHTTPServer(("127.0.0.1", port), Handler)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "ends_real_bed: stops the session's real-node bed; run after every other test"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that ends the real-node bed runs last, whatever file it is in."""
+    items.sort(key=lambda item: item.get_closest_marker("ends_real_bed") is not None)
+
+
 @pytest.fixture(scope="session")
 def real_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    """A second control plane with one real CPU node (kubelet, containerd, kube-proxy, CoreDNS) and
-    no KWOK fleet, so every pod scheduled here really runs. Its own bed: on the shared one a CPU
-    pod could land on a KWOK CPU node and never start. Real nodes use the bed's fixed bridge and
-    namespaces, so one such bed runs at a time (tests/cluster/test_real_node.py ends it last)."""
+    """A second control plane with one real CPU node (kubelet, containerd, kube-proxy, CoreDNS),
+    the project's images imported into it and no KWOK fleet, so every pod scheduled here really
+    runs. Its own bed: on the shared one a CPU pod could land on a KWOK CPU node and never start.
+    Real nodes use the bed's fixed bridge and namespaces, so one such bed runs at a time; the test
+    marked ``ends_real_bed`` stops it last."""
     handle = Cluster(tmp_path_factory.mktemp("real-bed"))
-    state = handle.up([], volumes=40, real_nodes=1, log=lambda line: print(line, file=sys.stderr))
+    state = handle.up(
+        [], volumes=40, real_nodes=1, with_images=True, log=lambda line: print(line, file=sys.stderr)
+    )
     try:
         yield Bed(state, handle)
     finally:

@@ -10,6 +10,8 @@ import subprocess
 import uuid
 from pathlib import Path
 
+import pytest
+
 from mixrl.devcluster import images, network, node
 from mixrl.devcluster.cluster import ClusterError
 from tests.cluster.conftest import Bed, wait_for
@@ -140,8 +142,9 @@ def test_claims_bind_to_volumes_the_pods_write(real_bed: Bed) -> None:
     assert (path / "file").read_text() == "kept\n" and str(path).startswith(real_bed.state.dir)
 
 
+@pytest.mark.ends_real_bed
 def test_down_removes_everything_the_node_made(real_bed: Bed) -> None:
-    """Last in this module: it ends the session's real-node bed."""
+    """Last in the session (``ends_real_bed``): it ends the session's real-node bed."""
     ns = namespace(real_bed)
     real_bed.apply(pod("sleeper", "sleep 3600", restartPolicy="Always"), namespace=ns)
     real_bed.kubectl("wait", "-n", ns, "--for=condition=Ready", "pod/sleeper", "--timeout=60s")
