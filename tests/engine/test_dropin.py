@@ -318,7 +318,15 @@ async def test_metrics_have_sglangs_names_labels_and_per_token_latency(dense_pat
         unlogged = {"input_ids": [1, 2], "sampling_params": GREEDY, "log_metrics": False}
         assert (await post(session, f"{url}/generate", unlogged))[0] == 200  # not counted below
         task = asyncio.create_task(post(session, f"{url}/generate", abort))
-        await asyncio.sleep(0.3)
+        # Until the long request has made two tokens (was a fixed 0.3 s): inter-token latencies are
+        # observed as tokens arrive, one per token after each request's first.
+        before = sum(n - 1 for n in lengths) + (8 - 1)
+        for _ in range(1000):
+            async with session.get(f"{url}/metrics") as response:
+                itl = _samples(await response.text(), "sglang:inter_token_latency_seconds_count")
+            if itl.get(_labels(engine_type="unified", model_name="tiny"), 0) > before:
+                break
+            await asyncio.sleep(0.01)
         await post(session, f"{url}/abort_request", {"abort_all": True})
         await task
         async with session.get(f"{url}/metrics") as response:

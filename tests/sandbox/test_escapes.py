@@ -209,8 +209,11 @@ async def test_killing_its_own_wrapper_ends_the_sandbox_as_killed(sandbox: Sandb
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to the unprivileged host uid happens only as root")
 async def test_as_root_the_sandbox_runs_as_the_unprivileged_host_uid(sandbox: Sandbox, token: str) -> None:
     run = asyncio.create_task(sandbox.run(f"sleep 2 # {token}", {}, QUICK))
-    await asyncio.sleep(0.5)
-    uids = {host_uid(pid) for pid in host_processes(token)}
+    for _ in range(100):  # until the command runs (was a fixed 0.5 s: too short on a loaded machine)
+        if pids := host_processes(token):
+            break
+        await asyncio.sleep(0.02)
+    uids = {host_uid(pid) for pid in pids}
     await run
     assert uids == {sandbox.config.host_uid}
 
