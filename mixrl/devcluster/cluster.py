@@ -516,13 +516,16 @@ class Cluster:
         bin_dir = Path(state.bin)
         (self.dir / "Corefile").write_text(real_node.corefile(state.kubeconfig))
         self._start(state, "coredns", [str(bin_dir / "coredns"), "-conf", str(self.dir / "Corefile")])
-        archives = []
+        # (reference, archive, import even when present): the bed's own small images always (cheap,
+        # and the host's busybox may change); the project's are tagged by content, so a present tag
+        # is current and is not read again (gigabytes).
+        archives: list[tuple[str, Path, bool]] = []
         for spec in images.node_images():
             path = self.dir / "images" / (spec.reference.replace("/", "_").replace(":", "_") + ".tar")
             path.parent.mkdir(exist_ok=True)
             path.write_bytes(images.oci_archive(spec))
-            archives.append(path)
-        archives += [image.archive for image in built]
+            archives.append((spec.reference, path, True))
+        archives += [(image.reference, image.archive, False) for image in built]
         if built:
             (self.dir / "chart-values.yaml").write_text(yaml.safe_dump(chart_values(built), sort_keys=False))
         for node in nodes:
@@ -534,11 +537,15 @@ class Cluster:
             socket = real_node.containerd_socket(self.dir, node)
             self._wait(state, f"containerd-{node.index}", socket.exists, timeout)
             imported = time.monotonic()
-            for archive in archives:
-                import_image(socket, archive)
-            log(
-                f"dev-cluster: {len(archives)} images imported into {node.name} ({time.monotonic() - imported:.1f} s)"
-            )
+            present = real_node.image_references(socket)
+            for reference in sorted(present - {reference for reference, _, _ in archives}):
+                if reference.startswith(images.BED_REGISTRY):
+                    real_node.remove_image(socket, reference)  # an older build: containerd frees its layers
+            fresh = [path for reference, path, always in archives if always or reference not in present]
+            for path in fresh:
+                import_image(socket, path)
+            log(f"dev-cluster: {len(fresh)} of {len(archives)} images imported into {node.name} "
+                f"({time.monotonic() - imported:.1f} s; the others were in its cached store)")  # fmt: skip
             self._start(state, f"kubelet-{node.index}", commands[f"kubelet-{node.index}"])
             self._start(state, f"kube-proxy-{node.index}", commands[f"kube-proxy-{node.index}"])
         for node in nodes:
@@ -636,21 +643,15 @@ class Cluster:
         state = self.state()
         stopped: list[str] = []
         if state is not None:
-            for name in reversed(list(state.pids)):
-                pid = state.pids.get(name)
-                if pid and _alive(pid):
-                    _signal_group(pid, signal.SIGTERM)
-                    stopped.append(name)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(_alive(state.pids.get(n, 0)) for n in stopped):
-                time.sleep(0.1)
-            killed = [name for name in stopped if _alive(state.pids[name])]
-            for name in killed:
-                _signal_group(state.pids[name], signal.SIGKILL)
-            # SIGKILL is not instant: return only once the kernel has taken them down.
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(_alive(state.pids[n]) for n in killed):
-                time.sleep(0.05)
+            order = list(reversed(state.pids))
+            # The nodes' agents first, then their containers (while containerd still runs, so it
+            # forgets them and its cached root keeps only images), then everything else.
+            agents = [n for n in order if n.startswith(("kube-proxy-", "kubelet-"))]
+            stopped += _stop(state, agents)
+            for node in node_addresses(state.real_nodes):
+                if _alive(state.pids.get(f"containerd-{node.index}", 0)):
+                    real_node.drain_containerd(real_node.containerd_socket(self.dir, node))
+            stopped += _stop(state, [n for n in order if n not in agents])
             for pid in state.pids.values():
                 if (child := _CHILDREN.pop(pid, None)) is not None:
                     child.wait()
@@ -690,6 +691,24 @@ class Cluster:
 
 
 REAL_NODE_BINARIES = ("kubelet", "kube-proxy", "coredns")
+
+
+def _stop(state: ClusterState, names: list[str]) -> list[str]:
+    """TERM each named process group, KILL what is left after 10 s; return those that were running."""
+    running = [name for name in names if _alive(state.pids.get(name, 0))]
+    for name in running:
+        _signal_group(state.pids[name], signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(state.pids[n]) for n in running):
+        time.sleep(0.1)
+    killed = [name for name in running if _alive(state.pids[name])]
+    for name in killed:
+        _signal_group(state.pids[name], signal.SIGKILL)
+    # SIGKILL is not instant: return only once the kernel has taken them down.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(state.pids[n]) for n in killed):
+        time.sleep(0.05)
+    return running
 
 
 def _check_real_node_host() -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 BUSYBOX = Path("/bin/busybox")
+BED_REGISTRY = "mixrl.dev/"
+"""Every image the bed imports is named under this prefix (no registry answers to it)."""
 PAUSE_IMAGE = "mixrl.dev/pause:1"
 SHELL_IMAGE = "mixrl.dev/busybox:1"
 # What the pause container runs: it sleeps until told to stop (a pod sandbox only holds namespaces).

@@ -44,11 +44,19 @@ def containerd_socket(bed: Path, node: NodeAddress) -> Path:
     return node_dir(bed, node) / "containerd" / "containerd.sock"
 
 
+def containerd_root(node: NodeAddress) -> Path:
+    """Outside the bed's directory, in the cache: the node's images (several GB once the project's
+    are in) survive ``down``, so the next bed imports only what changed. ``down`` removes every
+    container first, so only images are kept."""
+    cache = Path(os.environ.get("MIXRL_CACHE", Path.home() / ".cache" / "mixrl"))
+    return cache / "real-node" / node.name / "containerd"
+
+
 def containerd_config(bed: Path, node: NodeAddress, sandbox_image: str) -> str:
     base = node_dir(bed, node) / "containerd"
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""version = 2
-root = "{base / "root"}"
+root = "{containerd_root(node)}"
 state = "{base / "state"}"
 disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.zfs",
   "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.aufs", "io.containerd.tracing.processor.v1.otlp"]
@@ -262,6 +270,29 @@ def _hierarchies() -> list[Path]:
     if not CGROUP_ROOT.exists():
         return []
     return [p for p in sorted(CGROUP_ROOT.iterdir()) if p.is_dir() and not p.is_symlink()]
+
+
+def _ctr(socket: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["ctr", f"--address={socket}", "-n", "k8s.io", *args], capture_output=True, text=True
+    )
+
+
+def image_references(socket: Path) -> set[str]:
+    return set(_ctr(socket, "images", "ls", "-q").stdout.split())
+
+
+def remove_image(socket: Path, reference: str) -> None:
+    _ctr(socket, "images", "rm", reference)
+
+
+def drain_containerd(socket: Path) -> None:
+    """Kill and remove every container of the running containerd (after the kubelet stopped), so
+    its cached root keeps images only and the next node starts with no stale pods."""
+    for container in _ctr(socket, "containers", "ls", "-q").stdout.split():
+        _ctr(socket, "tasks", "kill", "-s", "SIGKILL", container)
+        _ctr(socket, "tasks", "delete", "-f", container)
+        _ctr(socket, "containers", "rm", container)
 
 
 def clean_node(bed: Path, node: NodeAddress) -> None:

@@ -95,6 +95,10 @@ def test_kubelet_and_proxy_configuration(tmp_path: Path) -> None:
     assert f'sandbox_image = "{images.PAUSE_IMAGE}"' in containerd
     assert "restrict_oom_score_adj = true" in containerd
     assert str(tmp_path) in containerd.split("[grpc]")[1].split("\n")[1]
+    # Images survive `down` in the cache; the bed keeps only state and sockets.
+    assert f'root = "{node.containerd_root(address)}"' in containerd and str(tmp_path) not in str(
+        node.containerd_root(address)
+    )
 
 
 def test_corefile_serves_only_the_cluster_domain(tmp_path: Path) -> None:
