@@ -119,6 +119,19 @@ GPU_TABLE: dict[str, GpuCapability] = {
 GPU_TYPES: tuple[str, ...] = tuple(GPU_TABLE)
 
 
+def default_gpus(gpu_type: str) -> int:
+    """GPUs per pod where the spec names none (``samplerPools[].gpusPerReplica``): none on an
+    emulated type, whose processes compute on CPUs, one on a GPU type."""
+    return 0 if GPU_TABLE[gpu_type].emulated else 1
+
+
+def requested_gpus(gpu_type: str, count: int) -> int:
+    """The ``nvidia.com/gpu`` a pod of ``gpu_type`` requests for ``count`` GPUs: ``count`` on a GPU
+    type, none on an emulated one whatever ``count`` says (there ``gpusPerNode`` counts trainer
+    processes, and a CPU node has no GPU to give: the pod would stay Pending)."""
+    return 0 if GPU_TABLE[gpu_type].emulated else count
+
+
 def precision_problem(gpu_type: str, weight_precision: str, kv_cache_dtype: str) -> str | None:
     """Why this GPU cannot serve this precision, or None when it can (one short sentence)."""
     gpu = GPU_TABLE[gpu_type]

@@ -107,7 +107,7 @@ def memory_problem(spec: RLRunSpec) -> tuple[str, str] | None:
         return None
     for index, pool in enumerate(spec.sampler_pools):
         problem = pool_memory_problem(
-            size, pool.weight_precision, pool.gpu_type, pool.gpus_per_replica, pool.scheduling.gpu_products
+            size, pool.weight_precision, pool.gpu_type, pool.replica_gpus, pool.scheduling.gpu_products
         )
         if problem is not None:
             return f"samplerPools[{index}].gpusPerReplica", problem

@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field
 from pydantic.alias_generators import to_camel
 
 from mixrl.api import names, quantity, rules
-from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, PRECISION_CORES
+from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, PRECISION_CORES, default_gpus
 from mixrl.api.memory import memory_problem
 
 GROUP = "mixrl.dev"
@@ -169,6 +169,15 @@ class Model(BaseModel):
 
 
 # ----------------------------------------------------------------------------- model and trainer
+
+
+TINY_PREFIX = "tiny:"
+"""``model.path: tiny:<kind>``: a tiny model built from a config, not a directory."""
+
+
+def tiny_kind(path: str) -> str | None:
+    """The kind of a ``tiny:<kind>`` model path (``qwen3``), None for a directory."""
+    return path.removeprefix(TINY_PREFIX) if path.startswith(TINY_PREFIX) else None
 
 
 class ModelSpec(Model):
@@ -341,8 +350,10 @@ class SamplerPoolTemplate(Model):
     """Pool name (DNS label, at most 24 characters); the SamplerPool is named ``<run>-<name>``."""
     gpu_type: str = Field(json_schema_extra={"enum": list(GPU_TYPES)})
     """GPU type (a key of the GPU table, or ``cpu`` for local emulation)."""
-    gpus_per_replica: Int = Field(default=1, ge=0, le=MAX_GPUS_PER_POD)
-    """GPUs per engine replica (its tensor-parallel size): at least 1 on a GPU type, 0 allowed on CPU."""
+    gpus_per_replica: Int | None = Field(default=None, ge=0, le=MAX_GPUS_PER_POD)
+    """GPUs per engine replica (its tensor-parallel size): at least 1 on a GPU type. Null (the
+    default): 1 on a GPU type, 0 on gpuType cpu, whose pods request no GPU (the validator puts the
+    number in)."""
     weight_precision: WeightPrecision = "bf16"
     """Precision the engine serves the weights in: bf16, fp8 (128x128 blocks), mxfp4 or nvfp4."""
     kv_cache_dtype: KvCacheDtype | None = None
@@ -386,9 +397,16 @@ class SamplerPoolTemplate(Model):
             raise rule.error(gpu_type=self.gpu_type)
         if gpu.emulated and self.engine == "sglang":
             raise rules.SGLANG_NEEDS_GPU.error(gpu_type=self.gpu_type)
+        if self.gpus_per_replica is None:  # the CRD's rules read the same default (rules.DERIVED_DEFAULTS)
+            self.gpus_per_replica = default_gpus(self.gpu_type)
         if not gpu.emulated and self.gpus_per_replica < 1:
             raise rules.POOL_NEEDS_GPUS.error(gpu_type=self.gpu_type)
         return self
+
+    @property
+    def replica_gpus(self) -> int:
+        """``gpusPerReplica`` with its default put in (as the validator does)."""
+        return default_gpus(self.gpu_type) if self.gpus_per_replica is None else self.gpus_per_replica
 
 
 # ----------------------------------------------------------------------------- algorithm
@@ -575,9 +593,12 @@ class WeightsSpec(Model):
     """Weight store URL: a local path, ``file://`` URL or a PVC mount path."""
     keep_versions: Int = Field(default=4, gt=0, le=INT32_MAX)
     """Old versions kept before pruning."""
-    volume_size: Quantity = "200Gi"
+    volume_size: Quantity | None = None
     """Size of the weights volume the operator creates when the store is a local path (a positive
-    Kubernetes quantity)."""
+    Kubernetes quantity), and of a one-node trainer's own volume. Null (the default): derived from
+    the run, from the model's size (``model.parametersBillions``, or a ``tiny:`` model's) times the
+    versions kept and the pools' precisions, with headroom; 200Gi for a model of unknown size
+    (docs/operator.md#sizes-derived-from-the-run)."""
     storage_class_name: str | None = Field(
         default=None, pattern=r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$", max_length=253
     )

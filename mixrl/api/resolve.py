@@ -175,7 +175,7 @@ def engine_args(
     Each SGLang flag, and why: docs/engine.md, "What each generated flag means, and why"."""
     if pool.engine == "torch":
         return torch_engine_args(pool.name, pool.weight_precision, kv_cache_dtype, pool.engine_args)
-    args = ["--tp-size", str(max(pool.gpus_per_replica, 1)), "--enable-metrics"]
+    args = ["--tp-size", str(max(pool.replica_gpus, 1)), "--enable-metrics"]
     # mixrl sends token ids and reads token ids: the tokenizer stays with the rollout workers, and
     # the published checkpoints need no tokenizer files.
     args += ["--skip-tokenizer-init"]
@@ -221,7 +221,7 @@ def resolve(run: RLRun) -> ResolvedRun:
                 name=pool.name,
                 object_name=f"{run.metadata.name}-{pool.name}",
                 gpu_type=pool.gpu_type,
-                gpus_per_replica=pool.gpus_per_replica,
+                gpus_per_replica=pool.replica_gpus,
                 weight_precision=pool.weight_precision,
                 kv_cache_dtype=kv,
                 engine=pool.engine,

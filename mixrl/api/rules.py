@@ -110,7 +110,11 @@ class Node:
         return self._field(name).get_default(call_default_factory=True)
 
     def value(self, name: str, on: str = "self") -> str:
-        """``self.<name>`` (or ``<on>.<name>``), or the model's default when the field is absent."""
+        """``self.<name>`` (or ``<on>.<name>``), or the model's default when the field is absent (for
+        a field of :data:`DERIVED_DEFAULTS`, the default its sibling fields give it)."""
+        derived = DERIVED_DEFAULTS.get((self.model.__name__, name))
+        if derived is not None:
+            return f"(has({on}.{name}) ? {on}.{name} : {derived(self, on)})"
         default = self.default(name)
         if default is PydanticUndefined:
             return f"{on}.{name}"
@@ -137,6 +141,19 @@ class Node:
 
     def emulated_gpus(self) -> list[str]:
         return [gpu_type for gpu_type, gpu in self.table.items() if gpu.emulated]
+
+
+def _default_gpus_per_replica(node: Node, on: str) -> str:
+    # mixrl.api.gpus.default_gpus, from the same table: none on an emulated type, else one
+    return f"({on}.gpuType in {cel_literal(node.emulated_gpus())} ? 0 : 1)"
+
+
+DERIVED_DEFAULTS: dict[tuple[str, str], Callable[[Node, str], str]] = {
+    ("SamplerPoolTemplate", "gpusPerReplica"): _default_gpus_per_replica,
+}
+"""(model, camelCase field) -> the CEL expression of a default that depends on the object's other
+fields: the field is null in the schema (so the API server fills in nothing), and the pydantic
+validator and every rule reading it put in the same value."""
 
 
 def _no_values(node: Node) -> dict[str, str]:

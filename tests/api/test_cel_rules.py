@@ -501,6 +501,13 @@ VALID: dict[str, Callable[[Doc], None]] = {
         "spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 2, "parallelism": {"tp": 1, "ep": 1}}
     ),
     "gpu-budget-that-covers": _set("spec", "autoscaling", "gpuBudget", value=5),
+    # a cpu pool's gpusPerReplica defaults to 0 (null reads as absent): only 2 + 1 + 1 of the budget
+    "cpu-pools-take-no-gpus-of-the-budget": lambda doc: [
+        _set("spec", "autoscaling", "gpuBudget", value=4)(doc),
+        _pool(3, gpuType="cpu", engine="torch")(doc),
+        _set("spec", "samplerPools", 2, "gpusPerReplica", value=None)(doc),
+        _pool(2, gpuType="cpu", engine="torch", minReplicas=3)(doc),
+    ],
     "toleration-equal-with-key": _pool(
         0, scheduling={"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl"}]}
     ),

@@ -150,6 +150,23 @@ def test_cpu_pools_need_the_torch_engine(minimal_run: dict[str, Any]) -> None:
     parse_document(minimal_run)
 
 
+@pytest.mark.parametrize(
+    ("gpu_type", "engine", "written", "gpus"),
+    [("B200", "sglang", {}, 1), ("cpu", "torch", {}, 0), ("cpu", "torch", {"gpusPerReplica": None}, 0),
+     ("B200", "sglang", {"gpusPerReplica": 4}, 4), ("cpu", "torch", {"gpusPerReplica": 2}, 2)],
+)  # fmt: skip
+def test_gpus_per_replica_defaults_by_gpu_type(
+    minimal_run: dict[str, Any], gpu_type: str, engine: str, written: dict[str, Any], gpus: int
+) -> None:
+    """A cpu pool that says nothing asks for no GPU (it stayed Pending on a CPU node with the old
+    default of 1); a GPU pool one, and what is written wins."""
+    minimal_run["spec"]["samplerPools"][0].update(gpuType=gpu_type, engine=engine, **written)
+    run = parse_document(minimal_run)
+    assert isinstance(run, RLRun)
+    assert run.spec.sampler_pools[0].gpus_per_replica == gpus
+    assert resolve(run).pools[0].gpus_per_replica == gpus
+
+
 def test_run_name_short_enough_for_children(minimal_run: dict[str, Any]) -> None:
     minimal_run["metadata"]["name"] = "r" * 31
     assert problems(minimal_run) == ["metadata.name: at most 30 characters (children are <run>-<pool>)"]

@@ -117,12 +117,13 @@ def trainer_from_spec(path: str) -> tuple[int, float]:
     The price is :func:`mixrl.api.gpus.default_price` of the trainer's GPU type: the RLRun states
     no trainer price, and that is the table the operator's live status bills the trainer at
     (``controller/observer.py``), as it bills a pool without ``costPerGpuHour``."""
-    from mixrl.api.gpus import default_price
+    from mixrl.api.gpus import default_price, requested_gpus
     from mixrl.api.loader import load_rlrun
     from mixrl.api.resolve import resolve
 
     trainer = resolve(load_rlrun(path)).trainer.spec
-    return trainer.nodes * trainer.gpus_per_node, default_price(trainer.gpu_type)
+    gpus = trainer.nodes * requested_gpus(trainer.gpu_type, trainer.gpus_per_node)
+    return gpus, default_price(trainer.gpu_type)
 
 
 def keda_configs(pools: Sequence[FleetPool], ours: dict[str, PolicyConfig]) -> dict[str, PolicyConfig]:

@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mixrl import __version__
+from mixrl.api.gpus import requested_gpus
 from mixrl.api.launch import weights_volume_path
 from mixrl.api.memory import BYTES_PER_PARAMETER, GIB
+from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE, ResolvedPool, ResolvedRun
+from mixrl.api.trajectory import JSON_NUMBER_BYTES
 from mixrl.operator.build import labels as L
 from mixrl.operator.build.podspec import Obj, mount
 
@@ -129,7 +132,8 @@ class BuildOptions:
     """How long an engine may finish in-flight requests after it is asked to stop."""
     startup_minutes: int = 30
     """How long an engine may take to load its model before it counts as failed."""
-    buffer_volume_size: str = "50Gi"
+    buffer_volume_size: str | None = None
+    """The buffer's volume; None: derived from the run (:func:`buffer_volume_size`)."""
     keda: bool = False
     """The cluster serves KEDA's ScaledObjects (keda.sh/v1alpha1), found through API discovery."""
 
@@ -158,10 +162,38 @@ def gib(value: float) -> str:
     return f"{max(1, math.ceil(value))}Gi"
 
 
+def mib(value: float) -> str:
+    """A memory quantity of at least ``value`` MiB (``534Mi``, ``2Gi``)."""
+    whole = max(1, math.ceil(value))
+    return f"{whole // 1024}Gi" if whole % 1024 == 0 else f"{whole}Mi"
+
+
+def millicores(value: float) -> str:
+    """A CPU quantity of at least ``value`` millicores (``500m``, ``1``)."""
+    whole = max(1, math.ceil(value))
+    return str(whole // 1000) if whole % 1000 == 0 else f"{whole}m"
+
+
 def per_gpu(gpus: int, cpu: int, memory_gib: int, cpu_limit: int, memory_limit_gib: int) -> Footprint:
     return Footprint(
         str(cpu * gpus), gib(memory_gib * gpus), str(cpu_limit * gpus), gib(memory_limit_gib * gpus)
     )
+
+
+def pool_gpus(pool: ResolvedPool) -> int:
+    """The GPUs each of the pool's pods requests (none on an emulated type)."""
+    return requested_gpus(pool.gpu_type, pool.gpus_per_replica)
+
+
+def trainer_gpus(resolved: ResolvedRun) -> int:
+    """The GPUs each trainer pod requests (none on ``gpuType: cpu``, where ``gpusPerNode`` counts
+    processes)."""
+    spec = resolved.trainer.spec
+    return requested_gpus(spec.gpu_type, spec.gpus_per_node)
+
+
+def uses_gpus(resolved: ResolvedRun) -> bool:
+    return trainer_gpus(resolved) > 0 or any(pool_gpus(pool) > 0 for pool in resolved.pools)
 
 
 COMPONENT_FOOTPRINTS: dict[str, Footprint] = {
@@ -169,15 +201,71 @@ COMPONENT_FOOTPRINTS: dict[str, Footprint] = {
     "buffer": Footprint("1", "2Gi", "2", "8Gi"),  # whole groups wait in memory until trained on
     "rollout": Footprint("1", "2Gi", "4", "8Gi"),  # `concurrency` agent sessions and their tools
 }
-"""The CPU services of a run (no spec field sizes them)."""
+"""The CPU services of a run with GPUs, which feed engines of thousands of tokens per second."""
+CPU_RUN_FOOTPRINTS: dict[str, Footprint] = {
+    "router": Footprint("100m", "256Mi", "1", "1Gi"),
+    "buffer": Footprint("100m", "256Mi", "1", "2Gi"),
+    "rollout": Footprint("200m", "256Mi", "1", "2Gi"),
+}
+"""The same services in a run without GPUs: there the engines, on CPUs too, are the bottleneck and
+the services idle between their few requests per second, and the whole run must fit a small node
+(examples/quickstart.yaml requests under 2 CPUs in all; tests/operator/test_sizing.py)."""
+
+
+def service_footprint(resolved: ResolvedRun, component: str) -> Footprint:
+    """A CPU service's CPU and memory (no spec field sizes them): by the run's scale."""
+    return (COMPONENT_FOOTPRINTS if uses_gpus(resolved) else CPU_RUN_FOOTPRINTS)[component]
+
+
+TINY_MODEL_PARAMETERS = 1e6
+"""At most this many parameters in a ``tiny:`` model (those of the built-in environments'
+vocabularies have 0.1-0.2M; tests/operator/test_sizing.py checks the bound)."""
+PROCESS_MIB = 512
+"""The memory request's floor per process: what one that imports torch holds at rest."""
+PROCESS_LIMIT_MIB = 2048
+"""The memory limit's floor per process: importing torch's CUDA build peaks near 700 MiB, and a
+warm start or a step's activations come on top."""
+CPU_TRAINING_BYTES_PER_PARAMETER = 4 + 4 + 8 + 2
+"""A trainer on CPUs: FP32 weights and gradients, AdamW's two FP32 moments, the BF16 copy it publishes."""
+CPU_SERVING_BYTES_PER_PARAMETER = 4 + 4
+"""The torch engine on CPUs: the FP32 weights and their copy at the pool's emulated precision."""
+HEADROOM = 1.25
+
+
+def model_parameters(resolved: ResolvedRun) -> float | None:
+    """The model's parameter count: ``model.parametersBillions``, the bound of a ``tiny:`` model, or
+    None when the spec does not say."""
+    model = resolved.model
+    if model.parameters_billions is not None:
+        return model.parameters_billions * 1e9
+    if tiny_kind(model.path) is not None:
+        return TINY_MODEL_PARAMETERS
+    return None
+
+
+def cpu_process_memory(processes: int, parameters: float, bytes_per_parameter: float) -> tuple[str, str]:
+    """(request, limit) of ``processes`` processes on CPUs that together hold ``parameters`` at
+    ``bytes_per_parameter``."""
+    request = processes * PROCESS_MIB + parameters * bytes_per_parameter * HEADROOM / 2**20
+    return mib(request), mib(max(processes * PROCESS_LIMIT_MIB, 2 * request))
 
 
 def trainer_footprint(resolved: ResolvedRun) -> Footprint:
     """``trainer.resources`` (request = limit), else by GPU: NCCL, data loading, and the host copy of
-    the checkpoint each rank loads."""
+    the checkpoint each rank loads; on CPUs (``gpuType: cpu``) half a core per process and the
+    model's training state (its size from the spec): requests that leave a small node to the
+    engines beside it, limits that let a step use what is idle."""
     spec = resolved.trainer.spec
-    gpus = spec.gpus_per_node
-    default = per_gpu(gpus, 4, 32, 8, 32) if gpus > 0 else Footprint("2", "8Gi", "4", "8Gi")
+    gpus = trainer_gpus(resolved)
+    parameters = model_parameters(resolved)
+    if gpus > 0:
+        default = per_gpu(gpus, 4, 32, 8, 32)
+    elif parameters is None:  # a model of unknown size on CPUs
+        default = Footprint("2", "8Gi", "4", "8Gi")
+    else:
+        processes = max(spec.gpus_per_node, 1)  # on gpuType cpu: processes per node
+        memory, memory_limit = cpu_process_memory(processes, parameters, CPU_TRAINING_BYTES_PER_PARAMETER)
+        default = Footprint(millicores(500 * processes), memory, str(2 * processes), memory_limit)
     asked = spec.resources
     cpu = asked.cpu if asked and asked.cpu else None
     memory = asked.memory if asked and asked.memory else None
@@ -189,12 +277,18 @@ def trainer_footprint(resolved: ResolvedRun) -> Footprint:
     )
 
 
-def engine_footprint(pool: ResolvedPool) -> Footprint:
-    """SGLang and the torch engine on GPUs stream the checkpoint to the GPUs; on CPU the torch
-    engine holds a small model."""
-    if pool.gpus_per_replica > 0:
-        return per_gpu(pool.gpus_per_replica, 4, 16, 8, 32)
-    return Footprint("1", "2Gi", "2", "4Gi")
+def engine_footprint(resolved: ResolvedRun, pool: ResolvedPool) -> Footprint:
+    """SGLang and the torch engine on GPUs stream the checkpoint to the GPUs; on CPUs the torch
+    engine holds the model twice (FP32 and emulated) and requests a fifth of a core, so the
+    quickstart's four pools share two cores with the trainer (the limit lets it use an idle core)."""
+    gpus = pool_gpus(pool)
+    if gpus > 0:
+        return per_gpu(gpus, 4, 16, 8, 32)
+    parameters = model_parameters(resolved)
+    if parameters is None:  # a model of unknown size on CPUs
+        return Footprint("1", "2Gi", "2", "4Gi")
+    memory, memory_limit = cpu_process_memory(1, parameters, CPU_SERVING_BYTES_PER_PARAMETER)
+    return Footprint("200m", memory, "1", memory_limit)
 
 
 CONVERSION_UNKNOWN_SIZE = Footprint("500m", "4Gi", "2", "32Gi")
@@ -205,8 +299,11 @@ enough to convert a model of about 8B parameters."""
 def weight_sync_footprint(resolved: ResolvedRun, pool: ResolvedPool) -> Footprint:
     """The init container and sidecar of an engine pod.  For SGLang they convert each version to the
     pool's precision, holding the BF16 checkpoint and its conversion in memory at once, so with the
-    model's size known the memory is sized to it; the torch engine's only link a version."""
+    model's size known the memory is sized to it; the torch engine's only link a version (on a CPU
+    pool, beside an engine of a small node, with the least a Python process needs)."""
     if pool.engine != "sglang":
+        if pool_gpus(pool) == 0:
+            return Footprint("25m", "256Mi", "500m", "1Gi")
         return Footprint("100m", "1Gi", "1", "2Gi")
     size = resolved.model.parameters_billions
     if size is None:
@@ -214,6 +311,87 @@ def weight_sync_footprint(resolved: ResolvedRun, pool: ResolvedPool) -> Footprin
     held = size * 1e9 * (BYTES_PER_PARAMETER["bf16"] + BYTES_PER_PARAMETER[pool.weight_precision]) / GIB
     memory = gib(held * 1.1 + 1)  # tensors' headroom and the interpreter
     return Footprint("500m", memory, "2", memory)
+
+
+# ----------------------------------------------------------------------------- volumes
+
+UNKNOWN_MODEL_VOLUME = "200Gi"
+"""The weights volume and the trainer's for a model of unknown size (no ``model.parametersBillions``)."""
+LARGEST_DERIVED_BUFFER_GIB = 50
+"""The buffer's volume for a run without ``trainer.totalSteps`` (its logs grow for as long as it
+trains), and the most a bound derived from the run gives: for a large run (examples/rlrun-mixed.yaml)
+the bound, every trajectory at a full context, is hundreds of TiB and says nothing."""
+CHECKPOINT_BYTES_PER_PARAMETER = 4 + 8
+"""A trainer checkpoint: FP32 master weights and AdamW's two moments (BF16 masters are not saved)."""
+CHECKPOINTS_HELD = 2
+"""The last checkpoint and the one being written (a save removes the older ones once committed)."""
+TRAJECTORY_FIXED_BYTES = 1024
+"""A trajectory line's fields other than its per-token columns (names, ids, reward, split)."""
+
+
+def _volume(total_bytes: float) -> str:
+    return gib(total_bytes * HEADROOM / GIB)
+
+
+def checkpoint_bytes(parameters: float) -> float:
+    return CHECKPOINTS_HELD * parameters * CHECKPOINT_BYTES_PER_PARAMETER
+
+
+def weights_volume_size(resolved: ResolvedRun) -> str:
+    """``weights.volumeSize``, else what the store holds at most: ``keepVersions`` BF16 versions, one
+    being written and one the prune has not reached, each with every SGLang pool's conversion to its
+    precision, the base model when ``model.path`` lies on the volume, and the checkpoints of a
+    trainer of several nodes (their shared run directory is there); with a quarter of headroom."""
+    weights = resolved.weights
+    if weights.volume_size is not None:
+        return weights.volume_size
+    parameters = model_parameters(resolved)
+    if parameters is None:
+        return UNKNOWN_MODEL_VOLUME
+    precisions = {pool.weight_precision for pool in resolved.pools if pool.engine == "sglang"} - {"bf16"}
+    per_version = BYTES_PER_PARAMETER["bf16"] + sum(BYTES_PER_PARAMETER[p] for p in precisions)
+    total = (weights.keep_versions + 2) * per_version * parameters
+    root = weights_volume_path(weights.store)
+    if root is not None and resolved.model.path.startswith(root.rstrip("/") + "/"):
+        total += BYTES_PER_PARAMETER["bf16"] * parameters
+    if resolved.trainer.spec.nodes > 1:
+        total += checkpoint_bytes(parameters)
+    return _volume(total)
+
+
+def trainer_volume_size(resolved: ResolvedRun) -> str:
+    """The claim of a one-node trainer's run directory: an explicit ``weights.volumeSize`` (the size
+    the run gave its volumes), else its checkpoints (a tiny model's preparation and metrics.jsonl
+    are small beside them)."""
+    if resolved.weights.volume_size is not None:
+        return resolved.weights.volume_size
+    parameters = model_parameters(resolved)
+    return UNKNOWN_MODEL_VOLUME if parameters is None else _volume(checkpoint_bytes(parameters))
+
+
+def buffer_volume_size(resolved: ResolvedRun, options: BuildOptions) -> str:
+    """The buffer's logs (:mod:`mixrl.rl.buffer.store`) keep every trajectory: for a run of
+    ``totalSteps``, those of every step and of the ``maxStepsAhead`` produced beyond the last, each
+    at most a full context (``maxContextTokens``) whose generated tokens (``maxTurns`` ×
+    ``maxNewTokens`` at most) carry ``topCandidates`` candidates, every number at its longest JSON;
+    at most :data:`LARGEST_DERIVED_BUFFER_GIB`."""
+    if options.buffer_volume_size is not None:
+        return options.buffer_volume_size
+    largest = f"{LARGEST_DERIVED_BUFFER_GIB}Gi"
+    steps = resolved.trainer.spec.total_steps
+    if steps is None:
+        return largest
+    context = resolved.model.max_context_tokens
+    generated = min(context, resolved.rollout.max_turns * resolved.sampling.max_new_tokens)
+    candidates = resolved.sampling.top_logprobs_num
+    # every context token: its id, loss mask, log q, support size and version; generated ones also
+    # their candidates' ids and log q's
+    numbers = 5 * context + 2 * candidates * generated
+    trajectory = numbers * JSON_NUMBER_BYTES + TRAJECTORY_FIXED_BYTES
+    trainer = resolved.trainer
+    groups = (steps + resolved.rollout.max_steps_ahead) * trainer.prompts_per_update
+    needed = groups * trainer.samples_per_prompt * trajectory * HEADROOM / GIB
+    return largest if needed > LARGEST_DERIVED_BUFFER_GIB else gib(needed)
 
 
 # ----------------------------------------------------------------------------- hashing

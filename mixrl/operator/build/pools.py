@@ -23,6 +23,7 @@ from mixrl.operator.build.objects import (
     engine_footprint,
     pod_template,
     pool_config_hash,
+    pool_gpus,
     scrape_annotations,
     service,
     weight_sync_footprint,
@@ -77,7 +78,7 @@ def engine_container(
         # SGLang's JIT kernels (Triton, FlashInfer, DeepGEMM) write caches in paths we cannot
         # enumerate; the torch engine writes only to /tmp and the cache volume.
         read_only_root=pool.engine != "sglang",
-        resources=resources(engine_footprint(pool), pool.gpus_per_replica),
+        resources=resources(engine_footprint(resolved, pool), pool_gpus(pool)),
         lifecycle={"preStop": {"exec": {"command": drain}}},
         **server_probes("engine", options.startup_minutes),
     )
@@ -100,7 +101,7 @@ def pool_objects(
     local = mount("engine-weights", ENGINE_WEIGHTS_DIR)
     sync_mounts = [*base_mounts(), *sync_weight_mounts, local]
     engine_mounts = [*base_mounts(), *engine_weight_mounts, local]
-    if pool.gpus_per_replica > 0:
+    if pool_gpus(pool) > 0:
         volumes.append(empty_dir("dshm", medium="Memory"))
         engine_mounts.append(mount("dshm", "/dev/shm"))
     sync_env = [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}]

@@ -38,7 +38,6 @@ from mixrl.operator.build import labels as L
 from mixrl.operator.build import sandbox
 from mixrl.operator.build.network import network_policies
 from mixrl.operator.build.objects import (
-    COMPONENT_FOOTPRINTS,
     CONFIG_HASH_ANNOTATION,
     POD_INDEX_LABEL,
     POOL_CONFIG_HASH_LABEL,
@@ -46,14 +45,19 @@ from mixrl.operator.build.objects import (
     BuildOptions,
     Monitoring,
     Owner,
+    buffer_volume_size,
     config_hash,
     metadata,
     pod_template,
     pool_children_hash,
     scrape_annotations,
     service,
+    service_footprint,
     trainer_footprint,
+    trainer_gpus,
+    trainer_volume_size,
     weights_volume_and_mount,
+    weights_volume_size,
     with_hash,
     workload,
 )
@@ -120,7 +124,7 @@ def weights_pvc(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> O
     spec: Obj = {
         # The trainer writes each version and every engine pod, on any node, reads it.
         "accessModes": ["ReadWriteMany"],
-        "resources": {"requests": {"storage": resolved.weights.volume_size}},
+        "resources": {"requests": {"storage": weights_volume_size(resolved)}},
     }
     storage_class = resolved.weights.storage_class_name or options.images.weights_storage_class
     if storage_class:  # else the cluster's default StorageClass
@@ -169,7 +173,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     spec = resolved.trainer.spec
     name = L.child_name(resolved.name, "trainer")
     labels = L.component_labels(resolved, "trainer")
-    gpus = spec.gpus_per_node
+    gpus = trainer_gpus(resolved)
     weight_volumes, weight_mounts = weights_volume_and_mount(resolved, read_only=False)
     volumes = list(weight_volumes)
     # Every rank writes its shards of a checkpoint into the one run directory (mixrl.rl.trainer.
@@ -210,7 +214,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     )
     # Parallel pod management (the helper's default): every node must be up for the rendezvous.
     # The run volume holds checkpoints and metrics.jsonl; optimizer state is sized like the weights.
-    claims = [] if shared else [claim_template("run", labels, resolved.weights.volume_size)]
+    claims = [] if shared else [claim_template("run", labels, trainer_volume_size(resolved))]
     trainers = statefulset(resolved, "trainer", spec.nodes, template, owner, claims)
     # Pod DNS records must exist before readiness, or the rendezvous on pod 0 cannot be found.
     headless = service(
@@ -250,7 +254,7 @@ def component_container(
         base_env(resolved.name),
         [*base_mounts(), *extra_mounts],
         ports=ports,
-        resources=resources(COMPONENT_FOOTPRINTS[component]),
+        resources=resources(service_footprint(resolved, component)),
         **extra,
     )
 
@@ -280,7 +284,7 @@ def buffer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -
     ports = [port("http", BUFFER_PORT), port("metrics", METRICS_PORT)]
     main = component_container(resolved, "buffer", options, ports, [mount("data", BUFFER_DATA_DIR)])
     template = component_template(resolved, "buffer", main, [], options, terminationGracePeriodSeconds=60)
-    claims = [claim_template("data", labels, options.buffer_volume_size)]
+    claims = [claim_template("data", labels, buffer_volume_size(resolved, options))]
     buffers = statefulset(resolved, "buffer", 1, template, owner, claims)
     selector = L.selector_labels(resolved.name, "buffer")
     name = L.child_name(resolved.name, "buffer")

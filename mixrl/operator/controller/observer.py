@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 
 from mixrl.api.errors import InvalidSpec
-from mixrl.api.gpus import default_price, price_per_gpu_hour
+from mixrl.api.gpus import default_price, price_per_gpu_hour, requested_gpus
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
@@ -301,7 +301,7 @@ class StatusObserver(Ticker):
             memory.spends[pool.name] = memory.spends.get(pool.name, Spend()).accrue(gpus, price, now)
         trainer = resolved.trainer.spec
         ended = (previous.get("phase") or "") in ("Succeeded", "Failed")
-        gpus = 0 if ended else trainer.nodes * trainer.gpus_per_node
+        gpus = 0 if ended else trainer.nodes * requested_gpus(trainer.gpu_type, trainer.gpus_per_node)
         spend = memory.spends.get(TRAINER, Spend())
         memory.spends[TRAINER] = spend.accrue(gpus, default_price(trainer.gpu_type), now)
         return memory.spends
