@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("mixrl.rl.rollout.evaluator", "held-out pass@k on a BF16 engine, exactly the version named"),
     "buffer": ("mixrl.rl.buffer", "trajectory buffer service"),
     "trainer": ("mixrl.rl.trainer.main", "policy trainer (torch backend)"),
+    "prepare-model": (
+        "mixrl.rl.prepare",
+        "build a tiny: model as mixrl run does (a trainer pod's init container)",
+    ),
     "operator": ("mixrl.operator.main", "the Kubernetes operator (kopf)"),
     "sandbox-exec": ("mixrl.rl.sandbox.executor", "inside a sandbox pod: run one command per HTTP request"),
     "engine-sync": ("mixrl.rl.engine.weight_sync", "sidecar: load each new weight version into one engine"),

@@ -27,11 +27,21 @@ from typing import Literal
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
 
 Component = Literal[
-    "trainer", "buffer", "router", "rollout", "engine", "weight-sync", "weights-init", "evaluator"
+    "trainer",
+    "buffer",
+    "router",
+    "rollout",
+    "engine",
+    "weight-sync",
+    "weights-init",
+    "evaluator",
+    "model-init",
 ]
 """What a run starts: four services, one engine per pool replica, and beside each engine in a pod the
 weight-sync sidecar and its init container (``weights-init``: the starting checkpoint, then exit);
-with ``evaluation.sampler: bf16`` also the evaluator and its own engine (pool ``evaluator``)."""
+with ``evaluation.sampler: bf16`` also the evaluator and its own engine (pool ``evaluator``); in a
+trainer pod of a ``tiny:`` model, the init container that builds it (``model-init``: ``mixrl run``
+builds it itself, before any component starts)."""
 COMPONENTS: tuple[Component, ...] = (
     "trainer",
     "buffer",
@@ -41,6 +51,7 @@ COMPONENTS: tuple[Component, ...] = (
     "weight-sync",
     "weights-init",
     "evaluator",
+    "model-init",
 )
 SERVER_PORTS: dict[str, int] = {"buffer": BUFFER_PORT, "router": ROUTER_PORT, "engine": ENGINE_PORT}
 """The fixed port of each server where it owns its network namespace (a pod)."""
@@ -104,7 +115,11 @@ class Where:
     torchrun: tuple[str, ...] = ("torchrun",)
     """How torchrun is run: the image's ``torchrun``, or this interpreter's ``-m torch.distributed.run``."""
     trainer_model_path: str | None = None
-    """The trainer's initial checkpoint; None: the spec's ``model.path``."""
+    """The trainer's initial checkpoint; None: the spec's ``model.path``.  Where the run's model is
+    ``tiny:<kind>``, the directory it was built into (on a laptop) or the link ``model-init`` points
+    at it (in a pod)."""
+    model_cache: str | None = None
+    """Where ``model-init`` keeps the tiny models it builds (only where it runs: a pod)."""
     tokenizer: str | None = None
     """The rollout worker's tokenizer JSON; None: the built-in filetree one."""
     worker_index: str = "0"
@@ -320,6 +335,17 @@ def component_command(
             where.worker_index,
             *_metrics(where),
             *_auth(where),
+        ]
+    if component == "model-init":
+        return [
+            *where.program,
+            "prepare-model",
+            "--config",
+            where.config,
+            "--cache",
+            _known(where.model_cache, "the tiny models' cache"),
+            "--output",
+            _known(where.trainer_model_path, "the trainer's model directory"),
         ]
     if component == "evaluator":
         return [

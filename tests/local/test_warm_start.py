@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from mixrl.api.resolve import SamplingParams
-from mixrl.local.demos import WarmStartRecipe, measure_success, warm_start_recipe
 from mixrl.rl.environments.filetree import generate_tasks
 from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.rollout.demos import WarmStartRecipe, measure_success, warm_start_recipe
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.filetree()

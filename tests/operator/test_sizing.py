@@ -134,9 +134,9 @@ def test_the_quickstart_fits_a_two_core_node() -> None:
 def test_a_tiny_model_is_within_the_bound_the_sizes_assume() -> None:
     from transformers import AutoModelForCausalLM
 
-    from mixrl.local.prepare import TINY_ARCHITECTURE
     from mixrl.rl.environments.registry import load_environment
     from mixrl.rl.models import MODEL_KINDS, tiny_config
+    from mixrl.rl.prepare import TINY_ARCHITECTURE
     from mixrl.rl.rollout.tokenizer import Tokenizer
 
     for environment in ("filetree", "coding-plain"):
@@ -232,3 +232,5 @@ def test_explicit_sizes_win() -> None:
     }
     trainer = containers(objects)["quickstart-trainer/trainer"]
     assert trainer == {"requests": {"cpu": "3", "memory": "5Gi"}, "limits": {"cpu": "3", "memory": "5Gi"}}
+    # its init container builds the tiny model with the trainer's CPU and memory
+    assert containers(objects)["quickstart-trainer/model-init"] == trainer

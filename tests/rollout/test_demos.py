@@ -9,14 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixrl.local.demos import (
-    asked_file,
-    careless_choice,
-    demonstration_tokens,
-    expert_replies,
-    masked_next_token_loss,
-    warm_start,
-)
 from mixrl.rl.environments.filetree import (
     Difficulty,
     FileTreeEnvironment,
@@ -25,6 +17,14 @@ from mixrl.rl.environments.filetree import (
     generate_tasks,
 )
 from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.rollout.demos import (
+    asked_file,
+    careless_choice,
+    demonstration_tokens,
+    expert_replies,
+    masked_next_token_loss,
+    warm_start,
+)
 
 from .conftest import TOKENIZER, ScriptedGenerate
 from .test_agent import SAMPLING

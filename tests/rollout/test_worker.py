@@ -19,10 +19,10 @@ import pytest
 from mixrl.api.loader import parse_document
 from mixrl.api.resolve import ResolvedRun, SamplingParams, resolve
 from mixrl.api.trajectory import Trajectory
-from mixrl.local.demos import demonstration_tokens
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.engine.protocol import EngineResponseError, PoolInfo, parse_response
 from mixrl.rl.environments.filetree import FileTreeEnvironment, generate_tasks
+from mixrl.rl.rollout.demos import demonstration_tokens
 from mixrl.rl.rollout.router_client import RouterClient
 from mixrl.rl.rollout.stats import RolloutStats
 from mixrl.rl.rollout.worker import RolloutWorker, WorkerSettings, main, next_evaluation_step

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from mixrl.api.launch import Where
 from mixrl.api.memory import SHARED_SUFFIX
-from mixrl.api.models import Toleration
+from mixrl.api.models import Toleration, tiny_kind
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
 from mixrl.operator.build import labels as L
 
@@ -36,6 +36,11 @@ BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
 TRAINER_RUN_DIR = "/var/lib/mixrl/trainer"
 TRAINER_RUN_SUBPATH = "trainer-run"
 """With several trainer nodes: their shared run directory, on the run's weights volume."""
+TINY_MODEL_CACHE = f"{TRAINER_RUN_DIR}/models"
+"""Where a ``tiny:`` run's trainer pod builds its model (``model-init``): on the trainer's volume,
+so a restarted pod finds it instead of warm-starting again."""
+TINY_MODEL_PATH = f"{TRAINER_RUN_DIR}/initial-model"
+"""The link ``model-init`` points at the built model: the trainer's ``--model-path``."""
 
 
 def service_url(resolved: ResolvedRun, component: L.Component, port_number: int) -> str:
@@ -46,8 +51,10 @@ def pod_where(resolved: ResolvedRun) -> Where:
     """Where a run's components live in its pods (the launch table's input; mixrl.api.launch):
     every interface, fixed ports, the services' DNS names, the mounted config and token, pod 0 of
     the trainer's StatefulSet hosting the rendezvous, and each engine pod's weight-sync sidecar
-    reloading its own engine (so the trainer reloads nothing through the router)."""
+    reloading its own engine (so the trainer reloads nothing through the router); for a ``tiny:``
+    model, the trainer's model built by its pod's ``model-init`` container."""
     trainer = L.child_name(resolved.name, "trainer")
+    tiny = tiny_kind(resolved.model.path) is not None
     return Where(
         program=("mixrl",),
         host="0.0.0.0",
@@ -65,6 +72,8 @@ def pod_where(resolved: ResolvedRun) -> Where:
         engine_weights_dir=ENGINE_WEIGHTS_DIR,
         engine_url=f"http://127.0.0.1:{ENGINE_PORT}",
         hold_when_done=True,
+        trainer_model_path=TINY_MODEL_PATH if tiny else None,
+        model_cache=TINY_MODEL_CACHE if tiny else None,
     )
 
 

@@ -189,15 +189,31 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     if gpus > 0:  # NCCL and data loaders need a large /dev/shm
         volumes.append(empty_dir("dshm", medium="Memory"))
         mounts.append(mount("dshm", "/dev/shm"))
+    image = resolved.trainer.image or options.images.trainer(spec.backend)
+    where = pod_where(resolved)
     trainer = container(
         "trainer",
-        resolved.trainer.image or options.images.trainer(spec.backend),
-        component_command(resolved, "trainer", pod_where(resolved)),
+        image,
+        component_command(resolved, "trainer", where),
         base_env(resolved.name),
         mounts,
         ports=[port("rdzv", RDZV_PORT), port("metrics", METRICS_PORT)],
         resources=resources(trainer_footprint(resolved), gpus),
     )
+    init: Obj = {}
+    if where.model_cache is not None:
+        # A tiny: model is built, as mixrl run builds it, onto the run volume before the trainer
+        # loads it (nothing can be downloaded); the trainer then publishes it as version 0.  Its
+        # warm start is a small training job: the trainer's CPU and memory, none of its GPUs.
+        model_init = container(
+            "model-init",
+            image,
+            component_command(resolved, "model-init", where),
+            base_env(resolved.name),
+            [*base_mounts(), run_mount],
+            resources=resources(trainer_footprint(resolved)),
+        )
+        init = {"initContainers": [model_init]}
     # Like a pool: the GPU table's products (or the spec's), the GPU taint tolerated, the spec's
     # node selector, tolerations and priority class (a trainer preempted mid-run loses a step).
     placement = spec.scheduling
@@ -210,7 +226,14 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         options.images.gpu_node_selectors.get(spec.gpu_type),
     )
     template = component_template(
-        resolved, "trainer", trainer, volumes, options, terminationGracePeriodSeconds=120, **scheduling
+        resolved,
+        "trainer",
+        trainer,
+        volumes,
+        options,
+        terminationGracePeriodSeconds=120,
+        **init,
+        **scheduling,
     )
     # Parallel pod management (the helper's default): every node must be up for the rendezvous.
     # The run volume holds checkpoints and metrics.jsonl; optimizer state is sized like the weights.

@@ -37,6 +37,7 @@ from typing import Any
 
 from mixrl.api.launch import SANDBOX_TEMPLATE_FILE
 from mixrl.api.loader import load_resolved
+from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
@@ -494,7 +495,7 @@ def tokenizer_location(run: ResolvedRun, flag: str | None) -> str | None:
     vocabulary."""
     if flag:
         return flag
-    if run.model.path.startswith("tiny:"):
+    if tiny_kind(run.model.path) is not None:
         return None
     return run.model.tokenizer or run.model.path
 

@@ -1,7 +1,9 @@
 """``mixrl trainer``: take batches from the buffer, update the policy, publish each new version.
 
 Before the first step the trainer publishes the weights it holds if the store lacks them (version 0
-from ``model.path`` on a fresh run), so engines always have a version to start from.
+from ``model.path`` on a fresh run), so engines always have a version to start from.  A ``tiny:``
+model is built first, by ``mixrl prepare-model`` (mixrl.rl.prepare: a trainer pod's ``model-init``
+container) or by ``mixrl run``, and the trainer is given that directory as ``--model-path``.
 
 The loop, per step s (the trainer holds weight version s − 1 while computing step s):
   1. ask the buffer for step s's batch (the same batch again after a crash: nothing is lost);
@@ -47,6 +49,7 @@ import torch
 
 from mixrl.api.evaluation import BF16_PROTOCOL, evaluated_steps, protected_versions
 from mixrl.api.loader import RunConfigError, load_resolved
+from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
@@ -353,7 +356,10 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--run-dir", required=True, help="directory for metrics.jsonl and checkpoints")
     parser.add_argument(
-        "--model-path", default=None, help="initial checkpoint (default: the spec's model.path)"
+        "--model-path",
+        default=None,
+        help="initial checkpoint (default: the spec's model.path; a tiny: model's is the directory"
+        " mixrl prepare-model built)",
     )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0 = none)")
     parser.add_argument(
@@ -375,6 +381,16 @@ def main(argv: list[str]) -> int:
     except RunConfigError as exc:
         print(f"mixrl trainer: {exc}", file=sys.stderr)
         return 2
+    model_path = args.model_path or run.model.path
+    if tiny_kind(model_path) is not None:
+        # transformers would take it for a Hugging Face repository id and try to download it
+        print(
+            f"mixrl trainer: --model-path: {model_path} is built, not loaded: give the directory"
+            " `mixrl prepare-model` built it into (a trainer pod's model-init container does; mixrl run"
+            " builds it itself)",
+            file=sys.stderr,
+        )
+        return 2
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     telemetry = TrainerTelemetry(run, port=args.metrics_port) if args.metrics_port else None
@@ -384,7 +400,7 @@ def main(argv: list[str]) -> int:
             buffer_url=args.buffer,
             router_url=args.router,
             run_dir=run_dir,
-            model_path=args.model_path or run.model.path,
+            model_path=model_path,
             telemetry=telemetry,
             auth_token=auth_token,
         )

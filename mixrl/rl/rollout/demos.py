@@ -8,7 +8,8 @@ early stop, is what sets the starting success rate (:class:`WarmStartRecipe`).  
 measured with the real agent loop on an in-process sampler (:func:`measure_success`) on probe
 tasks from the training split, so the held-out split is never used to choose the starting point.
 
-Only ``mixrl run`` warm-starts (:mod:`mixrl.local.prepare`); the operator's pods start from ``model.path``.
+The warm start of a ``tiny:`` filetree model (:mod:`mixrl.rl.prepare`: ``mixrl run`` runs it, and the
+trainer pod's ``model-init`` container); a real ``model.path`` is used as it is.
 """
 
 from __future__ import annotations
