@@ -1,6 +1,7 @@
 """Time by top-level test directory and the slowest tests, from pytest's JUnit XML (docs/testing.md).
 
 Usage: .venv/bin/python -m pytest --junitxml=/tmp/run.xml ...; python scripts/test_times.py /tmp/run.xml [N]
+       python scripts/test_times.py --totals FILE...   (one line: "tests: N passed, N failed, N skipped")
 Each test's time is its setup + call + teardown, as pytest's JUnit file records it (several files:
 the times of the same test add up, e.g. the parallel and the serial invocation of ``make test``).
 """
@@ -10,6 +11,20 @@ from __future__ import annotations
 import collections
 import sys
 import xml.etree.ElementTree as ET
+
+
+def outcome(case: ET.Element) -> str:
+    if case.find("failure") is not None or case.find("error") is not None:
+        return "failed"
+    return "skipped" if case.find("skipped") is not None else "passed"
+
+
+def totals(paths: list[str]) -> None:
+    """The outcomes of every file's tests added up, as make test's closing line."""
+    counts = collections.Counter(
+        outcome(case) for path in paths for case in ET.parse(path).getroot().iter("testcase")
+    )
+    print(f"tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
 
 
 def main(paths: list[str], slowest: int) -> None:
@@ -23,8 +38,7 @@ def main(paths: list[str], slowest: int) -> None:
             seconds = float(case.get("time", 0))
             by_dir[directory] += seconds
             count[directory] += 1
-            failed = case.find("failure") is not None or case.find("error") is not None
-            status = "failed" if failed else "skipped" if case.find("skipped") is not None else "passed"
+            status = outcome(case)
             name = "/".join(parts[1:]) + "::" + (case.get("name") or "")
             tests.append((seconds, name, status))
     total = sum(by_dir.values())
@@ -39,5 +53,8 @@ def main(paths: list[str], slowest: int) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if args and args[0] == "--totals":
+        totals(args[1:])
+        sys.exit(0)
     count_arg = int(args.pop()) if len(args) > 1 and args[-1].isdigit() else 50
     main(args, count_arg)

@@ -241,6 +241,8 @@ def outcome(result: TrajectoryBuffer | BufferLogError) -> str:
     return "loaded"
 
 
+# 300: each case damages the logs in several places (truncation, bit flips, junk lines, lost
+# files) over a few hundred records; cheap in process (~6 s), so many combinations.
 @settings(FUZZ, max_examples=300)
 @given(st.data())
 def test_damaged_logs_load_or_give_one_line_and_lose_no_record(

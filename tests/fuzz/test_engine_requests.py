@@ -324,6 +324,8 @@ def is_batch(body: dict[str, Any]) -> bool:
     return isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
 
+# 60: each case is a real HTTP request to the engine process (~0.1 s); mixed bodies are the
+# cross-field cases; each field alone gets its own share below. ~7 s.
 @settings(FUZZ, max_examples=60)
 @given(generate_bodies)
 def test_generate_requests_get_an_answer_or_one_line(engine: Engine, body: dict[str, Any]) -> None:
@@ -334,6 +336,8 @@ FIELDS = [*(f"sampling_params.{name}" for name in sorted(sampling_values)), *sor
 
 
 @pytest.mark.parametrize("field", FIELDS)
+# 6 per field, every field (a parametrized case each): each field's strategy mixes its valid range
+# with the shared hostile values, so 6 draws reach both; ~0.5-1.5 s a field.
 @settings(FUZZ, max_examples=6)
 @given(data=st.data())
 def test_each_field_of_a_valid_request_set_to_anything(
@@ -348,6 +352,8 @@ def test_each_field_of_a_valid_request_set_to_anything(
     generate_case(engine, encoded(body), is_batch(body))
 
 
+# 50: raw bytes mostly fail JSON decoding in the first few bytes; 50 covers truncated, non-UTF-8,
+# deeply nested and valid-JSON-wrong-type bodies; <1 s.
 @settings(FUZZ, max_examples=50)
 @given(raw_bodies)
 def test_any_bytes_sent_to_generate_get_an_answer_or_one_line(engine: Engine, body: bytes) -> None:
@@ -460,6 +466,8 @@ def expected_version(body: bytes) -> str | None:
 
 
 @pytest.mark.parametrize("path", sorted(control_bodies))
+# 60 per control endpoint (5): token missing / wrong / right x well-formed / hostile bodies, ~10
+# cases per combination; ~1.4 s an endpoint.
 @settings(FUZZ, max_examples=60)
 @given(data=st.data())
 def test_control_requests_need_the_token_and_get_an_answer_or_one_line(

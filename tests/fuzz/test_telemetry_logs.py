@@ -119,6 +119,8 @@ def counted(action: Any) -> Any:
 # ----------------------------------------------------------------------------- tests
 
 
+# 150: logs of 0-8 lines, good and bad mixed, x 3 endings (newline, none, torn): ~6 cases per
+# (length, ending) pair, each of the bad-line kinds many times; 1.5-3.5 s in process.
 @settings(FUZZ, max_examples=150)
 @given(telemetry_log(good_evaluation))
 def test_the_buffer_starts_whatever_its_evaluation_log_holds(
@@ -141,6 +143,8 @@ def test_the_buffer_starts_whatever_its_evaluation_log_holds(
     COUNTS["accepted"] += 1
 
 
+# 150: logs of 0-8 lines, good and bad mixed, x 3 endings (newline, none, torn): ~6 cases per
+# (length, ending) pair, each of the bad-line kinds many times; 1.5-3.5 s in process.
 @settings(FUZZ, max_examples=150)
 @given(telemetry_log(good_metrics), telemetry_log(good_evaluation))
 def test_progress_lines_read_whatever_the_run_logs_hold(
@@ -163,6 +167,8 @@ def test_progress_lines_read_whatever_the_run_logs_hold(
     COUNTS["accepted"] += 1
 
 
+# 150: logs of 0-8 lines, good and bad mixed, x 3 endings (newline, none, torn): ~6 cases per
+# (length, ending) pair, each of the bad-line kinds many times; 1.5-3.5 s in process.
 @settings(FUZZ, max_examples=150)
 @given(telemetry_log(good_metrics), st.integers(0, 9))
 def test_the_trainer_resumes_whatever_its_metrics_log_holds(
@@ -209,6 +215,8 @@ odd_records = st.fixed_dictionaries(
 )
 
 
+# 150: logs of 0-8 lines, good and bad mixed, x 3 endings (newline, none, torn): ~6 cases per
+# (length, ending) pair, each of the bad-line kinds many times; 1.5-3.5 s in process.
 @settings(FUZZ, max_examples=150)
 @given(metrics=st.lists(odd_records, max_size=8), evaluations=st.lists(odd_records, max_size=4))
 def test_the_reports_figures_take_whatever_records_hold(

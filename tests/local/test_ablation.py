@@ -74,6 +74,7 @@ def test_the_table_gives_means_spreads_collapses_and_the_fleet_ratio() -> None:
     assert "| SC+MIS+top-p replay | k3 | 5.0× |" in lines
 
 
+@pytest.mark.slow  # whole mixrl runs (every component a process): also serial (tests/conftest.py)
 def test_a_fast_study_runs_resumes_and_writes_its_table(tmp_path: Path) -> None:
     fast = tmp_path / "fast.yaml"
     run = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())

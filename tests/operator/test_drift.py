@@ -321,11 +321,12 @@ async def test_a_resync_of_an_unchanged_cluster_writes_nothing(api: ApiServer, o
         start = len(list(api))
         before = write_calls(runtime)
         reads = runtime.client.calls[("get", "configmaps")]
-        # Several resyncs: each reconciles the run and both pools (reads only).
+        # Several resyncs: each reconciles the run and both pools (reads only). 30 s: a resync is
+        # seconds of kopf's work on a loaded 2-core machine (make test runs another test beside it).
         await eventually(
-            lambda: runtime.client.calls[("get", "configmaps")] >= reads + 3, what="three resyncs of the run"
+            lambda: runtime.client.calls[("get", "configmaps")] >= reads + 3, 30, "three resyncs of the run"
         )
-        await eventually(lambda: runtime.client.calls[("get", "deployments")] >= 9, what="the pools' resyncs")
+        await eventually(lambda: runtime.client.calls[("get", "deployments")] >= 9, 30, "the pools' resyncs")
         assert write_calls(runtime) == before, "a resync of an unchanged cluster sends no write"
         assert operator_writes(api, start) == []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -21,11 +22,23 @@ def sandbox() -> Sandbox:
 
 
 @pytest.fixture(autouse=True)
-def no_seed_directory_left() -> Iterator[None]:
-    """Every test: the host directories the sandboxes' files were written to are gone afterwards."""
-    before = set(Path(tempfile.gettempdir()).glob("mixrl-sandbox-*"))
-    yield
-    assert set(Path(tempfile.gettempdir()).glob("mixrl-sandbox-*")) - before == set()
+def no_seed_directory_left(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """Every test: the host directories the sandboxes' files were written to are gone afterwards.
+
+    The test gets a temporary directory of its own (``tempfile.tempdir``, world-writable like
+    /tmp, for the unprivileged uid the sandbox runs as), so the sandboxes of tests running at the
+    same time in another process (make test runs on both cores) are not counted as left over."""
+    tmp_path_factory.getbasetemp()  # pytest's own tmp_path stays where it is
+    own = Path(tempfile.mkdtemp(prefix="sandbox-test-tmp-"))
+    own.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    try:
+        yield
+        assert list(own.glob("mixrl-sandbox-*")) == []
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture

@@ -160,7 +160,7 @@ def test_corrected_loss_on_megatron_vocab_parallel_logits_equals_the_unsharded_l
     assert all(r["grad_head_shard"].abs().max() > 0 for r in cpu_ranks)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPTModel.forward needs CUDA in megatron-core 0.16")
+@pytest.mark.cuda  # GPTModel.forward needs CUDA in megatron-core 0.16
 def test_gpt_model_forward_matches_hugging_face_and_backpropagates_on_cuda(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -233,10 +233,8 @@ def test_a_shard_that_does_not_split_is_refused(tiny_model_dir: Path) -> None:
         parallel_shard(whole, 2, 2)
 
 
-TIED_PIPELINE_NEEDS_CUDA = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="megatron-core 0.16 moves a tied embedding to CUDA to share it across pipeline stages",
-)
+# megatron-core 0.16 moves a tied embedding to CUDA to share it across pipeline stages
+TIED_PIPELINE_NEEDS_CUDA = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("tie", [False, pytest.param(True, marks=TIED_PIPELINE_NEEDS_CUDA)])
@@ -273,10 +271,10 @@ def test_pipeline_parts_renumber_layers_and_refuse_an_uneven_split(tiny_model_di
 TRAINER_WORKER = Path(__file__).with_name("megatron_trainer_worker.py")
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="MegatronPolicyTrainer needs CUDA (megatron-core 0.16)"
+@pytest.mark.parametrize(  # MegatronPolicyTrainer needs CUDA (megatron-core 0.16), a GPU a rank
+    ("tp", "pp"),
+    [pytest.param(tp, pp, marks=pytest.mark.cuda(gpus=tp * pp)) for tp, pp in [(1, 1), (2, 1), (1, 2)]],
 )
-@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)])
 def test_megatron_trainer_makes_the_torch_backends_update_on_cuda(
     tmp_path: Path, tiny_model_dir: Path, groups_json: Path, tp: int, pp: int
 ) -> None:
@@ -284,8 +282,6 @@ def test_megatron_trainer_makes_the_torch_backends_update_on_cuda(
     BF16 steps on the same batch: the same update to BF16's precision, the same loss and metrics;
     its checkpoint loads back to the same weights."""
     ranks = tp * pp
-    if torch.cuda.device_count() < ranks:
-        pytest.skip(f"needs {ranks} GPUs")
     from mixrl.api.trajectory import Trajectory
     from mixrl.rl.trainer.batch import collate
 
@@ -312,7 +308,7 @@ def test_megatron_trainer_makes_the_torch_backends_update_on_cuda(
     assert all(torch.equal(reloaded[name], weights[name]) for name in weights)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.no_cuda  # checks the refusal on a machine without CUDA
 def test_the_megatron_trainer_refuses_a_machine_without_cuda_in_one_line(tmp_path: Path) -> None:
     import yaml
 
