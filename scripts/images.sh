@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Build mixrl's own images from images/*/Dockerfile for the test bed's real nodes: with buildah,
 # offline (every RUN step has --network none), on a Python base made here with mmdebstrap, and write
-# each as an OCI archive that containerd imports (`ctr images import`). Cached outside the repository
+# them as one OCI archive that containerd imports (`ctr images import`). Cached outside the repository
 # by the content hash of what goes in; a run with nothing changed builds nothing.
 #
 #   scripts/images.sh [--check] [COMPONENT...]     (as root; COMPONENT: operator components
 #                                                   engine-torch trainer-torch; default all four)
 #
-# stdout: one line per image, "<component> <reference> <absolute path of the OCI archive>", e.g.
-#   operator mixrl.dev/mixrl-operator:dev-0123456789ab /root/.cache/mixrl/images/archives/operator-0123456789ab.tar
+# stdout: one line per image, "<component> <reference> <absolute path of the OCI archive>" (the same
+# archive on every line), e.g.
+#   operator mixrl.dev/mixrl-operator:dev-0123456789ab /root/.cache/mixrl/images/archives/images-456789abcdef.tar
 # stderr: progress, with the seconds elapsed. --check also runs each image's entry point (runc, uid
 # 1000, read-only root, a tmpfs at /tmp as the pods' emptyDir, no network) and fails if one fails.
 #
@@ -28,8 +29,9 @@
 #                and shared by components, engine-torch and trainer-torch), the built images
 #   oci/         an OCI layout of the current images, layers uncompressed: a layer already there
 #                is not written again (after a source change, only mixrl's own layers are)
-#   archives/    <component>-<hash12>.tar, one OCI archive per image (uncompressed layers, named
-#                by the io.containerd.image.name annotation); only the latest set is kept
+#   archives/    images-<hash12>.tar: one OCI archive of the images asked for, each layer once
+#                (the torch layer is shared by three images), uncompressed, each image named by
+#                its io.containerd.image.name annotation; only the latest archive is kept
 # Environment:
 #   TORCH_SPEC   torch requirement (default torch==2.13.0: on Linux PyPI's CUDA build, ~4.5 GB)
 #   TORCH_INDEX  an extra index for torch (e.g. https://download.pytorch.org/whl/cpu with
@@ -95,7 +97,25 @@ arch=$(uname -m)
 case $arch in x86_64) deb_arch=amd64 ;; aarch64) deb_arch=arm64 ;; *) fail "unsupported machine $arch" ;; esac
 base_packages="python3,python3-venv,passwd,bubblewrap=$bwrap_version,ca-certificates,netbase"
 base_key=$(echo "recipe=$BASE_RECIPE bookworm $deb_arch $MIRROR $base_packages" | sha)
-base_ref="localhost/mixrl-python:bookworm-${base_key:0:12}"
+# The base's root file system, made once (delete base/ to take Debian's updates): the images' tags
+# come from its content, so a new one gives new tags.
+base_tar="$CACHE/base/$base_key.tar"
+if [ ! -s "$base_tar" ] || [ ! -s "$base_tar.sha256" ]; then
+  command -v mmdebstrap >/dev/null || fail "mmdebstrap is missing (Debian: apt-get install mmdebstrap)"
+  log "base: mmdebstrap of Debian bookworm ($base_packages) from $MIRROR (a few minutes)"
+  rm -f "$CACHE"/base/*
+  mmdebstrap --variant=minbase --architectures="$deb_arch" --include="$base_packages" \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+    --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
+    --dpkgopt='path-include=/usr/share/doc/*/copyright' --quiet bookworm "$base_tar.partial.tar" \
+    "deb $MIRROR bookworm main" "deb $MIRROR bookworm-updates main" \
+    "deb ${MIRROR%/debian}/debian-security bookworm-security main" >"$CACHE/logs/base.log" 2>&1 ||
+    fail "mmdebstrap failed ($(tail -n 1 "$CACHE/logs/base.log")); log: $CACHE/logs/base.log"
+  sha <"$base_tar.partial.tar" >"$base_tar.sha256"
+  mv "$base_tar.partial.tar" "$base_tar"
+fi
+base_id=$(cat "$base_tar.sha256")
+base_ref="localhost/mixrl-python:bookworm-${base_id:0:12}"
 
 # Wheels for the base's interpreter and glibc (CPython 3.11, glibc 2.36), not this host's.
 platforms=()
@@ -112,15 +132,19 @@ torch_index_arg=${TORCH_INDEX:-${PIP_INDEX_URL:-$("${PIP[@]}" config get global.
 wheel_key=$( (echo "$TORCH_SPEC $TORCH_INDEX ${platforms[*]}"; echo "$requirements"; cat "$ctx/images/constraints.txt") | sha)
 torch_key=$(echo "$TORCH_SPEC $torch_index_arg" | sha)
 
-declare -A REF ARCHIVE # of all four, so that cleaning up keeps the current images of each
+declare -A REF # of all four, so that cleaning up keeps the current images of each
 for c in $ALL; do
   case $c in engine-torch) repo=mixrl.dev/mixrl-engine ;; *) repo=mixrl.dev/mixrl-$c ;; esac
-  key=$( (echo "$script_hash $base_key $src_hash"
+  key=$( (echo "$script_hash $base_id $src_hash"
     [[ $TORCH_IMAGES == *" $c "* ]] && echo "$torch_key $wheel_key"
     cat "$ctx/images/$c/Dockerfile" "$ctx/images/$c/Dockerfile.dockerignore") | sha)
   REF[$c]="$repo:dev-${key:0:12}"
-  ARCHIVE[$c]="$CACHE/archives/$c-${key:0:12}.tar"
 done
+# One archive holds every image asked for: their shared layers are written (and imported) once.
+asked=()
+for c in $components; do asked+=("${REF[$c]}"); done
+set_key=$(printf '%s\n' "${asked[@]}" | sha)
+archive="$CACHE/archives/images-${set_key:0:12}.tar"
 
 # ---------------------------------------------------------------- wheelhouse, base, builds
 wheels="$CACHE/wheels"
@@ -137,7 +161,7 @@ ensure_wheels() {
     >"$CACHE/logs/wheels.log" 2>&1 ||
     fail "pip download failed ($(grep -E '^ERROR' "$CACHE/logs/wheels.log" | tail -n 1)); log: $CACHE/logs/wheels.log"
   # Keep only what this download named (an earlier key's wheels would otherwise linger).
-  keep=$(sed -n -E 's#^(Saved|File was already downloaded) (.*/)?([^/ ]+\.whl)$#\3#p' "$CACHE/logs/wheels.log" | sort -u)
+  keep=$(sed -n -E 's#^ *(Saved|File was already downloaded) (.*/)?([^/ ]+\.whl)$#\3#p' "$CACHE/logs/wheels.log" | sort -u)
   if echo "$keep" | grep -q '^torch-'; then
     for f in "$wheels"/*.whl; do echo "$keep" | grep -qxF "$(basename "$f")" || rm -f "$f"; done
   fi
@@ -146,20 +170,7 @@ ensure_wheels() {
 }
 
 ensure_base() {
-  local tar="$CACHE/base/$base_key.tar"
-  if [ ! -s "$tar" ]; then
-    command -v mmdebstrap >/dev/null || fail "mmdebstrap is missing (Debian: apt-get install mmdebstrap)"
-    log "base: mmdebstrap of Debian bookworm ($base_packages) from $MIRROR (a few minutes)"
-    rm -f "$CACHE"/base/*.tar
-    mmdebstrap --variant=minbase --architectures="$deb_arch" --include="$base_packages" \
-      --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/info/*' \
-      --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
-      --dpkgopt='path-include=/usr/share/doc/*/copyright' --quiet bookworm "$tar.partial.tar" \
-      "deb $MIRROR bookworm main" "deb $MIRROR bookworm-updates main" \
-      "deb ${MIRROR%/debian}/debian-security bookworm-security main" >"$CACHE/logs/base.log" 2>&1 ||
-      fail "mmdebstrap failed ($(tail -n 1 "$CACHE/logs/base.log")); log: $CACHE/logs/base.log"
-    mv "$tar.partial.tar" "$tar"
-  fi
+  local tar=$base_tar
   "${B[@]}" inspect --type image "$base_ref" >/dev/null 2>&1 && return
   log "base: $base_ref from $(du -h "$tar" | cut -f1) rootfs, with /opt/venv"
   local c
@@ -174,7 +185,7 @@ ensure_base() {
 # buildah's storage holds one generation (base, wheelhouse): when either changes, every layer would
 # be rebuilt anyway, so the old ones go.
 ensure_generation() {
-  local gen="$base_key $wheel_key" f="$CACHE/buildah/generation"
+  local gen="$base_id $wheel_key" f="$CACHE/buildah/generation"
   [ "$(cat "$f" 2>/dev/null)" = "$gen" ] && return
   if [ -s "$f" ]; then
     log "buildah storage: base or wheelhouse changed, removing the previous images and layers"
@@ -216,14 +227,17 @@ elif command == "adopt":  # move the blobs of a dir: copy into the store
     for name in os.listdir(args[0]):
         if len(name) == 64 and not os.path.exists(blob(store, "sha256:" + name)):
             os.rename(os.path.join(args[0], name), blob(store, "sha256:" + name))
-elif command == "archive":  # one image as an OCI archive, the way `ctr images import` names it
-    ref, out = args
-    entry, manifest = manifest_of(store, ref)
-    digests = [entry["digest"], manifest["config"]["digest"]] + [layer["digest"] for layer in manifest["layers"]]
-    entry = {k: entry[k] for k in ("mediaType", "digest", "size")}
-    entry["annotations"] = {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[1]}
+elif command == "archive":  # images as one OCI archive, each blob once, named as `ctr images import` reads them
+    out, *refs = args
+    entries, digests = [], []
+    for ref in refs:
+        entry, manifest = manifest_of(store, ref)
+        digests += [entry["digest"], manifest["config"]["digest"]] + [layer["digest"] for layer in manifest["layers"]]
+        entry = {k: entry[k] for k in ("mediaType", "digest", "size")}
+        entry["annotations"] = {"io.containerd.image.name": ref, "org.opencontainers.image.ref.name": ref.rsplit(":", 1)[1]}
+        entries.append(entry)
     files = {"oci-layout": json.dumps({"imageLayoutVersion": "1.0.0"}).encode(),
-             "index.json": json.dumps({"schemaVersion": 2, "manifests": [entry]}).encode()}
+             "index.json": json.dumps({"schemaVersion": 2, "manifests": entries}).encode()}
     with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
         tar.copybufsize = 1 << 20
         for name, data in files.items():
@@ -253,7 +267,7 @@ EOF
 }
 
 build() {
-  local c=$1 ref=${REF[$1]} archive=${ARCHIVE[$1]} args=() rc missing
+  local c=$1 ref=${REF[$1]} args=() rc missing
   if [[ $TORCH_IMAGES == *" $c "* ]]; then
     args+=(--build-arg "TORCH_SPEC=$TORCH_SPEC" --build-arg "TORCH_INDEX=$torch_index_arg")
   fi
@@ -290,33 +304,32 @@ build() {
     rm -rf "$CACHE/tmp/dir"
   fi
   "${B[@]}" push --quiet "$ref" "oci:$store:$ref"
-  rm -f "$archive.partial"
-  oci archive "$store" "$ref" "$archive.partial"
-  mv "$archive.partial" "$archive"
-  log "$c: $ref, $(du -h "$archive" | cut -f1) ($archive)"
+  log "$c: $ref"
 }
 
 prune() {
   local c=$1 repo=${REF[$1]%:*} name
-  for f in "$CACHE/archives/$c"-*.tar*; do
-    [ -e "$f" ] && [ "$f" != "${ARCHIVE[$c]}" ] && rm -f "$f" && log "$c: removed superseded $(basename "$f")"
-  done
   for name in $("${B[@]}" images --noheading --format '{{.Name}}:{{.Tag}}' 2>/dev/null | grep -F "$repo:" || true); do
     [ "$name" = "${REF[$c]}" ] || "${B[@]}" rmi --force "$name" >/dev/null 2>&1 || true
   done
 }
 
-todo=""
-for c in $components; do [ -s "${ARCHIVE[$c]}" ] || todo="$todo $c"; done
-if [ -n "$todo" ]; then
-  log "to build:$todo (cache $CACHE)"
+if [ ! -s "$archive" ]; then
+  log "to build:$components (cache $CACHE)"
   ensure_wheels
   ensure_generation
   ensure_base
   write_oci_helper
-  for c in $todo; do build "$c"; done
+  for c in $components; do build "$c"; done
   oci gc "$store" "${REF[@]}"
+  rm -f "$archive.partial"
+  oci archive "$store" "$archive.partial" "${asked[@]}"
+  mv "$archive.partial" "$archive"
+  log "archive: $(du -h "$archive" | cut -f1) for ${#asked[@]} images ($archive)"
 fi
+for f in "$CACHE"/archives/*; do
+  [ -e "$f" ] && [ "$f" != "$archive" ] && rm -f "$f" && log "removed the superseded $(basename "$f")"
+done
 for c in $components; do prune "$c"; done
 rm -rf "$CACHE/tmp"/* "$ctx"
 
@@ -328,13 +341,13 @@ check_image() {
     mixrl --help >/dev/null'
   case $c in
     operator) script='mixrl operator --help >/dev/null
-      python -c "import kopf, kubernetes, mixrl.operator.main, importlib.util as u; assert u.find_spec(\"torch\") is None"' ;;
+      python -c "import kopf, kubernetes, mixrl.operator.main, mixrl.operator.autoscaling.loop, mixrl.operator.controller.handlers, mixrl.operator.controller.observer, importlib.util as u; assert u.find_spec(\"torch\") is None"' ;;
     components) script='bwrap --version
       python -c "import torch, pyarrow, mixrl.rl.router, mixrl.rl.buffer, mixrl.rl.rollout.worker, mixrl.rl.engine.weight_sync; print(\"torch\", torch.__version__, \"pyarrow\", pyarrow.__version__)"' ;;
     engine-torch) script='mixrl engine --help >/dev/null; python -c "import torch, mixrl; print(\"torch\", torch.__version__)"' ;;
     trainer-torch) script='mixrl trainer --help >/dev/null; torchrun --help >/dev/null; python -c "import torch, mixrl.rl.trainer.main; print(\"torch\", torch.__version__)"' ;;
   esac
-  ctr=$("${B[@]}" from --quiet "oci-archive:${ARCHIVE[$c]}")
+  ctr=$("${B[@]}" from --quiet "${REF[$c]}")
   mnt=$("${B[@]}" mount "$ctr")
   bundle="$CACHE/tmp/check-$c"
   mkdir -p "$bundle"
@@ -371,5 +384,5 @@ if [ $check = 1 ]; then
   for c in $components; do check_image "$c"; done
 fi
 
-for c in $components; do echo "$c ${REF[$c]} ${ARCHIVE[$c]}"; done
+for c in $components; do echo "$c ${REF[$c]} $archive"; done
 log "done"

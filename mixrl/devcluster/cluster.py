@@ -24,6 +24,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from mixrl.devcluster import images
+from mixrl.devcluster import images, monitoring
 from mixrl.devcluster import node as real_node
 from mixrl.devcluster.fleet import KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, NodeGroup, fleet_nodes
 from mixrl.devcluster.network import HOST_IP, NETNS_DIR, Network, NetworkError, NodeAddress, node_addresses
@@ -494,6 +495,7 @@ class Cluster:
             self._wait(state, "kube-controller-manager", lambda: self._has_default_sa(state), timeout)
             if nodes:
                 self._start_real_nodes(state, nodes, timeout, log, built)
+                self._start_prometheus(state, timeout, log)
         except BaseException:
             self.down(log=lambda _: None)
             raise
@@ -535,16 +537,26 @@ class Cluster:
             commands = real_node.node_commands(bin_dir, self.dir, node)
             self._start(state, f"containerd-{node.index}", commands[f"containerd-{node.index}"])
             socket = real_node.containerd_socket(self.dir, node)
-            self._wait(state, f"containerd-{node.index}", socket.exists, timeout)
+            self._wait(
+                state, f"containerd-{node.index}", lambda s=socket: real_node.containerd_answers(s), timeout
+            )
             imported = time.monotonic()
-            present = real_node.image_references(socket)
+            try:
+                present = real_node.image_references(socket)
+            except RuntimeError as exc:
+                raise ClusterError(f"{node.name}: {exc}") from None
             for reference in sorted(present - {reference for reference, _, _ in archives}):
                 if reference.startswith(images.BED_REGISTRY):
                     real_node.remove_image(socket, reference)  # an older build: containerd frees its layers
-            fresh = [path for reference, path, always in archives if always or reference not in present]
+            wanted = [
+                (reference, path)
+                for reference, path, always in archives
+                if always or reference not in present
+            ]
+            fresh = list(dict.fromkeys(path for _, path in wanted))  # the project's images share one archive
             for path in fresh:
                 import_image(socket, path)
-            log(f"dev-cluster: {len(fresh)} of {len(archives)} images imported into {node.name} "
+            log(f"dev-cluster: {len(wanted)} of {len(archives)} images imported into {node.name} "
                 f"({time.monotonic() - imported:.1f} s; the others were in its cached store)")  # fmt: skip
             self._start(state, f"kubelet-{node.index}", commands[f"kubelet-{node.index}"])
             self._start(state, f"kube-proxy-{node.index}", commands[f"kube-proxy-{node.index}"])
@@ -553,6 +565,34 @@ class Cluster:
                 state, f"kubelet-{node.index}", lambda n=node: self._node_ready(state, n.name), timeout
             )
         log(f"dev-cluster: {len(nodes)} real node(s) Ready ({time.monotonic() - started:.1f} s)")
+
+    def _start_prometheus(self, state: ClusterState, timeout: float, log: Callable[[str], None]) -> None:
+        """Debian's Prometheus on the host, scraping the real nodes' pods, with the bed's stand-in for
+        its Kubernetes service discovery (mixrl.devcluster.monitoring)."""
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise ClusterError(
+                "--real-nodes: the prometheus binary is missing (scripts/setup.sh installs Debian's package)"
+            )
+        started = time.monotonic()
+        directory = self.dir / "prometheus"
+        shutil.rmtree(directory, ignore_errors=True)  # a fresh cluster, a fresh history
+        directory.mkdir()
+        targets = directory / "targets.json"
+        targets.write_text("[]")
+        config = monitoring.prometheus_config(targets)
+        (directory / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+        self._start(
+            state, "pod-discovery", monitoring.discovery_command(sys.executable, state.kubeconfig, targets)
+        )
+        self._start(state, "prometheus", monitoring.prometheus_command(binary, directory, state.address))
+        url = f"http://{state.address}:{monitoring.PROMETHEUS_PORT}"
+        self._wait(state, "prometheus", lambda: _http_ok(f"{url}/-/ready"), timeout)
+        self.kubectl(
+            state, "create", "-f", "-", input=_yaml_list(monitoring.prometheus_objects(state.address))
+        )
+        log(f"dev-cluster: Prometheus at {url}, in the cluster {monitoring.SERVICE}.{monitoring.NAMESPACE}.svc:"
+            f"{monitoring.PROMETHEUS_PORT} ({time.monotonic() - started:.1f} s)")  # fmt: skip
 
     def _node_ready(self, state: ClusterState, name: str) -> bool:
         try:

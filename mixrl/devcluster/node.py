@@ -278,8 +278,16 @@ def _ctr(socket: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def containerd_answers(socket: Path) -> bool:
+    """The node's containerd serves its API (its socket appears a moment before it does)."""
+    return socket.exists() and _ctr(socket, "version").returncode == 0
+
+
 def image_references(socket: Path) -> set[str]:
-    return set(_ctr(socket, "images", "ls", "-q").stdout.split())
+    listed = _ctr(socket, "images", "ls", "-q")
+    if listed.returncode != 0:  # an empty answer would import every image again (gigabytes)
+        raise RuntimeError(f"ctr images ls failed: {listed.stderr.strip()}")
+    return set(listed.stdout.split())
 
 
 def remove_image(socket: Path, reference: str) -> None:

@@ -160,3 +160,46 @@ def test_the_constraints_pin_every_runtime_dependency_within_pyproject() -> None
     (pinned,) = [Requirement(t) for install in installs for t in install if t.startswith("megatron-core")]
     (spec,) = pinned.specifier
     assert spec.operator == "==" and megatron.specifier.contains(spec.version), str(pinned)
+
+
+def test_the_operator_image_installs_every_package_the_operator_imports() -> None:
+    """The operator's image installs mixrl with --no-deps and names its packages itself: each one
+    that ``mixrl operator`` imports at start must be among them (prometheus_client was not, and the
+    chart's operator pod crash-looped on the real node)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    started = (
+        "mixrl.operator.main",
+        "mixrl.operator.autoscaling.loop",
+        "mixrl.operator.controller.handlers",
+        "mixrl.operator.controller.observer",
+        "mixrl.operator.controller.runtime",
+    )
+    # A fresh interpreter, so what the rest of the suite imported does not count.
+    probe = (
+        f"import sys, {', '.join(started)}; print(' '.join(sorted({{n.split('.')[0] for n in sys.modules}})))"
+    )
+    modules = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.split()
+    distributions = importlib.metadata.packages_distributions()
+    needed = {canonicalize_name(d) for m in modules for d in distributions.get(m, []) if m != "mixrl"}
+    needed -= {"mixrl", "kubernetes-validate"}  # the kubernetes client tries it and does without
+    installed = {
+        canonicalize_name(Requirement(token).name)
+        for install in pip_installs(IMAGES / "operator" / "Dockerfile")
+        for previous, token in zip(["", *install], install, strict=False)
+        if not token.startswith(("-", "/")) and previous not in ("--constraint", "--index-url")
+    }
+    # What those packages pull in themselves comes with them; only mixrl's own requirements are named.
+    import tomllib
+
+    direct = {
+        canonicalize_name(Requirement(r).name)
+        for r in tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
+    }
+    assert (needed & direct) - installed == set(), (
+        f"images/operator/Dockerfile lacks {sorted((needed & direct) - installed)}"
+    )

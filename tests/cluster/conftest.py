@@ -285,12 +285,6 @@ def exposition_server(render: Callable[[], str], port: int) -> ThreadingHTTPServ
     return ThreadingHTTPServer(("127.0.0.1", port), Handler)
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "ends_real_bed: stops the session's real-node bed; run after every other test"
-    )
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that ends the real-node bed runs last, whatever file it is in."""
     items.sort(key=lambda item: item.get_closest_marker("ends_real_bed") is not None)

@@ -36,9 +36,10 @@ BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
 TRAINER_RUN_DIR = "/var/lib/mixrl/trainer"
 TRAINER_RUN_SUBPATH = "trainer-run"
 """With several trainer nodes: their shared run directory, on the run's weights volume."""
-TINY_MODEL_CACHE = f"{TRAINER_RUN_DIR}/models"
-"""Where a ``tiny:`` run's trainer pod builds its model (``model-init``): on the trainer's volume,
-so a restarted pod finds it instead of warm-starting again."""
+TINY_MODEL_CACHE = TRAINER_RUN_DIR
+"""The cache a ``tiny:`` run's trainer pod builds its model into (``model-init``; the model goes to
+its ``models/<kind>-<hash>``): on the trainer's volume, so a restarted pod finds it instead of
+warm-starting again."""
 TINY_MODEL_PATH = f"{TRAINER_RUN_DIR}/initial-model"
 """The link ``model-init`` points at the built model: the trainer's ``--model-path``."""
 
