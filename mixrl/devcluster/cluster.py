@@ -566,6 +566,16 @@ class Cluster:
             )
         log(f"dev-cluster: {len(nodes)} real node(s) Ready ({time.monotonic() - started:.1f} s)")
 
+    def restart_node_agent(self, state: ClusterState, name: str) -> None:
+        """Stop one real node's ``kubelet-<i>`` or ``kube-proxy-<i>`` and start it again, as an
+        upgrade or a crash does; its containers keep running under containerd."""
+        component, _, index = name.rpartition("-")
+        nodes = {str(n.index): n for n in node_addresses(state.real_nodes)}
+        if component not in ("kubelet", "kube-proxy") or index not in nodes:
+            raise ClusterError(f"{name}: not a real node's kubelet or kube-proxy in this bed")
+        _stop(state, [name])
+        self._start(state, name, real_node.node_commands(Path(state.bin), self.dir, nodes[index])[name])
+
     def _start_prometheus(self, state: ClusterState, timeout: float, log: Callable[[str], None]) -> None:
         """Debian's Prometheus on the host, scraping the real nodes' pods, with the bed's stand-in for
         its Kubernetes service discovery (mixrl.devcluster.monitoring)."""

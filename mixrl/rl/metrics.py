@@ -306,6 +306,13 @@ MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL = MetricSpec(
     " top-k cut); kept, the unreturned members recorded at the cut's log-prob.",
     MIXRL_LABELS,
 )
+MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL = MetricSpec(
+    "mixrl_rollout_trajectories_acknowledged_total",
+    "counter",
+    "Trajectories the buffer acknowledged (answered 200 to); the buffer's durable count is never"
+    " below it, whatever restarts in between.",
+    ("run",),
+)
 # buffer — mixrl.rl.buffer.  Per-pool series use MIXRL_LABELS; whole-buffer series only "run".
 # Staleness of a token = trainer step − its weight_version, observed when a batch is handed out.
 BUFFER_LABELS = ("run",)
@@ -460,6 +467,7 @@ MIXRL_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_ROLLOUT_TOKENS_TOTAL,
     MIXRL_ROLLOUT_REWARD,
     MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL,
+    MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL,
     *MIXRL_BUFFER_METRICS,
     MIXRL_TRAINER_STEP,
     MIXRL_TRAINER_WEIGHT_VERSION,

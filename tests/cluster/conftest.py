@@ -305,3 +305,14 @@ def real_bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         yield Bed(state, handle)
     finally:
         handle.down(log=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def real_chart(real_bed: Bed) -> Bed:
+    """The chart installed on the real-node bed with the bed's images (its chart-values.yaml), the
+    operator running as the chart's pod and watching every namespace: what the README's newcomer
+    path does. Every real-run module shares it; each run lives in a namespace of its own."""
+    values = Path(real_bed.state.dir) / "chart-values.yaml"
+    real_bed.helm("install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace", "--wait",
+                  "--timeout", "300s", "-f", str(values), "--set", "watch.allNamespaces=true")  # fmt: skip
+    return real_bed

@@ -11,80 +11,31 @@ Prometheus does: ``kubectl get rlr`` shows the step the trainer's pod exported."
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-from typing import Any
 
 import pytest
-import yaml
 
-from tests.cluster.conftest import CHART, Bed, wait_for
+from tests.cluster.conftest import Bed, wait_for
+from tests.cluster.real_run import EXAMPLE, RUN, buffer_stats, describe, evaluations, pods, weight_version
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "rlrun-cluster-cpu.yaml"
 NAMESPACE = "rl"
-RUN = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
-
-
-def http_json(url: str, timeout: float = 5) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-def pods(bed: Bed, selector: str) -> list[dict]:
-    return bed.get("pods", "-n", NAMESPACE, "-l", selector)["items"]
-
-
-def pod_ip(bed: Bed, component: str) -> str | None:
-    running = [p for p in pods(bed, f"app.kubernetes.io/component={component}") if p["status"].get("podIP")]
-    return running[0]["status"]["podIP"] if running else None
-
-
-def buffer_stats(bed: Bed) -> dict:
-    ip = pod_ip(bed, "buffer")
-    if ip is None:
-        return {}
-    try:
-        return http_json(f"http://{ip}:8100/stats")
-    except (OSError, urllib.error.URLError, ValueError):
-        return {}
-
-
-def evaluations(bed: Bed) -> list[dict]:
-    ip = pod_ip(bed, "buffer")
-    try:
-        return http_json(f"http://{ip}:8100/evaluations")["evaluations"] if ip else []
-    except (OSError, urllib.error.URLError, ValueError, KeyError):
-        return []
-
-
-def describe(bed: Bed) -> str:
-    """What a person would look at when the run does not progress."""
-    listing = bed.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False).stdout
-    events = bed.kubectl("get", "events", "-n", NAMESPACE, "--sort-by=.lastTimestamp", check=False).stdout
-    return f"{listing}\n{events[-3000:]}"
 
 
 @pytest.fixture(scope="module")
-def trained(real_bed: Bed) -> Bed:
-    values = Path(real_bed.state.dir) / "chart-values.yaml"
-    real_bed.helm("install", "mixrl", str(CHART), "-n", "mixrl-system", "--create-namespace", "--wait",
-                  "--timeout", "300s", "-f", str(values), "--set", "watch.allNamespaces=true")  # fmt: skip
+def trained(real_chart: Bed) -> Bed:
+    real_bed = real_chart
     real_bed.kubectl("create", "namespace", NAMESPACE)
     real_bed.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
     started = time.monotonic()
     try:
-        wait_for(lambda: (buffer_stats(real_bed).get("committed_step") or -1) >= 10, timeout=600, interval=5,
+        wait_for(lambda: (buffer_stats(real_bed, NAMESPACE).get("committed_step") or -1) >= 10, timeout=600, interval=5,
                  what="the trainer's step to reach 10")  # fmt: skip
         print(f"apply -> step 10 in {time.monotonic() - started:.0f} s")
-        wait_for(lambda: any(e["step"] >= 10 for e in evaluations(real_bed)), timeout=300, interval=5,
+        wait_for(lambda: any(e["step"] >= 10 for e in evaluations(real_bed, NAMESPACE)), timeout=300, interval=5,
                  what="the held-out evaluation at step 10")  # fmt: skip
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{describe(real_bed)}") from None
-    for record in evaluations(real_bed):
+        raise AssertionError(f"{exc}\n{describe(real_bed, NAMESPACE)}") from None
+    for record in evaluations(real_bed, NAMESPACE):
         print(f"held-out evaluation in the cluster: step {record['step']}, pass@k {record['pass_at_k']}")
     return real_bed
 
@@ -96,28 +47,19 @@ def test_the_operator_runs_as_the_charts_pod(trained: Bed) -> None:
 
 
 def test_kubectl_apply_trains_in_the_cluster(trained: Bed) -> None:
-    stats = buffer_stats(trained)
+    stats = buffer_stats(trained, NAMESPACE)
     assert stats["committed_step"] >= 10, stats
     for component in ("trainer", "buffer", "router", "rollout"):
-        assert pods(trained, f"app.kubernetes.io/component={component}"), component
+        assert pods(trained, NAMESPACE, f"app.kubernetes.io/component={component}"), component
 
 
 def test_every_engine_serves_a_recent_version(trained: Bed) -> None:
-    engines = pods(trained, "app.kubernetes.io/component=sampler")
+    engines = pods(trained, NAMESPACE, "app.kubernetes.io/component=sampler")
     assert len(engines) == 2
     for engine in engines:
         ip = engine["status"]["podIP"]
-        version = wait_for(lambda ip=ip: _weight_version(ip), what=f"{engine['metadata']['name']}'s version")
+        version = wait_for(lambda ip=ip: weight_version(ip), what=f"{engine['metadata']['name']}'s version")
         assert version >= 5, (engine["metadata"]["name"], version)
-
-
-def _weight_version(ip: str) -> int | None:
-    try:
-        answer = http_json(f"http://{ip}:30000/get_weight_version")
-    except (OSError, urllib.error.URLError, ValueError):
-        return None
-    value = answer.get("weight_version") if isinstance(answer, dict) else answer
-    return int(str(value).lstrip("v")) if value is not None else None
 
 
 def test_kubectl_get_rlr_shows_the_trainers_figures_from_prometheus(trained: Bed) -> None:
@@ -137,9 +79,40 @@ def test_kubectl_get_rlr_shows_the_trainers_figures_from_prometheus(trained: Bed
 
 
 def test_the_held_out_evaluation_runs_in_the_cluster(trained: Bed) -> None:
-    (record,) = [e for e in evaluations(trained) if e["step"] == 10]
+    (record,) = [e for e in evaluations(trained, NAMESPACE) if e["step"] == 10]
     # evaluation.sampler: pools evaluates on what the pools serve at that step: trained weights,
     # none newer than the step's (the sidecars follow the trainer a version or two behind)
     assert 1 <= record["weight_version"] <= 10, record
     assert set(record["pass_at_k"]) == {"1", "4"}
     assert 0.0 <= record["pass_at_k"]["1"] <= record["pass_at_k"]["4"] <= 1.0, record
+
+
+PRESTOP_SETTLE_S = 7.0
+"""The engines' preStop hook (mixrl/rl/engine/drain.py) waits 5 s for the endpoint removal to
+spread, then for two idle polls 2 s apart: an engine pod that went faster did not run it."""
+
+
+def test_kubectl_delete_rlr_drains_the_engines_and_collects_every_child(trained: Bed) -> None:
+    """Last in this module: the run goes. Its engine pods stop through their preStop drain (a
+    failed hook would be a FailedPreStopHook event), and garbage collection takes every child."""
+    engines = {p["metadata"]["name"] for p in pods(trained, NAMESPACE, "app.kubernetes.io/component=sampler")}
+    assert len(engines) == 2
+    started = time.monotonic()
+    trained.kubectl("delete", "rlr", RUN, "-n", NAMESPACE, "--wait=false")
+    gone_after: dict[str, float] = {}
+
+    def every_pod_gone() -> bool:
+        present = {p["metadata"]["name"] for p in trained.get("pods", "-n", NAMESPACE)["items"]}
+        for name in engines - present:
+            gone_after.setdefault(name, time.monotonic() - started)
+        return not present
+
+    wait_for(every_pod_gone, timeout=300, interval=0.5, what="every pod of the deleted run gone")
+    assert all(gone_after[name] >= PRESTOP_SETTLE_S for name in engines), gone_after
+    failed_hooks = [e["message"] for e in trained.get("events", "-n", NAMESPACE)["items"] if e.get("reason") == "FailedPreStopHook"]  # fmt: skip
+    assert failed_hooks == []
+    kinds = "samplerpools,deployments,statefulsets,services,configmaps,secrets,networkpolicies"
+    selector = f"app.kubernetes.io/managed-by=mixrl-operator,app.kubernetes.io/instance={RUN}"
+    wait_for(lambda: not trained.get(kinds, "-n", NAMESPACE, "-l", selector)["items"], timeout=120,
+             what="every child of the run collected")  # fmt: skip
+    print(f"kubectl delete rlr: engine pods drained and gone after {sorted(gone_after.values())} s")

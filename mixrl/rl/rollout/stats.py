@@ -38,6 +38,7 @@ class RolloutStats:
         self._tokens = metrics.create(metrics.MIXRL_ROLLOUT_TOKENS_TOTAL, self.registry)
         self._reward = metrics.create(metrics.MIXRL_ROLLOUT_REWARD, self.registry)
         self._tied = metrics.create(metrics.MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL, self.registry)
+        self._acknowledged = metrics.create(metrics.MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL, self.registry)
         self.tied_support_tokens = 0
         self._recent_by_pool: dict[tuple[str, ...], deque[float]] = {}
 
@@ -63,6 +64,11 @@ class RolloutStats:
             pool = result.pool
             labels = (self.run, pool.pool, pool.gpu_type, pool.precision)
             self._tied.labels(*labels).inc(result.tied_support_tokens)
+
+    def group_acknowledged(self, trajectories: int) -> None:
+        """The buffer answered 200 to a group of ``trajectories``."""
+        self.groups_posted += 1
+        self._acknowledged.labels(self.run).inc(trajectories)
 
     def evaluation_done(self, result: dict[str, Any]) -> None:
         self.last_evaluation = result

@@ -285,7 +285,7 @@ class RolloutWorker:
         for attempt in range(attempts):
             try:
                 await self.buffer.post_trajectories(trajectories)
-                self.stats.groups_posted += 1
+                self.stats.group_acknowledged(len(trajectories))
                 self.posted_since_poll += 1
                 return
             except BufferError as exc:
