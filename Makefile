@@ -1,5 +1,5 @@
 # The two commands of README.md: `make run` (the quickstart on this machine) and `make test`.
-.PHONY: run test lint crds setup k8s-bin
+.PHONY: run test lint crds setup k8s-bin images
 PY := .venv/bin
 
 setup:
@@ -14,7 +14,7 @@ run: setup
 # each), then the serial ones
 # (a control plane, a real node, whole runs) one at a time. Both run whatever fails in the other;
 # JUnit files go to $(TEST_REPORTS) (scripts/test_times.py reads them).
-TEST_BUILDS := k8s-bin
+TEST_BUILDS := k8s-bin images
 TEST_REPORTS := .venv/test-reports
 PYTEST := $(PY)/python -m pytest -q
 PYTEST_ARGS ?=  # added to both invocations, e.g. PYTEST_ARGS="--ignore=tests/cluster"
@@ -22,7 +22,7 @@ test:
 	@rm -rf $(TEST_REPORTS)
 	@scripts/phase.sh set-up $(MAKE) --no-print-directory setup
 	@scripts/phase.sh lint $(MAKE) --no-print-directory lint
-	@scripts/phase.sh builds $(MAKE) --no-print-directory $(TEST_BUILDS)
+	@scripts/phase.sh builds $(MAKE) --no-print-directory -j2 $(TEST_BUILDS)
 	@mkdir -p $(TEST_REPORTS)
 	@p=0; s=0; \
 	OMP_NUM_THREADS=1 scripts/phase.sh "tests on 2 cores" $(PYTEST) -n 2 --dist loadscope -m "not serial" \
@@ -39,9 +39,14 @@ lint:
 	$(PY)/mixrl crds --check
 	$(PY)/python -m mixrl.operator.install.chart --check
 
-# The pinned Kubernetes, etcd, KWOK and Helm binaries of the local test bed (cached outside the repo).
+# The pinned Kubernetes, etcd, KWOK, Helm and CoreDNS binaries of the local test bed, and the
+# project's images for its real node (as root; both cached outside the repo). make test builds them
+# at the same time: the compiles keep the cores busy while the images' downloads wait on the network.
 k8s-bin:
 	@scripts/k8s-bin.sh >/dev/null
+
+images:
+	@scripts/images.sh >/dev/null
 
 crds: setup
 	$(PY)/mixrl crds

@@ -8,6 +8,7 @@ are compared with is one process, computed in the same test.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -266,3 +267,30 @@ def test_a_single_file_checkpoint_from_before_dcp_still_loads_and_is_replaced(
     new.step(batch)
     new.save_checkpoint(run, step=2)
     assert sorted(path.name for path in run.iterdir()) == ["checkpoint-2"]
+
+
+class PickledByName:
+    """Pickles as ``getattr(owner, name)``: how Debian's Python 3.11.2 (the images' base) pickles
+    an enum member, where 3.11.7 writes ``cls(value)``."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return getattr, (self.owner, self.name)
+
+
+def test_metadata_enum_members_pickled_by_name_load_and_nothing_else_does() -> None:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    def load(value: Any) -> Any:
+        return checkpoint.MetadataUnpickler(io.BytesIO(pickle.dumps(value))).load()
+
+    member = next(iter(dcp_metadata._MEM_FORMAT_ENCODING))
+    assert load(PickledByName(dcp_metadata._MEM_FORMAT_ENCODING, member.name)) is member
+    import subprocess
+
+    refused = ((subprocess.Popen, "kill"), (Path, "home"), (dcp_metadata._MEM_FORMAT_ENCODING, "__class__"))
+    for owner, name in refused:  # not an enum, not an allowed one, not a member
+        with pytest.raises(pickle.UnpicklingError, match="not a DCP metadata"):
+            load(PickledByName(owner, name))

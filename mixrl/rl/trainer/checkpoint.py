@@ -41,6 +41,7 @@ metadata pickle read safely, and would take AdamW's param groups out of the form
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import re
@@ -237,6 +238,16 @@ ALLOWED_GLOBALS = _allowed_globals()
 torch's dtype, layout and memory-format values, and ``pathlib`` paths."""
 
 
+def _enum_member(owner: Any, name: Any) -> Any:
+    """``getattr`` in a metadata pickle, limited to a member of an allowed enum class (found the
+    first time a trainer pod on Debian's Python 3.11.2 read back its own checkpoint)."""
+    allowed = isinstance(owner, type) and issubclass(owner, enum.Enum)
+    allowed = allowed and (owner.__module__, owner.__name__) in ALLOWED_GLOBALS
+    if not allowed or not isinstance(name, str) or name not in owner.__members__:
+        raise pickle.UnpicklingError(f"getattr({owner!r}, {name!r}) is not a DCP metadata enum member")
+    return owner.__members__[name]
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` resolving only :data:`ALLOWED_GLOBALS`: a pickle that names
     any other global (``os.system``, ``builtins.eval``, a class with a harmful ``__setstate__``…)
@@ -244,6 +255,8 @@ class MetadataUnpickler(pickle.Unpickler):
     dataclasses and enums, whose construction and ``__setstate__`` only store values."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member  # how some Python 3.11 releases pickle an enum member: getattr(cls, name)
         if (module, name) not in ALLOWED_GLOBALS:
             raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
         return super().find_class(module, name)
