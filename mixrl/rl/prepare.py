@@ -41,6 +41,7 @@ from mixrl.rl.environments.registry import load_environment
 from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.demos import WarmStartRecipe, warm_start_recipe
 from mixrl.rl.rollout.tokenizer import Tokenizer
+from mixrl.rl.sandbox.backend import NoCommands, use_sandbox
 
 TOKENIZER_FILE = "tokenizer.json"
 RECIPE_VERSION = 1
@@ -128,7 +129,12 @@ def _publish_dir(tmp: Path, out: Path) -> None:
 def word_tokenizer(run: ResolvedRun) -> Tokenizer:
     """A tiny model's tokenizer: mixrl's word tokenizer over the environment's vocabulary (the one
     the rollout worker builds for a ``tiny:`` model: mixrl.rl.rollout.chat_tokenizer)."""
-    words = load_environment(run.rollout.environment, run.rollout.environment_args).vocabulary()
+    # Only the vocabulary is read here: no episode, so no sandbox (a trainer pod cannot build one).
+    previous = use_sandbox(lambda _config: NoCommands("mixrl prepare-model"))
+    try:
+        words = load_environment(run.rollout.environment, run.rollout.environment_args).vocabulary()
+    finally:
+        use_sandbox(previous)
     if words is None:
         raise ValueError(
             f"model.path: {run.model.path} uses mixrl's word tokenizer, but {run.rollout.environment} has "

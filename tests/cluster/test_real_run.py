@@ -53,13 +53,28 @@ def test_kubectl_apply_trains_in_the_cluster(trained: Bed) -> None:
         assert pods(trained, NAMESPACE, f"app.kubernetes.io/component={component}"), component
 
 
-def test_every_engine_serves_a_recent_version(trained: Bed) -> None:
+LAG_BOUND = 3
+"""How many versions an engine pod may serve behind the trainer's newest while the run steps every
+~10 s: the sidecar notices a version within its poll, converts it (NVFP4 here) and reloads; measured
+1–2 on the real node (docs/benchmarks.md)."""
+
+
+def test_every_engine_follows_the_trainers_versions(trained: Bed) -> None:
+    """Each engine pod, through its own weight-sync sidecar, serves a version at most LAG_BOUND
+    behind the trainer's newest, sampled every 2 s for 20 s while the run goes on."""
     engines = pods(trained, NAMESPACE, "app.kubernetes.io/component=sampler")
     assert len(engines) == 2
-    for engine in engines:
-        ip = engine["status"]["podIP"]
-        version = wait_for(lambda ip=ip: weight_version(ip), what=f"{engine['metadata']['name']}'s version")
-        assert version >= 5, (engine["metadata"]["name"], version)
+    lags: dict[str, list[int]] = {e["metadata"]["name"]: [] for e in engines}
+    for _ in range(10):
+        newest = trained.get("rlrun", RUN, "-n", NAMESPACE).get("status", {}).get("weightVersion")
+        newest = max(newest or 0, buffer_stats(trained, NAMESPACE).get("committed_step") or 0)
+        for engine in engines:
+            served = weight_version(engine["status"]["podIP"])
+            assert served is not None and served >= 1, (engine["metadata"]["name"], served)
+            lags[engine["metadata"]["name"]].append(newest - served)
+        time.sleep(2)
+    print(f"engine lag behind the trainer's newest version, per pod: {lags}")
+    assert all(max(values) <= LAG_BOUND for values in lags.values()), lags
 
 
 def test_kubectl_get_rlr_shows_the_trainers_figures_from_prometheus(trained: Bed) -> None:

@@ -165,3 +165,20 @@ def test_the_trainer_refuses_a_tiny_path_instead_of_asking_hugging_face(
     assert line.startswith("mixrl trainer: --model-path: tiny:qwen3 is built, not loaded"), line
     assert "\n" not in line and "mixrl prepare-model" in line
     assert not (tmp_path / "weights").exists()
+
+
+def test_a_coding_runs_model_init_needs_no_sandbox(tmp_path: Path) -> None:
+    """A trainer pod cannot build a bubblewrap sandbox (no user namespaces for uid 1000), and
+    model-init only reads the environment's vocabulary: it must not try (it crash-looped so)."""
+    import yaml
+
+    from mixrl.api.models import RLRun
+    from mixrl.api.resolve import resolve
+    from mixrl.rl.prepare import word_tokenizer
+
+    manifest = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "examples" / "rlrun-coding.yaml").read_text()
+    )
+    manifest["spec"]["rollout"]["environmentArgs"]["bwrap"] = str(tmp_path / "no-bwrap-here")
+    tokenizer = word_tokenizer(resolve(RLRun.model_validate(manifest)))
+    assert tokenizer.vocab_size > 100

@@ -515,12 +515,12 @@ def load_worker(args: argparse.Namespace) -> Loaded:
     """The run, settings, environment, tokenizer and token of a worker's (or evaluator's) arguments."""
     run = load_resolved(args.config)  # a RunConfigError is a ValueError: one line
     settings = WorkerSettings.from_run(run, args.worker_index, args.max_steps_ahead)
+    pods = sandbox_pods(run, Path(args.config).parent) if run.rollout.sandbox is not None else None
+    if pods is not None:  # every environment of this process (the check's too) runs its commands in pods
+        use_sandbox(lambda _config: pods)
     problems = check_rollout(run.rollout)
     if problems:
         raise ValueError(problems[0])
-    pods = sandbox_pods(run, Path(args.config).parent) if run.rollout.sandbox is not None else None
-    if pods is not None:  # every environment of this process runs its commands in sandbox pods
-        use_sandbox(lambda _config: pods)
     environment = load_environment(settings.environment, settings.environment_args)
     for split in SPLITS:  # a dataset row the environment cannot read: one line now, not a traceback later
         settings.tasks(environment, split)

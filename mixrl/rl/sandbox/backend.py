@@ -30,12 +30,32 @@ SandboxFactory = Callable[[SandboxConfig], CommandSandbox]
 _factory: SandboxFactory | None = None
 
 
-def use_sandbox(factory: SandboxFactory | None) -> None:
-    """Run this process's sandboxed commands where ``factory`` says (None: the local backend)."""
+def use_sandbox(factory: SandboxFactory | None) -> SandboxFactory | None:
+    """Run this process's sandboxed commands where ``factory`` says (None: the local backend);
+    returns the factory it replaces."""
     global _factory
-    _factory = factory
+    previous, _factory = _factory, factory
+    return previous
 
 
 def make_sandbox(config: SandboxConfig) -> CommandSandbox:
     """The sandbox an environment should use: the process's backend, else local bubblewrap."""
     return _factory(config) if _factory is not None else Sandbox(config)
+
+
+class NoCommands:
+    """The backend of a process that builds an environment only for its vocabulary and tasks and
+    runs no episode (a trainer pod's ``model-init``): there is nothing to check, and a command is a
+    bug. A pod like that has no bubblewrap sandbox to build (no user namespaces for uid 1000), and
+    needs none."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def check(self) -> None:
+        return None
+
+    async def run(
+        self, command: str, files: Mapping[str, str | bytes] | None = None, limits: Limits | None = None
+    ) -> SandboxResult:
+        raise RuntimeError(f"{self.where} runs no sandboxed command (asked to run {command!r})")
