@@ -38,7 +38,9 @@ class RolloutStats:
         self._tokens = metrics.create(metrics.MIXRL_ROLLOUT_TOKENS_TOTAL, self.registry)
         self._reward = metrics.create(metrics.MIXRL_ROLLOUT_REWARD, self.registry)
         self._tied = metrics.create(metrics.MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL, self.registry)
-        self._acknowledged = metrics.create(metrics.MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL, self.registry)
+        self._acknowledged = metrics.create(
+            metrics.MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL, self.registry
+        )
         self.tied_support_tokens = 0
         self._recent_by_pool: dict[tuple[str, ...], deque[float]] = {}
 
