@@ -12,12 +12,12 @@ from typing import Any
 
 import yaml
 
+from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT
 from tests.cluster.conftest import Bed
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rlrun-cluster-cpu.yaml"
 RUN = yaml.safe_load(EXAMPLE.read_text())["metadata"]["name"]
-BUFFER_PORT, ENGINE_PORT, METRICS_PORT, ROUTER_PORT = 8100, 30000, 9400, 8000
 
 
 def http_json(url: str, timeout: float = 5) -> Any:

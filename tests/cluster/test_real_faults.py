@@ -3,7 +3,8 @@ trainer pod and the buffer pod deleted mid-run, the kubelet restarted, a pool sc
 After each the run goes on, and nothing the buffer acknowledged is lost: the rollout worker counts
 the trajectories the buffer answered 200 to (``mixrl_rollout_trajectories_acknowledged_total``),
 and the buffer's durable count (``GET /stats`` ``trajectories``, rebuilt from its log on a restart)
-is never below it. The trainer's records (``GET /trainer-metrics``) hold every step once.
+is never below it. The trainer's own log (``metrics.jsonl`` on its volume) holds every step once,
+and the buffer's copy (``GET /trainer-metrics``) agrees with it.
 
 The run is the cluster example with more steps and no held-out evaluation in between, in a
 namespace of its own; the tests run in the order written, each starting from where the last left
@@ -16,12 +17,12 @@ import json
 import pytest
 import yaml
 
+from mixrl.api.resolve import METRICS_PORT, ROUTER_PORT
 from mixrl.operator.build.podspec import TRAINER_RUN_DIR
+from mixrl.rl.metrics import MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL
 from tests.cluster.conftest import Bed, wait_for
 from tests.cluster.real_run import (
     EXAMPLE,
-    METRICS_PORT,
-    ROUTER_PORT,
     RUN,
     buffer_stats,
     buffer_text,
@@ -34,7 +35,7 @@ from tests.cluster.real_run import (
 )
 
 NAMESPACE = "rl-faults"
-ACKNOWLEDGED = "mixrl_rollout_trajectories_acknowledged_total"
+ACKNOWLEDGED = MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL.name
 
 
 def committed(bed: Bed) -> int:
