@@ -22,7 +22,7 @@ Pure: no I/O, no import of the components (``mixrl.api`` sits below them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
 
@@ -42,17 +42,7 @@ weight-sync sidecar and its init container (``weights-init``: the starting check
 with ``evaluation.sampler: bf16`` also the evaluator and its own engine (pool ``evaluator``); in a
 trainer pod of a ``tiny:`` model, the init container that builds it (``model-init``: ``mixrl run``
 builds it itself, before any component starts)."""
-COMPONENTS: tuple[Component, ...] = (
-    "trainer",
-    "buffer",
-    "router",
-    "rollout",
-    "engine",
-    "weight-sync",
-    "weights-init",
-    "evaluator",
-    "model-init",
-)
+COMPONENTS: tuple[Component, ...] = get_args(Component)
 SERVER_PORTS: dict[str, int] = {"buffer": BUFFER_PORT, "router": ROUTER_PORT, "engine": ENGINE_PORT}
 """The fixed port of each server where it owns its network namespace (a pod)."""
 

@@ -79,6 +79,14 @@ def one(bed: Bed, component: str) -> dict:
     return found
 
 
+def replace_pod(bed: Bed, component: str, timeout: float) -> None:
+    """Delete the component's one pod and wait until its controller runs a new one."""
+    victim = one(bed, component)
+    bed.kubectl("delete", "pod", "-n", NAMESPACE, victim["metadata"]["name"], "--wait=false")
+    wait_for(lambda: [p for p in running(bed, NAMESPACE, component) if p["metadata"]["uid"] != victim["metadata"]["uid"]] or None,
+             timeout=timeout, what=f"the {component}'s new pod")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def run(real_chart: Bed) -> Bed:
     manifest = yaml.safe_load(EXAMPLE.read_text())
@@ -106,10 +114,7 @@ def test_an_engine_pod_deleted_mid_run(run: Bed) -> None:
 
 def test_the_trainer_pod_deleted_resumes_at_its_step(run: Bed) -> None:
     before = committed(run)
-    trainer = one(run, "trainer")
-    run.kubectl("delete", "pod", "-n", NAMESPACE, trainer["metadata"]["name"], "--wait=false")
-    wait_for(lambda: [p for p in running(run, NAMESPACE, "trainer") if p["metadata"]["uid"] != trainer["metadata"]["uid"]] or None,
-             timeout=240, what="the trainer's new pod")  # fmt: skip
+    replace_pod(run, "trainer", timeout=240)
     advances(run, 3)
     # The trainer's own log on its volume (metrics.jsonl) and the copy the buffer keeps.
     (pod,) = running(run, NAMESPACE, "trainer")
@@ -127,10 +132,7 @@ def test_the_trainer_pod_deleted_resumes_at_its_step(run: Bed) -> None:
 
 def test_the_buffer_pod_deleted_loses_nothing_acknowledged(run: Bed) -> None:
     before = acknowledged(run)
-    buffer = one(run, "buffer")
-    run.kubectl("delete", "pod", "-n", NAMESPACE, buffer["metadata"]["name"], "--wait=false")
-    wait_for(lambda: [p for p in running(run, NAMESPACE, "buffer") if p["metadata"]["uid"] != buffer["metadata"]["uid"]] or None,
-             timeout=180, what="the buffer's new pod")  # fmt: skip
+    replace_pod(run, "buffer", timeout=180)
     advances(run, 2)
     assert acknowledged(run) > before  # the rollout worker went on posting to the new pod
     nothing_acknowledged_lost(run)
