@@ -291,6 +291,8 @@ def component_command(
             where.config,
             "--dir",
             where.buffer_dir,
+            # The model's config, for the vocabulary every posted token id is checked against.
+            *(["--model-path", where.trainer_model_path] if where.trainer_model_path is not None else []),
             *_listen(where, "buffer", None, 0, metrics=True),
             *_auth(where),
         ]

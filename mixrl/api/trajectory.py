@@ -64,7 +64,8 @@ class Trajectory(BaseModel):
     ``logprob`` 0, no candidates and ``weight_version`` :data:`NO_VERSION`.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    # Strict: "7", 7.0 and true are not token ids, "0.5" is not a log-probability.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     run: str = Field(default="", description="RLRun name.")
     prompt_id: str = Field(

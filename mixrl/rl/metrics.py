@@ -357,6 +357,18 @@ MIXRL_BUFFER_GROUPS_PARTIAL = MetricSpec(
 MIXRL_BUFFER_BATCHES_TOTAL = MetricSpec(
     "mixrl_buffer_batches_total", "counter", "Trainer steps given a batch.", BUFFER_LABELS
 )
+MIXRL_BUFFER_QUARANTINED_BATCHES_TOTAL = MetricSpec(
+    "mixrl_buffer_quarantined_batches_total",
+    "counter",
+    "Batches the trainer could not train, taken back from their step and kept for inspection.",
+    BUFFER_LABELS,
+)
+MIXRL_BUFFER_DUPLICATE_TRAJECTORIES_TOTAL = MetricSpec(
+    "mixrl_buffer_duplicate_trajectories_total",
+    "counter",
+    "Posted trajectories already stored with the same content (retried posts), acknowledged and not stored again.",
+    BUFFER_LABELS,
+)
 MIXRL_BUFFER_STEP = MetricSpec(
     "mixrl_buffer_step", "gauge", "Latest trainer step that asked for a batch.", BUFFER_LABELS
 )
@@ -390,6 +402,8 @@ MIXRL_BUFFER_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_BUFFER_GROUPS_READY,
     MIXRL_BUFFER_GROUPS_PARTIAL,
     MIXRL_BUFFER_BATCHES_TOTAL,
+    MIXRL_BUFFER_QUARANTINED_BATCHES_TOTAL,
+    MIXRL_BUFFER_DUPLICATE_TRAJECTORIES_TOTAL,
     MIXRL_BUFFER_STEP,
     MIXRL_BUFFER_COMMITTED_STEP,
     MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL,

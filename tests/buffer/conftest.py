@@ -26,6 +26,7 @@ from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
 
 from ..fakes import no_leftover_tasks as no_leftover_tasks
+from ..servers import limits
 
 
 def make_trajectory(
@@ -91,11 +92,12 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         directory: Path | None = None,
         auth_token: AuthToken | None = None,
         max_body_bytes: int = 64 << 20,
+        candidates: int = 8,
     ) -> RunningBuffer:
         buffer = TrajectoryBuffer(
             directory or tmp_path / "buffer", prompts_per_update, samples_per_prompt, max_staleness
         )
-        server = BufferServer(buffer, run="test", auth_token=auth_token, max_body_bytes=max_body_bytes)
+        server = BufferServer(buffer, limits("test", samples_per_prompt, candidates), auth_token=auth_token, max_body_bytes=max_body_bytes)
         runner = web.AppRunner(server.app(), shutdown_timeout=0.5)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -63,7 +63,7 @@ async def test_every_write_needs_the_token_and_changes_nothing_without_it(start_
     await assert_refused_and_unchanged(buffer, "/trajectories", trajectories("a", 2))
     assert buffer.buffer.stats()["trajectories"] == 0
     status, answer = await post(buffer.url, "/trajectories", trajectories("a", 2), RIGHT)
-    assert (status, answer) == (200, {"accepted": 2, "groups_completed": 1})
+    assert (status, answer) == (200, {"accepted": 2, "groups_completed": 1, "duplicates": 0})
 
     await assert_refused_and_unchanged(buffer, "/batch?step=1&timeout=0")
     assert buffer.buffer.stats()["batches"] == 0  # nothing assigned to step 1

@@ -275,10 +275,12 @@ WORST_ID = 2**31 - 1
 
 def largest_group(samples: int, context_tokens: int, candidates: int) -> list[Trajectory]:
     """A group as large as a run lets it be: a one-token prompt, then generated tokens up to the
-    context limit, each with K candidates, every number at its longest JSON form."""
+    context limit, each with K candidates, every number at its longest JSON form (but the weight
+    version, which the buffer bounds by the trainer's next step)."""
     group = []
     for index in range(samples):
         trajectory = Trajectory(
+            run="test",
             prompt_id="p" * 200,
             sample_index=index,
             pool="pool",
@@ -290,10 +292,10 @@ def largest_group(samples: int, context_tokens: int, candidates: int) -> list[Tr
         record = TokenRecord(
             token_id=WORST_ID,
             logprob=WORST_LOGPROB,
-            cand_ids=[WORST_ID] * candidates,
+            cand_ids=[WORST_ID - j for j in range(candidates)],
             cand_logprobs=[WORST_LOGPROB] * candidates,
             support_size=candidates,
-            weight_version=WORST_ID,
+            weight_version=1,
         )
         for _ in range(context_tokens - 1):
             trajectory.append_generated(record)
@@ -309,7 +311,11 @@ async def test_the_body_limit_fits_the_largest_group_of_the_run_and_no_more(star
     )
     body = json.dumps([t.model_dump(mode="json") for t in group])  # as the buffer client sends it
     assert len(body) <= limit < 3 * len(body)  # always fits, yet a bound, not a guess of gigabytes
-    running = await start_buffer(samples_per_prompt=run.trainer.samples_per_prompt, max_body_bytes=limit)
+    running = await start_buffer(
+        samples_per_prompt=run.trainer.samples_per_prompt,
+        max_body_bytes=limit,
+        candidates=run.sampling.top_logprobs_num,
+    )
     assert await running.client.post_trajectories(group) == 1  # accepted whole: the group is complete
     assert (await running.client.stats())["trajectories"] == len(group)
 

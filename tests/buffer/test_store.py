@@ -230,7 +230,7 @@ BATCH = {
         (
             ASSIGNMENTS,
             {"kind": "teleport", "step": 1},
-            "kind: expected batch, drop or commit, got 'teleport'",
+            "kind: expected batch, drop, commit or quarantine, got 'teleport'",
         ),
         (ASSIGNMENTS, {"kind": "commit", "step": -1}, "step: expected a non-negative integer, got -1"),
         (ASSIGNMENTS, {"kind": "commit", "step": 3}, "step 3 has no batch to commit"),

@@ -61,6 +61,26 @@ def acknowledged(bed: Bed) -> float:
     return value
 
 
+def rollout_container(bed: Bed) -> tuple[str, str, int]:
+    """The rollout pod's name, uid and restart count: its counter starts again from 0 with either."""
+    pod = one(bed, "rollout")
+    restarts = sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses", []))
+    return pod["metadata"]["name"], pod["metadata"]["uid"], restarts
+
+
+def still_the_same_rollout(bed: Bed, before: tuple[str, str, int]) -> None:
+    """Fail with the previous container's last lines if the rollout worker was restarted."""
+    now = rollout_container(bed)
+    if now == before:
+        return
+    name = now[0]
+    previous = bed.kubectl("logs", "-n", NAMESPACE, name, "--previous", "--tail=40", check=False)
+    raise AssertionError(
+        f"the rollout worker was restarted or replaced ({before} -> {now}); its previous log:\n"
+        f"{previous.stdout}{previous.stderr}"
+    )
+
+
 def nothing_acknowledged_lost(bed: Bed) -> None:
     sent = acknowledged(bed)
     kept = wait_for(lambda: buffer_stats(bed, NAMESPACE).get("trajectories"), what="the buffer's count")
@@ -131,9 +151,11 @@ def test_the_trainer_pod_deleted_resumes_at_its_step(run: Bed) -> None:
 
 
 def test_the_buffer_pod_deleted_loses_nothing_acknowledged(run: Bed) -> None:
+    rollout = rollout_container(run)
     before = acknowledged(run)
     replace_pod(run, "buffer", timeout=180)
     advances(run, 2)
+    still_the_same_rollout(run, rollout)  # the buffer's absence is the rollout worker's to ride out
     assert acknowledged(run) > before  # the rollout worker went on posting to the new pod
     nothing_acknowledged_lost(run)
 

@@ -43,13 +43,16 @@ def synthetic_group(
     version: int = 0,
     noise: float = 0.0,
     top_k: int = 0,
+    run: str = "",
 ) -> list[Trajectory]:
-    """Trajectories sampled from ``model`` itself (so the sampler is the trainer, up to ``noise``)."""
+    """Trajectories of run ``run`` sampled from ``model`` itself (so the sampler is the trainer, up to ``noise``)."""
     rng = random.Random(seed)
     group = []
     for index in range(group_size):
         prompt = [rng.randrange(1, VOCAB) for _ in range(3)]
-        trajectory = Trajectory(prompt_id=prompt_id, sample_index=index, pool=pool, prompt_ids=prompt)
+        trajectory = Trajectory(
+            run=run, prompt_id=prompt_id, sample_index=index, pool=pool, prompt_ids=prompt
+        )
         context = list(prompt)
         for turn in range(2):
             for _ in range(3):

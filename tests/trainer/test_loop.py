@@ -26,6 +26,9 @@ from ..api.conftest import ROOT
 from ..servers import buffer_at
 from .conftest import synthetic_group
 
+QUICKSTART = ROOT / "examples" / "quickstart.yaml"
+RUN = load_rlrun(QUICKSTART).metadata.name
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -34,12 +37,12 @@ def free_port() -> int:
 
 
 def small_run(tmp_path: Path, total_steps: int) -> ResolvedRun:
-    run = resolve(load_rlrun(ROOT / "examples" / "quickstart.yaml"))
+    run = resolve(load_rlrun(QUICKSTART))
     spec = run.trainer.spec.model_copy(update={"total_steps": total_steps, "checkpoint_every": 1})
     weights = run.weights.model_copy(update={"store": str(tmp_path / "weights")})
-    return run.model_copy(
-        update={"trainer": run.trainer.model_copy(update={"spec": spec}), "weights": weights}
-    )
+    # buffer_at's grouping: one group of two per step
+    trainer = run.trainer.model_copy(update={"spec": spec, "prompts_per_update": 1, "samples_per_prompt": 2})
+    return run.model_copy(update={"trainer": trainer, "weights": weights})
 
 
 async def test_a_resume_commits_the_checkpointed_step_and_goes_on(
@@ -59,15 +62,17 @@ async def test_a_resume_commits_the_checkpointed_step_and_goes_on(
         trainer.resume()
         return trainer
 
-    async with buffer_at(directory) as url:
+    async with buffer_at(directory, run=RUN) as url:
         async with BufferClient(url) as client:
             for seed, prompt in enumerate("ab"):
-                await client.post_trajectories(synthetic_group(model, prompt, 2, pool="bf16", seed=seed))
+                await client.post_trajectories(
+                    synthetic_group(model, prompt, 2, pool="bf16", seed=seed, run=RUN)
+                )
         await loop(url, total_steps=1).train()
     # A crash after the checkpoint of step 1 was saved and before step 1 was committed.
     log = directory / ASSIGNMENTS
     log.write_text("".join(line for line in log.read_text().splitlines(True) if '"commit"' not in line))
-    async with buffer_at(directory) as url:
+    async with buffer_at(directory, run=RUN) as url:
         resumed = loop(url, total_steps=2)
         assert resumed.step == 1
         await resumed.train()
@@ -87,9 +92,9 @@ async def test_a_finished_trainer_holds_until_sigterm_with_hold_when_done(
     run_dir, config = tmp_path / "run", tmp_path / "resolved.json"
     config.write_text(small_run(tmp_path, total_steps=1).model_dump_json())
     metrics_port = free_port()
-    async with buffer_at(tmp_path / "buffer") as url:
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url:
         async with BufferClient(url) as client:
-            await client.post_trajectories(synthetic_group(model, "a", 2, pool="bf16", seed=0))
+            await client.post_trajectories(synthetic_group(model, "a", 2, pool="bf16", seed=0, run=RUN))
         trainer = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "mixrl.cli", "trainer", "--config", str(config), "--buffer", url,
             "--run-dir", str(run_dir), "--model-path", str(tiny_model_dir), "--insecure-no-auth",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -10,12 +11,28 @@ from pathlib import Path
 
 from mixrl.api.loader import load_resolved
 from mixrl.api.resolve import BUFFER_PORT, ResolvedRun
+from mixrl.api.trajectory_check import limits_of_run
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args, warn_if_open
 from mixrl.rl.buffer.server import BufferServer, body_limit
 from mixrl.rl.buffer.store import BufferLogError, TrajectoryBuffer
 from mixrl.rl.serving import add_listen_arguments, listen_problem, serve_component
 
 log = logging.getLogger("mixrl.buffer")
+
+
+def model_vocab_size(path: str) -> int | None:
+    """The vocabulary of the model at ``path`` (``vocab_size`` of its config.json, or of its
+    ``text_config``), or None where that file cannot be read here (a ``tiny:`` model is built by
+    the trainer's side; a cluster's model volume is not mounted in the buffer's pod)."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") if isinstance(config, dict) else None):
+        size = section.get("vocab_size") if isinstance(section, dict) else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         required=True,
         help="resolved run as JSON: its name, groups per step, trajectories per group, max staleness",
+    )
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        help="the model's directory, whose config.json gives the vocabulary posted token ids are checked"
+        " against (default: the spec's model.path; where neither is readable, the trainer checks them)",
     )
     add_listen_arguments(parser, BUFFER_PORT)
     add_auth_arguments(parser)
@@ -67,7 +90,16 @@ def main(argv: list[str]) -> int:
     except (BufferLogError, OSError) as exc:
         print(f"mixrl buffer: --dir: {exc}", file=sys.stderr)
         return 2
-    server = BufferServer(buffer, run.name, auth_token, max_body_bytes=body_limit(run))
+    model_path = args.model_path or run.model.path
+    vocab_size = model_vocab_size(model_path)
+    if vocab_size is None:
+        log.info(
+            "token ids are checked against the vocabulary by the trainer, not here: %s has no "
+            "config.json this process can read",
+            model_path,
+        )
+    limits = limits_of_run(run, vocab_size)
+    server = BufferServer(buffer, limits, auth_token, max_body_bytes=body_limit(run))
 
     def announce(bound: int) -> None:
         state = buffer.state

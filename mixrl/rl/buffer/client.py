@@ -7,8 +7,10 @@ monitor) and never assigns anything.
 
 Retries: calls that are safe to repeat (batch, commit, stats, evaluations list) are retried with
 backoff when the buffer cannot be reached or drops the connection (it may be restarting; it
-rebuilds its state from its logs).  A 401 (no token, or not this run's) is never retried.  Posting trajectories or an evaluation is retried only when the
-connection could not be made at all, so a retry can never log the same trajectory twice.
+rebuilds its state from its logs), and so are trajectory posts: the buffer stores a trajectory
+it already holds once (keyed by prompt and sample index), so a retry whose first attempt was
+stored is acknowledged without a second copy.  A 401 (no token, or not this run's) is never
+retried.  Posting an evaluation is retried only when the connection could not be made at all.
 """
 
 from __future__ import annotations
@@ -126,7 +128,9 @@ class BufferClient(SessionClient):
                     )
             except aiohttp.ClientConnectorError as exc:  # never connected: nothing was sent
                 error = exc
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # Sent, and the answer lost: the connection dropped or reset (a buffer pod going
+                # away), a body cut short, no answer within the timeout.
                 if not idempotent:
                     raise BufferError(
                         f"{method} {path}: connection lost ({exc}); the outcome is unknown"
@@ -141,11 +145,26 @@ class BufferClient(SessionClient):
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise BufferError(f"{method} {path}: cannot reach the buffer at {self.base_url} ({error})")
 
-    async def post_trajectories(self, trajectories: Sequence[Trajectory | Mapping[str, Any]]) -> int:
-        """Log finished trajectories; returns how many groups they completed."""
+    async def post_trajectories(
+        self, trajectories: Sequence[Trajectory | Mapping[str, Any]], group: str | None = None
+    ) -> int:
+        """Log finished trajectories; returns how many groups they completed.
+
+        ``group``: the trajectories are that prompt's whole group, and the buffer refuses them
+        otherwise (a stray trajectory cannot complete another prompt's group)."""
         body = [t.model_dump(mode="json") if isinstance(t, Trajectory) else dict(t) for t in trajectories]
-        _, payload = await self._request("POST", "/trajectories", json=body, idempotent=False)
+        params = None if group is None else {"group": group}
+        _, payload = await self._request("POST", "/trajectories", json=body, params=params, idempotent=True)
         return int(payload["groups_completed"])
+
+    async def quarantine(self, step: int, prompt_ids: Sequence[str], reason: str) -> dict[str, Any]:
+        """Report the served batch of ``step`` (its groups' ``prompt_ids``) as one the trainer cannot
+        train: the buffer takes it back for good and the step's next request gets other groups."""
+        body = {"prompt_ids": list(prompt_ids), "reason": reason[:2000]}
+        _, payload = await self._request(
+            "POST", "/quarantine", json=body, params={"step": str(step)}, idempotent=False
+        )
+        return dict(payload["quarantined"])
 
     async def get_batch(self, step: int, timeout: float = 30.0) -> Batch | None:
         """The trainer's batch of ``step`` (the same on every call), or None if not ready within ``timeout`` s.

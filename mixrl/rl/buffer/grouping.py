@@ -123,6 +123,9 @@ class GroupState:
     assigned: dict[int, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
     """step -> the seqs of each group handed to that step (the batch, forever)."""
     committed: set[int] = field(default_factory=set)
+    quarantined: list[tuple[int, tuple[tuple[int, ...], ...]]] = field(default_factory=list)
+    """(step, the seqs of each group) of every batch the trainer could not train, in order: taken
+    back from their step, never served again (the step takes the next full groups instead)."""
     received: int = 0
     dropped_groups: int = 0
     dropped_trajectories: int = 0
@@ -233,6 +236,24 @@ class GroupState:
         self.ready = deque(remaining)
         self.dropped_groups += len(plan.dropped)
         self.dropped_trajectories += sum(len(group.members) for group in plan.dropped)
+
+    def check_quarantine(self, step: int) -> None:
+        """Raise StepError unless ``step`` holds a batch that is served and not yet committed."""
+        if step not in self.assigned:
+            raise StepError(f"step {step} has no batch to quarantine")
+        if step in self.committed:
+            raise StepError(f"step {step} is committed: its batch was trained")
+
+    def quarantine(self, step: int) -> tuple[tuple[int, ...], ...]:
+        """Take a served, uncommitted batch back from its step for good; returns its groups' seqs.
+
+        The step then has no batch, and the next request for it plans afresh from the full groups
+        waiting (the quarantined ones are in none of them), so a batch that crashes the trainer
+        is trained by nobody and the step goes on with other data."""
+        self.check_quarantine(step)
+        seqs = self.assigned.pop(step)
+        self.quarantined.append((step, seqs))
+        return seqs
 
     def commit(self, step: int) -> bool:
         """Mark a step's batch consumed; returns False when it already was."""

@@ -1,7 +1,12 @@
 """The buffer's HTTP side (aiohttp) over :class:`~mixrl.rl.buffer.store.TrajectoryBuffer`.
 
-- ``POST /trajectories``: a JSON list of Trajectory objects, all or none: logged (fsync) before
-  the answer ``{"accepted", "groups_completed"}``; a bad one gets 400 naming it and its field.
+- ``POST /trajectories[?group=<prompt_id>]``: a JSON list of Trajectory objects, all or none:
+  each checked against the run (:mod:`mixrl.api.trajectory_check`; a bad one gets 400 naming it,
+  its field and the position), logged (fsync) before the answer ``{"accepted",
+  "groups_completed", "duplicates"}``.  Idempotent: a trajectory already stored with the same
+  content is acknowledged again and stored once; the same (``prompt_id``, ``sample_index``) with
+  other content gets 409.  With ``group``, the post must be that whole group: every trajectory of
+  that prompt, each sample index once (what the rollout worker posts).
 - ``POST /batch?step=N&timeout=S``: the trainer takes the batch of its next step N (the one after
   the last committed step), long-polling up to S seconds (default 30) until enough groups are
   waiting; 200 with the batch, 204 if not ready in time.  Asking again for a step that has a batch
@@ -10,6 +15,10 @@
 - ``GET /batch?step=N&timeout=S``: the same answers without ever assigning anything (a step's
   batch once it has one; it long-polls for the next step's until the trainer has taken it).
 - ``POST /commit?step=N``: only the step just served (or again one already committed).
+- ``POST /quarantine?step=N``: ``{"prompt_ids": [...], "reason": "..."}`` from the trainer for a
+  served, uncommitted batch it cannot train: the batch is taken back for good (kept on disk,
+  listed in ``/stats``), the step's next request gets the next full groups; 409 if the prompts
+  are not the step's batch.
 - ``POST /evaluations``; ``GET /evaluations``; ``GET /stats``; ``GET /health``; ``GET /metrics``
   (``mixrl_buffer_*``).
 File I/O runs in worker threads; the store's own lock keeps its state consistent.
@@ -26,24 +35,36 @@ import json
 import logging
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mixrl.api.resolve import ResolvedRun
 from mixrl.api.trajectory import Trajectory, largest_json_bytes
+from mixrl.api.trajectory_check import TrajectoryLimits, group_problem, trajectory_problem
 from mixrl.rl import metrics
 from mixrl.rl.auth import AuthToken, refusal_counter
 from mixrl.rl.buffer.grouping import StepError
-from mixrl.rl.buffer.store import Evaluation, TrajectoryBuffer
+from mixrl.rl.buffer.store import ConflictError, Evaluation, TrajectoryBuffer
 from mixrl.rl.health.routing import MismatchReport
 from mixrl.rl.serving import ClientGone, component_app, metrics_handler, read_body
 
 log = logging.getLogger("mixrl.buffer")
+
+
+class QuarantineReport(BaseModel):
+    """The trainer's report of a batch it cannot train (``POST /quarantine``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt_ids: list[str] = Field(min_length=1)
+    reason: str = Field(min_length=1, max_length=2000)
+
 
 OPEN_ROUTES = frozenset(
     {
@@ -88,10 +109,14 @@ def _error_location(exc: ValidationError, prefix: str) -> str:
     return f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
 
 
-def parse_trajectories(body: Any) -> list[Trajectory]:
-    """Validate a POST /trajectories body; raises ValueError with one line naming the bad field."""
+def parse_trajectories(body: Any, limits: TrajectoryLimits, group: str | None = None) -> list[Trajectory]:
+    """Validate a POST /trajectories body against the run; ValueError with one line naming the bad field.
+
+    ``group``: the body must be exactly that prompt's group (every sample index once)."""
     if not isinstance(body, list):
         raise ValueError("body: expected a JSON list of trajectories")
+    if not body:
+        raise ValueError("body: no trajectories")
     parsed = []
     for index, item in enumerate(body):
         where = f"trajectories[{index}]"
@@ -99,14 +124,21 @@ def parse_trajectories(body: Any) -> list[Trajectory]:
             trajectory = Trajectory.model_validate(item)
         except ValidationError as exc:
             raise ValueError(_error_location(exc, where)) from None
-        if trajectory.reward is None:
-            raise ValueError(f"{where}.reward: missing; post a trajectory when its episode has ended")
         if trajectory.split != "train":
             raise ValueError(
                 f"{where}.split: {trajectory.split!r} is not trained on; post held-out results "
                 "to /evaluations"
             )
         parsed.append(trajectory)
+    if group is not None:
+        problem = group_problem(group, parsed, limits)
+    else:
+        problems = (
+            f"trajectories[{i}].{p}" for i, t in enumerate(parsed) if (p := trajectory_problem(t, limits))
+        )
+        problem = next(problems, None)
+    if problem is not None:
+        raise ValueError(problem)
     return parsed
 
 
@@ -174,7 +206,13 @@ class BufferCollector(Collector):
         yield whole(CounterMetricFamily, metrics.MIXRL_BUFFER_DROPPED_GROUPS_TOTAL, state.dropped_groups)
         yield whole(GaugeMetricFamily, metrics.MIXRL_BUFFER_GROUPS_READY, len(state.ready))
         yield whole(GaugeMetricFamily, metrics.MIXRL_BUFFER_GROUPS_PARTIAL, len(state.partial))
-        yield whole(CounterMetricFamily, metrics.MIXRL_BUFFER_BATCHES_TOTAL, len(state.assigned))
+        # A quarantined batch was served too: the counter never goes back when its step is re-batched.
+        served = len(state.assigned) + len(state.quarantined)
+        yield whole(CounterMetricFamily, metrics.MIXRL_BUFFER_BATCHES_TOTAL, served)
+        quarantined = metrics.MIXRL_BUFFER_QUARANTINED_BATCHES_TOTAL
+        yield whole(CounterMetricFamily, quarantined, len(state.quarantined))
+        duplicates = metrics.MIXRL_BUFFER_DUPLICATE_TRAJECTORIES_TOTAL
+        yield whole(CounterMetricFamily, duplicates, self.buffer.duplicates)
         yield whole(GaugeMetricFamily, metrics.MIXRL_BUFFER_STEP, self.buffer.latest_requested_step)
         yield whole(GaugeMetricFamily, metrics.MIXRL_BUFFER_COMMITTED_STEP, state.last_committed)
         spec = metrics.MIXRL_BUFFER_STALENESS
@@ -203,23 +241,32 @@ def body_limit(run: ResolvedRun) -> int:
 
 
 class BufferServer:
-    """``auth_token``: required on every route outside :data:`OPEN_ROUTES` (None: no check);
-    ``max_body_bytes``: 413 beyond it (:func:`body_limit` of the run)."""
+    """``limits``: what every posted trajectory is checked against (the run's name, group size,
+    candidates, context and, where known, vocabulary; versions are bounded by the trainer's next
+    step, the newest version that can be published); ``auth_token``: required on every route
+    outside :data:`OPEN_ROUTES` (None: no check); ``max_body_bytes``: 413 beyond it
+    (:func:`body_limit` of the run)."""
 
     def __init__(
         self,
         buffer: TrajectoryBuffer,
-        run: str = "",
+        limits: TrajectoryLimits,
         auth_token: AuthToken | None = None,
         *,
         max_body_bytes: int,
     ) -> None:
+        if limits.samples_per_prompt != buffer.state.samples_per_prompt:
+            raise ValueError(
+                f"limits: {limits.samples_per_prompt} samples per prompt, the buffer groups "
+                f"{buffer.state.samples_per_prompt}"
+            )
         self.buffer = buffer
-        self.run = run
+        self.limits = limits
+        self.run = limits.run
         self.auth_token = auth_token
         self.max_body_bytes = max_body_bytes
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(BufferCollector(buffer, run))
+        self.registry.register(BufferCollector(buffer, limits.run))
         # Collected off the event loop: the collector reads the buffer's state under its lock.
         self.metrics = metrics_handler(self.registry, in_thread=True)
         self._arrivals = asyncio.Condition()
@@ -238,6 +285,7 @@ class BufferServer:
         app.router.add_post("/batch", self._take_batch)
         app.router.add_get("/batch", self._read_batch)
         app.router.add_post("/commit", self._commit)
+        app.router.add_post("/quarantine", self._quarantine)
         app.router.add_post("/evaluations", self._post_evaluation)
         app.router.add_get("/evaluations", self._get_evaluations)
         app.router.add_get("/stats", self._stats)
@@ -254,17 +302,36 @@ class BufferServer:
         async with self._arrivals:
             self._arrivals.notify_all()
 
+    def _limits_now(self) -> TrajectoryLimits:
+        """The run's limits with versions bounded by the trainer's next step: the trainer publishes
+        version s before it commits step s, so no sampler can hold a newer one."""
+        return replace(self.limits, latest_version=self.buffer.state.next_step)
+
     async def _post_trajectories(self, request: web.Request) -> web.Response:
         try:
-            trajectories = parse_trajectories(_json_body(await read_body(request, log)))
+            body = _json_body(await read_body(request, log))
+            trajectories = parse_trajectories(body, self._limits_now(), request.query.get("group"))
         except ValueError as exc:
             return _bad_request(str(exc))
         except ClientGone:
             return _bad_request("body: the connection closed before the body arrived")
-        completed = await asyncio.to_thread(self.buffer.append, trajectories)
+        try:
+            completed, stored = await asyncio.to_thread(self._append, trajectories)
+        except ConflictError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
         async with self._arrivals:
             self._arrivals.notify_all()
-        return web.json_response({"accepted": len(trajectories), "groups_completed": completed})
+        duplicates = len(trajectories) - stored
+        return web.json_response(
+            {"accepted": len(trajectories), "groups_completed": completed, "duplicates": duplicates}
+        )
+
+    def _append(self, trajectories: list[Trajectory]) -> tuple[int, int]:
+        """(groups completed, trajectories newly stored) of one post, under the store's lock."""
+        with self.buffer._lock:
+            before = self.buffer.state.received
+            completed = self.buffer.append(trajectories)
+            return completed, self.buffer.state.received - before
 
     async def _take_batch(self, request: web.Request) -> web.Response:
         return await self._batch(request, reserve=True)
@@ -319,6 +386,24 @@ class BufferServer:
         except StepError as exc:
             return web.json_response({"error": str(exc)}, status=409)
         return web.json_response({"step": step, "committed": True, "already": not first})
+
+    async def _quarantine(self, request: web.Request) -> web.Response:
+        try:
+            step = _int_param(request, "step")
+            report = QuarantineReport.model_validate(_json_body(await read_body(request, log)))
+        except ValidationError as exc:
+            return _bad_request(_error_location(exc, "quarantine"))
+        except ValueError as exc:
+            return _bad_request(str(exc))
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
+        try:
+            entry = await asyncio.to_thread(self.buffer.quarantine, step, report.prompt_ids, report.reason)
+        except StepError as exc:
+            return web.json_response({"error": str(exc)}, status=409)
+        async with self._arrivals:  # the step's next batch may be waiting already
+            self._arrivals.notify_all()
+        return web.json_response({"quarantined": entry})
 
     async def _post_evaluation(self, request: web.Request) -> web.Response:
         try:

@@ -6,6 +6,8 @@ Files under the buffer's directory::
     assignments.jsonl    {"kind": "batch", "step", "groups": [[seq, ...], ...], "staleness": ...}
                          {"kind": "drop", "step", "groups": [[seq, ...], ...]}
                          {"kind": "commit", "step"}
+                         {"kind": "quarantine", "step", "groups": [[seq, ...], ...], "reason"}
+    quarantine/step-<s>-<n>.json  the n-th batch of step s the trainer could not train, as served
     evaluations.jsonl    held-out results posted by the rollout worker
     trainer-metrics.jsonl  the trainer's per-step records (a copy of its metrics.jsonl, so a run's
                          telemetry stays readable from the buffer once the trainer is gone)
@@ -23,12 +25,22 @@ line anywhere else in the trajectory or assignment log stops the start with one 
 the trainer reads it.  The evaluation log is telemetry: a bad line there is
 skipped with a warning and never blocks a restart.
 
+Idempotent intake: a trajectory is identified by its (``prompt_id``, ``sample_index``).  A post
+that repeats one already stored with the same content (a client retrying a post whose answer it
+lost) is acknowledged and stored once; the same key with other content is refused
+(:class:`ConflictError`, HTTP 409), and so is a post holding one key twice with different content.
+
+Quarantine: a batch the trainer reports it cannot train (:meth:`TrajectoryBuffer.quarantine`) is
+taken back from its step for good and written to ``quarantine/`` for inspection; the step's next
+request takes the next full groups.
+
 Thread safety: every public method holds one lock, so the HTTP layer may call them from worker
 threads (file I/O stays off the event loop).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -43,7 +55,7 @@ from typing import Any, BinaryIO
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mixrl.api.trajectory import Trajectory
-from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, TrajectoryMeta
+from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, StepError, TrajectoryMeta
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -51,8 +63,13 @@ TRAJECTORIES = "trajectories.jsonl"
 ASSIGNMENTS = "assignments.jsonl"
 EVALUATIONS = "evaluations.jsonl"
 TRAINER_METRICS = "trainer-metrics.jsonl"
+QUARANTINE = "quarantine"
 
 PoolKey = tuple[str, str, str]
+
+
+class ConflictError(ValueError):
+    """A post that contradicts what the buffer stored (HTTP 409); the message names the trajectory."""
 
 
 class BufferLogError(RuntimeError):
@@ -257,8 +274,8 @@ def _assignment_problem(record: Any) -> str | None:
     if not isinstance(record, dict):
         return f"expected a JSON object, got {type(record).__name__}"
     kind = record.get("kind")
-    if kind not in ("batch", "drop", "commit"):
-        return f"kind: expected batch, drop or commit, got {_shown(kind)}"
+    if kind not in ("batch", "drop", "commit", "quarantine"):
+        return f"kind: expected batch, drop, commit or quarantine, got {_shown(kind)}"
     if not _is_step(record.get("step")):
         return f"step: expected a non-negative integer, got {_shown(record.get('step'))}"
     if kind == "commit":
@@ -268,6 +285,11 @@ def _assignment_problem(record: Any) -> str | None:
         return "groups: expected lists of trajectory line numbers"
     if kind == "drop":
         return None
+    if kind == "quarantine":
+        prompt_ids = record.get("prompt_ids")
+        if not isinstance(prompt_ids, list) or not all(isinstance(p, str) for p in prompt_ids):
+            return "prompt_ids: expected strings"
+        return None if isinstance(record.get("reason"), str) else "reason: expected a string"
     prompt_ids, staleness = record.get("prompt_ids"), record.get("staleness")
     if not isinstance(prompt_ids, list) or len(prompt_ids) != len(groups):
         return "prompt_ids: expected one prompt id per group"
@@ -338,6 +360,12 @@ class TrajectoryBuffer:
         """The trainer's latest record per step (a redone step replaces the one before)."""
         self._offsets: list[tuple[int, int]] = []  # seq -> (offset, length) in the trajectory log
         self._batch_places: dict[int, tuple[int, int]] = {}  # step -> its batch record in the assignments log
+        self._keys: dict[tuple[str, int], bytes] = {}
+        """(prompt_id, sample_index) -> a digest of the stored line: what makes intake idempotent."""
+        self.duplicates = 0
+        """Posted trajectories acknowledged again without being stored (since this process started)."""
+        self.quarantined: list[dict[str, Any]] = []
+        """Each quarantined batch: step, prompt ids, reason, the file it was written to."""
         self._lock = threading.RLock()
         started = time.monotonic()
         self._replay()
@@ -386,7 +414,10 @@ class TrajectoryBuffer:
     def _replay(self) -> None:
         path = self.dir / TRAJECTORIES
         for offset, number, line in _read_lines(path, _complete_trajectory):
-            meta = meta_of(number, _logged_trajectory(path, number, line))
+            trajectory = _logged_trajectory(path, number, line)
+            meta = meta_of(number, trajectory)
+            # (A log from before idempotent intake may repeat a key: the first line keeps it.)
+            self._keys.setdefault((trajectory.prompt_id, trajectory.sample_index), _digest(line))
             self._offsets.append((offset, len(line)))
             self.state.add(meta)
             self.telemetry.received[meta.pool] += 1
@@ -434,6 +465,11 @@ class TrajectoryBuffer:
         if kind == "commit":
             self.state.commit(step)
             return
+        if kind == "quarantine":
+            if [list(seqs) for seqs in self.state.assigned.get(step, ())] != record["groups"]:
+                raise ValueError(f"step {step}: the quarantined groups are not the step's batch")
+            self._note_quarantine(step, self.state.quarantine(step), record["prompt_ids"], record["reason"])
+            return
         groups = tuple(by_seqs[tuple(seqs)] for seqs in record["groups"])
         plan = Plan(step, groups, None) if kind == "drop" else Plan(step, (), groups)
         self.state.apply(plan)
@@ -456,18 +492,44 @@ class TrajectoryBuffer:
         return places
 
     def append(self, trajectories: Sequence[Trajectory]) -> int:
-        """Log trajectories durably, then group them; returns how many groups became full."""
-        lines = [t.model_dump_json().encode() for t in trajectories]
+        """Log trajectories durably, then group them; returns how many groups became full.
+
+        Trajectories already stored with the same content are skipped (a retried post; counted in
+        :attr:`duplicates`); a key stored with other content raises :class:`ConflictError` and
+        nothing of the post is stored.
+        """
         with self._lock:
-            places = self._write(self._traj_log, lines)
+            fresh = self._new_trajectories(trajectories)
+            self.duplicates += len(trajectories) - len(fresh)
+            lines = [line for _, line in fresh]
+            places = self._write(self._traj_log, lines) if lines else []
             completed = 0
-            for trajectory, place in zip(trajectories, places, strict=True):
+            for (trajectory, line), place in zip(fresh, places, strict=True):
+                self._keys[(trajectory.prompt_id, trajectory.sample_index)] = _digest(line)
                 seq = len(self._offsets)
                 self._offsets.append(place)
                 meta = meta_of(seq, trajectory)
                 self.telemetry.received[meta.pool] += 1
                 completed += self.state.add(meta) is not None
             return completed
+
+    def _new_trajectories(self, trajectories: Sequence[Trajectory]) -> list[tuple[Trajectory, bytes]]:
+        """The trajectories of a post not stored yet, with their log lines; ConflictError on a clash."""
+        fresh: list[tuple[Trajectory, bytes]] = []
+        seen: dict[tuple[str, int], bytes] = {}
+        for index, trajectory in enumerate(trajectories):
+            line = trajectory.model_dump_json().encode()
+            key, digest = (trajectory.prompt_id, trajectory.sample_index), _digest(line)
+            known = self._keys.get(key, seen.get(key))
+            if known is None:
+                seen[key] = digest
+                fresh.append((trajectory, line))
+            elif known != digest:
+                raise ConflictError(
+                    f"trajectories[{index}]: prompt {trajectory.prompt_id!r} sample {trajectory.sample_index} "
+                    "was already posted with other content"
+                )
+        return fresh
 
     def batch(self, step: int, reserve: bool = True) -> BatchPayload | None:
         """The batch of ``step``: the same one on every call once assigned; None until there is one.
@@ -542,6 +604,48 @@ class TrajectoryBuffer:
             self._write(self._assign_log, [json.dumps({"kind": "commit", "step": step}).encode()])
             return self.state.commit(step)
 
+    def quarantine(self, step: int, prompt_ids: Sequence[str], reason: str) -> dict[str, Any]:
+        """Take the served, uncommitted batch of ``step`` back for good (the trainer cannot train it).
+
+        ``prompt_ids`` must be that batch's, so a late report about a batch already replaced
+        cannot take the replacement; StepError otherwise.  The batch is written to
+        ``quarantine/`` as it was served, then the decision is logged and applied."""
+        with self._lock:
+            self.state.check_quarantine(step)
+            record = self._batch_record(step)
+            if list(prompt_ids) != record["prompt_ids"]:
+                raise StepError(f"step {step}: those prompts are not the step's batch (it was replaced?)")
+            folder = self.dir / QUARANTINE
+            folder.mkdir(exist_ok=True)
+            (folder / self._quarantine_file(step)).write_bytes(self._payload(step).body)
+            _fsync_dir(folder)
+            groups = [list(seqs) for seqs in self.state.assigned[step]]
+            entry = {"kind": "quarantine", "step": step, "groups": groups, "prompt_ids": record["prompt_ids"], "reason": reason}  # fmt: skip
+            self._write(self._assign_log, [json.dumps(entry).encode()])
+            self._note_quarantine(step, self.state.quarantine(step), record["prompt_ids"], reason)
+            log.warning(
+                "step %d: batch quarantined (%s), kept in %s", step, reason, self.quarantined[-1]["file"]
+            )
+            return self.quarantined[-1]
+
+    def _quarantine_file(self, step: int) -> str:
+        """The file of the step's next quarantined batch: a step may lose more than one."""
+        return f"step-{step}-{sum(1 for q in self.quarantined if q['step'] == step)}.json"
+
+    def _note_quarantine(
+        self, step: int, groups: tuple[tuple[int, ...], ...], prompt_ids: list[str], reason: str
+    ) -> None:
+        self.quarantined.append(
+            {
+                "step": step,
+                "prompt_ids": prompt_ids,
+                "trajectories": sum(len(seqs) for seqs in groups),
+                "reason": reason,
+                "file": f"{QUARANTINE}/{self._quarantine_file(step)}",
+            }
+        )
+        del self._batch_places[step]
+
     def add_evaluation(self, evaluation: Evaluation) -> None:
         record = {**evaluation.model_dump(), "received_unix": time.time()}
         with self._lock:
@@ -604,6 +708,8 @@ class TrajectoryBuffer:
                 "trajectories": state.received,
                 "trajectories_waiting": sum(state.waiting_by_pool().values()),
                 "batches": len(state.assigned),
+                "quarantined": list(self.quarantined),
+                "duplicates": self.duplicates,
                 "dropped_stale": state.dropped_groups,
                 "dropped_stale_trajectories": state.dropped_trajectories,
                 "evaluations": len(self.evaluations),
@@ -611,6 +717,10 @@ class TrajectoryBuffer:
                 "samples_per_prompt": state.samples_per_prompt,
                 "max_staleness": state.max_staleness,
             }
+
+
+def _digest(line: bytes) -> bytes:
+    return hashlib.blake2b(line, digest_size=16).digest()
 
 
 def trainer_step(record: Any) -> int:

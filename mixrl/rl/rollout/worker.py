@@ -40,6 +40,7 @@ from mixrl.api.loader import load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.api.trajectory import Trajectory
+from mixrl.api.trajectory_check import TrajectoryLimits, trajectory_problem
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
 from mixrl.rl.buffer.client import BufferClient, BufferError
 from mixrl.rl.engine.protocol import EngineResponseError, GenerateResult, SamplingMaskMissing
@@ -99,6 +100,19 @@ class WorkerSettings:
     evaluates: bool = True
     """The worker evaluates the held-out split on the pools (``evaluation.sampler: pools``); with
     ``bf16`` the evaluator does (mixrl.rl.rollout.evaluator)."""
+
+    @property
+    def limits(self) -> TrajectoryLimits:
+        """What the buffer checks every trajectory against, checked here before posting (ids only
+        ≥ 0: the tokenizer's vocabulary may be smaller than the model's, which the buffer and the
+        trainer check)."""
+        return TrajectoryLimits(
+            run=self.run,
+            samples_per_prompt=self.samples_per_prompt,
+            candidates=self.sampling.top_logprobs_num,
+            max_context_tokens=self.max_context_tokens,
+            vocab_size=None,
+        )
 
     def tasks(self, environment: Environment[Any], split: Split) -> Sequence[TaskLike]:
         """The tasks of ``split``: from the dataset file the spec names, else generated."""
@@ -282,9 +296,17 @@ class RolloutWorker:
             await self._notify()
 
     async def post_group(self, trajectories: list[Trajectory], prompt_id: str, attempts: int = 6) -> None:
+        """Post a whole group; retried while the buffer cannot be reached (it stores a repeat once)."""
+        limits = self.settings.limits
+        for index, trajectory in enumerate(trajectories):
+            problem = trajectory_problem(trajectory, limits)
+            if problem is not None:  # made here: the buffer would refuse it, and nobody could train it
+                log.error("group %s not posted: trajectories[%d].%s", prompt_id, index, problem)
+                self.stats.groups_dropped += 1
+                return
         for attempt in range(attempts):
             try:
-                await self.buffer.post_trajectories(trajectories)
+                await self.buffer.post_trajectories(trajectories, group=prompt_id)
                 self.stats.group_acknowledged(len(trajectories))
                 self.posted_since_poll += 1
                 return
@@ -292,7 +314,7 @@ class RolloutWorker:
                 if exc.status == 401:  # not this run's token: every later group would fail alike
                     raise
                 if exc.status is not None or attempt == attempts - 1:
-                    # refused (a bug on one side) or unreachable for a minute: say so loudly
+                    # refused (a bug on one side, or a clash: 409) or unreachable for a minute: say so loudly
                     log.error("group %s not accepted by the buffer: %s", prompt_id, exc)
                     self.stats.groups_dropped += 1
                     return

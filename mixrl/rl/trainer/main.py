@@ -6,7 +6,10 @@ model is built first, by ``mixrl prepare-model`` (mixrl.rl.prepare: a trainer po
 container) or by ``mixrl run``, and the trainer is given that directory as ``--model-path``.
 
 The loop, per step s (the trainer holds weight version s − 1 while computing step s):
-  1. ask the buffer for step s's batch (the same batch again after a crash: nothing is lost);
+  1. ask the buffer for step s's batch (the same batch again after a crash: nothing is lost) and
+     check it against the run (mixrl.api.trajectory_check, with the model's vocabulary); a batch
+     that fails, or that crashes the step, is quarantined in the buffer (kept, never trained) and
+     the step takes the next full groups, so one bad trajectory cannot stop the run;
   2. recompute π on exactly the sampled ids, apply the corrected objective, step AdamW;
   3. publish version s to the weight store.  Given ``--router`` (``mixrl run``), tell every engine
      through the router to reload it, between decode steps, while sessions continue; in a cluster
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -52,8 +56,10 @@ from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun
 from mixrl.api.trajectory import Trajectory
+from mixrl.api.trajectory_check import TrajectoryLimits, group_problem, limits_of_run
 from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
 from mixrl.rl.buffer import BufferClient, BufferError
+from mixrl.rl.buffer.client import Batch
 from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.health.routing import mismatch_report
 from mixrl.rl.models import load_model
@@ -72,6 +78,24 @@ FINISHED = "finished.json"
 
 class ReloadRefused(RuntimeError):
     """The router refused the weight fan-out for want of the run's token (one line, fatal)."""
+
+
+class PoisonBatch(RuntimeError):
+    """A batch that passed every check crashed the step; it is quarantined, the process ends."""
+
+
+NOT_THE_BATCH = (BufferError, OSError, torch.OutOfMemoryError, torch.distributed.DistError)
+"""Failures inside a step that are not the batch's fault (the buffer, the disk, memory, the other
+ranks): they end the process as before, and the restarted trainer redoes the step on the same batch."""
+
+
+def batch_problem(batch: Batch, limits: TrajectoryLimits) -> str | None:
+    """Why a served batch must not be trained (one line naming the group, trajectory and field), or None."""
+    for index, group in enumerate(batch.groups):
+        problem = group_problem(group.prompt_id, group.trajectories, limits)
+        if problem is not None:
+            return f"groups[{index}] ({group.prompt_id}): {problem}"
+    return None
 
 
 def correction_config(run: ResolvedRun) -> CorrectionConfig:
@@ -271,10 +295,28 @@ class TrainerLoop:
             if batch is None:  # long-poll timed out: no full batch yet
                 continue
             groups = [group.trajectories for group in batch.groups]
-            policy_batch = collate(
-                groups, trainer_version=self.step, normalize_std=self.run.trainer.normalize_std
-            )
-            result = await asyncio.to_thread(self.trainer.step, policy_batch)
+            # Every rank reads the same batch, so every rank reaches the same verdict.
+            problem = batch_problem(batch, self.limits(step))
+            if problem is not None:
+                if main:
+                    await self.quarantine(batch, problem)
+                distributed.barrier()  # every rank asks for the step's next batch only once it is out
+                continue
+            try:
+                policy_batch = collate(
+                    groups, trainer_version=self.step, normalize_std=self.run.trainer.normalize_std
+                )
+                result = await asyncio.to_thread(self.trainer.step, policy_batch)
+            except NOT_THE_BATCH:
+                raise
+            except Exception as exc:
+                # The model may be half-updated and the other ranks inside a collective: this
+                # process ends (one line), and the restarted trainer takes the step's next batch.
+                reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                await self.quarantine(batch, f"the trainer crashed on it ({reason})")
+                raise PoisonBatch(
+                    f"step {step}: the batch could not be trained ({reason}); it is quarantined"
+                ) from exc
             state = await asyncio.to_thread(self.trainer.state_dict_for_publication)
             if main:
                 await asyncio.to_thread(
@@ -313,6 +355,19 @@ class TrainerLoop:
         await self.buffer.close()
         if total is not None and self.step >= total:
             self.finished()
+
+    def limits(self, step: int) -> TrajectoryLimits:
+        """The contract of step ``step``'s trajectories: the buffer's, with the model's vocabulary
+        and versions no newer than the step (version s exists only once step s is trained)."""
+        vocab = self.model_config.get("vocab_size") or (self.model_config.get("text_config") or {}).get(
+            "vocab_size"
+        )
+        limits = limits_of_run(self.run, vocab if isinstance(vocab, int) else None)
+        return dataclasses.replace(limits, latest_version=step)
+
+    async def quarantine(self, batch: Batch, reason: str) -> None:
+        log.error("step %d: batch quarantined: %s", batch.step, reason)
+        await self.buffer.quarantine(batch.step, [group.prompt_id for group in batch.groups], reason)
 
     @property
     def done(self) -> bool:
@@ -439,6 +494,9 @@ def main(argv: list[str]) -> int:
         return 1
     except ReloadRefused as exc:
         print(f"mixrl trainer: router: {exc}", file=sys.stderr)
+        return 1
+    except PoisonBatch as exc:
+        print(f"mixrl trainer: {exc}; restart to go on with the next batch", file=sys.stderr)
         return 1
     except checkpoint.CheckpointError as exc:  # a save that could not be committed
         print(f"mixrl trainer: checkpoint: {exc}", file=sys.stderr)
