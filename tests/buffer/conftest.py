@@ -97,7 +97,12 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         buffer = TrajectoryBuffer(
             directory or tmp_path / "buffer", prompts_per_update, samples_per_prompt, max_staleness
         )
-        server = BufferServer(buffer, limits("test", samples_per_prompt, candidates), auth_token=auth_token, max_body_bytes=max_body_bytes)
+        server = BufferServer(
+            buffer,
+            limits("test", samples_per_prompt, candidates),
+            auth_token=auth_token,
+            max_body_bytes=max_body_bytes,
+        )
         runner = web.AppRunner(server.app(), shutdown_timeout=0.5)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)

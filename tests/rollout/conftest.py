@@ -230,7 +230,9 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
     ) -> RunningBuffer:
         buffer = TrajectoryBuffer(tmp_path / "buffer", prompts_per_update, samples_per_prompt)
         runner, url = await serve(
-            BufferServer(buffer, limits("test", samples_per_prompt), auth_token=auth_token, max_body_bytes=64 << 20).app()
+            BufferServer(
+                buffer, limits("test", samples_per_prompt), auth_token=auth_token, max_body_bytes=64 << 20
+            ).app()
         )
         client = BufferClient(url, retries=1, backoff_s=0.05, auth_token=auth_token)
         running = RunningBuffer(buffer, url, client)
