@@ -81,6 +81,9 @@ class RunningBuffer:
     client: BufferClient
 
 
+StartBuffer = Callable[..., Awaitable[RunningBuffer]]
+
+
 @pytest.fixture
 async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[RunningBuffer]]]:
     started: list[tuple[web.AppRunner, RunningBuffer]] = []

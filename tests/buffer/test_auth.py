@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +20,11 @@ import pytest
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.buffer.client import BufferClient, BufferError
 
-from .conftest import RunningBuffer, group_of, write_run_config
+from .conftest import RunningBuffer, StartBuffer, group_of, write_run_config
 
 TOKEN = AuthToken("buffer-test-token-" + "b" * 24)
 RIGHT = {"Authorization": f"Bearer {TOKEN.reveal()}"}
 WRONG = {"Authorization": "Bearer not-the-run-token-0123456789"}
-StartBuffer = Callable[..., Awaitable[RunningBuffer]]
 
 
 def logs(buffer: RunningBuffer) -> dict[str, bytes]:

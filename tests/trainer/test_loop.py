@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 import torch
 
 from mixrl.api.loader import load_rlrun
@@ -19,12 +20,14 @@ from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.store import ASSIGNMENTS
 from mixrl.rl.models import load_model
-from mixrl.rl.trainer.main import FINISHED, TrainerLoop
+from mixrl.rl.trainer.batch import PolicyBatch
+from mixrl.rl.trainer.main import FINISHED, PoisonBatch, TrainerLoop
+from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
 from mixrl.rl.weights import WeightStore
 
 from ..api.conftest import ROOT
 from ..servers import buffer_at
-from .conftest import synthetic_group
+from .conftest import VOCAB, synthetic_group
 
 QUICKSTART = ROOT / "examples" / "quickstart.yaml"
 RUN = load_rlrun(QUICKSTART).metadata.name
@@ -120,6 +123,72 @@ async def test_a_finished_trainer_holds_until_sigterm_with_hold_when_done(
                 trainer.send_signal(signal.SIGTERM)
             _, stderr = await asyncio.wait_for(trainer.communicate(), timeout=60)
     assert trainer.returncode == 0, stderr.decode()[-2000:]
+
+
+def trainer_loop(tmp_path: Path, url: str, model_dir: Path, total_steps: int) -> TrainerLoop:
+    (tmp_path / "run").mkdir(exist_ok=True)
+    loop = TrainerLoop(
+        small_run(tmp_path, total_steps),
+        buffer_url=url,
+        router_url=None,
+        run_dir=tmp_path / "run",
+        model_path=str(model_dir),
+    )
+    loop.resume()
+    return loop
+
+
+async def test_a_batch_outside_the_models_vocabulary_is_quarantined_and_the_step_trains_the_next(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module
+) -> None:
+    """The buffer cannot read a tiny model's vocabulary (nothing at ``model.path``), so it lets
+    an out-of-vocabulary id in; the trainer, which has the model, refuses to train on it."""
+    bad = synthetic_group(model, "bad", 2, pool="bf16", seed=0, run=RUN)
+    bad[1].tokens[0] = VOCAB + 5
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url:
+        async with BufferClient(url) as client:
+            await client.post_trajectories(bad)
+            await client.post_trajectories(synthetic_group(model, "good", 2, pool="bf16", seed=1, run=RUN))
+        await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
+        async with BufferClient(url) as client:
+            stats = await client.stats()
+            assert (await client.read_batch(1)).groups[0].prompt_id == "good"  # type: ignore[union-attr]
+    assert stats["committed_step"] == 1
+    (quarantined,) = stats["quarantined"]
+    assert quarantined["prompt_ids"] == ["bad"] and quarantined["step"] == 1
+    assert f"trajectories[1].tokens[0]: token id {VOCAB + 5} is outside the vocabulary (0..{VOCAB - 1})" in quarantined["reason"]  # fmt: skip
+
+
+async def test_a_batch_that_crashes_the_step_is_quarantined_once_and_the_restart_goes_on(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the same durable batch crashed every restart identically.  Now the crash reports the
+    batch, the process ends with one line (PoisonBatch), and the restart trains the next batch."""
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url:
+        async with BufferClient(url) as client:
+            for seed, prompt in enumerate(["poison", "next"]):
+                await client.post_trajectories(
+                    synthetic_group(model, prompt, 2, pool="bf16", seed=seed, run=RUN)
+                )
+        real_step = TorchPolicyTrainer.step
+
+        def crash_on_poison(self: TorchPolicyTrainer, batch: PolicyBatch) -> StepResult:
+            if batch.rewards.numel() and crashed == []:
+                crashed.append(True)
+                raise IndexError("index 7 is out of bounds for dimension 0 with size 3")
+            return real_step(self, batch)
+
+        crashed: list[bool] = []
+        monkeypatch.setattr(TorchPolicyTrainer, "step", crash_on_poison)
+        with pytest.raises(
+            PoisonBatch, match=r"step 1: the batch could not be trained \(IndexError: index 7"
+        ):
+            await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
+        await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
+        async with BufferClient(url) as client:
+            stats = await client.stats()
+            assert (await client.read_batch(1)).groups[0].prompt_id == "next"  # type: ignore[union-attr]
+    assert stats["committed_step"] == 1 and [q["prompt_ids"] for q in stats["quarantined"]] == [["poison"]]
 
 
 def test_a_fresh_run_publishes_the_base_weights_as_version_0_once(

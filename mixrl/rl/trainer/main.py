@@ -280,6 +280,12 @@ class TrainerLoop:
             log.warning("engine reload to version %d: HTTP %d %s", version, response.status, result)
 
     async def train(self) -> None:
+        try:
+            await self._train()
+        finally:  # also when the loop ends in an error: the process may go on (a test, a caller)
+            await self.buffer.close()
+
+    async def _train(self) -> None:
         total = self.run.trainer.spec.total_steps
         started = time.time()
         main = self.ranks.is_main
@@ -352,7 +358,6 @@ class TrainerLoop:
                     record["tokens_per_s"],
                 )
             distributed.barrier()  # the other ranks ask for step + 1 only once it is open
-        await self.buffer.close()
         if total is not None and self.step >= total:
             self.finished()
 
