@@ -10,7 +10,15 @@ import pytest
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import NO_VERSION, Trajectory
 from mixrl.rl.environments.filetree import FileTreeEnvironment, FileTreeTask, generate_tasks
-from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, pass_at_k, run_episode
+from mixrl.rl.rollout.agent import (
+    EnvironmentFailed,
+    EpisodeAborted,
+    evaluate,
+    pass_at_k,
+    printable,
+    run_episode,
+)
+from mixrl.rl.rollout.worker import EPISODE_FAILURES
 
 from .conftest import TOKENIZER, ScriptedGenerate
 
@@ -190,6 +198,35 @@ async def test_engine_misbehaviour_is_reported() -> None:
         await run_episode(
             TooLong(), ENV, TASK, TOKENIZER, SAMPLING.model_copy(update={"max_new_tokens": 1}), 8, 256
         )
+
+
+async def test_an_environment_raising_on_model_input_ends_the_episode_as_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each path an environment can raise from (its parser, a tool call, its observation: here a
+    lone surrogate such as a non-UTF-8 file name becomes, escaped) ends that episode with
+    EnvironmentFailed, which the rollout worker counts as a failed episode, not its own crash."""
+
+    def broken_parse(self: object, text: str, tools: object) -> None:
+        raise TypeError("the parser chokes on this reply")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(type(ENV.parser), "parse", broken_parse)
+        with pytest.raises(
+            EnvironmentFailed, match="FileTreeEnvironment: parsing a reply: TypeError: the parser chokes"
+        ):
+            await play(ScriptedGenerate())
+
+    async def broken_step(self: object, call: object) -> None:
+        raise KeyError("missing-file")
+
+    episode_class = type((await ENV.reset(TASK))[1])
+    with monkeypatch.context() as patched:
+        patched.setattr(episode_class, "step", broken_step)
+        with pytest.raises(EnvironmentFailed, match=r"tool call 'ls': KeyError: 'missing-file'"):
+            await play(ScriptedGenerate())
+    assert printable("bad\udcffname") == "bad\\udcffname" and printable("plain") == "plain"
+    assert EnvironmentFailed in EPISODE_FAILURES
 
 
 @pytest.mark.parametrize("bad", [{"max_turns": 0}, {"max_context_tokens": -1}, {"format_error_limit": 0}])

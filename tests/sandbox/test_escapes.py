@@ -113,6 +113,20 @@ async def test_filling_the_disk_stops_at_the_tmpfs_size(sandbox: Sandbox) -> Non
     assert result.files is not None and sum(map(len, result.files.values())) <= limits.disk_bytes
 
 
+async def test_dev_holds_only_device_nodes_so_memory_backed_space_obeys_the_disk_limit(sandbox: Sandbox) -> None:
+    """/dev is a tmpfs of half the host's memory: before, 2 GB went to /dev/shm against 64 MiB."""
+    limits = Limits(wall_s=5.0, disk_bytes=8 * 2**20, file_bytes=2**20)
+    command = (
+        "echo discarded > /dev/null && echo null-ok; "
+        "for place in /dev/shm /dev; do head -c 4096 /dev/zero > $place/f && echo wrote $place; done; "
+        "mkdir /dev/d && echo made /dev/d; exit 0"
+    )
+    result = await sandbox.run(command, {}, limits)
+    assert result.finish_reason == "ok" and result.exit_code == 0, result
+    assert result.stdout == "null-ok\n"  # device nodes work; nothing could be written in /dev
+    assert result.stderr.count("Read-only file system") == 3, result.stderr
+
+
 async def test_files_too_big_for_the_working_directory_end_with_disk(sandbox: Sandbox) -> None:
     result = await sandbox.run("echo never", {"big.bin": b"x" * 2**21}, Limits(disk_bytes=2**20))
     assert result.finish_reason == "disk" and result.exit_code is None and result.stdout == "", result
@@ -198,6 +212,13 @@ async def test_links_and_odd_names_left_in_work_do_not_come_back(sandbox: Sandbo
     result = await sandbox.run("ln -s /etc/passwd link; mkfifo pipe; echo ok > plain", {}, QUICK)
     assert result.files == {"plain": b"ok\n"}
     assert len(result.dropped) == 2 and all("not a regular file" in note for note in result.dropped)
+
+
+async def test_a_file_name_that_is_not_utf8_is_reported_escaped_and_never_comes_back(sandbox: Sandbox) -> None:
+    result = await sandbox.run("echo x > \"$(printf 'bad\\377name')\"; echo ok > plain", {}, QUICK)
+    assert result.files == {"plain": b"ok\n"}
+    assert result.dropped == ("files: './bad\\\\xffname': not a UTF-8 file name",)
+    assert all(note.encode("utf-8") for note in result.dropped)  # no lone surrogate left to break a tokenizer
 
 
 async def test_killing_its_own_wrapper_ends_the_sandbox_as_killed(sandbox: Sandbox) -> None:

@@ -54,6 +54,17 @@ class EpisodeAborted(RuntimeError):
     """The engine kept aborting a turn; the episode cannot be completed."""
 
 
+class EnvironmentFailed(RuntimeError):
+    """The environment raised on the model's input (parsing a reply, a tool call, its observation):
+    that episode ends, as a failed one; the worker goes on."""
+
+
+def printable(text: str) -> str:
+    """``text`` with lone surrogates written out as escapes (``\\udcff``): a file name that is not
+    UTF-8 comes back from the OS that way, and no tokenizer can encode it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 @dataclass(frozen=True)
 class EpisodeSettings:
     """Everything an episode needs besides the task and the generator."""
@@ -146,7 +157,11 @@ async def _play(
             # The reply was cut by max_new_tokens (or the engine trimmed the stop token): close the
             # turn with a loss-masked <|end|> so the next turn starts from a well-formed chat.
             trajectory.append_observation([tokenizer.end_id])
-        call = environment.parser.parse(tokenizer.reply_text(reply), offered)
+        name = type(environment).__name__
+        try:
+            call = environment.parser.parse(tokenizer.reply_text(reply), offered)
+        except Exception as exc:  # the model's text is anything: the parser's failure is the episode's
+            raise EnvironmentFailed(f"{name}: parsing a reply: {type(exc).__name__}: {exc}") from exc
         if call is None:
             replies_without_call += 1
             if replies_without_call >= settings.format_error_limit:
@@ -154,11 +169,17 @@ async def _play(
             role, text = environment.no_tool_call.role, environment.no_tool_call.content
         else:
             replies_without_call = 0
-            step = await episode.step(call)
+            try:
+                step = await episode.step(call)
+            except Exception as exc:
+                raise EnvironmentFailed(f"{name}: tool call {call.name!r}: {type(exc).__name__}: {exc}") from exc
             if step.done:
                 return step.finish_reason
             role, text = step.role, step.observation
-        observation_ids = tokenizer.observation_ids(role, text, max_observation_tokens)  # type: ignore[arg-type]
+        try:
+            observation_ids = tokenizer.observation_ids(role, printable(text), max_observation_tokens)  # type: ignore[arg-type]
+        except Exception as exc:
+            raise EnvironmentFailed(f"{name}: its observation: {type(exc).__name__}: {exc}") from exc
         if _context_length(trajectory) + len(observation_ids) > settings.max_context_tokens:
             return "context_limit"
         trajectory.append_observation(observation_ids)

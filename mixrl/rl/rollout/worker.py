@@ -48,7 +48,7 @@ from mixrl.rl.environments.base import SPLITS, Environment, Split, TaskLike
 from mixrl.rl.environments.datasets import load_tasks
 from mixrl.rl.environments.registry import check_rollout, load_environment, offered_tools
 from mixrl.rl.environments.tools import Tool
-from mixrl.rl.rollout.agent import EpisodeAborted, evaluate, run_episode
+from mixrl.rl.rollout.agent import EnvironmentFailed, EpisodeAborted, evaluate, run_episode
 from mixrl.rl.rollout.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from mixrl.rl.rollout.router_client import RouterClient, RouterError
 from mixrl.rl.rollout.stats import RolloutStats
@@ -58,7 +58,7 @@ from mixrl.rl.sandbox.runner import SandboxUnavailable
 
 log = logging.getLogger("mixrl.rollout")
 
-EPISODE_FAILURES = (RouterError, EpisodeAborted, EngineResponseError)
+EPISODE_FAILURES = (RouterError, EpisodeAborted, EnvironmentFailed, EngineResponseError)
 """An episode that ends in one of these is dropped (with its group); anything else is a bug.
 Except :class:`SamplingMaskMissing`: it would recur on every turn (a proxy dropping the field), so it
 stops the worker with one line instead of dropping every group."""

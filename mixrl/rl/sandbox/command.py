@@ -131,7 +131,9 @@ def bwrap_argv(config: SandboxConfig, limits: Limits, seed_dir: str, command: st
         argv += ["--ro-bind", path, path]
     # `python` is python3, as Debian's python-is-python3 makes it: what models (and people) type
     argv += ["--dir", EXTRA_BIN, "--symlink", "/usr/bin/python3", f"{EXTRA_BIN}/python"]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
+    # /dev is a tmpfs of half the host's memory: read-only, it holds only its device nodes (writes
+    # to /dev/null still work), so /work and /tmp, each within disk_bytes, are the only writable places.
+    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev"]
     argv += ["--size", str(limits.disk_bytes), "--tmpfs", WORK_DIR]
     argv += ["--size", str(limits.disk_bytes), "--tmpfs", "/tmp"]
     argv += ["--ro-bind", seed_dir, SEED_DIR, "--remount-ro", "/", "--chdir", WORK_DIR]

@@ -24,6 +24,10 @@ def check_path(path: str) -> str:
     relative path inside the working directory."""
     if not isinstance(path, str) or not path:
         raise ValueError(f"files: a path must be a non-empty string, got {path!r}")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:  # the OS hands a non-UTF-8 name back with lone surrogates
+        raise ValueError(f"files: {_escaped(path)!r}: not a UTF-8 file name") from None
     if "\x00" in path or "\\" in path:
         raise ValueError(f"files: path {path!r} holds a NUL or a backslash")
     if path.startswith("/"):
@@ -38,6 +42,15 @@ def check_path(path: str) -> str:
     if len(parts) > MAX_DEPTH:
         raise ValueError(f"files: path {path!r} is deeper than {MAX_DEPTH} directories")
     return "/".join(parts)
+
+
+def _escaped(path: str) -> str:
+    """A name with lone surrogates as text a tokenizer can encode: its raw bytes as ``\\xff`` escapes."""
+    try:
+        raw = path.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no OS made (a client's JSON "\\ud800")
+        return path.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def as_bytes(content: str | bytes) -> bytes:
