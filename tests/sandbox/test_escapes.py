@@ -113,7 +113,9 @@ async def test_filling_the_disk_stops_at_the_tmpfs_size(sandbox: Sandbox) -> Non
     assert result.files is not None and sum(map(len, result.files.values())) <= limits.disk_bytes
 
 
-async def test_dev_holds_only_device_nodes_so_memory_backed_space_obeys_the_disk_limit(sandbox: Sandbox) -> None:
+async def test_dev_holds_only_device_nodes_so_memory_backed_space_obeys_the_disk_limit(
+    sandbox: Sandbox,
+) -> None:
     """/dev is a tmpfs of half the host's memory: before, 2 GB went to /dev/shm against 64 MiB."""
     limits = Limits(wall_s=5.0, disk_bytes=8 * 2**20, file_bytes=2**20)
     command = (
@@ -214,7 +216,9 @@ async def test_links_and_odd_names_left_in_work_do_not_come_back(sandbox: Sandbo
     assert len(result.dropped) == 2 and all("not a regular file" in note for note in result.dropped)
 
 
-async def test_a_file_name_that_is_not_utf8_is_reported_escaped_and_never_comes_back(sandbox: Sandbox) -> None:
+async def test_a_file_name_that_is_not_utf8_is_reported_escaped_and_never_comes_back(
+    sandbox: Sandbox,
+) -> None:
     result = await sandbox.run("echo x > \"$(printf 'bad\\377name')\"; echo ok > plain", {}, QUICK)
     assert result.files == {"plain": b"ok\n"}
     assert result.dropped == ("files: './bad\\\\xffname': not a UTF-8 file name",)

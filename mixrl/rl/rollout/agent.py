@@ -172,7 +172,9 @@ async def _play(
             try:
                 step = await episode.step(call)
             except Exception as exc:
-                raise EnvironmentFailed(f"{name}: tool call {call.name!r}: {type(exc).__name__}: {exc}") from exc
+                raise EnvironmentFailed(
+                    f"{name}: tool call {call.name!r}: {type(exc).__name__}: {exc}"
+                ) from exc
             if step.done:
                 return step.finish_reason
             role, text = step.role, step.observation
