@@ -192,6 +192,32 @@ async def test_fields_the_engine_cannot_honour_are_refused_by_name(
         assert refused.value.param == "prompt" and "tokenizer" in refused.value.message
 
 
+async def test_a_lone_surrogate_in_text_is_a_400_naming_the_field(
+    dense_path: str, tokenizer_dir: str
+) -> None:
+    """JSON's ``"\\ud800"`` decodes to a string no tokenizer can encode: before, an HTTP 500 with
+    a traceback (before the token check, so even without the run's token)."""
+    sampling = '"sampling_params": {"max_new_tokens": 1}'
+    bodies = (
+        ("/generate", '{"text": "w040 \\ud800", ' + sampling + "}", "text"),
+        ("/generate", '{"text": ["w040", "\\udcff"], ' + sampling + "}", "text[1]"),
+        ("/v1/completions", '{"model": "m", "prompt": "\\ud800", "max_tokens": 1}', "prompt"),
+        ("/v1/chat/completions", '{"model": "m", "messages": [{"role": "user", "content": "a\\udfff"}]}',
+         "messages[0].content"),
+    )  # fmt: skip
+    async with (
+        serve_in_process(model_path=dense_path, tokenizer_path=tokenizer_dir) as (url, _),
+        aiohttp.ClientSession() as session,
+    ):
+        for path, body, field in bodies:
+            async with session.post(url + path, data=body, headers={"Content-Type": "application/json"}) as response:  # fmt: skip
+                answer = await response.json(content_type=None)
+            assert response.status == 400, (path, answer)
+            message = answer["error"]["message"]
+            assert message.startswith(f"{field}: holds a lone surrogate"), message
+            assert "Traceback" not in message
+
+
 async def test_streams_are_openai_chunks_that_add_up_to_the_whole_answer(
     dense_path: str, tokenizer_dir: str
 ) -> None:

@@ -38,6 +38,7 @@ from mixrl.rl.engine.protocol import (
     output_text,
     parse_sampling,
     refuse_asked,
+    unicode_text,
 )
 
 OPENAI_DEFAULT_MAX_TOKENS = 16
@@ -215,9 +216,9 @@ def _sampling(body: dict[str, Any], defaults: dict[str, Any], codec: TextCodec, 
 
 def _prompt_ids(raw: Any, codec: TextCodec, vocab_size: int, context_length: int) -> list[list[int]]:
     if isinstance(raw, str):
-        prompts = [codec.encode(raw)]
+        prompts = [codec.encode(unicode_text("prompt", raw))]
     elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
-        prompts = [codec.encode(p) for p in raw]
+        prompts = [codec.encode(unicode_text(f"prompt[{i}]", p)) for i, p in enumerate(raw)]
     elif isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
         prompts = [list(raw)]
     elif isinstance(raw, list) and raw and all(isinstance(p, list) and p for p in raw):
@@ -320,6 +321,8 @@ def parse_chat(
             raise RequestError(
                 f"messages[{i}].content", "must be a string (multimodal parts are not supported)"
             )
+        unicode_text(f"messages[{i}].role", message["role"])
+        unicode_text(f"messages[{i}].content", message["content"])
     ids = codec.chat_ids([{"role": m["role"], "content": m["content"]} for m in messages])
     if len(ids) >= context_length:
         raise RequestError("messages", f"render to {len(ids)} tokens; the context length is {context_length}")

@@ -85,6 +85,19 @@ class RequestError(ValueError):
         return {"error": {"message": str(self), "type": kind, "param": self.field, "code": self.status}}
 
 
+def unicode_text(field: str, text: str) -> str:
+    """``text`` if it can be encoded; RequestError naming ``field`` and the position of the first
+    lone surrogate (JSON's ``"\\ud800"`` decodes to one, and no tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            field,
+            f"holds a lone surrogate ({text[exc.start]!r} at character {exc.start}); text must be valid Unicode",
+        ) from None
+    return text
+
+
 class EngineResponseError(ValueError):
     """An engine response that does not hold what a token record needs."""
 
@@ -382,7 +395,7 @@ def _stop_strings(field: str, raw: Any, codec: TextCodec | None) -> tuple[str, .
         raise RequestError(field, f"has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
     if codec is None:
         raise RequestError(field, NO_TOKENIZER + "; use stop_token_ids")
-    return tuple(dict.fromkeys(stops))
+    return tuple(dict.fromkeys(unicode_text(field, s) for s in stops))
 
 
 NO_TOKENIZER = (
@@ -515,7 +528,8 @@ def _prompts(body: dict[str, Any], vocab_size: int, codec: TextCodec | None) -> 
         texts = text if batched else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise RequestError("text", "must be a string or a non-empty list of strings")
-        prompts = [codec.encode(t) for t in texts]
+        where = [f"text[{i}]" if batched else "text" for i in range(len(texts))]
+        prompts = [codec.encode(unicode_text(w, t)) for w, t in zip(where, texts, strict=True)]
         for i, ids in enumerate(prompts):
             if not ids:
                 raise RequestError(f"text[{i}]" if batched else "text", "encodes to no tokens")
