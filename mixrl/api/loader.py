@@ -52,6 +52,8 @@ MAX_INT_DIGITS = 4300
 """Longest integer scalar: Python's own limit for converting decimal strings (quadratic beyond)."""
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+NOT_JSON_TAGS = ("binary", "timestamp", "set", "omap", "pairs")
+"""YAML types a JSON document cannot hold: refused where they appear, never coerced to a string."""
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 
 
@@ -138,6 +140,14 @@ class _Limits(_LoaderBase):
                 None, None, f"cannot read {shown(str(value))} ({exc})", node.start_mark
             ) from None
 
+    def construct_not_json(self, node: Node) -> Any:
+        """A value JSON has no form for (bytes, a date, a set): a run is JSON, as Kubernetes stores it."""
+        kind = node.tag.rsplit(":", 1)[-1]
+        raise LimitExceeded(
+            problem=f"a !!{kind} value is not JSON; write it as a string, number, list or mapping",
+            problem_mark=node.start_mark,
+        )
+
     def construct_yaml_int(self, node: ScalarNode) -> int:
         if len(node.value) > MAX_INT_DIGITS:
             raise LimitExceeded(
@@ -199,6 +209,8 @@ _EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE
 for _loader in LOADERS:
     # PyYAML looks constructors up in a table of plain functions, so the override must be registered.
     _loader.add_constructor("tag:yaml.org,2002:int", _Limits.construct_yaml_int)
+    for _tag in NOT_JSON_TAGS:
+        _loader.add_constructor(f"tag:yaml.org,2002:{_tag}", _Limits.construct_not_json)
     _loader.add_implicit_resolver(_FLOAT_TAG, _EXPONENT_FLOAT, list("-+0123456789."))
 
 

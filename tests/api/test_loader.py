@@ -134,6 +134,24 @@ def test_duplicate_keys_name_the_key_and_line(loader_class: type, text: str, lin
     assert refusal(text, loader_class) == line
 
 
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ("metadata:\n  name: !!binary cXVpY2tzdGFydA==\n", "f.yaml: line 2: a !!binary value is not JSON"),
+        ("labels: {day: 2024-01-01}\n", "f.yaml: line 1: a !!timestamp value is not JSON"),
+        ("args: !!set {a: null}\n", "f.yaml: line 1: a !!set value is not JSON"),
+        ("args: !!omap [{a: 1}]\n", "f.yaml: line 1: a !!omap value is not JSON"),
+    ],
+)
+def test_values_json_cannot_hold_are_refused_in_one_line_never_coerced(
+    loader_class: type, text: str, line: str
+) -> None:
+    """Before, ``name: !!binary …`` became bytes, which pydantic turned into the name."""
+    refused = refusal(text, loader_class)
+    assert refused.startswith(line) and "\n" not in refused, refused
+    assert parse_yaml("day: '2024-01-01'\n", "f.yaml", loader_class)[0].data == {"day": "2024-01-01"}
+
+
 def test_an_explicit_key_may_override_a_merged_one(loader_class: type) -> None:
     [document] = parse_yaml("base: &b {x: 1, y: 2}\nm: {<<: *b, x: 3}\n", "f.yaml", loader_class)
     assert document.data["m"] == {"x": 3, "y": 2}
@@ -152,7 +170,10 @@ def test_numbers_as_kubernetes_reads_them(loader_class: type, scalar: str, value
 @pytest.mark.parametrize(
     ("text", "line"),
     [
-        ("a: 2024-13-45\n", "f.yaml: not YAML at line 1: cannot read '2024-13-45' (month must be in 1..12)"),
+        (
+            "a: 2024-13-45\n",
+            "f.yaml: line 1: a !!timestamp value is not JSON; write it as a string, number, list or mapping",
+        ),
         ("a: \x00\n", "f.yaml: not YAML: unacceptable character #x0000 at byte 3"),
         ("spec: [unclosed\n", None),
         ("{[1]: 2}\n", None),
