@@ -886,6 +886,9 @@ class RLRunStatus(Model):
     """Number of sampler pools (for the printer column)."""
     reward: float | None = None
     """Mean training reward at the last step."""
+    quarantined_batches: int | None = None
+    """Batches the trainer could not train, taken back by the buffer and kept for inspection (its
+    ``GET /stats`` lists them with the reason); the run went on with other groups."""
     gpu_hours: float | None = None
     """GPU-hours of the whole run so far: every pool's pods and the trainer's nodes."""
     cost: float | None = None

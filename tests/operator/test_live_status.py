@@ -20,6 +20,7 @@ from mixrl.operator.controller.live_status import (
     history_query,
     live_pool_status,
     live_run_status,
+    quarantine_event,
     records_from_history,
     run_queries,
     significant,
@@ -87,6 +88,21 @@ def test_live_fields_land_on_the_run_and_its_pools_rounded() -> None:
     assert condition(status, METRICS_AVAILABLE)["status"] == "True"
     assert condition(status, "Ready")["reason"] == "AllComponentsReady"  # others' conditions kept
     assert status["phase"] == "Running"
+
+
+def test_quarantined_batches_land_on_the_run_with_a_warning_when_they_rise() -> None:
+    queries = run_queries("team-a", "r")
+    assert (
+        queries["quarantined_batches"]
+        == 'max(mixrl_buffer_quarantined_batches_total{namespace="team-a",run="r"})'
+    )
+    first = live_run_status(previous_status(), figures_from(answers()), 3, NOW)
+    assert "quarantinedBatches" not in first and quarantine_event(previous_status(), first) is None
+    one = live_run_status(first, figures_from({**answers(), "quarantined_batches": {"": 1.0}}), 3, LATER)
+    assert one["quarantinedBatches"] == 1
+    message = quarantine_event(first, one)
+    assert message is not None and message.startswith("1 more batch(es) the trainer could not train")
+    assert quarantine_event(one, one) is None  # the same count again: no second event
 
 
 def test_the_same_figures_compose_the_same_status_so_nothing_is_written() -> None:

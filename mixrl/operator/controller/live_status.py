@@ -12,7 +12,8 @@ status from figures; :mod:`mixrl.operator.controller.observer` does the I/O (doc
 What is written, and from which series (names in :mod:`mixrl.rl.metrics`):
 
 - the run: ``step`` (``mixrl_trainer_step``), ``weightVersion`` (``mixrl_trainer_weight_version``),
-  ``reward`` (``mixrl_trainer_reward``), the phase (Succeeded once ``mixrl_trainer_finished`` is 1,
+  ``reward`` (``mixrl_trainer_reward``), ``quarantinedBatches``
+  (``mixrl_buffer_quarantined_batches_total``, with a Warning event when it rises), the phase (Succeeded once ``mixrl_trainer_finished`` is 1,
   Failed when the trainer's containers keep failing), the conditions ``MetricsAvailable`` and
   ``CollapseRisk`` (:mod:`mixrl.rl.health.collapse` on the run's history);
 - each pool (in the run's ``pools`` list and on the SamplerPool): ``kl`` and ``extremeRatioShare``
@@ -87,6 +88,7 @@ def run_queries(namespace: str, run: str) -> dict[str, str]:
             f"sum by (pool) (rate({m.MIXRL_ROUTER_GENERATED_TOKENS_TOTAL.name}{per_pool}[{RATE_WINDOW}]))"
         ),
         "serving_weight_version": f"max by (pool) ({m.MIXRL_ROUTER_WEIGHT_VERSION.name}{per_pool})",
+        "quarantined_batches": f"max({m.MIXRL_BUFFER_QUARANTINED_BATCHES_TOTAL.name}{_selector(namespace, run)})",
     }
 
 
@@ -123,7 +125,7 @@ class Figures:
         return not self.run and not self.pools
 
 
-RUN_FIGURES = ("step", "weight_version", "reward", "finished")
+RUN_FIGURES = ("step", "weight_version", "reward", "finished", "quarantined_batches")
 
 
 def figures_from(answers: Mapping[str, Vector]) -> Figures:
@@ -188,7 +190,7 @@ POOL_FIELDS = {
     "tokens_per_second": "tokensPerSecond",
     "serving_weight_version": "servingWeightVersion",
 }
-INTEGER_FIELDS = frozenset({"servingWeightVersion", "step", "weightVersion"})
+INTEGER_FIELDS = frozenset({"servingWeightVersion", "step", "weightVersion", "quarantinedBatches"})
 
 
 def pool_fields(figures: Mapping[str, float]) -> Obj:
@@ -239,7 +241,13 @@ def live_run_status(
         available = ("True", LiveReason.SERIES_FOUND, "")
     ours = [make_condition(METRICS_AVAILABLE, available, generation, now, old)]
     if problem is None and not figures.empty:
-        for name, key in (("step", "step"), ("weight_version", "weightVersion"), ("reward", "reward")):
+        run_fields = (
+            ("step", "step"),
+            ("weight_version", "weightVersion"),
+            ("reward", "reward"),
+            ("quarantined_batches", "quarantinedBatches"),
+        )
+        for name, key in run_fields:
             if name in figures.run:
                 value = figures.run[name]
                 status[key] = int(value) if key in INTEGER_FIELDS else significant(value)
@@ -263,6 +271,18 @@ def live_run_status(
         status["phase"] = phase
     status["conditions"] = update_conditions(old, ours)  # the reconciler's stay first, in their order
     return status
+
+
+def quarantine_event(previous: Obj, new: Obj) -> str | None:
+    """The Warning event's message when the buffer quarantined more batches since the last status."""
+    before, now = previous.get("quarantinedBatches") or 0, new.get("quarantinedBatches") or 0
+    if now <= before:
+        return None
+    return (
+        f"{now - before} more batch(es) the trainer could not train were quarantined ({now} in all); the run "
+        "goes on with other groups. The buffer's GET /stats lists each with its reason; the batches are in "
+        "its quarantine/ directory"
+    )
 
 
 def live_pool_status(previous: Obj, figures: Mapping[str, float]) -> Obj:

@@ -10,7 +10,7 @@ writing.  Every ``interval_s`` (per run), for every RLRun kopf has shown it:
 3. the run's status and each of its SamplerPools' statuses are merge-patched, only when they
    changed, and never more often than ``min_write_interval_s`` unless the phase or CollapseRisk
    flips — so an idle run costs no writes at all (``writes`` counts them);
-4. a Warning event when CollapseRisk becomes True, a Normal one when the run succeeds, a Warning
+4. a Warning event when CollapseRisk becomes True or the buffer quarantines a batch, a Normal one when the run succeeds, a Warning
    when it fails; and at either end a reconcile of the run, which releases its GPUs.
 
 Each status is composed and written under the object's lock (the one its reconciler holds) from a
@@ -46,6 +46,7 @@ from mixrl.operator.controller.live_status import (
     history_query,
     live_pool_status,
     live_run_status,
+    quarantine_event,
     records_from_history,
     run_queries,
     spend_fields,
@@ -330,6 +331,9 @@ class StatusObserver(Ticker):
             message = next(c["message"] for c in new["conditions"] if c["type"] == COLLAPSE_RISK)
             await self.post_event(body, "Warning", "CollapseRisk", message, now)
         memory.collapse = risk
+        quarantined = quarantine_event(previous, new)
+        if quarantined is not None:
+            await self.post_event(body, "Warning", "BatchQuarantined", quarantined, now)
         phase = new.get("phase")
         if phase != previous.get("phase") and phase in ("Succeeded", "Failed"):
             kind = "Normal" if phase == "Succeeded" else "Warning"
