@@ -109,9 +109,18 @@ async def test_a_client_that_goes_away_has_its_requests_aborted_and_no_error_log
             writer.close()
             await writer.wait_closed()
 
+            async with aiohttp.ClientSession() as leaving:  # a stream's client gone after its first chunk
+                response = await leaving.post(f"{engine.url}/generate", json={**long, "stream": True})
+                assert (await response.content.readline()).startswith(b"data: ")
+                response.close()
+            dropped = time.monotonic()
+            while (await _load(http, engine.url))["sglang:num_running_reqs"]:
+                assert time.monotonic() - dropped < 5
+                await asyncio.sleep(0.02)
+
             async with EngineClient(engine.url) as client:  # and the engine serves on
                 result = await client.generate([1, 2], max_new_tokens=4, temperature=0.0)
             assert result.completion_tokens == 4
     log = log_path.read_text()
     assert "ERROR" not in log and "Traceback" not in log, log
-    assert log.count("client disconnected; aborted after") == 2, log
+    assert log.count("client disconnected; aborted after") == 3, log  # two waiting, one streaming

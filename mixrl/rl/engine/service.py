@@ -329,6 +329,7 @@ class EngineService:
                     emit(i)
 
         self.stats.add_listener(on_step)
+        getter: asyncio.Future[tuple[int, Snapshot]] | None = None
         try:
             while True:
                 while not chunks.empty():
@@ -347,6 +348,10 @@ class EngineService:
                         emit(i)
         finally:
             self.stats.remove_listener(on_step)
+            if getter is not None and not getter.done():
+                # A client gone mid-wait closes this generator there: a getter left pending would be
+                # destroyed pending ("Task was destroyed but it is pending!" in the log).
+                getter.cancel()
             for i, (t, task) in enumerate(zip(tracked, tasks, strict=True)):
                 if not final[i]:
                     task.cancel()  # the scheduler aborts the sequence before its next step
