@@ -108,6 +108,10 @@ class Where:
     """The trainer's initial checkpoint; None: the spec's ``model.path``.  Where the run's model is
     ``tiny:<kind>``, the directory it was built into (on a laptop) or the link ``model-init`` points
     at it (in a pod)."""
+    buffer_model_path: str | None = None
+    """The model directory whose config.json gives the buffer the vocabulary it checks token ids
+    against (a laptop: the trainer's); None: the spec's ``model.path`` (a buffer pod mounts no model,
+    and the trainer checks the ids)."""
     model_cache: str | None = None
     """Where ``model-init`` keeps the tiny models it builds (only where it runs: a pod)."""
     tokenizer: str | None = None
@@ -291,8 +295,7 @@ def component_command(
             where.config,
             "--dir",
             where.buffer_dir,
-            # The model's config, for the vocabulary every posted token id is checked against.
-            *(["--model-path", where.trainer_model_path] if where.trainer_model_path is not None else []),
+            *(["--model-path", where.buffer_model_path] if where.buffer_model_path is not None else []),
             *_listen(where, "buffer", None, 0, metrics=True),
             *_auth(where),
         ]

@@ -99,6 +99,7 @@ class Supervisor:
             # Every engine here reads the store as it is, so the trainer reloads them directly.
             reload_through_router=True,
             trainer_model_path=model_path,
+            buffer_model_path=model_path,
             tokenizer=tokenizer_path,
             # nodes × gpusPerNode trainer processes (processes per node on gpuType cpu), all here.
             rendezvous=ONE_MACHINE,
