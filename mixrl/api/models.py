@@ -297,7 +297,7 @@ class TrainerSpec(Model):
             raise rules.MEGATRON_NEEDS_GPUS.error(gpu_type=self.gpu_type)
         if self.backend == "megatron" and p.cp != 1:
             raise rules.MEGATRON_NO_CONTEXT_PARALLEL.error()
-        if (p.tp, p.pp, p.ep, p.cp) != (1, 1, 1, 1):
+        if self.backend == "torch" and (p.tp, p.pp, p.ep, p.cp) != (1, 1, 1, 1):  # as its CEL twin
             raise rules.TORCH_IS_DATA_PARALLEL.error()
         return self
 

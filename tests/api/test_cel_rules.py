@@ -500,6 +500,19 @@ VALID: dict[str, Callable[[Doc], None]] = {
     "data-parallel-trainer-on-cpu": _set(  # two trainer processes, sizes 1 spelled out
         "spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 2, "parallelism": {"tp": 1, "ep": 1}}
     ),
+    # Before, validate and the operator refused this for every backend ("the torch backend is data
+    # parallel"), while the API server's CEL limited that rule to backend torch (issue #28).
+    "megatron-with-tensor-pipeline-and-expert-parallelism": _set(
+        "spec",
+        "trainer",
+        value={
+            "backend": "megatron",
+            "gpuType": "H100",
+            "nodes": 1,
+            "gpusPerNode": 8,
+            "parallelism": {"tp": 2, "pp": 2, "ep": 2},
+        },
+    ),
     "gpu-budget-that-covers": _set("spec", "autoscaling", "gpuBudget", value=5),
     # a cpu pool's gpusPerReplica defaults to 0 (null reads as absent): only 2 + 1 + 1 of the budget
     "cpu-pools-take-no-gpus-of-the-budget": lambda doc: [

@@ -305,6 +305,24 @@ def test_the_valid_example_is_accepted(cluster: Cluster, namespace: str) -> None
     assert apply(cluster, namespace, sampler_pool()).returncode == 0
 
 
+def test_a_megatron_trainer_with_model_parallelism_is_accepted_by_both(
+    cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """Before, validate and the operator refused it ("the torch backend is data parallel") for
+    every backend while the API server's CEL accepted it (issue #28)."""
+    trainer = {"backend": "megatron", "gpuType": "H100", "nodes": 1, "gpusPerNode": 8,
+               "parallelism": {"tp": 2, "pp": 2, "ep": 2}}  # fmt: skip
+    doc = at("spec", "trainer", value=trainer)()
+    path = tmp_path / "megatron.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    validated = subprocess.run([sys.executable, "-m", "mixrl.cli", "validate", str(path)], capture_output=True, text=True)  # fmt: skip
+    assert validated.returncode == 0, validated.stdout + validated.stderr
+    done = apply(cluster, namespace, doc)
+    assert done.returncode == 0, done.stderr
+    stored = get(cluster, "rlrun", "qwen3-moe-coding", "-n", namespace)["spec"]["trainer"]["parallelism"]
+    assert (stored["tp"], stored["pp"], stored["ep"]) == (2, 2, 2)
+
+
 def test_mis_off_with_tis_is_accepted_and_absent_mis_is_filled_in(cluster: Cluster, namespace: str) -> None:
     tis_only = at("spec", "algorithm", "corrections", value={"mis": None, "tis": 2.0})()
     tis_only["metadata"]["namespace"] = namespace
