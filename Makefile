@@ -11,8 +11,9 @@ run: setup
 # `make test`: set-up, lint, builds, then the suite, each phase timed (scripts/phase.sh; .ci/run
 # prints the phases as a table). The suite is two pytest invocations (docs/testing.md): the tests
 # not marked serial on both cores (pytest-xdist, a test module to a worker, one torch thread
-# each), then the serial ones
-# (a control plane, a real node, whole runs) one at a time. Both run whatever fails in the other;
+# each), then the serial ones (a control plane, a real node, whole runs) in two lanes at once, each
+# one at a time: the KWOK control-plane tests beside the rest (scripts/serial_lanes.sh). Both
+# invocations run whatever fails in the other;
 # JUnit files go to $(TEST_REPORTS) (scripts/test_times.py reads them).
 TEST_BUILDS := k8s-bin images
 TEST_REPORTS := .venv/test-reports
@@ -27,7 +28,7 @@ test:
 	@p=0; s=0; \
 	OMP_NUM_THREADS=1 scripts/phase.sh "tests on 2 cores" $(PYTEST) -n 2 --dist loadscope -m "not serial" \
 	  --junitxml=$(TEST_REPORTS)/parallel.xml $(PYTEST_ARGS) || p=$$?; \
-	scripts/phase.sh "serial tests" $(PYTEST) -m serial --junitxml=$(TEST_REPORTS)/serial.xml $(PYTEST_ARGS) || s=$$?; \
+	scripts/phase.sh "serial tests" scripts/serial_lanes.sh $(TEST_REPORTS) $(PYTEST) $(PYTEST_ARGS) || s=$$?; \
 	$(PY)/python scripts/test_times.py --totals $(TEST_REPORTS)/*.xml; \
 	rc=0; for r in $$p $$s; do [ $$r -eq 0 ] || [ $$r -eq 5 ] || rc=$$r; done; \
 	[ $$p$$s != 55 ] || rc=5; exit $$rc

@@ -68,6 +68,10 @@ async def test_every_write_needs_the_token_and_changes_nothing_without_it(start_
     status, batch = await post(buffer.url, "/batch?step=1&timeout=0", headers=RIGHT)
     assert status == 200 and [g["prompt_id"] for g in batch["groups"]] == ["a"]
 
+    report = {"prompt_ids": ["a"], "reason": "a poster without the token"}
+    await assert_refused_and_unchanged(buffer, "/quarantine?step=1", report)
+    assert buffer.buffer.stats()["quarantined"] == []  # step 1 keeps its batch
+
     await assert_refused_and_unchanged(buffer, "/commit?step=1")
     assert buffer.buffer.stats()["committed_step"] is None
     assert await post(buffer.url, "/commit?step=1", headers=RIGHT) == (

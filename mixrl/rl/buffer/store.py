@@ -6,7 +6,7 @@ Files under the buffer's directory::
     assignments.jsonl    {"kind": "batch", "step", "groups": [[seq, ...], ...], "staleness": ...}
                          {"kind": "drop", "step", "groups": [[seq, ...], ...]}
                          {"kind": "commit", "step"}
-                         {"kind": "quarantine", "step", "groups": [[seq, ...], ...], "reason"}
+                         {"kind": "quarantine", "step", "groups": [[seq, ...], ...], "prompt_ids", "reason"}
     quarantine/step-<s>-<n>.json  the n-th batch of step s the trainer could not train, as served
     evaluations.jsonl    held-out results posted by the rollout worker
     trainer-metrics.jsonl  the trainer's per-step records (a copy of its metrics.jsonl, so a run's

@@ -319,7 +319,11 @@ class TrainerLoop:
                 # The model may be half-updated and the other ranks inside a collective: this
                 # process ends (one line), and the restarted trainer takes the step's next batch.
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                await self.quarantine(batch, f"the trainer crashed on it ({reason})")
+                try:
+                    await self.quarantine(batch, f"the trainer crashed on it ({reason})")
+                except BufferError as refused:
+                    if refused.status != 409:  # 409: another rank, crashing alike, reported it first
+                        raise
                 raise PoisonBatch(
                     f"step {step}: the batch could not be trained ({reason}); it is quarantined"
                 ) from exc
