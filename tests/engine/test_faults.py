@@ -68,6 +68,9 @@ async def _load(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     }
 
 
+STREAMS_DROPPED = 12
+
+
 async def test_a_client_that_goes_away_has_its_requests_aborted_and_no_error_logged(
     dense_path: str, tmp_path: Path
 ) -> None:
@@ -109,10 +112,13 @@ async def test_a_client_that_goes_away_has_its_requests_aborted_and_no_error_log
             writer.close()
             await writer.wait_closed()
 
-            async with aiohttp.ClientSession() as leaving:  # a stream's client gone after its first chunk
-                response = await leaving.post(f"{engine.url}/generate", json={**long, "stream": True})
-                assert (await response.content.readline()).startswith(b"data: ")
-                response.close()
+            # Streams whose clients go after the first chunk: before, each left a pending task that
+            # was later destroyed ("ERROR asyncio: Task was destroyed but it is pending!": 19 of 30).
+            for _ in range(STREAMS_DROPPED):
+                async with aiohttp.ClientSession() as leaving:
+                    response = await leaving.post(f"{engine.url}/generate", json={**long, "stream": True})
+                    assert (await response.content.readline()).startswith(b"data: ")
+                    response.close()
             dropped = time.monotonic()
             while (await _load(http, engine.url))["sglang:num_running_reqs"]:
                 assert time.monotonic() - dropped < 5
@@ -123,4 +129,4 @@ async def test_a_client_that_goes_away_has_its_requests_aborted_and_no_error_log
             assert result.completion_tokens == 4
     log = log_path.read_text()
     assert "ERROR" not in log and "Traceback" not in log, log
-    assert log.count("client disconnected; aborted after") == 3, log  # two waiting, one streaming
+    assert log.count("client disconnected; aborted after") == 2 + STREAMS_DROPPED, log
