@@ -36,7 +36,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -55,6 +55,7 @@ from mixrl.rl.health.routing import MismatchReport
 from mixrl.rl.serving import ClientGone, component_app, metrics_handler, read_body
 
 log = logging.getLogger("mixrl.buffer")
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class QuarantineReport(BaseModel):
@@ -107,6 +108,18 @@ def _error_location(exc: ValidationError, prefix: str) -> str:
     error = exc.errors()[0]
     where = prefix + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
     return f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
+
+
+async def _body_as(request: web.Request, model: type[Body], where: str) -> Body | web.Response:
+    """The request's JSON body as ``model``, or the 400 that names what is wrong with it."""
+    try:
+        return model.model_validate(_json_body(await read_body(request, log)))
+    except ValidationError as exc:
+        return _bad_request(_error_location(exc, where))
+    except ValueError as exc:
+        return _bad_request(str(exc))
+    except ClientGone:
+        return _bad_request("body: the connection closed before the body arrived")
 
 
 def parse_trajectories(body: Any, limits: TrajectoryLimits, group: str | None = None) -> list[Trajectory]:
@@ -310,7 +323,9 @@ class BufferServer:
     async def _post_trajectories(self, request: web.Request) -> web.Response:
         try:
             body = _json_body(await read_body(request, log))
-            trajectories = parse_trajectories(body, self._limits_now(), request.query.get("group"))
+            # Off the event loop: a group at the context limit is hundreds of thousands of entries.
+            group, limits = request.query.get("group"), self._limits_now()
+            trajectories = await asyncio.to_thread(parse_trajectories, body, limits, group)
         except ValueError as exc:
             return _bad_request(str(exc))
         except ClientGone:
@@ -390,13 +405,11 @@ class BufferServer:
     async def _quarantine(self, request: web.Request) -> web.Response:
         try:
             step = _int_param(request, "step")
-            report = QuarantineReport.model_validate(_json_body(await read_body(request, log)))
-        except ValidationError as exc:
-            return _bad_request(_error_location(exc, "quarantine"))
         except ValueError as exc:
             return _bad_request(str(exc))
-        except ClientGone:
-            return _bad_request("body: the connection closed before the body arrived")
+        report = await _body_as(request, QuarantineReport, "quarantine")
+        if isinstance(report, web.Response):
+            return report
         try:
             entry = await asyncio.to_thread(self.buffer.quarantine, step, report.prompt_ids, report.reason)
         except StepError as exc:
@@ -406,14 +419,9 @@ class BufferServer:
         return web.json_response({"quarantined": entry})
 
     async def _post_evaluation(self, request: web.Request) -> web.Response:
-        try:
-            evaluation = Evaluation.model_validate(_json_body(await read_body(request, log)))
-        except ValidationError as exc:
-            return _bad_request(_error_location(exc, "evaluation"))
-        except ValueError as exc:
-            return _bad_request(str(exc))
-        except ClientGone:
-            return _bad_request("body: the connection closed before the body arrived")
+        evaluation = await _body_as(request, Evaluation, "evaluation")
+        if isinstance(evaluation, web.Response):
+            return evaluation
         await asyncio.to_thread(self.buffer.add_evaluation, evaluation)
         return web.json_response({"accepted": True})
 
@@ -446,14 +454,9 @@ class BufferServer:
         """The trainer's per-pool fresh mismatch of one step, which the router reads back from
         ``GET /stats`` (docs/health.md#mismatch-aware-routing).  An older step than the one held is
         ignored, so a trainer redoing a step after a crash cannot move the router back."""
-        try:
-            report = MismatchReport.model_validate(_json_body(await read_body(request, log)))
-        except ValidationError as exc:
-            return _bad_request(_error_location(exc, "mismatch"))
-        except ValueError as exc:
-            return _bad_request(str(exc))
-        except ClientGone:
-            return _bad_request("body: the connection closed before the body arrived")
+        report = await _body_as(request, MismatchReport, "mismatch")
+        if isinstance(report, web.Response):
+            return report
         if self.mismatch is None or report.step >= self.mismatch.step:
             self.mismatch = report
         return web.json_response({"accepted": True, "step": self.mismatch.step})
