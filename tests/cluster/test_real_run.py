@@ -15,29 +15,91 @@ import time
 
 import pytest
 
+from mixrl.rl.engine.weight_sync import POLL_S
 from tests.cluster.conftest import Bed, wait_for
 from tests.cluster.real_run import EXAMPLE, RUN, buffer_stats, describe, evaluations, pods, weight_version
 
 NAMESPACE = "rl"
 
 
+def committed_step(bed: Bed) -> int:
+    return buffer_stats(bed, NAMESPACE).get("committed_step") or -1
+
+
+def committed_after(bed: Bed, before: int) -> int | None:
+    step = committed_step(bed)
+    return step if step > before else None
+
+
 @pytest.fixture(scope="module")
-def trained(real_chart: Bed) -> Bed:
-    real_bed = real_chart
-    real_bed.kubectl("create", "namespace", NAMESPACE)
-    real_bed.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
-    started = time.monotonic()
+def stepping(real_chart: Bed) -> Bed:
+    """The example applied, its trainer past step 2: the run is stepping (30 steps in all)."""
+    real_chart.kubectl("create", "namespace", NAMESPACE)
+    real_chart.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
     try:
-        wait_for(lambda: (buffer_stats(real_bed, NAMESPACE).get("committed_step") or -1) >= 10, timeout=600, interval=5,
+        wait_for(
+            lambda: committed_step(real_chart) >= 2,
+            timeout=600,
+            interval=2,
+            what="the trainer's step to reach 2",
+        )
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{describe(real_chart, NAMESPACE)}") from None
+    return real_chart
+
+
+@pytest.fixture(scope="module")
+def trained(stepping: Bed) -> Bed:
+    """The run past step 10 and its held-out evaluation at step 10 recorded."""
+    try:
+        wait_for(lambda: committed_step(stepping) >= 10, timeout=600, interval=5,
                  what="the trainer's step to reach 10")  # fmt: skip
-        print(f"apply -> step 10 in {time.monotonic() - started:.0f} s")
-        wait_for(lambda: any(e["step"] >= 10 for e in evaluations(real_bed, NAMESPACE)), timeout=300, interval=5,
+        wait_for(lambda: any(e["step"] >= 10 for e in evaluations(stepping, NAMESPACE)), timeout=300, interval=5,
                  what="the held-out evaluation at step 10")  # fmt: skip
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{describe(real_bed, NAMESPACE)}") from None
-    for record in evaluations(real_bed, NAMESPACE):
+        raise AssertionError(f"{exc}\n{describe(stepping, NAMESPACE)}") from None
+    for record in evaluations(stepping, NAMESPACE):
         print(f"held-out evaluation in the cluster: step {record['step']}, pass@k {record['pass_at_k']}")
-    return real_bed
+    return stepping
+
+
+FOLLOW_BOUND_S = POLL_S + 2 * 8.0
+"""How long after the trainer publishes a version every engine pod serves it (or a newer one): the
+sidecar notices it within one poll, after finishing the reload it was busy with, and reloads (the
+NVFP4 pool converts first; 8 s per reload is the margin for a loaded machine). Seconds, not
+versions: how many versions that is depends on how fast the trainer steps, which a shared machine
+does not keep steady (CI once saw a step every ~2 s, and an engine 4 versions behind)."""
+
+
+def test_every_engine_follows_the_trainers_versions(stepping: Bed) -> None:
+    """First in this module, while the trainer steps: three times, the moment the trainer commits a
+    new step, every engine pod serves that version (or a newer one), each through its own
+    weight-sync sidecar, within FOLLOW_BOUND_S."""
+    trained = stepping
+    sampler_pods = pods(trained, NAMESPACE, "app.kubernetes.io/component=sampler")
+    engines = {e["metadata"]["name"]: e["status"]["podIP"] for e in sampler_pods}
+    assert len(engines) == 2
+    delays: dict[str, list[float]] = {name: [] for name in engines}
+    committed: list[int] = []
+    for _ in range(3):
+        before = committed_step(trained)
+        newest = wait_for(lambda before=before: committed_after(trained, before), timeout=120, interval=0.5,
+                          what=f"the trainer to commit a step after {before}")  # fmt: skip
+        published = time.monotonic()
+        committed.append(newest)
+        waiting = dict(engines)
+        while waiting and time.monotonic() - published <= FOLLOW_BOUND_S:
+            for name, ip in list(waiting.items()):
+                served = weight_version(ip)
+                assert served is not None, f"{name} does not answer GET /get_weight_version"
+                if served >= newest:
+                    delays[name].append(round(time.monotonic() - published, 1))
+                    del waiting[name]
+            time.sleep(0.5)
+        assert not waiting, (
+            f"not serving version {newest} {FOLLOW_BOUND_S:.0f} s after it was the newest: {sorted(waiting)}; {delays}"
+        )
+    print(f"seconds from a committed step to each engine pod serving it (steps {committed}): {delays}")
 
 
 def test_the_operator_runs_as_the_charts_pod(trained: Bed) -> None:
@@ -51,30 +113,6 @@ def test_kubectl_apply_trains_in_the_cluster(trained: Bed) -> None:
     assert stats["committed_step"] >= 10, stats
     for component in ("trainer", "buffer", "router", "rollout"):
         assert pods(trained, NAMESPACE, f"app.kubernetes.io/component={component}"), component
-
-
-LAG_BOUND = 3
-"""How many versions an engine pod may serve behind the trainer's newest while the run steps every
-~10 s: the sidecar notices a version within its poll, converts it (NVFP4 here) and reloads; measured
-1–2 on the real node (docs/benchmarks.md)."""
-
-
-def test_every_engine_follows_the_trainers_versions(trained: Bed) -> None:
-    """Each engine pod, through its own weight-sync sidecar, serves a version at most LAG_BOUND
-    behind the trainer's newest, sampled every 2 s for 20 s while the run goes on."""
-    engines = pods(trained, NAMESPACE, "app.kubernetes.io/component=sampler")
-    assert len(engines) == 2
-    lags: dict[str, list[int]] = {e["metadata"]["name"]: [] for e in engines}
-    for _ in range(10):
-        newest = trained.get("rlrun", RUN, "-n", NAMESPACE).get("status", {}).get("weightVersion")
-        newest = max(newest or 0, buffer_stats(trained, NAMESPACE).get("committed_step") or 0)
-        for engine in engines:
-            served = weight_version(engine["status"]["podIP"])
-            assert served is not None and served >= 1, (engine["metadata"]["name"], served)
-            lags[engine["metadata"]["name"]].append(newest - served)
-        time.sleep(2)
-    print(f"engine lag behind the trainer's newest version, per pod: {lags}")
-    assert all(max(values) <= LAG_BOUND for values in lags.values()), lags
 
 
 def test_kubectl_get_rlr_shows_the_trainers_figures_from_prometheus(trained: Bed) -> None:

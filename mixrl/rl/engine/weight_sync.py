@@ -107,6 +107,9 @@ UNLABELLED_VERSION = 0
 """What :meth:`EngineClient.get_weight_version` reads from an engine started without a version
 (SGLang's ``default``)."""
 
+POLL_S = 10.0
+"""How often a settled sidecar checks the weight store for a new version (``--poll``'s default)."""
+
 UNSETTLED_POLL_S = 0.5
 """How often the sidecar looks at an engine that is not up or not labelled yet (cheap: loopback)."""
 
@@ -206,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--engine-url", default=f"http://127.0.0.1:{ENGINE_PORT}", help="the engine in this pod"
     )
-    parser.add_argument("--poll", type=float, default=10.0, help="seconds between store checks")
+    parser.add_argument("--poll", type=float, default=POLL_S, help="seconds between store checks")
     parser.add_argument(
         "--timeout", type=float, default=0.0, help="--once: give up after this many seconds (0: never)"
     )
