@@ -11,18 +11,49 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 VENV=${VENV:-.venv}
 stamp="$VENV/.mixrl-installed"
-want="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_SPEC"
+want="$(cat pyproject.toml images/constraints.txt | sha256sum | cut -c1-16) $TORCH_SPEC"
+
+# uv installs the environment: from its cache (outside the repository, kept by `dev-cluster down`)
+# a new .venv takes seconds where pip took minutes (torch and its CUDA libraries are 4.5 GB). It is
+# pinned and fetched once by pip into its own directory. Runtime dependencies at the images' pins
+# (images/constraints.txt), so the tests run what the images run and a new upstream release cannot
+# change a clean clone's environment; the dev tools at their newest within pyproject's ranges.
+UV_VERSION=0.13.9
+uv_dir=${MIXRL_UV_DIR:-$HOME/.cache/mixrl/uv-$UV_VERSION}
+export UV_CACHE_DIR=${UV_CACHE_DIR:-$HOME/.cache/mixrl/uv-cache}
+if [ ! -x "$uv_dir/bin/uv" ]; then
+  echo "setup: fetching uv $UV_VERSION into $uv_dir"
+  rm -rf "$uv_dir.partial"
+  "$PYTHON" -m pip install -q --disable-pip-version-check --target "$uv_dir.partial" "uv==$UV_VERSION" 2>&1 \
+    | grep -v "as the 'root' user" || true
+  "$uv_dir.partial/bin/uv" --version >/dev/null # fail loudly if the install did not work
+  rm -rf "$uv_dir" && mv "$uv_dir.partial" "$uv_dir"
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV with $($PYTHON --version)"
   "$PYTHON" -m venv "$VENV"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup: installing $TORCH_SPEC and mixrl[dev] into $VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check "$TORCH_SPEC" 2>&1 | grep -v "is ignored" || true
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "is ignored" || true
+  echo "setup: installing $TORCH_SPEC and mixrl[dev] into $VENV (uv; cache $UV_CACHE_DIR; the first time downloads about 5 GB)"
+  # pip's settings carry over (its environment, else its configuration files): its index, an extra
+  # index (the CPU-only torch) and find-links;
+  # unsafe-best-match picks versions across indexes as pip does; --system-certs trusts the system's CAs.
+  uv_args=(--python "$VENV/bin/python" --system-certs --index-strategy unsafe-best-match
+    --constraint images/constraints.txt)
+  pip_setting() { # $1: the environment variable, $2: pip's configuration key
+    if [ -n "${!1:-}" ]; then echo "${!1}"; else "$PYTHON" -m pip config get "$2" 2>/dev/null || true; fi
+  }
+  index=$(pip_setting PIP_INDEX_URL global.index-url)
+  [ -z "$index" ] || uv_args+=(--index-url "$index")
+  for extra in $(pip_setting PIP_EXTRA_INDEX_URL global.extra-index-url); do uv_args+=(--extra-index-url "$extra"); done
+  for links in $(pip_setting PIP_FIND_LINKS global.find-links); do [ ! -d "$links" ] || uv_args+=(--find-links "$links"); done
+  started=$(date +%s)
+  # uv's own progress lines stay; the list of the 130-odd packages it installed goes
+  "$uv_dir/bin/uv" pip install "${uv_args[@]}" "$TORCH_SPEC" -e '.[dev]' 2>&1 | { grep -v '^ [-+~] ' || true; }
   "$VENV/bin/python" -c "import torch, transformers, kopf, mixrl" # fail loudly if the install did not work
   echo "$want" > "$stamp"
+  echo "setup: $VENV ready in $(($(date +%s) - started)) s"
 fi
 
 # SGLang's own argument parser checks every launch flag the operator generates (tests/sglang/). The
