@@ -11,8 +11,8 @@ run: setup
 # `make test`: set-up, lint, builds, then the suite, each phase timed (scripts/phase.sh; .ci/run
 # prints the phases as a table). The suite is two pytest invocations (docs/testing.md): the tests
 # not marked serial on both cores (pytest-xdist, a test module to a worker, one torch thread
-# each), then the serial ones (a control plane, a real node, whole runs) in two lanes at once, each
-# one at a time: the KWOK control-plane tests beside the rest (scripts/serial_lanes.sh). Both
+# each), then the serial ones (a control plane, a real node, whole runs) in three lanes at once, each
+# one at a time: the KWOK control-plane tests, the real node's, the rest (scripts/serial_lanes.sh). Both
 # invocations run whatever fails in the other;
 # JUnit files go to $(TEST_REPORTS) (scripts/test_times.py reads them).
 TEST_BUILDS := k8s-bin images

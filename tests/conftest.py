@@ -9,10 +9,10 @@
   one at a time, and the rest on both cores (pytest-xdist). Besides the tests marked so, every
   ``slow`` test (a multi-process integration run) and everything in tests/cluster and
   tests/devcluster (a control plane, a real node) is serial.
-- ``control_plane``: a serial test of tests/cluster or tests/devcluster that does not use the
-  real-node bed (``real_bed``): the KWOK control plane keeps about a sixth of the machine busy, so
-  ``make test`` runs these in a lane of their own beside the other serial tests (whole runs, the
-  real node), each lane one test at a time.
+- ``control_plane`` and ``real_node``: the serial tests of tests/cluster and tests/devcluster,
+  without and with the real-node bed (``real_bed``). ``make test`` runs three lanes of serial tests
+  at once, each one test at a time: the KWOK control-plane tests (they keep about a sixth of the
+  machine busy), the real node's, and the rest (whole runs, multi-process trainers).
 - Hypothesis runs the ``mixrl`` profile: derandomized and without an example database, so every
   machine tries the same cases (``--hypothesis-profile`` still chooses another).
 """
@@ -59,8 +59,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         in_bed_directory = any(item.path.is_relative_to(d) for d in SERIAL_DIRECTORIES)
         if item.get_closest_marker("slow") or in_bed_directory:
             item.add_marker(pytest.mark.serial)
-        if in_bed_directory and "real_bed" not in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.control_plane)
+        if in_bed_directory:
+            on_real_node = "real_bed" in getattr(item, "fixturenames", ())
+            item.add_marker(pytest.mark.real_node if on_real_node else pytest.mark.control_plane)
         if item.get_closest_marker("cuda"):
             where = item.path.relative_to(TESTS.parent).as_posix()
             if where not in CUDA_TEST_FILES:

@@ -125,9 +125,17 @@ def chart_values(built: list[ProjectImage]) -> dict:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports: each socket stays bound until all are chosen (one at a time,
+    the kernel may hand the same port out twice: etcd's peer port and the scheduler's once met)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 @dataclass
@@ -451,10 +459,8 @@ class Cluster:
         token = secrets.token_hex(16)
         (self.dir / "tokens.csv").write_text(f'{token},admin,admin,"system:masters"\n')
         os.chmod(self.dir / "tokens.csv", 0o600)
-        ports = {
-            name: free_port()
-            for name in ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
-        }
+        names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler", "kwok")
+        ports = dict(zip(names, free_ports(len(names)), strict=True))
         address = HOST_IP if nodes else "127.0.0.1"
         server = f"https://{address}:{ports['apiserver']}"
         (self.dir / "kubeconfig").write_text(
@@ -512,8 +518,8 @@ class Cluster:
         log: Callable[[str], None],
         built: list[ProjectImage],
     ) -> None:
-        """CoreDNS for the bed, then per node: containerd (with the bed's own images), the kubelet
-        and kube-proxy; returns once every node is Ready."""
+        """CoreDNS for the bed, then per node: containerd (with the bed's own images), the kubelet,
+        kube-proxy and the NetworkPolicy enforcer; returns once every node is Ready."""
         started = time.monotonic()
         bin_dir = Path(state.bin)
         (self.dir / "Corefile").write_text(real_node.corefile(state.kubeconfig))
@@ -560,6 +566,7 @@ class Cluster:
                 f"({time.monotonic() - imported:.1f} s; the others were in its cached store)")  # fmt: skip
             self._start(state, f"kubelet-{node.index}", commands[f"kubelet-{node.index}"])
             self._start(state, f"kube-proxy-{node.index}", commands[f"kube-proxy-{node.index}"])
+            self._start(state, f"netpol-{node.index}", commands[f"netpol-{node.index}"])
         for node in nodes:
             self._wait(
                 state, f"kubelet-{node.index}", lambda n=node: self._node_ready(state, n.name), timeout
@@ -696,7 +703,7 @@ class Cluster:
             order = list(reversed(state.pids))
             # The nodes' agents first, then their containers (while containerd still runs, so it
             # forgets them and its cached root keeps only images), then everything else.
-            agents = [n for n in order if n.startswith(("kube-proxy-", "kubelet-"))]
+            agents = [n for n in order if n.startswith(("netpol-", "kube-proxy-", "kubelet-"))]
             stopped += _stop(state, agents)
             for node in node_addresses(state.real_nodes):
                 if _alive(state.pids.get(f"containerd-{node.index}", 0)):

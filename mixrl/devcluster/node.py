@@ -1,4 +1,5 @@
-"""Real CPU nodes of the test bed: containerd, runc, the CNI bridge, a kubelet and kube-proxy.
+"""Real CPU nodes of the test bed: containerd, runc, the CNI bridge, a kubelet, kube-proxy and the
+bed's NetworkPolicy enforcer (:mod:`mixrl.devcluster.netpol`).
 
 Each node runs in its own network namespace (``mixrl.devcluster.network``) with its processes'
 files, sockets and cgroups under the bed's directory and a cgroup root of its own
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -214,8 +216,8 @@ def cert_kubeconfig(server: str, ca: Path, cert: Path, key: Path, user: str) -> 
 
 
 def node_commands(bin_dir: Path, bed: Path, node: NodeAddress) -> dict[str, list[str]]:
-    """containerd, kubelet and kube-proxy of one node, each inside the node's network namespace,
-    in the order they start."""
+    """containerd, kubelet, kube-proxy and the NetworkPolicy enforcer of one node, each inside the
+    node's network namespace, in the order they start."""
     base = node_dir(bed, node)
     inside = node.enter()
     return {
@@ -236,6 +238,15 @@ def node_commands(bin_dir: Path, bed: Path, node: NodeAddress) -> dict[str, list
             *inside,
             str(bin_dir / "kube-proxy"),
             f"--config={base / 'kube-proxy.yaml'}",
+        ],
+        # the NetworkPolicy enforcer (mixrl.devcluster.netpol), with the bed's admin kubeconfig
+        f"netpol-{node.index}": [
+            *inside,
+            sys.executable,
+            "-m",
+            "mixrl.devcluster.netpol",
+            str(bed / "kubeconfig"),
+            node.name,
         ],
     }
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT
-from tests.cluster.conftest import Bed
+from mixrl.devcluster import images, netpol, network
+from tests.cluster.conftest import Bed, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "rlrun-cluster-cpu.yaml"
@@ -94,3 +97,61 @@ def describe(bed: Bed, namespace: str) -> str:
     listing = bed.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
     events = bed.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout
     return f"{listing}\n{events[-3000:]}"
+
+
+def probe(name: str, targets: list[str], labels: dict[str, str]) -> dict:
+    """A busybox pod that, once released (:func:`probed` creates ``/tmp/go``), sends an HTTP GET to
+    each ``host:port`` and prints ``host:port open`` (an HTTP answer, whatever its status) or
+    ``host:port blocked``."""
+    each = ("until [ -e /tmp/go ]; do sleep 0.2; done; "
+            f"for t in {' '.join(targets)}; do if printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | "
+            "nc -w 3 ${t%:*} ${t#*:} 2>/dev/null | grep -q '^HTTP/1'; then echo \"$t open\"; "
+            "else echo \"$t blocked\"; fi; done")  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": labels},
+        "spec": {
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": images.SHELL_IMAGE, "command": ["sh", "-c", each]}],
+        },
+    }
+
+
+def enforced_rules() -> str:
+    """The bed's NetworkPolicy rules as nftables lists them in the (one) real node."""
+    (address,) = network.node_addresses(1)
+    table = [*address.enter(), "nft", "list", "table", "inet", netpol.TABLE]
+    return subprocess.run(table, capture_output=True, text=True).stdout
+
+
+def mentions(rules: str, ip: str) -> int:
+    """How often ``rules`` name the address ``ip`` (not as the prefix of a longer one)."""
+    return len(re.findall(rf"(?<![\d.]){re.escape(ip)}(?![\d./])", rules))
+
+
+def probed(
+    bed: Bed, probes: dict[tuple[str, str], dict], enforced: Callable[[dict[tuple[str, str], str], str], bool],
+    timeout: float = 90,
+) -> dict[tuple[str, str], list[str]]:  # fmt: skip
+    """Start every (namespace, name) probe pod; once each has its address and ``enforced(addresses,
+    rules)`` says the enforcer's rules cover them (it polls the API server every second, and the
+    kubelet reports a pod's address a moment after the pod starts), release them all; return each
+    one's lines."""
+    for (namespace, _), spec in probes.items():
+        bed.apply(spec, namespace=namespace)
+    ips: dict[tuple[str, str], str] = {}
+    for namespace, name in probes:
+        ips[(namespace, name)] = wait_for(lambda ns=namespace, n=name: bed.get("pod", n, "-n", ns).get("status", {}).get("podIP"),
+                                          timeout=timeout, what=f"probe {namespace}/{name}'s address")  # fmt: skip
+    wait_for(lambda: enforced(ips, enforced_rules()), timeout=30, what="the enforcer's rules for the probes")
+    for namespace, name in probes:
+        bed.kubectl("wait", "-n", namespace, "--for=condition=Ready", f"pod/{name}", "--timeout=60s")
+        bed.kubectl("exec", "-n", namespace, name, "--", "touch", "/tmp/go")
+    seen = {}
+    for namespace, name in probes:
+        wait_for(lambda ns=namespace, n=name: bed.get("pod", n, "-n", ns).get("status", {}).get("phase") == "Succeeded",
+                 timeout=timeout, what=f"probe {namespace}/{name} to finish")  # fmt: skip
+        seen[(namespace, name)] = bed.kubectl("logs", "-n", namespace, name).stdout.splitlines()
+    return seen

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from mixrl.devcluster import images, network, node
 from mixrl.devcluster.cluster import ClusterError
 from tests.cluster.conftest import Bed, wait_for
+from tests.cluster.real_run import probe, probed
 
 SHELL = images.SHELL_IMAGE
 
@@ -118,6 +120,66 @@ def test_nothing_leaves_the_machine(real_bed: Bed) -> None:
         ["nft", "list", "table", "inet", network.NFT_TABLE], capture_output=True, text=True
     )
     assert rules.returncode == 0 and "drop" in rules.stdout
+
+
+def test_network_policies_are_enforced(real_bed: Bed) -> None:
+    """The bed's enforcer (mixrl.devcluster.netpol): a policy on ``web`` lets only ``friend`` pods
+    of its namespace in, on the named port ``http``, by pod IP (bridged) and through the Service
+    (routed by kube-proxy); another port, another pod and the same labels in another namespace are
+    refused, while a pod no policy selects stays open to all; an egress policy cuts a pod off; the
+    bed's host still reaches the isolated pod."""
+    ns, other = namespace(real_bed), namespace(real_bed)
+    serve = ("mkdir -p /tmp/www && echo served-by-web > /tmp/www/index.html && httpd -p 9090 -h /tmp/www && "
+             "httpd -f -p 8080 -h /tmp/www")  # fmt: skip
+    server = pod("web", serve, restartPolicy="Always")
+    server["spec"]["containers"][0]["ports"] = [{"name": "http", "containerPort": 8080}]
+    server["spec"]["containers"][0]["readinessProbe"] = {"tcpSocket": {"port": 8080}, "periodSeconds": 1}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+               "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]}}  # fmt: skip
+    policies = [
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "web-in"},
+         "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress"],
+                  "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "friend"}}}],
+                               "ports": [{"port": "http", "protocol": "TCP"}]}]}},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "quiet-out"},
+         "spec": {"podSelector": {"matchLabels": {"app": "quiet"}}, "policyTypes": ["Egress"], "egress": []}},
+    ]  # fmt: skip
+    plain = pod("plain", serve.replace("web", "plain"), restartPolicy="Always")  # no policy selects it
+    plain["spec"]["containers"][0]["readinessProbe"] = {"tcpSocket": {"port": 8080}, "periodSeconds": 1}
+    for obj in (server, plain, service, *policies):
+        real_bed.apply(obj, namespace=ns)
+    for name in ("web", "plain"):
+        real_bed.kubectl("wait", "-n", ns, "--for=condition=Ready", f"pod/{name}", "--timeout=60s")
+    ip, open_ip = (real_bed.get("pod", name, "-n", ns)["status"]["podIP"] for name in ("web", "plain"))
+    probes = {
+        (ns, "friend"): probe("friend", [f"{ip}:8080", f"{ip}:9090", f"web.{ns}.svc.cluster.local:80"], {"app": "friend"}),
+        (ns, "stranger"): probe("stranger", [f"{ip}:8080", f"web.{ns}.svc.cluster.local:80", f"{open_ip}:8080"],
+                                {"app": "stranger"}),
+        (other, "friend"): probe("friend", [f"{ip}:8080", f"web.{ns}.svc.cluster.local:80"], {"app": "friend"}),
+        (ns, "quiet"): probe("quiet", [f"{open_ip}:8080"], {"app": "quiet"}),
+    }  # fmt: skip
+    expected = {
+        (ns, "friend"): [f"{ip}:8080 open", f"{ip}:9090 blocked", f"web.{ns}.svc.cluster.local:80 open"],
+        (ns, "stranger"): [
+            f"{ip}:8080 blocked",
+            f"web.{ns}.svc.cluster.local:80 blocked",
+            f"{open_ip}:8080 open",
+        ],
+        (other, "friend"): [f"{ip}:8080 blocked", f"web.{ns}.svc.cluster.local:80 blocked"],
+        (ns, "quiet"): [f"{open_ip}:8080 blocked"],
+    }
+
+    def enforced(ips: dict[tuple[str, str], str], rules: str) -> bool:
+        # web's chain allows this namespace's friend, and quiet has its egress chain
+        return (
+            f"ingress of {ns}/web" in rules
+            and ips[(ns, "friend")] in rules
+            and f"egress of {ns}/quiet" in rules
+        )
+
+    assert probed(real_bed, probes, enforced) == expected
+    with urllib.request.urlopen(f"http://{ip}:9090/index.html", timeout=5) as answer:  # the host: exempt
+        assert answer.read().strip() == b"served-by-web"
 
 
 def test_claims_bind_to_volumes_the_pods_write(real_bed: Bed) -> None:

@@ -15,9 +15,23 @@ import time
 
 import pytest
 
+from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, ROUTER_PORT
+from mixrl.operator.build.labels import selector_labels
 from mixrl.rl.engine.weight_sync import POLL_S
 from tests.cluster.conftest import Bed, wait_for
-from tests.cluster.real_run import EXAMPLE, RUN, buffer_stats, describe, evaluations, pods, weight_version
+from tests.cluster.real_run import (
+    EXAMPLE,
+    RUN,
+    buffer_stats,
+    describe,
+    evaluations,
+    mentions,
+    pod_ip,
+    pods,
+    probe,
+    probed,
+    weight_version,
+)
 
 NAMESPACE = "rl"
 
@@ -113,6 +127,32 @@ def test_kubectl_apply_trains_in_the_cluster(trained: Bed) -> None:
     assert stats["committed_step"] >= 10, stats
     for component in ("trainer", "buffer", "router", "rollout"):
         assert pods(trained, NAMESPACE, f"app.kubernetes.io/component={component}"), component
+
+
+def test_other_pods_cannot_reach_the_runs_apis(trained: Bed) -> None:
+    """The run's NetworkPolicies, enforced by the bed (mixrl.devcluster.netpol): a pod of another
+    namespace, and one of the run's namespace that is none of its components, reach neither the
+    buffer, the router nor an engine, by pod IP or through the router's Service; a pod labelled as
+    the run's rollout worker reaches the buffer and the router (and, like the worker, no engine:
+    only the router may); the run itself trains through them (the tests above)."""
+    ip = {c: pod_ip(trained, NAMESPACE, c) for c in ("buffer", "router")}
+    (engine, *_) = pods(trained, NAMESPACE, "app.kubernetes.io/component=sampler")
+    targets = [f"{ip['buffer']}:{BUFFER_PORT}", f"{ip['router']}:{ROUTER_PORT}",
+               f"{engine['status']['podIP']}:{ENGINE_PORT}", f"{RUN}-router.{NAMESPACE}.svc.cluster.local:{ROUTER_PORT}"]  # fmt: skip
+    trained.kubectl("create", "namespace", "intruder")
+    rollout_labels = selector_labels(RUN, "rollout")
+    probes = {
+        ("intruder", "outsider"): probe("outsider", targets, rollout_labels),
+        (NAMESPACE, "bystander"): probe("bystander", targets, {"app": "bystander"}),
+        (NAMESPACE, "lookalike"): probe("lookalike", targets, rollout_labels),
+    }
+    # released once the lookalike is among the buffer's and the router's allowed callers
+    seen = probed(trained, probes, lambda ips, rules: mentions(rules, ips[(NAMESPACE, "lookalike")]) >= 2)
+    blocked = [f"{target} blocked" for target in targets]
+    assert seen[("intruder", "outsider")] == blocked, seen
+    assert seen[(NAMESPACE, "bystander")] == blocked, seen
+    assert seen[(NAMESPACE, "lookalike")] == [f"{targets[0]} open", f"{targets[1]} open", blocked[2],
+                                              f"{targets[3]} open"], seen  # fmt: skip
 
 
 def test_kubectl_get_rlr_shows_the_trainers_figures_from_prometheus(trained: Bed) -> None:

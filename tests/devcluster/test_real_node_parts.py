@@ -72,7 +72,7 @@ def test_network_plan_stays_on_the_beds_interfaces() -> None:
 def test_node_commands_run_inside_the_node_namespace(tmp_path: Path) -> None:
     (address,) = network.node_addresses(1)
     commands = node.node_commands(Path("/k8s"), tmp_path, address)
-    assert list(commands) == ["containerd-0", "kubelet-0", "kube-proxy-0"]
+    assert list(commands) == ["containerd-0", "kubelet-0", "kube-proxy-0", "netpol-0"]
     for command in commands.values():
         assert command[:3] == ["nsenter", "--net=/run/netns/mixrl-node-0", "--"]
     kubelet = " ".join(commands["kubelet-0"])
