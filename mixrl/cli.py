@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("mixrl.rl.rollout.worker", "agent loops producing trajectories"),
     "evaluate": ("mixrl.rl.rollout.evaluator", "held-out pass@k on a BF16 engine, exactly the version named"),
     "buffer": ("mixrl.rl.buffer", "trajectory buffer service"),
-    "trainer": ("mixrl.rl.trainer.main", "policy trainer (torch backend)"),
+    "trainer": ("mixrl.rl.trainer.main", "policy trainer (torch FSDP2 or Megatron backend)"),
     "prepare-model": (
         "mixrl.rl.prepare",
         "build a tiny: model as mixrl run does (a trainer pod's init container)",
@@ -30,7 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sandbox-exec": ("mixrl.rl.sandbox.executor", "inside a sandbox pod: run one command per HTTP request"),
     "engine-sync": ("mixrl.rl.engine.weight_sync", "sidecar: load each new weight version into one engine"),
     "simulate": ("mixrl.operator.autoscaling.simulate", "fleet simulator for autoscaling policies"),
-    "dev-cluster": ("mixrl.devcluster.cli", "a real Kubernetes control plane with a simulated GPU fleet"),
+    "dev-cluster": (
+        "mixrl.devcluster.cli",
+        "a real Kubernetes control plane with a simulated GPU fleet (and real CPU nodes)",
+    ),
 }
 
 

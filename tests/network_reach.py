@@ -1,5 +1,6 @@
-"""Kubernetes' NetworkPolicy ingress rules, evaluated on pods' labels and named ports (for tests:
-no network plugin enforces policies on this machine)."""
+"""Kubernetes' NetworkPolicy ingress rules, evaluated on pods' labels and named ports: for the
+operator's tests, which build objects but run no pods (the real node's tests, tests/cluster,
+have the bed's enforcer, mixrl.devcluster.netpol, enforce them on real packets)."""
 
 from __future__ import annotations
 

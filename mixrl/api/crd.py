@@ -29,6 +29,7 @@ from mixrl.api.models import (
     SamplerPoolStatus,
 )
 from mixrl.api.rules import GpuTable
+from mixrl.api.text import plain_text
 
 CATEGORY = "mixrl"
 Schema = dict[str, Any]
@@ -82,7 +83,7 @@ def _structural(node: Schema, name: str = "", table: GpuTable = GPU_TABLE) -> Sc
     """One pydantic JSON-Schema node -> one structural OpenAPI v3.0 node."""
     node = dict(node)
     model = _models().get(node.pop(MODEL_MARK, ""))
-    description = node.pop("description", "")
+    description = plain_text(node.pop("description", ""))
     default = node.pop("default", None)
     node.pop("title", None)
     if "properties" in node:
@@ -244,7 +245,7 @@ def _crd(
 
 
 def _column(name: str, kind: str, path: str, description: str, priority: int = 0) -> dict[str, Any]:
-    column = {"name": name, "type": kind, "jsonPath": path, "description": description}
+    column = {"name": name, "type": kind, "jsonPath": path, "description": plain_text(description)}
     if priority:
         column["priority"] = priority
     return column

@@ -7,10 +7,11 @@ import sys
 from pathlib import Path
 
 from mixrl.api.crd import crd_files
+from mixrl.api.text import plain_text
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mixrl crds", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mixrl crds", description=plain_text(__doc__))
     parser.add_argument("--out", default="crds", help="directory for the CRD files (default: crds)")
     parser.add_argument("--check", action="store_true", help="exit 1 if the files differ from the models")
     args = parser.parse_args(argv)

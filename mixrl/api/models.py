@@ -372,7 +372,8 @@ class SamplerPoolTemplate(Model):
     engine_args: list[Annotated[str, Field(max_length=4096)]] = Field(default_factory=list, max_length=256)
     """Extra command-line arguments passed to the engine."""
     image: Image | None = None
-    """Container image; defaults to the official SGLang image (with mixrl) or mixrl's torch engine."""
+    """Container image; defaults to the stock SGLang image (engine sglang; mixrl's weight-sync
+    sidecar runs beside it from mixrl's components image) or mixrl's torch engine image."""
     scheduling: Scheduling = Field(default_factory=Scheduling)
     """Node selection and tolerations beyond the GPU-table defaults."""
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from mixrl.api.errors import InvalidSpec, Problem
 from mixrl.api.loader import ManifestUnreadable, parse_document, read_documents
 from mixrl.api.models import RLRun
+from mixrl.api.text import plain_text
 
 RunCheck = Callable[[RLRun], list[str]]
 """More checks of a valid RLRun that need more than the api (one line per problem): the ``mixrl``
@@ -44,7 +45,7 @@ def _lines(label: str, problems: list[Problem]) -> list[str]:
 
 
 def main(argv: list[str], run_check: RunCheck | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mixrl validate", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mixrl validate", description=plain_text(__doc__))
     parser.add_argument("paths", nargs="+", metavar="FILE", help="RLRun YAML files or directories of them")
     parser.add_argument("-q", "--quiet", action="store_true", help="print problems only")
     if run_check is not None:

@@ -16,12 +16,15 @@ import json
 import sys
 from pathlib import Path
 
+from mixrl.api.text import plain_text
 from mixrl.devcluster.cluster import Cluster, ClusterError, default_dir
 from mixrl.devcluster.fleet import DEFAULT_FLEET, describe, parse_fleet
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="mixrl dev-cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="mixrl dev-cluster", description=plain_text(__doc__).split("\n\n")[0]
+    )
     parser.add_argument("--dir", type=Path, default=None, help=f"run directory (default {default_dir()})")
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="start the control plane and the simulated fleet")

@@ -46,6 +46,7 @@ import yaml
 
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import ManifestUnreadable, load_rlrun, parse_document
+from mixrl.api.text import plain_text
 from mixrl.local.report import mapping, number, pool_shares, step_records
 from mixrl.rl.health.collapse import assess
 
@@ -375,7 +376,7 @@ def _names(raw: str, known: Sequence[str], flag: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mixrl ablate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mixrl ablate", description=plain_text(__doc__).split("\n\n")[0])
     parser.add_argument("file", type=Path, help="the RLRun the study varies")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument(

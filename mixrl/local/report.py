@@ -15,6 +15,7 @@ from typing import Any
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
 from mixrl.api.models import CollapseSpec
+from mixrl.api.text import plain_text
 from mixrl.rl.health.collapse import assess, report_lines
 
 PANELS: list[tuple[str, str, str]] = [
@@ -335,7 +336,7 @@ def fetch_from_buffer(url: str, run_dir: Path, timeout_s: float = 60.0) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mixrl report", description=__doc__)
+    parser = argparse.ArgumentParser(prog="mixrl report", description=plain_text(__doc__))
     parser.add_argument("run_dir", help="a run directory (runs/<name>); with --buffer, where to write")
     parser.add_argument(
         "--buffer",

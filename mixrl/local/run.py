@@ -38,6 +38,7 @@ from mixrl.api.launch import (
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
 from mixrl.api.models import CollapseSpec
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
+from mixrl.api.text import plain_text
 from mixrl.local.processes import MIXRL, Process, ProcessStartError, wait_healthy
 from mixrl.local.report import step_records, write_report
 from mixrl.rl.auth import AuthToken, write_token_file
@@ -261,7 +262,9 @@ def evaluations_to_run_dir(run_dir: Path) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="mixrl run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="mixrl run",
+        description=plain_text(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("file", help="RLRun YAML")
     parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<name>)")

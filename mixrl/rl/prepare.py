@@ -36,6 +36,7 @@ from transformers.utils import logging as hf_logging
 from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun, SamplingParams
+from mixrl.api.text import plain_text
 from mixrl.rl.environments.filetree import Difficulty
 from mixrl.rl.environments.registry import load_environment
 from mixrl.rl.models import create_tiny_checkpoint, load_model
@@ -176,7 +177,9 @@ def point_at(link: Path, target: Path) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="mixrl prepare-model", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="mixrl prepare-model",
+        description=plain_text(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import Any
 
 import pytest
 
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
-from mixrl.operator.autoscaling.gpu_check import wrong_gpu_value
+from mixrl.operator.autoscaling.gpu_check import product_label, wrong_gpu_value
 from mixrl.operator.autoscaling.loop import PoolMemory, load_of, plan_pool
 from mixrl.operator.autoscaling.pool_api import MetricsUnavailable, Observation
-from mixrl.rl.gpu_identity import gpu_identity, product_label
 
 RUN = resolve(load_rlrun("examples/rlrun-mixed.yaml"))  # targetPerReplica 16; h100-fp8 capacity 1.5
 
@@ -137,45 +134,3 @@ def test_wrong_gpu_value(reported: set[str], allowed: tuple[str, ...], expected:
 def test_product_label_matches_gpu_feature_discovery() -> None:
     assert product_label("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
     assert product_label(" NVIDIA  B200 ") == "NVIDIA-B200"
-
-
-def test_gpu_identity_is_none_without_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails, as on a machine without it
-    assert gpu_identity() is None
-
-
-def test_gpu_identity_reads_nvml(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stand-in for nvidia-ml-py's module (no GPU here): the calls and fields we rely on."""
-
-    class NVMLError(Exception):
-        pass
-
-    calls: list[str] = []
-    fake = types.SimpleNamespace(
-        NVMLError=NVMLError,
-        nvmlInit=lambda: calls.append("init"),
-        nvmlShutdown=lambda: calls.append("shutdown"),
-        nvmlDeviceGetCount=lambda: 2,
-        nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
-        nvmlDeviceGetName=lambda h: b"NVIDIA H200",
-        nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
-        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=143771 * 1024 * 1024),
-        nvmlSystemGetDriverVersion=lambda: "570.86",
-    )
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    identity = gpu_identity(1)
-    assert identity is not None
-    assert (identity.product, identity.uuid, identity.memory_mib, identity.count) == (
-        "NVIDIA-H200",
-        "GPU-h1",
-        143771,
-        2,
-    )
-    assert calls == ["init", "shutdown"]
-    assert gpu_identity(2) is None  # only two GPUs
-
-    def no_driver() -> None:
-        raise NVMLError("driver not loaded")
-
-    monkeypatch.setattr(fake, "nvmlInit", no_driver)
-    assert gpu_identity() is None

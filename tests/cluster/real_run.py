@@ -101,12 +101,12 @@ def describe(bed: Bed, namespace: str) -> str:
 
 def probe(name: str, targets: list[str], labels: dict[str, str]) -> dict:
     """A busybox pod that, once released (:func:`probed` creates ``/tmp/go``), sends an HTTP GET to
-    each ``host:port`` and prints ``host:port open`` (an HTTP answer, whatever its status) or
-    ``host:port blocked``."""
+    each ``host:port`` and prints ``host:port open`` (connected: the server's answer, whatever it
+    is, or none) or ``host:port blocked (what nc said: timed out, refused)``."""
     each = ("until [ -e /tmp/go ]; do sleep 0.2; done; "
-            f"for t in {' '.join(targets)}; do if printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | "
-            "nc -w 3 ${t%:*} ${t#*:} 2>/dev/null | grep -q '^HTTP/1'; then echo \"$t open\"; "
-            "else echo \"$t blocked\"; fi; done")  # fmt: skip
+            f"for t in {' '.join(targets)}; do "
+            "out=$(printf 'GET /index.html HTTP/1.0\\r\\n\\r\\n' | nc -w 3 ${t%:*} ${t#*:} 2>&1 | head -n 1); "
+            "case $out in 'nc: '*) echo \"$t blocked ($out)\";; *) echo \"$t open\";; esac; done")  # fmt: skip
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -138,7 +138,7 @@ def probed(
     """Start every (namespace, name) probe pod; once each has its address and ``enforced(addresses,
     rules)`` says the enforcer's rules cover them (it polls the API server every second, and the
     kubelet reports a pod's address a moment after the pod starts), release them all; return each
-    one's lines."""
+    one's lines, ``host:port open|blocked`` (what nc said when blocked is printed)."""
     for (namespace, _), spec in probes.items():
         bed.apply(spec, namespace=namespace)
     ips: dict[tuple[str, str], str] = {}
@@ -154,4 +154,5 @@ def probed(
         wait_for(lambda ns=namespace, n=name: bed.get("pod", n, "-n", ns).get("status", {}).get("phase") == "Succeeded",
                  timeout=timeout, what=f"probe {namespace}/{name} to finish")  # fmt: skip
         seen[(namespace, name)] = bed.kubectl("logs", "-n", namespace, name).stdout.splitlines()
-    return seen
+    print(f"probes: {seen}")
+    return {key: [line.split(" (", 1)[0] for line in lines] for key, lines in seen.items()}

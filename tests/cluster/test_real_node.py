@@ -141,6 +141,8 @@ def test_network_policies_are_enforced(real_bed: Bed) -> None:
          "spec": {"podSelector": {"matchLabels": {"app": "web"}}, "policyTypes": ["Ingress"],
                   "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "friend"}}}],
                                "ports": [{"port": "http", "protocol": "TCP"}]}]}},
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "guarded-in"},
+         "spec": {"podSelector": {"matchLabels": {"app": "guarded"}}, "policyTypes": ["Ingress"], "ingress": []}},
         {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "quiet-out"},
          "spec": {"podSelector": {"matchLabels": {"app": "quiet"}}, "policyTypes": ["Egress"], "egress": []}},
     ]  # fmt: skip
@@ -157,6 +159,7 @@ def test_network_policies_are_enforced(real_bed: Bed) -> None:
                                 {"app": "stranger"}),
         (other, "friend"): probe("friend", [f"{ip}:8080", f"web.{ns}.svc.cluster.local:80"], {"app": "friend"}),
         (ns, "quiet"): probe("quiet", [f"{open_ip}:8080"], {"app": "quiet"}),
+        (ns, "guarded"): probe("guarded", [f"{open_ip}:8080", f"web.{ns}.svc.cluster.local:80"], {"app": "guarded"}),
     }  # fmt: skip
     expected = {
         (ns, "friend"): [f"{ip}:8080 open", f"{ip}:9090 blocked", f"web.{ns}.svc.cluster.local:80 open"],
@@ -167,6 +170,8 @@ def test_network_policies_are_enforced(real_bed: Bed) -> None:
         ],
         (other, "friend"): [f"{ip}:8080 blocked", f"web.{ns}.svc.cluster.local:80 blocked"],
         (ns, "quiet"): [f"{open_ip}:8080 blocked"],
+        # a pod that takes no connection still opens its own (the replies pass)
+        (ns, "guarded"): [f"{open_ip}:8080 open", f"web.{ns}.svc.cluster.local:80 blocked"],
     }
 
     def enforced(ips: dict[tuple[str, str], str], rules: str) -> bool:

@@ -132,13 +132,19 @@ def test_kubectl_apply_trains_in_the_cluster(trained: Bed) -> None:
 def test_other_pods_cannot_reach_the_runs_apis(trained: Bed) -> None:
     """The run's NetworkPolicies, enforced by the bed (mixrl.devcluster.netpol): a pod of another
     namespace, and one of the run's namespace that is none of its components, reach neither the
-    buffer, the router nor an engine, by pod IP or through the router's Service; a pod labelled as
+    buffer, the router nor an engine, by pod IP or through the router's Service (by name and by
+    cluster IP); a pod labelled as
     the run's rollout worker reaches the buffer and the router (and, like the worker, no engine:
     only the router may); the run itself trains through them (the tests above)."""
     ip = {c: pod_ip(trained, NAMESPACE, c) for c in ("buffer", "router")}
     (engine, *_) = pods(trained, NAMESPACE, "app.kubernetes.io/component=sampler")
-    targets = [f"{ip['buffer']}:{BUFFER_PORT}", f"{ip['router']}:{ROUTER_PORT}",
-               f"{engine['status']['podIP']}:{ENGINE_PORT}", f"{RUN}-router.{NAMESPACE}.svc.cluster.local:{ROUTER_PORT}"]  # fmt: skip
+    targets = [
+        f"{ip['buffer']}:{BUFFER_PORT}",
+        f"{ip['router']}:{ROUTER_PORT}",
+        f"{engine['status']['podIP']}:{ENGINE_PORT}",
+        f"{RUN}-router.{NAMESPACE}.svc.cluster.local:{ROUTER_PORT}",
+        trained.get("svc", f"{RUN}-router", "-n", NAMESPACE)["spec"]["clusterIP"] + f":{ROUTER_PORT}",
+    ]
     trained.kubectl("create", "namespace", "intruder")
     rollout_labels = selector_labels(RUN, "rollout")
     probes = {
@@ -147,12 +153,16 @@ def test_other_pods_cannot_reach_the_runs_apis(trained: Bed) -> None:
         (NAMESPACE, "lookalike"): probe("lookalike", targets, rollout_labels),
     }
     # released once the lookalike is among the buffer's and the router's allowed callers
-    seen = probed(trained, probes, lambda ips, rules: mentions(rules, ips[(NAMESPACE, "lookalike")]) >= 2)
+    try:
+        seen = probed(trained, probes, lambda ips, rules: mentions(rules, ips[(NAMESPACE, "lookalike")]) >= 2)
+    finally:  # the run's namespace keeps only the run's pods (the last test waits for all to go)
+        trained.kubectl("delete", "pod", "-n", NAMESPACE, "bystander", "lookalike", "--wait=false")
+        trained.kubectl("delete", "namespace", "intruder", "--wait=false")
     blocked = [f"{target} blocked" for target in targets]
     assert seen[("intruder", "outsider")] == blocked, seen
     assert seen[(NAMESPACE, "bystander")] == blocked, seen
     assert seen[(NAMESPACE, "lookalike")] == [f"{targets[0]} open", f"{targets[1]} open", blocked[2],
-                                              f"{targets[3]} open"], seen  # fmt: skip
+                                              f"{targets[3]} open", f"{targets[4]} open"], seen  # fmt: skip
 
 
 def test_kubectl_get_rlr_shows_the_trainers_figures_from_prometheus(trained: Bed) -> None:

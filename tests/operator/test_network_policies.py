@@ -4,7 +4,7 @@ the running operator (the earlier operator's policies are deleted, only the run'
 
 Stand-in: the API server (kmock's emulator, see conftest.py); no network plugin enforces anything
 here, so ``tests/network_reach.py`` evaluates the policies as the plugins do.  tests/cluster/ checks that the
-real API server accepts them.
+real API server accepts them and the real node enforces them (test_real_run.py).
 """
 
 from __future__ import annotations

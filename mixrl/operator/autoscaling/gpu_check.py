@@ -1,9 +1,8 @@
 """Is a pool running on the GPUs its spec asked for?  A pure check over the reported products.
 
-The reports come from what the GPUs say about themselves — DCGM exporter's ``modelName`` label
-(queried per pool through Prometheus) or the engines' own NVML reading
-(:func:`mixrl.rl.gpu_identity.gpu_identity`) — never from node labels, which are what could be
-wrong.  The condition ``WrongGpuType`` is True when any reported product is outside the pool's
+The reports come from what the GPUs say about themselves — DCGM exporter's ``modelName`` label,
+queried per pool through Prometheus — never from node labels, which are what could be wrong.
+The condition ``WrongGpuType`` is True when any reported product is outside the pool's
 ``nvidia.com/gpu.product`` list (the GPU table's, or the spec's override).  A GPU reports its own
 name, never GPU Feature Discovery's ``-SHARED`` suffix for time-sliced nodes, so an allowed
 ``…-SHARED`` product counts as the GPU it names.
@@ -11,12 +10,20 @@ name, never GPU Feature Discovery's ``-SHARED`` suffix for time-sliced nodes, so
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.operator.kube.conditions import make_condition
-from mixrl.rl.gpu_identity import product_label
+
+
+def product_label(name: str) -> str:
+    """NVML's or DCGM's ``modelName`` (``NVIDIA H100 80GB HBM3``) → GPU Feature Discovery's
+    ``nvidia.com/gpu.product`` spelling (``NVIDIA-H100-80GB-HBM3``): spaces become dashes, as GFD
+    does; the GPU table (``mixrl.api.gpus``) lists products in GFD's spelling."""
+    return re.sub(r"\s+", "-", name.strip())
+
 
 WRONG_GPU_TYPE = "WrongGpuType"
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mixrl.api.text import plain_text
 from mixrl.operator.autoscaling.fleet import FleetPool, SimResult, Strategy, Workload, simulate
 from mixrl.operator.autoscaling.policy import PolicyConfig
 
@@ -230,7 +231,7 @@ def run_strategies(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mixrl simulate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="mixrl simulate", description=plain_text(__doc__).split("\n\n")[0])
     parser.add_argument(
         "spec",
         nargs="?",

@@ -24,6 +24,7 @@ import yaml
 
 from mixrl.api.crd import rlrun_crd, samplerpool_crd
 from mixrl.api.models import GROUP
+from mixrl.api.text import plain_text
 from mixrl.operator.build.monitoring import collapse_rule_groups, dashboard
 from mixrl.operator.install.policy import admission_rules
 from mixrl.operator.kube.rbac import (
@@ -171,7 +172,7 @@ def stale_files(chart: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mixrl.operator.install.chart", description=__doc__.splitlines()[0]
+        prog="python -m mixrl.operator.install.chart", description=plain_text(__doc__).splitlines()[0]
     )
     parser.add_argument(
         "--chart", type=Path, default=DEFAULT_CHART, help="chart directory (default: charts/mixrl)"

@@ -33,6 +33,7 @@ import uuid
 from typing import Any
 
 from mixrl.api.evaluation import BF16_PROTOCOL, evaluated_steps, evaluation_steps
+from mixrl.api.text import plain_text
 from mixrl.api.trajectory import NO_VERSION, Trajectory
 from mixrl.rl.auth import add_auth_arguments
 from mixrl.rl.buffer.client import BufferClient, BufferError
@@ -215,7 +216,9 @@ async def serve(args: argparse.Namespace, loaded: Loaded) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mixrl evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="mixrl evaluate",
+        description=plain_text(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", required=True, help="resolved run JSON (written by mixrl run)")
     parser.add_argument("--engine", required=True, help="URL of the evaluator's own engine")

@@ -39,6 +39,7 @@ from mixrl.api.launch import SANDBOX_TEMPLATE_FILE
 from mixrl.api.loader import load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun, SamplingParams
+from mixrl.api.text import plain_text
 from mixrl.api.trajectory import Trajectory
 from mixrl.api.trajectory_check import TrajectoryLimits, trajectory_problem
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
@@ -481,7 +482,9 @@ async def _until(stopping: asyncio.Event, work: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mixrl rollout", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="mixrl rollout",
+        description=plain_text(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"

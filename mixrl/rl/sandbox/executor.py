@@ -32,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mixrl.api.text import plain_text
 from mixrl.rl.sandbox.files import check_path, write_tree
 from mixrl.rl.sandbox.limits import Limits, prlimit_args
 from mixrl.rl.sandbox.runner import FINISH_REASONS, TRUNCATED, SandboxResult, classify
@@ -287,7 +288,9 @@ def serve(host: str, port: int, work_dir: str) -> None:
 def main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="mixrl sandbox-exec", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="mixrl sandbox-exec", description=plain_text(__doc__).splitlines()[0]
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=int, default=8790)
     parser.add_argument("--work-dir", required=True, help="where each command's fresh directory is made")

@@ -55,6 +55,7 @@ from mixrl.api.evaluation import BF16_PROTOCOL, evaluated_steps, protected_versi
 from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun
+from mixrl.api.text import plain_text
 from mixrl.api.trajectory import Trajectory
 from mixrl.api.trajectory_check import TrajectoryLimits, group_problem, limits_of_run
 from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
@@ -407,7 +408,9 @@ def _step_of(line: bytes) -> int:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="mixrl trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="mixrl trainer",
+        description=plain_text(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"
