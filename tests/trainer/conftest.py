@@ -47,6 +47,7 @@ def synthetic_group(
 ) -> list[Trajectory]:
     """Trajectories of run ``run`` sampled from ``model`` itself (so the sampler is the trainer, up to ``noise``)."""
     rng = random.Random(seed)
+    sampler = torch.Generator().manual_seed(seed)  # the same tokens on every run and machine
     group = []
     for index in range(group_size):
         prompt = [rng.randrange(1, VOCAB) for _ in range(3)]
@@ -65,7 +66,9 @@ def synthetic_group(
                 order = torch.argsort(logprobs, descending=True)
                 k = top_k or 8
                 token = (
-                    int(order[rng.randrange(top_k)]) if top_k else int(torch.multinomial(logprobs.exp(), 1))
+                    int(order[rng.randrange(top_k)])
+                    if top_k
+                    else int(torch.multinomial(logprobs.exp(), 1, generator=sampler))
                 )
                 record = TokenRecord(
                     token_id=token,
