@@ -21,6 +21,7 @@ import ssl
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,21 +113,30 @@ def discovery_command(python: str, kubeconfig: Path, targets_file: Path) -> list
     return [python, "-m", "mixrl.devcluster.monitoring", str(kubeconfig), str(targets_file)]
 
 
+def bed_lister(kubeconfig: Path) -> Callable[[str], list[dict[str, Any]]]:
+    """``list(path)``: the items of a GET on the bed's API server with its admin kubeconfig (the
+    pod discovery here and the NetworkPolicy enforcer, mixrl.devcluster.netpol)."""
+    config = yaml.safe_load(kubeconfig.read_text())
+    cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
+    context = ssl.create_default_context(cafile=cluster["certificate-authority"])
+    headers = {"Authorization": f"Bearer {user['token']}"}
+
+    def items(path: str) -> list[dict[str, Any]]:
+        request = urllib.request.Request(f"{cluster['server']}{path}", headers=headers)
+        with urllib.request.urlopen(request, context=context, timeout=10) as answer:
+            return json.load(answer)["items"]
+
+    return items
+
+
 def main(argv: list[str]) -> int:
     """Every couple of seconds: the bed's pods, as Prometheus' target file (written atomically,
     only when it changed)."""
-    kubeconfig, targets_file = Path(argv[0]), Path(argv[1])
-    config = yaml.safe_load(kubeconfig.read_text())
-    server = config["clusters"][0]["cluster"]["server"]
-    context = ssl.create_default_context(cafile=config["clusters"][0]["cluster"]["certificate-authority"])
-    request = urllib.request.Request(
-        f"{server}/api/v1/pods", headers={"Authorization": f"Bearer {config['users'][0]['user']['token']}"}
-    )
+    items, targets_file = bed_lister(Path(argv[0])), Path(argv[1])
     written = None
     while True:
         try:
-            with urllib.request.urlopen(request, context=context, timeout=10) as answer:
-                text = json.dumps(scrape_targets(json.load(answer)["items"]), indent=1)
+            text = json.dumps(scrape_targets(items("/api/v1/pods")), indent=1)
         except (OSError, ValueError, KeyError) as exc:
             print(f"pod discovery: {exc}", file=sys.stderr, flush=True)
         else:

@@ -24,19 +24,15 @@ The rules are a pure function of the listed objects (:func:`ruleset`); :func:`ma
 
 from __future__ import annotations
 
-import json
-import ssl
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from mixrl.devcluster.monitoring import bed_lister
 from mixrl.devcluster.network import HOST_IP
 
 TABLE = "mixrl_netpol"
@@ -221,21 +217,6 @@ def ruleset(policies: list[Obj], pod_items: list[Obj], namespace_items: list[Obj
         + "".join(chains)
         + "}\n"
     )
-
-
-def bed_lister(kubeconfig: Path) -> Callable[[str], list[Obj]]:
-    """``list(path)``: the items of a GET on the bed's API server with its admin kubeconfig."""
-    config = yaml.safe_load(kubeconfig.read_text())
-    cluster, user = config["clusters"][0]["cluster"], config["users"][0]["user"]
-    context = ssl.create_default_context(cafile=cluster["certificate-authority"])
-    headers = {"Authorization": f"Bearer {user['token']}"}
-
-    def items(path: str) -> list[Obj]:
-        request = urllib.request.Request(f"{cluster['server']}{path}", headers=headers)
-        with urllib.request.urlopen(request, context=context, timeout=10) as answer:
-            return json.load(answer)["items"]
-
-    return items
 
 
 def main(argv: list[str]) -> int:
