@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field
 from pydantic.alias_generators import to_camel
 
 from mixrl.api import names, quantity, rules
-from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, PRECISION_CORES, default_gpus
+from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, default_gpus
 from mixrl.api.memory import memory_problem
 
 GROUP = "mixrl.dev"
@@ -163,6 +163,12 @@ class Model(BaseModel):
         allow_inf_nan=False,
     )
 
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> Self:
+        # every rule of mixrl.api.rules that names this model, as the CRDs' CEL checks it
+        rules.enforce(self, GPU_TABLE)
+        return self
+
     def to_yaml_dict(self) -> dict[str, Any]:
         """camelCase dict without unset optional fields, as a user would write it."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
@@ -196,13 +202,6 @@ class ModelSpec(Model):
     When set, validation refuses a pool or trainer whose GPUs cannot hold the weights, and the
     operator sizes the memory of the containers that load whole checkpoints from it."""
 
-    @field_validator("path")
-    @classmethod
-    def _local_path(cls, path: str) -> str:
-        if re.match(rules.URL_SCHEME, path):
-            raise ValueError(rules.MODEL_PATH_IS_LOCAL.message())
-        return path
-
 
 class Parallelism(Model):
     tp: Int = Field(default=1, ge=1, le=INT32_MAX)
@@ -226,13 +225,6 @@ class OptimizerSpec(Model):
     """Decoupled weight decay (at most 1, so that the decay factor 1 - lr * weightDecay stays in [0, 1])."""
     grad_clip: Float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; null disables clipping."""
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_unit_interval(cls, betas: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(rules.BETAS.message())
-        return betas
 
 
 class ResourceRequirements(Model):
@@ -283,24 +275,6 @@ class TrainerSpec(Model):
     def _known_gpu(cls, gpu_type: str) -> str:
         return _known_gpu_type(gpu_type)
 
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        if not GPU_TABLE[self.gpu_type].emulated and self.gpus_per_node < 1:
-            raise rules.TRAINER_NEEDS_GPUS.error(gpu_type=self.gpu_type)
-        world = self.nodes * max(self.gpus_per_node, 1)  # resolve()'s world size
-        p = self.parallelism
-        if world % (p.tp * p.pp * p.cp) != 0:
-            raise rules.PARALLELISM_DIVIDES.error(world=world, tp=p.tp, pp=p.pp, cp=p.cp)
-        if world % (p.tp * p.pp * p.ep) != 0:
-            raise rules.EXPERT_PARALLELISM_DIVIDES.error(world=world, tp=p.tp, pp=p.pp, ep=p.ep)
-        if self.backend == "megatron" and GPU_TABLE[self.gpu_type].emulated:
-            raise rules.MEGATRON_NEEDS_GPUS.error(gpu_type=self.gpu_type)
-        if self.backend == "megatron" and p.cp != 1:
-            raise rules.MEGATRON_NO_CONTEXT_PARALLEL.error()
-        if self.backend == "torch" and (p.tp, p.pp, p.ep, p.cp) != (1, 1, 1, 1):  # as its CEL twin
-            raise rules.TORCH_IS_DATA_PARALLEL.error()
-        return self
-
 
 def _known_gpu_type(gpu_type: str) -> str:
     if gpu_type not in GPU_TABLE:
@@ -320,14 +294,6 @@ class Toleration(Model):
     """Taint value (with ``Equal`` only)."""
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     """Taint effect; empty tolerates all effects."""
-
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        if self.operator == "Exists" and self.value:
-            raise rules.TOLERATION_EXISTS_NO_VALUE.error()
-        if self.operator == "Equal" and not self.key:
-            raise rules.TOLERATION_EQUAL_NEEDS_KEY.error()
-        return self
 
 
 class Scheduling(Model):
@@ -383,25 +349,9 @@ class SamplerPoolTemplate(Model):
         return _known_gpu_type(gpu_type)
 
     @model_validator(mode="after")
-    def _check(self) -> Self:
-        if self.name in RESERVED_POOL_NAMES:
-            raise rules.RESERVED_POOL_NAME.error(name=self.name)
-        if self.min_replicas > self.max_replicas:
-            raise rules.REPLICA_BOUNDS.error(min=self.min_replicas, max=self.max_replicas)
-        gpu = GPU_TABLE[self.gpu_type]
-        if not gpu.supports_weight_precision(self.weight_precision):
-            rule = rules.WEIGHTS_NEED[PRECISION_CORES[self.weight_precision]]
-            raise rule.error(precision=self.weight_precision, gpu_type=self.gpu_type)
-        kv = self.kv_cache_dtype or ("fp8" if self.weight_precision in LOW_PRECISIONS else "bf16")
-        if kv == "fp8" and not gpu.has_cores("FP8"):
-            rule = rules.FP8_KV_CACHE if self.kv_cache_dtype else rules.DEFAULT_FP8_KV_CACHE
-            raise rule.error(gpu_type=self.gpu_type)
-        if gpu.emulated and self.engine == "sglang":
-            raise rules.SGLANG_NEEDS_GPU.error(gpu_type=self.gpu_type)
+    def _default_gpus(self) -> Self:
         if self.gpus_per_replica is None:  # the CRD's rules read the same default (rules.DERIVED_DEFAULTS)
             self.gpus_per_replica = default_gpus(self.gpu_type)
-        if not gpu.emulated and self.gpus_per_replica < 1:
-            raise rules.POOL_NEEDS_GPUS.error(gpu_type=self.gpu_type)
         return self
 
     @property
@@ -421,13 +371,6 @@ class TopPSpec(Model):
     mask_replay: Bool = True
     """Replay the sampler's top-p set in the trainer (renormalize π on the same support)."""
 
-    @field_validator("k")
-    @classmethod
-    def _nonzero_k(cls, k: int) -> int:
-        if k == 0:
-            raise ValueError(rules.TOP_K.message())
-        return k
-
 
 class CorrectionsSpec(Model):
     mis: tuple[Float, Float] | None = (0.2, 5.0)
@@ -436,16 +379,6 @@ class CorrectionsSpec(Model):
     """Truncated importance sampling cap C (weight min(r, C)); null disables."""
     score_centering: Bool = True
     """Subtract E_{b~μ}[w(b) ∇log π(b)] from each token's score (score centering)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        if self.mis is not None:
-            lo, hi = self.mis
-            if not 0 < lo < 1 < hi:
-                raise rules.MIS_RANGE.error()
-        if self.mis is not None and self.tis is not None:
-            raise rules.MIS_OR_TIS.error()
-        return self
 
 
 class AdvantageSpec(Model):
@@ -607,13 +540,6 @@ class WeightsSpec(Model):
     nodes read: NFS, CephFS, EFS, Filestore, Azure Files…). Null: the operator's default (the chart's
     weights.storageClassName), else the cluster's default class."""
 
-    @field_validator("store")
-    @classmethod
-    def _store_is_a_path(cls, store: str) -> str:
-        if re.match(rules.URL_SCHEME, store) and not store.startswith("file://"):
-            raise ValueError(rules.STORE_IS_A_PATH.message())
-        return store
-
 
 class AutoscalingSpec(Model):
     engine: Literal["builtin", "keda", "none"] = "builtin"
@@ -683,15 +609,6 @@ class EvaluationSpec(Model):
     """Samples per held-out task (at least max(passK))."""
     tasks: Int | None = Field(default=None, gt=0, le=INT32_MAX)
     """Held-out tasks per evaluation; null = the whole held-out split."""
-
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        nonpositive = [k for k in self.pass_k if k <= 0]
-        if nonpositive:
-            raise rules.PASS_K_POSITIVE.error(k=nonpositive[0])
-        if self.pass_k and max(self.pass_k) > self.samples_per_task:
-            raise rules.SAMPLES_COVER_PASS_K.error(samples=self.samples_per_task, k=max(self.pass_k))
-        return self
 
 
 # ----------------------------------------------------------------------------- run health
@@ -790,23 +707,7 @@ class RLRunSpec(Model):
     """Run health: thresholds of the signs of collapse and what a raised sign does."""
 
     @model_validator(mode="after")
-    def _check(self) -> Self:
-        names = [pool.name for pool in self.sampler_pools]
-        # The first name (in list order) that is not unique, reported at its second occurrence; the
-        # CEL twin names the same pool.
-        duplicate = next((name for name in names if names.count(name) > 1), None)
-        if duplicate is not None:
-            index = names.index(duplicate, names.index(duplicate) + 1)
-            raise rules.UNIQUE_POOL_NAMES.error(at=f"samplerPools[{index}].name", name=duplicate)
-        budget = self.autoscaling.gpu_budget
-        need = sum(pool.min_replicas * pool.gpus_per_replica for pool in self.sampler_pools)
-        if budget is not None and need > budget:  # the autoscaler counts every pool alike
-            raise rules.GPU_BUDGET_COVERS_MINIMUMS.error(budget=budget, need=need)
-        if self.autoscaling.objective == "trainer" and self.autoscaling.engine != "builtin":
-            raise rules.TRAINER_OBJECTIVE_NEEDS_BUILTIN.error(engine=self.autoscaling.engine)
-        top_p = self.algorithm.top_p  # SGLang's sampling mask needs a finite top-k (SamplingRule.mask_limit)
-        if top_p.p < 1.0 and top_p.k == -1 and any(pool.engine == "sglang" for pool in self.sampler_pools):
-            raise rules.SGLANG_MASK_NEEDS_TOP_K.error()
+    def _weights_fit(self) -> Self:
         fit = memory_problem(self)  # mixrl.api.memory: do the weights fit the GPUs they land on?
         if fit is not None:
             raise field_error(*fit)
@@ -962,12 +863,6 @@ class RLRun(Model):
     status: RLRunStatus | None = None
     """Observed state, written by the operator or the local runtime."""
 
-    @model_validator(mode="after")
-    def _short_name(self) -> Self:
-        if len(self.metadata.name) > rules.MAX_RUN_NAME:
-            raise rules.RUN_NAME_LENGTH.error()
-        return self
-
 
 # ----------------------------------------------------------------------------- SamplerPool
 
@@ -998,12 +893,6 @@ class SamplerPoolSpec(Model):
     @classmethod
     def _known_gpu(cls, gpu_type: str) -> str:
         return _known_gpu_type(gpu_type)
-
-    @model_validator(mode="after")
-    def _check(self) -> Self:
-        if self.min_replicas > self.max_replicas:
-            raise rules.REPLICA_BOUNDS.error(min=self.min_replicas, max=self.max_replicas)
-        return self
 
 
 class ScaleDecision(Model):

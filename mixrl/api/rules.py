@@ -1,16 +1,19 @@
 """The cross-field rules of the RLRun API, each defined once for the two places that enforce it.
 
-``mixrl validate`` and the operator enforce them through the pydantic validators of
-:mod:`mixrl.api.models`; a Kubernetes API server enforces them at admission through the CEL
-``x-kubernetes-validations`` that :mod:`mixrl.api.crd` writes into the CRDs.  Both take the field,
-the message and the GPU facts from here, so ``kubectl apply`` refuses an invalid RLRun with the same
-one-line reason that ``mixrl validate`` prints.
+``mixrl validate`` and the operator enforce them through one pydantic validator (:func:`enforce`,
+run by :class:`mixrl.api.models.Model` for every model a rule names); a Kubernetes API server
+enforces them at admission through the CEL ``x-kubernetes-validations`` that :mod:`mixrl.api.crd`
+writes into the CRDs.  Both take the condition, the field, the message and the GPU facts from the
+same :class:`Rule`, so ``kubectl apply`` refuses an invalid RLRun with the same one-line reason that
+``mixrl validate`` prints (tests/api/test_cel_rules.py runs every rule's cases through both, and
+tests/cluster/test_admission.py through a real API server).
 
 A :class:`Rule` names the models (schema nodes) it applies to, the field it is reported on, its
 message template (Python formats it for pydantic; for CEL the same text becomes a
-``messageExpression`` whose ``{placeholders}`` are CEL expressions) and its CEL condition, true when
-the object is valid, built per model so that an absent field reads as that model's default, and
-from the GPU table passed in (the real one unless a test passes another).
+``messageExpression`` whose ``{placeholders}`` are CEL expressions) and its condition twice, side by
+side: ``holds`` in Python on the model instance, and ``condition`` in CEL, built per model so that an
+absent field reads as that model's default, and from the GPU table passed in (the real one unless a
+test passes another).
 
 How the API server's CEL sees a document, and what follows from it:
 
@@ -30,6 +33,8 @@ How the API server's CEL sees a document, and what follows from it:
 from __future__ import annotations
 
 import json
+import math
+import re
 import string
 import typing
 from collections.abc import Callable, Mapping
@@ -160,6 +165,10 @@ def _no_values(node: Node) -> dict[str, str]:
     return {}
 
 
+def _no_facts(model: Any, table: GpuTable) -> Mapping[str, Any]:
+    return {}
+
+
 @dataclass(frozen=True)
 class Rule:
     name: str
@@ -173,9 +182,15 @@ class Rule:
     reason: Reason
     condition: Callable[[Node], str | None]
     """CEL expression true for a valid object; None when this GPU table leaves nothing to refuse."""
+    holds: Callable[[Any, GpuTable], bool]
+    """The same condition in Python, on the model instance (pydantic's validator, :func:`enforce`)."""
     values: Callable[[Node], dict[str, str]] = _no_values
     """Placeholder -> CEL expression of type string (``string(...)`` around an int) giving the value
     the message names."""
+    facts: Callable[[Any, GpuTable], Mapping[str, Any]] = _no_facts
+    """Placeholder -> the value the message names, from the model instance (``values``' twin)."""
+    at: Callable[[Any], str] | None = None
+    """A more precise field than ``field`` to report the problem on (``samplerPools[3].name``)."""
     constants: Mapping[str, Any] = field(default_factory=dict)
     """Placeholders that are the same in every message."""
     unless: tuple[str, ...] = ()
@@ -229,6 +244,8 @@ RESERVED_POOL_NAME = Rule(
     "FieldValueForbidden",
     condition=lambda node: f"!(self.name in {cel_literal(sorted(RESERVED_POOL_NAMES))})",
     values=lambda node: {"name": "self.name"},
+    holds=lambda pool, table: pool.name not in RESERVED_POOL_NAMES,
+    facts=lambda pool, table: {"name": pool.name},
 )
 
 REPLICA_BOUNDS = Rule(
@@ -242,6 +259,8 @@ REPLICA_BOUNDS = Rule(
         "min": f"string({node.value('minReplicas')})",
         "max": f"string({node.value('maxReplicas')})",
     },
+    holds=lambda pool, table: pool.min_replicas <= pool.max_replicas,
+    facts=lambda pool, table: {"min": pool.min_replicas, "max": pool.max_replicas},
 )
 
 
@@ -262,7 +281,11 @@ def _weights_need(cores: str) -> Rule:
         WEIGHTS_NEED_CORES,
         "FieldValueForbidden",
         condition=condition,
+        holds=lambda pool, table: (
+            pool.weight_precision not in precisions or table[pool.gpu_type].has_cores(cores)
+        ),
         values=lambda node: {"precision": "self.weightPrecision", "gpu_type": "self.gpuType"},
+        facts=lambda pool, table: {"precision": pool.weight_precision, "gpu_type": pool.gpu_type},
         constants={"cores": cores},
     )
 
@@ -299,6 +322,8 @@ FP8_KV_CACHE = Rule(
     condition=_fp8_kv_cache_explicit,
     values=lambda node: {"gpu_type": "self.gpuType"},
     unless=tuple(rule.name for rule in WEIGHTS_NEED.values()),
+    holds=lambda pool, table: pool.kv_cache_dtype != "fp8" or table[pool.gpu_type].has_cores("FP8"),
+    facts=lambda pool, table: {"gpu_type": pool.gpu_type},
 )
 
 DEFAULT_FP8_KV_CACHE = Rule(
@@ -310,6 +335,12 @@ DEFAULT_FP8_KV_CACHE = Rule(
     condition=_fp8_kv_cache_default,
     values=lambda node: {"gpu_type": "self.gpuType"},
     unless=tuple(rule.name for rule in WEIGHTS_NEED.values()),
+    holds=lambda pool, table: (
+        pool.kv_cache_dtype is not None
+        or pool.weight_precision not in LOW_PRECISIONS
+        or table[pool.gpu_type].has_cores("FP8")
+    ),
+    facts=lambda pool, table: {"gpu_type": pool.gpu_type},
 )
 
 
@@ -328,6 +359,8 @@ SGLANG_NEEDS_GPU = Rule(
     "FieldValueForbidden",
     condition=_sglang_needs_gpu,
     values=lambda node: {"gpu_type": "self.gpuType"},
+    holds=lambda pool, table: pool.engine != "sglang" or not table[pool.gpu_type].emulated,
+    facts=lambda pool, table: {"gpu_type": pool.gpu_type},
 )
 
 POOL_NEEDS_GPUS = Rule(
@@ -340,6 +373,11 @@ POOL_NEEDS_GPUS = Rule(
         f"self.gpuType in {cel_literal(node.emulated_gpus())} || {node.value('gpusPerReplica')} >= 1"
     ),
     values=lambda node: {"gpu_type": "self.gpuType"},
+    # null gpusPerReplica is 1 on a GPU type (DERIVED_DEFAULTS)
+    holds=lambda pool, table: (
+        table[pool.gpu_type].emulated or pool.gpus_per_replica is None or pool.gpus_per_replica >= 1
+    ),
+    facts=lambda pool, table: {"gpu_type": pool.gpu_type},
 )
 
 
@@ -354,6 +392,7 @@ TOLERATION_EXISTS_NO_VALUE = Rule(
     "must be empty with operator Exists (use operator Equal to match a value)",
     "FieldValueInvalid",
     condition=_toleration_exists_no_value,
+    holds=lambda toleration, table: not toleration.value or toleration.operator != "Exists",
 )
 
 TOLERATION_EQUAL_NEEDS_KEY = Rule(
@@ -363,6 +402,7 @@ TOLERATION_EQUAL_NEEDS_KEY = Rule(
     "operator Equal needs a key (an empty key with operator Exists tolerates every taint)",
     "FieldValueInvalid",
     condition=lambda node: f'{node.value("operator")} != "Equal" || (has(self.key) && self.key != "")',
+    holds=lambda toleration, table: toleration.operator != "Equal" or bool(toleration.key),
 )
 
 # ----------------------------------------------------------------------------- trainer
@@ -379,6 +419,8 @@ TRAINER_NEEDS_GPUS = Rule(
         f"{node.value('gpuType')} in {cel_literal(node.emulated_gpus())} || {node.value('gpusPerNode')} >= 1"
     ),
     values=lambda node: {"gpu_type": node.value("gpuType")},
+    holds=lambda trainer, table: table[trainer.gpu_type].emulated or trainer.gpus_per_node >= 1,
+    facts=lambda trainer, table: {"gpu_type": trainer.gpu_type},
 )
 
 
@@ -404,6 +446,16 @@ def _parallel_values(node: Node) -> dict[str, str]:
     return {**values, "world": f"string({_world(node)})"}
 
 
+def _python_divides(trainer: Any, sizes: tuple[str, ...]) -> bool:
+    world = trainer.nodes * max(trainer.gpus_per_node, 1)  # resolve()'s world size
+    return world % math.prod(getattr(trainer.parallelism, size) for size in sizes) == 0
+
+
+def _parallel_facts(trainer: Any, table: GpuTable) -> dict[str, int]:
+    sizes = {size: getattr(trainer.parallelism, size) for size in ("tp", "pp", "cp", "ep")}
+    return {**sizes, "world": trainer.nodes * max(trainer.gpus_per_node, 1)}
+
+
 PARALLELISM_DIVIDES = Rule(
     "parallelism-divides-gpus",
     (TRAINER,),
@@ -413,6 +465,8 @@ PARALLELISM_DIVIDES = Rule(
     condition=lambda node: _divides(node, ("tp", "pp", "cp")),
     values=_parallel_values,
     unless=(TRAINER_NEEDS_GPUS.name,),
+    holds=lambda trainer, table: _python_divides(trainer, ("tp", "pp", "cp")),
+    facts=_parallel_facts,
 )
 
 EXPERT_PARALLELISM_DIVIDES = Rule(
@@ -426,6 +480,8 @@ EXPERT_PARALLELISM_DIVIDES = Rule(
     condition=lambda node: _divides(node, ("tp", "pp", "ep")),
     values=_parallel_values,
     unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name),
+    holds=lambda trainer, table: _python_divides(trainer, ("tp", "pp", "ep")),
+    facts=_parallel_facts,
 )
 
 MODEL_PATH_IS_LOCAL = Rule(
@@ -436,6 +492,7 @@ MODEL_PATH_IS_LOCAL = Rule(
     "it with transformers from local files and downloads nothing (no s3://, hf:// or https:// URLs)",
     "FieldValueInvalid",
     condition=lambda node: f"!{node.value('path')}.matches('{URL_SCHEME}')",
+    holds=lambda model, table: not re.match(URL_SCHEME, model.path),
 )
 
 STORE_IS_A_PATH = Rule(
@@ -447,6 +504,9 @@ STORE_IS_A_PATH = Rule(
     "FieldValueInvalid",
     condition=lambda node: (
         f"!{node.value('store')}.matches('{URL_SCHEME}') || {node.value('store')}.startsWith('file://')"
+    ),
+    holds=lambda weights, table: (
+        not re.match(URL_SCHEME, weights.store) or weights.store.startswith("file://")
     ),
 )
 
@@ -461,6 +521,8 @@ MEGATRON_NEEDS_GPUS = Rule(
     ),
     values=lambda node: {"gpu_type": node.value("gpuType")},
     unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name, EXPERT_PARALLELISM_DIVIDES.name),
+    holds=lambda trainer, table: trainer.backend != "megatron" or not table[trainer.gpu_type].emulated,
+    facts=lambda trainer, table: {"gpu_type": trainer.gpu_type},
 )
 
 MEGATRON_NO_CONTEXT_PARALLEL = Rule(
@@ -473,6 +535,7 @@ MEGATRON_NO_CONTEXT_PARALLEL = Rule(
         f"{node.value('backend')} != 'megatron' || {node.nested_value('parallelism', 'cp')} == 1"
     ),
     unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name, EXPERT_PARALLELISM_DIVIDES.name),
+    holds=lambda trainer, table: trainer.backend != "megatron" or trainer.parallelism.cp == 1,
 )
 
 TORCH_IS_DATA_PARALLEL = Rule(
@@ -488,6 +551,10 @@ TORCH_IS_DATA_PARALLEL = Rule(
         + ")"
     ),
     unless=(TRAINER_NEEDS_GPUS.name, PARALLELISM_DIVIDES.name, EXPERT_PARALLELISM_DIVIDES.name),
+    holds=lambda trainer, table: (
+        trainer.backend != "torch"
+        or all(getattr(trainer.parallelism, size) == 1 for size in ("tp", "pp", "ep", "cp"))
+    ),
 )
 
 # ----------------------------------------------------------------------------- algorithm
@@ -499,6 +566,7 @@ BETAS = Rule(
     "each beta must be in [0, 1)",
     "FieldValueInvalid",
     condition=lambda node: "!has(self.betas) || self.betas.all(b, 0.0 <= b && b < 1.0)",
+    holds=lambda optimizer, table: all(0.0 <= b < 1.0 for b in optimizer.betas),
 )
 
 TOP_K = Rule(
@@ -508,6 +576,7 @@ TOP_K = Rule(
     "k must be -1 (no cut) or positive",
     "FieldValueInvalid",
     condition=lambda node: "!has(self.k) || self.k != 0",
+    holds=lambda top_p, table: top_p.k != 0,
 )
 
 MIS_RANGE = Rule(
@@ -517,6 +586,9 @@ MIS_RANGE = Rule(
     "range [lo, hi] must satisfy 0 < lo < 1 < hi",
     "FieldValueInvalid",
     condition=lambda node: "!has(self.mis) || (0.0 < self.mis[0] && self.mis[0] < 1.0 && 1.0 < self.mis[1])",
+    holds=lambda corrections, table: (
+        corrections.mis is None or 0 < corrections.mis[0] < 1 < corrections.mis[1]
+    ),
 )
 
 MIS_OR_TIS = Rule(
@@ -528,6 +600,7 @@ MIS_OR_TIS = Rule(
     # mis is on unless set to null: the API server fills in the default, so has() means "on"
     condition=lambda node: "!(has(self.tis) && has(self.mis))",
     server_defaults=("mis",),
+    holds=lambda corrections, table: corrections.mis is None or corrections.tis is None,
 )
 
 # ----------------------------------------------------------------------------- evaluation
@@ -540,6 +613,8 @@ PASS_K_POSITIVE = Rule(
     "FieldValueInvalid",
     condition=lambda node: "!has(self.passK) || self.passK.all(k, k > 0)",
     values=lambda node: {"k": "string(self.passK.filter(k, k <= 0)[0])"},
+    holds=lambda evaluation, table: all(k > 0 for k in evaluation.pass_k),
+    facts=lambda evaluation, table: {"k": next(k for k in evaluation.pass_k if k <= 0)},
 )
 
 
@@ -560,6 +635,8 @@ SAMPLES_COVER_PASS_K = Rule(
         "k": f"string({_largest_pass_k(node)})",
     },
     unless=(PASS_K_POSITIVE.name,),
+    holds=lambda evaluation, table: all(k <= evaluation.samples_per_task for k in evaluation.pass_k),
+    facts=lambda evaluation, table: {"samples": evaluation.samples_per_task, "k": max(evaluation.pass_k)},
 )
 
 # ----------------------------------------------------------------------------- the run
@@ -575,7 +652,23 @@ UNIQUE_POOL_NAMES = Rule(
     values=lambda node: {
         "name": "self.samplerPools.filter(p, !self.samplerPools.exists_one(q, q.name == p.name))[0].name"
     },
+    holds=lambda spec, table: _duplicate_pool(spec) is None,
+    facts=lambda spec, table: {"name": spec.sampler_pools[_duplicate_pool(spec)].name},
+    at=lambda spec: f"samplerPools[{_duplicate_pool(spec)}].name",
 )
+
+
+def _duplicate_pool(spec: Any) -> int | None:
+    """The index of the second occurrence of the first pool name (in list order) that is not unique:
+    where the problem is reported; the CEL twin names the same pool."""
+    names = [pool.name for pool in spec.sampler_pools]
+    duplicate = next((name for name in names if names.count(name) > 1), None)
+    return None if duplicate is None else names.index(duplicate, names.index(duplicate) + 1)
+
+
+def _minimums(spec: Any) -> int:
+    """GPUs the pools' minimums hold (the autoscaler counts every pool alike)."""
+    return sum(pool.min_replicas * pool.replica_gpus for pool in spec.sampler_pools)
 
 
 def _pool_minimums(node: Node) -> str:
@@ -598,6 +691,10 @@ GPU_BUDGET_COVERS_MINIMUMS = Rule(
         "budget": "string(self.autoscaling.gpuBudget)",
         "need": f"string({_pool_minimums(node)})",
     },
+    holds=lambda spec, table: (
+        spec.autoscaling.gpu_budget is None or _minimums(spec) <= spec.autoscaling.gpu_budget
+    ),
+    facts=lambda spec, table: {"budget": spec.autoscaling.gpu_budget, "need": _minimums(spec)},
 )
 
 
@@ -621,6 +718,12 @@ SGLANG_MASK_NEEDS_TOP_K = Rule(
     " under a finite top-k and aborts the request otherwise (or run every pool on the torch engine)",
     "FieldValueInvalid",
     condition=_sglang_mask_needs_top_k,
+    # SGLang's sampling mask needs a finite top-k (SamplingRule.mask_limit)
+    holds=lambda spec, table: (
+        spec.algorithm.top_p.p >= 1.0
+        or spec.algorithm.top_p.k != -1
+        or all(pool.engine != "sglang" for pool in spec.sampler_pools)
+    ),
 )
 
 TRAINER_OBJECTIVE_NEEDS_BUILTIN = Rule(
@@ -636,6 +739,8 @@ TRAINER_OBJECTIVE_NEEDS_BUILTIN = Rule(
         " || (has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin') == 'builtin'"
     ),
     values=lambda node: {"engine": "(has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin')"},
+    holds=lambda spec, table: spec.autoscaling.objective != "trainer" or spec.autoscaling.engine == "builtin",
+    facts=lambda spec, table: {"engine": spec.autoscaling.engine},
 )
 
 RUN_NAME_LENGTH = Rule(
@@ -646,6 +751,7 @@ RUN_NAME_LENGTH = Rule(
     "FieldValueInvalid",
     condition=lambda node: f"self.metadata.name.size() <= {MAX_RUN_NAME}",
     constants={"limit": MAX_RUN_NAME},
+    holds=lambda run, table: len(run.metadata.name) <= MAX_RUN_NAME,
 )
 
 RULES: tuple[Rule, ...] = (
@@ -700,6 +806,34 @@ def _negate(expression: str) -> str:
 
 def rules_for(model: type[BaseModel]) -> list[Rule]:
     return [rule for rule in RULES if model.__name__ in rule.models]
+
+
+def _check_order(rules: tuple[Rule, ...]) -> dict[str, tuple[Rule, ...]]:
+    """Model name -> its rules in order, refusing an ``unless`` that does not come first: the Python
+    side reports the first broken rule, so a pre-empting rule must be checked before the one it
+    pre-empts, on the same model, for both sides to report the same one."""
+    seen: dict[str, set[str]] = {}
+    by_model: dict[str, list[Rule]] = {}
+    for rule in rules:
+        for model in rule.models:
+            missing = [name for name in rule.unless if name not in seen.get(model, set())]
+            if missing:
+                raise ValueError(f"rule {rule.name}: {missing} must come before it on {model}")
+            seen.setdefault(model, set()).add(rule.name)
+            by_model.setdefault(model, []).append(rule)
+    return {model: tuple(model_rules) for model, model_rules in by_model.items()}
+
+
+RULES_BY_MODEL = _check_order(RULES)
+
+
+def enforce(instance: BaseModel, table: GpuTable) -> None:
+    """Raise the error of the first rule the instance breaks: the pydantic side of every rule, run by
+    :class:`mixrl.api.models.Model`'s validator for each model a rule names."""
+    for rule in RULES_BY_MODEL.get(type(instance).__name__, ()):
+        if not rule.holds(instance, table):
+            at = rule.at(instance) if rule.at is not None else None
+            raise rule.error(at=at, **rule.facts(instance, table))
 
 
 def cel_validations(model: type[BaseModel], table: GpuTable = GPU_TABLE) -> list[dict[str, str]]:

@@ -649,3 +649,23 @@ def test_rule_costs_are_bounded_by_the_schema() -> None:
     assert pool["name"]["maxLength"] == 24
     for field in ("gpuType", "weightPrecision", "kvCacheDtype", "engine"):
         assert pool[field]["enum"], field
+
+
+def test_a_rule_listed_before_a_rule_that_pre_empts_it_is_refused() -> None:
+    # The Python side reports the first broken rule of a model, the CEL side lets ``unless`` pre-empt:
+    # they agree only if every pre-empting rule is checked first.
+    pre_empted = replace(rules.FP8_KV_CACHE, unless=(rules.SGLANG_NEEDS_GPU.name,))
+    with pytest.raises(ValueError, match="must come before it on SamplerPoolTemplate"):
+        rules._check_order((pre_empted, rules.SGLANG_NEEDS_GPU))
+    assert rules._check_order((rules.SGLANG_NEEDS_GPU, pre_empted))["SamplerPoolTemplate"] == (
+        rules.SGLANG_NEEDS_GPU,
+        pre_empted,
+    )
+
+
+def test_every_model_a_rule_names_is_a_model_that_enforces_it() -> None:
+    import mixrl.api.models as models
+
+    for model_name in rules.RULES_BY_MODEL:
+        model = getattr(models, model_name)
+        assert issubclass(model, models.Model), model_name
