@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field
 from pydantic.alias_generators import to_camel
 
 from mixrl.api import names, quantity, rules
+from mixrl.api.corrections import PAPER_MIS_RANGE
 from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, default_gpus
 from mixrl.api.memory import memory_problem
 
@@ -373,7 +374,7 @@ class TopPSpec(Model):
 
 
 class CorrectionsSpec(Model):
-    mis: tuple[Float, Float] | None = (0.2, 5.0)
+    mis: tuple[Float, Float] | None = PAPER_MIS_RANGE
     """Masked importance sampling: keep tokens whose ratio π/μ lies in [lo, hi]; null disables."""
     tis: Float | None = Field(default=None, gt=0)
     """Truncated importance sampling cap C (weight min(r, C)); null disables."""

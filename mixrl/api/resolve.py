@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mixrl.api.corrections import CorrectionConfig
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.models import (
     LOW_PRECISIONS,
@@ -81,13 +82,6 @@ class SamplingParams(Frozen):
         return SamplingRule(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
-class CorrectionSettings(Frozen):
-    mis: tuple[float, float] | None
-    tis: float | None
-    score_centering: bool
-    topp_replay: bool
-
-
 class ResolvedPool(Frozen):
     name: str
     object_name: str
@@ -125,7 +119,7 @@ class ResolvedTrainer(Frozen):
     normalize_std: bool
     temperature: float
     max_staleness: int | None
-    corrections: CorrectionSettings
+    corrections: CorrectionConfig
 
 
 class ResolvedRun(Frozen):
@@ -206,7 +200,7 @@ def resolve(run: RLRun) -> ResolvedRun:
         top_logprobs_num=rule.candidates(algorithm.top_candidates),
         return_sampling_mask=truncates,
     )
-    corrections = CorrectionSettings(
+    corrections = CorrectionConfig(
         mis=algorithm.corrections.mis,
         tis=algorithm.corrections.tis,
         score_centering=algorithm.corrections.score_centering,

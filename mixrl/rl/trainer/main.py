@@ -61,7 +61,6 @@ from mixrl.api.trajectory_check import TrajectoryLimits, group_problem, limits_o
 from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
 from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.buffer.client import Batch
-from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.health.routing import mismatch_report
 from mixrl.rl.models import load_model
 from mixrl.rl.trainer import checkpoint, distributed
@@ -97,17 +96,6 @@ def batch_problem(batch: Batch, limits: TrajectoryLimits) -> str | None:
         if problem is not None:
             return f"groups[{index}] ({group.prompt_id}): {problem}"
     return None
-
-
-def correction_config(run: ResolvedRun) -> CorrectionConfig:
-    """The objective's corrections, as mixrl.api resolved them from the spec."""
-    c = run.trainer.corrections
-    return CorrectionConfig(
-        mis=c.mis,
-        tis=c.tis,
-        score_centering=c.score_centering,
-        topp_replay=c.topp_replay,
-    )
 
 
 def format_error_share(groups: list[list[Trajectory]]) -> float:
@@ -182,13 +170,13 @@ class TrainerLoop:
         self.trainer: TorchPolicyTrainer | MegatronPolicyTrainer
         if spec.backend == "megatron":  # imports megatron-core (the megatron trainer image has it)
             self.trainer = MegatronPolicyTrainer(
-                model_path, correction_config(run), spec.parallelism, **optimizer
+                model_path, run.trainer.corrections, spec.parallelism, **optimizer
             )
             self.model_config = self.trainer.model_config
         else:
             self.trainer = TorchPolicyTrainer(
                 load_model(model_path),
-                correction_config(run),
+                run.trainer.corrections,
                 **optimizer,
                 compute_dtype=compute_dtype,
                 device=device,
