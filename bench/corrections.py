@@ -47,6 +47,7 @@ from torch import Tensor
 
 from mixrl.rl.corrections import (
     CorrectionConfig,
+    LossTokens,
     chunked_token_policy_loss,
     reference_token_policy_loss,
     token_policy_loss,
@@ -109,7 +110,7 @@ class ChunkedGrpo(torch.autograd.Function):
 class Inputs:
     hidden: Tensor
     weight: Tensor
-    records: tuple[Tensor, ...]  # tokens, advantages, sampler_logprobs, cand_ids, cand_logprobs, support_size
+    records: LossTokens
 
 
 def make_inputs(n: int, vocab: int, seed: int = 0) -> Inputs:
@@ -131,20 +132,28 @@ def make_inputs(n: int, vocab: int, seed: int = 0) -> Inputs:
     )
     sampler_logprobs = torch.where(support > 0, cand_logprobs.gather(1, pick[:, None]).squeeze(1), -8.0)
     advantages = torch.randn(n, generator=g)
-    return Inputs(hidden, weight, (tokens, advantages, sampler_logprobs, cand_ids, cand_logprobs, support))
+    records = LossTokens(
+        tokens=tokens,
+        advantages=advantages,
+        sampler_logprobs=sampler_logprobs,
+        cand_ids=cand_ids,
+        cand_logprobs=cand_logprobs,
+        support_size=support,
+    )
+    return Inputs(hidden, weight, records)
 
 
 def run_method(name: str, x: Inputs) -> None:
     """One forward + backward; gradients land in x.hidden.grad / x.weight.grad."""
     h, w = x.hidden, x.weight
     if name == "grpo":
-        loss = ChunkedGrpo.apply(h, w, x.records[0], x.records[1], CHUNK)
+        loss = ChunkedGrpo.apply(h, w, x.records.tokens, x.records.advantages, CHUNK)
     elif name == "ours":
-        loss, _ = chunked_token_policy_loss(h, w, *x.records, CorrectionConfig(), chunk_size=CHUNK)
+        loss, _ = chunked_token_policy_loss(h, w, x.records, CorrectionConfig(), chunk_size=CHUNK)
     elif name == "naive":
-        loss = reference_token_policy_loss(h @ w.T, *x.records, CorrectionConfig())
+        loss = reference_token_policy_loss(h @ w.T, x.records, CorrectionConfig())
     elif name == "logits":
-        loss, _ = token_policy_loss(h @ w.T, *x.records, CorrectionConfig())
+        loss, _ = token_policy_loss(h @ w.T, x.records, CorrectionConfig())
     else:
         raise ValueError(f"unknown method {name!r}")
     loss.backward()

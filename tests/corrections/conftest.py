@@ -19,6 +19,8 @@ import pytest
 import torch
 from torch import Tensor
 
+from mixrl.rl.corrections import LossTokens
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -33,15 +35,15 @@ class Batch:
     support_size: Tensor
     loss_mask: Tensor | None = None
 
-    def records(self) -> tuple[Tensor, ...]:
-        """The per-token arguments that follow ``logits`` (tokens ... support_size)."""
-        return (
-            self.tokens,
-            self.advantages,
-            self.sampler_logprobs,
-            self.cand_ids,
-            self.cand_logprobs,
-            self.support_size,
+    def records(self) -> LossTokens:
+        """The tokens' record, the argument that follows ``logits``."""
+        return LossTokens(
+            tokens=self.tokens,
+            advantages=self.advantages,
+            sampler_logprobs=self.sampler_logprobs,
+            cand_ids=self.cand_ids,
+            cand_logprobs=self.cand_logprobs,
+            support_size=self.support_size,
         )
 
     def with_(self, **changes: object) -> Batch:

@@ -32,7 +32,7 @@ CONFIGS = [
 
 def loss_and_grad(fn: Callable[..., Any], batch: Any, config: CorrectionConfig) -> tuple[torch.Tensor, ...]:
     z = batch.logits.clone().requires_grad_(True)
-    out = fn(z, *batch.records(), config, batch.loss_mask)
+    out = fn(z, batch.records(), config, batch.loss_mask)
     loss = out[0] if isinstance(out, tuple) else out
     loss.backward()
     return loss.detach(), z.grad
@@ -139,8 +139,8 @@ def test_all_masked_batch_has_zero_loss_and_gradient(make_batch: Callable[..., A
 def test_num_loss_tokens_rescales_the_loss(make_batch: Callable[..., Any]) -> None:
     batch = make_batch(8, 30, 5, seed=4)
     config = CorrectionConfig()
-    own, _ = token_policy_loss(batch.logits, *batch.records(), config)
-    accumulated, _ = token_policy_loss(batch.logits, *batch.records(), config, num_loss_tokens=32)
+    own, _ = token_policy_loss(batch.logits, batch.records(), config)
+    accumulated, _ = token_policy_loss(batch.logits, batch.records(), config, num_loss_tokens=32)
     torch.testing.assert_close(accumulated, own * 8 / 32, rtol=1e-12, atol=0)
 
 
@@ -156,7 +156,7 @@ def test_no_candidates_at_all(make_batch: Callable[..., Any]) -> None:
 def test_metrics_per_token_and_per_group(make_batch: Callable[..., Any]) -> None:
     batch = make_batch(40, 25, 6, seed=21, mask_prob=0.25, mismatch=2.0)
     config = CorrectionConfig(mis=(0.5, 2.0))
-    _, metrics = token_policy_loss(batch.logits, *batch.records(), config, batch.loss_mask)
+    _, metrics = token_policy_loss(batch.logits, batch.records(), config, batch.loss_mask)
     assert set(metrics.per_token) == set(METRIC_KEYS) == set(metrics.mean)
     keep = batch.loss_mask.bool()
     assert torch.equal(metrics.mask, keep)
@@ -206,6 +206,6 @@ def test_metrics_per_token_and_per_group(make_batch: Callable[..., Any]) -> None
 
 def test_metrics_have_no_mis_mask_without_mis(make_batch: Callable[..., Any]) -> None:
     batch = make_batch(30, 25, 6, seed=21, mismatch=3.0)
-    _, metrics = token_policy_loss(batch.logits, *batch.records(), CorrectionConfig(mis=None, tis=2.0))
+    _, metrics = token_policy_loss(batch.logits, batch.records(), CorrectionConfig(mis=None, tis=2.0))
     assert metrics.mean["mis_masked"] == 0.0
     assert metrics.mean["extreme_ratio"] > 0.0

@@ -120,11 +120,11 @@ CASES: dict[str, tuple[Callable[[Any], dict[str, Any]], str]] = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_raises_one_clear_line(make_batch: Callable[..., Any], case: str) -> None:
     batch = base(make_batch)
-    token_policy_loss(batch.logits, *batch.records(), CorrectionConfig())  # the unmodified batch is fine
+    token_policy_loss(batch.logits, batch.records(), CorrectionConfig())  # the unmodified batch is fine
     change, message = CASES[case]
     bad = batch.with_(**change(batch))
     with pytest.raises(CorrectionInputError, match=message) as info:
-        token_policy_loss(bad.logits, *bad.records(), CorrectionConfig(), bad.loss_mask)
+        token_policy_loss(bad.logits, bad.records(), CorrectionConfig(), bad.loss_mask)
     assert "\n" not in str(info.value)
     assert isinstance(info.value, ValueError)
 
@@ -132,7 +132,7 @@ def test_bad_input_raises_one_clear_line(make_batch: Callable[..., Any], case: s
 def test_masked_rows_are_not_checked(make_batch: Callable[..., Any]) -> None:
     batch = base(make_batch)
     bad = batch.with_(sampler_logprobs=set_at(batch.sampler_logprobs, (4,), float("nan")))
-    token_policy_loss(bad.logits, *bad.records(), CorrectionConfig(), torch.tensor([1, 1, 1, 1, 0]))
+    token_policy_loss(bad.logits, bad.records(), CorrectionConfig(), torch.tensor([1, 1, 1, 1, 0]))
 
 
 def test_chunked_checks_its_own_arguments(make_batch: Callable[..., Any]) -> None:
@@ -148,9 +148,9 @@ def test_chunked_checks_its_own_arguments(make_batch: Callable[..., Any]) -> Non
     ]
     for (h, w), kw, message in cases:
         with pytest.raises(CorrectionInputError, match=message):
-            chunked_token_policy_loss(h, w, *batch.records(), CorrectionConfig(), **kw)
+            chunked_token_policy_loss(h, w, batch.records(), CorrectionConfig(), **kw)
     with pytest.raises(CorrectionInputError, match="config must be a CorrectionConfig, got dict"):
-        token_policy_loss(batch.logits, *batch.records(), {"mis": None})  # type: ignore[arg-type]
+        token_policy_loss(batch.logits, batch.records(), {"mis": None})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

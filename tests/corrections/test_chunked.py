@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -35,10 +36,10 @@ def both_ways(
     """(loss, grad hidden, grad head) chunked, and the same through materialized logits + autograd."""
     temperature = kw.get("temperature", 1.0)
     h1, w1 = hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)
-    loss1, m1 = chunked_token_policy_loss(h1, w1, *batch.records(), config, batch.loss_mask, **kw)
+    loss1, m1 = chunked_token_policy_loss(h1, w1, batch.records(), config, batch.loss_mask, **kw)
     loss1.backward()
     h2, w2 = hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)
-    loss2, m2 = token_policy_loss((h2 @ w2.T) / temperature, *batch.records(), config, batch.loss_mask)
+    loss2, m2 = token_policy_loss((h2 @ w2.T) / temperature, batch.records(), config, batch.loss_mask)
     loss2.backward()
     return (loss1, h1.grad, w1.grad, m1), (loss2, h2.grad, w2.grad, m2)
 
@@ -80,10 +81,12 @@ def test_chunked_fp32_against_float64_reference(
     batch = make_batch(50, 700, 16, seed=8, mask_prob=0.1)
     hidden, head = hidden_and_head(50, 700, 32, 8, torch.float64)
     h, w = hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)
-    reference_token_policy_loss(h @ w.T, *batch.records(), config, batch.loss_mask).backward()
+    reference_token_policy_loss(h @ w.T, batch.records(), config, batch.loss_mask).backward()
     h32, w32 = hidden.float().requires_grad_(True), head.float().requires_grad_(True)
-    records = [r.float() if r.is_floating_point() else r for r in batch.records()]
-    loss, _ = chunked_token_policy_loss(h32, w32, *records, config, batch.loss_mask, chunk_size=7)
+    record = batch.records()
+    records = replace(record, advantages=record.advantages.float(), sampler_logprobs=record.sampler_logprobs.float(),
+                      cand_logprobs=record.cand_logprobs.float())  # fmt: skip
+    loss, _ = chunked_token_policy_loss(h32, w32, records, config, batch.loss_mask, chunk_size=7)
     loss.backward()
     torch.testing.assert_close(h32.grad.double(), h.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(w32.grad.double(), w.grad, rtol=1e-4, atol=1e-6)
@@ -94,15 +97,15 @@ def test_chunked_bf16_inputs(make_batch: Callable[..., Any]) -> None:
     hidden, head = hidden_and_head(20, 90, 16, 13, torch.bfloat16)
     config = CorrectionConfig()
     h, w = hidden.clone().requires_grad_(True), head.clone().requires_grad_(True)
-    loss, _ = chunked_token_policy_loss(h, w, *batch.records(), config, chunk_size=6)
+    loss, _ = chunked_token_policy_loss(h, w, batch.records(), config, chunk_size=6)
     loss.backward()
     assert h.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
     # Reference on the logits the bf16 LM head produces, widened.
     hd, wd = hidden.double().requires_grad_(True), head.double().requires_grad_(True)
-    ref = reference_token_policy_loss((hd.bfloat16() @ wd.bfloat16().T).double(), *batch.records(), config)
+    ref = reference_token_policy_loss((hd.bfloat16() @ wd.bfloat16().T).double(), batch.records(), config)
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)
     z = (hd @ wd.T).detach().requires_grad_(True)
-    reference_token_policy_loss(z, *batch.records(), config).backward()
+    reference_token_policy_loss(z, batch.records(), config).backward()
     torch.testing.assert_close(h.grad.double(), z.grad @ head.double(), rtol=5e-2, atol=2e-3)
     torch.testing.assert_close(w.grad.double(), z.grad.T @ hidden.double(), rtol=5e-2, atol=2e-3)
 
@@ -111,7 +114,7 @@ def test_gradient_flows_only_where_asked(make_batch: Callable[..., Any]) -> None
     batch = make_batch(6, 30, 4, seed=1)
     hidden, head = hidden_and_head(6, 30, 8, 1, torch.float64)
     h = hidden.clone().requires_grad_(True)
-    loss, _ = chunked_token_policy_loss(h, head, *batch.records(), CorrectionConfig(), chunk_size=4)
+    loss, _ = chunked_token_policy_loss(h, head, batch.records(), CorrectionConfig(), chunk_size=4)
     loss.backward()
     assert h.grad is not None and h.grad.abs().max() > 0 and head.grad is None
 
@@ -125,7 +128,7 @@ def test_chunked_memory_stays_at_one_chunk(make_batch: Callable[..., Any]) -> No
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:
-        loss, _ = chunked_token_policy_loss(h, w, *batch.records(), CorrectionConfig(), chunk_size=chunk)
+        loss, _ = chunked_token_policy_loss(h, w, batch.records(), CorrectionConfig(), chunk_size=chunk)
         loss.backward()
     largest = max(evt.cpu_memory_usage for evt in prof.events())
     one_chunk = chunk * vocab * 4

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
+from mixrl.rl.corrections import CorrectionConfig, LossTokens, token_policy_loss
 
 VOCAB = 7
 K = 4  # K < V: under whole-vocabulary sampling three tokens are unrecorded
@@ -91,16 +91,15 @@ def mixed_position(support: int) -> Position:
 
 def grad_for_token(pos: Position, a: int, advantage: float, config: CorrectionConfig) -> Tensor:
     z = pos.z.clone()[None].requires_grad_(True)
-    loss, _ = token_policy_loss(
-        z,
-        torch.tensor([a]),
-        torch.tensor([advantage], dtype=torch.float64),
-        pos.log_q[a : a + 1],
-        pos.cand_ids[None],
-        pos.cand_logprobs[None],
-        torch.tensor([pos.support]),
-        config,
+    record = LossTokens(
+        tokens=torch.tensor([a]),
+        advantages=torch.tensor([advantage], dtype=torch.float64),
+        sampler_logprobs=pos.log_q[a : a + 1],
+        cand_ids=pos.cand_ids[None],
+        cand_logprobs=pos.cand_logprobs[None],
+        support_size=torch.tensor([pos.support]),
     )
+    loss, _ = token_policy_loss(z, record, config)
     loss.backward()
     assert z.grad is not None
     return z.grad[0]

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mixrl.rl.corrections import CorrectionConfig, chunked_token_policy_loss, token_policy_loss
+from mixrl.rl.corrections import CorrectionConfig, LossTokens, chunked_token_policy_loss, token_policy_loss
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +31,12 @@ def main(argv: list[str]) -> int:
             config = CorrectionConfig(**config_kwargs)
             logits = data["logits"][:, start:stop].clone().requires_grad_(True)
             loss, metrics = token_policy_loss(
-                logits, *data["records"], config, data["loss_mask"], vocab_group=group, vocab_start=start
+                logits,
+                LossTokens(**data["records"]),
+                config,
+                data["loss_mask"],
+                vocab_group=group,
+                vocab_start=start,
             )
             loss.backward()
             hidden = data["hidden"].clone().requires_grad_(True)
@@ -39,7 +44,7 @@ def main(argv: list[str]) -> int:
             chunked, _ = chunked_token_policy_loss(
                 hidden,
                 head,
-                *data["records"],
+                LossTokens(**data["records"]),
                 config,
                 data["loss_mask"],
                 chunk_size=3,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
+from mixrl.rl.corrections import CorrectionConfig, LossTokens, token_policy_loss
 from mixrl.rl.models import load_model
 from mixrl.rl.trainer.megatron_convert import (
     gpt_model_kwargs,
@@ -109,7 +109,7 @@ def model_logits(model: GPTModel, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, positions, attention_mask=None)
 
 
-def sampler_records(full_logits: torch.Tensor, seed: int, k: int = 5) -> tuple[torch.Tensor, ...]:
+def sampler_records(full_logits: torch.Tensor, seed: int, k: int = 5) -> LossTokens:
     """A sampler q near the trainer (noise on the logits), its top-k record and tokens drawn from q."""
     g = torch.Generator().manual_seed(seed)
     n, vocab = full_logits.shape
@@ -117,11 +117,12 @@ def sampler_records(full_logits: torch.Tensor, seed: int, k: int = 5) -> tuple[t
     tokens = torch.multinomial(log_q.exp(), 1, generator=g).squeeze(1)
     cand_logprobs, cand_ids = log_q.topk(k, dim=-1)
     support = torch.zeros(n, dtype=torch.long)
-    return (tokens, torch.randn(n, generator=g), log_q.gather(1, tokens[:, None]).squeeze(1), cand_ids,
-            cand_logprobs, support)  # fmt: skip
+    return LossTokens(tokens=tokens, advantages=torch.randn(n, generator=g),
+                      sampler_logprobs=log_q.gather(1, tokens[:, None]).squeeze(1), cand_ids=cand_ids,
+                      cand_logprobs=cand_logprobs, support_size=support)  # fmt: skip
 
 
-def sharded_loss(model: GPTModel, hidden: torch.Tensor, records: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+def sharded_loss(model: GPTModel, hidden: torch.Tensor, records: LossTokens) -> dict[str, Any]:
     """The corrected loss on the output layer's vocabulary-parallel logits, and its gradients."""
     tp_rank = mpu.get_tensor_model_parallel_rank()
     hidden = hidden.clone().requires_grad_(True)
@@ -129,7 +130,7 @@ def sharded_loss(model: GPTModel, hidden: torch.Tensor, records: tuple[torch.Ten
     shard, _ = model.output_layer(hidden[:, None, :])  # [N, 1, V/tp]
     shard = shard[:, 0, :]
     loss, metrics = token_policy_loss(
-        shard, *records, CorrectionConfig(), None,
+        shard, records, CorrectionConfig(), None,
         vocab_group=mpu.get_tensor_model_parallel_group(), vocab_start=tp_rank * shard.shape[-1],
     )  # fmt: skip
     loss.backward()
@@ -218,7 +219,7 @@ def main(argv: list[str]) -> int:
             out = hf(input_ids=ids, output_hidden_states=True)
         hidden = out.hidden_states[-1].reshape(-1, hf.config.hidden_size)  # after the final norm
         records = sampler_records(out.logits.reshape(-1, hf.config.vocab_size), seed=11)
-        result["hidden"], result["records"] = hidden, records
+        result["hidden"], result["records"] = hidden, vars(records)  # plain tensors for torch.load
         if model.share_embeddings_and_output_weights:  # the output layer takes the embedding's shard
             with torch.no_grad():
                 shared = model.shared_embedding_or_output_weight()

@@ -66,12 +66,7 @@ def test_step_equals_the_objective_on_full_logits(model: torch.nn.Module) -> Non
     logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     loss, metrics = token_policy_loss(
         logits[batch.loss_tokens.rows, batch.loss_tokens.positions],
-        batch.loss_tokens.tokens,
-        batch.loss_tokens.advantages,
-        batch.loss_tokens.sampler_logprobs,
-        batch.loss_tokens.cand_ids,
-        batch.loss_tokens.cand_logprobs,
-        batch.loss_tokens.support_size,
+        batch.loss_tokens,
         config,
     )
     loss.backward()

@@ -26,7 +26,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
+from mixrl.rl.corrections import CorrectionConfig, LossTokens, token_policy_loss
 from mixrl.rl.models import create_tiny_checkpoint, load_model, tiny_config
 from mixrl.rl.trainer.megatron_convert import (
     check_supported,
@@ -145,7 +145,9 @@ def test_corrected_loss_on_megatron_vocab_parallel_logits_equals_the_unsharded_l
 ) -> None:
     head = hf_state(tiny_model_dir)["lm_head.weight"].clone().requires_grad_(True)
     hidden = cpu_ranks[0]["hidden"].clone().requires_grad_(True)
-    loss, metrics = token_policy_loss(hidden @ head.T, *cpu_ranks[0]["records"], CorrectionConfig(), None)
+    loss, metrics = token_policy_loss(
+        hidden @ head.T, LossTokens(**cpu_ranks[0]["records"]), CorrectionConfig(), None
+    )
     loss.backward()
     assert head.grad is not None and hidden.grad is not None
     for r in cpu_ranks:  # every rank gets the whole loss, metrics and hidden-state gradient

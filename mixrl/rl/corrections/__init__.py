@@ -3,9 +3,10 @@ centering, top-p mask replay and the sampler–trainer mismatch metrics.  Pure t
 
 For a framework author::
 
-    from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
-    loss, metrics = token_policy_loss(logits / T, tokens, adv, sampler_lp, cand_ids, cand_lp,
-                                      support_size, CorrectionConfig(), loss_mask)
+    from mixrl.rl.corrections import CorrectionConfig, LossTokens, token_policy_loss
+    tokens = LossTokens(tokens=ids, advantages=adv, sampler_logprobs=sampler_lp, cand_ids=cand_ids,
+                        cand_logprobs=cand_lp, support_size=support_size)
+    loss, metrics = token_policy_loss(logits / T, tokens, CorrectionConfig(), loss_mask)
 
 :func:`chunked_token_policy_loss` takes hidden states and the LM head instead of logits and never
 holds the whole batch's logits.  See docs/corrections.md.
@@ -16,6 +17,7 @@ from mixrl.rl.corrections.config import EXTREME_RATIO_RANGE, CorrectionConfig, C
 from mixrl.rl.corrections.loss import chunked_token_policy_loss, token_policy_loss
 from mixrl.rl.corrections.metrics import METRIC_KEYS, PolicyLossMetrics
 from mixrl.rl.corrections.reference import reference_token_policy_loss
+from mixrl.rl.corrections.tokens import LossTokens
 from mixrl.rl.corrections.vocab import VocabShard
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "METRIC_KEYS",
     "CorrectionConfig",
     "CorrectionInputError",
+    "LossTokens",
     "PolicyLossMetrics",
     "VocabShard",
     "chunked_token_policy_loss",

@@ -28,6 +28,7 @@ from mixrl.rl.corrections.objective import (
     prepare_batch,
     vocab_sums,
 )
+from mixrl.rl.corrections.tokens import LossTokens
 from mixrl.rl.corrections.vocab import VocabShard, global_vocab_size
 
 _WORK_ELEMENTS = 1 << 24
@@ -210,12 +211,7 @@ def _float_matrix(name: str, x: object, rows: int | None = None) -> Tensor:
 
 def token_policy_loss(
     logits: Tensor,
-    tokens: Tensor,
-    advantages: Tensor,
-    sampler_logprobs: Tensor,
-    cand_ids: Tensor,
-    cand_logprobs: Tensor,
-    support_size: Tensor,
+    tokens: LossTokens,
     config: CorrectionConfig,
     loss_mask: Tensor | None = None,
     *,
@@ -229,14 +225,8 @@ def token_policy_loss(
         logits: [N, V] trainer logits at the N generated positions, already divided by the sampling
             temperature; any float dtype (computed in fp32 inside; the gradient has logits' dtype).
             Under tensor parallelism: this rank's [N, V_shard] slice, see ``vocab_group``.
-        tokens: [N] sampled token ids a.
-        advantages: [N] advantage A of each token (e.g. :func:`grpo_advantages`, broadcast).
-        sampler_logprobs: [N] log q(a) under the sampler's untruncated distribution after
-            temperature (SGLang's ``output_token_logprobs``).
-        cand_ids: [N, K] the sampler's top-K ids in descending probability, padded with -1.
-        cand_logprobs: [N, K] their log q (same distribution), padded with -inf.
-        support_size: [N] how many leading candidates formed the sampling support S (top-p ∩
-            top-k); 0 = sampled from the whole vocabulary.
+        tokens: the N tokens' record (:class:`LossTokens`): sampled ids, advantages, the sampler's
+            log q(a), its top-K candidates and their log q, and the size of its sampling support.
         config: which corrections to apply (:class:`CorrectionConfig`).
         loss_mask: [N] optional 0/1; 0 positions (tool output) contribute nothing, are not counted
             and are not checked.
@@ -261,11 +251,6 @@ def token_policy_loss(
         logits.shape[0],
         global_vocab_size(shard, logits.device),
         tokens,
-        advantages,
-        sampler_logprobs,
-        cand_ids,
-        cand_logprobs,
-        support_size,
         loss_mask,
         num_loss_tokens,
         compute_dtype(logits.dtype),
@@ -278,12 +263,7 @@ def token_policy_loss(
 def chunked_token_policy_loss(
     hidden: Tensor,
     lm_head_weight: Tensor,
-    tokens: Tensor,
-    advantages: Tensor,
-    sampler_logprobs: Tensor,
-    cand_ids: Tensor,
-    cand_logprobs: Tensor,
-    support_size: Tensor,
+    tokens: LossTokens,
     config: CorrectionConfig,
     loss_mask: Tensor | None = None,
     chunk_size: int = 1024,
@@ -331,11 +311,6 @@ def chunked_token_policy_loss(
         hidden.shape[0],
         global_vocab_size(shard, hidden.device),
         tokens,
-        advantages,
-        sampler_logprobs,
-        cand_ids,
-        cand_logprobs,
-        support_size,
         loss_mask,
         num_loss_tokens,
         compute_dtype(hidden.dtype),

@@ -16,19 +16,20 @@ distribution, S the support (the first ``support_size`` candidates), C the recor
 μ the behaviour distribution, π the trainer's distribution, r = π/μ, w the weight, A the advantage.
 
 The objective's per-token arguments come first in this file: checked once (:func:`prepare_batch`),
-then carried as one :class:`TokenRows`.  Every check raises :class:`CorrectionInputError` with one line naming the argument, the first bad
+then carried as one :class:`~mixrl.rl.corrections.tokens.LossTokens` in the dtypes it computes in.  Every check raises :class:`CorrectionInputError` with one line naming the argument, the first bad
 position and the reason.  Values are checked only on loss tokens (``loss_mask`` 1): masked tokens
 (tool output, environment text) are ignored entirely, whatever they hold.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from mixrl.rl.corrections.config import EXTREME_RATIO_RANGE, CorrectionConfig, CorrectionInputError
+from mixrl.rl.corrections.tokens import LossTokens
 from mixrl.rl.corrections.vocab import VocabShard
 
 # ---------------------------------------------------------------------- the inputs
@@ -40,43 +41,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True)
-class TokenRows:
-    """The sampler's record for the loss tokens, in the dtypes the objective computes in."""
-
-    tokens: Tensor  # [n] int64: sampled ids a
-    advantages: Tensor  # [n] compute dtype: A
-    sampler_logprobs: Tensor  # [n] fp32: log q(a), untruncated
-    cand_ids: Tensor  # [n, K] int64: top-K ids, most likely first, -1 = padding
-    cand_logprobs: Tensor  # [n, K] fp32: their log q, -inf at padding
-    support_size: Tensor  # [n] int64: |S|, 0 = whole vocabulary
-
-    @property
-    def num_rows(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def valid(self) -> Tensor:
-        """[n, K] bool: the slot holds a candidate (not padding)."""
-        return self.cand_ids >= 0
-
-    @property
-    def in_support(self) -> Tensor:
-        """[n, K] bool: the slot's candidate belongs to the sampling support S."""
-        k = torch.arange(self.cand_ids.shape[1], device=self.cand_ids.device)
-        return k < self.support_size[:, None]
-
-    def take(self, index: slice) -> TokenRows:
-        """The rows ``index`` selects, every field alike."""
-        return TokenRows(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
-
-
-@dataclass(frozen=True)
 class PreparedBatch:
     """The checked batch: which rows count in the loss, their records, and the loss denominator."""
 
     num_tokens: int  # N, every row
     loss_rows: Tensor | None  # [n] indices of the loss rows; None when every row counts
-    rows: TokenRows
+    rows: LossTokens
+    """The loss rows' records, in the compute dtype."""
     denominator: float
 
 
@@ -107,34 +78,34 @@ def _check_shape(name: str, x: object, shape: tuple[int, ...], integer: bool) ->
 def prepare_batch(
     num_tokens: int,
     vocab_size: int,
-    tokens: object,
-    advantages: object,
-    sampler_logprobs: object,
-    cand_ids: object,
-    cand_logprobs: object,
-    support_size: object,
+    records: object,
     loss_mask: object | None,
     num_loss_tokens: float | None,
     dtype: torch.dtype,
 ) -> PreparedBatch:
-    """Check every argument against the batch size N and vocabulary size V; select the loss rows.
+    """Check every field of ``records`` (a :class:`LossTokens`) against the batch size N and the
+    vocabulary size V; select the loss rows.
 
     Floating-point records are converted to ``dtype``, the dtype the objective computes in.
     """
     n = num_tokens
     if n == 0:
         _fail("empty batch: there are no tokens (N = 0)")
+    if not isinstance(records, LossTokens):
+        _fail(f"tokens must be a LossTokens (the token record as tensors), got {type(records).__name__}")
+    assert isinstance(records, LossTokens)
+    cand_ids: object = records.cand_ids
     if not isinstance(cand_ids, Tensor) or cand_ids.dim() != 2:
         shape = list(cand_ids.shape) if isinstance(cand_ids, Tensor) else type(cand_ids).__name__
         _fail(f"cand_ids must have shape [N, K] with N = {n}, got {shape}")
     assert isinstance(cand_ids, Tensor)
     k = cand_ids.shape[1]
-    tokens = _check_shape("tokens", tokens, (n,), integer=True)
-    advantages = _check_shape("advantages", advantages, (n,), integer=False)
-    sampler_logprobs = _check_shape("sampler_logprobs", sampler_logprobs, (n,), integer=False)
+    tokens = _check_shape("tokens", records.tokens, (n,), integer=True)
+    advantages = _check_shape("advantages", records.advantages, (n,), integer=False)
+    sampler_logprobs = _check_shape("sampler_logprobs", records.sampler_logprobs, (n,), integer=False)
     cand_ids = _check_shape("cand_ids", cand_ids, (n, k), integer=True)
-    cand_logprobs = _check_shape("cand_logprobs", cand_logprobs, (n, k), integer=False)
-    support_size = _check_shape("support_size", support_size, (n,), integer=True)
+    cand_logprobs = _check_shape("cand_logprobs", records.cand_logprobs, (n, k), integer=False)
+    support_size = _check_shape("support_size", records.support_size, (n,), integer=True)
 
     loss_rows: Tensor | None = None
     if loss_mask is not None:
@@ -152,7 +123,7 @@ def prepare_batch(
     def select(x: Tensor) -> Tensor:
         return x if loss_rows is None else x.index_select(0, loss_rows)
 
-    rows = TokenRows(
+    rows = LossTokens(
         tokens=select(tokens).long(),
         advantages=select(advantages).to(dtype),
         sampler_logprobs=select(sampler_logprobs).to(dtype),
@@ -169,7 +140,7 @@ def prepare_batch(
     return PreparedBatch(num_tokens=n, loss_rows=loss_rows, rows=rows, denominator=denominator)
 
 
-def _check_values(rows: TokenRows, vocab_size: int, loss_rows: Tensor | None) -> None:
+def _check_values(rows: LossTokens, vocab_size: int, loss_rows: Tensor | None) -> None:
     """Value checks on the loss rows; positions in messages index the caller's full batch."""
 
     def where(i: int) -> int:
@@ -225,7 +196,7 @@ class VocabSums:
     cand_logits: Tensor  # [n, K] u_c (0 at padding)
 
 
-def vocab_sums(u: Tensor, rows: TokenRows, shard: VocabShard) -> VocabSums:
+def vocab_sums(u: Tensor, rows: LossTokens, shard: VocabShard) -> VocabSums:
     """The forward's vocabulary passes over a block of fp32 logits ``u`` [n, V_shard].
 
     ``u`` is a scratch buffer the caller owns: it is overwritten (shifted, candidates knocked out).
@@ -315,7 +286,7 @@ def _outside_factor(out_mass_p: Tensor, out_mass_q: Tensor, config: CorrectionCo
 
 
 def corrected_terms(
-    sums: VocabSums, rows: TokenRows, config: CorrectionConfig, denominator: float
+    sums: VocabSums, rows: LossTokens, config: CorrectionConfig, denominator: float
 ) -> CorrectedTerms:
     """The objective of docs/corrections.md for each position, from the vocabulary sums and the sampler's record."""
     valid, in_s = rows.valid, rows.in_support
@@ -383,7 +354,7 @@ def corrected_terms(
     )
 
 
-def logit_gradient(z: Tensor, terms: CorrectedTerms, rows: TokenRows, shard: VocabShard) -> Tensor:
+def logit_gradient(z: Tensor, terms: CorrectedTerms, rows: LossTokens, shard: VocabShard) -> Tensor:
     """The loss gradient w.r.t. a block of logits, computed in place in ``z`` (fp32 [n, V_shard])."""
     z.sub_(terms.shift[:, None]).exp_().mul_(terms.dense[:, None])
     flat_c, selected = shard.flat_positions(rows.cand_ids, rows.valid)

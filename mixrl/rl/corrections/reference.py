@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from mixrl.rl.corrections.config import CorrectionConfig
+from mixrl.rl.corrections.tokens import LossTokens
 
 
 def _on_vocab(ids: Tensor, values: Tensor, keep: Tensor, vocab: int, fill: float) -> Tensor:
@@ -24,16 +25,13 @@ def _on_vocab(ids: Tensor, values: Tensor, keep: Tensor, vocab: int, fill: float
 
 def reference_token_policy_loss(
     logits: Tensor,
-    tokens: Tensor,
-    advantages: Tensor,
-    sampler_logprobs: Tensor,
-    cand_ids: Tensor,
-    cand_logprobs: Tensor,
-    support_size: Tensor,
+    records: LossTokens,
     config: CorrectionConfig,
     loss_mask: Tensor | None = None,
 ) -> Tensor:
     """The loss of :func:`~mixrl.rl.corrections.token_policy_loss`, computed densely."""
+    tokens, advantages, sampler_logprobs = records.tokens, records.advantages, records.sampler_logprobs
+    cand_ids, cand_logprobs, support_size = records.cand_ids, records.cand_logprobs, records.support_size
     z = logits
     n, vocab = z.shape
     k = cand_ids.shape[1]

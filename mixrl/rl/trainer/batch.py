@@ -3,52 +3,41 @@
 Layout: every trajectory is one row of ``input_ids`` = prompt + all later tokens, right-padded.
 A generated token at sequence position t is predicted from the hidden state at t − 1, so
 ``positions`` holds (row, t − 1) for each loss token.  Per-token tensors are flat over the batch,
-in row-major order, exactly the arguments of ``token_policy_loss``.
+in row-major order: a :class:`BatchTokens`, the record ``token_policy_loss`` takes plus where each
+token sits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from mixrl.api.trajectory import Trajectory
-from mixrl.rl.corrections import grpo_advantages
+from mixrl.rl.corrections import LossTokens, grpo_advantages
 
 
 @dataclass(frozen=True)
-class LossTokens:
-    """One entry per generated (loss) token of a batch, row-major: where it sits, what its sampler recorded.
+class BatchTokens(LossTokens):
+    """The batch's loss tokens, row-major: their record (what the objective takes, as it is) and
+    where each sits in the batch."""
 
-    The record part (``tokens`` … ``support_size``) is the token record of docs/architecture.md as
-    tensors, exactly the per-token arguments of ``token_policy_loss``.
-    """
-
-    rows: torch.Tensor  # [N] row of each generated token
-    positions: torch.Tensor  # [N] position whose hidden state predicts it (t − 1)
-    tokens: torch.Tensor  # [N]
-    advantages: torch.Tensor  # [N] float32
-    sampler_logprobs: torch.Tensor  # [N] float32
-    cand_ids: torch.Tensor  # [N, K] long, padded with -1
-    cand_logprobs: torch.Tensor  # [N, K] float32, padded with -inf
-    support_size: torch.Tensor  # [N] long
-    pool_index: torch.Tensor  # [N] index into pools
-    staleness: torch.Tensor  # [N] long: trainer version − token version
-
-    def take(self, keep: torch.Tensor) -> LossTokens:
-        """The tokens where ``keep`` (a [N] bool mask or index tensor) selects, every column alike."""
-        return LossTokens(**{f.name: getattr(self, f.name)[keep] for f in fields(self)})
-
-    def to(self, device: torch.device) -> LossTokens:
-        return LossTokens(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    rows: torch.Tensor
+    """[N] the row (trajectory) of each generated token."""
+    positions: torch.Tensor
+    """[N] the position whose hidden state predicts it (t − 1)."""
+    pool_index: torch.Tensor
+    """[N] index into :attr:`PolicyBatch.pools`."""
+    staleness: torch.Tensor
+    """[N] long: trainer version − the token's weight version."""
 
 
 @dataclass
 class PolicyBatch:
     input_ids: torch.Tensor  # [B, T] long, right-padded with pad_id
     attention_mask: torch.Tensor  # [B, T] long
-    loss_tokens: LossTokens
+    loss_tokens: BatchTokens
     pools: list[str]
     rewards: torch.Tensor  # [B] float32, per trajectory
     trajectory_pool: torch.Tensor  # [B] pool index per trajectory
@@ -137,7 +126,7 @@ def collate(
     return PolicyBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        loss_tokens=LossTokens(
+        loss_tokens=BatchTokens(
             rows=torch.tensor(rows, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
             tokens=torch.tensor(tokens, dtype=torch.long),

@@ -230,12 +230,7 @@ class MegatronPolicyTrainer:
         shard = logits[tokens.rows, tokens.positions].float() / self.temperature
         loss, metrics = token_policy_loss(
             shard,
-            tokens.tokens,
-            tokens.advantages,
-            tokens.sampler_logprobs,
-            tokens.cand_ids,
-            tokens.cand_logprobs,
-            tokens.support_size,
+            tokens,
             self.corrections,
             num_loss_tokens=1.0,
             vocab_group=self.mpu.get_tensor_model_parallel_group(),

@@ -160,12 +160,7 @@ class TorchPolicyTrainer:
             loss, metrics = chunked_token_policy_loss(
                 hidden,
                 head,
-                tokens.tokens,
-                tokens.advantages,
-                tokens.sampler_logprobs,
-                tokens.cand_ids,
-                tokens.cand_logprobs,
-                tokens.support_size,
+                tokens,
                 self.corrections,
                 chunk_size=self.chunk_size,
                 temperature=self.temperature,
