@@ -49,12 +49,12 @@ SERVER_PORTS: dict[str, int] = {"buffer": BUFFER_PORT, "router": ROUTER_PORT, "e
 LABELLED_FILE = "labelled"
 """In an engine pod's weights directory: written by the weight-sync sidecar while its engine is up
 and labels its tokens with a version (the file holds it), removed while the engine is down or
-unlabelled.  The pod's readiness gate (mixrl.operator.build.pools), so no request reaches an engine
+unlabelled.  The pod's readiness gate (mixrl.operator.builders.pools), so no request reaches an engine
 that would label its tokens ``default``."""
 
 SANDBOX_TEMPLATE_FILE = "sandbox-pod.json"
 """Beside the resolved run in its ConfigMap (``spec.rollout.sandbox``): the sandbox pod every rollout
-worker creates for its warm pool (mixrl.operator.build.sandbox builds it, the worker reads it)."""
+worker creates for its warm pool (mixrl.operator.builders.sandbox builds it, the worker reads it)."""
 
 AUTH_TOKEN_FLAG = "--auth-token-file"
 """How every mixrl component is given the run's token (docs/auth.md)."""

@@ -617,7 +617,7 @@ class EvaluationSpec(Model):
 
 class CollapseSpec(Model):
     """Thresholds of the three signs of collapse (docs/health.md).  The defaults are the seed's and
-    also the chart's Prometheus alert rules' (mixrl.operator.build.monitoring reads them from here)."""
+    also the chart's Prometheus alert rules' (mixrl.operator.builders.monitoring reads them from here)."""
 
     kl_growth: Float = Field(default=3.0, gt=1, le=MAX_CAPACITY)
     """Raise the KL sign when a pool's (or the run's) sampler-trainer KL (k3) reaches this many times

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from mixrl.api.gpus import GPU_TABLE
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.objects import Images, Scrapers
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.objects import Images, Scrapers
 from mixrl.operator.install.policy import Policy, flag_problem, prefix_problem, unique
 
 DEV_PRIORITY = 666  # kopf's convention: a developer's operator outranks the deployed one

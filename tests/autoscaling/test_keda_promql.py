@@ -17,7 +17,7 @@ from mixrl.operator.autoscaling.promql import (
     substitute,
     sustained_query,
 )
-from mixrl.operator.build.keda import keda_scaled_object
+from mixrl.operator.builders.keda import keda_scaled_object
 
 OWNER = {
     "apiVersion": "mixrl.dev/v1alpha1",

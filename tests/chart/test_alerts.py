@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mixrl.api.models import CollapseSpec
-from mixrl.operator.build.monitoring import collapse_rule_groups
+from mixrl.operator.builders.monitoring import collapse_rule_groups
 
 # promtool comes in Debian's prometheus package with the server: without it these tests fail
 # (tests/conftest.py), never skip.

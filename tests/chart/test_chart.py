@@ -21,10 +21,10 @@ from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator.build.monitoring import collapse_rule_groups, dashboard
-from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner, Scrapers
-from mixrl.operator.build.pools import pool_children
-from mixrl.operator.build.resources import run_objects
+from mixrl.operator.builders.monitoring import collapse_rule_groups, dashboard
+from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner, Scrapers
+from mixrl.operator.builders.pools import pool_children
+from mixrl.operator.builders.resources import run_objects
 from mixrl.operator.install import chart as chart_module
 from mixrl.operator.kube.rbac import operator_rules, permissions
 from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority

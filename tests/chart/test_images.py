@@ -11,8 +11,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE
-from mixrl.operator.build.objects import Images
-from mixrl.operator.build.podspec import RUN_AS_USER
+from mixrl.operator.builders.objects import Images
+from mixrl.operator.builders.podspec import RUN_AS_USER
 
 IMAGES = Path(__file__).resolve().parents[2] / "images"
 DOCKERFILES = sorted(IMAGES.glob("*/Dockerfile"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import yaml
 
-from mixrl.operator.build.objects import NAMESPACE_NAME_LABEL
+from mixrl.operator.builders.objects import NAMESPACE_NAME_LABEL
 
 from ..network_reach import COMPONENT, Pod, open_connections, reachable
 from .conftest import ROOT, Bed, OperatorProcess, wait_for

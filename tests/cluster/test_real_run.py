@@ -16,7 +16,7 @@ import time
 import pytest
 
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, ROUTER_PORT
-from mixrl.operator.build.labels import selector_labels
+from mixrl.operator.builders.labels import selector_labels
 from mixrl.rl.engine.weight_sync import POLL_S
 from tests.cluster.conftest import Bed, wait_for
 from tests.cluster.real_run import (

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from mixrl.operator.build import sandbox as B
+from mixrl.operator.builders import sandbox as B
 from mixrl.rl.sandbox.kubernetes import KubeConnection, KubePodClient, SandboxPods
 from mixrl.rl.sandbox.lease import WORKER_LABEL
 

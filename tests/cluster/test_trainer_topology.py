@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixrl.operator.build.podspec import RDZV_PORT
+from mixrl.operator.builders.podspec import RDZV_PORT
 
 from .conftest import Bed, OperatorProcess, wait_for
 from .test_mixed_run import RUN, example, pods, running

@@ -10,8 +10,8 @@ import pytest
 
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator.build.objects import BuildOptions, Images, Owner
-from mixrl.operator.build.resources import run_objects
+from mixrl.operator.builders.objects import BuildOptions, Images, Owner
+from mixrl.operator.builders.resources import run_objects
 from mixrl.operator.controller.apply import (
     Failure,
     deletion_policy,

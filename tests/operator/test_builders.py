@@ -22,9 +22,9 @@ from mixrl.api.loader import load_rlrun, parse_document
 from mixrl.api.models import RESERVED_POOL_NAMES, RLRun, SamplerPool
 from mixrl.api.resolve import ENGINE_PORT, SGLANG_IMAGE, SGLANG_QUANTIZATION, ResolvedRun, resolve
 from mixrl.operator.autoscaling.gpu_check import wrong_gpu_value
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.keda import pool_scaled_object
-from mixrl.operator.build.objects import (
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.keda import pool_scaled_object
+from mixrl.operator.builders.objects import (
     CONFIG_HASH_ANNOTATION,
     HASH_ANNOTATION,
     POOL_CONFIG_HASH_LABEL,
@@ -34,9 +34,9 @@ from mixrl.operator.build.objects import (
     Owner,
     desired_hash,
 )
-from mixrl.operator.build.podspec import with_shared
-from mixrl.operator.build.pools import pool_children, pool_objects
-from mixrl.operator.build.resources import clamp_replicas, run_objects, seed_replicas
+from mixrl.operator.builders.podspec import with_shared
+from mixrl.operator.builders.pools import pool_children, pool_objects
+from mixrl.operator.builders.resources import clamp_replicas, run_objects, seed_replicas
 from mixrl.rl.buffer import cli as buffer_cli
 from mixrl.rl.engine import drain as drain_module
 from mixrl.rl.engine import server as engine_server
@@ -1069,7 +1069,7 @@ def test_every_component_gets_the_runs_token_and_sglang_its_api_key() -> None:
 
 def test_an_engine_pod_is_ready_only_while_its_sidecar_has_seen_the_engine_labelled() -> None:
     from mixrl.api.launch import LABELLED_FILE
-    from mixrl.operator.build.podspec import ENGINE_WEIGHTS_DIR
+    from mixrl.operator.builders.podspec import ENGINE_WEIGHTS_DIR
 
     resolved = resolve(load_rlrun(ROOT / "examples" / "rlrun-mixed.yaml"))
     pool = resolved.pools[0]

@@ -18,8 +18,8 @@ from typing import Any
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
 from mixrl.operator.autoscaling.loop import LoopSettings
-from mixrl.operator.build.keda import pool_scaled_object
-from mixrl.operator.build.objects import HASH_ANNOTATION, Owner
+from mixrl.operator.builders.keda import pool_scaled_object
+from mixrl.operator.builders.objects import HASH_ANNOTATION, Owner
 
 from .emulator import ApiServer
 from .support import (

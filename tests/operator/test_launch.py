@@ -18,10 +18,10 @@ from mixrl.api.launch import COMPONENTS, Component, component_command
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
-from mixrl.operator.build.objects import BuildOptions, Owner
-from mixrl.operator.build.podspec import pod_where
-from mixrl.operator.build.pools import pool_children
-from mixrl.operator.build.resources import run_objects, seed_replicas
+from mixrl.operator.builders.objects import BuildOptions, Owner
+from mixrl.operator.builders.podspec import pod_where
+from mixrl.operator.builders.pools import pool_children
+from mixrl.operator.builders.resources import run_objects, seed_replicas
 
 GOLDEN: dict[str, Any] = json.loads((Path(__file__).parent / "command_lines.json").read_text())
 

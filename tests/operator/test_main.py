@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.operator.build.objects import Images
+from mixrl.operator.builders.objects import Images
 from mixrl.operator.install.policy import OPEN, Policy
 from mixrl.operator.main import (
     DEV_PRIORITY,

@@ -15,10 +15,10 @@ from typing import Any
 from mixrl.api.loader import load_rlrun
 from mixrl.api.models import RoutingHealthSpec
 from mixrl.api.resolve import resolve
-from mixrl.operator.build.network import network_policies, policy_names
-from mixrl.operator.build.objects import NAMESPACE_NAME_LABEL, BuildOptions, Images, Owner, Scrapers
-from mixrl.operator.build.pools import pool_children
-from mixrl.operator.build.resources import run_objects, seed_replicas
+from mixrl.operator.builders.network import network_policies, policy_names
+from mixrl.operator.builders.objects import NAMESPACE_NAME_LABEL, BuildOptions, Images, Owner, Scrapers
+from mixrl.operator.builders.pools import pool_children
+from mixrl.operator.builders.resources import run_objects, seed_replicas
 from mixrl.operator.kube import rbac
 
 from ..network_reach import COMPONENT, Pod, open_connections, reachable

@@ -10,10 +10,10 @@ import kmock
 
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.objects import HASH_ANNOTATION, BuildOptions, Owner
-from mixrl.operator.build.pools import pool_children
-from mixrl.operator.build.resources import run_objects, seed_replicas
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.objects import HASH_ANNOTATION, BuildOptions, Owner
+from mixrl.operator.builders.pools import pool_children
+from mixrl.operator.builders.resources import run_objects, seed_replicas
 from mixrl.operator.controller.status import COMPONENT_CONDITIONS
 
 from .emulator import ApiServer

@@ -20,9 +20,9 @@ from mixrl.api.loader import load_rlrun, parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.quantity import parse_quantity
 from mixrl.api.resolve import ResolvedRun, resolve
-from mixrl.operator.build.objects import TINY_MODEL_PARAMETERS, BuildOptions, Owner
-from mixrl.operator.build.pools import pool_children
-from mixrl.operator.build.resources import run_objects, seed_replicas
+from mixrl.operator.builders.objects import TINY_MODEL_PARAMETERS, BuildOptions, Owner
+from mixrl.operator.builders.pools import pool_children
+from mixrl.operator.builders.resources import run_objects, seed_replicas
 
 ROOT = Path(__file__).resolve().parents[2]
 Obj = dict[str, Any]

@@ -175,8 +175,8 @@ def test_the_operators_rollout_pods_can_read_the_models_tokenizer() -> None:
     volume), so its pods mount that volume, read-only."""
     from mixrl.api.loader import load_rlrun
     from mixrl.api.resolve import resolve
-    from mixrl.operator.build.objects import BuildOptions, Owner
-    from mixrl.operator.build.resources import run_objects
+    from mixrl.operator.builders.objects import BuildOptions, Owner
+    from mixrl.operator.builders.resources import run_objects
 
     resolved = resolve(load_rlrun(Path(__file__).parents[2] / "examples" / "rlrun-minimal.yaml"))
     objects = run_objects(

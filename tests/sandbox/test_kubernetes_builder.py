@@ -13,10 +13,10 @@ import pytest
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
-from mixrl.operator.build import labels as L
-from mixrl.operator.build import sandbox as B
-from mixrl.operator.build.objects import BuildOptions, Images, Owner
-from mixrl.operator.build.resources import run_objects
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders import sandbox as B
+from mixrl.operator.builders.objects import BuildOptions, Images, Owner
+from mixrl.operator.builders.resources import run_objects
 from mixrl.operator.kube import rbac
 from mixrl.rl.rollout import worker
 from mixrl.rl.sandbox import kubernetes as K

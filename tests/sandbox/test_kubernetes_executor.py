@@ -24,8 +24,8 @@ import pytest
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
-from mixrl.operator.build import sandbox as B
-from mixrl.operator.build.objects import Images, Owner
+from mixrl.operator.builders import sandbox as B
+from mixrl.operator.builders.objects import Images, Owner
 from mixrl.rl.sandbox import Limits, SandboxUnavailable
 from mixrl.rl.sandbox.executor import decode_result, encode_request
 from mixrl.rl.sandbox.kubernetes import KubernetesSandbox, SandboxPods

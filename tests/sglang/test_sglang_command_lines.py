@@ -19,9 +19,9 @@ from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import parse_document, read_documents
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import SGLANG_IMAGE, SGLANG_VERSION, ResolvedRun, resolve
-from mixrl.operator.build.objects import BuildOptions, Images, Owner
-from mixrl.operator.build.pools import pool_children
-from mixrl.operator.build.resources import seed_replicas
+from mixrl.operator.builders.objects import BuildOptions, Images, Owner
+from mixrl.operator.builders.pools import pool_children
+from mixrl.operator.builders.resources import seed_replicas
 
 from .conftest import SGLangParser
 

@@ -23,8 +23,8 @@ import torch
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.local.prepare import prepare_model
-from mixrl.operator.build.objects import BuildOptions, Owner
-from mixrl.operator.build.podspec import (
+from mixrl.operator.builders.objects import BuildOptions, Owner
+from mixrl.operator.builders.podspec import (
     AUTH_DIR,
     AUTH_TOKEN_KEY,
     CACHE_DIR,
@@ -32,7 +32,7 @@ from mixrl.operator.build.podspec import (
     TINY_MODEL_PATH,
     TRAINER_RUN_DIR,
 )
-from mixrl.operator.build.resources import run_objects
+from mixrl.operator.builders.resources import run_objects
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.environments.registry import load_environment
 from mixrl.rl.prepare import TOKENIZER_FILE

@@ -395,7 +395,7 @@ class AutoscalingLoop(Ticker):
         namespace = pool_body["metadata"].get("namespace") or "default"
         run_body = self.runs.get((namespace, (pool_body.get("spec") or {}).get("run", "")))
         if run_body is None or (run_body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            return None  # an ended run's pools stay at zero (mixrl.operator.build.resources.released)
+            return None  # an ended run's pools stay at zero (mixrl.operator.builders.resources.released)
         try:
             return resolve(
                 RLRun.model_validate({k: run_body[k] for k in ("apiVersion", "kind", "metadata", "spec")})

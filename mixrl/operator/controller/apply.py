@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from mixrl.operator.build.objects import HASH_ANNOTATION
+from mixrl.operator.builders.objects import HASH_ANNOTATION
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from mixrl.operator.build.objects import BuildOptions, Images, Monitoring
+from mixrl.operator.builders.objects import BuildOptions, Images, Monitoring
 from mixrl.operator.kube.client import KubeClient
 from mixrl.operator.kube.rbac import PODMONITORS, SCALEDOBJECTS, ApiResource
 

@@ -40,7 +40,7 @@ import kopf
 
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.loop import AutoscalingLoop
-from mixrl.operator.build import labels as L
+from mixrl.operator.builders import labels as L
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
 from mixrl.operator.controller.observer import StatusObserver
 from mixrl.operator.controller.reconcile import Outcome

@@ -35,7 +35,7 @@ from mixrl.api.gpus import default_price, price_per_gpu_hour, requested_gpus
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
-from mixrl.operator.build import labels as L
+from mixrl.operator.builders import labels as L
 from mixrl.operator.controller.live_status import (
     COLLAPSE_RISK,
     SPEND_WRITE_INTERVAL_S,

@@ -24,13 +24,13 @@ from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.loop import METRICS_AVAILABLE
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.keda import pool_scaled_object
-from mixrl.operator.build.network import policy_names
-from mixrl.operator.build.objects import BuildOptions, Monitoring, Owner
-from mixrl.operator.build.podspec import AUTH_TOKEN_KEY
-from mixrl.operator.build.pools import pool_children
-from mixrl.operator.build.resources import clamp_replicas, pod_monitor, run_objects, seed_replicas
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.keda import pool_scaled_object
+from mixrl.operator.builders.network import policy_names
+from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner
+from mixrl.operator.builders.podspec import AUTH_TOKEN_KEY
+from mixrl.operator.builders.pools import pool_children
+from mixrl.operator.builders.resources import clamp_replicas, pod_monitor, run_objects, seed_replicas
 from mixrl.operator.controller.apply import (
     Applied,
     ApplyReport,

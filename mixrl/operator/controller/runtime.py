@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings
-from mixrl.operator.build.objects import Images
+from mixrl.operator.builders.objects import Images
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
 from mixrl.operator.controller.discovery import Discovery
 from mixrl.operator.controller.observer import ObserverSettings, StatusObserver

@@ -7,7 +7,7 @@ Generated: the mixrl CRD templates (from mixrl.api.crd, behind ``crds.install``)
 CRDs (chart ``crds/``: installed before the templates, which create a peering object), the RBAC
 rules (from mixrl.operator.kube.rbac, the calls the operator makes: the rules every operator needs, and
 one file per feature the chart grants only when its values enable that feature), and the collapse
-alerts and Grafana dashboard (from mixrl.operator.build.monitoring, with the metric names of
+alerts and Grafana dashboard (from mixrl.operator.builders.monitoring, with the metric names of
 mixrl.rl.metrics), and the CEL of the RLRun admission policy (from mixrl.operator.install.policy, the checks the
 operator makes too).
 """
@@ -25,7 +25,7 @@ import yaml
 from mixrl.api.crd import rlrun_crd, samplerpool_crd
 from mixrl.api.models import GROUP
 from mixrl.api.text import plain_text
-from mixrl.operator.build.monitoring import collapse_rule_groups, dashboard
+from mixrl.operator.builders.monitoring import collapse_rule_groups, dashboard
 from mixrl.operator.install.policy import admission_rules
 from mixrl.operator.kube.rbac import (
     CLUSTER_KOPF_PEERINGS,

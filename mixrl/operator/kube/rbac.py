@@ -77,7 +77,7 @@ CHILD_RESOURCES = (
 # The run's token Secret is a child too, but not watched: a watch needs list on every Secret of the
 # namespace, so a deleted token Secret is recreated by the periodic resync instead.
 # So are the rollout workers' ServiceAccount, Role and RoleBinding of a run with sandbox pods
-# (mixrl.operator.build.sandbox): rarely changed, recreated by the resync like the Secret.
+# (mixrl.operator.builders.sandbox): rarely changed, recreated by the resync like the Secret.
 BY_KIND: dict[tuple[str, str], ApiResource] = {
     (r.api_version, r.kind): r for r in (*CHILD_RESOURCES, SECRETS, SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 }

@@ -10,7 +10,7 @@
 leased pod (:mod:`mixrl.rl.sandbox.lease`) gets the command, the files and the limits over HTTP
 (:mod:`mixrl.rl.sandbox.executor`, ``mixrl sandbox-exec`` in the pod), and is deleted after it,
 whatever happened.  The pod manifest is the operator's (``sandbox-pod.json`` in the run's
-ConfigMap, built by :mod:`mixrl.operator.build.sandbox`); the worker adds a name and its label.
+ConfigMap, built by :mod:`mixrl.operator.builders.sandbox`); the worker adds a name and its label.
 The Kubernetes calls go through :class:`PodClient` (create, get, list, delete pods in one
 namespace: exactly what the rollout worker's Role grants).
 """

@@ -149,7 +149,7 @@ def executor_port(template: Mapping[str, Any]) -> int:
 
 
 def named_pod(template: Mapping[str, Any], name: str, worker: str) -> dict[str, Any]:
-    """The template with a name and the worker's label (the operator builds the template: mixrl.operator.build.sandbox)."""
+    """The template with a name and the worker's label (the operator builds the template: mixrl.operator.builders.sandbox)."""
     pod: dict[str, Any] = copy.deepcopy(dict(template))
     if pod.get("kind") != "Pod" or not isinstance(pod.get("metadata"), dict):
         raise ValueError("sandbox pod template: not a Pod manifest")

@@ -17,8 +17,8 @@ from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
 from mixrl.operator.autoscaling.policy import HPA_SCALE_UP_PERCENT
 from mixrl.operator.autoscaling.promql import load_query
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.objects import Owner, with_hash
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.objects import Owner, with_hash
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 FALLBACK_FAILURE_THRESHOLD = 3

@@ -15,12 +15,12 @@ What one RLRun ``r`` in namespace ``ns`` becomes:
   headless Service;
 - buffer: StatefulSet ``r-buffer`` with a volume claim, and its headless Service;
 - router: Deployment and Service ``r-router``; rollout workers: StatefulSet ``r-rollout``;
-- one SamplerPool ``r-<pool>`` per pool, from which :mod:`mixrl.operator.build.pools` builds the pool's
+- one SamplerPool ``r-<pool>`` per pool, from which :mod:`mixrl.operator.builders.pools` builds the pool's
   Deployment and headless Service (owned by the SamplerPool, written only by its controller);
 - monitoring: a PodMonitor when the cluster serves ``monitoring.coreos.com``, scrape annotations
   on the pod templates otherwise;
 - NetworkPolicies ``r-<component>-ingress``: only the run's own components reach each other
-  (:mod:`mixrl.operator.build.network`), unless the operator runs with ``--no-network-policies``.
+  (:mod:`mixrl.operator.builders.network`), unless the operator runs with ``--no-network-policies``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.launch import component_command, weights_volume_path
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
-from mixrl.operator.build import labels as L
-from mixrl.operator.build import sandbox
-from mixrl.operator.build.network import network_policies
-from mixrl.operator.build.objects import (
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders import sandbox
+from mixrl.operator.builders.network import network_policies
+from mixrl.operator.builders.objects import (
     CONFIG_HASH_ANNOTATION,
     POD_INDEX_LABEL,
     POOL_CONFIG_HASH_LABEL,
@@ -61,7 +61,7 @@ from mixrl.operator.build.objects import (
     with_hash,
     workload,
 )
-from mixrl.operator.build.podspec import (
+from mixrl.operator.builders.podspec import (
     BUFFER_DATA_DIR,
     RDZV_PORT,
     TRAINER_RUN_DIR,

@@ -26,9 +26,9 @@ from __future__ import annotations
 from mixrl.api.launch import SANDBOX_TEMPLATE_FILE
 from mixrl.api.models import SandboxPodsSpec
 from mixrl.api.resolve import ResolvedRun
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.objects import Images, Owner, metadata
-from mixrl.operator.build.podspec import (
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.objects import Images, Owner, metadata
+from mixrl.operator.builders.podspec import (
     Obj,
     container,
     empty_dir,

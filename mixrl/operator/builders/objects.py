@@ -1,7 +1,7 @@
 """Building blocks of the desired objects: owners, options, hashes, metadata, Services, workloads.
 
-Pure (no I/O); shared by :mod:`mixrl.operator.build.resources` (the run's objects) and
-:mod:`mixrl.operator.build.pools` (each pool's objects).
+Pure (no I/O); shared by :mod:`mixrl.operator.builders.resources` (the run's objects) and
+:mod:`mixrl.operator.builders.pools` (each pool's objects).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from mixrl.api.memory import BYTES_PER_PARAMETER, GIB
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE, ResolvedPool, ResolvedRun
 from mixrl.api.trajectory import JSON_NUMBER_BYTES
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.podspec import Obj, mount
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.podspec import Obj, mount
 
 HASH_ANNOTATION = "mixrl.dev/desired-hash"
 """On every object we write: hash of the desired object; equal hash => no write."""
@@ -114,7 +114,7 @@ class Images:
     """GPU type -> node labels that identify its nodes where GPU Feature Discovery does not label
     ``nvidia.com/gpu.product``; an alternative (OR-ed) to the product affinity, not an addition."""
     network_policies: Scrapers | None = field(default_factory=Scrapers)
-    """Each run gets NetworkPolicies (:mod:`mixrl.operator.build.network`) letting these scrapers
+    """Each run gets NetworkPolicies (:mod:`mixrl.operator.builders.network`) letting these scrapers
     read its metrics; None: the operator creates none (the platform manages policies itself)."""
 
     def trainer(self, backend: str) -> str:

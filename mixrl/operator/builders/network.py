@@ -27,9 +27,9 @@ the cluster's network plugin enforces no policy at all.
 from __future__ import annotations
 
 from mixrl.api.resolve import ResolvedRun
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.objects import Owner, Scrapers, metadata
-from mixrl.operator.build.podspec import Obj
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.objects import Owner, Scrapers, metadata
+from mixrl.operator.builders.podspec import Obj
 
 
 def _run_pods(resolved: ResolvedRun, component: L.Component) -> Obj:

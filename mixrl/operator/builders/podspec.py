@@ -15,10 +15,10 @@ from mixrl.api.launch import Where
 from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.api.models import Toleration, tiny_kind
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
-from mixrl.operator.build import labels as L
+from mixrl.operator.builders import labels as L
 
 if TYPE_CHECKING:  # objects.py builds on this module
-    from mixrl.operator.build.objects import Footprint
+    from mixrl.operator.builders.objects import Footprint
 
 Obj = dict[str, Any]
 

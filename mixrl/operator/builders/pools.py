@@ -15,8 +15,8 @@ from typing import Literal
 
 from mixrl.api.launch import AUTH_TOKEN_ENV, LABELLED_FILE, component_command
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
-from mixrl.operator.build import labels as L
-from mixrl.operator.build.objects import (
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.objects import (
     CONFIG_HASH_ANNOTATION,
     BuildOptions,
     Owner,
@@ -31,7 +31,7 @@ from mixrl.operator.build.objects import (
     with_hash,
     workload,
 )
-from mixrl.operator.build.podspec import (
+from mixrl.operator.builders.podspec import (
     AUTH_TOKEN_KEY,
     DRAIN_SCRIPT_PATH,
     ENGINE_WEIGHTS_DIR,
