@@ -176,8 +176,10 @@ class Runtime:
         """Reconcile one RLRun or SamplerPool (the caller holds its lock) and post the events its
         outcome names; :class:`ApplyFailed` when some children failed in a way a retry can fix (the
         status already says which): the caller retries the whole reconcile with backoff."""
-        reconcile = reconcile_run if body.get("kind") == "RLRun" else reconcile_pool
-        outcome = await reconcile(self.context(), body)
+        if body.get("kind") == "RLRun":
+            outcome = await reconcile_run(self.context(), body)
+        else:
+            outcome = await reconcile_pool(self.context(), body)
         for kind, reason, message in outcome.events:
             self.post_event(body, kind, reason, message)
         if outcome.report.retryable:
