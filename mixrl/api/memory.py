@@ -16,12 +16,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from mixrl.api.gpus import GPU_TABLE
-
-if TYPE_CHECKING:  # the models call this module; importing them at run time would be a cycle
-    from mixrl.api.models import RLRunSpec
 
 GIB = 2**30
 WEIGHT_FRACTION = 0.9
@@ -97,23 +93,3 @@ def trainer_memory_problem(
     what = f"training a {parameters_billions:g}B-parameter model (BF16 weights, gradients, AdamW state)"
     problem = fit_problem(need, gpus, gpu_products or gpu.gfd_products, gpu_type, what)
     return None if problem is None else f"{problem}; add GPUs per node or nodes"
-
-
-def memory_problem(spec: RLRunSpec) -> tuple[str, str] | None:
-    """(field, reason) of the first pool or trainer whose GPUs cannot hold the model, or None when
-    they can or the spec does not say how large the model is."""
-    size = spec.model.parameters_billions
-    if size is None:
-        return None
-    for index, pool in enumerate(spec.sampler_pools):
-        problem = pool_memory_problem(
-            size, pool.weight_precision, pool.gpu_type, pool.replica_gpus, pool.scheduling.gpu_products
-        )
-        if problem is not None:
-            return f"samplerPools[{index}].gpusPerReplica", problem
-    trainer = spec.trainer
-    gpus = trainer.nodes * trainer.gpus_per_node
-    problem = trainer_memory_problem(size, trainer.gpu_type, gpus, trainer.scheduling.gpu_products)
-    if problem is not None:
-        return "trainer.gpusPerNode", problem
-    return None

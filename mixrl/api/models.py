@@ -15,13 +15,26 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mixrl.api import names, quantity, rules
+from mixrl.api.base import (
+    INT32_MAX,
+    MAX_CAPACITY,
+    MAX_GPUS_PER_POD,
+    MAX_SECONDS,
+    Bool,
+    Float,
+    Int,
+    Model,
+)
 from mixrl.api.corrections import PAPER_MIS_RANGE
 from mixrl.api.gpus import GPU_TABLE, GPU_TYPES, default_gpus
-from mixrl.api.memory import memory_problem
+from mixrl.api.memory import pool_memory_problem, trainer_memory_problem
+from mixrl.api.status import (
+    RLRunStatus,
+    SamplerPoolStatus,
+)
 
 GROUP = "mixrl.dev"
 VERSION = "v1alpha1"
@@ -36,26 +49,6 @@ RESERVED_POOL_NAMES = rules.RESERVED_POOL_NAMES
 field_error = rules.field_error
 
 # ----------------------------------------------------------------------------- value types and bounds
-
-INT32_MAX = 2**31 - 1
-"""Upper bound of every count: Kubernetes holds replicas (and the int32s of its APIs) in 32 bits, so a
-larger maxReplicas would reach a Deployment or the scale subresource wrapped or refused."""
-MAX_GPUS_PER_POD = 64
-"""GPUs of one engine replica or one trainer node: one pod's GPUs, on one node (the largest nodes
-have 8 to 16). It also keeps the GPU-budget rule's sum far from int64 in the API server's CEL."""
-MAX_CAPACITY = 1e6
-"""Relative capacities and prices are summed and multiplied by the router and the autoscaler; a
-finite but astronomical value would overflow those sums to inf and the shares to NaN."""
-MAX_SECONDS = 7 * 24 * 3600.0
-"""Longest interval or window (a week); asyncio's timers overflow on far larger values."""
-
-Int = Annotated[int, Strict()]
-"""An integer that must be written as one: pydantic's lax mode would read YAML's ``true`` as 1,
-``"8"`` as 8 and ``1e20`` (a string to PyYAML) as an integer."""
-Float = Annotated[float, Strict()]
-"""A number: integers are fine, booleans and strings are not (never inf or NaN: see Model)."""
-Bool = Annotated[bool, Strict()]
-"""true or false: pydantic's lax mode would also take 1, 0 and strings like "off"."""
 
 
 def _checked_by(check: Callable[[Any], str | None]) -> Callable[[Any], Any]:
@@ -149,30 +142,6 @@ Location = Annotated[str, Field(min_length=1, max_length=4096)]
 """A path or URL (PATH_MAX)."""
 Word = Annotated[str, Field(min_length=1, max_length=63)]
 """A short name: an environment, a tool."""
-
-
-class Model(BaseModel):
-    """Base: camelCase names outside, unknown fields rejected (typos must not pass silently), and
-    floats finite: an ``.inf`` capacity would make the router's shares NaN, an ``.inf`` lr NaN weights."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        use_attribute_docstrings=True,
-        validate_default=True,
-        allow_inf_nan=False,
-    )
-
-    @model_validator(mode="after")
-    def _cross_field_rules(self) -> Self:
-        # every rule of mixrl.api.rules that names this model, as the CRDs' CEL checks it
-        rules.enforce(self, GPU_TABLE)
-        return self
-
-    def to_yaml_dict(self) -> dict[str, Any]:
-        """camelCase dict without unset optional fields, as a user would write it."""
-        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
 
 # ----------------------------------------------------------------------------- model and trainer
@@ -709,109 +678,22 @@ class RLRunSpec(Model):
 
     @model_validator(mode="after")
     def _weights_fit(self) -> Self:
-        fit = memory_problem(self)  # mixrl.api.memory: do the weights fit the GPUs they land on?
-        if fit is not None:
-            raise field_error(*fit)
+        # mixrl.api.memory: do the weights fit the GPUs they land on?  Only for a model of known size.
+        size = self.model.parameters_billions
+        if size is None:
+            return self
+        for index, pool in enumerate(self.sampler_pools):
+            problem = pool_memory_problem(
+                size, pool.weight_precision, pool.gpu_type, pool.replica_gpus, pool.scheduling.gpu_products
+            )
+            if problem is not None:
+                raise field_error(f"samplerPools[{index}].gpusPerReplica", problem)
+        trainer = self.trainer
+        gpus = trainer.nodes * trainer.gpus_per_node
+        problem = trainer_memory_problem(size, trainer.gpu_type, gpus, trainer.scheduling.gpu_products)
+        if problem is not None:
+            raise field_error("trainer.gpusPerNode", problem)
         return self
-
-
-class Condition(Model):
-    type: str
-    """Condition type: Ready, Progressing, InvalidSpec, CollapseRisk, MetricsAvailable…"""
-    status: Literal["True", "False", "Unknown"]
-    """True, False or Unknown."""
-    reason: str = ""
-    """CamelCase reason."""
-    message: str = ""
-    """Human-readable detail."""
-    last_transition_time: str | None = None
-    """RFC 3339 time of the last status change."""
-    observed_generation: int | None = None
-    """metadata.generation this condition was computed from."""
-
-
-class PoolSummary(Model):
-    name: str
-    """Pool name."""
-    gpu_type: str = ""
-    """GPU type."""
-    weight_precision: str = ""
-    """Weight precision."""
-    replicas: int = 0
-    """Desired replicas."""
-    ready_replicas: int = 0
-    """Ready replicas."""
-    traffic_share: float | None = None
-    """Share of sessions routed to this pool."""
-    kl: float | None = None
-    """Mean sampler–trainer KL (k3) of this pool's tokens at the last step."""
-    kl_fresh: float | None = None
-    """The same over the pool's fresh tokens alone (staleness 0): its precision mismatch without drift."""
-    health: float | None = None
-    """The router's mismatch-aware health of the pool, in [floor, 1] (spec.health.routing)."""
-    extreme_ratio_share: float | None = None
-    """Share of this pool's tokens whose ratio is outside [0.2, 5]."""
-    tokens_per_second: float | None = None
-    """Completion tokens per second the router passed back from this pool (one-minute rate)."""
-    serving_weight_version: int | None = None
-    """The newest weight version in this pool's answers."""
-    gpu_hours: float | None = None
-    """GPU-hours this pool's pods have held since the run started."""
-    cost: float | None = None
-    """Their price in dollars (costPerGpuHour, else the default table of mixrl.api.gpus)."""
-
-
-class ConcurrencyRecommendation(Model):
-    sessions: int
-    """Rollout sessions, all workers together, the trainer's demand needs."""
-    configured: int
-    """What the run has now: ``rollout.concurrency × rollout.workers``."""
-    time: str = ""
-    """RFC 3339 time the autoscaler computed it."""
-    message: str = ""
-    """The fleet plan it came from (demand, supply, what the concurrency keeps busy)."""
-
-
-class RLRunStatus(Model):
-    phase: Literal["Pending", "Running", "Succeeded", "Failed", "Invalid"] | None = None
-    """Lifecycle phase."""
-    observed_generation: int | None = None
-    """metadata.generation the status reflects."""
-    conditions: list[Condition] = Field(default_factory=list)
-    """Ready, Progressing, InvalidSpec, CollapseRisk, MetricsAvailable."""
-    step: int | None = None
-    """Policy updates done."""
-    weight_version: int | None = None
-    """Latest published weight version."""
-    pools: list[PoolSummary] = Field(default_factory=list)
-    """Per-pool summary."""
-    pool_count: int | None = None
-    """Number of sampler pools (for the printer column)."""
-    reward: float | None = None
-    """Mean training reward at the last step."""
-    quarantined_batches: int | None = None
-    """Batches the trainer could not train, taken back by the buffer and kept for inspection (its
-    ``GET /stats`` lists them with the reason); the run went on with other groups."""
-    gpu_hours: float | None = None
-    """GPU-hours of the whole run so far: every pool's pods and the trainer's nodes."""
-    cost: float | None = None
-    """Their price in dollars."""
-    cost_per_update: float | None = None
-    """Dollars per trainer update: cost ÷ step."""
-    trainer_gpu_hours: float | None = None
-    """GPU-hours of the trainer's nodes."""
-    trainer_cost: float | None = None
-    """Their price in dollars (the default table of mixrl.api.gpus for the trainer's GPU type)."""
-    recommended_concurrency: ConcurrencyRecommendation | None = None
-    """``autoscaling.objective: trainer``: the rollout concurrency the trainer's demand needs, when the
-    configured one keeps too little capacity busy (null: it suffices).  Reported, not applied: the
-    workers' concurrency is fixed when they start, so set ``spec.rollout.concurrency``."""
-    spend_updated_at: str | None = None
-    """RFC 3339 time the spend figures were last written (an operator restart accrues from there)."""
-    reason: str | None = None
-    """Why the run ended: TotalStepsReached (Succeeded) or TrainerFailed (Failed)."""
-    message: str | None = None
-    """The end in words: the steps taken, or the trainer's last error."""
 
 
 OBJECT_META_FIELDS = frozenset(
@@ -894,59 +776,6 @@ class SamplerPoolSpec(Model):
     @classmethod
     def _known_gpu(cls, gpu_type: str) -> str:
         return _known_gpu_type(gpu_type)
-
-
-class ScaleDecision(Model):
-    time: str
-    """RFC 3339 time of the decision."""
-    from_replicas: int
-    """Replicas before."""
-    to_replicas: int
-    """Replicas after."""
-    load: float | None = None
-    """Observed load (queued + running requests)."""
-    reason: str = ""
-    """Why (ratio, bounds, stabilization, budget…)."""
-
-
-class ScaleRecommendation(Model):
-    time: Float = Field(ge=0, le=2.0**40)
-    """Unix time of the recommendation."""
-    replicas: Int = Field(ge=0, le=INT32_MAX)
-    """The fewest replicas it allowed (a scale-down goes no lower within the window)."""
-    kind: Literal["pool", "fleet"] = "pool"
-    """``pool``: the pool's own recommendation; ``fleet``: the replicas the fleet step requested."""
-
-
-class SamplerPoolStatus(Model):
-    replicas: int = 0
-    """Pods that exist (scale subresource)."""
-    ready_replicas: int = 0
-    """Pods that are ready to serve."""
-    selector: str = ""
-    """Label selector of the pool's pods (scale subresource; HPA and KEDA need it)."""
-    observed_generation: int | None = None
-    """metadata.generation the status reflects."""
-    conditions: list[Condition] = Field(default_factory=list)
-    """Ready, MetricsAvailable, WrongGpuType…"""
-    traffic_share: float | None = None
-    """Share of the run's sessions routed here."""
-    kl: float | None = None
-    """Mean sampler–trainer KL (k3) of this pool's tokens."""
-    kl_fresh: float | None = None
-    """The same over the pool's fresh tokens alone (staleness 0): its precision mismatch without drift."""
-    health: float | None = None
-    """The router's mismatch-aware health of the pool, in [floor, 1] (spec.health.routing)."""
-    extreme_ratio_share: float | None = None
-    """Share of this pool's tokens whose ratio is outside [0.2, 5]."""
-    tokens_per_second: float | None = None
-    """Completion tokens per second the router passed back from this pool (one-minute rate)."""
-    serving_weight_version: int | None = None
-    """The newest weight version in this pool's answers."""
-    last_scale_decisions: list[ScaleDecision] = Field(default_factory=list)
-    """The most recent scaling decisions, newest last."""
-    autoscaler_window: list[ScaleRecommendation] = Field(default_factory=list)
-    """The built-in autoscaler's scale-down window (written by it, read back after a restart)."""
 
 
 class SamplerPool(Model):

@@ -544,6 +544,7 @@ def test_api_server_refuses_what_validate_refuses_with_the_same_reason(
     case = CASES[name]
     if case.table is not None:  # the models read the table at validation time
         monkeypatch.setattr("mixrl.api.models.GPU_TABLE", case.table)
+        monkeypatch.setattr("mixrl.api.base.GPU_TABLE", case.table)  # the rules validator reads it there
     doc = case.start()
     case.mutate(doc)
     assert validate_problems(doc) == [case.expected]
@@ -629,6 +630,7 @@ def test_rules_follow_a_changed_table(monkeypatch: pytest.MonkeyPatch) -> None:
     ) == 1
     # the same documents change verdict on both sides
     monkeypatch.setattr("mixrl.api.models.GPU_TABLE", table)
+    monkeypatch.setattr("mixrl.api.base.GPU_TABLE", table)  # the rules validator reads it there
     doc = example()
     _pool(3, weightPrecision="nvfp4")(doc)  # h100-fp8 -> nvfp4
     _pool(6, weightPrecision="fp8", kvCacheDtype="fp8")(doc)  # a100-bf16 -> fp8, fp8 KV cache

@@ -9,7 +9,8 @@ import aiohttp
 import aiohttp.web
 import pytest
 
-from mixrl.api.models import GROUP, ConcurrencyRecommendation
+from mixrl.api.models import GROUP
+from mixrl.api.status import ConcurrencyRecommendation
 from mixrl.operator.autoscaling.loop import concurrency_status
 from mixrl.operator.autoscaling.objective import FleetPlan, ObjectiveMemory
 from mixrl.operator.autoscaling.promql import (

@@ -10,6 +10,7 @@ from typing import Any
 import kmock
 import kopf
 import pytest
+from pydantic import ValidationError
 
 from mixrl.operator.controller.runtime import OperatorConfig, backoff
 from mixrl.operator.kube import rbac
@@ -167,6 +168,32 @@ async def test_the_client_refuses_undeclared_calls_before_sending(api: ApiServer
             await client.delete(rbac.PVCS, "rl", "x")  # a claim is never deleted: its data would go
         assert len(list(api)) == sent, "nothing reached the server"
         assert await client.get(rbac.CONFIGMAPS, "rl", "missing") is None
+    finally:
+        await client.close()
+
+
+async def test_a_status_goes_through_its_model_before_it_is_sent(api: ApiServer) -> None:
+    # The API server's structural schema would prune an unknown status key without a word; the
+    # client refuses it first (and a wrongly typed value), and sends what the model takes.
+    client = KubeClient(lambda: Connection(server="http://127.0.0.1:9"))  # nothing listens on port 9
+    try:
+        sent = len(list(api))
+        for kind, status in (
+            (rbac.RLRUNS, {"phase": "Running", "weightVersoin": 3}),
+            (rbac.SAMPLERPOOLS, {"readyReplicas": 1, "trafficShare": "half"}),
+            (rbac.RLRUNS, {"pools": [{"name": "a", "klFresh": 0.1, "traficShare": 0.5}]}),
+        ):
+            with pytest.raises(ValidationError):
+                await client.merge_patch(kind, "rl", "x", {"status": status}, subresource="status")
+        assert len(list(api)) == sent
+        with pytest.raises(ApiError):  # a valid status gets as far as the (absent) server
+            await client.merge_patch(
+                rbac.SAMPLERPOOLS,
+                "rl",
+                "x",
+                {"status": {"trafficShare": 0.5, "kl": None}},
+                subresource="status",
+            )
     finally:
         await client.close()
 

@@ -174,7 +174,7 @@ def load_of(pool_body: Obj, observation: Observation, paused: float | None = Non
 
 
 RECOMMENDED_CONCURRENCY = "recommendedConcurrency"
-"""The RLRun status field ``objective: trainer`` reports the concurrency in (models.ConcurrencyRecommendation)."""
+"""The RLRun status field ``objective: trainer`` reports the concurrency in (mixrl.api.status.ConcurrencyRecommendation)."""
 
 
 def concurrency_status(

@@ -22,7 +22,7 @@ from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE, ResolvedPool, ResolvedRun
 from mixrl.api.trajectory import JSON_NUMBER_BYTES
 from mixrl.operator.builders import labels as L
-from mixrl.operator.builders.podspec import Obj, mount
+from mixrl.operator.builders.podspec import Footprint, Obj, mount
 
 HASH_ANNOTATION = "mixrl.dev/desired-hash"
 """On every object we write: hash of the desired object; equal hash => no write."""
@@ -139,23 +139,6 @@ class BuildOptions:
 
 
 # ----------------------------------------------------------------------------- CPU and memory
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """CPU and memory of one container.  Every container gets requests (no BestEffort pod: those
-    are evicted first and refused by a quota on requests) and limits (a ResourceQuota on
-    ``limits.cpu``/``limits.memory`` refuses any container without them)."""
-
-    cpu: str
-    memory: str
-    cpu_limit: str
-    memory_limit: str
-
-    @classmethod
-    def fixed(cls, cpu: str, memory: str) -> Footprint:
-        """Limits equal to requests: what the user asked for is what the pod gets."""
-        return cls(cpu, memory, cpu, memory)
 
 
 def gib(value: float) -> str:

@@ -8,7 +8,8 @@ filesystem is read-only wherever the process allows, with writable emptyDirs whe
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE
 from mixrl.api.launch import Where
@@ -16,9 +17,6 @@ from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.api.models import Toleration, tiny_kind
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
 from mixrl.operator.builders import labels as L
-
-if TYPE_CHECKING:  # objects.py builds on this module
-    from mixrl.operator.builders.objects import Footprint
 
 Obj = dict[str, Any]
 
@@ -242,6 +240,26 @@ def gpu_scheduling(
     if priority_class_name:
         spec["priorityClassName"] = priority_class_name
     return spec
+
+
+# ----------------------------------------------------------------------------- CPU and memory
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """CPU and memory of one container.  Every container gets requests (no BestEffort pod: those
+    are evicted first and refused by a quota on requests) and limits (a ResourceQuota on
+    ``limits.cpu``/``limits.memory`` refuses any container without them)."""
+
+    cpu: str
+    memory: str
+    cpu_limit: str
+    memory_limit: str
+
+    @classmethod
+    def fixed(cls, cpu: str, memory: str) -> Footprint:
+        """Limits equal to requests: what the user asked for is what the pod gets."""
+        return cls(cpu, memory, cpu, memory)
 
 
 def resources(footprint: Footprint, gpus: int = 0) -> Obj:

@@ -22,12 +22,20 @@ from typing import Any
 import aiohttp
 
 from mixrl import __version__
+from mixrl.api.status import RLRunStatus, SamplerPoolStatus, checked_status
 from mixrl.operator.kube.rbac import PEERING_READS, RECONCILER, ApiResource, is_allowed
 
 FIELD_MANAGER = "mixrl-operator"
 USER_AGENT = f"mixrl-operator/{__version__}"
 WRITE_VERBS = frozenset({"create", "patch", "update", "delete"})
 Obj = dict[str, Any]
+
+
+STATUS_MODELS: dict[str, type[RLRunStatus] | type[SamplerPoolStatus]] = {
+    "RLRun": RLRunStatus,
+    "SamplerPool": SamplerPoolStatus,
+}
+"""Kind -> the model its status subresource is written through."""
 
 
 class ApiError(Exception):
@@ -240,6 +248,10 @@ class KubeClient:
     async def merge_patch(
         self, resource: ApiResource, namespace: str, name: str, body: Obj, subresource: str | None = None
     ) -> Obj:
+        if subresource == "status":
+            # Every status the operator writes passes here: through its model, so a mistyped key
+            # fails now instead of being pruned silently by the API server's schema.
+            checked_status(STATUS_MODELS[resource.kind], body.get("status") or {})
         patched: Obj = await self.request(
             "patch",
             "PATCH",
