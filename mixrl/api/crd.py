@@ -245,7 +245,12 @@ def _crd(
 
 
 def _column(name: str, kind: str, path: str, description: str, priority: int = 0) -> dict[str, Any]:
-    column = {"name": name, "type": kind, "jsonPath": path, "description": plain_text(description)}
+    column: dict[str, Any] = {
+        "name": name,
+        "type": kind,
+        "jsonPath": path,
+        "description": plain_text(description),
+    }
     if priority:
         column["priority"] = priority
     return column

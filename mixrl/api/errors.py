@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from mixrl.api.names import shown
 
@@ -96,7 +97,7 @@ def _join_path(parts: list[str | int]) -> str:
     return out
 
 
-def _clean_message(error: dict) -> str:
+def _clean_message(error: ErrorDetails) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         return "unknown field (check the spelling; unknown fields are rejected)"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import yaml
 from pydantic import ValidationError
@@ -69,7 +69,7 @@ class LimitExceeded(yaml.MarkedYAMLError):
 
 # The mixin's methods extend a PyYAML loader's; type checkers see it as one.
 if TYPE_CHECKING:
-    _LoaderBase = yaml.SafeLoader
+    _LoaderBase: TypeAlias = yaml.SafeLoader
 else:
     _LoaderBase = object
 

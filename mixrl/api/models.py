@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Final, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -38,7 +38,8 @@ from mixrl.api.status import (
 
 GROUP = "mixrl.dev"
 VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
+API_VERSION: Final = "mixrl.dev/v1alpha1"
+assert f"{GROUP}/{VERSION}" == API_VERSION
 
 WeightPrecision = Literal["bf16", "fp8", "mxfp4", "nvfp4"]
 KvCacheDtype = Literal["bf16", "fp8"]

@@ -32,13 +32,14 @@ How the API server's CEL sees a document, and what follows from it:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 import string
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -191,7 +192,7 @@ class Rule:
     """Placeholder -> the value the message names, from the model instance (``values``' twin)."""
     at: Callable[[Any], str] | None = None
     """A more precise field than ``field`` to report the problem on (``samplerPools[3].name``)."""
-    constants: Mapping[str, Any] = field(default_factory=dict)
+    constants: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Placeholders that are the same in every message."""
     unless: tuple[str, ...] = ()
     """Rules that pre-empt this one: the pydantic validator checks them first and reports only theirs,
@@ -846,7 +847,7 @@ def cel_validations(model: type[BaseModel], table: GpuTable = GPU_TABLE) -> list
         condition = conditions[rule.name]
         if condition is None:
             continue
-        first = [conditions[name] for name in rule.unless if conditions.get(name)]
+        first = [c for name in rule.unless if (c := conditions.get(name))]
         if first:
             condition = " || ".join([f"({condition})", *(f"({_negate(c)})" for c in first)])
         validations.append(
