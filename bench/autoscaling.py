@@ -4,7 +4,7 @@
 
 The run: 128 prompts × 8 samples = 1,024 trajectories per step, rollout concurrency 4 × 256,
 ``maxStepsAhead`` 2, a 20 s weight update after every step, 4,000-token trajectories, 1,000
-tokens/s per unit of capacity (mixrl/operator/autoscaling/trainer_sim.py has the model).  Sweeps:
+tokens/s per unit of capacity (mixrl/sim/trainer_coupled.py has the model).  Sweeps:
 
 1. trainer step time 60 / 120 / 240 s (sampler-bound by the concurrency, balanced, trainer-bound);
 2. rollout concurrency 512 / 1,024 / 2,048 at 120 s;
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mixrl.operator.autoscaling import trainer_sim as ts
-from mixrl.operator.autoscaling.fleet import SimResult, Strategy, Workload, simulate
-from mixrl.operator.autoscaling.simulate import (
+from mixrl.sim import trainer_coupled as ts
+from mixrl.sim.fleet import SimResult, Strategy, Workload, simulate
+from mixrl.sim.simulate import (
     ProgressPrinter,
     fleet_from_spec,
     format_table,
@@ -170,7 +170,7 @@ def day_benchmark(pools, configs, seed: int, plots: Path | None, progress: Progr
 
 
 def _plot(results: dict[str, SimResult], directory: Path, scenario: str) -> None:
-    from mixrl.operator.autoscaling.simulate_plots import plot_results
+    from mixrl.sim.plots import plot_results
 
     directory.mkdir(parents=True, exist_ok=True)
     for path in plot_results(results, directory, title=f"rlrun-mixed · {scenario}"):

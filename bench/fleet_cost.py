@@ -1,7 +1,7 @@
 """Benchmark: cost per trainer update of the mixed fleet against a homogeneous B200 fleet.
 
 The seed reports its mixed fleet about 15 % cheaper per update than a homogeneous B200 fleet for the
-same throughput.  This runs the trainer-coupled fleet model (``mixrl.operator.autoscaling.trainer_sim``)
+same throughput.  This runs the trainer-coupled fleet model (``mixrl.sim.trainer_coupled``)
 on ``examples/rlrun-mixed.yaml``'s pools (their capacities and ``costPerGpuHour``) and on B200 pools
 alone, each as a static fleet sized to the same trainer (the AReaL / verl way, so that neither
 strategy's autoscaling is what is compared), and reports trainer steps/h, idle share and dollars per
@@ -24,9 +24,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from mixrl.operator.autoscaling.fleet import FleetPool
-from mixrl.operator.autoscaling.simulate import fleet_from_spec
-from mixrl.operator.autoscaling.trainer_sim import Strategy, TrainerRun, simulate_run, static_sized_to_trainer
+from mixrl.sim.fleet import FleetPool
+from mixrl.sim.simulate import fleet_from_spec
+from mixrl.sim.trainer_coupled import Strategy, TrainerRun, simulate_run, static_sized_to_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "rlrun-mixed.yaml"

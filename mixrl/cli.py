@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("mixrl.operator.main", "the Kubernetes operator (kopf)"),
     "sandbox-exec": ("mixrl.rl.sandbox.executor", "inside a sandbox pod: run one command per HTTP request"),
     "engine-sync": ("mixrl.rl.engine.weight_sync", "sidecar: load each new weight version into one engine"),
-    "simulate": ("mixrl.operator.autoscaling.simulate", "fleet simulator for autoscaling policies"),
+    "simulate": ("mixrl.sim.simulate", "fleet simulator for autoscaling policies"),
     "dev-cluster": (
         "mixrl.devcluster.cli",
         "a real Kubernetes control plane with a simulated GPU fleet (and real CPU nodes)",

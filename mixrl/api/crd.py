@@ -16,19 +16,18 @@ from typing import Any
 import yaml
 
 from mixrl.api import rules
+from mixrl.api.base import Model
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.models import (
     GROUP,
     VERSION,
-    Model,
     RLRun,
     RLRunSpec,
-    RLRunStatus,
     SamplerPool,
     SamplerPoolSpec,
-    SamplerPoolStatus,
 )
 from mixrl.api.rules import GpuTable
+from mixrl.api.status import RLRunStatus, SamplerPoolStatus
 from mixrl.api.text import plain_text
 
 CATEGORY = "mixrl"

@@ -36,6 +36,13 @@ from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.names import shown
 from mixrl.api.resolve import ResolvedRun
 
+if TYPE_CHECKING:
+    from yaml._yaml import Mark as _LibyamlMark
+    from yaml.events import Event
+
+    YamlMark: TypeAlias = yaml.Mark | _LibyamlMark
+    """Where a node or event starts: PyYAML's own mark, or libyaml's (the same fields) from its parser."""
+
 KINDS: dict[str, type[RLRun] | type[SamplerPool]] = {"RLRun": RLRun, "SamplerPool": SamplerPool}
 
 MAX_FILE_BYTES = 1024 * 1024
@@ -66,6 +73,10 @@ class ManifestUnreadable(ValueError):
 class LimitExceeded(yaml.MarkedYAMLError):
     """The document breaks one of the safe loader's limits, or repeats a key."""
 
+    if TYPE_CHECKING:
+        # types-PyYAML types MarkedYAMLError's marks as PyYAML's own; libyaml's events carry libyaml's
+        def __init__(self, *, problem: str, problem_mark: YamlMark | None) -> None: ...
+
 
 # The mixin's methods extend a PyYAML loader's; type checkers see it as one.
 if TYPE_CHECKING:
@@ -78,6 +89,11 @@ class _Limits(_LoaderBase):
     """The limits, duplicate keys and exponent floats, mixed into a PyYAML loader (pure Python or
     libyaml events).  One instance reads one file."""
 
+    if TYPE_CHECKING:
+        # types-PyYAML leaves these unannotated in the pure-Python Parser and BaseConstructor
+        def peek_event(self) -> Event | None: ...
+        def check_data(self) -> bool: ...
+
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self._depth = 0
@@ -87,15 +103,16 @@ class _Limits(_LoaderBase):
         self._anchored_sizes: dict[int, int] = {}
         """id(anchored node) -> its expanded size, known once the node is complete."""
 
-    def _count(self, nodes: int, node_mark: yaml.Mark | None) -> None:
+    def _count(self, nodes: int, node_mark: YamlMark | None) -> None:
         self._expanded += nodes
         if self._expanded > MAX_NODES:
             raise LimitExceeded(
                 problem=f"more than {MAX_NODES} YAML nodes with aliases expanded", problem_mark=node_mark
             )
 
-    def compose_node(self, parent: Node | None, index: Any) -> Node:
+    def compose_node(self, parent: Node | None, index: Any) -> Node | None:
         event = self.peek_event()
+        assert event is not None  # the composer composes a node only where an event comes next
         if isinstance(event, yaml.AliasEvent):
             self._aliases += 1
             if self._aliases > MAX_ALIASES:
@@ -187,7 +204,7 @@ SafeLoader: type[_Limits] = PureSafeLoader
 alike (tests/api check both)."""
 
 if yaml.__with_libyaml__:
-    from yaml.cyaml import CParser as _CParser
+    from yaml._yaml import CParser as _CParser
 
     class _LibyamlEvents(Composer, _CParser, SafeConstructor, Resolver):  # type: ignore[misc]
         """libyaml's scanner and parser (about 5x faster than PyYAML's) under PyYAML's Python

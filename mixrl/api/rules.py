@@ -448,7 +448,7 @@ def _parallel_values(node: Node) -> dict[str, str]:
 
 
 def _python_divides(trainer: Any, sizes: tuple[str, ...]) -> bool:
-    world = trainer.nodes * max(trainer.gpus_per_node, 1)  # resolve()'s world size
+    world: int = trainer.nodes * max(trainer.gpus_per_node, 1)  # resolve()'s world size
     return world % math.prod(getattr(trainer.parallelism, size) for size in sizes) == 0
 
 

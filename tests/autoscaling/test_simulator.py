@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mixrl.operator.autoscaling.fleet import FleetPool, Strategy, Workload, simulate
 from mixrl.operator.autoscaling.policy import PolicyConfig
-from mixrl.operator.autoscaling.simulate import fleet_from_spec, keda_configs, main, step_sessions
+from mixrl.sim.fleet import FleetPool, Strategy, Workload, simulate
+from mixrl.sim.simulate import fleet_from_spec, keda_configs, main, step_sessions
 
 POOLS = [
     FleetPool("fast", "B200", 3.2, 1, 6.0, 1, 12, cold_start_s=120),

@@ -1,4 +1,4 @@
-"""The trainer-coupled fleet model and the strategies it compares (mixrl/operator/autoscaling/trainer_sim.py)."""
+"""The trainer-coupled fleet model and the strategies it compares (mixrl/sim/trainer_coupled.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mixrl.operator.autoscaling.fleet import FleetPool
 from mixrl.operator.autoscaling.policy import PolicyConfig
-from mixrl.operator.autoscaling.trainer_sim import (
+from mixrl.rl.router.shares import REBALANCE_START, REBALANCE_STOP
+from mixrl.sim.fleet import FleetPool
+from mixrl.sim.trainer_coupled import (
     RunResult,
     Strategy,
     TrainerRun,
@@ -22,7 +23,6 @@ from mixrl.operator.autoscaling.trainer_sim import (
     simulate_run,
     static_sized_to_trainer,
 )
-from mixrl.rl.router.shares import REBALANCE_START, REBALANCE_STOP
 
 POOLS = [
     FleetPool("spot", "B200", 3.2, 1, 6.0, 1, 12, 240.0),  # $1.88 per capacity-hour
@@ -139,7 +139,7 @@ def test_every_step_pauses_generation_for_the_weight_update_and_is_billed_as_pau
 
 def test_the_trainer_is_priced_from_the_runs_spec_and_the_default_table() -> None:
     from mixrl.api.gpus import default_price
-    from mixrl.operator.autoscaling.simulate import DEFAULT_SPEC, trainer_from_spec
+    from mixrl.sim.simulate import DEFAULT_SPEC, trainer_from_spec
 
     # examples/rlrun-mixed.yaml: 4 nodes × 8 H200 GPUs; the RLRun states no trainer price, so the
     # table the operator's live status bills the trainer at (mixrl.api.gpus) prices it.
@@ -219,7 +219,7 @@ def test_a_pool_that_grew_while_over_its_share_and_fell_back_has_lost_capacity()
     """The balanced count rises with the ready replicas, as the router's share refresh raises it
     (mixrl.rl.router.shares.balanced_after_refresh): a pool that grew 2 → 4 while holding more than
     its share and then fell back to 2 lost capacity, although it is back at its old count."""
-    from mixrl.operator.autoscaling.trainer_sim import _rebalance
+    from mixrl.sim.trainer_coupled import _rebalance
 
     names = ("a", "b")
     sessions = np.array([60.0, 40.0])

@@ -47,7 +47,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mixrl.operator.autoscaling.fleet import FleetPool
 from mixrl.operator.autoscaling.objective import (
     FleetPool as ObjectivePool,
 )
@@ -65,6 +64,7 @@ from mixrl.operator.autoscaling.policy import (
     fleet_pending,
 )
 from mixrl.rl.router.shares import balanced_after_refresh, drain_step, rebalance_destination
+from mixrl.sim.fleet import FleetPool
 
 RATE_WINDOW_S = 300
 THROUGHPUT_WINDOW_S = 300

@@ -3,7 +3,7 @@
     mixrl simulate examples/rlrun-mixed.yaml --scenario day --out sim-out
 
 reads the run's sampler pools (capacities, bounds, prices) and autoscaling settings, drives the
-fleet model of :mod:`mixrl.operator.autoscaling.fleet` with three strategies — mixrl's policy, KEDA's defaults,
+fleet model of :mod:`mixrl.sim.fleet` with three strategies — mixrl's policy, KEDA's defaults,
 and static peak provisioning — and prints queue wait, utilization, cost per million tokens and
 scaling actions for each, with plots in the output directory.
 """
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from mixrl.api.text import plain_text
-from mixrl.operator.autoscaling.fleet import FleetPool, SimResult, Strategy, Workload, simulate
 from mixrl.operator.autoscaling.policy import PolicyConfig
+from mixrl.sim.fleet import FleetPool, SimResult, Strategy, Workload, simulate
 
 # Seconds from "pod scheduled" to "engine ready" for a ~30B MoE checkpoint read from a node-local
 # cache: image already pulled, weights loaded, kernels warmed up.  Assumptions, not measurements.
@@ -35,7 +35,7 @@ COLD_START_S: dict[str, float] = {
     "RTX-PRO-6000": 270.0,
     "cpu": 30.0,
 }
-DEFAULT_SPEC = Path(__file__).resolve().parents[3] / "examples" / "rlrun-mixed.yaml"
+DEFAULT_SPEC = Path(__file__).resolve().parents[2] / "examples" / "rlrun-mixed.yaml"
 """The checkout's mixed-fleet example, found from this file (not the working directory), so
 ``mixrl simulate`` runs from anywhere."""
 SCENARIOS = ("day", "step", "steady")
@@ -309,7 +309,7 @@ def main(argv: list[str]) -> int:
         json.dumps({"scenario": args.scenario, "results": rows}, indent=2) + "\n"
     )
     if not args.no_plots:
-        from mixrl.operator.autoscaling.simulate_plots import plot_results
+        from mixrl.sim.plots import plot_results
 
         for path in plot_results(results, out, title=f"{run_name} · {args.scenario}"):
             print(f"plot: {path}")

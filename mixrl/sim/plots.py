@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mixrl.operator.autoscaling.fleet import SimResult
+from mixrl.sim.fleet import SimResult
 
 COLORS = {"mixrl": "#1f77b4", "mixrl-budget": "#17becf", "keda": "#d62728", "static": "#7f7f7f"}
 
