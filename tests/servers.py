@@ -1,13 +1,23 @@
-"""Real mixrl servers on loopback, for the test folders that need one beside their own subject."""
+"""Real mixrl servers on loopback, for the test folders that need one beside their own subject,
+and ``mixrl <component>`` run as a process (:func:`cli_server`)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 from aiohttp import web
 
+from mixrl.api.loader import load_rlrun
+from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.api.trajectory_check import TrajectoryLimits
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
@@ -37,3 +47,84 @@ async def buffer_at(
     finally:
         await runner.cleanup()
         buffer.close()
+
+
+EXAMPLE_RUN = Path(__file__).parents[1] / "examples" / "rlrun-mixed.yaml"
+
+
+def write_example_config(path: Path) -> ResolvedRun:
+    """examples/rlrun-mixed.yaml resolved and written to ``path`` (a ``--config``); returns it."""
+    resolved = resolve(load_rlrun(EXAMPLE_RUN))
+    path.write_text(resolved.model_dump_json())
+    return resolved
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 a moment ago (for a flag that takes no 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def environment_without_token(**extra: str) -> dict[str, str]:
+    """This process's environment without ``MIXRL_AUTH_TOKEN`` (the shell's must not leak in), plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if k != "MIXRL_AUTH_TOKEN"}, **extra}
+
+
+def run_cli(
+    component: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``mixrl <component> *args`` run to its end (60 s at most), its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "mixrl.cli", component, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+class ServerProcess(NamedTuple):
+    """A ``mixrl`` server process (its stderr piped) and the URL it serves."""
+
+    process: asyncio.subprocess.Process
+    url: str
+
+
+@asynccontextmanager
+async def cli_server(
+    component: str,
+    port_file: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[ServerProcess]:
+    """``mixrl <component> *args --port 0 --port-file <port_file>`` as a process, yielded with its
+    URL once it has written its port (one that exits first fails the test with its stderr). At the
+    end a process still running gets SIGTERM (SIGKILL after 30 s); a test that means a clean stop
+    sends SIGTERM itself and checks the exit code."""
+    port_file.unlink(missing_ok=True)
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "mixrl.cli", component, *args),
+        *("--port", "0", "--port-file", str(port_file)),
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        for _ in range(600):
+            if port_file.exists():
+                break
+            if process.returncode is not None:
+                said = (await process.stderr.read()).decode()  # type: ignore[union-attr]
+                raise AssertionError(f"mixrl {component} exited with {process.returncode}: {said}")
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"mixrl {component} wrote no port within 30 s")
+        yield ServerProcess(process, f"http://127.0.0.1:{port_file.read_text()}")
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), 30)
+            except TimeoutError:
+                process.kill()
+                await process.wait()

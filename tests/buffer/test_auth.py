@@ -7,10 +7,6 @@ Real: the buffer on loopback over a real directory (its logs compared byte for b
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +16,7 @@ import pytest
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.buffer.client import BufferClient, BufferError
 
+from ..servers import cli_server, environment_without_token, run_cli
 from .conftest import RunningBuffer, StartBuffer, group_of, write_run_config
 
 TOKEN = AuthToken("buffer-test-token-" + "b" * 24)
@@ -116,23 +113,14 @@ async def test_a_client_without_the_token_gets_one_401_and_no_retries(start_buff
 # ----------------------------------------------------------------------------------- the process
 
 
-def environment(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "MIXRL_AUTH_TOKEN"}, **extra}
-
-
 def sizes(tmp_path: Path) -> tuple[str, str]:
     """The buffer's ``--config``: one group of two per step."""
     return ("--config", str(write_run_config(tmp_path / "run.json", prompts=1, samples=2)))
 
 
 def test_without_a_token_the_buffer_refuses_to_start_with_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path / "buf"), *sizes(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=environment(),
-    )
+    flags = ("--dir", str(tmp_path / "buf"), *sizes(tmp_path))
+    result = run_cli("buffer", *flags, env=environment_without_token())
     assert (result.returncode, result.stderr.strip()) == (
         2,
         "mixrl buffer: no auth token: give --auth-token-file PATH or set MIXRL_AUTH_TOKEN "
@@ -145,27 +133,13 @@ async def test_the_buffer_process_checks_the_token_and_never_logs_it(tmp_path: P
     token_file, port_file = tmp_path / "auth-token", tmp_path / "port"
     write_token_file(token_file, TOKEN)
     assert token_file.stat().st_mode & 0o777 == 0o600
-    process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path / "buf"), *sizes(tmp_path)),
-        *("--port", "0", "--port-file", str(port_file), "--auth-token-file", str(token_file)),
-        stderr=asyncio.subprocess.PIPE,
-        env=environment(),
-    )
-    try:
-        for _ in range(600):
-            if port_file.exists():
-                break
-            assert process.returncode is None
-            await asyncio.sleep(0.05)
-        url = f"http://127.0.0.1:{port_file.read_text()}"
+    flags = ("--dir", str(tmp_path / "buf"), *sizes(tmp_path), "--auth-token-file", str(token_file))
+    async with cli_server("buffer", port_file, *flags, env=environment_without_token()) as (process, url):
         assert (await post(url, "/trajectories", trajectories("a", 2), WRONG))[0] == 401
         assert (await post(url, "/commit?step=0"))[0] == 401
         async with BufferClient(url, auth_token=TOKEN) as client:
             assert await client.post_trajectories(group_of("a", 2)) == 1
             assert (await client.stats())["trajectories"] == 2
-    finally:
-        process.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(process.wait(), 30)
     stderr = (await process.stderr.read()).decode()  # type: ignore[union-attr]
     assert "refused POST /trajectories from 127.0.0.1: wrong token" in stderr
     assert TOKEN.reveal() not in stderr and "not-the-run-token" not in stderr

@@ -5,55 +5,26 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
 
 from mixrl.rl.buffer.client import BufferClient
 
+from ..servers import cli_server, free_port, run_cli, write_example_config
 from .conftest import group_of, write_run_config
 
 
-async def start_process(
-    directory: Path, port_file: Path, *extra: str, auth: tuple[str, ...] = ("--insecure-no-auth",)
-) -> asyncio.subprocess.Process:
-    """``mixrl buffer`` on a free port, 2 groups of 2 per step; ``auth`` are its token flags (none
-    checked by default)."""
-    port_file.unlink(missing_ok=True)
+def buffer_flags(directory: Path) -> tuple[str, ...]:
+    """``mixrl buffer``'s flags over ``directory``: 2 groups of 2 per step, no token checked."""
     config = write_run_config(directory.parent / "run.json", prompts=2, samples=2)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "mixrl.cli",
-        "buffer",
-        "--dir",
-        str(directory),
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
-        "--config",
-        str(config),
-        *auth,
-        *extra,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    for _ in range(600):
-        if port_file.exists():
-            return process
-        assert process.returncode is None, (await process.stderr.read()).decode()
-        await asyncio.sleep(0.05)
-    raise AssertionError("buffer did not start")
+    return ("--dir", str(directory), "--config", str(config), "--insecure-no-auth")
 
 
 async def test_sigkill_and_restart_lose_nothing_and_repeat_batches(tmp_path: Path) -> None:
     directory, port_file = tmp_path / "buf", tmp_path / "port"
-    process = await start_process(directory, port_file)
-    try:
-        async with BufferClient(f"http://127.0.0.1:{port_file.read_text()}") as client:
+    async with cli_server("buffer", port_file, *buffer_flags(directory)) as (process, url):
+        async with BufferClient(url) as client:
             for prompt in ("a", "b", "c"):
                 await client.post_trajectories(group_of(prompt, 2))
             await client.post_trajectories(group_of("d", 1))
@@ -61,8 +32,8 @@ async def test_sigkill_and_restart_lose_nothing_and_repeat_batches(tmp_path: Pat
             assert [g.prompt_id for g in step1.groups] == ["a", "b"]
         process.send_signal(signal.SIGKILL)  # no chance to flush anything more
         await process.wait()
-        process = await start_process(directory, port_file)
-        async with BufferClient(f"http://127.0.0.1:{port_file.read_text()}") as client:
+    async with cli_server("buffer", port_file, *buffer_flags(directory)) as (process, url):
+        async with BufferClient(url) as client:
             assert await client.get_batch(1, timeout=0) == step1  # the trainer asks again after its crash
             stats = await client.stats()
             assert (stats["trajectories"], stats["groups_ready"], stats["groups_partial"]) == (7, 1, 1)
@@ -73,23 +44,13 @@ async def test_sigkill_and_restart_lose_nothing_and_repeat_batches(tmp_path: Pat
             await client.commit(2)
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 30) == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def test_bad_arguments_give_one_line(tmp_path: Path) -> None:
     config = write_run_config(tmp_path / "run.json", prompts=1, samples=1)
 
     def run(*args: str, env: dict[str, str] | None = None) -> str:
-        result = subprocess.run(
-            [sys.executable, "-m", "mixrl.cli", "buffer", *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env=env,
-        )
+        result = run_cli("buffer", *args, env=env)
         assert result.returncode == 2
         return result.stderr.strip()
 
@@ -113,13 +74,7 @@ def test_a_damaged_log_stops_the_start_with_one_line(tmp_path: Path) -> None:
         '{"kind": "commit", "step": "x"}\n{"kind": "commit", "step": 1}\n'
     )
     config = write_run_config(tmp_path / "run.json", prompts=1, samples=1)
-    command = [sys.executable, "-m", "mixrl.cli", "buffer", "--dir", str(tmp_path), "--config", str(config)]
-    result = subprocess.run(
-        [*command, "--insecure-no-auth"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = run_cli("buffer", "--dir", str(tmp_path), "--config", str(config), "--insecure-no-auth")
     assert (result.returncode, result.stderr.strip()) == (
         2,
         f"mixrl buffer: --dir: log {tmp_path / 'assignments.jsonl'} is damaged at line 1: "
@@ -128,36 +83,12 @@ def test_a_damaged_log_stops_the_start_with_one_line(tmp_path: Path) -> None:
 
 
 async def test_the_config_supplies_the_run_and_its_sizes(tmp_path: Path) -> None:
-    from mixrl.api.loader import load_rlrun
-    from mixrl.api.resolve import resolve
-
-    resolved = resolve(load_rlrun(Path(__file__).parents[2] / "examples" / "rlrun-mixed.yaml"))
-    config = tmp_path / "run.json"
-    config.write_text(resolved.model_dump_json())
-    port_file, metrics_port = tmp_path / "port", free_port()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "mixrl.cli",
-        "buffer",
-        "--config",
-        str(config),
-        "--port",
-        "0",
-        "--port-file",
-        str(port_file),
-        "--metrics-port",
-        str(metrics_port),
-        "--insecure-no-auth",
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "MIXRL_BUFFER_DIR": str(tmp_path / "buf")},
-    )
-    try:
-        for _ in range(600):
-            if port_file.exists():
-                break
-            await asyncio.sleep(0.05)
-        async with BufferClient(f"http://127.0.0.1:{port_file.read_text()}") as client:
+    config, metrics_port = tmp_path / "run.json", free_port()
+    resolved = write_example_config(config)
+    flags = ("--config", str(config), "--metrics-port", str(metrics_port), "--insecure-no-auth")
+    env = {**os.environ, "MIXRL_BUFFER_DIR": str(tmp_path / "buf")}
+    async with cli_server("buffer", tmp_path / "port", *flags, env=env) as (_, url):
+        async with BufferClient(url) as client:
             stats = await client.stats()
         async with (
             aiohttp.ClientSession() as http,
@@ -171,12 +102,3 @@ async def test_the_config_supplies_the_run_and_its_sizes(tmp_path: Path) -> None
             trainer.samples_per_prompt,
             trainer.max_staleness,
         )
-    finally:
-        process.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(process.wait(), 30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

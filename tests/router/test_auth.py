@@ -6,11 +6,6 @@ tests/fakes.py), here also checking the token as SGLang's ``--api-key`` does.
 
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +17,7 @@ from mixrl.rl.engine.protocol import SESSION_HEADER
 from mixrl.rl.router.server import RouterSettings
 
 from ..fakes import FakeEngine
+from ..servers import cli_server, environment_without_token, run_cli
 from .conftest import RunningRouter, pools_config
 from .run_files import write_run
 
@@ -127,19 +123,9 @@ def router_files(tmp_path: Path, engine: FakeEngine) -> tuple[str, ...]:
     return ("--config", str(config), "--replicas", str(replicas))
 
 
-def environment(**extra: str) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "MIXRL_AUTH_TOKEN"}, **extra}
-
-
 def test_without_a_token_the_router_refuses_to_start_with_one_line(tmp_path: Path) -> None:
     config, _ = write_run(tmp_path, {"a": []})
-    result = subprocess.run(
-        [sys.executable, "-m", "mixrl.cli", "router", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=environment(),
-    )
+    result = run_cli("router", "--config", str(config), env=environment_without_token())
     assert (result.returncode, result.stderr.strip()) == (
         2,
         "mixrl router: no auth token: give --auth-token-file PATH or set MIXRL_AUTH_TOKEN "
@@ -158,25 +144,11 @@ async def test_the_router_process_takes_its_token_from_the_file_or_the_environme
     for auth, env in (
         (
             ["--auth-token-file", str(token_file)],
-            environment(MIXRL_AUTH_TOKEN="a-different-token-in-the-shell"),
+            environment_without_token(MIXRL_AUTH_TOKEN="a-different-token-in-the-shell"),
         ),
-        ([], environment(MIXRL_AUTH_TOKEN=TOKEN.reveal())),
+        ([], environment_without_token(MIXRL_AUTH_TOKEN=TOKEN.reveal())),
     ):
-        port_file = tmp_path / "port"
-        port_file.unlink(missing_ok=True)
-        process = await asyncio.create_subprocess_exec(
-            *(sys.executable, "-m", "mixrl.cli", "router", *files),
-            *("--port", "0", "--port-file", str(port_file), *auth),
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-        )
-        try:
-            for _ in range(600):
-                if port_file.exists():
-                    break
-                assert process.returncode is None
-                await asyncio.sleep(0.05)
-            url = f"http://127.0.0.1:{port_file.read_text()}"
+        async with cli_server("router", tmp_path / "port", *files, *auth, env=env) as (process, url):
             body = {"model_path": "/w/v1"}
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"{url}/update_weights_from_disk", json=body, headers=WRONG) as response:
@@ -185,9 +157,6 @@ async def test_the_router_process_takes_its_token_from_the_file_or_the_environme
                     assert response.status == 200, await response.text()
                 async with http.post(f"{url}/generate", json={"input_ids": [1]}) as response:
                     assert response.status == 200  # open here, and the engine got the router's token
-        finally:
-            process.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(process.wait(), 30)
         stderr = (await process.stderr.read()).decode()  # type: ignore[union-attr]
         assert "refused POST /update_weights_from_disk from 127.0.0.1: wrong token" in stderr
         assert TOKEN.reveal() not in stderr and "not-the-run-token" not in stderr
@@ -196,29 +165,14 @@ async def test_the_router_process_takes_its_token_from_the_file_or_the_environme
 
 async def test_insecure_no_auth_is_said_in_one_warning_line(tmp_path: Path, engines: Engines) -> None:
     engine = await engines("e")
-    port_file = tmp_path / "port"
-    process = await asyncio.create_subprocess_exec(
-        *(sys.executable, "-m", "mixrl.cli", "router", *router_files(tmp_path, engine)),
-        *("--port", "0", "--port-file", str(port_file), "--insecure-no-auth"),
-        stderr=asyncio.subprocess.PIPE,
-        env=environment(),
-    )
-    try:
-        for _ in range(600):
-            if port_file.exists():
-                break
-            await asyncio.sleep(0.05)
-        async with (
-            aiohttp.ClientSession() as http,
-            http.post(
-                f"http://127.0.0.1:{port_file.read_text()}/update_weights_from_disk",
-                json={"model_path": "/w"},
-            ) as response,
-        ):
-            assert response.status == 200
-    finally:
-        process.send_signal(signal.SIGTERM)
-        await asyncio.wait_for(process.wait(), 30)
-    stderr = (await process.stderr.read()).decode()  # type: ignore[union-attr]
+    files = (*router_files(tmp_path, engine), "--insecure-no-auth")
+    env = environment_without_token()
+    async with (
+        cli_server("router", tmp_path / "port", *files, env=env) as router,
+        aiohttp.ClientSession() as http,
+        http.post(f"{router.url}/update_weights_from_disk", json={"model_path": "/w"}) as response,
+    ):
+        assert response.status == 200
+    stderr = (await router.process.stderr.read()).decode()  # type: ignore[union-attr]
     warnings = [line for line in stderr.splitlines() if "authentication is off" in line]
     assert len(warnings) == 1 and "--insecure-no-auth" in warnings[0]
