@@ -7,8 +7,8 @@ import torch
 
 from mixrl.rl import quant
 
+from ..tiny_models import tiny_qwen3, tiny_qwen3_moe
 from . import reference
-from .conftest import tiny_qwen3, tiny_qwen3_moe
 
 # ---------------------------------------------------------------------------------------- KV cache
 

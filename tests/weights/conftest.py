@@ -13,39 +13,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig
 
 from mixrl.rl.weights import WeightStore
 
-TINY_SIZES = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-)
+from .. import tiny_models
 
 
 def tiny_qwen3(tie_word_embeddings: bool = False) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = Qwen3Config(tie_word_embeddings=tie_word_embeddings, **TINY_SIZES)
-    return AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    """The shared tiny Qwen3 in BF16, the precision the trainer publishes."""
+    return tiny_models.tiny_qwen3(tie_word_embeddings=tie_word_embeddings).to(torch.bfloat16)
 
 
 def tiny_qwen3_moe() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = Qwen3MoeConfig(
-        moe_intermediate_size=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        **TINY_SIZES,
-    )
-    return AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    """The shared tiny Qwen3-MoE in BF16, the precision the trainer publishes."""
+    return tiny_models.tiny_qwen3_moe().to(torch.bfloat16)
 
 
 def assert_same_parameters(expected: torch.nn.Module, got: torch.nn.Module) -> None:
