@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
 import torch
-from aiohttp import web
 from transformers.utils import logging as hf_logging
 
 from mixrl.api.launch import LABELLED_FILE
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
-from mixrl.api.resolve import ResolvedRun, resolve
+from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.local.processes import EngineProcess
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine import weight_sync
@@ -24,6 +25,7 @@ from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.weights import WeightStore
 
+from ..fakes import serve
 from .sglang_standin import FLUSH_REFUSED, StandInSGLang
 from .support import small_run
 
@@ -147,13 +149,44 @@ async def test_the_sidecar_moves_a_running_engine_to_each_new_version(
         await asyncio.to_thread(engine.close)
 
 
-async def serve(standin: StandInSGLang) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(standin.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
+class TwoVersions(NamedTuple):
+    model_dir: str
+    store: WeightStore
+    pool: ResolvedPool
+    output: Path
+    """The engine's weights directory (``current`` links the version it serves)."""
+
+
+@pytest.fixture
+async def two_versions(tiny: tuple[str, WeightStore, ResolvedRun], tmp_path: Path) -> TwoVersions:
+    """Versions 0 and 1 (scaled by 1.5) published; the pool ``emul`` and its engine's weights directory."""
+    model_dir, store, run = tiny
+    await asyncio.to_thread(publish, store, model_dir, 0)
+    await asyncio.to_thread(publish, store, model_dir, 1, 1.5)
+    return TwoVersions(model_dir, store, run.pool("emul"), tmp_path / "engine-weights")
+
+
+@asynccontextmanager
+async def serving(standin: StandInSGLang) -> AsyncIterator[str]:
+    """The stand-in on a free loopback port; yields its URL."""
+    runner, url = await serve(standin.app())
+    try:
+        yield url
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def following(versions: TwoVersions, engine: EngineClient, poll_s: float) -> AsyncIterator[None]:
+    """The sidecar's follow loop in the background; stopped, and awaited (10 s at most), at the end."""
+    stop = asyncio.Event()
+    store, pool, output = versions.store, versions.pool, versions.output
+    follower = asyncio.create_task(weight_sync.follow(store, pool, output, engine, poll_s, stop))
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(follower, 10)
 
 
 async def load(url: str, requests: int, tokens: int) -> list[list[list[str]]]:
@@ -169,103 +202,77 @@ async def load(url: str, requests: int, tokens: int) -> list[list[list[str]]]:
         return list(await asyncio.gather(*(one() for _ in range(requests))))
 
 
-async def test_a_weight_update_under_load_is_one_sglang_accepts(
-    tiny: tuple[str, WeightStore, ResolvedRun], tmp_path: Path
-) -> None:
-    model_dir, store, run = tiny
-    pool, output = run.pool("emul"), tmp_path / "engine-weights"
-    await asyncio.to_thread(publish, store, model_dir, 0)
-    await asyncio.to_thread(publish, store, model_dir, 1, 1.5)
+async def test_a_weight_update_under_load_is_one_sglang_accepts(two_versions: TwoVersions) -> None:
+    _, store, pool, output = two_versions
     weight_sync.point_current(output, store.path(0))
     standin = StandInSGLang(weights=store.path(0), label="0")
-    runner, url = await serve(standin)
-    try:
-        async with EngineClient(url) as engine:
-            generating = asyncio.create_task(load(url, requests=4, tokens=60))
-            while len(standin.unfinished) < 4 or standin.produced < 4 * 10:
-                await asyncio.sleep(0.005)
-            await weight_sync.sync_engine(store, pool, output, engine, 1, served=0)
-            assert len(standin.unfinished) == 4, "the update happened while all four requests ran"
-            outputs = await generating
-        assert standin.answers[-1]["success"] and standin.loads[-1]["flush_cache"] is False
-        assert standin.label == "1" and (output / "current").resolve() == Path(store.path(1)).resolve()
-        # Nothing aborted or retracted: each request finished, its early tokens from version 0,
-        # its late ones from version 1, and every token labelled with the weights that produced it.
-        label_of = {store.path(0): "0", store.path(1): "1"}
-        for tokens in outputs:
-            assert len(tokens) == 60
-            assert {label for _, label in tokens} == {"0", "1"}
-            assert all(label == label_of[weights] for weights, label in tokens)
-    finally:
-        await runner.cleanup()
+    async with serving(standin) as url, EngineClient(url) as engine:
+        generating = asyncio.create_task(load(url, requests=4, tokens=60))
+        while len(standin.unfinished) < 4 or standin.produced < 4 * 10:
+            await asyncio.sleep(0.005)
+        await weight_sync.sync_engine(store, pool, output, engine, 1, served=0)
+        assert len(standin.unfinished) == 4, "the update happened while all four requests ran"
+        outputs = await generating
+    assert standin.answers[-1]["success"] and standin.loads[-1]["flush_cache"] is False
+    assert standin.label == "1" and (output / "current").resolve() == Path(store.path(1)).resolve()
+    # Nothing aborted or retracted: each request finished, its early tokens from version 0,
+    # its late ones from version 1, and every token labelled with the weights that produced it.
+    label_of = {store.path(0): "0", store.path(1): "1"}
+    for tokens in outputs:
+        assert len(tokens) == 60
+        assert {label for _, label in tokens} == {"0", "1"}
+        assert all(label == label_of[weights] for weights, label in tokens)
 
 
 async def test_the_stand_in_refuses_a_flush_after_an_in_place_pause_as_sglang_does() -> None:
     # The sequence mixrl used to send: SGLang loads the weights, refuses the flush and keeps
     # reporting the old version, so new tokens would carry the wrong label.
     standin = StandInSGLang(weights="/ckpt/v0", label="0")
-    runner, url = await serve(standin)
-    try:
-        async with EngineClient(url) as engine:
-            generating = asyncio.create_task(load(url, requests=2, tokens=40))
-            while len(standin.unfinished) < 2 or standin.produced < 2 * 10:
-                await asyncio.sleep(0.005)
-            await engine.pause_generation("in_place")
-            answer = await engine.update_weights_from_disk("/ckpt/v1", 1, flush_cache=True)
-            await engine.continue_generation()
-            outputs = await generating
-        assert answer == {"success": False, "message": FLUSH_REFUSED, "num_paused_requests": 0}
-        assert standin.label == "0"
-        assert any(weights == "/ckpt/v1" and label == "0" for tokens in outputs for weights, label in tokens)
-    finally:
-        await runner.cleanup()
+    async with serving(standin) as url, EngineClient(url) as engine:
+        generating = asyncio.create_task(load(url, requests=2, tokens=40))
+        while len(standin.unfinished) < 2 or standin.produced < 2 * 10:
+            await asyncio.sleep(0.005)
+        await engine.pause_generation("in_place")
+        answer = await engine.update_weights_from_disk("/ckpt/v1", 1, flush_cache=True)
+        await engine.continue_generation()
+        outputs = await generating
+    assert answer == {"success": False, "message": FLUSH_REFUSED, "num_paused_requests": 0}
+    assert standin.label == "0"
+    assert any(weights == "/ckpt/v1" and label == "0" for tokens in outputs for weights, label in tokens)
 
 
 async def test_an_engine_started_from_the_latest_version_is_labelled_not_reloaded(
-    tiny: tuple[str, WeightStore, ResolvedRun], tmp_path: Path
+    two_versions: TwoVersions,
 ) -> None:
-    model_dir, store, run = tiny
-    pool, output = run.pool("emul"), tmp_path / "engine-weights"
-    await asyncio.to_thread(publish, store, model_dir, 0)
-    await asyncio.to_thread(publish, store, model_dir, 1, 1.5)
+    model_dir, store, pool, output = two_versions
     # The init container linked version 1; the engine started from it and reports SGLang's default.
     assert await weight_sync.prepare(store, pool, output, 0.02, 30) == 1
     standin = StandInSGLang(weights=str(output / "current"))
-    runner, url = await serve(standin)
-    stop = asyncio.Event()
-    try:
-        async with EngineClient(url) as engine:
-            follower = asyncio.create_task(weight_sync.follow(store, pool, output, engine, 0.02, stop))
-            while standin.label != "1":
-                await asyncio.sleep(0.01)
-            assert standin.loads == [], "the same weights are not loaded again"
-            # A later version is loaded as usual.
-            await asyncio.to_thread(publish, store, model_dir, 2, 0.5)
-            while standin.label != "2":
-                await asyncio.sleep(0.01)
-            stop.set()
-            await asyncio.wait_for(follower, 10)
-        assert [body["model_path"] for body in standin.loads] == [store.path(2)]
-    finally:
-        await runner.cleanup()
+    async with (
+        serving(standin) as url,
+        EngineClient(url) as engine,
+        following(two_versions, engine, 0.02),
+    ):
+        while standin.label != "1":
+            await asyncio.sleep(0.01)
+        assert standin.loads == [], "the same weights are not loaded again"
+        # A later version is loaded as usual.
+        await asyncio.to_thread(publish, store, model_dir, 2, 0.5)
+        while standin.label != "2":
+            await asyncio.sleep(0.01)
+    assert [body["model_path"] for body in standin.loads] == [store.path(2)]
 
 
 async def test_an_engine_that_comes_up_is_labelled_within_a_second_not_a_poll_interval(
-    tiny: tuple[str, WeightStore, ResolvedRun], tmp_path: Path
+    two_versions: TwoVersions,
 ) -> None:
     # Until it is labelled, an engine reports `default` for the tokens it serves: the sidecar
     # watches an engine that is not up, or not labelled, every UNSETTLED_POLL_S, not every --poll.
-    model_dir, store, run = tiny
-    pool, output = run.pool("emul"), tmp_path / "engine-weights"
-    await asyncio.to_thread(publish, store, model_dir, 0)
-    await asyncio.to_thread(publish, store, model_dir, 1, 1.5)
+    _, store, pool, output = two_versions
     await weight_sync.prepare(store, pool, output, 0.02, 30)
     standin = StandInSGLang(weights=str(output / "current"), healthy=False)
-    runner, url = await serve(standin)
-    stop = asyncio.Event()
-    try:
-        async with EngineClient(url) as engine:
-            follower = asyncio.create_task(weight_sync.follow(store, pool, output, engine, 60.0, stop))
+    async with serving(standin) as url:
+        async with EngineClient(url) as engine, following(two_versions, engine, 60.0):
             await asyncio.sleep(0.3)
             assert standin.label == "default"
             standin.healthy = True  # the model is loaded
@@ -280,41 +287,24 @@ async def test_an_engine_that_comes_up_is_labelled_within_a_second_not_a_poll_in
                 assert loop.time() - start < 10 * weight_sync.UNSETTLED_POLL_S, "gate not opened"
                 await asyncio.sleep(0.01)
             assert gate.read_text() == "1"
-            stop.set()
-            await asyncio.wait_for(follower, 10)
         assert standin.loads == []
         # The engine restarts: unlabelled again, so the gate closes until it is labelled once more.
         standin.label, standin.healthy = "default", False
-        stop = asyncio.Event()
-        async with EngineClient(url) as engine:
-            follower = asyncio.create_task(weight_sync.follow(store, pool, output, engine, 60.0, stop))
+        async with EngineClient(url) as engine, following(two_versions, engine, 60.0):
             while gate.exists():
                 assert loop.time() - start < 20, "the gate stayed open for a restarted engine"
                 await asyncio.sleep(0.01)
-            stop.set()
-            await asyncio.wait_for(follower, 10)
-    finally:
-        await runner.cleanup()
 
 
-async def test_an_unlabelled_engine_behind_the_link_is_reloaded(
-    tiny: tuple[str, WeightStore, ResolvedRun], tmp_path: Path
-) -> None:
+async def test_an_unlabelled_engine_behind_the_link_is_reloaded(two_versions: TwoVersions) -> None:
     # `current` names version 0 while version 1 is the latest: the engine's weights are unknown to
     # be version 1, so they are loaded.
-    model_dir, store, run = tiny
-    pool, output = run.pool("emul"), tmp_path / "engine-weights"
-    await asyncio.to_thread(publish, store, model_dir, 0)
-    await asyncio.to_thread(publish, store, model_dir, 1, 1.5)
+    _, store, pool, output = two_versions
     weight_sync.point_current(output, store.path(0))
     standin = StandInSGLang(weights=str(output / "current"))
-    runner, url = await serve(standin)
-    try:
-        async with EngineClient(url) as engine:
-            await weight_sync.sync_engine(store, pool, output, engine, 1, served=0)
-        assert [body["model_path"] for body in standin.loads] == [store.path(1)] and standin.label == "1"
-    finally:
-        await runner.cleanup()
+    async with serving(standin) as url, EngineClient(url) as engine:
+        await weight_sync.sync_engine(store, pool, output, engine, 1, served=0)
+    assert [body["model_path"] for body in standin.loads] == [store.path(1)] and standin.label == "1"
 
 
 def test_command_line_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
