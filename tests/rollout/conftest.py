@@ -38,6 +38,7 @@ from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
 from mixrl.rl.engine.protocol import GenerateResult, PoolInfo
 from mixrl.rl.environments.filetree import parse_config
+from mixrl.rl.rollout.stats import RolloutStats
 from mixrl.rl.rollout.tokenizer import END, TOOL, Tokenizer
 from mixrl.rl.router.config import PoolConfig, RouterConfig
 from mixrl.rl.router.server import Router, RouterSettings
@@ -167,13 +168,20 @@ def scripted_reply(behaviour: str = "expert", version: int = 0) -> Reply:
     return reply
 
 
-def scripted_engine(name: str, version: int = 0, behaviour: str = "expert") -> FakeEngine:
-    """A stand-in replica playing the scripted policy; each turn takes 2 ms, so episodes overlap."""
-    return FakeEngine(name, reply=scripted_reply(behaviour, version), delay=0.002)
+def scripted_engine(
+    name: str, version: int = 0, behaviour: str = "expert", reply: Reply | None = None
+) -> FakeEngine:
+    """A stand-in replica playing the scripted policy, or ``reply`` (a test's reshaping of the
+    policy's answer); each turn takes 2 ms, so episodes overlap."""
+    return FakeEngine(name, reply=reply or scripted_reply(behaviour, version), delay=0.002)
+
+
+Engines = Callable[..., Awaitable[FakeEngine]]
+"""The ``engines`` fixture: ``await engines(name, **scripted_engine's keywords)`` starts a replica."""
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[Callable[..., Awaitable[FakeEngine]]]:
+async def engines() -> AsyncIterator[Engines]:
     async with started_engines(scripted_engine) as start:
         yield start
 
@@ -184,8 +192,11 @@ class RunningRouter:
     url: str
 
 
+StartRouter = Callable[..., Awaitable[RunningRouter]]
+
+
 @pytest.fixture
-async def start_router() -> AsyncIterator[Callable[..., Awaitable[RunningRouter]]]:
+async def start_router() -> AsyncIterator[StartRouter]:
     runners: list[web.AppRunner] = []
 
     async def start(
@@ -221,8 +232,11 @@ class RunningBuffer:
     client: BufferClient
 
 
+StartBuffer = Callable[..., Awaitable[RunningBuffer]]
+
+
 @pytest.fixture
-async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[RunningBuffer]]]:
+async def start_buffer(tmp_path: Path) -> AsyncIterator[StartBuffer]:
     started: list[tuple[web.AppRunner, RunningBuffer]] = []
 
     async def start(
@@ -244,6 +258,17 @@ async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[
         await running.client.close()
         await runner.cleanup()
         running.buffer.close()
+
+
+async def metrics_text(stats: RolloutStats) -> str:
+    """What ``stats`` exports on ``/metrics``, served on a free loopback port for the one request."""
+    runner = await stats.serve_metrics(0, host="127.0.0.1")
+    try:
+        host, port = runner.addresses[0][:2]
+        async with aiohttp.ClientSession() as http, http.get(f"http://{host}:{port}/metrics") as response:
+            return await response.text()
+    finally:
+        await runner.cleanup()
 
 
 async def get_json(url: str) -> Any:

@@ -14,9 +14,6 @@ the policy answers, as that router does.  Real: the router client, the rollout w
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +24,9 @@ from mixrl.rl.rollout.router_client import RouterClient
 from mixrl.rl.rollout.worker import RolloutWorker
 
 from ..fakes import FakeEngine
-from .conftest import TOKENIZER, RunningBuffer, RunningRouter, scripted_reply
+from .conftest import TOKENIZER, Engines, StartBuffer, StartRouter, scripted_reply
 from .test_agent import TASK
-from .test_worker import FILETREE, REPO, SETTINGS, resolved_run
+from .test_worker import FILETREE, SETTINGS, rollout_flags, run_rollout, worker_behind_router
 
 
 def dropping(body: dict[str, Any]) -> dict[str, Any]:
@@ -38,7 +35,7 @@ def dropping(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_the_support_arrives_or_the_turn_fails_naming_the_field(
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    start_buffer: StartBuffer,
 ) -> None:
     """Directly against one replica (the client also talks to engines): the same episode, with the
     field carried and with it dropped."""
@@ -63,29 +60,22 @@ async def test_the_support_arrives_or_the_turn_fails_naming_the_field(
 
 
 async def test_the_worker_stops_instead_of_dropping_groups(
-    start_router: Callable[..., Awaitable[RunningRouter]],
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    engines: Engines, start_router: StartRouter, start_buffer: StartBuffer
 ) -> None:
-    engine = await FakeEngine("a", reply=dropping).start()
-    try:
-        router = await start_router({"a": [engine]})
-        buffer = await start_buffer(prompts_per_update=1, samples_per_prompt=1)
-        client = RouterClient(router.url, SETTINGS.sampling, TOKENIZER.stop_token_ids)
-        worker = RolloutWorker(SETTINGS, FILETREE, TOKENIZER, client, buffer.client, say=lambda _: None)
-        try:
-            # the step-0 evaluation meets it first, and the worker ends on it
-            stopping = asyncio.Event()
-            with pytest.raises(BaseException) as raised:
-                await asyncio.wait_for(worker.run(stopping), 30)
-            assert _leaves(raised.value) and all(
-                isinstance(e, SamplingMaskMissing) for e in _leaves(raised.value)
-            )
-        finally:
-            await client.close()
-        assert worker.stats.groups_dropped == 0 and worker.stats.episodes == 0
-        assert buffer.buffer.stats()["trajectories"] == 0
-    finally:
-        await engine.kill()
+    engine = await engines("a", reply=dropping)
+    async with worker_behind_router(engine, start_router, start_buffer, say=lambda _: None) as (
+        worker,
+        buffer,
+    ):
+        # the step-0 evaluation meets it first, and the worker ends on it
+        stopping = asyncio.Event()
+        with pytest.raises(BaseException) as raised:
+            await asyncio.wait_for(worker.run(stopping), 30)
+        assert _leaves(raised.value) and all(
+            isinstance(e, SamplingMaskMissing) for e in _leaves(raised.value)
+        )
+    assert worker.stats.groups_dropped == 0 and worker.stats.episodes == 0
+    assert buffer.buffer.stats()["trajectories"] == 0
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
@@ -95,32 +85,11 @@ def _leaves(error: BaseException) -> list[BaseException]:
 
 
 async def test_mixrl_rollout_ends_with_one_line_naming_the_field(
-    tmp_path: Path,
-    start_router: Callable[..., Awaitable[RunningRouter]],
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    tmp_path: Path, engines: Engines, start_router: StartRouter, start_buffer: StartBuffer
 ) -> None:
-    engine = await FakeEngine("a", reply=dropping).start()
-    try:
-        router = await start_router({"a": [engine]})
-        buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4)
-        config = tmp_path / "resolved.json"
-        config.write_text(resolved_run().model_dump_json())
-        tokenizer = tmp_path / "tokenizer.json"
-        TOKENIZER.save(tokenizer)
-        result = await asyncio.to_thread(
-            subprocess.run,
-            [
-                *(sys.executable, "-m", "mixrl.cli", "rollout", "--config", str(config)),
-                *("--router", router.url, "--buffer", buffer.url, "--tokenizer", str(tokenizer)),
-                "--insecure-no-auth",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=REPO,
-        )
-    finally:
-        await engine.kill()
+    router = await start_router({"a": [await engines("a", reply=dropping)]})
+    buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4)
+    result = await run_rollout(*rollout_flags(tmp_path, router, buffer), "--insecure-no-auth")
     assert result.returncode == 1, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(

@@ -9,21 +9,16 @@ fields only), behind the real router, played by the real rollout worker.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import pytest
 
 from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine.protocol import EngineResponseError, parse_response, renormalized_logprob
-from mixrl.rl.rollout.router_client import RouterClient
-from mixrl.rl.rollout.worker import RolloutWorker
 
-from ..fakes import FakeEngine
-from .conftest import TOKENIZER, RunningBuffer, RunningRouter, scripted_reply
+from .conftest import TOKENIZER, Engines, StartBuffer, StartRouter, metrics_text, scripted_reply
 from .test_agent import TASK
-from .test_worker import FILETREE, SETTINGS
+from .test_worker import worker_behind_router
 
 CUT = -3.0
 """log q of the tokens tied at the cut."""
@@ -83,41 +78,24 @@ def tied_reply(body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def test_the_episode_is_kept_and_the_tokens_counted(
-    start_router: Callable[..., Awaitable[RunningRouter]],
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    engines: Engines, start_router: StartRouter, start_buffer: StartBuffer
 ) -> None:
-    engine = await FakeEngine("a", reply=tied_reply).start()
-    try:
-        router = await start_router({"a": [engine]})
-        buffer = await start_buffer(prompts_per_update=1, samples_per_prompt=1)
-        client = RouterClient(router.url, SETTINGS.sampling, TOKENIZER.stop_token_ids)
-        worker = RolloutWorker(SETTINGS, FILETREE, TOKENIZER, client, buffer.client)
-        try:
-            trajectory = await worker.play(TASK, 0, "p0")
-        finally:
-            await client.close()
-        assert (trajectory.finish_reason, trajectory.reward) == ("submitted", 1.0)
-        generated = [i for i, m in enumerate(trajectory.loss_mask) if m]
-        assert generated and all(trajectory.support_size[i] == 3 for i in generated)
-        for i in generated:  # every record is one the corrections accept
-            TokenRecord(
-                token_id=trajectory.tokens[i],
-                logprob=trajectory.logprobs[i],
-                cand_ids=trajectory.cand_ids[i],
-                cand_logprobs=trajectory.cand_logprobs[i],
-                support_size=trajectory.support_size[i],
-                weight_version=trajectory.weight_version[i],
-            )
-        assert worker.stats.tied_support_tokens == len(generated)
-
-        runner = await worker.stats.serve_metrics(0, host="127.0.0.1")
-        try:
-            host, port = runner.addresses[0][:2]
-            async with aiohttp.ClientSession() as http, http.get(f"http://{host}:{port}/metrics") as response:
-                text = await response.text()
-        finally:
-            await runner.cleanup()
-        labels = 'gpu_type="gpu-a",pool="a",precision="prec-a",run="test"'
-        assert f"mixrl_rollout_tied_support_tokens_total{{{labels}}} {float(len(generated))}" in text
-    finally:
-        await engine.kill()
+    engine = await engines("a", reply=tied_reply)
+    async with worker_behind_router(engine, start_router, start_buffer) as (worker, _):
+        trajectory = await worker.play(TASK, 0, "p0")
+    assert (trajectory.finish_reason, trajectory.reward) == ("submitted", 1.0)
+    generated = [i for i, m in enumerate(trajectory.loss_mask) if m]
+    assert generated and all(trajectory.support_size[i] == 3 for i in generated)
+    for i in generated:  # every record is one the corrections accept
+        TokenRecord(
+            token_id=trajectory.tokens[i],
+            logprob=trajectory.logprobs[i],
+            cand_ids=trajectory.cand_ids[i],
+            cand_logprobs=trajectory.cand_logprobs[i],
+            support_size=trajectory.support_size[i],
+            weight_version=trajectory.weight_version[i],
+        )
+    assert worker.stats.tied_support_tokens == len(generated)
+    text = await metrics_text(worker.stats)
+    labels = 'gpu_type="gpu-a",pool="a",precision="prec-a",run="test"'
+    assert f"mixrl_rollout_tied_support_tokens_total{{{labels}}} {float(len(generated))}" in text

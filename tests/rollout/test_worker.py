@@ -9,11 +9,11 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from mixrl.api.loader import parse_document
@@ -28,7 +28,16 @@ from mixrl.rl.rollout.stats import RolloutStats
 from mixrl.rl.rollout.worker import RolloutWorker, WorkerSettings, main, next_evaluation_step
 
 from ..fakes import FakeEngine
-from .conftest import TOKENIZER, RunningBuffer, RunningRouter, reply_records
+from .conftest import (
+    TOKENIZER,
+    Engines,
+    RunningBuffer,
+    RunningRouter,
+    StartBuffer,
+    StartRouter,
+    metrics_text,
+    reply_records,
+)
 from .test_agent import TASK
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,15 +191,58 @@ async def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None
 FILETREE = FileTreeEnvironment()
 
 
+@asynccontextmanager
+async def worker_behind_router(
+    engine: FakeEngine, start_router: StartRouter, start_buffer: StartBuffer, **worker: Any
+) -> AsyncIterator[tuple[RolloutWorker, RunningBuffer]]:
+    """A worker of SETTINGS on the file tree, through a router in front of ``engine`` alone, into a
+    buffer of one group of one per step; ``worker``: RolloutWorker's keywords. Its client is closed
+    at the end."""
+    router = await start_router({"a": [engine]})
+    buffer = await start_buffer(prompts_per_update=1, samples_per_prompt=1)
+    async with RouterClient(router.url, SETTINGS.sampling, TOKENIZER.stop_token_ids) as client:
+        yield RolloutWorker(SETTINGS, FILETREE, TOKENIZER, client, buffer.client, **worker), buffer
+
+
+def rollout_flags(tmp_path: Path, router: RunningRouter, buffer: RunningBuffer) -> tuple[str, ...]:
+    """``mixrl rollout``'s --config (resolved_run()), --router, --buffer and --tokenizer (TOKENIZER),
+    its files written under ``tmp_path``."""
+    config, tokenizer = tmp_path / "resolved.json", tmp_path / "tokenizer.json"
+    config.write_text(resolved_run().model_dump_json())
+    TOKENIZER.save(tokenizer)
+    return (
+        "--config",
+        str(config),
+        "--router",
+        router.url,
+        "--buffer",
+        buffer.url,
+        "--tokenizer",
+        str(tokenizer),
+    )
+
+
+async def run_rollout(*args: str) -> subprocess.CompletedProcess[str]:
+    """``mixrl rollout *args`` run to its end (120 s at most) from the repository root, off the loop."""
+    return await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "mixrl.cli", "rollout", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+
+
 def task_of(prompt_id: str) -> Any:
     task_id = prompt_id.split("/")[0]
     return next(t for t in generate_tasks(0, 64, "train") if t.id == task_id)
 
 
 async def test_worker_feeds_the_buffer_and_evaluates(
-    engines: Callable[..., Awaitable[FakeEngine]],
-    start_router: Callable[..., Awaitable[RunningRouter]],
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    engines: Engines,
+    start_router: StartRouter,
+    start_buffer: StartBuffer,
 ) -> None:
     engine_a, engine_b = await engines("a", version=1), await engines("b", version=1)
     router = await start_router({"a": [engine_a], "b": [engine_b]})
@@ -260,9 +312,9 @@ async def test_worker_feeds_the_buffer_and_evaluates(
 
 
 async def test_a_dying_replica_costs_a_retry_not_an_episode(
-    engines: Callable[..., Awaitable[FakeEngine]],
-    start_router: Callable[..., Awaitable[RunningRouter]],
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    engines: Engines,
+    start_router: StartRouter,
+    start_buffer: StartBuffer,
 ) -> None:
     first, second = await engines("a1"), await engines("a2")
     router = await start_router({"a": [first, second]})
@@ -293,9 +345,9 @@ async def test_a_dying_replica_costs_a_retry_not_an_episode(
 
 async def test_sigterm_stops_the_process_cleanly(
     tmp_path: Path,
-    engines: Callable[..., Awaitable[FakeEngine]],
-    start_router: Callable[..., Awaitable[RunningRouter]],
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    engines: Engines,
+    start_router: StartRouter,
+    start_buffer: StartBuffer,
 ) -> None:
     engine = await engines("a")
     # The run's token on both servers: the process must send it (ending sessions, posting groups).
@@ -303,27 +355,9 @@ async def test_sigterm_stops_the_process_cleanly(
     write_token_file(tmp_path / "auth-token", token)
     router = await start_router({"a": [engine]}, auth_token=token)
     buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4, auth_token=token)
-    config = tmp_path / "resolved.json"
-    config.write_text(resolved_run().model_dump_json())
-    tokenizer = tmp_path / "tokenizer.json"
-    TOKENIZER.save(tokenizer)
     process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "mixrl.cli",
-        "rollout",
-        "--config",
-        str(config),
-        "--router",
-        router.url,
-        "--buffer",
-        buffer.url,
-        "--tokenizer",
-        str(tokenizer),
-        "--progress-every",
-        "0.5",
-        "--auth-token-file",
-        str(tmp_path / "auth-token"),
+        *(sys.executable, "-m", "mixrl.cli", "rollout", *rollout_flags(tmp_path, router, buffer)),
+        *("--progress-every", "0.5", "--auth-token-file", str(tmp_path / "auth-token")),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         cwd=REPO,
@@ -347,9 +381,9 @@ async def test_sigterm_stops_the_process_cleanly(
 
 async def test_a_token_the_buffer_refuses_stops_the_process_with_one_line(
     tmp_path: Path,
-    engines: Callable[..., Awaitable[FakeEngine]],
-    start_router: Callable[..., Awaitable[RunningRouter]],
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    engines: Engines,
+    start_router: StartRouter,
+    start_buffer: StartBuffer,
 ) -> None:
     engine = await engines("a")
     router = await start_router({"a": [engine]})
@@ -358,22 +392,8 @@ async def test_a_token_the_buffer_refuses_stops_the_process_with_one_line(
     )
     wrong = AuthToken("not-the-runs-token-0123456789")
     write_token_file(tmp_path / "auth-token", wrong)
-    config = tmp_path / "resolved.json"
-    config.write_text(resolved_run().model_dump_json())
-    tokenizer = tmp_path / "tokenizer.json"
-    TOKENIZER.save(tokenizer)
-    result = await asyncio.to_thread(
-        subprocess.run,
-        [
-            *(sys.executable, "-m", "mixrl.cli", "rollout", "--config", str(config)),
-            *("--router", router.url, "--buffer", buffer.url, "--tokenizer", str(tokenizer)),
-            *("--auth-token-file", str(tmp_path / "auth-token")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
+    flags = rollout_flags(tmp_path, router, buffer)
+    result = await run_rollout(*flags, "--auth-token-file", str(tmp_path / "auth-token"))
     # The step-0 evaluation is the first write; its 401 ends the worker instead of every group failing.
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
@@ -419,13 +439,7 @@ async def test_metrics_are_exported_per_pool() -> None:
     ids, mask = demonstration_tokens(TASK, TOKENIZER)
     stats.episode_ended(_trajectory(ids, mask, 1.0, "submitted"))
     stats.episode_ended(_trajectory(ids, mask, 0.0, "format_errors"))
-    runner = await stats.serve_metrics(0, host="127.0.0.1")
-    try:
-        host, port = runner.addresses[0][:2]
-        async with aiohttp.ClientSession() as http, http.get(f"http://{host}:{port}/metrics") as response:
-            text = await response.text()
-    finally:
-        await runner.cleanup()
+    text = await metrics_text(stats)
     labels = 'gpu_type="",pool="a",precision="",run="test"'
     assert f'mixrl_rollout_episodes_total{{finish_reason="submitted",{labels}}} 1.0' in text
     assert f"mixrl_rollout_format_error_episodes_total{{{labels}}} 1.0" in text
@@ -435,9 +449,9 @@ async def test_metrics_are_exported_per_pool() -> None:
 
 
 async def test_production_pauses_when_the_trainer_falls_behind(
-    engines: Callable[..., Awaitable[FakeEngine]],
-    start_router: Callable[..., Awaitable[RunningRouter]],
-    start_buffer: Callable[..., Awaitable[RunningBuffer]],
+    engines: Engines,
+    start_router: StartRouter,
+    start_buffer: StartBuffer,
 ) -> None:
     router = await start_router({"a": [await engines("a")]})
     buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
