@@ -12,14 +12,14 @@ from typing import Any
 
 import yaml
 
-from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings, PoolMemory
+from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings
+from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation, PoolMemory
 from mixrl.operator.autoscaling.policy import (
     PolicyConfig,
     PolicyState,
     PoolLoad,
     decide,
 )
-from mixrl.operator.autoscaling.pool_api import MetricsUnavailable, Observation
 
 Obj = dict[str, Any]
 NS, RUN = "rl", "qwen3-moe-coding"

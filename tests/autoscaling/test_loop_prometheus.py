@@ -15,7 +15,8 @@ import kopf
 import pytest
 
 from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings
-from mixrl.operator.autoscaling.pool_api import MetricsUnavailable, query_label_values, query_prometheus
+from mixrl.operator.autoscaling.plan import MetricsUnavailable
+from mixrl.operator.autoscaling.pool_api import query_label_values, query_prometheus
 from mixrl.operator.autoscaling.promql import (
     DCGM_GPU_UTIL,
     default_load_query,

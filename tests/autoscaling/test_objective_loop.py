@@ -11,8 +11,8 @@ import pytest
 
 from mixrl.api.models import GROUP
 from mixrl.api.status import ConcurrencyRecommendation
-from mixrl.operator.autoscaling.loop import concurrency_status
 from mixrl.operator.autoscaling.objective import FleetPlan, ObjectiveMemory
+from mixrl.operator.autoscaling.plan import concurrency_status
 from mixrl.operator.autoscaling.promql import (
     default_load_query,
     pool_busy_query,

@@ -9,8 +9,7 @@ import pytest
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
 from mixrl.operator.autoscaling.gpu_check import product_label, wrong_gpu_value
-from mixrl.operator.autoscaling.loop import PoolMemory, load_of, plan_pool
-from mixrl.operator.autoscaling.pool_api import MetricsUnavailable, Observation
+from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation, PoolMemory, load_of, plan_pool
 
 RUN = resolve(load_rlrun("examples/rlrun-mixed.yaml"))  # targetPerReplica 16; h100-fp8 capacity 1.5
 

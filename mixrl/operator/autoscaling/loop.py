@@ -1,25 +1,28 @@
-"""The built-in autoscaler: Prometheus → policy → each SamplerPool's scale subresource.
+"""The built-in autoscaler's loop: observe, plan, write — for each SamplerPool of a builtin run.
 
 Three separable steps, so each is tested on its own:
 
-1. ``query_prometheus`` (in :mod:`mixrl.operator.autoscaling.pool_api`) — one instant query against
+1. observe (:mod:`mixrl.operator.autoscaling.pool_api`) — instant queries against Prometheus's
    ``/api/v1/query``; a failure is a ``MetricsUnavailable`` with a CamelCase reason
    (``PrometheusUnreachable``, ``QueryFailed``, ``NoSeries``).
-2. :func:`plan_pool` — pure: the pool's body, its run, what Prometheus said and the pool's
-   memory → a :class:`PoolPlan`: the replica count to write (or none), the status patch
-   (``lastScaleDecisions``, the MetricsAvailable and WrongGpuType conditions) and the event.
-3. ``PoolApi`` (same module as 1) — the writes: ``PATCH …/samplerpools/NAME/scale``,
+2. plan (:mod:`mixrl.operator.autoscaling.plan`, pure) — the pool's body, its run, what
+   Prometheus said and the pool's memory → a ``PoolPlan``: the replica count to write (or none),
+   the status patch (``lastScaleDecisions``, the MetricsAvailable and WrongGpuType conditions)
+   and the event.
+3. write (``PoolApi``, same module as 1) — ``PATCH …/samplerpools/NAME/scale``,
    ``PATCH …/status``, ``POST …/events``, and for ``objective: trainer`` the run's
-   ``PATCH …/rlruns/NAME/status`` (``recommendedConcurrency``, :func:`concurrency_status`), through
+   ``PATCH …/rlruns/NAME/status`` (``recommendedConcurrency``, ``concurrency_status``), through
    the operator's RBAC-checked API client.
 
-No kopf here.  The kopf layer (:func:`mixrl.operator.controller.handlers.register_autoscaling`)
-feeds :class:`AutoscalingLoop` the latest RLRuns and SamplerPools from its watch events, starts it
-at operator startup and stops it at cleanup; no kopf timer or daemon, since those put a finalizer
-on every SamplerPool and the operator keeps its objects finalizer-free.  One task visits every
-pool of a run whose ``autoscaling.engine`` is ``builtin`` each tick, acting when its poll interval
-has passed.  Pools of ``keda`` runs are KEDA's (the pool's controller applies their
-ScaledObjects), pools of ``none`` runs are left alone.
+This module holds only what joins them: the watch cache, the clock, the locks, the peering gate
+and the memory kept between polls.  No kopf here.  The kopf layer
+(:func:`mixrl.operator.controller.handlers.register_autoscaling`) feeds :class:`AutoscalingLoop`
+the latest RLRuns and SamplerPools from its watch events, starts it at operator startup and stops
+it at cleanup; no kopf timer or daemon, since those put a finalizer on every SamplerPool and the
+operator keeps its objects finalizer-free.  One task visits every pool of a run whose
+``autoscaling.engine`` is ``builtin`` each tick, acting when its poll interval has passed.  Pools
+of ``keda`` runs are KEDA's (the pool's controller applies their ScaledObjects), pools of ``none``
+runs are left alone.
 """
 
 from __future__ import annotations
@@ -27,16 +30,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 
-from mixrl.api.gpus import price_per_gpu_hour
-from mixrl.api.models import RLRun
-from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
-from mixrl.operator.autoscaling.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
+from mixrl.api.resolve import ResolvedPool, ResolvedRun
 from mixrl.operator.autoscaling.objective import (
     FleetPlan,
     FleetPool,
@@ -45,24 +45,33 @@ from mixrl.operator.autoscaling.objective import (
     TrainerSignals,
     stabilized_plan,
 )
-from mixrl.operator.autoscaling.policy import (
-    BudgetRequest,
-    Decision,
-    PolicyConfig,
-    PolicyState,
-    PoolLoad,
-    budget_step,
-    decide,
-    fleet_pending,
+from mixrl.operator.autoscaling.plan import (
+    # controller/reconcile.py reads the condition's name from here
+    METRICS_AVAILABLE as METRICS_AVAILABLE,
 )
-from mixrl.operator.autoscaling.pool_api import (
+from mixrl.operator.autoscaling.plan import (
+    RECOMMENDED_CONCURRENCY,
+    BoundsRefused,
     MetricsUnavailable,
     Observation,
-    PoolApi,
-    observe,
-    query_label_values,
-    query_prometheus,
+    PoolMemory,
+    PoolPlan,
+    budget_decision,
+    concurrency_status,
+    config_of,
+    fleet_decision,
+    fleet_view,
+    load_of,
+    objective_config,
+    plan_pool,
+    pool_of,
+    restored_state,
+    run_to_scale,
+    stale_recommendation,
+    window_status,
 )
+from mixrl.operator.autoscaling.policy import BudgetRequest, Decision, decide, fleet_pending
+from mixrl.operator.autoscaling.pool_api import PoolApi, observe, query_label_values, query_prometheus
 from mixrl.operator.autoscaling.promql import (
     SUSTAINED_STEP,
     SUSTAINED_WINDOW,
@@ -75,227 +84,12 @@ from mixrl.operator.autoscaling.promql import (
     trainer_queries,
 )
 from mixrl.operator.kube.client import ApiError, KubeClient
-from mixrl.operator.kube.conditions import make_condition
-from mixrl.operator.kube.events import rfc3339
 from mixrl.operator.kube.rbac import SAMPLERPOOLS
 from mixrl.operator.kube.ticker import Ticker
 
 Obj = dict[str, Any]
 Key = tuple[str, str]
 log = logging.getLogger("mixrl.operator.autoscaling")
-
-METRICS_AVAILABLE = "MetricsAvailable"
-"""A SamplerPool condition this loop owns (Prometheus answered, or why not)."""
-UPDATING_WEIGHTS = "UpdatingWeights"
-"""A SamplerPool condition whoever syncs weights sets True while engines load a new version."""
-BACKLOG_HORIZON_S = 300.0
-"""The shortest time ``objective: trainer`` closes the backlog's distance from its band over."""
-SCALED_REASON = "Scaled"
-METRICS_REASON = "MetricsUnavailable"
-
-
-# ----------------------------------------------------------------------------- the plan (pure)
-
-
-@dataclass
-class PoolMemory:
-    """What the loop remembers of one pool between polls; the scale-down window is also written to
-    the pool's ``status.autoscalerWindow`` and read back by a restarted operator."""
-
-    state: PolicyState = field(default_factory=PolicyState)
-    last_poll: float | None = None
-    refused: str | None = None
-    """The last bounds problem reported (one Warning event per problem, not one per poll)."""
-
-
-def window_status(state: PolicyState, now: float, window_s: float) -> list[Obj]:
-    """The part of the window that can still bound a scale-down: per kind, each entry not exceeded
-    by a later one (a sliding maximum needs no more), for ``status.autoscalerWindow``."""
-    out: list[Obj] = []
-    for kind, entries in (("pool", state.recommendations), ("fleet", state.targets)):
-        kept: list[tuple[float, int]] = []
-        for t, r in entries:
-            if t <= now - window_s:
-                continue
-            while kept and kept[-1][1] <= r:
-                kept.pop()
-            kept.append((t, r))
-        out += [{"time": t, "replicas": r, "kind": kind} for t, r in kept]
-    return out
-
-
-def restored_state(pool_body: Obj, now: float, window_s: float) -> PolicyState:
-    """The policy state of a pool this operator has no memory of: the window from the pool's
-    status, or — a pool that never had one — its current replicas as a recommendation made now,
-    so a restart never drops a pool below its replicas before a full window has passed."""
-    status = pool_body.get("status") or {}
-    entries = [e for e in status.get("autoscalerWindow") or [] if float(e.get("time", 0)) > now - window_s]
-    pool = tuple((float(e["time"]), int(e["replicas"])) for e in entries if e.get("kind", "pool") == "pool")
-    fleet = tuple((float(e["time"]), int(e["replicas"])) for e in entries if e.get("kind") == "fleet")
-    if pool or fleet:
-        return PolicyState(recommendations=pool, targets=fleet)
-    return PolicyState.seeded(now, int((pool_body.get("spec") or {}).get("replicas") or 0))
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    decision: Decision
-    replicas: int | None
-    """The replica count to write through the scale subresource; None = leave it."""
-    status_patch: Obj
-    """A merge patch for the status subresource (empty: nothing changed)."""
-    event: tuple[str, str, str] | None
-    """(type, reason, message) of the event to post, if any."""
-
-
-def pool_of(run: ResolvedRun, pool_body: Obj) -> ResolvedPool:
-    return run.pool(pool_body["spec"]["pool"])
-
-
-def load_of(pool_body: Obj, observation: Observation, paused: float | None = None) -> PoolLoad:
-    """The policy's view of one pool.  ``paused``: requests its engines hold paused (the weight
-    update, :func:`mixrl.operator.autoscaling.promql.paused_query`); an ``UpdatingWeights``
-    condition set by hand counts too."""
-    spec, status = pool_body.get("spec") or {}, pool_body.get("status") or {}
-    replicas = int(spec.get("replicas") or 0)
-    ready = int(status.get("readyReplicas") or 0)
-    conditions = status.get("conditions") or []
-    updating = any(c.get("type") == UPDATING_WEIGHTS and c.get("status") == "True" for c in conditions)
-    updating = updating or (paused or 0) > 0
-    return PoolLoad(
-        load=observation.load,
-        sustained=observation.sustained,
-        replicas=replicas,
-        ready=min(ready, replicas) if replicas else ready,
-        # Every requested replica that is not ready is on its way (pending, pulling, loading).
-        starting=max(replicas - ready, 0),
-        updating_weights=updating,
-    )
-
-
-RECOMMENDED_CONCURRENCY = "recommendedConcurrency"
-"""The RLRun status field ``objective: trainer`` reports the concurrency in (mixrl.api.status.ConcurrencyRecommendation)."""
-
-
-def concurrency_status(
-    previous: Obj | None, plan: FleetPlan, configured: int, now: float, tolerance: float
-) -> tuple[bool, Obj | None]:
-    """Whether to write ``status.recommendedConcurrency`` and its new value (None: clear it).
-
-    Set when the fill found the concurrency short; cleared only when a fill found it enough (a
-    hold or a plan inside the dead band learns nothing about it); rewritten when the sessions
-    figure moves by more than ``tolerance`` of it or the configured concurrency changed, so the
-    estimate's wobble from poll to poll does not write the run every poll."""
-    wanted = plan.recommended_concurrency
-    if wanted is None:
-        return (previous is not None and plan.filled), None
-    if (
-        previous is not None
-        and previous.get("configured") == configured
-        and abs(wanted - int(previous.get("sessions") or 0)) <= tolerance * wanted
-    ):
-        return False, previous
-    value = {
-        "sessions": wanted,
-        "configured": configured,
-        "time": rfc3339(now),
-        "message": plan.summary[:500],
-    }
-    return True, value
-
-
-class BoundsRefused(ValueError):
-    """The SamplerPool's own bounds contradict each other: the loop does not scale it."""
-
-
-def config_of(run: ResolvedRun, pool: ResolvedPool, pool_body: Obj) -> PolicyConfig:
-    """The pool's policy; the SamplerPool's own bounds win (``kubectl edit`` may have changed them).
-    Bounds that contradict each other are refused, never repaired: the CRD's CEL rule refuses them
-    at admission, and a pool that got past it (an older CRD) is left alone with one Warning."""
-    spec = pool_body.get("spec") or {}
-    low = int(spec.get("minReplicas", pool.min_replicas))
-    high = int(spec.get("maxReplicas", pool.max_replicas))
-    if high < low:
-        raise BoundsRefused(
-            f"spec.maxReplicas: {high} is below spec.minReplicas {low}; not scaling this pool"
-        )
-    return PolicyConfig.from_spec(run.autoscaling, pool, min_replicas=low, max_replicas=high)
-
-
-def metrics_condition(
-    previous: list[Obj], observation: Observation, generation: int | None, now: float
-) -> Obj:
-    if observation.problem is None:
-        status, reason, message = "True", "QueryReturned", f"load {observation.load:g}"
-    else:
-        status, reason, message = "False", observation.problem.reason, observation.problem.message
-    return make_condition(
-        METRICS_AVAILABLE, (status, reason, message[:300]), generation, rfc3339(now), previous
-    )
-
-
-def plan_pool(
-    pool_body: Obj,
-    run: ResolvedRun,
-    observation: Observation,
-    memory: PoolMemory,
-    now: float,
-    *,
-    history: int = 10,
-    decision: Decision | None = None,
-    gpu_models: set[str] | None = None,
-    window: list[Obj] | None = None,
-) -> PoolPlan:
-    """One poll of one pool, without I/O.  ``decision`` overrides the policy (the GPU budget);
-    ``gpu_models`` are the GPU models the pool's pods report (None: unknown); ``window`` is the
-    scale-down window to persist (:func:`window_status`; written when it changed)."""
-    pool = pool_of(run, pool_body)
-    load = load_of(pool_body, observation)
-    if decision is None:
-        decision = decide(load, memory.state, config_of(run, pool, pool_body), now)
-    status = pool_body.get("status") or {}
-    generation = (pool_body.get("metadata") or {}).get("generation")
-    conditions = list(status.get("conditions") or [])
-    condition = metrics_condition(conditions, observation, generation, now)
-    old = next((c for c in conditions if c.get("type") == METRICS_AVAILABLE), None)
-    patch: Obj = {}
-    if old is None or any(old.get(k) != condition[k] for k in ("status", "reason")):
-        others = [c for c in conditions if c.get("type") != METRICS_AVAILABLE]
-        patch["conditions"] = [*others, condition]
-    event = None
-    wrong_gpu = wrong_gpu_condition(gpu_models or (), pool.gpu_products, conditions, generation, rfc3339(now))
-    if wrong_gpu is not None:
-        before = next((c for c in conditions if c.get("type") == WRONG_GPU_TYPE), None)
-        if before is None or any(before.get(k) != wrong_gpu[k] for k in ("status", "reason", "message")):
-            current = patch.get("conditions", conditions)
-            patch["conditions"] = [*(c for c in current if c.get("type") != WRONG_GPU_TYPE), wrong_gpu]
-            if wrong_gpu["status"] == "True":
-                event = ("Warning", WRONG_GPU_TYPE, wrong_gpu["message"])
-    if window is not None and window != status.get("autoscalerWindow"):
-        patch["autoscalerWindow"] = window
-    replicas = None
-    if decision.changed:
-        replicas = decision.desired
-        record = {
-            "time": rfc3339(now),
-            "fromReplicas": decision.current,
-            "toReplicas": decision.desired,
-            "reason": decision.reason[:300],
-        }
-        if observation.load is not None:
-            record["load"] = observation.load
-        patch["lastScaleDecisions"] = [*(status.get("lastScaleDecisions") or []), record][-history:]
-        event = ("Normal", SCALED_REASON, decision.reason[:1000])
-    elif observation.problem is not None and (old is None or old.get("status") != "False"):
-        event = (
-            "Warning",
-            METRICS_REASON,
-            f"{observation.problem.reason}: {observation.problem.message}"[:1000],
-        )
-    return PoolPlan(decision, replicas, {"status": patch} if patch else {}, event)
-
-
-# ----------------------------------------------------------------------------- the loop
 
 
 @dataclass(frozen=True)
@@ -317,6 +111,23 @@ Gate = Callable[[str], Awaitable[bool]]
 Observer = Callable[[aiohttp.ClientSession, str, str, float, tuple[str, str]], Awaitable[Observation]]
 Scalar = Callable[[aiohttp.ClientSession, str, str, float], Awaitable[float]]
 """One instant query that returns one number (:func:`query_prometheus`)."""
+
+
+def cache_event(
+    cache: dict[Key, Obj],
+    body: Mapping[str, Any],
+    deleted: bool,
+    forget: Iterable[MutableMapping[Key, Any]],
+) -> None:
+    """Keep the latest body of a watched object by (namespace, name); a deleted one takes what the
+    loop remembered of it (``forget``) along."""
+    meta = body["metadata"]
+    key = (meta.get("namespace") or "default", meta["name"])
+    if deleted:
+        for remembered in (cache, *forget):
+            remembered.pop(key, None)
+    else:
+        cache[key] = dict(body)
 
 
 class AutoscalingLoop(Ticker):
@@ -365,24 +176,10 @@ class AutoscalingLoop(Ticker):
 
     # -- watch events
     def observe_run(self, body: Mapping[str, Any], deleted: bool) -> None:
-        meta = body["metadata"]
-        key = (meta.get("namespace") or "default", meta["name"])
-        if deleted:
-            self.runs.pop(key, None)
-            self.run_memory.pop(key, None)
-            self._run_polled.pop(key, None)
-        else:
-            self.runs[key] = dict(body)
+        cache_event(self.runs, body, deleted, forget=(self.run_memory, self._run_polled))
 
     def observe_pool(self, body: Mapping[str, Any], deleted: bool) -> None:
-        meta = body["metadata"]
-        key = (meta.get("namespace") or "default", meta["name"])
-        if deleted:
-            self.pools.pop(key, None)
-            self.memory.pop(key, None)
-            self._locks.pop(key, None)
-        else:
-            self.pools[key] = dict(body)
+        cache_event(self.pools, body, deleted, forget=(self.memory, self._locks))
 
     # -- lifecycle (start, the tick loop and the HTTP session: Ticker)
     async def stop(self) -> None:
@@ -393,15 +190,7 @@ class AutoscalingLoop(Ticker):
     # -- one tick
     def resolved_run(self, pool_body: Obj) -> ResolvedRun | None:
         namespace = pool_body["metadata"].get("namespace") or "default"
-        run_body = self.runs.get((namespace, (pool_body.get("spec") or {}).get("run", "")))
-        if run_body is None or (run_body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-            return None  # an ended run's pools stay at zero (mixrl.operator.builders.resources.released)
-        try:
-            return resolve(
-                RLRun.model_validate({k: run_body[k] for k in ("apiVersion", "kind", "metadata", "spec")})
-            )
-        except (ValueError, KeyError):
-            return None  # the run's own controller reports an invalid spec
+        return run_to_scale(self.runs.get((namespace, (pool_body.get("spec") or {}).get("run", ""))))
 
     async def active_in(self, namespace: str, verdicts: dict[str, bool]) -> bool:
         """Whether to act in ``namespace`` this tick (asked once per tick and namespace)."""
@@ -473,16 +262,8 @@ class AutoscalingLoop(Ticker):
         """A run that left ``objective: trainer`` (or the built-in engine) keeps no recommendation
         nobody updates any more."""
         for run_key, body in list(self.runs.items()):
-            if run_key in fleets or RECOMMENDED_CONCURRENCY not in (body.get("status") or {}):
+            if run_key in fleets or not stale_recommendation(body):
                 continue
-            if (body.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
-                continue  # an ended run keeps what it was told last
-            autoscaling = (body.get("spec") or {}).get("autoscaling") or {}
-            if (
-                autoscaling.get("objective") == "trainer"
-                and autoscaling.get("engine", "builtin") == "builtin"
-            ):
-                continue  # planned on another tick (its pools not seen yet, or not due)
             if not await self.active_in(run_key[0], verdicts):
                 continue
             try:
@@ -545,53 +326,32 @@ class AutoscalingLoop(Ticker):
             per_replica = await self._value(
                 run, pool_rate_per_replica_query(run.namespace, run.name, pool.name)
             )
-            price = price_per_gpu_hour(pool.gpu_type, pool.cost_per_gpu_hour)
-            views.append(
-                FleetPool(
+            busy_share = await self._value(
+                run,
+                pool_busy_query(
+                    load_query(a, run, pool),
+                    run.namespace,
+                    run.name,
                     pool.name,
-                    replicas,
-                    load.ready,
-                    pool.capacity or 1.0,
-                    pool.gpus_per_replica,
-                    price,
-                    config.min_replicas,
-                    config.max_replicas,
-                    # Per replica over the window, times the replicas ready now: the objective
-                    # divides by those again (promql.pool_rate_per_replica_query says why).
-                    throughput=None if per_replica is None else per_replica * load.ready,
-                    load=observation.sustained,
-                    busy_share=await self._value(
-                        run,
-                        pool_busy_query(
-                            load_query(a, run, pool),
-                            run.namespace,
-                            run.name,
-                            pool.name,
-                            a.target_per_replica * (pool.capacity or 1.0),
-                        ),
-                    ),
+                    a.target_per_replica * (pool.capacity or 1.0),
+                ),
+            )
+            views.append(
+                fleet_view(
+                    pool,
+                    config,
+                    load,
+                    observation,
+                    per_replica=per_replica,
+                    busy_share=busy_share,
                     stuck=stuck,
-                    floor=replicas if load.updating_weights else 0,
                     ceiling=ceiling,
                 )
             )
             seen[pool.name] = (key, body, observation, pool)
         if not views:
             return []
-        objective = ObjectiveConfig(
-            step_size=run.trainer.prompts_per_update * run.trainer.samples_per_prompt,
-            concurrency=run.rollout.concurrency * run.rollout.workers,
-            sessions_per_capacity=a.target_per_replica,
-            idle_target=a.trainer_idle_target,
-            min_steps_ahead=a.min_steps_ahead,
-            max_steps_ahead=run.rollout.max_steps_ahead or None,
-            tolerance=a.tolerance,
-            # The backlog's distance closes over the window, at least BACKLOG_HORIZON_S: a window
-            # of 0 (or seconds) would turn one step of backlog into hundreds of trajectories/s.
-            horizon_s=max(a.scale_down_window_seconds, BACKLOG_HORIZON_S),
-            gpu_budget=a.gpu_budget,
-            cost_budget_per_hour=a.cost_budget_per_hour,
-        )
+        objective = objective_config(run)
         states = {name: self.memory[key].state for name, (key, _, _, _) in seen.items()}
         plan, states = stabilized_plan(
             views, signals, objective, self.run_memory.get(run_key, ObjectiveMemory()), states, now,
@@ -613,20 +373,8 @@ class AutoscalingLoop(Ticker):
                     "replicas"
                 ):
                     continue
-                target = plan.targets[view.name]
-                reason = f"{view.replicas} → {target}: {plan.reasons[view.name]}"
-                decision = Decision(view.replicas, target, reason, None, None, memory.state)
-                pool_plan = plan_pool(
-                    body,
-                    run,
-                    observation,
-                    memory,
-                    now,
-                    history=self.settings.history,
-                    decision=decision,
-                    window=window_status(memory.state, now, a.scale_down_window_seconds),
-                )
-                await self.write(key, body, pool_plan, now)
+                decision = fleet_decision(plan, view, memory.state)
+                pool_plan = await self.plan_and_write(key, body, run, observation, memory, decision, now)
             done.append((key, pool_plan))
         await self.report_concurrency(run_key, plan, objective, now, a.tolerance)
         return done
@@ -691,16 +439,8 @@ class AutoscalingLoop(Ticker):
             except MetricsUnavailable:
                 models = None  # GPU telemetry is optional; the load decided the replicas
         paused = None
-        if observation.problem is None:
-            try:
-                paused = await self.scalar(
-                    self.session(),
-                    run.autoscaling.prometheus_url,
-                    paused_query(run.namespace, pool.object_name),
-                    self.settings.query_timeout_s,
-                )
-            except MetricsUnavailable:
-                paused = None  # no paused series: no engine holds requests for an update
+        if observation.problem is None:  # None also when no series: no engine holds requests for an update
+            paused = await self._value(run, paused_query(run.namespace, pool.object_name))
         async with self.lock(*key):
             body = await self.live_pool(key, cached)
             if body is None:
@@ -723,19 +463,7 @@ class AutoscalingLoop(Ticker):
             memory.state, memory.last_poll = decision.state, now
             if run.autoscaling.gpu_budget is not None:
                 decision = self.apply_budget(key, body, run, pool, decision, observation, now)
-            plan = plan_pool(
-                body,
-                run,
-                observation,
-                memory,
-                now,
-                history=self.settings.history,
-                decision=decision,
-                gpu_models=models,
-                window=window_status(memory.state, now, window_s),
-            )
-            await self.write(key, body, plan, now)
-        return plan
+            return await self.plan_and_write(key, body, run, observation, memory, decision, now, models)
 
     def apply_budget(
         self,
@@ -747,56 +475,44 @@ class AutoscalingLoop(Ticker):
         observation: Observation,
         now: float,
     ) -> Decision:
-        """Share the run's GPU budget using every pool's latest own decision (cheapest first).
-
-        Every poll updates this pool's request, metrics or not: a pool whose metrics are missing is
-        pinned at its replicas (it will not apply a grant), so no stale request counts.  A cut
-        waits for the window as rule 6 does: the allocation made without floors is remembered
-        (:func:`record_target`) and the pool goes no lower than the highest of the window
-        (:func:`stabilized_floor`)."""
-        budget = run.autoscaling.gpu_budget
-        assert budget is not None
-        config = config_of(run, pool, body)
+        """Share the run's GPU budget using every pool's latest own request
+        (:func:`mixrl.operator.autoscaling.plan.budget_decision`); the requests of pools the run no
+        longer declares are forgotten."""
         memory = self.memory[key]
-        pinned = observation.problem is not None
         requests = self._budget.setdefault((key[0], run.name), {})
         for name in [n for n in requests if n not in {p.name for p in run.pools}]:
             del requests[name]
-        # A pool capped by rule 8 still wants its recommendation: the demand stays, other pools cover it.
-        wanted = decision.desired
-        if decision.ceiling is not None and decision.recommendation is not None:
-            wanted = max(wanted, decision.recommendation)
-        request = BudgetRequest(
-            pool.name,
-            wanted,
-            config.min_replicas,
-            config.max_replicas,
-            pool.capacity or 1.0,
-            pool.gpus_per_replica,
-            pool.cost_per_gpu_hour,
-            floor=decision.current if pinned else 0,
-            ceiling=decision.current if pinned else decision.ceiling,
+        decision, requests[pool.name], memory.state = budget_decision(
+            decision, list(requests.values()), memory.state, body, run, pool, observation, now
         )
-        allocation, requests[pool.name], memory.state = budget_step(
-            request,
-            list(requests.values()),
-            memory.state,
-            decision.current,
+        return decision
+
+    async def plan_and_write(
+        self,
+        key: Key,
+        body: Obj,
+        run: ResolvedRun,
+        observation: Observation,
+        memory: PoolMemory,
+        decision: Decision,
+        now: float,
+        gpu_models: set[str] | None = None,
+    ) -> PoolPlan:
+        """The pool's writes for this decision (:func:`mixrl.operator.autoscaling.plan.plan_pool`),
+        made; the caller holds the pool's lock and read ``body`` live under it."""
+        plan = plan_pool(
+            body,
+            run,
+            observation,
+            memory,
             now,
-            run.autoscaling.scale_down_window_seconds,
-            budget,
+            history=self.settings.history,
+            decision=decision,
+            gpu_models=gpu_models,
+            window=window_status(memory.state, now, run.autoscaling.scale_down_window_seconds),
         )
-        if pinned:
-            return decision
-        desired = allocation.replicas
-        if desired < decision.current and load_of(body, Observation(None, None)).updating_weights:
-            desired = decision.current  # never remove a replica mid-update
-        if desired == decision.desired:
-            return decision
-        reason = f"{decision.current} → {desired}: {allocation.reason} (policy said {decision.desired})"
-        return Decision(
-            decision.current, desired, reason, decision.recommendation, decision.ratio, decision.state
-        )
+        await self.write(key, body, plan, now)
+        return plan
 
     async def write(self, key: Key, body: Obj, plan: PoolPlan, now: float) -> None:
         namespace, name = key

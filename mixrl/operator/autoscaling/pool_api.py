@@ -1,33 +1,27 @@
 """The autoscaler's I/O: Prometheus instant queries and the Kubernetes calls, over aiohttp.
 
 :func:`query_prometheus` reads one number, :func:`query_label_values` the label values of a set of
-series; a failure is a :class:`MetricsUnavailable` with a CamelCase reason (``PrometheusUnreachable``,
-``QueryFailed``, ``NoSeries``).  :class:`PoolApi` makes the loop's three writes, through the
-operator's RBAC-checked API client.
+series, :func:`observe` a pool's :class:`~mixrl.operator.autoscaling.plan.Observation`; a failure is
+a :class:`~mixrl.operator.autoscaling.plan.MetricsUnavailable` with a CamelCase reason
+(``PrometheusUnreachable``, ``QueryFailed``, ``NoSeries``).  :class:`PoolApi` makes the loop's
+writes, through the operator's RBAC-checked API client.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 
 from mixrl.api.models import GROUP, VERSION
+from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
 from mixrl.operator.kube.client import KubeClient
 from mixrl.operator.kube.events import event_object
 from mixrl.operator.kube.rbac import EVENTS, RLRUNS, SAMPLERPOOLS
 
 Obj = dict[str, Any]
-
-
-class MetricsUnavailable(Exception):
-    def __init__(self, reason: str, message: str):
-        self.reason = reason
-        self.message = message
-        super().__init__(f"{reason}: {message}")
 
 
 async def query_prometheus(
@@ -88,22 +82,6 @@ async def query_label_values(
         )
     result = (payload.get("data") or {}).get("result") or []
     return {series["metric"][label] for series in result if series.get("metric", {}).get(label)}
-
-
-@dataclass(frozen=True)
-class Observation:
-    load: float | None
-    sustained: float | None
-    problem: MetricsUnavailable | None = None
-
-    def asleep(self, replicas: int) -> Observation:
-        """A pool at zero replicas has no engines, so the engine query has no series: that is load
-        0, not missing metrics (KEDA's ``ignoreNullValues``).  Without it a sleeping pool fell out
-        of the GPU budget while its stale request still counted, and ``fallbackReplicas`` woke it
-        into a wake/sleep loop."""
-        if replicas == 0 and self.problem is not None and self.problem.reason == "NoSeries":
-            return Observation(0.0, 0.0)
-        return self
 
 
 async def observe(
