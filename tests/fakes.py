@@ -30,9 +30,12 @@ Reply = Callable[[dict[str, Any]], dict[str, Any]]
 """A ``/generate`` body -> the response payload."""
 
 
-async def serve(app: web.Application, port: int = 0) -> tuple[web.AppRunner, str]:
-    """Serve ``app`` on 127.0.0.1 (``port`` 0 = any free port); returns the runner and base URL."""
-    runner = web.AppRunner(app, shutdown_timeout=0.2)
+async def serve(
+    app: web.Application, port: int = 0, shutdown_timeout: float = 0.2
+) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on 127.0.0.1 (``port`` 0 = any free port); returns the runner and base URL.
+    ``shutdown_timeout``: how long the runner's cleanup lets requests in flight finish."""
+    runner = web.AppRunner(app, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     host, bound = runner.addresses[0][:2]

@@ -9,8 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,8 +20,12 @@ from aiohttp import web
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.api.trajectory_check import TrajectoryLimits
+from mixrl.rl.auth import AuthToken
+from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.server import BufferServer
 from mixrl.rl.buffer.store import TrajectoryBuffer
+
+from .fakes import serve
 
 
 def limits(run: str = "test", samples_per_prompt: int = 2, candidates: int = 8) -> TrajectoryLimits:
@@ -37,16 +42,55 @@ async def buffer_at(
         directory, prompts_per_update=prompts_per_update, samples_per_prompt=samples_per_prompt
     )
     server = BufferServer(buffer, limits(run, samples_per_prompt), max_body_bytes=64 << 20)
-    runner = web.AppRunner(server.app(), shutdown_timeout=0.5)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
+    runner, url = await serve(server.app(), shutdown_timeout=0.5)
     try:
-        yield f"http://{host}:{port}"
+        yield url
     finally:
         await runner.cleanup()
         buffer.close()
+
+
+@dataclass
+class RunningBuffer:
+    buffer: TrajectoryBuffer
+    server: BufferServer
+    url: str
+    client: BufferClient
+    """A client of the buffer with one retry, 50 ms apart, carrying the buffer's token."""
+
+
+StartBuffer = Callable[..., Awaitable[RunningBuffer]]
+
+
+@asynccontextmanager
+async def started_buffers(directory: Path) -> AsyncIterator[StartBuffer]:
+    """``await start(...)`` serves a real buffer of run ``test`` (over ``directory`` unless it names
+    another); each is stopped, its client closed and its logs closed at the end."""
+    started: list[tuple[web.AppRunner, RunningBuffer]] = []
+
+    async def start(
+        prompts_per_update: int = 2,
+        samples_per_prompt: int = 4,
+        max_staleness: int | None = None,
+        directory: Path = directory,
+        auth_token: AuthToken | None = None,
+        max_body_bytes: int = 64 << 20,
+        candidates: int = 8,
+    ) -> RunningBuffer:
+        buffer = TrajectoryBuffer(directory, prompts_per_update, samples_per_prompt, max_staleness)
+        contract = limits("test", samples_per_prompt, candidates)
+        server = BufferServer(buffer, contract, auth_token=auth_token, max_body_bytes=max_body_bytes)
+        runner, url = await serve(server.app(), shutdown_timeout=0.5)
+        client = BufferClient(url, retries=1, backoff_s=0.05, auth_token=auth_token)
+        running = RunningBuffer(buffer, server, url, client)
+        started.append((runner, running))
+        return running
+
+    yield start
+    for runner, running in started:
+        await running.client.close()
+        await runner.cleanup()
+        running.buffer.close()
 
 
 EXAMPLE_RUN = Path(__file__).parents[1] / "examples" / "rlrun-mixed.yaml"

@@ -9,24 +9,20 @@ invented token ids (the buffer never looks inside tokens beyond versions and mas
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
 from mixrl.api.trajectory import TokenRecord, Trajectory
-from mixrl.rl.auth import AuthToken
-from mixrl.rl.buffer.client import BufferClient
-from mixrl.rl.buffer.server import BufferServer
-from mixrl.rl.buffer.store import TrajectoryBuffer
 
 from ..fakes import no_leftover_tasks as no_leftover_tasks
-from ..servers import limits
+from ..servers import RunningBuffer as RunningBuffer
+from ..servers import StartBuffer as StartBuffer
+from ..servers import started_buffers
 
 
 def make_trajectory(
@@ -73,55 +69,10 @@ def group_of(
     return [make_trajectory(prompt_id, i, versions, pool) for i in range(size)]
 
 
-@dataclass
-class RunningBuffer:
-    buffer: TrajectoryBuffer
-    server: BufferServer
-    url: str
-    client: BufferClient
-
-
-StartBuffer = Callable[..., Awaitable[RunningBuffer]]
-
-
 @pytest.fixture
-async def start_buffer(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[RunningBuffer]]]:
-    started: list[tuple[web.AppRunner, RunningBuffer]] = []
-
-    async def start(
-        prompts_per_update: int = 2,
-        samples_per_prompt: int = 4,
-        max_staleness: int | None = None,
-        directory: Path | None = None,
-        auth_token: AuthToken | None = None,
-        max_body_bytes: int = 64 << 20,
-        candidates: int = 8,
-    ) -> RunningBuffer:
-        buffer = TrajectoryBuffer(
-            directory or tmp_path / "buffer", prompts_per_update, samples_per_prompt, max_staleness
-        )
-        server = BufferServer(
-            buffer,
-            limits("test", samples_per_prompt, candidates),
-            auth_token=auth_token,
-            max_body_bytes=max_body_bytes,
-        )
-        runner = web.AppRunner(server.app(), shutdown_timeout=0.5)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        url = f"http://{host}:{port}"
-        client = BufferClient(url, retries=1, backoff_s=0.05, auth_token=auth_token)
-        running = RunningBuffer(buffer, server, url, client)
-        started.append((runner, running))
-        return running
-
-    yield start
-    for runner, running in started:
-        await running.client.close()
-        await runner.cleanup()
-        running.buffer.close()
+async def start_buffer(tmp_path: Path) -> AsyncIterator[StartBuffer]:
+    async with started_buffers(tmp_path / "buffer") as start:
+        yield start
 
 
 def write_run_config(path: Path, prompts: int, samples: int, max_staleness: int | None = None) -> Path:

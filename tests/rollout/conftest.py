@@ -33,19 +33,18 @@ from aiohttp import web
 
 from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.auth import AuthToken
-from mixrl.rl.buffer.client import BufferClient
-from mixrl.rl.buffer.server import BufferServer
-from mixrl.rl.buffer.store import TrajectoryBuffer
 from mixrl.rl.engine.protocol import GenerateResult, PoolInfo
 from mixrl.rl.environments.filetree import parse_config
 from mixrl.rl.rollout.stats import RolloutStats
 from mixrl.rl.rollout.tokenizer import END, TOOL, Tokenizer
-from mixrl.rl.router.config import PoolConfig, RouterConfig
 from mixrl.rl.router.server import Router, RouterSettings
 
 from ..fakes import FakeEngine, Reply, serve, started_engines
 from ..fakes import no_leftover_tasks as no_leftover_tasks
-from ..servers import limits
+from ..router.conftest import pools_config
+from ..servers import RunningBuffer as RunningBuffer
+from ..servers import StartBuffer as StartBuffer
+from ..servers import started_buffers
 
 TOKENIZER = Tokenizer.filetree()
 
@@ -202,19 +201,7 @@ async def start_router() -> AsyncIterator[StartRouter]:
     async def start(
         pools: dict[str, list[FakeEngine]], run: str = "test", auth_token: AuthToken | None = None
     ) -> RunningRouter:
-        config = RouterConfig(
-            run=run,
-            pools=tuple(
-                PoolConfig(
-                    name=name,
-                    gpu_type=f"gpu-{name}",
-                    precision=f"prec-{name}",
-                    capacity=1.0,
-                    replicas=tuple(e.url for e in replicas),
-                )
-                for name, replicas in pools.items()
-            ),
-        )
+        config = pools_config({name: (1.0, replicas) for name, replicas in pools.items()}, run)
         router = Router(config, RouterSettings(run=run, health_interval=3600.0, auth_token=auth_token))
         runner, url = await serve(router.app())
         runners.append(runner)
@@ -225,39 +212,10 @@ async def start_router() -> AsyncIterator[StartRouter]:
         await runner.cleanup()
 
 
-@dataclass
-class RunningBuffer:
-    buffer: TrajectoryBuffer
-    url: str
-    client: BufferClient
-
-
-StartBuffer = Callable[..., Awaitable[RunningBuffer]]
-
-
 @pytest.fixture
 async def start_buffer(tmp_path: Path) -> AsyncIterator[StartBuffer]:
-    started: list[tuple[web.AppRunner, RunningBuffer]] = []
-
-    async def start(
-        prompts_per_update: int, samples_per_prompt: int, auth_token: AuthToken | None = None
-    ) -> RunningBuffer:
-        buffer = TrajectoryBuffer(tmp_path / "buffer", prompts_per_update, samples_per_prompt)
-        runner, url = await serve(
-            BufferServer(
-                buffer, limits("test", samples_per_prompt), auth_token=auth_token, max_body_bytes=64 << 20
-            ).app()
-        )
-        client = BufferClient(url, retries=1, backoff_s=0.05, auth_token=auth_token)
-        running = RunningBuffer(buffer, url, client)
-        started.append((runner, running))
-        return running
-
-    yield start
-    for runner, running in started:
-        await running.client.close()
-        await runner.cleanup()
-        running.buffer.close()
+    async with started_buffers(tmp_path / "buffer") as start:
+        yield start
 
 
 async def metrics_text(stats: RolloutStats) -> str:

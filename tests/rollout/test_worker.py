@@ -240,9 +240,7 @@ def task_of(prompt_id: str) -> Any:
 
 
 async def test_worker_feeds_the_buffer_and_evaluates(
-    engines: Engines,
-    start_router: StartRouter,
-    start_buffer: StartBuffer,
+    engines: Engines, start_router: StartRouter, start_buffer: StartBuffer
 ) -> None:
     engine_a, engine_b = await engines("a", version=1), await engines("b", version=1)
     router = await start_router({"a": [engine_a], "b": [engine_b]})
@@ -312,9 +310,7 @@ async def test_worker_feeds_the_buffer_and_evaluates(
 
 
 async def test_a_dying_replica_costs_a_retry_not_an_episode(
-    engines: Engines,
-    start_router: StartRouter,
-    start_buffer: StartBuffer,
+    engines: Engines, start_router: StartRouter, start_buffer: StartBuffer
 ) -> None:
     first, second = await engines("a1"), await engines("a2")
     router = await start_router({"a": [first, second]})
@@ -344,10 +340,7 @@ async def test_a_dying_replica_costs_a_retry_not_an_episode(
 
 
 async def test_sigterm_stops_the_process_cleanly(
-    tmp_path: Path,
-    engines: Engines,
-    start_router: StartRouter,
-    start_buffer: StartBuffer,
+    tmp_path: Path, engines: Engines, start_router: StartRouter, start_buffer: StartBuffer
 ) -> None:
     engine = await engines("a")
     # The run's token on both servers: the process must send it (ending sessions, posting groups).
@@ -380,10 +373,7 @@ async def test_sigterm_stops_the_process_cleanly(
 
 
 async def test_a_token_the_buffer_refuses_stops_the_process_with_one_line(
-    tmp_path: Path,
-    engines: Engines,
-    start_router: StartRouter,
-    start_buffer: StartBuffer,
+    tmp_path: Path, engines: Engines, start_router: StartRouter, start_buffer: StartBuffer
 ) -> None:
     engine = await engines("a")
     router = await start_router({"a": [engine]})
@@ -449,9 +439,7 @@ async def test_metrics_are_exported_per_pool() -> None:
 
 
 async def test_production_pauses_when_the_trainer_falls_behind(
-    engines: Engines,
-    start_router: StartRouter,
-    start_buffer: StartBuffer,
+    engines: Engines, start_router: StartRouter, start_buffer: StartBuffer
 ) -> None:
     router = await start_router({"a": [await engines("a")]})
     buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
