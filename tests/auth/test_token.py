@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry
 from mixrl.rl import auth
 from mixrl.rl.auth import AuthConfigError, AuthToken
 
+from ..fakes import serve
+
 TOKEN = AuthToken("unit-test-token-" + "u" * 24)
 
 
@@ -115,13 +117,9 @@ async def small_app(
     app.router.add_get("/read", act)
     app.router.add_post("/write", act)
     app.router.add_post("/things/{name}/end", act)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
+    runner, url = await serve(app)
     try:
-        yield f"http://{host}:{port}", done
+        yield url, done
     finally:
         await runner.cleanup()
 

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from aiohttp import web
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
@@ -33,6 +32,8 @@ from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.server import build_app
 from mixrl.rl.engine.service import EngineConfig, EngineService
 from mixrl.rl.models import create_tiny_checkpoint, load_model
+
+from ..fakes import serve
 
 hf_logging.disable_progress_bar()
 # Tiny models on shared cores: one intra-op thread avoids multi-millisecond thread handoffs per op.
@@ -73,13 +74,9 @@ async def serve_in_process(
     ``auth_token`` its control endpoints need the token, as with ``--auth-token-file``.
     """
     service = EngineService(EngineConfig(**config))  # type: ignore[arg-type]
-    runner = web.AppRunner(build_app(service, auth_token), shutdown_timeout=1.0)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
+    runner, url = await serve(build_app(service, auth_token), shutdown_timeout=1.0)
     try:
-        yield f"http://{host}:{port}", service
+        yield url, service
     finally:
         service.sched.abort_all("test finished")
         await runner.cleanup()
