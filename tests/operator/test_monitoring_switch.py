@@ -74,15 +74,21 @@ async def post_podmonitor(api: ApiServer, name: str) -> None:
         assert r.status in (200, 201), await r.text()
 
 
-async def test_annotations_mode_deletes_the_podmonitor_an_earlier_mode_left(
-    api: ApiServer, operator: Any
-) -> None:
+async def demo_applied_in_podmonitor_mode(api: ApiServer, operator: Any) -> None:
+    """The cluster serves PodMonitors; an operator in podmonitor mode applies run ``demo`` (scraped
+    through its PodMonitor alone), settles and stops."""
     api.register(with_monitoring=True)
     async with operator(monitoring="podmonitor"):
         await create(api, small_run("demo"))
         await eventually(lambda: api.live(PODMONITORS, NAMESPACE, "demo"), what="the run's PodMonitor")
         await settled(api)
         assert not scraped_by_annotations(api), "one way to scrape at a time"
+
+
+async def test_annotations_mode_deletes_the_podmonitor_an_earlier_mode_left(
+    api: ApiServer, operator: Any
+) -> None:
+    await demo_applied_in_podmonitor_mode(api, operator)
     # A run whose name matches a PodMonitor it does not own: that one is not the operator's to delete.
     await post_podmonitor(api, "other")
     before = len(list(api))
@@ -127,11 +133,7 @@ async def test_no_podmonitor_is_asked_for_where_the_cluster_serves_none(
 async def test_a_failed_cleanup_is_reported_and_retried_while_the_rest_is_applied(
     api: ApiServer, operator: Any
 ) -> None:
-    api.register(with_monitoring=True)
-    async with operator(monitoring="podmonitor"):
-        await create(api, small_run("demo"))
-        await eventually(lambda: api.live(PODMONITORS, NAMESPACE, "demo"), what="the run's PodMonitor")
-        await settled(api)
+    await demo_applied_in_podmonitor_mode(api, operator)
     fault = api.fail("DELETE", "podmonitors", 500, reason="InternalError", message="etcd is away")
     async with operator(monitoring="annotations"):
         await eventually(lambda: scraped_by_annotations(api), what="the router applied despite the failure")
