@@ -150,15 +150,21 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(
     assert sorted(path.name for path in run.iterdir()) == ["checkpoint-2"]  # the leftovers removed
 
 
+@pytest.fixture
+def trainer(tiny_model_dir: Path, groups_json: Path) -> TorchPolicyTrainer:
+    """The reference trainer one step in, so that a checkpoint holds optimizer state."""
+    trainer = reference_trainer(tiny_model_dir)
+    trainer.step(batch_of(groups_json))
+    return trainer
+
+
 def test_ranks_that_do_not_share_the_run_directory_are_told_so(
-    tmp_path: Path, tiny_model_dir: Path, groups_json: Path
+    tmp_path: Path, tiny_model_dir: Path, groups_json: Path, trainer: TorchPolicyTrainer
 ) -> None:
     """Each rank on its own directory (nodes with a volume each): a save is refused before its
     commit, and so is a resume where the ranks find different checkpoints."""
     run = tmp_path / "run"
     (run / "rank1").mkdir(parents=True)
-    trainer = reference_trainer(tiny_model_dir)
-    trainer.step(batch_of(groups_json))
     trainer.save_checkpoint(run / "rank0", step=1)  # rank 0 sees a checkpoint, rank 1 none
     args = (tiny_model_dir, groups_json, tmp_path, 1, "--dir-per-rank")
     resumed = torchrun(2, *args, "--resume", run, cwd=tmp_path, check=False)
@@ -181,10 +187,8 @@ class RunsCode:
 
 
 def test_metadata_naming_a_forbidden_global_is_refused_without_running_it(
-    tmp_path: Path, tiny_model_dir: Path, groups_json: Path
+    tmp_path: Path, trainer: TorchPolicyTrainer
 ) -> None:
-    trainer = reference_trainer(tiny_model_dir)
-    trainer.step(batch_of(groups_json))
     path = trainer.save_checkpoint(tmp_path, step=1)
     metadata = checkpoint.read_metadata(path)
     marker = tmp_path / "ran"
@@ -203,10 +207,8 @@ def test_metadata_naming_a_forbidden_global_is_refused_without_running_it(
 
 
 def test_a_non_tensor_value_that_pickles_code_is_refused_without_running_it(
-    tmp_path: Path, tiny_model_dir: Path, groups_json: Path
+    tmp_path: Path, trainer: TorchPolicyTrainer
 ) -> None:
-    trainer = reference_trainer(tiny_model_dir)
-    trainer.step(batch_of(groups_json))
     marker = tmp_path / "ran"
     # A checkpoint whose step (a non-tensor value, stored as torch.save bytes) pickles code.
     state = trainer._sharded_state() | {"step": RunsCode(marker)}
@@ -224,10 +226,8 @@ def test_a_non_tensor_value_that_pickles_code_is_refused_without_running_it(
 
 
 def test_metadata_naming_files_outside_the_checkpoint_is_refused(
-    tmp_path: Path, tiny_model_dir: Path, groups_json: Path
+    tmp_path: Path, trainer: TorchPolicyTrainer
 ) -> None:
-    trainer = reference_trainer(tiny_model_dir)
-    trainer.step(batch_of(groups_json))
     path = trainer.save_checkpoint(tmp_path, step=1)
     metadata = checkpoint.read_metadata(path)
     index = next(iter(metadata.storage_data))
