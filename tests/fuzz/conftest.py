@@ -14,9 +14,11 @@ records them ("Fuzzing and load").
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 from ..engine.conftest import dense_path as dense_path
 
@@ -30,6 +32,18 @@ FUZZ = settings(
 
 TALLY: dict[str, Counter[str]] = {}
 """suite -> counts of ``cases``, ``accepted``, ``clear errors``, ``crashes``, ``data lost``..."""
+
+
+def any_json(max_text: int, max_leaves: int) -> st.SearchStrategy[Any]:
+    """Any JSON value: scalars (texts up to ``max_text`` characters), and lists and objects of up to
+    three members nested, ``max_leaves`` scalars in all."""
+    return st.recursive(
+        st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=max_text)),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+        ),
+        max_leaves=max_leaves,
+    )
 
 
 def tally(suite: str) -> Counter[str]:

@@ -44,7 +44,7 @@ from mixrl.rl.buffer.store import (
 )
 
 from ..buffer.conftest import group_of
-from .conftest import FUZZ, tally
+from .conftest import FUZZ, any_json, tally
 
 LOGS = (TRAJECTORIES, ASSIGNMENTS, EVALUATIONS)
 SIZES = {"prompts_per_update": 2, "samples_per_prompt": 2}
@@ -97,13 +97,7 @@ awkward = st.one_of(
     st.text(max_size=6),
     st.lists(st.integers(-2, 20), max_size=3),
 )
-json_garbage = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
+json_garbage = any_json(max_text=8, max_leaves=8)
 
 
 @st.composite

@@ -36,7 +36,7 @@ from mixrl.rl.auth import AuthToken
 from mixrl.rl.weights import MAX_VERSION, WeightStore
 
 from ..engine.conftest import VOCAB
-from .conftest import FUZZ, tally
+from .conftest import FUZZ, any_json, tally
 
 TOKEN = AuthToken("fuzz-run-token-" + "f" * 32)
 CONTEXT = 64
@@ -286,13 +286,7 @@ generate_bodies = st.one_of(
     st.fixed_dictionaries({"input_ids": prompts}, optional=generate_fields),
     st.fixed_dictionaries({}, optional={**generate_fields, "input_ids": prompts}),
 )
-json_garbage = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10)),
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=10,
-)
+json_garbage = any_json(max_text=10, max_leaves=10)
 raw_bodies = st.one_of(
     st.binary(max_size=200),
     json_garbage.map(lambda v: json.dumps(v).encode()),

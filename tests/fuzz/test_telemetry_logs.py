@@ -29,7 +29,7 @@ from mixrl.local.run import Progress
 from mixrl.rl.buffer.store import EVALUATIONS, Evaluation, TrajectoryBuffer
 from mixrl.rl.trainer.main import METRICS, TrainerLoop
 
-from .conftest import FUZZ, tally
+from .conftest import FUZZ, any_json, tally
 
 COUNTS = tally("telemetry logs")
 COUNTS.update({"crashes": 0, "data lost": 0})
@@ -46,13 +46,7 @@ def good_evaluation(step: int) -> bytes:
     return json.dumps({"step": step, "weight_version": step, "pass_at_k": {"1": 0.25}}).encode()
 
 
-json_garbage = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=8)),
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
+json_garbage = any_json(max_text=8, max_leaves=8)
 odd_values = st.sampled_from(
     [None, True, "3", "high", 1e400, float("nan"), -1, 2**70, [], {}, [1], {"1": "most"}]
 )
