@@ -55,10 +55,27 @@ def test_rules_are_valid_promql(rules_file: Path) -> None:
     assert "SUCCESS: 3 rules found" in checked.stdout
 
 
-def run_rule_tests(rules_file: Path, tests: list[dict[str, Any]]) -> subprocess.CompletedProcess[str]:
-    spec = {"rule_files": [rules_file.name], "evaluation_interval": "1m", "tests": tests}
+Series = list[dict[str, str]]
+Check = dict[str, Any]
+"""One entry of promtool's ``alert_rule_test``."""
+
+
+def run_rule_tests(rules_file: Path, series: Series, checks: list[Check]) -> subprocess.CompletedProcess[str]:
+    """promtool's unit test of the rules: ``series`` one point a minute, then the ``checks``."""
+    test = {"interval": "1m", "input_series": series, "alert_rule_test": checks}
+    spec = {"rule_files": [rules_file.name], "evaluation_interval": "1m", "tests": [test]}
     (rules_file.parent / "tests.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     return promtool("test", "rules", "tests.yaml", cwd=rules_file.parent)
+
+
+def fires(alert: str, at: str, **labels: str) -> Check:
+    """At ``at``, ``alert`` fires once, for the series with ``labels``."""
+    return {"eval_time": at, "alertname": alert, "exp_alerts": [expected(alert, **labels)]}
+
+
+def silent(alert: str, at: str) -> Check:
+    """At ``at``, ``alert`` fires for no series (it may be pending)."""
+    return {"eval_time": at, "alertname": alert, "exp_alerts": []}
 
 
 def test_kl_tripling_in_one_pool_fires_only_for_that_pool(rules_file: Path) -> None:
@@ -68,34 +85,17 @@ def test_kl_tripling_in_one_pool_fires_only_for_that_pool(rules_file: Path) -> N
         {"series": 'mixrl_trainer_kl{run="a",pool="b200"}', "values": "0.001x240"},  # steady
         {"series": 'mixrl_trainer_kl{run="b",pool="cpu"}', "values": "0.000001x120 0.000005x120"},  # noise
     ]
-    tests = [
-        {
-            "interval": "1m",
-            "input_series": series,
-            "alert_rule_test": [
-                {"eval_time": "125m", "alertname": "MixrlKLGrowing", "exp_alerts": []},  # still pending
-                {
-                    "eval_time": "200m",
-                    "alertname": "MixrlKLGrowing",
-                    "exp_alerts": [expected("MixrlKLGrowing", run="a", pool="h100")],
-                },
-            ],
-        }
+    checks = [
+        silent("MixrlKLGrowing", "125m"),  # still pending
+        fires("MixrlKLGrowing", "200m", run="a", pool="h100"),
     ]
-    result = run_rule_tests(rules_file, tests)
+    result = run_rule_tests(rules_file, series, checks)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_a_kl_that_only_doubles_does_not_fire(rules_file: Path) -> None:
     series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.002x120"}]
-    tests = [
-        {
-            "interval": "1m",
-            "input_series": series,
-            "alert_rule_test": [{"eval_time": "230m", "alertname": "MixrlKLGrowing", "exp_alerts": []}],
-        }
-    ]
-    result = run_rule_tests(rules_file, tests)
+    result = run_rule_tests(rules_file, series, [silent("MixrlKLGrowing", "230m")])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -105,21 +105,8 @@ def test_falling_reward_fires_and_a_flat_one_does_not(rules_file: Path) -> None:
         {"series": 'mixrl_trainer_reward{run="b",pool=""}', "values": "0.5x300"},
         {"series": 'mixrl_trainer_reward{run="c",pool=""}', "values": "0.8x180 0.7x120"},  # -12 %: fine
     ]
-    tests = [
-        {
-            "interval": "1m",
-            "input_series": series,
-            "alert_rule_test": [
-                {"eval_time": "185m", "alertname": "MixrlRewardFalling", "exp_alerts": []},
-                {
-                    "eval_time": "280m",
-                    "alertname": "MixrlRewardFalling",
-                    "exp_alerts": [expected("MixrlRewardFalling", run="a")],
-                },
-            ],
-        }
-    ]
-    result = run_rule_tests(rules_file, tests)
+    checks = [silent("MixrlRewardFalling", "185m"), fires("MixrlRewardFalling", "280m", run="a")]
+    result = run_rule_tests(rules_file, series, checks)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -130,40 +117,14 @@ def test_most_episodes_ending_on_format_errors_fires(rules_file: Path) -> None:
         {"series": 'mixrl_rollout_episodes_total{run="b",pool="h100"}', "values": "0+10x60"},
         {"series": 'mixrl_rollout_format_error_episodes_total{run="b",pool="h100"}', "values": "0+2x60"},
     ]
-    tests = [
-        {
-            "interval": "1m",
-            "input_series": series,
-            "alert_rule_test": [
-                {
-                    "eval_time": "50m",
-                    "alertname": "MixrlFormatErrorEpisodes",
-                    "exp_alerts": [expected("MixrlFormatErrorEpisodes", run="a")],
-                }
-            ],
-        }
-    ]
-    result = run_rule_tests(rules_file, tests)
+    result = run_rule_tests(rules_file, series, [fires("MixrlFormatErrorEpisodes", "50m", run="a")])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_rule_tests_have_teeth(rules_file: Path) -> None:
     """A wrong expectation fails: promtool really evaluates the rules."""
     series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x240"}]
-    tests = [
-        {
-            "interval": "1m",
-            "input_series": series,
-            "alert_rule_test": [
-                {
-                    "eval_time": "200m",
-                    "alertname": "MixrlKLGrowing",
-                    "exp_alerts": [expected("MixrlKLGrowing", run="a", pool="h100")],
-                }
-            ],
-        }
-    ]
-    result = run_rule_tests(rules_file, tests)
+    result = run_rule_tests(rules_file, series, [fires("MixrlKLGrowing", "200m", run="a", pool="h100")])
     assert result.returncode != 0
 
 
@@ -172,7 +133,7 @@ def values(points: list[float]) -> str:
     return " ".join(f"{value:.6g}" for value in points)
 
 
-def noisy_healthy_tests(alerts: list[str]) -> list[dict[str, Any]]:
+def noisy_healthy_run(alerts: list[str]) -> tuple[Series, list[Check]]:
     """Six hours of noise: reward 0.5 ± 0.15, KL 0.002 ± 40 % with one 20x minute, 30 % format
     errors; expecting none of ``alerts`` every 15 minutes."""
     rng = random.Random(0)
@@ -193,16 +154,11 @@ def noisy_healthy_tests(alerts: list[str]) -> list[dict[str, Any]]:
             "values": values(errors),
         },
     ]
-    checks = [
-        {"eval_time": f"{minute}m", "alertname": name, "exp_alerts": []}
-        for minute in range(30, minutes, 15)
-        for name in alerts
-    ]
-    return [{"interval": "1m", "input_series": series, "alert_rule_test": checks}]
+    return series, [silent(name, f"{minute}m") for minute in range(30, minutes, 15) for name in alerts]
 
 
 def test_a_noisy_healthy_run_fires_no_alert(rules_file: Path) -> None:
-    result = run_rule_tests(rules_file, noisy_healthy_tests(list(RULES)))
+    result = run_rule_tests(rules_file, *noisy_healthy_run(list(RULES)))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -218,7 +174,7 @@ def test_the_noisy_run_is_live_tight_thresholds_fire_on_it(
     tmp_path: Path, alert: str, tight: CollapseSpec
 ) -> None:
     """The quiet of the test above is the thresholds', not a series the rules never read."""
-    result = run_rule_tests(write_rules(tmp_path, tight), noisy_healthy_tests([alert]))
+    result = run_rule_tests(write_rules(tmp_path, tight), *noisy_healthy_run([alert]))
     assert result.returncode != 0 and alert in result.stdout + result.stderr
 
 
@@ -226,9 +182,9 @@ def test_the_rules_follow_the_thresholds_they_are_generated_from(tmp_path: Path)
     """The chart's rules are collapse_rule_groups() with spec.health.collapse's defaults; others move them."""
     assert collapse_rule_groups() == collapse_rule_groups(CollapseSpec())
     series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.004x120"}]  # 4x
-    fires = [expected("MixrlKLGrowing", run="a", pool="h100")]
-    for growth, alerts in ((3.0, fires), (5.0, [])):
-        check = {"eval_time": "200m", "alertname": "MixrlKLGrowing", "exp_alerts": alerts}
-        tests = [{"interval": "1m", "input_series": series, "alert_rule_test": [check]}]
-        result = run_rule_tests(write_rules(tmp_path, CollapseSpec(kl_growth=growth)), tests)
+    for growth, check in (
+        (3.0, fires("MixrlKLGrowing", "200m", run="a", pool="h100")),
+        (5.0, silent("MixrlKLGrowing", "200m")),
+    ):
+        result = run_rule_tests(write_rules(tmp_path, CollapseSpec(kl_growth=growth)), series, [check])
         assert result.returncode == 0, f"klGrowth {growth}: " + result.stdout + result.stderr
