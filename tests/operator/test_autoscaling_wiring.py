@@ -53,6 +53,17 @@ Obj = dict[str, Any]
 LOOP = LoopSettings(tick_s=0.1, sustained_window=("3s", "1s"))
 
 
+def scalable_pool(name: str, gpu_type: str, precision: str) -> Obj:
+    """A sampler pool the autoscaler may move between 1 and 8 replicas."""
+    return {
+        "name": name,
+        "gpuType": gpu_type,
+        "weightPrecision": precision,
+        "minReplicas": 1,
+        "maxReplicas": 8,
+    }
+
+
 def run_with_autoscaling(name: str, prometheus_url: str, engine: str, pool: Obj) -> Obj:
     manifest = small_run(name, pools=[pool])
     manifest["spec"]["autoscaling"] = {
@@ -120,20 +131,7 @@ async def test_the_operator_scales_a_builtin_pool_from_prometheus_and_leaves_eng
         "manual-h100-5c4b3a291-klmno": idle_engine,
     }
     async with engines_and_prometheus(tmp_path, pods) as prometheus, operator(autoscaling=LOOP):
-        b200 = {
-            "name": "b200",
-            "gpuType": "B200",
-            "weightPrecision": "nvfp4",
-            "minReplicas": 1,
-            "maxReplicas": 8,
-        }
-        h100 = {
-            "name": "h100",
-            "gpuType": "H100",
-            "weightPrecision": "fp8",
-            "minReplicas": 1,
-            "maxReplicas": 8,
-        }
+        b200, h100 = scalable_pool("b200", "B200", "nvfp4"), scalable_pool("h100", "H100", "fp8")
         await create(api, run_with_autoscaling("demo", prometheus.url, "builtin", b200))
         await create(api, run_with_autoscaling("manual", prometheus.url, "none", h100))
         await eventually(
@@ -197,13 +195,7 @@ async def test_switching_a_run_to_engine_none_stops_the_loop_and_drops_its_condi
 ) -> None:
     engine = EngineMetrics(negotiate=False)
     async with engines_and_prometheus(tmp_path, {"demo-b200-7d9f8c6b5-abcde": engine}) as prometheus:
-        b200 = {
-            "name": "b200",
-            "gpuType": "B200",
-            "weightPrecision": "nvfp4",
-            "minReplicas": 1,
-            "maxReplicas": 8,
-        }
+        b200 = scalable_pool("b200", "B200", "nvfp4")
         manifest = run_with_autoscaling("demo", prometheus.url, "builtin", b200)
         async with operator(autoscaling=LOOP):
             await create(api, manifest)

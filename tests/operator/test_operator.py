@@ -75,6 +75,13 @@ async def converged(api: ApiServer, manifest: Obj) -> None:
     await settled(api)
 
 
+async def create_converged(api: ApiServer, manifest: Obj) -> Obj:
+    """Create the run; return it once its children are exactly the expected ones and all is quiet."""
+    run = await create(api, manifest)
+    await converged(api, manifest)
+    return run
+
+
 def writes_to(api: ApiServer, since: int, plural: str, name: str | None = None) -> list[kmock.Request]:
     return [
         r
@@ -98,8 +105,7 @@ def operator_writes(api: ApiServer, since: int) -> list[str]:
 async def test_applying_a_run_creates_exactly_the_expected_children(api: ApiServer, operator: Any) -> None:
     manifest = small_run()
     async with operator():
-        run = await create(api, manifest)
-        await converged(api, manifest)
+        run = await create_converged(api, manifest)
     run_uid = run["metadata"]["uid"]
     pool_uids = {
         name: api.live(SAMPLERPOOLS, NAMESPACE, name)["metadata"]["uid"]
@@ -128,8 +134,7 @@ async def test_applying_a_run_creates_exactly_the_expected_children(api: ApiServ
 async def test_a_second_reconcile_without_spec_change_writes_nothing(api: ApiServer, operator: Any) -> None:
     manifest = small_run()
     async with operator():
-        await create(api, manifest)
-        await converged(api, manifest)
+        await create_converged(api, manifest)
         await play_workload_controllers(api)
         await eventually(lambda: conditions(api.live(RLRUNS, NAMESPACE, "demo"))["Ready"]["status"] == "True")
         before = await settled(api)
@@ -160,8 +165,7 @@ async def test_a_second_reconcile_without_spec_change_writes_nothing(api: ApiSer
 async def test_status_and_conditions_follow_the_children(api: ApiServer, operator: Any) -> None:
     manifest = small_run()
     async with operator():
-        await create(api, manifest)
-        await converged(api, manifest)
+        await create_converged(api, manifest)
         run = api.live(RLRUNS, NAMESPACE, "demo")
         c = conditions(run)
         assert run["status"]["phase"] == "Pending" and run["status"]["observedGeneration"] == 1
@@ -238,8 +242,7 @@ async def test_an_invalid_run_is_marked_and_creates_nothing(api: ApiServer, oper
 async def test_adding_and_removing_a_pool(api: ApiServer, operator: Any) -> None:
     manifest = small_run()
     async with operator():
-        await create(api, manifest)
-        await converged(api, manifest)
+        await create_converged(api, manifest)
         before = len(list(api))
         grown = copy.deepcopy(manifest)
         grown["spec"]["samplerPools"].append(
@@ -273,8 +276,7 @@ async def test_adding_and_removing_a_pool(api: ApiServer, operator: Any) -> None
 async def test_scaling_a_pool_changes_only_its_own_deployment(api: ApiServer, operator: Any) -> None:
     manifest = small_run()
     async with operator():
-        await create(api, manifest)
-        await converged(api, manifest)
+        await create_converged(api, manifest)
         old = api.live(DEPLOYMENTS, NAMESPACE, "demo-b200")
         before = len(list(api))
         await patch(
@@ -304,8 +306,7 @@ async def test_scaling_a_pool_changes_only_its_own_deployment(api: ApiServer, op
 async def test_precision_change_and_tighter_bounds_roll_out(api: ApiServer, operator: Any) -> None:
     manifest = small_run()
     async with operator():
-        await create(api, manifest)
-        await converged(api, manifest)
+        await create_converged(api, manifest)
         changed = copy.deepcopy(manifest)
         changed["spec"]["samplerPools"][1]["weightPrecision"] = "bf16"  # h100: fp8 -> bf16
         changed["spec"]["samplerPools"][0].update(minReplicas=1, maxReplicas=1)  # b200 runs 2 replicas now
@@ -349,8 +350,7 @@ async def test_conflicts_and_server_errors_are_retried(api: ApiServer, operator:
         api.fail("PATCH", "rlruns", 500, subresource="status"),
     ]
     async with operator():
-        await create(api, manifest)
-        await converged(api, manifest)
+        await create_converged(api, manifest)
     assert all(f.times == 0 for f in failures), "every injected failure was hit"
     posts = [
         r
@@ -366,8 +366,7 @@ async def test_conflicts_and_server_errors_are_retried(api: ApiServer, operator:
 async def test_deleting_the_run_cleans_up_through_owner_references(api: ApiServer, operator: Any) -> None:
     manifest = small_run()
     async with operator():
-        await create(api, manifest)
-        await converged(api, manifest)
+        await create_converged(api, manifest)
         before = len(list(api))
         await delete(api, run_path("demo"))
         await eventually(lambda: not existing(api), what="the garbage collector")
