@@ -17,6 +17,7 @@ sequence (no KV cache, no batching, no server), at the same precision, prepared 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -29,6 +30,7 @@ from transformers.utils import logging as hf_logging
 from mixrl.local.processes import EngineProcess
 from mixrl.rl import quant
 from mixrl.rl.auth import AuthToken
+from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.engine.server import build_app
 from mixrl.rl.engine.service import EngineConfig, EngineService
 from mixrl.rl.models import create_tiny_checkpoint, load_model
@@ -80,6 +82,12 @@ async def serve_in_process(
     finally:
         service.sched.abort_all("test finished")
         await runner.cleanup()
+
+
+async def until_running(client: EngineClient, at_least: int = 1) -> None:
+    """Wait until the engine runs ``at_least`` requests (they are in its batch, past the queue)."""
+    while (await client.metrics()).get("sglang:num_running_reqs", 0) < at_least:
+        await asyncio.sleep(0.01)
 
 
 def reference_model(path: str | Path, precision: str = "bf16") -> torch.nn.Module:

@@ -15,7 +15,7 @@ from mixrl.rl import metrics
 from mixrl.rl.engine.client import EngineClient, EngineError
 
 from . import reference
-from .conftest import VOCAB, random_prompts, reference_logprobs, reference_model
+from .conftest import VOCAB, random_prompts, reference_logprobs, reference_model, until_running
 
 TIE = 1e-4
 
@@ -134,8 +134,7 @@ async def test_concurrent_requests_finish_and_match_sequential_results(client: E
 
 async def test_a_request_arriving_later_joins_the_running_batch(client: EngineClient) -> None:
     long = asyncio.create_task(client.generate([5, 6, 7], max_new_tokens=400, temperature=0.0))
-    while (await client.metrics()).get("sglang:num_running_reqs", 0) < 1:
-        await asyncio.sleep(0.01)
+    await until_running(client)
     short = await client.generate([8, 9], max_new_tokens=4, temperature=0.0)
     assert short.completion_tokens == 4
     assert not long.done()  # the short request did not wait for the long one
@@ -285,8 +284,7 @@ async def test_metrics_use_sglang_names_and_count_tokens(client: EngineClient) -
 async def test_pause_in_place_holds_requests_and_continue_resumes(client: EngineClient) -> None:
     task = asyncio.create_task(client.generate([1, 2], max_new_tokens=300, temperature=0.0))
     try:
-        while (await client.metrics()).get("sglang:num_running_reqs", 0) < 1:
-            await asyncio.sleep(0.01)
+        await until_running(client)
         await client.pause_generation("in_place")
         first = (await client.metrics())["sglang:generation_tokens_total"]
         await asyncio.sleep(0.3)
@@ -303,8 +301,7 @@ async def test_pause_in_place_holds_requests_and_continue_resumes(client: Engine
 async def test_pause_abort_finishes_requests_with_an_abort_reason(client: EngineClient) -> None:
     task = asyncio.create_task(client.generate([1, 2], max_new_tokens=2000, temperature=0.0))
     try:
-        while (await client.metrics()).get("sglang:num_running_reqs", 0) < 1:
-            await asyncio.sleep(0.01)
+        await until_running(client)
         await client.pause_generation("abort")
         result = await task
     finally:

@@ -15,7 +15,7 @@ from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 
-from .conftest import VOCAB, reference_logprobs, reference_model
+from .conftest import VOCAB, reference_logprobs, reference_model, until_running
 
 TIE = 1e-4
 
@@ -49,11 +49,6 @@ async def client(small_engine: EngineProcess) -> AsyncIterator[EngineClient]:
         yield c
 
 
-async def _wait_running(client: EngineClient, at_least: int = 1) -> None:
-    while (await client.metrics()).get("sglang:num_running_reqs", 0) < at_least:
-        await asyncio.sleep(0.01)
-
-
 async def _assert_serves(client: EngineClient, path: str) -> None:
     """A fresh greedy generation is the plain forward's argmax of the model at ``path``."""
     model = reference_model(path, "bf16")
@@ -71,7 +66,7 @@ async def test_update_mid_generation_labels_later_tokens_with_the_new_version(
     assert await client.get_weight_version() == 0
     await _assert_serves(client, dense_path)
     running = asyncio.create_task(client.generate([1, 2, 3], max_new_tokens=400, temperature=0.0))
-    await _wait_running(client)
+    await until_running(client)
     await asyncio.sleep(0.05)
     reply = await client.update_weights_from_disk(store.path(1), weight_version=1)
     assert reply["success"], reply
