@@ -9,12 +9,25 @@ no Kubernetes API server can run here, so structural rules are checked by walkin
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def set_at(*path: str | int, value: Any) -> Callable[[dict[str, Any]], None]:
+    """A change to a document: set one field, creating the mappings on its path."""
+
+    def mutate(doc: dict[str, Any]) -> None:
+        node: Any = doc
+        for key in path[:-1]:
+            node = node.setdefault(key, {}) if isinstance(key, str) else node[key]
+        node[path[-1]] = value
+
+    return mutate
 
 
 @pytest.fixture

@@ -24,22 +24,10 @@ from mixrl.api import models
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import parse_document, parse_yaml
 
-from .conftest import ROOT
+from .conftest import ROOT, set_at
 
 Doc = dict[str, Any]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
-
-
-def at(*path: str | int, value: Any) -> Callable[[Doc], None]:
-    """Set one field (creating mappings on the way)."""
-
-    def mutate(doc: Doc) -> None:
-        node: Any = doc
-        for key in path[:-1]:
-            node = node.setdefault(key, {}) if isinstance(key, str) else node[key]
-        node[path[-1]] = value
-
-    return mutate
 
 
 def pool(index: int, **fields: Any) -> Callable[[Doc], None]:
@@ -74,7 +62,7 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         f"{P0}.maxReplicas: expected an integer, got the string '8'",
     ),
     "huge-integer": (
-        at("spec", "trainer", "nodes", value=10**400),
+        set_at("spec", "trainer", "nodes", value=10**400),
         "spec.trainer.nodes: Input should be less than or equal to 2147483647",
     ),
     "capacity-inf": (pool(0, capacity=float("inf")), f"{P0}.capacity: must be a finite number, got inf"),
@@ -84,44 +72,44 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         f"{P0}.capacity: Input should be less than or equal to 1000000",
     ),
     "lr-inf": (
-        at("spec", "trainer", "optimizer", "lr", value=float("inf")),
+        set_at("spec", "trainer", "optimizer", "lr", value=float("inf")),
         "spec.trainer.optimizer.lr: must be a finite number, got inf",
     ),
     "lr-above-one": (
-        at("spec", "trainer", "optimizer", "lr", value=3.0),
+        set_at("spec", "trainer", "optimizer", "lr", value=3.0),
         "spec.trainer.optimizer.lr: Input should be less than or equal to 1",
     ),
     "beta-nan": (
-        at("spec", "trainer", "optimizer", "betas", value=[0.9, float("nan")]),
+        set_at("spec", "trainer", "optimizer", "betas", value=[0.9, float("nan")]),
         "spec.trainer.optimizer.betas[1]: must be a finite number, got nan",
     ),
     "mis-inf": (
-        at("spec", "algorithm", "corrections", "mis", value=[0.2, float("inf")]),
+        set_at("spec", "algorithm", "corrections", "mis", value=[0.2, float("inf")]),
         "spec.algorithm.corrections.mis[1]: must be a finite number, got inf",
     ),
     "gpus-per-node-true": (
-        at("spec", "trainer", "gpusPerNode", value=True),
+        set_at("spec", "trainer", "gpusPerNode", value=True),
         "spec.trainer.gpusPerNode: expected an integer, got true",
     ),
     "capacity-true": (pool(0, capacity=True), f"{P0}.capacity: expected a number, got true"),
     "mask-replay-one": (
-        at("spec", "algorithm", "topP", "maskReplay", value=1),
+        set_at("spec", "algorithm", "topP", "maskReplay", value=1),
         "spec.algorithm.topP.maskReplay: expected true or false, got 1",
     ),
     "pass-k-true": (
-        at("spec", "evaluation", "passK", value=[1, True]),
+        set_at("spec", "evaluation", "passK", value=[1, True]),
         "spec.evaluation.passK[1]: expected an integer, got true",
     ),
     "temperature-tiny": (
-        at("spec", "algorithm", "temperature", value=1e-300),
+        set_at("spec", "algorithm", "temperature", value=1e-300),
         "spec.algorithm.temperature: Input should be greater than or equal to 0.001",
     ),
     "poll-interval-a-century": (
-        at("spec", "autoscaling", "pollIntervalSeconds", value=3.2e9),
+        set_at("spec", "autoscaling", "pollIntervalSeconds", value=3.2e9),
         "spec.autoscaling.pollIntervalSeconds: Input should be less than or equal to 604800",
     ),
     "negative-seed": (
-        at("spec", "rollout", "dataset", value={"seed": -1}),
+        set_at("spec", "rollout", "dataset", value={"seed": -1}),
         "spec.rollout.dataset.seed: Input should be greater than or equal to 0",
     ),
     "gpus-per-replica-beyond-a-node": (
@@ -130,31 +118,31 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
     ),
     # ---- quantities, by Kubernetes' rules
     "volume-size-lots": (
-        at("spec", "weights", "volumeSize", value="lots"),
+        set_at("spec", "weights", "volumeSize", value="lots"),
         f"spec.weights.volumeSize: 'lots' is not a Kubernetes quantity {QUANTITY}",
     ),
     "volume-size-with-space": (
-        at("spec", "weights", "volumeSize", value="5 Gi"),
+        set_at("spec", "weights", "volumeSize", value="5 Gi"),
         f"spec.weights.volumeSize: '5 Gi' is not a Kubernetes quantity {QUANTITY}",
     ),
     "volume-size-capital-k": (  # kilo is k; K only in Ki
-        at("spec", "weights", "volumeSize", value="500K"),
+        set_at("spec", "weights", "volumeSize", value="500K"),
         f"spec.weights.volumeSize: '500K' is not a Kubernetes quantity {QUANTITY}",
     ),
     "volume-size-beyond-int64": (
-        at("spec", "weights", "volumeSize", value="8Ei"),
+        set_at("spec", "weights", "volumeSize", value="8Ei"),
         "spec.weights.volumeSize: '8Ei' is larger than 9223372036854775807 (the int64 Kubernetes stores)",
     ),
     "memory-negative": (
-        at("spec", "trainer", "resources", value={"memory": "-5Gi"}),
+        set_at("spec", "trainer", "resources", value={"memory": "-5Gi"}),
         f"spec.trainer.resources.memory: '-5Gi' must be a positive quantity {QUANTITY}",
     ),
     "cpu-zero": (
-        at("spec", "trainer", "resources", value={"cpu": "0"}),
+        set_at("spec", "trainer", "resources", value={"cpu": "0"}),
         f"spec.trainer.resources.cpu: '0' must be a positive quantity {QUANTITY}",
     ),
     "cpu-fractional-exponent": (
-        at("spec", "trainer", "resources", value={"cpu": "1e1.5"}),
+        set_at("spec", "trainer", "resources", value={"cpu": "1e1.5"}),
         f"spec.trainer.resources.cpu: '1e1.5' is not a Kubernetes quantity {QUANTITY}",
     ),
     # ---- cross-field rules (with CEL twins in the CRD)
@@ -163,16 +151,16 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         f"{P0}.gpusPerReplica: gpuType B200 needs at least 1 GPU per replica (0 is for gpuType cpu)",
     ),
     "trainer-without-gpus": (
-        at("spec", "trainer", "gpusPerNode", value=0),
+        set_at("spec", "trainer", "gpusPerNode", value=0),
         "spec.trainer.gpusPerNode: gpuType H200 needs at least 1 GPU per node (0 is for gpuType cpu)",
     ),
     "tensor-parallel-3-on-32": (
-        at("spec", "trainer", "parallelism", "tp", value=3),
+        set_at("spec", "trainer", "parallelism", "tp", value=3),
         "spec.trainer.parallelism: tp x pp x cp (3 x 1 x 1) must divide the trainer's world size 32"
         " (nodes x gpusPerNode)",
     ),
     "expert-parallel-16-with-tp-4-on-32": (
-        at("spec", "trainer", "parallelism", value={"tp": 4, "ep": 16}),
+        set_at("spec", "trainer", "parallelism", value={"tp": 4, "ep": 16}),
         "spec.trainer.parallelism.ep: tp x pp x ep (4 x 1 x 16) must divide the trainer's world size 32"
         " (nodes x gpusPerNode)",
     ),
@@ -187,23 +175,23 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         " must be 1",
     ),
     "tensor-parallel-on-the-torch-backend": (
-        at("spec", "trainer", "parallelism", "tp", value=2),
+        set_at("spec", "trainer", "parallelism", "tp", value=2),
         "spec.trainer.parallelism: the torch backend is data parallel (FSDP2): tp, pp, ep and cp must be 1"
         " (tensor, pipeline, expert and context parallelism need the megatron backend)",
     ),
     "model-path-on-s3": (
-        at("spec", "model", "path", value="s3://models/Qwen3-8B"),
+        set_at("spec", "model", "path", value="s3://models/Qwen3-8B"),
         "spec.model.path: must be a directory the trainer can read (a mounted volume) or tiny:<kind>: the"
         " trainer loads it with transformers from local files and downloads nothing (no s3://, hf:// or"
         " https:// URLs)",
     ),
     "weight-store-on-s3": (
-        at("spec", "weights", "store", value="s3://bucket/run"),
+        set_at("spec", "weights", "store", value="s3://bucket/run"),
         "spec.weights.store: must be a path or a file:// URL (the trainer and the engines share it as a"
         " volume); object stores such as s3:// have no storage backend yet",
     ),
     "gpu-budget-below-minimums": (
-        at("spec", "autoscaling", "gpuBudget", value=2),
+        set_at("spec", "autoscaling", "gpuBudget", value=2),
         "spec.autoscaling.gpuBudget: 2 GPUs cannot hold the pools' minimums: minReplicas x gpusPerReplica"
         " sum to 5",
     ),
@@ -221,38 +209,38 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
     ),
     # ---- Kubernetes names
     "namespace-not-a-dns-label": (
-        at("metadata", "namespace", value="RL_Team"),
+        set_at("metadata", "namespace", value="RL_Team"),
         "metadata.namespace: 'RL_Team' is not a DNS label (lowercase alphanumerics and '-', starting and"
         " ending alphanumeric)",
     ),
     "namespace-too-long": (
-        at("metadata", "namespace", value="n" * 64),
+        set_at("metadata", "namespace", value="n" * 64),
         f"metadata.namespace: {'n' * 60!r}... (64 characters) is longer than 63 characters",
     ),
     "label-key-with-space": (
-        at("metadata", "labels", value={"team name": "rl"}),
+        set_at("metadata", "labels", value={"team name": "rl"}),
         f"metadata.labels: key 'team name': the name part must be {LABEL}",
     ),
     "label-key-bad-prefix": (
-        at("metadata", "labels", value={"Example.COM/team": "rl"}),
+        set_at("metadata", "labels", value={"Example.COM/team": "rl"}),
         "metadata.labels: key 'Example.COM/team': the prefix before '/' must be a DNS subdomain"
         " (e.g. example.com/name)",
     ),
     "label-key-two-slashes": (
-        at("metadata", "labels", value={"a/b/c": "rl"}),
+        set_at("metadata", "labels", value={"a/b/c": "rl"}),
         "metadata.labels: key 'a/b/c': the prefix before '/' must be a DNS subdomain (e.g. example.com/name)",
     ),
     "label-value-too-long": (
-        at("metadata", "labels", value={"team": "v" * 64}),
+        set_at("metadata", "labels", value={"team": "v" * 64}),
         f"metadata.labels: value of 'team': {'v' * 60!r}... (64 characters) is not a label value ({LABEL}, or"
         " empty)",
     ),
     "annotation-key-empty-name": (
-        at("metadata", "annotations", value={"example.com/": "x"}),
+        set_at("metadata", "annotations", value={"example.com/": "x"}),
         "metadata.annotations: key 'example.com/': the name part is empty",
     ),
     "annotations-too-large": (
-        at("metadata", "annotations", value={"note": "x" * (256 * 1024)}),
+        set_at("metadata", "annotations", value={"note": "x" * (256 * 1024)}),
         "metadata.annotations: 262148 bytes in all, more than Kubernetes' 262144",
     ),
     "node-selector-key": (
@@ -284,9 +272,9 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         f"{P0}.image: 'sglang latest' is not an image reference (1 to 512 characters, no whitespace)",
     ),
     # ---- shapes and sizes of what was pasted
-    "kind-a-list": (at("kind", value=["RLRun"]), "kind: expected one of RLRun, SamplerPool, got a list"),
+    "kind-a-list": (set_at("kind", value=["RLRun"]), "kind: expected one of RLRun, SamplerPool, got a list"),
     "api-version-a-mapping": (
-        at("apiVersion", value={"v": 1}),
+        set_at("apiVersion", value={"v": 1}),
         "apiVersion: expected mixrl.dev/v1alpha1, got a dict",
     ),
     "unknown-gpu-a-megabyte": (
@@ -295,22 +283,25 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
         " B200, B300, RTX-PRO-6000, cpu",
     ),
     "unknown-field-a-kilobyte": (
-        at("spec", "x" * 1000, value=1),
+        set_at("spec", "x" * 1000, value=1),
         f"spec[{'x' * 60!r}... (1000 characters)]: unknown field (check the spelling; unknown fields are rejected)",
     ),
     # an unknown key that looks like one of pydantic's own location segments is still named
     "unknown-field-a-bracket": (
-        at("[", value=0),
+        set_at("[", value=0),
         "['[']: unknown field (check the spelling; unknown fields are rejected)",
     ),
     "unknown-field-like-a-validator": (
-        at("spec", "trainer", "function-after[x]", value=0),
+        set_at("spec", "trainer", "function-after[x]", value=0),
         "spec.trainer['function-after[x]']: unknown field (check the spelling; unknown fields are rejected)",
     ),
-    "integer-key": (at("spec", "trainer", 7, value=1), "spec.trainer[7]: keys must be strings"),
-    "model-a-list": (at("spec", "model", value=["tiny:qwen3"]), "spec.model: expected a mapping, got a list"),
+    "integer-key": (set_at("spec", "trainer", 7, value=1), "spec.trainer[7]: keys must be strings"),
+    "model-a-list": (
+        set_at("spec", "model", value=["tiny:qwen3"]),
+        "spec.model: expected a mapping, got a list",
+    ),
     "model-path-empty": (
-        at("spec", "model", "path", value=""),
+        set_at("spec", "model", "path", value=""),
         "spec.model.path: String should have at least 1 character",
     ),
 }

@@ -30,7 +30,7 @@ from mixrl.api.gpus import GPU_TABLE, GpuCapability
 from mixrl.api.loader import parse_document
 from mixrl.api.models import SamplerPoolTemplate
 
-from .conftest import ROOT
+from .conftest import ROOT, set_at
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 Doc = dict[str, Any]
@@ -216,16 +216,6 @@ class Case:
     start: Callable[[], Doc] = example
 
 
-def _set(*path: str | int, value: Any) -> Callable[[Doc], None]:
-    def mutate(doc: Doc) -> None:
-        node: Any = doc
-        for key in path[:-1]:
-            node = node.setdefault(key, {}) if isinstance(key, str) else node[key]
-        node[path[-1]] = value
-
-    return mutate
-
-
 def _pool(index: int, **fields: Any) -> Callable[[Doc], None]:
     def mutate(doc: Doc) -> None:
         pool = pools(doc)[index]
@@ -304,47 +294,47 @@ CASES: dict[str, Case] = {
     ),
     "beta-one": Case(
         "betas-in-unit-interval",
-        _set("spec", "trainer", "optimizer", "betas", value=[0.9, 1]),
+        set_at("spec", "trainer", "optimizer", "betas", value=[0.9, 1]),
         "spec.trainer.optimizer.betas: each beta must be in [0, 1)",
     ),
     "top-k-zero": Case(
         "top-k-nonzero",
-        _set("spec", "algorithm", "topP", "k", value=0),
+        set_at("spec", "algorithm", "topP", "k", value=0),
         "spec.algorithm.topP.k: k must be -1 (no cut) or positive",
     ),
     "mis-below-one": Case(
         "mis-range",
-        _set("spec", "algorithm", "corrections", "mis", value=[0.5, 0.9]),
+        set_at("spec", "algorithm", "corrections", "mis", value=[0.5, 0.9]),
         "spec.algorithm.corrections.mis: range [lo, hi] must satisfy 0 < lo < 1 < hi",
     ),
     "mis-from-zero": Case(  # integers in a number field
         "mis-range",
-        _set("spec", "algorithm", "corrections", "mis", value=[0, 5]),
+        set_at("spec", "algorithm", "corrections", "mis", value=[0, 5]),
         "spec.algorithm.corrections.mis: range [lo, hi] must satisfy 0 < lo < 1 < hi",
     ),
     "tis-with-default-mis": Case(
         "mis-or-tis",
-        _set("spec", "algorithm", "corrections", value={"tis": 2.0}),
+        set_at("spec", "algorithm", "corrections", value={"tis": 2.0}),
         "spec.algorithm.corrections.tis: choose one of mis and tis, not both",
     ),
     "tis-with-mis": Case(
         "mis-or-tis",
-        _set("spec", "algorithm", "corrections", "tis", value=2),
+        set_at("spec", "algorithm", "corrections", "tis", value=2),
         "spec.algorithm.corrections.tis: choose one of mis and tis, not both",
     ),
     "pass-k-zero": Case(
         "pass-k-positive",
-        _set("spec", "evaluation", "passK", value=[1, 0, -2]),
+        set_at("spec", "evaluation", "passK", value=[1, 0, -2]),
         "spec.evaluation.passK: every k must be positive, got 0",
     ),
     "pass-k-above-samples": Case(
         "samples-cover-pass-k",
-        _set("spec", "evaluation", "passK", value=[1, 16, 8]),
+        set_at("spec", "evaluation", "passK", value=[1, 16, 8]),
         "spec.evaluation.samplesPerTask: 8 is below the largest passK 16",
     ),
     "pass-k-above-default-samples": Case(
         "samples-cover-pass-k",
-        _set("spec", "evaluation", value={"passK": [4]}),
+        set_at("spec", "evaluation", value={"passK": [4]}),
         "spec.evaluation.samplesPerTask: 1 is below the largest passK 4",
     ),
     "duplicate-pool": Case(
@@ -361,7 +351,7 @@ CASES: dict[str, Case] = {
     ),
     "long-run-name": Case(
         "run-name-length",
-        _set("metadata", "name", value="r" * 31),
+        set_at("metadata", "name", value="r" * 31),
         "metadata.name: at most 30 characters (children are <run>-<pool>)",
     ),
     "no-gpus-on-b200": Case(
@@ -377,41 +367,41 @@ CASES: dict[str, Case] = {
     ),
     "toleration-equal-without-key": Case(
         "toleration-equal-needs-key",
-        _set("spec", "trainer", "scheduling", value={"tolerations": [{"operator": "Equal", "value": "x"}]}),
+        set_at("spec", "trainer", "scheduling", value={"tolerations": [{"operator": "Equal", "value": "x"}]}),
         "spec.trainer.scheduling.tolerations[0].key: operator Equal needs a key (an empty key with operator"
         " Exists tolerates every taint)",
     ),
     "trainer-without-gpus": Case(
         "gpus-per-node-on-gpu",
-        _set("spec", "trainer", "gpusPerNode", value=0),
+        set_at("spec", "trainer", "gpusPerNode", value=0),
         "spec.trainer.gpusPerNode: gpuType H200 needs at least 1 GPU per node (0 is for gpuType cpu)",
     ),
     "trainer-default-type-without-gpus": Case(  # gpuType absent: the default H100
         "gpus-per-node-on-gpu",
-        _set("spec", "trainer", value={"gpusPerNode": 0}),
+        set_at("spec", "trainer", value={"gpusPerNode": 0}),
         "spec.trainer.gpusPerNode: gpuType H100 needs at least 1 GPU per node (0 is for gpuType cpu)",
     ),
     "tensor-parallel-3-on-32": Case(
         "parallelism-divides-gpus",
-        _set("spec", "trainer", "parallelism", "tp", value=3),
+        set_at("spec", "trainer", "parallelism", "tp", value=3),
         "spec.trainer.parallelism: tp x pp x cp (3 x 1 x 1) must divide the trainer's world size 32"
         " (nodes x gpusPerNode)",
     ),
     "context-parallel-with-defaults": Case(  # no parallelism block, no nodes: 1 x 8 GPUs
         "parallelism-divides-gpus",
-        _set("spec", "trainer", value={"gpuType": "H200", "parallelism": {"cp": 16}}),
+        set_at("spec", "trainer", value={"gpuType": "H200", "parallelism": {"cp": 16}}),
         "spec.trainer.parallelism: tp x pp x cp (1 x 1 x 16) must divide the trainer's world size 8"
         " (nodes x gpusPerNode)",
     ),
     "expert-parallel-beyond-data-parallel": Case(
         "expert-parallelism-divides-gpus",
-        _set("spec", "trainer", "parallelism", value={"tp": 4, "ep": 16}),
+        set_at("spec", "trainer", "parallelism", value={"tp": 4, "ep": 16}),
         "spec.trainer.parallelism.ep: tp x pp x ep (4 x 1 x 16) must divide the trainer's world size 32"
         " (nodes x gpusPerNode)",
     ),
     "huge-parallel-sizes-do-not-overflow": Case(  # tp x pp x cp would overflow int64 in CEL
         "parallelism-divides-gpus",
-        _set("spec", "trainer", "parallelism", value={"tp": 2**31 - 1, "pp": 2**31 - 1, "cp": 2**31 - 1}),
+        set_at("spec", "trainer", "parallelism", value={"tp": 2**31 - 1, "pp": 2**31 - 1, "cp": 2**31 - 1}),
         "spec.trainer.parallelism: tp x pp x cp (2147483647 x 2147483647 x 2147483647) must divide the"
         " trainer's world size 32 (nodes x gpusPerNode)",
     ),
@@ -429,41 +419,41 @@ CASES: dict[str, Case] = {
     ),
     "tensor-parallel-on-the-torch-backend": Case(  # 2 divides 32: only the backend refuses it
         "torch-backend-is-data-parallel",
-        _set("spec", "trainer", "parallelism", value={"tp": 2}),
+        set_at("spec", "trainer", "parallelism", value={"tp": 2}),
         "spec.trainer.parallelism: the torch backend is data parallel (FSDP2): tp, pp, ep and cp must be 1"
         " (tensor, pipeline, expert and context parallelism need the megatron backend)",
     ),
     "model-path-on-s3": Case(
         "model-path-is-local",
-        _set("spec", "model", "path", value="s3://models/Qwen3-8B"),
+        set_at("spec", "model", "path", value="s3://models/Qwen3-8B"),
         "spec.model.path: must be a directory the trainer can read (a mounted volume) or tiny:<kind>: the"
         " trainer loads it with transformers from local files and downloads nothing (no s3://, hf:// or"
         " https:// URLs)",
     ),
     "weight-store-on-s3": Case(
         "weight-store-is-a-path",
-        _set("spec", "weights", "store", value="s3://bucket/run"),
+        set_at("spec", "weights", "store", value="s3://bucket/run"),
         "spec.weights.store: must be a path or a file:// URL (the trainer and the engines share it as a"
         " volume); object stores such as s3:// have no storage backend yet",
     ),
     "top-p-without-top-k-on-sglang": Case(
         "sglang-mask-needs-top-k",
-        _set("spec", "algorithm", "topP", "k", value=-1),
+        set_at("spec", "algorithm", "topP", "k", value=-1),
         "spec.algorithm.topP.k: top-p below 1 needs a positive k on SGLang pools: SGLang returns the"
         " sampling support only under a finite top-k and aborts the request otherwise (or run every"
         " pool on the torch engine)",
     ),
     "gpu-budget-below-minimums": Case(  # minReplicas 2 + 1 + 1 + 1 at one GPU each
         "gpu-budget-covers-minimums",
-        _set("spec", "autoscaling", "gpuBudget", value=4),
+        set_at("spec", "autoscaling", "gpuBudget", value=4),
         "spec.autoscaling.gpuBudget: 4 GPUs cannot hold the pools' minimums: minReplicas x gpusPerReplica"
         " sum to 5",
     ),
     "trainer-objective-with-keda": Case(
         "trainer-objective-needs-builtin",
         lambda doc: [
-            _set("spec", "autoscaling", "objective", value="trainer")(doc),
-            _set("spec", "autoscaling", "engine", value="keda")(doc),
+            set_at("spec", "autoscaling", "objective", value="trainer")(doc),
+            set_at("spec", "autoscaling", "engine", value="keda")(doc),
         ],
         "spec.autoscaling.objective: trainer sizes the whole fleet in mixrl's own loop and needs engine"
         " builtin, not keda (KEDA scales each pool from its own query)",
@@ -471,7 +461,7 @@ CASES: dict[str, Case] = {
     "gpu-budget-below-default-minimums": Case(  # pools without minReplicas or gpusPerReplica: 1 x 1
         "gpu-budget-covers-minimums",
         lambda doc: [
-            _set("spec", "autoscaling", "gpuBudget", value=6)(doc),
+            set_at("spec", "autoscaling", "gpuBudget", value=6)(doc),
             _pool(4, minReplicas=None)(doc),
             _pool(5, minReplicas=None, gpusPerReplica=2)(doc),
         ],
@@ -480,29 +470,29 @@ CASES: dict[str, Case] = {
     ),
     "sampler-pool-min-above-default-max": Case(
         "replica-bounds",
-        _set("spec", "minReplicas", value=2),
+        set_at("spec", "minReplicas", value=2),
         "spec.minReplicas: 2 exceeds maxReplicas 1",
         start=sampler_pool,
     ),
 }
 
 VALID: dict[str, Callable[[Doc], None]] = {
-    "mis-off-with-tis": _set("spec", "algorithm", "corrections", value={"mis": None, "tis": 2.0}),
+    "mis-off-with-tis": set_at("spec", "algorithm", "corrections", value={"mis": None, "tis": 2.0}),
     "kv-null-reads-as-default": _pool(2, kvCacheDtype=None),
     "nvfp4-on-rtx-pro": _pool(7, weightPrecision="nvfp4"),
     "cpu-with-torch": _pool(7, gpuType="cpu", engine="torch"),
-    "pass-k-within-samples": _set("spec", "evaluation", value={"passK": [1, 4], "samplesPerTask": 4}),
-    "name-of-30": _set("metadata", "name", value="r" * 30),
+    "pass-k-within-samples": set_at("spec", "evaluation", value={"passK": [1, 4], "samplesPerTask": 4}),
+    "name-of-30": set_at("metadata", "name", value="r" * 30),
     # k off with top-p on: refused on SGLang pools (sglang-mask-needs-top-k); with p = 1 it is valid.
-    "top-k-off": _set("spec", "algorithm", "topP", value={"p": 1.0, "k": -1}),
+    "top-k-off": set_at("spec", "algorithm", "topP", value={"p": 1.0, "k": -1}),
     "cpu-pool-without-gpus": _pool(7, gpuType="cpu", engine="torch", gpusPerReplica=0),
-    "cpu-trainer-without-gpus": _set("spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 0}),
-    "data-parallel-trainer-on-cpu": _set(  # two trainer processes, sizes 1 spelled out
+    "cpu-trainer-without-gpus": set_at("spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 0}),
+    "data-parallel-trainer-on-cpu": set_at(  # two trainer processes, sizes 1 spelled out
         "spec", "trainer", value={"gpuType": "cpu", "gpusPerNode": 2, "parallelism": {"tp": 1, "ep": 1}}
     ),
     # Before, validate and the operator refused this for every backend ("the torch backend is data
     # parallel"), while the API server's CEL limited that rule to backend torch (issue #28).
-    "megatron-with-tensor-pipeline-and-expert-parallelism": _set(
+    "megatron-with-tensor-pipeline-and-expert-parallelism": set_at(
         "spec",
         "trainer",
         value={
@@ -513,12 +503,12 @@ VALID: dict[str, Callable[[Doc], None]] = {
             "parallelism": {"tp": 2, "pp": 2, "ep": 2},
         },
     ),
-    "gpu-budget-that-covers": _set("spec", "autoscaling", "gpuBudget", value=5),
+    "gpu-budget-that-covers": set_at("spec", "autoscaling", "gpuBudget", value=5),
     # a cpu pool's gpusPerReplica defaults to 0 (null reads as absent): only 2 + 1 + 1 of the budget
     "cpu-pools-take-no-gpus-of-the-budget": lambda doc: [
-        _set("spec", "autoscaling", "gpuBudget", value=4)(doc),
+        set_at("spec", "autoscaling", "gpuBudget", value=4)(doc),
         _pool(3, gpuType="cpu", engine="torch")(doc),
-        _set("spec", "samplerPools", 2, "gpusPerReplica", value=None)(doc),
+        set_at("spec", "samplerPools", 2, "gpusPerReplica", value=None)(doc),
         _pool(2, gpuType="cpu", engine="torch", minReplicas=3)(doc),
     ],
     "toleration-equal-with-key": _pool(
