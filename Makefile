@@ -37,6 +37,7 @@ lint:
 	$(PY)/ruff check mixrl tests bench
 	$(PY)/ruff format --check mixrl tests bench
 	$(PY)/lint-imports
+	$(PY)/mypy
 	$(PY)/mixrl crds --check
 	$(PY)/python -m mixrl.operator.install.chart --check
 

@@ -206,7 +206,7 @@ alike (tests/api check both)."""
 if yaml.__with_libyaml__:
     from yaml._yaml import CParser as _CParser
 
-    class _LibyamlEvents(Composer, _CParser, SafeConstructor, Resolver):  # type: ignore[misc]
+    class _LibyamlEvents(Composer, _CParser, SafeConstructor, Resolver):
         """libyaml's scanner and parser (about 5x faster than PyYAML's) under PyYAML's Python
         composer, whose compose_node the limits hook into (libyaml's own composer cannot be hooked)."""
 

@@ -299,7 +299,8 @@ class SamplerPoolTemplate(Model):
     """Engine implementation: SGLang on GPUs, or mixrl's torch engine (CPU, emulated precisions)."""
     capacity: Float | None = Field(default=1.0, gt=0, le=MAX_CAPACITY)
     """Relative serving capacity of one replica (e.g. tokens/s relative to a reference GPU);
-    null means measure it from the engines' throughput."""
+    null: the router measures it from the engines' throughput for its shares, while the built-in
+    autoscaler and KEDA size the pool as capacity 1.0."""
     min_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
     """Fewest replicas the autoscaler keeps (0 allows scale to zero)."""
     max_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
@@ -771,7 +772,8 @@ class SamplerPoolSpec(Model):
     max_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
     """Upper bound the built-in autoscaler respects."""
     capacity: Float | None = Field(default=1.0, gt=0, le=MAX_CAPACITY)
-    """Relative capacity per replica (null = measured)."""
+    """Relative capacity per replica.  null: the router measures it (the recent peak of the
+    engines' throughput) for its shares; the built-in autoscaler and KEDA size the pool as 1.0."""
 
     @field_validator("gpu_type")
     @classmethod

@@ -449,7 +449,8 @@ def _parallel_values(node: Node) -> dict[str, str]:
 
 def _python_divides(trainer: Any, sizes: tuple[str, ...]) -> bool:
     world: int = trainer.nodes * max(trainer.gpus_per_node, 1)  # resolve()'s world size
-    return world % math.prod(getattr(trainer.parallelism, size) for size in sizes) == 0
+    product: int = math.prod(getattr(trainer.parallelism, size) for size in sizes)
+    return world % product == 0
 
 
 def _parallel_facts(trainer: Any, table: GpuTable) -> dict[str, int]:

@@ -16,6 +16,7 @@ without containers. What differs from a real cluster, on purpose:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -543,9 +544,8 @@ class Cluster:
             commands = real_node.node_commands(bin_dir, self.dir, node)
             self._start(state, f"containerd-{node.index}", commands[f"containerd-{node.index}"])
             socket = real_node.containerd_socket(self.dir, node)
-            self._wait(
-                state, f"containerd-{node.index}", lambda s=socket: real_node.containerd_answers(s), timeout
-            )
+            answers = functools.partial(real_node.containerd_answers, socket)
+            self._wait(state, f"containerd-{node.index}", answers, timeout)
             imported = time.monotonic()
             try:
                 present = real_node.image_references(socket)
@@ -568,9 +568,8 @@ class Cluster:
             self._start(state, f"kube-proxy-{node.index}", commands[f"kube-proxy-{node.index}"])
             self._start(state, f"netpol-{node.index}", commands[f"netpol-{node.index}"])
         for node in nodes:
-            self._wait(
-                state, f"kubelet-{node.index}", lambda n=node: self._node_ready(state, n.name), timeout
-            )
+            ready = functools.partial(self._node_ready, state, node.name)
+            self._wait(state, f"kubelet-{node.index}", ready, timeout)
         log(f"dev-cluster: {len(nodes)} real node(s) Ready ({time.monotonic() - started:.1f} s)")
 
     def restart_node_agent(self, state: ClusterState, name: str) -> None:

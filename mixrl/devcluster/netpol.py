@@ -30,16 +30,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from mixrl.api.kube_types import Obj
 from mixrl.devcluster.monitoring import bed_lister
 from mixrl.devcluster.network import HOST_IP
 
 TABLE = "mixrl_netpol"
 INTERVAL_S = 1.0
 PROTOCOLS = {"TCP": "tcp", "UDP": "udp", "SCTP": "sctp"}
-
-Obj = dict[str, Any]
 
 
 def selects(selector: Obj | None, labels: dict[str, str]) -> bool:

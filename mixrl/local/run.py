@@ -297,8 +297,8 @@ def main(argv: list[str]) -> int:
     from mixrl.rl.environments.registry import check_rollout  # imports the user's environment
 
     environment_problems = check_rollout(rlrun.spec.rollout)
-    for problem in environment_problems:
-        print(f"{args.file}: {problem}", file=sys.stderr)
+    for environment_problem in environment_problems:
+        print(f"{args.file}: {environment_problem}", file=sys.stderr)
     if environment_problems:
         return 1
 

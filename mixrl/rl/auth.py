@@ -27,7 +27,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry
 
-from mixrl.rl.metrics import MIXRL_AUTH_REFUSED_TOTAL, create
+from mixrl.rl.metrics import MIXRL_AUTH_REFUSED_TOTAL, counter
 
 TOKEN_ENV: Final = "MIXRL_AUTH_TOKEN"
 TOKEN_FILE_FLAG: Final = "--auth-token-file"
@@ -210,10 +210,10 @@ def unauthorized(message: str, invalid_token: bool) -> web.Response:
 
 def refusal_counter(registry: CollectorRegistry, run: str, component: str) -> Callable[[str], None]:
     """``mixrl_auth_refused_requests_total`` for one server, counted by reason (``missing``/``wrong``)."""
-    counter = create(MIXRL_AUTH_REFUSED_TOTAL, registry)
+    refused = counter(MIXRL_AUTH_REFUSED_TOTAL, registry)
     for reason in ("missing", "wrong"):  # exported at 0 from the start, so rate() sees the first one
-        counter.labels(run=run, component=component, reason=reason)
-    return lambda reason: counter.labels(run=run, component=component, reason=reason).inc()
+        refused.labels(run=run, component=component, reason=reason)
+    return lambda reason: refused.labels(run=run, component=component, reason=reason).inc()
 
 
 def auth_middleware(

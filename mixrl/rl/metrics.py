@@ -16,11 +16,12 @@ Other components add their metrics to this file: a name is defined here once, as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 Kind = Literal["gauge", "counter", "histogram"]
+_Collector = TypeVar("_Collector", Gauge, Counter, Histogram)
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,28 @@ def create(spec: MetricSpec, registry: CollectorRegistry) -> Gauge | Counter | H
         registry=registry,
         buckets=spec.buckets or Histogram.DEFAULT_BUCKETS,
     )
+
+
+def gauge(spec: MetricSpec, registry: CollectorRegistry) -> Gauge:
+    """:func:`create` for a gauge's spec, typed as one."""
+    return _created(spec, registry, Gauge)
+
+
+def counter(spec: MetricSpec, registry: CollectorRegistry) -> Counter:
+    """:func:`create` for a counter's spec, typed as one."""
+    return _created(spec, registry, Counter)
+
+
+def histogram(spec: MetricSpec, registry: CollectorRegistry) -> Histogram:
+    """:func:`create` for a histogram's spec, typed as one."""
+    return _created(spec, registry, Histogram)
+
+
+def _created(spec: MetricSpec, registry: CollectorRegistry, kind: type[_Collector]) -> _Collector:
+    collector = create(spec, registry)
+    if not isinstance(collector, kind):
+        raise TypeError(f"{spec.name} is a {spec.kind}, not a {kind.__name__.lower()}")
+    return collector
 
 
 def promql_any_spelling(name: str) -> str:

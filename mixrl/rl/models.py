@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 MODEL_KINDS = ("qwen3", "qwen3_moe")
 
@@ -106,9 +113,11 @@ def create_tiny_checkpoint(
     return str(out)
 
 
-def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a causal LM from a local directory for inference (eval mode, no gradients)."""
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, local_files_only=True
+    )
     model.eval()
     model.requires_grad_(False)
     return model

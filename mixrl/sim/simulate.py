@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
@@ -184,7 +185,7 @@ def format_table(rows: list[dict[str, float | int | str]]) -> str:
 class ProgressPrinter:
     """One line per second of wall time: simulated hours, rate and ETA."""
 
-    def __init__(self, stream=sys.stderr):
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
         self.stream = stream
         self.started: dict[str, float] = {}
 

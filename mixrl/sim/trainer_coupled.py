@@ -187,7 +187,8 @@ class RunResult:
         return float(max(self.staleness))
 
     def reversals(self, window_s: float = 600.0) -> int:
-        count, last = 0, {}
+        count = 0
+        last: dict[str, tuple[float, int]] = {}
         for t, pool, before, after in self.actions:
             direction = 1 if after > before else -1
             previous = last.get(pool)
@@ -320,8 +321,8 @@ def simulate_run(
                 ready[spot] -= kill  # their sessions stay in the pool, for the router to rebalance
                 starting[spot] = [math.inf] * kill + [s for s in starting[spot]]
                 starting[spot].sort()
-            room = int(nodes[spot] - ready[spot])
-            starting[spot] = sorted(s if k < room else math.inf for k, s in enumerate(starting[spot]))
+            spot_room = int(nodes[spot] - ready[spot])
+            starting[spot] = sorted(s if k < spot_room else math.inf for k, s in enumerate(starting[spot]))
         if spot is not None and run.back_at_s is not None and now == run.back_at_s:
             nodes[spot] = np.iinfo(np.int64).max // 4
             starting[spot] = sorted(
@@ -334,7 +335,7 @@ def simulate_run(
         # the router: sessions of a pool with no ready replica move
         ready_cap = ready * cap
         if ready_cap.sum() > 0:
-            for i in np.flatnonzero((ready == 0) & (sessions > 0)):
+            for i in np.flatnonzero((ready == 0) & (sessions > 0)).tolist():
                 moved = sessions[i]
                 cohort = _take(session_versions[i], moved)
                 sessions[i] = 0
@@ -369,7 +370,7 @@ def simulate_run(
                 generated += float(tokens.sum())
             done = np.minimum(np.floor(progress), np.floor(sessions))
             progress -= done
-            for i in np.flatnonzero(done):
+            for i in np.flatnonzero(done).tolist():
                 for v, c in _take(session_versions[i], done[i]):
                     _put(buffer, v, c)
                 sessions[i] -= done[i]

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
 
+from mixrl.api.kube_types import Condition, ConditionValue, Obj
 from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.operator.kube.conditions import make_condition
 
@@ -27,10 +27,8 @@ def product_label(name: str) -> str:
 
 WRONG_GPU_TYPE = "WrongGpuType"
 
-Obj = dict[str, Any]
 
-
-def wrong_gpu_value(reported: Iterable[str], allowed: Sequence[str]) -> tuple[str, str, str] | None:
+def wrong_gpu_value(reported: Iterable[str], allowed: Sequence[str]) -> ConditionValue | None:
     """(status, reason, message) of WrongGpuType, or None when nothing can be said."""
     products = {product_label(name) for name in reported if name}
     if not products or not allowed:
@@ -47,7 +45,7 @@ def wrong_gpu_value(reported: Iterable[str], allowed: Sequence[str]) -> tuple[st
 
 def wrong_gpu_condition(
     reported: Iterable[str], allowed: Sequence[str], previous: list[Obj], generation: int | None, now: str
-) -> Obj | None:
+) -> Condition | None:
     value = wrong_gpu_value(reported, allowed)
     if value is None:
         return None

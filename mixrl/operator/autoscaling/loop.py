@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from mixrl.api.kube_types import Obj
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
 from mixrl.operator.autoscaling.objective import (
     FleetPlan,
@@ -44,10 +45,6 @@ from mixrl.operator.autoscaling.objective import (
     ObjectiveMemory,
     TrainerSignals,
     stabilized_plan,
-)
-from mixrl.operator.autoscaling.plan import (
-    # controller/reconcile.py reads the condition's name from here
-    METRICS_AVAILABLE as METRICS_AVAILABLE,
 )
 from mixrl.operator.autoscaling.plan import (
     RECOMMENDED_CONCURRENCY,
@@ -87,7 +84,6 @@ from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.rbac import SAMPLERPOOLS
 from mixrl.operator.kube.ticker import Ticker
 
-Obj = dict[str, Any]
 Key = tuple[str, str]
 log = logging.getLogger("mixrl.operator.autoscaling")
 

@@ -187,7 +187,7 @@ def update_memory(
         measured = pool.throughput / pool.ready / busy
         old = rates.get(pool.name)
         rates[pool.name] = measured if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * measured
-    busy = memory.busy_step_s
+    busy_step = memory.busy_step_s
     measured_busy = signals.busy_step_s
     if (
         measured_busy is None
@@ -197,8 +197,10 @@ def update_memory(
     ):
         measured_busy = (1 - min(max(signals.idle_share, 0.0), 1.0)) / signals.step_rate
     if measured_busy is not None and measured_busy > _EPS:
-        busy = measured_busy if busy is None else (1 - EMA_WEIGHT) * busy + EMA_WEIGHT * measured_busy
-    return ObjectiveMemory(rates, busy)
+        busy_step = (
+            measured_busy if busy_step is None else (1 - EMA_WEIGHT) * busy_step + EMA_WEIGHT * measured_busy
+        )
+    return ObjectiveMemory(rates, busy_step)
 
 
 def replica_rates(pools: Sequence[FleetPool], memory: ObjectiveMemory) -> dict[str, float | None]:

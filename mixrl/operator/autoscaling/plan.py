@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from mixrl.api.gpus import price_per_gpu_hour
+from mixrl.api.kube_types import Condition, ConditionValue, Obj
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
@@ -39,8 +39,6 @@ from mixrl.operator.autoscaling.policy import (
 )
 from mixrl.operator.kube.conditions import make_condition
 from mixrl.operator.kube.events import rfc3339
-
-Obj = dict[str, Any]
 
 METRICS_AVAILABLE = "MetricsAvailable"
 """A SamplerPool condition the built-in autoscaler owns (Prometheus answered, or why not)."""
@@ -357,14 +355,13 @@ class PoolPlan:
 
 def metrics_condition(
     previous: list[Obj], observation: Observation, generation: int | None, now: float
-) -> Obj:
+) -> Condition:
+    value: ConditionValue
     if observation.problem is None:
-        status, reason, message = "True", "QueryReturned", f"load {observation.load:g}"
+        value = ("True", "QueryReturned", f"load {observation.load:g}")
     else:
-        status, reason, message = "False", observation.problem.reason, observation.problem.message
-    return make_condition(
-        METRICS_AVAILABLE, (status, reason, message[:300]), generation, rfc3339(now), previous
-    )
+        value = ("False", observation.problem.reason, observation.problem.message[:300])
+    return make_condition(METRICS_AVAILABLE, value, generation, rfc3339(now), previous)
 
 
 def plan_pool(

@@ -10,18 +10,17 @@ writes, through the operator's RBAC-checked API client.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Literal
 
 import aiohttp
 
+from mixrl.api.kube_types import Obj
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
 from mixrl.operator.kube.client import KubeClient
 from mixrl.operator.kube.events import event_object
 from mixrl.operator.kube.rbac import EVENTS, RLRUNS, SAMPLERPOOLS
-
-Obj = dict[str, Any]
 
 
 async def query_prometheus(

@@ -11,8 +11,8 @@ update hold (docs/autoscaling.md compares the two).  KEDA's Prometheus trigger u
 from __future__ import annotations
 
 import math
-from typing import Any
 
+from mixrl.api.kube_types import Obj
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
 from mixrl.operator.autoscaling.policy import HPA_SCALE_UP_PERCENT
@@ -23,8 +23,6 @@ from mixrl.operator.builders.objects import Owner, with_hash
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 FALLBACK_FAILURE_THRESHOLD = 3
 """Failed metric reads in a row before KEDA applies ``fallback.replicas``."""
-
-Obj = dict[str, Any]
 
 
 def _quantity(value: float) -> str:

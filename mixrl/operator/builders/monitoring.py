@@ -20,8 +20,7 @@ chart's rules are one set for every run, so a run's own ``spec.health`` does not
 
 from __future__ import annotations
 
-from typing import Any
-
+from mixrl.api.kube_types import Obj
 from mixrl.api.models import CollapseSpec
 from mixrl.rl.metrics import (
     MIXRL_BUFFER_STALENESS,
@@ -45,8 +44,6 @@ from mixrl.rl.metrics import (
     SGLANG_NUM_RUNNING_REQS,
     promql_any_spelling,
 )
-
-Obj = dict[str, Any]
 
 DEFAULT_THRESHOLDS = CollapseSpec()
 """The defaults of ``spec.health.collapse``: the chart's rules."""

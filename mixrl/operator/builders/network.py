@@ -26,10 +26,10 @@ the cluster's network plugin enforces no policy at all.
 
 from __future__ import annotations
 
+from mixrl.api.kube_types import Obj
 from mixrl.api.resolve import ResolvedRun
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.objects import Owner, Scrapers, metadata
-from mixrl.operator.builders.podspec import Obj
 
 
 def _run_pods(resolved: ResolvedRun, component: L.Component) -> Obj:

@@ -16,13 +16,14 @@ from typing import Any
 
 from mixrl import __version__
 from mixrl.api.gpus import requested_gpus
+from mixrl.api.kube_types import Obj
 from mixrl.api.launch import weights_volume_path
 from mixrl.api.memory import BYTES_PER_PARAMETER, GIB
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE, ResolvedPool, ResolvedRun
 from mixrl.api.trajectory import JSON_NUMBER_BYTES
 from mixrl.operator.builders import labels as L
-from mixrl.operator.builders.podspec import Footprint, Obj, mount
+from mixrl.operator.builders.podspec import Footprint, mount
 
 HASH_ANNOTATION = "mixrl.dev/desired-hash"
 """On every object we write: hash of the desired object; equal hash => no write."""
@@ -251,12 +252,12 @@ def trainer_footprint(resolved: ResolvedRun) -> Footprint:
         default = Footprint(millicores(500 * processes), memory, str(2 * processes), memory_limit)
     asked = spec.resources
     cpu = asked.cpu if asked and asked.cpu else None
-    memory = asked.memory if asked and asked.memory else None
+    asked_memory = asked.memory if asked and asked.memory else None
     return Footprint(
         cpu or default.cpu,
-        memory or default.memory,
+        asked_memory or default.memory,
         cpu or default.cpu_limit,
-        memory or default.memory_limit,
+        asked_memory or default.memory_limit,
     )
 
 

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE
+from mixrl.api.kube_types import Obj
 from mixrl.api.launch import Where
 from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.api.models import Toleration, tiny_kind
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
 from mixrl.operator.builders import labels as L
-
-Obj = dict[str, Any]
 
 RUN_AS_USER = 1000
 CONFIG_DIR = "/etc/mixrl"

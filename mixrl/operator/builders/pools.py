@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from mixrl.api.kube_types import Obj
 from mixrl.api.launch import AUTH_TOKEN_ENV, LABELLED_FILE, component_command
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.builders import labels as L
@@ -35,7 +36,6 @@ from mixrl.operator.builders.podspec import (
     AUTH_TOKEN_KEY,
     DRAIN_SCRIPT_PATH,
     ENGINE_WEIGHTS_DIR,
-    Obj,
     base_env,
     base_mounts,
     base_volumes,

@@ -31,6 +31,7 @@ from importlib.resources import files as package_files
 from typing import Literal
 
 from mixrl.api.gpus import GPU_TABLE
+from mixrl.api.kube_types import Obj
 from mixrl.api.launch import component_command, weights_volume_path
 from mixrl.api.models import API_VERSION
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
@@ -66,7 +67,6 @@ from mixrl.operator.builders.podspec import (
     RDZV_PORT,
     TRAINER_RUN_DIR,
     TRAINER_RUN_SUBPATH,
-    Obj,
     base_env,
     base_mounts,
     base_volumes,

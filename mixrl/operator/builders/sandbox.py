@@ -23,13 +23,13 @@ so deleting the run deletes them through the garbage collector.
 
 from __future__ import annotations
 
+from mixrl.api.kube_types import Obj
 from mixrl.api.launch import SANDBOX_TEMPLATE_FILE
 from mixrl.api.models import SandboxPodsSpec
 from mixrl.api.resolve import ResolvedRun
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.objects import Images, Owner, metadata
 from mixrl.operator.builders.podspec import (
-    Obj,
     container,
     empty_dir,
     http_probe,

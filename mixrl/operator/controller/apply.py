@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from mixrl.api.kube_types import Obj
 from mixrl.operator.builders.objects import HASH_ANNOTATION
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
-
-Obj = dict[str, Any]
 
 log = logging.getLogger("mixrl.operator")
 

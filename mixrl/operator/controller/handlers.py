@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
+from mixrl.api.kube_types import Obj
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.loop import AutoscalingLoop
 from mixrl.operator.builders import labels as L
@@ -55,8 +56,6 @@ from mixrl.operator.kube.rbac import (
     SCALEDOBJECTS,
     ApiResource,
 )
-
-Obj = dict[str, Any]
 
 
 def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -82,7 +81,8 @@ def plain(value: Any) -> Any:
 
 def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
     # kopf.event, not kopf.info: the posting level filters only log-derived events, not ours.
-    kopf.event(obj, type=kind, reason=reason, message=message)
+    # kopf types it for its Body; it reads only the metadata, which a plain dict has as well
+    kopf.event(cast(kopf.Body, obj), type=kind, reason=reason, message=message)
 
 
 async def guarded(rt: Runtime, body: Obj, retry: int) -> Outcome:

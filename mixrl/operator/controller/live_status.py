@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from mixrl.api.kube_types import ConditionValue, Obj
 from mixrl.operator.kube.conditions import make_condition, update_conditions
 from mixrl.rl import metrics as m
 from mixrl.rl.health.collapse import Assessment
-
-Obj = dict[str, Any]
 
 METRICS_AVAILABLE = "MetricsAvailable"
 COLLAPSE_RISK = "CollapseRisk"
@@ -203,7 +202,7 @@ def pool_fields(figures: Mapping[str, float]) -> Obj:
     return out
 
 
-def collapse_value(assessment: Assessment | None, judged: bool) -> tuple[str, str, str]:
+def collapse_value(assessment: Assessment | None, judged: bool) -> ConditionValue:
     """CollapseRisk: True with every raised sign and its figures, False when judged healthy, Unknown
     while there is not yet enough history to judge."""
     if assessment is not None and assessment.raised:
@@ -233,6 +232,7 @@ def live_run_status(
     Phases Succeeded and Failed are final."""
     old = list(previous.get("conditions") or [])
     status = dict(previous)
+    available: ConditionValue
     if problem is not None:
         available = ("False", *problem)
     elif figures.empty:

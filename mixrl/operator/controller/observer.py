@@ -32,6 +32,7 @@ import aiohttp
 
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.gpus import default_price, price_per_gpu_hour, requested_gpus
+from mixrl.api.kube_types import Obj
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
@@ -62,7 +63,6 @@ from mixrl.rl.health.collapse import assess
 
 log = logging.getLogger("mixrl.operator.status")
 
-Obj = dict[str, Any]
 Key = tuple[str, str]
 
 

@@ -20,10 +20,11 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mixrl.api.errors import InvalidSpec, Problem
+from mixrl.api.kube_types import ConditionValue, Obj
 from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
-from mixrl.operator.autoscaling.loop import METRICS_AVAILABLE
+from mixrl.operator.autoscaling.plan import METRICS_AVAILABLE
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.keda import pool_scaled_object
 from mixrl.operator.builders.network import policy_names
@@ -61,7 +62,6 @@ from mixrl.operator.kube.rbac import (
     ApiResource,
 )
 
-Obj = dict[str, Any]
 Event = tuple[str, str, str]
 """(type Normal|Warning, reason, message) of an event about the reconciled object."""
 
@@ -203,7 +203,8 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     finished = previous.get("phase") in FINAL_PHASES
     objects = run_objects(resolved, owner, options, finished=finished)
     for desired in objects:
-        seed = on_update = None
+        seed: dict[str, Any] | None = None
+        on_update = None
         if desired["kind"] == "SamplerPool":
             pool = resolved.pool(desired["spec"]["pool"])
             # A finished run's pools carry replicas 0 in what is desired (the builder's released()).
@@ -280,7 +281,7 @@ def pool_state(name: str, live: Obj) -> PoolState:
     spec, status = live.get("spec", {}), live.get("status") or {}
     generation = live.get("metadata", {}).get("generation")
     observed = status.get("observedGeneration")
-    ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    ready: dict[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
     return PoolState(
         name=name,
         gpu_type=spec.get("gpuType", ""),
@@ -449,7 +450,7 @@ async def reconcile_scaled_object(
     report: ApplyReport,
     alive: Callable[[], Awaitable[None]],
     finished: bool = False,
-) -> tuple[str, str, str]:
+) -> ConditionValue:
     """KEDA mode: apply the pool's ScaledObject (owned by the SamplerPool, so removing the pool
     removes it).  Otherwise — or once the run has ended (``finished``: KEDA would scale the pool
     back to its minimum) — delete the one an earlier KEDA mode left.  Returns AutoscalerReady.

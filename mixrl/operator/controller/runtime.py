@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from mixrl.api.kube_types import ConditionValue, Obj
 from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings
 from mixrl.operator.builders.objects import Images
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
@@ -32,7 +33,6 @@ from mixrl.operator.kube.client import ApiError, Connection, KubeClient
 from mixrl.operator.kube.conditions import make_condition, merge_conditions
 from mixrl.operator.kube.rbac import RLRUNS, SAMPLERPOOLS, peering_resource
 
-Obj = dict[str, Any]
 EventSink = Callable[[Obj, str, str, str], None]
 """(object, type Normal|Warning, reason, message) -> posts a Kubernetes event."""
 
@@ -261,7 +261,7 @@ async def report_failure(rt: Runtime, body: Obj, error: Exception) -> None:
     no write when the condition already says so."""
     conditions = list((body.get("status") or {}).get("conditions") or [])
     generation = body["metadata"].get("generation")
-    value = ("True", Reason.APPLY_FAILED, str(error)[:300])
+    value: ConditionValue = ("True", Reason.APPLY_FAILED, str(error)[:300])
     failed = make_condition(PROGRESSING, value, generation, rt.context().now(), conditions)
     before = next((c for c in conditions if c.get("type") == PROGRESSING), None)
     if before is not None and {k: before.get(k) for k in failed} == failed:

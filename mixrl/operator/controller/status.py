@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from mixrl.api.kube_types import ConditionValue, Obj
 from mixrl.operator.kube.conditions import make_condition, merge_conditions
-
-Obj = dict[str, Any]
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -119,7 +118,7 @@ class Problem(Protocol):
 MESSAGE_LIMIT = 1000
 
 
-def problems_value(problems: Sequence[Problem]) -> tuple[str, str, str] | None:
+def problems_value(problems: Sequence[Problem]) -> ConditionValue | None:
     """Progressing when some children could not be applied (None when all were).
 
     A change that needs the user (``retry`` False) makes Progressing False — the run cannot get
@@ -136,7 +135,7 @@ def problems_value(problems: Sequence[Problem]) -> tuple[str, str, str] | None:
     return "True", Reason.APPLY_FAILED, message
 
 
-def condition_value(state: WorkloadState | None) -> tuple[str, str, str]:
+def condition_value(state: WorkloadState | None) -> ConditionValue:
     """(status, reason, message) of one component's readiness."""
     if state is None:
         return "False", Reason.MISSING, "not created yet"
@@ -149,7 +148,7 @@ def condition_value(state: WorkloadState | None) -> tuple[str, str, str]:
     return "False", Reason.NOT_READY, f"{state.ready}/{state.desired} ready"
 
 
-def samplers_value(pools: list[PoolState]) -> tuple[str, str, str]:
+def samplers_value(pools: list[PoolState]) -> ConditionValue:
     """Ready when every pool that should serve has a ready replica (pools scaled to zero are fine)."""
     waiting = [p.name for p in pools if p.desired > 0 and p.ready == 0]
     if waiting:
@@ -160,9 +159,7 @@ def samplers_value(pools: list[PoolState]) -> tuple[str, str, str]:
     return "True", Reason.READY, f"{serving}/{len(pools)} pools serving"
 
 
-def autoscaler_value(
-    engine: str, keda_served: bool, scaled_object: str | None = None
-) -> tuple[str, str, str]:
+def autoscaler_value(engine: str, keda_served: bool, scaled_object: str | None = None) -> ConditionValue:
     """(status, reason, message) of AutoscalerReady for ``autoscaling.engine``; ``scaled_object``
     names the pool's ScaledObject (None on the run, which has one per pool)."""
     if engine == "builtin":
@@ -207,7 +204,7 @@ def run_status(
     components: dict[str, WorkloadState | None],
     pools: list[PoolState],
     now: str,
-    autoscaler: tuple[str, str, str] | None = None,
+    autoscaler: ConditionValue | None = None,
     problems: Sequence[Problem] = (),
 ) -> Obj:
     """The RLRun's status after a reconcile.
@@ -224,6 +221,7 @@ def run_status(
     ]
     subs.append(make_condition("SamplersReady", samplers_value(pools), generation, now, old))
     failing = [c for c in subs if c["status"] != "True"]
+    ready_value: ConditionValue
     if failing:
         ready_value = (
             "False",
@@ -237,6 +235,7 @@ def run_status(
     ]
     rolling += [f"pool {pool.name}" for pool in pools if pool.rolling_out]
     failed = problems_value(problems)
+    progressing: ConditionValue
     if failed is not None:
         progressing = failed
     elif rolling:
@@ -319,7 +318,7 @@ def pool_status(
     deployment: Obj | None,
     selector: str,
     now: str,
-    autoscaler: tuple[str, str, str] | None = None,
+    autoscaler: ConditionValue | None = None,
     drop: tuple[str, ...] = (),
     problems: Sequence[Problem] = (),
 ) -> Obj:

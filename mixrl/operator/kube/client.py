@@ -22,13 +22,13 @@ from typing import Any
 import aiohttp
 
 from mixrl import __version__
+from mixrl.api.kube_types import Obj
 from mixrl.api.status import RLRunStatus, SamplerPoolStatus, checked_status
 from mixrl.operator.kube.rbac import PEERING_READS, RECONCILER, ApiResource, is_allowed
 
 FIELD_MANAGER = "mixrl-operator"
 USER_AGENT = f"mixrl-operator/{__version__}"
 WRITE_VERBS = frozenset({"create", "patch", "update", "delete"})
-Obj = dict[str, Any]
 
 
 STATUS_MODELS: dict[str, type[RLRunStatus] | type[SamplerPoolStatus]] = {
@@ -120,6 +120,7 @@ class Connection:
             with tempfile.TemporaryDirectory() as tmp:
                 cert = self.certificate_path or _write(tmp, "cert.pem", self.certificate_data)
                 key = self.private_key_path or _write(tmp, "key.pem", self.private_key_data)
+                assert cert is not None  # a path or the data, as the condition above holds
                 context.load_cert_chain(cert, key)
         return context
 

@@ -8,37 +8,38 @@ run's and pools' controllers (:mod:`mixrl.operator.controller.status`) and the b
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
-Obj = dict[str, Any]
+from mixrl.api.kube_types import Condition, ConditionValue, Obj
 
 
 def make_condition(
-    kind: str, value: tuple[str, str, str], generation: int | None, now: str, previous: list[Obj]
-) -> Obj:
+    kind: str, value: ConditionValue, generation: int | None, now: str, previous: list[Obj]
+) -> Condition:
     status, reason, message = value
     before = next((c for c in previous if c.get("type") == kind), None)
     flipped = before is None or before.get("status") != status
+    since = now if flipped or before is None else before.get("lastTransitionTime", now)
     return {
         "type": kind,
         "status": status,
         "reason": reason,
         "message": message,
-        "lastTransitionTime": now if flipped else before.get("lastTransitionTime", now),
+        "lastTransitionTime": since,
         "observedGeneration": generation,
     }
 
 
-def merge_conditions(previous: list[Obj], ours: list[Obj]) -> list[Obj]:
+def merge_conditions(previous: Sequence[Obj], ours: Sequence[Condition]) -> list[Obj]:
     """Ours in a fixed order, then everyone else's as they were."""
     own = {c["type"] for c in ours}
-    return [*ours, *(c for c in previous if c.get("type") not in own)]
+    return [*(dict(c) for c in ours), *(c for c in previous if c.get("type") not in own)]
 
 
-def update_conditions(previous: list[Obj], ours: list[Obj]) -> list[Obj]:
+def update_conditions(previous: Sequence[Obj], ours: Sequence[Condition]) -> list[Obj]:
     """Ours where they stood (new ones at the end), everyone else's untouched: for a writer whose
     conditions sit after another writer's, so that neither reorders the list the other wrote (two
     writers that each put their own first would rewrite the list back and forth)."""
-    by_type = {c["type"]: c for c in ours}
-    kept = [by_type.pop(c.get("type"), c) for c in previous]
-    return [*kept, *(c for c in ours if c["type"] in by_type)]
+    by_type: dict[str, Obj] = {c["type"]: dict(c) for c in ours}
+    kept = [by_type.pop(c.get("type", ""), c) for c in previous]
+    return [*kept, *(dict(c) for c in ours if c["type"] in by_type)]

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
-Obj = dict[str, Any]
+from mixrl.api.kube_types import Obj
 
 
 def rfc3339(now: float) -> str:

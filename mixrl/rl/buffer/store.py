@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -260,7 +260,7 @@ def _is_step(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _seq_lists(value: Any) -> bool:
+def _seq_lists(value: Any) -> TypeGuard[list[list[Any]]]:
     return isinstance(value, list) and all(
         isinstance(group, list) and group and all(_is_step(seq) for seq in group) for group in value
     )

@@ -65,7 +65,7 @@ def _scaled(terms: CorrectedTerms, g: Tensor) -> CorrectedTerms:
 
 class _LogitsObjective(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         logits: Tensor,
         batch: PreparedBatch,
@@ -118,7 +118,7 @@ def _take(terms: CorrectedTerms, sl: slice) -> CorrectedTerms:
 
 class _ChunkedObjective(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -256,7 +256,8 @@ def token_policy_loss(
         compute_dtype(logits.dtype),
     )
     out: list[CorrectedTerms] = []
-    loss = _LogitsObjective.apply(logits, batch, config, shard, out)
+    # torch.autograd.Function.apply is unannotated
+    loss: torch.Tensor = _LogitsObjective.apply(logits, batch, config, shard, out)  # type: ignore[no-untyped-call]
     return loss, _metrics(out[0], config, batch)
 
 
@@ -316,7 +317,7 @@ def chunked_token_policy_loss(
         compute_dtype(hidden.dtype),
     )
     out: list[CorrectedTerms] = []
-    loss = _ChunkedObjective.apply(
+    loss: torch.Tensor = _ChunkedObjective.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
         hidden, lm_head_weight, batch, config, shard, chunk_size, float(temperature), out
     )
     return loss, _metrics(out[0], config, batch)

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -62,7 +63,7 @@ class EngineKVLayer(DynamicLayer):
     def _columns(tensor: Tensor | None) -> int:
         return int(tensor.shape[-2]) if tensor is not None and tensor.dim() >= 2 else 0
 
-    @property  # type: ignore[override]
+    @property
     def keys(self) -> Tensor | None:
         return self._filled(self._key_buffer, self._key_length)
 
@@ -70,7 +71,7 @@ class EngineKVLayer(DynamicLayer):
     def keys(self, tensor: Tensor | None) -> None:
         self._key_buffer, self._key_length = tensor, self._columns(tensor)
 
-    @property  # type: ignore[override]
+    @property
     def values(self) -> Tensor | None:
         return self._filled(self._value_buffer, self._value_length)
 
@@ -85,6 +86,20 @@ class EngineKVLayer(DynamicLayer):
             self.lazy_initialization(keys, values)
         self._key_buffer, self._value_buffer = keys, values
         self._key_length = self._value_length = filled
+
+    def filled(self) -> tuple[Tensor, Tensor] | None:
+        """The keys and values held, or None while the layer holds no column."""
+        keys, values = self.keys, self.values
+        if not self.is_initialized or keys is None or values is None or not keys.numel():
+            return None
+        return keys, values
+
+    def held(self) -> tuple[Tensor, Tensor]:
+        """The keys and values of a layer that a prefill has written (an error otherwise)."""
+        keys, values = self.keys, self.values
+        if keys is None or values is None:
+            raise RuntimeError("the cache layer holds no keys and values yet: prefill writes them first")
+        return keys, values
 
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
@@ -134,6 +149,11 @@ class BatchKV:
     mask: Tensor  # [batch, length] bool
 
     @property
+    def layers(self) -> list[EngineKVLayer]:
+        """The cache's layers, each an :class:`EngineKVLayer` (:func:`new_cache` makes no other)."""
+        return cast(list[EngineKVLayer], self.cache.layers)
+
+    @property
     def batch_size(self) -> int:
         return int(self.mask.shape[0])
 
@@ -156,10 +176,11 @@ class BatchKV:
             return
         pad = pad[:, None, :, None]
         with torch.inference_mode():  # the prefill's tensors are inference tensors: written in that mode
-            for layer in self.cache.layers:
-                if layer.is_initialized and layer.keys.numel():
-                    layer.keys.masked_fill_(pad, 0.0)
-                    layer.values.masked_fill_(pad, 0.0)
+            for layer in self.layers:
+                if (held := layer.filled()) is not None:
+                    keys, values = held
+                    keys.masked_fill_(pad, 0.0)
+                    values.masked_fill_(pad, 0.0)
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (in that order), then drop columns that are padding for all of them."""
@@ -167,10 +188,11 @@ class BatchKV:
         mask = self.mask.index_select(0, index)
         start = int(mask.any(dim=0).long().argmax()) if mask.numel() and mask.any() else mask.shape[1]
         self.mask = mask[:, start:]
-        for layer in self.cache.layers:
-            if layer.is_initialized and layer.keys.numel():
-                layer.keys = layer.keys.index_select(0, index)[:, :, start:]
-                layer.values = layer.values.index_select(0, index)[:, :, start:]
+        for layer in self.layers:
+            if (held := layer.filled()) is not None:
+                keys, values = held
+                layer.keys = keys.index_select(0, index)[:, :, start:]
+                layer.values = values.index_select(0, index)[:, :, start:]
 
     def append_column(self) -> Tensor:
         """Extend the mask by one real column (the token about to be fed); returns the new mask."""
@@ -200,11 +222,10 @@ def concat(first: BatchKV, second: BatchKV) -> BatchKV:
         ],
         dim=0,
     )
-    for layer_a, layer_b in zip(first.cache.layers, second.cache.layers, strict=True):
-        layer_a.keys = torch.cat([_left_pad(layer_a.keys, pad_a), _left_pad(layer_b.keys, pad_b)], dim=0)
-        layer_a.values = torch.cat(
-            [_left_pad(layer_a.values, pad_a), _left_pad(layer_b.values, pad_b)], dim=0
-        )
+    for layer_a, layer_b in zip(first.layers, second.layers, strict=True):
+        (keys_a, values_a), (keys_b, values_b) = layer_a.held(), layer_b.held()
+        layer_a.keys = torch.cat([_left_pad(keys_a, pad_a), _left_pad(keys_b, pad_b)], dim=0)
+        layer_a.values = torch.cat([_left_pad(values_a, pad_a), _left_pad(values_b, pad_b)], dim=0)
     return BatchKV(cache=first.cache, mask=mask)
 
 
@@ -384,12 +405,10 @@ def row_kv(kv: BatchKV, row: int) -> LayerKV:
     real = kv.mask[row]
     count = int(real.sum())
     start = int(real.shape[0]) - count
+    held = [layer.held() for layer in kv.layers]
     if bool(real[start:].all()):
         # the usual case, real columns after the row's padding: one copy of a slice (boolean
         # indexing below gathers column by column, ~4x slower, at every finished sequence)
-        return [
-            (layer.keys[row, :, start:].clone(), layer.values[row, :, start:].clone())
-            for layer in kv.cache.layers
-        ]
+        return [(keys[row, :, start:].clone(), values[row, :, start:].clone()) for keys, values in held]
     # copies either way, so the entry does not pin the batch's tensors
-    return [(layer.keys[row][:, real], layer.values[row][:, real]) for layer in kv.cache.layers]
+    return [(keys[row][:, real], values[row][:, real]) for keys, values in held]

@@ -37,9 +37,10 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine.attention import use_engine_attention
@@ -55,6 +56,9 @@ from mixrl.rl.engine.kv_cache import (
     shared_prefixes,
 )
 from mixrl.rl.engine.sampling import RowSampling, sample_rows
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 MAX_SHARED_PREFIX_PASSES = 4
 """At most this many extra forward passes per admission compute prefixes that its prompts share."""
@@ -106,7 +110,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         *,
         weight_version: int,
         context_length: int,

@@ -179,7 +179,7 @@ async def _play(
                 return step.finish_reason
             role, text = step.role, step.observation
         try:
-            observation_ids = tokenizer.observation_ids(role, printable(text), max_observation_tokens)  # type: ignore[arg-type]
+            observation_ids = tokenizer.observation_ids(role, printable(text), max_observation_tokens)
         except Exception as exc:
             raise EnvironmentFailed(f"{name}: its observation: {type(exc).__name__}: {exc}") from exc
         if _context_length(trajectory) + len(observation_ids) > settings.max_context_tokens:

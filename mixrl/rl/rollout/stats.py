@@ -33,12 +33,14 @@ class RolloutStats:
         self._last_line_episodes = 0
         self._step_times: list[tuple[float, int]] = []
         self.registry = CollectorRegistry(auto_describe=False)
-        self._episodes = metrics.create(metrics.MIXRL_ROLLOUT_EPISODES_TOTAL, self.registry)
-        self._format_errors = metrics.create(metrics.MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL, self.registry)
-        self._tokens = metrics.create(metrics.MIXRL_ROLLOUT_TOKENS_TOTAL, self.registry)
-        self._reward = metrics.create(metrics.MIXRL_ROLLOUT_REWARD, self.registry)
-        self._tied = metrics.create(metrics.MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL, self.registry)
-        self._acknowledged = metrics.create(
+        self._episodes = metrics.counter(metrics.MIXRL_ROLLOUT_EPISODES_TOTAL, self.registry)
+        self._format_errors = metrics.counter(
+            metrics.MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL, self.registry
+        )
+        self._tokens = metrics.counter(metrics.MIXRL_ROLLOUT_TOKENS_TOTAL, self.registry)
+        self._reward = metrics.gauge(metrics.MIXRL_ROLLOUT_REWARD, self.registry)
+        self._tied = metrics.counter(metrics.MIXRL_ROLLOUT_TIED_SUPPORT_TOKENS_TOTAL, self.registry)
+        self._acknowledged = metrics.counter(
             metrics.MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL, self.registry
         )
         self.tied_support_tokens = 0

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from mixrl.rl.environments.base import Message
 from mixrl.rl.environments.filetree import WORDS
@@ -32,7 +32,6 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 USER, ASSISTANT, TOOL, END = "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK, USER, ASSISTANT, TOOL, END)
 ROLE_MARKERS: dict[str, str] = {"user": USER, "assistant": ASSISTANT, "tool": TOOL}
-Role = Literal["user", "assistant", "tool"]
 
 FORMAT = "mixrl-word-tokenizer"
 FORMAT_VERSION = 1
@@ -111,7 +110,7 @@ class Tokenizer:
         return join_words(words)
 
     # ------------------------------------------------------------------ chat rendering
-    def render(self, role: Role, text: str) -> list[int]:
+    def render(self, role: str, text: str) -> list[int]:
         """One complete turn: ``<|role|> text <|end|>``."""
         if role not in self.role_ids:
             raise ValueError(f"role: expected one of {', '.join(self.role_ids)}, got {role!r}")
@@ -135,10 +134,10 @@ class Tokenizer:
                 raise ValueError(
                     f"messages: the word tokenizer has no {message.role!r} role (it has {', '.join(self.role_ids)})"
                 )
-            ids += self.render(message.role, message.content)  # type: ignore[arg-type]
+            ids += self.render(message.role, message.content)
         return [*ids, *self.generation_prompt()]
 
-    def observation_ids(self, role: Role, text: str, max_tokens: int | None = None) -> list[int]:
+    def observation_ids(self, role: str, text: str, max_tokens: int | None = None) -> list[int]:
         """An environment turn followed by the next generation prompt (all loss-masked); the text's
         tokens are cut to ``max_tokens`` (rollout.maxObservationTokens)."""
         if role not in self.role_ids:

@@ -473,8 +473,8 @@ async def _until(stopping: asyncio.Event, work: Any) -> None:
             if not future.done():
                 future.cancel()
         await asyncio.gather(job, waiter, return_exceptions=True)
-    if job.done() and not job.cancelled() and job.exception() is not None:
-        raise job.exception()  # type: ignore[misc]
+    if job.done() and not job.cancelled() and (failure := job.exception()) is not None:
+        raise failure
 
 
 # ----------------------------------------------------------------------------- command line

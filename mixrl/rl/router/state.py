@@ -260,7 +260,7 @@ class RouterState:
         current = pool.replicas.get(session.replica) if session.replica else None
         live = current is not None and current.ready
         destination = self._shed_to(pool, live) if pool.ready_replicas() else None
-        if destination is None and live:
+        if destination is None and current is not None and live:
             return Route(pool.name, current.url, session_id)
         # Its replica is gone or down, or its pool sheds sessions: another replica of the same
         # pool, else another pool.

@@ -32,12 +32,12 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from mixrl.api.kube_types import Obj
 from mixrl.rl.sandbox.executor import decode_result, encode_request
 from mixrl.rl.sandbox.lease import WORKER_LABEL, PoolState, executor_port, named_pod
 from mixrl.rl.sandbox.limits import Limits
 from mixrl.rl.sandbox.runner import SandboxResult, SandboxUnavailable
 
-Obj = dict[str, Any]
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 POLL_S = 0.5
 LEASE_MARGIN_S = 30.0

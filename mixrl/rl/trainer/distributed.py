@@ -100,7 +100,7 @@ def shard_model(root: torch.nn.Module, decoder: torch.nn.Module, param_dtype: to
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in decoder.layers:
+    for layer in decoder.get_submodule("layers").children():
         fully_shard(layer, mp_policy=policy)
     fully_shard(root, mp_policy=policy)
     assert isinstance(root, FSDPModule)

@@ -46,7 +46,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 import torch
@@ -71,6 +71,19 @@ from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
 from mixrl.rl.weights import WeightStore, tokenizer_files
 
 log = logging.getLogger("mixrl.trainer")
+
+
+class OptimizerSettings(TypedDict):
+    """The keyword arguments both backends' trainers take from the spec's optimizer and trainer."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+    grad_clip: float | None
+    temperature: float
+    micro_batch_tokens: int
+
+
 METRICS = "metrics.jsonl"
 FINISHED = "finished.json"
 """Written once the last step is taken (mixrl report and the operator read the run's end from it)."""
@@ -159,7 +172,7 @@ class TrainerLoop:
             log.info("rank %d of %d (FSDP2 over %s)", self.ranks.rank, self.ranks.world_size, backend)
         log.info("computing on %s in %s (FP32 master weights and reductions)", device, compute_dtype)
         torch.manual_seed(0)
-        optimizer = {
+        optimizer: OptimizerSettings = {
             "lr": spec.optimizer.lr,
             "betas": spec.optimizer.betas,
             "weight_decay": spec.optimizer.weight_decay,

@@ -29,13 +29,13 @@ class TrainerTelemetry:
         self.run = run
         self.registry = registry or CollectorRegistry()
         self.pools = {p.name: p for p in run.pools}
-        self.gauges = {key: m.create(spec, self.registry) for key, spec in GAUGES.items()}
-        self.step = m.create(m.MIXRL_TRAINER_STEP, self.registry)
-        self.version = m.create(m.MIXRL_TRAINER_WEIGHT_VERSION, self.registry)
-        self.grad_norm = m.create(m.MIXRL_TRAINER_GRAD_NORM, self.registry)
-        self.staleness = m.create(m.MIXRL_TRAINER_STALENESS, self.registry)
-        self.tokens = m.create(m.MIXRL_TRAINER_TOKENS_TOTAL, self.registry)
-        self.finished = m.create(m.MIXRL_TRAINER_FINISHED, self.registry)
+        self.gauges = {key: m.gauge(spec, self.registry) for key, spec in GAUGES.items()}
+        self.step = m.gauge(m.MIXRL_TRAINER_STEP, self.registry)
+        self.version = m.gauge(m.MIXRL_TRAINER_WEIGHT_VERSION, self.registry)
+        self.grad_norm = m.gauge(m.MIXRL_TRAINER_GRAD_NORM, self.registry)
+        self.staleness = m.gauge(m.MIXRL_TRAINER_STALENESS, self.registry)
+        self.tokens = m.counter(m.MIXRL_TRAINER_TOKENS_TOTAL, self.registry)
+        self.finished = m.gauge(m.MIXRL_TRAINER_FINISHED, self.registry)
         self.finished.labels(**self._labels(ALL_POOLS)).set(0)
         if port:
             start_http_server(port, addr=host, registry=self.registry)

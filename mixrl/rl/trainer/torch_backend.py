@@ -19,7 +19,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -29,6 +29,9 @@ from mixrl.rl.corrections.metrics import METRIC_KEYS
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import PolicyBatch
 from mixrl.rl.trainer.distributed import Ranks
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass
@@ -63,7 +66,7 @@ class PolicyTrunk(torch.nn.Module):
     chunk by chunk itself.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         self.model = model
 
@@ -82,14 +85,15 @@ class PolicyTrunk(torch.nn.Module):
         return hidden, self.model.get_output_embeddings().weight.to(hidden.dtype)
 
 
-def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+def decoder_of(model: PreTrainedModel) -> torch.nn.Module:
+    decoder: torch.nn.Module = model.get_decoder()
+    return decoder
 
 
 class TorchPolicyTrainer:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         corrections: CorrectionConfig,
         *,
         lr: float,
@@ -106,7 +110,9 @@ class TorchPolicyTrainer:
         self.ranks = ranks or Ranks()
         self.device = device or torch.device("cpu")
         self.compute_dtype = compute_dtype
-        self.model = model.to(self.device, torch.float32)  # FP32 master weights
+        module: torch.nn.Module = model  # transformers' wrapped .to() hides nn.Module's signature
+        module.to(self.device, torch.float32)  # FP32 master weights, in place
+        self.model = model
         self.trunk: torch.nn.Module = PolicyTrunk(self.model)
         if self.ranks.distributed:  # sharded; FSDP casts to compute_dtype when it gathers
             self.trunk = distributed.shard_model(self.trunk, decoder_of(self.model), compute_dtype)

@@ -76,7 +76,7 @@ def _split(task_id: str, given: Any, where: str) -> Split:
         return "heldout" if bucket == 0 else "train"
     if given not in SPLITS:
         raise TaskSetError(f"{where}: split must be one of {SPLITS}, got {given!r}")
-    return given  # type: ignore[no-any-return]
+    return given
 
 
 def _text_field(record: Mapping[str, Any], name: str, where: str) -> str:
