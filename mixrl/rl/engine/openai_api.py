@@ -31,6 +31,7 @@ from mixrl.rl.engine.protocol import (
     SAMPLING_FIELDS,
     FieldRule,
     FieldStatus,
+    FinishedTokens,
     GenerateItem,
     RequestError,
     TextCodec,
@@ -51,17 +52,6 @@ class ChatCodec(TextCodec, Protocol):
     def chat_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]: ...
-
-
-class FinishedSeq(Protocol):
-    @property
-    def rid(self) -> str: ...
-    @property
-    def prompt_ids(self) -> list[int]: ...
-    @property
-    def tokens(self) -> list[TokenRecord]: ...
-    @property
-    def finish_reason(self) -> dict[str, Any] | None: ...
 
 
 def _from(table: dict[str, FieldRule], name: str, why: str = "") -> FieldRule:
@@ -361,19 +351,41 @@ def _streaming(body: dict[str, Any], token_ids: bool) -> tuple[bool, bool]:
 # ---------------------------------------------------------------------------------- answers
 
 
-def _finish(seq: FinishedSeq) -> tuple[str | None, Any]:
+def _finish(seq: FinishedTokens) -> tuple[str | None, Any]:
     reason = seq.finish_reason or {}
     return reason.get("type"), reason.get("matched")
 
 
-def _usage(request: OpenAIRequest, seqs: Sequence[FinishedSeq]) -> dict[str, Any]:
+def _usage(request: OpenAIRequest, seqs: Sequence[FinishedTokens]) -> dict[str, Any]:
     # prompt tokens once per prompt (SGLang counts a prompt once for its n choices)
     prompt = sum(len(seq.prompt_ids) for seq in seqs[:: request.samples])
     return openai_usage(prompt, sum(len(seq.tokens) for seq in seqs))
 
 
+def _answer(
+    rid: str,
+    kind: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The envelope every /v1 answer and chunk shares, in OpenAI's key order (``usage`` last,
+    only where given)."""
+    answer: dict[str, Any] = {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage is not None:
+        answer["usage"] = usage
+    return answer
+
+
 def completion_response(
-    request: OpenAIRequest, seqs: Sequence[FinishedSeq], codec: TextCodec, model: str, created: int
+    request: OpenAIRequest, seqs: Sequence[FinishedTokens], codec: TextCodec, model: str, created: int
 ) -> dict[str, Any]:
     choices = []
     for index, (item, seq) in enumerate(zip(request.items, seqs, strict=True)):
@@ -392,14 +404,7 @@ def completion_response(
             choice["token_ids"] = ids
             choice["prompt_token_ids"] = list(seq.prompt_ids)
         choices.append(choice)
-    return {
-        "id": seqs[0].rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": _usage(request, seqs),
-    }
+    return _answer(seqs[0].rid, "text_completion", created, model, choices, usage=_usage(request, seqs))
 
 
 @dataclass(frozen=True)
@@ -460,7 +465,7 @@ def _completion_logprobs(
 
 
 def chat_response(
-    request: OpenAIRequest, seqs: Sequence[FinishedSeq], codec: TextCodec, model: str, created: int
+    request: OpenAIRequest, seqs: Sequence[FinishedTokens], codec: TextCodec, model: str, created: int
 ) -> dict[str, Any]:
     choices = []
     for index, (item, seq) in enumerate(zip(request.items, seqs, strict=True)):
@@ -479,14 +484,7 @@ def chat_response(
             choice["prompt_token_ids"] = list(seq.prompt_ids)
             choice["response_token_ids"] = ids
         choices.append(choice)
-    return {
-        "id": seqs[0].rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": _usage(request, seqs),
-    }
+    return _answer(seqs[0].rid, "chat.completion", created, model, choices, usage=_usage(request, seqs))
 
 
 # ---------------------------------------------------------------------------------- streams
@@ -501,7 +499,7 @@ class ChoiceStream:
     started: bool = False
 
 
-def _delta(item: GenerateItem, seq: FinishedSeq, sent: ChoiceStream, codec: TextCodec) -> str:
+def _delta(item: GenerateItem, seq: FinishedTokens, sent: ChoiceStream, codec: TextCodec) -> str:
     """The text this chunk adds.  Held back while the text so far does not extend what was sent
     (a stop string being completed is cut off again at the end)."""
     text = output_text(item, [t.token_id for t in seq.tokens], seq.finish_reason, codec)
@@ -511,81 +509,49 @@ def _delta(item: GenerateItem, seq: FinishedSeq, sent: ChoiceStream, codec: Text
     return delta
 
 
-def completion_chunk(
+def stream_chunk(
     request: OpenAIRequest,
     index: int,
-    seq: FinishedSeq,
+    seq: FinishedTokens,
     sent: ChoiceStream,
     codec: TextCodec,
     model: str,
     created: int,
+    *,
+    chat: bool,
 ) -> dict[str, Any]:
-    """One ``text_completion`` chunk of choice ``index``: the text and log-probs since the last."""
+    """One chunk of choice ``index`` with the text and log-probs since the last: a
+    ``text_completion`` chunk, or with ``chat`` a ``chat.completion.chunk`` (the role first, then
+    content deltas)."""
     new = list(seq.tokens[sent.tokens :])
     kind, matched = _finish(seq)
     offset = len(sent.text)
-    choice: dict[str, Any] = {
-        "index": index,
-        "text": _delta(request.items[index], seq, sent, codec),
-        "logprobs": None,
-        "finish_reason": kind,
-        "matched_stop": matched,
-    }
+    text = _delta(request.items[index], seq, sent, codec)
+    logprobs: dict[str, Any] | None = None
     if request.top_logprobs is not None and new:
-        choice["logprobs"] = _completion_logprobs(new, request.top_logprobs, codec, offset)
+        if chat:
+            logprobs = {"content": _chat_logprobs(new, request.top_logprobs, codec)}
+        else:
+            logprobs = _completion_logprobs(new, request.top_logprobs, codec, offset)
     sent.tokens += len(new)
-    return {
-        "id": seq.rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-
-
-def chat_chunk(
-    request: OpenAIRequest,
-    index: int,
-    seq: FinishedSeq,
-    sent: ChoiceStream,
-    codec: TextCodec,
-    model: str,
-    created: int,
-) -> dict[str, Any]:
-    """One ``chat.completion.chunk`` of choice ``index``: the role first, then content deltas."""
-    new = list(seq.tokens[sent.tokens :])
-    kind, matched = _finish(seq)
-    delta: dict[str, Any] = {"content": _delta(request.items[index], seq, sent, codec)}
+    if not chat:
+        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                                  "finish_reason": kind, "matched_stop": matched}  # fmt: skip
+        return _answer(seq.rid, "text_completion", created, model, [choice])
+    delta: dict[str, Any] = {"content": text}
     if not sent.started:
         delta = {"role": "assistant", **delta}
         sent.started = True
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": kind,
-                              "matched_stop": matched}  # fmt: skip
-    if request.top_logprobs is not None and new:
-        choice["logprobs"] = {"content": _chat_logprobs(new, request.top_logprobs, codec)}
-    sent.tokens += len(new)
-    return {
-        "id": seq.rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": kind,
+              "matched_stop": matched}  # fmt: skip
+    return _answer(seq.rid, "chat.completion.chunk", created, model, [choice])
 
 
 def usage_chunk(
-    request: OpenAIRequest, seqs: Sequence[FinishedSeq], kind: str, model: str, created: int
+    request: OpenAIRequest, seqs: Sequence[FinishedTokens], kind: str, model: str, created: int
 ) -> dict[str, Any]:
     """The last chunk with ``stream_options.include_usage``: no choices, the usage."""
-    usage = _usage(request, seqs)
-    return {
-        "id": seqs[0].rid,
-        "object": kind,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage,
-    }
+    return _answer(seqs[0].rid, kind, created, model, [], usage=_usage(request, seqs))
 
 
 def models_response(

@@ -638,8 +638,8 @@ def parse_generate(
 # ------------------------------------------------------------------ the response (server side)
 
 
-class FinishedSequence(Protocol):
-    """What the response needs of a finished sequence (the runner's ``Sequence``)."""
+class FinishedTokens(Protocol):
+    """What an answer needs of a finished (or streamed) sequence: the runner's ``Sequence``."""
 
     @property
     def rid(self) -> str: ...
@@ -649,6 +649,11 @@ class FinishedSequence(Protocol):
     def tokens(self) -> list[TokenRecord]: ...
     @property
     def finish_reason(self) -> dict[str, Any] | None: ...
+
+
+class FinishedSequence(FinishedTokens, Protocol):
+    """What the native response needs besides: the prompt tokens served from the cache."""
+
     @property
     def cached_tokens(self) -> int: ...
 

@@ -206,14 +206,14 @@ async def _v1(request: web.Request, chat: bool) -> web.StreamResponse:
     await response.prepare(request)
     sent = [openai_api.ChoiceStream() for _ in parsed.items]
     last: dict[int, Any] = {}
-    chunk = openai_api.chat_chunk if chat else openai_api.completion_chunk
     snapshots = service.stream(parsed.items)
     try:
         async for index, snapshot in snapshots:
             last[index] = snapshot
-            await response.write(
-                sse_event(chunk(parsed, index, snapshot, sent[index], codec, model, created))
+            chunk = openai_api.stream_chunk(
+                parsed, index, snapshot, sent[index], codec, model, created, chat=chat
             )
+            await response.write(sse_event(chunk))
     finally:
         await snapshots.aclose()
     if parsed.include_usage:
