@@ -384,29 +384,6 @@ def _answer(
     return answer
 
 
-def completion_response(
-    request: OpenAIRequest, seqs: Sequence[FinishedTokens], codec: TextCodec, model: str, created: int
-) -> dict[str, Any]:
-    choices = []
-    for index, (item, seq) in enumerate(zip(request.items, seqs, strict=True)):
-        ids = [t.token_id for t in seq.tokens]
-        kind, matched = _finish(seq)
-        choice: dict[str, Any] = {
-            "index": index,
-            "text": output_text(item, ids, seq.finish_reason, codec),
-            "logprobs": None,
-            "finish_reason": kind,
-            "matched_stop": matched,
-        }
-        if request.top_logprobs is not None:
-            choice["logprobs"] = _completion_logprobs(seq.tokens, request.top_logprobs, codec, 0)
-        if request.return_token_ids:
-            choice["token_ids"] = ids
-            choice["prompt_token_ids"] = list(seq.prompt_ids)
-        choices.append(choice)
-    return _answer(seqs[0].rid, "text_completion", created, model, choices, usage=_usage(request, seqs))
-
-
 @dataclass(frozen=True)
 class _Shown:
     token_id: int
@@ -464,27 +441,46 @@ def _completion_logprobs(
     }
 
 
-def chat_response(
-    request: OpenAIRequest, seqs: Sequence[FinishedTokens], codec: TextCodec, model: str, created: int
+def _logprobs(
+    tokens: Sequence[TokenRecord], k: int, codec: TextCodec, offset: int, *, chat: bool
 ) -> dict[str, Any]:
+    if chat:
+        return {"content": _chat_logprobs(tokens, k, codec)}
+    return _completion_logprobs(tokens, k, codec, offset)
+
+
+def response(
+    request: OpenAIRequest,
+    seqs: Sequence[FinishedTokens],
+    codec: TextCodec,
+    model: str,
+    created: int,
+    *,
+    chat: bool,
+) -> dict[str, Any]:
+    """The whole answer: a ``text_completion``, or with ``chat`` a ``chat.completion``."""
     choices = []
     for index, (item, seq) in enumerate(zip(request.items, seqs, strict=True)):
         ids = [t.token_id for t in seq.tokens]
         kind, matched = _finish(seq)
-        choice: dict[str, Any] = {
-            "index": index,
-            "message": {"role": "assistant", "content": output_text(item, ids, seq.finish_reason, codec)},
-            "logprobs": None,
-            "finish_reason": kind,
-            "matched_stop": matched,
-        }
+        text = output_text(item, ids, seq.finish_reason, codec)
+        body: dict[str, Any] = {"text": text}
+        if chat:
+            body = {"message": {"role": "assistant", "content": text}}
+        choice = {"index": index, **body, "logprobs": None, "finish_reason": kind, "matched_stop": matched}
         if request.top_logprobs is not None:
-            choice["logprobs"] = {"content": _chat_logprobs(seq.tokens, request.top_logprobs, codec)}
+            choice["logprobs"] = _logprobs(seq.tokens, request.top_logprobs, codec, 0, chat=chat)
         if request.return_token_ids:
-            choice["prompt_token_ids"] = list(seq.prompt_ids)
-            choice["response_token_ids"] = ids
+            # SGLang's names and order differ between the two answers
+            if chat:
+                choice["prompt_token_ids"] = list(seq.prompt_ids)
+                choice["response_token_ids"] = ids
+            else:
+                choice["token_ids"] = ids
+                choice["prompt_token_ids"] = list(seq.prompt_ids)
         choices.append(choice)
-    return _answer(seqs[0].rid, "chat.completion", created, model, choices, usage=_usage(request, seqs))
+    answer = "chat.completion" if chat else "text_completion"
+    return _answer(seqs[0].rid, answer, created, model, choices, usage=_usage(request, seqs))
 
 
 # ---------------------------------------------------------------------------------- streams
@@ -529,22 +525,15 @@ def stream_chunk(
     text = _delta(request.items[index], seq, sent, codec)
     logprobs: dict[str, Any] | None = None
     if request.top_logprobs is not None and new:
-        if chat:
-            logprobs = {"content": _chat_logprobs(new, request.top_logprobs, codec)}
-        else:
-            logprobs = _completion_logprobs(new, request.top_logprobs, codec, offset)
+        logprobs = _logprobs(new, request.top_logprobs, codec, offset, chat=chat)
     sent.tokens += len(new)
-    if not chat:
-        choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
-                                  "finish_reason": kind, "matched_stop": matched}  # fmt: skip
-        return _answer(seq.rid, "text_completion", created, model, [choice])
-    delta: dict[str, Any] = {"content": text}
-    if not sent.started:
-        delta = {"role": "assistant", **delta}
+    body: dict[str, Any] = {"text": text}
+    if chat:
+        body = {"delta": {"content": text} if sent.started else {"role": "assistant", "content": text}}
         sent.started = True
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": kind,
-              "matched_stop": matched}  # fmt: skip
-    return _answer(seq.rid, "chat.completion.chunk", created, model, [choice])
+    choice = {"index": index, **body, "logprobs": logprobs, "finish_reason": kind, "matched_stop": matched}
+    chunk = "chat.completion.chunk" if chat else "text_completion"
+    return _answer(seq.rid, chunk, created, model, [choice])
 
 
 def usage_chunk(

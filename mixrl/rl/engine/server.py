@@ -200,8 +200,7 @@ async def _v1(request: web.Request, chat: bool) -> web.StreamResponse:
     model, created = parsed.model or service.served_model_name, int(time.time())
     if not parsed.stream:
         seqs = await service.run(parsed.items)
-        answer = openai_api.chat_response if chat else openai_api.completion_response
-        return web.json_response(answer(parsed, seqs, codec, model, created))
+        return web.json_response(openai_api.response(parsed, seqs, codec, model, created, chat=chat))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     sent = [openai_api.ChoiceStream() for _ in parsed.items]
