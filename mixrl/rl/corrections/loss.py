@@ -10,6 +10,7 @@ the closed-form gradient, so the peak memory is one block of logits, not several
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,16 +52,7 @@ def _concat(parts: list[CorrectedTerms], like: Tensor, k: int) -> CorrectedTerms
 
 def _scaled(terms: CorrectedTerms, g: Tensor) -> CorrectedTerms:
     """The gradient coefficients multiplied by the upstream gradient of the loss."""
-    return CorrectedTerms(
-        loss=terms.loss,
-        log_ratio=terms.log_ratio,
-        weight=terms.weight,
-        entropy=terms.entropy,
-        shift=terms.shift,
-        dense=terms.dense * g,
-        sparse=terms.sparse * g,
-        token=terms.token * g,
-    )
+    return replace(terms, dense=terms.dense * g, sparse=terms.sparse * g, token=terms.token * g)
 
 
 class _LogitsObjective(torch.autograd.Function):
@@ -209,6 +201,20 @@ def _float_matrix(name: str, x: object, rows: int | None = None) -> Tensor:
     return x
 
 
+def _batch_of(
+    rows: Tensor,
+    shard: VocabShard,
+    tokens: LossTokens,
+    loss_mask: Tensor | None,
+    num_loss_tokens: float | None,
+) -> PreparedBatch:
+    """The checked batch of ``rows`` (the logits, or the hidden states they come from): one row
+    per token, computed on their device in the dtype their dtype calls for."""
+    vocab_size = global_vocab_size(shard, rows.device)
+    dtype = compute_dtype(rows.dtype)
+    return prepare_batch(rows.shape[0], vocab_size, tokens, loss_mask, num_loss_tokens, dtype)
+
+
 def token_policy_loss(
     logits: Tensor,
     tokens: LossTokens,
@@ -247,14 +253,7 @@ def token_policy_loss(
     _check_common(config, vocab_group, vocab_start)
     logits = _float_matrix("logits", logits)
     shard = VocabShard(start=vocab_start, size=logits.shape[1], group=vocab_group)
-    batch = prepare_batch(
-        logits.shape[0],
-        global_vocab_size(shard, logits.device),
-        tokens,
-        loss_mask,
-        num_loss_tokens,
-        compute_dtype(logits.dtype),
-    )
+    batch = _batch_of(logits, shard, tokens, loss_mask, num_loss_tokens)
     out: list[CorrectedTerms] = []
     # torch.autograd.Function.apply is unannotated
     loss: torch.Tensor = _LogitsObjective.apply(logits, batch, config, shard, out)  # type: ignore[no-untyped-call]
@@ -308,14 +307,7 @@ def chunked_token_policy_loss(
     if not (isinstance(temperature, int | float) and 0.0 < temperature < float("inf")):
         raise CorrectionInputError(f"temperature must be a positive finite number, got {temperature!r}")
     shard = VocabShard(start=vocab_start, size=lm_head_weight.shape[0], group=vocab_group)
-    batch = prepare_batch(
-        hidden.shape[0],
-        global_vocab_size(shard, hidden.device),
-        tokens,
-        loss_mask,
-        num_loss_tokens,
-        compute_dtype(hidden.dtype),
-    )
+    batch = _batch_of(hidden, shard, tokens, loss_mask, num_loss_tokens)
     out: list[CorrectedTerms] = []
     loss: torch.Tensor = _ChunkedObjective.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
         hidden, lm_head_weight, batch, config, shard, chunk_size, float(temperature), out
