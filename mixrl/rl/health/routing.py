@@ -129,16 +129,8 @@ def health_weighted_shares(
 
 
 def policy_of(spec: RoutingHealthSpec) -> HealthPolicy:
-    """The policy ``spec.health.routing`` describes."""
-    return HealthPolicy(
-        kl_threshold=spec.kl_threshold,
-        extreme_share_threshold=spec.extreme_share_threshold,
-        recover_fraction=spec.recover_fraction,
-        degrade_after=spec.degrade_after,
-        recover_after=spec.recover_after,
-        step=spec.step,
-        floor=spec.floor,
-    )
+    """The policy ``spec.health.routing`` describes: the spec's fields are the policy's, one for one."""
+    return HealthPolicy(**spec.model_dump())
 
 
 # ----------------------------------------------------------------------------- the wire
