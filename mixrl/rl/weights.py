@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from mixrl.rl import checkpoint_formats, quant
+from mixrl.rl.durable import fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +79,6 @@ class Storage(Protocol):
     def staging(self, name: str) -> contextlib.AbstractContextManager[Path]: ...
     def remove(self, name: str) -> None: ...
     def remove_stale_staging(self, older_than_s: float) -> int: ...
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory: so that the names in it survive a power loss)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalStorage:

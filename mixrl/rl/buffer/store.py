@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, StepError, TrajectoryMeta
+from mixrl.rl.durable import fsync_path
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -119,14 +120,6 @@ class BatchPayload:
     trajectories: int
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 DAMAGED_SUFFIX = ".damaged"
 
 
@@ -147,7 +140,7 @@ def _quarantine(path: Path, offset: int, tail: bytes) -> None:
         f.write(tail + b"\n")
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     # Only now cut it: a crash in between leaves the line in both places, never in neither.
     with path.open("r+b") as f:
         f.truncate(offset)
@@ -373,7 +366,7 @@ class TrajectoryBuffer:
         self._assign_log = self._open_append(ASSIGNMENTS)
         self._eval_log = self._open_append(EVALUATIONS)
         self._trainer_log = self._open_append(TRAINER_METRICS)
-        _fsync_dir(self.dir)
+        fsync_path(self.dir)
         self._reader = (self.dir / TRAJECTORIES).open("rb")
         self._assign_reader = (self.dir / ASSIGNMENTS).open("rb")
         log.info(
@@ -618,7 +611,7 @@ class TrajectoryBuffer:
             folder = self.dir / QUARANTINE
             folder.mkdir(exist_ok=True)
             (folder / self._quarantine_file(step)).write_bytes(self._payload(step).body)
-            _fsync_dir(folder)
+            fsync_path(folder)
             groups = [list(seqs) for seqs in self.state.assigned[step]]
             entry = {"kind": "quarantine", "step": step, "groups": groups, "prompt_ids": record["prompt_ids"], "reason": reason}  # fmt: skip
             self._write(self._assign_log, [json.dumps(entry).encode()])

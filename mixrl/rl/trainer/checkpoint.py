@@ -59,8 +59,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
 
+from mixrl.rl.durable import fsync_path
 from mixrl.rl.trainer import distributed
-from mixrl.rl.weights import fsync_path
 
 PREFIX = "checkpoint-"
 """``checkpoint-<step>``: a complete checkpoint."""
