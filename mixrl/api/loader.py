@@ -19,6 +19,7 @@ manifest would mean different things to ``mixrl validate`` and ``kubectl apply``
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from mixrl.api.errors import InvalidSpec, Problem, problems_from_validation_erro
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.names import shown
 from mixrl.api.resolve import ResolvedRun
+from mixrl.api.text import plain_text
 
 if TYPE_CHECKING:
     from yaml._yaml import Mark as _LibyamlMark
@@ -332,6 +334,19 @@ def load_rlrun(path: str | Path) -> RLRun:
 
 class RunConfigError(ValueError):
     """A component cannot use its ``--config``: one line naming the flag, the file, the field and why."""
+
+
+CONFIG_HELP = "resolved run JSON (written by mixrl run or the operator)"
+
+
+def component_parser(prog: str, doc: str | None, config_help: str = CONFIG_HELP) -> argparse.ArgumentParser:
+    """The command line of a component that reads the resolved run: ``--help`` shows its module's
+    docstring ``doc`` as written, and ``--config`` names the run (:func:`load_resolved`)."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=plain_text(doc), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, help=config_help)
+    return parser
 
 
 def load_resolved(path: str | Path, flag: str = "--config") -> ResolvedRun:

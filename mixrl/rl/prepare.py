@@ -19,7 +19,6 @@ trainer's: the warm start runs the rollout's agent loop, which the trainer must 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -33,10 +32,9 @@ from typing import Any
 import torch
 from transformers.utils import logging as hf_logging
 
-from mixrl.api.loader import RunConfigError, load_resolved
+from mixrl.api.loader import RunConfigError, component_parser, load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun, SamplingParams
-from mixrl.api.text import plain_text
 from mixrl.rl.environments.filetree import Difficulty
 from mixrl.rl.environments.registry import load_environment
 from mixrl.rl.models import create_tiny_checkpoint, load_model
@@ -176,14 +174,7 @@ def point_at(link: Path, target: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mixrl prepare-model",
-        description=plain_text(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"
-    )
+    parser = component_parser("mixrl prepare-model", __doc__)
     parser.add_argument("--cache", required=True, help="directory of prepared models (models/<kind>-<hash>)")
     parser.add_argument(
         "--output", required=True, help="made a symlink to the prepared model: the trainer's --model-path"

@@ -33,7 +33,7 @@ import uuid
 from typing import Any
 
 from mixrl.api.evaluation import BF16_PROTOCOL, evaluated_steps, evaluation_steps
-from mixrl.api.text import plain_text
+from mixrl.api.loader import component_parser
 from mixrl.api.trajectory import NO_VERSION, Trajectory
 from mixrl.rl.auth import add_auth_arguments
 from mixrl.rl.buffer.client import BufferClient, BufferError
@@ -42,7 +42,7 @@ from mixrl.rl.environments.base import TaskLike
 from mixrl.rl.environments.registry import offered_tools
 from mixrl.rl.rollout.agent import evaluate, run_episode
 from mixrl.rl.rollout.router_client import RouterClient
-from mixrl.rl.rollout.worker import EPISODE_FAILURES, Loaded, load_worker
+from mixrl.rl.rollout.worker import EPISODE_FAILURES, Loaded, start
 from mixrl.rl.weights import WeightStore
 
 log = logging.getLogger("mixrl.evaluate")
@@ -215,12 +215,9 @@ async def serve(args: argparse.Namespace, loaded: Loaded) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mixrl evaluate",
-        description=plain_text(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = component_parser(
+        "mixrl evaluate", __doc__, config_help="resolved run JSON (written by mixrl run)"
     )
-    parser.add_argument("--config", required=True, help="resolved run JSON (written by mixrl run)")
     parser.add_argument("--engine", required=True, help="URL of the evaluator's own engine")
     parser.add_argument("--buffer", required=True, help="buffer URL")
     parser.add_argument("--tokenizer", default=None, help="as mixrl rollout's --tokenizer")
@@ -230,13 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s evaluate %(levelname)s %(message)s")
-    try:
-        loaded = load_worker(args)
-    except ValueError as exc:
-        print(f"mixrl evaluate: {exc}", file=sys.stderr)
+    started = start(argv, build_parser(), "evaluate")
+    if started is None:
         return 2
+    args, loaded = started
     if loaded.run.evaluation_sampling is None:
         print(
             "mixrl evaluate: spec.evaluation.sampler: the run evaluates on its pools (set bf16)",

@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.api.launch import SANDBOX_TEMPLATE_FILE
-from mixrl.api.loader import load_resolved
+from mixrl.api.loader import component_parser, load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun, SamplingParams
-from mixrl.api.text import plain_text
 from mixrl.api.trajectory import Trajectory
 from mixrl.api.trajectory_check import TrajectoryLimits, trajectory_problem
 from mixrl.rl.auth import AuthToken, add_auth_arguments, token_from_args
@@ -481,14 +480,7 @@ async def _until(stopping: asyncio.Event, work: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="mixrl rollout",
-        description=plain_text(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"
-    )
+    parser = component_parser("mixrl rollout", __doc__)
     parser.add_argument("--router", required=True, help="router URL (or one engine's URL: same API)")
     parser.add_argument("--buffer", required=True, help="buffer URL")
     parser.add_argument(
@@ -634,14 +626,25 @@ async def serve(
             await sandbox_pods.close()
 
 
-def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(message)s")
+def start(
+    argv: list[str], parser: argparse.ArgumentParser, command: str
+) -> tuple[argparse.Namespace, Loaded] | None:
+    """The arguments and the loaded worker of ``mixrl <command>`` (rollout or evaluate), its logs
+    set up; None after printing one line when :func:`load_worker` refuses them."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {command} %(levelname)s %(message)s")
     try:
-        loaded = load_worker(args)
+        return args, load_worker(args)
     except ValueError as exc:
-        print(f"mixrl rollout: {exc}", file=sys.stderr)
+        print(f"mixrl {command}: {exc}", file=sys.stderr)
+        return None
+
+
+def main(argv: list[str]) -> int:
+    started = start(argv, build_parser(), "rollout")
+    if started is None:
         return 2
+    args, loaded = started
     status = 0
     try:
         asyncio.run(

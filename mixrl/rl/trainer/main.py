@@ -36,7 +36,6 @@ saving the checkpoint and committing), then asks for the steps after it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import functools
@@ -52,10 +51,9 @@ import aiohttp
 import torch
 
 from mixrl.api.evaluation import BF16_PROTOCOL, evaluated_steps, protected_versions
-from mixrl.api.loader import RunConfigError, load_resolved
+from mixrl.api.loader import RunConfigError, component_parser, load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun
-from mixrl.api.text import plain_text
 from mixrl.api.trajectory import Trajectory
 from mixrl.api.trajectory_check import TrajectoryLimits, group_problem, limits_of_run
 from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
@@ -408,14 +406,7 @@ def _step_of(line: bytes) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="mixrl trainer",
-        description=plain_text(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--config", required=True, help="resolved run JSON (written by mixrl run or the operator)"
-    )
+    parser = component_parser("mixrl trainer", __doc__)
     parser.add_argument("--buffer", required=True, help="buffer URL")
     parser.add_argument(
         "--router",
