@@ -40,6 +40,20 @@ from mixrl.operator.autoscaling.policy import (
 MAX_WAIT_BIN_S = 4 * 3600
 
 
+def count_reversals(actions: Sequence[tuple[float, str, int, int]], window_s: float) -> int:
+    """How often a pool's scaling ``actions`` ``(t, pool, before, after)`` turned the other way
+    within ``window_s`` of its previous one."""
+    count = 0
+    last: dict[str, tuple[float, int]] = {}
+    for t, pool, before, after in actions:
+        direction = 1 if after > before else -1
+        previous = last.get(pool)
+        if previous is not None and previous[1] != direction and t - previous[0] <= window_s:
+            count += 1
+        last[pool] = (t, direction)
+    return count
+
+
 @dataclass(frozen=True)
 class FleetPool:
     name: str
@@ -138,15 +152,7 @@ class SimResult:
 
     def flaps(self, window_s: float = 600.0) -> int:
         """Direction reversals of one pool's desired replicas within ``window_s``."""
-        count = 0
-        last: dict[str, tuple[float, int]] = {}
-        for t, pool, before, after in self.actions:
-            direction = 1 if after > before else -1
-            previous = last.get(pool)
-            if previous is not None and previous[1] != direction and t - previous[0] <= window_s:
-                count += 1
-            last[pool] = (t, direction)
-        return count
+        return count_reversals(self.actions, window_s)
 
 
 Progress = Callable[[str, float, float], None]

@@ -64,7 +64,7 @@ from mixrl.operator.autoscaling.policy import (
     fleet_pending,
 )
 from mixrl.rl.router.shares import balanced_after_refresh, drain_step, rebalance_destination
-from mixrl.sim.fleet import FleetPool
+from mixrl.sim.fleet import FleetPool, count_reversals
 
 RATE_WINDOW_S = 300
 THROUGHPUT_WINDOW_S = 300
@@ -187,15 +187,7 @@ class RunResult:
         return float(max(self.staleness))
 
     def reversals(self, window_s: float = 600.0) -> int:
-        count = 0
-        last: dict[str, tuple[float, int]] = {}
-        for t, pool, before, after in self.actions:
-            direction = 1 if after > before else -1
-            previous = last.get(pool)
-            if previous is not None and previous[1] != direction and t - previous[0] <= window_s:
-                count += 1
-            last[pool] = (t, direction)
-        return count
+        return count_reversals(self.actions, window_s)
 
     @property
     def reversals_per_hour(self) -> float:
