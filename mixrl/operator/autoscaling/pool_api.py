@@ -15,7 +15,6 @@ from typing import Literal
 import aiohttp
 
 from mixrl.api.kube_types import Obj
-from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
 from mixrl.operator.kube.client import KubeClient
@@ -133,10 +132,5 @@ class PoolApi:
         await self.client.merge_patch(RLRUNS, namespace, name, {"status": patch}, subresource="status")
 
     async def post_event(self, pool_body: Obj, kind: str, reason: str, message: str, now: float) -> None:
-        involved = {
-            "apiVersion": f"{GROUP}/{VERSION}",
-            "kind": "SamplerPool",
-            "metadata": pool_body["metadata"],
-        }
-        event = event_object(involved, kind, reason, message, now, "mixrl-autoscaler")
+        event = event_object(SAMPLERPOOLS, pool_body, kind, reason, message, now, "mixrl-autoscaler")
         await self.client.create(EVENTS, pool_body["metadata"]["namespace"], event)

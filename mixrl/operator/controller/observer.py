@@ -367,12 +367,7 @@ class StatusObserver(Ticker):
             memory.last_write[name] = now
 
     async def post_event(self, body: Obj, kind: str, reason: str, message: str, now: float) -> None:
-        involved = {
-            "apiVersion": f"{RLRUNS.group}/{RLRUNS.version}",
-            "kind": "RLRun",
-            "metadata": body["metadata"],
-        }
-        event = event_object(involved, kind, reason, message, now, "mixrl-status")
+        event = event_object(RLRUNS, body, kind, reason, message, now, "mixrl-status")
         await self.client.create(EVENTS, body["metadata"]["namespace"], event)
 
 

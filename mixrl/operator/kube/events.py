@@ -5,24 +5,27 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from mixrl.api.kube_types import Obj
+from mixrl.operator.kube.rbac import ApiResource
 
 
 def rfc3339(now: float) -> str:
     return datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def event_object(involved: Obj, kind: str, reason: str, message: str, now: float, component: str) -> Obj:
-    """A core/v1 Event about ``involved`` (an object with apiVersion, kind and metadata), named as
-    client-go's event recorder names them: ``<object>.<unix nanoseconds in hex>``."""
-    meta = involved["metadata"]
+def event_object(
+    resource: ApiResource, body: Obj, kind: str, reason: str, message: str, now: float, component: str
+) -> Obj:
+    """A core/v1 Event about ``body``, an object of ``resource``, named as client-go's event
+    recorder names them: ``<object>.<unix nanoseconds in hex>``."""
+    meta = body["metadata"]
     stamp = rfc3339(now)
     return {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": f"{meta['name']}.{int(now * 1e9):x}", "namespace": meta["namespace"]},
         "involvedObject": {
-            "apiVersion": involved["apiVersion"],
-            "kind": involved["kind"],
+            "apiVersion": resource.api_version,
+            "kind": resource.kind,
             "name": meta["name"],
             "namespace": meta["namespace"],
             "uid": meta.get("uid"),
