@@ -42,22 +42,24 @@ def shown(value: str, limit: int = 60) -> str:
     return repr(value)
 
 
+def _length_and_pattern_problem(value: str, limit: int, pattern: re.Pattern[str], kind: str) -> str | None:
+    if len(value) > limit:
+        return f"{shown(value)} is longer than {limit} characters"
+    if not pattern.match(value):
+        return f"{shown(value)} is not {kind}"
+    return None
+
+
 def dns_label_problem(value: str) -> str | None:
     """RFC 1123 label: namespaces, object names."""
-    if len(value) > DNS_LABEL_MAX:
-        return f"{shown(value)} is longer than {DNS_LABEL_MAX} characters"
-    if not _DNS_LABEL.match(value):
-        return f"{shown(value)} is not a DNS label (lowercase alphanumerics and '-', starting and ending alphanumeric)"
-    return None
+    kind = "a DNS label (lowercase alphanumerics and '-', starting and ending alphanumeric)"
+    return _length_and_pattern_problem(value, DNS_LABEL_MAX, _DNS_LABEL, kind)
 
 
 def dns_subdomain_problem(value: str) -> str | None:
     """RFC 1123 subdomain: label-key prefixes, PriorityClass and StorageClass names."""
-    if len(value) > DNS_SUBDOMAIN_MAX:
-        return f"{shown(value)} is longer than {DNS_SUBDOMAIN_MAX} characters"
-    if not _DNS_SUBDOMAIN.match(value):
-        return f"{shown(value)} is not a DNS subdomain (lowercase alphanumerics, '-' and '.')"
-    return None
+    kind = "a DNS subdomain (lowercase alphanumerics, '-' and '.')"
+    return _length_and_pattern_problem(value, DNS_SUBDOMAIN_MAX, _DNS_SUBDOMAIN, kind)
 
 
 def qualified_name_problem(value: str) -> str | None:

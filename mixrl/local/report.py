@@ -102,29 +102,30 @@ def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[flo
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def pool_series(records: list[dict[str, Any]], key: str) -> dict[str, tuple[list[int], list[float]]]:
+def _series_by(
+    records: list[dict[str, Any]], group: str, key: str, *, ordered: bool = False
+) -> dict[str, tuple[list[int], list[float]]]:
+    """The run's ``key`` per member of each record's ``group`` mapping, by member (``ordered``: the
+    members taken in sorted order, so the first record decides the order of the result)."""
     out: dict[str, tuple[list[int], list[float]]] = {}
     for record in records:
-        for pool, stats in mapping(record.get("pools")).items():
+        members = mapping(record.get(group)).items()
+        for member, stats in sorted(members) if ordered else members:
             value = number(mapping(stats).get(key))
             if value is not None:
-                steps, values = out.setdefault(pool, ([], []))
+                steps, values = out.setdefault(member, ([], []))
                 steps.append(record["step"])
                 values.append(value)
     return out
+
+
+def pool_series(records: list[dict[str, Any]], key: str) -> dict[str, tuple[list[int], list[float]]]:
+    return _series_by(records, "pools", key)
 
 
 def staleness_series(records: list[dict[str, Any]], key: str) -> dict[str, tuple[list[int], list[float]]]:
     """The run's ``key`` per staleness bin (``by_staleness`` of each record), by bin."""
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    for record in records:
-        for lag, stats in sorted(mapping(record.get("by_staleness")).items()):
-            value = number(mapping(stats).get(key))
-            if value is not None:
-                steps, values = out.setdefault(lag, ([], []))
-                steps.append(record["step"])
-                values.append(value)
-    return out
+    return _series_by(records, "by_staleness", key, ordered=True)
 
 
 def pool_shares(records: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
