@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine.protocol import (
@@ -271,14 +271,26 @@ def _max_tokens(body: dict[str, Any], default: int) -> Any:
     return default if value is None else value
 
 
+Codec = TypeVar("Codec", bound=TextCodec)
+
+
+def _opened(
+    body: Any, fields: dict[str, FieldRule], text_field: str, codec: Codec | None
+) -> tuple[dict[str, Any], Codec]:
+    """A /v1 body as a JSON object that asks only what ``fields`` allows, and the tokenizer its
+    text (in ``text_field``) needs; else the request's one-line refusal."""
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    refuse_asked("", body, fields)
+    if codec is None:
+        raise RequestError(text_field, NO_TOKENIZER)
+    return body, codec
+
+
 def parse_completion(
     body: Any, *, vocab_size: int, context_length: int, defaults: dict[str, Any], codec: TextCodec | None
 ) -> OpenAIRequest:
-    if not isinstance(body, dict):
-        raise RequestError("body", "must be a JSON object")
-    refuse_asked("", body, COMPLETION_FIELDS)
-    if codec is None:
-        raise RequestError("prompt", NO_TOKENIZER)
+    body, codec = _opened(body, COMPLETION_FIELDS, "prompt", codec)
     if body.get("prompt") is None:
         raise RequestError("prompt", "is required")
     prompts = _prompt_ids(body["prompt"], codec, vocab_size, context_length)
@@ -294,11 +306,7 @@ def parse_completion(
 def parse_chat(
     body: Any, *, vocab_size: int, context_length: int, defaults: dict[str, Any], codec: ChatCodec | None
 ) -> OpenAIRequest:
-    if not isinstance(body, dict):
-        raise RequestError("body", "must be a JSON object")
-    refuse_asked("", body, CHAT_FIELDS)
-    if codec is None:
-        raise RequestError("messages", NO_TOKENIZER)
+    body, codec = _opened(body, CHAT_FIELDS, "messages", codec)
     if not codec.has_chat_template:
         raise RequestError("messages", "the tokenizer has no chat template")
     messages = body.get("messages")
