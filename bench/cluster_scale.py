@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
-from mixrl.devcluster.fleet import NodeGroup
+from mixrl.devcluster.kwok_fleet import NodeGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 RELEASE, RELEASE_NS, NAMESPACE = "mixrl", "mixrl-system", "bench"

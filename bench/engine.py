@@ -58,10 +58,10 @@ from transformers.utils import logging as hf_logging
 from mixrl.rl.engine.runner import ModelRunner, Sequence
 from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.engine.weights_io import apply_precision_
-from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.quant import WEIGHT_FORMATS
 from mixrl.rl.router.config import PoolConfig
 from mixrl.rl.router.state import RouterState
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 
 KV_FP8 = "bf16+kv_fp8"
 CONFIGS = (*WEIGHT_FORMATS, KV_FP8)  # weights bf16 with an FP8 KV cache

@@ -112,7 +112,7 @@ class Servers:
 def start_servers(work: Path) -> Servers:
     from transformers.utils import logging as hf_logging  # torch: only here, not for --help
 
-    from mixrl.rl.models import create_tiny_checkpoint
+    from mixrl.rl.tiny_models import create_tiny_checkpoint
 
     hf_logging.disable_progress_bar()
 

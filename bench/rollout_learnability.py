@@ -29,11 +29,11 @@ import torch
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.environments.filetree import FileTreeEnvironment, FileTreeTask, generate_tasks
-from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.agent import run_episode, summarize_evaluation
 from mixrl.rl.rollout.demos import WarmStartRecipe, warm_start_recipe
 from mixrl.rl.rollout.local_sampler import LocalSampler
 from mixrl.rl.rollout.tokenizer import Tokenizer
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 
 
 def quickstart_sampling(max_new_tokens: int = 16) -> SamplingParams:

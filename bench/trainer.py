@@ -41,7 +41,7 @@ import torch
 
 from mixrl.api.trajectory import TokenRecord, Trajectory
 from mixrl.rl.corrections import CorrectionConfig
-from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer

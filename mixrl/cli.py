@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "buffer": ("mixrl.rl.buffer", "trajectory buffer service"),
     "trainer": ("mixrl.rl.trainer.main", "policy trainer (torch FSDP2 or Megatron backend)"),
     "prepare-model": (
-        "mixrl.rl.prepare",
+        "mixrl.rl.prepare_model",
         "build a tiny: model as mixrl run does (a trainer pod's init container)",
     ),
     "operator": ("mixrl.operator.main", "the Kubernetes operator (kopf)"),

@@ -26,9 +26,9 @@ from mixrl.api.models import (
     SamplerPool,
     SamplerPoolSpec,
 )
+from mixrl.api.plain_text import plain_text
 from mixrl.api.rules import GpuTable
 from mixrl.api.status import RLRunStatus, SamplerPoolStatus
-from mixrl.api.text import plain_text
 
 CATEGORY = "mixrl"
 Schema = dict[str, Any]

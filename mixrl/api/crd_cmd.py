@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mixrl.api.crd import crd_files
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 
 
 def main(argv: list[str]) -> int:

@@ -35,8 +35,8 @@ from yaml.resolver import Resolver
 from mixrl.api.errors import InvalidSpec, Problem, problems_from_validation_error
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.names import shown
+from mixrl.api.plain_text import plain_text
 from mixrl.api.resolve import ResolvedRun
-from mixrl.api.text import plain_text
 
 if TYPE_CHECKING:
     from yaml._yaml import Mark as _LibyamlMark

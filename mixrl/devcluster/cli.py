@@ -16,9 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 from mixrl.devcluster.cluster import Cluster, ClusterError, default_dir
-from mixrl.devcluster.fleet import DEFAULT_FLEET, describe, parse_fleet
+from mixrl.devcluster.kwok_fleet import DEFAULT_FLEET, describe, parse_fleet
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

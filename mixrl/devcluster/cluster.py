@@ -37,7 +37,7 @@ import yaml
 
 from mixrl.devcluster import images, monitoring
 from mixrl.devcluster import node as real_node
-from mixrl.devcluster.fleet import KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, NodeGroup, fleet_nodes
+from mixrl.devcluster.kwok_fleet import KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, NodeGroup, fleet_nodes
 from mixrl.devcluster.network import HOST_IP, NETNS_DIR, Network, NetworkError, NodeAddress, node_addresses
 from mixrl.devcluster.stages import stages_yaml
 

@@ -46,7 +46,7 @@ import yaml
 
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import ManifestUnreadable, load_rlrun, parse_document
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 from mixrl.local.report import mapping, number, pool_shares, step_records
 from mixrl.rl.health.collapse import assess
 

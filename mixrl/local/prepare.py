@@ -1,7 +1,7 @@
 """The model a local run starts from, and its version 0.
 
 ``model.path: tiny:<kind>`` is built (and warm-started for filetree) by
-:func:`mixrl.rl.prepare.prepare_tiny_model`, cached under ``<cache>/models/`` by a hash of
+:func:`mixrl.rl.prepare_model.prepare_tiny_model`, cached under ``<cache>/models/`` by a hash of
 everything that determines it: the same function the trainer pod's ``model-init`` container runs,
 so a cluster run of the same spec starts from the same weights.  Any other ``model.path`` is a
 local Hugging Face directory used as is.  The starting weights are then published as version 0 of
@@ -18,8 +18,8 @@ from transformers.utils import logging as hf_logging
 
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun
-from mixrl.rl.models import load_model
-from mixrl.rl.prepare import TOKENIZER_FILE, prepare_tiny_model
+from mixrl.rl.prepare_model import TOKENIZER_FILE, prepare_tiny_model
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.weights import WeightStore, tokenizer_files
 
 

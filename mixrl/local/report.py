@@ -15,7 +15,7 @@ from typing import Any
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
 from mixrl.api.models import CollapseSpec
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 from mixrl.rl.health.collapse import assess, report_lines
 
 PANELS: list[tuple[str, str, str]] = [

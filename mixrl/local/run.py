@@ -37,8 +37,8 @@ from mixrl.api.launch import (
 )
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
 from mixrl.api.models import CollapseSpec
+from mixrl.api.plain_text import plain_text
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
-from mixrl.api.text import plain_text
 from mixrl.local.processes import MIXRL, Process, ProcessStartError, wait_healthy
 from mixrl.local.report import step_records, write_report
 from mixrl.rl.auth import AuthToken, write_token_file

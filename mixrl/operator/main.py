@@ -25,7 +25,7 @@ from typing import TypeVar
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.objects import Images, Scrapers
-from mixrl.operator.install.policy import Policy, flag_problem, prefix_problem, unique
+from mixrl.operator.install.cluster_policy import Policy, flag_problem, prefix_problem, unique
 
 DEV_PRIORITY = 666  # kopf's convention: a developer's operator outranks the deployed one
 REPLICA_PRIORITY_SPAN = 10**9

@@ -21,7 +21,7 @@ from typing import TextIO
 
 import numpy as np
 
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 from mixrl.operator.autoscaling.policy import PolicyConfig
 from mixrl.sim.fleet import FleetPool, SimResult, Strategy, Workload, simulate
 

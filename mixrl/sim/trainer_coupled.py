@@ -47,10 +47,10 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from mixrl.operator.autoscaling.objective import (
+from mixrl.operator.autoscaling.fleet_objective import (
     FleetPool as ObjectivePool,
 )
-from mixrl.operator.autoscaling.objective import (
+from mixrl.operator.autoscaling.fleet_objective import (
     ObjectiveConfig,
     ObjectiveMemory,
     TrainerSignals,

@@ -168,7 +168,7 @@ def publish_version_0(store_url: str, workdir: Path) -> Any:
     """A tiny Qwen3 published as version 0 the way ``mixrl run`` publishes a run's first weights."""
     import torch
 
-    from mixrl.rl.models import create_tiny_checkpoint, load_model
+    from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
     from mixrl.rl.weights import WeightStore
 
     model_dir = create_tiny_checkpoint(workdir / "tiny", "qwen3", seed=13, **TINY)

@@ -8,7 +8,7 @@ python=${PYTHON:-python3}
 "$python" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'"
 "$python" -m pip install --quiet --no-deps -e . >/dev/null
 model_dir=$(mktemp -d)
-"$python" -c "import sys; from mixrl.rl.models import create_tiny_checkpoint; create_tiny_checkpoint(sys.argv[1], 'qwen3', vocab_size=48, seed=3)  # the tests' vocabulary (tests/trainer/conftest.py VOCAB)" "$model_dir/model"
+"$python" -c "import sys; from mixrl.rl.tiny_models import create_tiny_checkpoint; create_tiny_checkpoint(sys.argv[1], 'qwen3', vocab_size=48, seed=3)  # the tests' vocabulary (tests/trainer/conftest.py VOCAB)" "$model_dir/model"
 model_dir=$model_dir/model
 "$python" scripts/gpu/trainer_check.py "$model_dir"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mixrl.rl.corrections import CorrectionConfig
-from mixrl.rl.models import load_model
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer

@@ -9,7 +9,7 @@ import pytest
 
 from mixrl import cli
 from mixrl.api.crd import crd_files
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 
 MARKUP = re.compile(r"``|:(func|data|class|meth|mod|attr|obj):`")
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from mixrl.operator.autoscaling.objective import (
+from mixrl.operator.autoscaling.fleet_objective import (
     FleetPool,
     ObjectiveConfig,
     ObjectiveMemory,

@@ -11,7 +11,7 @@ import pytest
 
 from mixrl.api.models import GROUP
 from mixrl.api.status import ConcurrencyRecommendation
-from mixrl.operator.autoscaling.objective import FleetPlan, ObjectiveMemory
+from mixrl.operator.autoscaling.fleet_objective import FleetPlan, ObjectiveMemory
 from mixrl.operator.autoscaling.plan import concurrency_status
 from mixrl.operator.autoscaling.promql import (
     default_load_query,

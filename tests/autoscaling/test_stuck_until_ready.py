@@ -3,7 +3,7 @@ objective's rule 8; the test bed's capacity-loss run flapped 7 → 5 → 7 witho
 
 from __future__ import annotations
 
-from mixrl.operator.autoscaling.objective import (
+from mixrl.operator.autoscaling.fleet_objective import (
     FleetPool,
     ObjectiveConfig,
     ObjectiveMemory,

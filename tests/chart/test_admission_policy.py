@@ -19,7 +19,7 @@ from celpy import celtypes
 
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
-from mixrl.operator.install.policy import Policy, violations
+from mixrl.operator.install.cluster_policy import Policy, violations
 from mixrl.operator.main import images_of, parse_args, policy_of
 
 from ..operator.support import small_run

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
-from mixrl.devcluster.fleet import parse_fleet
+from mixrl.devcluster.kwok_fleet import parse_fleet
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = Path(os.environ.get("MIXRL_TEST_CHART", ROOT / "charts" / "mixrl"))  # another chart: for bisecting

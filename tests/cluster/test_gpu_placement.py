@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_TABLE
-from mixrl.devcluster.fleet import NodeGroup, node
+from mixrl.devcluster.kwok_fleet import NodeGroup, node
 
 from .conftest import ROOT, Bed, start_operator, stop_operator, wait_for
 

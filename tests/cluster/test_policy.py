@@ -17,7 +17,7 @@ import yaml
 
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
-from mixrl.operator.install.policy import Policy, violation
+from mixrl.operator.install.cluster_policy import Policy, violation
 
 from .conftest import CHART, RELEASE, RELEASE_NS, ROOT, Bed, start_operator, stop_operator, wait_for
 

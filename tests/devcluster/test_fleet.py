@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE
-from mixrl.devcluster import fleet
+from mixrl.devcluster import kwok_fleet as fleet
 from mixrl.devcluster.cli import main
 from mixrl.devcluster.cluster import component_commands, storage_objects
 from mixrl.devcluster.stages import stages

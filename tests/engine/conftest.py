@@ -1,4 +1,4 @@
-"""Torch engine tests: mixrl/rl/engine/ and mixrl/rl/models.py.
+"""Torch engine tests: mixrl/rl/engine/ and mixrl/rl/tiny_models.py.
 
 Real: the engine as a child process (`python -m mixrl.cli engine`) serving HTTP on loopback, the
 async client talking to it, `transformers` Qwen3 and Qwen3-MoE models built from tiny configs on
@@ -33,7 +33,7 @@ from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.engine.server import build_app
 from mixrl.rl.engine.service import EngineConfig, EngineService
-from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 
 from ..fakes import serve
 

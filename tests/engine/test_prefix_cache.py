@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from mixrl.rl.engine.kv_cache import SHARED_PREFIX_MIN_TOKENS, PrefixCache, shared_prefixes
 from mixrl.rl.engine.runner import ModelRunner, Sequence
 from mixrl.rl.engine.sampling import RowSampling
-from mixrl.rl.models import create_tiny_checkpoint
+from mixrl.rl.tiny_models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 
 from .conftest import VOCAB, random_prompts, reference_logprobs, reference_model, serve_in_process

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from mixrl.rl.engine import server
 from mixrl.rl.engine.client import EngineClient, EngineError
 from mixrl.rl.engine.protocol import EngineResponseError, token_records
-from mixrl.rl.models import create_tiny_checkpoint, tiny_config
+from mixrl.rl.tiny_models import create_tiny_checkpoint, tiny_config
 
 
 def _sglang_response(**meta: Any) -> dict[str, Any]:

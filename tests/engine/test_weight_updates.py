@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from mixrl.local.processes import EngineProcess
 from mixrl.rl.engine.client import EngineClient
-from mixrl.rl.models import create_tiny_checkpoint
+from mixrl.rl.tiny_models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 
 from .conftest import VOCAB, reference_logprobs, reference_model, until_running

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.api.trajectory import Trajectory
-from mixrl.rl.models import load_model
+from mixrl.rl.tiny_models import load_model
 
 from ..api.conftest import ROOT
 from ..trainer.conftest import VOCAB, synthetic_group

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from mixrl.local.report import read_jsonl
-from mixrl.rl.models import create_tiny_checkpoint
+from mixrl.rl.tiny_models import create_tiny_checkpoint
 
 from .conftest import small_run
 

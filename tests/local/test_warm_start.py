@@ -12,9 +12,9 @@ import pytest
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.rl.environments.filetree import generate_tasks
-from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.demos import WarmStartRecipe, measure_success, warm_start_recipe
 from mixrl.rl.rollout.tokenizer import Tokenizer
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 
 TOKENIZER = Tokenizer.filetree()
 

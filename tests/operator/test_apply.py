@@ -22,8 +22,8 @@ from mixrl.operator.controller.apply import (
     quantity,
 )
 from mixrl.operator.controller.handlers import watched_children
+from mixrl.operator.controller.observed_status import Reason, pool_status, problems_value, run_status
 from mixrl.operator.controller.runtime import OperatorConfig
-from mixrl.operator.controller.status import Reason, pool_status, problems_value, run_status
 
 from .support import small_run
 

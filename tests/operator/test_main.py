@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mixrl.operator.builders.objects import Images
-from mixrl.operator.install.policy import OPEN, Policy
+from mixrl.operator.install.cluster_policy import OPEN, Policy
 from mixrl.operator.main import (
     DEV_PRIORITY,
     images_of,

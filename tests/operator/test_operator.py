@@ -14,7 +14,7 @@ from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.objects import HASH_ANNOTATION, BuildOptions, Owner
 from mixrl.operator.builders.pools import pool_children
 from mixrl.operator.builders.resources import run_objects, seed_replicas
-from mixrl.operator.controller.status import COMPONENT_CONDITIONS
+from mixrl.operator.controller.observed_status import COMPONENT_CONDITIONS
 
 from .emulator import ApiServer
 from .support import (

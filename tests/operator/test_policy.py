@@ -1,4 +1,4 @@
-"""The cluster's policy on RLRuns (mixrl/operator/install/policy.py): the pure check, one line per kind of
+"""The cluster's policy on RLRuns (mixrl/operator/install/cluster_policy.py): the pure check, one line per kind of
 problem naming the field; and the operator enforcing it against the API stand-in (a refused run is
 marked PolicyViolation, nothing of it is created, and the condition goes once the spec is allowed).
 The same checks as CEL at admission: tests/chart/test_admission_policy.py and
@@ -15,8 +15,8 @@ import yaml
 
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun, RLRunSpec
-from mixrl.operator.controller.status import refused_run_status, run_status
-from mixrl.operator.install.policy import OPEN, Policy, flag_shown, violation, violations
+from mixrl.operator.controller.observed_status import refused_run_status, run_status
+from mixrl.operator.install.cluster_policy import OPEN, Policy, flag_shown, violation, violations
 
 from .emulator import ApiServer
 from .support import (

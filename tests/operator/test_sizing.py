@@ -135,9 +135,9 @@ def test_a_tiny_model_is_within_the_bound_the_sizes_assume() -> None:
     from transformers import AutoModelForCausalLM
 
     from mixrl.rl.environments.registry import load_environment
-    from mixrl.rl.models import MODEL_KINDS, tiny_config
-    from mixrl.rl.prepare import TINY_ARCHITECTURE
+    from mixrl.rl.prepare_model import TINY_ARCHITECTURE
     from mixrl.rl.rollout.tokenizer import Tokenizer
+    from mixrl.rl.tiny_models import MODEL_KINDS, tiny_config
 
     for environment in ("filetree", "coding-plain"):
         words = load_environment(environment, {}).vocabulary()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from mixrl.operator.controller.status import (
+from mixrl.operator.controller.observed_status import (
     COMPONENT_CONDITIONS,
     PoolState,
     Reason,

@@ -22,7 +22,7 @@ from mixrl.local.processes import EngineProcess
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine import weight_sync
 from mixrl.rl.engine.client import EngineClient
-from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 from mixrl.rl.weights import WeightStore
 
 from ..fakes import serve

@@ -16,7 +16,6 @@ from mixrl.rl.environments.filetree import (
     check,
     generate_tasks,
 )
-from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.demos import (
     asked_file,
     careless_choice,
@@ -25,6 +24,7 @@ from mixrl.rl.rollout.demos import (
     masked_next_token_loss,
     warm_start,
 )
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 
 from .conftest import TOKENIZER, ScriptedGenerate
 from .test_agent import SAMPLING

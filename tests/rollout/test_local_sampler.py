@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.local_sampler import LocalSampler
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 
 from .conftest import TOKENIZER
 

@@ -13,7 +13,7 @@ from transformers.utils import logging as hf_logging
 
 from mixrl.local.processes import EngineProcess
 from mixrl.rl.engine.protocol import POOL_HEADER, REPLICA_HEADER, SESSION_HEADER
-from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 from mixrl.rl.weights import WeightStore
 
 from .conftest import RunningRouter

@@ -27,7 +27,7 @@ import pytest
 from aiohttp import web
 
 from mixrl.local.processes import EngineProcess
-from mixrl.rl.models import create_tiny_checkpoint
+from mixrl.rl.tiny_models import create_tiny_checkpoint
 
 from ..engine.conftest import VOCAB, save_tiny_tokenizer
 

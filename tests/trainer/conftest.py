@@ -1,6 +1,6 @@
 """Trainer tests: batch collation, the torch backend's policy step, the trainer loop.
 
-Real: tiny transformers models built from local configs (mixrl.rl.models), the corrections library,
+Real: tiny transformers models built from local configs (mixrl.rl.tiny_models), the corrections library,
 the weight store on tmp_path, the buffer as a real HTTP server on loopback. Stand-in: trajectories
 are synthesized in the test (their sampler log-probs come from the same tiny model, optionally
 perturbed) instead of coming from engines; the engines' side is covered by tests/engine and the
@@ -21,7 +21,7 @@ import torch
 
 from mixrl.api.trajectory import TokenRecord, Trajectory
 from mixrl.rl.corrections import CorrectionConfig
-from mixrl.rl.models import create_tiny_checkpoint, load_model
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
 
 VOCAB = 48

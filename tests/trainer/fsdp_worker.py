@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.corrections import CorrectionConfig
-from mixrl.rl.models import load_model
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from mixrl.rl.corrections import CorrectionConfig, LossTokens, token_policy_loss
-from mixrl.rl.models import load_model
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer.megatron_convert import (
     gpt_model_kwargs,
     hf_to_megatron,

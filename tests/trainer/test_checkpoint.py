@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from mixrl.api.trajectory import Trajectory
-from mixrl.rl.models import create_tiny_checkpoint
+from mixrl.rl.tiny_models import create_tiny_checkpoint
 from mixrl.rl.trainer import checkpoint
 from mixrl.rl.trainer.batch import PolicyBatch, collate
 from mixrl.rl.trainer.checkpoint import CheckpointError

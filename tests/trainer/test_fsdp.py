@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mixrl.rl.models import load_model
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer.batch import collate
 
 from .conftest import reference_trainer, synthetic_group, torchrun

@@ -19,7 +19,7 @@ from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.store import ASSIGNMENTS
-from mixrl.rl.models import load_model
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer.batch import PolicyBatch
 from mixrl.rl.trainer.main import FINISHED, PoisonBatch, TrainerLoop
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer

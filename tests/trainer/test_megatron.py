@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from mixrl.rl.corrections import CorrectionConfig, LossTokens, token_policy_loss
-from mixrl.rl.models import create_tiny_checkpoint, load_model, tiny_config
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model, tiny_config
 from mixrl.rl.trainer.megatron_convert import (
     check_supported,
     hf_to_megatron,

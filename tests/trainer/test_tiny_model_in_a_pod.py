@@ -35,7 +35,7 @@ from mixrl.operator.builders.podspec import (
 from mixrl.operator.builders.resources import run_objects
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.environments.registry import load_environment
-from mixrl.rl.prepare import TOKENIZER_FILE
+from mixrl.rl.prepare_model import TOKENIZER_FILE
 from mixrl.rl.rollout.chat_tokenizer import load_chat_tokenizer
 from mixrl.rl.rollout.tokenizer import Tokenizer
 from mixrl.rl.rollout.worker import tokenizer_location
@@ -174,7 +174,7 @@ def test_a_coding_runs_model_init_needs_no_sandbox(tmp_path: Path) -> None:
 
     from mixrl.api.models import RLRun
     from mixrl.api.resolve import resolve
-    from mixrl.rl.prepare import word_tokenizer
+    from mixrl.rl.prepare_model import word_tokenizer
 
     manifest = yaml.safe_load(
         (Path(__file__).resolve().parents[2] / "examples" / "rlrun-coding.yaml").read_text()

@@ -38,7 +38,7 @@ import aiohttp
 
 from mixrl.api.kube_types import Obj
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
-from mixrl.operator.autoscaling.objective import (
+from mixrl.operator.autoscaling.fleet_objective import (
     FleetPlan,
     FleetPool,
     ObjectiveConfig,
@@ -283,7 +283,7 @@ class AutoscalingLoop(Ticker):
         self, run_key: Key, run: ResolvedRun, keys: list[Key], now: float
     ) -> list[tuple[Key, PoolPlan]]:
         """``objective: trainer``: read the run's and every pool's series, plan the fleet as one
-        (:func:`mixrl.operator.autoscaling.objective.stabilized_plan`), then write each pool
+        (:func:`mixrl.operator.autoscaling.fleet_objective.stabilized_plan`), then write each pool
         under its lock, from the live pool (a pool whose replicas moved meanwhile waits a poll)."""
         a = run.autoscaling
         url, timeout = a.prometheus_url, self.settings.query_timeout_s

@@ -10,7 +10,7 @@ makes the writes they return:
   :func:`config_of` (the policy's view of the pool and its bounds);
 - the per-pool decision's adjustments: :func:`budget_decision` (the run's GPU budget) and, for
   ``objective: trainer``, :func:`objective_config`, :func:`fleet_view` and :func:`fleet_decision`
-  around :func:`mixrl.operator.autoscaling.objective.stabilized_plan`;
+  around :func:`mixrl.operator.autoscaling.fleet_objective.stabilized_plan`;
 - the result: :func:`plan_pool` → a :class:`PoolPlan` (the replica count to write or none, the
   status patch with ``lastScaleDecisions``, ``autoscalerWindow`` and the MetricsAvailable and
   WrongGpuType conditions, and the event), and :func:`concurrency_status` /
@@ -26,8 +26,8 @@ from mixrl.api.gpus import price_per_gpu_hour
 from mixrl.api.kube_types import Condition, ConditionValue, Obj
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
+from mixrl.operator.autoscaling.fleet_objective import FleetPlan, FleetPool, ObjectiveConfig
 from mixrl.operator.autoscaling.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
-from mixrl.operator.autoscaling.objective import FleetPlan, FleetPool, ObjectiveConfig
 from mixrl.operator.autoscaling.policy import (
     BudgetRequest,
     Decision,

@@ -133,7 +133,7 @@ def _run_matchers(namespace: str, run: str) -> str:
 
 def trainer_queries(namespace: str, run: str, window: str = TRAINER_WINDOW) -> dict[str, str]:
     """The run-wide series of ``objective: trainer`` (fields of
-    :class:`mixrl.operator.autoscaling.objective.TrainerSignals`), from the buffer and the router."""
+    :class:`mixrl.operator.autoscaling.fleet_objective.TrainerSignals`), from the buffer and the router."""
     m = _run_matchers(namespace, run)
     return {
         "step_rate": f"sum(rate({MIXRL_BUFFER_BATCHES_TOTAL.name}{{{m}}}[{window}]))",

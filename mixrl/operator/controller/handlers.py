@@ -43,10 +43,10 @@ from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.loop import AutoscalingLoop
 from mixrl.operator.builders import labels as L
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
+from mixrl.operator.controller.observed_status import Reason
 from mixrl.operator.controller.observer import StatusObserver
 from mixrl.operator.controller.reconcile import Outcome
 from mixrl.operator.controller.runtime import OperatorConfig, Runtime, backoff
-from mixrl.operator.controller.status import Reason
 from mixrl.operator.kube.client import ApiError, Connection
 from mixrl.operator.kube.rbac import (
     CHILD_RESOURCES,

@@ -41,7 +41,7 @@ from mixrl.operator.controller.apply import (
     label,
 )
 from mixrl.operator.controller.discovery import Discovery
-from mixrl.operator.controller.status import (
+from mixrl.operator.controller.observed_status import (
     PoolState,
     Reason,
     WorkloadState,
@@ -51,7 +51,7 @@ from mixrl.operator.controller.status import (
     refused_run_status,
     run_status,
 )
-from mixrl.operator.install.policy import OPEN, Policy, violation
+from mixrl.operator.install.cluster_policy import OPEN, Policy, violation
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.rbac import (
     NETWORKPOLICIES,

@@ -24,11 +24,11 @@ from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings
 from mixrl.operator.builders.objects import Images
 from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
 from mixrl.operator.controller.discovery import Discovery
+from mixrl.operator.controller.observed_status import PROGRESSING, Reason
 from mixrl.operator.controller.observer import ObserverSettings, StatusObserver
 from mixrl.operator.controller.peering import paused_by_peers
 from mixrl.operator.controller.reconcile import Context, Outcome, reconcile_pool, reconcile_run
-from mixrl.operator.controller.status import PROGRESSING, Reason
-from mixrl.operator.install.policy import OPEN, Policy
+from mixrl.operator.install.cluster_policy import OPEN, Policy
 from mixrl.operator.kube.client import ApiError, Connection, KubeClient
 from mixrl.operator.kube.conditions import make_condition, merge_conditions
 from mixrl.operator.kube.rbac import RLRUNS, SAMPLERPOOLS, peering_resource

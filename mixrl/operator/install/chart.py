@@ -8,7 +8,7 @@ CRDs (chart ``crds/``: installed before the templates, which create a peering ob
 rules (from mixrl.operator.kube.rbac, the calls the operator makes: the rules every operator needs, and
 one file per feature the chart grants only when its values enable that feature), and the collapse
 alerts and Grafana dashboard (from mixrl.operator.builders.monitoring, with the metric names of
-mixrl.rl.metrics), and the CEL of the RLRun admission policy (from mixrl.operator.install.policy, the checks the
+mixrl.rl.metrics), and the CEL of the RLRun admission policy (from mixrl.operator.install.cluster_policy, the checks the
 operator makes too).
 """
 
@@ -24,9 +24,9 @@ import yaml
 
 from mixrl.api.crd import rlrun_crd, samplerpool_crd
 from mixrl.api.models import GROUP
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 from mixrl.operator.builders.monitoring import collapse_rule_groups, dashboard
-from mixrl.operator.install.policy import admission_rules
+from mixrl.operator.install.cluster_policy import admission_rules
 from mixrl.operator.kube.rbac import (
     CLUSTER_KOPF_PEERINGS,
     FRAMEWORK,

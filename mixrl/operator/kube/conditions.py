@@ -2,7 +2,7 @@
 
 Every condition carries ``observedGeneration``; ``lastTransitionTime`` changes only when the
 condition's status flips; a writer replaces its own conditions and keeps everyone else's.  The
-run's and pools' controllers (:mod:`mixrl.operator.controller.status`) and the built-in autoscaler
+run's and pools' controllers (:mod:`mixrl.operator.controller.observed_status`) and the built-in autoscaler
 (:mod:`mixrl.operator.autoscaling.loop`) write conditions on the same objects, this way.
 """
 

@@ -14,8 +14,8 @@ holds the whole batch's logits.  See docs/corrections.md.
 
 from mixrl.rl.corrections.advantages import grpo_advantages, token_advantages
 from mixrl.rl.corrections.config import EXTREME_RATIO_RANGE, CorrectionConfig, CorrectionInputError
+from mixrl.rl.corrections.diagnostics import METRIC_KEYS, PolicyLossMetrics
 from mixrl.rl.corrections.loss import chunked_token_policy_loss, token_policy_loss
-from mixrl.rl.corrections.metrics import METRIC_KEYS, PolicyLossMetrics
 from mixrl.rl.corrections.reference import reference_token_policy_loss
 from mixrl.rl.corrections.tokens import LossTokens
 from mixrl.rl.corrections.vocab import VocabShard

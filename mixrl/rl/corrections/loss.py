@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mixrl.rl.corrections.config import CorrectionConfig, CorrectionInputError
-from mixrl.rl.corrections.metrics import PolicyLossMetrics, build_metrics
+from mixrl.rl.corrections.diagnostics import PolicyLossMetrics, build_metrics
 from mixrl.rl.corrections.objective import (
     CorrectedTerms,
     PreparedBatch,

@@ -26,8 +26,8 @@ from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.engine.scheduler import Scheduler
 from mixrl.rl.engine.stats import EngineStats, FinishedRequest
 from mixrl.rl.engine.text import load_codec
-from mixrl.rl.models import load_model
 from mixrl.rl.quant import WEIGHT_FORMATS
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.weights import MANIFEST, MAX_VERSION, WeightStoreError, load_checkpoint_dir
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""``mixrl validate``: the api's checks (:mod:`mixrl.api.validate_cmd`), then the spec's environment
+"""``mixrl validate``: the api's checks (:mod:`mixrl.api.validate_spec`), then the spec's environment
 imported and checked (:func:`mixrl.rl.environments.registry.check_rollout`), unless ``--no-import``.
 
 Dataset files are only required to be named here, not to exist: in a cluster they live in the
@@ -6,7 +6,7 @@ rollout image or on a volume; ``mixrl run`` and the rollout worker require them.
 
 from __future__ import annotations
 
-from mixrl.api import validate_cmd
+from mixrl.api import validate_spec
 from mixrl.api.models import RLRun
 from mixrl.rl.environments.registry import check_rollout
 
@@ -16,4 +16,4 @@ def check_environment(run: RLRun) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    return validate_cmd.main(argv, check_environment)
+    return validate_spec.main(argv, check_environment)

@@ -8,7 +8,7 @@ early stop, is what sets the starting success rate (:class:`WarmStartRecipe`).  
 measured with the real agent loop on an in-process sampler (:func:`measure_success`) on probe
 tasks from the training split, so the held-out split is never used to choose the starting point.
 
-The warm start of a ``tiny:`` filetree model (:mod:`mixrl.rl.prepare`: ``mixrl run`` runs it, and the
+The warm start of a ``tiny:`` filetree model (:mod:`mixrl.rl.prepare_model`: ``mixrl run`` runs it, and the
 trainer pod's ``model-init`` container); a real ``model.path`` is used as it is.
 """
 

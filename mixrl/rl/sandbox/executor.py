@@ -32,7 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 from mixrl.rl.sandbox.files import check_path, write_tree
 from mixrl.rl.sandbox.limits import Limits, prlimit_args
 from mixrl.rl.sandbox.runner import FINISH_REASONS, TRUNCATED, SandboxResult, classify

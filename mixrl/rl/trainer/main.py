@@ -2,7 +2,7 @@
 
 Before the first step the trainer publishes the weights it holds if the store lacks them (version 0
 from ``model.path`` on a fresh run), so engines always have a version to start from.  A ``tiny:``
-model is built first, by ``mixrl prepare-model`` (mixrl.rl.prepare: a trainer pod's ``model-init``
+model is built first, by ``mixrl prepare-model`` (mixrl.rl.prepare_model: a trainer pod's ``model-init``
 container) or by ``mixrl run``, and the trainer is given that directory as ``--model-path``.
 
 The loop, per step s (the trainer holds weight version s − 1 while computing step s):
@@ -60,7 +60,7 @@ from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer
 from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.buffer.client import Batch
 from mixrl.rl.health.routing import mismatch_report
-from mixrl.rl.models import load_model
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.megatron_backend import BackendUnavailable, MegatronPolicyTrainer

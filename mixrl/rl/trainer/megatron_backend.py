@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from mixrl.api.models import Parallelism
 from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
-from mixrl.rl.models import load_model
+from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import PolicyBatch
 from mixrl.rl.trainer.megatron_convert import (

@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from mixrl.rl.corrections import CorrectionConfig, chunked_token_policy_loss
-from mixrl.rl.corrections.metrics import METRIC_KEYS
+from mixrl.rl.corrections.diagnostics import METRIC_KEYS
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import PolicyBatch
 from mixrl.rl.trainer.distributed import Ranks

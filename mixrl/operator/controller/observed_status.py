@@ -20,7 +20,7 @@ READY = "Ready"
 PROGRESSING = "Progressing"
 INVALID_SPEC = "InvalidSpec"
 POLICY_VIOLATION = "PolicyViolation"
-"""True while the cluster's policy refuses what the run asks for (mixrl.operator.install.policy); there only
+"""True while the cluster's policy refuses what the run asks for (mixrl.operator.install.cluster_policy); there only
 then, so runs the policy allows carry no condition about a policy they never met."""
 AUTOSCALER_READY = "AutoscalerReady"
 """Whether whoever the spec names to scale the pools can do it (the built-in loop, KEDA, nobody)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from mixrl.api.errors import InvalidSpec, Problem
 from mixrl.api.loader import ManifestUnreadable, parse_document, read_documents
 from mixrl.api.models import RLRun
-from mixrl.api.text import plain_text
+from mixrl.api.plain_text import plain_text
 
 RunCheck = Callable[[RLRun], list[str]]
 """More checks of a valid RLRun that need more than the api (one line per problem): the ``mixrl``

@@ -37,10 +37,10 @@ from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun, SamplingParams
 from mixrl.rl.environments.filetree import Difficulty
 from mixrl.rl.environments.registry import load_environment
-from mixrl.rl.models import create_tiny_checkpoint, load_model
 from mixrl.rl.rollout.demos import WarmStartRecipe, warm_start_recipe
 from mixrl.rl.rollout.tokenizer import Tokenizer
 from mixrl.rl.sandbox.backend import NoCommands, use_sandbox
+from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 
 TOKENIZER_FILE = "tokenizer.json"
 RECIPE_VERSION = 1
