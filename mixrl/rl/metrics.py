@@ -64,9 +64,10 @@ def histogram(spec: MetricSpec, registry: CollectorRegistry) -> Histogram:
 
 
 def _created(spec: MetricSpec, registry: CollectorRegistry, kind: type[_Collector]) -> _Collector:
-    collector = create(spec, registry)
-    if not isinstance(collector, kind):
+    if spec.kind != kind.__name__.lower():  # refused before anything is registered
         raise TypeError(f"{spec.name} is a {spec.kind}, not a {kind.__name__.lower()}")
+    collector = create(spec, registry)
+    assert isinstance(collector, kind)
     return collector
 
 

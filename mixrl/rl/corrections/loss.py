@@ -309,7 +309,8 @@ def chunked_token_policy_loss(
     shard = VocabShard(start=vocab_start, size=lm_head_weight.shape[0], group=vocab_group)
     batch = _batch_of(hidden, shard, tokens, loss_mask, num_loss_tokens)
     out: list[CorrectedTerms] = []
-    loss: torch.Tensor = _ChunkedObjective.apply(  # type: ignore[no-untyped-call]  # unannotated in torch
+    # torch.autograd.Function.apply is unannotated
+    loss: torch.Tensor = _ChunkedObjective.apply(  # type: ignore[no-untyped-call]
         hidden, lm_head_weight, batch, config, shard, chunk_size, float(temperature), out
     )
     return loss, _metrics(out[0], config, batch)
