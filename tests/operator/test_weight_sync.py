@@ -133,7 +133,7 @@ async def test_the_sidecar_moves_a_running_engine_to_each_new_version(
             assert await client.get_weight_version() == 0
             stop.set()
             await asyncio.wait_for(follower, 10)
-        # Without the token the engine refuses to pause: one line, not an endless retry.
+        # Without the token the engine refuses the update: one line, not an endless retry.
         await asyncio.to_thread(publish, store, model_dir, 2, 0.5)
         async with EngineClient(engine.url) as anonymous:
             with pytest.raises(weight_sync.SyncError) as refused:
@@ -142,7 +142,7 @@ async def test_the_sidecar_moves_a_running_engine_to_each_new_version(
                 )
             assert await anonymous.get_weight_version() == 0
         assert str(refused.value).startswith(
-            "the engine refused the token: POST /pause_generation: HTTP 401: unauthorized"
+            "the engine refused the token: POST /update_weights_from_disk: HTTP 401: unauthorized"
         )
         assert TOKEN.reveal() not in engine.log_tail(200)
     finally:

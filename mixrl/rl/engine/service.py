@@ -184,6 +184,9 @@ class EngineService:
         self.stats = EngineStats(self.served_model_name, max_total)
         self.scheduler: Scheduler | None = None
         self._update_lock = asyncio.Lock()
+        self._staging = weights_io.StagedWeights(config.weight_precision, self.compute_dtype)
+        self.last_swap_s = 0.0
+        """How long the last update's swap took on the model thread (between two decode steps)."""
         self._rid_counter = 0
         self._live: dict[int, _Tracked] = {}
         self.stats.add_listener(self._on_tokens)
@@ -387,29 +390,54 @@ class EngineService:
                     version = parse_version("weight_version", named)
                 except RequestError as exc:
                     return False, f"refused {shown}: {MANIFEST} names a bad version: {exc}"
-            scale_tensors = {k: v for k, v in state.items() if weights_io.is_kv_scale_key(k)}
-            state = {k: v for k, v in state.items() if k not in scale_tensors}
-            try:
-                weights_io.check_state_dict(self.runner.model, state)
-                kv_scales = self._kv_scales(scale_tensors)
-            except ValueError as exc:
-                return False, f"refused {shown}: {clip(str(exc), 1000)}"
-            if abort_all_requests:
-                self.sched.abort_all("aborted for a weight update")
-            new_version = version
+            ok, message = await self._stage_and_swap(state, version, abort_all_requests, shown)
+            if ok:
+                self.model_path = model_path
+                log.info("weights updated to version %d from %s", version, directory.name)
+            return ok, message
 
-            def swap() -> dict:
-                report = weights_io.load_state_(
-                    self.runner.model, state, self.config.weight_precision, self.compute_dtype
-                )
-                self.runner.weight_version = new_version
-                self.runner.kv_scales = kv_scales
-                return report
+    async def apply_state(
+        self, state: dict[str, torch.Tensor], version: int, source: str, abort_all_requests: bool = False
+    ) -> tuple[bool, str]:
+        """Serve ``state`` (a BF16 serving-layout state dict received by other means than a
+        directory, e.g. a broadcast) as ``version``: checked, prepared while decoding, swapped
+        between two decode steps; on any failure the old weights stay."""
+        async with self._update_lock:
+            return await self._stage_and_swap(state, version, abort_all_requests, clip(source))
 
-            self.quantization = await self.sched.control(swap)
-            self.model_path = model_path
-            log.info("weights updated to version %d from %s", version, directory.name)
-            return True, f"Succeeded to update model weights to version {version}."
+    async def _stage_and_swap(
+        self, state: dict[str, torch.Tensor], version: int, abort_all_requests: bool, shown: str
+    ) -> tuple[bool, str]:
+        """Prepare the new weights beside the served ones while decoding goes on, then swap.
+
+        Everything that costs time (the checks, rounding to bf16, the pool's quantization, the cast
+        to the compute dtype) runs on a worker thread into the staging copy
+        (:class:`weights_io.StagedWeights`) while the scheduler keeps stepping the live model; the
+        scheduler then runs only the swap between two decode steps: one pointer exchange per
+        parameter, the version and the KV-cache scales.  So the pause an update causes is the swap
+        (about a millisecond), not the load (``bench/weight_sync.py`` measures both).
+        """
+        scale_tensors = {k: v for k, v in state.items() if weights_io.is_kv_scale_key(k)}
+        state = {k: v for k, v in state.items() if k not in scale_tensors}
+        try:
+            kv_scales = self._kv_scales(scale_tensors)
+            report = await asyncio.to_thread(self._staging.prepare, self.runner.model, state)
+        except ValueError as exc:
+            return False, f"refused {shown}: {clip(str(exc), 1000)}"
+        if abort_all_requests:
+            self.sched.abort_all("aborted for a weight update")
+        new_version = version
+
+        def swap() -> None:
+            started = time.perf_counter()
+            self._staging.swap_into(self.runner.model)
+            self.runner.weight_version = new_version
+            self.runner.kv_scales = kv_scales
+            self.last_swap_s = time.perf_counter() - started
+
+        await self.sched.control(swap)
+        self.quantization = report
+        return True, f"Succeeded to update model weights to version {version}."
 
     async def set_weight_version(self, version: int, abort_all_requests: bool) -> None:
         if abort_all_requests:

@@ -9,9 +9,10 @@ engine starts from), then as the ``weight-sync`` sidecar (follow the weight stor
   torch engine emulates its precision itself and loads the BF16 version.
 - ``<output>/current`` is a symlink to the checkpoint the engine should serve; SGLang's
   ``--model-path`` points at it, so a restarted engine starts from the latest version.
-- When the store's latest version differs from the one the engine reports, the sidecar pauses
-  generation ``in_place``, calls ``/update_weights_from_disk`` with ``flush_cache: false`` and
-  continues: sessions keep going, their next tokens come from the new weights and carry the new
+- When the store's latest version differs from the one the engine reports, the sidecar calls
+  ``/update_weights_from_disk`` with ``flush_cache: false``.  The torch engine prepares the version
+  beside the served weights while it keeps decoding and swaps between two decode steps; an SGLang
+  engine is paused ``in_place`` for the load and continued: sessions keep going, their next tokens come from the new weights and carry the new
   version.  SGLang refuses a cache flush while requests are running or queued (after an in-place
   pause they still are): the update would load the weights, answer ``success: false`` and keep
   reporting the old version.  The price of not flushing: prefixes cached before the update keep
@@ -119,6 +120,19 @@ FLUSH_CACHE = False
 """SGLang refuses a flush while requests run after an in-place pause; see the module's docstring."""
 
 
+async def update_paused(engine: EngineClient, target: str, version: int) -> dict:
+    """SGLang's best disk path: an in-place pause for exactly the load.  Unpaused, SGLang's update
+    takes its model-update lock as a writer and so waits until every running request has finished
+    (a drained engine); paused in place, it loads at once and the sessions continue afterwards."""
+    await engine.pause_generation(PAUSE_MODE)
+    try:
+        return await engine.update_weights_from_disk(
+            target, version, abort_all_requests=False, flush_cache=FLUSH_CACHE
+        )
+    finally:
+        await engine.continue_generation()
+
+
 def serves_current(output: Path, target: str) -> bool:
     """Whether ``output/current`` already names ``target`` (the checkpoint an engine started from)."""
     link = output / "current"
@@ -134,13 +148,12 @@ async def sync_engine(
         await engine.update_weight_version(version, abort_all_requests=False)
         log.info("pool %s engine started from version %d: labelled, not reloaded", pool.name, version)
         return
-    await engine.pause_generation(PAUSE_MODE)
-    try:
+    if pool.engine == "sglang":
+        answer = await update_paused(engine, target, version)
+    else:  # the torch engine prepares the version while it decodes and swaps between two steps
         answer = await engine.update_weights_from_disk(
             target, version, abort_all_requests=False, flush_cache=FLUSH_CACHE
         )
-    finally:
-        await engine.continue_generation()
     if not answer.get("success"):
         raise SyncError(f"engine refused version {version} ({target}): {answer.get('message', '')}")
     point_current(output, target)
