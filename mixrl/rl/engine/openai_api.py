@@ -13,6 +13,8 @@ the engine's own; the answer is built from the finished sequences.  As in SGLang
   ``no_stop_trim``, ``skip_special_tokens``, ``rid``) are honoured; every other field of SGLang's
   ``CompletionRequest`` / ``ChatCompletionRequest`` is classified in :data:`COMPLETION_FIELDS` /
   :data:`CHAT_FIELDS`, and one that asks for something the engine cannot do is refused by name.
+- mixrl's ``min_weight_version`` (docs/engine.md#version-aware-requests) is read into
+  :attr:`OpenAIRequest.min_weight_version`; the server answers 409 when its weights are older.
 
 Both need the model's tokenizer (the answer is text; chat needs its template).
 """
@@ -41,6 +43,7 @@ from mixrl.rl.engine.protocol import (
     refuse_asked,
     unicode_text,
 )
+from mixrl.rl.engine.version_gate import body_min_version
 
 OPENAI_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and SGLang's CompletionRequest's) ``max_tokens`` default for completions."""
@@ -174,6 +177,8 @@ class OpenAIRequest:
     model: str
     stream: bool = False
     include_usage: bool = False
+    min_weight_version: int | None = None
+    """mixrl's ``min_weight_version`` (docs/engine.md#version-aware-requests); None: any version."""
 
 
 _SAMPLING_NAMES = (
@@ -300,7 +305,9 @@ def parse_completion(
     token_ids = _bool(body, "return_token_ids")
     items = _items(prompts, sampling, body.get("rid"), top, token_ids)
     model = str(body.get("model") or "")
-    return OpenAIRequest(items, len(prompts), sampling.n, top, token_ids, model, *_streaming(body, token_ids))
+    stream, usage = _streaming(body, token_ids)
+    minimum = body_min_version(body)
+    return OpenAIRequest(items, len(prompts), sampling.n, top, token_ids, model, stream, usage, minimum)
 
 
 def parse_chat(
@@ -333,7 +340,8 @@ def parse_chat(
     token_ids = _bool(body, "return_token_ids") or _bool(body, "return_prompt_token_ids")
     items = _items([ids], sampling, body.get("rid"), top, token_ids)
     model = str(body.get("model") or "")
-    return OpenAIRequest(items, 1, sampling.n, top, token_ids, model, *_streaming(body, token_ids))
+    stream, usage = _streaming(body, token_ids)
+    return OpenAIRequest(items, 1, sampling.n, top, token_ids, model, stream, usage, body_min_version(body))
 
 
 def _streaming(body: dict[str, Any], token_ids: bool) -> tuple[bool, bool]:

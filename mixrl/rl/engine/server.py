@@ -5,6 +5,11 @@ or value gets HTTP 400 and ``{"error": {"message": "<field>: <reason>", "param":
 unknown fields are ignored, as SGLang does; the server keeps serving either way.  A body over
 ``--max-request-mib`` gets 413.
 
+Version-aware requests (docs/engine.md#version-aware-requests): a ``/generate`` or ``/v1`` request
+that demands a newer weight version than the engine serves (``min_weight_version`` in the body,
+``X-Mixrl-Min-Weight-Version`` as a header) gets a retryable 409 naming both versions, with
+``Retry-After``, after its other fields have been checked.
+
 Authentication (docs/auth.md): with a token, every endpoint that changes the engine's state (weight
 updates and versions, pause / continue, aborts, cache flushes) needs ``Authorization: Bearer
 <token>`` and answers 401 without it; generation, information, health and metrics stay open.
@@ -54,6 +59,15 @@ from mixrl.rl.engine.protocol import (
 from mixrl.rl.engine.scheduler import PAUSE_MODES
 from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService, parse_version
 from mixrl.rl.engine.text import TokenizerError
+from mixrl.rl.engine.version_gate import (
+    CONFLICT,
+    header_min_version,
+    refusal_body,
+    request_min_version,
+    retry_after_headers,
+    satisfies,
+    strictest,
+)
 from mixrl.rl.quant import WEIGHT_FORMATS
 from mixrl.rl.serving import serve_app
 
@@ -107,6 +121,20 @@ async def _json_body(request: web.Request, allow_empty: bool = False) -> dict[st
     return body
 
 
+def _version_refusal(service: EngineService, minimum: int | None) -> web.Response | None:
+    """The retryable 409 for a request demanding newer weights than these (None: serve it).
+
+    Checked once, when the request arrives: a swap while it runs only makes later tokens newer
+    (docs/engine.md#version-aware-requests), and each token carries its own version anyway."""
+    served = service.weight_version
+    if satisfies(served, minimum):
+        return None
+    assert minimum is not None
+    return web.json_response(
+        refusal_body(minimum, served, "the engine"), status=CONFLICT, headers=retry_after_headers()
+    )
+
+
 def _field(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     value = body.get(name)
     if value is None:
@@ -141,6 +169,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         sampling_defaults=service.sampling_defaults,
         codec=service.codec,
     )
+    refused = _version_refusal(service, request_min_version(body, request.headers))
+    if refused is not None:
+        return refused
     if items and items[0].stream:
         return await _stream(request, service, items, batched)
     results = await service.generate(items)
@@ -195,6 +226,10 @@ async def _v1(request: web.Request, chat: bool) -> web.StreamResponse:
     service = request.app[SERVICE_KEY]
     parse = openai_api.parse_chat if chat else openai_api.parse_completion
     parsed = parse(await _json_body(request), **_openai_args(service))
+    minimum = strictest(parsed.min_weight_version, header_min_version(request.headers))
+    refused = _version_refusal(service, minimum)
+    if refused is not None:
+        return refused
     codec = service.codec
     assert codec is not None  # the parsers refuse requests without a tokenizer
     model, created = parsed.model or service.served_model_name, int(time.time())
