@@ -99,7 +99,7 @@ def refusal_body(minimum: int, served: int | None, who: str) -> dict[str, Any]:
     """The 409's JSON: an OpenAI-style ``error`` (as the engine's 400s) plus both versions as
     numbers, so a client reads them without parsing the message.  ``who``: what could not serve
     (``"the engine"``, ``"no ready replica"``)."""
-    shown = "no known version" if served is None else f"version {served}"
+    shown = "an unknown version" if served is None else f"version {served}"
     message = (
         f"{MIN_VERSION_FIELD}: the request needs weights of version {minimum} or newer; "
         f"{who} serves {shown}; retry after {RETRY_AFTER_S}s"

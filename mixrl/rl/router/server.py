@@ -7,6 +7,10 @@ bytes, probes replicas and keeps time.  Endpoints:
   the answer carries ``X-Mixrl-Pool``, ``X-Mixrl-Gpu-Type``, ``X-Mixrl-Precision``,
   ``X-Mixrl-Replica``.  A replica that cannot be reached is marked down, the session is moved,
   and the client gets 503 ``{"retry": true, ...}``: it resends the same turn, nothing is lost.
+  A request demanding a minimum weight version (``min_weight_version`` in the body or
+  ``X-Mixrl-Min-Weight-Version``) goes only to a ready replica serving it; with none, 409 naming
+  the versions, with ``Retry-After`` (docs/router.md#version-aware-routing).  Each replica's
+  version is read at every health probe (``GET /get_weight_version``) and from its answers.
 - ``POST /sessions/{id}/end``; ``PUT /pools/{name}`` ``{"replicas": [...], "capacity"?: x}``;
   ``GET /pools``; ``GET /health``; ``GET /metrics``.
 - ``POST /update_weights_from_disk``: SGLang's body, sent to every ready replica of every pool.
@@ -43,13 +47,26 @@ from mixrl.rl.engine.protocol import (
     PRECISION_HEADER,
     REPLICA_HEADER,
     SESSION_HEADER,
+    EngineResponseError,
+    RequestError,
     completion_token_counts,
+    parse_weight_version,
+)
+from mixrl.rl.engine.version_gate import (
+    CONFLICT,
+    MIN_VERSION_HEADER,
+    VersionRefusal,
+    header_min_version,
+    raw_body_min_version,
+    refusal_body,
+    retry_after_headers,
+    strictest,
 )
 from mixrl.rl.health.routing import HealthPolicy, MismatchReport
 from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
 from mixrl.rl.router.config import RouterConfig, check_replica_url
 from mixrl.rl.router.exporter import make_registry
-from mixrl.rl.router.state import NoReadyReplica, Route, RouterState
+from mixrl.rl.router.state import NoReadyReplica, Route, RouterState, VersionUnavailable
 from mixrl.rl.serving import ClientGone, component_app, metrics_handler, read_body
 
 log = logging.getLogger("mixrl.router")
@@ -142,6 +159,27 @@ def _retry_response(message: str, **extra: Any) -> web.Response:
 
 def _bad_request(message: str) -> web.Response:
     return web.json_response({"error": message}, status=400)
+
+
+def _version_response(exc: VersionUnavailable) -> web.Response:
+    """409: replicas are ready but none serves the request's minimum weight version yet."""
+    body = refusal_body(exc.minimum, exc.newest, "the newest ready replica")
+    return web.json_response(body, status=CONFLICT, headers=retry_after_headers())
+
+
+def requested_min_version(headers: Any, body: bytes) -> int | None:
+    """The minimum weight version a proxied request demands (header and body; RequestError if
+    either is malformed).  The body is parsed only when it names the field."""
+    return strictest(header_min_version(headers), raw_body_min_version(body))
+
+
+def refused_version(payload: bytes) -> int | None:
+    """The version an engine's 409 says it serves (None if the answer is not a version refusal)."""
+    try:
+        refusal = VersionRefusal.read(json.loads(payload), {})
+    except (ValueError, RecursionError):
+        return None
+    return refusal.served if refusal is not None else None
 
 
 class Router:
@@ -292,6 +330,8 @@ class Router:
         replica = self.state.replica(pool_name, url)
         if replica is not None and replica.ready != ready:
             log.info("replica %s of pool %s is %s", url, pool_name, "ready" if ready else "down")
+        if ready:
+            self.state.set_version(pool_name, url, await self._served_version(url))
         self.state.set_ready(pool_name, url, ready)
         if ready and self.state.pool(pool_name).capacity is None:
             await self._measure(pool_name, url)
@@ -309,6 +349,19 @@ class Router:
             throughput = (replica.generated_tokens - previous[1]) / (now - previous[0])
         if throughput is not None:
             self.state.record_throughput(pool_name, url, throughput)
+
+    async def _served_version(self, url: str) -> int | None:
+        """The replica's ``GET /get_weight_version`` (SGLang's and the torch engine's); None when it
+        cannot say (then its answers and its 409s still tell)."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
+        try:
+            async with self.http.get(f"{url}/get_weight_version", timeout=timeout) as response:
+                if response.status != 200:
+                    return None
+                payload = await response.json(content_type=None)
+            return parse_weight_version(payload.get("weight_version") if isinstance(payload, dict) else None)
+        except (aiohttp.ClientError, TimeoutError, ValueError, EngineResponseError):
+            return None
 
     async def _engine_throughput(self, url: str) -> float | None:
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
@@ -338,9 +391,17 @@ class Router:
             return _bad_request("body: the connection closed before the body arrived")
         session_id = request.headers.get(SESSION_HEADER) or None
         try:
-            route = await self._wait_for_slot(self.state.route(session_id, started), session_id)
+            minimum = requested_min_version(request.headers, body)
+        except RequestError as exc:
+            return _bad_request(str(exc))
+        try:
+            route = await self._wait_for_slot(
+                self.state.route(session_id, started, minimum), session_id, minimum
+            )
         except NoReadyReplica as exc:
             return _retry_response(f"{exc}; retry the turn")
+        except VersionUnavailable as exc:
+            return _version_response(exc)
         pool = self.state.pools[route.pool]
         self.state.begin(route.pool, route.replica)
         status: int | None = CLIENT_CLOSED
@@ -351,6 +412,8 @@ class Router:
             forward = {"Content-Type": request.headers.get("Content-Type", "application/json")}
             if session_id is not None:
                 forward[SESSION_HEADER] = session_id  # for the engine's logs; SGLang ignores it
+            if minimum is not None:
+                forward[MIN_VERSION_HEADER] = str(minimum)  # the engine checks it again (SGLang ignores it)
             async with self.http.post(
                 f"{route.replica}/generate", data=body, headers=forward, timeout=timeout
             ) as upstream:
@@ -370,6 +433,9 @@ class Router:
             if status == 200:
                 tokens = sum(completion_token_counts(payload))  # one count per item of a batch
                 version = newest_weight_version(payload)
+            elif status == CONFLICT:  # the replica is older than the router thought: the client retries
+                version = refused_version(payload)
+                headers.update(retry_after_headers())
             return web.Response(body=payload, status=status, headers=headers)
         except TimeoutError:  # first: aiohttp's socket timeouts are also ClientConnectionErrors
             status = 504
@@ -380,7 +446,7 @@ class Router:
             )
         except aiohttp.ClientConnectionError as exc:
             status = None
-            return self._replica_failed(route, session_id, exc)
+            return self._replica_failed(route, session_id, exc, minimum)
         finally:
             self.state.finish(route.pool, route.replica, tokens, status, version)
             self.latency.labels(self.run, pool.name, pool.gpu_type, pool.precision).observe(
@@ -411,27 +477,29 @@ class Router:
         await response.write_eof()
         return response, tokens, version
 
-    def _replica_failed(self, route: Route, session_id: str | None, exc: Exception) -> web.Response:
+    def _replica_failed(
+        self, route: Route, session_id: str | None, exc: Exception, minimum: int | None = None
+    ) -> web.Response:
         """The replica is gone: mark it down and move the session now, so the retried turn just works."""
         log.warning("replica %s of pool %s failed: %s", route.replica, route.pool, exc)
         self.state.mark_down(route.pool, route.replica)
         moved_to: dict[str, str] | None = None
         if session_id is not None:
             try:
-                new_route = self.state.route(session_id, self.clock())
+                new_route = self.state.route(session_id, self.clock(), minimum)
                 moved_to = {"pool": new_route.pool, "replica": new_route.replica}
-            except NoReadyReplica:
+            except (NoReadyReplica, VersionUnavailable):
                 moved_to = None
         message = f"replica {route.replica} of pool {route.pool} is unreachable ({exc}); retry the turn"
         return _retry_response(message, pool=route.pool, replica=route.replica, moved_to=moved_to)
 
-    async def _wait_for_slot(self, route: Route, session_id: str | None) -> Route:
+    async def _wait_for_slot(self, route: Route, session_id: str | None, minimum: int | None = None) -> Route:
         """Hold the request while its replica has max_inflight_per_replica requests outstanding."""
         limit = self.settings.max_inflight_per_replica
         while limit > 0:
             replica = self.state.replica(route.pool, route.replica)
-            if replica is None or not replica.ready:
-                route = self._reroute(route, session_id)
+            if replica is None or not replica.serves(minimum):
+                route = self._reroute(route, session_id, minimum)
                 continue
             if replica.in_flight < limit:
                 break
@@ -441,14 +509,16 @@ class Router:
                     await self._slot_freed.wait()
             finally:
                 replica.waiting -= 1
-            route = self._reroute(route, session_id)
+            route = self._reroute(route, session_id, minimum)
         return route
 
-    def _reroute(self, route: Route, session_id: str | None) -> Route:
+    def _reroute(self, route: Route, session_id: str | None, minimum: int | None = None) -> Route:
         if session_id is not None:
-            return self.state.route(session_id, self.clock())
+            return self.state.route(session_id, self.clock(), minimum)
         replica = self.state.replica(route.pool, route.replica)
-        return route if replica is not None and replica.ready else self.state.route(None, self.clock())
+        if replica is not None and replica.serves(minimum):
+            return route
+        return self.state.route(None, self.clock(), minimum)
 
     # ------------------------------------------------------------------ admin
 
@@ -545,4 +615,14 @@ class Router:
         if not isinstance(answer, dict):
             answer = {"message": str(answer)[:500]}
         success = response.status == 200 and bool(answer.get("success", True))
+        if success:  # the torch engine names the version it now serves
+            self.state.set_version(pool, url, _version_in(answer))
         return {**result, "success": success, "message": str(answer.get("message", ""))}
+
+
+def _version_in(answer: dict[str, Any]) -> int | None:
+    """The ``weight_version`` a weight update's answer names, None when it names none."""
+    try:
+        return parse_weight_version(answer["weight_version"]) if "weight_version" in answer else None
+    except EngineResponseError:
+        return None

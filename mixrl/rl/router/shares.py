@@ -12,7 +12,7 @@ percentage point of the targets, where random choice would wander by about half 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 UNMEASURED_CAPACITY = 1.0
@@ -100,13 +100,21 @@ class ShareScheduler:
             deficit = {name: value - mean for name, value in deficit.items()}
         self._deficit = deficit
 
-    def next_pool(self) -> str | None:
-        """The pool for the next session, or None if no pool has a share."""
-        eligible = [name for name in self._order if self._shares[name] > 0]
+    def next_pool(self, among: Collection[str] | None = None) -> str | None:
+        """The pool for the next session, or None if no pool has a share.
+
+        ``among``: only these pools may be chosen (those serving a request's minimum weight
+        version).  They share this pick in proportion to their own shares and the others' credit
+        stays as it was, so a pool left out while its weights were behind gets no burst of new
+        sessions once it catches up."""
+        eligible = [
+            name for name in self._order if self._shares[name] > 0 and (among is None or name in among)
+        ]
         if not eligible:
             return None
-        for name in self._order:
-            self._deficit[name] += self._shares[name]
+        total = sum(self._shares[name] for name in eligible)
+        for name in eligible:
+            self._deficit[name] += self._shares[name] / total
         # Ties go to the pool listed first, so the sequence is deterministic.
         chosen = max(eligible, key=lambda name: self._deficit[name])
         self._deficit[chosen] -= 1.0

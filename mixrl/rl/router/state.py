@@ -8,6 +8,11 @@ ready capacity and holds far more than its share of the live sessions
 (:func:`~mixrl.rl.router.shares.keeps_draining`): then its sessions move, at their next
 request, to the pool furthest below its share, until it is back near its own.  The HTTP layer (``server.py``) calls :meth:`RouterState.route` before each request and
 :meth:`begin` / :meth:`finish` around it.
+
+A request may demand a minimum weight version (docs/router.md#version-aware-routing): it then goes
+only to a ready replica known to serve that version or a newer one.  A session whose replica is
+older moves to one that is not (its own pool first); when no ready replica serves it,
+:class:`VersionUnavailable` leaves the session where it is and the request is answered 409.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from mixrl.rl.engine.version_gate import satisfies
 from mixrl.rl.health.routing import (
     HEALTHY,
     HealthPolicy,
@@ -40,6 +46,17 @@ class NoReadyReplica(Exception):
     """No pool has a ready replica: the request cannot be placed now (retry later)."""
 
 
+class VersionUnavailable(Exception):
+    """Replicas are ready, but none is known to serve the request's minimum weight version (retry
+    once the weights have reached them); ``newest``: the newest version a ready replica serves."""
+
+    def __init__(self, minimum: int, newest: int | None) -> None:
+        shown = "none is known" if newest is None else f"the newest is {newest}"
+        super().__init__(f"no ready replica serves weight version {minimum} or newer ({shown})")
+        self.minimum = minimum
+        self.newest = newest
+
+
 class UnknownPool(KeyError):
     pass
 
@@ -56,6 +73,13 @@ class Replica:
     """Live sessions bound to this replica."""
     generated_tokens: int = 0
     throughput: PeakThroughput = field(default_factory=PeakThroughput)
+    weight_version: int | None = None
+    """The version it serves, as last heard: its ``/get_weight_version`` at each health probe, the
+    newest version in its answers, the version its 409s name (None: not known yet)."""
+
+    def serves(self, minimum: int | None) -> bool:
+        """Ready, and known to serve ``minimum`` or newer (any ready replica when None)."""
+        return self.ready and satisfies(self.weight_version, minimum)
 
 
 @dataclass
@@ -98,6 +122,10 @@ class Pool:
 
     def ready_replicas(self) -> list[Replica]:
         return [replica for replica in self.replicas.values() if replica.ready]
+
+    def serving(self, minimum: int | None) -> list[Replica]:
+        """Its ready replicas that serve ``minimum`` or newer."""
+        return [replica for replica in self.replicas.values() if replica.serves(minimum)]
 
     def measured_capacity(self) -> float | None:
         """Mean recent-peak throughput of the ready replicas that have been measured."""
@@ -144,6 +172,8 @@ class RouterState:
         self.health: dict[str, PoolHealth] = {}
         """Each pool's health from the trainer's fresh mismatch (empty: routing by capacity alone)."""
         self.mismatch_step: int | None = None
+        self.version_refusals = 0
+        """Requests answered 409: no ready replica served their minimum weight version."""
         self.refresh_shares()
 
     # ----------------------------------------------------------------- pools and replicas
@@ -188,6 +218,22 @@ class RouterState:
             return
         replica.ready = ready
         self.refresh_shares()
+
+    def set_version(self, pool_name: str, url: str, version: int | None) -> None:
+        """What a replica serves now, as just heard from it (None: nothing heard; kept as it was)."""
+        replica = self.replica(pool_name, url)
+        if replica is not None and version is not None:
+            replica.weight_version = version
+
+    def newest_ready_version(self) -> int | None:
+        """The newest weight version a ready replica is known to serve (None: none known)."""
+        versions = [
+            r.weight_version
+            for pool in self.pools.values()
+            for r in pool.ready_replicas()
+            if r.weight_version is not None
+        ]
+        return max(versions) if versions else None
 
     def mark_down(self, pool_name: str, url: str) -> None:
         """A request to the replica failed at the connection: stop sending it work until it is healthy."""
@@ -242,15 +288,23 @@ class RouterState:
 
     # ----------------------------------------------------------------- sessions
 
-    def route(self, session_id: str | None, now: float) -> Route:
-        """Where the next request of a session goes; binds new sessions.  Raises NoReadyReplica."""
+    def route(self, session_id: str | None, now: float, min_version: int | None = None) -> Route:
+        """Where the next request of a session goes; binds new sessions.  Raises NoReadyReplica,
+        or VersionUnavailable when replicas are ready but none serves ``min_version`` or newer."""
+        try:
+            return self._route(session_id, now, min_version)
+        except VersionUnavailable:
+            self.version_refusals += 1
+            raise
+
+    def _route(self, session_id: str | None, now: float, min_version: int | None) -> Route:
         if session_id is None:
-            pool_name = self._assign_pool()
-            return Route(pool_name, self._least_loaded(pool_name).url, None)
+            pool_name = self._assign_pool(min_version)
+            return Route(pool_name, self._least_loaded(pool_name, min_version).url, None)
         session = self.sessions.get(session_id)
         if session is None:
-            pool_name = self._assign_pool()
-            replica = self._least_loaded(pool_name)
+            pool_name = self._assign_pool(min_version)
+            replica = self._least_loaded(pool_name, min_version)
             replica.sessions += 1
             self.sessions[session_id] = Session(session_id, pool_name, replica.url, now)
             self.held[pool_name] += 1
@@ -259,7 +313,9 @@ class RouterState:
         pool = self.pools[session.pool]
         current = pool.replicas.get(session.replica) if session.replica else None
         live = current is not None and current.ready
-        destination = self._shed_to(pool, live) if pool.ready_replicas() else None
+        if current is not None and live and not current.serves(min_version):
+            return self._move_to_version(session, min_version)
+        destination = self._shed_to(pool, live, min_version) if pool.ready_replicas() else None
         if destination is None and current is not None and live:
             return Route(pool.name, current.url, session_id)
         # Its replica is gone or down, or its pool sheds sessions: another replica of the same
@@ -269,12 +325,28 @@ class RouterState:
             self._rehome(session, destination)
             self.pools[destination].sessions_assigned += 1
             pool.sessions_rebalanced_out += 1
-        elif not pool.ready_replicas():
-            self._rehome(session, self._assign_pool())  # raises when no pool can take it: it waits
-        replica = self._least_loaded(session.pool)
+        elif not pool.serving(min_version):
+            # raises when no pool can take it: it waits
+            self._rehome(session, self._assign_pool(min_version))
+        return self._bind(session, min_version)
+
+    def _move_to_version(self, session: Session, min_version: int | None) -> Route:
+        """A live session whose replica is older than the request's minimum: to a replica that
+        serves it, of its own pool if one does (decided before anything changes, so a session
+        that cannot move keeps its replica and its prefix cache)."""
+        pool = self.pools[session.pool]
+        target = pool.name if pool.serving(min_version) else self._assign_pool(min_version)
+        self._unbind(session)
+        if target != pool.name:
+            self._rehome(session, target)
+        return self._bind(session, min_version)
+
+    def _bind(self, session: Session, min_version: int | None) -> Route:
+        """Bind an unbound session to the least-loaded replica of its pool that serves ``min_version``."""
+        replica = self._least_loaded(session.pool, min_version)
         replica.sessions += 1
         session.replica = replica.url
-        return Route(session.pool, replica.url, session_id, moved=True)
+        return Route(session.pool, replica.url, session.id, moved=True)
 
     def end_session(self, session_id: str) -> bool:
         session = self.sessions.pop(session_id, None)
@@ -284,7 +356,7 @@ class RouterState:
         self.held[session.pool] -= 1
         return True
 
-    def _shed_to(self, pool: Pool, live: bool) -> str | None:
+    def _shed_to(self, pool: Pool, live: bool, min_version: int | None = None) -> str | None:
         """Where a session of ``pool`` moves now if the pool sheds sessions (None: it stays).
 
         ``live``: the session's replica is ready (it has a prefix cache to lose).  Sessions whose
@@ -304,7 +376,7 @@ class RouterState:
             if bound <= REBALANCE_STOP * fair:
                 return None
         destination = rebalance_destination(self.held, self.scheduler.shares, pool.name)
-        if destination is None or not self.pools[destination].ready_replicas():
+        if destination is None or not self.pools[destination].serving(min_version):
             return None
         return destination
 
@@ -328,16 +400,25 @@ class RouterState:
             replica.sessions -= 1
         session.replica = None
 
-    def _assign_pool(self) -> str:
-        pool = self.scheduler.next_pool()
+    def _assign_pool(self, min_version: int | None = None) -> str:
+        """The pool for a session by the shares, among the pools serving ``min_version``."""
+        among = None
+        if min_version is not None and any(p.ready_replicas() for p in self.pools.values()):
+            among = [name for name, p in self.pools.items() if p.serving(min_version)]
+            if not among:
+                raise VersionUnavailable(min_version, self.newest_ready_version())
+        pool = self.scheduler.next_pool(among)
+        if pool is None and among:  # the serving pools have no share (health): still the only ones
+            pool = among[0]
         if pool is None:
             raise NoReadyReplica("no sampler pool has a ready replica")
         self.pools[pool].sessions_assigned += 1
         return pool
 
-    def _least_loaded(self, pool_name: str) -> Replica:
-        """The ready replica with the fewest requests in flight or waiting, then fewest sessions."""
-        ready = self.pools[pool_name].ready_replicas()
+    def _least_loaded(self, pool_name: str, min_version: int | None = None) -> Replica:
+        """The ready replica (serving ``min_version``) with the fewest requests in flight or
+        waiting, then fewest sessions."""
+        ready = self.pools[pool_name].serving(min_version)
         if not ready:
             raise NoReadyReplica(f"pool {pool_name!r} has no ready replica")
         return min(ready, key=lambda r: (r.in_flight + r.waiting, r.sessions))
@@ -363,6 +444,7 @@ class RouterState:
         the_pool.generated_tokens += generated_tokens
         if weight_version is not None:
             the_pool.weight_version = max(weight_version, the_pool.weight_version or 0)
+            self.set_version(pool, url, weight_version)
         if status is not None:
             the_pool.requests += 1
         if status is None or status >= 400:
@@ -422,9 +504,10 @@ class RouterState:
                             "sessions": r.sessions,
                             "generated_tokens": r.generated_tokens,
                             "measured_throughput": r.throughput.estimate(),
+                            "weight_version": r.weight_version,
                         }
                         for r in pool.replicas.values()
                     ],
                 }
             )
-        return {"pools": pools, "sessions": total_active}
+        return {"pools": pools, "sessions": total_active, "version_refusals": self.version_refusals}
