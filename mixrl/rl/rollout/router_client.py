@@ -14,12 +14,21 @@ records without their support would read as an untruncated rule.  The worker sto
 When a session's replica dies the router moves the session and answers 503 (502/504 likewise ask
 for a retry): the turn is sent again, unchanged, after a short backoff.  Nothing of the episode
 is lost because the context lives here, not in the engine.
+
+A turn may demand a minimum weight version (``X-Mixrl-Min-Weight-Version``; the worker sets it
+from ``algorithm.maxStaleness``, docs/rollout.md#bounded-staleness).  The router or the engine
+answers 409 while no replica serves it: the turn waits for the weights, backing off from the
+answer's ``Retry-After``, for at most ``version_wait_s``; such waits are counted apart
+(``version_waits``), never as a failing replica, and logged once per turn.  A turn still refused
+after that raises :class:`VersionUnavailable` (its episode is dropped with its group).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -27,12 +36,16 @@ import aiohttp
 from mixrl.api.resolve import SamplingParams
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.protocol import SESSION_HEADER, GenerateResult, PoolInfo, generate_body, parse_response
+from mixrl.rl.engine.version_gate import CONFLICT, MIN_VERSION_HEADER, VersionRefusal
 from mixrl.rl.http import SessionClient
 from mixrl.rl.rollout.agent import Generate
 
 log = logging.getLogger("mixrl.rollout")
 
 RETRY_STATUSES = frozenset({502, 503, 504})
+
+MinVersion = Callable[[], int | None]
+"""The minimum weight version of an episode's next turn, asked when the turn starts (None: any)."""
 
 
 class RouterError(RuntimeError):
@@ -43,11 +56,27 @@ class RouterError(RuntimeError):
         self.status = status
 
 
+class VersionUnavailable(RouterError):
+    """No replica reached the turn's minimum weight version within the client's ``version_wait_s``."""
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One attempt's outcome: an HTTP status (None: no answer), its JSON and headers, or why not."""
+
+    status: int | None
+    payload: Any
+    headers: Mapping[str, str]
+    reason: Any
+
+
 class RouterClient(SessionClient):
     """``/generate`` with sessions and retries, against the router (or an engine: same API).
 
     ``retry_budget_s`` bounds how long one turn keeps retrying 502/503/504 and refused connections
-    (a router or replica restarting) before the episode is given up.  ``auth_token``: the run's
+    (a router or replica restarting) before the episode is given up; ``version_wait_s`` how long
+    it waits for weights of its minimum version (409s), backing off from ``Retry-After`` up to
+    ``max_version_backoff_s``.  ``auth_token``: the run's
     token, sent with every request (ending a session needs it; ``/generate`` is open on the router
     but not on an SGLang engine started with ``--api-key``, which this client may also talk to).
     """
@@ -64,6 +93,8 @@ class RouterClient(SessionClient):
         max_backoff_s: float = 2.0,
         request_timeout_s: float = 600.0,
         auth_token: AuthToken | None = None,
+        version_wait_s: float = 600.0,
+        max_version_backoff_s: float = 4.0,
     ) -> None:
         super().__init__(auth_token=auth_token)
         self.base_url = base_url.rstrip("/")
@@ -74,18 +105,26 @@ class RouterClient(SessionClient):
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self.version_wait_s = version_wait_s
+        self.max_version_backoff_s = max_version_backoff_s
         self.retries = 0
         """Turns sent again after a retryable failure (for progress lines and tests)."""
+        self.version_waits = 0
+        """Turns sent again after a 409 for their minimum weight version (not failures)."""
+        self.versions_unavailable = 0
+        """Turns given up after ``version_wait_s`` of 409s."""
 
     def _new_session(self) -> aiohttp.ClientSession:
         # one connection per concurrent episode at most; the default limit (100) would queue turns
         return aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
 
-    def generator(self, session_id: str) -> Generate:
-        """The ``generate`` callable of one episode (its session)."""
+    def generator(self, session_id: str, min_version: MinVersion | None = None) -> Generate:
+        """The ``generate`` callable of one episode (its session); ``min_version`` gives each turn's
+        minimum weight version when the turn starts."""
 
         async def generate(input_ids: list[int], max_new_tokens: int) -> GenerateResult:
-            return await self.generate(session_id, input_ids, max_new_tokens)
+            minimum = min_version() if min_version is not None else None
+            return await self.generate(session_id, input_ids, max_new_tokens, minimum)
 
         return generate
 
@@ -100,38 +139,89 @@ class RouterClient(SessionClient):
             stop_token_ids=self.stop_token_ids,
         )
 
-    async def generate(self, session_id: str, input_ids: list[int], max_new_tokens: int) -> GenerateResult:
+    async def generate(
+        self, session_id: str, input_ids: list[int], max_new_tokens: int, min_version: int | None = None
+    ) -> GenerateResult:
         body = self.request_body(input_ids, max_new_tokens)
         headers = {**self.headers, SESSION_HEADER: session_id}
+        if min_version is not None:
+            headers[MIN_VERSION_HEADER] = str(min_version)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.retry_budget_s
-        delay = self.backoff_s
+        version_deadline = loop.time() + self.version_wait_s
+        delay, version_delay = self.backoff_s, 0.0
         while True:
-            try:
-                async with self._http().post(f"{self.base_url}/generate", json=body, headers=headers) as resp:
-                    status = resp.status
-                    try:
-                        payload = await resp.json(content_type=None)
-                    except ValueError:
-                        payload = {"error": "answer is not JSON"}
-                    if status == 200:
-                        # request=body: an answer without the support it asked for is an error
-                        # (SamplingMaskMissing), never records that look untruncated
-                        return parse_response(payload, resp.headers, self.default_pool, request=body)
-                    reason = payload.get("error") if isinstance(payload, dict) else payload
-            except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-                status, reason = None, f"{type(exc).__name__}: {exc}"
-            if status is not None and status not in RETRY_STATUSES:
-                raise RouterError(f"POST /generate: HTTP {status}: {reason}", status)
+            answer = await self._attempt(body, headers)
+            if answer.status == 200:
+                # request=body: an answer without the support it asked for is an error
+                # (SamplingMaskMissing), never records that look untruncated
+                return parse_response(answer.payload, answer.headers, self.default_pool, request=body)
+            refusal = (
+                VersionRefusal.read(answer.payload, answer.headers) if answer.status == CONFLICT else None
+            )
+            if refusal is not None:
+                version_delay = self._version_backoff(session_id, refusal, version_delay, version_deadline)
+                await asyncio.sleep(version_delay)
+                deadline += version_delay  # waiting for weights spends none of the failure budget
+                continue
+            if answer.status is not None and answer.status not in RETRY_STATUSES:
+                raise RouterError(f"POST /generate: HTTP {answer.status}: {answer.reason}", answer.status)
             if loop.time() + delay > deadline:
                 raise RouterError(
-                    f"POST /generate: still failing after {self.retry_budget_s:.0f}s (last: {status or reason})",
-                    status,
+                    f"POST /generate: still failing after {self.retry_budget_s:.0f}s "
+                    f"(last: {answer.status or answer.reason})",
+                    answer.status,
                 )
             self.retries += 1
-            log.debug("session %s: turn failed (%s %s), retrying in %.2fs", session_id, status, reason, delay)
+            log.debug(
+                "session %s: turn failed (%s %s), retrying in %.2fs",
+                session_id,
+                answer.status,
+                answer.reason,
+                delay,
+            )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
+
+    async def _attempt(self, body: dict[str, Any], headers: dict[str, str]) -> _Answer:
+        """One POST /generate: the answer, or the connection's failure as its reason."""
+        try:
+            async with self._http().post(f"{self.base_url}/generate", json=body, headers=headers) as resp:
+                try:
+                    payload = await resp.json(content_type=None)
+                except ValueError:
+                    payload = {"error": "answer is not JSON"}
+                reason = payload.get("error") if isinstance(payload, dict) else payload
+                return _Answer(resp.status, payload, resp.headers, reason)
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            return _Answer(None, None, {}, f"{type(exc).__name__}: {exc}")
+
+    def _version_backoff(
+        self, session_id: str, refusal: VersionRefusal, previous: float, deadline: float
+    ) -> float:
+        """How long to wait before asking again for weights the replicas do not serve yet: the
+        answer's ``Retry-After`` at first, then doubling up to ``max_version_backoff_s``.  Raises
+        VersionUnavailable once waiting longer would pass ``version_wait_s``."""
+        first = refusal.retry_after_s if refusal.retry_after_s is not None else self.backoff_s
+        wait = min(max(first, previous * 2), self.max_version_backoff_s)
+        served = "unknown" if refusal.served is None else f"v{refusal.served}"
+        if asyncio.get_running_loop().time() + wait > deadline:
+            self.versions_unavailable += 1
+            message = (
+                f"POST /generate: no replica served weight version {refusal.minimum} or newer "
+                f"within {self.version_wait_s:.0f}s (newest: {served})"
+            )
+            log.warning("session %s: %s", session_id, message)
+            raise VersionUnavailable(message, CONFLICT)
+        if previous == 0.0:
+            log.info(
+                "session %s: waiting for weights of version %s or newer (served: %s)",
+                session_id,
+                refusal.minimum,
+                served,
+            )
+        self.version_waits += 1
+        return wait
 
     async def end_session(self, session_id: str) -> None:
         """Tell the router the episode is over (best effort: it also forgets idle sessions)."""
