@@ -1,18 +1,42 @@
-"""The weight store: versioned safetensors checkpoints, published atomically, verified on load.
+"""The weight store: versioned checkpoints, published atomically, stored as snapshots or deltas,
+verified on load, converted once per precision.
 
 Layout under the store's root (a local path or ``file://`` URL; object stores plug in as another
 `Storage`)::
 
-    v00000003/                  one published version (the trainer's tensors, as given)
+    v00000010/                  a snapshot: the whole version (the trainer's tensors, as given)
       model.safetensors           or model-0000i-of-0000n.safetensors + model.safetensors.index.json
       config.json                 when the publisher passed a transformers config
-      manifest.json               written last: sha256 and size of every file, version, metadata
+      manifest.json               written last: sha256 and size of every file, version, metadata,
+                                  kind (snapshot), tensors_sha256 (a digest of the tensors themselves)
       nvfp4/                      a per-precision conversion, in the layout SGLang loads
         model.safetensors, config.json (+ hf_quant_config.json), manifest.json
+    v00000011/                  a delta: the change from its base (the version published before)
+      model.delta                 per tensor the zlib'd XOR of its words with the base's, or the
+                                  tensor whole when new or reshaped; unchanged tensors are absent
+      config.json, manifest.json  kind (delta), base, base_tensors_sha256, tensors_sha256
+      bf16/                       a delta version served by SGLang at BF16 is materialised here
+    .flags/                     small files: a snapshot request, conversion leases
 
 A version is visible only when complete: it is written into a private staging directory, every file
 is fsynced, the manifest goes in last, and one rename publishes it. Loaders verify the manifest and
 refuse a version that lacks one (incomplete) or whose files do not match it (corrupt).
+
+**Deltas.** ``WeightStore(url, snapshot_every=N)`` publishes a full snapshot every N versions (N=1:
+every version whole) and a delta (mixrl.rl.weight_deltas) in between, because consecutive RL
+versions differ in few BF16 words.  Loading a delta version (`load_checkpoint_dir` on its
+directory; the store root is its parent) rebuilds it from the chain back to the last snapshot and
+checks the result against the manifest's ``tensors_sha256``.  The last version rebuilt or published
+in this process is kept in memory, so a loader that follows the versions one by one reads one delta
+per version (the price: one more copy of the weights in this process's memory).  A missing or
+damaged link is refused with one line naming the file; whoever notices (the weight-sync sidecar)
+asks for a snapshot with `WeightStore.request_snapshot`, which the next publish honours.  `prune`
+keeps every version that a kept version's chain needs.
+
+**One converter per precision.** `WeightStore.convert` takes a lease (a file created exclusively
+under ``.flags/``, its mtime refreshed while converting); the other replicas of a pool wait for the
+conversion to appear and load it.  A lease whose heartbeat is older than ``lease_timeout_s`` (its
+holder died) is taken over.
 """
 
 from __future__ import annotations
@@ -24,9 +48,12 @@ import logging
 import os
 import re
 import shutil
+import socket
+import threading
 import time
 import uuid
 from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
@@ -37,6 +64,7 @@ from torch import Tensor
 
 from mixrl.rl import checkpoint_formats, quant
 from mixrl.rl.durable import fsync_path
+from mixrl.rl.weight_deltas import DeltaError, apply_delta, encode_delta, tensors_sha256
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +80,16 @@ MAX_VERSION = 10**8 - 1
 MAX_MANIFEST_BYTES = 16 << 20
 """A manifest lists a few hundred shards at most; a larger one is not ours."""
 MAX_SHOWN_CHARS = 200
+DELTA_FILE = "model.delta"
+SNAPSHOT, DELTA = "snapshot", "delta"
+"""A version's ``kind`` in its manifest (a manifest without one, from before deltas, is a snapshot)."""
+SNAPSHOT_REQUEST = "snapshot-requested"
+"""The flag a loader that found a broken chain leaves for the publisher: write the next one whole."""
+LEASE_TIMEOUT_S = 120.0
+"""A conversion lease whose heartbeat is older than this is taken over (its holder died).  Far
+above the heartbeat period and any clock skew between the nodes sharing the store."""
+LEASE_POLL_S = 0.5
+WAIT_LOG_S = 10.0
 
 
 class WeightStoreError(Exception):
@@ -80,6 +118,15 @@ class Storage(Protocol):
     def remove(self, name: str) -> None: ...
     def remove_stale_staging(self, older_than_s: float) -> int: ...
 
+    # Flags: small files beside the entries (a snapshot request, conversion leases).  An object
+    # store would create one with a conditional put (If-None-Match) and read its age from metadata.
+    def create_flag(self, name: str, text: str) -> bool: ...
+    def write_flag(self, name: str, text: str) -> None: ...
+    def read_flag(self, name: str) -> str | None: ...
+    def flag_age_s(self, name: str) -> float | None: ...
+    def touch_flag(self, name: str) -> None: ...
+    def remove_flag(self, name: str) -> None: ...
+
 
 class LocalStorage:
     """A directory on a local or shared POSIX filesystem (PVC, NFS): atomic rename publishes."""
@@ -89,6 +136,7 @@ class LocalStorage:
         self.root.mkdir(parents=True, exist_ok=True)
         self._staging_root = self.root / ".staging"
         self._trash_root = self.root / ".trash"
+        self._flags_root = self.root / ".flags"
 
     def exists(self, name: str) -> bool:
         return (self.root / name / MANIFEST).is_file()
@@ -138,6 +186,51 @@ class LocalStorage:
                     shutil.rmtree(entry, ignore_errors=True)
                     removed += 1
         return removed
+
+    def _flag(self, name: str) -> Path:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise ValueError(f"flag: {name!r} is not a plain file name")
+        return self._flags_root / name
+
+    def create_flag(self, name: str, text: str) -> bool:
+        """Create the flag holding ``text`` unless it exists (O_EXCL: exactly one creator wins)."""
+        path = self._flag(name)
+        self._flags_root.mkdir(exist_ok=True)
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def write_flag(self, name: str, text: str) -> None:
+        path = self._flag(name)
+        self._flags_root.mkdir(exist_ok=True)
+        staged = path.with_name(f".{name}.{uuid.uuid4().hex}")
+        staged.write_text(text)
+        os.replace(staged, path)
+
+    def read_flag(self, name: str) -> str | None:
+        try:
+            return self._flag(name).read_text()
+        except FileNotFoundError:
+            return None
+
+    def flag_age_s(self, name: str) -> float | None:
+        try:
+            return time.time() - self._flag(name).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def touch_flag(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self._flag(name))
+
+    def remove_flag(self, name: str) -> None:
+        self._flag(name).unlink(missing_ok=True)
 
 
 def storage_for(url: str) -> Storage:
@@ -342,14 +435,27 @@ def verify_checkpoint_dir(directory: Path, manifest: Mapping[str, Any], verify: 
 def load_checkpoint_dir(path: str, verify: bool = True) -> tuple[dict[str, Tensor], dict]:
     """All tensors of a published (or converted) directory and its manifest, after verification.
 
-    Raises WeightStoreError with one line naming the file and the reason: manifest missing
-    (incomplete), a listed file missing, or a size / checksum / format mismatch (corrupt).
+    A delta version is rebuilt from its chain (the store root is the directory's parent) and, with
+    ``verify``, checked against its manifest's ``tensors_sha256``.  Raises WeightStoreError with one
+    line naming the file and the reason: manifest missing (incomplete), a listed file or a base
+    missing, or a size / checksum / format mismatch (corrupt).  The tensors may be shared with this
+    process's cache of the last rebuilt version: read them, do not modify them in place.
     """
     directory = Path(path)
     if not directory.is_dir():
         raise WeightStoreError(f"{directory}: not a checkpoint directory")
     manifest = _read_manifest(directory)
     verify_checkpoint_dir(directory, manifest, verify)
+    if manifest.get("kind") == DELTA:
+        return _rebuild(directory, manifest, verify), manifest
+    tensors = _read_shards(directory, manifest)
+    if manifest.get("kind") == SNAPSHOT and _deltas_may_follow(manifest):
+        _remember(directory.parent, manifest, tensors)
+    return tensors, manifest
+
+
+def _read_shards(directory: Path, manifest: Mapping[str, Any]) -> dict[str, Tensor]:
+    """The tensors of the safetensors files a verified manifest lists."""
     tensors: dict[str, Tensor] = {}
     for name in sorted(manifest["files"]):
         if not name.endswith(".safetensors"):
@@ -366,7 +472,136 @@ def load_checkpoint_dir(path: str, verify: bool = True) -> tuple[dict[str, Tenso
         tensors.update(shard)
     if not tensors:
         raise WeightStoreError(f"{directory}: incomplete checkpoint: no safetensors file in {MANIFEST}")
-    return tensors, manifest
+    return tensors
+
+
+# ----------------------------------------------------------------------------------- delta chains
+
+
+@dataclass(frozen=True)
+class _Rebuilt:
+    root: Path
+    version: int
+    digest: str
+    tensors: dict[str, Tensor]
+
+
+_last_rebuilt: _Rebuilt | None = None
+_last_rebuilt_lock = threading.Lock()
+
+
+def _deltas_may_follow(manifest: Mapping[str, Any]) -> bool:
+    """Whether caching a loaded snapshot can save a read: its publisher wrote deltas after snapshots."""
+    every = manifest.get("snapshot_every")
+    return isinstance(every, int) and every > 1 and isinstance(manifest.get("tensors_sha256"), str)
+
+
+def _remember(root: Path, manifest: Mapping[str, Any], tensors: dict[str, Tensor]) -> None:
+    """Keep one version in memory: the base of the next delta a follower loads (or a publisher writes)."""
+    global _last_rebuilt
+    digest, version = manifest.get("tensors_sha256"), manifest.get("version")
+    if isinstance(digest, str) and isinstance(version, int):
+        with _last_rebuilt_lock:
+            _last_rebuilt = _Rebuilt(root.resolve(), version, digest, tensors)
+
+
+def _recall(root: Path, version: int, digest: object) -> dict[str, Tensor] | None:
+    """The cached tensors of ``version`` in the store at ``root``, if they are the ones with ``digest``."""
+    with _last_rebuilt_lock:
+        cached = _last_rebuilt
+    if cached is None or not isinstance(digest, str):
+        return None
+    if (cached.root, cached.version, cached.digest) != (root.resolve(), version, digest):
+        return None
+    return dict(cached.tensors)
+
+
+def forget_rebuilt() -> None:
+    """Drop the cached version (its memory), e.g. in a process that is done loading versions."""
+    global _last_rebuilt
+    with _last_rebuilt_lock:
+        _last_rebuilt = None
+
+
+def _base_of(directory: Path, manifest: Mapping[str, Any]) -> tuple[int, Path]:
+    base, version = manifest.get("base"), manifest.get("version")
+    if (
+        isinstance(base, bool)
+        or not isinstance(base, int)
+        or not isinstance(version, int)
+        or not 0 <= base < version
+    ):
+        raise WeightStoreError(
+            f"{directory / MANIFEST}: corrupt manifest: a delta needs a 'base' version below its own"
+        )
+    return base, directory.parent / version_dir_name(base)
+
+
+def _delta_links(
+    directory: Path, manifest: dict[str, Any], verify: bool, use_cache: bool
+) -> tuple[list[tuple[Path, dict[str, Any]]], dict[str, Tensor]]:
+    """The deltas to apply (oldest first) and the tensors they start from: the last snapshot's, or
+    a cached version's when the chain reaches it first."""
+    links = [(directory, manifest)]
+    while len(links) <= MAX_VERSION:
+        current_dir, current = links[-1]
+        base, base_dir = _base_of(current_dir, current)
+        expected = current.get("base_tensors_sha256")
+        cached = _recall(directory.parent, base, expected) if use_cache else None
+        if cached is not None:
+            return links[::-1], cached
+        if not (base_dir / MANIFEST).is_file():
+            raise WeightStoreError(
+                f"{base_dir}: missing: the base of delta version {current.get('version')} ({current_dir.name})"
+            )
+        base_manifest = _read_manifest(base_dir)
+        verify_checkpoint_dir(base_dir, base_manifest, verify)
+        digest = base_manifest.get("tensors_sha256")
+        if isinstance(digest, str) and digest != expected:
+            raise WeightStoreError(
+                f"{base_dir / MANIFEST}: replaced: its tensors_sha256 is not the base that "
+                f"{current_dir.name} was written against"
+            )
+        if base_manifest.get("kind") != DELTA:
+            return links[::-1], _read_shards(base_dir, base_manifest)
+        links.append((base_dir, base_manifest))
+    raise WeightStoreError(f"{directory}: corrupt: its chain of deltas does not end")
+
+
+def _apply_delta_file(
+    directory: Path, manifest: Mapping[str, Any], base: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    path = directory / DELTA_FILE
+    if DELTA_FILE not in manifest["files"]:
+        raise WeightStoreError(f"{directory / MANIFEST}: incomplete checkpoint: a delta without {DELTA_FILE}")
+    try:
+        return apply_delta(base, path.read_bytes())
+    except DeltaError as exc:
+        raise WeightStoreError(f"{path}: corrupt delta: {exc}") from None
+    except OSError as exc:
+        raise WeightStoreError(f"{path}: unreadable: {exc.strerror}") from None
+
+
+def _rebuild(
+    directory: Path, manifest: dict[str, Any], verify: bool, use_cache: bool = True
+) -> dict[str, Tensor]:
+    """A delta version's tensors: its chain applied to the last snapshot (or the cached version).
+
+    With ``verify`` the result must equal the manifest's ``tensors_sha256``; a mismatch after
+    starting from the cache (which a caller could have modified in place) is retried from disk.
+    """
+    links, tensors = _delta_links(directory, manifest, verify, use_cache)
+    for link_dir, link_manifest in links:
+        tensors = _apply_delta_file(link_dir, link_manifest, tensors)
+    if verify and tensors_sha256(tensors) != manifest.get("tensors_sha256"):
+        if use_cache:
+            return _rebuild(directory, manifest, verify, use_cache=False)
+        raise WeightStoreError(
+            f"{directory / MANIFEST}: corrupt: the tensors rebuilt from {len(links)} delta(s) do not "
+            "match its tensors_sha256"
+        )
+    _remember(directory.parent, manifest, tensors)
+    return tensors
 
 
 def load_dequantized(path: str, verify: bool = True) -> dict[str, Tensor]:
@@ -408,12 +643,42 @@ def tokenizer_files(directory: str | Path | None) -> dict[str, Path]:
     return {name: root / name for name in TOKENIZER_FILES if (root / name).is_file()}
 
 
-class WeightStore:
-    """Versioned checkpoints under ``url`` (see the module docstring for the layout)."""
+@dataclass
+class _DeltaBase:
+    """What a delta is written against: the version published before and its tensors."""
 
-    def __init__(self, url: str, storage: Storage | None = None) -> None:
+    version: int
+    digest: str
+    depth: int
+    tensors: dict[str, Tensor]
+
+
+class WeightStore:
+    """Versioned checkpoints under ``url`` (see the module docstring for the layout).
+
+    ``snapshot_every``: every how many versions `publish` writes a full snapshot (1: all of them,
+    the default; the trainer passes ``weights.snapshotEvery``).  ``lease_timeout_s``: how old a
+    conversion lease's heartbeat may be before another converter takes it over.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        storage: Storage | None = None,
+        *,
+        snapshot_every: int = 1,
+        lease_timeout_s: float = LEASE_TIMEOUT_S,
+    ) -> None:
+        if isinstance(snapshot_every, bool) or not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"snapshot_every: expected an integer ≥ 1, got {_shown(snapshot_every)}")
+        if not lease_timeout_s > 0:
+            raise ValueError(
+                f"lease_timeout_s: expected a positive number of seconds, got {lease_timeout_s!r}"
+            )
         self.url = url
         self.storage = storage if storage is not None else storage_for(url)
+        self.snapshot_every = snapshot_every
+        self.lease_timeout_s = float(lease_timeout_s)
 
     def path(self, version: int) -> str:
         return str(self.storage.local_dir(version_dir_name(_check_version(version))))
@@ -427,6 +692,12 @@ class WeightStore:
         versions = self.versions()
         return versions[-1] if versions else None
 
+    def manifest(self, version: int) -> dict[str, Any]:
+        """The manifest of a published version (WeightStoreError when missing or corrupt)."""
+        return _read_manifest(Path(self.path(version)))
+
+    # ------------------------------------------------------------------------------- publish
+
     def publish(
         self,
         version: int,
@@ -436,13 +707,17 @@ class WeightStore:
         *,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         files: Mapping[str, Path] | None = None,
+        snapshot: bool = False,
     ) -> str:
         """Write ``state_dict`` (stored as given) as ``version``; visible only once complete.
 
         ``config`` (a transformers config dict) is stored as config.json, which makes the directory
-        loadable with ``AutoModelForCausalLM.from_pretrained``. ``metadata`` (JSON) goes into the manifest.
-        ``files`` (name -> source, e.g. :func:`tokenizer_files`) are copied in beside the weights and
-        listed in the manifest like them, so ``AutoTokenizer.from_pretrained`` loads the version too.
+        loadable with ``AutoModelForCausalLM.from_pretrained`` (a snapshot's, not a delta's).
+        ``metadata`` (JSON) goes into the manifest. ``files`` (name -> source, e.g.
+        :func:`tokenizer_files`) are copied in beside the weights and listed in the manifest like
+        them, so ``AutoTokenizer.from_pretrained`` loads the version too.  The version is a delta on
+        the newest older version unless ``snapshot``, ``snapshot_every`` or a pending snapshot
+        request says to write it whole.
         """
         name = version_dir_name(_check_version(version))
         if not isinstance(state_dict, Mapping) or not state_dict:
@@ -452,25 +727,109 @@ class WeightStore:
                 raise ValueError(f"state_dict: entry {key!r} is not a str -> torch.Tensor pair")
         if config is not None and not isinstance(config, Mapping):
             raise ValueError("config: expected a dict (for example model.config.to_dict())")
+        for filename in files or {}:
+            if (
+                Path(filename).name != filename
+                or filename in (MANIFEST, "config.json", DELTA_FILE)
+                or (filename.endswith(".safetensors"))
+            ):
+                raise ValueError(f"files: {filename!r} is not a plain file name beside the weights")
         if self.storage.exists(name):
             raise WeightStoreError(f"{self.path(version)}: version {version} already exists")
+        tensors = _storable(state_dict)
+        deltas = self.snapshot_every > 1
+        base = None if snapshot or not deltas else self._delta_base(version)
+        extra: dict[str, Any] = {
+            "kind": SNAPSHOT if base is None else DELTA,
+            "snapshot_every": self.snapshot_every,
+            "serving_bf16": checkpoint_formats.is_serving_bf16(tensors),
+        }
+        if deltas:
+            extra["tensors_sha256"] = tensors_sha256(tensors)
         with self.storage.staging(name) as tmp:
-            _write_shards(tmp, state_dict, max_shard_bytes, f"publish v{version}")
+            if base is None:
+                _write_shards(tmp, tensors, max_shard_bytes, f"publish v{version}")
+                extra["depth"] = 0
+            else:
+                extra |= self._write_delta(tmp, base, tensors, version)
             if config is not None:
                 _write_json(tmp / "config.json", dict(config))
-            for name, source in (files or {}).items():
-                if (
-                    Path(name).name != name
-                    or name in (MANIFEST, "config.json")
-                    or name.endswith(".safetensors")
-                ):
-                    raise ValueError(f"files: {name!r} is not a plain file name beside the weights")
-                shutil.copyfile(source, tmp / name)
-            _write_manifest(tmp, _manifest(tmp, version, len(state_dict), metadata))
+            for filename, source in (files or {}).items():
+                shutil.copyfile(source, tmp / filename)
+            _write_manifest(tmp, _manifest(tmp, version, len(tensors), metadata, **extra))
+        if base is None and self.storage.read_flag(SNAPSHOT_REQUEST) is not None:
+            self.storage.remove_flag(SNAPSHOT_REQUEST)  # honoured: this version is whole
+        if deltas:  # the next version's base, without reading it back
+            _remember(self.storage.local_dir(name).parent, extra | {"version": version}, _copied(tensors))
         log.info(
-            "published weight version %d (%d tensors) at %s", version, len(state_dict), self.path(version)
+            "published weight version %d (%d tensors, %s) at %s",
+            version,
+            len(tensors),
+            "snapshot" if base is None else f"delta on {base.version}",
+            self.path(version),
         )
         return self.path(version)
+
+    def _delta_base(self, version: int) -> _DeltaBase | None:
+        """The base to write ``version`` against, or None when it must be a snapshot (and why, logged)."""
+        request = self.storage.read_flag(SNAPSHOT_REQUEST)
+        if request is not None:
+            log.info("publishing version %d as a snapshot: requested (%s)", version, request.strip()[:200])
+            return None
+        older = [v for v in self.versions() if v < version]
+        if not older:
+            return None
+        base_version = older[-1]
+        try:
+            manifest = self.manifest(base_version)
+            depth = manifest.get("depth", 0) if manifest.get("kind") == DELTA else 0
+            if not isinstance(depth, int) or depth + 1 >= self.snapshot_every:
+                return None
+            digest = manifest.get("tensors_sha256")
+            root = self.storage.local_dir(version_dir_name(base_version)).parent
+            tensors = _recall(root, base_version, digest)
+            if tensors is None:
+                tensors = self.load(base_version)
+                digest = digest if isinstance(digest, str) else tensors_sha256(tensors)
+        except WeightStoreError as exc:
+            log.warning("publishing version %d as a snapshot: its base cannot be loaded: %s", version, exc)
+            return None
+        return _DeltaBase(base_version, digest, depth, tensors)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _write_delta(
+        directory: Path, base: _DeltaBase, tensors: dict[str, Tensor], version: int
+    ) -> dict[str, Any]:
+        """Write ``model.delta`` (``tensors`` against ``base``); the manifest fields of a delta."""
+        blob, stats = encode_delta(base.tensors, tensors)
+        path = directory / DELTA_FILE
+        with path.open("wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        log.info(
+            "v%d as a delta on v%d: %d tensors changed, %d unchanged, %d whole, %d removed; "
+            "%d bytes, %.1f%% of a full copy",
+            version,
+            base.version,
+            stats.changed,
+            stats.unchanged,
+            stats.whole,
+            stats.removed,
+            stats.delta_bytes,
+            100.0 * stats.delta_bytes / max(stats.raw_bytes, 1),
+        )
+        return {"base": base.version, "base_tensors_sha256": base.digest, "depth": base.depth + 1}
+
+    def request_snapshot(self, reason: str) -> None:
+        """Ask the publisher to write its next version whole (a loader found a broken chain)."""
+        self.storage.write_flag(SNAPSHOT_REQUEST, reason.replace("\n", " ")[:1000] + "\n")
+
+    def snapshot_requested(self) -> str | None:
+        """The reason of a pending snapshot request, or None."""
+        return self.storage.read_flag(SNAPSHOT_REQUEST)
+
+    # ---------------------------------------------------------------------------------- load
 
     def load(self, version: int, verify: bool = True) -> dict[str, Tensor]:
         path = self.path(version)
@@ -478,10 +837,64 @@ class WeightStore:
             raise WeightStoreError(f"{path}: version {version} does not exist (have {self.versions()})")
         return load_checkpoint_dir(path, verify)[0]
 
+    def chain(self, version: int) -> list[int]:
+        """The versions ``version`` is rebuilt from, its last snapshot first and itself last.
+
+        Reads only manifests; WeightStoreError when one is missing or corrupt."""
+        chain = [_check_version(version)]
+        manifest = self.manifest(version)
+        while manifest.get("kind") == DELTA:
+            base, base_dir = _base_of(Path(self.path(chain[-1])), manifest)
+            if not (base_dir / MANIFEST).is_file():
+                raise WeightStoreError(f"{base_dir}: missing: the base of delta version {chain[-1]}")
+            chain.append(base)
+            manifest = self.manifest(base)
+        return chain[::-1]
+
+    def chain_problem(self, version: int, verify_snapshot: bool = True) -> str | None:
+        """Why ``version`` cannot be rebuilt from the files in the store (one line), or None.
+
+        Checks every link's manifest and files: the deltas' checksums always (they are small), the
+        snapshot's only with ``verify_snapshot`` (a whole model to hash), and that every base is
+        the one its delta was written against.  Decodes nothing.
+        """
+        try:
+            chain = self.chain(version)
+            previous_digest: object = None
+            for link in chain:
+                directory = Path(self.path(link))
+                manifest = _read_manifest(directory)
+                is_delta = manifest.get("kind") == DELTA
+                verify_checkpoint_dir(directory, manifest, verify=is_delta or verify_snapshot)
+                if is_delta and DELTA_FILE not in manifest["files"]:
+                    raise WeightStoreError(f"{directory / MANIFEST}: incomplete checkpoint: no {DELTA_FILE}")
+                if (
+                    is_delta
+                    and isinstance(previous_digest, str)
+                    and previous_digest != manifest.get("base_tensors_sha256")
+                ):
+                    raise WeightStoreError(f"{directory / MANIFEST}: its base was replaced")
+                previous_digest = manifest.get("tensors_sha256")
+        except WeightStoreError as exc:
+            return str(exc)
+        return None
+
+    def newest_loadable(self, below: int | None = None) -> int | None:
+        """The newest version (below ``below``) whose chain is whole: where a loader falls back to."""
+        for version in reversed(self.versions()):
+            if (below is None or version < below) and self.chain_problem(version) is None:
+                return version
+        return None
+
+    # ------------------------------------------------------------------------------- convert
+
     def convert(self, version: int, precision: str) -> str:
         """The checkpoint of ``version`` at a pool's precision, in the layout SGLang loads.
 
-        Idempotent (an existing conversion is returned as is) and atomic like `publish`.
+        Idempotent (an existing conversion is returned as is) and atomic like `publish`.  One caller
+        per (version, precision) converts, holding a lease; the others wait for its result.  A
+        snapshot already in the serving BF16 layout is its own ``bf16`` checkpoint; a delta version
+        is materialised as ``vN/bf16`` (SGLang loads a directory).
         """
         if precision not in quant.WEIGHT_FORMATS:
             raise ValueError(
@@ -489,12 +902,61 @@ class WeightStore:
             )
         source_name = version_dir_name(_check_version(version))
         name = f"{source_name}/{precision}"
-        if self.storage.exists(name):
-            return str(self.storage.local_dir(name))
-        tensors, manifest = load_checkpoint_dir(self.path(version))
-        if precision == "bf16" and checkpoint_formats.is_serving_bf16(tensors):
+        if precision == "bf16" and self._serves_bf16_as_is(version):
             return self.path(version)
-        source_dir = self.storage.local_dir(source_name)
+        lease = f"convert-{source_name}-{precision}.lease"
+        holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        waited_since = time.monotonic()
+        while not self.storage.exists(name):
+            if self.storage.create_flag(lease, holder):
+                with _heartbeat(self.storage, lease, holder, self.lease_timeout_s / 4):
+                    if not self.storage.exists(name):
+                        self._convert(version, precision, name)
+                break
+            self._wait_for_conversion(name, lease, waited_since)
+        return str(self.storage.local_dir(name))
+
+    def _serves_bf16_as_is(self, version: int) -> bool:
+        """Whether the version directory itself is the ``bf16`` checkpoint (a serving-layout BF16
+        snapshot): from the manifest, or for a manifest from before it said so, from the tensors."""
+        manifest = self.manifest(version)
+        if manifest.get("kind") == DELTA:
+            return False
+        said = manifest.get("serving_bf16")
+        if isinstance(said, bool):
+            return said
+        return checkpoint_formats.is_serving_bf16(load_checkpoint_dir(self.path(version))[0])
+
+    def _wait_for_conversion(self, name: str, lease: str, since: float) -> None:
+        """Wait (a progress line every WAIT_LOG_S) until ``name`` appears or ``lease`` is released
+        or stale; a stale lease (its holder died) is removed so the next try can take it."""
+        last_log = time.monotonic()
+        while not self.storage.exists(name):
+            holder, age = self.storage.read_flag(lease), self.storage.flag_age_s(lease)
+            if age is None:
+                return  # released: the holder finished (or failed); look again
+            if age > self.lease_timeout_s and self.storage.read_flag(lease) == holder:
+                log.warning(
+                    "conversion %s: lease of %s is %.0f s without a heartbeat; taking over",
+                    name,
+                    (holder or "?").strip(),
+                    age,
+                )
+                self.storage.remove_flag(lease)
+                return
+            now = time.monotonic()
+            if now - last_log >= WAIT_LOG_S:
+                log.info(
+                    "waiting for %s to convert %s (%.0f s so far)", (holder or "?").strip(), name, now - since
+                )
+                last_log = now
+            time.sleep(LEASE_POLL_S)
+
+    def _convert(self, version: int, precision: str, name: str) -> None:
+        """The conversion itself (the lease holder only): load (rebuilding a delta), convert, write."""
+        log.info("converting weight version %d to %s (holding the lease)", version, precision)
+        tensors, manifest = load_checkpoint_dir(self.path(version))
+        source_dir = self.storage.local_dir(version_dir_name(version))
         config_path = source_dir / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else None
         progress = _Progress(f"convert v{version} to {precision}")
@@ -510,22 +972,75 @@ class WeightStore:
                 tensor_count = len(converted.tensors)
                 _write_manifest(tmp, _manifest(tmp, version, tensor_count, manifest.get("metadata"), **extra))
         except WeightStoreError:
-            if not self.storage.exists(name):  # another converter finishing first is not an error
+            if not self.storage.exists(name):  # a converter that took over a stale lease finished first
                 raise
         log.info("converted weight version %d to %s", version, precision)
-        return str(self.storage.local_dir(name))
+
+    # ---------------------------------------------------------------------------- remove, prune
 
     def remove(self, version: int) -> None:
-        """Remove one version (and its converted checkpoints), e.g. one a resumed trainer will redo."""
+        """Remove one version (and its converted checkpoints), e.g. one a resumed trainer will redo.
+
+        A delta written on it is left unloadable (refused with one line): remove those too."""
         self.storage.remove(version_dir_name(_check_version(version)))
 
     def prune(self, keep: int, protect: Collection[int] = ()) -> list[int]:
         """Remove all but the newest ``keep`` versions and those in ``protect`` (and stale staging
-        leftovers); returns the removed."""
+        leftovers); returns the removed.  A version a kept version's chain needs stays (its
+        conversions go: nobody serves it)."""
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep: expected an integer ≥ 1, got {keep!r}")
-        doomed = [v for v in self.versions()[:-keep] if v not in protect]
+        versions = self.versions()
+        kept = set(versions[-keep:]) | (set(protect) & set(versions))
+        needed = {link for version in kept for link in self._chain_present(version)}
+        doomed = [v for v in versions[:-keep] if v not in protect and v not in needed]
         for version in doomed:
             self.remove(version)
+        for version in sorted(needed - kept):
+            self._remove_conversions(version)
         self.storage.remove_stale_staging(STALE_STAGING_S)
         return doomed
+
+    def _chain_present(self, version: int) -> list[int]:
+        """The links of ``version``'s chain that exist (a broken chain keeps what is left of it)."""
+        links = [version]
+        with contextlib.suppress(WeightStoreError):
+            manifest = self.manifest(version)
+            while manifest.get("kind") == DELTA:
+                base, _ = _base_of(Path(self.path(links[-1])), manifest)
+                manifest = self.manifest(base)
+                links.append(base)
+        return links
+
+    def _remove_conversions(self, version: int) -> None:
+        source = version_dir_name(version)
+        for precision in quant.WEIGHT_FORMATS:
+            if self.storage.exists(f"{source}/{precision}"):
+                self.storage.remove(f"{source}/{precision}")
+
+
+def _copied(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Private copies: a publisher's tensors may be its live parameters, changed by the next step."""
+    return {name: tensor.clone() for name, tensor in tensors.items()}
+
+
+@contextlib.contextmanager
+def _heartbeat(storage: Storage, lease: str, holder: str, every_s: float) -> Iterator[None]:
+    """Hold ``lease`` while the body runs: refresh its mtime every ``every_s``, release it after
+    (only if it is still ours: a waiter may have taken it over from a holder it thought dead)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(every_s):
+            with contextlib.suppress(OSError):
+                storage.touch_flag(lease)
+
+    thread = threading.Thread(target=beat, name=f"lease {lease}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        if storage.read_flag(lease) == holder:
+            storage.remove_flag(lease)
