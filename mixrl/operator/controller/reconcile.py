@@ -112,6 +112,11 @@ EVALUATOR_NOT_IN_CLUSTER = (
     "and its engine; use pools"
 )
 
+BROADCAST_NOT_IN_CLUSTER = (
+    "true runs with mixrl run only: in a cluster each engine pod's weight-sync sidecar loads every "
+    "version from the weight store; leave it false"
+)
+
 
 class PolicyRefused(Exception):
     """A valid run asks for what the cluster's policy does not allow; the message is one line."""
@@ -125,6 +130,8 @@ def resolve_run(body: Obj, policy: Policy = OPEN) -> ResolvedRun:
     resolved = resolve(run)  # pool names that would collide with a component's objects are invalid
     if resolved.evaluation_pool is not None:
         raise InvalidSpec([Problem("spec.evaluation.sampler", EVALUATOR_NOT_IN_CLUSTER)])
+    if run.spec.weights.broadcast:
+        raise InvalidSpec([Problem("spec.weights.broadcast", BROADCAST_NOT_IN_CLUSTER)])
     refused = violation(policy, run.spec)
     if refused is not None:
         raise PolicyRefused(refused)

@@ -141,6 +141,74 @@ class EngineClient(SessionClient):
             raise _http_error("POST", "/update_weights_from_disk", 400, payload)
         return payload
 
+    # SGLang's distributed weight update (mixrl.rl.engine.weight_broadcast has the contract): rank 0
+    # broadcasts the tensors; each answer is {"success", "message"} (a refusal is not raised).
+    # Never retried once sent: a call sent twice would put the engine out of step with the group.
+    async def _weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        _, payload = await self._request("POST", path, body, idempotent=False, allow=(400,))
+        if not isinstance(payload, dict) or "success" not in payload:
+            raise _http_error("POST", path, 400, payload)
+        return payload
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Join rank 0's group; answers once every rank has joined (or the engine gave up)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._weight_call("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
+    ) -> dict[str, Any]:
+        """Receive these tensors from rank 0's broadcast; answers once they have arrived (and, for
+        the call that completes a version on the torch engine, once it is applied)."""
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._weight_call("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return await self._weight_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """Open the session SGLang 0.5.23 requires around ``update_weights_from_distributed``."""
+        return await self._weight_call("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        return await self._weight_call("/end_weight_update", {})
+
     async def get_weight_version(self) -> int:
         _, payload = await self._request("GET", "/get_weight_version", idempotent=True)
         return parse_weight_version(payload.get("weight_version") if isinstance(payload, dict) else None)

@@ -44,7 +44,7 @@ from mixrl.rl.auth import (
     token_from_args,
     warn_if_open,
 )
-from mixrl.rl.engine import openai_api
+from mixrl.rl.engine import openai_api, weight_broadcast
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import (
     SSE_DONE,
@@ -419,6 +419,7 @@ def build_app(service: EngineService, auth_token: AuthToken | None = None) -> we
     r.add_get("/v1/models", v1_models)
     r.add_post("/v1/completions", v1_completions)
     r.add_post("/v1/chat/completions", v1_chat_completions)
+    weight_broadcast.add_routes(app, weight_broadcast.BroadcastReceiver(service), _json_body)
     return app
 
 

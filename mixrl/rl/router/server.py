@@ -13,7 +13,8 @@ bytes, probes replicas and keeps time.  Endpoints:
   version is read at every health probe (``GET /get_weight_version``) and from its answers.
 - ``POST /sessions/{id}/end``; ``PUT /pools/{name}`` ``{"replicas": [...], "capacity"?: x}``;
   ``GET /pools``; ``GET /health``; ``GET /metrics``.
-- ``POST /update_weights_from_disk``: SGLang's body, sent to every ready replica of every pool.
+- ``POST /update_weights_from_disk``: SGLang's body, sent to every ready replica of every pool
+  except those listed in mixrl's ``skip_replicas`` (already at the version: the trainer's broadcast).
 
 Authentication (docs/auth.md): with a token, the weight fan-out, ``PUT /pools/{name}`` and ending a
 session need ``Authorization: Bearer <token>`` (401 without); ``/generate``, ``GET /pools``,
@@ -86,6 +87,28 @@ def body_limit(max_context_tokens: int) -> int:
     1 MiB for the sampling fields, and never less than an engine accepts by default.  A body
     beyond it gets 413 before it is read whole (an engine would refuse it anyway)."""
     return max(ENGINE_BODY_LIMIT, BYTES_PER_CONTEXT_TOKEN * max_context_tokens + (1 << 20))
+
+
+SKIP_REPLICAS = "skip_replicas"
+"""mixrl's field of the reload fan-out: replica URLs that already serve the version (the trainer's
+broadcast reached them, mixrl.rl.trainer.weight_broadcast); taken out of the body the replicas get."""
+
+
+def without_skipped_replicas(raw: bytes) -> tuple[bytes, frozenset[str]]:
+    """The reload body to forward and the replicas it skips.  A body without the field is forwarded
+    byte for byte, as before; ValueError (one line) for a malformed one."""
+    if SKIP_REPLICAS.encode() not in raw:
+        return raw, frozenset()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise ValueError(f"body: not JSON ({exc})") from None
+    if not isinstance(body, dict) or SKIP_REPLICAS not in body:
+        return raw, frozenset()
+    skipped = body.pop(SKIP_REPLICAS)
+    if not isinstance(skipped, list) or not all(isinstance(url, str) for url in skipped):
+        raise ValueError(f"{SKIP_REPLICAS}: expected a list of replica URLs")
+    return json.dumps(body).encode(), frozenset(skipped)
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -579,17 +602,25 @@ class Router:
             body = await read_body(request, log)
         except ClientGone:
             return _bad_request("body: the connection closed before the body arrived")
+        try:
+            body, skipped = without_skipped_replicas(body)
+        except ValueError as exc:
+            return _bad_request(str(exc))
         targets = [
             (pool.name, replica.url)
             for pool in self.state.pools.values()
             for replica in pool.ready_replicas()
+            if replica.url not in skipped
         ]
+        if not targets and skipped:
+            return web.json_response({"success": True, "results": [], "skipped": sorted(skipped)})
         if not targets:
             return _retry_response("no ready replica to update; retry when replicas are up", results=[])
         fan_out = asyncio.gather(*(self._update_one(pool, url, body) for pool, url in targets))
         results = await asyncio.shield(fan_out)
         success = all(result["success"] for result in results)
-        return web.json_response({"success": success, "results": results}, status=200 if success else 502)
+        answer = {"success": success, "results": results, "skipped": sorted(skipped)}
+        return web.json_response(answer, status=200 if success else 502)
 
     async def _update_one(self, pool: str, url: str, body: bytes) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=self.settings.fanout_timeout)

@@ -66,6 +66,7 @@ from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.megatron_backend import BackendUnavailable, MegatronPolicyTrainer
 from mixrl.rl.trainer.telemetry import TrainerTelemetry
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
+from mixrl.rl.trainer.weight_broadcast import WeightBroadcaster, receivers_from_router
 from mixrl.rl.weights import WeightStore, tokenizer_files
 
 log = logging.getLogger("mixrl.trainer")
@@ -196,6 +197,7 @@ class TrainerLoop:
             self.model_config = self.trainer.model.config.to_dict()
         # Every version carries the model's tokenizer, so any engine (and transformers) loads it.
         self.tokenizer_files = tokenizer_files(run.model.tokenizer or model_path)
+        self.broadcaster = self._broadcaster(auth_token)
         self.step = 0
         self.stopping = asyncio.Event()
 
@@ -259,10 +261,56 @@ class TrainerLoop:
             protect = protected_versions(self.run, await asyncio.to_thread(self.store.versions), evaluated)
         await asyncio.to_thread(self.store.prune, self.run.weights.keep_versions, protect)
 
-    async def reload_engines(self, version: int) -> None:
+    def _broadcaster(self, auth_token: AuthToken | None) -> WeightBroadcaster | None:
+        """Rank 0's broadcaster when the spec asks for one (``weights.broadcast``); it finds the
+        engines through the router, so it needs ``--router`` (mixrl run)."""
+        if not self.run.weights.broadcast or not self.ranks.is_main:
+            return None
+        if self.router_url is None:
+            log.warning(
+                "weights.broadcast: no --router to find the engines by; every version goes through the store"
+            )
+            return None
+        return WeightBroadcaster.towards(self.router_url, auth_token=auth_token)
+
+    async def broadcast_to_engines(self, version: int, state: dict[str, torch.Tensor]) -> list[str]:
+        """Send ``version`` to the ready replicas of the BF16 pools; the URLs now serving it.  A
+        failure is one log line and an empty list: those replicas then reload it from the store."""
+        if self.broadcaster is None or self.router_url is None:
+            return []
+        try:
+            async with aiohttp.ClientSession() as session:
+                receivers = await receivers_from_router(self.router_url, session)
+        except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
+            log.warning("weight broadcast of version %d: cannot list the engines: %s", version, exc)
+            return []
+        if not receivers:
+            return []
+        result = await self.broadcaster.broadcast(receivers, state, version)
+        if result.error is not None:
+            log.warning(
+                "weight broadcast of version %d failed (the store serves it): %s", version, result.error
+            )
+            return []
+        log.info(
+            "broadcast version %d to %d engines: %.1f MB in %.3f s (%.2f GB/s), group set-up %.3f s",
+            version,
+            len(result.updated),
+            result.bytes / 1e6,
+            result.transfer_s,
+            result.gb_per_s,
+            result.setup_s,
+        )
+        return result.updated
+
+    async def reload_engines(self, version: int, skip: list[str] | None = None) -> None:
+        """Every ready replica but ``skip`` (those the broadcast updated) reloads ``version`` from
+        the store, through the router's fan-out."""
         if self.router_url is None:
             return
-        body = {"model_path": self.store.path(version), "weight_version": str(version)}
+        body: dict[str, Any] = {"model_path": self.store.path(version), "weight_version": str(version)}
+        if skip:
+            body["skip_replicas"] = skip
         async with (
             aiohttp.ClientSession() as session,
             session.post(
@@ -336,7 +384,7 @@ class TrainerLoop:
                     {"step": step},
                     self.model_config,
                 )
-                await self.reload_engines(step)
+                await self.reload_engines(step, skip=await self.broadcast_to_engines(step, state))
                 await self.prune()
                 # The line first: a crash after it redoes the step, and resume() drops the line.
                 record = step_record(step, result, groups, started)
