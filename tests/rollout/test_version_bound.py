@@ -1,4 +1,4 @@
-"""Bounded staleness per request (docs/rollout.md#bounded-staleness): with ``algorithm.maxStaleness``
+"""Bounded staleness per request (docs/api.md#bounded-staleness): with ``algorithm.maxStaleness``
 the worker's training turns demand a minimum weight version, wait through the router's 409s
 without counting them as failures, and give up (one log line, the group dropped) only after
 ``version_wait_s``.
@@ -92,7 +92,10 @@ async def test_turns_wait_for_fresh_weights_instead_of_failing(
     behind, ahead = await versioned("behind"), await versioned("ahead")
     router = await start_router({"a": [behind, ahead]})
     buffer = await start_buffer(prompts_per_update=1, samples_per_prompt=4, max_staleness=1)
-    settings = dataclasses.replace(WorkerSettings.from_run(resolved_run()), evaluates=False, max_staleness=1)
+    # no back-pressure: nobody takes step 2, and the groups that waited must still be posted
+    settings = dataclasses.replace(
+        WorkerSettings.from_run(resolved_run()), evaluates=False, max_staleness=1, max_steps_ahead=0
+    )
     client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids, max_version_backoff_s=0.05)
     worker = RolloutWorker(
         settings, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None

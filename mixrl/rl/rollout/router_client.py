@@ -16,7 +16,7 @@ for a retry): the turn is sent again, unchanged, after a short backoff.  Nothing
 is lost because the context lives here, not in the engine.
 
 A turn may demand a minimum weight version (``X-Mixrl-Min-Weight-Version``; the worker sets it
-from ``algorithm.maxStaleness``, docs/rollout.md#bounded-staleness).  The router or the engine
+from ``algorithm.maxStaleness``, docs/api.md#bounded-staleness).  The router or the engine
 answers 409 while no replica serves it: the turn waits for the weights, backing off from the
 answer's ``Retry-After``, for at most ``version_wait_s``; such waits are counted apart
 (``version_waits``), never as a failing replica, and logged once per turn.  A turn still refused

@@ -181,9 +181,9 @@ def min_weight_version(committed_step: int, max_staleness: int | None) -> int | 
     take this turn's group is C + 1, so v must be at least ``C + 1 − maxStaleness``: older tokens
     would be dropped whatever happens next.  Never above C, the newest version there is (the
     trainer publishes N before committing it; asking for more would wait on data not yet made),
-    and never below 0.  A group that waits behind more than ``maxStaleness − 1`` steps of other
-    groups can still be dropped later: keep ``rollout.maxStepsAhead`` below ``maxStaleness``
-    (docs/rollout.md#bounded-staleness)."""
+    and never below 0.  The bound is for the next step: a group taken j steps later (behind j
+    batches of other groups; the back-pressure keeps j below ``rollout.maxStepsAhead``) may hold
+    tokens j versions over it (docs/api.md#bounded-staleness)."""
     if max_staleness is None:
         return None
     return max(0, min(committed_step, committed_step + 1 - max_staleness))
