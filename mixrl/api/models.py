@@ -499,6 +499,10 @@ class WeightsSpec(Model):
     """Weight store URL: a local path, ``file://`` URL or a PVC mount path."""
     keep_versions: Int = Field(default=4, gt=0, le=INT32_MAX)
     """Old versions kept before pruning."""
+    snapshot_every: Int = Field(default=10, gt=0, le=INT32_MAX)
+    """Every how many versions the trainer publishes a full snapshot; the versions in between are
+    stored as deltas on the one before (the changed BF16 words, compressed), which loaders rebuild
+    from the chain back to the last snapshot. 1: every version whole."""
     volume_size: Quantity | None = None
     """Size of the weights volume the operator creates when the store is a local path (a positive
     Kubernetes quantity), and of a one-node trainer's own volume. Null (the default): derived from

@@ -157,7 +157,8 @@ class TrainerLoop:
         self.auth_headers = bearer_headers(auth_token)
         self.router_url = router_url.rstrip("/") if router_url else None
         self.run_dir = run_dir
-        self.store = WeightStore(run.weights.store)
+        # Every weights.snapshotEvery versions a snapshot, deltas on the previous version between.
+        self.store = WeightStore(run.weights.store, snapshot_every=run.weights.snapshot_every)
         self.telemetry = telemetry
         spec = run.trainer.spec
         # One process, or one rank of a torchrun group (nodes × gpusPerNode processes): every rank
