@@ -294,12 +294,14 @@ class TrainerLoop:
             )
             return []
         log.info(
-            "broadcast version %d to %d engines: %.1f MB in %.3f s (%.2f GB/s), group set-up %.3f s",
+            "broadcast version %d to %d engines: %.1f MB sent in %.3f s (%.2f GB/s), applied %.3f s after"
+            " the first bucket, group set-up %.3f s",
             version,
             len(result.updated),
             result.bytes / 1e6,
-            result.transfer_s,
+            result.broadcast_s,
             result.gb_per_s,
+            result.transfer_s,
             result.setup_s,
         )
         return result.updated

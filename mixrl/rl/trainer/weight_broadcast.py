@@ -75,10 +75,12 @@ class BroadcastResult:
     """Forming the group and opening the session."""
     transfer_s: float = 0.0
     """The buckets: the broadcasts, and the receivers' answers (the last one once applied)."""
+    broadcast_s: float = 0.0
+    """The broadcasts alone (rank 0's sends), the wire time behind :attr:`gb_per_s`."""
 
     @property
     def gb_per_s(self) -> float:
-        return self.bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
+        return self.bytes / self.broadcast_s / 1e9 if self.broadcast_s > 0 else 0.0
 
 
 async def receivers_from_router(
@@ -172,7 +174,7 @@ class WeightBroadcaster:
                 await _all_succeed(clients, "begin_weight_update", lambda c: c.begin_weight_update())
                 result.setup_s = time.perf_counter() - started
                 started = time.perf_counter()
-                result.bytes = await self._send(group, clients, state, version)
+                result.bytes = await self._send(group, clients, state, version, result)
                 await _all_succeed(clients, "end_weight_update", lambda c: c.end_weight_update())
                 result.transfer_s = time.perf_counter() - started
                 result.updated = [r.url for r in receivers]
@@ -233,7 +235,12 @@ class WeightBroadcaster:
         return await ours
 
     async def _send(
-        self, group: UpdateGroup, clients: list[EngineClient], state: Mapping[str, torch.Tensor], version: int
+        self,
+        group: UpdateGroup,
+        clients: list[EngineClient],
+        state: Mapping[str, torch.Tensor],
+        version: int,
+        result: BroadcastResult,
     ) -> int:
         """Every bucket: the engines' calls posted, then the broadcast; their answers checked."""
         sent = 0
@@ -255,7 +262,9 @@ class WeightBroadcaster:
                 for c in clients
             ]
             try:
+                started = time.perf_counter()
                 await asyncio.to_thread(group.broadcast, flat)
+                result.broadcast_s += time.perf_counter() - started
             except RuntimeError as exc:
                 group.close()  # the receivers still waiting fail now, not at their timeout
                 await asyncio.gather(*calls, return_exceptions=True)
