@@ -3,12 +3,20 @@
 It runs in every engine pod: with ``--once`` as the init container (prepare the checkpoint the
 engine starts from), then as the ``weight-sync`` sidecar (follow the weight store).
 
-- The trainer publishes BF16 versions to the weight store.
+- The trainer publishes BF16 versions to the weight store: a full snapshot every
+  ``weights.snapshotEvery`` versions, deltas on the previous version in between.
 - An SGLang pool serves a version converted to its precision (``WeightStore.convert``: written
-  once per precision into the shared store, atomically, whichever replica gets there first).  The
-  torch engine emulates its precision itself and loads the BF16 version.
+  once per precision into the shared store, atomically, by the one replica holding the
+  conversion's lease while the others wait for it).  The torch engine emulates its precision
+  itself and loads the BF16 version, rebuilding a delta version from its chain.
+- A version whose chain is broken (a delta or a base missing or damaged) is refused with one line;
+  the sidecar then serves the newest version it can load (the last snapshot or a version whose
+  chain is whole) and asks the trainer for a snapshot (``WeightStore.request_snapshot``), which
+  its next publish writes.
 - ``<output>/current`` is a symlink to the checkpoint the engine should serve; SGLang's
-  ``--model-path`` points at it, so a restarted engine starts from the latest version.
+  ``--model-path`` points at it, so a restarted engine starts from the latest version.  For the
+  torch engine on a delta version it names the chain's snapshot (``from_pretrained`` needs whole
+  weights); an engine restarted from it is unlabelled, and the sidecar loads the latest into it.
 - When the store's latest version differs from the one the engine reports, the sidecar calls
   ``/update_weights_from_disk`` with ``flush_cache: false``.  The torch engine prepares the version
   beside the served weights while it keeps decoding and swaps between two decode steps; an SGLang
@@ -41,6 +49,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from mixrl.api.launch import LABELLED_FILE
@@ -48,7 +57,7 @@ from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args
 from mixrl.rl.engine.client import EngineClient, EngineError
-from mixrl.rl.weights import WeightStore, WeightStoreError
+from mixrl.rl.weights import DELTA, WeightStore, WeightStoreError
 
 log = logging.getLogger("mixrl.engine_sync")
 
@@ -62,6 +71,16 @@ def checkpoint_for(store: WeightStore, pool: ResolvedPool, version: int) -> str:
     if pool.engine == "sglang":
         return store.convert(version, pool.weight_precision)
     return store.path(version)
+
+
+def startup_checkpoint(store: WeightStore, pool: ResolvedPool, version: int, target: str) -> str:
+    """What ``output/current`` names once the engine serves ``version`` from ``target``: ``target``,
+    except for a torch engine on a delta version.  The torch engine starts with transformers'
+    ``from_pretrained``, which needs whole weights, so ``current`` then names the chain's snapshot:
+    an engine restarted from it is unlabelled, and the sidecar loads ``version`` into it."""
+    if pool.engine != "sglang" and store.manifest(version).get("kind") == DELTA:
+        return store.path(store.chain(version)[0])
+    return target
 
 
 def point_current(output: Path, target: str) -> Path:
@@ -93,12 +112,40 @@ async def wait_for_version(
         await asyncio.sleep(poll_s)
 
 
+def fall_back(store: WeightStore, version: int, verify_snapshot: bool = True) -> int | None:
+    """Where to go when ``version`` cannot be served: None when its chain in the store is whole
+    (the failure was not the store's); else, after asking the trainer for a snapshot, the newest
+    older version whose chain is whole (SyncError when there is none)."""
+    problem = store.chain_problem(version, verify_snapshot)
+    if problem is None:
+        return None
+    log.warning("weight version %d cannot be rebuilt: %s", version, problem)
+    store.request_snapshot(f"a loader could not rebuild version {version}: {problem}")
+    fallback = store.newest_loadable(below=version)
+    if fallback is None:
+        raise SyncError(f"version {version} cannot be rebuilt and no older version can ({problem})")
+    log.warning("falling back to version %d until the requested snapshot is published", fallback)
+    return fallback
+
+
 async def prepare(
     store: WeightStore, pool: ResolvedPool, output: Path, poll_s: float, timeout_s: float
 ) -> int:
-    """``--once``: the latest version's checkpoint for this pool, linked as ``output/current``."""
-    version = await wait_for_version(store, poll_s, timeout_s)
-    target = await asyncio.to_thread(checkpoint_for, store, pool, version)
+    """``--once``: the latest version's checkpoint for this pool, linked as ``output/current``
+    (an older one when the latest's chain is broken; the snapshot's files are not hashed here, the
+    engine's load does that)."""
+    latest = await wait_for_version(store, poll_s, timeout_s)
+    fallback = await asyncio.to_thread(fall_back, store, latest, False)
+    version = latest if fallback is None else fallback
+    try:
+        target = await asyncio.to_thread(checkpoint_for, store, pool, version)
+    except WeightStoreError:
+        fallback = await asyncio.to_thread(fall_back, store, version)
+        if fallback is None:
+            raise
+        version = fallback
+        target = await asyncio.to_thread(checkpoint_for, store, pool, version)
+    target = await asyncio.to_thread(startup_checkpoint, store, pool, version, target)
     point_current(output, target)
     log.info("pool %s starts from version %d: %s", pool.name, version, target)
     return version
@@ -156,8 +203,38 @@ async def sync_engine(
         )
     if not answer.get("success"):
         raise SyncError(f"engine refused version {version} ({target}): {answer.get('message', '')}")
-    point_current(output, target)
+    point_current(output, await asyncio.to_thread(startup_checkpoint, store, pool, version, target))
     log.info("pool %s engine now serves version %d", pool.name, version)
+
+
+@dataclass
+class Broken:
+    """The store's latest version when its chain is broken, and the version served instead."""
+
+    latest: int
+    fallback: int
+
+
+async def sync_or_fall_back(
+    store: WeightStore,
+    pool: ResolvedPool,
+    output: Path,
+    engine: EngineClient,
+    target: int,
+    served: int,
+) -> Broken | None:
+    """Sync the engine to ``target``; when that fails because ``target``'s chain in the store is
+    broken, sync it to the newest version that loads instead and say so (a snapshot is requested)."""
+    try:
+        await sync_engine(store, pool, output, engine, target, served)
+        return None
+    except (SyncError, WeightStoreError):
+        fallback = await asyncio.to_thread(fall_back, store, target)
+        if fallback is None:
+            raise
+    if fallback != served:
+        await sync_engine(store, pool, output, engine, fallback, served)
+    return Broken(target, fallback)
 
 
 async def follow(
@@ -173,18 +250,23 @@ async def follow(
     ``!=`` rather than ``>``: a trainer that resumes from an older checkpoint removes the newer
     versions, and the engines must follow it back.  Until the engine is up and labelled it is
     checked every :data:`UNSETTLED_POLL_S` rather than every ``poll_s``: an engine that has just
-    (re)started reports SGLang's ``default`` for the tokens it serves until it is labelled."""
+    (re)started reports SGLang's ``default`` for the tokens it serves until it is labelled.  A
+    latest version found broken is not tried again; its fallback is served until a newer one comes."""
+    broken: Broken | None = None
     while not stop.is_set():
         settled = labelled = False
         try:
             latest = await asyncio.to_thread(store.latest)
             settled = latest is None  # nothing to serve yet: the store is checked every poll_s
+            if broken is not None and broken.latest != latest:
+                broken = None
             if latest is not None and await engine.health():
+                target = latest if broken is None else broken.fallback
                 served = await engine.get_weight_version()
-                if served != latest:
-                    await sync_engine(store, pool, output, engine, latest, served)
-                    served = latest
-                settled = served != UNLABELLED_VERSION or latest == UNLABELLED_VERSION
+                if served != target:
+                    broken = await sync_or_fall_back(store, pool, output, engine, target, served)
+                    served = target if broken is None else broken.fallback
+                settled = served != UNLABELLED_VERSION or target == UNLABELLED_VERSION
                 # An older version than the latest still labels its tokens truly: only an
                 # unlabelled engine (just restarted) is kept out of service.
                 labelled = settled
