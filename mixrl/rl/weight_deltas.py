@@ -103,7 +103,7 @@ def tensors_sha256(tensors: Mapping[str, Tensor]) -> str:
         tensor = tensors[name]
         header = json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode()
         digest.update(_LENGTH.pack(len(header)) + header)
-        digest.update(raw_bytes(tensor))
+        digest.update(raw_bytes(tensor).data)
     return digest.hexdigest()
 
 
@@ -115,7 +115,7 @@ def encode_delta(base: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> tuple
     """The bytes of the ``model.delta`` file that turns ``base`` into ``new``, and what it holds."""
     stats = DeltaStats()
     entries: dict[str, dict[str, Any]] = {}
-    payloads: list[bytes | np.ndarray] = []
+    payloads: list[bytes | memoryview] = []
     offset = 0
     for name, tensor in new.items():
         data = raw_bytes(tensor)
@@ -126,13 +126,13 @@ def encode_delta(base: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> tuple
             if not xor.any():
                 stats.unchanged += 1
                 continue
-            payload: bytes | np.ndarray = zlib.compress(xor, ZLIB_LEVEL)
+            payload: bytes | memoryview = zlib.compress(xor.data, ZLIB_LEVEL)
             encoding = "xor"
             stats.changed += 1
         else:
-            payload, encoding = data, "whole"
+            payload, encoding = data.data, "whole"
             stats.whole += 1
-        size = len(payload) if isinstance(payload, bytes) else payload.nbytes
+        size = payload.nbytes if isinstance(payload, memoryview) else len(payload)
         entries[name] = {
             "dtype": _dtype_name(tensor),
             "shape": list(tensor.shape),
@@ -145,7 +145,7 @@ def encode_delta(base: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> tuple
     removed = sorted(set(base) - set(new))
     stats.removed = len(removed)
     header = json.dumps({"tensors": entries, "removed": removed}, sort_keys=True).encode()
-    blob = b"".join([MAGIC, _LENGTH.pack(len(header)), header, *(bytes(memoryview(p)) for p in payloads)])
+    blob = b"".join([MAGIC, _LENGTH.pack(len(header)), header, *payloads])
     stats.delta_bytes = len(blob)
     return blob, stats
 
