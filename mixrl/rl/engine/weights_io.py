@@ -117,7 +117,7 @@ class StagedWeights:
         if self._model is None:
             self._model = copy.deepcopy(live)  # the first update pays for the copy, off the model thread
         self._model.to(torch.float32)
-        self._model.load_state_dict({name: t.to(torch.float32) for name, t in state.items()}, strict=True)
+        self._model.load_state_dict(state, strict=True)  # copies into the float32 tensors, converting
         report = apply_precision_(self._model, self.weight_precision, self.compute_dtype)
         self._ready = True
         return report
