@@ -300,7 +300,13 @@ async def gpu_run(args: argparse.Namespace, resolved: ResolvedRun, pool: Resolve
             store.publish(1, trained, {"step": 1}, config)
             under_load = asyncio.create_task(play(rollout, args.episodes, 2, LOAD_TOKENS, "load"))
             await until_running(engine, under_load)
+            paused_at = time.perf_counter()
             await weight_sync.sync_engine(store, pool, output, engine, 1, served)
+            # The sidecar's SGLang sequence holds the in-place pause for the whole disk load:
+            # this is the pause issue #29 asks to measure (docs/engine.md "Weight updates under load").
+            pause_s = time.perf_counter() - paused_at
+            bf16_gb = sum(t.numel() * 2 for t in state.values()) / 1e9
+            say(f"SGLang weight update under load: paused {pause_s:.3f} s for {bf16_gb:.3f} GB of BF16 weights")
             if await engine.get_weight_version() != 1:
                 raise CheckFailed("after the weight-sync sequence the engine does not report version 1")
             loaded = await under_load
