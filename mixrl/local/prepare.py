@@ -20,7 +20,7 @@ from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun
 from mixrl.rl.prepare_model import TOKENIZER_FILE, prepare_tiny_model
 from mixrl.rl.tiny_models import load_model
-from mixrl.rl.weights import WeightStore, tokenizer_files
+from mixrl.rl.weights import DELTA, WeightStore, tokenizer_files
 
 
 @dataclass(frozen=True)
@@ -60,4 +60,9 @@ def prepare_model(run: ResolvedRun, cache: Path, run_dir: Path) -> PreparedModel
         files = tokenizer_files(tokenizer_path)  # none for tiny: models (the word tokenizer is mixrl's)
         store.publish(0, state, {"source": str(model_dir)}, model.config.to_dict(), files=files)
         latest = 0
-    return PreparedModel(str(model_dir), tokenizer_path, latest, store.path(latest))
+    # A restarted run whose latest version is a delta: the engines start with from_pretrained, which
+    # needs whole weights, so they start from that version written out in full (vN/bf16).
+    start = (
+        store.convert(latest, "bf16") if store.manifest(latest).get("kind") == DELTA else store.path(latest)
+    )
+    return PreparedModel(str(model_dir), tokenizer_path, latest, start)

@@ -25,7 +25,7 @@ def test_staged_weights_swap_exchanges_tensors_and_keeps_ties(dense_path: str, t
     live = load_model(dense_path)
     other = create_tiny_checkpoint(tmp_path / "v1", "qwen3", vocab_size=VOCAB, seed=7)
     state = load_file(Path(other) / "model.safetensors")
-    staged = weights_io.StagedWeights("fp8", torch.float32)
+    staged = weights_io.StagedWeights(live, "fp8", torch.float32)
     before = {name: p.data_ptr() for name, p in live.named_parameters()}
     staged.prepare(live, state)
     assert {name: p.data_ptr() for name, p in live.named_parameters()} == before  # live untouched
@@ -43,7 +43,7 @@ def test_a_bad_state_is_refused_by_prepare_and_the_live_model_is_kept(dense_path
     state = {k: v.clone() for k, v in live.state_dict().items()}
     key = next(k for k in state if k.endswith("q_proj.weight"))
     state[key][0, 0] = float("nan")
-    staged = weights_io.StagedWeights("bf16", torch.float32)
+    staged = weights_io.StagedWeights(live, "bf16", torch.float32)
     with pytest.raises(ValueError, match="NaN"):
         staged.prepare(live, state)
     with pytest.raises(RuntimeError, match="nothing prepared"):

@@ -211,8 +211,9 @@ PROCESS_LIMIT_MIB = 2048
 warm start or a step's activations come on top."""
 CPU_TRAINING_BYTES_PER_PARAMETER = 4 + 4 + 8 + 2
 """A trainer on CPUs: FP32 weights and gradients, AdamW's two FP32 moments, the BF16 copy it publishes."""
-CPU_SERVING_BYTES_PER_PARAMETER = 4 + 4
-"""The torch engine on CPUs: the FP32 weights and their copy at the pool's emulated precision."""
+CPU_SERVING_BYTES_PER_PARAMETER = 4 + 4 + 2
+"""The torch engine on CPUs: the served FP32 weights, the staging copy where the next version is
+prepared while they serve (docs/engine.md), and that version's BF16 tensors while it is loaded."""
 HEADROOM = 1.25
 
 
@@ -263,7 +264,7 @@ def trainer_footprint(resolved: ResolvedRun) -> Footprint:
 
 def engine_footprint(resolved: ResolvedRun, pool: ResolvedPool) -> Footprint:
     """SGLang and the torch engine on GPUs stream the checkpoint to the GPUs; on CPUs the torch
-    engine holds the model twice (FP32 and emulated) and requests a fifth of a core, so the
+    engine holds the model twice (served and staging, FP32) and a version being loaded, and requests a fifth of a core, so the
     quickstart's four pools share two cores with the trainer (the limit lets it use an idle core)."""
     gpus = pool_gpus(pool)
     if gpus > 0:

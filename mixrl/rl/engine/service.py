@@ -182,6 +182,7 @@ class EngineService:
             prefix_cache_tokens=(config.prefix_cache_max_tokens or max_total) if config.radix_cache else 0,
         )
         self.runner = runner
+        self._staging = weights_io.StagedWeights(model, config.weight_precision, self.compute_dtype)
         self.codec = load_codec(
             config.model_path, config.tokenizer_path or None, config.skip_tokenizer_init, runner.vocab_size
         )
@@ -191,7 +192,6 @@ class EngineService:
         self.stats = EngineStats(self.served_model_name, max_total)
         self.scheduler: Scheduler | None = None
         self._update_lock = asyncio.Lock()
-        self._staging = weights_io.StagedWeights(config.weight_precision, self.compute_dtype)
         self._background = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weights-prepare", initializer=_yield_to_decoding
         )

@@ -10,7 +10,7 @@ to bf16, only the weights are).  Nothing is re-quantized per step.
 A weight update is prepared while the engine serves (:class:`StagedWeights`): the new version is
 loaded and brought to the pool's precision in a second copy of the parameters, and the served
 model then takes that copy's tensors in one pointer exchange per parameter between two decode
-steps.  The price is memory: the engine holds its weights twice.
+steps.  The price is memory: the engine holds its weights twice, from its start.
 
 FP8 KV-cache scales: one (k_scale, v_scale) pair per layer.  A checkpoint may carry them as tensors
 named ``...layers.<i>.self_attn.k_scale`` / ``v_scale`` (also ``...k_proj.k_scale``, as ModelOpt
@@ -102,10 +102,12 @@ class StagedWeights:
     holds the previous version, which the next :meth:`prepare` overwrites in place.
     """
 
-    def __init__(self, weight_precision: str, compute_dtype: torch.dtype) -> None:
+    def __init__(self, live: nn.Module, weight_precision: str, compute_dtype: torch.dtype) -> None:
         self.weight_precision = weight_precision
         self.compute_dtype = compute_dtype
-        self._model: nn.Module | None = None
+        # Made when the engine starts, not at its first update: a deep copy is Python work that
+        # holds the GIL, which would stall the decode thread for a moment in the middle of serving.
+        self._model = copy.deepcopy(live)
         self._ready = False
 
     @torch.no_grad()
@@ -114,8 +116,6 @@ class StagedWeights:
         at the pool's precision, into the staging copy; returns the quantization report."""
         check_state_dict(live, state)
         self._ready = False
-        if self._model is None:
-            self._model = copy.deepcopy(live)  # the first update pays for the copy, off the model thread
         self._model.to(torch.float32)
         self._model.load_state_dict(state, strict=True)  # copies into the float32 tensors, converting
         report = apply_precision_(self._model, self.weight_precision, self.compute_dtype)
@@ -125,7 +125,7 @@ class StagedWeights:
     @torch.no_grad()
     def swap_into(self, live: nn.Module) -> None:
         """Give ``live`` the prepared tensors (and the staging copy the served ones)."""
-        if self._model is None or not self._ready:
+        if not self._ready:
             raise RuntimeError("swap_into: nothing prepared")
         staged = dict(self._model.named_parameters())
         for name, param in live.named_parameters():
