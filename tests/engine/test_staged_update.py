@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mixrl.rl.engine import weights_io
 from mixrl.rl.engine.client import EngineClient
+from mixrl.rl.engine.staging import PreparationRefused, Prepared, StagedWeights
 from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 from mixrl.rl.weights import WeightStore
 
@@ -21,33 +21,56 @@ from .conftest import VOCAB, reference_model, serve_in_process
 SLOW_PREPARE_S = 0.6
 
 
-def test_staged_weights_swap_exchanges_tensors_and_keeps_ties(dense_path: str, tmp_path: Path) -> None:
+def test_the_preparer_fills_the_staging_copy_and_the_swap_exchanges_the_tensors(
+    dense_path: str, tmp_path: Path
+) -> None:
     live = load_model(dense_path)
     other = create_tiny_checkpoint(tmp_path / "v1", "qwen3", vocab_size=VOCAB, seed=7)
-    state = load_file(Path(other) / "model.safetensors")
-    staged = weights_io.StagedWeights(live, "fp8", torch.float32)
-    before = {name: p.data_ptr() for name, p in live.named_parameters()}
-    staged.prepare(live, state)
-    assert {name: p.data_ptr() for name, p in live.named_parameters()} == before  # live untouched
-    staged.swap_into(live)
-    expected = reference_model(other, "fp8")
-    for (name, got), (_, want) in zip(live.named_parameters(), expected.named_parameters(), strict=True):
-        assert torch.equal(got, want), name
-        assert got.data_ptr() != before[name]
-    with pytest.raises(RuntimeError, match="nothing prepared"):
-        staged.swap_into(live)  # one swap per prepared version
+    staged = StagedWeights(live.config, "fp8", torch.float32)
+    try:
+        before = {name: p.data_ptr() for name, p in live.named_parameters()}
+        served = {name: p.clone() for name, p in live.named_parameters()}
+        prepared = staged.prepare_dir(live, other)  # a directory without a manifest
+    except PreparationRefused as exc:
+        assert "manifest.json is missing" in str(exc)
+    else:
+        raise AssertionError("a directory without a manifest was prepared")
+    try:
+        prepared = staged.prepare_state(live, load_file(Path(other) / "model.safetensors"))
+        assert prepared.manifest_version is None
+        # the preparer worked in its own process, on other memory: the served weights are untouched
+        assert {name: p.data_ptr() for name, p in live.named_parameters()} == before
+        assert all(torch.equal(p, served[name]) for name, p in live.named_parameters())
+        staged.swap_into(live)
+        expected = reference_model(other, "fp8")
+        for (name, got), (_, want) in zip(live.named_parameters(), expected.named_parameters(), strict=True):
+            assert torch.equal(got, want), name
+            assert got.is_shared()
+        with pytest.raises(RuntimeError, match="nothing prepared"):
+            staged.swap_into(live)  # one swap per prepared version
+    finally:
+        staged.close()
 
 
-def test_a_bad_state_is_refused_by_prepare_and_the_live_model_is_kept(dense_path: str) -> None:
+def test_a_bad_state_is_refused_by_the_preparer_and_a_dead_preparer_is_replaced(dense_path: str) -> None:
     live = load_model(dense_path)
     state = {k: v.clone() for k, v in live.state_dict().items()}
     key = next(k for k in state if k.endswith("q_proj.weight"))
     state[key][0, 0] = float("nan")
-    staged = weights_io.StagedWeights(live, "bf16", torch.float32)
-    with pytest.raises(ValueError, match="NaN"):
-        staged.prepare(live, state)
-    with pytest.raises(RuntimeError, match="nothing prepared"):
+    staged = StagedWeights(live.config, "bf16", torch.float32)
+    try:
+        with pytest.raises(PreparationRefused, match="NaN"):
+            staged.prepare_state(live, state)
+        with pytest.raises(RuntimeError, match="nothing prepared"):
+            staged.swap_into(live)
+        staged._process.kill()  # the preparer dies between two updates
+        staged._process.join()
+        state[key][0, 0] = 0.0
+        staged.prepare_state(live, state)  # a new one takes over
         staged.swap_into(live)
+        assert live.get_parameter(key)[0, 0].item() == 0.0
+    finally:
+        staged.close()
 
 
 async def test_decoding_continues_while_the_next_version_is_prepared(
@@ -57,17 +80,17 @@ async def test_decoding_continues_while_the_next_version_is_prepared(
     store = WeightStore(str(tmp_path / "store"))
     config = json.loads((Path(other) / "config.json").read_text())
     store.publish(1, load_file(Path(other) / "model.safetensors"), {"step": 1}, config)
-    real_prepare = weights_io.StagedWeights.prepare
+    real_prepare = StagedWeights.prepare_dir
     window: dict[str, float] = {}
 
-    def slow_prepare(self: weights_io.StagedWeights, live: torch.nn.Module, state: dict) -> dict:
+    def slow_prepare(self: StagedWeights, live: torch.nn.Module, directory: str) -> Prepared:
         window["start"] = time.perf_counter()
         time.sleep(SLOW_PREPARE_S)  # a long preparation, as a large model's
-        report = real_prepare(self, live, state)
+        prepared = real_prepare(self, live, directory)
         window["end"] = time.perf_counter()
-        return report
+        return prepared
 
-    monkeypatch.setattr(weights_io.StagedWeights, "prepare", slow_prepare)
+    monkeypatch.setattr(StagedWeights, "prepare_dir", slow_prepare)
     async with serve_in_process(model_path=dense_path, weight_root=str(tmp_path)) as (url, service):
         arrivals: list[tuple[float, int]] = []
 

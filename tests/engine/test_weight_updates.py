@@ -65,16 +65,30 @@ async def test_update_mid_generation_labels_later_tokens_with_the_new_version(
 ) -> None:
     assert await client.get_weight_version() == 0
     await _assert_serves(client, dense_path)
-    running = asyncio.create_task(client.generate([1, 2, 3], max_new_tokens=400, temperature=0.0))
+    updated = asyncio.Event()
+
+    async def keep_generating(prompt: list[int]) -> list[list[int]]:
+        """Generations one after another until the update is in (its preparation takes a while)."""
+        runs = []
+        while not updated.is_set():
+            result = await client.generate(prompt, max_new_tokens=400, temperature=0.0)
+            runs.append([r.weight_version for r in result.records])
+        return runs
+
+    running = [asyncio.create_task(keep_generating([1, 2, 3]))]
     await until_running(client)
     await asyncio.sleep(0.05)
+    running.append(asyncio.create_task(keep_generating([4, 5, 6])))  # staggered: one is always mid-way
     reply = await client.update_weights_from_disk(store.path(1), weight_version=1)
+    updated.set()
     assert reply["success"], reply
-    result = await running
-    versions = [r.weight_version for r in result.records]
-    switch = versions.index(1)
-    assert 0 < switch < len(versions)  # some tokens before the update, some after
-    assert versions == [0] * switch + [1] * (len(versions) - switch)
+    runs = [versions for task in running for versions in await task]
+    spanning = [versions for versions in runs if 0 in versions and 1 in versions]
+    assert spanning, "no generation was running when the new weights were swapped in"
+    for versions in spanning:  # some tokens before the update, some after, one switch
+        switch = versions.index(1)
+        assert 0 < switch < len(versions)
+        assert versions == [0] * switch + [1] * (len(versions) - switch)
     assert await client.get_weight_version() == 1
     assert (await client.get_model_info())["weight_version"] == "1"
     await _assert_serves(client, store.path(1))

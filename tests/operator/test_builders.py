@@ -335,7 +335,10 @@ def test_a_cpu_pool_asks_for_no_gpu_and_no_gpu_node() -> None:
     assert "resources" not in spec["containers"][0] or GPU_RESOURCE not in json.dumps(
         spec["containers"][0]["resources"]
     )
-    assert not any(v.get("name") == "dshm" for v in spec["volumes"])
+    # No GPU, but a memory-backed /dev/shm for the torch engine's staging copy of the weights.
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in spec["volumes"]
+    engine = next(c for c in spec["containers"] if c["name"] == "engine")
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
 
 
 # ----------------------------------------------------------------------------- engines

@@ -101,7 +101,10 @@ def pool_objects(
     local = mount("engine-weights", ENGINE_WEIGHTS_DIR)
     sync_mounts = [*base_mounts(), *sync_weight_mounts, local]
     engine_mounts = [*base_mounts(), *engine_weight_mounts, local]
-    if pool_gpus(pool) > 0:
+    # /dev/shm in memory: NCCL on GPUs; the torch engine's staging copy of the weights, which its
+    # preparer process writes (mixrl/rl/engine/staging.py), also on CPUs.  The container default
+    # (64 MiB) holds no model; the memory counts against the engine's limit, sized for it.
+    if pool_gpus(pool) > 0 or pool.engine != "sglang":
         volumes.append(empty_dir("dshm", medium="Memory"))
         engine_mounts.append(mount("dshm", "/dev/shm"))
     sync_env = [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}]

@@ -6,16 +6,10 @@ Kept apart from aiohttp so the operations read plainly and the HTTP layer only t
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import os
 import re
-import sys
-import threading
 import time
-from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,11 +24,12 @@ from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response,
 from mixrl.rl.engine.runner import ModelRunner, Sequence
 from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.engine.scheduler import Scheduler
+from mixrl.rl.engine.staging import PreparationRefused, Prepared, StagedWeights
 from mixrl.rl.engine.stats import EngineStats, FinishedRequest
 from mixrl.rl.engine.text import load_codec
 from mixrl.rl.quant import WEIGHT_FORMATS
 from mixrl.rl.tiny_models import load_model
-from mixrl.rl.weights import MANIFEST, MAX_VERSION, WeightStoreError, load_checkpoint_dir
+from mixrl.rl.weights import MANIFEST, MAX_VERSION
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,7 +177,7 @@ class EngineService:
             prefix_cache_tokens=(config.prefix_cache_max_tokens or max_total) if config.radix_cache else 0,
         )
         self.runner = runner
-        self._staging = weights_io.StagedWeights(model, config.weight_precision, self.compute_dtype)
+        self._staging = StagedWeights(model.config, config.weight_precision, self.compute_dtype)
         self.codec = load_codec(
             config.model_path, config.tokenizer_path or None, config.skip_tokenizer_init, runner.vocab_size
         )
@@ -192,9 +187,6 @@ class EngineService:
         self.stats = EngineStats(self.served_model_name, max_total)
         self.scheduler: Scheduler | None = None
         self._update_lock = asyncio.Lock()
-        self._background = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="weights-prepare", initializer=_yield_to_decoding
-        )
         self.last_swap_s = 0.0
         """How long the last update's swap took on the model thread (between two decode steps)."""
         self._rid_counter = 0
@@ -214,20 +206,7 @@ class EngineService:
     async def stop(self) -> None:
         if self.scheduler is not None:
             await self.scheduler.stop()
-        self._background.shutdown(wait=False, cancel_futures=True)
-
-    async def _in_background(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn`` on the weight-preparation thread, which yields to decoding: a lower CPU
-        priority (:data:`PREPARE_NICE`), and while it runs a short GIL switch interval, so the decode thread, which
-        takes the GIL back after every kernel, waits about 0.5 ms for it instead of 5 ms."""
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(PREPARE_SWITCH_INTERVAL_S)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._background, functools.partial(fn, *args)
-            )
-        finally:
-            sys.setswitchinterval(previous)
+        await asyncio.to_thread(self._staging.close)
 
     @property
     def sched(self) -> Scheduler:
@@ -402,19 +381,19 @@ class EngineService:
     ) -> tuple[bool, str]:
         shown = clip(model_path)
         async with self._update_lock:
+            live = self.runner.model
             try:
-                state, metadata = await self._in_background(load_checkpoint_dir, str(directory), True)
-            except (WeightStoreError, OSError, ValueError) as exc:
+                prepared = await asyncio.to_thread(self._staging.prepare_dir, live, str(directory))
+            except PreparationRefused as exc:
                 return False, f"refused {shown}: {clip(str(exc), 1000)}"
             if version is None:
-                named = metadata.get("version")
-                if named is None:
+                if prepared.manifest_version is None:
                     return False, "weight_version: required (the checkpoint does not name its version)"
                 try:
-                    version = parse_version("weight_version", named)
+                    version = parse_version("weight_version", prepared.manifest_version)
                 except RequestError as exc:
                     return False, f"refused {shown}: {MANIFEST} names a bad version: {exc}"
-            ok, message = await self._stage_and_swap(state, version, abort_all_requests, shown)
+            ok, message = await self._swap(prepared, version, abort_all_requests, shown)
             if ok:
                 self.model_path = model_path
                 log.info("weights updated to version %d from %s", version, directory.name)
@@ -427,40 +406,39 @@ class EngineService:
         directory, e.g. a broadcast) as ``version``: checked, prepared while decoding, swapped
         between two decode steps; on any failure the old weights stay."""
         async with self._update_lock:
-            return await self._stage_and_swap(state, version, abort_all_requests, clip(source))
+            try:
+                prepared = await asyncio.to_thread(self._staging.prepare_state, self.runner.model, state)
+            except PreparationRefused as exc:
+                return False, f"refused {clip(source)}: {clip(str(exc), 1000)}"
+            return await self._swap(prepared, version, abort_all_requests, clip(source))
 
-    async def _stage_and_swap(
-        self, state: dict[str, torch.Tensor], version: int, abort_all_requests: bool, shown: str
+    async def _swap(
+        self, prepared: Prepared, version: int, abort_all_requests: bool, shown: str
     ) -> tuple[bool, str]:
-        """Prepare the new weights beside the served ones while decoding goes on, then swap.
+        """Serve what the preparer made ready, between two decode steps.
 
-        Everything that costs time (the checks, rounding to bf16, the pool's quantization, the cast
-        to the compute dtype) runs on a worker thread into the staging copy
-        (:class:`weights_io.StagedWeights`) while the scheduler keeps stepping the live model; the
-        scheduler then runs only the swap between two decode steps: one pointer exchange per
-        parameter, the version and the KV-cache scales.  So the pause an update causes is the swap
-        (about a millisecond), not the load (``bench/weight_sync.py`` measures both).
+        The preparation (reading, checking, rounding to bf16, the pool's quantization, the cast to
+        the compute dtype) ran in the preparer process (:mod:`mixrl.rl.engine.staging`) while the
+        scheduler kept stepping the live model; the scheduler runs only the swap: one pointer
+        exchange per parameter, the version and the KV-cache scales.  So the pause an update causes
+        is the swap (about a millisecond), not the load (``bench/weight_sync.py`` measures both).
         """
-        scale_tensors = {k: v for k, v in state.items() if weights_io.is_kv_scale_key(k)}
-        state = {k: v for k, v in state.items() if k not in scale_tensors}
         try:
-            kv_scales = self._kv_scales(scale_tensors)
-            report = await self._in_background(self._staging.prepare, self.runner.model, state)
+            kv_scales = self._kv_scales(prepared.kv_scale_tensors)
         except ValueError as exc:
             return False, f"refused {shown}: {clip(str(exc), 1000)}"
         if abort_all_requests:
             self.sched.abort_all("aborted for a weight update")
-        new_version = version
 
         def swap() -> None:
             started = time.perf_counter()
             self._staging.swap_into(self.runner.model)
-            self.runner.weight_version = new_version
+            self.runner.weight_version = version
             self.runner.kv_scales = kv_scales
             self.last_swap_s = time.perf_counter() - started
 
         await self.sched.control(swap)
-        self.quantization = report
+        self.quantization = prepared.report
         return True, f"Succeeded to update model weights to version {version}."
 
     async def set_weight_version(self, version: int, abort_all_requests: bool) -> None:
@@ -520,25 +498,6 @@ class EngineService:
                 "mean_relative_error": report.get("mean_relative_error"),
             },
         }
-
-
-PREPARE_SWITCH_INTERVAL_S = 0.0005
-"""The GIL switch interval while a weight version is prepared beside decoding (Python's default
-is 5 ms: each of a decode step's few hundred GIL hand-backs could wait that long)."""
-
-
-PREPARE_NICE = 5
-"""The preparation thread's nice value.  Where decoding keeps a core busy (the torch engine on CPU)
-the scheduler then gives preparation about a quarter of that core (weights 335 against 1024), so
-decode steps slow by about that much while a version is prepared, and preparation takes about
-four times its idle time; on an engine whose decoding runs on a GPU the CPU is idle and this costs
-nothing.  19 would leave decoding untouched but starve preparation to about 1.5 % of a core."""
-
-
-def _yield_to_decoding() -> None:
-    """Lower the calling thread's CPU priority (Linux schedules threads one by one)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREPARE_NICE)
 
 
 def _eos_ids(model: torch.nn.Module) -> set[int]:

@@ -7,10 +7,7 @@ linear weights (embeddings, LM head, norms and the MoE router stay in bf16, see 
 The model then computes in ``compute_dtype`` (float32 by default on CPU: activations are not rounded
 to bf16, only the weights are).  Nothing is re-quantized per step.
 
-A weight update is prepared while the engine serves (:class:`StagedWeights`): the new version is
-loaded and brought to the pool's precision in a second copy of the parameters, and the served
-model then takes that copy's tensors in one pointer exchange per parameter between two decode
-steps.  The price is memory: the engine holds its weights twice, from its start.
+A weight update is prepared the same way, while the engine serves, by :mod:`mixrl.rl.engine.staging`.
 
 FP8 KV-cache scales: one (k_scale, v_scale) pair per layer.  A checkpoint may carry them as tensors
 named ``...layers.<i>.self_attn.k_scale`` / ``v_scale`` (also ``...k_proj.k_scale``, as ModelOpt
@@ -19,7 +16,6 @@ exports write them); otherwise they are 1.0, SGLang's default.
 
 from __future__ import annotations
 
-import copy
 import re
 from pathlib import Path
 
@@ -90,45 +86,3 @@ def check_state_dict(model: nn.Module, state: dict[str, Tensor]) -> None:
             )
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"{name}: contains NaN or infinity")
-
-
-class StagedWeights:
-    """A second copy of the model's parameters, where the next version is prepared while the live
-    copy serves; :meth:`swap_into` then exchanges the two copies' tensors (double buffering).
-
-    :meth:`prepare` runs on any thread but one at a time (the service holds its update lock), and
-    never touches the live model's tensors except to read their names and shapes;
-    :meth:`swap_into` runs on the model's thread between two steps.  After a swap the staging copy
-    holds the previous version, which the next :meth:`prepare` overwrites in place.
-    """
-
-    def __init__(self, live: nn.Module, weight_precision: str, compute_dtype: torch.dtype) -> None:
-        self.weight_precision = weight_precision
-        self.compute_dtype = compute_dtype
-        # Made when the engine starts, not at its first update: a deep copy is Python work that
-        # holds the GIL, which would stall the decode thread for a moment in the middle of serving.
-        self._model = copy.deepcopy(live)
-        self._ready = False
-
-    @torch.no_grad()
-    def prepare(self, live: nn.Module, state: dict[str, Tensor]) -> dict:
-        """Check ``state`` against the live model (ValueError naming the first problem) and load it,
-        at the pool's precision, into the staging copy; returns the quantization report."""
-        check_state_dict(live, state)
-        self._ready = False
-        self._model.to(torch.float32)
-        self._model.load_state_dict(state, strict=True)  # copies into the float32 tensors, converting
-        report = apply_precision_(self._model, self.weight_precision, self.compute_dtype)
-        self._ready = True
-        return report
-
-    @torch.no_grad()
-    def swap_into(self, live: nn.Module) -> None:
-        """Give ``live`` the prepared tensors (and the staging copy the served ones)."""
-        if not self._ready:
-            raise RuntimeError("swap_into: nothing prepared")
-        staged = dict(self._model.named_parameters())
-        for name, param in live.named_parameters():
-            twin = staged[name]
-            param.data, twin.data = twin.data, param.data
-        self._ready = False

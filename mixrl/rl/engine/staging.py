@@ -1,0 +1,238 @@
+"""Preparing the next weight version while the engine decodes, in a process of its own.
+
+A weight update costs reading the version (a delta chain rebuilt, every file hashed), checking it,
+rounding it to BF16, quantizing it to the pool's precision and casting it to the compute dtype:
+seconds for a large model.  Done on a thread of the engine's process, that work shares the GIL
+with the decode thread, which takes the GIL back after every kernel: a decode step of a few hundred
+kernels then waits for the GIL a few hundred times, and the steps while a version is prepared took
+two to seven times their length (``bench/weight_sync.py``; a lower thread priority made it worse,
+since a preempted thread holding the GIL holds it longer).  So a **preparer process** does it, into
+a second copy of the parameters in shared memory, and the engine then takes that copy's tensors in
+one pointer exchange per parameter between two decode steps (:meth:`StagedWeights.swap_into`).
+Decoding shares only the CPU with the preparation, never the GIL.
+
+The copies: the staging tensors are allocated in shared memory at the first update (none before:
+an engine that is never updated holds its weights once); after a swap they serve, and the tensors
+that served become the staging copy (moved to shared memory at the next update, once).  The
+preparer builds the model's structure on the ``meta`` device from its config (no weights) and
+points its parameters at the staging tensors it is handed with each request, so the same
+:func:`~mixrl.rl.engine.weights_io.apply_precision_` runs there as at start-up.
+
+The preparer starts at the first update (a process importing torch: seconds, off the decode path)
+and is restarted if it dies; an update it cannot prepare is refused with its one line and the
+served weights stay.  Shared memory is ``/dev/shm``: engine pods mount a memory-backed volume there
+(the container default, 64 MiB, holds no model).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.queues
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from mixrl.rl.engine import weights_io
+from mixrl.rl.weights import WeightStoreError, load_checkpoint_dir
+
+log = logging.getLogger(__name__)
+
+ANSWER_POLL_S = 1.0
+"""How often the engine checks that the preparer is alive while it waits for an answer."""
+
+
+class PreparationRefused(ValueError):
+    """The version cannot be served (missing, corrupt, not this model's); one line."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    report: dict
+    """The quantization report (apply_precision_'s)."""
+    manifest_version: object
+    """The version the checkpoint's manifest names (None for a state handed over directly)."""
+    kv_scale_tensors: dict[str, Tensor]
+    """The checkpoint's FP8 KV-cache scales, if it has any."""
+
+
+class StagedWeights:
+    """The engine's side: the staging tensors, the preparer process, the swap."""
+
+    def __init__(self, config: PretrainedConfig, weight_precision: str, compute_dtype: torch.dtype) -> None:
+        self.config = config
+        self.weight_precision = weight_precision
+        self.compute_dtype = compute_dtype
+        self._staging: dict[str, Tensor] = {}
+        self._ready = False
+        self._process: Any = None
+        self._requests: multiprocessing.queues.Queue[Any] | None = None
+        self._answers: multiprocessing.queues.Queue[Any] | None = None
+
+    # -------------------------------------------------------------------- preparing (any thread)
+    def prepare_dir(self, live: nn.Module, directory: str) -> Prepared:
+        """Load, check and prepare the checkpoint at ``directory`` into the staging tensors."""
+        return self._prepare(live, ("dir", directory))
+
+    def prepare_state(self, live: nn.Module, state: dict[str, Tensor]) -> Prepared:
+        """Check and prepare ``state`` (tensors received by other means, e.g. a broadcast)."""
+        shared = {name: t.detach().contiguous().share_memory_() for name, t in state.items()}
+        return self._prepare(live, ("state", shared))
+
+    def _prepare(self, live: nn.Module, source: tuple[str, Any]) -> Prepared:
+        self._ready = False
+        targets = self._staging_tensors(live)
+        self._ensure_process()
+        assert self._requests is not None and self._answers is not None
+        self._requests.put((source, targets))
+        answer = self._wait_answer()
+        if answer[0] != "ok":
+            raise PreparationRefused(answer[1])
+        _, report, manifest_version, scales = answer
+        self._ready = True
+        return Prepared(report, manifest_version, scales)
+
+    def _staging_tensors(self, live: nn.Module) -> dict[str, Tensor]:
+        """One shared-memory tensor per parameter of ``live`` (same shape and dtype), allocated
+        where the staging copy has none yet or holds a tensor that is not shared."""
+        for name, param in live.named_parameters():
+            held = self._staging.get(name)
+            if held is None or not held.is_shared() or held.shape != param.shape or held.dtype != param.dtype:
+                self._staging[name] = torch.empty_like(param.data).share_memory_()
+        return dict(self._staging)
+
+    def _ensure_process(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            return
+        context = mp.get_context("spawn")
+        self._requests, self._answers = context.Queue(), context.Queue()
+        self._process = context.Process(
+            target=serve_preparations,
+            args=(
+                self.config,
+                self.weight_precision,
+                self.compute_dtype,
+                torch.get_num_threads(),
+                self._requests,
+                self._answers,
+            ),
+            name="mixrl-weights-preparer",
+            daemon=True,
+        )
+        self._process.start()
+        log.info("weight preparer started (pid %d)", self._process.pid)
+
+    def _wait_answer(self) -> tuple[Any, ...]:
+        assert self._answers is not None
+        while True:
+            try:
+                answer: tuple[Any, ...] = self._answers.get(timeout=ANSWER_POLL_S)
+                return answer
+            except queue.Empty:
+                if not self._process.is_alive():
+                    code = self._process.exitcode
+                    self._process = None  # the next update starts a new one
+                    raise PreparationRefused(f"the weight preparer died (exit code {code})") from None
+
+    # -------------------------------------------------------------------- the swap (model thread)
+    @torch.no_grad()
+    def swap_into(self, live: nn.Module) -> None:
+        """Give ``live`` the prepared tensors; the staging copy keeps the ones that served."""
+        if not self._ready:
+            raise RuntimeError("swap_into: nothing prepared")
+        for name, param in live.named_parameters():
+            param.data, self._staging[name] = self._staging[name], param.data
+        self._ready = False
+
+    def close(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            assert self._requests is not None
+            self._requests.put(None)
+            self._process.join(timeout=5)
+            if self._process.is_alive():
+                self._process.kill()
+        self._process = None
+
+
+# ------------------------------------------------------------------------------- the preparer
+
+
+def skeleton(config: PretrainedConfig) -> nn.Module:
+    """The model's structure without weights (parameters on ``meta``); it never runs, so the
+    engine's own attention (registered in the engine's process only) is not asked for."""
+    with torch.device("meta"):
+        model: nn.Module = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return model
+
+
+def prepare_into(
+    model: nn.Module,
+    targets: dict[str, Tensor],
+    state: dict[str, Tensor],
+    weight_precision: str,
+    compute_dtype: torch.dtype,
+) -> tuple[dict, dict[str, Tensor]]:
+    """Check ``state`` against ``model``'s structure, then load it into ``targets`` at the pool's
+    precision (in place); returns the quantization report and the KV-cache scale tensors."""
+    scales = {k: v.clone() for k, v in state.items() if weights_io.is_kv_scale_key(k)}
+    weights = {k: v for k, v in state.items() if k not in scales}
+    weights_io.check_state_dict(model, weights)
+    bound = bind_parameters(model, targets)
+    try:
+        with torch.no_grad():
+            model.load_state_dict(weights, strict=True)  # copies into the targets, converting
+            report = weights_io.apply_precision_(model, weight_precision, compute_dtype)
+    finally:
+        for module, key, original in bound:  # no reference to the engine's memory between requests
+            module._parameters[key] = original
+    return report, scales
+
+
+def bind_parameters(
+    model: nn.Module, targets: dict[str, Tensor]
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Make each parameter of ``model`` (on ``meta``) a parameter over its target tensor, tied
+    parameters (one object in two modules) staying tied; returns what to put back."""
+    missing = sorted({name for name, _ in model.named_parameters()} - set(targets))
+    if missing:
+        raise ValueError(f"no staging tensor for {missing[0]!r}")
+    over = {id(p): nn.Parameter(targets[name], requires_grad=False) for name, p in model.named_parameters()}
+    bound: list[tuple[nn.Module, str, nn.Parameter]] = []
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and id(param) in over:
+                bound.append((module, key, param))
+                module._parameters[key] = over[id(param)]
+    return bound
+
+
+def serve_preparations(
+    config: PretrainedConfig,
+    weight_precision: str,
+    compute_dtype: torch.dtype,
+    threads: int,
+    requests: multiprocessing.queues.Queue[Any],
+    answers: multiprocessing.queues.Queue[Any],
+) -> None:
+    """The preparer process: one request at a time until ``None``."""
+    torch.set_num_threads(max(threads, 1))
+    model = skeleton(config)
+    while (request := requests.get()) is not None:
+        (kind, payload), targets = request
+        try:
+            if kind == "dir":
+                state, manifest = load_checkpoint_dir(payload, verify=True)
+                named = manifest.get("version")
+            else:
+                state, named = payload, None
+            report, scales = prepare_into(model, targets, state, weight_precision, compute_dtype)
+        except (WeightStoreError, OSError, ValueError, RuntimeError) as exc:
+            answers.put(("refused", str(exc)))
+        else:
+            answers.put(("ok", report, named, scales))
+        finally:
+            del targets
