@@ -211,9 +211,10 @@ PROCESS_LIMIT_MIB = 2048
 warm start or a step's activations come on top."""
 CPU_TRAINING_BYTES_PER_PARAMETER = 4 + 4 + 8 + 2
 """A trainer on CPUs: FP32 weights and gradients, AdamW's two FP32 moments, the BF16 copy it publishes."""
-CPU_SERVING_BYTES_PER_PARAMETER = 4 + 4 + 2
-"""The torch engine on CPUs: the served FP32 weights, the staging copy where the next version is
-prepared while they serve (docs/engine.md), and that version's BF16 tensors while it is loaded."""
+CPU_SERVING_BYTES_PER_PARAMETER = 4 + 4 + 2 + 2
+"""The torch engine on CPUs: the served FP32 weights, the staging copy where its preparer process
+readies the next version while they serve (docs/engine.md), that version's BF16 tensors while they
+are loaded, and the last version kept to rebuild the next from its delta (mixrl/rl/weights.py)."""
 HEADROOM = 1.25
 
 
