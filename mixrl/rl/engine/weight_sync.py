@@ -155,8 +155,10 @@ UNLABELLED_VERSION = 0
 """What :meth:`EngineClient.get_weight_version` reads from an engine started without a version
 (SGLang's ``default``)."""
 
-POLL_S = 10.0
-"""How often a settled sidecar checks the weight store for a new version (``--poll``'s default)."""
+POLL_S = 2.0
+"""How often a settled sidecar checks the weight store for a new version (``--poll``'s default):
+a listing of one directory, cheap even on a shared filesystem; it bounds the wait between a publish
+and the start of each engine's update (the engine then prepares the version while it decodes)."""
 
 UNSETTLED_POLL_S = 0.5
 """How often the sidecar looks at an engine that is not up or not labelled yet (cheap: loopback)."""
