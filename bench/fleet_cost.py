@@ -12,8 +12,17 @@ The homogeneous fleet's B200 replicas serve at the example's B200 NVFP4 capacity
 to change it: a BF16 B200 fleet serves less per GPU, which the seed's fleet may have been).  A model
 of the fleet, not a measurement of GPUs: the capacities and prices are the example's assumptions.
 
-    python bench/fleet_cost.py            # 4 simulated hours, about 1 min on 2 cores
-    python bench/fleet_cost.py --hours 1  # quicker
+Weight updates pause each pool by how its engines take a version (``mixrl.sim.weight_pause``): the
+example's pools are all SGLang on the disk path, paused for the whole load (assumed 20 s per update,
+no GPU measurement).  ``--pause-compare`` runs only the part the pause affects — both fleets' $/update,
+steps/h and ``paused_share`` — under the model before issue #29 (every pool 20 s), today's per-pool
+pause, BF16 pools on the trainer's broadcast, and every pool staged as mixrl's torch engine swaps
+(``PAUSE_DECODE_STEPS`` of a decode step, measured by ``bench/weight_sync.py``), side by side; the
+B200-only fleet at the example's NVFP4 capacity and as a BF16 fleet (``BF16_B200_CAPACITY``).
+
+    python bench/fleet_cost.py                  # 4 simulated hours, about 1 min on 2 cores
+    python bench/fleet_cost.py --hours 1        # quicker
+    python bench/fleet_cost.py --pause-compare  # the weight-update pause, before and after
 """
 
 from __future__ import annotations
@@ -26,18 +35,82 @@ from pathlib import Path
 
 from mixrl.sim.fleet import FleetPool
 from mixrl.sim.simulate import fleet_from_spec
-from mixrl.sim.trainer_coupled import Strategy, TrainerRun, simulate_run, static_sized_to_trainer
+from mixrl.sim.trainer_coupled import RunResult, Strategy, TrainerRun, simulate_run, static_sized_to_trainer
+from mixrl.sim.weight_pause import OLD_MODEL, WeightPause
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "rlrun-mixed.yaml"
+BF16_B200_CAPACITY = 3.2 / 1.5
+"""A BF16 B200 replica: the example's NVFP4 capacity over its FP8 → BF16 step (docs/benchmarks.md)."""
+PAUSES: tuple[tuple[str, WeightPause], ...] = (
+    ("old: every pool 20 s", OLD_MODEL),
+    ("per pool (SGLang disk 20 s assumed)", WeightPause()),
+    ("per pool + BF16 broadcast", WeightPause(broadcast=True)),
+    ("every pool staged (what-if)", WeightPause(staged_everywhere=True)),
+)
+"""``--pause-compare``'s weight-update pause models, in the order printed."""
 
 
-def b200_fleet(pools: list[FleetPool], capacity: float | None) -> list[FleetPool]:
+def b200_fleet(
+    pools: list[FleetPool], capacity: float | None, precision: str | None = None
+) -> list[FleetPool]:
     """B200 pools only: the example's B200 pool, with room for the whole demand."""
     b200 = next(p for p in pools if p.gpu_type == "B200")
     return [
-        replace(b200, name="b200-only", capacity=capacity or b200.capacity, min_replicas=0, max_replicas=256)
+        replace(
+            b200,
+            name="b200-only",
+            capacity=capacity or b200.capacity,
+            min_replicas=0,
+            max_replicas=256,
+            weight_precision=precision or b200.weight_precision,
+        )
     ]
+
+
+def sized_run(pools: list[FleetPool], run: TrainerRun) -> tuple[RunResult, dict[str, int]]:
+    """The static fleet sized to ``run`` (its pauses included) and its run."""
+    sized = static_sized_to_trainer(pools, run)
+    return simulate_run(pools, run, Strategy("static", "static", static_replicas=sized)), sized
+
+
+def pause_compare(pools: list[FleetPool], run: TrainerRun) -> int:
+    """Both fleets under each weight-update pause model (``PAUSES``), in one run."""
+    started = time.monotonic()
+    fleets = (
+        ("mixed", pools),
+        ("B200 NVFP4", b200_fleet(pools, None)),
+        (f"B200 BF16 {BF16_B200_CAPACITY:.2f}", b200_fleet(pools, BF16_B200_CAPACITY, "bf16")),
+    )
+    print(f"decode step {run.decode_step_s * 1000:g} ms (sessions_per_capacity / tokens_per_s_per_capacity)")
+    print(
+        f"{'pause model':<37} {'fleet':<15} {'$/update':>9} {'steps/h':>8} {'paused':>7}  {'pause s':<14} replicas"
+    )
+    rows: dict[str, dict[str, RunResult]] = {}
+    for label, pause in PAUSES:
+        moved = replace(run, pause=pause)
+        rows[label] = {}
+        for name, fleet in fleets:
+            result, sized = sized_run(fleet, moved)
+            rows[label][name] = result
+            seconds = sorted(
+                {
+                    round(float(s), 3)
+                    for s, p in zip(moved.pause_seconds(fleet), fleet, strict=True)
+                    if sized.get(p.name)
+                }
+            )
+            used = ", ".join(f"{pool} {n}" for pool, n in sized.items() if n)
+            print(
+                f"{label:<37} {name:<15} {result.cost_per_step:>9.3f} {result.steps_per_hour:>8.2f} "
+                f"{result.extra['paused_share']:>7.2%}  {'/'.join(f'{s:g}' for s in seconds):<14} {used}"
+            )
+    print(f"\n{'pause model':<37} " + " ".join(f"{'mixed ÷ ' + n:>22}" for n, _ in fleets[1:]))
+    for label, results in rows.items():
+        ratios = [results["mixed"].cost_per_step / results[n].cost_per_step for n, _ in fleets[1:]]
+        print(f"{label:<37} " + " ".join(f"{r:>22.3f}" for r in ratios))
+    print(f"\n({time.monotonic() - started:.0f} s; {run.hours:g} simulated hours per run)")
+    return 0
 
 
 def cost_per_step(pools: list[FleetPool], run: TrainerRun) -> tuple[float, float, float, dict[str, int]]:
@@ -59,9 +132,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hours", type=float, default=4.0, help="simulated hours per run")
     parser.add_argument("--b200-capacity", type=float, default=None, help="capacity of a B200 replica")
+    parser.add_argument(
+        "--pause-compare",
+        action="store_true",
+        help="only the weight-update pause: old 20 s and per pool, side by side",
+    )
     args = parser.parse_args()
     pools, _, _, _ = fleet_from_spec(str(EXAMPLE))
     run = TrainerRun(hours=args.hours)
+    if args.pause_compare:
+        return pause_compare(pools, run)
     started = time.monotonic()
     mixed = cost_per_step(pools, run)
     homogeneous = cost_per_step(b200_fleet(pools, args.b200_capacity), run)

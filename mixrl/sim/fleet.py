@@ -12,8 +12,16 @@ of concurrent sessions, eight pools) that a laptop cannot host.  It is a model, 
 - The router assigns each new session to a pool in proportion to its ready capacity and keeps it
   there.  Prometheus scrapes every ``scrape_interval_s``; the policy sees the last scrape.
 - New replicas are ready after the pool's cold start (±10 %); a removed replica stops billing at
-  once and its running requests finish (drain).  Weight updates pause serving for
-  ``weight_update_s`` every ``weight_update_every_s``.
+  once and its running requests finish (drain).  Every ``weight_update_every_s`` a weight update
+  pauses each pool by how its engines take a version (``Workload.pause``,
+  :class:`mixrl.sim.weight_pause.WeightPause`): SGLang on the disk path stops serving for the whole
+  load (assumed 20 s), a staged engine (mixrl's torch engine; a BF16 pool on the broadcast) for
+  two of its decode steps.  A request streams ``tokens_per_request`` tokens over its exponential
+  service time (mean ``mean_service_s``), so a decode step lasts ``mean_service_s /
+  tokens_per_request`` (20 ms with the defaults).  A pause shorter than the one-second tick slows
+  that tick's completions by its share (the service hazard times the unpaused share); only a
+  tick paused whole also admits nothing.  ``weight_update_s`` set: every pool pauses that long
+  (the model before issue #29).
 - Time advances in steps of one second; counts move with binomial draws, so a simulated day takes
   seconds.  Everything is deterministic for a seed.
 """
@@ -36,6 +44,7 @@ from mixrl.operator.autoscaling.policy import (
     budget_step,
     decide,
 )
+from mixrl.sim.weight_pause import WeightPause, decode_step_s, paused_fraction
 
 MAX_WAIT_BIN_S = 4 * 3600
 
@@ -64,6 +73,10 @@ class FleetPool:
     min_replicas: int
     max_replicas: int
     cold_start_s: float
+    engine: str = "sglang"
+    """``sglang`` or ``torch``: with the precision, how its engines take a weight version
+    (:meth:`mixrl.sim.weight_pause.WeightPause.mode`)."""
+    weight_precision: str = "bf16"
 
 
 @dataclass(frozen=True)
@@ -76,9 +89,24 @@ class Workload:
     tokens_per_request: float = 600.0
     slots_per_capacity: int = 24
     weight_update_every_s: float = 900.0
-    weight_update_s: float = 20.0
+    weight_update_s: float | None = None
+    """Set: every pool pauses this long per update (the model before issue #29, 20 s).  None: per
+    pool, from ``pause``."""
+    pause: WeightPause = field(default_factory=WeightPause)
     warmup_s: int = 1800
     """Leading seconds simulated (at the first value of ``sessions``) but left out of the results."""
+
+    @property
+    def decode_step_s(self) -> float:
+        """One decode step: a running request gains ``tokens_per_request / mean_service_s`` tokens
+        per second, one per step."""
+        return decode_step_s(self.tokens_per_request / self.mean_service_s)
+
+    def pause_seconds(self, pools: Sequence[FleetPool]) -> np.ndarray:
+        """Seconds each pool serves nothing per weight update."""
+        if self.weight_update_s is not None:
+            return np.full(len(pools), float(self.weight_update_s))
+        return self.pause.per_pool(pools, self.decode_step_s)
 
 
 @dataclass(frozen=True)
@@ -203,11 +231,15 @@ class _Fleet:
                 fifo.append([now, int(counts[i])])
         self.queued += counts
 
-    def admit(self, now: int, histogram: np.ndarray) -> tuple[int, float]:
-        """Start queued requests where slots are free; returns (admitted, total wait)."""
+    def admit(self, now: int, histogram: np.ndarray, serving: np.ndarray | None = None) -> tuple[int, float]:
+        """Start queued requests where slots are free (on the ``serving`` pools; default all);
+        returns (admitted, total wait)."""
         free = self.ready * self.slots - self.running
         admitted, wait_sum = 0, 0.0
-        for i in np.flatnonzero((free > 0) & (self.queued > 0)):
+        open_ = (free > 0) & (self.queued > 0)
+        if serving is not None:
+            open_ &= serving
+        for i in np.flatnonzero(open_):
             room = int(min(free[i], self.queued[i]))
             fifo, taken = self.fifo[i], 0
             while taken < room:
@@ -255,7 +287,8 @@ class _Fleet:
         self.desired[i] = target
         self.actions.append((float(now), pool.name, current, target))
 
-    def poll(self, now: int, updating: bool) -> None:
+    def poll(self, now: int, updating: np.ndarray) -> None:
+        """One poll of the policy; ``updating``: per pool, whether a weight update pauses it."""
         configs = self.strategy.configs
         assert configs is not None
         starting = self.n_starting()
@@ -269,7 +302,7 @@ class _Fleet:
                 replicas=int(self.desired[i]),
                 ready=int(self.ready[i]),
                 starting=int(starting[i]),
-                updating_weights=updating,
+                updating_weights=bool(updating[i]),
             )
             decision = decide(load, self.states[pool.name], configs[pool.name], float(now))
             self.states[pool.name] = decision.state
@@ -299,7 +332,7 @@ class _Fleet:
                     self.strategy.gpu_budget,
                 )
                 target = allocation.replicas
-                if updating and target < self.desired[i]:
+                if updating[i] and target < self.desired[i]:
                     target = int(self.desired[i])  # never remove a replica mid-update
                 decided[pool.name] = target
         for i, pool in enumerate(self.pools):
@@ -341,6 +374,8 @@ def simulate(
     started = finished = alive_start = 0
     interval_admitted, interval_wait = 0, 0.0
     every = workload.weight_update_every_s
+    pause_s = workload.pause_seconds(pools)
+    n_pools = len(pools)
     next_report = time.perf_counter() + 1.0
     if progress is not None:
         progress(strategy.name, 0.0, float(total))
@@ -350,7 +385,12 @@ def simulate(
         recording = now >= 0
         if now == 0:
             alive_start = int(fleet.alive.sum())
-        updating = every > 0 and now > 0 and (now % every) < workload.weight_update_s
+        # The share of this second each pool's weight update pauses (updates start at multiples
+        # of ``every``; a pause shorter than a second pauses that share of it).
+        paused = paused_fraction(pause_s, now % every) if every > 0 and now > 0 else np.zeros(n_pools)
+        updating = paused > 0
+        whole = bool((paused >= 1).all())
+        partial = not whole and bool(updating.any())
 
         for i, pending in enumerate(fleet.starting):
             while pending and pending[0] <= now:
@@ -361,8 +401,13 @@ def simulate(
         fleet.tool -= back
         fleet.enqueue(back, now)
 
-        if not updating:
-            done = fleet.rng.binomial(fleet.running, p_done)
+        if not whole:
+            if partial:
+                # A pool paused for part of the second completes at its unpaused share's hazard.
+                p_pool = 1.0 - np.exp(-(1.0 - paused) / workload.mean_service_s)
+                done = fleet.rng.binomial(fleet.running, p_pool)
+            else:
+                done = fleet.rng.binomial(fleet.running, p_done)
             fleet.running -= done
             ended = fleet.rng.binomial(done, p_end)
             fleet.tool += done - ended
@@ -379,8 +424,10 @@ def simulate(
             if recording:
                 started += deficit
 
-        if not updating:
-            admitted, waited = fleet.admit(now, histogram if recording else warmup_histogram)
+        if not whole:
+            admitted, waited = fleet.admit(
+                now, histogram if recording else warmup_histogram, paused < 1 if partial else None
+            )
             if recording:
                 requests += admitted
                 wait_total += waited

@@ -106,6 +106,8 @@ def fleet_from_spec(path: str) -> tuple[list[FleetPool], PolicyConfig, dict[str,
                 min_replicas=pool.min_replicas,
                 max_replicas=pool.max_replicas,
                 cold_start_s=COLD_START_S[pool.gpu_type],
+                engine=pool.engine,
+                weight_precision=pool.weight_precision,
             )
         )
         configs[pool.name] = PolicyConfig.from_spec(resolved.autoscaling, pool)

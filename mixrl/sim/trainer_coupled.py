@@ -21,8 +21,18 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
   cold start (±10 %); a removed replica stops at once (its sessions go back to the router).
 - **Trainer**: takes ``step_size`` trajectories (oldest first) once they are buffered, computes for
   ``step_seconds`` (a schedule: the trainer rate may change mid-run), publishes a version; every
-  pool then pauses ``weight_update_s`` to load it.  Staleness of a trajectory = the trainer's
-  version when it is consumed − the version its session started under.
+  pool then pauses to take it, for as long as its engines stop generating
+  (``TrainerRun.pause_seconds``, :class:`mixrl.sim.weight_pause.WeightPause`): an SGLang pool on
+  the disk path for the whole load (assumed 20 s: no GPU measurement), a staged pool (mixrl's torch
+  engine; a BF16 pool on the trainer's broadcast) for ``pause_decode_steps`` decode steps.  The
+  model's decode step is ``sessions_per_capacity / tokens_per_s_per_capacity`` (16 ms with the
+  defaults): a replica of capacity ``c`` runs ``sessions_per_capacity · c`` sessions at
+  ``tokens_per_s_per_capacity · c`` tokens/s, each session one token per step, and with fewer
+  sessions each still gets the same rate, so the step is the same for every pool and load.  A
+  pause shorter than the one-second tick removes that share of the tick's generation and is billed
+  as paused for that share (``paused_share``).  ``weight_update_s`` set: every pool pauses that
+  long (the model before issue #29).  Staleness of a trajectory = the trainer's version when it is
+  consumed − the version its session started under.
 - **Capacity loss**: at ``loss_at_s`` the spot pool loses ``loss_fraction`` of its nodes: replicas
   beyond the nodes left die, and new ones beyond them stay Pending (no node) until ``back_at_s``.
   Pending pods without a node are not billed.
@@ -65,6 +75,7 @@ from mixrl.operator.autoscaling.policy import (
 )
 from mixrl.rl.router.shares import balanced_after_refresh, drain_step, rebalance_destination
 from mixrl.sim.fleet import FleetPool, count_reversals
+from mixrl.sim.weight_pause import WeightPause, decode_step_s, paused_fraction
 
 RATE_WINDOW_S = 300
 THROUGHPUT_WINDOW_S = 300
@@ -79,7 +90,10 @@ class TrainerRun:
     max_steps_ahead: float = 2.0
     step_seconds: tuple[tuple[float, float], ...] = ((0.0, 120.0),)
     """(from second, trainer compute seconds per step), in time order."""
-    weight_update_s: float = 20.0
+    weight_update_s: float | None = None
+    """Set: every pool pauses this long per weight update (the model before issue #29: 20 s).
+    None: per pool, from ``pause``."""
+    pause: WeightPause = field(default_factory=WeightPause)
     tokens_per_trajectory: tuple[float, float] = (4000.0, 5000.0)
     """At the start and at the end of the run (linear growth between)."""
     length_noise: float = 0.05
@@ -96,6 +110,19 @@ class TrainerRun:
     trainer_price_per_gpu_hour: float = 0.0
     """Dollars per trainer GPU-hour (``simulate.trainer_from_spec``: the price table the operator's
     live status bills the trainer at)."""
+
+    @property
+    def decode_step_s(self) -> float:
+        """The model's decode step: one session's token rate is ``tokens_per_s_per_capacity /
+        sessions_per_capacity`` (a replica's rate over its sessions at saturation, and the same per
+        session below it), one token per step."""
+        return decode_step_s(self.tokens_per_s_per_capacity / self.sessions_per_capacity)
+
+    def pause_seconds(self, pools: Sequence[FleetPool]) -> np.ndarray:
+        """Seconds each pool generates nothing per weight update."""
+        if self.weight_update_s is not None:
+            return np.full(len(pools), float(self.weight_update_s))
+        return self.pause.per_pool(pools, self.decode_step_s)
 
     def step_seconds_at(self, t: float) -> float:
         current = self.step_seconds[0][1]
@@ -246,7 +273,8 @@ def simulate_run(
     buffered = 0.0
     version = 0
     trainer_busy_until: float | None = None
-    pause_until = -math.inf
+    pause_s = run.pause_seconds(pools)
+    pause_start = -math.inf  # the second the latest weight update's pause began
     total = run.warmup_s + int(run.hours * 3600)
     noise = np.exp(rng.normal(0.0, run.length_noise, total // 60 + 2))
 
@@ -351,16 +379,16 @@ def simulate_run(
         # generation
         length = np.interp(max(now, 0), [0, run.hours * 3600], run.tokens_per_trajectory) * noise[tick // 60]
         done = np.zeros(n)
-        # Whether this second is a weight update's: read before the trainer below may start one,
-        # so the second that generated is not billed as paused too.
-        paused = now < pause_until
-        if not paused:
+        # The share of this second each pool's weight update pauses: read before the trainer below
+        # may start one, so the second that generated is not billed as paused too.
+        paused = paused_fraction(pause_s, now - pause_start)
+        if (paused < 1).any():
             busy = np.minimum(1.0, sessions / np.maximum(ready_cap * run.sessions_per_capacity, 1e-9))
-            tokens = ready_cap * run.tokens_per_s_per_capacity * busy
+            tokens = ready_cap * run.tokens_per_s_per_capacity * busy * (1.0 - paused)
             progress += tokens / length
             if recording:
                 generated += float(tokens.sum())
-            done = np.minimum(np.floor(progress), np.floor(sessions))
+            done = np.where(paused < 1, np.minimum(np.floor(progress), np.floor(sessions)), 0.0)
             progress -= done
             for i in np.flatnonzero(done).tolist():
                 for v, c in _take(session_versions[i], done[i]):
@@ -373,8 +401,8 @@ def simulate_run(
         if trainer_busy_until is not None and now >= trainer_busy_until:
             trainer_busy_until = None
             version += 1
-            # This second generated already: the pause is the next weight_update_s seconds.
-            pause_until = now + 1 + run.weight_update_s
+            # This second generated already: the pause starts with the next one.
+            pause_start = now + 1
             all_steps.append(now)
             if recording:
                 steps += 1
@@ -400,8 +428,8 @@ def simulate_run(
         if recording:
             cost += float((billed * price).sum())
             billed_capacity_s += float((billed * cap).sum())
-            if paused:
-                paused_capacity_s += float((billed * cap).sum())
+            if paused.any():
+                paused_capacity_s += float((billed * cap * paused).sum())
             used = int((desired * gpus).sum())
             gpus_max = max(gpus_max, used)
             if gpu_budget is not None and used > gpu_budget:
@@ -430,7 +458,8 @@ def simulate_run(
         if strategy.kind != "static" and tick % strategy.poll_s == 0:
             targets = _poll(
                 strategy, pools, desired, ready, starting, per_pool_load, per_pool_throughput, signals,
-                states, objective_memory, now, pause_until > now, gpu_budget, load_scrapes, ready_scrapes,
+                states, objective_memory, now, now < pause_start + pause_s, gpu_budget, load_scrapes,
+                ready_scrapes,
             )  # fmt: skip
             if strategy.kind == "trainer":
                 targets, objective_memory, recommended = targets
@@ -561,7 +590,7 @@ def _poll(
     states: dict[str, PolicyState],
     memory: ObjectiveMemory,
     now: float,
-    updating: bool,
+    updating: np.ndarray,
     gpu_budget: int | None,
     load_scrapes: deque[np.ndarray],
     ready_scrapes: deque[np.ndarray],
@@ -579,7 +608,7 @@ def _poll(
                 replicas=int(desired[i]),
                 ready=int(ready[i]),
                 starting=len(starting[i]),
-                updating_weights=updating,
+                updating_weights=bool(updating[i]),
             )
             decision = decide(observed, states[p.name], strategy.configs[p.name], now)
             states[p.name] = decision.state
@@ -621,7 +650,7 @@ def _poll(
                 load=float(mean_load[i]),
                 busy_share=float(busy_share[i]),
                 stuck=stuck,
-                floor=int(desired[i]) if updating else 0,
+                floor=int(desired[i]) if updating[i] else 0,
                 ceiling=ceiling,
             )
         )
@@ -638,18 +667,29 @@ def _poll(
 
 def static_sized_to_trainer(pools: Sequence[FleetPool], run: TrainerRun) -> dict[str, int]:
     """A fixed fleet sized to the trainer at the start (the AReaL / verl way): the capacity whose
-    saturated throughput equals the trainer's consumption, on the cheapest capacity first."""
+    saturated throughput equals the trainer's consumption, on the cheapest capacity first.
+
+    Engines generate nothing while they take a version, so a pool's capacity counts for the share
+    of a step it is not paused (``run.pause_seconds``); the cheapest is per such capacity.  Never
+    more capacity than the rollout's concurrency keeps busy."""
     step_s = run.step_seconds_at(0.0)
     need_tokens = run.step_size / step_s * run.tokens_per_trajectory[0]
-    # Engines generate nothing while they load a version: weight_update_s of every step.
-    need = need_tokens / run.tokens_per_s_per_capacity / max(1e-9, 1 - run.weight_update_s / step_s)
-    need = min(need, run.concurrency / run.sessions_per_capacity)
+    need = need_tokens / run.tokens_per_s_per_capacity
+    limit = run.concurrency / run.sessions_per_capacity
+    serving = {
+        p.name: max(1e-9, 1 - float(s) / step_s) for p, s in zip(pools, run.pause_seconds(pools), strict=True)
+    }
     out = {p.name: p.min_replicas for p in pools}
     have = sum(p.min_replicas * p.capacity for p in pools)
-    for pool in sorted(pools, key=lambda p: p.gpus_per_replica * p.cost_per_gpu_hour / p.capacity):
-        while have < need - 1e-9 and out[pool.name] < pool.max_replicas:
+    useful = sum(p.min_replicas * p.capacity * serving[p.name] for p in pools)
+    order = sorted(
+        pools, key=lambda p: p.gpus_per_replica * p.cost_per_gpu_hour / (p.capacity * serving[p.name])
+    )
+    for pool in order:
+        while useful < need - 1e-9 and have < limit - 1e-9 and out[pool.name] < pool.max_replicas:
             out[pool.name] += 1
             have += pool.capacity
+            useful += pool.capacity * serving[pool.name]
     return out
 
 
