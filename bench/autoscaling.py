@@ -3,8 +3,10 @@
     .venv/bin/python bench/autoscaling.py [--plots docs/img] [--quick]
 
 The run: 128 prompts × 8 samples = 1,024 trajectories per step, rollout concurrency 4 × 256,
-``maxStepsAhead`` 2, a 20 s weight update after every step, 4,000-token trajectories, 1,000
-tokens/s per unit of capacity (mixrl/sim/trainer_coupled.py has the model).  Sweeps:
+``maxStepsAhead`` 2, a weight update after every step, 4,000-token trajectories, 1,000 tokens/s
+per unit of capacity (mixrl/sim/trainer_coupled.py has the model).  The example's pools are all
+SGLang on the disk path, so each update pauses every pool for the whole load: 20 s, an assumption
+(``mixrl.sim.weight_pause``).  Sweeps:
 
 1. trainer step time 60 / 120 / 240 s (sampler-bound by the concurrency, balanced, trainer-bound);
 2. rollout concurrency 512 / 1,024 / 2,048 at 120 s;
@@ -21,6 +23,11 @@ samplers' alone, and the run's total with the trainer's GPUs (4 nodes × 8 H200 
 steady runs ``mixrl`` costs at most 1.05× static's sampler dollars per step at ≥ 0.95× its steps/h
 with 0 reversals; on the changing runs it makes more steps/h than static at a lower total (trainer +
 sampler) cost per step.
+
+``--pause-compare`` runs only what the weight-update pause moves — runs 2, 7 and 8 for ``mixrl`` and
+``static`` — under the model before issue #29 (every pool 20 s), BF16 pools on the trainer's
+broadcast, and every pool staged as mixrl's torch engine swaps (two decode steps, measured by
+``bench/weight_sync.py``), side by side.
 
 ``--legacy`` runs the earlier web-traffic benchmark (load step, steady noise, a simulated day).
 """
@@ -48,6 +55,7 @@ from mixrl.sim.simulate import (
     summary,
     trainer_from_spec,
 )
+from mixrl.sim.weight_pause import OLD_MODEL, WeightPause
 
 SPEC = "examples/rlrun-mixed.yaml"
 SCRAPE_S = 15
@@ -339,6 +347,55 @@ def run_sweeps(seed: int, plots: Path | None, hours: float, quiet: bool = False)
     return 0 if all(verdicts) else 1
 
 
+PAUSE_RUNS = ("steady, 120 s steps", "loss + longer responses", "trainer 120 → 80 s at 1/2")
+"""``--pause-compare``'s runs: the steady reference and the two changing runs the docs decompose."""
+PAUSES: tuple[tuple[str, WeightPause], ...] = (
+    ("old: every pool 20 s", OLD_MODEL),
+    ("per pool + BF16 broadcast", WeightPause(broadcast=True)),
+    ("every pool staged (what-if)", WeightPause(staged_everywhere=True)),
+)
+"""The pause models compared.  Today's per-pool model without the broadcast is the first row on
+this fleet: every pool is SGLang on the disk path, assumed 20 s."""
+
+
+def pause_compare(seed: int, hours: float) -> int:
+    """mixrl and static on ``PAUSE_RUNS`` under each of ``PAUSES``, in one run."""
+    started = time.perf_counter()
+    pools, _, configs, _ = fleet_from_spec(SPEC)
+    trainer_gpus, trainer_price = trainer_from_spec(SPEC)
+    runs = {name: run for _, name, run in scenarios(hours) if name in PAUSE_RUNS}
+    print(f"decode step {BASE_RUN.decode_step_s * 1000:g} ms; {hours:g} h per run, seed {seed}")
+    header = (
+        f"{'run':<27} {'pause model':<29} {'strategy':<8} {'steps/h':>7} {'sampler $/step':>14} "
+        f"{'total $/step':>12} {'paused':>7} {'idle':>6}"
+    )
+    print(header)
+    for name, base in runs.items():
+        for label, pause in PAUSES:
+            run = replace(
+                base, pause=pause, trainer_gpus=trainer_gpus, trainer_price_per_gpu_hour=trainer_price
+            )
+            results = {
+                s.name: ts.simulate_run(pools, run, s, seed=seed)
+                for s in strategies(pools, configs, run)
+                if s.name in ("mixrl", "static")
+            }
+            for strategy, r in results.items():
+                print(
+                    f"{name:<27} {label:<29} {strategy:<8} {r.steps_per_hour:>7.2f} {r.cost_per_step:>14.3f} "
+                    f"{r.total_cost_per_step:>12.3f} {r.extra['paused_share']:>7.2%} {r.idle_share:>6.1%}"
+                )
+            ours, static = results["mixrl"], results["static"]
+            print(f"{'':<27} {'':<29} mixrl vs static: " + cost_breakdown(ours, static))
+            print(
+                f"  ({time.perf_counter() - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
 def _plot_sweeps(table: dict[str, list[dict]], timelines: dict[str, ts.RunResult], directory: Path) -> None:
     import matplotlib
 
@@ -395,10 +452,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="2 h runs instead of 4 h (a smoke test)")
     parser.add_argument("--legacy", action="store_true", help="the web-traffic benchmark instead")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument(
+        "--pause-compare", action="store_true", help="runs 2, 7, 8: old 20 s pause against per-pool pauses"
+    )
     args = parser.parse_args(argv)
     if args.seeds <= 0:
         print(f"--seeds: must be > 0, got {args.seeds}", file=sys.stderr)
         return 2
+    if args.pause_compare:
+        return pause_compare(args.seed, 2.0 if args.quick else 4.0)
     if not args.legacy:
         return run_sweeps(args.seed, args.plots, 2.0 if args.quick else 4.0, quiet=args.quiet)
     started = time.perf_counter()
