@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mixrl.local.processes import EngineProcess
 from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.engine.staging import PreparationRefused, Prepared, StagedWeights
 from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
@@ -121,3 +124,41 @@ async def test_decoding_continues_while_the_next_version_is_prepared(
     assert versions[0] == 0 and versions[-1] == 1
     assert versions == sorted(versions)  # one switch, between two tokens
     assert 0 < service.last_swap_s < 0.1
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+async def test_the_preparer_ends_with_an_engine_killed_outright(dense_path: str, tmp_path: Path) -> None:
+    store = WeightStore(str(tmp_path / "store"))
+    config = json.loads((Path(dense_path) / "config.json").read_text())
+    store.publish(1, load_file(Path(dense_path) / "model.safetensors"), {"step": 1}, config)
+    extra = ["--weight-root", str(tmp_path)]
+    with EngineProcess(dense_path, extra_args=extra) as engine:
+        async with EngineClient(engine.url) as client:
+            assert (await client.update_weights_from_disk(store.path(1), 1))["success"]
+        engine_pid = engine.server.process.pid
+        # Beside the preparer, the engine has multiprocessing's resource tracker, which ends when
+        # its pipe closes.
+        [preparer] = [
+            pid for pid in _children(engine_pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        os.kill(engine_pid, signal.SIGKILL)  # no exit handler runs
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{preparer}").exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert (
+            not Path(f"/proc/{preparer}").exists()
+            or "Z" in Path(f"/proc/{preparer}/stat").read_text().split()[2]
+        )

@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.queues
+import os
 import queue
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +213,18 @@ def bind_parameters(
     return bound
 
 
+PARENT_CHECK_S = 1.0
+
+
+def exit_with_parent(parent: int) -> None:
+    """End this process once its parent has: an engine killed outright (SIGKILL, OOM) runs no exit
+    handler that would stop its daemon children, and a preparer left behind holds a model's worth of
+    memory."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
+
+
 def serve_preparations(
     config: PretrainedConfig,
     weight_precision: str,
@@ -218,7 +233,8 @@ def serve_preparations(
     requests: multiprocessing.queues.Queue[Any],
     answers: multiprocessing.queues.Queue[Any],
 ) -> None:
-    """The preparer process: one request at a time until ``None``."""
+    """The preparer process: one request at a time until ``None``, or until its engine is gone."""
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(max(threads, 1))
     model = skeleton(config)
     while (request := requests.get()) is not None:
