@@ -64,13 +64,24 @@ class Prepared:
 
 
 class StagedWeights:
-    """The engine's side: the staging tensors, the preparer process, the swap."""
+    """The engine's side: the staging tensors, the preparer process, the swap.
+
+    Each shared tensor gets a number and is handed to the preparer once (handing over a tensor
+    passes a file descriptor through a Python thread of this process, a few hundred per model:
+    done per update, that Python work held the GIL long enough to delay a decode step); each
+    request then names by number the tensors to write into.
+    """
 
     def __init__(self, config: PretrainedConfig, weight_precision: str, compute_dtype: torch.dtype) -> None:
         self.config = config
         self.weight_precision = weight_precision
         self.compute_dtype = compute_dtype
-        self._staging: dict[str, Tensor] = {}
+        self._staging: dict[str, tuple[int | None, Tensor]] = {}
+        """Per parameter: the staging tensor and its number (None: not shared, not the preparer's)."""
+        self._live_ids: dict[str, int | None] = {}
+        self._next_id = 0
+        self._handed: set[int] = set()
+        """Numbers of the tensors the running preparer holds."""
         self._ready = False
         self._process: Any = None
         self._requests: multiprocessing.queues.Queue[Any] | None = None
@@ -88,31 +99,46 @@ class StagedWeights:
 
     def _prepare(self, live: nn.Module, source: tuple[str, Any]) -> Prepared:
         self._ready = False
-        targets = self._staging_tensors(live)
+        fresh = self._allocate(live)
         self._ensure_process()
         assert self._requests is not None and self._answers is not None
-        self._requests.put((source, targets))
+        targets = {name: number for name, (number, _) in self._staging.items()}
+        handles = {
+            number: tensor
+            for number, tensor in self._staging.values()
+            if number is not None and number not in self._handed
+        }
+        self._requests.put((source, targets, handles))
+        self._handed.update(handles)
         answer = self._wait_answer()
         if answer[0] != "ok":
             raise PreparationRefused(answer[1])
         _, report, manifest_version, scales = answer
+        for tensor in fresh:  # map the preparer's pages here now, not in the first decode step after the swap
+            tensor.sum()
         self._ready = True
         return Prepared(report, manifest_version, scales)
 
-    def _staging_tensors(self, live: nn.Module) -> dict[str, Tensor]:
-        """One shared-memory tensor per parameter of ``live`` (same shape and dtype), allocated
-        where the staging copy has none yet or holds a tensor that is not shared."""
+    def _allocate(self, live: nn.Module) -> list[Tensor]:
+        """A new shared tensor (without copying anything) for each parameter whose staging tensor
+        is missing or not shared (the tensors that served before the first swap); returns them."""
+        fresh = []
         for name, param in live.named_parameters():
-            held = self._staging.get(name)
-            if held is None or not held.is_shared() or held.shape != param.shape or held.dtype != param.dtype:
-                self._staging[name] = torch.empty_like(param.data).share_memory_()
-        return dict(self._staging)
+            number, held = self._staging.get(name, (None, None))
+            if number is None or held is None or held.shape != param.shape or held.dtype != param.dtype:
+                storage = torch.UntypedStorage._new_shared(param.numel() * param.element_size())
+                tensor = torch.empty(0, dtype=param.dtype).set_(storage, 0, param.shape, param.stride())
+                self._staging[name] = (self._next_id, tensor)
+                self._next_id += 1
+                fresh.append(tensor)
+        return fresh
 
     def _ensure_process(self) -> None:
         if self._process is not None and self._process.is_alive():
             return
         context = mp.get_context("spawn")
         self._requests, self._answers = context.Queue(), context.Queue()
+        self._handed = set()
         self._process = context.Process(
             target=serve_preparations,
             args=(
@@ -148,7 +174,10 @@ class StagedWeights:
         if not self._ready:
             raise RuntimeError("swap_into: nothing prepared")
         for name, param in live.named_parameters():
-            param.data, self._staging[name] = self._staging[name], param.data
+            number, tensor = self._staging[name]
+            self._staging[name] = (self._live_ids.get(name), param.data)
+            self._live_ids[name] = number
+            param.data = tensor
         self._ready = False
 
     def close(self) -> None:
@@ -237,8 +266,11 @@ def serve_preparations(
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     torch.set_num_threads(max(threads, 1))
     model = skeleton(config)
+    held: dict[int, Tensor] = {}  # the engine's two shared copies, by number, handed over once each
     while (request := requests.get()) is not None:
-        (kind, payload), targets = request
+        (kind, payload), numbers, handles = request
+        held.update(handles)
+        targets = {name: held[number] for name, number in numbers.items()}
         try:
             if kind == "dir":
                 state, manifest = load_checkpoint_dir(payload, verify=True)
