@@ -37,10 +37,11 @@ PAUSED: Final = "paused"
 UpdateMode = Literal["staged", "paused"]
 
 PAUSE_DECODE_STEPS = 2.0
-"""Extra delay of a staged update, in decode steps of the pool.  ``bench/weight_sync.py`` (torch
-engines under streamed decode load, the staged pass): the longest gap between two tokens of one
-request while an update runs is about 2–3 median decode steps on a loaded 2-core CPU, so the swap
-delays a token by at most about two steps beyond the one it would have taken anyway."""
+"""Extra delay of a staged update, in decode steps of the pool.  ``bench/weight_sync.py`` (two torch
+engines of a Qwen3-0.6B-shaped model under streamed decode load, the staged pass, f45943d): the gap
+between two tokens that spans the swap is 1.0–2.0 median decode steps (p50 1.5), a step slowed by
+the preparation sharing the 2 cores, so at most about one step beyond the one it would have taken
+anyway; 2.0 keeps a margin."""
 
 SGLANG_DISK_PAUSE_S = 20.0
 """Assumption, not a measurement: seconds an SGLang engine on the disk path generates nothing per

@@ -2,14 +2,12 @@
 
 A weight update costs reading the version (a delta chain rebuilt, every file hashed), checking it,
 rounding it to BF16, quantizing it to the pool's precision and casting it to the compute dtype:
-seconds for a large model.  Done on a thread of the engine's process, that work shares the GIL
-with the decode thread, which takes the GIL back after every kernel: a decode step of a few hundred
-kernels then waits for the GIL a few hundred times, and the steps while a version is prepared took
-two to seven times their length (``bench/weight_sync.py``; a lower thread priority made it worse,
-since a preempted thread holding the GIL holds it longer).  So a **preparer process** does it, into
-a second copy of the parameters in shared memory, and the engine then takes that copy's tensors in
-one pointer exchange per parameter between two decode steps (:meth:`StagedWeights.swap_into`).
-Decoding shares only the CPU with the preparation, never the GIL.
+seconds for a large model.  On a thread of the engine's process that work would share the GIL with
+the decode thread, which hands the GIL back and takes it again around every kernel, so a decode
+step would also wait for Python work of the preparation.  A **preparer process** does it instead,
+into a second copy of the parameters in shared memory, and the engine then takes that copy's
+tensors in one pointer exchange per parameter between two decode steps
+(:meth:`StagedWeights.swap_into`).  Decoding shares only the CPU with the preparation.
 
 The copies: the staging tensors are allocated in shared memory at the first update (none before:
 an engine that is never updated holds its weights once); after a swap they serve, and the tensors
@@ -67,9 +65,8 @@ class StagedWeights:
     """The engine's side: the staging tensors, the preparer process, the swap.
 
     Each shared tensor gets a number and is handed to the preparer once (handing over a tensor
-    passes a file descriptor through a Python thread of this process, a few hundred per model:
-    done per update, that Python work held the GIL long enough to delay a decode step); each
-    request then names by number the tensors to write into.
+    passes a file descriptor through a Python thread of this process: a few hundred per model, so
+    not on every update); each request then names by number the tensors to write into.
     """
 
     def __init__(self, config: PretrainedConfig, weight_precision: str, compute_dtype: torch.dtype) -> None:
