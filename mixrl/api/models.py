@@ -515,7 +515,7 @@ class WeightsSpec(Model):
     """StorageClass of that volume; it must offer ReadWriteMany (the trainer writes, engines on other
     nodes read: NFS, CephFS, EFS, Filestore, Azure Files…). Null: the operator's default (the chart's
     weights.storageClassName), else the cluster's default class."""
-    broadcast: bool = False
+    broadcast: Bool = False
     """Also broadcast each new version from the trainer to the engines of its own precision (BF16
     pools) over a process group (SGLang's ``update_weights_from_distributed``) instead of their
     reading it from the store; the store keeps every version and any failure falls back to it.
