@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -32,7 +32,6 @@ from mixrl.rl.tiny_models import load_model
 from mixrl.rl.weights import MANIFEST, MAX_VERSION
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
