@@ -420,7 +420,7 @@ class EngineService:
         the compute dtype) ran in the preparer process (:mod:`mixrl.rl.engine.staging`) while the
         scheduler kept stepping the live model; the scheduler runs only the swap: one pointer
         exchange per parameter, the version and the KV-cache scales.  So the pause an update causes
-        is the swap (about a millisecond), not the load (``bench/weight_sync.py`` measures both).
+        is the swap (one pointer exchange per parameter; kept as ``last_swap_s``), not the load (``bench/weight_sync.py`` measures both).
         """
         try:
             kv_scales = self._kv_scales(prepared.kv_scale_tensors)
