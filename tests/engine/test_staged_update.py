@@ -24,12 +24,13 @@ from .conftest import VOCAB, reference_model, serve_in_process
 SLOW_PREPARE_S = 0.6
 
 
+@pytest.mark.parametrize("preparer", ["process", "auto"])
 def test_the_preparer_fills_the_staging_copy_and_the_swap_exchanges_the_tensors(
-    dense_path: str, tmp_path: Path
+    dense_path: str, tmp_path: Path, preparer: str
 ) -> None:
     live = load_model(dense_path)
     other = create_tiny_checkpoint(tmp_path / "v1", "qwen3", vocab_size=VOCAB, seed=7)
-    staged = StagedWeights(live.config, "fp8", torch.float32)
+    staged = StagedWeights(live.config, "fp8", torch.float32, preparer)
     try:
         before = {name: p.data_ptr() for name, p in live.named_parameters()}
         served = {name: p.clone() for name, p in live.named_parameters()}
@@ -41,14 +42,17 @@ def test_the_preparer_fills_the_staging_copy_and_the_swap_exchanges_the_tensors(
     try:
         prepared = staged.prepare_state(live, load_file(Path(other) / "model.safetensors"))
         assert prepared.manifest_version is None
-        # the preparer worked in its own process, on other memory: the served weights are untouched
+        # a model of a few MiB is prepared on the calling thread unless a process is asked for
+        assert staged.preparer == ("thread" if preparer == "auto" else "process")
+        assert (staged._process is not None) == (preparer == "process")
+        # the preparer worked on other memory: the served weights are untouched
         assert {name: p.data_ptr() for name, p in live.named_parameters()} == before
         assert all(torch.equal(p, served[name]) for name, p in live.named_parameters())
         staged.swap_into(live)
         expected = reference_model(other, "fp8")
         for (name, got), (_, want) in zip(live.named_parameters(), expected.named_parameters(), strict=True):
             assert torch.equal(got, want), name
-            assert got.is_shared()
+            assert got.is_shared() == (preparer == "process")
         with pytest.raises(RuntimeError, match="nothing prepared"):
             staged.swap_into(live)  # one swap per prepared version
     finally:
@@ -60,7 +64,7 @@ def test_a_bad_state_is_refused_by_the_preparer_and_a_dead_preparer_is_replaced(
     state = {k: v.clone() for k, v in live.state_dict().items()}
     key = next(k for k in state if k.endswith("q_proj.weight"))
     state[key][0, 0] = float("nan")
-    staged = StagedWeights(live.config, "bf16", torch.float32)
+    staged = StagedWeights(live.config, "bf16", torch.float32, "process")
     try:
         with pytest.raises(PreparationRefused, match="NaN"):
             staged.prepare_state(live, state)
@@ -144,7 +148,7 @@ async def test_the_preparer_ends_with_an_engine_killed_outright(dense_path: str,
     store = WeightStore(str(tmp_path / "store"))
     config = json.loads((Path(dense_path) / "config.json").read_text())
     store.publish(1, load_file(Path(dense_path) / "model.safetensors"), {"step": 1}, config)
-    extra = ["--weight-root", str(tmp_path)]
+    extra = ["--weight-root", str(tmp_path), "--weight-preparer", "process"]
     with EngineProcess(dense_path, extra_args=extra) as engine:
         async with EngineClient(engine.url) as client:
             assert (await client.update_weights_from_disk(store.path(1), 1))["success"]

@@ -68,10 +68,11 @@ async def test_update_mid_generation_labels_later_tokens_with_the_new_version(
     updated = asyncio.Event()
 
     async def keep_generating(prompt: list[int]) -> list[list[int]]:
-        """Generations one after another until the update is in (its preparation takes a while)."""
+        """Generations one after another until the update is in (each long: past the end-of-text
+        token a greedy generation of the tiny model may choose within a few tokens)."""
         runs = []
         while not updated.is_set():
-            result = await client.generate(prompt, max_new_tokens=400, temperature=0.0)
+            result = await client.generate(prompt, max_new_tokens=400, temperature=0.0, ignore_eos=True)
             runs.append([r.weight_version for r in result.records])
         return runs
 

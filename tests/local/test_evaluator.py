@@ -33,7 +33,9 @@ def test_the_bf16_evaluator_survives_a_kill_and_evaluates_each_named_version(
         "samplesPerTask": 2,
         "tasks": 16,
     }
-    doc["spec"]["weights"] = {"keepVersions": 1}  # without the trainer's protection v2 and v4 would go
+    # Without the trainer's protection v2 and v4 would go.  A snapshot per version: with deltas every
+    # version's chain back to its snapshot is kept as well (weights.snapshotEvery), which this is not about.
+    doc["spec"]["weights"] = {"keepVersions": 1, "snapshotEvery": 1}
     spec.write_text(yaml.safe_dump(doc, sort_keys=False))
     run_dir = tmp_path / "run"
     process = subprocess.Popen(

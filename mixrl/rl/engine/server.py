@@ -58,6 +58,7 @@ from mixrl.rl.engine.protocol import (
 )
 from mixrl.rl.engine.scheduler import PAUSE_MODES
 from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService, parse_version
+from mixrl.rl.engine.staging import PREPARERS
 from mixrl.rl.engine.text import TokenizerError
 from mixrl.rl.engine.version_gate import (
     CONFLICT,
@@ -479,6 +480,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--skip-tokenizer-init", action="store_true", help="token-in/token-out only; text requests get 400"
     )
+    p.add_argument(
+        "--weight-preparer",
+        choices=PREPARERS,
+        default="auto",
+        help="where a weight update is prepared while decoding: a process of its own, a thread of "
+        "the engine, or auto (the process from 256 MiB of parameters)",
+    )
     add_auth_arguments(p)
     p.add_argument("--log-level", default="info")
     return p
@@ -506,6 +514,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_request_mib=args.max_request_mib,
         tokenizer_path=args.tokenizer_path,
         skip_tokenizer_init=args.skip_tokenizer_init,
+        weight_preparer=args.weight_preparer,
     )
 
 

@@ -24,7 +24,7 @@ from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response,
 from mixrl.rl.engine.runner import ModelRunner, Sequence
 from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.engine.scheduler import Scheduler
-from mixrl.rl.engine.staging import PreparationRefused, Prepared, StagedWeights
+from mixrl.rl.engine.staging import PREPARERS, PreparationRefused, Prepared, StagedWeights
 from mixrl.rl.engine.stats import EngineStats, FinishedRequest
 from mixrl.rl.engine.text import load_codec
 from mixrl.rl.quant import WEIGHT_FORMATS
@@ -64,6 +64,8 @@ class EngineConfig:
     """The tokenizer for text in and out; "": the model path, if it holds one (as SGLang)."""
     skip_tokenizer_init: bool = False
     """Token-in/token-out only, as SGLang's --skip-tokenizer-init."""
+    weight_preparer: str = "auto"
+    """Where weight updates are prepared while decoding: process, thread or auto (by model size)."""
 
     def __post_init__(self) -> None:
         if self.weight_precision not in WEIGHT_FORMATS:
@@ -80,6 +82,10 @@ class EngineConfig:
             raise ValueError("max_running_requests: must be >= 1")
         if self.sampling_mask_max_tokens < 1:
             raise ValueError("sampling_mask_max_tokens: must be >= 1")
+        if self.weight_preparer not in PREPARERS:
+            raise ValueError(
+                f"weight_preparer: must be one of {', '.join(PREPARERS)}, got {self.weight_preparer!r}"
+            )
         if self.prefix_cache_max_tokens < 0:
             raise ValueError(f"prefix_cache_max_tokens: must be >= 0, got {self.prefix_cache_max_tokens}")
 
@@ -176,7 +182,9 @@ class EngineService:
             prefix_cache_tokens=(config.prefix_cache_max_tokens or max_total) if config.radix_cache else 0,
         )
         self.runner = runner
-        self._staging = StagedWeights(model.config, config.weight_precision, self.compute_dtype)
+        self._staging = StagedWeights(
+            model.config, config.weight_precision, self.compute_dtype, config.weight_preparer
+        )
         self.codec = load_codec(
             config.model_path, config.tokenizer_path or None, config.skip_tokenizer_init, runner.vocab_size
         )

@@ -20,10 +20,16 @@ The preparer starts at the first update (a process importing torch: seconds, off
 and is restarted if it dies; an update it cannot prepare is refused with its one line and the
 served weights stay.  Shared memory is ``/dev/shm``: engine pods mount a memory-backed volume there
 (the container default, 64 MiB, holds no model).
+
+A small model is prepared on a thread of the engine instead (``--weight-preparer``: ``auto``, the
+default, picks the thread below :data:`PROCESS_PREPARER_MIN_BYTES` of parameters): its whole
+preparation takes the GIL for milliseconds, less than a second interpreter importing torch costs
+in seconds and memory.  Both ways write the same staging copy and swap it the same way.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import multiprocessing.queues
 import os
@@ -45,6 +51,15 @@ log = logging.getLogger(__name__)
 
 ANSWER_POLL_S = 1.0
 """How often the engine checks that the preparer is alive while it waits for an answer."""
+
+PREPARERS = ("auto", "process", "thread")
+"""Where the next version is prepared: ``process`` (a preparer process), ``thread`` (the calling
+thread of the engine), ``auto`` (the process from :data:`PROCESS_PREPARER_MIN_BYTES` on)."""
+
+PROCESS_PREPARER_MIN_BYTES = 256 * 2**20
+"""From this many bytes of parameters ``auto`` prepares in a process.  Below it (the test models,
+a few MiB) a preparation holds the GIL for milliseconds; a 596 M-parameter model's takes seconds
+(bench/weight_sync.py), which on a thread would stretch the decode steps it overlaps."""
 
 
 class PreparationRefused(ValueError):
@@ -69,10 +84,22 @@ class StagedWeights:
     not on every update); each request then names by number the tensors to write into.
     """
 
-    def __init__(self, config: PretrainedConfig, weight_precision: str, compute_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        weight_precision: str,
+        compute_dtype: torch.dtype,
+        preparer: str = "auto",
+    ) -> None:
+        if preparer not in PREPARERS:
+            raise ValueError(f"preparer: must be one of {', '.join(PREPARERS)}, got {preparer!r}")
         self.config = config
         self.weight_precision = weight_precision
         self.compute_dtype = compute_dtype
+        self.preparer = preparer
+        """As asked; ``auto`` is resolved at the first update, from the model's size."""
+        self._skeleton: nn.Module | None = None
+        """The thread preparer's model structure (built at its first update)."""
         self._staging: dict[str, tuple[int | None, Tensor]] = {}
         """Per parameter: the staging tensor and its number (None: not shared, not the preparer's)."""
         self._live_ids: dict[str, int | None] = {}
@@ -91,12 +118,19 @@ class StagedWeights:
 
     def prepare_state(self, live: nn.Module, state: dict[str, Tensor]) -> Prepared:
         """Check and prepare ``state`` (tensors received by other means, e.g. a broadcast)."""
-        shared = {name: t.detach().contiguous().share_memory_() for name, t in state.items()}
-        return self._prepare(live, ("state", shared))
+        if self.preparer != "thread":  # auto resolves to the process for the sizes a broadcast serves
+            state = {name: t.detach().contiguous().share_memory_() for name, t in state.items()}
+        return self._prepare(live, ("state", state))
 
     def _prepare(self, live: nn.Module, source: tuple[str, Any]) -> Prepared:
         self._ready = False
-        fresh = self._allocate(live)
+        if self.preparer == "auto":
+            size = sum(p.numel() * p.element_size() for p in live.parameters())
+            self.preparer = "process" if size >= PROCESS_PREPARER_MIN_BYTES else "thread"
+            log.info("weights prepared on a %s (%.0f MiB of parameters)", self.preparer, size / 2**20)
+        if self.preparer == "thread":
+            return self._prepare_here(live, source)
+        fresh = self._allocate(live, shared=True)
         self._ensure_process()
         assert self._requests is not None and self._answers is not None
         targets = {name: number for name, (number, _) in self._staging.items()}
@@ -116,13 +150,35 @@ class StagedWeights:
         self._ready = True
         return Prepared(report, manifest_version, scales)
 
-    def _allocate(self, live: nn.Module) -> list[Tensor]:
-        """A new shared tensor (without copying anything) for each parameter whose staging tensor
-        is missing or not shared (the tensors that served before the first swap); returns them."""
+    def _prepare_here(self, live: nn.Module, source: tuple[str, Any]) -> Prepared:
+        """The thread preparer: the same preparation, on the calling thread."""
+        self._allocate(live, shared=False)
+        if self._skeleton is None:
+            self._skeleton = skeleton(self.config)
+        targets = {name: tensor for name, (_, tensor) in self._staging.items()}
+        answer = prepare_request(self._skeleton, source, targets, self.weight_precision, self.compute_dtype)
+        if answer[0] != "ok":
+            raise PreparationRefused(answer[1])
+        _, report, manifest_version, scales = answer
+        self._ready = True
+        return Prepared(report, manifest_version, scales)
+
+    def _allocate(self, live: nn.Module, shared: bool) -> list[Tensor]:
+        """A new tensor (without copying anything) for each parameter whose staging tensor is
+        missing, or for the process preparer not shared (the tensors that served before its first
+        swap); returns them."""
         fresh = []
         for name, param in live.named_parameters():
             number, held = self._staging.get(name, (None, None))
-            if number is None or held is None or held.shape != param.shape or held.dtype != param.dtype:
+            if (
+                held is None
+                or (shared and number is None)
+                or held.shape != param.shape
+                or held.dtype != param.dtype
+            ):
+                if not shared:
+                    self._staging[name] = (None, torch.empty_like(param.data))
+                    continue
                 storage = torch.UntypedStorage._new_shared(param.numel() * param.element_size())
                 tensor = torch.empty(0, dtype=param.dtype).set_(storage, 0, param.shape, param.stride())
                 self._staging[name] = (self._next_id, tensor)
@@ -192,9 +248,13 @@ class StagedWeights:
 
 def skeleton(config: PretrainedConfig) -> nn.Module:
     """The model's structure without weights (parameters on ``meta``); it never runs, so the
-    engine's own attention (registered in the engine's process only) is not asked for."""
+    engine's own attention (registered in the engine's process only) is not asked for.  Built from
+    a copy of ``config``: ``from_config`` writes the attention it chose into the config it is given,
+    which for the thread preparer is the serving model's own."""
     with torch.device("meta"):
-        model: nn.Module = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        model: nn.Module = AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation="eager"
+        )
     return model
 
 
@@ -265,19 +325,29 @@ def serve_preparations(
     model = skeleton(config)
     held: dict[int, Tensor] = {}  # the engine's two shared copies, by number, handed over once each
     while (request := requests.get()) is not None:
-        (kind, payload), numbers, handles = request
+        source, numbers, handles = request
         held.update(handles)
         targets = {name: held[number] for name, number in numbers.items()}
-        try:
-            if kind == "dir":
-                state, manifest = load_checkpoint_dir(payload, verify=True)
-                named = manifest.get("version")
-            else:
-                state, named = payload, None
-            report, scales = prepare_into(model, targets, state, weight_precision, compute_dtype)
-        except (WeightStoreError, OSError, ValueError, RuntimeError) as exc:
-            answers.put(("refused", str(exc)))
+        answers.put(prepare_request(model, source, targets, weight_precision, compute_dtype))
+        del targets
+
+
+def prepare_request(
+    model: nn.Module,
+    source: tuple[str, Any],
+    targets: dict[str, Tensor],
+    weight_precision: str,
+    compute_dtype: torch.dtype,
+) -> tuple[Any, ...]:
+    """One preparation: ``("ok", report, the manifest's version, KV scales)`` or ``("refused", why)``."""
+    kind, payload = source
+    try:
+        if kind == "dir":
+            state, manifest = load_checkpoint_dir(payload, verify=True)
+            named = manifest.get("version")
         else:
-            answers.put(("ok", report, named, scales))
-        finally:
-            del targets
+            state, named = payload, None
+        report, scales = prepare_into(model, targets, state, weight_precision, compute_dtype)
+    except (WeightStoreError, OSError, ValueError, RuntimeError) as exc:
+        return ("refused", str(exc))
+    return ("ok", report, named, scales)
