@@ -74,7 +74,7 @@ def step_benchmark(pools, configs, seed: int, plots: Path | None) -> bool:
     keda = simulate(
         pools,
         workload,
-        Strategy("keda", configs=keda_configs(pools, configs), sustained_window_s=None),
+        Strategy("keda", configs=keda_configs(pools, configs), sustained_window_s=None, reads_pods=False),
         seed=seed,
     )
     config = next(iter(configs.values()))
@@ -116,7 +116,7 @@ def steady_benchmark(pools, configs, seeds: int) -> bool:
         keda = simulate(
             pools,
             workload,
-            Strategy("keda", configs=keda_configs(pools, configs), sustained_window_s=None),
+            Strategy("keda", configs=keda_configs(pools, configs), sustained_window_s=None, reads_pods=False),
             seed=seed,
         )
         per_seed.append((seed, ours.flaps(), keda.flaps(), len(ours.actions), len(keda.actions)))
@@ -221,7 +221,7 @@ def strategies(pools, configs, run: ts.TrainerRun) -> list[ts.Strategy]:
     return [
         ts.Strategy("mixrl", "trainer", configs=configs, objective=ts.objective_config(run)),
         ts.Strategy("queue", "queue", configs=configs),
-        ts.Strategy("keda", "queue", configs=keda_configs(pools, configs), sustained=False),
+        ts.Strategy("keda", "queue", configs=keda_configs(pools, configs), sustained=False, reads_pods=False),
         ts.Strategy("static", "static", static_replicas=ts.static_sized_to_trainer(pools, run)),
     ]
 

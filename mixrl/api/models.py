@@ -552,9 +552,11 @@ class AutoscalingSpec(Model):
     """Total GPUs all pools may use together, filled by cost per token; null = no shared budget. It
     must cover the pools' minimums (the sum of minReplicas x gpusPerReplica)."""
     pending_timeout_seconds: Float | None = Field(default=600.0, gt=0, le=MAX_SECONDS)
-    """Replicas requested but not ready this long, with none becoming ready, are released and the
-    pool may not grow for as long again (a spot pool that lost its nodes): another pool takes the
-    load. null = wait forever."""
+    """Replicas the cluster reports as unable to start (unschedulable with no node on its way, an
+    image that cannot be pulled, a crash loop) are released at once, and the pool may not grow for
+    this long (a spot pool that lost its nodes): another pool takes the load. A cold start is waited
+    for however long it takes. Only where the operator cannot read the pool's pods, replicas not
+    ready this long, with none becoming ready, count as stuck. null = no growth block and no clock."""
     objective: Literal["queue", "trainer"] = "queue"
     """``queue``: each pool keeps targetPerReplica requests per replica (web-serving style). ``trainer``:
     size the whole fleet to the trainer: the cheapest sampler capacity that keeps the trainer's idle

@@ -155,6 +155,9 @@ class SamplerPoolStatus(PoolFigures):
     """The most recent scaling decisions, newest last."""
     autoscaler_window: list[ScaleRecommendation] = Field(default_factory=list)
     """The built-in autoscaler's scale-down window (written by it, read back after a restart)."""
+    cold_start_seconds: float | None = None
+    """The pool's cold start as learned by the built-in autoscaler: the median, over its ready
+    pods, of the seconds from a pod's creation to its readiness."""
 
 
 def checked_status(

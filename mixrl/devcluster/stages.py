@@ -6,6 +6,11 @@ reports every container running and ready, with a pod IP (so Services get endpoi
 deleted goes away (no kubelet to run its shutdown). Nodes get no heartbeats: the test bed gives the
 controller-manager's node-lifecycle controller a year's grace instead (see :mod:`.cluster`), which
 saves thousands of lease writes per minute on a 1,000-node fleet.
+
+A **cold start** can be played: a pod whose ``nodeSelector`` asks for the label
+:data:`START_DELAY_LABEL` (a duration, e.g. ``"40s"``; the test labels the nodes it puts it on)
+is scheduled at once and becomes Running that long after, as a real node pulling an engine image
+and loading a model would (the autoscaler must not take such a pod for a stuck one).
 """
 
 from __future__ import annotations
@@ -73,17 +78,19 @@ startTime: {{ $now | Quote }}
 """
 
 
-def _stage(name: str, kind: str, selector: list[dict], next_: dict) -> dict:
-    return {
-        "apiVersion": "kwok.x-k8s.io/v1alpha1",
-        "kind": "Stage",
-        "metadata": {"name": name},
-        "spec": {
-            "resourceRef": {"apiGroup": "v1", "kind": kind},
-            "selector": {"matchExpressions": selector},
-            "next": next_,
-        },
+START_DELAY_LABEL = "kwok.mixrl.dev/pod-start-delay"
+"""A node label (and pod nodeSelector) whose value delays the pod's start: a Go duration."""
+
+
+def _stage(name: str, kind: str, selector: list[dict], next_: dict, delay: dict | None = None) -> dict:
+    spec: dict = {
+        "resourceRef": {"apiGroup": "v1", "kind": kind},
+        "selector": {"matchExpressions": selector},
+        "next": next_,
     }
+    if delay is not None:
+        spec["delay"] = delay
+    return {"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Stage", "metadata": {"name": name}, "spec": spec}
 
 
 def stages() -> list[dict]:
@@ -103,6 +110,11 @@ def stages() -> list[dict]:
                 not_ready,
             ],
             {"statusTemplate": POD_RUNNING},
+            # No label asked for: no delay (a missing value falls back to 0 ms).
+            delay={
+                "durationMilliseconds": 0,
+                "durationFrom": {"expressionFrom": f'.spec.nodeSelector["{START_DELAY_LABEL}"]'},
+            },
         ),
         _stage(
             "pod-delete",

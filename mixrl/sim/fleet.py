@@ -119,6 +119,9 @@ class Strategy:
     scrape_interval_s: int = 15
     sustained_window_s: int | None = 60
     """The policy also sees the load averaged over this window (PromQL avg_over_time); None: not."""
+    reads_pods: bool = True
+    """The policy hears from the cluster which replicas are stuck (mixrl's loop reads the pods;
+    here every replica gets a node, so none is); False for KEDA and HPA, which read metrics only."""
 
 
 @dataclass
@@ -303,6 +306,7 @@ class _Fleet:
                 ready=int(self.ready[i]),
                 starting=int(starting[i]),
                 updating_weights=bool(updating[i]),
+                stuck=0 if self.strategy.reads_pods else None,
             )
             decision = decide(load, self.states[pool.name], configs[pool.name], float(now))
             self.states[pool.name] = decision.state

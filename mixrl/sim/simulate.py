@@ -225,7 +225,9 @@ def run_strategies(
         budget = Strategy("mixrl-budget", configs=configs, gpu_budget=gpu_budget)
         results["mixrl-budget"] = simulate(pools, workload, budget, seed=seed, progress=progress)
     if "keda" in strategies:
-        keda = Strategy("keda", configs=keda_configs(pools, configs), sustained_window_s=None)
+        keda = Strategy(
+            "keda", configs=keda_configs(pools, configs), sustained_window_s=None, reads_pods=False
+        )
         results["keda"] = simulate(pools, workload, keda, seed=seed, progress=progress)
     if "static" in strategies:
         static = Strategy("static", static_replicas=static_peak(ours))

@@ -145,6 +145,10 @@ class Strategy:
     sustained: bool = True
     """``queue``: the policy also sees the load's one-minute average (mixrl's spike confirmation);
     False for KEDA, which has none."""
+    reads_pods: bool = True
+    """The policy hears from the cluster which replicas are stuck (mixrl's loop reads the pods:
+    a replica Pending for want of a node is stuck, a cold start is not); False for KEDA and HPA,
+    which read metrics only."""
 
 
 @dataclass
@@ -578,6 +582,12 @@ def _take(fifo: deque[list[float]], count: float) -> list[tuple[float, float]]:
     return out
 
 
+def _unschedulable(starts: list[float]) -> int:
+    """Replicas Pending for want of a node (start time ∞): the scheduler reports them
+    Unschedulable; the others are cold starts."""
+    return sum(1 for start in starts if start == math.inf)
+
+
 def _poll(
     strategy: Strategy,
     pools: Sequence[FleetPool],
@@ -609,6 +619,7 @@ def _poll(
                 ready=int(ready[i]),
                 starting=len(starting[i]),
                 updating_weights=bool(updating[i]),
+                stuck=_unschedulable(starting[i]) if strategy.reads_pods else None,
             )
             decision = decide(observed, states[p.name], strategy.configs[p.name], now)
             states[p.name] = decision.state
@@ -633,7 +644,11 @@ def _poll(
     for i, p in enumerate(pools):
         config = strategy.configs[p.name]
         observed = PoolLoad(
-            load=float(load[i]), replicas=int(desired[i]), ready=int(ready[i]), starting=len(starting[i])
+            load=float(load[i]),
+            replicas=int(desired[i]),
+            ready=int(ready[i]),
+            starting=len(starting[i]),
+            stuck=_unschedulable(starting[i]) if strategy.reads_pods else None,
         )
         states[p.name], stuck, ceiling = fleet_pending(states[p.name], observed, now, config)
         views.append(

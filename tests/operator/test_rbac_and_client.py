@@ -103,6 +103,9 @@ async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiSer
         ("mixrl.dev", "rlruns/finalizers", "update"),
         ("mixrl.dev", "samplerpools/finalizers", "update"),
         ("kopf.dev", "clusterkopfpeerings", "get"),
+        # The built-in autoscaler reads events only for a pool with an unschedulable pod
+        # (test_autoscaling_wiring.py exercises it and checks it with assert_covered).
+        ("", "events", "list"),
         # Held only to grant them to the rollout workers' Role (RBAC escalation prevention), never called.
         ("", "pods", "create"),
         ("", "pods", "get"),

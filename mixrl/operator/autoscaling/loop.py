@@ -80,8 +80,15 @@ from mixrl.operator.autoscaling.promql import (
     pool_rate_per_replica_query,
     trainer_queries,
 )
+from mixrl.operator.autoscaling.replicas import (
+    NODE_ON_ITS_WAY_REASONS,
+    Census,
+    census,
+    pods_with_a_node_on_its_way,
+    unschedulable,
+)
 from mixrl.operator.kube.client import ApiError, KubeClient
-from mixrl.operator.kube.rbac import SAMPLERPOOLS
+from mixrl.operator.kube.rbac import EVENTS, PODS, SAMPLERPOOLS
 from mixrl.operator.kube.ticker import Ticker
 
 Key = tuple[str, str]
@@ -290,7 +297,7 @@ class AutoscalingLoop(Ticker):
         queries = trainer_queries(run.namespace, run.name)
         signals = TrainerSignals(**{name: await self._value(run, q) for name, q in queries.items()})
         views: list[FleetPool] = []
-        seen: dict[str, tuple[Key, Obj, Observation, ResolvedPool]] = {}
+        seen: dict[str, tuple[Key, Obj, Observation, ResolvedPool, Census | None]] = {}
         for key in keys:
             cached = self.pools.get(key)
             body = None if cached is None else await self.live_pool(key, cached)
@@ -317,7 +324,8 @@ class AutoscalingLoop(Ticker):
                 await self.observer(self.session(), url, load_query(a, run, pool), timeout, window)
             ).asleep(replicas)
             paused = await self._value(run, paused_query(run.namespace, pool.object_name))
-            load = load_of(body, observation, paused)
+            pods = await self.pods_of(key, body)
+            load = load_of(body, observation, paused, pods)
             memory.state, stuck, ceiling = fleet_pending(memory.state, load, now, config)
             per_replica = await self._value(
                 run, pool_rate_per_replica_query(run.namespace, run.name, pool.name)
@@ -344,11 +352,11 @@ class AutoscalingLoop(Ticker):
                     ceiling=ceiling,
                 )
             )
-            seen[pool.name] = (key, body, observation, pool)
+            seen[pool.name] = (key, body, observation, pool, pods)
         if not views:
             return []
         objective = objective_config(run)
-        states = {name: self.memory[key].state for name, (key, _, _, _) in seen.items()}
+        states = {name: self.memory[key].state for name, (key, *_) in seen.items()}
         plan, states = stabilized_plan(
             views, signals, objective, self.run_memory.get(run_key, ObjectiveMemory()), states, now,
             a.scale_down_window_seconds,
@@ -360,7 +368,7 @@ class AutoscalingLoop(Ticker):
             self._fleet_said[run_key] = plan.summary
         done = []
         for view in views:
-            key, read, observation, pool = seen[view.name]
+            key, read, observation, pool, pods = seen[view.name]
             memory = self.memory[key]
             memory.state, memory.last_poll = states[view.name], now
             async with self.lock(*key):
@@ -370,7 +378,9 @@ class AutoscalingLoop(Ticker):
                 ):
                     continue
                 decision = fleet_decision(plan, view, memory.state)
-                pool_plan = await self.plan_and_write(key, body, run, observation, memory, decision, now)
+                pool_plan = await self.plan_and_write(
+                    key, body, run, observation, memory, decision, now, pods=pods
+                )
             done.append((key, pool_plan))
         await self.report_concurrency(run_key, plan, objective, now, a.tolerance)
         return done
@@ -405,6 +415,32 @@ class AutoscalingLoop(Ticker):
             return None
         self.pools[key] = fresh
         return fresh
+
+    async def pods_of(self, key: Key, body: Obj) -> Census | None:
+        """The pool's pods as the cluster reports them (:mod:`mixrl.operator.autoscaling.replicas`);
+        None when they cannot be read (rule 8's clock decides then).  Events are read only when a
+        pod is unschedulable: whether a cluster autoscaler is bringing a node for it."""
+        selector = str((body.get("status") or {}).get("selector") or "")
+        labels = dict(part.split("=", 1) for part in selector.split(",") if "=" in part)
+        if not labels:
+            return None  # the pool's controller has not written its selector yet
+        try:
+            pods = await self.client.list(PODS, key[0], labels)
+            coming: set[str] = set()
+            if unschedulable(pods):
+                for reason in NODE_ON_ITS_WAY_REASONS:
+                    found = await self.client.request(
+                        "list",
+                        "GET",
+                        EVENTS,
+                        namespace=key[0],
+                        params={"fieldSelector": f"involvedObject.kind=Pod,reason={reason}"},
+                    )
+                    coming |= pods_with_a_node_on_its_way((found or {}).get("items") or [])
+        except ApiError as exc:
+            log.warning("autoscaling %s/%s: pods not read (%s); the pending timeout decides", *key, exc)
+            return None
+        return census(pods, coming)
 
     async def poll(
         self, key: Key, cached: Obj, run: ResolvedRun, pool: ResolvedPool, memory: PoolMemory, now: float
@@ -455,11 +491,12 @@ class AutoscalingLoop(Ticker):
                 return None
             memory.refused = None
             observation = observation.asleep(int((body.get("spec") or {}).get("replicas") or 0))
-            decision = decide(load_of(body, observation, paused), memory.state, config, now)
+            pods = await self.pods_of(key, body)
+            decision = decide(load_of(body, observation, paused, pods), memory.state, config, now)
             memory.state, memory.last_poll = decision.state, now
             if run.autoscaling.gpu_budget is not None:
                 decision = self.apply_budget(key, body, run, pool, decision, observation, now)
-            return await self.plan_and_write(key, body, run, observation, memory, decision, now, models)
+            return await self.plan_and_write(key, body, run, observation, memory, decision, now, models, pods)
 
     def apply_budget(
         self,
@@ -493,6 +530,7 @@ class AutoscalingLoop(Ticker):
         decision: Decision,
         now: float,
         gpu_models: set[str] | None = None,
+        pods: Census | None = None,
     ) -> PoolPlan:
         """The pool's writes for this decision (:func:`mixrl.operator.autoscaling.plan.plan_pool`),
         made; the caller holds the pool's lock and read ``body`` live under it."""
@@ -506,6 +544,7 @@ class AutoscalingLoop(Ticker):
             decision=decision,
             gpu_models=gpu_models,
             window=window_status(memory.state, now, run.autoscaling.scale_down_window_seconds),
+            pods=pods,
         )
         await self.write(key, body, plan, now)
         return plan

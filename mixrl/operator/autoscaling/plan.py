@@ -37,6 +37,7 @@ from mixrl.operator.autoscaling.policy import (
     budget_step,
     decide,
 )
+from mixrl.operator.autoscaling.replicas import Census
 from mixrl.operator.kube.conditions import make_condition
 from mixrl.operator.kube.events import rfc3339
 
@@ -141,24 +142,31 @@ def pool_of(run: ResolvedRun, pool_body: Obj) -> ResolvedPool:
     return run.pool(pool_body["spec"]["pool"])
 
 
-def load_of(pool_body: Obj, observation: Observation, paused: float | None = None) -> PoolLoad:
+def load_of(
+    pool_body: Obj, observation: Observation, paused: float | None = None, pods: Census | None = None
+) -> PoolLoad:
     """The policy's view of one pool.  ``paused``: requests its engines hold paused (the weight
     update, :func:`mixrl.operator.autoscaling.promql.paused_query`); an ``UpdatingWeights``
-    condition set by hand counts too."""
+    condition set by hand counts too.  ``pods``: the cluster's word on the replicas not ready
+    (:func:`mixrl.operator.autoscaling.replicas.census`; None: not read, rule 8's clock decides)."""
     spec, status = pool_body.get("spec") or {}, pool_body.get("status") or {}
     replicas = int(spec.get("replicas") or 0)
     ready = int(status.get("readyReplicas") or 0)
     conditions = status.get("conditions") or []
     updating = any(c.get("type") == UPDATING_WEIGHTS and c.get("status") == "True" for c in conditions)
     updating = updating or (paused or 0) > 0
+    starting = max(replicas - ready, 0)
     return PoolLoad(
         load=observation.load,
         sustained=observation.sustained,
         replicas=replicas,
         ready=min(ready, replicas) if replicas else ready,
-        # Every requested replica that is not ready is on its way (pending, pulling, loading).
-        starting=max(replicas - ready, 0),
+        # Every requested replica that is not ready is on its way (pending, pulling, loading)...
+        starting=starting,
         updating_weights=updating,
+        # ...unless the cluster says it will not come up.
+        stuck=None if pods is None else min(pods.stuck, starting),
+        why_stuck=None if pods is None else pods.why_stuck,
     )
 
 
@@ -364,6 +372,27 @@ def metrics_condition(
     return make_condition(METRICS_AVAILABLE, value, generation, rfc3339(now), previous)
 
 
+REPLICAS_STUCK = "ReplicasStuck"
+"""Condition (and Warning event) of a pool with replicas the cluster reports as unable to start."""
+
+
+def stuck_condition(previous: list[Obj], pods: Census, generation: int | None, now: float) -> Condition:
+    """``ReplicasStuck``: True with the cluster's reason while replicas cannot start (rule 8
+    releases them), False while every replica not ready is a cold start."""
+    value: ConditionValue
+    if pods.stuck:
+        value = (
+            "True",
+            "ClusterReports",
+            f"{pods.stuck} of the pool's replicas cannot start: {pods.why_stuck}"[:1000],
+        )
+    elif pods.starting:
+        value = ("False", "ColdStart", f"{pods.starting} replicas starting, none stuck")
+    else:
+        value = ("False", "NoneStuck", "every replica is ready")
+    return make_condition(REPLICAS_STUCK, value, generation, rfc3339(now), previous)
+
+
 def plan_pool(
     pool_body: Obj,
     run: ResolvedRun,
@@ -375,12 +404,14 @@ def plan_pool(
     decision: Decision | None = None,
     gpu_models: set[str] | None = None,
     window: list[Obj] | None = None,
+    pods: Census | None = None,
 ) -> PoolPlan:
     """One poll of one pool.  ``decision`` overrides the policy (the GPU budget, the fleet plan);
     ``gpu_models`` are the GPU models the pool's pods report (None: unknown); ``window`` is the
-    scale-down window to persist (:func:`window_status`; written when it changed)."""
+    scale-down window to persist (:func:`window_status`; written when it changed); ``pods``: the
+    pool's pods counted (the ReplicasStuck condition and the learned cold start; None: not read)."""
     pool = pool_of(run, pool_body)
-    load = load_of(pool_body, observation)
+    load = load_of(pool_body, observation, pods=pods)
     if decision is None:
         decision = decide(load, memory.state, config_of(run, pool, pool_body), now)
     status = pool_body.get("status") or {}
@@ -401,6 +432,17 @@ def plan_pool(
             patch["conditions"] = [*(c for c in current if c.get("type") != WRONG_GPU_TYPE), wrong_gpu]
             if wrong_gpu["status"] == "True":
                 event = ("Warning", WRONG_GPU_TYPE, wrong_gpu["message"])
+    if pods is not None:
+        stuck = stuck_condition(patch.get("conditions", conditions), pods, generation, now)
+        before = next((c for c in conditions if c.get("type") == REPLICAS_STUCK), None)
+        if before is None or any(before.get(k) != stuck[k] for k in ("status", "reason", "message")):
+            current = patch.get("conditions", conditions)
+            patch["conditions"] = [*(c for c in current if c.get("type") != REPLICAS_STUCK), stuck]
+            if stuck["status"] == "True" and (before is None or before.get("status") != "True"):
+                event = ("Warning", REPLICAS_STUCK, stuck["message"])
+        learned = None if pods.cold_start_s is None else round(pods.cold_start_s, 1)
+        if learned is not None and learned != status.get("coldStartSeconds"):
+            patch["coldStartSeconds"] = learned
     if window is not None and window != status.get("autoscalerWindow"):
         patch["autoscalerWindow"] = window
     replicas = None

@@ -26,10 +26,14 @@ summed over its engines) into a desired replica count.  The rules, in the order 
    the load must exceed the window's peak by (1 + tolerance)² before the pool scales up again, so
    noise smaller than that never makes a pool go down and back up (HPA has no headroom).
 7. **Weight updates**: no replica is removed while the pool is loading a new weight version.
-8. **Pending timeout**: replicas requested but not ready while no replica became ready for
-   ``pendingTimeout`` seconds (a spot pool that lost its nodes, a quota) stop counting as capacity
-   and are released, and the pool may not grow for another ``pendingTimeout``: the fleet step (the
-   GPU budget or the RL objective) places that capacity on another pool.
+8. **Stuck replicas**: replicas the cluster reports as unable to start
+   (:mod:`mixrl.operator.autoscaling.replicas`: unschedulable with no node on its way — a spot
+   pool that lost its nodes, a quota —, an image that cannot be pulled, a crash loop) stop counting
+   as capacity and are released, and the pool may not grow for ``pendingTimeout`` seconds: the
+   fleet step (the GPU budget or the RL objective) places that capacity on another pool.  A cold
+   start is not stuck however long it takes (a new GPU node: 10–12 minutes).  Only where the
+   cluster's word is missing (the pods could not be read) does the old clock decide: replicas not
+   ready while none became ready for ``pendingTimeout`` seconds count as stuck.
 
 :func:`allocate_gpu_budget` is the optional global step: all pools share a GPU budget, filled
 cheapest capacity first (cost per token ∝ costPerGpuHour · gpusPerReplica / capacity).
@@ -80,8 +84,15 @@ class PoolLoad:
     """Requested replicas not ready yet (pending, pulling, loading the model): capacity on its way."""
     updating_weights: bool = False
     """The pool is loading a new weight version: no replica may be removed now."""
+    stuck: int | None = None
+    """Of the ``starting`` replicas, those the cluster reports as unable to start (rule 8); None:
+    the cluster's word is missing, and the pending clock decides."""
+    why_stuck: str | None = None
+    """The cluster's reason for the first stuck replica (one line), for the decision's reason."""
 
     def __post_init__(self) -> None:
+        if self.stuck is not None and not 0 <= self.stuck <= self.starting:
+            raise ValueError(f"PoolLoad.stuck: must be in [0, starting {self.starting}], got {self.stuck}")
         for name in ("replicas", "ready", "starting"):
             if getattr(self, name) < 0:
                 raise ValueError(f"PoolLoad.{name}: must be ≥ 0, got {getattr(self, name)}")
@@ -117,7 +128,9 @@ class PolicyConfig:
     poll_interval_s: float = KEDA_POLLING_INTERVAL_S
     """How often the loop (or the simulator) calls :func:`decide`."""
     pending_timeout_s: float | None = DEFAULT_PENDING_TIMEOUT_S
-    """Replicas not ready after this long without progress are released (rule 8); None: never."""
+    """After stuck replicas are released the pool may not grow for this long; where the cluster's
+    word is missing, replicas not ready after this long without progress count as stuck (rule 8).
+    None: neither."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -247,11 +260,12 @@ class PolicyState:
 def track_pending(
     state: PolicyState, load: PoolLoad, now: float, config: PolicyConfig
 ) -> tuple[PolicyState, int]:
-    """Rule 8's clock: the state to keep and how many requested replicas are stuck (0: none).
+    """Rule 8: the state to keep and how many requested replicas are stuck (0: none).
 
-    The clock starts when replicas are requested but not ready, and restarts whenever the ready
-    count rises (a cold start in progress is not stuck: one replica after another comes up).  When
-    it has run ``pending_timeout_s``, every replica still not ready is stuck."""
+    The cluster's word decides (``load.stuck``).  Without it, a clock: it starts when replicas are
+    requested but not ready, and restarts whenever the ready count rises (one replica after another
+    coming up is progress).  When it has run ``pending_timeout_s``, every replica still not ready
+    is stuck."""
     unready = max(load.replicas - load.ready, 0)
     since = state.pending_since
     if unready == 0:
@@ -259,9 +273,20 @@ def track_pending(
     elif since is None or load.ready > state.ready_seen:
         since = now
     stuck = 0
-    if config.pending_timeout_s is not None and since is not None and now - since >= config.pending_timeout_s:
+    if load.stuck is not None:
+        stuck = min(load.stuck, unready)
+    elif (
+        config.pending_timeout_s is not None and since is not None and now - since >= config.pending_timeout_s
+    ):
         stuck = unready
     return replace(state, pending_since=since, ready_seen=load.ready), stuck
+
+
+def stuck_summary(load: PoolLoad, stuck: int, config: PolicyConfig) -> str:
+    """Why ``stuck`` replicas were released, for a decision's reason."""
+    if load.stuck is None:
+        return f"pending timeout: {stuck} not ready after {config.pending_timeout_s:g} s, released"
+    return f"{stuck} stuck, released ({load.why_stuck or 'the cluster reports them unable to start'})"
 
 
 def stuck_until_ready(released_at: int | None, load: PoolLoad, stuck: int) -> tuple[int | None, int]:
@@ -289,8 +314,8 @@ def pending_ceiling(
     """Rule 8's cap: with ``stuck`` replicas, the pool keeps only the others (and may not grow for
     ``pending_timeout_s``); while blocked, it keeps its count.  None: no cap."""
     if stuck:
-        assert config.pending_timeout_s is not None
-        blocked = replace(state, blocked_until=now + config.pending_timeout_s, pending_since=None)
+        until = None if config.pending_timeout_s is None else now + config.pending_timeout_s
+        blocked = replace(state, blocked_until=until, pending_since=None)
         return blocked, max(config.min_replicas, current - stuck)
     if state.blocked_until is not None and now < state.blocked_until:
         return state, max(current, config.min_replicas)
@@ -494,7 +519,7 @@ def decide(load: PoolLoad, state: PolicyState, config: PolicyConfig, now: float)
     if ceiling is not None and desired > ceiling:
         desired = ceiling
         if stuck:
-            why += f"; pending timeout: {stuck} not ready after {config.pending_timeout_s:g} s, released"
+            why += "; " + stuck_summary(load, stuck, config)
         else:
             why += "; growth blocked after a pending timeout"
 

@@ -125,8 +125,11 @@ RECONCILER: dict[Key, frozenset[str]] = {
     (GROUP, "samplerpools/status"): frozenset({"patch"}),
     # The built-in autoscaler: replicas through the scale subresource, a Scaled event per change.
     (GROUP, "samplerpools/scale"): frozenset({"patch"}),
-    ("", "events"): frozenset({"create"}),
-    # The live status reads the trainer's pods: containers that keep failing fail the run.  With
+    # Its events; and it lists a pool's pods (below) and, for an unschedulable one, the events
+    # saying whether a cluster autoscaler is bringing a node (a cold start, not a stuck replica).
+    ("", "events"): frozenset({"create", "list"}),
+    # The live status reads the trainer's pods: containers that keep failing fail the run; the
+    # built-in autoscaler reads each pool's pods (stuck or a cold start).  With
     # spec.rollout.sandbox the operator grants the rollout workers pods create/get/list/delete in a
     # Role, and Kubernetes lets it grant only what it holds itself (RBAC escalation prevention):
     # it holds them for that alone, and never creates or deletes a pod.
