@@ -10,6 +10,7 @@ from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
 from mixrl.operator.autoscaling.gpu_check import product_label, wrong_gpu_value
 from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation, PoolMemory, load_of, plan_pool
+from mixrl.operator.autoscaling.replicas import Census
 
 RUN = resolve(load_rlrun("examples/rlrun-mixed.yaml"))  # targetPerReplica 16; h100-fp8 capacity 1.5
 
@@ -133,3 +134,44 @@ def test_wrong_gpu_value(reported: set[str], allowed: tuple[str, ...], expected:
 def test_product_label_matches_gpu_feature_discovery() -> None:
     assert product_label("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
     assert product_label(" NVIDIA  B200 ") == "NVIDIA-B200"
+
+
+def test_stuck_replicas_are_released_with_a_warning_and_a_cold_start_is_learned() -> None:
+    pods = Census(
+        ready=2,
+        starting=1,
+        stuck=2,
+        why_stuck="p-1: Unschedulable: 0/4 nodes are available",
+        cold_start_s=41.26,
+    )
+    plan = plan_pool(
+        pool_body(replicas=5, ready=2), RUN, Observation(120.0, 120.0), PoolMemory(), 0.0, pods=pods
+    )
+    assert plan.replicas == 3  # the two the cluster reports stuck go, the cold start stays
+    status = plan.status_patch["status"]
+    [stuck] = [c for c in status["conditions"] if c["type"] == "ReplicasStuck"]
+    assert stuck["status"] == "True" and stuck["message"].endswith(
+        "p-1: Unschedulable: 0/4 nodes are available"
+    )
+    assert plan.stuck_event == ("Warning", "ReplicasStuck", stuck["message"])
+    assert plan.event is not None and plan.event[:2] == ("Normal", "Scaled")
+    assert status["coldStartSeconds"] == 41.3
+    # Still stuck at the next poll: no second warning, no rewrite.
+    again = plan_pool(
+        {
+            **pool_body(replicas=3, ready=2, conditions=status["conditions"]),
+            "status": {**status, "readyReplicas": 2},
+        },
+        RUN,
+        Observation(48.0, 48.0),
+        PoolMemory(),
+        30.0,
+        pods=Census(
+            ready=2,
+            starting=1,
+            stuck=1,
+            why_stuck="p-1: Unschedulable: 0/4 nodes are available",
+            cold_start_s=41.26,
+        ),
+    )
+    assert again.stuck_event is None

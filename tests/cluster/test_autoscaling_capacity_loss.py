@@ -189,8 +189,9 @@ def test_a_lost_pool_is_replaced_by_the_next_cheapest(
         wait_for(ready, equals=(4, 0), timeout=60, what="four b200 replicas ready in the pool's status")
         assert router_shares() == {CHEAP: 1.0, NEXT: 0.0}
         cluster.kubectl("taint", "nodes", *nodes, TAINT)  # the b200 nodes are lost
-        # Their pods are evicted, the replacements stay Pending; after the pending timeout the
-        # b200 pool keeps what runs (none) and h200-fp8 takes the demand: ceil(3.8 / 0.5625) = 7.
+        # Their pods are evicted, the replacements stay Pending, Unschedulable: the cluster says they
+        # are stuck (rule 8), the b200 pool keeps what runs (none) and h200-fp8 takes the demand:
+        # ceil(3.8 / 0.5625) = 7.
         explained(replicas, equals=(1, 7), timeout=300, what="capacity moved to h200-fp8")
         wait_for(lambda: len(exporter.running(NEXT)), equals=7, timeout=120, what="seven h200 pods Running")
         decisions = cluster.get(f"sp/{name}-{NEXT}", "-n", namespace)["status"]["lastScaleDecisions"]

@@ -11,6 +11,7 @@ exporter: one loopback endpoint for every Running pod of the pool).
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -63,10 +64,11 @@ def test_a_cold_start_is_waited_for_and_unschedulable_replicas_are_released_with
         cluster.apply(run)
 
         def pool() -> dict:
-            return cluster.get(f"sp/{name}", "-n", namespace)
+            found = cluster.kubectl("get", f"sp/{name}", "-n", namespace, "-o", "json", check=False)
+            return json.loads(found.stdout) if found.returncode == 0 else {"spec": {}, "status": {}}
 
-        def requested_and_running() -> tuple[int, int]:
-            return pool()["spec"]["replicas"], len(exporter.pods())
+        def requested_and_running() -> tuple[int | None, int]:
+            return pool()["spec"].get("replicas"), len(exporter.pods())
 
         def stuck_condition() -> dict:
             found = [

@@ -558,8 +558,10 @@ class AutoscalingLoop(Ticker):
         if plan.status_patch:
             await api.patch_status(namespace, name, plan.status_patch)
             body.setdefault("status", {}).update(plan.status_patch["status"])
-        if plan.event is not None:
-            kind, reason, message = plan.event
+        for event in (plan.stuck_event, plan.event):
+            if event is None:
+                continue
+            kind, reason, message = event
             try:
                 await api.post_event(body, kind, reason, message, now)
             except ApiError as exc:  # an event is worth a log line, not a failed poll

@@ -359,6 +359,8 @@ class PoolPlan:
     """A merge patch for the status subresource (empty: nothing changed)."""
     event: tuple[str, str, str] | None
     """(type, reason, message) of the event to post, if any."""
+    stuck_event: tuple[str, str, str] | None = None
+    """The ReplicasStuck Warning, posted beside ``event`` (the release it causes is a Scaled one)."""
 
 
 def metrics_condition(
@@ -432,6 +434,7 @@ def plan_pool(
             patch["conditions"] = [*(c for c in current if c.get("type") != WRONG_GPU_TYPE), wrong_gpu]
             if wrong_gpu["status"] == "True":
                 event = ("Warning", WRONG_GPU_TYPE, wrong_gpu["message"])
+    stuck_event: tuple[str, str, str] | None = None
     if pods is not None:
         stuck = stuck_condition(patch.get("conditions", conditions), pods, generation, now)
         before = next((c for c in conditions if c.get("type") == REPLICAS_STUCK), None)
@@ -439,7 +442,7 @@ def plan_pool(
             current = patch.get("conditions", conditions)
             patch["conditions"] = [*(c for c in current if c.get("type") != REPLICAS_STUCK), stuck]
             if stuck["status"] == "True" and (before is None or before.get("status") != "True"):
-                event = ("Warning", REPLICAS_STUCK, stuck["message"])
+                stuck_event = ("Warning", REPLICAS_STUCK, stuck["message"])
         learned = None if pods.cold_start_s is None else round(pods.cold_start_s, 1)
         if learned is not None and learned != status.get("coldStartSeconds"):
             patch["coldStartSeconds"] = learned
@@ -464,4 +467,4 @@ def plan_pool(
             METRICS_REASON,
             f"{observation.problem.reason}: {observation.problem.message}"[:1000],
         )
-    return PoolPlan(decision, replicas, {"status": patch} if patch else {}, event)
+    return PoolPlan(decision, replicas, {"status": patch} if patch else {}, event, stuck_event)
