@@ -103,6 +103,9 @@ class TrainerRun:
     loss_at_s: float | None = None
     loss_fraction: float = 0.5
     back_at_s: float | None = None
+    cold_start_s: float | None = None
+    """Set: every pool's cold start in seconds (±10 %), e.g. a new GPU node's 10–12 minutes;
+    None: each pool's own (``FleetPool.cold_start_s``)."""
     warmup_s: int = 3600
     """Simulated before the measurement starts (the fleet settles)."""
     trainer_gpus: int = 0
@@ -267,6 +270,7 @@ def simulate_run(
             desired[int(np.argmin(price / cap))] = 1
     ready = desired.copy()
     starting: list[list[float]] = [[] for _ in range(n)]
+    cold_starts = [run.cold_start_s if run.cold_start_s is not None else p.cold_start_s for p in pools]
     nodes = np.full(n, np.iinfo(np.int64).max // 4, dtype=np.int64)
     spot = names.index(run.spot_pool) if run.spot_pool is not None else None
 
@@ -320,7 +324,7 @@ def simulate_run(
                 if ready[i] + len(starting[i]) >= nodes[i]:
                     starting[i].append(math.inf)  # Pending: no node
                 else:
-                    bisect.insort(starting[i], now + pools[i].cold_start_s * rng.uniform(0.9, 1.1))
+                    bisect.insort(starting[i], now + cold_starts[i] * rng.uniform(0.9, 1.1))
         else:
             remove = current - target
             # Pending ones first (latest first), then ready replicas; their sessions go back.
@@ -349,9 +353,7 @@ def simulate_run(
             starting[spot] = sorted(s if k < spot_room else math.inf for k, s in enumerate(starting[spot]))
         if spot is not None and run.back_at_s is not None and now == run.back_at_s:
             nodes[spot] = np.iinfo(np.int64).max // 4
-            starting[spot] = sorted(
-                (now + pools[spot].cold_start_s if s == math.inf else s) for s in starting[spot]
-            )
+            starting[spot] = sorted((now + cold_starts[spot] if s == math.inf else s) for s in starting[spot])
         for i in range(n):
             while starting[i] and starting[i][0] <= now:
                 starting[i].pop(0)
