@@ -73,6 +73,8 @@ class FakeEngine:
     """What /generate answers; None: :func:`counting_reply`."""
     healthy: bool = True
     gen_throughput: float | None = None
+    queued: int = 0
+    """``sglang:num_queue_reqs``: requests it holds waiting (a full engine)."""
     delay: float = 0.0
     hold: asyncio.Event | None = None
     """When set, /generate waits for this event before answering (to keep requests in flight)."""
@@ -155,7 +157,10 @@ class FakeEngine:
         return web.Response(status=200 if self.healthy else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        lines = ["# TYPE sglang:num_queue_reqs gauge", 'sglang:num_queue_reqs{model_name="m"} 0']
+        lines = [
+            "# TYPE sglang:num_queue_reqs gauge",
+            f'sglang:num_queue_reqs{{model_name="m"}} {self.queued}',
+        ]
         if self.gen_throughput is not None:
             lines += [
                 "# TYPE sglang:gen_throughput gauge",

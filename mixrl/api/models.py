@@ -298,9 +298,10 @@ class SamplerPoolTemplate(Model):
     engine: Literal["sglang", "torch"] = "sglang"
     """Engine implementation: SGLang on GPUs, or mixrl's torch engine (CPU, emulated precisions)."""
     capacity: Float | None = Field(default=1.0, gt=0, le=MAX_CAPACITY)
-    """Relative serving capacity of one replica (e.g. tokens/s relative to a reference GPU);
-    null: the router measures it from the engines' throughput for its shares, while the built-in
-    autoscaler and KEDA size the pool as capacity 1.0."""
+    """Relative serving capacity of one replica (e.g. tokens/s relative to a reference GPU). The
+    router measures every pool: a trusted measurement more than 1.5x off the declared value replaces
+    it (a CapacityMismatch condition names both). null: measured; the router and the built-in
+    autoscaler use the measurement, KEDA sizes the pool as capacity 1.0."""
     min_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
     """Fewest replicas the autoscaler keeps (0 allows scale to zero)."""
     max_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
@@ -783,8 +784,8 @@ class SamplerPoolSpec(Model):
     max_replicas: Int = Field(default=1, ge=0, le=INT32_MAX)
     """Upper bound the built-in autoscaler respects."""
     capacity: Float | None = Field(default=1.0, gt=0, le=MAX_CAPACITY)
-    """Relative capacity per replica.  null: the router measures it (the recent peak of the
-    engines' throughput) for its shares; the built-in autoscaler and KEDA size the pool as 1.0."""
+    """Relative capacity per replica; a trusted measurement more than 1.5x off it replaces it (docs/router.md).
+    null: measured (the router's shares and the built-in autoscaler; KEDA sizes the pool as 1.0)."""
 
     @field_validator("gpu_type")
     @classmethod

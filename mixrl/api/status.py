@@ -31,6 +31,9 @@ class PoolFigures(Model):
     """Completion tokens per second the router passed back from this pool (one-minute rate)."""
     serving_weight_version: int | None = None
     """The newest weight version in this pool's answers."""
+    measured_capacity: float | None = None
+    """The router's measured capacity per replica, in the declared units (a declared pool's once
+    trusted: measured while its replicas were full)."""
 
 
 class Condition(Model):

@@ -277,6 +277,18 @@ MIXRL_ROUTER_POOL_HEALTH = MetricSpec(
     "A pool's health in [floor, 1] from its fresh mismatch (spec.health.routing); shares are capacity x health.",
     MIXRL_LABELS,
 )
+MIXRL_ROUTER_CAPACITY_PER_REPLICA = MetricSpec(
+    "mixrl_router_capacity_per_replica",
+    "gauge",
+    "Capacity per replica the shares use, in the declared units: the declared one unless a trusted measurement is off it by more than 1.5x.",
+    MIXRL_LABELS,
+)
+MIXRL_ROUTER_CAPACITY_MEASURED = MetricSpec(
+    "mixrl_router_capacity_measured",
+    "gauge",
+    "A pool's measured capacity per replica in the declared units (its throughput over the fleet's tokens/s per declared unit); absent until measured.",
+    MIXRL_LABELS,
+)
 MIXRL_ROUTER_WEIGHT_VERSION = MetricSpec(
     "mixrl_router_serving_weight_version",
     "gauge",
@@ -305,6 +317,8 @@ MIXRL_ROUTER_METRICS: tuple[MetricSpec, ...] = (
     MIXRL_ROUTER_GENERATED_TOKENS_TOTAL,
     MIXRL_ROUTER_WEIGHT_VERSION,
     MIXRL_ROUTER_POOL_HEALTH,
+    MIXRL_ROUTER_CAPACITY_PER_REPLICA,
+    MIXRL_ROUTER_CAPACITY_MEASURED,
     MIXRL_ROUTER_REQUEST_LATENCY,
 )
 # rollout

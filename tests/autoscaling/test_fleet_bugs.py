@@ -20,6 +20,7 @@ from mixrl.operator.autoscaling.policy import (
     PoolLoad,
     decide,
 )
+from mixrl.rl.metrics import MIXRL_ROUTER_CAPACITY_PER_REPLICA
 
 Obj = dict[str, Any]
 NS, RUN = "rl", "qwen3-moe-coding"
@@ -71,6 +72,9 @@ def pool_body(pool: str, replicas: int, ready: int, low: int, high: int, status:
     }
 
 
+CAPACITY = MIXRL_ROUTER_CAPACITY_PER_REPLICA.name
+
+
 class Harness:
     def __init__(self, run: Obj, pools: list[Obj], loads: dict[str, float | None], paused: float = 0.0):
         self.api = FakeApi(pools)
@@ -90,8 +94,10 @@ class Harness:
 
         async def scalar(session: Any, url: str, query: str, timeout: float) -> float:
             for needle, value in self.values.items():
-                if needle in query:
+                if needle in query and (CAPACITY not in query or CAPACITY in needle):
                     return value
+            if CAPACITY in query:  # the router's capacity, only where a test scripts it
+                raise MetricsUnavailable("NoSeries", "no router")
             if self.paused:
                 return self.paused
             raise MetricsUnavailable("NoSeries", "nothing paused")

@@ -83,6 +83,16 @@ async def test_a_queue_run_is_planned_pool_by_pool() -> None:
     assert plan.decision.desired == 3 and "traj/s" not in plan.decision.reason
 
 
+async def test_a_pool_is_sized_by_the_capacity_the_router_shares_by() -> None:
+    """The router measured h100-fp8 at a third of its declared 1.5 and shares sessions by 0.5: the
+    policy sizes the pool by the same figure (16 x 0.5 = 8 requests per replica), not by 24."""
+    run = run_body()
+    h = Harness(run, [pool_body("h100-fp8", replicas=1, ready=1, low=1, high=8)], {"h100-fp8": 16 * 1.5 * 3})
+    h.values = {f'mixrl_router_capacity_per_replica{{namespace="{NS}",run="{RUN}",pool="h100-fp8"': 0.5}
+    [(_, plan)] = await h.poll_run()
+    assert plan.decision.desired == 8  # ceil(72 / 8), bounded by maxReplicas 8
+
+
 async def test_every_trainer_query_runs_on_a_real_prometheus(serve, prometheus) -> None:
     """The buffer's and the router's series as they expose them, scraped every second: each query
     of the objective returns a number (a typo in PromQL would be QueryFailed, not a value)."""

@@ -9,7 +9,15 @@ import pytest
 from mixrl.api.loader import load_rlrun
 from mixrl.api.resolve import resolve
 from mixrl.operator.autoscaling.gpu_check import product_label, wrong_gpu_value
-from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation, PoolMemory, load_of, plan_pool
+from mixrl.operator.autoscaling.plan import (
+    MetricsUnavailable,
+    Observation,
+    PoolMemory,
+    as_routed,
+    config_of,
+    load_of,
+    plan_pool,
+)
 from mixrl.operator.autoscaling.replicas import Census
 
 RUN = resolve(load_rlrun("examples/rlrun-mixed.yaml"))  # targetPerReplica 16; h100-fp8 capacity 1.5
@@ -175,3 +183,11 @@ def test_stuck_replicas_are_released_with_a_warning_and_a_cold_start_is_learned(
         ),
     )
     assert again.stuck_event is None
+
+
+def test_the_policy_sizes_a_pool_by_the_capacity_the_router_shares_by() -> None:
+    pool = RUN.pool("h100-fp8")  # declared 1.5: 16 x 1.5 = 24 requests per replica
+    body = pool_body()
+    assert config_of(RUN, pool, body).target_per_replica == 24.0
+    assert config_of(RUN, as_routed(pool, None), body).target_per_replica == 24.0  # the router says nothing
+    assert config_of(RUN, as_routed(pool, 0.5), body).target_per_replica == 8.0  # measured a third

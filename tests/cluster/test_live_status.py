@@ -27,6 +27,8 @@ from .conftest import ROOT, Bed, OperatorProcess, exposition_server, start_opera
 from .test_autoscaling import start_prometheus
 
 POOLS = ("h100-fp8", "b200-nvfp4")
+MEASURED_CAPACITY = {"h100-fp8": 1.4, "b200-nvfp4": 1.1}
+"""The router's measurements: h100-fp8 near its declared 1.5, b200-nvfp4 a third of its 3.2."""
 
 
 class RunExporter:
@@ -69,6 +71,8 @@ class RunExporter:
             lines.append(f"{m.MIXRL_ROUTER_TRAFFIC_SHARE.name}{{{self.labels(pool, router)}}} {share}")
             version = max(self.step - 1, 0)
             lines.append(f"{m.MIXRL_ROUTER_WEIGHT_VERSION.name}{{{self.labels(pool, router)}}} {version}")
+            measured = MEASURED_CAPACITY[pool]
+            lines.append(f"{m.MIXRL_ROUTER_CAPACITY_MEASURED.name}{{{self.labels(pool, router)}}} {measured}")
         return "\n".join(lines) + "\n"
 
 
@@ -133,6 +137,21 @@ def test_status_is_live_collapse_is_flagged_idle_costs_nothing_and_the_end_relea
         assert summary["h100-fp8"]["trafficShare"] == 0.25 and summary["b200-nvfp4"]["kl"] == 0.001
         pool = cluster.get(f"sp/{name}-h100-fp8", "-n", namespace)["status"]
         assert pool["trafficShare"] == 0.25 and pool["kl"] == 0.001 and pool["servingWeightVersion"] >= 2
+        # The measured capacity: within 1.5x of the declaration it stands; a third of it is named.
+        assert pool["measuredCapacity"] == 1.4
+        mismatch = next(c for c in pool["conditions"] if c["type"] == "CapacityMismatch")
+        assert mismatch["status"] == "False", mismatch
+        off = cluster.get(f"sp/{name}-b200-nvfp4", "-n", namespace)["status"]
+        mismatch = next(c for c in off["conditions"] if c["type"] == "CapacityMismatch")
+        assert (
+            mismatch["status"] == "True"
+            and "measured capacity 1.1 per replica against the declared 3.2" in mismatch["message"]
+        )
+        warnings = cluster.get("events", "-n", namespace, "--field-selector", "reason=CapacityMismatch")[
+            "items"
+        ]
+        assert [e["involvedObject"]["name"] for e in warnings] == [name], warnings
+        assert f"pool {name}-b200-nvfp4: measured capacity 1.1" in warnings[0]["message"]
         # Spend: both pools' pods and the trainer's 32 H200 GPUs, priced by the default table.
         assert status["cost"] > 0 and status["trainerGpuHours"] > 0
         assert status["costPerUpdate"] == pytest.approx(status["cost"] / status["step"], rel=2e-3)

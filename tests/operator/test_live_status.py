@@ -10,6 +10,7 @@ from typing import Any
 
 from mixrl.api.models import CollapseSpec
 from mixrl.operator.controller.live_status import (
+    CAPACITY_MISMATCH,
     COLLAPSE_RISK,
     METRICS_AVAILABLE,
     TRAINER,
@@ -256,3 +257,18 @@ def test_the_live_conditions_keep_their_place_so_two_writers_never_rewrite_each_
     assert [c["type"] for c in again] == order
     relive = live_run_status({**live, "conditions": again}, figures_from(answers()), 3, LATER)
     assert relive == {**live, "conditions": again}  # nothing to write
+
+
+def test_a_pool_measured_far_off_its_declared_capacity_gets_a_condition_naming_both() -> None:
+    previous = {"replicas": 2, "conditions": [{"type": "Ready", "status": "True"}]}
+    off = live_pool_status(previous, {"measured_capacity": 1.07}, declared=3.2, generation=4, now="T1")
+    [condition] = [c for c in off["conditions"] if c["type"] == CAPACITY_MISMATCH]
+    assert condition["status"] == "True" and condition["reason"] == "MeasuredOff"
+    assert "measured capacity 1.07 per replica against the declared 3.2 (3x off)" in condition["message"]
+    assert off["measuredCapacity"] == 1.07 and {"type": "Ready", "status": "True"} in off["conditions"]
+    near = live_pool_status(off, {"measured_capacity": 2.9}, declared=3.2, generation=4, now="T2")
+    [condition] = [c for c in near["conditions"] if c["type"] == CAPACITY_MISMATCH]
+    assert condition["status"] == "False" and condition["lastTransitionTime"] == "T2"
+    # Nothing to compare: no condition (a null pool is measured, not checked; no measurement yet).
+    assert "conditions" not in live_pool_status({}, {"measured_capacity": 1.0}, declared=None)
+    assert "conditions" not in live_pool_status({}, {}, declared=3.2)

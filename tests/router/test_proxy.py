@@ -6,10 +6,12 @@ import asyncio
 import json
 from collections import Counter
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mixrl.rl.engine.protocol import GPU_TYPE_HEADER, POOL_HEADER, PRECISION_HEADER, REPLICA_HEADER
 from mixrl.rl.router.server import RouterSettings
+from mixrl.rl.router.shares import MIN_CAPACITY_SAMPLES
 
 from .conftest import StandInResolver, pools_config
 
@@ -293,7 +295,32 @@ async def test_measured_capacity_comes_from_engine_gen_throughput(engines, start
     running = await start_router(pools_config({"fast": (None, [fast]), "slow": (None, [slow])}))
     assert running.router.state.scheduler.shares == {"fast": 0.75, "slow": 0.25}
     snapshot = await running.get_json("/pools")
-    assert [p["capacity_per_replica"] for p in snapshot["pools"]] == [300.0, 100.0]
+    # Nothing declared: capacities relative to the pools' mean throughput (200 tokens/s = 1.0).
+    assert [p["capacity_per_replica"] for p in snapshot["pools"]] == [1.5, 0.5]
+    assert [p["capacity_measured"] for p in snapshot["pools"]] == [1.5, 0.5]
+
+
+async def test_a_full_pool_measured_far_below_its_declared_capacity_loses_its_extra_share(
+    engines, start_router
+) -> None:
+    """Issue #30: a pool really delivering a third of its declared capacity got most sessions."""
+    a, b, slow = [await engines(name, gen_throughput=100.0) for name in ("a", "b", "slow")]
+    for engine in (a, b, slow):
+        engine.queued = 3  # full: what they deliver is what they can
+    running = await start_router(pools_config({"a": (1.0, [a]), "b": (1.0, [b]), "slow": (3.0, [slow])}))
+    state = running.router.state
+    assert state.scheduler.shares == {"a": 0.2, "b": 0.2, "slow": 0.6}  # one sample: not trusted yet
+    for _ in range(MIN_CAPACITY_SAMPLES):
+        await running.router.poll_once()
+    assert state.scheduler.shares == pytest.approx({"a": 1 / 3, "b": 1 / 3, "slow": 1 / 3})
+    pools = {p["name"]: p for p in (await running.get_json("/pools"))["pools"]}
+    assert pools["slow"]["capacity_source"] == "measured" and pools["slow"]["capacity_per_replica"] == 1.0
+    assert pools["a"]["capacity_source"] == "configured"
+    metrics = await (await running.http.get(f"{running.url}/metrics")).text()
+    assert (
+        'mixrl_router_capacity_measured{gpu_type="gpu-slow",pool="slow",precision="prec-slow",run="test"} 1.0'
+        in metrics
+    )
 
 
 async def test_dns_discovery_with_stand_in_resolver(engines, start_router) -> None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from mixrl.rl.router.config import PoolConfig
 from mixrl.rl.router.shares import (
+    MIN_CAPACITY_SAMPLES,
     UNMEASURED_CAPACITY,
     PeakThroughput,
     PoolCapacity,
@@ -18,6 +19,7 @@ from mixrl.rl.router.shares import (
     capacity_per_replica,
     drain_step,
     target_shares,
+    tokens_per_capacity,
 )
 from mixrl.rl.router.state import RouterState
 
@@ -112,12 +114,17 @@ def test_measured_pools_use_peak_throughput_and_a_fallback_until_measured() -> N
 
 
 def test_capacity_per_replica_rules() -> None:
+    trusted = MIN_CAPACITY_SAMPLES
     pools = {
-        "configured": PoolCapacity(configured=2.0, measured=999.0, ready_replicas=1),
+        "configured": PoolCapacity(configured=2.0, measured=1000.0, ready_replicas=1, samples=trusted),
         "measured": PoolCapacity(configured=None, measured=30.0, ready_replicas=1),
         "pending": PoolCapacity(configured=None, measured=None, ready_replicas=1),
     }
-    assert capacity_per_replica(pools) == {"configured": 2.0, "measured": 30.0, "pending": 30.0}
+    # Declared capacities and tokens/s never meet: 500 tokens/s per declared unit converts the
+    # measured pool's 30 tokens/s to 0.06 (it was compared as 30 against 2.0, a 15x share).
+    assert capacity_per_replica(pools) == {"configured": 2.0, "measured": 0.06, "pending": 0.06}
+    untrusted = {**pools, "configured": PoolCapacity(2.0, 1000.0, 1, samples=trusted - 1)}
+    assert capacity_per_replica(untrusted) == {"configured": 2.0, "measured": 1.0, "pending": 1.0}
     none_measured = {"x": PoolCapacity(None, None, 2), "y": PoolCapacity(None, None, 0)}
     assert capacity_per_replica(none_measured) == {"x": UNMEASURED_CAPACITY, "y": UNMEASURED_CAPACITY}
     assert target_shares(none_measured) == {"x": 1.0, "y": 0.0}
@@ -190,3 +197,31 @@ def test_drain_step_counts_a_loss_from_the_last_balanced_count() -> None:
 def test_the_balanced_count_rises_with_the_ready_replicas_and_never_falls_on_a_refresh() -> None:
     assert balanced_after_refresh(4, 6) == 6
     assert balanced_after_refresh(6, 2) == 6
+
+
+def test_a_misdeclared_capacity_gives_way_to_a_trusted_measurement_far_off_it() -> None:
+    """Issue #30: one pool really delivering a third of its declared capacity got most sessions."""
+    trusted = MIN_CAPACITY_SAMPLES
+    pools = {
+        "a": PoolCapacity(1.0, 100.0, 2, trusted),
+        "b": PoolCapacity(2.0, 210.0, 2, trusted),  # 1.05x its declaration: noise, it stands
+        "slow": PoolCapacity(3.0, 100.0, 2, trusted),  # a third of what it declares
+    }
+    assert tokens_per_capacity(pools) == 100.0  # the median: the mis-declared pool does not move it
+    assert capacity_per_replica(pools) == {"a": 1.0, "b": 2.0, "slow": 1.0}
+    assert target_shares(pools)["slow"] == 0.25  # was 0.5 by the declarations
+
+
+def test_only_samples_of_a_full_replica_may_overrule_a_declaration() -> None:
+    """A pool the router gave few sessions (degraded health, a new pool) produces little: that is
+    no measurement of what it can do, and must not shrink its share further."""
+    state = make_state({"a": (1.0, 1), "b": (1.0, 1)})
+    for _ in range(MIN_CAPACITY_SAMPLES):
+        state.record_throughput("a", "http://a-0:1", 300.0, queued=True)
+        state.record_throughput("b", "http://b-0:1", 30.0)  # few sessions: nothing queued
+    assert state.scheduler.shares == {"a": 0.5, "b": 0.5}
+    for _ in range(MIN_CAPACITY_SAMPLES):
+        state.record_throughput("b", "http://b-0:1", 30.0, queued=True)  # full, and still slow
+    # Two pools: the reference is their mean (165 tokens/s per unit); b measures 0.18, a 1.82.
+    shares = state.scheduler.shares
+    assert shares["b"] < 0.1 < 0.9 < shares["a"]

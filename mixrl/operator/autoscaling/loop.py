@@ -53,6 +53,7 @@ from mixrl.operator.autoscaling.plan import (
     Observation,
     PoolMemory,
     PoolPlan,
+    as_routed,
     budget_decision,
     concurrency_status,
     config_of,
@@ -77,6 +78,7 @@ from mixrl.operator.autoscaling.promql import (
     load_query,
     paused_query,
     pool_busy_query,
+    pool_capacity_query,
     pool_rate_per_replica_query,
     trainer_queries,
 )
@@ -305,9 +307,13 @@ class AutoscalingLoop(Ticker):
                 continue
             try:
                 pool = pool_of(run, body)
-                config = config_of(run, pool, body)
             except KeyError:
                 continue
+            pool = as_routed(
+                pool, await self._value(run, pool_capacity_query(run.namespace, run.name, pool.name))
+            )
+            try:
+                config = config_of(run, pool, body)
             except BoundsRefused as exc:
                 memory = self.memory.setdefault(key, PoolMemory())
                 if memory.refused != str(exc):
@@ -473,6 +479,9 @@ class AutoscalingLoop(Ticker):
         paused = None
         if observation.problem is None:  # None also when no series: no engine holds requests for an update
             paused = await self._value(run, paused_query(run.namespace, pool.object_name))
+        pool = as_routed(
+            pool, await self._value(run, pool_capacity_query(run.namespace, run.name, pool.name))
+        )
         async with self.lock(*key):
             body = await self.live_pool(key, cached)
             if body is None:

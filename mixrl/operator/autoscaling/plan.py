@@ -174,6 +174,16 @@ class BoundsRefused(ValueError):
     """The SamplerPool's own bounds contradict each other: the loop does not scale it."""
 
 
+def as_routed(pool: ResolvedPool, capacity: float | None) -> ResolvedPool:
+    """The pool with the capacity per replica the router shares sessions by (its trusted
+    measurement where the declaration is far off it or null:
+    :func:`~mixrl.operator.autoscaling.promql.pool_capacity_query`), so the policy sizes the pool
+    by what the router sends it; None (the router does not say): as declared (null: 1.0)."""
+    if capacity is None or not capacity > 0:
+        return pool
+    return pool.model_copy(update={"capacity": capacity})
+
+
 def config_of(run: ResolvedRun, pool: ResolvedPool, pool_body: Obj) -> PolicyConfig:
     """The pool's policy; the SamplerPool's own bounds win (``kubectl edit`` may have changed them).
     Bounds that contradict each other are refused, never repaired: the CRD's CEL rule refuses them

@@ -24,6 +24,7 @@ from mixrl.rl.metrics import (
     MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL,
     MIXRL_BUFFER_TRAJECTORIES,
     MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL,
+    MIXRL_ROUTER_CAPACITY_PER_REPLICA,
     MIXRL_ROUTER_QUEUE_DEPTH,
     MIXRL_ROUTER_REPLICAS_READY,
     MIXRL_ROUTER_REQUESTS_IN_FLIGHT,
@@ -188,3 +189,11 @@ def pool_busy_query(
     ready = f"sum({MIXRL_ROUTER_REPLICAS_READY.name}{{{m}}})"
     span, step = window
     return f"avg_over_time(clamp_max(({load}) / ({slots_per_replica:g} * {ready}), 1)[{span}:{step}])"
+
+
+def pool_capacity_query(namespace: str, run: str, pool: str) -> str:
+    """The capacity per replica the router shares sessions by (the declared one, or its trusted
+    measurement where that is far off it or the pool is declared null): the autoscaler sizes the
+    pool by the same figure."""
+    m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
+    return f"max({MIXRL_ROUTER_CAPACITY_PER_REPLICA.name}{{{m}}})"

@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from mixrl.api.kube_types import ConditionValue, Obj
+from mixrl.api.kube_types import Condition, ConditionValue, Obj
 from mixrl.operator.kube.conditions import make_condition, update_conditions
 from mixrl.rl import metrics as m
 from mixrl.rl.health.collapse import Assessment
+from mixrl.rl.router.shares import mismatched
 
 METRICS_AVAILABLE = "MetricsAvailable"
 COLLAPSE_RISK = "CollapseRisk"
@@ -87,6 +88,7 @@ def run_queries(namespace: str, run: str) -> dict[str, str]:
             f"sum by (pool) (rate({m.MIXRL_ROUTER_GENERATED_TOKENS_TOTAL.name}{per_pool}[{RATE_WINDOW}]))"
         ),
         "serving_weight_version": f"max by (pool) ({m.MIXRL_ROUTER_WEIGHT_VERSION.name}{per_pool})",
+        "measured_capacity": f"max by (pool) ({m.MIXRL_ROUTER_CAPACITY_MEASURED.name}{per_pool})",
         "quarantined_batches": f"max({m.MIXRL_BUFFER_QUARANTINED_BATCHES_TOTAL.name}{_selector(namespace, run)})",
     }
 
@@ -188,6 +190,7 @@ POOL_FIELDS = {
     "traffic_share": "trafficShare",
     "tokens_per_second": "tokensPerSecond",
     "serving_weight_version": "servingWeightVersion",
+    "measured_capacity": "measuredCapacity",
 }
 INTEGER_FIELDS = frozenset({"servingWeightVersion", "step", "weightVersion", "quarantinedBatches"})
 
@@ -285,9 +288,56 @@ def quarantine_event(previous: Obj, new: Obj) -> str | None:
     )
 
 
-def live_pool_status(previous: Obj, figures: Mapping[str, float]) -> Obj:
-    """A SamplerPool's status with its live figures (the rest as its controller wrote it)."""
-    return {**previous, **pool_fields(figures)}
+CAPACITY_MISMATCH = "CapacityMismatch"
+"""Condition (and Warning event on the run) of a pool whose measured capacity is far off its declared one."""
+
+
+def capacity_condition(
+    previous: Obj, declared: float | None, measured: float | None, generation: int | None, now: str
+) -> Condition | None:
+    """``CapacityMismatch``: True naming both figures when the router's trusted measurement is off
+    the declared capacity by more than :data:`~mixrl.rl.router.shares.MISMATCH_FACTOR` (the router
+    then shares by the measurement); False when within it; None while there is nothing to compare
+    (a pool declared null is measured, not checked)."""
+    if declared is None or measured is None:
+        return None
+    value: ConditionValue
+    if mismatched(declared, measured):
+        value = (
+            "True",
+            "MeasuredOff",
+            f"measured capacity {measured:.3g} per replica against the declared {declared:.3g} "
+            f"({max(measured, declared) / min(measured, declared):.2g}x off): the router shares by the "
+            "measurement; correct spec.samplerPools[].capacity, or set it null to have it measured",
+        )
+    else:
+        value = (
+            "False",
+            "AsDeclared",
+            f"measured capacity {measured:.3g} per replica, declared {declared:.3g}",
+        )
+    return make_condition(CAPACITY_MISMATCH, value, generation, now, list(previous.get("conditions") or []))
+
+
+def live_pool_status(
+    previous: Obj,
+    figures: Mapping[str, float],
+    declared: float | None = None,
+    generation: int | None = None,
+    now: str = "",
+) -> Obj:
+    """A SamplerPool's status with its live figures (the rest as its controller wrote it), and its
+    ``CapacityMismatch`` condition when the router measured it (``declared``: its spec's capacity)."""
+    status = {**previous, **pool_fields(figures)}
+    condition = capacity_condition(previous, declared, figures.get("measured_capacity"), generation, now)
+    if condition is not None:
+        before = next(
+            (c for c in previous.get("conditions") or [] if c.get("type") == CAPACITY_MISMATCH), None
+        )
+        if before is None or any(before.get(k) != condition[k] for k in ("status", "reason", "message")):
+            others = [c for c in previous.get("conditions") or [] if c.get("type") != CAPACITY_MISMATCH]
+            status["conditions"] = [*others, condition]
+    return status
 
 
 FAILED_AFTER_RESTARTS = 6

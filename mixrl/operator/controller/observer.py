@@ -38,6 +38,7 @@ from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.operator.builders import labels as L
 from mixrl.operator.controller.live_status import (
+    CAPACITY_MISMATCH,
     COLLAPSE_RISK,
     SPEND_WRITE_INTERVAL_S,
     TRAINER,
@@ -279,7 +280,7 @@ class StatusObserver(Ticker):
         if written:
             await self._events(fresh, previous, new, memory, now)
         if problem is None:
-            await self._write_pools(namespace, name, figures, memory, now)
+            await self._write_pools(fresh, figures, memory, now)
 
     def _accrue(
         self, memory: RunMemory, previous: Obj, resolved: ResolvedRun, pool_bodies: list[Obj], now: float
@@ -341,22 +342,33 @@ class StatusObserver(Ticker):
             if self.reconcile is not None:  # the reconciler releases a finished run's GPUs
                 self.reconcile(meta["namespace"], meta["name"])
 
-    async def _write_pools(
-        self, namespace: str, run: str, figures: Figures, memory: RunMemory, now: float
-    ) -> None:
+    async def _write_pools(self, run_body: Obj, figures: Figures, memory: RunMemory, now: float) -> None:
+        """Each pool's live figures and CapacityMismatch condition (a Warning on the run when it
+        turns True)."""
+        namespace, run = run_body["metadata"]["namespace"], run_body["metadata"]["name"]
         for listed in await self.client.list(SAMPLERPOOLS, namespace, L.selector_labels(run, "sampler")):
             name = listed["metadata"]["name"]
             if now - memory.last_write.get(name, -math.inf) < self.settings.min_write_interval_s:
                 continue
             live = figures.pools.get(listed.get("spec", {}).get("pool", ""), {})
-            if live_pool_status(listed.get("status") or {}, live) == (listed.get("status") or {}):
+
+            def composed(pool: Obj, live: Mapping[str, float] = live) -> Obj:
+                return live_pool_status(
+                    pool.get("status") or {},
+                    live,
+                    declared=(pool.get("spec") or {}).get("capacity"),
+                    generation=pool["metadata"].get("generation"),
+                    now=rfc3339(now),
+                )
+
+            if composed(listed) == (listed.get("status") or {}):
                 continue
             async with self.lock(f"SamplerPool/{namespace}/{name}"):  # as the pool's reconcile
                 pool = await self.client.get(SAMPLERPOOLS, namespace, name)
                 if pool is None:
                     continue
                 previous = pool.get("status") or {}
-                new = live_pool_status(previous, live)
+                new = composed(pool)
                 if new == previous:
                     continue
                 changed = {k: v for k, v in new.items() if previous.get(k) != v}
@@ -365,6 +377,13 @@ class StatusObserver(Ticker):
                 )
             self.writes += 1
             memory.last_write[name] = now
+            if (
+                _condition_status(new, CAPACITY_MISMATCH)
+                == "True"
+                != _condition_status(previous, CAPACITY_MISMATCH)
+            ):
+                message = next(c["message"] for c in new["conditions"] if c["type"] == CAPACITY_MISMATCH)
+                await self.post_event(run_body, "Warning", CAPACITY_MISMATCH, f"pool {name}: {message}", now)
 
     async def post_event(self, body: Obj, kind: str, reason: str, message: str, now: float) -> None:
         event = event_object(RLRUNS, body, kind, reason, message, now, "mixrl-status")

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from mixrl.rl import metrics
 from mixrl.rl.health.routing import HEALTHY
 from mixrl.rl.metrics import MetricSpec
+from mixrl.rl.router.shares import capacity_per_replica, measured_capacities
 from mixrl.rl.router.state import Pool, RouterState
 
 
@@ -57,8 +58,20 @@ class RouterCollector(Collector):
             (metrics.MIXRL_COST_DOLLARS_TOTAL, lambda p: p.cost_dollars),
             (metrics.MIXRL_ROUTER_POOL_HEALTH, lambda p: self.state.health.get(p.name, HEALTHY).health),
         ]
+        capacities = self.state.capacities()
+        per_replica = capacity_per_replica(capacities)
+        series.append((metrics.MIXRL_ROUTER_CAPACITY_PER_REPLICA, lambda p: per_replica[p.name]))
         for spec, value_of in series:
             yield self._family(spec, value_of)
+        # Only pools measured (a declared one: with trust): an absent series is "not measured".
+        spec = metrics.MIXRL_ROUTER_CAPACITY_MEASURED
+        measured = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+        for name, value in measured_capacities(capacities).items():
+            if capacities[name].configured is not None and not capacities[name].trusted:
+                continue  # a declared pool's measurement counts once it is trusted
+            pool = self.state.pools[name]
+            measured.add_metric([self.run, pool.name, pool.gpu_type, pool.precision], value)
+        yield measured
         # Only pools that have answered with a version: 0 would read as "serving version 0".
         spec = metrics.MIXRL_ROUTER_WEIGHT_VERSION
         version = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)

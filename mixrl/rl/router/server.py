@@ -64,7 +64,7 @@ from mixrl.rl.engine.version_gate import (
     strictest,
 )
 from mixrl.rl.health.routing import HealthPolicy, MismatchReport
-from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT
+from mixrl.rl.metrics import SGLANG_GEN_THROUGHPUT, SGLANG_NUM_QUEUE_REQS
 from mixrl.rl.router.config import RouterConfig, check_replica_url
 from mixrl.rl.router.exporter import make_registry
 from mixrl.rl.router.state import NoReadyReplica, Route, RouterState, VersionUnavailable
@@ -356,12 +356,12 @@ class Router:
         if ready:
             self.state.set_version(pool_name, url, await self._served_version(url))
         self.state.set_ready(pool_name, url, ready)
-        if ready and self.state.pool(pool_name).capacity is None:
+        if ready:  # every pool: a declared capacity gives way to a measurement far off it
             await self._measure(pool_name, url)
 
     async def _measure(self, pool_name: str, url: str) -> None:
-        """Throughput sample for a measured pool: the engine's gen_throughput, else our own count."""
-        throughput = await self._engine_throughput(url)
+        """Throughput sample of a replica: the engine's gen_throughput, else our own count."""
+        throughput, queued = await self._engine_throughput(url)
         replica = self.state.replica(pool_name, url)
         if replica is None:
             return
@@ -371,7 +371,7 @@ class Router:
         if throughput is None and previous is not None and now > previous[0]:
             throughput = (replica.generated_tokens - previous[1]) / (now - previous[0])
         if throughput is not None:
-            self.state.record_throughput(pool_name, url, throughput)
+            self.state.record_throughput(pool_name, url, throughput, queued)
 
     async def _served_version(self, url: str) -> int | None:
         """The replica's ``GET /get_weight_version`` (SGLang's and the torch engine's); None when it
@@ -386,23 +386,30 @@ class Router:
         except (aiohttp.ClientError, TimeoutError, ValueError, EngineResponseError):
             return None
 
-    async def _engine_throughput(self, url: str) -> float | None:
+    async def _engine_throughput(self, url: str) -> tuple[float | None, bool]:
+        """The engine's generation throughput (None: it exports none) and whether it has requests
+        queued (SGLang's two gauges, either spelling)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
         try:
             async with self.http.get(f"{url}/metrics", timeout=timeout) as response:
                 if response.status != 200:
-                    return None
+                    return None, False
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
-            return None
-        names = {SGLANG_GEN_THROUGHPUT.name, SGLANG_GEN_THROUGHPUT.name.replace(":", "_")}
+            return None, False
+        spelled = {
+            spelling: spec.name
+            for spec in (SGLANG_GEN_THROUGHPUT, SGLANG_NUM_QUEUE_REQS)
+            for spelling in (spec.name, spec.name.replace(":", "_"))
+        }
+        values: dict[str, float] = {}
         try:
             for family in text_string_to_metric_families(text):
-                if family.name in names and family.samples:
-                    return sum(sample.value for sample in family.samples)
+                if family.name in spelled and family.samples:
+                    values[spelled[family.name]] = sum(sample.value for sample in family.samples)
         except ValueError:
             log.warning("replica %s exports unparsable metrics", url)
-        return None
+        return values.get(SGLANG_GEN_THROUGHPUT.name), values.get(SGLANG_NUM_QUEUE_REQS.name, 0.0) > 0
 
     # ------------------------------------------------------------------ proxy
 

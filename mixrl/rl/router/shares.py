@@ -18,6 +18,14 @@ from dataclasses import dataclass
 UNMEASURED_CAPACITY = 1.0
 """Capacity per replica of a measured pool before any pool has been measured."""
 
+MIN_CAPACITY_SAMPLES = 10
+"""Samples taken while full (over a pool's ready replicas) before a measurement may replace a
+declared capacity: at the router's 2 s health-check period, 20 s of a full replica."""
+
+MISMATCH_FACTOR = 1.5
+"""A declared capacity gives way to the measured one when they differ by more than this factor
+either way: below it the declaration stands (a measurement's wobble moves no sessions)."""
+
 
 @dataclass(frozen=True)
 class PoolCapacity:
@@ -28,23 +36,67 @@ class PoolCapacity:
     measured: float | None
     """Measured generation throughput per replica (tokens/s), None until measured."""
     ready_replicas: int
+    samples: int = 0
+    """Throughput samples behind ``measured`` (:data:`MIN_CAPACITY_SAMPLES` make it trusted)."""
+
+    @property
+    def trusted(self) -> bool:
+        return self.measured is not None and self.samples >= MIN_CAPACITY_SAMPLES
+
+
+def tokens_per_capacity(pools: Mapping[str, PoolCapacity]) -> float | None:
+    """Tokens/s per unit of capacity: the median, over the declared pools measured with trust, of
+    measured ÷ declared (the median: one mis-declared pool does not move it); for a fleet that
+    declares nothing, the mean of the measured pools (their mean capacity is then 1).  None: no
+    measurement to convert by yet."""
+    ratios = sorted(
+        p.measured / p.configured
+        for p in pools.values()
+        if p.configured is not None and p.measured is not None and p.trusted
+    )
+    if ratios:
+        middle = len(ratios) // 2
+        return ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    if all(p.configured is None for p in pools.values()):
+        measured = [p.measured for p in pools.values() if p.measured is not None]
+        return sum(measured) / len(measured) if measured else None
+    return None
+
+
+def measured_capacities(pools: Mapping[str, PoolCapacity]) -> dict[str, float]:
+    """Each measured pool's capacity per replica in the declared units (:func:`tokens_per_capacity`)."""
+    reference = tokens_per_capacity(pools)
+    if reference is None or reference <= 0:
+        return {}
+    return {name: p.measured / reference for name, p in pools.items() if p.measured is not None}
+
+
+def mismatched(declared: float, measured: float) -> bool:
+    """Whether a measured capacity is off its declaration by more than :data:`MISMATCH_FACTOR`."""
+    return max(declared, measured) > MISMATCH_FACTOR * min(declared, measured)
 
 
 def capacity_per_replica(pools: Mapping[str, PoolCapacity]) -> dict[str, float]:
-    """Each pool's capacity per replica: configured, else measured, else a fallback.
+    """Each pool's capacity per replica, in the declared units: the declared one unless a trusted
+    measurement is off it by more than :data:`MISMATCH_FACTOR` (then the measurement); for a pool
+    declared null, its measurement.
 
-    A measured pool not yet measured takes the mean of the measured ones (so one slow-to-report
-    pool does not get a share of 1 token/s among pools measured in hundreds), or
-    :data:`UNMEASURED_CAPACITY` while no pool has been measured.
+    Measurements are tokens/s, converted by :func:`tokens_per_capacity` (declared capacities and
+    tokens/s never meet in one comparison).  A null pool not yet measured takes the mean of the
+    measured null pools (so one slow-to-report pool does not get a share of nothing), or
+    :data:`UNMEASURED_CAPACITY` while there is none.
     """
-    measured = [p.measured for p in pools.values() if p.configured is None and p.measured is not None]
-    fallback = sum(measured) / len(measured) if measured else UNMEASURED_CAPACITY
+    measured = measured_capacities(pools)
+    nulls = [measured[name] for name, p in pools.items() if p.configured is None and name in measured]
+    fallback = sum(nulls) / len(nulls) if nulls else UNMEASURED_CAPACITY
     result = {}
     for name, pool in pools.items():
-        if pool.configured is not None:
-            result[name] = pool.configured
+        if pool.configured is None:
+            result[name] = measured.get(name, fallback)
+        elif pool.trusted and name in measured and mismatched(pool.configured, measured[name]):
+            result[name] = measured[name]
         else:
-            result[name] = pool.measured if pool.measured is not None else fallback
+            result[name] = pool.configured
     return result
 
 
@@ -135,6 +187,10 @@ class PeakThroughput:
     def add(self, tokens_per_second: float) -> None:
         if tokens_per_second >= 0:
             self._samples.append(tokens_per_second)
+
+    def __len__(self) -> int:
+        """Samples in the window."""
+        return len(self._samples)
 
     def estimate(self) -> float | None:
         """The recent peak, or None before any positive sample."""

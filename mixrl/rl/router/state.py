@@ -36,7 +36,9 @@ from mixrl.rl.router.shares import (
     PoolCapacity,
     ShareScheduler,
     balanced_after_refresh,
+    capacity_per_replica,
     drain_step,
+    measured_capacities,
     rebalance_destination,
     target_shares,
 )
@@ -73,6 +75,10 @@ class Replica:
     """Live sessions bound to this replica."""
     generated_tokens: int = 0
     throughput: PeakThroughput = field(default_factory=PeakThroughput)
+    at_capacity: PeakThroughput = field(default_factory=PeakThroughput)
+    """Its samples taken while it had requests queued (router or engine): only a replica kept full
+    shows what it can do, so only these may overrule a declared capacity (a pool the router gave
+    few sessions would otherwise look slow, get fewer still, and never recover)."""
     weight_version: int | None = None
     """The version it serves, as last heard: its ``/get_weight_version`` at each health probe, the
     newest version in its answers, the version its 409s name (None: not known yet)."""
@@ -132,6 +138,24 @@ class Pool:
         estimates = [r.throughput.estimate() for r in self.ready_replicas()]
         measured = [e for e in estimates if e is not None]
         return sum(measured) / len(measured) if measured else None
+
+    def measured_at_capacity(self) -> tuple[float | None, int]:
+        """Mean recent-peak throughput of its ready replicas while they had requests queued, and the
+        samples behind it (its trust: shares.MIN_CAPACITY_SAMPLES)."""
+        ready = self.ready_replicas()
+        estimates = [e for e in (r.at_capacity.estimate() for r in ready) if e is not None]
+        mean = sum(estimates) / len(estimates) if estimates else None
+        return mean, sum(len(r.at_capacity) for r in ready)
+
+    def capacity_view(self) -> PoolCapacity:
+        """What its share depends on: a declared pool's measurement is its full replicas' (only
+        that may overrule the declaration); a null pool's is every sample's recent peak."""
+        ready = len(self.ready_replicas())
+        if self.capacity is None:
+            samples = sum(len(r.throughput) for r in self.ready_replicas())
+            return PoolCapacity(None, self.measured_capacity(), ready, samples)
+        measured, samples = self.measured_at_capacity()
+        return PoolCapacity(self.capacity, measured, ready, samples)
 
 
 @dataclass
@@ -242,20 +266,23 @@ class RouterState:
             self.pool(pool_name).replica_failures += 1
         self.set_ready(pool_name, url, False)
 
-    def record_throughput(self, pool_name: str, url: str, tokens_per_second: float) -> None:
+    def record_throughput(
+        self, pool_name: str, url: str, tokens_per_second: float, queued: bool = False
+    ) -> None:
+        """One throughput sample of a replica; ``queued``: it had requests waiting (router or
+        engine), so it ran at what it can do."""
         replica = self.replica(pool_name, url)
         if replica is None:
             return
-        before = self.pool(pool_name).measured_capacity()
+        before = capacity_per_replica(self.capacities())
         replica.throughput.add(tokens_per_second)
-        if self.pool(pool_name).capacity is None and self.pool(pool_name).measured_capacity() != before:
+        if queued or replica.waiting:
+            replica.at_capacity.add(tokens_per_second)
+        if capacity_per_replica(self.capacities()) != before:
             self.refresh_shares()
 
     def capacities(self) -> dict[str, PoolCapacity]:
-        return {
-            name: PoolCapacity(pool.capacity, pool.measured_capacity(), len(pool.ready_replicas()))
-            for name, pool in self.pools.items()
-        }
+        return {name: pool.capacity_view() for name, pool in self.pools.items()}
 
     def accrue_cost(self, seconds: float) -> None:
         """Every pool's replicas (the ones the router knows: pods with an address, ready or not)
@@ -462,10 +489,9 @@ class RouterState:
     def snapshot(self) -> dict[str, object]:
         """What ``GET /pools`` shows."""
         shares = self.scheduler.shares
-        per_replica_capacity = {
-            name: (pool.capacity if pool.capacity is not None else pool.measured_capacity())
-            for name, pool in self.pools.items()
-        }
+        capacities = self.capacities()
+        per_replica_capacity = capacity_per_replica(capacities)
+        measured = measured_capacities(capacities)
         active = self.active_sessions()
         total_active = sum(active.values())
         total_assigned = sum(pool.sessions_assigned for pool in self.pools.values())
@@ -477,8 +503,11 @@ class RouterState:
                     "gpu_type": pool.gpu_type,
                     "precision": pool.precision,
                     "capacity": pool.capacity,
-                    "capacity_source": "configured" if pool.capacity is not None else "measured",
+                    "capacity_source": (
+                        "configured" if per_replica_capacity[name] == pool.capacity else "measured"
+                    ),
                     "capacity_per_replica": per_replica_capacity[name],
+                    "capacity_measured": measured.get(name),
                     "ready_replicas": len(pool.ready_replicas()),
                     "target_share": shares.get(name, 0.0),
                     "active_sessions": active[name],
