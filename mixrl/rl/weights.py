@@ -35,7 +35,8 @@ keeps every version that a kept version's chain needs.
 
 **One converter per precision.** `WeightStore.convert` takes a lease (a file created exclusively
 under ``.flags/``, its mtime refreshed while converting); the other replicas of a pool wait for the
-conversion to appear and load it.  A lease whose heartbeat is older than ``lease_timeout_s`` (its
+conversion to appear and load it.  A lease whose holder is a process of this host that is gone, or
+whose heartbeat is older than ``lease_timeout_s`` (its
 holder died) is taken over.
 """
 
@@ -935,12 +936,13 @@ class WeightStore:
             holder, age = self.storage.read_flag(lease), self.storage.flag_age_s(lease)
             if age is None:
                 return  # released: the holder finished (or failed); look again
-            if age > self.lease_timeout_s and self.storage.read_flag(lease) == holder:
+            dead = _holder_gone(holder)
+            if (dead or age > self.lease_timeout_s) and self.storage.read_flag(lease) == holder:
                 log.warning(
-                    "conversion %s: lease of %s is %.0f s without a heartbeat; taking over",
+                    "conversion %s: lease of %s %s; taking over",
                     name,
                     (holder or "?").strip(),
-                    age,
+                    "whose process is gone" if dead else f"is {age:.0f} s without a heartbeat",
                 )
                 self.storage.remove_flag(lease)
                 return
@@ -1022,6 +1024,23 @@ class WeightStore:
 def _copied(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Private copies: a publisher's tensors may be its live parameters, changed by the next step."""
     return {name: tensor.clone() for name, tensor in tensors.items()}
+
+
+def _holder_gone(holder: str | None) -> bool:
+    """Whether a lease's holder (``host:pid:token``) is a process of this host that no longer
+    exists: then it died, and nobody need wait out the heartbeat timeout.  A holder elsewhere (or
+    unreadable) is judged by its heartbeat alone."""
+    host, _, rest = (holder or "").strip().partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it exists, as another user
+    return False
 
 
 @contextlib.contextmanager

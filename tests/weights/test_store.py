@@ -257,7 +257,11 @@ def test_killed_writer_leaves_no_visible_version(store: WeightStore, action: str
         store.publish(7, {"w": torch.zeros(2, 2)})
         assert store.versions() == [1, 7]
     else:
+        started = time.monotonic()
         assert Path(store.convert(1, "nvfp4")).is_dir()
+        # The dead converter's lease is taken at once (its process is gone on this host), not
+        # after the heartbeat timeout (LEASE_TIMEOUT_S, 120 s).
+        assert time.monotonic() - started < 30
     old = time.time() - 7200
     os.utime(leftovers[0], (old, old))
     store.prune(keep=5)
