@@ -24,8 +24,8 @@ from mixrl.devcluster.stages import START_DELAY_LABEL
 from .conftest import ROOT, Bed, OperatorProcess, wait_for
 from .test_autoscaling import POOL, TARGET, PoolExporter, start_prometheus
 
-COLD_START_S = 30
-PENDING_TIMEOUT_S = 12  # far below the cold start: the clock alone would release the new replicas
+COLD_START_S = 15
+PENDING_TIMEOUT_S = 6  # far below the cold start: the clock alone would release the new replicas
 FULL = "mixrl.dev/test-full=yes:NoSchedule"
 
 

@@ -114,4 +114,6 @@ async def test_sessions_reload_and_survive_a_killed_engine(two_engines, start_ro
     assert pool["ready_replicas"] == 1
     measured = {r["url"]: r["measured_throughput"] for r in pool["replicas"]}
     assert measured[survivor.url] is not None and measured[survivor.url] > 0
-    assert pool["capacity_per_replica"] == measured[survivor.url]
+    # A fleet that declares nothing: capacities relative to its pools' mean throughput (one pool: 1.0).
+    assert pool["capacity_per_replica"] == pool["capacity_measured"] == 1.0
+    assert pool["capacity_source"] == "measured"
