@@ -99,7 +99,7 @@ def test_a_cold_start_is_waited_for_and_unschedulable_replicas_are_released_with
                 (d for d in pool()["status"]["lastScaleDecisions"] if d["toReplicas"] < d["fromReplicas"]),
                 None,
             ),
-            timeout=30,
+            timeout=120,  # the scale-up waits for the minute's average load to confirm it
             what="the unschedulable replicas released",
         )
         assert released["fromReplicas"] == 6 and released["toReplicas"] == 4, released

@@ -11,6 +11,7 @@ sets them, ``namespace`` as a cluster's pod discovery would attach it) with valu
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -201,3 +202,33 @@ def test_status_is_live_collapse_is_flagged_idle_costs_nothing_and_the_end_relea
         prometheus.terminate()
         prometheus.wait(10)
         exporter.server.shutdown()
+
+
+def test_a_run_whose_trainer_cannot_be_placed_says_what_it_needs_and_why(
+    cluster: Bed, status_operator: OperatorProcess, namespace: str
+) -> None:
+    """Issue #31: a trainer Pending forever said only "TrainerReady: 0/1 ready".  Here one of its three pods
+    asks for 8 × A100 on one node; the bed has two A100 nodes."""
+    run = yaml.safe_load((ROOT / "examples" / "rlrun-minimal.yaml").read_text())
+    run["metadata"]["namespace"] = namespace
+    name = run["metadata"]["name"]
+    run["spec"]["trainer"].update(gpuType="A100", nodes=3, gpusPerNode=8)
+    cluster.apply(run)
+
+    def placed() -> dict[str, Any]:
+        status = cluster.get(f"rlrun/{name}", "-n", namespace).get("status") or {}
+        return next((c for c in status.get("conditions", []) if c["type"] == "PodsPlaced"), {})
+
+    condition = wait_for(
+        lambda: placed() if placed().get("status") == "False" else None, timeout=60, what="PodsPlaced False"
+    )
+    assert condition["reason"] == "Unschedulable", condition
+    # One of the three pods waits (which one: the StatefulSet starts them together).
+    assert re.match(
+        rf"trainer pod {name}-trainer-[0-2] needs 8 × A100 on one node and cannot be placed: 0/\d+ nodes",
+        condition["message"],
+    ), condition
+    assert "Insufficient nvidia.com/gpu" in condition["message"], condition
+    events = cluster.get("events", "-n", namespace, "--field-selector", "reason=Unschedulable")["items"]
+    ours = [e for e in events if e["involvedObject"]["kind"] == "RLRun"]
+    assert ours and ours[0]["message"] == condition["message"] and ours[0]["type"] == "Warning"

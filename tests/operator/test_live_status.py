@@ -21,6 +21,7 @@ from mixrl.operator.controller.live_status import (
     history_query,
     live_pool_status,
     live_run_status,
+    placement_problem,
     quarantine_event,
     records_from_history,
     run_queries,
@@ -251,7 +252,13 @@ def test_the_live_conditions_keep_their_place_so_two_writers_never_rewrite_each_
     reconciled = [{"type": t, "status": "True"} for t in ("Ready", "Progressing")]
     live = live_run_status({"phase": "Running", "conditions": reconciled}, figures_from(answers()), 3, NOW)
     order = [c["type"] for c in live["conditions"]]
-    assert order == ["Ready", "Progressing", METRICS_AVAILABLE, COLLAPSE_RISK]  # new ones at the end
+    assert order == [
+        "Ready",
+        "Progressing",
+        METRICS_AVAILABLE,
+        "PodsPlaced",
+        COLLAPSE_RISK,
+    ]  # new ones at the end
     # The reconciler writes again (its own first, the others as they were), then the live status:
     again = merge_conditions(live["conditions"], [dict(c) for c in reconciled])
     assert [c["type"] for c in again] == order
@@ -272,3 +279,44 @@ def test_a_pool_measured_far_off_its_declared_capacity_gets_a_condition_naming_b
     # Nothing to compare: no condition (a null pool is measured, not checked; no measurement yet).
     assert "conditions" not in live_pool_status({}, {"measured_capacity": 1.0}, declared=None)
     assert "conditions" not in live_pool_status({}, {}, declared=3.2)
+
+
+def test_a_pod_the_scheduler_cannot_place_is_named_with_what_it_needs_and_why() -> None:
+    trainer = {
+        "metadata": {
+            "name": "demo-trainer-1",
+            "labels": {"app.kubernetes.io/component": "trainer", "mixrl.dev/gpu-type": "H100"},
+        },
+        "spec": {"containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/25 nodes are available: 3 Insufficient nvidia.com/gpu,\n 22 node(s) didn't match Pod's node affinity/selector.",
+                }
+            ],
+        },
+    }
+    placed = {
+        "metadata": {"name": "demo-trainer-0"},
+        "status": {"conditions": [{"type": "PodScheduled", "status": "True"}]},
+    }
+    why = placement_problem([placed, trainer])
+    assert why == (
+        "trainer pod demo-trainer-1 needs 8 × H100 on one node and cannot be placed: 0/25 nodes are available: "
+        "3 Insufficient nvidia.com/gpu, 22 node(s) didn't match Pod's node affinity/selector."
+    )
+    assert placement_problem([placed]) is None
+    status = live_run_status({}, Figures(), 1, "T", unplaced=why)
+    [condition] = [c for c in status["conditions"] if c["type"] == "PodsPlaced"]
+    assert (
+        condition["status"] == "False"
+        and condition["reason"] == "Unschedulable"
+        and condition["message"] == why
+    )
+    status = live_run_status(status, Figures(), 1, "T2")
+    [condition] = [c for c in status["conditions"] if c["type"] == "PodsPlaced"]
+    assert condition["status"] == "True" and condition["lastTransitionTime"] == "T2"

@@ -135,7 +135,9 @@ def test_a_killed_converter_is_taken_over_once_its_heartbeat_stops(tmp_path: Pat
     _kill(holder)
     out, err = waiter.communicate(timeout=60)
     assert waiter.returncode == 0, err
-    assert "without a heartbeat; taking over" in err and "converting weight version 1 to fp8" in err
+    # On one host the dead holder's process is seen gone at once (a holder on another node is
+    # judged by its heartbeat: tests/weights/test_store.py).
+    assert "whose process is gone; taking over" in err and "converting weight version 1 to fp8" in err
     assert out.strip().endswith(str(Path(store.path(1)) / "fp8"))
     assert not lease.exists()
     assert load_checkpoint_dir(str(Path(store.path(1)) / "fp8"))[0]

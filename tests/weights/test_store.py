@@ -268,6 +268,21 @@ def test_killed_writer_leaves_no_visible_version(store: WeightStore, action: str
     assert list(staging.iterdir()) == []
 
 
+def test_a_lease_held_on_another_node_is_taken_over_only_once_its_heartbeat_is_stale(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = WeightStore(str(tmp_path / "store"), lease_timeout_s=1.0)
+    store.publish(1, {"layers.0.mlp.up_proj.weight": torch.randn(64, 64).to(torch.bfloat16)})
+    lease = tmp_path / "store" / ".flags" / "convert-v00000001-fp8.lease"
+    lease.parent.mkdir(parents=True, exist_ok=True)
+    lease.write_text("another-node:1:abcd\n")  # its pid says nothing here: only the heartbeat does
+    old = time.time() - 5
+    os.utime(lease, (old, old))
+    with caplog.at_level("WARNING", logger="mixrl.rl.weights"):
+        assert Path(store.convert(1, "fp8")).is_dir()
+    assert "lease of another-node:1:abcd is 5 s without a heartbeat; taking over" in caplog.text
+
+
 # ----------------------------------------------------------------------------------------- prune
 
 

@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mixrl.api.kube_types import Condition, ConditionValue, Obj
+from mixrl.operator.builders import labels as L
 from mixrl.operator.kube.conditions import make_condition, update_conditions
 from mixrl.rl import metrics as m
 from mixrl.rl.health.collapse import Assessment
@@ -60,6 +61,8 @@ class LiveReason:
     COLLAPSE = "SignsOfCollapse"
     FINISHED = "TotalStepsReached"
     TRAINER_FAILED = "TrainerFailed"
+    PLACED = "AllPodsPlaced"
+    UNSCHEDULABLE = "Unschedulable"
 
 
 def _selector(namespace: str, run: str, pool: str | None = None) -> str:
@@ -226,13 +229,15 @@ def live_run_status(
     judged: bool = False,
     trainer_failure: str | None = None,
     problem: tuple[str, str] | None = None,
+    unplaced: str | None = None,
 ) -> Obj:
     """The RLRun's status with its live fields, phase and the two metric conditions.
 
     ``problem``: (reason, message) when Prometheus could not be read: the last figures are kept
     (they are the last known truth) and MetricsAvailable says why.  ``trainer_failure``: the
     reason the trainer's containers keep failing (:func:`trainer_failure`), which fails the run.
-    Phases Succeeded and Failed are final."""
+    ``unplaced``: why a pod of the run cannot be scheduled (:func:`placement_problem`), for the
+    PodsPlaced condition.  Phases Succeeded and Failed are final."""
     old = list(previous.get("conditions") or [])
     status = dict(previous)
     available: ConditionValue
@@ -243,6 +248,12 @@ def live_run_status(
     else:
         available = ("True", LiveReason.SERIES_FOUND, "")
     ours = [make_condition(METRICS_AVAILABLE, available, generation, now, old)]
+    placed: ConditionValue = (
+        ("True", LiveReason.PLACED, "the scheduler placed every pod of the run")
+        if unplaced is None
+        else ("False", LiveReason.UNSCHEDULABLE, unplaced)
+    )
+    ours.append(make_condition(PODS_PLACED, placed, generation, now, old))
     if problem is None and not figures.empty:
         run_fields = (
             ("step", "step"),
@@ -274,6 +285,45 @@ def live_run_status(
         status["phase"] = phase
     status["conditions"] = update_conditions(old, ours)  # the reconciler's stay first, in their order
     return status
+
+
+PODS_PLACED = "PodsPlaced"
+"""Condition: whether the scheduler placed every pod of the run (False names the first it cannot)."""
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def placement_problem(pods: Sequence[Obj]) -> str | None:
+    """Why the first of ``pods`` the scheduler cannot place waits, in one line: which component,
+    what it asks of one node, and the scheduler's own reason (``PodScheduled=False``,
+    ``Unschedulable``); None when every pod is placed (or being deleted)."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            continue
+        scheduled = next(
+            (c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "PodScheduled"),
+            None,
+        )
+        if (
+            scheduled is None
+            or scheduled.get("status") != "False"
+            or scheduled.get("reason") != "Unschedulable"
+        ):
+            continue
+        spec = pod.get("spec") or {}
+        gpus = sum(
+            int(float((c.get("resources") or {}).get("limits", {}).get(GPU_RESOURCE, 0) or 0))
+            for c in spec.get("containers") or []
+        )
+        labels = meta.get("labels") or {}
+        what = labels.get(L.COMPONENT, "a")
+        if labels.get(L.POOL):
+            what = f"pool {labels[L.POOL]}'s"
+        gpu_type = labels.get(L.GPU_TYPE)
+        needs = f"{gpus} × {gpu_type or GPU_RESOURCE} on one node" if gpus else "its CPU and memory"
+        message = " ".join(str(scheduled.get("message") or "no node fits").split())
+        return f"{what} pod {meta.get('name', '?')} needs {needs} and cannot be placed: {message}"[:1000]
+    return None
 
 
 def quarantine_event(previous: Obj, new: Obj) -> str | None:

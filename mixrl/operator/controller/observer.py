@@ -40,14 +40,17 @@ from mixrl.operator.builders import labels as L
 from mixrl.operator.controller.live_status import (
     CAPACITY_MISMATCH,
     COLLAPSE_RISK,
+    PODS_PLACED,
     SPEND_WRITE_INTERVAL_S,
     TRAINER,
     Figures,
+    LiveReason,
     Spend,
     figures_from,
     history_query,
     live_pool_status,
     live_run_status,
+    placement_problem,
     quarantine_event,
     records_from_history,
     run_queries,
@@ -248,6 +251,8 @@ class StatusObserver(Ticker):
             problem = (exc.reason, exc.message)
         pods = await self.client.list(PODS, namespace, L.selector_labels(name, "trainer"))
         failure = trainer_failure(pods)
+        samplers = await self.client.list(PODS, namespace, L.selector_labels(name, "sampler"))
+        unplaced = placement_problem([*pods, *samplers])
         pool_bodies = await self.client.list(SAMPLERPOOLS, namespace, L.selector_labels(name, "sampler"))
         collapse_spec = run.spec.health.collapse
         records = [memory.records[step] for step in sorted(memory.records)]
@@ -269,6 +274,7 @@ class StatusObserver(Ticker):
                 judged=judged,
                 trainer_failure=failure,
                 problem=problem,
+                unplaced=unplaced,
             )
             spends = self._accrue(memory, previous, resolved, pool_bodies, now)
             moved = new.get("step") != previous.get("step") or new.get("phase") != previous.get("phase")
@@ -326,6 +332,9 @@ class StatusObserver(Ticker):
         return True
 
     async def _events(self, body: Obj, previous: Obj, new: Obj, memory: RunMemory, now: float) -> None:
+        if _condition_status(new, PODS_PLACED) == "False" != _condition_status(previous, PODS_PLACED):
+            message = next(c["message"] for c in new["conditions"] if c["type"] == PODS_PLACED)
+            await self.post_event(body, "Warning", LiveReason.UNSCHEDULABLE, message, now)
         meta = body["metadata"]
         risk = _condition_status(new, COLLAPSE_RISK)
         if risk == "True" and memory.collapse != "True":
