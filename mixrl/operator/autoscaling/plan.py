@@ -38,7 +38,7 @@ from mixrl.operator.autoscaling.policy import (
     decide,
 )
 from mixrl.operator.autoscaling.replicas import Census
-from mixrl.operator.kube.conditions import make_condition
+from mixrl.operator.kube.conditions import make_condition, update_conditions
 from mixrl.operator.kube.events import rfc3339
 
 METRICS_AVAILABLE = "MetricsAvailable"
@@ -399,7 +399,11 @@ def stuck_condition(previous: list[Obj], pods: Census, generation: int | None, n
             f"{pods.stuck} of the pool's replicas cannot start: {pods.why_stuck}"[:1000],
         )
     elif pods.starting:
-        value = ("False", "ColdStart", f"{pods.starting} replicas starting, none stuck")
+        value = (
+            "False",
+            "ColdStart",
+            "replicas are starting; none is stuck",
+        )  # no count: a write per replica
     else:
         value = ("False", "NoneStuck", "every replica is ready")
     return make_condition(REPLICAS_STUCK, value, generation, rfc3339(now), previous)
@@ -449,8 +453,8 @@ def plan_pool(
         stuck = stuck_condition(patch.get("conditions", conditions), pods, generation, now)
         before = next((c for c in conditions if c.get("type") == REPLICAS_STUCK), None)
         if before is None or any(before.get(k) != stuck[k] for k in ("status", "reason", "message")):
-            current = patch.get("conditions", conditions)
-            patch["conditions"] = [*(c for c in current if c.get("type") != REPLICAS_STUCK), stuck]
+            # In its place (the pool's controller and this loop both write conditions).
+            patch["conditions"] = update_conditions(patch.get("conditions", conditions), [stuck])
             if stuck["status"] == "True" and (before is None or before.get("status") != "True"):
                 stuck_event = ("Warning", REPLICAS_STUCK, stuck["message"])
         learned = None if pods.cold_start_s is None else round(pods.cold_start_s, 1)

@@ -90,19 +90,23 @@ def is_ready(pod: Obj) -> bool:
     )
 
 
+def unschedulable_message(pod: Obj, limit: int = 200) -> str | None:
+    """The scheduler's reason, one line, when it cannot place ``pod`` (``PodScheduled=False``,
+    ``Unschedulable``); None otherwise."""
+    scheduled = _condition(pod, "PodScheduled")
+    if scheduled is None or scheduled.get("status") != "False" or scheduled.get("reason") != "Unschedulable":
+        return None
+    return _one_line(scheduled.get("message") or "no node fits", limit)
+
+
 def stuck_reason(pod: Obj, node_on_its_way: bool = False) -> str | None:
     """Why the cluster says this pod will not become ready by itself; None: it may (a cold start)."""
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
         return f"Failed: {_one_line(status.get('reason') or status.get('message') or 'the pod failed')}"
-    scheduled = _condition(pod, "PodScheduled")
-    if (
-        scheduled is not None
-        and scheduled.get("status") == "False"
-        and scheduled.get("reason") == "Unschedulable"
-        and not node_on_its_way
-    ):
-        return f"Unschedulable: {_one_line(scheduled.get('message') or 'no node fits')}"
+    message = unschedulable_message(pod)
+    if message is not None and not node_on_its_way:
+        return f"Unschedulable: {message}"
     for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
         waiting = (container.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in STUCK_WAITING_REASONS:

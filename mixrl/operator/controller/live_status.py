@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mixrl.api.kube_types import Condition, ConditionValue, Obj
+from mixrl.operator.autoscaling.replicas import unschedulable_message
 from mixrl.operator.builders import labels as L
 from mixrl.operator.kube.conditions import make_condition, update_conditions
 from mixrl.rl import metrics as m
@@ -298,17 +299,8 @@ def placement_problem(pods: Sequence[Obj]) -> str | None:
     ``Unschedulable``); None when every pod is placed (or being deleted)."""
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
         meta = pod.get("metadata") or {}
-        if meta.get("deletionTimestamp"):
-            continue
-        scheduled = next(
-            (c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "PodScheduled"),
-            None,
-        )
-        if (
-            scheduled is None
-            or scheduled.get("status") != "False"
-            or scheduled.get("reason") != "Unschedulable"
-        ):
+        reason = None if meta.get("deletionTimestamp") else unschedulable_message(pod, limit=800)
+        if reason is None:
             continue
         spec = pod.get("spec") or {}
         gpus = sum(
@@ -321,8 +313,7 @@ def placement_problem(pods: Sequence[Obj]) -> str | None:
             what = f"pool {labels[L.POOL]}'s"
         gpu_type = labels.get(L.GPU_TYPE)
         needs = f"{gpus} × {gpu_type or GPU_RESOURCE} on one node" if gpus else "its CPU and memory"
-        message = " ".join(str(scheduled.get("message") or "no node fits").split())
-        return f"{what} pod {meta.get('name', '?')} needs {needs} and cannot be placed: {message}"[:1000]
+        return f"{what} pod {meta.get('name', '?')} needs {needs} and cannot be placed: {reason}"[:1000]
     return None
 
 
@@ -380,13 +371,8 @@ def live_pool_status(
     ``CapacityMismatch`` condition when the router measured it (``declared``: its spec's capacity)."""
     status = {**previous, **pool_fields(figures)}
     condition = capacity_condition(previous, declared, figures.get("measured_capacity"), generation, now)
-    if condition is not None:
-        before = next(
-            (c for c in previous.get("conditions") or [] if c.get("type") == CAPACITY_MISMATCH), None
-        )
-        if before is None or any(before.get(k) != condition[k] for k in ("status", "reason", "message")):
-            others = [c for c in previous.get("conditions") or [] if c.get("type") != CAPACITY_MISMATCH]
-            status["conditions"] = [*others, condition]
+    if condition is not None:  # in its place: the pool's controller writes the others
+        status["conditions"] = update_conditions(previous.get("conditions") or [], [condition])
     return status
 
 

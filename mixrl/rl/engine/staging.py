@@ -118,17 +118,13 @@ class StagedWeights:
 
     def prepare_state(self, live: nn.Module, state: dict[str, Tensor]) -> Prepared:
         """Check and prepare ``state`` (tensors received by other means, e.g. a broadcast)."""
-        if self.preparer != "thread":  # auto resolves to the process for the sizes a broadcast serves
+        if self._mode(live) == "process":  # handed to another process: in shared memory
             state = {name: t.detach().contiguous().share_memory_() for name, t in state.items()}
         return self._prepare(live, ("state", state))
 
     def _prepare(self, live: nn.Module, source: tuple[str, Any]) -> Prepared:
         self._ready = False
-        if self.preparer == "auto":
-            size = sum(p.numel() * p.element_size() for p in live.parameters())
-            self.preparer = "process" if size >= PROCESS_PREPARER_MIN_BYTES else "thread"
-            log.info("weights prepared on a %s (%.0f MiB of parameters)", self.preparer, size / 2**20)
-        if self.preparer == "thread":
+        if self._mode(live) == "thread":
             return self._prepare_here(live, source)
         fresh = self._allocate(live, shared=True)
         self._ensure_process()
@@ -149,6 +145,14 @@ class StagedWeights:
             tensor.sum()
         self._ready = True
         return Prepared(report, manifest_version, scales)
+
+    def _mode(self, live: nn.Module) -> str:
+        """``process`` or ``thread``; ``auto`` is resolved once, from the model's size."""
+        if self.preparer == "auto":
+            size = sum(p.numel() * p.element_size() for p in live.parameters())
+            self.preparer = "process" if size >= PROCESS_PREPARER_MIN_BYTES else "thread"
+            log.info("weights prepared on a %s (%.0f MiB of parameters)", self.preparer, size / 2**20)
+        return self.preparer
 
     def _prepare_here(self, live: nn.Module, source: tuple[str, Any]) -> Prepared:
         """The thread preparer: the same preparation, on the calling thread."""
