@@ -23,7 +23,8 @@ served weights stay.  Shared memory is ``/dev/shm``: engine pods mount a memory-
 
 A small model is prepared on a thread of the engine instead (``--weight-preparer``: ``auto``, the
 default, picks the thread below :data:`PROCESS_PREPARER_MIN_BYTES` of parameters): its whole
-preparation takes the GIL for milliseconds, less than a second interpreter importing torch costs
+preparation takes milliseconds (12 ms against 3.6 s for a process importing torch:
+bench/weight_preparer.py)
 in seconds and memory.  Both ways write the same staging copy and swap it the same way.
 """
 
@@ -58,7 +59,7 @@ thread of the engine), ``auto`` (the process from :data:`PROCESS_PREPARER_MIN_BY
 
 PROCESS_PREPARER_MIN_BYTES = 256 * 2**20
 """From this many bytes of parameters ``auto`` prepares in a process.  Below it (the test models,
-a few MiB) a preparation holds the GIL for milliseconds; a 596 M-parameter model's takes seconds
+a few MiB) a preparation takes milliseconds (bench/weight_preparer.py: 12 ms); a 596 M-parameter model's takes seconds
 (bench/weight_sync.py), which on a thread would stretch the decode steps it overlaps."""
 
 
