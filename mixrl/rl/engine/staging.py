@@ -24,8 +24,7 @@ served weights stay.  Shared memory is ``/dev/shm``: engine pods mount a memory-
 A small model is prepared on a thread of the engine instead (``--weight-preparer``: ``auto``, the
 default, picks the thread below :data:`PROCESS_PREPARER_MIN_BYTES` of parameters): its whole
 preparation takes milliseconds (12 ms against 3.6 s for a process importing torch:
-bench/weight_preparer.py)
-in seconds and memory.  Both ways write the same staging copy and swap it the same way.
+bench/weight_preparer.py).  Both ways write the same staging copy and swap it the same way.
 """
 
 from __future__ import annotations
