@@ -110,7 +110,8 @@ def test_nothing_leaves_the_machine(real_bed: Bed) -> None:
     """A pod's packets to an address off the machine are dropped (the bed's forward rule), and names
     outside the cluster do not resolve (CoreDNS has no upstream)."""
     ns = namespace(real_bed)
-    probe = ("nc -w 3 192.0.2.1 80 </dev/null && echo LEFT; nc -w 3 1.1.1.1 80 </dev/null && echo LEFT; "
+    # One stream: the runtime logs stdout and stderr through separate pipes, so their order interleaves.
+    probe = ("exec 2>&1; nc -w 3 192.0.2.1 80 </dev/null && echo LEFT; nc -w 3 1.1.1.1 80 </dev/null && echo LEFT; "
              "nslookup example.com >/dev/null 2>&1 && echo RESOLVED; echo done")  # fmt: skip
     real_bed.apply(pod("out", probe), namespace=ns)
     assert finished(real_bed, ns, "out") == "Succeeded"
