@@ -540,3 +540,59 @@ def quantize_model_(model: nn.Module, fmt: str) -> dict:
         "relative_error": errors,
         "mean_relative_error": sum(errors.values()) / len(errors) if errors else 0.0,
     }
+
+
+# --------------------------------------------------------------------------------------- activations
+
+ACTIVATION_SCHEMES: dict[str, str | None] = {
+    "bf16": None,
+    "fp8": "E4M3, one dynamic scale per token and 128-element group (1×128)",
+    "fp8_channel": "E4M3, one dynamic scale per token",
+    "mxfp4": "E2M1, one dynamic E8M0 scale per 32-element block",
+    "nvfp4": "E2M1, one dynamic E4M3 scale per 16-element block under a calibrated per-tensor scale",
+}
+"""What a GEMM's input becomes in each weight format's serving kernels (docs/precisions.md,
+"Activations"): W8A8 for fp8 and fp8_channel, W4A4 for mxfp4 and nvfp4; bf16 keeps its inputs."""
+
+FP8_ACTIVATION_GROUP = 128
+
+
+def _fp8_rows_qdq(x: Tensor, group: int | None) -> Tensor:
+    """[R, K] float32 through E4M3 with one scale amax / 448 per row (or per row and group)."""
+    rows, k = x.shape
+    blocks = x.view(rows, 1, k) if group is None else _pad_last(x, group).view(rows, -1, group)
+    scales = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=FP8_SCALE_EPS) / E4M3_MAX
+    return (_fp8_codes(blocks / scales).to(torch.float32) * scales).flatten(1)[:, :k]
+
+
+def quantize_activation(x: Tensor, fmt: str, *, amax: float | Tensor | None = None) -> Tensor:
+    """``x`` [..., K] as ``fmt``'s serving kernels feed it to a GEMM (see :data:`ACTIVATION_SCHEMES`),
+    in its own shape and dtype; scales run along the last dim, computed from ``x`` itself.
+
+    ``amax`` (nvfp4 only, required) is the input's calibrated max |x|, the per-tensor scale a
+    ModelOpt checkpoint stores as ``input_scale`` = amax / (6 · 448); a block beyond it saturates at
+    ±amax, as in the kernels. An activation is not refused for NaN or infinity (it is mid-forward):
+    a token holding one comes out all NaN, which is what the GEMM makes of it anyway (its block's
+    scale is NaN in the kernels), and never silently finite.
+    """
+    _check_format(fmt)
+    if fmt == "bf16":
+        return x
+    if (amax is None) != (fmt != "nvfp4"):
+        raise ValueError(
+            f"amax: nvfp4 activations need their calibrated max |x|, other formats none (got {fmt!r})"
+        )
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    out = torch.empty_like(rows)
+    global_scale = nvfp4_global_scale(amax) if amax is not None else None
+    for chunk in _row_chunks(*rows.shape):
+        if fmt == "fp8":
+            out[chunk] = _fp8_rows_qdq(rows[chunk], FP8_ACTIVATION_GROUP)
+        elif fmt == "fp8_channel":
+            out[chunk] = _fp8_rows_qdq(rows[chunk], None)
+        elif global_scale is None:
+            out[chunk] = _mxfp4_qdq_chunk(rows[chunk])
+        else:
+            out[chunk] = _nvfp4_qdq_chunk(rows[chunk], global_scale)
+    out[~torch.isfinite(rows).all(dim=1)] = float("nan")
+    return out.view(x.shape).to(x.dtype)

@@ -30,6 +30,7 @@ from transformers.utils import logging as hf_logging
 from mixrl.local.processes import EngineProcess
 from mixrl.rl import quant
 from mixrl.rl.auth import AuthToken
+from mixrl.rl.engine import activation_quant
 from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.engine.server import build_app
 from mixrl.rl.engine.service import EngineConfig, EngineService
@@ -90,13 +91,17 @@ async def until_running(client: EngineClient, at_least: int = 1) -> None:
         await asyncio.sleep(0.01)
 
 
-def reference_model(path: str | Path, precision: str = "bf16") -> torch.nn.Module:
-    """The served model prepared by hand: every parameter rounded to bf16, linear weights quantized."""
+def reference_model(path: str | Path, precision: str = "bf16", activations: bool = True) -> torch.nn.Module:
+    """The served model prepared by hand: every parameter rounded to bf16, linear weights quantized,
+    and (``activations``) their inputs quantized as the precision's kernels do, calibrated."""
     model = load_model(path, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(param.to(torch.bfloat16).float())
-    quant.quantize_model_(model, precision)
+    report = quant.quantize_model_(model, precision)
+    inputs = activation_quant.install_(model, precision, report["quantized"]) if activations else None
+    if inputs:
+        inputs.calibrated(model)
     return model
 
 

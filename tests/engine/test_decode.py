@@ -54,10 +54,16 @@ def _play(runner: ModelRunner, prompts: list[list[int]], late: list[list[int]]) 
     return first + second
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-kv", "fp8-kv"])
+@pytest.mark.parametrize(
+    ("fp8", "precision"),
+    [(False, "bf16"), (True, "bf16"), (False, "nvfp4")],
+    ids=["bf16-kv", "fp8-kv", "nvfp4-w4a4"],  # W4A4: input-quantizing linear layers
+)
 @pytest.mark.parametrize("padded", [False, True], ids=["same-lengths", "padded"])
-def test_lean_decode_steps_give_the_same_bits_as_the_model(dense_path: str, fp8: bool, padded: bool) -> None:
-    model = reference_model(dense_path)
+def test_lean_decode_steps_give_the_same_bits_as_the_model(
+    dense_path: str, fp8: bool, precision: str, padded: bool
+) -> None:
+    model = reference_model(dense_path, precision)
     if padded:  # rows of different lengths, and two more joining mid-way: the masked path
         prompts, late = random_prompts(3, seed=5, low=4, high=20), random_prompts(2, seed=6, low=2, high=30)
     else:  # one length, no padding ever: transformers passes SDPA no mask

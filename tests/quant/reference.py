@@ -79,3 +79,15 @@ def nvfp4(w: torch.Tensor, global_amax: float | None = None, block: int = 16) ->
         divisor = (scale * global_scale)[:, None]
         out[:, c : c + block] = round_to_grid(values / divisor, E2M1).to(torch.float32) * divisor
     return out
+
+
+def fp8_token_groups(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """E4M3 with one scale amax / 448 per row and ``group`` columns (a row of one tile's height)."""
+    x = x.to(torch.float32)
+    out = torch.empty_like(x)
+    for r in range(x.shape[0]):
+        for c in range(0, x.shape[1], group):
+            values = x[r, c : c + group]
+            scale = torch.clamp(values.abs().max(), min=1e-12) / torch.tensor(448.0)
+            out[r, c : c + group] = round_to_grid(values / scale, E4M3).to(torch.float32) * scale
+    return out

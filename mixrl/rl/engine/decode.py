@@ -7,13 +7,14 @@ decorators on every forward (kwarg deprecation, output capturing, config default
 4-D mask from the 2-D one, the output dataclasses, config attribute lookups, and one
 ``nn.Module.__call__`` per linear layer.  :func:`decode_step` makes the same calls on the same
 modules and weights in the same order — the norms, the rotary embedding, the cache update and the
-attention function are transformers' own, the linear layers ``F.linear`` on their weights (what
-``nn.Linear.forward`` is) — so its logits are bit-identical to ``model(...)``'s
+attention function are transformers' own, the linear layers their own ``forward`` (without
+``nn.Module.__call__``; an :class:`~mixrl.rl.engine.activation_quant.InputQuantLinear` quantizes its
+input there) — so its logits are bit-identical to ``model(...)``'s
 (``tests/engine/test_decode.py``), and weight updates, which copy into the same parameters, apply.
 
 Only what it was written against is taken (:func:`supports_decode_step`): ``Qwen3ForCausalLM`` with
 every layer of full attention, transformers' SDPA or the engine's (:mod:`~mixrl.rl.engine.attention`)
-and plain linear layers; anything else (the MoE model, another architecture) keeps ``model(...)``.
+and plain or input-quantizing linear layers; anything else (the MoE model, another architecture) keeps ``model(...)``.
 Prefills keep ``model(...)`` too: a few calls per admission, whose Python cost is negligible next
 to their compute.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -35,9 +35,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from mixrl.rl.engine.activation_quant import InputQuantLinear
 from mixrl.rl.engine.attention import ENGINE_ATTENTION
 
 _ATTENTION = ("sdpa", ENGINE_ATTENTION)
+_LINEARS = (nn.Linear, InputQuantLinear)
 
 
 def supports_decode_step(module: nn.Module) -> bool:
@@ -70,7 +72,7 @@ def supports_decode_step(module: nn.Module) -> bool:
             mlp.up_proj,
             mlp.down_proj,
         )
-        if any(type(linear) is not nn.Linear for linear in linears):
+        if any(type(linear) not in _LINEARS for linear in linears):
             return False
     return True
 
@@ -96,26 +98,20 @@ def decode_step(module: nn.Module, ids: Tensor, mask: Tensor, positions: Tensor,
         shape = (batch, 1, -1, attn.head_dim)
         residual = hidden
         hidden = layer.input_layernorm(hidden)
-        query = attn.q_norm(F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(shape)).transpose(
-            1, 2
-        )
-        key = attn.k_norm(F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(shape)).transpose(1, 2)
-        value = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(shape).transpose(1, 2)
+        query = attn.q_norm(attn.q_proj.forward(hidden).view(shape)).transpose(1, 2)
+        key = attn.k_norm(attn.k_proj.forward(hidden).view(shape)).transpose(1, 2)
+        value = attn.v_proj.forward(hidden).view(shape).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
         key, value = cache.update(key, value, index)
         out, _ = attend(
             attn, query, key, value, attention_mask, dropout=0.0, scaling=attn.scaling, sliding_window=None
         )
         out = out.reshape(batch, -1)
-        hidden = residual + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        hidden = residual + attn.o_proj.forward(out)
         residual = hidden
         hidden = layer.post_attention_layernorm(hidden)
-        gate = mlp.act_fn(F.linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias))
-        hidden = F.linear(
-            gate * F.linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias),
-            mlp.down_proj.weight,
-            mlp.down_proj.bias,
-        )
+        gate = mlp.act_fn(mlp.gate_proj.forward(hidden))
+        hidden = mlp.down_proj.forward(gate * mlp.up_proj.forward(hidden))
         hidden = residual + hidden
     hidden = inner.norm(hidden)
-    return F.linear(hidden, model.lm_head.weight, model.lm_head.bias).float()
+    return model.lm_head.forward(hidden).float()

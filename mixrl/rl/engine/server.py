@@ -45,6 +45,7 @@ from mixrl.rl.auth import (
     warn_if_open,
 )
 from mixrl.rl.engine import openai_api, weight_broadcast
+from mixrl.rl.engine.activation_quant import ACTIVATION_MODES
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import (
     SSE_DONE,
@@ -487,6 +488,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where a weight update is prepared while decoding: a process of its own, a thread of "
         "the engine, or auto (the process from 256 MiB of parameters)",
     )
+    p.add_argument(
+        "--activation-quant",
+        choices=ACTIVATION_MODES,
+        default="auto",
+        help="auto: quantize the inputs of the quantized GEMMs as --weight-precision's kernels do "
+        "(fp8: W8A8 with dynamic per-token scales, nvfp4/mxfp4: W4A4 with block scales; none for "
+        "bf16); off: emulate the weights only",
+    )
     add_auth_arguments(p)
     p.add_argument("--log-level", default="info")
     return p
@@ -515,6 +524,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         tokenizer_path=args.tokenizer_path,
         skip_tokenizer_init=args.skip_tokenizer_init,
         weight_preparer=args.weight_preparer,
+        activation_quant=args.activation_quant,
     )
 
 

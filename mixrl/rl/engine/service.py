@@ -18,7 +18,8 @@ import torch
 
 from mixrl import __version__
 from mixrl.api.trajectory import TokenRecord
-from mixrl.rl.engine import weights_io
+from mixrl.rl.engine import activation_quant, weights_io
+from mixrl.rl.engine.activation_quant import ACTIVATION_MODES
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response, clip, get_load_entry
 from mixrl.rl.engine.runner import ModelRunner, Sequence
@@ -66,6 +67,8 @@ class EngineConfig:
     """Token-in/token-out only, as SGLang's --skip-tokenizer-init."""
     weight_preparer: str = "auto"
     """Where weight updates are prepared while decoding: process, thread or auto (by model size)."""
+    activation_quant: str = "auto"
+    """auto: GEMM inputs quantized as the precision's kernels do (W8A8, W4A4); off: weights only."""
 
     def __post_init__(self) -> None:
         if self.weight_precision not in WEIGHT_FORMATS:
@@ -85,6 +88,10 @@ class EngineConfig:
         if self.weight_preparer not in PREPARERS:
             raise ValueError(
                 f"weight_preparer: must be one of {', '.join(PREPARERS)}, got {self.weight_preparer!r}"
+            )
+        if self.activation_quant not in ACTIVATION_MODES:
+            raise ValueError(
+                f"activation_quant: must be one of {', '.join(ACTIVATION_MODES)}, got {self.activation_quant!r}"
             )
         if self.prefix_cache_max_tokens < 0:
             raise ValueError(f"prefix_cache_max_tokens: must be >= 0, got {self.prefix_cache_max_tokens}")
@@ -165,6 +172,14 @@ class EngineService:
         self.compute_dtype = COMPUTE_DTYPES[config.dtype]
         model = load_model(config.model_path, dtype=torch.float32)
         self.quantization = weights_io.apply_precision_(model, config.weight_precision, self.compute_dtype)
+        self.inputs = (
+            activation_quant.install_(model, config.weight_precision, self.quantization["quantized"])
+            if config.activation_quant == "auto"
+            else None
+        )
+        """The quantized GEMM inputs (None: the precision has none, or --activation-quant off)."""
+        if self.inputs:
+            self.inputs.calibrated(model)
         self.model_config = model.config
         self.num_layers = int(model.config.num_hidden_layers)
         self.context_length = config.context_length or int(model.config.max_position_embeddings)
@@ -183,7 +198,11 @@ class EngineService:
         )
         self.runner = runner
         self._staging = StagedWeights(
-            model.config, config.weight_precision, self.compute_dtype, config.weight_preparer
+            model.config,
+            config.weight_precision,
+            self.compute_dtype,
+            config.weight_preparer,
+            calibrate_inputs=bool(self.inputs and self.inputs.needs_calibration),
         )
         self.codec = load_codec(
             config.model_path, config.tokenizer_path or None, config.skip_tokenizer_init, runner.vocab_size
@@ -432,6 +451,8 @@ class EngineService:
         """
         try:
             kv_scales = self._kv_scales(prepared.kv_scale_tensors)
+            if self.inputs and self.inputs.needs_calibration:
+                self.inputs.check(prepared.input_amax)
         except ValueError as exc:
             return False, f"refused {shown}: {clip(str(exc), 1000)}"
         if abort_all_requests:
@@ -440,6 +461,8 @@ class EngineService:
         def swap() -> None:
             started = time.perf_counter()
             self._staging.swap_into(self.runner.model)
+            if self.inputs and self.inputs.needs_calibration:
+                self.inputs.set_amax(prepared.input_amax)
             self.runner.weight_version = version
             self.runner.kv_scales = kv_scales
             self.last_swap_s = time.perf_counter() - started

@@ -44,7 +44,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from mixrl.rl.engine import weights_io
+from mixrl.rl.engine import activation_quant, weights_io
 from mixrl.rl.weights import WeightStoreError, load_checkpoint_dir
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ class Prepared:
     """The version the checkpoint's manifest names (None for a state handed over directly)."""
     kv_scale_tensors: dict[str, Tensor]
     """The checkpoint's FP8 KV-cache scales, if it has any."""
+    input_amax: dict[str, Tensor]
+    """The version's calibrated GEMM-input maxima (NVFP4 activations), else empty."""
 
 
 class StagedWeights:
@@ -90,6 +92,7 @@ class StagedWeights:
         weight_precision: str,
         compute_dtype: torch.dtype,
         preparer: str = "auto",
+        calibrate_inputs: bool = False,
     ) -> None:
         if preparer not in PREPARERS:
             raise ValueError(f"preparer: must be one of {', '.join(PREPARERS)}, got {preparer!r}")
@@ -98,6 +101,8 @@ class StagedWeights:
         self.compute_dtype = compute_dtype
         self.preparer = preparer
         """As asked; ``auto`` is resolved at the first update, from the model's size."""
+        self.calibrate_inputs = calibrate_inputs
+        """Whether each version's GEMM inputs are calibrated (activation_quant) once it is prepared."""
         self._skeleton: nn.Module | None = None
         """The thread preparer's model structure (built at its first update)."""
         self._staging: dict[str, tuple[int | None, Tensor]] = {}
@@ -140,11 +145,11 @@ class StagedWeights:
         answer = self._wait_answer()
         if answer[0] != "ok":
             raise PreparationRefused(answer[1])
-        _, report, manifest_version, scales = answer
+        _, report, manifest_version, scales, input_amax = answer
         for tensor in fresh:  # map the preparer's pages here now, not in the first decode step after the swap
             tensor.sum()
         self._ready = True
-        return Prepared(report, manifest_version, scales)
+        return Prepared(report, manifest_version, scales, input_amax)
 
     def _mode(self, live: nn.Module) -> str:
         """``process`` or ``thread``; ``auto`` is resolved once, from the model's size."""
@@ -160,12 +165,14 @@ class StagedWeights:
         if self._skeleton is None:
             self._skeleton = skeleton(self.config)
         targets = {name: tensor for name, (_, tensor) in self._staging.items()}
-        answer = prepare_request(self._skeleton, source, targets, self.weight_precision, self.compute_dtype)
+        answer = prepare_request(
+            self._skeleton, source, targets, self.weight_precision, self.compute_dtype, self.calibrate_inputs
+        )
         if answer[0] != "ok":
             raise PreparationRefused(answer[1])
-        _, report, manifest_version, scales = answer
+        _, report, manifest_version, scales, input_amax = answer
         self._ready = True
-        return Prepared(report, manifest_version, scales)
+        return Prepared(report, manifest_version, scales, input_amax)
 
     def _allocate(self, live: nn.Module, shared: bool) -> list[Tensor]:
         """A new tensor (without copying anything) for each parameter whose staging tensor is
@@ -202,6 +209,7 @@ class StagedWeights:
                 self.config,
                 self.weight_precision,
                 self.compute_dtype,
+                self.calibrate_inputs,
                 torch.get_num_threads(),
                 self._requests,
                 self._answers,
@@ -251,14 +259,20 @@ class StagedWeights:
 
 
 def skeleton(config: PretrainedConfig) -> nn.Module:
-    """The model's structure without weights (parameters on ``meta``); it never runs, so the
-    engine's own attention (registered in the engine's process only) is not asked for.  Built from
-    a copy of ``config``: ``from_config`` writes the attention it chose into the config it is given,
-    which for the thread preparer is the serving model's own."""
+    """The model's structure without weights (parameters on ``meta``).  It runs only to calibrate a
+    version's activation scales, with transformers' eager attention (the engine's own is registered
+    in the engine's process only), so its buffers (the rotary embedding's frequencies, computed
+    from the config) are real.  Built from a copy of ``config``: ``from_config`` writes the
+    attention it chose into the config it is given, which for the thread preparer is the serving
+    model's own."""
     with torch.device("meta"):
         model: nn.Module = AutoModelForCausalLM.from_config(
             copy.deepcopy(config), attn_implementation="eager"
         )
+    for name, module in list(model.named_modules()):
+        if any(buffer.is_meta for buffer in module.buffers(recurse=False)):
+            rebuilt: Any = module
+            model.set_submodule(name, type(module)(config=rebuilt.config))  # rotary: buffers from the config
     return model
 
 
@@ -268,9 +282,12 @@ def prepare_into(
     state: dict[str, Tensor],
     weight_precision: str,
     compute_dtype: torch.dtype,
-) -> tuple[dict, dict[str, Tensor]]:
+    calibrate_inputs: bool = False,
+) -> tuple[dict, dict[str, Tensor], dict[str, Tensor]]:
     """Check ``state`` against ``model``'s structure, then load it into ``targets`` at the pool's
-    precision (in place); returns the quantization report and the KV-cache scale tensors."""
+    precision (in place); returns the quantization report, the KV-cache scale tensors and, with
+    ``calibrate_inputs``, the version's calibrated GEMM-input maxima (a forward pass of the
+    calibration batch through the prepared weights)."""
     scales = {k: v.clone() for k, v in state.items() if weights_io.is_kv_scale_key(k)}
     weights = {k: v for k, v in state.items() if k not in scales}
     weights_io.check_state_dict(model, weights)
@@ -279,10 +296,15 @@ def prepare_into(
         with torch.no_grad():
             model.load_state_dict(weights, strict=True)  # copies into the targets, converting
             report = weights_io.apply_precision_(model, weight_precision, compute_dtype)
+            input_amax: dict[str, Tensor] = {}
+            if calibrate_inputs and (
+                inputs := activation_quant.install_(model, weight_precision, report["quantized"])
+            ):
+                input_amax = inputs.calibrate(model)
     finally:
         for module, key, original in bound:  # no reference to the engine's memory between requests
             module._parameters[key] = original
-    return report, scales
+    return report, scales, input_amax
 
 
 def bind_parameters(
@@ -319,6 +341,7 @@ def serve_preparations(
     config: PretrainedConfig,
     weight_precision: str,
     compute_dtype: torch.dtype,
+    calibrate_inputs: bool,
     threads: int,
     requests: multiprocessing.queues.Queue[Any],
     answers: multiprocessing.queues.Queue[Any],
@@ -332,7 +355,9 @@ def serve_preparations(
         source, numbers, handles = request
         held.update(handles)
         targets = {name: held[number] for name, number in numbers.items()}
-        answers.put(prepare_request(model, source, targets, weight_precision, compute_dtype))
+        answers.put(
+            prepare_request(model, source, targets, weight_precision, compute_dtype, calibrate_inputs)
+        )
         del targets
 
 
@@ -342,8 +367,10 @@ def prepare_request(
     targets: dict[str, Tensor],
     weight_precision: str,
     compute_dtype: torch.dtype,
+    calibrate_inputs: bool = False,
 ) -> tuple[Any, ...]:
-    """One preparation: ``("ok", report, the manifest's version, KV scales)`` or ``("refused", why)``."""
+    """One preparation: ``("ok", report, the manifest's version, KV scales, input maxima)`` or
+    ``("refused", why)``."""
     kind, payload = source
     try:
         if kind == "dir":
@@ -351,7 +378,9 @@ def prepare_request(
             named = manifest.get("version")
         else:
             state, named = payload, None
-        report, scales = prepare_into(model, targets, state, weight_precision, compute_dtype)
+        report, scales, input_amax = prepare_into(
+            model, targets, state, weight_precision, compute_dtype, calibrate_inputs
+        )
     except (WeightStoreError, OSError, ValueError, RuntimeError) as exc:
         return ("refused", str(exc))
-    return ("ok", report, named, scales)
+    return ("ok", report, named, scales, input_amax)
