@@ -20,11 +20,13 @@ from torch import Tensor
 
 from mixrl import __version__
 from mixrl.rl import quant
+from mixrl.rl.activation_quant import checkpoint_input_name
 
 # transformers ≥ 5 stores a Qwen-MoE layer's experts as [E, 2·I, H] (gate rows, then up rows) and [E, H, I].
 _FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-# ModelOpt NVFP4 needs an activation scale per linear; without calibration data we write 1.0, which
-# keeps per-16-block activation scales in E4M3 range for |x| ≤ 6·448 (docs/precisions.md).
+# ModelOpt NVFP4 needs an activation scale per linear; without a calibration (no config.json, or a
+# model too large to run on the converter's CPU) it is 1.0, which keeps per-16-block activation
+# scales in E4M3 range for |x| ≤ 6·448 (docs/precisions.md).
 UNCALIBRATED_INPUT_SCALE = 1.0
 
 
@@ -69,24 +71,40 @@ class Converted:
     quantized: dict[str, list[int]] = field(default_factory=dict)  # module -> [out, in]
     kept: dict[str, str] = field(default_factory=dict)  # module -> reason
 
+    input_scale: str = ""
+    """nvfp4: how the ``input_scale`` tensors were set (calibrated, or the uncalibrated default)."""
+
     def note(self) -> dict[str, Any]:
         """What a loader needs to dequantize the file (stored in the manifest)."""
         note: dict[str, Any] = {"format": self.fmt, "modules": self.quantized, "kept": self.kept}
         if self.fmt == "nvfp4":
-            note["input_scale"] = f"uncalibrated default {UNCALIBRATED_INPUT_SCALE}"
+            note["input_scale"] = self.input_scale
         return note
 
 
 def convert_state_dict(
-    tensors: Mapping[str, Tensor], fmt: str, on_progress: Callable[[int, int], None] | None = None
+    tensors: Mapping[str, Tensor],
+    fmt: str,
+    on_progress: Callable[[int, int], None] | None = None,
+    input_amax: Mapping[str, Tensor] | None = None,
+    calibration: str = "",
 ) -> Converted:
-    """Quantize every linear weight that serving stacks quantize; cast everything else to BF16."""
+    """Quantize every linear weight that serving stacks quantize; cast everything else to BF16.
+
+    nvfp4 also writes each quantized module's ``input_scale``: amax / (6 · 448) of its input from
+    ``input_amax`` (:func:`~mixrl.rl.activation_quant.calibrate_checkpoint`, keyed as
+    :func:`~mixrl.rl.activation_quant.checkpoint_input_name` says; ``calibration`` describes how it
+    was calibrated), else the uncalibrated default 1.0."""
     if fmt not in quant.WEIGHT_FORMATS:
         raise ValueError(
             f"fmt: unknown weight format {fmt!r}; expected one of {', '.join(quant.WEIGHT_FORMATS)}"
         )
     layout = serving_layout(tensors)
     converted = Converted(fmt)
+    if fmt == "nvfp4":
+        converted.input_scale = (
+            f"calibrated: {calibration}" if input_amax else f"uncalibrated default {UNCALIBRATED_INPUT_SCALE}"
+        )
     chosen: dict[str, Tensor] = {}
     for key, tensor in layout.items():
         module = _linear_module(key, tensor)
@@ -110,7 +128,13 @@ def convert_state_dict(
         for suffix, packed in quant.pack(tensor, fmt, global_amax=shared).items():
             converted.tensors[f"{module}.{suffix}"] = packed
         if fmt == "nvfp4":
-            converted.tensors[f"{module}.input_scale"] = torch.tensor(UNCALIBRATED_INPUT_SCALE)
+            calibrated = input_amax.get(checkpoint_input_name(module)) if input_amax else None
+            scale = (
+                quant.nvfp4_global_scale(calibrated)
+                if calibrated is not None
+                else torch.tensor(UNCALIBRATED_INPUT_SCALE)
+            )
+            converted.tensors[f"{module}.input_scale"] = scale.to(torch.float32).reshape(())
         converted.quantized[module] = list(tensor.shape)
         if on_progress:
             on_progress(done, len(chosen))

@@ -565,6 +565,16 @@ def _fp8_rows_qdq(x: Tensor, group: int | None) -> Tensor:
     return (_fp8_codes(blocks / scales).to(torch.float32) * scales).flatten(1)[:, :k]
 
 
+def _activation_rows_qdq(rows: Tensor, fmt: str, global_scale: Tensor | None) -> Tensor:
+    if fmt == "fp8":
+        return _fp8_rows_qdq(rows, FP8_ACTIVATION_GROUP)
+    if fmt == "fp8_channel":
+        return _fp8_rows_qdq(rows, None)
+    if global_scale is None:
+        return _mxfp4_qdq_chunk(rows)
+    return _nvfp4_qdq_chunk(rows, global_scale)
+
+
 def quantize_activation(x: Tensor, fmt: str, *, amax: float | Tensor | None = None) -> Tensor:
     """``x`` [..., K] as ``fmt``'s serving kernels feed it to a GEMM (see :data:`ACTIVATION_SCHEMES`),
     in its own shape and dtype; scales run along the last dim, computed from ``x`` itself.
@@ -583,16 +593,13 @@ def quantize_activation(x: Tensor, fmt: str, *, amax: float | Tensor | None = No
             f"amax: nvfp4 activations need their calibrated max |x|, other formats none (got {fmt!r})"
         )
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    out = torch.empty_like(rows)
     global_scale = nvfp4_global_scale(amax) if amax is not None else None
-    for chunk in _row_chunks(*rows.shape):
-        if fmt == "fp8":
-            out[chunk] = _fp8_rows_qdq(rows[chunk], FP8_ACTIVATION_GROUP)
-        elif fmt == "fp8_channel":
-            out[chunk] = _fp8_rows_qdq(rows[chunk], None)
-        elif global_scale is None:
-            out[chunk] = _mxfp4_qdq_chunk(rows[chunk])
-        else:
-            out[chunk] = _nvfp4_qdq_chunk(rows[chunk], global_scale)
-    out[~torch.isfinite(rows).all(dim=1)] = float("nan")
+    if rows.numel() <= _CHUNK_ELEMENTS:  # a decode step's rows: one piece, no copy into an output
+        out = _activation_rows_qdq(rows, fmt, global_scale)
+    else:
+        out = torch.empty_like(rows)
+        for chunk in _row_chunks(*rows.shape):
+            out[chunk] = _activation_rows_qdq(rows[chunk], fmt, global_scale)
+    nonfinite = ~torch.isfinite(rows.abs().amax(dim=1, keepdim=True))
+    out = torch.where(nonfinite, torch.nan, out)
     return out.view(x.shape).to(x.dtype)

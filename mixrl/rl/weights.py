@@ -63,7 +63,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from mixrl.rl import checkpoint_formats, quant
+from mixrl.rl import activation_quant, checkpoint_formats, quant
 from mixrl.rl.durable import fsync_path
 from mixrl.rl.weight_deltas import DeltaError, apply_delta, encode_delta, tensors_sha256
 
@@ -961,8 +961,11 @@ class WeightStore:
         source_dir = self.storage.local_dir(version_dir_name(version))
         config_path = source_dir / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else None
+        input_amax, calibration = self._calibrate(version, precision, tensors, config)
         progress = _Progress(f"convert v{version} to {precision}")
-        converted = checkpoint_formats.convert_state_dict(tensors, precision, progress.update)
+        converted = checkpoint_formats.convert_state_dict(
+            tensors, precision, progress.update, input_amax, calibration
+        )
         source_sha256 = _sha256(source_dir / MANIFEST)
         try:
             with self.storage.staging(name) as tmp:
@@ -977,6 +980,26 @@ class WeightStore:
             if not self.storage.exists(name):  # a converter that took over a stale lease finished first
                 raise
         log.info("converted weight version %d to %s", version, precision)
+
+    @staticmethod
+    def _calibrate(
+        version: int, precision: str, tensors: dict[str, Tensor], config: dict[str, Any] | None
+    ) -> tuple[dict[str, Tensor], str]:
+        """The checkpoint's calibrated GEMM-input maxima where its precision has a calibrated scale
+        (nvfp4) and the model can run here (a config.json, at most
+        CHECKPOINT_CALIBRATION_MAX_PARAMS); else none, said in the log and the manifest."""
+        if precision != "nvfp4":  # the other formats' activation scales are dynamic
+            return {}, ""
+        params = sum(t.numel() for t in tensors.values())
+        if config is None or params > activation_quant.CHECKPOINT_CALIBRATION_MAX_PARAMS:
+            why = "no config.json" if config is None else f"{params / 1e9:.1f} B parameters"
+            log.warning("v%d/%s: input scales left uncalibrated (%s)", version, precision, why)
+            return {}, ""
+        started = time.monotonic()
+        amax = activation_quant.calibrate_checkpoint(config, tensors, precision)
+        log.info("v%d/%s: input scales calibrated in %.1f s", version, precision, time.monotonic() - started)
+        rows, tokens = activation_quant.CALIBRATION_ROWS, activation_quant.CALIBRATION_TOKENS
+        return amax, f"max |x| over {rows}×{tokens} seeded token ids, as the torch engine calibrates"
 
     # ---------------------------------------------------------------------------- remove, prune
 

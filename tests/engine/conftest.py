@@ -28,9 +28,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
 from mixrl.local.processes import EngineProcess
-from mixrl.rl import quant
+from mixrl.rl import activation_quant, quant
 from mixrl.rl.auth import AuthToken
-from mixrl.rl.engine import activation_quant
 from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.engine.server import build_app
 from mixrl.rl.engine.service import EngineConfig, EngineService

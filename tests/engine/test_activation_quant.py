@@ -12,9 +12,8 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from mixrl.rl import quant
-from mixrl.rl.engine import activation_quant
-from mixrl.rl.engine.activation_quant import InputQuantExperts, InputQuantLinear
+from mixrl.rl import activation_quant, quant
+from mixrl.rl.activation_quant import InputQuantExperts, InputQuantLinear
 from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.engine.staging import StagedWeights
 from mixrl.rl.tiny_models import create_tiny_checkpoint
@@ -169,3 +168,27 @@ async def test_an_nvfp4_engine_serves_each_version_with_its_own_calibration(
     for row, path in zip(served, (dense_path, other), strict=True):
         expected = reference_logprobs(reference_model(path, "nvfp4"), prompt, [0])[0]
         assert torch.allclose(row, expected, atol=2e-4, rtol=0)  # test_precisions' tolerance
+
+
+def test_fused_layers_share_one_quantizer_and_quantize_their_input_once(
+    dense_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = reference_model(dense_path, "fp8")
+    inputs = activation_quant.install_(model, "fp8", [])
+    assert inputs is not None
+    attn = "model.layers.0.self_attn"
+    assert inputs.quantizers[f"{attn}.q_proj"] is inputs.quantizers[f"{attn}.v_proj"]
+    assert inputs.quantizers[f"{attn}.q_proj"] is not inputs.quantizers[f"{attn}.o_proj"]
+    calls = 0
+    real = activation_quant.quantize_activation
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(activation_quant, "quantize_activation", counted)
+    with torch.no_grad():
+        model(input_ids=IDS)
+    assert calls == 4 * model.config.num_hidden_layers  # q/k/v, o, gate/up, down
+    assert all(q._held is None for q in inputs.quantizers.values())  # nothing kept after the forward

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from mixrl.rl import quant
+from mixrl.rl import activation_quant, quant
 from mixrl.rl.checkpoint_formats import serving_layout
 from mixrl.rl.weights import MANIFEST, WeightStore, WeightStoreError, load_checkpoint_dir, load_dequantized
 
@@ -51,7 +51,12 @@ def test_moe_checkpoint_uses_per_expert_keys_and_packed_suffixes(store: WeightSt
         assert nvfp4[f"{expert}.down_proj.{suffix}"].dtype == dtype
     # gate and up of one expert share the global scale, as SGLang's fused w13 kernel needs
     assert torch.equal(nvfp4[f"{expert}.gate_proj.weight_scale_2"], nvfp4[f"{expert}.up_proj.weight_scale_2"])
-    assert nvfp4[f"{expert}.up_proj.input_scale"].item() == 1.0
+    # one calibrated input scale per experts module and projection (SGLang's fused MoE takes one)
+    assert (
+        nvfp4[f"{expert}.up_proj.input_scale"] == nvfp4["model.layers.1.mlp.experts.0.gate_proj.input_scale"]
+    )
+    assert nvfp4[f"{expert}.up_proj.input_scale"] != nvfp4[f"{expert}.down_proj.input_scale"]
+    assert manifest["quantization"]["input_scale"].startswith("calibrated: ")
     assert manifest["quantization"]["kept"]["model.layers.0.mlp.gate"] == "moe router"
     assert manifest["quantization"]["modules"][f"{expert}.down_proj"] == [64, 32]
 
@@ -108,3 +113,29 @@ def test_convert_refuses_bad_sources(store: WeightStore) -> None:
     with pytest.raises(WeightStoreError, match="sha256 does not match"):
         store.convert(1, "fp8")
     assert not (Path(store.path(1)) / "fp8").exists()
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_nvfp4_input_scales_are_the_engines_calibration(store: WeightStore, kind: str) -> None:
+    model = _publish(store, kind)
+    served = copy.deepcopy(model).float()  # the engine computes in float32 on a CPU
+    inputs = activation_quant.install_(served, "nvfp4", quant.quantize_model_(served, "nvfp4")["quantized"])
+    assert inputs is not None
+    amax = inputs.calibrate(served)
+    tensors, _ = load_checkpoint_dir(store.convert(1, "nvfp4"))
+    scales = {
+        key.removesuffix(".input_scale"): t for key, t in tensors.items() if key.endswith(".input_scale")
+    }
+    assert scales and all(t.dtype == torch.float32 and t.dim() == 0 for t in scales.values())
+    for module, scale in scales.items():
+        expected = quant.nvfp4_global_scale(amax[activation_quant.checkpoint_input_name(module)])
+        # float rounding differs between the two models' kernels: scales agree to a few 1e-4
+        assert float(scale) == pytest.approx(float(expected), rel=1e-3), module
+        assert float(scale) != 1.0
+
+
+def test_without_a_config_the_input_scales_stay_the_default_and_say_so(store: WeightStore) -> None:
+    store.publish(1, tiny_qwen3().state_dict())  # no config.json: nothing to build the model from
+    tensors, manifest = load_checkpoint_dir(store.convert(1, "nvfp4"))
+    assert {float(t) for key, t in tensors.items() if key.endswith(".input_scale")} == {1.0}
+    assert manifest["quantization"]["input_scale"] == "uncalibrated default 1.0"

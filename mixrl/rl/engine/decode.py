@@ -8,7 +8,7 @@ decorators on every forward (kwarg deprecation, output capturing, config default
 ``nn.Module.__call__`` per linear layer.  :func:`decode_step` makes the same calls on the same
 modules and weights in the same order — the norms, the rotary embedding, the cache update and the
 attention function are transformers' own, the linear layers their own ``forward`` (without
-``nn.Module.__call__``; an :class:`~mixrl.rl.engine.activation_quant.InputQuantLinear` quantizes its
+``nn.Module.__call__``; an :class:`~mixrl.rl.activation_quant.InputQuantLinear` quantizes its
 input there) — so its logits are bit-identical to ``model(...)``'s
 (``tests/engine/test_decode.py``), and weight updates, which copy into the same parameters, apply.
 
@@ -35,7 +35,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from mixrl.rl.engine.activation_quant import InputQuantLinear
+from mixrl.rl.activation_quant import InputQuantLinear
 from mixrl.rl.engine.attention import ENGINE_ATTENTION
 
 _ATTENTION = ("sdpa", ENGINE_ATTENTION)

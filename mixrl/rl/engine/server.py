@@ -35,6 +35,7 @@ from typing import Any
 from aiohttp import web
 
 from mixrl.api.sampling import SamplingRule
+from mixrl.rl.activation_quant import ACTIVATION_MODES
 from mixrl.rl.auth import (
     AuthConfigError,
     AuthToken,
@@ -45,7 +46,6 @@ from mixrl.rl.auth import (
     warn_if_open,
 )
 from mixrl.rl.engine import openai_api, weight_broadcast
-from mixrl.rl.engine.activation_quant import ACTIVATION_MODES
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import (
     SSE_DONE,

@@ -18,8 +18,9 @@ import torch
 
 from mixrl import __version__
 from mixrl.api.trajectory import TokenRecord
-from mixrl.rl.engine import activation_quant, weights_io
-from mixrl.rl.engine.activation_quant import ACTIVATION_MODES
+from mixrl.rl import activation_quant
+from mixrl.rl.activation_quant import ACTIVATION_MODES
+from mixrl.rl.engine import weights_io
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response, clip, get_load_entry
 from mixrl.rl.engine.runner import ModelRunner, Sequence

@@ -44,7 +44,8 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
-from mixrl.rl.engine import activation_quant, weights_io
+from mixrl.rl import activation_quant
+from mixrl.rl.engine import weights_io
 from mixrl.rl.weights import WeightStoreError, load_checkpoint_dir
 
 log = logging.getLogger(__name__)

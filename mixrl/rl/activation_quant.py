@@ -22,6 +22,7 @@ Pure torch: no I/O.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from mixrl.rl.quant import ACTIVATION_SCHEMES, quantize_activation
+from mixrl.rl.quant import ACTIVATION_SCHEMES, fusion_group, quantize_activation, quantize_model_
 
 ACTIVATION_MODES = ("auto", "off")
 """``auto``: a pool's GEMM inputs are quantized as its precision's kernels do (none for bf16);
@@ -42,16 +43,36 @@ CALIBRATION_SEED = 0
 
 
 class InputQuant:
-    """One GEMM input's quantizer: ``fmt``'s activation scheme, or recording max |x| while calibrating."""
+    """One GEMM input's quantizer: ``fmt``'s activation scheme, or recording max |x| while calibrating.
 
-    def __init__(self, fmt: str) -> None:
+    The layers a serving stack fuses into one GEMM (q/k/v, gate/up) share one quantizer, and their
+    common input is quantized once: the first of the ``members`` calls quantizes it, the others
+    (the same tensor, unmodified) take the result, and the last lets it go."""
+
+    def __init__(self, fmt: str, members: int = 1) -> None:
         self.fmt = fmt
+        self.members = members
         self.amax: Tensor | None = None
         """The calibrated max |x| (nvfp4's per-tensor scale is amax / (6 · 448))."""
         self.calibrating = False
         self.observed: Tensor | None = None
+        self._held: tuple[Tensor, Tensor] | None = None
+        self._uses = 0
 
     def __call__(self, x: Tensor) -> Tensor:
+        # The same tensor object: the members run one after another on their block's input, which
+        # nothing writes to in between (inference tensors keep no version counter to check).
+        held = self._held
+        if held is not None and held[0] is x:
+            out, self._uses = held[1], self._uses + 1
+        else:
+            out, self._uses = self._quantize(x), 1
+            self._held = (x, out)
+        if self._uses >= self.members:
+            self._held = None
+        return out
+
+    def _quantize(self, x: Tensor) -> Tensor:
         if self.calibrating:
             seen = x.detach().abs().amax().to(torch.float32)
             self.observed = seen if self.observed is None else torch.maximum(self.observed, seen)
@@ -155,13 +176,22 @@ def install_(model: nn.Module, fmt: str, quantized: list[str]) -> ModelInputs | 
     if ACTIVATION_SCHEMES.get(fmt) is None:
         return None
     chosen = set(quantized)
+    members = Counter(group for name in chosen if (group := fusion_group(name)))
+    shared: dict[str, InputQuant] = {}
     quantizers: dict[str, InputQuant] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and (name in chosen or isinstance(module, InputQuantLinear)):
             linear: Any = module
             if not isinstance(module, InputQuantLinear):
+                group = fusion_group(name)
+                if group is None:
+                    quantizer = InputQuant(fmt)
+                elif group in shared:
+                    quantizer = shared[group]
+                else:
+                    quantizer = shared[group] = InputQuant(fmt, members[group])
                 linear.__class__ = InputQuantLinear
-                linear.input_quant = InputQuant(fmt)
+                linear.input_quant = quantizer
             quantizers[name] = linear.input_quant
         elif any(p.ndim == 3 for p in module.parameters(recurse=False)):
             gate_up, down = f"{name}.0.gate_proj" in chosen, f"{name}.0.down_proj" in chosen
@@ -184,3 +214,35 @@ def install_(model: nn.Module, fmt: str, quantized: list[str]) -> ModelInputs | 
                 if quantizer is not None:
                     quantizers[f"{name}.{projection}"] = quantizer
     return ModelInputs(fmt, quantizers) if quantizers else None
+
+
+CHECKPOINT_CALIBRATION_MAX_PARAMS = 2_000_000_000
+"""Above this many parameters a checkpoint is not calibrated on the converter's CPU (float32: 8 GB
+and minutes per version); its NVFP4 ``input_scale`` stays the uncalibrated default."""
+
+
+@torch.no_grad()
+def calibrate_checkpoint(config: dict[str, Any], tensors: dict[str, Tensor], fmt: str) -> dict[str, Tensor]:
+    """The calibrated input maxima of a checkpoint served at ``fmt``: the model built from its
+    ``config.json`` on the CPU, its (BF16) tensors loaded and quantized as the engine quantizes
+    them, then :meth:`ModelInputs.calibrate`.  Empty for a format with dynamic scales only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    model_config = AutoConfig.for_model(config["model_type"], **fields)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).eval()
+    model.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()}, strict=True)
+    for param in model.parameters():
+        param.copy_(param.to(torch.bfloat16).to(param.dtype))
+    inputs = install_(model, fmt, quantize_model_(model, fmt)["quantized"])
+    return inputs.calibrate(model) if inputs and inputs.needs_calibration else {}
+
+
+def checkpoint_input_name(module: str) -> str:
+    """The calibrated input a checkpoint module reads: its own, or for one expert's projection the
+    experts module's (``….experts.3.up_proj`` → ``….experts.gate_up_proj``)."""
+    parent, _, projection = module.rpartition(".")
+    experts, _, index = parent.rpartition(".")
+    if experts.endswith(".experts") and index.isdigit():
+        return f"{experts}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"
+    return module
