@@ -10,7 +10,13 @@ import pytest
 import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
 
-from mixrl.rl.engine.attention import ENGINE_ATTENTION, use_engine_attention
+from mixrl.rl.engine.attention import (
+    ENGINE_ATTENTION,
+    SPLIT_KV_ATTENTION,
+    SPLIT_KV_CHUNK,
+    split_kv_attention_forward,
+    use_engine_attention,
+)
 from mixrl.rl.engine.runner import ModelRunner, Sequence
 from mixrl.rl.engine.sampling import RowSampling
 
@@ -117,3 +123,62 @@ def test_an_unpadded_decode_step_packs_the_query_heads(
     assert shapes[:layers] == [(3, config.num_attention_heads, 1, config.head_dim)] * layers  # transformers
     assert shapes[layers:] == [(3, config.num_key_value_heads, groups, config.head_dim)] * layers  # packed
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
+
+
+def _grouped_module() -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2  # type: ignore[assignment]
+    return module
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+@pytest.mark.parametrize("padded", [False, True])
+def test_split_kv_attention_is_sdpa_in_another_order(q_len: int, padded: bool) -> None:
+    g = torch.Generator().manual_seed(q_len)
+    keys = SPLIT_KV_CHUNK * 2 + 22  # three splits, the last one partly padding
+    query = torch.randn(2, 4, q_len, 16, generator=g)
+    key, value = torch.randn(2, 2, keys, 16, generator=g), torch.randn(2, 2, keys, 16, generator=g)
+    if padded:
+        mask = torch.ones(2, 1, q_len, keys, dtype=torch.bool)
+        mask[1, :, :, : SPLIT_KV_CHUNK + 3] = False  # a whole split and more masked out for one row
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, enable_gqa=True
+        )
+    else:  # causal over the last keys
+        mask = None
+        full = torch.ones(q_len, keys, dtype=torch.bool).tril(keys - q_len)
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=full, enable_gqa=True
+        )
+    out, _ = split_kv_attention_forward(_grouped_module(), query, key, value, mask, scaling=0.25)
+    assert out.shape == (2, q_len, 4, 16)
+    assert torch.allclose(out, reference.transpose(1, 2), atol=1e-6)
+    bf16_out, _ = split_kv_attention_forward(
+        _grouped_module(), query.bfloat16(), key.bfloat16(), value.bfloat16(), mask, scaling=0.25
+    )
+    bf16_ref = torch.nn.functional.scaled_dot_product_attention(
+        query.bfloat16(),
+        key.bfloat16(),
+        value.bfloat16(),
+        attn_mask=mask if padded else full,
+        enable_gqa=True,
+    ).transpose(1, 2)
+    difference = (bf16_out.float() - bf16_ref.float()).abs()
+    assert (
+        bf16_out.dtype == torch.bfloat16 and 0 < float(difference.max()) < 0.05
+    )  # another kernel's rounding
+
+
+def test_a_split_kv_runner_decodes_through_the_lean_step(dense_path: str) -> None:
+    model = reference_model(dense_path)
+    runner = ModelRunner(
+        model, weight_version=0, context_length=256, kv_scales=[None] * 2, attention_backend="split_kv"
+    )
+    assert model.config._attn_implementation == SPLIT_KV_ATTENTION and runner._lean_decode
+    seq = Sequence("a", random_prompts(1, seed=3)[0], RowSampling(temperature=0.0), max_new_tokens=6)
+    runner.add([seq])
+    while runner.running:
+        runner.step()
+    assert len(seq.output_ids) == 6
+    with pytest.raises(ValueError, match="attention backend: must be one of sdpa, split_kv"):
+        use_engine_attention(model, "flashinfer")

@@ -28,7 +28,14 @@ SETUPS = {
 }
 
 
+SERVING_KERNELS = {"dtype": "bfloat16", "attention_backend": "split_kv"}
+"""A BF16 pool that differs from its trainer by kernels (BF16 activations, split-KV attention), as
+a real one does: the homogeneous fleet of the stability study."""
+
+
 def _config(name: str, dense_path: str, moe_path: str) -> dict[str, object]:
+    if name == "bf16-kernels":
+        return {"model_path": dense_path, "pool": name, **SERVING_KERNELS}
     model, weights, kv = SETUPS[name]
     path = dense_path if model == "dense" else moe_path
     return {"model_path": path, "weight_precision": weights, "kv_cache_dtype": kv, "pool": name}
@@ -72,7 +79,7 @@ async def test_engine_equals_hand_prepared_model_at_its_precision(
 
 
 async def test_each_precision_moves_the_distribution_a_bounded_amount(dense_path: str, moe_path: str) -> None:
-    dense = [name for name, (kind, _, _) in SETUPS.items() if kind == "dense"]
+    dense = [name for name, (kind, _, _) in SETUPS.items() if kind == "dense"] + ["bf16-kernels"]
     dists = {}
     for name in dense:
         async with serve_in_process(**_config(name, dense_path, moe_path)) as (url, _):
@@ -92,4 +99,6 @@ async def test_each_precision_moves_the_distribution_a_bounded_amount(dense_path
     # coarser formats move the distribution more
     assert kl["fp8"] < kl["nvfp4"] and kl["fp8"] < kl["mxfp4"]
     assert kl["fp8_channel"] < kl["nvfp4"]
+    # a BF16 pool on serving kernels differs from the trainer measurably, and less than any quantized pool
+    assert kl["bf16-kernels"] < min(kl[name] for name in ("fp8", "fp8_channel", "mxfp4", "nvfp4"))
     assert all(math.isfinite(v) for v in kl.values())

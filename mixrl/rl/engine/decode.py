@@ -36,9 +36,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from mixrl.rl.activation_quant import InputQuantLinear
-from mixrl.rl.engine.attention import ENGINE_ATTENTION
+from mixrl.rl.engine.attention import ENGINE_ATTENTION, SPLIT_KV_ATTENTION
 
-_ATTENTION = ("sdpa", ENGINE_ATTENTION)
+_ATTENTION = ("sdpa", ENGINE_ATTENTION, SPLIT_KV_ATTENTION)
 _LINEARS = (nn.Linear, InputQuantLinear)
 
 

@@ -119,9 +119,11 @@ class ModelRunner:
         use_kv_cache: bool = True,
         seed: int = 0,
         prefix_cache_tokens: int = 0,
+        attention_backend: str = "sdpa",
     ) -> None:
         self.model = model
-        use_engine_attention(model)  # SDPA without a copy of the keys and values per query head
+        # SDPA without a copy of the keys and values per query head, or a serving kernel's order
+        use_engine_attention(model, attention_backend)
         # Decode steps without transformers' per-step Python where the model allows it (decode.py)
         self._lean_decode = supports_decode_step(model)
         self.weights_epoch = 0

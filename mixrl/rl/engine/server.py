@@ -46,6 +46,7 @@ from mixrl.rl.auth import (
     warn_if_open,
 )
 from mixrl.rl.engine import openai_api, weight_broadcast
+from mixrl.rl.engine.attention import ATTENTION_BACKENDS
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import (
     SSE_DONE,
@@ -496,6 +497,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(fp8: W8A8 with dynamic per-token scales, nvfp4/mxfp4: W4A4 with block scales; none for "
         "bf16); off: emulate the weights only",
     )
+    p.add_argument(
+        "--attention-backend",
+        choices=tuple(ATTENTION_BACKENDS),
+        default="sdpa",
+        help="sdpa: attention in the trainer's order; split_kv: in a serving kernel's (keys in splits "
+        "of 64 merged by log-sum-exp, probabilities rounded to --dtype); with --dtype bfloat16 a "
+        "BF16 pool differs from its trainer by kernels, as a real one does",
+    )
     add_auth_arguments(p)
     p.add_argument("--log-level", default="info")
     return p
@@ -525,6 +534,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         skip_tokenizer_init=args.skip_tokenizer_init,
         weight_preparer=args.weight_preparer,
         activation_quant=args.activation_quant,
+        attention_backend=args.attention_backend,
     )
 
 

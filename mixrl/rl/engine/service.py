@@ -21,6 +21,7 @@ from mixrl.api.trajectory import TokenRecord
 from mixrl.rl import activation_quant
 from mixrl.rl.activation_quant import ACTIVATION_MODES
 from mixrl.rl.engine import weights_io
+from mixrl.rl.engine.attention import ATTENTION_BACKENDS
 from mixrl.rl.engine.kv_cache import KV_CACHE_DTYPES
 from mixrl.rl.engine.protocol import GenerateItem, RequestError, build_response, clip, get_load_entry
 from mixrl.rl.engine.runner import ModelRunner, Sequence
@@ -70,6 +71,8 @@ class EngineConfig:
     """Where weight updates are prepared while decoding: process, thread or auto (by model size)."""
     activation_quant: str = "auto"
     """auto: GEMM inputs quantized as the precision's kernels do (W8A8, W4A4); off: weights only."""
+    attention_backend: str = "sdpa"
+    """sdpa: the trainer's attention order; split_kv: a serving kernel's (engine/attention.py)."""
 
     def __post_init__(self) -> None:
         if self.weight_precision not in WEIGHT_FORMATS:
@@ -93,6 +96,10 @@ class EngineConfig:
         if self.activation_quant not in ACTIVATION_MODES:
             raise ValueError(
                 f"activation_quant: must be one of {', '.join(ACTIVATION_MODES)}, got {self.activation_quant!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
             )
         if self.prefix_cache_max_tokens < 0:
             raise ValueError(f"prefix_cache_max_tokens: must be >= 0, got {self.prefix_cache_max_tokens}")
@@ -196,6 +203,7 @@ class EngineService:
             use_kv_cache=config.use_kv_cache,
             seed=config.random_seed,
             prefix_cache_tokens=(config.prefix_cache_max_tokens or max_total) if config.radix_cache else 0,
+            attention_backend=config.attention_backend,
         )
         self.runner = runner
         self._staging = StagedWeights(
