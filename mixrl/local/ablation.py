@@ -87,15 +87,29 @@ ROUTING = {"klThreshold": 0.003, "extremeShareThreshold": 0.002, "degradeAfter":
 """Thresholds of the ``mixed-health`` fleet: between the quickstart's BF16 pool's fresh mismatch
 (k3 about 3e-5) and its low-precision pools' (2e-3 to 4e-3), so the FP4 pools are the ones to
 lose traffic if their fresh mismatch stays high."""
+KERNELS = {
+    "serving": ["--dtype", "bfloat16", "--attention-backend", "split_kv"],
+    "trainer": [],
+}
+"""``--kernels``: how every torch-engine pool of every fleet computes.  ``serving`` (the default):
+BF16 activations and a serving kernel's attention order, so the BF16 fleet differs from its
+trainer by kernels as a real one does (docs/engine.md, "Precision emulation"); ``trainer``: the
+trainer's float32 and attention order (a BF16 pool is then the trainer up to its weights' rounding,
+the first studies' fleets)."""
 DEFAULT_TOP_P = {"p": 0.95, "k": 32}
 """The nucleus of the top-p arms when the RLRun itself samples the whole vocabulary."""
 
 
-def arm_document(run: Doc, arm: Arm, fleet: str, seed: int, evaluation: str = "bf16") -> Doc:
+def arm_document(
+    run: Doc, arm: Arm, fleet: str, seed: int, evaluation: str = "bf16", kernels: str = "serving"
+) -> Doc:
     """The RLRun document of one run of the study (pure: ``run`` is left as it was); ``evaluation``
-    is its ``evaluation.sampler`` (the BF16 evaluator by default, the study's protocol)."""
+    is its ``evaluation.sampler`` (the BF16 evaluator by default, the study's protocol), ``kernels``
+    what the torch-engine pools compute with (:data:`KERNELS`)."""
     if fleet not in FLEETS:
         raise ValueError(f"fleet: {fleet!r} is not one of {', '.join(FLEETS)}")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels: {kernels!r} is not one of {', '.join(KERNELS)}")
     doc = copy.deepcopy(run)
     doc["metadata"]["name"] = f"{arm.name}-{fleet}-s{seed}"[:40]
     spec = doc["spec"]
@@ -111,7 +125,9 @@ def arm_document(run: Doc, arm: Arm, fleet: str, seed: int, evaluation: str = "b
         pool = dict(pool)
         if fleet == "bf16":
             pool.update(weightPrecision="bf16", kvCacheDtype="bf16")
-        pool["engineArgs"] = [*pool.get("engineArgs", []), "--random-seed", str(seed)]
+        served_by_torch = pool.get("engine", "sglang") == "torch"
+        kernel_args = KERNELS[kernels] if served_by_torch else []
+        pool["engineArgs"] = [*pool.get("engineArgs", []), *kernel_args, "--random-seed", str(seed)]
         pools.append(pool)
     if fleet == "bf16":  # pool names carry the precision in the examples: say it is a BF16 copy
         for index, pool in enumerate(pools):
@@ -147,7 +163,13 @@ def finished(run_dir: Path, steps: int) -> bool:
 
 
 def run_job(
-    job: Job, run: Doc, out: Path, steps: int, python: str = sys.executable, evaluation: str = "bf16"
+    job: Job,
+    run: Doc,
+    out: Path,
+    steps: int,
+    python: str = sys.executable,
+    evaluation: str = "bf16",
+    kernels: str = "serving",
 ) -> tuple[Job, float, str]:
     """One run of the study through ``mixrl run`` (resumed when interrupted); (job, seconds, status)."""
     run_dir = out / "runs" / job.name
@@ -155,7 +177,7 @@ def run_job(
         return job, 0.0, "done before"
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = run_dir.parent / f"{job.name}.yaml"
-    document = arm_document(run, job.arm, job.fleet, job.seed, evaluation)
+    document = arm_document(run, job.arm, job.fleet, job.seed, evaluation, kernels)
     manifest.write_text(yaml.safe_dump(document, sort_keys=False))
     started = time.monotonic()
     with (run_dir.parent / f"{job.name}.log").open("ab") as log:
@@ -393,6 +415,13 @@ def main(argv: list[str]) -> int:
         default="bf16",
         help="evaluation.sampler of every run: the BF16 evaluator (default) or the training pools",
     )
+    parser.add_argument(
+        "--kernels",
+        choices=tuple(KERNELS),
+        default="serving",
+        help="what the torch-engine pools compute with: serving kernels (BF16 activations, split-KV "
+        "attention; default) or the trainer's (float32, its attention order)",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs") / "ablation", help="study directory")
     args = parser.parse_args(argv)
     try:
@@ -412,7 +441,9 @@ def main(argv: list[str]) -> int:
     document = yaml.safe_load(args.file.read_text(encoding="utf-8"))
     for job in jobs_of(arms, fleets, args.seeds):  # every derived run must be valid before any starts
         try:
-            load_rlrun_document(arm_document(document, job.arm, job.fleet, job.seed, args.evaluation))
+            load_rlrun_document(
+                arm_document(document, job.arm, job.fleet, job.seed, args.evaluation, args.kernels)
+            )
         except InvalidSpec as exc:
             print(f"mixrl ablate: {job.name}: {exc.first_line}", file=sys.stderr)
             return 2
@@ -425,7 +456,9 @@ def main(argv: list[str]) -> int:
     failed = []
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = [
-            pool.submit(run_job, job, document, args.out, steps, sys.executable, args.evaluation)
+            pool.submit(
+                run_job, job, document, args.out, steps, sys.executable, args.evaluation, args.kernels
+            )
             for job in jobs
         ]
         for future in as_completed(futures):
@@ -443,7 +476,7 @@ def main(argv: list[str]) -> int:
                 flush=True,
             )
     command = " ".join(["mixrl ablate", str(args.file), f"--arms {','.join(arms)}", f"--fleets {','.join(fleets)}",
-                        f"--seeds {args.seeds}", f"--steps {steps}"])  # fmt: skip
+                        f"--seeds {args.seeds}", f"--steps {steps}", f"--kernels {args.kernels}"])  # fmt: skip
     report = write_study(args.out, arms, fleets, args.seeds, command)
     print(f"mixrl ablate: table in {report}, plots in {args.out / 'ablation.png'}")
     if failed:

@@ -14,7 +14,7 @@ import yaml
 
 from mixrl.api.loader import parse_document
 from mixrl.api.resolve import resolve
-from mixrl.local.ablation import ARMS, FLEETS, arm_document, study_table
+from mixrl.local.ablation import ARMS, FLEETS, KERNELS, arm_document, study_table
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
@@ -40,6 +40,12 @@ def test_every_arm_and_fleet_is_a_valid_run_that_differs_only_where_it_should(ar
     if routing is not None:  # the router is started with --buffer to read the mismatch
         assert routing.kl_threshold == 0.003
     assert all(pool.engine_args[-2:] == ("--random-seed", "2") for pool in resolved.pools)
+    # serving kernels by default: BF16 activations and split-KV attention in every torch pool
+    assert all(pool.engine_args[-6:-2] == tuple(KERNELS["serving"]) for pool in resolved.pools)
+    as_trainer = resolve(
+        parse_document(arm_document(QUICKSTART, ARMS[arm], fleet, seed=2, kernels="trainer"))
+    )
+    assert all("--dtype" not in pool.engine_args for pool in as_trainer.pools)
     assert QUICKSTART["spec"]["algorithm"]["topP"]["p"] == 0.95  # the input is left as it was
     # Everything else is the study's RLRun: tasks, model, trainer, evaluation, the latter by the
     # BF16 evaluator unless the study asks for the pools.
