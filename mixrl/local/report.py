@@ -305,6 +305,10 @@ def write_report(run_dir: Path) -> Path:
     ]
     lines += [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()]
     lines += ["", *mismatch_lines(records)]
+    from mixrl.local.routing import routing_lines  # torch and the engine: only when a report is written
+
+    routing = routing_lines(run_dir)
+    lines += ["", *routing] if routing else []
     collapse, source = run_thresholds(run_dir)
     lines += ["", *report_lines(assess(records, collapse), collapse, source)]
     (run_dir / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from mixrl import __version__
 from mixrl.api.trajectory import TokenRecord
@@ -174,20 +175,28 @@ class _Tracked:
     last: float = 0.0
 
 
+def serving_model(config: EngineConfig) -> tuple[PreTrainedModel, dict, activation_quant.ModelInputs | None]:
+    """The model as the engine serves it, from ``config.model_path``: its weights at the pool's
+    precision in the compute dtype, and its quantized GEMM inputs, calibrated (None: the precision
+    has none, or --activation-quant off); plus apply_precision_'s report.  The attention is
+    switched by the runner (``config.attention_backend``)."""
+    model = load_model(config.model_path, dtype=torch.float32)
+    report = weights_io.apply_precision_(model, config.weight_precision, COMPUTE_DTYPES[config.dtype])
+    inputs = (
+        activation_quant.install_(model, config.weight_precision, report["quantized"])
+        if config.activation_quant == "auto"
+        else None
+    )
+    if inputs:
+        inputs.calibrated(model)
+    return model, report, inputs
+
+
 class EngineService:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.compute_dtype = COMPUTE_DTYPES[config.dtype]
-        model = load_model(config.model_path, dtype=torch.float32)
-        self.quantization = weights_io.apply_precision_(model, config.weight_precision, self.compute_dtype)
-        self.inputs = (
-            activation_quant.install_(model, config.weight_precision, self.quantization["quantized"])
-            if config.activation_quant == "auto"
-            else None
-        )
-        """The quantized GEMM inputs (None: the precision has none, or --activation-quant off)."""
-        if self.inputs:
-            self.inputs.calibrated(model)
+        model, self.quantization, self.inputs = serving_model(config)
         self.model_config = model.config
         self.num_layers = int(model.config.num_hidden_layers)
         self.context_length = config.context_length or int(model.config.max_position_embeddings)
