@@ -238,7 +238,18 @@ def run_figures(run_dir: Path) -> Doc:
         "format_error_endings": late_mean(records, "format_error_endings"),
         "pool_fresh_kl_k3": {pool: late_mean(records, "kl_k3_fresh", pool) for pool in pools},
         "pool_shares": pool_shares(records),
+        "pool_routing": _routing(run_dir),
     }
+
+
+def _routing(run_dir: Path) -> dict[str, float]:
+    """Per pool, the share of sampled positions routed to other experts than the trainer's (MoE
+    runs: ``routing.json`` of ``mixrl report``); empty for a dense model."""
+    try:
+        measured = json.loads((run_dir / "routing.json").read_text())
+        return {pool: float(figures["any_layer"]) for pool, figures in measured.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
 
 
 def spread(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
@@ -321,6 +332,23 @@ def extreme_lines(figures: dict[str, Doc]) -> list[str]:
     return lines
 
 
+def routing_lines(figures: dict[str, Doc]) -> list[str]:
+    """Per fleet and pool, over every arm and seed: the MoE routing mismatch (none for a dense model)."""
+    shares: dict[tuple[str, str], list[float]] = {}
+    for name, figure in figures.items():
+        fleet = next((f for f in sorted(FLEETS, key=len, reverse=True) if f"-{f}-s" in name), "?")
+        for pool, share in (figure.get("pool_routing") or {}).items():
+            shares.setdefault((fleet, pool), []).append(share)
+    if not shares:
+        return []
+    lines = ["", "MoE routing mismatch (mean over every arm and seed): the share of sampled positions whose",
+             "top-k experts differ from the trainer's in at least one layer, at staleness 0 (`mixrl report`):", "",
+             "| fleet | pool | routed differently | runs |", "|---|---|---|---|"]  # fmt: skip
+    for (fleet, pool), values in sorted(shares.items()):
+        lines.append(f"| {fleet} | {pool} | {statistics.fmean(values):.1%} | {len(values)} |")
+    return lines
+
+
 def plot_study(
     figures: dict[str, Doc], arms: Sequence[str], fleets: Sequence[str], seeds: int, path: Path
 ) -> None:
@@ -381,7 +409,7 @@ def write_study(out: Path, arms: Sequence[str], fleets: Sequence[str], seeds: in
         if (out / "runs" / job.name / "metrics.jsonl").exists()
     }
     table, rows = study_table(figures, arms, fleets, seeds)
-    lines = ["# Ablation study", "", f"`{command}`", "", *table, *extreme_lines(figures), "",
+    lines = ["# Ablation study", "", f"`{command}`", "", *table, *extreme_lines(figures), *routing_lines(figures), "",
              "![ablation](ablation.png)", ""]  # fmt: skip
     (out / "ablation.md").write_text("\n".join(lines), encoding="utf-8")
     (out / "ablation.json").write_text(json.dumps({"rows": rows, "runs": figures}, indent=1) + "\n")

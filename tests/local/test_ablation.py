@@ -14,7 +14,7 @@ import yaml
 
 from mixrl.api.loader import parse_document
 from mixrl.api.resolve import resolve
-from mixrl.local.ablation import ARMS, FLEETS, KERNELS, arm_document, study_table
+from mixrl.local.ablation import ARMS, FLEETS, KERNELS, arm_document, routing_lines, study_table
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
@@ -81,6 +81,19 @@ def test_the_table_gives_means_spreads_collapses_and_the_fleet_ratio() -> None:
 
 
 @pytest.mark.slow  # whole mixrl runs (every component a process): also serial (tests/conftest.py)
+def test_the_routing_table_is_per_fleet_and_pool_and_absent_for_a_dense_model() -> None:
+    runs = {
+        "grpo-mixed-s0": {**figures(0.5, 0.01, []), "pool_routing": {"nvfp4": 0.2, "bf16": 0.01}},
+        "grpo-mixed-s1": {**figures(0.5, 0.01, []), "pool_routing": {"nvfp4": 0.3, "bf16": 0.03}},
+        "grpo-mixed-health-s0": {**figures(0.5, 0.01, []), "pool_routing": {"nvfp4": 0.9}},
+        "grpo-bf16-s0": {**figures(0.5, 0.01, []), "pool_routing": {"bf16-0": 0.02}},
+    }
+    lines = routing_lines(runs)
+    assert "| mixed | nvfp4 | 25.0% | 2 |" in lines and "| mixed | bf16 | 2.0% | 2 |" in lines
+    assert "| mixed-health | nvfp4 | 90.0% | 1 |" in lines and "| bf16 | bf16-0 | 2.0% | 1 |" in lines
+    assert routing_lines({"grpo-mixed-s0": figures(0.5, 0.01, [])}) == []  # dense: no routing measured
+
+
 def test_a_fast_study_runs_resumes_and_writes_its_table(tmp_path: Path) -> None:
     fast = tmp_path / "fast.yaml"
     run = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
