@@ -35,6 +35,7 @@ from pathlib import Path
 
 import yaml
 
+from mixrl.api.scheduling import DEFAULT_SCHEDULER, packing_profile, scheduler_configuration
 from mixrl.devcluster import images, monitoring
 from mixrl.devcluster import node as real_node
 from mixrl.devcluster.kwok_fleet import KWOK_ANNOTATION, KWOK_ANNOTATION_VALUE, NodeGroup, fleet_nodes
@@ -327,14 +328,13 @@ def component_commands(
         ],
         "kube-scheduler": [
             str(bin_dir / "kube-scheduler"),
-            f"--kubeconfig={kube}",
+            # Its client, leader election and profiles: scheduler_config() (with --config, the
+            # flags for those are ignored).
+            f"--config={run_dir / 'kube-scheduler.yaml'}",
             f"--authentication-kubeconfig={kube}",
             f"--authorization-kubeconfig={kube}",
             "--bind-address=127.0.0.1",
             f"--secure-port={ports['scheduler']}",
-            "--leader-elect=false",
-            "--kube-api-qps=200",
-            "--kube-api-burst=400",
             "--v=0",
         ],
         "kwok": [
@@ -348,6 +348,18 @@ def component_commands(
             f"--server-address=127.0.0.1:{ports['kwok']}",
         ],
     }
+
+
+def scheduler_config(run_dir: Path) -> dict:
+    """kube-scheduler's configuration: the bed's kubeconfig, client rate limits as large clusters
+    set them, no leader election, and two profiles: the stock ``default-scheduler`` (what a pod
+    gets unless it names another) and ``mixrl-packing`` (:mod:`mixrl.api.scheduling`), as a cluster
+    whose administrator installed the chart's scheduler file serves them."""
+    return scheduler_configuration(
+        [{"schedulerName": DEFAULT_SCHEDULER}, packing_profile()],
+        clientConnection={"kubeconfig": str(run_dir / "kubeconfig"), "qps": 200, "burst": 400},
+        leaderElection={"leaderElect": False},
+    )
 
 
 AUDIT_POLICY = {
@@ -470,6 +482,9 @@ class Cluster:
         os.chmod(self.dir / "kubeconfig", 0o600)
         (self.dir / "kwok-stages.yaml").write_text(stages_yaml())
         (self.dir / "audit-policy.yaml").write_text(yaml.safe_dump(AUDIT_POLICY))
+        (self.dir / "kube-scheduler.yaml").write_text(
+            yaml.safe_dump(scheduler_config(self.dir), sort_keys=False)
+        )
         (self.dir / "logs" / "audit.log").unlink(missing_ok=True)
         state = ClusterState(str(self.dir), str(bin_dir), server, token, ports, {}, len(nodes), address)
         commands = component_commands(bin_dir, self.dir, ports, address)

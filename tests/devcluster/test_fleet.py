@@ -8,9 +8,10 @@ import pytest
 import yaml
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE
+from mixrl.api.scheduling import packing_profile
 from mixrl.devcluster import kwok_fleet as fleet
 from mixrl.devcluster.cli import main
-from mixrl.devcluster.cluster import component_commands, storage_objects
+from mixrl.devcluster.cluster import component_commands, scheduler_config, storage_objects
 from mixrl.devcluster.stages import stages
 
 
@@ -61,11 +62,30 @@ def test_component_commands_enforce_rbac_admission_and_audit(tmp_path: Path) -> 
     assert "PodSecurity" in api and "ResourceQuota" in api
     assert "--service-account-signing-key-file=" in api and "--audit-log-path=" in api
     assert "--node-monitor-grace-period=8760h" in commands["kube-controller-manager"]
+    # kube-scheduler reads its client and profiles from its --config file (the flags would be ignored).
+    scheduler = commands["kube-scheduler"]
+    assert f"--config={tmp_path / 'kube-scheduler.yaml'}" in scheduler
+    assert not [
+        flag for flag in scheduler if flag.startswith(("--kubeconfig", "--kube-api-", "--leader-elect"))
+    ]
     kwok = " ".join(commands["kwok"])
     assert (
         f"--manage-nodes-with-annotation-selector={fleet.KWOK_ANNOTATION}={fleet.KWOK_ANNOTATION_VALUE}"
         in kwok
     )
+
+
+def test_the_scheduler_serves_the_default_profile_and_the_packing_one(tmp_path: Path) -> None:
+    config = scheduler_config(tmp_path)
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert config["clientConnection"] == {
+        "kubeconfig": str(tmp_path / "kubeconfig"),
+        "qps": 200,
+        "burst": 400,
+    }
+    assert config["leaderElection"] == {"leaderElect": False}
+    assert config["profiles"] == [{"schedulerName": "default-scheduler"}, packing_profile()]
+    assert packing_profile()["schedulerName"] == "mixrl-packing"
 
 
 def test_stages_and_storage_are_well_formed() -> None:
