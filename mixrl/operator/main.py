@@ -169,6 +169,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "GPUTYPE:KEY=VALUE",
         "a node label that identifies a GPU type's nodes without GPU Feature Discovery (repeatable)",
     )
+    packing = parser.add_argument_group(
+        "packing: GPU pods fill nodes before they open empty ones (docs/operator.md, Packing GPU pods)"
+    )
+    packing.add_argument(
+        "--no-gpu-pod-packing",
+        dest="pack_gpu_pods",
+        action="store_false",
+        help="GPU pods get no preferred pod affinity toward nodes running GPU pods of their run",
+    )
+    packing.add_argument(
+        "--scheduler-name",
+        metavar="NAME",
+        help="the scheduler profile every GPU pod names (spec.schedulerName), e.g. mixrl-packing; "
+        "it must be served, or the pods stay Pending (default: the cluster's default scheduler)",
+    )
     network = parser.add_argument_group("network policies: only a run's own components reach each other")
     network.add_argument(
         "--no-network-policies",
@@ -312,6 +327,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if scraper_namespace is not None and (problem := dns_name_problem(scraper_namespace)) is not None:
         parser.error(f"--scraper-namespace: {problem}")
     args.gpu_node_labels = parsed(parser, "--gpu-node-label", args.gpu_node_labels, parse_gpu_node_label)
+    if args.scheduler_name is not None and (problem := dns_name_problem(args.scheduler_name)) is not None:
+        parser.error(f"--scheduler-name: {problem}")
     for prefix in args.allowed_image_prefixes:
         if (problem := prefix_problem(prefix)) is not None:
             parser.error(f"--allowed-image-prefix: {problem}")
@@ -353,6 +370,8 @@ def images_of(args: argparse.Namespace) -> Images:
         weights_storage_class=args.weights_storage_class,
         pod_monitor_labels=dict(args.pod_monitor_labels),
         gpu_node_selectors=selectors,
+        pack_gpu_pods=args.pack_gpu_pods,
+        scheduler_name=args.scheduler_name or None,
         network_policies=scrapers_of(args),
     )
 

@@ -17,10 +17,11 @@ import pytest
 import yaml
 
 from mixrl.api.crd import rlrun_crd, samplerpool_crd
-from mixrl.api.gpus import GPU_TABLE
+from mixrl.api.gpus import GPU_RESOURCE, GPU_TABLE
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
+from mixrl.api.scheduling import PACKING_SCHEDULER, packing_profile
 from mixrl.operator.builders.monitoring import collapse_rule_groups, dashboard
 from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner, Scrapers
 from mixrl.operator.builders.pools import pool_children
@@ -119,6 +120,8 @@ def test_default_values_satisfy_the_schema() -> None:
         (lambda v: v["monitoring"].update(podMonitorLabels={"release": "not a value"}), "podMonitorLabels"),
         (lambda v: v.update(nameOverride="Mixrl"), "nameOverride"),
         (lambda v: v["watch"].update(createNamespaces="yes"), "createNamespaces"),
+        (lambda v: v["packing"].update(schedulerName="Mixrl Packing"), "schedulerName"),
+        (lambda v: v["packing"].update(gpuPods="yes"), "gpuPods"),
     ],
 )
 def test_bad_values_are_refused_naming_the_field(change: Any, field: str) -> None:
@@ -569,3 +572,30 @@ def test_network_policy_values_reach_the_operator(helm: Helm) -> None:
     values = clusterwide()
     values["networkPolicies"]["scraperNamespace"] = "Not_A_Namespace"
     assert "/networkPolicies/scraperNamespace" in helm.refusal(values)
+
+
+def test_packing_values_reach_the_operator(helm: Helm) -> None:
+    default = images_of(parse_args(operator_args(helm.template(clusterwide()))))
+    assert default.pack_gpu_pods and default.scheduler_name is None
+    values = clusterwide()
+    values["packing"] = {"gpuPods": False, "schedulerName": PACKING_SCHEDULER}
+    args = operator_args(helm.template(values))
+    assert "--no-gpu-pod-packing" in args and f"--scheduler-name={PACKING_SCHEDULER}" in args
+    chosen = images_of(parse_args(args))
+    assert not chosen.pack_gpu_pods and chosen.scheduler_name == PACKING_SCHEDULER
+
+
+def test_the_shipped_scheduler_file_serves_the_stock_profile_and_the_packing_one() -> None:
+    """What a cluster administrator copies (files/scheduler/): the default profile untouched, and
+    ``mixrl-packing`` as the test bed's kube-scheduler runs it."""
+    shipped = yaml.safe_load((CHART / "files" / "scheduler" / "kube-scheduler-config.yaml").read_text())
+    assert shipped["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert shipped["kind"] == "KubeSchedulerConfiguration"
+    default, packing = shipped["profiles"]
+    assert default == {"schedulerName": "default-scheduler"}
+    assert packing == packing_profile() and packing["schedulerName"] == PACKING_SCHEDULER
+    fit = next(c for c in packing["pluginConfig"] if c["name"] == "NodeResourcesFit")["args"]
+    strategy = fit["scoringStrategy"]
+    assert strategy["type"] == "MostAllocated"
+    weights = {r["name"]: r["weight"] for r in strategy["resources"]}
+    assert weights[GPU_RESOURCE] > weights["cpu"] and weights[GPU_RESOURCE] > weights["memory"]

@@ -952,6 +952,63 @@ def test_without_gpu_feature_discovery_the_platforms_node_labels_are_an_alternat
     )
 
 
+def selects(selector: Obj, labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels and In expressions) selects a pod with ``labels``."""
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items()) and all(
+        labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", [])
+    )
+
+
+def requests_gpus(template: Obj) -> bool:
+    return any(
+        GPU_RESOURCE in c.get("resources", {}).get("limits", {}) for c in template["spec"]["containers"]
+    )
+
+
+def test_gpu_pods_prefer_nodes_running_gpu_pods_of_their_run_then_of_any_run() -> None:
+    """Packing (issue #31): the trainer's and the engines' pods prefer nodes where GPU pods of their
+    run already are (weight 100), then of any mixrl run in any namespace (10), so small replicas do
+    not open whole nodes a multi-GPU trainer needs; the required GPU node affinity stays beside the
+    preference. CPU pods get none, and no pod names a scheduler unless the operator is told one."""
+    resolved = resolved_of(small_run())
+    templates = pod_templates(everything(resolved))
+    gpu = [template for _, template in templates if requests_gpus(template)]
+    cpu = [template for _, template in templates if not requests_gpus(template)]
+    assert len(gpu) == 3 and cpu  # the trainer, two pools; router, buffer, rollout
+    other_run = {**gpu[0]["metadata"]["labels"], L.INSTANCE: "another-run"}
+    for template in gpu:
+        spec = template["spec"]
+        assert spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        own, any_run = spec["affinity"]["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        assert (own["weight"], any_run["weight"]) == (100, 10)
+        for term in (own, any_run):
+            assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+        assert "namespaceSelector" not in own["podAffinityTerm"]  # the run's own namespace
+        assert any_run["podAffinityTerm"]["namespaceSelector"] == {}  # every namespace
+        own_selector = own["podAffinityTerm"]["labelSelector"]
+        any_selector = any_run["podAffinityTerm"]["labelSelector"]
+        assert all(selects(own_selector, t["metadata"]["labels"]) for t in gpu)
+        assert not any(selects(own_selector, t["metadata"]["labels"]) for t in cpu)
+        assert not selects(own_selector, other_run) and selects(any_selector, other_run)
+        assert not any(selects(any_selector, t["metadata"]["labels"]) for t in cpu)
+        assert "schedulerName" not in spec
+    for template in cpu:
+        assert "podAffinity" not in template["spec"].get("affinity", {})
+    # Turned off, the preference goes and the GPU node affinity stays; a scheduler profile is named
+    # by the GPU pods only.
+    options = BuildOptions(images=Images(pack_gpu_pods=False, scheduler_name="mixrl-packing"))
+    for workload, template in pod_templates(everything(resolved, options)):
+        spec = template["spec"]
+        if requests_gpus(template):
+            assert set(spec["affinity"]) == {"nodeAffinity"}
+            assert spec["schedulerName"] == "mixrl-packing"
+        else:
+            assert "schedulerName" not in spec
+        kubernetes_validate.validate(workload, K8S_VERSIONS[-1], strict=True)
+    for workload, _ in templates:
+        kubernetes_validate.validate(workload, K8S_VERSIONS[-1], strict=True)
+
+
 def test_a_time_sliced_node_runs_the_gpu_its_product_names() -> None:
     """A GPU reports its own name: an allowed ``-SHARED`` product is not a wrong GPU type."""
     assert wrong_gpu_value({"NVIDIA H100 80GB HBM3"}, ("NVIDIA-H100-80GB-HBM3-SHARED",)) == (

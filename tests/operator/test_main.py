@@ -60,6 +60,10 @@ current-context: emulator
         ),
         (["--gpu-node-label", "H800:a=b"], "--gpu-node-label: unknown GPU type 'H800'"),
         (["--gpu-node-label", "H100=a=b"], "--gpu-node-label: 'H100=a=b': expected GPUTYPE:KEY=VALUE"),
+        (
+            ["--scheduler-name", "Mixrl_Packing"],
+            "--scheduler-name: 'Mixrl_Packing' is not a DNS subdomain name",
+        ),
         (["--standalone", "--replica-id", "pod-a"], "--replica-id: a standalone operator has no peers"),
         (["--resync-seconds", "-1"], "--resync-seconds: must be 0 or more"),
         (
@@ -143,9 +147,13 @@ def test_the_flags_become_the_images_and_conventions_of_every_pod() -> None:
             "--pod-monitor-label=release=kube-prometheus-stack",
             "--gpu-node-label=H100:cloud.google.com/gke-accelerator=nvidia-h100-80gb",
             "--gpu-node-label=H100:pool=gpu",
+            "--no-gpu-pod-packing",
+            "--scheduler-name=mixrl-packing",
         ]
     )
     images = images_of(args)
+    assert not images.pack_gpu_pods and images.scheduler_name == "mixrl-packing"
+    assert Images().pack_gpu_pods and Images().scheduler_name is None  # no flag: packed, default scheduler
     assert (images.trainer("torch"), images.trainer("megatron")) == ("reg/t:1", "reg/m:1")
     assert images.engine("sglang") == "reg:5000/sglang:v1" and images.engine("torch").startswith("reg/e@")
     assert images.pull_secrets == ("regcred", "mirror")

@@ -114,6 +114,12 @@ class Images:
     gpu_node_selectors: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """GPU type -> node labels that identify its nodes where GPU Feature Discovery does not label
     ``nvidia.com/gpu.product``; an alternative (OR-ed) to the product affinity, not an addition."""
+    pack_gpu_pods: bool = True
+    """GPU pods prefer nodes already running GPU pods of their run, then of any run (a preferred
+    pod affinity, :func:`mixrl.operator.builders.podspec.packing_affinity`); False: no preference."""
+    scheduler_name: str | None = None
+    """The scheduler (profile) every GPU pod names, e.g. ``mixrl-packing`` where the cluster's
+    kube-scheduler serves :mod:`mixrl.api.scheduling`'s profile; None: the default scheduler."""
     network_policies: Scrapers | None = field(default_factory=Scrapers)
     """Each run gets NetworkPolicies (:mod:`mixrl.operator.builders.network`) letting these scrapers
     read its metrics; None: the operator creates none (the platform manages policies itself)."""

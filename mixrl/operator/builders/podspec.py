@@ -210,6 +210,40 @@ def gpu_node_affinity(products: Sequence[str], fallback: Mapping[str, str] | Non
     return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
 
 
+PACK_WITH_OWN_RUN = 100
+"""Preference weight of nodes already running GPU pods of the pod's own run…"""
+PACK_WITH_ANY_RUN = 10
+"""…and of nodes running GPU pods of any mixrl run, in any namespace."""
+GPU_COMPONENTS = ("trainer", "sampler")
+"""The components whose pods ask for GPUs."""
+HOSTNAME = "kubernetes.io/hostname"
+
+
+def packing_affinity(run: str) -> Obj:
+    """Preferred pod affinity that packs GPU pods: toward nodes already running GPU pods of ``run``
+    (its trainer and engines), and, far weaker, of any mixrl run. Without it the default scheduler
+    spreads 1-GPU replicas over every node of their type and an 8-GPU trainer finds no whole node;
+    with it small replicas join the nodes GPU pods already use and leave empty ones whole. Any
+    scheduler honours it (a packing profile packs across all workloads, :mod:`mixrl.api.scheduling`)."""
+
+    def term(weight: int, labels: Mapping[str, str], every_namespace: bool) -> Obj:
+        selector = {
+            "matchLabels": dict(labels),
+            "matchExpressions": [{"key": L.COMPONENT, "operator": "In", "values": list(GPU_COMPONENTS)}],
+        }
+        pod_term: Obj = {"labelSelector": selector, "topologyKey": HOSTNAME}
+        if every_namespace:
+            pod_term["namespaceSelector"] = {}  # every namespace (none: the pod's own)
+        return {"weight": weight, "podAffinityTerm": pod_term}
+
+    return {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            term(PACK_WITH_OWN_RUN, {L.NAME: L.APP, L.INSTANCE: run}, every_namespace=False),
+            term(PACK_WITH_ANY_RUN, {L.NAME: L.APP}, every_namespace=True),
+        ]
+    }
+
+
 def toleration_dict(toleration: Toleration) -> Obj:
     return toleration.model_dump(by_alias=True, exclude_none=True, mode="json")
 
@@ -220,10 +254,14 @@ def gpu_scheduling(
     tolerations: Sequence[Toleration] = (),
     priority_class_name: str | None = None,
     fallback: Mapping[str, str] | None = None,
+    pack_with_run: str | None = None,
+    scheduler_name: str | None = None,
 ) -> Obj:
     """Pod-spec fields that put a GPU workload on nodes with one of ``products`` (or, without GPU
     Feature Discovery, the ``fallback`` labels of its GPU type); ``node_selector`` is required on
-    top of either.
+    top of either. A GPU workload prefers the nodes GPU pods of its run ``pack_with_run`` already
+    use (:func:`packing_affinity`; None: no preference) and names the scheduler (profile)
+    ``scheduler_name`` (None: the cluster's default scheduler).
 
     An empty ``products`` (``gpuType: cpu``) schedules anywhere and tolerates no GPU taint.
     """
@@ -231,6 +269,10 @@ def gpu_scheduling(
     extra = [toleration_dict(t) for t in tolerations]
     if products:
         spec["affinity"] = gpu_node_affinity(products, fallback)
+        if pack_with_run is not None:
+            spec["affinity"]["podAffinity"] = packing_affinity(pack_with_run)
+        if scheduler_name:
+            spec["schedulerName"] = scheduler_name
         extra = [GPU_TOLERATION, *(t for t in extra if t != GPU_TOLERATION)]
     if extra:
         spec["tolerations"] = extra

@@ -134,6 +134,8 @@ def pool_objects(
         pool.tolerations,
         pool.priority_class_name,
         options.images.gpu_node_selectors.get(pool.gpu_type),
+        pack_with_run=resolved.name if options.images.pack_gpu_pods else None,
+        scheduler_name=options.images.scheduler_name,
     )
     spec = pod_spec(
         [engine_container(resolved, pool, options, engine_mounts), sidecar],

@@ -224,6 +224,8 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         placement.tolerations,
         placement.priority_class_name,
         options.images.gpu_node_selectors.get(spec.gpu_type),
+        pack_with_run=resolved.name if options.images.pack_gpu_pods else None,
+        scheduler_name=options.images.scheduler_name,
     )
     template = component_template(
         resolved,
