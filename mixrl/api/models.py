@@ -571,6 +571,11 @@ class AutoscalingSpec(Model):
     cost_budget_per_hour: Float | None = Field(default=None, gt=0, le=MAX_CAPACITY)
     """``objective: trainer``: most dollars per hour all pools may cost together (costPerGpuHour, or
     the default price table); null = none."""
+    stall_after_seconds: Float = Field(default=600.0, gt=0, le=MAX_SECONDS)
+    """``objective: trainer``: a trainer idle beyond trainerIdleTarget this long while the fleet holds
+    (its estimates say the supply covers the demand) gets one more replica of the cheapest pool that
+    can grow; when none can, a TrainerStarved Warning event on the run says why (every pool at its
+    maximum, a budget, the rollout's concurrency, replicas the cluster cannot start)."""
 
 
 class EvaluationSpec(Model):

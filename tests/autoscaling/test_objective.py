@@ -158,3 +158,39 @@ def test_a_stuck_replica_kept_by_min_replicas_is_not_counted_as_supply() -> None
     nine = replace(STEADY, busy_step_s=1000 / 9)  # 9 trajectories/s
     plan = plan_fleet(pools, nine, CONFIG, replace(MEMORY, busy_step_s=1000 / 9))
     assert plan.targets == {"cheap": 1, "dear": 5}  # 9 / 2 → 5; counting the stuck one gave 4
+
+
+def test_a_trainer_starving_inside_the_band_gets_one_replica_after_the_stall_time() -> None:
+    fleet = [pool("cheap", 4), pool("dear", 3)]  # supply 4 + 6 = the demand of 10: inside the band
+    starving = replace(STEADY, idle_share=0.3)  # yet the trainer waits: the estimates are optimistic
+    config = replace(CONFIG, stall_after_s=600.0)
+    first = plan_fleet(fleet, starving, config, MEMORY, now=1000.0)
+    assert first.targets == {"cheap": 4, "dear": 3} and first.memory.starving_since == 1000.0
+    early = plan_fleet(fleet, starving, config, first.memory, now=1500.0)
+    assert early.targets == {"cheap": 4, "dear": 3} and early.memory.starving_since == 1000.0
+    late = plan_fleet(fleet, starving, config, early.memory, now=1600.0)
+    assert late.targets == {"cheap": 5, "dear": 3} and late.stalled is None  # the cheapest that can grow
+    assert "one more replica of cheap" in late.reasons["cheap"] and "600 s" in late.reasons["cheap"]
+    assert late.memory.starving_since == 1600.0  # the clock starts again
+    starting = [pool("cheap", 5, ready=4), pool("dear", 3)]  # the added replica is still starting
+    cold = plan_fleet(starting, starving, config, replace(late.memory, starving_since=0.0), now=1650.0)
+    assert cold.targets == {"cheap": 5, "dear": 3} and cold.memory.starving_since == 1650.0  # not a stall
+    fed = plan_fleet(fleet, STEADY, config, late.memory, now=1700.0)
+    assert fed.memory.starving_since is None  # no longer starving: no clock
+    assert plan_fleet(fleet, starving, config, MEMORY).memory.starving_since is None  # no clock, no guard
+
+
+def test_a_stall_no_replica_can_help_says_why() -> None:
+    fleet = [pool("cheap", 4, max_replicas=4), pool("dear", 3, max_replicas=3)]
+    starving = replace(STEADY, idle_share=0.3)
+    memory = replace(MEMORY, starving_since=0.0)
+    plan = plan_fleet(fleet, starving, replace(CONFIG, stall_after_s=600.0), memory, now=900.0)
+    assert plan.targets == {"cheap": 4, "dear": 3}
+    assert plan.stalled == "cheap at its maximum (4); dear at its maximum (3)"
+    assert "no pool can grow: cheap at its maximum" in plan.summary and "idle 30% (target 0%)" in plan.summary
+    budget = plan_fleet(
+        [pool("cheap", 4), pool("dear", 3)], starving, replace(CONFIG, gpu_budget=7), memory, now=900.0
+    )
+    assert budget.stalled is not None and "would exceed the GPU budget" in budget.stalled
+    with pytest.raises(ValueError, match="stall_after_s"):
+        replace(CONFIG, stall_after_s=0.0)

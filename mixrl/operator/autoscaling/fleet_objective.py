@@ -24,6 +24,11 @@ needs.  This objective sizes the whole fleet to the trainer instead:
   a steady run — sampler-bound or trainer-bound — makes no reversals.  While the trainer idles
   more than its target (plus :data:`IDLE_MARGIN`), the band's lower half shrinks to half the
   tolerance: a supply short of the demand is then filled sooner.
+- **Stall guard**: a trainer that has idled beyond its target for ``stall_after_s`` while the plan
+  held (the estimates say the supply covers the demand: they are optimistic) gets one more replica
+  of the cheapest pool that can grow, and the clock starts again; when no pool can grow the plan
+  says why (:attr:`FleetPlan.stalled`: every pool at its maximum, a budget, the rollout's
+  concurrency, replicas the cluster cannot start).
 - **Concurrency**: replicas beyond what ``concurrency / sessionsPerCapacity`` can keep busy are
   waste, so the fill stops there, and :attr:`FleetPlan.recommended_concurrency` says what the
   rollout would need.  The rollout's concurrency is fixed when its workers start (an asyncio
@@ -120,6 +125,8 @@ class ObjectiveConfig:
     """The backlog's distance from the band is closed over this long."""
     gpu_budget: int | None = None
     cost_budget_per_hour: float | None = None
+    stall_after_s: float = 600.0
+    """A trainer idle beyond its target this long with nothing changing gets an action or a reason."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -130,6 +137,7 @@ class ObjectiveConfig:
             ("min_steps_ahead", self.min_steps_ahead >= 0, "must be ≥ 0"),
             ("tolerance", 0 <= self.tolerance < 1, "must be in [0, 1)"),
             ("horizon_s", self.horizon_s > 0, "must be > 0"),
+            ("stall_after_s", self.stall_after_s > 0, "must be > 0"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -149,6 +157,8 @@ class ObjectiveMemory:
     """Pool -> trajectories/s one ready replica delivers when kept busy."""
     busy_step_s: float | None = None
     """Seconds the trainer computes per step (its idle time left out)."""
+    starving_since: float | None = None
+    """When the trainer began idling beyond its target (plus the margin) with no action since."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,9 @@ class FleetPlan:
     filled: bool = False
     """The fill ran (the supply was outside the dead band): ``recommended_concurrency`` None then
     means the concurrency suffices; after a hold or inside the band it means nothing was learnt."""
+    stalled: str | None = None
+    """The trainer has starved for ``stall_after_s`` and no pool can grow: why not, per pool (None
+    otherwise; the full sentence is in ``summary``)."""
 
 
 def update_memory(
@@ -200,7 +213,7 @@ def update_memory(
         busy_step = (
             measured_busy if busy_step is None else (1 - EMA_WEIGHT) * busy_step + EMA_WEIGHT * measured_busy
         )
-    return ObjectiveMemory(rates, busy_step)
+    return replace(memory, rates=rates, busy_step_s=busy_step)
 
 
 def replica_rates(pools: Sequence[FleetPool], memory: ObjectiveMemory) -> dict[str, float | None]:
@@ -286,9 +299,21 @@ def _unit_cost(pool: FleetPool, rates: Mapping[str, float | None]) -> float:
 
 
 def plan_fleet(
+    pools: Sequence[FleetPool],
+    signals: TrainerSignals,
+    config: ObjectiveConfig,
+    memory: ObjectiveMemory,
+    now: float | None = None,
+) -> FleetPlan:
+    """One poll of the whole fleet: every pool's target replicas and why (``now``: the clock of the
+    stall guard; None: no guard)."""
+    plan = _plan(pools, signals, config, memory)
+    return _guard_stall(plan, pools, signals, config, now)
+
+
+def _plan(
     pools: Sequence[FleetPool], signals: TrainerSignals, config: ObjectiveConfig, memory: ObjectiveMemory
 ) -> FleetPlan:
-    """One poll of the whole fleet: every pool's target replicas and why."""
     names = [p.name for p in pools]
     if len(set(names)) != len(names):
         raise ValueError(f"pools: duplicate names in {names}")
@@ -321,9 +346,9 @@ def plan_fleet(
     )
     # The trainer itself says whether supply is short: idling above its target (plus a margin)
     # means the estimates are optimistic, so the band's lower half shrinks to half the tolerance
-    # (not to nothing: a supply a hair short would add a replica that the next estimate removes).
-    idle = signals.idle_share
-    starving = idle is not None and idle > config.idle_target + IDLE_MARGIN
+    # (not to nothing: on a steady fleet with 11-minute cold starts that made a reversal an hour,
+    # bench/autoscaling.py run 9; a starvation that lasts is the stall guard's).
+    starving = _starving(signals, config)
     low = (1 - (config.tolerance / 2 if starving else config.tolerance)) * demand
     if not forced and low - _EPS <= supply_now <= (1 + config.tolerance) * demand:
         return FleetPlan(
@@ -354,6 +379,74 @@ def plan_fleet(
     return FleetPlan(targets, reasons, demand, supply, recommended, memory, summary, filled=True)
 
 
+def _starving(signals: TrainerSignals, config: ObjectiveConfig) -> bool:
+    idle = signals.idle_share
+    return idle is not None and idle > config.idle_target + IDLE_MARGIN
+
+
+def _why_not_grown(pool: FleetPool, targets: Mapping[str, int], pools: Sequence[FleetPool],
+                   rates: Mapping[str, float | None], config: ObjectiveConfig) -> str | None:  # fmt: skip
+    """Why one more replica of ``pool`` cannot help (None: it can)."""
+    if targets[pool.name] >= pool.high:
+        if pool.ceiling is not None and pool.ceiling < pool.max_replicas:
+            return f"{pool.name} held at {pool.ceiling} (replicas the cluster could not start)"
+        return f"{pool.name} at its maximum ({pool.max_replicas})"
+    if not rates.get(pool.name):
+        return f"{pool.name} has no measured or estimated throughput"
+    capacity = sum(targets[p.name] * p.capacity for p in pools)
+    if capacity + pool.capacity > config.useful_capacity + _EPS:
+        return f"{pool.name} would be more than rollout.concurrency keeps busy"
+    grown = {**targets, pool.name: targets[pool.name] + 1}
+    if not _fits(pools, grown, config):
+        return f"{pool.name} would exceed the {'GPU' if config.gpu_budget is not None else 'cost'} budget"
+    return None
+
+
+def _guard_stall(
+    plan: FleetPlan,
+    pools: Sequence[FleetPool],
+    signals: TrainerSignals,
+    config: ObjectiveConfig,
+    now: float | None,
+) -> FleetPlan:
+    """The stall guard (see the module's docstring) on top of a poll's plan."""
+    if now is None or plan.demand is None:
+        return plan
+    if not _starving(signals, config):
+        return replace(plan, memory=replace(plan.memory, starving_since=None))
+    since = plan.memory.starving_since
+    # An action under way: the plan grows a pool, or replicas it asked for are still starting (a
+    # cold start is not a stall; the clock starts when the last one is ready).
+    under_way = any(
+        plan.targets[p.name] > p.replicas - p.stuck or p.ready < p.replicas - p.stuck for p in pools
+    )
+    if since is None or under_way:
+        return replace(plan, memory=replace(plan.memory, starving_since=now))
+    if now - since < config.stall_after_s:
+        return plan
+    rates = replica_rates(pools, plan.memory)
+    starved = (
+        f"trainer idle {signals.idle_share:.0%} (target {config.idle_target:.0%}) for {now - since:.0f} s "
+        "with the supply estimated at the demand"
+    )
+    reasons = {p.name: _why_not_grown(p, plan.targets, pools, rates, config) for p in pools}
+    growable = [p for p in pools if reasons[p.name] is None]
+    if not growable:
+        blocked = "; ".join(r for r in reasons.values() if r)
+        why = f"{starved}, and no pool can grow: {blocked}"
+        return replace(plan, reasons=dict.fromkeys(plan.reasons, why), summary=why, stalled=blocked)
+    cheapest = min(growable, key=lambda p: (_unit_cost(p, rates), p.name))
+    targets = {**plan.targets, cheapest.name: plan.targets[cheapest.name] + 1}
+    why = f"{starved}: one more replica of {cheapest.name}, the cheapest that can grow (the estimates are optimistic)"
+    return replace(
+        plan,
+        targets=targets,
+        reasons={**plan.reasons, cheapest.name: why},
+        summary=why,
+        memory=replace(plan.memory, starving_since=now),
+    )
+
+
 def with_floors(pools: Sequence[FleetPool], floors: Mapping[str, int]) -> list[FleetPool]:
     return [replace(p, floor=floors.get(p.name, 0)) for p in pools]
 
@@ -372,7 +465,7 @@ def stabilized_plan(
     the final plan keeps each pool at least at the highest of the window."""
     # The raw plan ignores every floor, the weight-update hold included: what the window remembers
     # is what the fleet needs, not what a hold kept (or the window would never end).
-    raw = plan_fleet(with_floors(pools, {}), signals, config, memory)
+    raw = plan_fleet(with_floors(pools, {}), signals, config, memory, now)
     next_states = {}
     floors = {}
     for pool in pools:
@@ -381,4 +474,4 @@ def stabilized_plan(
         floors[pool.name] = max(
             pool.floor, stabilized_floor(state, pool.replicas - pool.stuck, now, window_s)
         )
-    return plan_fleet(with_floors(pools, floors), signals, config, memory), next_states
+    return plan_fleet(with_floors(pools, floors), signals, config, memory, now), next_states

@@ -48,6 +48,7 @@ from mixrl.operator.autoscaling.fleet_objective import (
 )
 from mixrl.operator.autoscaling.plan import (
     RECOMMENDED_CONCURRENCY,
+    TRAINER_STARVED,
     BoundsRefused,
     MetricsUnavailable,
     Observation,
@@ -175,6 +176,7 @@ class AutoscalingLoop(Ticker):
         """(namespace, run) -> the trainer objective's estimates (``objective: trainer`` runs)."""
         self._run_polled: dict[Key, float] = {}
         self._fleet_said: dict[Key, str] = {}
+        self._stall_said: dict[Key, str | None] = {}
 
     def _own_lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -368,6 +370,7 @@ class AutoscalingLoop(Ticker):
             a.scale_down_window_seconds,
         )  # fmt: skip
         self.run_memory[run_key] = plan.memory
+        await self.report_stall(run_key, plan, now)
         if plan.demand is None or plan.recommended_concurrency is not None:
             if self._fleet_said.get(run_key) != plan.summary:  # a hold's reason, once
                 log.info("%s/%s: %s", *run_key, plan.summary)
@@ -390,6 +393,16 @@ class AutoscalingLoop(Ticker):
             done.append((key, pool_plan))
         await self.report_concurrency(run_key, plan, objective, now, a.tolerance)
         return done
+
+    async def report_stall(self, run_key: Key, plan: FleetPlan, now: float) -> None:
+        """A TrainerStarved Warning on the run when no pool can grow for a starving trainer (once
+        per distinct reason, not once per poll)."""
+        said = self._stall_said.get(run_key)
+        self._stall_said[run_key] = plan.stalled
+        body = self.runs.get(run_key)
+        if plan.stalled is None or plan.stalled == said or body is None:
+            return
+        await PoolApi(self.client).post_event(body, "Warning", TRAINER_STARVED, plan.summary, now)
 
     async def report_concurrency(
         self, run_key: Key, plan: FleetPlan, objective: ObjectiveConfig, now: float, tolerance: float

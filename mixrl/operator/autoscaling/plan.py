@@ -49,6 +49,8 @@ BACKLOG_HORIZON_S = 300.0
 """The shortest time ``objective: trainer`` closes the backlog's distance from its band over."""
 SCALED_REASON = "Scaled"
 METRICS_REASON = "MetricsUnavailable"
+TRAINER_STARVED = "TrainerStarved"
+"""The Warning event on an RLRun whose starving trainer no pool can feed (``objective: trainer``)."""
 RECOMMENDED_CONCURRENCY = "recommendedConcurrency"
 """The RLRun status field ``objective: trainer`` reports the concurrency in (mixrl.api.status.ConcurrencyRecommendation)."""
 ENDED_PHASES = ("Succeeded", "Failed")
@@ -275,6 +277,7 @@ def objective_config(run: ResolvedRun) -> ObjectiveConfig:
         horizon_s=max(a.scale_down_window_seconds, BACKLOG_HORIZON_S),
         gpu_budget=a.gpu_budget,
         cost_budget_per_hour=a.cost_budget_per_hour,
+        stall_after_s=a.stall_after_seconds,
     )
 
 
