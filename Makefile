@@ -1,5 +1,5 @@
 # The two commands of README.md: `make run` (the quickstart on this machine) and `make test`.
-.PHONY: run test lint crds setup k8s-bin images
+.PHONY: run test lint crds setup k8s-bin k8s-addons images
 PY := .venv/bin
 
 setup:
@@ -15,7 +15,7 @@ run: setup
 # one at a time: the KWOK control-plane tests, the real node's, the rest (scripts/serial_lanes.sh). Both
 # invocations run whatever fails in the other;
 # JUnit files go to $(TEST_REPORTS) (scripts/test_times.py reads them).
-TEST_BUILDS := k8s-bin images
+TEST_BUILDS := k8s-bin k8s-addons images
 TEST_REPORTS := .venv/test-reports
 PYTEST := $(PY)/python -m pytest -q
 PYTEST_ARGS ?=  # added to both invocations, e.g. PYTEST_ARGS="--ignore=tests/cluster"
@@ -46,6 +46,10 @@ lint:
 # at the same time: the compiles keep the cores busy while the images' downloads wait on the network.
 k8s-bin:
 	@scripts/k8s-bin.sh >/dev/null
+
+# Kueue and LeaderWorkerSet, run by the test bed beside its control plane (scripts/k8s-addons.sh).
+k8s-addons:
+	@scripts/k8s-addons.sh >/dev/null
 
 images:
 	@scripts/images.sh >/dev/null
