@@ -1,0 +1,455 @@
+"""Cluster add-ons on the test bed: Kueue and LeaderWorkerSet, built from their pinned Go modules
+(``scripts/k8s-addons.sh``), each run as a local process beside the bed's control plane, as the
+bed runs kube-scheduler and KWOK.
+
+What their release manifests would install in a real cluster is applied from the module's own
+``config/`` directory, rewritten for a manager that runs outside the cluster:
+
+- the CRDs (``kubectl apply --server-side``), with the conversion webhooks their kustomization
+  enables pointed at the manager on loopback;
+- the Mutating/ValidatingWebhookConfigurations, with the patches of their kustomization applied
+  (LeaderWorkerSet's pod webhooks get their object selector that way) and every ``service``
+  reference replaced by ``url: https://127.0.0.1:<port>/<path>`` and the bed CA's bundle;
+- no Deployment, Service or RBAC: the manager is a process logged in with the bed's admin
+  kubeconfig, its webhook server on loopback with a certificate the bed's CA signs
+  (``internalCertManagement`` off: the managers' own rotator would issue certificates for an
+  in-cluster Service name the API server could not reach here).
+
+The process is recorded in the bed's ``state.json`` like every other one, so ``down`` stops it;
+its log is ``<bed>/logs/<name>.log``, its files (configuration, certificates, the manifests as
+applied) are in ``<bed>/addons/<name>/``.
+
+Kueue's queues for the bed's fleet (:func:`kueue_queue_objects`): a ResourceFlavor per GPU type
+(the node labels GPU Feature Discovery puts on that type's nodes, and the GPU taint), a ``default``
+flavor for CPU and memory, and a ClusterQueue whose GPU quota per flavour is the fleet's GPUs of
+that type.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE
+from mixrl.devcluster.cluster import (
+    REPO,
+    Cluster,
+    ClusterError,
+    ClusterState,
+    _stop,
+    free_ports,
+    issue_certificate,
+)
+from mixrl.devcluster.kwok_fleet import GPU_TAINT, NodeGroup
+
+KUEUE_API = "kueue.x-k8s.io/v1beta2"
+"""The Kueue API the bed's objects use (Kueue v0.17 stores v1beta2)."""
+
+
+@dataclass(frozen=True)
+class AddonSpec:
+    """How one add-on's manager runs out of cluster, and which of its manifests the bed applies."""
+
+    name: str
+    """Its name in ``scripts/k8s-addons.sh`` (and the binary's, under ``bin/``)."""
+    namespace: str
+    """The namespace its release manifests install into (its manager keeps state there)."""
+    config_api: str
+    """apiVersion of its manager's Configuration file."""
+    crd_dir: str
+    """The kustomization (under ``config/``) of its CRDs and their conversion-webhook patches."""
+    webhook_dir: str
+    """The kustomization of its Mutating/ValidatingWebhookConfigurations."""
+    webhook_groups: tuple[str, ...] | None = None
+    """Keep only webhooks whose rules name these API groups alone (None: every webhook).  Kueue's
+    manifests also hook every Pod, Job, Deployment and StatefulSet for its job integrations, which
+    the bed does not use: those would put every other test's pods through Kueue."""
+    configuration: dict[str, Any] = field(default_factory=dict)
+    """Extra fields of its Configuration."""
+    args: tuple[str, ...] = ()
+    metrics_cert_dir: str | None = None
+    """A fixed path where the manager reads its metrics certificate when its own certificate
+    management is off (Kueue v0.17: ``/etc/kueue/metrics/certs``, not configurable)."""
+
+
+ADDONS: dict[str, AddonSpec] = {
+    "kueue": AddonSpec(
+        name="kueue",
+        namespace="kueue-system",
+        config_api="config.kueue.x-k8s.io/v1beta2",
+        crd_dir="components/crd",
+        webhook_dir="components/webhook",
+        webhook_groups=("kueue.x-k8s.io",),
+        configuration={
+            "namespace": "kueue-system",
+            # Kueue refuses an empty list; batch/job is the smallest integration (no Job here
+            # names a queue, and its webhooks are not installed).
+            "integrations": {"frameworks": ["batch/job"]},
+            # The on-demand visibility API is an aggregated API server: not needed on the bed.
+            "featureGates": {"VisibilityOnDemand": False},
+        },
+        metrics_cert_dir="/etc/kueue/metrics/certs",
+    ),
+    "lws": AddonSpec(
+        name="lws",
+        namespace="lws-system",
+        config_api="config.lws.x-k8s.io/v1alpha1",
+        crd_dir="crd",
+        webhook_dir="webhook",
+    ),
+}
+
+
+def addon_dir(name: str) -> Path:
+    """The add-on's build (``bin/<name>`` and the module's ``config/``), made or found by
+    ``scripts/k8s-addons.sh``."""
+    if name not in ADDONS:
+        raise ClusterError(f"unknown add-on {name!r} (known: {', '.join(ADDONS)})")
+    script = REPO / "scripts" / "k8s-addons.sh"
+    done = subprocess.run([str(script), name], stdout=subprocess.PIPE, text=True)  # progress: stderr
+    if done.returncode != 0:
+        raise ClusterError(f"scripts/k8s-addons.sh {name} failed (see its output above)")
+    for line in done.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == name:
+            return Path(parts[1])
+    raise ClusterError(f"scripts/k8s-addons.sh {name} printed no directory")
+
+
+# ----------------------------------------------------------------------------- manifests (pure)
+
+
+def _documents(path: Path) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _kustomization(directory: Path) -> dict[str, Any]:
+    return yaml.safe_load((directory / "kustomization.yaml").read_text()) or {}
+
+
+def crd_manifests(config: Path, spec: AddonSpec, webhook_url: str, ca_bundle: str) -> list[dict[str, Any]]:
+    """The add-on's CRDs as its kustomization lists them, with the conversion webhooks it enables
+    (``patches/webhook_in_*.yaml``) served at ``webhook_url`` + the patch's path."""
+    directory = config / spec.crd_dir
+    kustomization = _kustomization(directory)
+    crds = [
+        doc for resource in kustomization.get("resources", []) for doc in _documents(directory / resource)
+    ]
+    by_name = {crd["metadata"]["name"]: crd for crd in crds}
+    for patch in kustomization.get("patches") or []:
+        for doc in _documents(directory / patch["path"]):
+            conversion = (doc.get("spec") or {}).get("conversion")
+            target = by_name.get(doc["metadata"]["name"])
+            if target is None or not conversion or conversion.get("strategy") != "Webhook":
+                continue
+            webhook = copy.deepcopy(conversion["webhook"])
+            path = webhook["clientConfig"].get("service", {}).get("path", "/convert")
+            webhook["clientConfig"] = {"url": webhook_url + path, "caBundle": ca_bundle}
+            target["spec"]["conversion"] = {"strategy": "Webhook", "webhook": webhook}
+    return crds
+
+
+def _json_patch(obj: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    """The RFC 6902 operations kustomize patches use on webhook lists (add, replace, remove)."""
+    for op in ops:
+        keys = [int(k) if k.isdigit() else k for k in op["path"].strip("/").split("/")]
+        parent: Any = obj
+        for key in keys[:-1]:
+            parent = parent[key]
+        last = keys[-1]
+        if op["op"] == "remove":
+            del parent[last]
+        elif op["op"] == "add" and isinstance(parent, list):
+            parent.insert(len(parent) if last == "-" else int(last), op["value"])
+        else:
+            parent[last] = op["value"]
+
+
+def _merge_webhooks(obj: dict[str, Any], patch: dict[str, Any]) -> None:
+    """A strategic-merge patch of a webhook configuration: webhooks merged by name."""
+    by_name = {hook["name"]: hook for hook in obj.get("webhooks", [])}
+    for hook in patch.get("webhooks", []):
+        if hook["name"] in by_name:
+            by_name[hook["name"]].update(copy.deepcopy(hook))
+
+
+def _kept(hook: dict[str, Any], groups: tuple[str, ...] | None) -> bool:
+    if groups is None:
+        return True
+    named = {group for rule in hook.get("rules", []) for group in rule.get("apiGroups", [])}
+    return bool(named) and named <= set(groups)
+
+
+def webhook_manifests(
+    config: Path, spec: AddonSpec, webhook_url: str, ca_bundle: str
+) -> list[dict[str, Any]]:
+    """The add-on's webhook configurations with their kustomization's patches applied, named as its
+    release names them (``<name>-`` prefix), each webhook calling ``webhook_url`` + its path."""
+    directory = config / spec.webhook_dir
+    kustomization = _kustomization(directory)
+    configs = [
+        doc
+        for resource in kustomization.get("resources", [])
+        for doc in _documents(directory / resource)
+        if doc.get("kind") in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+    ]
+    by_kind = {doc["kind"]: doc for doc in configs}
+    for entry in kustomization.get("patches") or []:
+        if "path" in entry:
+            loaded = yaml.safe_load((directory / entry["path"]).read_text())
+        else:
+            loaded = yaml.safe_load(entry["patch"])
+        if isinstance(loaded, list):  # JSON 6902, aimed by its target
+            target = by_kind.get(entry.get("target", {}).get("kind", ""))
+            if target is not None:
+                _json_patch(target, loaded)
+        elif isinstance(loaded, dict) and loaded.get("kind") in by_kind:
+            _merge_webhooks(by_kind[loaded["kind"]], loaded)
+    out = []
+    for doc in configs:
+        hooks = []
+        for hook in doc.get("webhooks", []):
+            if not _kept(hook, spec.webhook_groups):
+                continue
+            hook = copy.deepcopy(hook)
+            path = hook["clientConfig"].get("service", {}).get("path", "/")
+            hook["clientConfig"] = {"url": webhook_url + path, "caBundle": ca_bundle}
+            hooks.append(hook)
+        out.append(
+            {
+                "apiVersion": doc["apiVersion"],
+                "kind": doc["kind"],
+                "metadata": {"name": f"{spec.name}-{doc['metadata']['name']}"},
+                "webhooks": hooks,
+            }
+        )
+    return out
+
+
+def manager_configuration(spec: AddonSpec, ports: dict[str, int], cert_dir: Path) -> dict[str, Any]:
+    """The manager's Configuration: webhook server and health probes on loopback, its certificate
+    from ``cert_dir``, no leader election, no certificate management of its own, metrics off."""
+    return {
+        "apiVersion": spec.config_api,
+        "kind": "Configuration",
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{ports['health']}"},
+        "metrics": {"bindAddress": "0"},
+        "webhook": {"port": ports["webhook"], "host": "127.0.0.1", "certDir": str(cert_dir)},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {"enable": False},
+        **copy.deepcopy(spec.configuration),
+    }
+
+
+def manager_command(
+    spec: AddonSpec, binary: Path, config_file: Path, kubeconfig: Path, cert_dir: Path
+) -> list[str]:
+    """The manager's command line, with the bed's admin kubeconfig.  Kueue reads its metrics
+    certificate from a fixed path: it runs in a mount namespace of its own where the bed's
+    certificate directory is bound there (the host's path is left an empty directory)."""
+    command = ["env", f"KUBECONFIG={kubeconfig}", str(binary), f"--config={config_file}", *spec.args]
+    if spec.metrics_cert_dir is None:
+        return command
+    bind = 'mount --bind "$0" "$1" && shift && exec "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", bind, str(cert_dir),
+            spec.metrics_cert_dir, *command]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- start, stop
+
+
+@dataclass(frozen=True)
+class RunningAddon:
+    name: str
+    directory: Path
+    """``<bed>/addons/<name>``: configuration, certificates, the manifests as applied."""
+    webhook_url: str
+    log: Path
+
+
+def _webhook_answers(port: int, ca_file: Path) -> bool:
+    context = ssl.create_default_context(cafile=str(ca_file))
+    try:
+        with (
+            socket.create_connection(("127.0.0.1", port), timeout=2) as raw,
+            context.wrap_socket(raw, server_hostname="127.0.0.1"),
+        ):
+            return True
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def _ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def start_addon(
+    handle: Cluster,
+    state: ClusterState,
+    name: str,
+    timeout: float = 120.0,
+    log: Callable[[str], None] = print,
+) -> RunningAddon:
+    """Build (or find) the add-on, apply its CRDs and webhook configurations and start its manager
+    against the bed; returns once its webhooks answer and its CRDs are served."""
+    spec = ADDONS.get(name)
+    if spec is None:
+        raise ClusterError(f"unknown add-on {name!r} (known: {', '.join(ADDONS)})")
+    if name in state.pids and handle.running().get(name):
+        raise ClusterError(f"{name} already runs on this bed")
+    started = time.monotonic()
+    build = addon_dir(name)
+    directory = Path(state.dir) / "addons" / name
+    cert_dir = directory / "certs"
+    issue_certificate(Path(state.dir) / "pki", cert_dir, "tls", f"/CN={name}-webhook", san="IP:127.0.0.1")
+    ca_bundle = base64.b64encode(state.ca_file.read_bytes()).decode()
+    webhook_port, health_port = free_ports(2)
+    webhook_url = f"https://127.0.0.1:{webhook_port}"
+    config = build / "config"
+    crds = crd_manifests(config, spec, webhook_url, ca_bundle)
+    hooks = webhook_manifests(config, spec, webhook_url, ca_bundle)
+    configuration = manager_configuration(spec, {"webhook": webhook_port, "health": health_port}, cert_dir)
+    config_file = directory / "configuration.yaml"
+    config_file.write_text(yaml.safe_dump(configuration, sort_keys=False))
+    (directory / "crds.yaml").write_text(yaml.safe_dump_all(crds, sort_keys=False))
+    (directory / "webhooks.yaml").write_text(yaml.safe_dump_all(hooks, sort_keys=False))
+    if spec.metrics_cert_dir is not None:
+        Path(spec.metrics_cert_dir).mkdir(parents=True, exist_ok=True)  # the mount point
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": spec.namespace}}
+    handle.kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(namespace))
+    # Server-side: Kueue's Workload CRD is larger than client-side apply's annotation allows.
+    handle.kubectl(state, "apply", "--server-side", "--force-conflicts", "-f", str(directory / "crds.yaml"))
+    # Served before the manager starts: it sets up its informers on them at once.
+    crd_names = [crd["metadata"]["name"] for crd in crds]
+    handle.kubectl(
+        state, "wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{c}" for c in crd_names)
+    )
+    command = manager_command(spec, build / "bin" / name, config_file, state.kubeconfig, cert_dir)
+    handle._start(state, name, command)
+    # The webhooks only once the manager answers: with failurePolicy Fail, a configuration that
+    # points at nothing would refuse every object it hooks.
+    handle._wait(
+        state, name, lambda: _ready(health_port) and _webhook_answers(webhook_port, state.ca_file), timeout
+    )
+    handle.kubectl(
+        state, "apply", "--server-side", "--force-conflicts", "-f", str(directory / "webhooks.yaml")
+    )
+    log(f"dev-cluster: {name} running ({time.monotonic() - started:.1f} s), webhooks at {webhook_url}, "
+        f"log {Path(state.dir) / 'logs' / f'{name}.log'}")  # fmt: skip
+    return RunningAddon(name, directory, webhook_url, Path(state.dir) / "logs" / f"{name}.log")
+
+
+def stop_addon(handle: Cluster, state: ClusterState, name: str) -> bool:
+    """Stop the add-on's manager and remove its webhook configurations (which would otherwise
+    refuse what they hook, their server gone); its CRDs and objects stay.  True if it was running."""
+    directory = Path(state.dir) / "addons" / name
+    hooks = directory / "webhooks.yaml"
+    if hooks.exists():
+        with contextlib.suppress(ClusterError):
+            handle.kubectl(state, "delete", "--ignore-not-found", "-f", str(hooks))
+    stopped = bool(_stop(state, [name]))
+    state.pids.pop(name, None)
+    handle._save(state)
+    return stopped
+
+
+# ----------------------------------------------------------------------------- Kueue's queues
+
+
+CPU_FLAVOR = "default"
+"""The flavour of CPU and memory: any node."""
+
+
+def flavor_name(gpu_type: str) -> str:
+    """The bed's ResourceFlavor of a GPU type (``h100``, ``rtx-pro-6000``)."""
+    return gpu_type.lower()
+
+
+def kueue_queue_objects(
+    groups: list[NodeGroup], cluster_queue: str = "mixrl", gpu_quota: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """ResourceFlavors for the fleet's GPU types and a ClusterQueue ``cluster_queue`` admitting
+    any namespace's LocalQueues: per GPU flavour a quota of ``gpu_quota[type]`` GPUs (default: the
+    fleet's GPUs of that type), CPU and memory in one resource group of their own (the fleet's)."""
+    gpus: dict[str, int] = {}
+    cpu = memory_gi = 0
+    for group in groups:
+        cpu += group.nodes * int(group.cpu)
+        memory_gi += group.nodes * int(group.memory.removesuffix("Gi"))
+        if group.gpu_type != "cpu":
+            gpus[group.gpu_type] = gpus.get(group.gpu_type, 0) + group.nodes * group.gpus_per_node
+    quota = {**gpus, **(gpu_quota or {})}
+    flavors: list[dict[str, Any]] = [
+        {"apiVersion": KUEUE_API, "kind": "ResourceFlavor", "metadata": {"name": CPU_FLAVOR}, "spec": {}}
+    ]
+    for gpu_type in quota:
+        flavors.append(
+            {
+                "apiVersion": KUEUE_API,
+                "kind": "ResourceFlavor",
+                "metadata": {"name": flavor_name(gpu_type)},
+                "spec": {
+                    "nodeLabels": {GPU_PRODUCT_LABEL: GPU_TABLE[gpu_type].gfd_products[0]},
+                    "nodeTaints": [GPU_TAINT],
+                },
+            }
+        )
+    queue = {
+        "apiVersion": KUEUE_API,
+        "kind": "ClusterQueue",
+        "metadata": {"name": cluster_queue},
+        "spec": {
+            "namespaceSelector": {},
+            "resourceGroups": [
+                {
+                    "coveredResources": [GPU_RESOURCE],
+                    "flavors": [
+                        {
+                            "name": flavor_name(gpu_type),
+                            "resources": [{"name": GPU_RESOURCE, "nominalQuota": count}],
+                        }
+                        for gpu_type, count in quota.items()
+                    ],
+                },
+                {
+                    "coveredResources": ["cpu", "memory"],
+                    "flavors": [
+                        {
+                            "name": CPU_FLAVOR,
+                            "resources": [
+                                {"name": "cpu", "nominalQuota": cpu},
+                                {"name": "memory", "nominalQuota": f"{memory_gi}Gi"},
+                            ],
+                        }
+                    ],
+                },
+            ],
+        },
+    }
+    return [*flavors, queue]
+
+
+def local_queue(namespace: str, name: str, cluster_queue: str) -> dict[str, Any]:
+    return {
+        "apiVersion": KUEUE_API,
+        "kind": "LocalQueue",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"clusterQueue": cluster_queue},
+    }
