@@ -33,6 +33,10 @@ class GpuCapability:
     fp8_tensor_cores: bool
     fp4_tensor_cores: bool
     memory_gib: int
+    gpus_per_node: int = 8
+    """GPUs in one node of this type: the 8 of an HGX/DGX board (every type here ships in 8-GPU
+    servers).  A pool replica of more GPUs spans ``gpusPerReplica / gpus_per_node`` nodes (a
+    LeaderWorkerSet, :func:`replica_nodes`)."""
     emulated: bool = False
     """True for ``cpu``: every precision is emulated in software, nothing is scheduled on a GPU."""
 
@@ -112,7 +116,9 @@ GPU_TABLE: dict[str, GpuCapability] = {
             fp4_tensor_cores=True,
             memory_gib=96,
         ),
-        GpuCapability("cpu", "CPU (emulated precisions)", (), False, False, memory_gib=0, emulated=True),
+        GpuCapability(
+            "cpu", "CPU (emulated precisions)", (), False, False, memory_gib=0, gpus_per_node=0, emulated=True
+        ),
     )
 }
 
@@ -132,6 +138,21 @@ def requested_gpus(gpu_type: str, count: int) -> int:
     return 0 if GPU_TABLE[gpu_type].emulated else count
 
 
+def spans_nodes(gpu_type: str, gpus: int) -> bool:
+    """Whether one replica of ``gpus`` GPUs of ``gpu_type`` needs more than one node."""
+    gpu = GPU_TABLE[gpu_type]
+    return not gpu.emulated and gpus > gpu.gpus_per_node
+
+
+def replica_nodes(gpu_type: str, gpus: int) -> int:
+    """The nodes one replica of ``gpus`` GPUs of ``gpu_type`` spans: 1 when they fit one node, else
+    ``gpus / gpus_per_node`` (validation refuses a count that does not divide evenly:
+    mixrl.api.rules.REPLICA_WHOLE_NODES)."""
+    if not spans_nodes(gpu_type, gpus):
+        return 1
+    return gpus // GPU_TABLE[gpu_type].gpus_per_node
+
+
 def precision_problem(gpu_type: str, weight_precision: str, kv_cache_dtype: str) -> str | None:
     """Why this GPU cannot serve this precision, or None when it can (one short sentence)."""
     gpu = GPU_TABLE[gpu_type]
@@ -146,14 +167,15 @@ def precision_problem(gpu_type: str, weight_precision: str, kv_cache_dtype: str)
 def markdown_table() -> str:
     """The table as Markdown, for docs/gpus.md (kept in sync by a test)."""
     rows = [
-        "| gpuType | architecture | FP8 | FP4 | memory (GiB) | nvidia.com/gpu.product |",
-        "|---|---|---|---|---|---|",
+        "| gpuType | architecture | FP8 | FP4 | memory (GiB) | GPUs per node | nvidia.com/gpu.product |",
+        "|---|---|---|---|---|---|---|",
     ]
     for gpu in GPU_TABLE.values():
         products = ", ".join(f"`{p}`" for p in gpu.gfd_products) or "— (local, emulated)"
         rows.append(
             f"| `{gpu.gpu_type}` | {gpu.architecture} | {'yes' if gpu.fp8_tensor_cores else 'no'} "
-            f"| {'yes' if gpu.fp4_tensor_cores else 'no'} | {gpu.memory_gib or '—'} | {products} |"
+            f"| {'yes' if gpu.fp4_tensor_cores else 'no'} | {gpu.memory_gib or '—'} "
+            f"| {gpu.gpus_per_node or '—'} | {products} |"
         )
     return "\n".join(rows) + "\n"
 

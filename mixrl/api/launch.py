@@ -127,6 +127,11 @@ class Where:
     """Where the weight-sync containers write the pool's conversion (only where they run: a pod)."""
     engine_url: str | None = None
     """The engine the weight-sync sidecar reloads (its own pod's)."""
+    engine_node_rank: str | None = None
+    """A replica across nodes (``nodes_per_replica`` above 1): this node's rank among them, 0 the
+    leader's (in a LeaderWorkerSet pod ``$(LWS_WORKER_INDEX)``, which the kubelet expands)."""
+    engine_dist_init_addr: str | None = None
+    """A replica across nodes: ``host:port`` of its leader's rendezvous, which every node dials."""
     evaluator_engine_url: str | None = None
     """The evaluator's own engine (``evaluation.sampler: bf16``), which only the evaluator reloads."""
 
@@ -239,6 +244,7 @@ def _engine(resolved: ResolvedRun, pool: ResolvedPool, where: Where, replica: in
             # SGLang's own token check (every route but health and metrics), with the run's token.
             "--api-key",
             f"$({AUTH_TOKEN_ENV})",
+            *_nodes(pool, where),
             *pool.engine_args,
         ]
     store = weights_volume_path(resolved.weights.store)
@@ -254,6 +260,21 @@ def _engine(resolved: ResolvedRun, pool: ResolvedPool, where: Where, replica: in
         *(["--weight-version", str(version)] if version is not None else []),
         *_auth(where),
         *pool.engine_args,
+    ]
+
+
+def _nodes(pool: ResolvedPool, where: Where) -> list[str]:
+    """SGLang's multi-node flags for a replica across nodes: how many, which one this is, and where
+    they meet (the ``--tp-size`` in the pool's arguments is the replica's whole GPU count)."""
+    if pool.nodes_per_replica == 1:
+        return []
+    return [
+        "--nnodes",
+        str(pool.nodes_per_replica),
+        "--node-rank",
+        _known(where.engine_node_rank, "this node's rank in its replica"),
+        "--dist-init-addr",
+        _known(where.engine_dist_init_addr, "the replica leader's address"),
     ]
 
 

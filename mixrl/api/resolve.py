@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mixrl.api.corrections import CorrectionConfig
-from mixrl.api.gpus import GPU_TABLE
+from mixrl.api.gpus import GPU_TABLE, replica_nodes
 from mixrl.api.models import (
     LOW_PRECISIONS,
     AutoscalingSpec,
@@ -33,6 +33,9 @@ ENGINE_PORT = 30000
 ROUTER_PORT = 8000
 BUFFER_PORT = 8100
 METRICS_PORT = 9400
+DIST_INIT_PORT = 20000
+"""Where the leader of a multi-node replica serves SGLang's ``--dist-init-addr`` (torch.distributed's
+rendezvous of the replica's nodes)."""
 
 SGLANG_VERSION = "0.5.23"
 """The SGLang release mixrl's launch flags are written for and tested against (its own argument
@@ -107,6 +110,10 @@ class ResolvedPool(Frozen):
     to the chart's version), so the image is the platform's choice, not a ``:latest`` default."""
     engine_args: tuple[str, ...]
     """The engine command line without host, port and model path (those depend on where it runs)."""
+    nodes_per_replica: int = 1
+    """Nodes one replica spans (:func:`mixrl.api.gpus.replica_nodes`): above 1 the replica is a
+    LeaderWorkerSet group of this many pods, one per node, whose SGLang processes form one server
+    (tensor parallel across them) and whose leader alone serves HTTP."""
 
 
 class ResolvedTrainer(Frozen):
@@ -230,6 +237,7 @@ def resolve(run: RLRun) -> ResolvedRun:
                 priority_class_name=pool.scheduling.priority_class_name,
                 image=pool.image,
                 engine_args=engine_args(pool, kv, sampling, spec.model),
+                nodes_per_replica=replica_nodes(pool.gpu_type, pool.replica_gpus),
             )
         )
     trainer = spec.trainer

@@ -382,6 +382,74 @@ POOL_NEEDS_GPUS = Rule(
 )
 
 
+def _per_node_groups(table: GpuTable) -> dict[int, list[str]]:
+    """GPUs per node -> the GPU types (not emulated) with that many, in table order."""
+    groups: dict[int, list[str]] = {}
+    for gpu_type, gpu in table.items():
+        if not gpu.emulated:
+            groups.setdefault(gpu.gpus_per_node, []).append(gpu_type)
+    return groups
+
+
+def _per_node_cel(node: Node) -> str:
+    """The pool's GPU type's GPUs per node as a CEL int (0 on an emulated type)."""
+    expression = "0"
+    for per_node, types in reversed(_per_node_groups(node.table).items()):
+        expression = f"(self.gpuType in {cel_literal(types)} ? {per_node} : {expression})"
+    return expression
+
+
+def _spans_nodes_cel(node: Node) -> str:
+    """CEL: one replica needs more GPUs than one node of its type has (gpus.spans_nodes)."""
+    gpus = node.value("gpusPerReplica")
+    emulated = cel_literal(node.emulated_gpus())
+    return f"(!(self.gpuType in {emulated}) && {gpus} > {_per_node_cel(node)})"
+
+
+def _pool_spans_nodes(pool: Any, table: GpuTable) -> bool:
+    gpu = table[pool.gpu_type]
+    return not gpu.emulated and pool.replica_gpus > gpu.gpus_per_node
+
+
+REPLICA_WHOLE_NODES = Rule(
+    "gpus-per-replica-whole-nodes",
+    (POOL,),
+    "gpusPerReplica",
+    "{gpus} GPUs per replica span nodes of {per_node} {gpu_type} GPUs: a replica across nodes"
+    " takes whole nodes, so use a multiple of {per_node}",
+    "FieldValueInvalid",
+    condition=lambda node: (
+        f"!{_spans_nodes_cel(node)} || {node.value('gpusPerReplica')} % {_per_node_cel(node)} == 0"
+    ),
+    values=lambda node: {
+        "gpus": f"string({node.value('gpusPerReplica')})",
+        "per_node": f"string({_per_node_cel(node)})",
+        "gpu_type": "self.gpuType",
+    },
+    holds=lambda pool, table: (
+        not _pool_spans_nodes(pool, table) or pool.replica_gpus % table[pool.gpu_type].gpus_per_node == 0
+    ),
+    facts=lambda pool, table: {
+        "gpus": pool.replica_gpus,
+        "per_node": table[pool.gpu_type].gpus_per_node,
+        "gpu_type": pool.gpu_type,
+    },
+)
+
+MULTI_NODE_NEEDS_SGLANG = Rule(
+    "multi-node-replica-needs-sglang",
+    (POOL,),
+    "engine",
+    "a replica of {gpus} {gpu_type} GPUs spans nodes, which only engine sglang does"
+    " (the torch engine runs on one node)",
+    "FieldValueForbidden",
+    condition=lambda node: f'!({_spans_nodes_cel(node)} && {node.value("engine")} == "torch")',
+    values=lambda node: {"gpus": f"string({node.value('gpusPerReplica')})", "gpu_type": "self.gpuType"},
+    holds=lambda pool, table: not (_pool_spans_nodes(pool, table) and pool.engine == "torch"),
+    facts=lambda pool, table: {"gpus": pool.replica_gpus, "gpu_type": pool.gpu_type},
+)
+
+
 def _toleration_exists_no_value(node: Node) -> str:
     return f'!(has(self.value) && self.value != "") || {node.value("operator")} != "Exists"'
 
@@ -766,6 +834,8 @@ RULES: tuple[Rule, ...] = (
     DEFAULT_FP8_KV_CACHE,
     SGLANG_NEEDS_GPU,
     POOL_NEEDS_GPUS,
+    REPLICA_WHOLE_NODES,
+    MULTI_NODE_NEEDS_SGLANG,
     TOLERATION_EXISTS_NO_VALUE,
     TOLERATION_EQUAL_NEEDS_KEY,
     TRAINER_NEEDS_GPUS,

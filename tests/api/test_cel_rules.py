@@ -359,6 +359,25 @@ CASES: dict[str, Case] = {
         _pool(0, gpusPerReplica=0),
         "spec.samplerPools[0].gpusPerReplica: gpuType B200 needs at least 1 GPU per replica (0 is for gpuType cpu)",
     ),
+    "replica-across-nodes-not-whole": Case(
+        "gpus-per-replica-whole-nodes",
+        _pool(3, gpusPerReplica=12),
+        "spec.samplerPools[3].gpusPerReplica: 12 GPUs per replica span nodes of 8 H100 GPUs: a replica"
+        " across nodes takes whole nodes, so use a multiple of 8",
+    ),
+    "replica-across-four-gpu-nodes-not-whole": Case(
+        "gpus-per-replica-whole-nodes",
+        _pool(3, gpusPerReplica=6),
+        "spec.samplerPools[3].gpusPerReplica: 6 GPUs per replica span nodes of 4 H100 GPUs: a replica"
+        " across nodes takes whole nodes, so use a multiple of 4",
+        table=table_with({"H100": {"gpus_per_node": 4}}),
+    ),
+    "replica-across-nodes-on-torch": Case(
+        "multi-node-replica-needs-sglang",
+        _pool(4, gpusPerReplica=16, engine="torch", weightPrecision="bf16"),
+        "spec.samplerPools[4].engine: a replica of 16 H200 GPUs spans nodes, which only engine sglang"
+        " does (the torch engine runs on one node)",
+    ),
     "toleration-exists-with-value": Case(
         "toleration-exists-has-no-value",
         _pool(1, scheduling={"tolerations": [{"key": "dedicated", "value": "rl"}]}),
@@ -515,6 +534,11 @@ VALID: dict[str, Callable[[Doc], None]] = {
         0, scheduling={"tolerations": [{"key": "dedicated", "operator": "Equal", "value": "rl"}]}
     ),
     "toleration-of-everything": _pool(0, scheduling={"tolerations": [{"operator": "Exists"}]}),
+    # a replica of two whole H100 nodes (a LeaderWorkerSet), and one of a whole node
+    "two-node-replica": _pool(3, gpusPerReplica=16),
+    "one-whole-node-replica": _pool(3, gpusPerReplica=8),
+    # on gpuType cpu, gpusPerReplica requests nothing and spans nothing
+    "cpu-pool-with-a-large-gpu-count": _pool(7, gpuType="cpu", engine="torch", gpusPerReplica=12),
 }
 
 

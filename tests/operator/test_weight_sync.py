@@ -307,6 +307,20 @@ async def test_an_unlabelled_engine_behind_the_link_is_reloaded(two_versions: Tw
     assert [body["model_path"] for body in standin.loads] == [store.path(1)] and standin.label == "1"
 
 
+async def test_a_replica_across_nodes_started_from_the_latest_version_is_reloaded(
+    two_versions: TwoVersions,
+) -> None:
+    # Each node of a LeaderWorkerSet group linked `current` in its own init container: the leader's
+    # link naming the latest version says nothing of its workers', so the leader loads it for all.
+    _, store, pool, output = two_versions
+    across = pool.model_copy(update={"nodes_per_replica": 2})
+    assert await weight_sync.prepare(store, across, output, 0.02, 30) == 1
+    standin = StandInSGLang(weights=str(output / "current"))
+    async with serving(standin) as url, EngineClient(url) as engine:
+        await weight_sync.sync_engine(store, across, output, engine, 1, served=0)
+    assert [body["model_path"] for body in standin.loads] == [store.path(1)] and standin.label == "1"
+
+
 def test_command_line_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = resolved_run(tmp_path / "store")
     config = tmp_path / "run.json"

@@ -8,7 +8,9 @@ kind of sampling rule; the judge is ``sglang.srt.server_args`` of the release th
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +160,50 @@ def test_top_p_without_top_k_is_refused_on_sglang_pools() -> None:
         " sampling support only under a finite top-k and aborts the request otherwise (or run every"
         " pool on the torch engine)"
     ]
+
+
+def kubelet_expanded(command: list[str], env: dict[str, str]) -> list[str]:
+    """``$(NAME)`` references replaced as the kubelet does from the container's environment."""
+    return [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), arg) for arg in command]
+
+
+def test_a_replica_across_nodes_launches_with_flags_sglangs_parser_accepts(
+    sglang_parser: SGLangParser,
+) -> None:
+    # A 16-GPU H100 replica is a LeaderWorkerSet group of two 8-GPU nodes; each pod's command names
+    # the variables LWS's pod webhook sets (tests/cluster/test_multinode_pool.py sees it set them).
+    run = variant_run({})
+    manifest = run.model_dump(mode="json", by_alias=True, exclude_none=True)
+    manifest["spec"]["samplerPools"] = [
+        {"name": "h100-tp16", "gpuType": "H100", "weightPrecision": "fp8", "gpusPerReplica": 16}
+    ]
+    wide = parse_document(manifest)
+    assert isinstance(wide, RLRun)
+    resolved = resolve(wide)
+    (pool,) = resolved.pools
+    owner = Owner("mixrl.dev/v1alpha1", "SamplerPool", pool.object_name, "p")
+    (lws,) = [
+        obj
+        for obj in pool_children(resolved, pool, 1, owner, BuildOptions())
+        if obj["kind"] == "LeaderWorkerSet"
+    ]
+    template = lws["spec"]["leaderWorkerTemplate"]
+    leader_address = f"{lws['metadata']['name']}-0.{lws['metadata']['name']}.rl"
+    lines = {}
+    for member, index in (("leaderTemplate", "0"), ("workerTemplate", "1")):
+        (engine,) = [c for c in template[member]["spec"]["containers"] if c["name"] == "engine"]
+        env = {"LWS_WORKER_INDEX": index, "LWS_LEADER_ADDRESS": leader_address, "MIXRL_AUTH_TOKEN": "t"}
+        command = kubelet_expanded(engine["command"], env)
+        assert command[: len(LAUNCHER)] == LAUNCHER
+        lines[member] = command[len(LAUNCHER) :]
+        flags = dict(itertools.pairwise(lines[member]))
+        assert (flags["--nnodes"], flags["--node-rank"], flags["--tp-size"]) == ("2", index, "16")
+        assert flags["--dist-init-addr"] == f"{leader_address}:20000"
+    version, results = sglang_parser.check(list(lines.values()))
+    assert results == [None, None], f"SGLang {version} refuses: {results}"
+    # Unexpanded, the rank is no integer: the kubelet's expansion is what makes the line valid.
+    _, unexpanded = sglang_parser.check([[*lines["workerTemplate"], "--node-rank", "$(LWS_WORKER_INDEX)"]])
+    assert unexpanded[0] is not None and "--node-rank" in unexpanded[0]
 
 
 def pinned_tag(image: str) -> str:

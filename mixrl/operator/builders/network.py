@@ -13,6 +13,8 @@ buffer                rollout workers (groups), the trainer;      ``http``
                       (it reads the trainer's mismatch there)
 router                rollout workers (``/generate``)             ``http``
 sampler engines       the router (``/generate``, probes, reloads) ``engine``
+                      with a replica across nodes, the run's      every port
+                      engines (SGLang's rendezvous, NCCL)
 every pod             the metrics scrapers                        ``metrics``, ``engine``
 ====================  ==========================================  ===================
 
@@ -81,6 +83,10 @@ def network_policy(resolved: ResolvedRun, component: L.Component, owner: Owner, 
         if ports is not None:
             rule["ports"] = _ports(*ports)
         rules.append(rule)
+    if component == "sampler" and any(pool.nodes_per_replica > 1 for pool in resolved.pools):
+        # The nodes of one replica meet at the leader's rendezvous, then talk NCCL and gloo on
+        # ports they pick: every port between the run's engine pods, as between trainer ranks.
+        rules.append({"from": [_run_pods(resolved, "sampler")]})
     rules.append({"from": [scrapers.peer()], "ports": _ports(*SCRAPED_PORTS[component])})
     return {
         "apiVersion": "networking.k8s.io/v1",

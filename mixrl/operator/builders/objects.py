@@ -171,8 +171,9 @@ def per_gpu(gpus: int, cpu: int, memory_gib: int, cpu_limit: int, memory_limit_g
 
 
 def pool_gpus(pool: ResolvedPool) -> int:
-    """The GPUs each of the pool's pods requests (none on an emulated type)."""
-    return requested_gpus(pool.gpu_type, pool.gpus_per_replica)
+    """The GPUs each of the pool's pods requests (none on an emulated type): its replica's, shared
+    out over the nodes a replica spans (one pod each; validation keeps the division whole)."""
+    return requested_gpus(pool.gpu_type, pool.gpus_per_replica // pool.nodes_per_replica)
 
 
 def trainer_gpus(resolved: ResolvedRun) -> int:

@@ -1,5 +1,6 @@
-"""Pure builders for one sampler pool's children, from its SamplerPool: its Deployment and headless
-Service (the SamplerPool itself is one of the run's objects, built in resources.py).
+"""Pure builders for one sampler pool's children, from its SamplerPool: its Deployment (a
+LeaderWorkerSet where a replica spans nodes: mixrl.operator.builders.lws) and headless Service (the
+SamplerPool itself is one of the run's objects, built in resources.py).
 
 An engine pod: the engine container (SGLang's server with the pool's quantization, KV-cache dtype,
 metrics and sampling-mask flags, or mixrl's torch engine), GPUs requested through
@@ -11,12 +12,19 @@ current version before SGLang starts, because SGLang loads its first checkpoint 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from mixrl.api.kube_types import Obj
-from mixrl.api.launch import AUTH_TOKEN_ENV, LABELLED_FILE, component_command
-from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
+from mixrl.api.launch import AUTH_TOKEN_ENV, LABELLED_FILE, Where, component_command
+from mixrl.api.resolve import DIST_INIT_PORT, ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.lws import (
+    LEADER_ADDRESS_ENV,
+    LEADER_LABELS,
+    WORKER_INDEX_ENV,
+    leader_worker_set,
+)
 from mixrl.operator.builders.objects import (
     CONFIG_HASH_ANNOTATION,
     BuildOptions,
@@ -50,9 +58,30 @@ from mixrl.operator.builders.podspec import (
     server_probes,
 )
 
+Member = Literal["only", "leader", "worker"]
+"""Which pod of a replica: the only one (a Deployment's), or the leader or a worker of a replica
+across nodes (:mod:`mixrl.operator.builders.lws`)."""
+
+
+def replica_where(resolved: ResolvedRun, pool: ResolvedPool) -> Where:
+    """Where the pool's processes live: :func:`pod_where`, and for a replica across nodes the
+    variables LWS's pod webhook gives each of its pods (the kubelet expands them in the command)."""
+    where = pod_where(resolved)
+    if pool.nodes_per_replica == 1:
+        return where
+    return replace(
+        where,
+        engine_node_rank=f"$({WORKER_INDEX_ENV})",
+        engine_dist_init_addr=f"$({LEADER_ADDRESS_ENV}):{DIST_INIT_PORT}",
+    )
+
 
 def engine_container(
-    resolved: ResolvedRun, pool: ResolvedPool, options: BuildOptions, mounts: list[Obj]
+    resolved: ResolvedRun,
+    pool: ResolvedPool,
+    options: BuildOptions,
+    mounts: list[Obj],
+    member: Member = "only",
 ) -> Obj:
     # SGLang reads its key from the command line; the pod spec holds only a reference to the Secret.
     secret = {"name": L.child_name(resolved.name, "auth"), "key": AUTH_TOKEN_KEY}
@@ -68,28 +97,37 @@ def engine_container(
         "--timeout",
         str(options.drain_seconds),
     ]
+    # A worker of a replica across nodes serves no HTTP (SGLang's nodes of rank 1 and above run
+    # only schedulers): no port, no probes, nothing to drain; its process exiting restarts the group.
+    serving: Obj = (
+        {}
+        if member == "worker"
+        else {
+            "ports": [port("engine", ENGINE_PORT)],
+            "lifecycle": {"preStop": {"exec": {"command": drain}}},
+            **server_probes("engine", options.startup_minutes),
+        }
+    )
     return container(
         "engine",
         pool.image or options.images.engine(pool.engine),
-        component_command(resolved, "engine", pod_where(resolved), pool),
+        component_command(resolved, "engine", replica_where(resolved, pool), pool),
         [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}, *token_env],
         mounts,
-        ports=[port("engine", ENGINE_PORT)],
         # SGLang's JIT kernels (Triton, FlashInfer, DeepGEMM) write caches in paths we cannot
         # enumerate; the torch engine writes only to /tmp and the cache volume.
         read_only_root=pool.engine != "sglang",
         resources=resources(engine_footprint(resolved, pool), pool_gpus(pool)),
-        lifecycle={"preStop": {"exec": {"command": drain}}},
-        **server_probes("engine", options.startup_minutes),
+        **serving,
     )
 
 
-def pool_objects(
-    resolved: ResolvedRun, pool: ResolvedPool, replicas: int, owner: Owner, options: BuildOptions
-) -> list[Obj]:
-    """The pool's headless Service and Deployment (``owner`` is the SamplerPool)."""
+def engine_pod(
+    resolved: ResolvedRun, pool: ResolvedPool, options: BuildOptions, member: Member = "only"
+) -> Obj:
+    """The pod template of one engine pod of the pool (every member of a replica but a worker has
+    the weight-sync sidecar, its readiness gate and the scrape annotations)."""
     labels = L.pool_labels(resolved, pool)
-    selector = L.selector_labels(resolved.name, "sampler", pool.name)
     # The sidecar writes conversions into the shared store; the engine only reads.
     weight_volumes, sync_weight_mounts = weights_volume_and_mount(resolved, read_only=False)
     engine_weight_mounts = [{**m, "readOnly": True} for m in sync_weight_mounts]
@@ -137,32 +175,47 @@ def pool_objects(
         pack_with_run=resolved.name if options.images.pack_gpu_pods else None,
         scheduler_name=options.images.scheduler_name,
     )
+    engine = engine_container(resolved, pool, options, engine_mounts, member)
     spec = pod_spec(
-        [engine_container(resolved, pool, options, engine_mounts), sidecar],
+        [engine] if member == "worker" else [engine, sidecar],
         volumes,
         options.images.pull_secrets,
         terminationGracePeriodSeconds=options.drain_seconds + 30,
         initContainers=[init],
         **scheduling,
     )
-    annotations = {
-        CONFIG_HASH_ANNOTATION: pool_config_hash(resolved, pool),
-        **scrape_annotations(ENGINE_PORT, options),
-    }
-    template = pod_template(labels, annotations, spec)
-    # No surge: a GPU pool rarely has a spare GPU, so replace one replica at a time instead.
-    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    engines = workload(
-        "Deployment",
-        pool.object_name,
-        resolved,
-        labels,
-        selector,
-        replicas,
-        template,
-        owner,
-        {"strategy": strategy},
-    )
+    annotations = {CONFIG_HASH_ANNOTATION: pool_config_hash(resolved, pool)}
+    if member != "worker":
+        annotations |= scrape_annotations(ENGINE_PORT, options)
+    return pod_template(labels, annotations, spec)
+
+
+def pool_objects(
+    resolved: ResolvedRun, pool: ResolvedPool, replicas: int, owner: Owner, options: BuildOptions
+) -> list[Obj]:
+    """The pool's headless Service and its workload (``owner`` is the SamplerPool): a Deployment, or
+    for a replica across nodes a LeaderWorkerSet whose leaders alone the Service selects."""
+    labels = L.pool_labels(resolved, pool)
+    selector = L.selector_labels(resolved.name, "sampler", pool.name)
+    if pool.nodes_per_replica > 1:
+        leader, worker = (engine_pod(resolved, pool, options, member) for member in ("leader", "worker"))
+        engines = leader_worker_set(resolved, pool, labels, replicas, leader, worker, owner)
+        selector = {**selector, **LEADER_LABELS}
+    else:
+        # No surge: a GPU pool rarely has a spare GPU, so replace one replica at a time instead.
+        strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+        template = engine_pod(resolved, pool, options)
+        engines = workload(
+            "Deployment",
+            pool.object_name,
+            resolved,
+            labels,
+            selector,
+            replicas,
+            template,
+            owner,
+            {"strategy": strategy},
+        )
     svc = service(
         pool.object_name, resolved, labels, selector, [("engine", ENGINE_PORT)], owner, headless=True
     )

@@ -193,7 +193,10 @@ async def sync_engine(
 ) -> None:
     """Move one engine from ``served`` to ``version`` without dropping its sessions."""
     target = await asyncio.to_thread(checkpoint_for, store, pool, version)
-    if served == UNLABELLED_VERSION and serves_current(output, target):
+    # Across nodes, each member's init container picked the latest version on its own, and a
+    # publish in between leaves them on different versions: only a load makes them all one.
+    one_node = pool.nodes_per_replica == 1
+    if served == UNLABELLED_VERSION and one_node and serves_current(output, target):
         await engine.update_weight_version(version, abort_all_requests=False)
         log.info("pool %s engine started from version %d: labelled, not reloaded", pool.name, version)
         return
