@@ -675,6 +675,16 @@ class HealthSpec(Model):
 # ----------------------------------------------------------------------------- RLRun
 
 
+class RunScheduling(Model):
+    queue: str | None = Field(default=None, pattern=names.DNS_LABEL_PATTERN, max_length=names.DNS_LABEL_MAX)
+    """Kueue LocalQueue, in the run's namespace, that admits the run: the trainer and every pool's
+    starting replicas (minReplicas, at least 1) are admitted together or not at all (one Kueue Workload), and until then the run is
+    Queued with Kueue's reason and creates nothing that runs. Replicas a pool scales to above its
+    starting ones are not admitted by Kueue (created at once, outside its quota). null: the
+    operator's default queue (the chart's kueue.defaultQueue), and without one the run starts at
+    once (docs/operator.md#gang-admission-with-kueue)."""
+
+
 class RLRunSpec(Model):
     model: ModelSpec
     """The policy's base checkpoint and tokenizer."""
@@ -694,6 +704,8 @@ class RLRunSpec(Model):
     """Held-out evaluation."""
     health: HealthSpec = Field(default_factory=HealthSpec)
     """Run health: thresholds of the signs of collapse and what a raised sign does."""
+    scheduling: RunScheduling = Field(default_factory=RunScheduling)
+    """How the cluster admits the run as a whole (Kueue)."""
 
     @model_validator(mode="after")
     def _weights_fit(self) -> Self:

@@ -80,12 +80,13 @@ class ConcurrencyRecommendation(Model):
 
 
 class RLRunStatus(Model):
-    phase: Literal["Pending", "Running", "Succeeded", "Failed", "Invalid"] | None = None
-    """Lifecycle phase."""
+    phase: Literal["Queued", "Pending", "Running", "Succeeded", "Failed", "Invalid"] | None = None
+    """Lifecycle phase; Queued: waiting for Kueue to admit the run (the Admitted condition says why
+    it waits), nothing that runs is created yet."""
     observed_generation: int | None = None
     """metadata.generation the status reflects."""
     conditions: list[Condition] = Field(default_factory=list)
-    """Ready, Progressing, InvalidSpec, CollapseRisk, MetricsAvailable."""
+    """Ready, Progressing, InvalidSpec, Admitted (runs with a Kueue queue), CollapseRisk, MetricsAvailable."""
     step: int | None = None
     """Policy updates done."""
     weight_version: int | None = None

@@ -2,6 +2,7 @@
 
     mixrl dev-cluster up                      # etcd, API server, controller-manager, scheduler, KWOK
     mixrl dev-cluster up --real-nodes 1       # … and a real CPU node where pods run (as root)
+    mixrl dev-cluster up --kueue              # … and Kueue, with queues for the fleet's GPU types
     export KUBECONFIG=~/.cache/mixrl/dev-cluster/kubeconfig
     kubectl get nodes -L nvidia.com/gpu.product
     mixrl dev-cluster down                    # stops everything, removes the cluster's data
@@ -16,7 +17,10 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 from mixrl.api.plain_text import plain_text
+from mixrl.devcluster.addons import kueue_queue_objects, local_queue, start_addon
 from mixrl.devcluster.cluster import Cluster, ClusterError, default_dir
 from mixrl.devcluster.kwok_fleet import DEFAULT_FLEET, describe, parse_fleet
 
@@ -47,6 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="build the project's images (scripts/images.sh, cached) and import them into the real nodes; "
         "writes <dir>/chart-values.yaml for `helm install -f`",
     )
+    up.add_argument(
+        "--kueue",
+        action="store_true",
+        help="run Kueue beside the control plane (scripts/k8s-addons.sh builds it), with a ResourceFlavor per "
+        "GPU type, the ClusterQueue mixrl holding the fleet's GPUs and the LocalQueue mixrl in namespace default",
+    )
     up.add_argument("--volumes", type=int, default=8, help="pre-created PersistentVolumes (default 8)")
     up.add_argument("--timeout", type=float, default=90.0, help="seconds each component may take to start")
     commands.add_parser("down", help="stop every process and remove the cluster's data")
@@ -65,8 +75,16 @@ def main(argv: list[str]) -> int:
             if args.volumes < 0:
                 raise ValueError("--volumes: must be 0 or more")
             print(f"dev-cluster: starting in {cluster.dir} with {describe(groups)}")
-            cluster.up(groups, volumes=args.volumes, timeout=args.timeout, real_nodes=args.real_nodes,
-                       with_images=args.images)  # fmt: skip
+            state = cluster.up(groups, volumes=args.volumes, timeout=args.timeout, real_nodes=args.real_nodes,
+                               with_images=args.images)  # fmt: skip
+            if args.kueue:
+                try:
+                    start_addon(cluster, state, "kueue", timeout=args.timeout)
+                    queues = [*kueue_queue_objects(groups), local_queue("default", "mixrl", "mixrl")]
+                    cluster.kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(queues))
+                except BaseException:
+                    cluster.down(log=lambda _: None)
+                    raise
             return 0
         if args.command == "down":
             cluster.down()

@@ -64,6 +64,12 @@ def dns_name_problem(value: str) -> str | None:
     return f"{value!r} is not a DNS subdomain name (lowercase letters, digits, '-', '.')"
 
 
+def dns_label_problem(value: str) -> str | None:
+    if len(value) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", value):
+        return None
+    return f"{value!r} is not a DNS label (at most 63 lowercase letters, digits and '-')"
+
+
 def label_problem(key: str, value: str) -> str | None:
     """Why ``key=value`` is not a Kubernetes label, or None."""
     prefix, _, name = key.rpartition("/")
@@ -183,6 +189,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="NAME",
         help="the scheduler profile every GPU pod names (spec.schedulerName), e.g. mixrl-packing; "
         "it must be served, or the pods stay Pending (default: the cluster's default scheduler)",
+    )
+    kueue = parser.add_argument_group(
+        "gang admission: Kueue admits each run whole (docs/operator.md, Gang admission with Kueue)"
+    )
+    kueue.add_argument(
+        "--default-queue",
+        metavar="NAME",
+        help="the Kueue LocalQueue (in each run's namespace) of runs whose spec.scheduling.queue is unset "
+        "(default: none; such runs start at once, without Kueue)",
     )
     network = parser.add_argument_group("network policies: only a run's own components reach each other")
     network.add_argument(
@@ -329,6 +344,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.gpu_node_labels = parsed(parser, "--gpu-node-label", args.gpu_node_labels, parse_gpu_node_label)
     if args.scheduler_name is not None and (problem := dns_name_problem(args.scheduler_name)) is not None:
         parser.error(f"--scheduler-name: {problem}")
+    if args.default_queue is not None and (problem := dns_label_problem(args.default_queue)) is not None:
+        parser.error(f"--default-queue: {problem}")
     for prefix in args.allowed_image_prefixes:
         if (problem := prefix_problem(prefix)) is not None:
             parser.error(f"--allowed-image-prefix: {problem}")
@@ -422,6 +439,7 @@ def main(argv: list[str]) -> int:
         resync_interval_s=args.resync_seconds or None,
         keda=args.keda,
         policy=policy_of(args),
+        default_queue=args.default_queue or None,
         autoscaling=LoopSettings() if args.builtin_autoscaler else None,
         live_status=(
             ObserverSettings(interval_s=args.status_seconds, min_write_interval_s=args.status_write_seconds)

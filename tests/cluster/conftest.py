@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
+from mixrl.devcluster.addons import kueue_queue_objects, start_addon
 from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
 from mixrl.devcluster.kwok_fleet import parse_fleet
 
@@ -148,6 +149,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         yield bed
     finally:
         handle.down(log=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def kueue(cluster: Bed) -> Bed:
+    """Kueue (v0.17, built from its Go module by scripts/k8s-addons.sh) running beside the shared
+    bed's control plane, with a ResourceFlavor per GPU type of the fleet and the ClusterQueue
+    ``mixrl`` holding the fleet's GPUs (mixrl.devcluster.addons).  Started only when a test asks;
+    stopped with the bed."""
+    start_addon(cluster.handle, cluster.state, "kueue", log=lambda line: print(line, file=sys.stderr))
+    cluster.apply(yaml.safe_dump_all(kueue_queue_objects(parse_fleet(FLEET))))
+    return cluster
 
 
 @pytest.fixture

@@ -23,6 +23,9 @@ POLICY_VIOLATION = "PolicyViolation"
 """True while the cluster's policy refuses what the run asks for (mixrl.operator.install.cluster_policy); there only
 then, so runs the policy allows carry no condition about a policy they never met."""
 AUTOSCALER_READY = "AutoscalerReady"
+ADMITTED = "Admitted"
+"""Runs with a Kueue queue (spec.scheduling.queue, or the operator's default): whether Kueue admitted
+the run's Workload, and while it has not, Kueue's reason.  There only on such runs."""
 """Whether whoever the spec names to scale the pools can do it (the built-in loop, KEDA, nobody)."""
 COMPONENT_CONDITIONS = ("TrainerReady", "BufferReady", "RouterReady", "RolloutReady", "SamplersReady")
 OWN_RUN_CONDITIONS = (READY, PROGRESSING, INVALID_SPEC, POLICY_VIOLATION, *COMPONENT_CONDITIONS)
@@ -60,6 +63,11 @@ class Reason:
     KEDA_SCALED_OBJECT = "KedaScaledObject"
     KEDA_NOT_INSTALLED = "KedaNotInstalled"
     AUTOSCALING_DISABLED = "AutoscalingDisabled"
+    # Admitted (and the Queued / Admitted events)
+    QUEUED = "Queued"
+    """Kueue has not admitted the run's Workload (or evicted it): nothing of the run runs."""
+    ADMITTED = "Admitted"
+    KUEUE_NOT_INSTALLED = "KueueNotInstalled"
 
 
 @dataclass(frozen=True)
@@ -206,15 +214,20 @@ def run_status(
     now: str,
     autoscaler: ConditionValue | None = None,
     problems: Sequence[Problem] = (),
+    admission: ConditionValue | None = None,
 ) -> Obj:
     """The RLRun's status after a reconcile.
 
     ``components`` maps TrainerReady, BufferReady, RouterReady, RolloutReady to their workload;
     ``autoscaler`` is the AutoscalerReady value (:func:`autoscaler_value`), informational: pools
     that cannot scale still serve, so it is not part of Ready; ``problems``: children that could
-    not be applied, which Progressing reports (:func:`problems_value`).
+    not be applied, which Progressing reports (:func:`problems_value`); ``admission``: the
+    Admitted value of a run Kueue admits (None: no queue), and while it is not True the run is
+    Queued and not Ready, whatever its components say.
     Everything is derived from observed state, so reconciling twice yields the same status."""
     old = without_policy_violation(previous)
+    if admission is None:  # a run that leaves its queue drops the condition
+        old = [c for c in old if c.get("type") != ADMITTED]
     subs = [
         make_condition(kind, condition_value(state), generation, now, old)
         for kind, state in components.items()
@@ -230,6 +243,10 @@ def run_status(
         )
     else:
         ready_value = ("True", Reason.ALL_READY, "trainer, buffer, router, rollout and samplers are ready")
+    queued = admission is not None and admission[0] != "True"
+    if queued:
+        assert admission is not None
+        ready_value = ("False", Reason.QUEUED, admission[2])
     rolling = [
         kind.removesuffix("Ready") for kind, state in components.items() if state and state.rolling_out
     ]
@@ -250,9 +267,14 @@ def run_status(
     ]
     if autoscaler is not None:
         ours.append(make_condition(AUTOSCALER_READY, autoscaler, generation, now, old))
+    if admission is not None:
+        ours.append(make_condition(ADMITTED, admission, generation, now, old))
     phase = previous.get("phase")
     if phase not in ("Succeeded", "Failed"):
-        phase = "Running" if ready_value[0] == "True" or phase == "Running" else "Pending"
+        if queued:
+            phase = "Queued"
+        else:
+            phase = "Running" if ready_value[0] == "True" or phase == "Running" else "Pending"
     return {
         **previous,
         "phase": phase,

@@ -27,6 +27,7 @@ from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.plan import METRICS_AVAILABLE
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.keda import pool_scaled_object
+from mixrl.operator.builders.kueue import admitted, has_quota, run_workload, waiting_message
 from mixrl.operator.builders.network import policy_names
 from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner
 from mixrl.operator.builders.podspec import AUTH_TOKEN_KEY
@@ -39,9 +40,11 @@ from mixrl.operator.controller.apply import (
     OwnerGone,
     apply_object,
     label,
+    live_hash,
 )
 from mixrl.operator.controller.discovery import Discovery
 from mixrl.operator.controller.observed_status import (
+    ADMITTED,
     PoolState,
     Reason,
     WorkloadState,
@@ -59,6 +62,8 @@ from mixrl.operator.kube.rbac import (
     RLRUNS,
     SAMPLERPOOLS,
     SCALEDOBJECTS,
+    STATEFULSETS,
+    WORKLOADS,
     ApiResource,
 )
 
@@ -78,6 +83,9 @@ class Context:
     now: Callable[[], str] = utc_now
     policy: Policy = OPEN
     """What the cluster lets an RLRun ask for (the chart's ``policy`` values, as flags)."""
+    default_queue: str | None = None
+    """The Kueue LocalQueue of runs whose spec names none (``--default-queue``); None: such runs
+    are not queued."""
 
 
 @dataclass
@@ -208,7 +216,25 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     # A run that ended (the live status loop decides: mixrl.operator.controller.observer) keeps its
     # objects but releases its GPUs: trainer, rollout and router at zero, every pool at zero.
     finished = previous.get("phase") in FINAL_PHASES
-    objects = run_objects(resolved, owner, options, finished=finished)
+    queue = run_queue(body, ctx.default_queue)
+    admission: ConditionValue | None = None
+    held = False
+    try:
+        admission = await admit(
+            ctx, resolved, owner, options, None if finished else queue, previous, report, alive
+        )
+        if admission is not None and admission[0] != "True":
+            # Queued: nothing that runs is created; a run Kueue evicted (or that must be admitted
+            # again) keeps its objects with every workload at zero, as a finished run does.
+            held = (
+                await ctx.client.get(STATEFULSETS, resolved.namespace, L.child_name(resolved.name, "trainer"))
+                is not None
+            )
+            if not held:
+                return await queued(ctx, body, resolved, owner, options, admission, report)
+    except OwnerGone:
+        return Outcome(report=report)
+    objects = run_objects(resolved, owner, options, finished=finished or held)
     for desired in objects:
         seed: dict[str, Any] | None = None
         on_update = None
@@ -254,10 +280,13 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     }
     pools = [pool_state(pool.name, pool_live(pool)) for pool in resolved.pools]
     autoscaler = autoscaler_value(resolved.autoscaling.engine, options.keda)
-    new = run_status(previous, generation, components, pools, ctx.now(), autoscaler, report.failures)
+    new = run_status(
+        previous, generation, components, pools, ctx.now(), autoscaler, report.failures, admission
+    )
     written = await write_status(ctx.client, RLRUNS, body, new)
 
-    events: list[Event] = [
+    events: list[Event] = admission_events(previous, new)
+    events += [
         ("Normal", Reason.POOL_ADDED, f"created {name}")
         for name in report.created
         if name.startswith("SamplerPool/")
@@ -265,6 +294,117 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     events += [("Normal", Reason.POOL_REMOVED, f"deleted {name}") for name in removed]
     events += outcome_events(report, written)
     return Outcome(report=report, status_written=written, events=events)
+
+
+def run_queue(body: Obj, default: str | None) -> str | None:
+    """The Kueue LocalQueue that admits the run: its ``spec.scheduling.queue`` (already validated),
+    else the operator's default."""
+    return ((body.get("spec") or {}).get("scheduling") or {}).get("queue") or default
+
+
+KUEUE_MISSING = (
+    "the run names Kueue LocalQueue {queue} (spec.scheduling.queue, or the operator's default queue), "
+    "but the cluster does not serve kueue.x-k8s.io/v1beta2 workloads: install Kueue, or remove the "
+    "queue; until then nothing of the run is created"
+)
+
+
+async def admit(
+    ctx: Context,
+    resolved: ResolvedRun,
+    owner: Owner,
+    options: BuildOptions,
+    queue: str | None,
+    previous: Obj,
+    report: ApplyReport,
+    alive: Callable[[], Awaitable[None]],
+) -> ConditionValue | None:
+    """Apply the run's Kueue Workload and say whether Kueue admitted it (the Admitted value); None
+    when the run has no queue (``queue`` None: none, or the run ended).  Such a run deletes the Workload an earlier
+    reconcile made, so its quota frees.  An admitted Workload whose pod sets must change (more
+    GPUs, nodes, replicas; other placement) cannot be changed in place: it is deleted and created
+    again, and the run waits in the queue for its new shape."""
+    if queue is None:
+        # Only a run that was queued can have one (no read for every other run's reconcile).
+        was_queued = any(c.get("type") == ADMITTED for c in previous.get("conditions") or [])
+        if was_queued and await ctx.discovery.serves(WORKLOADS):
+            try:
+                await delete_leftover(
+                    ctx.client, WORKLOADS, resolved.namespace, resolved.name, owner.uid, report
+                )
+            except ApiError as exc:
+                report.failures.append(
+                    Failure(f"Workload/{resolved.name}", str(exc), True, exc.status, exc.retry_after)
+                )
+        return None
+    if not await ctx.discovery.serves(WORKLOADS):
+        return "False", Reason.KUEUE_NOT_INSTALLED, KUEUE_MISSING.format(queue=queue)
+    desired = run_workload(resolved, owner, options, queue)
+    try:
+        live = await ctx.client.get(WORKLOADS, resolved.namespace, resolved.name)
+        if live is not None and has_quota(live) and live_hash(live) != live_hash(desired):
+            await alive()
+            await ctx.client.delete(
+                WORKLOADS, resolved.namespace, resolved.name, uid=live["metadata"].get("uid")
+            )
+            report.recreated.append(f"Workload/{resolved.name} (its pod sets changed; admitted again)")
+    except ApiError as exc:
+        report.failures.append(
+            Failure(f"Workload/{resolved.name}", str(exc), True, exc.status, exc.retry_after)
+        )
+        return "False", Reason.QUEUED, waiting_message(None, queue)
+    applied = await apply_object(ctx.client, desired, report, None, alive)
+    workload = applied.after if applied is not None else None
+    if admitted(workload):
+        return "True", Reason.ADMITTED, f"admitted by Kueue in LocalQueue {queue} (Workload {resolved.name})"
+    return "False", Reason.QUEUED, waiting_message(workload, queue)
+
+
+async def queued(
+    ctx: Context,
+    body: Obj,
+    resolved: ResolvedRun,
+    owner: Owner,
+    options: BuildOptions,
+    admission: ConditionValue,
+    report: ApplyReport,
+) -> Outcome:
+    """A run waiting for Kueue with nothing created: its status says why (Kueue's reason), with
+    its pools as the spec declares them, none ready."""
+    meta, previous = body["metadata"], body.get("status") or {}
+    declared = [o for o in run_objects(resolved, owner, options) if o["kind"] == "SamplerPool"]
+    components: dict[str, WorkloadState | None] = dict.fromkeys(
+        ("TrainerReady", "BufferReady", "RouterReady", "RolloutReady")
+    )
+    pools = [pool_state(pool.name, obj) for pool, obj in zip(resolved.pools, declared, strict=True)]
+    autoscaler = autoscaler_value(resolved.autoscaling.engine, options.keda)
+    new = run_status(
+        previous, meta.get("generation"), components, pools, ctx.now(), autoscaler, report.failures, admission
+    )
+    written = await write_status(ctx.client, RLRUNS, body, new)
+    events = admission_events(previous, new) + outcome_events(report, written)
+    return Outcome(report=report, status_written=written, events=events)
+
+
+def admission_events(previous: Obj, new: Obj) -> list[Event]:
+    """Queued (with Kueue's reason) when the run starts waiting or its reason changes; Admitted
+    when Kueue admits it."""
+
+    def admission_of(status: Obj) -> Obj:
+        return next((c for c in status.get("conditions") or [] if c.get("type") == ADMITTED), {})
+
+    before, after = admission_of(previous), admission_of(new)
+    if not after or (before.get("status"), before.get("message")) == (
+        after.get("status"),
+        after.get("message"),
+    ):
+        return []
+    if after.get("status") == "True":
+        return (
+            [("Normal", Reason.ADMITTED, after.get("message", ""))] if before.get("status") != "True" else []
+        )
+    kind = "Warning" if after.get("reason") == Reason.KUEUE_NOT_INSTALLED else "Normal"
+    return [(kind, Reason.QUEUED, after.get("message", "")[:1000])]
 
 
 def outcome_events(report: ApplyReport, status_written: bool, applied_event: bool = True) -> list[Event]:

@@ -88,6 +88,8 @@ class OperatorConfig:
     policy: Policy = OPEN
     """What an RLRun may ask for (images, engine arguments, scheduling); a run asking for more is
     marked PolicyViolation and nothing of it is created."""
+    default_queue: str | None = None
+    """The Kueue LocalQueue of runs whose spec names none (None: those runs are not queued)."""
 
 
 def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None) -> float:
@@ -170,7 +172,12 @@ class Runtime:
             raise
 
     def context(self) -> Context:
-        return Context(client=self.client, discovery=self.discovery, policy=self.config.policy)
+        return Context(
+            client=self.client,
+            discovery=self.discovery,
+            policy=self.config.policy,
+            default_queue=self.config.default_queue,
+        )
 
     async def reconcile(self, body: Obj) -> Outcome:
         """Reconcile one RLRun or SamplerPool (the caller holds its lock) and post the events its

@@ -55,6 +55,7 @@ SAMPLERPOOLS = ApiResource(GROUP, VERSION, "samplerpools", "SamplerPool")
 PODMONITORS = ApiResource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor")
 SCALEDOBJECTS = ApiResource("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject")
 NETWORKPOLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
+WORKLOADS = ApiResource("kueue.x-k8s.io", "v1beta2", "workloads", "Workload")
 SERVICEACCOUNTS = ApiResource("", "v1", "serviceaccounts", "ServiceAccount")
 ROLES = ApiResource("rbac.authorization.k8s.io", "v1", "roles", "Role")
 ROLEBINDINGS = ApiResource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding")
@@ -73,6 +74,7 @@ CHILD_RESOURCES = (
     PODMONITORS,
     SCALEDOBJECTS,
     NETWORKPOLICIES,
+    WORKLOADS,
 )
 # The run's token Secret is a child too, but not watched: a watch needs list on every Secret of the
 # namespace, so a deleted token Secret is recreated by the periodic resync instead.
@@ -116,6 +118,10 @@ RECONCILER: dict[Key, frozenset[str]] = {
     # One NetworkPolicy per component of a run; deleted when the operator runs with
     # --no-network-policies and an earlier operator left them.
     ("networking.k8s.io", "networkpolicies"): frozenset({"get", "create", "patch", "delete"}),
+    # A run with a Kueue queue: its Workload (mixrl.operator.builders.kueue); created again when
+    # what Kueue counts changes (an admitted Workload's pod sets are immutable), deleted when the
+    # run ends or leaves its queue, so its quota frees.
+    ("kueue.x-k8s.io", "workloads"): frozenset({"get", "create", "patch", "delete"}),
     # KEDA mode: one ScaledObject per SamplerPool; deleted when the run leaves KEDA mode.
     ("keda.sh", "scaledobjects"): frozenset({"get", "create", "patch", "delete"}),
     # A SamplerPool's controller reads its run; a run's controller lists its pools to remove old ones.
@@ -161,6 +167,7 @@ FRAMEWORK: dict[Key, frozenset[str]] = {
     ("monitoring.coreos.com", "podmonitors"): frozenset({"list", "watch"}),
     ("keda.sh", "scaledobjects"): frozenset({"list", "watch"}),
     ("networking.k8s.io", "networkpolicies"): frozenset({"list", "watch"}),
+    ("kueue.x-k8s.io", "workloads"): frozenset({"list", "watch"}),
     ("", "events"): frozenset({"create"}),
 }
 PEERING_VERBS = frozenset({"get", "list", "watch", "patch"})

@@ -1,0 +1,151 @@
+"""Pure builders of the Kueue Workloads that admit a run as a whole (``spec.scheduling.queue``).
+
+One Workload per RLRun, named like the run and owned by it: a pod set ``trainer`` of ``nodes``
+pods and one ``pool-<name>`` per pool of its starting replicas (``minReplicas``, at least 1), each
+with what Kueue reads of the pod template — the containers' resource requests and the placement
+(node affinity on the GPU product, node selector, tolerations) — so Kueue's flavour assignment
+finds the ResourceFlavor of the pool's GPU type.  Kueue reserves quota for every pod set or for
+none; the operator creates the run's workloads only once it has (:func:`admitted`).
+
+Replicas a pool scales to above its starting replicas are not in the Workload: they are created
+as before, outside Kueue's quota (docs/operator.md#gang-admission-with-kueue).
+
+The pod sets carry no image, command or environment: an admitted Workload's pod sets cannot change
+(Kueue's webhook), and a new image must not send a running run back to the queue.  A change of
+what Kueue counts (GPUs, nodes, minReplicas, placement) does: the Workload is created again.
+"""
+
+from __future__ import annotations
+
+from mixrl.api.kube_types import Obj
+from mixrl.api.resolve import ResolvedPool, ResolvedRun
+from mixrl.operator.builders import labels as L
+from mixrl.operator.builders.objects import BuildOptions, Owner, metadata, with_hash
+from mixrl.operator.builders.pools import pool_objects
+from mixrl.operator.builders.resources import seed_replicas, trainer_objects
+
+KUEUE_GROUP = "kueue.x-k8s.io"
+KUEUE_VERSION = "v1beta2"
+QUEUE_LABEL = f"{KUEUE_GROUP}/queue-name"
+"""The label Kueue's own integrations put on what a queue admits (kept for ``kubectl -l``)."""
+TRAINER_POD_SET = "trainer"
+
+ADMITTED = "Admitted"
+QUOTA_RESERVED = "QuotaReserved"
+EVICTED = "Evicted"
+
+
+def _requests(container: Obj) -> Obj:
+    """A container's requests as the pod will have them: a limit without a request (GPUs, an
+    extended resource, are given as limits alone) is the request, as Kubernetes defaults it."""
+    resources = container.get("resources") or {}
+    requests = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    return {"name": container["name"], "resources": {"requests": requests}}
+
+
+def pod_set_template(template: Obj) -> Obj:
+    """The part of a pod template Kueue reads: each container's requests (init containers too:
+    a pod's effective request is the larger of its init containers' and its containers' sum) and
+    its placement."""
+    spec = template["spec"]
+    out: Obj = {"containers": [_requests(c) for c in spec["containers"]]}
+    if spec.get("initContainers"):
+        out["initContainers"] = [_requests(c) for c in spec["initContainers"]]
+    node_affinity = (spec.get("affinity") or {}).get("nodeAffinity")
+    if node_affinity:
+        out["affinity"] = {"nodeAffinity": node_affinity}
+    for key in ("nodeSelector", "tolerations", "priorityClassName"):
+        if spec.get(key):
+            out[key] = spec[key]
+    return {"metadata": {"labels": dict(template["metadata"].get("labels") or {})}, "spec": out}
+
+
+def pool_pod_set_name(pool: ResolvedPool) -> str:
+    return f"pool-{pool.name}"
+
+
+def pool_pods(
+    resolved: ResolvedRun, pool: ResolvedPool, owner: Owner, options: BuildOptions
+) -> tuple[int, Obj]:
+    """Pods per replica and the pool's engine pod template, as its workload will have them: a
+    Deployment's one pod, or a LeaderWorkerSet group of ``size`` pods (its worker template)."""
+    for obj in pool_objects(resolved, pool, 0, owner, options):
+        if obj["kind"] == "Deployment":
+            return 1, obj["spec"]["template"]
+        if obj["kind"] == "LeaderWorkerSet":
+            group = obj["spec"]["leaderWorkerTemplate"]
+            return int(group.get("size", 1)), group["workerTemplate"]
+    raise ValueError(f"pool {pool.name}: no engine workload built")
+
+
+def workload_labels(resolved: ResolvedRun, queue: str) -> dict[str, str]:
+    return {**L.component_labels(resolved, "run"), QUEUE_LABEL: queue}
+
+
+def run_workload(resolved: ResolvedRun, owner: Owner, options: BuildOptions, queue: str) -> Obj:
+    """The run's Workload in LocalQueue ``queue``: the trainer's nodes and every pool's starting
+    replicas, admitted together (``owner``: the RLRun)."""
+    trainer = next(o for o in trainer_objects(resolved, owner, options) if o["kind"] == "StatefulSet")
+    pod_sets = [
+        {
+            "name": TRAINER_POD_SET,
+            "count": trainer["spec"]["replicas"],
+            "template": pod_set_template(trainer["spec"]["template"]),
+        }
+    ]
+    for pool in resolved.pools:
+        replicas = seed_replicas(pool)
+        if replicas > 0:
+            size, template = pool_pods(resolved, pool, owner, options)
+            pod_sets.append(
+                {
+                    "name": pool_pod_set_name(pool),
+                    "count": replicas * size,
+                    "template": pod_set_template(template),
+                }
+            )
+    return with_hash(
+        {
+            "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}",
+            "kind": "Workload",
+            "metadata": metadata(resolved.name, resolved.namespace, workload_labels(resolved, queue), owner),
+            "spec": {"queueName": queue, "podSets": pod_sets},
+        }
+    )
+
+
+def _condition(workload: Obj, kind: str) -> Obj | None:
+    return next(
+        (c for c in (workload.get("status") or {}).get("conditions") or [] if c.get("type") == kind), None
+    )
+
+
+def admitted(workload: Obj | None) -> bool:
+    """Kueue admitted it (quota reserved and every admission check passed), and has not evicted it."""
+    if workload is None:
+        return False
+    done = _condition(workload, ADMITTED)
+    evicted = _condition(workload, EVICTED)
+    return bool(done and done.get("status") == "True") and not (evicted and evicted.get("status") == "True")
+
+
+def has_quota(workload: Obj | None) -> bool:
+    """Kueue holds quota for it: its pod sets can no longer change."""
+    reserved = _condition(workload or {}, QUOTA_RESERVED)
+    return bool(reserved and reserved.get("status") == "True")
+
+
+def waiting_message(workload: Obj | None, queue: str) -> str:
+    """Why a Workload is not admitted, in Kueue's words: its eviction's message, else its
+    QuotaReserved condition's (``couldn't assign flavors to pod set trainer: insufficient unused
+    quota …``), once Kueue has said anything."""
+    evicted = _condition(workload or {}, EVICTED)
+    reserved = _condition(workload or {}, QUOTA_RESERVED)
+    for found in (evicted, reserved):
+        if (
+            found
+            and found.get("status") == ("True" if found is evicted else "False")
+            and found.get("message")
+        ):
+            return f"LocalQueue {queue}: {found['message']}"[:1000]
+    return f"waiting for Kueue to admit the run in LocalQueue {queue}"

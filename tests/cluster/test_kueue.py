@@ -1,0 +1,166 @@
+"""Gang admission with Kueue on the bed (issue #31): the real Kueue v0.17 manager beside the real
+control plane (tests/cluster/conftest.py's ``kueue``), the operator as the chart runs it.
+
+A ClusterQueue of this test holding 10 H100 GPUs: a run of an 8-GPU H100 trainer and a 1-GPU H100
+pool (9 GPUs) is admitted whole and starts; a second run of the same shape does not fit, waits
+Queued with Kueue's reason in its status and an Event, and creates nothing of its trainer or
+pools; deleting the first run frees its quota (its Workload goes with it) and the second starts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from mixrl.devcluster.addons import CPU_FLAVOR, KUEUE_API, flavor_name, local_queue
+
+from .conftest import Bed, OperatorProcess, wait_for
+
+QUEUE = "team"
+H100_QUOTA = 10
+
+
+def run(name: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "mixrl.dev/v1alpha1",
+        "kind": "RLRun",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "model": {"path": "/weights/base/demo-8b", "parametersBillions": 8},
+            "trainer": {"gpuType": "H100", "nodes": 1, "gpusPerNode": 8},
+            "samplerPools": [
+                {
+                    "name": "h100",
+                    "gpuType": "H100",
+                    "weightPrecision": "fp8",
+                    "minReplicas": 1,
+                    "maxReplicas": 2,
+                }
+            ],
+            "scheduling": {"queue": QUEUE},
+        },
+    }
+
+
+@pytest.fixture
+def queue(kueue: Bed, namespace: str) -> Iterator[str]:
+    """A ClusterQueue of this namespace's own (10 H100 GPUs, CPU and memory to spare) and the
+    LocalQueue ``team`` in the namespace pointing at it."""
+    name = f"cq-{namespace}"
+    cluster_queue = {
+        "apiVersion": KUEUE_API,
+        "kind": "ClusterQueue",
+        "metadata": {"name": name},
+        "spec": {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            "resourceGroups": [
+                {
+                    "coveredResources": ["nvidia.com/gpu"],
+                    "flavors": [
+                        {
+                            "name": flavor_name("H100"),
+                            "resources": [{"name": "nvidia.com/gpu", "nominalQuota": H100_QUOTA}],
+                        }
+                    ],
+                },
+                {
+                    "coveredResources": ["cpu", "memory"],
+                    "flavors": [
+                        {
+                            "name": CPU_FLAVOR,
+                            "resources": [
+                                {"name": "cpu", "nominalQuota": 1000},
+                                {"name": "memory", "nominalQuota": "10Ti"},
+                            ],
+                        }
+                    ],
+                },
+            ],
+        },
+    }
+    kueue.apply(yaml.safe_dump_all([cluster_queue, local_queue(namespace, QUEUE, name)]))
+    yield name
+    kueue.kubectl("delete", "clusterqueue", name, "--wait=false", check=False)
+
+
+def status(cluster: Bed, namespace: str, name: str) -> dict[str, Any]:
+    return cluster.get("rlrun", name, "-n", namespace).get("status") or {}
+
+
+def condition(cluster: Bed, namespace: str, name: str, kind: str) -> dict[str, Any]:
+    found = status(cluster, namespace, name).get("conditions") or []
+    return next((c for c in found if c["type"] == kind), {})
+
+
+def exists(cluster: Bed, namespace: str, kind: str, name: str) -> bool:
+    done = cluster.kubectl("get", kind, name, "-n", namespace, "-o", "name", check=False)
+    return done.returncode == 0
+
+
+def started(cluster: Bed, namespace: str, name: str) -> bool:
+    """The run's trainer StatefulSet and its pool's SamplerPool and Deployment all exist."""
+    return all(
+        exists(cluster, namespace, kind, f"{name}-{suffix}")
+        for kind, suffix in (("statefulset", "trainer"), ("samplerpool", "h100"), ("deployment", "h100"))
+    )
+
+
+def test_a_run_that_does_not_fit_waits_queued_whole_and_starts_when_capacity_frees(
+    kueue: Bed, operator: OperatorProcess, namespace: str, queue: str
+) -> None:
+    cluster = kueue
+    cluster.apply(run("first", namespace))
+    wait_for(lambda: started(cluster, namespace, "first"), 60, what="the first run admitted and started")
+    workload = cluster.get("workload", "first", "-n", namespace)
+    assert workload["spec"]["queueName"] == QUEUE
+    assignments = {a["name"]: a for a in workload["status"]["admission"]["podSetAssignments"]}
+    assert assignments["trainer"]["flavors"]["nvidia.com/gpu"] == "h100"
+    assert assignments["trainer"]["resourceUsage"]["nvidia.com/gpu"] == "8"
+    assert assignments["pool-h100"]["resourceUsage"]["nvidia.com/gpu"] == "1"
+    admitted = wait_for(lambda: condition(cluster, namespace, "first", "Admitted"), 30, what="Admitted")
+    assert admitted["status"] == "True"
+    assert status(cluster, namespace, "first")["phase"] != "Queued"
+
+    # 9 of the queue's 10 GPUs are taken: the second run's 9 do not fit.
+    cluster.apply(run("second", namespace))
+    waiting = wait_for(
+        lambda: (
+            c
+            if (c := condition(cluster, namespace, "second", "Admitted")).get("message", "").count("quota")
+            else None
+        ),
+        60,
+        what="the second run's Admitted condition with Kueue's reason",
+    )
+    assert waiting["status"] == "False" and waiting["reason"] == "Queued"
+    assert "insufficient unused quota for nvidia.com/gpu in flavor h100" in waiting["message"], waiting
+    queued = status(cluster, namespace, "second")
+    assert queued["phase"] == "Queued"
+    ready = next(c for c in queued["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "Queued" and "insufficient unused quota" in ready["message"]
+    # Never half-started: nothing of the second run's trainer or pools, nor of its other workloads.
+    for kind, suffix in (
+        ("statefulset", "trainer"),
+        ("samplerpool", "h100"),
+        ("deployment", "h100"),
+        ("deployment", "router"),
+        ("statefulset", "buffer"),
+    ):
+        assert not exists(cluster, namespace, kind, f"second-{suffix}"), f"{kind} second-{suffix}"
+    events = cluster.get(
+        "events", "-n", namespace, "--field-selector", "involvedObject.name=second,reason=Queued"
+    )
+    assert any("insufficient unused quota" in e["message"] for e in events["items"]), events["items"]
+
+    # Capacity frees: the first run goes, its Workload with it (owner reference), and the second starts.
+    cluster.kubectl("delete", "rlrun", "first", "-n", namespace, "--wait=false")
+    wait_for(lambda: started(cluster, namespace, "second"), 90, what="the second run admitted and started")
+    assert not exists(cluster, namespace, "workload", "first")
+    wait_for(
+        lambda: status(cluster, namespace, "second").get("phase") != "Queued",
+        30,
+        what="the second run's phase",
+    )
+    assert condition(cluster, namespace, "second", "Admitted")["status"] == "True"
