@@ -12,7 +12,11 @@ SGLang on the disk path, so each update pauses every pool for the whole load: 20
 2. rollout concurrency 512 / 1,024 / 2,048 at 120 s;
 3. changes: the b200 spot pool loses half its nodes at a third of the run (1 h 20 min of 4 h); the
    same plus responses growing to 6,000 tokens; the trainer speeding up from 120 s to 80 s per step
-   at half the run.
+   at half the run;
+4. issue #30's out-of-sample kinds: 11-minute cold starts (steady, and with the loss), a trainer
+   120 → 60 → 120 s and 240 → 60 s, the lost pool back at two thirds, and spot preemptions every
+   hour (half the b200 pool's nodes gone for 15 minutes), at the example's price and at a spot
+   price (``SPOT_PRICE``).
 
 Strategies, all in the same run on the same seed: ``mixrl`` (``objective: trainer``), ``queue``
 (mixrl's per-replica policy, ``objective: queue``), ``keda`` (KEDA as HPA computes an External
@@ -242,6 +246,35 @@ def scenarios(hours: float) -> list[tuple[str, str, ts.TrainerRun]]:
             "spot pool lost, back at 2/3",
             replace(base, spot_pool="b200-nvfp4", loss_at_s=loss_at, back_at_s=hours * 2400),
         ),
+        # Spot preemptions every hour: half the cheapest pool's nodes gone for 15 minutes, back for
+        # 45 (issue #30: the pool ratcheted down to one replica and never regrew).
+        (
+            "availability",
+            "preempted 15 min every hour",
+            replace(base, spot_pool="b200-nvfp4", loss_at_s=900.0, back_at_s=1800.0, repeat_every_s=3600.0),
+        ),
+        # The same at a spot price (SPOT_PRICE): the preempted pool is then by far the cheapest,
+        # so where its replicas go decides the bill.
+        (
+            "availability",
+            "preempted hourly, spot-priced",
+            replace(base, spot_pool="b200-nvfp4", loss_at_s=900.0, back_at_s=1800.0, repeat_every_s=3600.0),
+        ),
+    ]
+
+
+SPOT_PRICE = {"preempted hourly, spot-priced": 0.4}
+"""Runs whose spot pool is billed at this share of its list price (spot capacity's discount)."""
+
+
+def priced(pools, name: str, run: ts.TrainerRun):
+    """The pools of one run, its spot pool at its spot price (``SPOT_PRICE``)."""
+    factor = SPOT_PRICE.get(name)
+    if factor is None:
+        return pools
+    return [
+        replace(p, cost_per_gpu_hour=p.cost_per_gpu_hour * factor) if p.name == run.spot_pool else p
+        for p in pools
     ]
 
 
@@ -343,8 +376,9 @@ def run_sweeps(seed: int, plots: Path | None, hours: float, quiet: bool = False)
     timelines: dict[str, ts.RunResult] = {}
     for index, (sweep, name, run) in enumerate(runs, 1):
         results = {}
-        for strategy in strategies(pools, configs, run):
-            results[strategy.name] = ts.simulate_run(pools, run, strategy, seed=seed)
+        run_pools = priced(pools, name, run)
+        for strategy in strategies(run_pools, configs, run):
+            results[strategy.name] = ts.simulate_run(run_pools, run, strategy, seed=seed)
             if not quiet:
                 print(
                     f"[{index}/{len(runs)}] {name}: {strategy.name} done "

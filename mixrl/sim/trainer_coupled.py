@@ -34,7 +34,8 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
   long (the model before issue #29).  Staleness of a trajectory = the trainer's version when it is
   consumed − the version its session started under.
 - **Capacity loss**: at ``loss_at_s`` the spot pool loses ``loss_fraction`` of its nodes: replicas
-  beyond the nodes left die, and new ones beyond them stay Pending (no node) until ``back_at_s``.
+  beyond the nodes left die, and new ones beyond them stay Pending (no node) until ``back_at_s``;
+  with ``repeat_every_s`` both recur (repeated preemptions).
   Pending pods without a node are not billed.
 - **Cost**: samplers are billed per ready or starting replica-second (``RunResult.cost``); the
   trainer's ``trainer_gpus`` for the whole measured run at ``trainer_price_per_gpu_hour``, fed or
@@ -103,6 +104,9 @@ class TrainerRun:
     loss_at_s: float | None = None
     loss_fraction: float = 0.5
     back_at_s: float | None = None
+    repeat_every_s: float | None = None
+    """Set (with ``loss_at_s`` and ``back_at_s``): the loss and the return recur this often, as spot
+    preemptions do."""
     cold_start_s: float | None = None
     """Set: every pool's cold start in seconds (±10 %), e.g. a new GPU node's 10–12 minutes;
     None: each pool's own (``FleetPool.cold_start_s``)."""
@@ -126,6 +130,12 @@ class TrainerRun:
         if self.weight_update_s is not None:
             return np.full(len(pools), float(self.weight_update_s))
         return self.pause.per_pool(pools, self.decode_step_s)
+
+    def recurs(self, now: float, first: float) -> bool:
+        """Whether an availability event first at ``first`` happens at ``now``."""
+        if self.repeat_every_s is None:
+            return now == first
+        return now >= first and (now - first) % self.repeat_every_s == 0
 
     def step_seconds_at(self, t: float) -> float:
         current = self.step_seconds[0][1]
@@ -341,7 +351,7 @@ def simulate_run(
         now = float(tick - run.warmup_s)
         recording = now >= 0
         # capacity loss and return
-        if spot is not None and run.loss_at_s is not None and now == run.loss_at_s:
+        if spot is not None and run.loss_at_s is not None and run.recurs(now, run.loss_at_s):
             have = int(ready[spot] + sum(1 for s in starting[spot] if s != math.inf))
             nodes[spot] = max(0, math.floor(have * (1 - run.loss_fraction)))
             if ready[spot] > nodes[spot]:
@@ -351,7 +361,7 @@ def simulate_run(
                 starting[spot].sort()
             spot_room = int(nodes[spot] - ready[spot])
             starting[spot] = sorted(s if k < spot_room else math.inf for k, s in enumerate(starting[spot]))
-        if spot is not None and run.back_at_s is not None and now == run.back_at_s:
+        if spot is not None and run.back_at_s is not None and run.recurs(now, run.back_at_s):
             nodes[spot] = np.iinfo(np.int64).max // 4
             starting[spot] = sorted((now + cold_starts[spot] if s == math.inf else s) for s in starting[spot])
         for i in range(n):

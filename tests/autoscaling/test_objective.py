@@ -161,7 +161,9 @@ def test_a_stuck_replica_kept_by_min_replicas_is_not_counted_as_supply() -> None
 
 
 def test_a_trainer_starving_inside_the_band_gets_one_replica_after_the_stall_time() -> None:
-    fleet = [pool("cheap", 4), pool("dear", 3)]  # supply 4 + 6 = the demand of 10: inside the band
+    # Supply 4 + 6 = the demand of 10: inside the band, and no cheaper mix covers it (cheap can
+    # reach 5, so 5 + 6 is the cheapest), so the re-mix has nothing to do.
+    fleet = [pool("cheap", 4, max_replicas=5), pool("dear", 3)]
     starving = replace(STEADY, idle_share=0.3)  # yet the trainer waits: the estimates are optimistic
     config = replace(CONFIG, stall_after_s=600.0)
     first = plan_fleet(fleet, starving, config, MEMORY, now=1000.0)
@@ -172,7 +174,7 @@ def test_a_trainer_starving_inside_the_band_gets_one_replica_after_the_stall_tim
     assert late.targets == {"cheap": 5, "dear": 3} and late.stalled is None  # the cheapest that can grow
     assert "one more replica of cheap" in late.reasons["cheap"] and "600 s" in late.reasons["cheap"]
     assert late.memory.starving_since == 1600.0  # the clock starts again
-    starting = [pool("cheap", 5, ready=4), pool("dear", 3)]  # the added replica is still starting
+    starting = [pool("cheap", 5, ready=4, max_replicas=5), pool("dear", 3)]  # the added one is starting
     cold = plan_fleet(starting, starving, config, replace(late.memory, starving_since=0.0), now=1650.0)
     assert cold.targets == {"cheap": 5, "dear": 3} and cold.memory.starving_since == 1650.0  # not a stall
     fed = plan_fleet(fleet, STEADY, config, late.memory, now=1700.0)
@@ -194,3 +196,32 @@ def test_a_stall_no_replica_can_help_says_why() -> None:
     assert budget.stalled is not None and "would exceed the GPU budget" in budget.stalled
     with pytest.raises(ValueError, match="stall_after_s"):
         replace(CONFIG, stall_after_s=0.0)
+
+
+def test_inside_the_band_a_mix_that_pays_grows_the_cheap_pool_and_a_small_saving_does_not() -> None:
+    # 4 cheap + 3 dear cover the demand of 10 at $32/h; 6 cheap + 2 dear would at $28/h (12.5 %).
+    fleet = [pool("cheap", 4), pool("dear", 3)]
+    plan = plan_fleet(fleet, STEADY, CONFIG, MEMORY)
+    assert plan.targets == {"cheap": 6, "dear": 3}  # the growth only: dear goes when its window ends
+    assert "re-mix: cheap +2" in plan.reasons["cheap"] and "12%" in plan.reasons["cheap"]
+    assert "within tolerance" in plan.reasons["dear"] and not plan.filled
+    # Once cheap is up the supply is above the band and the fill cuts dear (dearest emptied first).
+    grown = plan_fleet([pool("cheap", 6), pool("dear", 3)], STEADY, CONFIG, MEMORY)
+    assert grown.targets == {"cheap": 6, "dear": 2} and grown.filled
+    # A saving that does not repay paying for both mixes over the overlap within the payback: none.
+    slow = replace(CONFIG, remix_payback_s=60.0)
+    assert plan_fleet(fleet, STEADY, slow, MEMORY).targets == {"cheap": 4, "dear": 3}
+    # Under REMIX_SAVING (10 %) of the fleet's dollars: none (cheap at $3/h: 6×3 + 2×8 = 34 vs 36).
+    near = [pool("cheap", 4, price_per_gpu_hour=3.0), pool("dear", 3)]
+    assert plan_fleet(near, STEADY, CONFIG, MEMORY).targets == {"cheap": 4, "dear": 3}
+
+
+def test_a_probing_pool_keeps_its_probe_and_does_not_count_it_as_supply() -> None:
+    # cheap lost its nodes: 2 ready, its probe Pending (stuck, capped in by rule 8: not released).
+    fleet = [pool("cheap", 3, ready=2, stuck=1, ceiling=3), pool("dear", 4)]
+    assert fleet[0].probing and fleet[0].low == 3
+    plan = plan_fleet(fleet, STEADY, CONFIG, MEMORY)
+    # Supply 2 + 8 = the demand: held, the probe kept (3), and nothing cut or grown around it.
+    assert plan.targets == {"cheap": 3, "dear": 4}
+    released = replace(fleet[0], ceiling=2)  # rule 8 releasing it instead: not a probe
+    assert not released.probing and released.low == 0

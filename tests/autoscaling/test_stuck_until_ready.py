@@ -143,3 +143,22 @@ def test_one_probe_per_pending_timeout() -> None:
     assert ceiling == 3  # not straight back
     state, _, ceiling = fleet_pending(state, PoolLoad(None, 3, 3), 64.0, CONFIG)
     assert ceiling == 4  # 20 s after the probe was seen Pending
+
+
+def test_a_probe_that_stays_pending_waits_for_the_nodes_instead_of_being_released() -> None:
+    """The probe of a pool on probation is kept however long the cluster says it cannot start (a
+    Pending pod with no node costs nothing): releasing it and probing again a timeout later made a
+    reversal per timeout while the nodes stayed gone; kept, it starts as soon as they are back."""
+    state = PolicyState()
+    for now in range(0, 22, 2):
+        state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 6, 3, starting=3), float(now), CONFIG)
+    state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 3, 3), 60.0, CONFIG)
+    assert ceiling == 4  # the probe may go
+    for now in range(62, 200, 2):  # Pending, unschedulable by the cluster's word, for 138 s
+        pending = PoolLoad(None, 4, 3, starting=1, stuck=1)
+        state, stuck, ceiling = fleet_pending(state, pending, float(now), CONFIG)
+        assert (stuck, ceiling) == (1, 4), now  # not supply, not released, nothing more ordered
+        view = FleetPool("b200", 4, 3, 3.2, 4, 6.0, 1, 8, stuck=stuck, ceiling=ceiling)
+        assert view.probing and view.low == 4
+    state, stuck, ceiling = fleet_pending(state, PoolLoad(None, 4, 4), 200.0, CONFIG)  # nodes back
+    assert (state.released_at, stuck, ceiling) == (None, 0, None)  # probation over: it may regrow

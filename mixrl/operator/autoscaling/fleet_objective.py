@@ -24,6 +24,13 @@ needs.  This objective sizes the whole fleet to the trainer instead:
   a steady run — sampler-bound or trainer-bound — makes no reversals.  While the trainer idles
   more than its target (plus :data:`IDLE_MARGIN`), the band's lower half shrinks to half the
   tolerance: a supply short of the demand is then filled sooner.
+- **Re-mix**: inside the band, the cheapest mix that covers the demand (the fill from the pools'
+  minimums) replaces a dearer one when it saves at least :data:`REMIX_SAVING` of the fleet's
+  dollars per hour and the saving repays, within ``remix_payback_s``, paying for both mixes for
+  ``move_overlap_s`` (the new replicas' cold start, the old ones held by the scale-down window).
+  Only the growth is planned here; the dearer pools are cut later by the fill, when the supply is
+  above the band and their window lets them go.  This is how a pool that lost replicas to a
+  preemption regrows once its nodes are back (its probe came up).
 - **Stall guard**: a trainer that has idled beyond its target for ``stall_after_s`` while the plan
   held (the estimates say the supply covers the demand: they are optimistic) gets one more replica
   of the cheapest pool that can grow, and the clock starts again; when no pool can grow the plan
@@ -50,6 +57,11 @@ IDLE_MARGIN = 0.02
 """Idle share above the target that counts as starving (measurement noise below it)."""
 MIN_BUSY_SHARE = 0.2
 """A pool busy less than this share of its slots over the window teaches nothing about its speed."""
+REMIX_SAVING = 0.1
+"""The least share of the fleet's dollars per hour a re-mix inside the band must save."""
+REMIX_COLD_START_S = 600.0
+"""The cold start a re-mix's overlap assumes for its new replicas (a model load on a warm node;
+a new GPU node takes 10–12 minutes)."""
 
 
 @dataclass(frozen=True)
@@ -87,8 +99,16 @@ class FleetPool:
         return max(self.min_replicas, top)
 
     @property
+    def probing(self) -> bool:
+        """Rule 8's standing probe (:func:`mixrl.operator.autoscaling.policy.fleet_pending`): its
+        stuck replica is capped in, not released — kept Pending until the nodes are back, and not
+        counted as supply meanwhile."""
+        return self.stuck > 0 and self.ceiling is not None and self.ceiling >= self.replicas
+
+    @property
     def low(self) -> int:
-        return min(max(self.min_replicas, self.floor), self.high)
+        kept = self.replicas if self.probing else 0
+        return min(max(self.min_replicas, self.floor, kept), self.high)
 
 
 @dataclass(frozen=True)
@@ -127,6 +147,11 @@ class ObjectiveConfig:
     cost_budget_per_hour: float | None = None
     stall_after_s: float = 600.0
     """A trainer idle beyond its target this long with nothing changing gets an action or a reason."""
+    move_overlap_s: float = REMIX_COLD_START_S + 300.0
+    """How long a re-mix pays for both mixes: a cold start of the new replicas plus the scale-down
+    window that holds the old ones (HPA's 300 s by default)."""
+    remix_payback_s: float = 3600.0
+    """A re-mix is made only when its saving repays the overlap within this long."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -138,6 +163,8 @@ class ObjectiveConfig:
             ("tolerance", 0 <= self.tolerance < 1, "must be in [0, 1)"),
             ("horizon_s", self.horizon_s > 0, "must be > 0"),
             ("stall_after_s", self.stall_after_s > 0, "must be > 0"),
+            ("move_overlap_s", self.move_overlap_s >= 0, "must be ≥ 0"),
+            ("remix_payback_s", self.remix_payback_s > 0, "must be > 0"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -351,6 +378,16 @@ def _plan(
     starving = _starving(signals, config)
     low = (1 - (config.tolerance / 2 if starving else config.tolerance)) * demand
     if not forced and low - _EPS <= supply_now <= (1 + config.tolerance) * demand:
+        remix = _remix(pools, rates, demand, config, held)
+        if remix is not None:
+            targets, why = remix
+            reasons = {
+                p.name: f"{summary}: {why}"
+                if targets[p.name] > held[p.name]
+                else f"{summary}: within tolerance"
+                for p in pools
+            }
+            return FleetPlan(targets, reasons, demand, supply_now, None, memory, f"{summary}: {why}")
         return FleetPlan(
             held,
             dict.fromkeys(names, f"{summary}: within tolerance {config.tolerance:g}"),
@@ -377,6 +414,42 @@ def _plan(
             what = "held by the scale-down window"
         reasons[pool.name] = f"{summary}: {what}"
     return FleetPlan(targets, reasons, demand, supply, recommended, memory, summary, filled=True)
+
+
+def _dollars_per_hour(pools: Sequence[FleetPool], targets: Mapping[str, int]) -> float:
+    return sum(targets[p.name] * p.gpus_per_replica * p.price_per_gpu_hour for p in pools)
+
+
+def _remix(
+    pools: Sequence[FleetPool],
+    rates: Mapping[str, float | None],
+    demand: float,
+    config: ObjectiveConfig,
+    held: Mapping[str, int],
+) -> tuple[dict[str, int], str] | None:
+    """The re-mix (module docstring): the held targets with the cheapest mix's growth added, and
+    why; None when the cheapest mix does not cover the demand or does not pay."""
+    cheapest, supply, _ = fill([replace(p, floor=0) for p in pools], rates, demand, config)
+    if supply < demand - _EPS:
+        return None
+    grown = {p.name: max(held[p.name], cheapest[p.name]) for p in pools}
+    if grown == dict(held):
+        return None
+    now_cost = _dollars_per_hour(pools, held)
+    saving = now_cost - _dollars_per_hour(pools, cheapest)
+    overlap = _dollars_per_hour(pools, grown) - now_cost
+    if saving < REMIX_SAVING * now_cost or not _fits(pools, grown, config):
+        return None
+    if saving * config.remix_payback_s < overlap * config.move_overlap_s:
+        return None
+    added = ", ".join(
+        f"{p.name} +{grown[p.name] - held[p.name]}" for p in pools if grown[p.name] > held[p.name]
+    )
+    why = (
+        f"re-mix: {added} toward the cheapest mix covering the demand, ${saving:.3g}/h "
+        f"({saving / now_cost:.0%}) cheaper once the dearer pools' window lets them go"
+    )
+    return grown, why
 
 
 def _starving(signals: TrainerSignals, config: ObjectiveConfig) -> bool:

@@ -26,7 +26,12 @@ from mixrl.api.gpus import price_per_gpu_hour
 from mixrl.api.kube_types import Condition, ConditionValue, Obj
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
-from mixrl.operator.autoscaling.fleet_objective import FleetPlan, FleetPool, ObjectiveConfig
+from mixrl.operator.autoscaling.fleet_objective import (
+    REMIX_COLD_START_S,
+    FleetPlan,
+    FleetPool,
+    ObjectiveConfig,
+)
 from mixrl.operator.autoscaling.gpu_check import WRONG_GPU_TYPE, wrong_gpu_condition
 from mixrl.operator.autoscaling.policy import (
     BudgetRequest,
@@ -278,6 +283,7 @@ def objective_config(run: ResolvedRun) -> ObjectiveConfig:
         gpu_budget=a.gpu_budget,
         cost_budget_per_hour=a.cost_budget_per_hour,
         stall_after_s=a.stall_after_seconds,
+        move_overlap_s=REMIX_COLD_START_S + a.scale_down_window_seconds,
     )
 
 

@@ -332,6 +332,13 @@ def fleet_pending(
     the built-in loop and the trainer-coupled simulator both call this, so the simulator's figures
     come from the rule the operator applies."""
     state, stuck = track_pending(state, load, now, config)
+    if state.released_at is not None and stuck and load.replicas - load.ready <= 1:
+        # The probe of a pool on probation waits where it is: a Pending pod with no node costs
+        # nothing, starts as soon as the nodes are back, and ends the probation then.  Releasing
+        # it and asking again a pending timeout later made a reversal per timeout while the nodes
+        # stayed gone (bench/autoscaling.py, the spot runs).
+        kept = max(config.min_replicas, load.replicas)
+        return replace(state, probed_at=state.probed_at or now), load.replicas - load.ready, kept
     state, ceiling = pending_ceiling(state, load.replicas, stuck, now, config)
     released_at, stuck = stuck_until_ready(state.released_at, load, stuck)
     if released_at is not None:
