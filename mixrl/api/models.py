@@ -290,7 +290,10 @@ class SamplerPoolTemplate(Model):
     gpus_per_replica: Int | None = Field(default=None, ge=0, le=MAX_GPUS_PER_POD)
     """GPUs per engine replica (its tensor-parallel size): at least 1 on a GPU type. Null (the
     default): 1 on a GPU type, 0 on gpuType cpu, whose pods request no GPU (the validator puts the
-    number in)."""
+    number in). More than one node of the GPU type holds (docs/gpus.md, GPUs per node; 8 for every
+    type): the replica spans gpusPerReplica / GPUs-per-node whole nodes, a multiple of them, as a
+    LeaderWorkerSet group with SGLang's multi-node launch (engine sglang only; the cluster must serve
+    leaderworkerset.x-k8s.io/v1; docs/operator.md#multi-node-engine-pools)."""
     weight_precision: WeightPrecision = "bf16"
     """Precision the engine serves the weights in: bf16, fp8 (128x128 blocks), mxfp4 or nvfp4."""
     kv_cache_dtype: KvCacheDtype | None = None

@@ -101,6 +101,12 @@ async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiSer
             ("kueue.x-k8s.io", "workloads", verb)
             for verb in ("get", "create", "patch", "delete", "list", "watch")
         },
+        # The emulator serves no LWS: tests/cluster/test_multinode_pool.py makes these calls against a
+        # real LWS, under the chart's RBAC (delete only when a pool's replicas come back to one node).
+        *{
+            ("leaderworkerset.x-k8s.io", "leaderworkersets", verb)
+            for verb in ("get", "create", "patch", "delete", "list", "watch")
+        },
         ("monitoring.coreos.com", "podmonitors", "get"),
         ("monitoring.coreos.com", "podmonitors", "create"),
         ("monitoring.coreos.com", "podmonitors", "patch"),

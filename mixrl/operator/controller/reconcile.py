@@ -28,6 +28,7 @@ from mixrl.operator.autoscaling.plan import METRICS_AVAILABLE
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.keda import pool_scaled_object
 from mixrl.operator.builders.kueue import admitted, has_quota, run_workload, waiting_message
+from mixrl.operator.builders.lws import lws_name
 from mixrl.operator.builders.network import policy_names
 from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner
 from mixrl.operator.builders.podspec import AUTH_TOKEN_KEY
@@ -57,6 +58,8 @@ from mixrl.operator.controller.observed_status import (
 from mixrl.operator.install.cluster_policy import OPEN, Policy, violation
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.rbac import (
+    DEPLOYMENTS,
+    LEADERWORKERSETS,
     NETWORKPOLICIES,
     PODMONITORS,
     RLRUNS,
@@ -507,8 +510,17 @@ async def remove_leftover_network_policies(
 # ----------------------------------------------------------------------------- SamplerPool
 
 
+WORKLOAD_KINDS = ("Deployment", LEADERWORKERSETS.kind)
+"""The kinds of a pool's engines: one-node replicas, replicas across nodes."""
+LWS_MISSING = (
+    "a replica of this pool spans nodes, which needs LeaderWorkerSet (leaderworkerset.x-k8s.io/v1), "
+    "and this cluster does not serve it: install LWS (docs/operator.md#multi-node-engine-pools)"
+)
+
+
 async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
-    """A SamplerPool -> its Deployment and headless Service (and in KEDA mode its ScaledObject).
+    """A SamplerPool -> its Deployment (a LeaderWorkerSet for replicas across nodes) and headless
+    Service (and in KEDA mode its ScaledObject).
 
     The SamplerPool carries its bounds and replicas, not its pod: the pod is built from the parent
     RLRun, read and resolved here again, for three reasons.  The RLRun is the one object the
@@ -546,13 +558,37 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     report = ApplyReport()
     deployment: Applied | None = None
     alive = owner_check(ctx.client, SAMPLERPOOLS, body)
-    for desired in pool_children(resolved, pool, spec.replicas, owner_of(body), options):
+    across_nodes = pool.nodes_per_replica > 1
+    lws_served = await ctx.discovery.serves(LEADERWORKERSETS)
+    children = pool_children(resolved, pool, spec.replicas, owner_of(body), options)
+    if across_nodes and not lws_served:
+        # Said plainly instead of the API server's 404 for an unknown kind.  Only the cluster can
+        # fix it (retry False: Progressing False), yet the reconcile is still retried, so installing
+        # LWS is enough (discovery is asked again after its TTL).
+        workload = next(c for c in children if c["kind"] == LEADERWORKERSETS.kind)
+        missing = Failure(f"{workload['kind']}/{workload['metadata']['name']}", LWS_MISSING, retry=False)
+        report.failures.append(missing)
+        children = [c for c in children if c is not workload]
+    for desired in children:
         try:
             result = await apply_object(ctx.client, desired, report, None, alive)
         except OwnerGone:
             return Outcome(report=report)
-        if desired["kind"] == "Deployment":
+        if desired["kind"] in WORKLOAD_KINDS:
             deployment = result
+    # A pool whose replicas moved between one node and several changed its workload's kind: the
+    # other kind's object goes (its pods hold the GPUs the new one needs).
+    uid = meta["uid"]
+    leftovers = [(DEPLOYMENTS, pool.object_name)] if across_nodes else []
+    if lws_served and not across_nodes:
+        leftovers.append((LEADERWORKERSETS, lws_name(pool)))
+    for resource, name in leftovers:
+        try:
+            await delete_leftover(ctx.client, resource, resolved.namespace, name, uid, report)
+        except ApiError as exc:
+            report.failures.append(
+                Failure(f"{resource.kind}/{name}", str(exc), True, exc.status, exc.retry_after)
+            )
     finished = (run_body.get("status") or {}).get("phase") in FINAL_PHASES
     try:
         autoscaler = await reconcile_scaled_object(
@@ -578,7 +614,8 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     # pool's new replica count; a repaired hand edit is reported as such (Applied), not as scaling.
     scaled_from = None
     if deployment is not None and deployment.before is not None and deployment.after is not deployment.before:
-        repaired = any(entry.startswith(f"Deployment/{pool.object_name} ") for entry in report.repaired)
+        changed = f"{deployment.after.get('kind')}/{deployment.after['metadata']['name']} "
+        repaired = any(entry.startswith(changed) for entry in report.repaired)
         scaled_from = None if repaired else deployment.before.get("spec", {}).get("replicas")
     scaled = scaled_from is not None and scaled_from != spec.replicas
     events: list[Event] = []

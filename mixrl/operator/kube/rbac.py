@@ -55,6 +55,7 @@ SAMPLERPOOLS = ApiResource(GROUP, VERSION, "samplerpools", "SamplerPool")
 PODMONITORS = ApiResource("monitoring.coreos.com", "v1", "podmonitors", "PodMonitor")
 SCALEDOBJECTS = ApiResource("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject")
 NETWORKPOLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
+LEADERWORKERSETS = ApiResource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet")
 WORKLOADS = ApiResource("kueue.x-k8s.io", "v1beta2", "workloads", "Workload")
 SERVICEACCOUNTS = ApiResource("", "v1", "serviceaccounts", "ServiceAccount")
 ROLES = ApiResource("rbac.authorization.k8s.io", "v1", "roles", "Role")
@@ -70,6 +71,7 @@ CHILD_RESOURCES = (
     PVCS,
     DEPLOYMENTS,
     STATEFULSETS,
+    LEADERWORKERSETS,
     SAMPLERPOOLS,
     PODMONITORS,
     SCALEDOBJECTS,
@@ -113,6 +115,9 @@ RECONCILER: dict[Key, frozenset[str]] = {
     ("", "persistentvolumeclaims"): frozenset({"get", "create", "patch"}),
     ("apps", "deployments"): frozenset({"get", "create", "patch", "delete"}),
     ("apps", "statefulsets"): frozenset({"get", "create", "patch", "delete"}),
+    # A pool whose replica spans nodes (mixrl.operator.builders.lws); deleted when the pool's
+    # replicas come back to one node (a Deployment again).
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): frozenset({"get", "create", "patch", "delete"}),
     # One PodMonitor per run; deleted in annotations mode when an earlier mode left one.
     ("monitoring.coreos.com", "podmonitors"): POD_MONITOR_WRITES | POD_MONITOR_CLEANUP,
     # One NetworkPolicy per component of a run; deleted when the operator runs with
@@ -164,6 +169,7 @@ FRAMEWORK: dict[Key, frozenset[str]] = {
     ("", "persistentvolumeclaims"): frozenset({"list", "watch"}),
     ("apps", "deployments"): frozenset({"list", "watch"}),
     ("apps", "statefulsets"): frozenset({"list", "watch"}),
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): frozenset({"list", "watch"}),
     ("monitoring.coreos.com", "podmonitors"): frozenset({"list", "watch"}),
     ("keda.sh", "scaledobjects"): frozenset({"list", "watch"}),
     ("networking.k8s.io", "networkpolicies"): frozenset({"list", "watch"}),
