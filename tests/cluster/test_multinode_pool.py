@@ -134,7 +134,12 @@ def test_a_two_node_pool_is_placed_and_scaled_through_the_scale_subresource(
         )
         check_groups(cluster, namespace, pods, groups=2)
         path = f"/apis/mixrl.dev/v1alpha1/namespaces/{namespace}/samplerpools/{RUN}-{POOL}/scale"
-        scale = json.loads(cluster.kubectl("get", "--raw", path).stdout)
-        assert (scale["spec"]["replicas"], scale["status"]["replicas"]) == (2, 2)
+
+        def scale() -> tuple[int, int]:
+            read = json.loads(cluster.kubectl("get", "--raw", path).stdout)
+            return read["spec"]["replicas"], read["status"].get("replicas", 0)
+
+        # status.replicas: the LeaderWorkerSet's groups, through the SamplerPool's status.
+        wait_for(scale, 30, what="the scale subresource at 2 groups", equals=(2, 2))
     finally:
         stop_operator(operator)
