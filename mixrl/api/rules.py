@@ -249,6 +249,23 @@ RESERVED_POOL_NAME = Rule(
     facts=lambda pool, table: {"name": pool.name},
 )
 
+LWS_NAME_SUFFIX = "-lws"
+"""A multi-node pool's LeaderWorkerSet is ``<run>-<pool>-lws`` and so is the headless Service LWS
+makes for it: a pool named ``<other>-lws`` would own the same Service name."""
+
+RESERVED_POOL_SUFFIX = Rule(
+    "reserved-pool-suffix",
+    (POOL,),
+    "name",
+    "'{name}' ends in '{suffix}', which names a multi-node pool's LeaderWorkerSet and its Service",
+    "FieldValueForbidden",
+    condition=lambda node: f"!self.name.endsWith({cel_literal(LWS_NAME_SUFFIX)})",
+    values=lambda node: {"name": "self.name"},
+    constants={"suffix": LWS_NAME_SUFFIX},
+    holds=lambda pool, table: not pool.name.endswith(LWS_NAME_SUFFIX),
+    facts=lambda pool, table: {"name": pool.name},
+)
+
 REPLICA_BOUNDS = Rule(
     "replica-bounds",
     (POOL, "SamplerPoolSpec"),
@@ -391,19 +408,20 @@ def _per_node_groups(table: GpuTable) -> dict[int, list[str]]:
     return groups
 
 
-def _per_node_cel(node: Node) -> str:
-    """The pool's GPU type's GPUs per node as a CEL int (0 on an emulated type)."""
+def _per_node_cel(node: Node, on: str = "self") -> str:
+    """The pool's (``on``'s) GPU type's GPUs per node as a CEL int (0 on an emulated type)."""
     expression = "0"
     for per_node, types in reversed(_per_node_groups(node.table).items()):
-        expression = f"(self.gpuType in {cel_literal(types)} ? {per_node} : {expression})"
+        expression = f"({on}.gpuType in {cel_literal(types)} ? {per_node} : {expression})"
     return expression
 
 
-def _spans_nodes_cel(node: Node) -> str:
-    """CEL: one replica needs more GPUs than one node of its type has (gpus.spans_nodes)."""
-    gpus = node.value("gpusPerReplica")
+def _spans_nodes_cel(node: Node, on: str = "self") -> str:
+    """CEL: one replica of the pool ``on`` needs more GPUs than one node of its type has
+    (gpus.spans_nodes)."""
+    gpus = node.value("gpusPerReplica", on=on)
     emulated = cel_literal(node.emulated_gpus())
-    return f"(!(self.gpuType in {emulated}) && {gpus} > {_per_node_cel(node)})"
+    return f"(!({on}.gpuType in {emulated}) && {gpus} > {_per_node_cel(node, on)})"
 
 
 def _pool_spans_nodes(pool: Any, table: GpuTable) -> bool:
@@ -824,10 +842,57 @@ RUN_NAME_LENGTH = Rule(
     holds=lambda run, table: len(run.metadata.name) <= MAX_RUN_NAME,
 )
 
+MULTI_NODE_NAME_MAX = 46
+"""``<run>-<pool>`` of a pool whose replica spans nodes: LeaderWorkerSet ``<run>-<pool>-lws`` names
+each group's StatefulSet ``<lws>-<group>`` and labels its revisions ``<that>-<hash of 10>``, a
+label value of at most 63 characters."""
+
+
+def _multi_node_pools(node: Node) -> str:
+    return (
+        f"self.spec.samplerPools.filter(p, {_spans_nodes_cel(node.child('spec').child('samplerPools'), 'p')})"
+    )
+
+
+def _long_multi_node_pool(run: Any, table: GpuTable) -> int | None:
+    """The index of the first pool spanning nodes whose ``<run>-<pool>`` is too long (None: none)."""
+    for index, pool in enumerate(run.spec.sampler_pools):
+        if (
+            _pool_spans_nodes(pool, table)
+            and len(run.metadata.name) + 1 + len(pool.name) > MULTI_NODE_NAME_MAX
+        ):
+            return index
+    return None
+
+
+MULTI_NODE_NAME_LENGTH = Rule(
+    "multi-node-pool-name-length",
+    ("RLRun",),
+    "metadata.name",
+    "'<run>-<pool>' of pool '{pool}', whose replica spans nodes, must be at most {limit} characters"
+    " (its LeaderWorkerSet's revision labels are '<run>-<pool>-lws-<group>-<hash>'): shorten the run"
+    " or the pool name",
+    "FieldValueInvalid",
+    condition=lambda node: (
+        f"{_multi_node_pools(node)}.all(p, self.metadata.name.size() + 1 + p.name.size() <= {MULTI_NODE_NAME_MAX})"
+    ),
+    values=lambda node: {
+        "pool": (
+            f"{_multi_node_pools(node)}.filter(p, self.metadata.name.size() + 1 + p.name.size()"
+            f" > {MULTI_NODE_NAME_MAX})[0].name"
+        )
+    },
+    constants={"limit": MULTI_NODE_NAME_MAX},
+    unless=("run-name-length",),
+    holds=lambda run, table: _long_multi_node_pool(run, table) is None,
+    facts=lambda run, table: {"pool": run.spec.sampler_pools[_long_multi_node_pool(run, table)].name},
+)
+
 RULES: tuple[Rule, ...] = (
     MODEL_PATH_IS_LOCAL,
     STORE_IS_A_PATH,
     RESERVED_POOL_NAME,
+    RESERVED_POOL_SUFFIX,
     REPLICA_BOUNDS,
     *WEIGHTS_NEED.values(),
     FP8_KV_CACHE,
@@ -855,6 +920,7 @@ RULES: tuple[Rule, ...] = (
     TRAINER_OBJECTIVE_NEEDS_BUILTIN,
     SGLANG_MASK_NEEDS_TOP_K,
     RUN_NAME_LENGTH,
+    MULTI_NODE_NAME_LENGTH,
 )
 """Every rule, in the order each model's validator checks them."""
 

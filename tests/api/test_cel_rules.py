@@ -372,6 +372,22 @@ CASES: dict[str, Case] = {
         " across nodes takes whole nodes, so use a multiple of 4",
         table=table_with({"H100": {"gpus_per_node": 4}}),
     ),
+    "pool-name-taking-the-lws-suffix": Case(
+        "reserved-pool-suffix",
+        _pool(0, name="b200-lws"),
+        "spec.samplerPools[0].name: 'b200-lws' ends in '-lws', which names a multi-node pool's"
+        " LeaderWorkerSet and its Service",
+    ),
+    "multi-node-pool-name-too-long": Case(
+        "multi-node-pool-name-length",
+        lambda doc: (
+            set_at("metadata", "name", value="r" * 30)(doc),
+            _pool(3, name="h100-fp8-across-2-nodes", gpusPerReplica=16)(doc),
+        ),
+        "metadata.name: '<run>-<pool>' of pool 'h100-fp8-across-2-nodes', whose replica spans nodes,"
+        " must be at most 46 characters (its LeaderWorkerSet's revision labels are"
+        " '<run>-<pool>-lws-<group>-<hash>'): shorten the run or the pool name",
+    ),
     "replica-across-nodes-on-torch": Case(
         "multi-node-replica-needs-sglang",
         _pool(4, gpusPerReplica=16, engine="torch", weightPrecision="bf16"),

@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from mixrl.operator.autoscaling.policy import PolicyConfig, PolicyState, PoolLoad, decide
-from mixrl.operator.autoscaling.replicas import census, pods_with_a_node_on_its_way, unschedulable
+from mixrl.operator.autoscaling.replicas import (
+    GROUP_INDEX_LABEL,
+    census,
+    pods_with_a_node_on_its_way,
+    unschedulable,
+)
 
 T0 = "2026-12-05T10:00:00Z"
 
@@ -57,6 +62,29 @@ def test_the_cluster_decides_what_is_stuck_and_a_cold_start_is_not() -> None:
     assert counted.cold_start_s == 150.0  # the median of 90, 150 and 700 s
     assert unschedulable(pods)
     assert not unschedulable([p for p in pods if p["metadata"]["name"] != "no-node"])
+
+
+def member(group: int, worker: int, pod_: dict[str, Any]) -> dict[str, Any]:
+    """``pod_`` as worker ``worker`` of a LeaderWorkerSet group (the labels LWS's webhook sets)."""
+    labels = {GROUP_INDEX_LABEL: str(group), "leaderworkerset.sigs.k8s.io/worker-index": str(worker)}
+    return {**pod_, "metadata": {**pod_["metadata"], "labels": labels}}
+
+
+def test_a_multi_node_replica_is_its_group_not_its_pods() -> None:
+    """A pool whose replica spans nodes (a LeaderWorkerSet) has one replica per group: ready when
+    every member is, stuck when one is, and its cold start ends when its last member is Ready."""
+    pods = [
+        member(0, 0, ready("g0-leader", 60)),
+        member(0, 1, ready("g0-worker", 200)),  # the group is ready at 200 s
+        member(1, 0, ready("g1-leader", 90)),
+        member(1, 1, pod("g1-worker", conditions=[UNSCHEDULABLE])),  # half a group cannot be placed
+        member(2, 0, pod("g2-leader", conditions=[{"type": "PodScheduled", "status": "True"}])),
+        member(2, 1, ready("g2-worker", 30)),
+    ]
+    counted = census(pods)
+    assert (counted.ready, counted.starting, counted.stuck) == (1, 1, 1)  # per pod: 4 ready, 1, 1
+    assert counted.why_stuck is not None and counted.why_stuck.startswith("g1-worker: Unschedulable")
+    assert counted.cold_start_s == 200.0
 
 
 def test_an_unschedulable_pod_a_node_is_coming_for_is_a_cold_start() -> None:

@@ -121,6 +121,19 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         lambda: sampler_pool(minReplicas=3, maxReplicas=2),
     ),
     "no-gpus-on-b200": (rules.POOL_NEEDS_GPUS.name, pool(0, gpusPerReplica=0)),
+    "replica-across-nodes-not-whole": (rules.REPLICA_WHOLE_NODES.name, pool(3, gpusPerReplica=12)),
+    "replica-across-nodes-on-torch": (
+        rules.MULTI_NODE_NEEDS_SGLANG.name,
+        pool(4, gpusPerReplica=16, engine="torch", weightPrecision="bf16"),
+    ),
+    "pool-name-taking-the-lws-suffix": (rules.RESERVED_POOL_SUFFIX.name, pool(0, name="b200-lws")),
+    "multi-node-pool-name-too-long": (
+        rules.MULTI_NODE_NAME_LENGTH.name,
+        lambda: {
+            **(doc := pool(3, name="h100-fp8-across-2-nodes", gpusPerReplica=16)()),
+            "metadata": {**doc["metadata"], "name": "r" * 30},
+        },
+    ),
     "toleration-exists-with-value": (
         rules.TOLERATION_EXISTS_NO_VALUE.name,
         pool(1, scheduling={"tolerations": [{"key": "dedicated", "value": "rl"}]}),

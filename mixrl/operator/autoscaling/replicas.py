@@ -130,29 +130,59 @@ def unschedulable(pods: Sequence[Obj]) -> bool:
     return any(stuck_reason(pod) is not None and stuck_reason(pod, True) is None for pod in pods)
 
 
-def census(pods: Sequence[Obj], node_on_its_way: set[str] | None = None) -> Census:
-    """Count ``pods`` (one pool's): ready, starting, stuck, and the cold-start time learned."""
-    coming = node_on_its_way or set()
-    ready = starting = stuck = 0
-    why: str | None = None
-    starts: list[float] = []
+GROUP_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/group-index"
+"""LeaderWorkerSet's label on every pod of a group (LWS v0.9's ``GroupIndexLabelKey``): a
+multi-node pool's replica is the group, not the pod."""
+
+
+def replicas_of(pods: Sequence[Obj]) -> list[list[Obj]]:
+    """``pods`` as replicas: a pod each, or for a multi-node pool (a LeaderWorkerSet) the pods of
+    one group together; pods being deleted are left out."""
+    groups: dict[str, list[Obj]] = {}
+    single: list[list[Obj]] = []
     for pod in pods:
         meta = pod.get("metadata") or {}
         if meta.get("deletionTimestamp"):
             continue
-        if is_ready(pod):
+        group = (meta.get("labels") or {}).get(GROUP_INDEX_LABEL)
+        if group is None:
+            single.append([pod])
+        else:
+            groups.setdefault(str(group), []).append(pod)
+    return single + [groups[key] for key in sorted(groups)]
+
+
+def census(pods: Sequence[Obj], node_on_its_way: set[str] | None = None) -> Census:
+    """Count ``pods`` (one pool's) as replicas (:func:`replicas_of`): ready when every pod of the
+    replica is, stuck when one is (the first such pod's reason), else starting; and the cold-start
+    time learned, from the first pod's creation to the last one's ``Ready``."""
+    coming = node_on_its_way or set()
+    ready = starting = stuck = 0
+    why: str | None = None
+    starts: list[float] = []
+    for members in replicas_of(pods):
+        if all(is_ready(pod) for pod in members):
             ready += 1
-            created = _time(meta.get("creationTimestamp"))
-            became = _time((_condition(pod, "Ready") or {}).get("lastTransitionTime"))
-            if created is not None and became is not None and became >= created:
-                starts.append(became - created)
+            created = [_time((pod.get("metadata") or {}).get("creationTimestamp")) for pod in members]
+            became = [_time((_condition(pod, "Ready") or {}).get("lastTransitionTime")) for pod in members]
+            if None not in created and None not in became:
+                first, last = (
+                    min(t for t in created if t is not None),
+                    max(t for t in became if t is not None),
+                )
+                if last >= first:
+                    starts.append(last - first)
             continue
-        reason = stuck_reason(pod, meta.get("name") in coming)
-        if reason is None:
+        reasons = [
+            (pod, stuck_reason(pod, (pod.get("metadata") or {}).get("name") in coming)) for pod in members
+        ]
+        blocked = [(pod, reason) for pod, reason in reasons if reason is not None]
+        if not blocked:
             starting += 1
             continue
         stuck += 1
         if why is None:
-            why = f"{meta.get('name', '?')}: {reason}"
+            pod, reason = blocked[0]
+            why = f"{(pod.get('metadata') or {}).get('name', '?')}: {reason}"
     cold_start = statistics.median(starts) if starts else None
     return Census(ready, starting, stuck, why, cold_start)

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from mixrl.api.kube_types import Obj
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
+from mixrl.api.rules import LWS_NAME_SUFFIX
 from mixrl.operator.builders.objects import Owner, metadata
 
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LWS_KIND = "LeaderWorkerSet"
-LWS_SUFFIX = "lws"
 
 # Names fixed by LWS v0.9's API (api/leaderworkerset/v1/leaderworkerset_types.go).
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
@@ -51,7 +51,7 @@ recreated (LWS's default, spelled out)."""
 
 def lws_name(pool: ResolvedPool) -> str:
     """``<run>-<pool>-lws``: the LeaderWorkerSet of a pool whose replica spans nodes."""
-    return f"{pool.object_name}-{LWS_SUFFIX}"
+    return f"{pool.object_name}{LWS_NAME_SUFFIX}"
 
 
 def leader_worker_set(
