@@ -4,15 +4,20 @@
     .venv/bin/python bench/cluster_scale.py                     # 1,000 nodes, 50 runs (about 10-20 min on 2 cores)
     .venv/bin/python bench/cluster_scale.py --nodes 100 --runs 5   # a smoke check
 
-Measured, with the chart installed by Helm and the chart's operator as a local process logged in
-with its ServiceAccount's token (so RBAC applies):
-- time from the apply to every SamplerPool Ready (all its replicas Running on their GPU nodes),
-  p50 / p99 / max over the pools;
-- the operator's API requests (from the API server's audit log): per run while converging, and
-  during one idle resync period once everything is Ready (writes there must be 0);
-- the operator's resident memory (peak, and idle after convergence).
-Nothing is a ratio against a baseline: these are absolute figures of one configuration, recorded
-with the command in docs/benchmarks.md. Plot: docs/img/cluster-scale.png.
+Two passes on the same control plane, one after the other:
+- **direct** (the baseline): the objects the operator would create for those runs — built by the
+  operator's own pure builders from the same documents (``run_objects``, and each pool's Deployment
+  and Service from ``pool_children`` in place of its SamplerPool), without owner references — in one
+  ``kubectl apply --server-side``; measured: apply → every pool's Deployment Ready. Then deleted,
+  and the next pass waits until their pods are gone.
+- **operator**: the RLRuns applied, with the chart installed by Helm and the chart's operator as a
+  local process logged in with its ServiceAccount's token (so RBAC applies); measured: apply →
+  every SamplerPool Ready (all its replicas Running on their GPU nodes), the operator's API
+  requests (from the API server's audit log) per run while converging and during one idle resync
+  period once everything is Ready (writes there must be 0), and its resident memory.
+Both: p50 / p99 / max over the pools; the ratio operator ÷ direct is the operator's own cost (the
+target: p99 within 1.2×). Recorded with the command in docs/benchmarks.md; plot
+docs/img/cluster-scale.png (both passes' Ready curves, and the operator's requests).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
 from mixrl.devcluster.kwok_fleet import NodeGroup
 
 ROOT = Path(__file__).resolve().parents[1]
-RELEASE, RELEASE_NS, NAMESPACE = "mixrl", "mixrl-system", "bench"
+RELEASE, RELEASE_NS, NAMESPACE, DIRECT_NS = "mixrl", "mixrl-system", "bench", "direct"
 # The mix: enough H200s for every run's trainer (4 x 8 GPUs) beside the H200 pools.
 SHARES = {"H200": 0.34, "H100": 0.16, "B200": 0.16, "B300": 0.1, "A100": 0.12, "RTX-PRO-6000": 0.12}
 
@@ -74,6 +79,80 @@ def is_write(event: dict[str, Any]) -> bool:
     )
 
 
+def direct_objects(docs: list[dict[str, Any]], chart_args: list[str], namespace: str) -> list[dict[str, Any]]:
+    """What the operator would create for ``docs``, from its own builders with the options its chart
+    arguments give, in ``namespace``, with no owner (the garbage collector would delete children of
+    an owner that does not exist)."""
+    from mixrl.api.loader import parse_document
+    from mixrl.api.models import RLRun
+    from mixrl.api.resolve import resolve
+    from mixrl.operator.builders.objects import BuildOptions, Owner
+    from mixrl.operator.builders.pools import pool_children
+    from mixrl.operator.builders.resources import run_objects, seed_replicas
+    from mixrl.operator.main import images_of, parse_args
+
+    args = parse_args(chart_args)
+    options = BuildOptions(images=images_of(args), drain_seconds=args.drain_seconds)
+    out: list[dict[str, Any]] = []
+    for doc in docs:
+        run = parse_document({**doc, "metadata": {**doc["metadata"], "namespace": namespace}})
+        assert isinstance(run, RLRun)
+        resolved = resolve(run)
+        owner = Owner("mixrl.dev/v1alpha1", "RLRun", resolved.name, "direct")
+        objects = [o for o in run_objects(resolved, owner, options) if o["kind"] != "SamplerPool"]
+        for pool in resolved.pools:
+            objects += pool_children(resolved, pool, seed_replicas(pool), owner, options)
+        for obj in objects:
+            obj["metadata"].pop("ownerReferences", None)
+            obj["metadata"]["namespace"] = namespace
+        out += objects
+    return out
+
+
+def wait_ready(
+    state: ClusterState, kind: str, namespace: str, total: int, t0: float, timeout: float, label: str,
+    sample: Any = None, names: set[str] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Seconds after ``t0`` at which each ``kind`` object in ``namespace`` had all its replicas
+    ready, once ``total`` are; progress with rate and ETA every 10 s."""
+    ready_at: dict[str, float] = {}
+    last_print = 0.0
+    while len(ready_at) < total:
+        now = time.monotonic() - t0
+        if now > timeout:
+            sys.exit(
+                f"cluster_scale: {label}: only {len(ready_at)}/{total} pools Ready after {timeout:.0f} s"
+            )
+        for obj in json.loads(kubectl(state, "get", kind, "-n", namespace, "-o", "json"))["items"]:
+            status, name = obj.get("status", {}), obj["metadata"]["name"]
+            if names is not None and name not in names:
+                continue
+            wanted = obj["spec"].get("replicas") or 0
+            if name not in ready_at and wanted > 0 and status.get("readyReplicas") == wanted:
+                ready_at[name] = now
+        if sample is not None:
+            sample(now, len(ready_at))
+        if now - last_print > 10:
+            rate = len(ready_at) / now if now else 0.0
+            eta = (total - len(ready_at)) / rate if rate else float("nan")
+            print(
+                f"  {label}: {len(ready_at)}/{total} pools Ready, {rate:.2f} pools/s, eta {eta:.0f} s",
+                flush=True,
+            )
+            last_print = now
+        time.sleep(1)
+    return ready_at
+
+
+def quantiles(times: list[float]) -> dict[str, float]:
+    times = sorted(times)
+    return {
+        "p50_s": statistics.median(times),
+        "p99_s": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
+        "max_s": times[-1],
+    }
+
+
 def runs(count: int) -> list[dict[str, Any]]:
     template = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
     template["spec"]["autoscaling"] = {
@@ -105,8 +184,9 @@ def main(argv: list[str]) -> int:
     groups = fleet(args.nodes)
     print(f"cluster_scale: starting the control plane with {sum(g.nodes for g in groups)} nodes", flush=True)
     started = time.monotonic()
-    # Each run claims the weights volume, one volume per trainer node (4) and the buffer's.
-    state = cluster.up(groups, volumes=args.runs * 6 + 4, timeout=300)
+    # Each run claims the weights volume, one volume per trainer node (4) and the buffer's, in
+    # each pass (a deleted claim's volume is not bound again).
+    state = cluster.up(groups, volumes=args.runs * 12 + 4, timeout=300)
     print(f"cluster_scale: nodes Ready in {time.monotonic() - started:.1f} s", flush=True)
     operator: subprocess.Popen[bytes] | None = None
     try:
@@ -129,6 +209,29 @@ def main(argv: list[str]) -> int:
             a.replace("$(POD_NAME)", "mixrl-bench-0") for a in chart_args if not a.startswith("--liveness")
         ]
         user = f"system:serviceaccount:{RELEASE_NS}:{RELEASE}"
+        docs = runs(args.runs)
+        pools_total = sum(len(d["spec"]["samplerPools"]) for d in docs)
+
+        # The baseline: the same objects applied directly, no operator running yet.
+        kubectl(state, "create", "namespace", DIRECT_NS)
+        objects = direct_objects(docs, chart_args, DIRECT_NS)
+        pool_names = {o["metadata"]["name"] for o in objects if o["kind"] == "Deployment"} & {
+            f"{d['metadata']['name']}-{pool['name']}" for d in docs for pool in d["spec"]["samplerPools"]
+        }
+        print(
+            f"cluster_scale: direct pass: {len(objects)} objects, {len(pool_names)} pool Deployments",
+            flush=True,
+        )
+        t0 = time.monotonic()
+        kubectl(state, "apply", "--server-side", "--field-manager=cluster-scale", "-f", "-",
+                input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objects}))  # fmt: skip
+        direct_at = wait_ready(
+            state, "deployments", DIRECT_NS, len(pool_names), t0, args.timeout, "direct", names=pool_names
+        )
+        gone = time.monotonic()
+        kubectl(state, "delete", "namespace", DIRECT_NS, "--timeout=900s")
+        print(f"cluster_scale: direct pass deleted in {time.monotonic() - gone:.0f} s", flush=True)
+
         with (work / "operator.log").open("wb") as log:
             operator = subprocess.Popen(
                 [sys.executable, "-m", "mixrl.cli", "operator", *chart_args, f"--resync-seconds={args.resync_seconds}"],
@@ -136,7 +239,6 @@ def main(argv: list[str]) -> int:
             )  # fmt: skip
         time.sleep(5)  # kopf's start-up (peering, watches) before the burst
         baseline = len(audit(state, user))
-        docs = runs(args.runs)
         t0 = time.monotonic()
         kubectl(
             state,
@@ -145,34 +247,18 @@ def main(argv: list[str]) -> int:
             "-",
             input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": docs}),
         )
-        pools_total = sum(len(d["spec"]["samplerPools"]) for d in docs)
-        ready_at: dict[str, float] = {}
-        peak_rss, last_print = 0.0, 0.0
+        peak_rss = 0.0
         timeline: list[tuple[float, int, int]] = []
-        while len(ready_at) < pools_total:
-            now = time.monotonic() - t0
-            if now > args.timeout:
-                sys.exit(
-                    f"cluster_scale: only {len(ready_at)}/{pools_total} pools Ready after {args.timeout:.0f} s"
-                )
+
+        def sample(now: float, ready: int) -> None:
+            nonlocal peak_rss
+            assert operator is not None
             peak_rss = max(peak_rss, rss_mib(operator.pid))
-            pools = json.loads(kubectl(state, "get", "samplerpools", "-n", NAMESPACE, "-o", "json"))["items"]
-            for sp in pools:
-                status, name = sp.get("status", {}), sp["metadata"]["name"]
-                if (
-                    name not in ready_at
-                    and sp["spec"]["replicas"] > 0
-                    and status.get("readyReplicas") == sp["spec"]["replicas"]
-                ):
-                    ready_at[name] = now
-            timeline.append((now, len(ready_at), len(audit(state, user)) - baseline))
-            if now - last_print > 10:
-                rate = len(ready_at) / now if now else 0.0
-                eta = (pools_total - len(ready_at)) / rate if rate else float("nan")
-                print(f"  {len(ready_at)}/{pools_total} pools Ready, {rate:.2f} pools/s, eta {eta:.0f} s, "
-                      f"operator {peak_rss:.0f} MiB", flush=True)  # fmt: skip
-                last_print = now
-            time.sleep(1)
+            timeline.append((now, ready, len(audit(state, user)) - baseline))
+
+        ready_at = wait_ready(
+            state, "samplerpools", NAMESPACE, pools_total, t0, args.timeout, "operator", sample
+        )
         converge_requests = len(audit(state, user)) - baseline
         times = sorted(ready_at.values())
         # The runs' status follows their pools' readiness a moment later: wait until the operator
@@ -188,13 +274,14 @@ def main(argv: list[str]) -> int:
         time.sleep(args.resync_seconds)
         idle = audit(state, user)[idle_start:]
         idle_rss = rss_mib(operator.pid)
+        ours, direct = quantiles(times), quantiles(list(direct_at.values()))
         result = {
             "nodes": sum(g.nodes for g in groups),
             "runs": args.runs,
             "pools": pools_total,
-            "ready_p50_s": statistics.median(times),
-            "ready_p99_s": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))],
-            "ready_max_s": times[-1],
+            **{f"ready_{k}": v for k, v in ours.items()},
+            **{f"direct_ready_{k}": v for k, v in direct.items()},
+            "p99_operator_over_direct": ours["p99_s"] / direct["p99_s"],
             "status_settled_s": settled_s,
             "requests_while_converging": converge_requests,
             "requests_per_run": converge_requests / args.runs,
@@ -206,7 +293,7 @@ def main(argv: list[str]) -> int:
             "operator_idle_rss_mib": idle_rss,
         }
         print(json.dumps(result, indent=2))
-        plot(timeline, times, result, args.plot)
+        plot(timeline, times, sorted(direct_at.values()), result, args.plot)
         return 0
     finally:
         if operator is not None:
@@ -216,7 +303,11 @@ def main(argv: list[str]) -> int:
 
 
 def plot(
-    timeline: list[tuple[float, int, int]], times: list[float], result: dict[str, Any], path: Path
+    timeline: list[tuple[float, int, int]],
+    times: list[float],
+    direct: list[float],
+    result: dict[str, Any],
+    path: Path,
 ) -> None:
     import matplotlib
 
@@ -224,11 +315,19 @@ def plot(
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(times, [i / len(times) for i in range(1, len(times) + 1)], drawstyle="steps-post")
+    left.plot(
+        times, [i / len(times) for i in range(1, len(times) + 1)], drawstyle="steps-post", label="operator"
+    )
+    left.plot(
+        direct, [i / len(direct) for i in range(1, len(direct) + 1)], drawstyle="steps-post",
+        label=f"direct apply (p99 {result['direct_ready_p99_s']:.0f} s)",
+    )  # fmt: skip
     left.set(xlabel="seconds after the apply", ylabel="share of pools Ready",
              title=f"{result['runs']} RLRuns x 8 pools on {result['nodes']} KWOK nodes")  # fmt: skip
-    left.axvline(result["ready_p50_s"], ls="--", c="grey", label=f"p50 {result['ready_p50_s']:.0f} s")
-    left.axvline(result["ready_p99_s"], ls=":", c="k", label=f"p99 {result['ready_p99_s']:.0f} s")
+    left.axvline(
+        result["ready_p50_s"], ls="--", c="grey", label=f"operator p50 {result['ready_p50_s']:.0f} s"
+    )
+    left.axvline(result["ready_p99_s"], ls=":", c="k", label=f"operator p99 {result['ready_p99_s']:.0f} s")
     left.legend()
     right.plot([t for t, _, _ in timeline], [r for _, _, r in timeline])
     right.set(xlabel="seconds after the apply", ylabel="operator API requests (cumulative)",
