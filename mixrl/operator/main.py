@@ -282,6 +282,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="write no figures, no phase end and no CollapseRisk (the reconcilers' conditions stay)",
     )
     status.add_argument(
+        "--explain-placement",
+        action="store_true",
+        help="a run whose pod cannot be placed is told the free GPUs of the nodes it may use and which runs "
+        "hold them; reads every node and every namespace's pods (RBAC: the chart's placement.explain)",
+    )
+    status.add_argument(
         "--status-seconds",
         type=float,
         default=15.0,
@@ -315,6 +321,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ):
         if not value > 0 or value == float("inf"):
             parser.error(f"{flag}: must be a number of seconds above 0, got {value}")
+    if args.explain_placement and not args.live_status:
+        parser.error("--explain-placement: the explanation is part of the live status; drop --no-live-status")
     if args.resync_seconds < 0:
         parser.error("--resync-seconds: must be 0 or more")
     if args.namespaces and any(not ns for ns in args.namespaces):
@@ -442,7 +450,11 @@ def main(argv: list[str]) -> int:
         default_queue=args.default_queue or None,
         autoscaling=LoopSettings() if args.builtin_autoscaler else None,
         live_status=(
-            ObserverSettings(interval_s=args.status_seconds, min_write_interval_s=args.status_write_seconds)
+            ObserverSettings(
+                interval_s=args.status_seconds,
+                min_write_interval_s=args.status_write_seconds,
+                explain_placement=args.explain_placement,
+            )
             if args.live_status
             else None
         ),

@@ -27,7 +27,7 @@ from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner, Scr
 from mixrl.operator.builders.pools import pool_children
 from mixrl.operator.builders.resources import run_objects
 from mixrl.operator.install import chart as chart_module
-from mixrl.operator.kube.rbac import operator_rules, permissions
+from mixrl.operator.kube.rbac import PLACEMENT_READS, operator_rules, permissions, policy_rules
 from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority
 
 from ..operator.support import small_run
@@ -583,6 +583,32 @@ def test_packing_values_reach_the_operator(helm: Helm) -> None:
     assert "--no-gpu-pod-packing" in args and f"--scheduler-name={PACKING_SCHEDULER}" in args
     chosen = images_of(parse_args(args))
     assert not chosen.pack_gpu_pods and chosen.scheduler_name == PACKING_SCHEDULER
+
+
+@pytest.mark.parametrize("scope", [clusterwide, lambda: namespaced("rl")], ids=["clusterwide", "namespaced"])
+def test_placement_explain_grants_its_cluster_wide_reads_and_passes_the_flag(helm: Helm, scope: Any) -> None:
+    """Off (the default): neither the flag nor any read of nodes.  On: the flag, and a ClusterRole
+    of exactly rbac.PLACEMENT_READS bound to the operator's account, whatever the operator's scope."""
+    off = helm.template(scope())
+    assert "--explain-placement" not in operator_args(off)
+    assert not any(
+        r
+        for o in off
+        if o["kind"] in ("ClusterRole", "Role")
+        for r in o["rules"]
+        if "nodes" in r["resources"]
+    )
+    values = scope()
+    values["placement"] = {"explain": True}
+    on = helm.template(values)
+    assert "--explain-placement" in operator_args(on) and parse_args(operator_args(on)).explain_placement
+    (role,) = [o for o in by_kind(on, "ClusterRole") if o["metadata"]["name"].endswith("-placement")]
+    assert role["rules"] == policy_rules(PLACEMENT_READS)
+    (binding,) = [
+        o for o in by_kind(on, "ClusterRoleBinding") if o["metadata"]["name"].endswith("-placement")
+    ]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == operator_pod(on)["serviceAccountName"]
 
 
 def test_the_shipped_scheduler_file_serves_the_stock_profile_and_the_packing_one() -> None:

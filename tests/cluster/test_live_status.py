@@ -24,7 +24,18 @@ import yaml
 from mixrl.devcluster.cluster import free_port
 from mixrl.rl import metrics as m
 
-from .conftest import ROOT, Bed, OperatorProcess, exposition_server, start_operator, stop_operator, wait_for
+from .conftest import (
+    CHART,
+    RELEASE,
+    RELEASE_NS,
+    ROOT,
+    Bed,
+    OperatorProcess,
+    exposition_server,
+    start_operator,
+    stop_operator,
+    wait_for,
+)
 from .test_autoscaling import start_prometheus
 
 POOLS = ("h100-fp8", "b200-nvfp4")
@@ -77,20 +88,40 @@ class RunExporter:
         return "\n".join(lines) + "\n"
 
 
+def placement_rbac(cluster: Bed) -> str:
+    """The chart's ClusterRole and binding of ``placement.explain: true``, rendered by Helm as an
+    upgrade would add them to the installed release (whose other values stay as the bed has them)."""
+    version = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+    rendered = cluster.helm(
+        "template", RELEASE, str(CHART), "-n", RELEASE_NS, "--kube-version", version,
+        "--set", "watch.allNamespaces=true", "--set", "placement.explain=true",
+        "--show-only", "templates/rbac.yaml",
+    ).stdout  # fmt: skip
+    ours = [d for d in yaml.safe_load_all(rendered) if d and d["metadata"]["name"].endswith("-placement")]
+    assert [d["kind"] for d in ours] == ["ClusterRole", "ClusterRoleBinding"], ours
+    return yaml.safe_dump_all(ours)
+
+
 @pytest.fixture(scope="module")
 def status_operator(cluster: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    """The chart's operator with --explain-placement and the chart's RBAC for it (the status loop
+    reads every node and bound pod only with both)."""
+    rbac = placement_rbac(cluster)
+    cluster.apply(rbac)
     running = start_operator(
         cluster,
         tmp_path_factory.mktemp("status-operator"),
         "--status-seconds=1",
         "--status-write-seconds=2",
         "--no-builtin-autoscaler",
+        "--explain-placement",
     )
     try:
         yield running
     finally:
         stop_operator(running)
         print(f"--- operator log (last lines)\n{running.log_tail()}")
+        cluster.kubectl("delete", "-f", "-", "--wait=false", input=rbac, check=False)
     assert not running.denied(cluster), running.denied(cluster)
 
 
@@ -204,11 +235,12 @@ def test_status_is_live_collapse_is_flagged_idle_costs_nothing_and_the_end_relea
         exporter.server.shutdown()
 
 
-def test_a_run_whose_trainer_cannot_be_placed_says_what_it_needs_and_why(
+def test_a_run_whose_trainer_cannot_be_placed_says_what_it_needs_why_and_who_holds_the_gpus(
     cluster: Bed, status_operator: OperatorProcess, namespace: str
 ) -> None:
     """Issue #31: a trainer Pending forever said only "TrainerReady: 0/1 ready".  Here one of its three pods
-    asks for 8 × A100 on one node; the bed has two A100 nodes."""
+    asks for 8 × A100 on one node; the bed has two A100 nodes, which its other two pods fill.  With
+    --explain-placement the message goes on with the nodes' free GPUs and who holds them."""
     run = yaml.safe_load((ROOT / "examples" / "rlrun-minimal.yaml").read_text())
     run["metadata"]["namespace"] = namespace
     name = run["metadata"]["name"]
@@ -219,16 +251,29 @@ def test_a_run_whose_trainer_cannot_be_placed_says_what_it_needs_and_why(
         status = cluster.get(f"rlrun/{name}", "-n", namespace).get("status") or {}
         return next((c for c in status.get("conditions", []) if c["type"] == "PodsPlaced"), {})
 
+    holders = f"held by run {namespace}/{name} (16 GPUs in 2 pod(s))"
     condition = wait_for(
-        lambda: placed() if placed().get("status") == "False" else None, timeout=60, what="PodsPlaced False"
+        lambda: placed() if holders in placed().get("message", "") else None,
+        timeout=60,
+        what="PodsPlaced False naming the run's own two pods as the A100s' holders",
     )
-    assert condition["reason"] == "Unschedulable", condition
+    assert condition["status"] == "False" and condition["reason"] == "Unschedulable", condition
     # One of the three pods waits (which one: the StatefulSet starts them together).
     assert re.match(
         rf"trainer pod {name}-trainer-[0-2] needs 8 × A100 on one node and cannot be placed: 0/\d+ nodes",
         condition["message"],
     ), condition
     assert "Insufficient nvidia.com/gpu" in condition["message"], condition
+    # What would fix it: both A100 nodes the pod may use are full, and whose pods fill them.
+    assert re.search(
+        r"; 2 A100 node\(s\) it may use; GPUs free on the most free: \S+ 0, \S+ 0; none has 8 free: it fits "
+        r"once 8 more are freed on one of them; their GPUs are ",
+        condition["message"],
+    ), condition
     events = cluster.get("events", "-n", namespace, "--field-selector", "reason=Unschedulable")["items"]
     ours = [e for e in events if e["involvedObject"]["kind"] == "RLRun"]
-    assert ours and ours[0]["message"] == condition["message"] and ours[0]["type"] == "Warning"
+    assert ours and ours[0]["type"] == "Warning", ours
+    assert (
+        ours[0]["message"].startswith(f"trainer pod {name}-trainer-")
+        and "A100 node(s) it may use" in ours[0]["message"]
+    )

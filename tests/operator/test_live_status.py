@@ -21,6 +21,8 @@ from mixrl.operator.controller.live_status import (
     history_query,
     live_pool_status,
     live_run_status,
+    node_matches,
+    placement_explanation,
     placement_problem,
     quarantine_event,
     records_from_history,
@@ -320,3 +322,125 @@ def test_a_pod_the_scheduler_cannot_place_is_named_with_what_it_needs_and_why() 
     status = live_run_status(status, Figures(), 1, "T2")
     [condition] = [c for c in status["conditions"] if c["type"] == "PodsPlaced"]
     assert condition["status"] == "True" and condition["lastTransitionTime"] == "T2"
+
+
+H100 = "NVIDIA-H100-80GB-HBM3"
+
+
+def node(name: str, product: str, gpus: int, cordoned: bool = False) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"nvidia.com/gpu.product": product}},
+        "spec": {"unschedulable": True} if cordoned else {},
+        "status": {"allocatable": {"nvidia.com/gpu": str(gpus), "cpu": "96"}},
+    }
+
+
+def bound(
+    name: str, node_name: str, gpus: int, run: str | None = None, phase: str = "Running"
+) -> dict[str, Any]:
+    labels = {"app.kubernetes.io/name": "mixrl", "app.kubernetes.io/instance": run} if run else {}
+    return {
+        "metadata": {"name": name, "namespace": "team", "labels": labels},
+        "spec": {
+            "nodeName": node_name,
+            "containers": [{"name": "c", "resources": {"requests": {"nvidia.com/gpu": str(gpus)}}}],
+        },
+        "status": {"phase": phase},
+    }
+
+
+def unplaced_trainer(gpus: int = 8) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "demo-trainer-0",
+            "labels": {"app.kubernetes.io/component": "trainer", "mixrl.dev/gpu-type": "H100"},
+        },
+        "spec": {
+            "containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "nvidia.com/gpu.product", "operator": "In", "values": [H100]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+        },
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/6 nodes are available: 2 Insufficient nvidia.com/gpu, 4 node(s) didn't match Pod's node affinity/selector.",
+                }
+            ],
+        },
+    }
+
+
+def test_the_explanation_names_the_free_gpus_of_the_nodes_the_pod_may_use_and_who_holds_them() -> None:
+    """Issue #31's fragmentation: two 8-GPU H100 nodes, each half used by 1-GPU engine pods of run
+    ``a``, and a 2-GPU pod of another team: no node has the trainer's 8 free."""
+    nodes = [node("h100-0", H100, 8), node("h100-1", H100, 8), node("b200-0", "NVIDIA-B200", 8)]
+    pods = [
+        *(bound(f"a-pool-{i}", f"h100-{i % 2}", 1, run="a") for i in range(4)),
+        bound("notebook", "h100-1", 2),
+        bound("done", "h100-0", 4, run="old", phase="Succeeded"),  # terminated: holds nothing
+        bound("b200-pod", "b200-0", 8, run="b"),  # not a node the trainer may use
+    ]
+    why = placement_explanation(unplaced_trainer(), nodes, pods)
+    assert why == (
+        "2 H100 node(s) it may use; GPUs free on the most free: h100-0 6, h100-1 4; none has 8 free: it fits "
+        "once 2 more are freed on one of them; their GPUs are held by run team/a (4 GPUs in 4 pod(s)), "
+        "pod team/notebook (2 GPUs in 1 pod(s))"
+    )
+    # Appended to the scheduler's reason, within a condition's 1000 characters.
+    line = placement_problem([unplaced_trainer()], why)
+    assert line is not None and line.startswith(
+        "trainer pod demo-trainer-0 needs 8 × H100 on one node and cannot be placed: 0/6 nodes are available"
+    )
+    assert line.endswith("; " + why) and len(line) <= 1000
+    # A node with the GPUs free: the GPUs are not what blocks it (the scheduler's reason says what does).
+    assert "h100-0 has 6 free, so the GPUs are not what blocks it" in str(
+        placement_explanation(unplaced_trainer(6), nodes, pods)
+    )
+    # A cordoned node is shown as such and never counted as a fit.
+    cordoned = [node("h100-0", H100, 8, cordoned=True), node("h100-1", H100, 8)]
+    text = str(placement_explanation(unplaced_trainer(8), cordoned, []))
+    assert "h100-0 8 (cordoned), h100-1 8" in text and "h100-1 has 8 free" in text
+
+
+def test_the_explanation_says_when_no_node_offers_the_gpu_and_skips_cpu_pods() -> None:
+    nodes = [node("b200-0", "NVIDIA-B200", 8), {"metadata": {"name": "cpu-0", "labels": {}}, "status": {}}]
+    assert placement_explanation(unplaced_trainer(), nodes, []) == (
+        "no node of the cluster offers H100 GPUs to this pod: add H100 nodes, or change the gpuType"
+    )
+    cpu_pod = {**unplaced_trainer(), "spec": {"containers": [{"name": "router"}]}}
+    assert placement_explanation(cpu_pod, nodes, []) is None
+
+
+def test_node_matching_reads_the_selector_and_the_or_of_affinity_terms() -> None:
+    pod = unplaced_trainer()
+    pod["spec"]["nodeSelector"] = {"pool": "gpu"}
+    gpu = node("h100-0", H100, 8)
+    assert not node_matches(pod, gpu)  # the selector's label is missing
+    gpu["metadata"]["labels"]["pool"] = "gpu"
+    assert node_matches(pod, gpu)
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    terms["nodeSelectorTerms"].append(
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["x"]}]}
+    )
+    other = node("x", "NVIDIA-B200", 8)
+    other["metadata"]["labels"]["pool"] = "gpu"
+    assert node_matches(pod, other)  # the second term, by name
+    terms["nodeSelectorTerms"] = [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "NotIn", "values": [H100]}]},
+    ]
+    assert not node_matches(pod, gpu) and node_matches(pod, other)

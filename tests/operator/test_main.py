@@ -67,6 +67,10 @@ current-context: emulator
         (["--standalone", "--replica-id", "pod-a"], "--replica-id: a standalone operator has no peers"),
         (["--resync-seconds", "-1"], "--resync-seconds: must be 0 or more"),
         (
+            ["--explain-placement", "--no-live-status"],
+            "--explain-placement: the explanation is part of the live status; drop --no-live-status",
+        ),
+        (
             ["--allowed-image-prefix", "ghcr.io/ mixrl/"],
             "--allowed-image-prefix: 'ghcr.io/ mixrl/' is not an image prefix",
         ),

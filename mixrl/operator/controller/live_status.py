@@ -293,28 +293,192 @@ PODS_PLACED = "PodsPlaced"
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
-def placement_problem(pods: Sequence[Obj]) -> str | None:
-    """Why the first of ``pods`` the scheduler cannot place waits, in one line: which component,
-    what it asks of one node, and the scheduler's own reason (``PodScheduled=False``,
-    ``Unschedulable``); None when every pod is placed (or being deleted)."""
+def unplaced_pod(pods: Sequence[Obj]) -> Obj | None:
+    """The first of ``pods`` (by name) the scheduler cannot place (``PodScheduled=False``,
+    ``Unschedulable``), not being deleted; None when every pod is placed."""
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("name", "")):
         meta = pod.get("metadata") or {}
-        reason = None if meta.get("deletionTimestamp") else unschedulable_message(pod, limit=800)
-        if reason is None:
-            continue
-        spec = pod.get("spec") or {}
-        gpus = sum(
-            int(float((c.get("resources") or {}).get("limits", {}).get(GPU_RESOURCE, 0) or 0))
-            for c in spec.get("containers") or []
-        )
-        labels = meta.get("labels") or {}
-        what = labels.get(L.COMPONENT, "a")
-        if labels.get(L.POOL):
-            what = f"pool {labels[L.POOL]}'s"
-        gpu_type = labels.get(L.GPU_TYPE)
-        needs = f"{gpus} × {gpu_type or GPU_RESOURCE} on one node" if gpus else "its CPU and memory"
-        return f"{what} pod {meta.get('name', '?')} needs {needs} and cannot be placed: {reason}"[:1000]
+        if not meta.get("deletionTimestamp") and unschedulable_message(pod) is not None:
+            return pod
     return None
+
+
+def placement_problem(pods: Sequence[Obj], explanation: str | None = None) -> str | None:
+    """Why the first of ``pods`` the scheduler cannot place waits, in one line: which component,
+    what it asks of one node, and the scheduler's own reason; then ``explanation`` (what would
+    fix it: :func:`placement_explanation`), for which the scheduler's reason is shortened so the
+    line stays within a condition's 1000 characters.  None when every pod is placed."""
+    pod = unplaced_pod(pods)
+    if pod is None:
+        return None
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    what = labels.get(L.COMPONENT, "a")
+    if labels.get(L.POOL):
+        what = f"pool {labels[L.POOL]}'s"
+    gpus = pod_gpus(pod)
+    needs = f"{gpus} × {labels.get(L.GPU_TYPE) or GPU_RESOURCE} on one node" if gpus else "its CPU and memory"
+    head = f"{what} pod {meta.get('name', '?')} needs {needs} and cannot be placed: "
+    tail = f"; {explanation[:EXPLANATION_LIMIT]}" if explanation else ""
+    reason = unschedulable_message(pod, limit=max(MESSAGE_LIMIT - len(head) - len(tail), 80)) or ""
+    return f"{head}{reason}{tail}"[:MESSAGE_LIMIT]
+
+
+MESSAGE_LIMIT = 1000
+EXPLANATION_LIMIT = 400
+EXPLAIN_HINT = (
+    "the operator's --explain-placement (chart: placement.explain) adds which nodes and runs hold the GPUs"
+)
+"""Appended when the explanation is off: turning it on is one flag, so the message says so."""
+TOP_NODES = 3
+TOP_HOLDERS = 3
+
+
+def _quantity(raw: Any) -> float:
+    """A GPU count as Kubernetes writes it ("8", 8); GPUs are whole, so no suffixes."""
+    try:
+        return float(raw or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def pod_gpus(pod: Obj) -> int:
+    """GPUs a pod holds on its node: the larger of its containers' sum and any init container's
+    (a request, else the limit, which is the request for an extended resource)."""
+
+    def gpus(container: Obj) -> float:
+        resources = container.get("resources") or {}
+        for kind in ("requests", "limits"):
+            if GPU_RESOURCE in (resources.get(kind) or {}):
+                return _quantity(resources[kind][GPU_RESOURCE])
+        return 0.0
+
+    spec = pod.get("spec") or {}
+    running = sum(gpus(c) for c in spec.get("containers") or [])
+    init = max((gpus(c) for c in spec.get("initContainers") or []), default=0.0)
+    return int(max(running, init))
+
+
+def _expression_matches(expression: Obj, values_of: Mapping[str, str]) -> bool:
+    key, operator = expression.get("key", ""), expression.get("operator", "")
+    values = [str(v) for v in expression.get("values") or []]
+    present = key in values_of
+    value = values_of.get(key, "")
+    if operator == "In":
+        return present and value in values
+    if operator == "NotIn":
+        return not present or value not in values
+    if operator == "Exists":
+        return present
+    if operator == "DoesNotExist":
+        return not present
+    if operator in ("Gt", "Lt") and present and values:
+        try:
+            number, bound = int(value), int(values[0])
+        except ValueError:
+            return False
+        return number > bound if operator == "Gt" else number < bound
+    return False
+
+
+def node_matches(pod: Obj, node: Obj) -> bool:
+    """Whether ``node`` satisfies ``pod``'s node selector and required node affinity (the terms
+    OR-ed, the expressions of one term AND-ed, as the scheduler reads them); taints and resources
+    are not looked at."""
+    spec = pod.get("spec") or {}
+    meta = node.get("metadata") or {}
+    labels = {str(k): str(v) for k, v in (meta.get("labels") or {}).items()}
+    if any(labels.get(k) != str(v) for k, v in (spec.get("nodeSelector") or {}).items()):
+        return False
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = required.get("nodeSelectorTerms") or []
+    if not terms:
+        return True
+    fields = {"metadata.name": str(meta.get("name", ""))}
+    return any(
+        all(_expression_matches(e, labels) for e in term.get("matchExpressions") or [])
+        and all(_expression_matches(e, fields) for e in term.get("matchFields") or [])
+        for term in terms
+    )
+
+
+def _holder(pod: Obj) -> str:
+    """Who holds a pod's GPUs: ``run <namespace>/<name>`` for a mixrl pod, else the pod."""
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    namespace = meta.get("namespace", "?")
+    if labels.get(L.NAME) == L.APP and labels.get(L.INSTANCE):
+        return f"run {namespace}/{labels[L.INSTANCE]}"
+    return f"pod {namespace}/{meta.get('name', '?')}"
+
+
+def placement_explanation(pod: Obj, nodes: Sequence[Obj], pods: Sequence[Obj]) -> str | None:
+    """What would let the unplaced ``pod`` in, from the cluster's nodes and pods: how many GPUs
+    the nodes it may use (its GPU placement) have free — allocatable minus the GPUs of the
+    non-terminated pods bound there — the most free first, and which runs (or, for pods not of
+    mixrl, which pods) hold the rest.  None for a pod that asks for no GPU (the scheduler's reason
+    says enough about CPU and memory)."""
+    wanted = pod_gpus(pod)
+    if wanted == 0:
+        return None
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    kind = labels.get(L.GPU_TYPE) or GPU_RESOURCE
+    matching = {
+        str(n["metadata"]["name"]): n
+        for n in nodes
+        if node_matches(pod, n)
+        and _quantity(((n.get("status") or {}).get("allocatable") or {}).get(GPU_RESOURCE)) > 0
+    }
+    if not matching:
+        return (
+            f"no node of the cluster offers {kind} GPUs to this pod: add {kind} nodes, or change the gpuType"
+        )
+    used: dict[str, int] = dict.fromkeys(matching, 0)
+    holders: dict[str, list[int]] = {}  # holder -> [GPUs, pods]
+    for other in pods:
+        node = (other.get("spec") or {}).get("nodeName")
+        phase = (other.get("status") or {}).get("phase")
+        if node not in used or phase in ("Succeeded", "Failed"):
+            continue
+        gpus = pod_gpus(other)
+        if gpus == 0:
+            continue
+        used[node] += gpus
+        held = holders.setdefault(_holder(other), [0, 0])
+        held[0] += gpus
+        held[1] += 1
+    free = {
+        name: int(_quantity(node["status"]["allocatable"][GPU_RESOURCE])) - used[name]
+        for name, node in matching.items()
+    }
+    cordoned = {name for name, node in matching.items() if (node.get("spec") or {}).get("unschedulable")}
+    ranked = sorted(matching, key=lambda name: (-free[name], name))
+    shown = ", ".join(
+        f"{name} {max(free[name], 0)}" + (" (cordoned)" if name in cordoned else "")
+        for name in ranked[:TOP_NODES]
+    )
+    more = f" and {len(ranked) - TOP_NODES} more" if len(ranked) > TOP_NODES else ""
+    fits = [name for name in ranked if free[name] >= wanted and name not in cordoned]
+    if fits:
+        verdict = f"{fits[0]} has {free[fits[0]]} free, so the GPUs are not what blocks it"
+    else:
+        best = (
+            max(free[name] for name in ranked if name not in cordoned) if len(cordoned) < len(ranked) else 0
+        )
+        verdict = (
+            f"none has {wanted} free: it fits once {wanted - max(best, 0)} more are freed on one of them"
+        )
+    text = f"{len(matching)} {kind} node(s) it may use; GPUs free on the most free: {shown}{more}; {verdict}"
+    if holders:
+        top = sorted(holders.items(), key=lambda item: (-item[1][0], item[0]))
+        named = ", ".join(
+            f"{who} ({gpus} GPUs in {count} pod(s))" for who, (gpus, count) in top[:TOP_HOLDERS]
+        )
+        others = f" and {len(top) - TOP_HOLDERS} more" if len(top) > TOP_HOLDERS else ""
+        text += f"; their GPUs are held by {named}{others}"
+    return text[:EXPLANATION_LIMIT]
 
 
 def quarantine_event(previous: Obj, new: Obj) -> str | None:

@@ -40,6 +40,7 @@ from mixrl.operator.builders import labels as L
 from mixrl.operator.controller.live_status import (
     CAPACITY_MISMATCH,
     COLLAPSE_RISK,
+    EXPLAIN_HINT,
     PODS_PLACED,
     SPEND_WRITE_INTERVAL_S,
     TRAINER,
@@ -50,6 +51,7 @@ from mixrl.operator.controller.live_status import (
     history_query,
     live_pool_status,
     live_run_status,
+    placement_explanation,
     placement_problem,
     quarantine_event,
     records_from_history,
@@ -57,11 +59,12 @@ from mixrl.operator.controller.live_status import (
     spend_fields,
     spend_from_status,
     trainer_failure,
+    unplaced_pod,
 )
 from mixrl.operator.controller.reconcile import manifest
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.events import event_object, rfc3339
-from mixrl.operator.kube.rbac import EVENTS, PODS, RLRUNS, SAMPLERPOOLS
+from mixrl.operator.kube.rbac import EVENTS, NODES, PODS, RLRUNS, SAMPLERPOOLS
 from mixrl.operator.kube.ticker import Ticker
 from mixrl.rl.health.collapse import assess
 
@@ -146,6 +149,9 @@ class ObserverSettings:
     """Fewest seconds between two status writes of one object (flips of phase or CollapseRisk excepted)."""
     query_timeout_s: float = 10.0
     tick_s: float = 1.0
+    explain_placement: bool = False
+    """A run with an unplaced pod is told which nodes could hold it and who holds their GPUs: a
+    cluster-wide read of nodes and pods (``--explain-placement``; its RBAC only with it)."""
 
 
 @dataclass
@@ -196,6 +202,9 @@ class StatusObserver(Ticker):
         self.memory: dict[Key, RunMemory] = {}
         self.writes = 0
         """Status patches sent (tests count them: an idle run must cost none)."""
+        self._cluster: tuple[float, list[Obj], list[Obj]] | None = None
+        """(when read, nodes, pods bound to a node): one cluster-wide read serves every run that
+        needs an explanation within one interval."""
 
     def observe_run(self, body: Mapping[str, Any], deleted: bool) -> None:
         meta = body["metadata"]
@@ -252,7 +261,7 @@ class StatusObserver(Ticker):
         pods = await self.client.list(PODS, namespace, L.selector_labels(name, "trainer"))
         failure = trainer_failure(pods)
         samplers = await self.client.list(PODS, namespace, L.selector_labels(name, "sampler"))
-        unplaced = placement_problem([*pods, *samplers])
+        unplaced = await self._placement([*pods, *samplers], now)
         pool_bodies = await self.client.list(SAMPLERPOOLS, namespace, L.selector_labels(name, "sampler"))
         collapse_spec = run.spec.health.collapse
         records = [memory.records[step] for step in sorted(memory.records)]
@@ -287,6 +296,27 @@ class StatusObserver(Ticker):
             await self._events(fresh, previous, new, memory, now)
         if problem is None:
             await self._write_pools(fresh, figures, memory, now)
+
+    async def _placement(self, pods: list[Obj], now: float) -> str | None:
+        """PodsPlaced's message: the unplaced pod and the scheduler's reason, and with
+        ``explain_placement`` the nodes it may use and who holds their GPUs (else how to get that)."""
+        stuck = unplaced_pod(pods)
+        if stuck is None:
+            return None
+        if not self.settings.explain_placement:
+            return placement_problem(pods, EXPLAIN_HINT)
+        try:
+            if self._cluster is None or now - self._cluster[0] >= self.settings.interval_s:
+                nodes = await self.client.list_cluster(NODES)
+                # Only pods that hold a node: bound (nodeName set) and not terminated.
+                bound = await self.client.list_cluster(
+                    PODS, field_selector="spec.nodeName!=,status.phase!=Succeeded,status.phase!=Failed"
+                )
+                self._cluster = (now, nodes, bound)
+            explanation = placement_explanation(stuck, self._cluster[1], self._cluster[2])
+        except ApiError as exc:
+            explanation = f"nodes and pods could not be read to explain it: {exc}"
+        return placement_problem(pods, explanation)
 
     def _accrue(
         self, memory: RunMemory, previous: Obj, resolved: ResolvedRun, pool_bodies: list[Obj], now: float

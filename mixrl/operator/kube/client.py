@@ -24,7 +24,7 @@ import aiohttp
 from mixrl import __version__
 from mixrl.api.kube_types import Obj
 from mixrl.api.status import RLRunStatus, SamplerPoolStatus, checked_status
-from mixrl.operator.kube.rbac import PEERING_READS, RECONCILER, ApiResource, is_allowed
+from mixrl.operator.kube.rbac import PEERING_READS, PLACEMENT_READS, RECONCILER, ApiResource, is_allowed
 
 FIELD_MANAGER = "mixrl-operator"
 USER_AGENT = f"mixrl-operator/{__version__}"
@@ -177,6 +177,7 @@ class KubeClient:
         if not (
             is_allowed(RECONCILER, resource.group, rbac_resource, verb)
             or is_allowed(PEERING_READS, resource.group, rbac_resource, verb)
+            or (namespace is None and is_allowed(PLACEMENT_READS, resource.group, rbac_resource, verb))
         ):
             raise UndeclaredApiCall(
                 f"{verb} {resource.group or 'core'}/{rbac_resource} is not in rbac.RECONCILER"
@@ -213,6 +214,13 @@ class KubeClient:
             if exc.status == 404:
                 return None
             raise
+
+    async def list_cluster(self, resource: ApiResource, field_selector: str = "") -> list[Obj]:
+        """Every object of ``resource`` in the cluster (all namespaces), ``field_selector`` applied
+        by the server (rbac.PLACEMENT_READS: granted only with --explain-placement)."""
+        params = {"fieldSelector": field_selector} if field_selector else {}
+        found = await self.request("list", "GET", resource, params=params)
+        return [item for item in (found or {}).get("items", [])]
 
     async def list(self, resource: ApiResource, namespace: str, label_selector: dict[str, str]) -> list[Obj]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))

@@ -48,6 +48,7 @@ SERVICES = ApiResource("", "v1", "services", "Service")
 PVCS = ApiResource("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 EVENTS = ApiResource("", "v1", "events", "Event")
 PODS = ApiResource("", "v1", "pods", "Pod")
+NODES = ApiResource("", "v1", "nodes", "Node", namespaced=False)
 DEPLOYMENTS = ApiResource("apps", "v1", "deployments", "Deployment")
 STATEFULSETS = ApiResource("apps", "v1", "statefulsets", "StatefulSet")
 RLRUNS = ApiResource(GROUP, VERSION, "rlruns", "RLRun")
@@ -182,6 +183,16 @@ PEERING_VERBS = frozenset({"get", "list", "watch", "patch"})
 PEERING_READS: dict[Key, frozenset[str]] = {
     ("kopf.dev", CLUSTER_KOPF_PEERINGS.plural): frozenset({"get"}),
     ("kopf.dev", KOPF_PEERINGS.plural): frozenset({"get"}),
+}
+
+
+# --explain-placement (the chart's placement.explain): a run whose pod the scheduler cannot place
+# is told the free GPUs of the nodes it may use and who holds them, which takes every node and every
+# namespace's bound pods.  Cluster-wide reads (a ClusterRole whatever the operator's scope), so they
+# are granted only with that flag, and are in neither permissions() nor operator_rules().
+PLACEMENT_READS: dict[Key, frozenset[str]] = {
+    ("", NODES.plural): frozenset({"list"}),
+    ("", PODS.plural): frozenset({"list"}),
 }
 
 
