@@ -29,6 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +60,13 @@ from mixrl.rl.engine.protocol import (
     stream_chunk,
 )
 from mixrl.rl.engine.scheduler import PAUSE_MODES
-from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService, parse_version
+from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService
 from mixrl.rl.engine.staging import PREPARERS
 from mixrl.rl.engine.text import TokenizerError
 from mixrl.rl.engine.version_gate import (
     CONFLICT,
     header_min_version,
+    parse_version,
     refusal_body,
     request_min_version,
     retry_after_headers,
@@ -510,31 +512,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+FLAGS_SPELLED_OTHERWISE = ("kv_cache_dtype", "use_kv_cache", "radix_cache")
+"""The EngineConfig fields whose flags take SGLang's spelling; every other field is the flag of
+its own name, so a field and its flag are declared once each and meet here by name."""
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv = {"auto": "bf16", "fp8_e4m3": "fp8"}.get(args.kv_cache_dtype, args.kv_cache_dtype)
+    same_named = {
+        f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in FLAGS_SPELLED_OTHERWISE
+    }
     return EngineConfig(
-        model_path=args.model_path,
-        weight_precision=args.weight_precision,
+        **same_named,
         kv_cache_dtype=kv,
-        dtype=args.dtype,
-        pool=args.pool,
-        weight_version=args.weight_version,
-        served_model_name=args.served_model_name,
-        max_running_requests=args.max_running_requests,
-        context_length=args.context_length,
-        max_total_tokens=args.max_total_tokens,
-        sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-        random_seed=args.random_seed,
         use_kv_cache=not args.disable_kv_cache,
         radix_cache=not args.disable_radix_cache,
-        prefix_cache_max_tokens=args.prefix_cache_max_tokens,
-        weight_root=args.weight_root,
-        max_request_mib=args.max_request_mib,
-        tokenizer_path=args.tokenizer_path,
-        skip_tokenizer_init=args.skip_tokenizer_init,
-        weight_preparer=args.weight_preparer,
-        activation_quant=args.activation_quant,
-        attention_backend=args.attention_backend,
     )
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ from mixrl.rl.engine.scheduler import Scheduler
 from mixrl.rl.engine.staging import PREPARERS, PreparationRefused, Prepared, StagedWeights
 from mixrl.rl.engine.stats import EngineStats, FinishedRequest
 from mixrl.rl.engine.text import load_codec
+from mixrl.rl.engine.version_gate import parse_version
 from mixrl.rl.quant import WEIGHT_FORMATS
 from mixrl.rl.tiny_models import load_model
 from mixrl.rl.weights import MANIFEST, MAX_VERSION
@@ -104,21 +104,6 @@ class EngineConfig:
             )
         if self.prefix_cache_max_tokens < 0:
             raise ValueError(f"prefix_cache_max_tokens: must be >= 0, got {self.prefix_cache_max_tokens}")
-
-
-_DECIMAL = re.compile(r"-?[0-9]+")
-
-
-def parse_version(field: str, value: Any) -> int:
-    """mixrl weight versions are integers in the weight store's range; SGLang sends them as strings."""
-    expected = f"must be an integer in [0, {MAX_VERSION}] (or its string)"
-    if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()) and len(value.strip()) <= 20:
-        value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(field, f"{expected}, got {type(value).__name__} {value!r}")
-    if not 0 <= value <= MAX_VERSION:
-        raise RequestError(field, f"{expected}, got {value}")
-    return value
 
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux

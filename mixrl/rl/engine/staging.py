@@ -68,6 +68,18 @@ class PreparationRefused(ValueError):
 
 
 @dataclass(frozen=True)
+class Preparation:
+    """How every version of one engine is prepared, fixed at start-up: handed to the preparer
+    process once, and to each preparation on the thread."""
+
+    weight_precision: str
+    """The pool's weight format (apply_precision_'s)."""
+    compute_dtype: torch.dtype
+    calibrate_inputs: bool = False
+    """Whether each version's GEMM inputs are calibrated (activation_quant) once it is prepared."""
+
+
+@dataclass(frozen=True)
 class Prepared:
     report: dict
     """The quantization report (apply_precision_'s)."""
@@ -98,12 +110,9 @@ class StagedWeights:
         if preparer not in PREPARERS:
             raise ValueError(f"preparer: must be one of {', '.join(PREPARERS)}, got {preparer!r}")
         self.config = config
-        self.weight_precision = weight_precision
-        self.compute_dtype = compute_dtype
+        self.how = Preparation(weight_precision, compute_dtype, calibrate_inputs)
         self.preparer = preparer
         """As asked; ``auto`` is resolved at the first update, from the model's size."""
-        self.calibrate_inputs = calibrate_inputs
-        """Whether each version's GEMM inputs are calibrated (activation_quant) once it is prepared."""
         self._skeleton: nn.Module | None = None
         """The thread preparer's model structure (built at its first update)."""
         self._staging: dict[str, tuple[int | None, Tensor]] = {}
@@ -143,14 +152,11 @@ class StagedWeights:
         }
         self._requests.put((source, targets, handles))
         self._handed.update(handles)
-        answer = self._wait_answer()
-        if answer[0] != "ok":
-            raise PreparationRefused(answer[1])
-        _, report, manifest_version, scales, input_amax = answer
+        prepared = self._accept(self._wait_answer())
         for tensor in fresh:  # map the preparer's pages here now, not in the first decode step after the swap
             tensor.sum()
         self._ready = True
-        return Prepared(report, manifest_version, scales, input_amax)
+        return prepared
 
     def _mode(self, live: nn.Module) -> str:
         """``process`` or ``thread``; ``auto`` is resolved once, from the model's size."""
@@ -166,13 +172,16 @@ class StagedWeights:
         if self._skeleton is None:
             self._skeleton = skeleton(self.config)
         targets = {name: tensor for name, (_, tensor) in self._staging.items()}
-        answer = prepare_request(
-            self._skeleton, source, targets, self.weight_precision, self.compute_dtype, self.calibrate_inputs
-        )
+        prepared = self._accept(prepare_request(self._skeleton, source, targets, self.how))
+        self._ready = True
+        return prepared
+
+    @staticmethod
+    def _accept(answer: tuple[Any, ...]) -> Prepared:
+        """:func:`prepare_request`'s answer, from either preparer: the preparation, or its refusal raised."""
         if answer[0] != "ok":
             raise PreparationRefused(answer[1])
         _, report, manifest_version, scales, input_amax = answer
-        self._ready = True
         return Prepared(report, manifest_version, scales, input_amax)
 
     def _allocate(self, live: nn.Module, shared: bool) -> list[Tensor]:
@@ -208,9 +217,7 @@ class StagedWeights:
             target=serve_preparations,
             args=(
                 self.config,
-                self.weight_precision,
-                self.compute_dtype,
-                self.calibrate_inputs,
+                self.how,
                 torch.get_num_threads(),
                 self._requests,
                 self._answers,
@@ -281,13 +288,11 @@ def prepare_into(
     model: nn.Module,
     targets: dict[str, Tensor],
     state: dict[str, Tensor],
-    weight_precision: str,
-    compute_dtype: torch.dtype,
-    calibrate_inputs: bool = False,
+    how: Preparation,
 ) -> tuple[dict, dict[str, Tensor], dict[str, Tensor]]:
     """Check ``state`` against ``model``'s structure, then load it into ``targets`` at the pool's
     precision (in place); returns the quantization report, the KV-cache scale tensors and, with
-    ``calibrate_inputs``, the version's calibrated GEMM-input maxima (a forward pass of the
+    ``how.calibrate_inputs``, the version's calibrated GEMM-input maxima (a forward pass of the
     calibration batch through the prepared weights)."""
     scales = {k: v.clone() for k, v in state.items() if weights_io.is_kv_scale_key(k)}
     weights = {k: v for k, v in state.items() if k not in scales}
@@ -296,10 +301,10 @@ def prepare_into(
     try:
         with torch.no_grad():
             model.load_state_dict(weights, strict=True)  # copies into the targets, converting
-            report = weights_io.apply_precision_(model, weight_precision, compute_dtype)
+            report = weights_io.apply_precision_(model, how.weight_precision, how.compute_dtype)
             input_amax: dict[str, Tensor] = {}
-            if calibrate_inputs and (
-                inputs := activation_quant.install_(model, weight_precision, report["quantized"])
+            if how.calibrate_inputs and (
+                inputs := activation_quant.install_(model, how.weight_precision, report["quantized"])
             ):
                 input_amax = inputs.calibrate(model)
     finally:
@@ -340,9 +345,7 @@ def exit_with_parent(parent: int) -> None:
 
 def serve_preparations(
     config: PretrainedConfig,
-    weight_precision: str,
-    compute_dtype: torch.dtype,
-    calibrate_inputs: bool,
+    how: Preparation,
     threads: int,
     requests: multiprocessing.queues.Queue[Any],
     answers: multiprocessing.queues.Queue[Any],
@@ -356,9 +359,7 @@ def serve_preparations(
         source, numbers, handles = request
         held.update(handles)
         targets = {name: held[number] for name, number in numbers.items()}
-        answers.put(
-            prepare_request(model, source, targets, weight_precision, compute_dtype, calibrate_inputs)
-        )
+        answers.put(prepare_request(model, source, targets, how))
         del targets
 
 
@@ -366,9 +367,7 @@ def prepare_request(
     model: nn.Module,
     source: tuple[str, Any],
     targets: dict[str, Tensor],
-    weight_precision: str,
-    compute_dtype: torch.dtype,
-    calibrate_inputs: bool = False,
+    how: Preparation,
 ) -> tuple[Any, ...]:
     """One preparation: ``("ok", report, the manifest's version, KV scales, input maxima)`` or
     ``("refused", why)``."""
@@ -379,9 +378,7 @@ def prepare_request(
             named = manifest.get("version")
         else:
             state, named = payload, None
-        report, scales, input_amax = prepare_into(
-            model, targets, state, weight_precision, compute_dtype, calibrate_inputs
-        )
+        report, scales, input_amax = prepare_into(model, targets, state, how)
     except (WeightStoreError, OSError, ValueError, RuntimeError) as exc:
         return ("refused", str(exc))
     return ("ok", report, named, scales, input_amax)

@@ -34,12 +34,15 @@ RETRY_AFTER_S = 1
 CONFLICT = 409
 REFUSAL_TYPE = "WeightVersionTooOld"
 
-_DECIMAL = re.compile(r"[0-9]{1,20}")
+_DECIMAL = re.compile(r"-?[0-9]{1,20}")
+"""A version's decimal string; bounded so a huge one is refused before ``int`` reads it."""
 
 
-def parse_min_version(where: str, value: Any) -> int:
+def parse_version(where: str, value: Any) -> int:
     """``value`` as a weight version (an integer, or its decimal string as SGLang writes versions);
-    else a RequestError naming ``where`` (the field or the header) and why."""
+    else a RequestError naming ``where`` (the field or the header) and why.  Every weight version a
+    request carries goes through here: the minimum a request asks for, and the version an update
+    or the manifest names."""
     expected = f"must be an integer in [0, {MAX_VERSION}] (or its string)"
     if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
         value = int(value.strip())
@@ -55,13 +58,13 @@ def header_min_version(headers: Mapping[str, str]) -> int | None:
     raw = headers.get(MIN_VERSION_HEADER)
     if raw is None or not raw.strip():
         return None
-    return parse_min_version(MIN_VERSION_HEADER, raw)
+    return parse_version(MIN_VERSION_HEADER, raw)
 
 
 def body_min_version(body: Mapping[str, Any]) -> int | None:
     """The minimum a parsed JSON body asks for (None: absent or null)."""
     raw = body.get(MIN_VERSION_FIELD)
-    return None if raw is None else parse_min_version(MIN_VERSION_FIELD, raw)
+    return None if raw is None else parse_version(MIN_VERSION_FIELD, raw)
 
 
 def raw_body_min_version(raw: bytes) -> int | None:
@@ -142,7 +145,7 @@ class VersionRefusal:
 
 def _version_or_none(value: Any) -> int | None:
     try:
-        return parse_min_version("version", value)
+        return parse_version("version", value)
     except RequestError:
         return None
 

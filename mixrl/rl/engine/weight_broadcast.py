@@ -43,7 +43,8 @@ import torch.distributed as dist
 from aiohttp import web
 
 from mixrl.rl.engine.protocol import RequestError
-from mixrl.rl.engine.service import EngineService, parse_version
+from mixrl.rl.engine.service import EngineService
+from mixrl.rl.engine.version_gate import parse_version
 
 log = logging.getLogger(__name__)
 
