@@ -162,6 +162,9 @@ class SamplerPoolStatus(PoolFigures):
     cold_start_seconds: float | None = None
     """The pool's cold start as learned by the built-in autoscaler: the median, over its ready
     pods, of the seconds from a pod's creation to its readiness."""
+    awaiting_admission: int | None = None
+    """A queued run's pool (``spec.scheduling.queue``): replicas above its starting ones that Kueue
+    has not admitted yet (its ``Admitted`` condition gives Kueue's reason); absent otherwise."""
 
 
 def checked_status(

@@ -4,7 +4,9 @@ control plane (tests/cluster/conftest.py's ``kueue``), the operator as the chart
 A ClusterQueue of this test holding 10 H100 GPUs: a run of an 8-GPU H100 trainer and a 1-GPU H100
 pool (9 GPUs) is admitted whole and starts; a second run of the same shape does not fit, waits
 Queued with Kueue's reason in its status and an Event, and creates nothing of its trainer or
-pools; deleting the first run frees its quota (its Workload goes with it) and the second starts."""
+pools; deleting the first run frees its quota (its Workload goes with it) and the second starts.  A queued
+run's pool scaled above its start gets its extra replicas admitted one Workload each while quota is
+left; the ones beyond it wait, and the pool's status says so in Kueue's words."""
 
 from __future__ import annotations
 
@@ -164,3 +166,77 @@ def test_a_run_that_does_not_fit_waits_queued_whole_and_starts_when_capacity_fre
         what="the second run's phase",
     )
     assert condition(cluster, namespace, "second", "Admitted")["status"] == "True"
+
+
+def pool_status(cluster: Bed, namespace: str, name: str) -> dict[str, Any]:
+    return cluster.get("samplerpool", name, "-n", namespace).get("status") or {}
+
+
+def deployment_replicas(cluster: Bed, namespace: str, name: str) -> int:
+    return int(cluster.get("deployment", name, "-n", namespace)["spec"]["replicas"])
+
+
+def extras(cluster: Bed, namespace: str) -> dict[str, bool]:
+    """The pool's extra-replica Workloads: name -> admitted."""
+    found = cluster.get("workloads", "-n", namespace, "-l", "mixrl.dev/extra-replica")["items"]
+    return {
+        w["metadata"]["name"]: any(
+            c["type"] == "Admitted" and c["status"] == "True"
+            for c in (w.get("status") or {}).get("conditions", [])
+        )
+        for w in found
+    }
+
+
+def test_replicas_above_the_start_are_admitted_one_by_one_while_quota_is_left(
+    kueue: Bed, operator: OperatorProcess, namespace: str, queue: str
+) -> None:
+    """The run takes 9 of the queue's 10 H100 GPUs (trainer 8, pool start 1); its pool scaled to 4
+    replicas gets one more (1 GPU left), and two wait; scaled down to 2, the waiting two go."""
+    cluster = kueue
+    manifest = run("elastic", namespace)
+    manifest["spec"]["samplerPools"][0]["maxReplicas"] = 4
+    manifest["spec"]["autoscaling"] = {"engine": "none"}  # replicas are this test's to set
+    cluster.apply(manifest)
+    wait_for(lambda: started(cluster, namespace, "elastic"), 60, what="the run admitted and started")
+    pool = "elastic-h100"
+    cluster.kubectl("scale", f"samplerpool/{pool}", "-n", namespace, "--replicas=4")
+
+    def waiting() -> dict[str, Any]:
+        status = pool_status(cluster, namespace, pool)
+        admission = next((c for c in status.get("conditions", []) if c["type"] == "Admitted"), {})
+        return (
+            status if status.get("awaitingAdmission") == 2 and "quota" in admission.get("message", "") else {}
+        )
+
+    status = wait_for(waiting, 30, what="two of three extra replicas waiting for Kueue, with its reason")
+    admission = next(c for c in status["conditions"] if c["type"] == "Admitted")
+    assert admission["status"] == "False" and admission["reason"] == "Queued", admission
+    assert admission["message"].startswith(
+        "2 replica(s) above the start wait for Kueue (1 with the run, 1 of 3"
+    ), admission
+    assert "insufficient unused quota for nvidia.com/gpu in flavor h100" in admission["message"], admission
+    assert sorted(extras(cluster, namespace).values()) == [False, False, True]
+    # The Deployment runs the start and the one admitted extra, not the four asked for.
+    wait_for(lambda: deployment_replicas(cluster, namespace, pool), 20, equals=2, what="2 replicas held")
+    assert cluster.get("samplerpool", pool, "-n", namespace)["spec"]["replicas"] == 4
+
+    # Down to 2: the waiting extras go (the admitted one stays), and nothing waits any more.
+    cluster.kubectl("scale", f"samplerpool/{pool}", "-n", namespace, "--replicas=2")
+    wait_for(
+        lambda: list(extras(cluster, namespace).values()),
+        30,
+        equals=[True],
+        what="only the admitted extra left",
+    )
+    wait_for(
+        lambda: pool_status(cluster, namespace, pool).get("awaitingAdmission"),
+        20,
+        equals=0,
+        what="none waiting",
+    )
+    admission = next(
+        c for c in pool_status(cluster, namespace, pool)["conditions"] if c["type"] == "Admitted"
+    )
+    assert admission["status"] == "True", admission
+    assert deployment_replicas(cluster, namespace, pool) == 2

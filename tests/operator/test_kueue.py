@@ -16,15 +16,19 @@ from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.operator.builders.kueue import (
+    EXTRA_LABEL,
     QUEUE_LABEL,
     admitted,
+    elastic_admission,
+    extra_workload,
     has_quota,
+    plan_extras,
     pod_set_template,
     run_workload,
     waiting_message,
 )
 from mixrl.operator.builders.objects import HASH_ANNOTATION, BuildOptions, Owner
-from mixrl.operator.controller.observed_status import ADMITTED, Reason, run_status
+from mixrl.operator.controller.observed_status import ADMITTED, Reason, pool_status, run_status
 from mixrl.operator.controller.reconcile import admission_events, run_queue
 from mixrl.operator.kube.rbac import FRAMEWORK, RECONCILER, WORKLOADS
 
@@ -197,5 +201,76 @@ def test_a_queue_that_is_not_a_dns_label_is_refused_naming_the_field(queue: str)
 
 def test_the_operator_may_write_and_watch_workloads() -> None:
     key = (WORKLOADS.group, WORKLOADS.plural)
-    assert RECONCILER[key] == {"get", "create", "patch", "delete"}
+    assert RECONCILER[key] == {"get", "list", "create", "patch", "delete"}
     assert FRAMEWORK[key] == {"list", "watch"}
+
+
+NOW = "2026-12-01T00:00:00Z"
+POOL_OWNER = Owner("mixrl.dev/v1alpha1", "SamplerPool", "demo-h100", "uid-pool")
+KUEUE_SAYS = "couldn't assign flavors to pod set pool-h100: insufficient unused quota for nvidia.com/gpu in flavor h100, 1 more needed"
+
+
+def extra(index: int, admitted_: bool) -> Obj:
+    conditions = (
+        [condition("QuotaReserved", "True"), condition("Admitted", "True")]
+        if admitted_
+        else [condition("QuotaReserved", "False", KUEUE_SAYS, "Pending")]
+    )
+    return {
+        "metadata": {"name": f"demo-h100-extra-{index}", "labels": {EXTRA_LABEL: str(index)}},
+        "status": {"conditions": conditions},
+    }
+
+
+def test_an_extra_replica_is_one_workload_of_one_replicas_pods_owned_by_the_pool() -> None:
+    run = resolved()
+    pool = run.pool("h100")
+    workload = extra_workload(run, pool, POOL_OWNER, BuildOptions(), "team-a", 3)
+    assert workload["metadata"]["name"] == "demo-h100-extra-3"
+    assert workload["metadata"]["ownerReferences"][0]["uid"] == "uid-pool"  # goes with the pool
+    assert workload["metadata"]["labels"][EXTRA_LABEL] == "3"
+    assert workload["metadata"]["labels"]["app.kubernetes.io/component"] == "sampler"
+    assert workload["spec"]["queueName"] == "team-a"
+    (pod_set,) = workload["spec"]["podSets"]
+    # The pod set as the run's Workload has it for this pool, one replica's worth.
+    in_run = next(
+        p
+        for p in run_workload(run, OWNER, BuildOptions(), "team-a")["spec"]["podSets"]
+        if p["name"] == "pool-h100"
+    )
+    assert pod_set["name"] == "pool-h100" and pod_set["count"] == 1
+    assert pod_set["template"] == in_run["template"] and gpus_of(pod_set) == 1
+    assert set(GPU_TABLE["H100"].gfd_products) <= set(products_of(pod_set))
+
+
+def test_extras_are_created_at_the_lowest_free_index_and_a_scale_down_drops_the_waiting_ones_first() -> None:
+    one, two, three = extra(1, False), extra(2, True), extra(3, True)
+    up = plan_extras([two], 3)
+    assert up.keep == (two,) and up.create == (1, 3) and up.delete == ()
+    down = plan_extras([one, two, three], 2)
+    assert down.keep == (two, three) and down.create == () and down.delete == (one,)
+    assert plan_extras([one, two, three], 0).delete == (two, three, one)
+    assert plan_extras([], 0) == plan_extras([], 0) and plan_extras([], 2).create == (1, 2)
+
+
+def test_the_pool_runs_its_start_and_the_admitted_extras_and_says_why_the_others_wait() -> None:
+    elastic = elastic_admission(1, 4, "team", [extra(2, True), extra(1, False), extra(3, False)])
+    assert (elastic.start, elastic.wanted, elastic.admitted, elastic.waiting, elastic.held) == (1, 3, 1, 2, 2)
+    assert elastic.reason == f"LocalQueue team: {KUEUE_SAYS}"
+    status = pool_status({}, 3, None, "sel", NOW, elastic=elastic)
+    assert status["awaitingAdmission"] == 2
+    (admission,) = [c for c in status["conditions"] if c["type"] == ADMITTED]
+    assert admission["status"] == "False" and admission["reason"] == Reason.QUEUED
+    assert admission["message"] == (
+        f"2 replica(s) above the start wait for Kueue (1 with the run, 1 of 3 above it): LocalQueue team: {KUEUE_SAYS}"
+    )
+    every = elastic_admission(1, 2, "team", [extra(1, True)])
+    status = pool_status(status, 3, None, "sel", NOW, elastic=every)
+    (admission,) = [c for c in status["conditions"] if c["type"] == ADMITTED]
+    assert admission["status"] == "True" and status["awaitingAdmission"] == 0
+    # Below its start nothing is extra; the start is what the run's Workload holds.
+    assert elastic_admission(2, 1, "team", []).held == 1
+    # Out of the queue: the condition goes and the field is removed (null in the merge patch), once.
+    out = pool_status(status, 3, None, "sel", NOW)
+    assert out["awaitingAdmission"] is None and all(c["type"] != ADMITTED for c in out["conditions"])
+    assert "awaitingAdmission" not in pool_status({"replicas": 0}, 3, None, "sel", NOW)

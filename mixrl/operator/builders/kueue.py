@@ -7,8 +7,10 @@ with what Kueue reads of the pod template — the containers' resource requests 
 finds the ResourceFlavor of the pool's GPU type.  Kueue reserves quota for every pod set or for
 none; the operator creates the run's workloads only once it has (:func:`admitted`).
 
-Replicas a pool scales to above its starting replicas are not in the Workload: they are created
-as before, outside Kueue's quota (docs/operator.md#gang-admission-with-kueue).
+Replicas a pool scales to above its starting replicas are admitted elastically: one Workload per
+extra replica (:func:`extra_workload`, owned by the SamplerPool, a single pod set of one replica's
+pods), so Kueue admits each as its quota allows and the others wait; the pool's workload is held at
+its starting replicas plus the admitted extras (docs/operator.md#gang-admission-with-kueue).
 
 The pod sets carry no image, command or environment: an admitted Workload's pod sets cannot change
 (Kueue's webhook), and a new image must not send a running run back to the queue.  A change of
@@ -16,6 +18,9 @@ what Kueue counts (GPUs, nodes, minReplicas, placement) does: the Workload is cr
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from mixrl.api.kube_types import Obj
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
@@ -29,6 +34,8 @@ KUEUE_VERSION = "v1beta2"
 QUEUE_LABEL = f"{KUEUE_GROUP}/queue-name"
 """The label Kueue's own integrations put on what a queue admits (kept for ``kubectl -l``)."""
 TRAINER_POD_SET = "trainer"
+EXTRA_LABEL = "mixrl.dev/extra-replica"
+"""On a pool's extra-replica Workloads: its index (1, 2, …), so they are listed apart from the run's."""
 
 ADMITTED = "Admitted"
 QUOTA_RESERVED = "QuotaReserved"
@@ -135,7 +142,7 @@ def has_quota(workload: Obj | None) -> bool:
     return bool(reserved and reserved.get("status") == "True")
 
 
-def waiting_message(workload: Obj | None, queue: str) -> str:
+def waiting_message(workload: Obj | None, queue: str, what: str = "the run") -> str:
     """Why a Workload is not admitted, in Kueue's words: its eviction's message, else its
     QuotaReserved condition's (``couldn't assign flavors to pod set trainer: insufficient unused
     quota …``), once Kueue has said anything."""
@@ -148,4 +155,103 @@ def waiting_message(workload: Obj | None, queue: str) -> str:
             and found.get("message")
         ):
             return f"LocalQueue {queue}: {found['message']}"[:1000]
-    return f"waiting for Kueue to admit the run in LocalQueue {queue}"
+    return f"waiting for Kueue to admit {what} in LocalQueue {queue}"
+
+
+# ----------------------------------------------------------------------------- elastic extras
+
+
+def extra_workload_name(pool: ResolvedPool, index: int) -> str:
+    return f"{pool.object_name}-extra-{index}"
+
+
+def extra_labels(resolved: ResolvedRun, pool: ResolvedPool) -> dict[str, str]:
+    """What selects a pool's extra-replica Workloads (the run's own Workload has component ``run``)."""
+    return L.selector_labels(resolved.name, "sampler", pool.name)
+
+
+def extra_workload(
+    resolved: ResolvedRun, pool: ResolvedPool, owner: Owner, options: BuildOptions, queue: str, index: int
+) -> Obj:
+    """The Workload of the pool's ``index``-th replica above its starting ones, in LocalQueue
+    ``queue`` (``owner``: the SamplerPool, so it goes with the pool): one pod set, named as in the
+    run's Workload, of one replica's pods (a LeaderWorkerSet group's ``size``)."""
+    size, template = pool_pods(resolved, pool, owner, options)
+    labels = {**L.pool_labels(resolved, pool), QUEUE_LABEL: queue, EXTRA_LABEL: str(index)}
+    return with_hash(
+        {
+            "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}",
+            "kind": "Workload",
+            "metadata": metadata(extra_workload_name(pool, index), resolved.namespace, labels, owner),
+            "spec": {
+                "queueName": queue,
+                "podSets": [
+                    {"name": pool_pod_set_name(pool), "count": size, "template": pod_set_template(template)}
+                ],
+            },
+        }
+    )
+
+
+def extra_index(workload: Obj) -> int:
+    raw = ((workload.get("metadata") or {}).get("labels") or {}).get(EXTRA_LABEL, "")
+    return int(raw) if raw.isdigit() else 0
+
+
+@dataclass(frozen=True)
+class ExtrasPlan:
+    keep: tuple[Obj, ...]
+    """Live extra Workloads that stay: the admitted ones first, then the longest waiting."""
+    create: tuple[int, ...]
+    """Indexes of the extra Workloads to create (the lowest free ones)."""
+    delete: tuple[Obj, ...]
+    """Live extra Workloads beyond the wanted count: the waiting ones go before the admitted."""
+
+
+def plan_extras(live: Sequence[Obj], wanted: int) -> ExtrasPlan:
+    """Which of a pool's extra Workloads stay, are created, or go, for ``wanted`` extras: a scale
+    down gives back what Kueue has not admitted before what runs, so the pool keeps its admitted
+    replicas as long as it wants that many."""
+    ranked = sorted(live, key=lambda w: (not admitted(w), extra_index(w)))
+    keep, delete = ranked[:wanted], ranked[wanted:]
+    taken = {extra_index(w) for w in keep}
+    free = (i for i in range(1, wanted + len(taken) + 1) if i not in taken)
+    create = tuple(next(free) for _ in range(wanted - len(keep)))
+    return ExtrasPlan(tuple(keep), create, tuple(delete))
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """A queued run's pool: its replicas as Kueue admits them."""
+
+    start: int
+    """Replicas admitted with the run (its Workload's pod set; fewer when the pool wants fewer)."""
+    wanted: int
+    """Extra replicas the pool asks for (its replicas above the start)."""
+    admitted: int
+    """Of those, the ones Kueue admitted."""
+    queue: str
+    reason: str = ""
+    """Kueue's words for the first extra still waiting (:func:`waiting_message`)."""
+
+    @property
+    def held(self) -> int:
+        """The replicas the pool's workload is given: the start and the admitted extras."""
+        return self.start + self.admitted
+
+    @property
+    def waiting(self) -> int:
+        return self.wanted - self.admitted
+
+
+def elastic_admission(start: int, replicas: int, queue: str, extras: Sequence[Obj]) -> Elastic:
+    """What a queued run's pool of ``replicas`` may run now: ``start`` of them came with the run,
+    and each live extra Workload Kueue admitted adds one."""
+    waiting = [w for w in extras if not admitted(w)]
+    return Elastic(
+        start=min(start, replicas),
+        wanted=max(replicas - start, 0),
+        admitted=len(extras) - len(waiting),
+        queue=queue,
+        reason=waiting_message(waiting[0], queue, waiting[0]["metadata"]["name"]) if waiting else "",
+    )

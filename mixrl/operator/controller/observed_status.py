@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mixrl.api.kube_types import ConditionValue, Obj
+from mixrl.operator.builders.kueue import Elastic
 from mixrl.operator.kube.conditions import make_condition, merge_conditions
 
 READY = "Ready"
@@ -343,24 +344,31 @@ def pool_status(
     autoscaler: ConditionValue | None = None,
     drop: tuple[str, ...] = (),
     problems: Sequence[Problem] = (),
+    elastic: Elastic | None = None,
 ) -> Obj:
     """A SamplerPool's status from its Deployment (the scale subresource reads replicas and selector).
 
     ``autoscaler``: the AutoscalerReady value; ``drop``: condition types that no longer apply (the
     built-in loop's MetricsAvailable once another engine scales the pool); ``problems``: children
     that could not be applied, reported by a Progressing condition that is there only while they
-    last."""
+    last; ``elastic``: a queued run's pool, whose ``Admitted`` condition and ``awaitingAdmission``
+    say how many of its replicas above the start Kueue has not admitted, and why (both go when the
+    run leaves its queue)."""
     state = WorkloadState.of(deployment)
     status = (deployment or {}).get("status") or {}
     failed = problems_value(problems)
     gone = (*drop, PROGRESSING) if failed is None else drop
+    if elastic is None:
+        gone = (*gone, ADMITTED)
     old = [c for c in previous.get("conditions") or [] if c.get("type") not in gone]
     ours = [make_condition(READY, condition_value(state), generation, now, old)]
     if failed is not None:
         ours.append(make_condition(PROGRESSING, failed, generation, now, old))
     if autoscaler is not None:
         ours.append(make_condition(AUTOSCALER_READY, autoscaler, generation, now, old))
-    return {
+    if elastic is not None:
+        ours.append(make_condition(ADMITTED, elastic_value(elastic), generation, now, old))
+    new = {
         **previous,
         "replicas": int(status.get("replicas") or 0),
         "readyReplicas": int(status.get("readyReplicas") or 0),
@@ -368,3 +376,24 @@ def pool_status(
         "observedGeneration": generation,
         "conditions": merge_conditions(old, ours),
     }
+    if elastic is not None:
+        new["awaitingAdmission"] = elastic.waiting
+    elif "awaitingAdmission" in previous:
+        new["awaitingAdmission"] = None  # a merge patch's null removes it
+    return new
+
+
+def elastic_value(elastic: Elastic) -> ConditionValue:
+    """A queued run's pool's Admitted: True while Kueue admitted every replica it asks for."""
+    counts = f"{elastic.start} with the run, {elastic.admitted} of {elastic.wanted} above it"
+    if elastic.waiting == 0:
+        return (
+            "True",
+            Reason.ADMITTED,
+            f"every replica admitted by Kueue in LocalQueue {elastic.queue} ({counts})",
+        )
+    return (
+        "False",
+        Reason.QUEUED,
+        f"{elastic.waiting} replica(s) above the start wait for Kueue ({counts}): {elastic.reason}"[:1000],
+    )

@@ -27,7 +27,18 @@ from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.plan import METRICS_AVAILABLE
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.keda import pool_scaled_object
-from mixrl.operator.builders.kueue import admitted, has_quota, run_workload, waiting_message
+from mixrl.operator.builders.kueue import (
+    EXTRA_LABEL,
+    Elastic,
+    admitted,
+    elastic_admission,
+    extra_labels,
+    extra_workload,
+    has_quota,
+    plan_extras,
+    run_workload,
+    waiting_message,
+)
 from mixrl.operator.builders.lws import lws_name
 from mixrl.operator.builders.network import policy_names
 from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner
@@ -560,7 +571,21 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     alive = owner_check(ctx.client, SAMPLERPOOLS, body)
     across_nodes = pool.nodes_per_replica > 1
     lws_served = await ctx.discovery.serves(LEADERWORKERSETS)
-    children = pool_children(resolved, pool, spec.replicas, owner_of(body), options)
+    finished = (run_body.get("status") or {}).get("phase") in FINAL_PHASES
+    queue = None if finished else run_queue(run_body, ctx.default_queue)
+    elastic: Elastic | None = None
+    held = spec.replicas
+    if queue is not None and await ctx.discovery.serves(WORKLOADS):
+        try:
+            elastic = await admit_extras(ctx, resolved, pool, body, options, queue, report, alive)
+        except OwnerGone:
+            return Outcome(report=report)
+        # Extras not read: only what the run's Workload admitted runs (none outside the quota).
+        held = elastic.held if elastic is not None else min(spec.replicas, seed_replicas(pool))
+    elif "awaitingAdmission" in (body.get("status") or {}) and await ctx.discovery.serves(WORKLOADS):
+        # The run left its queue (or ended): the extras' quota frees; the pool scales as it asks.
+        await admit_extras(ctx, resolved, pool, body, options, None, report, alive)
+    children = pool_children(resolved, pool, held, owner_of(body), options)
     if across_nodes and not lws_served:
         # Said plainly instead of the API server's 404 for an unknown kind.  Only the cluster can
         # fix it (retry False: Progressing False), yet the reconcile is still retried, so installing
@@ -589,7 +614,6 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
             report.failures.append(
                 Failure(f"{resource.kind}/{name}", str(exc), True, exc.status, exc.retry_after)
             )
-    finished = (run_body.get("status") or {}).get("phase") in FINAL_PHASES
     try:
         autoscaler = await reconcile_scaled_object(
             ctx.client, resolved, pool, body, options, report, alive, finished
@@ -607,6 +631,7 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         autoscaler,
         drop=() if engine == "builtin" else (METRICS_AVAILABLE,),
         problems=report.failures,
+        elastic=elastic,
     )
     written = await write_status(ctx.client, SAMPLERPOOLS, body, new)
 
@@ -617,12 +642,71 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         changed = f"{deployment.after.get('kind')}/{deployment.after['metadata']['name']} "
         repaired = any(entry.startswith(changed) for entry in report.repaired)
         scaled_from = None if repaired else deployment.before.get("spec", {}).get("replicas")
-    scaled = scaled_from is not None and scaled_from != spec.replicas
+    scaled = scaled_from is not None and scaled_from != held
     events: list[Event] = []
     if scaled:
-        events.append(("Normal", Reason.SCALED, f"replicas {scaled_from} -> {spec.replicas}"))
+        admitted_by = f" (of {spec.replicas} asked; the rest wait for Kueue)" if held < spec.replicas else ""
+        events.append(("Normal", Reason.SCALED, f"replicas {scaled_from} -> {held}{admitted_by}"))
     events += outcome_events(report, written, applied_event=not scaled)
     return Outcome(report=report, status_written=written, events=events)
+
+
+async def admit_extras(
+    ctx: Context,
+    resolved: ResolvedRun,
+    pool: ResolvedPool,
+    body: Obj,
+    options: BuildOptions,
+    queue: str | None,
+    report: ApplyReport,
+    alive: Callable[[], Awaitable[None]],
+) -> Elastic | None:
+    """A queued run's pool: one Kueue Workload per replica above its starting ones (which the run's
+    Workload admitted), created as the pool's replicas rise and deleted — the ones still waiting
+    first — as they fall; returns how many Kueue admitted (the pool's workload is held at the start
+    plus those).  ``queue`` None: the run left its queue, so every extra Workload goes.  None when
+    the extras could not be read (reported; the workload keeps its start)."""
+    namespace, uid = resolved.namespace, body["metadata"]["uid"]
+    replicas = int((body.get("spec") or {}).get("replicas") or 0)
+    start = seed_replicas(pool)
+    owner = owner_of(body)
+    try:
+        found = await ctx.client.list(WORKLOADS, namespace, extra_labels(resolved, pool))
+        live = [w for w in found if owned_by(w, uid) and not w["metadata"].get("deletionTimestamp")]
+        plan = plan_extras(live, 0 if queue is None else max(replicas - start, 0))
+        for workload in plan.delete:
+            name = workload["metadata"]["name"]
+            if await ctx.client.delete(WORKLOADS, namespace, name, uid=workload["metadata"].get("uid")):
+                report.deleted.append(f"Workload/{name}")
+        if queue is None:
+            return None
+        kept = []
+        for workload in plan.keep:
+            desired = extra_workload(
+                resolved, pool, owner, options, queue, int(workload["metadata"]["labels"][EXTRA_LABEL])
+            )
+            if live_hash(workload) == live_hash(desired):
+                kept.append(workload)
+            elif has_quota(workload):  # admitted pod sets are immutable: queued again in its new shape
+                await alive()
+                await ctx.client.delete(
+                    WORKLOADS, namespace, desired["metadata"]["name"], uid=workload["metadata"].get("uid")
+                )
+                report.recreated.append(f"Workload/{desired['metadata']['name']} (its pod set changed)")
+            else:
+                applied = await apply_object(ctx.client, desired, report, None, alive)
+                kept.append(applied.after if applied is not None else workload)
+        for index in plan.create:
+            desired = extra_workload(resolved, pool, owner, options, queue, index)
+            applied = await apply_object(ctx.client, desired, report, None, alive)
+            if applied is not None:
+                kept.append(applied.after)
+    except ApiError as exc:
+        report.failures.append(
+            Failure(f"Workload/{pool.object_name}-extra-*", str(exc), True, exc.status, exc.retry_after)
+        )
+        return None
+    return elastic_admission(start, replicas, queue, kept)
 
 
 async def reconcile_scaled_object(

@@ -126,8 +126,9 @@ RECONCILER: dict[Key, frozenset[str]] = {
     ("networking.k8s.io", "networkpolicies"): frozenset({"get", "create", "patch", "delete"}),
     # A run with a Kueue queue: its Workload (mixrl.operator.builders.kueue); created again when
     # what Kueue counts changes (an admitted Workload's pod sets are immutable), deleted when the
-    # run ends or leaves its queue, so its quota frees.
-    ("kueue.x-k8s.io", "workloads"): frozenset({"get", "create", "patch", "delete"}),
+    # run ends or leaves its queue, so its quota frees.  Its pools' extra-replica Workloads (one
+    # per replica above the start), listed by the pool's labels, deleted as the pool scales down.
+    ("kueue.x-k8s.io", "workloads"): frozenset({"get", "list", "create", "patch", "delete"}),
     # KEDA mode: one ScaledObject per SamplerPool; deleted when the run leaves KEDA mode.
     ("keda.sh", "scaledobjects"): frozenset({"get", "create", "patch", "delete"}),
     # A SamplerPool's controller reads its run; a run's controller lists its pools to remove old ones.
