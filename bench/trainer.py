@@ -44,7 +44,7 @@ from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import collate
-from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
+from mixrl.rl.trainer.torch_backend import OptimizerSettings, TorchPolicyTrainer
 
 VOCAB = 2048
 CANDIDATES = 8
@@ -102,7 +102,7 @@ def worker(model_dir: str, groups_json: str, out: str, steps: int, dtype: str) -
     distributed.init_process_group(ranks, torch.device("cpu"))
     torch.manual_seed(0)
     trainer = TorchPolicyTrainer(
-        load_model(model_dir), CorrectionConfig(), lr=1e-4, micro_batch_tokens=4096,
+        load_model(model_dir), CorrectionConfig(), OptimizerSettings(lr=1e-4, micro_batch_tokens=4096),
         compute_dtype=getattr(torch, dtype), ranks=ranks,
     )  # fmt: skip
     raw = json.loads(Path(groups_json).read_text())

@@ -22,7 +22,7 @@ from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import collate
-from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
+from mixrl.rl.trainer.torch_backend import OptimizerSettings, TorchPolicyTrainer
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[2]))
@@ -34,8 +34,7 @@ def one_step(model_dir: str, groups: list, device: torch.device, dtype: torch.dt
     trainer = TorchPolicyTrainer(
         load_model(model_dir),
         CorrectionConfig(),
-        lr=1e-3,
-        micro_batch_tokens=64,
+        OptimizerSettings(lr=1e-3, micro_batch_tokens=64),
         compute_dtype=dtype,
         device=device,
     )

@@ -22,7 +22,7 @@ import torch
 from mixrl.api.trajectory import TokenRecord, Trajectory
 from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
-from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
+from mixrl.rl.trainer.torch_backend import OptimizerSettings, TorchPolicyTrainer
 
 VOCAB = 48
 
@@ -124,5 +124,8 @@ def reference_trainer(model_dir: Path, compute_dtype: torch.dtype = torch.float3
     """The one-process trainer the workers are compared with (the workers' settings)."""
     torch.manual_seed(0)
     return TorchPolicyTrainer(
-        load_model(model_dir), CorrectionConfig(), lr=1e-3, micro_batch_tokens=24, compute_dtype=compute_dtype
+        load_model(model_dir),
+        CorrectionConfig(),
+        OptimizerSettings(lr=1e-3, micro_batch_tokens=24),
+        compute_dtype=compute_dtype,
     )

@@ -31,7 +31,7 @@ from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
-from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer
+from mixrl.rl.trainer.torch_backend import OptimizerSettings, TorchPolicyTrainer
 
 
 def optimizer_tensors(trainer: TorchPolicyTrainer) -> dict[str, torch.Tensor]:
@@ -78,8 +78,7 @@ def main(argv: list[str]) -> None:
     trainer = TorchPolicyTrainer(
         load_model(args.model_dir),
         CorrectionConfig(),
-        lr=1e-3,
-        micro_batch_tokens=24,
+        OptimizerSettings(lr=1e-3, micro_batch_tokens=24),
         compute_dtype=compute_dtype,
         ranks=ranks,
     )

@@ -25,6 +25,7 @@ from mixrl.rl.corrections import CorrectionConfig
 from mixrl.rl.trainer import distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.megatron_backend import MegatronPolicyTrainer
+from mixrl.rl.trainer.torch_backend import OptimizerSettings
 
 
 def main(argv: list[str]) -> None:
@@ -34,7 +35,7 @@ def main(argv: list[str]) -> None:
     distributed.init_process_group(ranks, distributed.device_for(ranks))
     parallelism = Parallelism(tp=tp, pp=pp)
     trainer = MegatronPolicyTrainer(
-        model_dir, CorrectionConfig(), parallelism, lr=1e-3, micro_batch_tokens=24
+        model_dir, CorrectionConfig(), parallelism, OptimizerSettings(lr=1e-3, micro_batch_tokens=24)
     )
     groups = [[Trajectory.model_validate(t) for t in g] for g in json.loads(groups_json.read_text())]
     results = []

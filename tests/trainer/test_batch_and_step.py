@@ -8,7 +8,7 @@ import torch
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.corrections import CorrectionConfig, token_policy_loss
 from mixrl.rl.trainer.batch import collate
-from mixrl.rl.trainer.torch_backend import TorchPolicyTrainer, split_rows_by_tokens
+from mixrl.rl.trainer.torch_backend import OptimizerSettings, TorchPolicyTrainer, split_rows_by_tokens
 
 from .conftest import synthetic_group
 
@@ -47,7 +47,9 @@ def test_micro_batches_match_one_big_batch(model: torch.nn.Module) -> None:
     grads = []
     for micro_tokens in (10_000, 12):
         trainer = TorchPolicyTrainer(
-            copy.deepcopy(model), CorrectionConfig(), lr=0.0, micro_batch_tokens=micro_tokens
+            copy.deepcopy(model),
+            CorrectionConfig(),
+            OptimizerSettings(lr=0.0, micro_batch_tokens=micro_tokens),
         )
         assert len(split_rows_by_tokens(batch, micro_tokens)) == (1 if micro_tokens > 1000 else 8)
         trainer.step(batch)
@@ -59,7 +61,9 @@ def test_step_equals_the_objective_on_full_logits(model: torch.nn.Module) -> Non
     groups = [synthetic_group(model, "p", 4, "pool", seed=7, noise=0.5, top_k=5)]
     batch = collate(groups, trainer_version=0)
     config = CorrectionConfig(mis=(0.2, 5.0), score_centering=True, topp_replay=True)
-    trainer = TorchPolicyTrainer(copy.deepcopy(model), config, lr=0.0, chunk_size=7, grad_clip=None)
+    trainer = TorchPolicyTrainer(
+        copy.deepcopy(model), config, OptimizerSettings(lr=0.0, grad_clip=None), chunk_size=7
+    )
     result = trainer.step(batch)
 
     reference = copy.deepcopy(model).requires_grad_(True)
@@ -81,7 +85,7 @@ def test_on_policy_data_has_no_mismatch_and_positive_advantage_rises(model: torc
     group = synthetic_group(model, "p", 2, "pool", seed=3)
     group[0].reward, group[1].reward = 1.0, 0.0
     batch = collate([group], trainer_version=0)
-    trainer = TorchPolicyTrainer(copy.deepcopy(model), CorrectionConfig(), lr=1e-4)
+    trainer = TorchPolicyTrainer(copy.deepcopy(model), CorrectionConfig(), OptimizerSettings(lr=1e-4))
 
     def logprob_of_winner() -> float:
         with torch.no_grad():
@@ -109,7 +113,7 @@ def test_fresh_mismatch_counts_only_tokens_of_the_trainers_own_version(model: to
     stale = synthetic_group(model, "q", 2, "b", seed=2, version=2, noise=2.0)
     batch = collate([fresh, stale], trainer_version=3)
     config = CorrectionConfig(mis=(0.2, 5.0))
-    result = TorchPolicyTrainer(copy.deepcopy(model), config, lr=0.0).step(batch)
+    result = TorchPolicyTrainer(copy.deepcopy(model), config, OptimizerSettings(lr=0.0)).step(batch)
     pools = result.per_pool
     assert pools["a"]["fresh_tokens"] == pools["a"]["tokens"]
     assert pools["a"]["kl_k3_fresh"] == pytest.approx(pools["a"]["kl_k3"], rel=1e-9)
@@ -127,7 +131,7 @@ def test_mismatch_by_staleness_bins_add_up_to_the_whole_batch(model: torch.nn.Mo
         )
         for version, pool in ((5, "a"), (4, "a"), (3, "b"), (1, "b"))
     ]
-    result = TorchPolicyTrainer(copy.deepcopy(model), CorrectionConfig(), lr=0.0).step(
+    result = TorchPolicyTrainer(copy.deepcopy(model), CorrectionConfig(), OptimizerSettings(lr=0.0)).step(
         collate(groups, trainer_version=5)
     )
     run_bins = result.metrics["by_staleness"]

@@ -45,7 +45,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import aiohttp
 import torch
@@ -65,22 +65,11 @@ from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.megatron_backend import BackendUnavailable, MegatronPolicyTrainer
 from mixrl.rl.trainer.telemetry import TrainerTelemetry
-from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
+from mixrl.rl.trainer.torch_backend import OptimizerSettings, StepResult, TorchPolicyTrainer
 from mixrl.rl.trainer.weight_broadcast import WeightBroadcaster, receivers_from_router
 from mixrl.rl.weights import WeightStore, tokenizer_files
 
 log = logging.getLogger("mixrl.trainer")
-
-
-class OptimizerSettings(TypedDict):
-    """The keyword arguments both backends' trainers take from the spec's optimizer and trainer."""
-
-    lr: float
-    betas: tuple[float, float]
-    weight_decay: float
-    grad_clip: float | None
-    temperature: float
-    micro_batch_tokens: int
 
 
 METRICS = "metrics.jsonl"
@@ -172,25 +161,25 @@ class TrainerLoop:
             log.info("rank %d of %d (FSDP2 over %s)", self.ranks.rank, self.ranks.world_size, backend)
         log.info("computing on %s in %s (FP32 master weights and reductions)", device, compute_dtype)
         torch.manual_seed(0)
-        optimizer: OptimizerSettings = {
-            "lr": spec.optimizer.lr,
-            "betas": spec.optimizer.betas,
-            "weight_decay": spec.optimizer.weight_decay,
-            "grad_clip": spec.optimizer.grad_clip,
-            "temperature": run.trainer.temperature,
-            "micro_batch_tokens": spec.micro_batch_tokens,
-        }
+        optimizer = OptimizerSettings(
+            lr=spec.optimizer.lr,
+            betas=spec.optimizer.betas,
+            weight_decay=spec.optimizer.weight_decay,
+            grad_clip=spec.optimizer.grad_clip,
+            temperature=run.trainer.temperature,
+            micro_batch_tokens=spec.micro_batch_tokens,
+        )
         self.trainer: TorchPolicyTrainer | MegatronPolicyTrainer
         if spec.backend == "megatron":  # imports megatron-core (the megatron trainer image has it)
             self.trainer = MegatronPolicyTrainer(
-                model_path, run.trainer.corrections, spec.parallelism, **optimizer
+                model_path, run.trainer.corrections, spec.parallelism, optimizer
             )
             self.model_config = self.trainer.model_config
         else:
             self.trainer = TorchPolicyTrainer(
                 load_model(model_path),
                 run.trainer.corrections,
-                **optimizer,
+                optimizer,
                 compute_dtype=compute_dtype,
                 device=device,
                 ranks=self.ranks,

@@ -51,7 +51,7 @@ from mixrl.rl.trainer.megatron_convert import (
     pipeline_unshard,
     transformer_config_kwargs,
 )
-from mixrl.rl.trainer.torch_backend import StepResult, split_rows_by_tokens, step_result
+from mixrl.rl.trainer.torch_backend import OptimizerSettings, StepResult, split_rows_by_tokens, step_result
 
 NEEDS_CUDA = (
     "spec.trainer.backend: megatron trains on CUDA GPUs only (megatron-core 0.16 runs GPTModel.forward, "
@@ -101,13 +101,8 @@ class MegatronPolicyTrainer:
         model_path: str,
         corrections: CorrectionConfig,
         parallelism: Parallelism,
+        settings: OptimizerSettings,
         *,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        grad_clip: float | None = 1.0,
-        temperature: float = 1.0,
-        micro_batch_tokens: int = 16384,
         seed: int = 0,
     ) -> None:
         if not torch.cuda.is_available():
@@ -126,8 +121,7 @@ class MegatronPolicyTrainer:
         mc["model_parallel_cuda_manual_seed"](seed)
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.corrections = corrections
-        self.temperature = temperature
-        self.micro_batch_tokens = micro_batch_tokens
+        self.settings = settings
 
         hf = load_model(model_path)
         self.hf_config = hf_config = hf.config
@@ -178,14 +172,16 @@ class MegatronPolicyTrainer:
         self.optimizer = mc["get_megatron_optimizer"](
             mc["OptimizerConfig"](
                 optimizer="adam",
-                lr=lr,
-                weight_decay=weight_decay,
-                adam_beta1=betas[0],
-                adam_beta2=betas[1],
+                lr=settings.lr,
+                weight_decay=settings.weight_decay,
+                adam_beta1=settings.betas[0],
+                adam_beta2=settings.betas[1],
                 bf16=True,
                 params_dtype=torch.bfloat16,
                 use_distributed_optimizer=True,
-                clip_grad=grad_clip if grad_clip is not None else 0.0,  # 0 turns clipping off
+                clip_grad=settings.grad_clip
+                if settings.grad_clip is not None
+                else 0.0,  # 0 turns clipping off
             ),
             [self.model],
         )
@@ -205,7 +201,7 @@ class MegatronPolicyTrainer:
         if local is not None:
             micro = [
                 m
-                for part in split_rows_by_tokens(local, self.micro_batch_tokens)
+                for part in split_rows_by_tokens(local, self.settings.micro_batch_tokens)
                 if part and (m := local.select_rows(part)).num_tokens > 0
             ]
         if not micro:
@@ -227,7 +223,7 @@ class MegatronPolicyTrainer:
         count = torch.tensor(tokens.tokens.numel(), dtype=torch.int, device=logits.device)
         if not tokens.tokens.numel():
             return logits.sum() * 0.0, count, {}
-        shard = logits[tokens.rows, tokens.positions].float() / self.temperature
+        shard = logits[tokens.rows, tokens.positions].float() / self.settings.temperature
         loss, metrics = token_policy_loss(
             shard,
             tokens,

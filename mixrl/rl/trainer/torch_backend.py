@@ -34,6 +34,21 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """What both backends' trainers take from the spec's optimizer and trainer: AdamW's settings,
+    gradient clipping, the sampling temperature the loss divides the logits by, and the micro-batch
+    size of gradient accumulation."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    """The gradient norm's bound; None: no clipping."""
+    temperature: float = 1.0
+    micro_batch_tokens: int = 16384
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -95,13 +110,8 @@ class TorchPolicyTrainer:
         self,
         model: PreTrainedModel,
         corrections: CorrectionConfig,
+        settings: OptimizerSettings,
         *,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
-        grad_clip: float | None = 1.0,
-        temperature: float = 1.0,
-        micro_batch_tokens: int = 16384,
         chunk_size: int = 1024,
         compute_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
@@ -119,15 +129,13 @@ class TorchPolicyTrainer:
         self.model.train()
         self.model.requires_grad_(True)
         self.corrections = corrections
-        self.temperature = temperature
-        self.grad_clip = grad_clip
-        self.micro_batch_tokens = micro_batch_tokens
+        self.settings = settings
         self.chunk_size = chunk_size
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
+            lr=settings.lr,
+            betas=settings.betas,
+            weight_decay=settings.weight_decay,
         )
 
     def step(self, batch: PolicyBatch) -> StepResult:
@@ -150,7 +158,7 @@ class TorchPolicyTrainer:
         staleness: list[torch.Tensor] = []
         micro_batches = [
             micro
-            for rows in split_rows_by_tokens(local, self.micro_batch_tokens)
+            for rows in split_rows_by_tokens(local, self.settings.micro_batch_tokens)
             if rows and (micro := local.select_rows(rows)).num_tokens > 0
         ]
         # FSDP's gathers are collective: every rank runs as many passes as the busiest one.
@@ -169,7 +177,7 @@ class TorchPolicyTrainer:
                 tokens,
                 self.corrections,
                 chunk_size=self.chunk_size,
-                temperature=self.temperature,
+                temperature=self.settings.temperature,
                 num_loss_tokens=total_tokens,  # the denominator is the whole batch's token count
             )
             loss.backward()
@@ -200,7 +208,7 @@ class TorchPolicyTrainer:
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         if not parameters:
             return 0.0
-        max_norm = self.grad_clip if self.grad_clip is not None else math.inf
+        max_norm = self.settings.grad_clip if self.settings.grad_clip is not None else math.inf
         return float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
 
     def state_dict_for_publication(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
