@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mixrl.rl.environments.base import SPLITS, Environment, Episode, Message, Outcome, Split, StepResult
-from mixrl.rl.environments.tools import PlainTextParser, Tool, ToolCall
+from mixrl.rl.environments.tools import PlainTextParser, Tool, ToolCall, string_parameters
 
 HELDOUT_BUCKETS = 8
 """One in this many answer tuples is held out."""
@@ -242,15 +242,11 @@ SUBMITTED = "submitted"
 
 FILETREE_TOOLS: tuple[Tool, ...] = (
     Tool(TOOL_LS, "List the files of the tree."),
-    Tool(
-        TOOL_CAT,
-        "Print one file.",
-        {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-    ),
+    Tool(TOOL_CAT, "Print one file.", string_parameters("path")),
     Tool(
         TOOL_SUBMIT,
         "Submit the answer, the setting's line `key value`; ends the episode.",
-        {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
+        string_parameters("answer"),
     ),
 )
 

@@ -85,6 +85,16 @@ class Tool:
         return True
 
 
+def string_parameters(*names: str) -> dict[str, Any]:
+    """The parameters of a tool whose arguments are the strings ``names``, each required, in this
+    order (the order :class:`PlainTextParser` fills them in)."""
+    return {
+        "type": "object",
+        "properties": {name: {"type": "string"} for name in names},
+        "required": list(names),
+    }
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """A parsed tool call: the tool's name and its arguments (checked against its schema)."""

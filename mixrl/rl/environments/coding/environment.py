@@ -34,7 +34,14 @@ from mixrl.rl.environments.base import Environment, Episode, Message, Outcome, S
 from mixrl.rl.environments.coding import swe
 from mixrl.rl.environments.coding.scoring import TestScore, score, test_command_for
 from mixrl.rl.environments.coding.tasks import FAMILIES, LEVELS, CodingTask, generate_tasks
-from mixrl.rl.environments.tools import JsonToolCallParser, PlainTextParser, Tool, ToolCall, ToolCallParser
+from mixrl.rl.environments.tools import (
+    JsonToolCallParser,
+    PlainTextParser,
+    Tool,
+    ToolCall,
+    ToolCallParser,
+    string_parameters,
+)
 from mixrl.rl.sandbox import Limits, SandboxConfig, SandboxResult, SandboxUnavailable
 from mixrl.rl.sandbox.backend import make_sandbox
 from mixrl.rl.sandbox.files import check_path
@@ -48,24 +55,12 @@ TOOL_LIST, TOOL_READ, TOOL_WRITE, TOOL_RUN, TOOL_SUBMIT = (
 )
 TOOLS: tuple[Tool, ...] = (
     Tool(TOOL_LIST, "List the repository's files."),
-    Tool(
-        TOOL_READ,
-        "Read one file of the repository.",
-        {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-    ),
-    Tool(
-        TOOL_WRITE,
-        "Create or replace one file of the repository.",
-        {
-            "type": "object",
-            "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-            "required": ["path", "content"],
-        },
-    ),
+    Tool(TOOL_READ, "Read one file of the repository.", string_parameters("path")),
+    Tool(TOOL_WRITE, "Create or replace one file of the repository.", string_parameters("path", "content")),
     Tool(
         TOOL_RUN,
         "Run a shell command in the repository's root, in a sandbox without network.",
-        {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]},
+        string_parameters("command"),
     ),
     Tool(TOOL_SUBMIT, "Finish: the hidden tests are run on the repository as it is."),
 )
