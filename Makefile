@@ -47,7 +47,7 @@ lint:
 k8s-bin:
 	@scripts/k8s-bin.sh >/dev/null
 
-# Kueue and LeaderWorkerSet, run by the test bed beside its control plane (scripts/k8s-addons.sh).
+# Kueue, LeaderWorkerSet and KEDA, run by the test bed beside its control plane (scripts/k8s-addons.sh).
 k8s-addons:
 	@scripts/k8s-addons.sh >/dev/null
 
