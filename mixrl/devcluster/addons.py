@@ -1,6 +1,6 @@
-"""Cluster add-ons on the test bed: Kueue and LeaderWorkerSet, built from their pinned Go modules
-(``scripts/k8s-addons.sh``), each run as a local process beside the bed's control plane, as the
-bed runs kube-scheduler and KWOK.
+"""Cluster add-ons on the test bed: Kueue, LeaderWorkerSet and KEDA, built from their pinned Go
+modules (``scripts/k8s-addons.sh``), each run as local processes beside the bed's control plane, as
+the bed runs kube-scheduler and KWOK.
 
 What their release manifests would install in a real cluster is applied from the module's own
 ``config/`` directory, rewritten for a manager that runs outside the cluster:
@@ -18,6 +18,10 @@ What their release manifests would install in a real cluster is applied from the
 The process is recorded in the bed's ``state.json`` like every other one, so ``down`` stops it;
 its log is ``<bed>/logs/<name>.log``, its files (configuration, certificates, the manifests as
 applied) are in ``<bed>/addons/<name>/``.
+
+KEDA (:func:`start_keda`) is two processes, its operator and its metrics server, the latter
+registered as the ``v1beta1.external.metrics.k8s.io`` APIService through the API server's
+aggregation layer, so the HPA controller reads ScaledObjects' triggers as on a real cluster.
 
 Kueue's queues for the bed's fleet (:func:`kueue_queue_objects`): a ResourceFlavor per GPU type
 (the node labels GPU Feature Discovery puts on that type's nodes, and the GPU taint), a ``default``
@@ -45,6 +49,7 @@ import yaml
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE
 from mixrl.devcluster.cluster import (
+    EC_KEY,
     REPO,
     Cluster,
     ClusterError,
@@ -113,11 +118,15 @@ ADDONS: dict[str, AddonSpec] = {
 }
 
 
+KEDA = "keda"
+"""KEDA is built by the same script but runs two processes of its own (:func:`start_keda`)."""
+
+
 def addon_dir(name: str) -> Path:
-    """The add-on's build (``bin/<name>`` and the module's ``config/``), made or found by
+    """The add-on's build (``bin/<binary>`` and the module's ``config/``), made or found by
     ``scripts/k8s-addons.sh``."""
-    if name not in ADDONS:
-        raise ClusterError(f"unknown add-on {name!r} (known: {', '.join(ADDONS)})")
+    if name not in ADDONS and name != KEDA:
+        raise ClusterError(f"unknown add-on {name!r} (known: {', '.join([*ADDONS, KEDA])})")
     script = REPO / "scripts" / "k8s-addons.sh"
     done = subprocess.run([str(script), name], stdout=subprocess.PIPE, text=True)  # progress: stderr
     if done.returncode != 0:
@@ -366,6 +375,195 @@ def stop_addon(handle: Cluster, state: ClusterState, name: str) -> bool:
             handle.kubectl(state, "delete", "--ignore-not-found", "-f", str(hooks))
     stopped = bool(_stop(state, [name]))
     state.pids.pop(name, None)
+    handle._save(state)
+    return stopped
+
+
+# ----------------------------------------------------------------------------- KEDA
+
+
+KEDA_NAMESPACE = "keda"
+"""The namespace KEDA's release installs into (the operator's ``POD_NAMESPACE``)."""
+EXTERNAL_METRICS_API = "v1beta1.external.metrics.k8s.io"
+"""The APIService KEDA's metrics server serves, through which the HPA reads a trigger's value."""
+KEDA_PROCESSES = ("keda-operator", "keda-adapter")
+"""The bed's process names (``state.json``, ``logs/<name>.log``) and KEDA's binaries."""
+
+
+def keda_crds(config: Path) -> list[dict[str, Any]]:
+    """KEDA's CRDs as ``config/crd``'s kustomization makes them: its JSON patches (bounds on the
+    HPA's stabilization windows) applied to the CRD each one targets."""
+    directory = config / "crd"
+    kustomization = _kustomization(directory)
+    crds = [
+        doc for resource in kustomization.get("resources", []) for doc in _documents(directory / resource)
+    ]
+    by_name = {crd["metadata"]["name"]: crd for crd in crds}
+    for entry in kustomization.get("patches") or []:
+        target = by_name.get((entry.get("target") or {}).get("name", ""))
+        if target is not None and "path" in entry:
+            _json_patch(target, yaml.safe_load((directory / entry["path"]).read_text()))
+    return crds
+
+
+def keda_metrics_api_objects(config: Path, port: int, ca_bundle: str) -> list[dict[str, Any]]:
+    """KEDA's external-metrics APIService (``config/metrics-server/api_service.yaml``) served by the
+    metrics server on this host: its Service is an ExternalName one (``localhost``), which the API
+    server's aggregator dials at the APIService's port, verifying the bed CA's certificate for
+    ``<service>.<namespace>.svc``.  (A selector-less Service with manual endpoints, the usual
+    trick, cannot point at loopback: the API server refuses loopback endpoint addresses.)"""
+    api_services = [
+        doc
+        for doc in _documents(config / "metrics-server" / "api_service.yaml")
+        if doc.get("kind") == "APIService"
+    ]
+    if len(api_services) != 1:
+        raise ClusterError(f"{config}/metrics-server/api_service.yaml: expected one APIService")
+    api_service = copy.deepcopy(api_services[0])
+    spec = api_service["spec"]
+    reference = spec["service"]
+    spec["service"] = {"name": reference["name"], "namespace": reference["namespace"], "port": port}
+    spec["caBundle"] = ca_bundle
+    spec.pop("insecureSkipTLSVerify", None)
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": reference["name"], "namespace": reference["namespace"]},
+        "spec": {
+            "type": "ExternalName",
+            "externalName": "localhost",
+            "ports": [{"name": "https", "port": port}],
+        },
+    }
+    return [service, api_service]
+
+
+def keda_service_names(config: Path) -> list[str]:
+    """The in-cluster names KEDA's certificate must carry: the metrics server's Service (the
+    aggregator checks ``<name>.<namespace>.svc``)."""
+    reference = _documents(config / "metrics-server" / "api_service.yaml")[0]["spec"]["service"]
+    return [f"{reference['name']}.{reference['namespace']}.svc"]
+
+
+def keda_commands(
+    binaries: Path, cert_dir: Path, ca_dir: Path, kubeconfig: Path, ports: dict[str, int]
+) -> dict[str, list[str]]:
+    """The command lines of KEDA's operator and metrics server (pure), both logged in with the
+    bed's admin kubeconfig and listening on loopback only.  Certificate rotation is off: the
+    operator's own would issue certificates for in-cluster Service names and patch them into the
+    APIService; ``cert_dir`` holds the bed CA's instead (``ca.crt``, ``tls.crt``, ``tls.key``),
+    which both also use for their mutual TLS over gRPC (the metrics server asks the operator for a
+    trigger's value at ``ports['grpc']``)."""
+    # Out of a pod no service-account files say the namespace: KEDA's cluster-scoped objects'
+    # Secrets (ClusterTriggerAuthentication) are read in its own, named here.
+    env = ["env", f"KUBECONFIG={kubeconfig}", f"POD_NAMESPACE={KEDA_NAMESPACE}", "WATCH_NAMESPACE=",
+           f"KEDA_CLUSTER_OBJECT_NAMESPACE={KEDA_NAMESPACE}"]  # fmt: skip
+    logging = ["--zap-log-level=info", "--zap-encoder=console"]
+    operator = [
+        *env,
+        str(binaries / "keda-operator"),
+        "--leader-elect=false",
+        "--enable-cert-rotation=false",
+        f"--cert-dir={cert_dir}",
+        f"--ca-dir={ca_dir}",  # the CAs its scalers trust beside the system's: not the host's /custom/ca
+        f"--metrics-service-bind-address=127.0.0.1:{ports['grpc']}",
+        f"--health-probe-bind-address=127.0.0.1:{ports['health']}",
+        "--metrics-bind-address=0",
+        *logging,
+    ]
+    adapter = [
+        *env,
+        str(binaries / "keda-adapter"),
+        "--bind-address=127.0.0.1",
+        f"--secure-port={ports['api']}",
+        f"--cert-dir={cert_dir}",
+        f"--tls-cert-file={cert_dir / 'tls.crt'}",
+        f"--tls-private-key-file={cert_dir / 'tls.key'}",
+        # Out of cluster: who may call it (the front-proxy CA and the request headers, from
+        # kube-system/extension-apiserver-authentication) and what they may do (SubjectAccessReviews)
+        # are asked of the API server with this kubeconfig, as is discovery.
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        f"--lister-kubeconfig={kubeconfig}",
+        f"--metrics-service-address=127.0.0.1:{ports['grpc']}",
+        f"--port={ports['metrics']}",  # its own /metrics (plain HTTP; default 8080)
+        *logging,
+    ]
+    return {"keda-operator": operator, "keda-adapter": adapter}
+
+
+def _api_service_available(handle: Cluster, state: ClusterState) -> bool:
+    try:
+        found = handle.api_get(state, f"/apis/apiregistration.k8s.io/v1/apiservices/{EXTERNAL_METRICS_API}")
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+    conditions = (found.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Available" and c.get("status") == "True" for c in conditions)
+
+
+@dataclass(frozen=True)
+class RunningKeda:
+    directory: Path
+    """``<bed>/addons/keda``: certificates, the manifests as applied."""
+    logs: dict[str, Path]
+    """Per process (:data:`KEDA_PROCESSES`), its log."""
+
+
+def start_keda(
+    handle: Cluster, state: ClusterState, timeout: float = 120.0, log: Callable[[str], None] = print
+) -> RunningKeda:
+    """Build (or find) KEDA, apply its CRDs, start its operator and its metrics server against the
+    bed and register the metrics server as the external metrics API; returns once the API server
+    reports that APIService Available (its aggregator reached the metrics server).  KEDA's
+    admission webhooks (``cmd/webhooks``) are not run: they only validate ScaledObjects."""
+    if any(name in state.pids and handle.running().get(name) for name in KEDA_PROCESSES):
+        raise ClusterError("keda already runs on this bed")
+    started = time.monotonic()
+    build = addon_dir(KEDA)
+    config = build / "config"
+    directory = Path(state.dir) / "addons" / KEDA
+    cert_dir, ca_dir = directory / "certs", directory / "ca"
+    names = ",".join(f"DNS:{name}" for name in keda_service_names(config))
+    san = f"IP:127.0.0.1,DNS:localhost,{names}"
+    issue_certificate(Path(state.dir) / "pki", cert_dir, "tls", "/CN=keda", san=san, key=EC_KEY)
+    for target in (cert_dir, ca_dir):
+        target.mkdir(parents=True, exist_ok=True)
+        (target / "ca.crt").write_bytes(state.ca_file.read_bytes())
+    ca_bundle = base64.b64encode(state.ca_file.read_bytes()).decode()
+    grpc, health, api, metrics = free_ports(4)
+    ports = {"grpc": grpc, "health": health, "api": api, "metrics": metrics}
+    crds = keda_crds(config)
+    (directory / "crds.yaml").write_text(yaml.safe_dump_all(crds, sort_keys=False))
+    api_objects = keda_metrics_api_objects(config, api, ca_bundle)
+    (directory / "metrics-api.yaml").write_text(yaml.safe_dump_all(api_objects, sort_keys=False))
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KEDA_NAMESPACE}}
+    handle.kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(namespace))
+    handle.kubectl(state, "apply", "--server-side", "--force-conflicts", "-f", str(directory / "crds.yaml"))
+    crd_names = [crd["metadata"]["name"] for crd in crds]
+    handle.kubectl(
+        state, "wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{c}" for c in crd_names)
+    )
+    commands = keda_commands(build / "bin", cert_dir, ca_dir, state.kubeconfig, ports)
+    handle._start(state, "keda-operator", commands["keda-operator"])
+    handle._wait(state, "keda-operator", lambda: _ready(health), timeout)
+    handle._start(state, "keda-adapter", commands["keda-adapter"])
+    handle._wait(state, "keda-adapter", lambda: _webhook_answers(api, state.ca_file), timeout)
+    handle.kubectl(state, "apply", "-f", str(directory / "metrics-api.yaml"))
+    handle._wait(state, "keda-adapter", lambda: _api_service_available(handle, state), timeout)
+    logs = {name: Path(state.dir) / "logs" / f"{name}.log" for name in KEDA_PROCESSES}
+    log(f"dev-cluster: keda running ({time.monotonic() - started:.1f} s), {EXTERNAL_METRICS_API} served "
+        f"at https://127.0.0.1:{api}, logs {', '.join(str(p) for p in logs.values())}")  # fmt: skip
+    return RunningKeda(directory, logs)
+
+
+def stop_keda(handle: Cluster, state: ClusterState) -> bool:
+    """Stop KEDA's processes and withdraw the external metrics APIService (which would otherwise
+    leave discovery of its group failing); its CRDs and objects stay.  True if it was running."""
+    with contextlib.suppress(ClusterError):
+        handle.kubectl(state, "delete", "--ignore-not-found", f"apiservice/{EXTERNAL_METRICS_API}")
+    stopped = bool(_stop(state, list(KEDA_PROCESSES)))
+    for name in KEDA_PROCESSES:
+        state.pids.pop(name, None)
     handle._save(state)
     return stopped
 

@@ -3,6 +3,7 @@
     mixrl dev-cluster up                      # etcd, API server, controller-manager, scheduler, KWOK
     mixrl dev-cluster up --real-nodes 1       # … and a real CPU node where pods run (as root)
     mixrl dev-cluster up --kueue              # … and Kueue, with queues for the fleet's GPU types
+    mixrl dev-cluster up --keda               # … and KEDA (operator, external metrics API server)
     export KUBECONFIG=~/.cache/mixrl/dev-cluster/kubeconfig
     kubectl get nodes -L nvidia.com/gpu.product
     mixrl dev-cluster down                    # stops everything, removes the cluster's data
@@ -20,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from mixrl.api.plain_text import plain_text
-from mixrl.devcluster.addons import kueue_queue_objects, local_queue, start_addon
+from mixrl.devcluster.addons import kueue_queue_objects, local_queue, start_addon, start_keda
 from mixrl.devcluster.cluster import Cluster, ClusterError, default_dir
 from mixrl.devcluster.kwok_fleet import DEFAULT_FLEET, describe, parse_fleet
 
@@ -57,6 +58,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run Kueue beside the control plane (scripts/k8s-addons.sh builds it), with a ResourceFlavor per "
         "GPU type, the ClusterQueue mixrl holding the fleet's GPUs and the LocalQueue mixrl in namespace default",
     )
+    up.add_argument(
+        "--keda",
+        action="store_true",
+        help="run KEDA's operator and metrics API server beside the control plane (scripts/k8s-addons.sh "
+        "builds them), the latter registered as the external metrics API, for autoscaling.engine keda",
+    )
     up.add_argument("--volumes", type=int, default=8, help="pre-created PersistentVolumes (default 8)")
     up.add_argument("--timeout", type=float, default=90.0, help="seconds each component may take to start")
     commands.add_parser("down", help="stop every process and remove the cluster's data")
@@ -77,14 +84,16 @@ def main(argv: list[str]) -> int:
             print(f"dev-cluster: starting in {cluster.dir} with {describe(groups)}")
             state = cluster.up(groups, volumes=args.volumes, timeout=args.timeout, real_nodes=args.real_nodes,
                                with_images=args.images)  # fmt: skip
-            if args.kueue:
-                try:
+            try:
+                if args.kueue:
                     start_addon(cluster, state, "kueue", timeout=args.timeout)
                     queues = [*kueue_queue_objects(groups), local_queue("default", "mixrl", "mixrl")]
                     cluster.kubectl(state, "apply", "-f", "-", input=yaml.safe_dump_all(queues))
-                except BaseException:
-                    cluster.down(log=lambda _: None)
-                    raise
+                if args.keda:
+                    start_keda(cluster, state, timeout=args.timeout)
+            except BaseException:
+                cluster.down(log=lambda _: None)
+                raise
             return 0
         if args.command == "down":
             cluster.down()

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mixrl.devcluster.addons import kueue_queue_objects, start_addon
+from mixrl.devcluster.addons import kueue_queue_objects, start_addon, start_keda
 from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
 from mixrl.devcluster.kwok_fleet import parse_fleet
 
@@ -159,6 +159,16 @@ def kueue(cluster: Bed) -> Bed:
     stopped with the bed."""
     start_addon(cluster.handle, cluster.state, "kueue", log=lambda line: print(line, file=sys.stderr))
     cluster.apply(yaml.safe_dump_all(kueue_queue_objects(parse_fleet(FLEET))))
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def keda(cluster: Bed) -> Bed:
+    """KEDA (v2.21, its operator and metrics server built from its Go module by
+    scripts/k8s-addons.sh) running beside the shared bed's control plane, its metrics server
+    registered as the external metrics API through the API server's aggregation layer
+    (mixrl.devcluster.addons.start_keda).  Started only when a test asks; stopped with the bed."""
+    start_keda(cluster.handle, cluster.state, log=lambda line: print(line, file=sys.stderr))
     return cluster
 
 
