@@ -260,8 +260,46 @@ def scenarios(hours: float) -> list[tuple[str, str, ts.TrainerRun]]:
             "preempted hourly, spot-priced",
             replace(base, spot_pool="b200-nvfp4", loss_at_s=900.0, back_at_s=1800.0, repeat_every_s=3600.0),
         ),
+        # Noisy signals (ts.SignalNoise: ±20 % log-normal noise, metrics 30 s late, 10 % of scrapes
+        # missed) on a steady run, a loss and a trainer speeding up.
+        ("noise", "steady, noisy signals", replace(base, noise=NOISE)),
+        (
+            "noise",
+            "loss, noisy signals",
+            replace(base, spot_pool="b200-nvfp4", loss_at_s=loss_at, noise=NOISE),
+        ),
+        (
+            "noise",
+            "trainer 120 → 80 s, noisy signals",
+            replace(base, step_seconds=((0.0, 120.0), (hours * 1800, 80.0)), noise=NOISE),
+        ),
+        ("responses", "responses shrink 5000 → 3000", replace(base, tokens_per_trajectory=(5000.0, 3000.0))),
+        (
+            "quota",
+            "quota cut at 1/2, responses grow",
+            replace(
+                base,
+                quota=((hours * 1800, "b200-nvfp4", 8), (hours * 1800, "h100-fp8", 8)),
+                tokens_per_trajectory=(4000.0, 6000.0),
+            ),
+        ),
+        (
+            "quota",
+            "b200 pool absent from the start",
+            replace(base, spot_pool="b200-nvfp4", loss_at_s=-float(base.warmup_s), loss_fraction=1.0),
+        ),
+        (
+            "capacity",
+            "b200 delivers a third of its capacity",
+            replace(base, capacity_error={"b200-nvfp4": 1 / 3}),
+        ),
+        ("scale", "10× fleet (10,240 per step)", replace(base, step_size=10240, concurrency=10240)),
     ]
 
+
+NOISE = ts.SignalNoise(sigma=0.2, delay_s=30, miss=0.1)
+SCALED = {"10× fleet (10,240 per step)": 10}
+"""Runs whose pools may hold this many times their maximum replicas (the fleet grown with the run)."""
 
 SPOT_PRICE = {"preempted hourly, spot-priced": 0.4}
 """Runs whose spot pool is billed at this share of its list price (spot capacity's discount)."""
@@ -269,6 +307,9 @@ SPOT_PRICE = {"preempted hourly, spot-priced": 0.4}
 
 def priced(pools, name: str, run: ts.TrainerRun):
     """The pools of one run, its spot pool at its spot price (``SPOT_PRICE``)."""
+    grown = SCALED.get(name)
+    if grown is not None:
+        pools = [replace(p, max_replicas=p.max_replicas * grown) for p in pools]
     factor = SPOT_PRICE.get(name)
     if factor is None:
         return pools
@@ -279,11 +320,31 @@ def priced(pools, name: str, run: ts.TrainerRun):
 
 
 def strategies(pools, configs, run: ts.TrainerRun) -> list[ts.Strategy]:
+    """mixrl; its per-pool queue policy; KEDA on the engines' queue (the naive trigger) and on the
+    trainer's demand (the strongest a KEDA user could write from mixrl's metrics: each pool's share
+    of the demand over its measured rate per replica, the shares the start-sized static fleet's);
+    the static fleet sized at the start, and re-sized with hindsight per phase."""
+    configs = {p.name: replace(configs[p.name], max_replicas=p.max_replicas) for p in pools}
+    start = ts.static_sized_to_trainer(pools, run)
+    capacity = {p.name: start[p.name] * p.capacity for p in pools}
+    shares = {name: c / sum(capacity.values()) for name, c in capacity.items()}
+    hindsight, schedule = ts.hindsight_schedule(pools, run)
+    keda = keda_configs(pools, configs)
     return [
         ts.Strategy("mixrl", "trainer", configs=configs, objective=ts.objective_config(run)),
         ts.Strategy("queue", "queue", configs=configs),
-        ts.Strategy("keda", "queue", configs=keda_configs(pools, configs), sustained=False, reads_pods=False),
-        ts.Strategy("static", "static", static_replicas=ts.static_sized_to_trainer(pools, run)),
+        ts.Strategy("keda", "queue", configs=keda, sustained=False, reads_pods=False),
+        ts.Strategy(
+            "keda-demand",
+            "queue",
+            configs=keda,
+            sustained=False,
+            reads_pods=False,
+            objective=ts.objective_config(run),
+            demand_shares=shares,
+        ),
+        ts.Strategy("static", "static", static_replicas=start),
+        ts.Strategy("hindsight", "static", static_replicas=hindsight, static_schedule=schedule),
     ]
 
 
@@ -304,25 +365,28 @@ def row(result: ts.RunResult) -> dict[str, float | str]:
     }
 
 
-def meets_target(ours: ts.RunResult, static: ts.RunResult, steady: bool) -> tuple[bool, str]:
-    """The benchmark's target for one run, and how it reads.  Steady runs: the samplers' dollars per
-    step within 5 % of the sized static fleet's at ≥ 0.95× its steps/h, no reversal.  Changing runs:
-    more steps/h than static and fewer dollars per step with the trainer's GPUs counted (a run pays
-    for them fed or idle, so the steps a starved trainer did not make are a cost), at most one
-    reversal per hour (issue #30's bound)."""
+def meets_target(
+    ours: ts.RunResult, static: ts.RunResult, hindsight: ts.RunResult, steady: bool
+) -> tuple[bool, str]:
+    """The benchmark's target for one run (issue #30 item 6), and how it reads.  Steady runs: the
+    samplers' dollars per step within 5 % of the hindsight-sized static fleet's at ≥ 0.97× its
+    steps/h.  Changing runs: at least the start-sized static fleet's steps/h at no more than its
+    dollars per step with the trainer's GPUs counted (a run pays for them fed or idle, so the steps
+    a starved trainer did not make are a cost).  Every run: at most one reversal per hour."""
+    calm = ours.reversals_per_hour <= 1.0
     if steady:
         ok = (
-            ours.cost_per_step <= 1.05 * static.cost_per_step
-            and ours.steps_per_hour >= 0.95 * static.steps_per_hour
-            and ours.reversals() == 0
+            ours.cost_per_step <= 1.05 * hindsight.cost_per_step
+            and ours.steps_per_hour >= 0.97 * hindsight.steps_per_hour
+            and calm
         )
-        return ok, "≤ 1.05× static sampler $/step at ≥ 0.95× its steps/h, 0 reversals"
+        return ok, "≤ 1.05× hindsight static's sampler $/step at ≥ 0.97× its steps/h, ≤ 1 reversal/h"
     ok = (
-        ours.steps_per_hour > static.steps_per_hour
-        and ours.total_cost_per_step < static.total_cost_per_step
-        and ours.reversals_per_hour <= 1.0
+        ours.steps_per_hour >= static.steps_per_hour
+        and ours.total_cost_per_step <= static.total_cost_per_step
+        and calm
     )
-    return ok, "more steps/h than static at a lower total (trainer + sampler) $/step, ≤ 1 reversal/h"
+    return ok, "≥ static's steps/h at ≤ its total (trainer + sampler) $/step, ≤ 1 reversal/h"
 
 
 def cost_breakdown(ours: ts.RunResult, static: ts.RunResult) -> str:
@@ -386,9 +450,9 @@ def run_sweeps(seed: int, plots: Path | None, hours: float, quiet: bool = False)
                     file=sys.stderr,
                     flush=True,
                 )
-        ours, static = results["mixrl"], results["static"]
+        ours, static, hindsight = results["mixrl"], results["static"], results["hindsight"]
         steady = name.startswith("steady")
-        ok, target = meets_target(ours, static, steady)
+        ok, target = meets_target(ours, static, hindsight, steady)
         verdicts.append(ok)
         table[name] = [row(r) for r in results.values()]
         print(f"\n{index}. {sweep}: {name} ({hours:g} h)")
@@ -398,6 +462,8 @@ def run_sweeps(seed: int, plots: Path | None, hours: float, quiet: bool = False)
             f"{ours.total_cost_per_step / static.total_cost_per_step:.3f}× total $/step, "
             f"{ours.steps_per_hour / static.steps_per_hour:.3f}× steps/h; "
             f"vs queue {ours.cost_per_step / results['queue'].cost_per_step:.2f}× $/step; "
+            f"vs hindsight {ours.cost_per_step / hindsight.cost_per_step:.3f}× sampler $/step, "
+            f"{ours.steps_per_hour / hindsight.steps_per_hour:.3f}× steps/h; "
             f"target {target}: {'PASS' if ok else 'FAIL'}"
         )
         if not steady:

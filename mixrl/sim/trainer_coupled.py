@@ -37,6 +37,15 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
   beyond the nodes left die, and new ones beyond them stay Pending (no node) until ``back_at_s``;
   with ``repeat_every_s`` both recur (repeated preemptions).
   Pending pods without a node are not billed.
+- **Quotas**: ``quota`` events cap a pool's replicas from a time on (a ResourceQuota cut, or a
+  pool absent from the start at ``-warmup_s``): running replicas stay, new ones beyond the cap stay
+  Pending, unbilled, as for lost nodes.
+- **Capacity errors**: ``capacity_error`` makes a pool deliver that factor of its declared capacity's
+  tokens (a mis-declared ``capacity``); the router still shares sessions by the declared one.
+- **Signal noise** (``noise``, :class:`SignalNoise`): each scrape is missed with a probability, and
+  the policy reads the metrics of ``delay_s`` ago, the rates among them (throughput, trainer steps,
+  its idle share) times log-normal noise (``sigma``); the system itself is not perturbed (a
+  separate random stream), so every strategy runs the same fleet.
 - **Cost**: samplers are billed per ready or starting replica-second (``RunResult.cost``); the
   trainer's ``trainer_gpus`` for the whole measured run at ``trainer_price_per_gpu_hour``, fed or
   idle (``RunResult.trainer_cost``), since a run pays for its trainer either way.
@@ -65,6 +74,7 @@ from mixrl.operator.autoscaling.fleet_objective import (
     ObjectiveConfig,
     ObjectiveMemory,
     TrainerSignals,
+    demand_of,
     stabilized_plan,
 )
 from mixrl.operator.autoscaling.policy import (
@@ -81,6 +91,20 @@ from mixrl.sim.weight_pause import WeightPause, decode_step_s, paused_fraction
 RATE_WINDOW_S = 300
 THROUGHPUT_WINDOW_S = 300
 SCRAPE_S = 15
+
+
+@dataclass(frozen=True)
+class SignalNoise:
+    """What Prometheus gets wrong: log-normal noise on every rate the policy reads, metrics
+    ``delay_s`` late, and a share of scrapes missed (the policy keeps the previous values)."""
+
+    sigma: float = 0.2
+    delay_s: int = 30
+    miss: float = 0.1
+
+
+Reading = tuple[np.ndarray, np.ndarray, TrainerSignals]
+"""One scrape as the policy reads it: per-pool load, per-pool throughput, the trainer's signals."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +134,11 @@ class TrainerRun:
     cold_start_s: float | None = None
     """Set: every pool's cold start in seconds (±10 %), e.g. a new GPU node's 10–12 minutes;
     None: each pool's own (``FleetPool.cold_start_s``)."""
+    quota: tuple[tuple[float, str, int], ...] = ()
+    """(second, pool, most replicas) events: the pool's replicas capped from then on."""
+    capacity_error: Mapping[str, float] = field(default_factory=dict)
+    """Pool -> delivered ÷ declared capacity (1: as declared)."""
+    noise: SignalNoise | None = None
     warmup_s: int = 3600
     """Simulated before the measurement starts (the fleet settles)."""
     trainer_gpus: int = 0
@@ -153,6 +182,12 @@ class Strategy:
     configs: Mapping[str, PolicyConfig] | None = None
     objective: ObjectiveConfig | None = None
     static_replicas: Mapping[str, int] | None = None
+    static_schedule: tuple[tuple[float, Mapping[str, int]], ...] = ()
+    """``static``: (second, replicas) re-sizings after the start (a fleet re-sized with hindsight)."""
+    demand_shares: Mapping[str, float] | None = None
+    """``queue`` with a trainer-demand trigger (KEDA on mixrl's metrics): each pool's load is the
+    replicas its share of the trainer's demand needs at its measured rate per replica, times its
+    target; None: the engines' queue (the naive trigger)."""
     poll_s: int = 30
     window_s: float = 300.0
     sustained: bool = True
@@ -282,6 +317,11 @@ def simulate_run(
     starting: list[list[float]] = [[] for _ in range(n)]
     cold_starts = [run.cold_start_s if run.cold_start_s is not None else p.cold_start_s for p in pools]
     nodes = np.full(n, np.iinfo(np.int64).max // 4, dtype=np.int64)
+    delivered = cap * np.array([run.capacity_error.get(p.name, 1.0) for p in pools])
+    noise_rng = np.random.default_rng(seed + 7919)  # the metrics' errors: not the fleet's stream
+    history: deque[Reading] = deque(maxlen=max(1, (run.noise.delay_s if run.noise else 0) // SCRAPE_S + 1))
+    last_reading: Reading | None = None
+    schedule = list(strategy.static_schedule)
     spot = names.index(run.spot_pool) if run.spot_pool is not None else None
 
     sessions = np.zeros(n)  # fluid sessions per pool
@@ -364,6 +404,12 @@ def simulate_run(
         if spot is not None and run.back_at_s is not None and run.recurs(now, run.back_at_s):
             nodes[spot] = np.iinfo(np.int64).max // 4
             starting[spot] = sorted((now + cold_starts[spot] if s == math.inf else s) for s in starting[spot])
+        for at, pool_name, most in run.quota:
+            if now == at:
+                i = names.index(pool_name)
+                nodes[i] = most  # running ones stay; new ones beyond stay Pending
+                free = int(nodes[i] - ready[i])
+                starting[i] = sorted(s if k < free else math.inf for k, s in enumerate(starting[i]))
         for i in range(n):
             while starting[i] and starting[i][0] <= now:
                 starting[i].pop(0)
@@ -400,7 +446,7 @@ def simulate_run(
         paused = paused_fraction(pause_s, now - pause_start)
         if (paused < 1).any():
             busy = np.minimum(1.0, sessions / np.maximum(ready_cap * run.sessions_per_capacity, 1e-9))
-            tokens = ready_cap * run.tokens_per_s_per_capacity * busy * (1.0 - paused)
+            tokens = ready * delivered * run.tokens_per_s_per_capacity * busy * (1.0 - paused)
             progress += tokens / length
             if recording:
                 generated += float(tokens.sum())
@@ -470,7 +516,17 @@ def simulate_run(
                 in_flight=float(sessions.sum()),
                 busy_step_s=float(np.mean([b for _, b in busy_log])) if busy_log else None,
             )
+            if run.noise is not None:
+                last_reading = _noisy(
+                    run.noise, noise_rng, history, last_reading, (per_pool_load, per_pool_throughput, signals)
+                )
+                per_pool_load, per_pool_throughput, signals = last_reading
+                load_scrapes[-1] = per_pool_load
         # poll
+        while schedule and schedule[0][0] <= now:
+            _, replicas = schedule.pop(0)
+            for i, p in enumerate(pools):
+                set_replicas(i, replicas[p.name], now)
         if strategy.kind != "static" and tick % strategy.poll_s == 0:
             targets = _poll(
                 strategy, pools, desired, ready, starting, per_pool_load, per_pool_throughput, signals,
@@ -566,6 +622,33 @@ def _rebalance(
     return moved
 
 
+def _noisy(
+    noise: SignalNoise,
+    rng: np.random.Generator,
+    history: deque[Reading],
+    last: Reading | None,
+    truth: Reading,
+) -> Reading:
+    """One scrape as the policy reads it: the metrics of ``delay_s`` ago times log-normal noise, or,
+    when the scrape is missed, ``last`` (what it read before)."""
+    history.append(truth)  # as long as the delay: history[0] is the reading from delay_s ago
+    if last is not None and rng.random() < noise.miss:
+        return last
+    load, throughput, late = history[0]
+
+    def jitter(value: float | None) -> float | None:
+        return None if value is None else value * float(np.exp(rng.normal(0.0, noise.sigma)))
+
+    # Rates (a counter's increase over a window that scrapes land in unevenly) carry the noise;
+    # gauges (the engines' requests, the buffer, the trainer's seconds per step) are exact, only late.
+    idle = jitter(late.idle_share)
+    return (
+        load,
+        throughput * np.exp(rng.normal(0.0, noise.sigma, len(throughput))),
+        replace(late, step_rate=jitter(late.step_rate), idle_share=None if idle is None else min(1.0, idle)),
+    )
+
+
 def _recent(log: list[float], now: float) -> list[float]:
     start = bisect.bisect_right(log, now - RATE_WINDOW_S)
     return log[start:]
@@ -623,10 +706,27 @@ def _poll(
         minute = list(load_scrapes)[-(60 // SCRAPE_S) :]
         sustained = np.mean(minute, axis=0) if strategy.sustained and minute else None
         out = {}
+        demand = None
+        if strategy.demand_shares is not None:
+            assert strategy.objective is not None
+            demand = demand_of(signals, strategy.objective, signals.busy_step_s)
         for i, p in enumerate(pools):
+            pool_load: float | None = float(load[i])
+            if strategy.demand_shares is not None:
+                # The replicas the pool's share of the trainer's demand needs at its measured rate
+                # per ready replica (no reading without a ready replica: KEDA holds then).
+                rate = throughput[i] / ready[i] if ready[i] else 0.0
+                pool_load = (
+                    None
+                    if demand is None or rate <= 0
+                    else demand
+                    * strategy.demand_shares[p.name]
+                    / rate
+                    * strategy.configs[p.name].target_per_replica
+                )
             observed = PoolLoad(
-                load=float(load[i]),
-                sustained=None if sustained is None else float(sustained[i]),
+                load=pool_load,
+                sustained=None if sustained is None or demand is not None else float(sustained[i]),
                 replicas=int(desired[i]),
                 ready=int(ready[i]),
                 starting=len(starting[i]),
@@ -692,32 +792,82 @@ def _poll(
 # ----------------------------------------------------------------------------- strategies
 
 
-def static_sized_to_trainer(pools: Sequence[FleetPool], run: TrainerRun) -> dict[str, int]:
-    """A fixed fleet sized to the trainer at the start (the AReaL / verl way): the capacity whose
-    saturated throughput equals the trainer's consumption, on the cheapest capacity first.
+def static_sized_to_trainer(
+    pools: Sequence[FleetPool], run: TrainerRun, at_s: float = 0.0, limits: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """A fixed fleet sized to the trainer at ``at_s`` (the start: the AReaL / verl way): the capacity
+    whose saturated throughput equals the trainer's consumption, on the cheapest capacity first,
+    each pool at most ``limits`` (the nodes or quota it has then) and its maximum.
 
     Engines generate nothing while they take a version, so a pool's capacity counts for the share
     of a step it is not paused (``run.pause_seconds``); the cheapest is per such capacity.  Never
     more capacity than the rollout's concurrency keeps busy."""
-    step_s = run.step_seconds_at(0.0)
-    need_tokens = run.step_size / step_s * run.tokens_per_trajectory[0]
+    step_s = run.step_seconds_at(at_s)
+    tokens = float(np.interp(at_s, [0, run.hours * 3600], run.tokens_per_trajectory))
+    need_tokens = run.step_size / step_s * tokens
     need = need_tokens / run.tokens_per_s_per_capacity
     limit = run.concurrency / run.sessions_per_capacity
     serving = {
-        p.name: max(1e-9, 1 - float(s) / step_s) for p, s in zip(pools, run.pause_seconds(pools), strict=True)
+        p.name: max(1e-9, 1 - float(s) / step_s) * run.capacity_error.get(p.name, 1.0)
+        for p, s in zip(pools, run.pause_seconds(pools), strict=True)
     }
-    out = {p.name: p.min_replicas for p in pools}
-    have = sum(p.min_replicas * p.capacity for p in pools)
-    useful = sum(p.min_replicas * p.capacity * serving[p.name] for p in pools)
+    most = {p.name: min(p.max_replicas, (limits or {}).get(p.name, p.max_replicas)) for p in pools}
+    out = {p.name: min(p.min_replicas, most[p.name]) for p in pools}
+    have = sum(out[p.name] * p.capacity for p in pools)
+    useful = sum(out[p.name] * p.capacity * serving[p.name] for p in pools)
     order = sorted(
         pools, key=lambda p: p.gpus_per_replica * p.cost_per_gpu_hour / (p.capacity * serving[p.name])
     )
     for pool in order:
-        while useful < need - 1e-9 and have < limit - 1e-9 and out[pool.name] < pool.max_replicas:
+        while useful < need - 1e-9 and have < limit - 1e-9 and out[pool.name] < most[pool.name]:
             out[pool.name] += 1
             have += pool.capacity
             useful += pool.capacity * serving[pool.name]
     return out
+
+
+def hindsight_schedule(
+    pools: Sequence[FleetPool], run: TrainerRun, every_s: float = 3600.0
+) -> tuple[dict[str, int], tuple[tuple[float, Mapping[str, int]], ...]]:
+    """The static fleet re-sized with perfect foresight: at every change of the run (trainer step
+    time, a spot loss or return, a quota) and every ``every_s`` (responses grow), sized for the phase
+    as it will be — its step time, its mean response length, the nodes and quotas it will have, the
+    capacities pools really deliver.  Returns the start's replicas and the re-sizings after it."""
+    end = run.hours * 3600
+    events = {0.0, *(t for t, _ in run.step_seconds if 0 < t < end)}
+    events |= {t for t in np.arange(every_s, end, every_s).tolist()}
+    outages: list[tuple[float, float]] = []
+    if run.spot_pool is not None and run.loss_at_s is not None:
+        back = run.back_at_s if run.back_at_s is not None else math.inf
+        outages.append((run.loss_at_s, back))
+        while run.repeat_every_s is not None and outages[-1][0] + run.repeat_every_s < end:
+            lost, back = outages[-1]
+            outages.append((lost + run.repeat_every_s, back + run.repeat_every_s))
+        events |= {t for outage in outages for t in outage if 0 < t < end}
+    events |= {t for t, _, _ in run.quota if 0 < t < end}
+    start = static_sized_to_trainer(pools, run)
+    times = sorted(events)
+    sized: list[tuple[float, Mapping[str, int]]] = []
+    for phase_start, phase_end in zip(times, [*times[1:], end], strict=True):
+        middle = (phase_start + phase_end) / 2
+        limits: dict[str, int] = {}
+        if any(lost <= middle < back for lost, back in outages) and run.spot_pool is not None:
+            limits[run.spot_pool] = math.floor(start[run.spot_pool] * (1 - run.loss_fraction))
+        for at, pool_name, most in run.quota:
+            if at <= middle:
+                limits[pool_name] = min(limits.get(pool_name, most), most)
+        sized.append(
+            (
+                phase_start,
+                static_sized_to_trainer(
+                    pools,
+                    replace(run, step_seconds=((0.0, run.step_seconds_at(phase_start)),)),
+                    middle,
+                    limits,
+                ),
+            )
+        )
+    return dict(sized[0][1]), tuple(sized[1:])
 
 
 def objective_config(run: TrainerRun, **overrides: float) -> ObjectiveConfig:

@@ -109,6 +109,20 @@ def test_starting_replicas_and_weight_updates_come_from_the_body() -> None:
     assert plan.replicas is None and "weight update" in plan.decision.reason
 
 
+def test_replicas_awaiting_kueues_admission_are_stuck_with_kueues_reason() -> None:
+    # A queued run's pool asked for 6; Kueue admitted 3 of them (2 ready, 1 starting), 3 wait.
+    admitted = {"type": "Admitted", "status": "False", "reason": "Queued", "message": "insufficient quota"}
+    body = pool_body(replicas=6, ready=2, conditions=[admitted])
+    body["status"]["awaitingAdmission"] = 3
+    load = load_of(body, Observation(10.0, None), pods=Census(ready=2, starting=1, stuck=0))
+    assert (load.starting, load.stuck) == (4, 3)
+    assert load.why_stuck == "3 awaiting Kueue's admission: insufficient quota"
+    alone = load_of(body, Observation(10.0, None))  # the pods not read: Kueue's word still counts
+    assert alone.stuck == 3
+    plain = pool_body(replicas=6, ready=2)
+    assert load_of(plain, Observation(10.0, None)).stuck is None  # no word at all: the clock decides
+
+
 def test_wrong_gpu_type_raises_a_condition_and_a_warning() -> None:
     plan = plan_pool(
         pool_body(), RUN, Observation(48.0, 48.0), PoolMemory(), 0.0, gpu_models={"NVIDIA A100-SXM4-80GB"}

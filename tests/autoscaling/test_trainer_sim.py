@@ -172,12 +172,18 @@ def test_changing_runs_are_judged_by_the_total_cost_per_step_steady_ones_by_the_
     ours, base = result(28, 28 * 3.15, 112.0), result(22, 22 * 2.85, 112.0)
     assert ours.cost_per_step > 1.05 * base.cost_per_step
     assert ours.total_cost_per_step < base.total_cost_per_step
-    assert meets_target(ours, base, steady=False)[0]
-    assert not meets_target(ours, base, steady=True)[0]  # steady runs keep the sampler-only bound
+    assert meets_target(ours, base, base, steady=False)[0]
+    # Steady runs keep the sampler-only bound, against the fleet re-sized with hindsight.
+    assert not meets_target(ours, base, base, steady=True)[0]
+    assert meets_target(result(29, 29 * 2.9, 112.0), ours, base, steady=True)[0]  # ≤ 1.05×, ≥ 0.97×
+    assert not meets_target(result(21, 21 * 2.8, 112.0), ours, base, steady=True)[0]  # 0.95× its steps
     # More steps but a dearer total: not met.
-    assert not meets_target(result(23, 23 * 6.0, 112.0), base, steady=False)[0]
+    assert not meets_target(result(23, 23 * 6.0, 112.0), base, base, steady=False)[0]
     # Fewer steps at a cheaper total: not met either.
-    assert not meets_target(result(21, 21 * 1.0, 112.0), base, steady=False)[0]
+    assert not meets_target(result(21, 21 * 1.0, 112.0), base, base, steady=False)[0]
+    # More than one reversal an hour: not met, steady or not.
+    busy = replace(ours, actions=[(60.0 * k, "spot", k % 2, 1 - k % 2) for k in range(4)])
+    assert not meets_target(busy, base, base, steady=False)[0]
 
 
 # ----------------------------------------------------------------------------- the router's rebalancing
@@ -262,3 +268,63 @@ def test_a_cold_start_longer_than_the_pending_timeout_is_not_released() -> None:
     assert ours.reversals() == 0
     assert clock.reversals() > 0
     assert ours.steps >= clock.steps
+
+
+# ----------------------------------------------------------------------------- issue #30's harder runs
+
+
+def test_noisy_signals_change_what_the_policy_reads_not_the_fleet() -> None:
+    from mixrl.sim.trainer_coupled import SignalNoise
+
+    noisy = replace(RUN, noise=SignalNoise(sigma=0.3, delay_s=60, miss=0.2))
+    fixed = Strategy("s", "static", static_replicas={"spot": 7, "dear": 0})
+    # A static fleet reads nothing: the same fleet with or without the noise, to the trajectory.
+    assert simulate_run(POOLS, noisy, fixed).steps == simulate_run(POOLS, RUN, fixed).steps
+    calm, shaken = simulate_run(POOLS, RUN, mixrl()), simulate_run(POOLS, noisy, mixrl(noisy))
+    assert calm.actions != shaken.actions  # the policy saw other figures
+
+
+def test_a_quota_caps_new_replicas_and_keeps_the_running_ones() -> None:
+    capped = replace(RUN, quota=((600.0, "spot", 2),))
+    grow = Strategy(
+        "s",
+        "static",
+        static_replicas={"spot": 4, "dear": 0},
+        static_schedule=((900.0, {"spot": 6, "dear": 0}),),
+    )
+    result = simulate_run(POOLS, capped, grow)
+    # 4 ran before the cut and keep running; the 2 asked for after it stay Pending, unbilled.
+    assert result.cost == pytest.approx(4 * 6.0 * 2.0, rel=1e-6)
+
+
+def test_a_pool_that_delivers_less_than_declared_makes_fewer_steps() -> None:
+    fleet = Strategy("s", "static", static_replicas={"spot": 7, "dear": 0})
+    slow = simulate_run(POOLS, replace(RUN, capacity_error={"spot": 0.5}), fleet)
+    assert slow.steps_per_hour < 0.6 * simulate_run(POOLS, RUN, fleet).steps_per_hour
+
+
+def test_the_hindsight_fleet_is_resized_for_each_phase() -> None:
+    from mixrl.sim.trainer_coupled import hindsight_schedule
+
+    faster = replace(RUN, step_seconds=((0.0, 120.0), (3600.0, 60.0)))
+    start, schedule = hindsight_schedule(POOLS, faster)
+    assert start == static_sized_to_trainer(POOLS, faster)
+    assert [t for t, _ in schedule] == [3600.0]
+    assert schedule[0][1]["spot"] + schedule[0][1]["dear"] > start["spot"] + start["dear"]  # twice the demand
+    lossy = replace(RUN, spot_pool="spot", loss_at_s=1200.0, back_at_s=2400.0, repeat_every_s=3600.0)
+    _, outages = hindsight_schedule(POOLS, lossy)
+    assert [t for t, _ in outages] == [1200.0, 2400.0, 3600.0, 4800.0, 6000.0]
+    assert outages[0][1]["spot"] == math.floor(start["spot"] / 2) and outages[1][1] == start
+
+
+def test_keda_on_the_trainers_demand_sizes_pools_by_their_share() -> None:
+    from mixrl.sim.simulate import keda_configs
+
+    demand = Strategy(
+        "keda-demand", "queue", configs=keda_configs(POOLS, CONFIGS), sustained=False, reads_pods=False,
+        objective=objective_config(RUN), demand_shares={"spot": 1.0, "dear": 0.0},
+    )  # fmt: skip
+    result = simulate_run(POOLS, RUN, demand)
+    static = static_sized_to_trainer(POOLS, RUN)
+    assert abs(result.replicas[-1][0] - static["spot"]) <= 2  # the spot pool carries the demand
+    assert result.steps_per_hour >= 0.9 * 30.0

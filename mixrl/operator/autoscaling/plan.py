@@ -163,6 +163,14 @@ def load_of(
     updating = any(c.get("type") == UPDATING_WEIGHTS and c.get("status") == "True" for c in conditions)
     updating = updating or (paused or 0) > 0
     starting = max(replicas - ready, 0)
+    # Replicas of a queued run that Kueue has not admitted have no pods at all: the cluster's word
+    # that they will not come up (until quota frees), so rule 8 releases them like stuck ones.
+    waiting = min(int(status.get("awaitingAdmission") or 0), starting)
+    stuck = None if pods is None and not waiting else min((pods.stuck if pods else 0) + waiting, starting)
+    why = pods.why_stuck if pods is not None else None
+    if waiting and why is None:
+        admitted: Obj = next((c for c in conditions if c.get("type") == "Admitted"), {})
+        why = f"{waiting} awaiting Kueue's admission: {admitted.get('message') or 'no quota left'}"
     return PoolLoad(
         load=observation.load,
         sustained=observation.sustained,
@@ -172,8 +180,8 @@ def load_of(
         starting=starting,
         updating_weights=updating,
         # ...unless the cluster says it will not come up.
-        stuck=None if pods is None else min(pods.stuck, starting),
-        why_stuck=None if pods is None else pods.why_stuck,
+        stuck=stuck,
+        why_stuck=why,
     )
 
 
