@@ -203,7 +203,10 @@ def test_the_operator_watches_only_the_kinds_it_may_create() -> None:
     def watched(config: OperatorConfig) -> set[str]:
         return {r.plural for resources in watched_children(config).values() for r in resources}
 
+    # LeaderWorkerSets (multi-node pools) and Kueue Workloads (queued runs) are always granted:
+    # where the cluster serves neither, kopf warns once and watches nothing.
     core = {"configmaps", "services", "persistentvolumeclaims", "deployments", "statefulsets"}
+    core |= {"leaderworkersets", "workloads"}
     assert watched(OperatorConfig()) == core | {"podmonitors", "scaledobjects", "networkpolicies"}
     # The chart grants PodMonitors and ScaledObjects only with these features on: a watch without
     # the permission would fail forever.  Without policies of its own the operator needs no watch.
@@ -211,4 +214,5 @@ def test_the_operator_watches_only_the_kinds_it_may_create() -> None:
     assert watched(no_extras) == core
     # One selector per API group: kopf then discovers only those groups.
     groups = {"", "apps", "monitoring.coreos.com", "keda.sh", "networking.k8s.io"}
+    groups |= {"leaderworkerset.x-k8s.io", "kueue.x-k8s.io"}
     assert set(watched_children(OperatorConfig())) == groups
