@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
-from mixrl.devcluster.addons import kueue_queue_objects, start_addon, start_keda
+from mixrl.devcluster.addons import kueue_queue_objects, start_addon, start_keda, stop_addon, stop_keda
 from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
 from mixrl.devcluster.kwok_fleet import parse_fleet
 
@@ -151,25 +151,29 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         handle.down(log=lambda _: None)
 
 
-@pytest.fixture(scope="session")
-def kueue(cluster: Bed) -> Bed:
+@pytest.fixture(scope="module")
+def kueue(cluster: Bed) -> Iterator[Bed]:
     """Kueue (v0.17, built from its Go module by scripts/k8s-addons.sh) running beside the shared
     bed's control plane, with a ResourceFlavor per GPU type of the fleet and the ClusterQueue
-    ``mixrl`` holding the fleet's GPUs (mixrl.devcluster.addons).  Started only when a test asks;
-    stopped with the bed."""
+    ``mixrl`` holding the fleet's GPUs (mixrl.devcluster.addons).  Started only for the modules
+    that ask, and stopped after them (its webhooks withdrawn): a manager left running beside the
+    later tests' operators slowed the control-plane lane."""
     start_addon(cluster.handle, cluster.state, "kueue", log=lambda line: print(line, file=sys.stderr))
     cluster.apply(yaml.safe_dump_all(kueue_queue_objects(parse_fleet(FLEET))))
-    return cluster
+    yield cluster
+    stop_addon(cluster.handle, cluster.state, "kueue")
 
 
-@pytest.fixture(scope="session")
-def keda(cluster: Bed) -> Bed:
+@pytest.fixture(scope="module")
+def keda(cluster: Bed) -> Iterator[Bed]:
     """KEDA (v2.21, its operator and metrics server built from its Go module by
     scripts/k8s-addons.sh) running beside the shared bed's control plane, its metrics server
     registered as the external metrics API through the API server's aggregation layer
-    (mixrl.devcluster.addons.start_keda).  Started only when a test asks; stopped with the bed."""
+    (mixrl.devcluster.addons.start_keda).  Started only for the modules that ask, stopped after
+    them (the APIService withdrawn)."""
     start_keda(cluster.handle, cluster.state, log=lambda line: print(line, file=sys.stderr))
-    return cluster
+    yield cluster
+    stop_keda(cluster.handle, cluster.state)
 
 
 @pytest.fixture

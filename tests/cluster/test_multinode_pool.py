@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE
-from mixrl.devcluster.addons import start_addon
+from mixrl.devcluster.addons import start_addon, stop_addon
 from mixrl.operator.builders.lws import LEADER_ADDRESS_ENV, WORKER_INDEX_ENV, WORKER_INDEX_LABEL
 
 from .conftest import Bed, start_operator, stop_operator, wait_for
@@ -29,11 +30,13 @@ SAMPLER = f"app.kubernetes.io/component=sampler,mixrl.dev/pool={POOL}"
 
 
 @pytest.fixture(scope="module")
-def lws(cluster: Bed) -> Bed:
-    """LWS's manager on the shared bed (left running: the bed stops it with the rest)."""
+def lws(cluster: Bed) -> Iterator[Bed]:
+    """LWS's manager on the shared bed, stopped after this module (its webhooks withdrawn), as the
+    other add-ons are: left running, they slowed the later tests of the control-plane lane."""
     if not cluster.handle.running().get("lws"):
         start_addon(cluster.handle, cluster.state, "lws", log=lambda line: print(line, file=sys.stderr))
-    return cluster
+    yield cluster
+    stop_addon(cluster.handle, cluster.state, "lws")
 
 
 def wide_run(namespace: str) -> dict[str, Any]:

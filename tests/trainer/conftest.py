@@ -107,6 +107,9 @@ def groups_json(tmp_path: Path, model: torch.nn.Module) -> Path:
     return path
 
 
+GLOO_ABORT = "terminate called without an active exception"
+
+
 def torchrun(
     ranks: int, *args: str | Path, cwd: Path, compute_dtype: str = "float32", check: bool = True
 ) -> subprocess.CompletedProcess[str]:
@@ -115,6 +118,11 @@ def torchrun(
                str(WORKER), *map(str, args)]  # fmt: skip
     env = {**os.environ, "COMPUTE_DTYPE": compute_dtype}
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0 and GLOO_ABORT in done.stderr:
+        # torch's gloo pairs abort a rank now and then under load (docs/testing.md: 1 run in 24
+        # before the worker's barrier, seen again in stop 39's CI): the same deterministic run once more.
+        print(f"torchrun: a rank aborted ({GLOO_ABORT!r}); running it again", file=sys.stderr)
+        done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
     if check:
         assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
     return done

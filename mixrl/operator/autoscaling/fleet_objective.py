@@ -11,8 +11,7 @@ needs.  This objective sizes the whole fleet to the trainer instead:
 
 - **Demand** (trajectories/s): the trainer's consumption at full speed, ``step size / busy seconds
   per step``, where busy = (1 − idle share) / measured steps per second, times (1 − idle target),
-  corrected by the backlog's distance from the band over ``horizon_s`` (inside the band: none);
-  the backlog averaged over the polls (a step drops it by a whole step at once).
+  corrected by the backlog's distance from the band over ``horizon_s`` (inside the band: none).
 - **Supply**: each pool's measured trajectories/s per ready replica, divided by the share of its
   slots the rollout kept busy over the same window (back-pressure and a small concurrency leave
   replicas partly idle; a weight update's pause is real and stays in).  Pools without a
@@ -185,9 +184,6 @@ class ObjectiveMemory:
     """Pool -> trajectories/s one ready replica delivers when kept busy."""
     busy_step_s: float | None = None
     """Seconds the trainer computes per step (its idle time left out)."""
-    backlog: float | None = None
-    """Trajectories buffered and in flight, averaged over the polls (a step's consumption drops
-    the gauge by a whole step at once, and its readings are noisy)."""
     starving_since: float | None = None
     """When the trainer began idling beyond its target (plus the margin) with no action since."""
 
@@ -244,11 +240,7 @@ def update_memory(
         busy_step = (
             measured_busy if busy_step is None else (1 - EMA_WEIGHT) * busy_step + EMA_WEIGHT * measured_busy
         )
-    backlog = memory.backlog
-    if signals.buffered is not None or signals.in_flight is not None:
-        now = (signals.buffered or 0.0) + (signals.in_flight or 0.0)
-        backlog = now if backlog is None else (1 - EMA_WEIGHT) * backlog + EMA_WEIGHT * now
-    return replace(memory, rates=rates, busy_step_s=busy_step, backlog=backlog)
+    return replace(memory, rates=rates, busy_step_s=busy_step)
 
 
 def replica_rates(pools: Sequence[FleetPool], memory: ObjectiveMemory) -> dict[str, float | None]:
@@ -264,16 +256,13 @@ def replica_rates(pools: Sequence[FleetPool], memory: ObjectiveMemory) -> dict[s
     return out
 
 
-def demand_of(
-    signals: TrainerSignals, config: ObjectiveConfig, busy_step_s: float | None, backlog: float | None = None
-) -> float | None:
+def demand_of(signals: TrainerSignals, config: ObjectiveConfig, busy_step_s: float | None) -> float | None:
     """Trajectories/s: the trainer's full-speed consumption less the idle it may have, corrected by
-    the backlog's distance from the band (``backlog``: the averaged one; None: this poll's)."""
+    the backlog's distance from the band."""
     if busy_step_s is None:
         return None
     base = config.step_size / busy_step_s * (1 - config.idle_target)
-    if backlog is None:
-        backlog = (signals.buffered or 0.0) + (signals.in_flight or 0.0)
+    backlog = (signals.buffered or 0.0) + (signals.in_flight or 0.0)
     low = config.min_steps_ahead * config.step_size
     high = math.inf if config.max_steps_ahead is None else config.max_steps_ahead * config.step_size
     correction = 0.0
@@ -357,7 +346,7 @@ def _plan(
         raise ValueError(f"pools: duplicate names in {names}")
     memory = update_memory(memory, pools, signals, config)
     rates = replica_rates(pools, memory)
-    demand = demand_of(signals, config, memory.busy_step_s, memory.backlog)
+    demand = demand_of(signals, config, memory.busy_step_s)
     held = {p.name: min(max(p.replicas - p.stuck, p.low), p.high) for p in pools}
     if demand is None or all(r is None for r in rates.values()):
         if all(p.replicas == 0 for p in pools):  # nothing runs: wake the cheapest capacity
@@ -377,7 +366,7 @@ def _plan(
 
     supply_now = sum((p.replicas - p.stuck) * (rates[p.name] or 0.0) for p in pools)
     forced = any(held[p.name] != p.replicas for p in pools)
-    backlog = memory.backlog or 0.0
+    backlog = (signals.buffered or 0.0) + (signals.in_flight or 0.0)
     summary = (
         f"demand {demand:.3g} traj/s (trainer {config.step_size} per {memory.busy_step_s:.3g} s busy, "
         f"backlog {backlog / config.step_size:.2f} steps), supply {supply_now:.3g}"
