@@ -143,3 +143,16 @@ def test_mismatch_by_staleness_bins_add_up_to_the_whole_batch(model: torch.nn.Mo
         pooled = sum(b[key] * b["tokens"] for b in run_bins.values()) / tokens
         assert pooled == pytest.approx(result.metrics[key], rel=1e-6, abs=1e-9)
     assert result.metrics["kl_k1_fresh"] == pytest.approx(run_bins["0"]["kl_k1"])
+
+
+def test_a_collective_whose_peer_died_is_not_the_batchs_fault() -> None:
+    from mixrl.rl.trainer.main import not_the_batch
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"
+        " [127.0.0.1]:6277: Connection reset by peer."
+    )
+    assert not_the_batch(gloo)  # the restarted trainer redoes the step on the same batch
+    assert not_the_batch(OSError("disk full"))
+    assert not not_the_batch(RuntimeError("shape mismatch in the loss"))  # the batch's: quarantined
+    assert not not_the_batch(ValueError("Connection reset by peer"))  # only a collective's RuntimeError

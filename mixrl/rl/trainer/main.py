@@ -88,6 +88,18 @@ class PoisonBatch(RuntimeError):
 NOT_THE_BATCH = (BufferError, OSError, torch.OutOfMemoryError, torch.distributed.DistError)
 """Failures inside a step that are not the batch's fault (the buffer, the disk, memory, the other
 ranks): they end the process as before, and the restarted trainer redoes the step on the same batch."""
+PEER_GONE = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "NCCL error")
+"""What a collective raises as a plain RuntimeError when another rank died mid-step (gloo's
+``pair.cc`` read error): the peer's failure, not the batch's (a rank SIGKILLed during step 3 had
+its batch quarantined, tests/local/test_run.py)."""
+
+
+def not_the_batch(exc: BaseException) -> bool:
+    """Whether a failure inside a step is someone else's: :data:`NOT_THE_BATCH`, or a collective
+    whose peer went away."""
+    if isinstance(exc, NOT_THE_BATCH):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_GONE)
 
 
 def batch_problem(batch: Batch, limits: TrajectoryLimits) -> str | None:
@@ -353,9 +365,9 @@ class TrainerLoop:
                     groups, trainer_version=self.step, normalize_std=self.run.trainer.normalize_std
                 )
                 result = await asyncio.to_thread(self.trainer.step, policy_batch)
-            except NOT_THE_BATCH:
-                raise
             except Exception as exc:
+                if not_the_batch(exc):
+                    raise
                 # The model may be half-updated and the other ranks inside a collective: this
                 # process ends (one line), and the restarted trainer takes the step's next batch.
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
