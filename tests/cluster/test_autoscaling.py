@@ -78,6 +78,19 @@ def start_prometheus(tmp: Path, port: int, target: str) -> subprocess.Popen[byte
     )
 
 
+def pool_replicas(
+    cluster: Bed, namespace: str, name: str, exporter: PoolExporter
+) -> tuple[int, int, int] | None:
+    """(the SamplerPool's replicas, its Deployment's, the Running engine pods), None until both exist."""
+    found = cluster.kubectl(
+        "get", f"sp/{name}", f"deployment/{name}", "-n", namespace, "-o", "json", check=False
+    )
+    if found.returncode != 0:
+        return None
+    sp, deploy = json.loads(found.stdout)["items"]
+    return sp["spec"]["replicas"], deploy["spec"]["replicas"], len(exporter.pods())
+
+
 def test_builtin_autoscaler_follows_prometheus_queue_depth(
     cluster: Bed, operator: OperatorProcess, namespace: str, tmp_path: Path
 ) -> None:
@@ -102,13 +115,7 @@ def test_builtin_autoscaler_follows_prometheus_queue_depth(
         cluster.apply(run)
 
         def replicas() -> tuple[int, int, int] | None:
-            found = cluster.kubectl(
-                "get", f"sp/{name}", f"deployment/{name}", "-n", namespace, "-o", "json", check=False
-            )
-            if found.returncode != 0:
-                return None
-            sp, deploy = json.loads(found.stdout)["items"]
-            return sp["spec"]["replicas"], deploy["spec"]["replicas"], len(exporter.pods())
+            return pool_replicas(cluster, namespace, name, exporter)
 
         wait_for(replicas, equals=(1, 1, 1), timeout=60, what="one replica at rest")
         exporter.load = 3.5 * TARGET  # wants 4 replicas (ceil 3.5), the pool's maximum

@@ -21,7 +21,7 @@ import yaml
 from mixrl.devcluster.cluster import free_port
 
 from .conftest import ROOT, Bed, OperatorProcess, wait_for
-from .test_autoscaling import POOL, TARGET, PoolExporter, start_prometheus
+from .test_autoscaling import POOL, TARGET, PoolExporter, pool_replicas, start_prometheus
 
 pytestmark = pytest.mark.needs_prometheus
 
@@ -92,13 +92,7 @@ def test_keda_scales_a_pool_through_the_hpa_from_prometheus(
         assert metric["type"] == "External" and metric["external"]["target"]["type"] == "AverageValue"
 
         def replicas() -> tuple[int, int, int] | None:
-            found = cluster.kubectl(
-                "get", f"sp/{name}", f"deployment/{name}", "-n", namespace, "-o", "json", check=False
-            )
-            if found.returncode != 0:
-                return None
-            sp, deploy = json.loads(found.stdout)["items"]
-            return sp["spec"]["replicas"], deploy["spec"]["replicas"], len(exporter.pods())
+            return pool_replicas(cluster, namespace, name, exporter)
 
         wait_for(replicas, equals=(1, 1, 1), timeout=60, what="one replica at rest")
         exporter.load = 3.5 * TARGET  # ceil(14 / 4) = 4 replicas: the pool's maximum
