@@ -25,12 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,51 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def breakdown(events: list[dict[str, Any]]) -> dict[str, int]:
+    """Requests by ``verb resource[/subresource]``, most first."""
+    counts: dict[str, int] = {}
+    for event in events:
+        ref = event.get("objectRef", {})
+        key = f"{event.get('verb')} {ref.get('resource', '?')}" + (
+            f"/{ref['subresource']}" if ref.get("subresource") else ""
+        )
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def first_writes(events: list[dict[str, Any]], resource: str, since: float, names: set[str]) -> list[float]:
+    """Seconds after the wall-clock time ``since`` at which each ``resource`` object named in
+    ``names`` was first written (created, or applied), sorted: where the operator's time goes
+    before the cluster's."""
+    first: dict[str, float] = {}
+    for event in events:
+        ref = event.get("objectRef", {})
+        named = ref.get("name") in names and not ref.get("subresource")
+        if named and ref.get("resource") == resource and is_write(event):
+            first.setdefault(ref["name"], stamp(event["requestReceivedTimestamp"]) - since)
+    return sorted(first.values())
+
+
+def stamp(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def answer_times(events: list[dict[str, Any]]) -> list[float]:
+    """Seconds the API server took to answer each request (received -> response complete), sorted:
+    its queueing (priority and fairness) and work, apart from the operator's."""
+    return sorted(
+        stamp(e["stageTimestamp"]) - stamp(e["requestReceivedTimestamp"])
+        for e in events
+        if e.get("stage") == "ResponseComplete" and e.get("verb") != "watch"
+    )
 
 
 def audit(state: ClusterState, user: str) -> list[dict[str, Any]]:
@@ -173,6 +220,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--resync-seconds", type=float, default=60.0, help="the operator's resync period")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "img" / "cluster-scale.png")
+    parser.add_argument("--keep-audit", type=Path, help="copy the API server's audit log here (to study it)")
     args = parser.parse_args(argv)
     if args.nodes < 10 or args.runs < 1:
         parser.error("--nodes: at least 10; --runs: at least 1")
@@ -225,6 +273,7 @@ def main(argv: list[str]) -> int:
         t0 = time.monotonic()
         kubectl(state, "apply", "--server-side", "--field-manager=cluster-scale", "-f", "-",
                 input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objects}))  # fmt: skip
+        direct_applied_s = time.monotonic() - t0
         direct_at = wait_ready(
             state, "deployments", DIRECT_NS, len(pool_names), t0, args.timeout, "direct", names=pool_names
         )
@@ -239,14 +288,12 @@ def main(argv: list[str]) -> int:
             )  # fmt: skip
         time.sleep(5)  # kopf's start-up (peering, watches) before the burst
         baseline = len(audit(state, user))
-        t0 = time.monotonic()
-        kubectl(
-            state,
-            "apply",
-            "-f",
-            "-",
-            input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": docs}),
-        )
+        cpu_before = cpu_seconds(operator.pid)
+        t0, t0_wall = time.monotonic(), time.time()
+        # Applied as the baseline's objects are: server-side, one request each.
+        kubectl(state, "apply", "--server-side", "--field-manager=cluster-scale", "-f", "-",
+                input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": docs}))  # fmt: skip
+        runs_applied_s = time.monotonic() - t0
         peak_rss = 0.0
         timeline: list[tuple[float, int, int]] = []
 
@@ -259,7 +306,9 @@ def main(argv: list[str]) -> int:
         ready_at = wait_ready(
             state, "samplerpools", NAMESPACE, pools_total, t0, args.timeout, "operator", sample
         )
-        converge_requests = len(audit(state, user)) - baseline
+        converging = audit(state, user)[baseline:]
+        converge_requests = len(converging)
+        converge_cpu = cpu_seconds(operator.pid) - cpu_before
         times = sorted(ready_at.values())
         # The runs' status follows their pools' readiness a moment later: wait until the operator
         # has written nothing for 15 s, then count one idle resync period.
@@ -282,9 +331,22 @@ def main(argv: list[str]) -> int:
             **{f"ready_{k}": v for k, v in ours.items()},
             **{f"direct_ready_{k}": v for k, v in direct.items()},
             "p99_operator_over_direct": ours["p99_s"] / direct["p99_s"],
+            "direct_kubectl_apply_s": direct_applied_s,
+            "runs_kubectl_apply_s": runs_applied_s,
+            **{
+                f"pool_created_{k}": v
+                for k, v in quantiles(first_writes(converging, "samplerpools", t0_wall, pool_names)).items()
+            },
+            **{
+                f"deployment_written_{k}": v
+                for k, v in quantiles(first_writes(converging, "deployments", t0_wall, pool_names)).items()
+            },
             "status_settled_s": settled_s,
             "requests_while_converging": converge_requests,
             "requests_per_run": converge_requests / args.runs,
+            "requests_by_kind": breakdown(converging),
+            **{f"answer_{k}": v for k, v in quantiles(answer_times(converging)).items()},
+            "operator_cpu_s_while_converging": converge_cpu,
             "idle_resync_requests": len(
                 [e for e in idle if e.get("objectRef", {}).get("apiGroup") != "kopf.dev"]
             ),
@@ -299,6 +361,8 @@ def main(argv: list[str]) -> int:
         if operator is not None:
             operator.terminate()
             operator.wait(20)
+        if args.keep_audit is not None and state.audit_log.exists():
+            shutil.copyfile(state.audit_log, args.keep_audit)
         cluster.down(log=lambda _: None)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from fractions import Fraction
 from typing import Any
@@ -13,12 +14,17 @@ from mixrl.api.resolve import resolve
 from mixrl.operator.builders.objects import BuildOptions, Images, Owner
 from mixrl.operator.builders.resources import run_objects
 from mixrl.operator.controller.apply import (
+    ApplyReport,
+    Child,
     Failure,
+    OwnerGone,
+    apply_objects,
     deletion_policy,
     first_difference,
     hand_edit,
     immutable_changes,
     immutable_in_message,
+    label,
     quantity,
 )
 from mixrl.operator.controller.handlers import watched_children
@@ -216,3 +222,60 @@ def test_the_operator_watches_only_the_kinds_it_may_create() -> None:
     groups = {"", "apps", "monitoring.coreos.com", "keda.sh", "networking.k8s.io"}
     groups |= {"leaderworkerset.x-k8s.io", "kueue.x-k8s.io"}
     assert set(watched_children(OperatorConfig())) == groups
+
+
+class SlowClient:
+    """An API server that answers a GET for object i after (n - i) ticks: later objects finish first."""
+
+    def __init__(self, count: int):
+        self.count = count
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.started: list[str] = []
+
+    async def get(self, resource: Any, namespace: str, name: str, cached: bool = False) -> None:
+        self.started.append(name)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.001 * (self.count - int(name.rsplit("-", 1)[1])))
+        self.in_flight -= 1
+
+    async def apply(self, resource: Any, namespace: str, name: str, body: Obj) -> Obj:
+        return body
+
+    async def create(self, resource: Any, namespace: str, body: Obj) -> Obj:
+        return body
+
+
+def child(kind: str, index: int) -> Child:
+    api = "mixrl.dev/v1alpha1" if kind == "SamplerPool" else "v1"
+    return Child({"apiVersion": api, "kind": kind, "metadata": {"name": f"o-{index}", "namespace": "n"}})
+
+
+def test_children_are_applied_concurrently_and_reported_in_their_order() -> None:
+    children = [child("SamplerPool" if i % 5 == 4 else "ConfigMap", i) for i in range(20)]
+    client = SlowClient(len(children))
+    report = ApplyReport()
+    applied = asyncio.run(
+        apply_objects(client, children, report, first=lambda o: o["kind"] == "SamplerPool", concurrency=3)  # type: ignore[arg-type]
+    )
+    assert client.most_in_flight == 3
+    assert client.started[:4] == ["o-4", "o-9", "o-14", "o-19"]  # the pools first
+    assert report.created == [label(c.desired) for c in children]  # not the order they finished in
+    assert list(applied) == report.created
+
+
+def test_a_gone_owner_stops_the_writes_not_yet_started() -> None:
+    children = [child("ConfigMap", i) for i in range(10)]
+    client = SlowClient(len(children))
+    checks = 0
+
+    async def owner_gone() -> None:
+        nonlocal checks
+        checks += 1
+        raise OwnerGone("RLRun n/r is gone")
+
+    report = ApplyReport()
+    with pytest.raises(OwnerGone):
+        asyncio.run(apply_objects(client, children, report, owner_gone, concurrency=2))  # type: ignore[arg-type]
+    assert checks == 2 and len(client.started) == 2 and report.created == []

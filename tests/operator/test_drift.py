@@ -315,6 +315,23 @@ async def test_the_resync_repairs_what_no_event_announced(api: ApiServer, operat
         await eventually(lambda: api.live("v1/configmaps", NAMESPACE, "demo-config"), what="the ConfigMap")
 
 
+async def test_a_reconcile_an_event_asks_for_reads_the_children_the_watches_showed(
+    api: ApiServer, operator: Any
+) -> None:
+    async with operator() as runtime:
+        await ready_run(api)
+        await settled(api)
+        hits, reads = runtime.client.cache.hits, runtime.client.calls[("get", "configmaps")]
+        # Not ours to correct: the run's reconcile runs again and finds nothing to do.
+        await patch(
+            api, f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/demo-router",
+            {"metadata": {"annotations": {"team": "rl"}}},
+        )  # fmt: skip
+        await eventually(lambda: runtime.client.cache.hits >= hits + 5, what="the run's reconcile")
+        await settled(api)
+        assert runtime.client.calls[("get", "configmaps")] == reads, "the ConfigMap was not read again"
+
+
 async def test_a_resync_of_an_unchanged_cluster_writes_nothing(api: ApiServer, operator: Any) -> None:
     async with operator(resync_interval_s=0.25) as runtime:
         await ready_run(api, resyncing=True)

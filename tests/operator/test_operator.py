@@ -138,18 +138,19 @@ async def test_a_second_reconcile_without_spec_change_writes_nothing(api: ApiSer
         await play_workload_controllers(api)
         await eventually(lambda: conditions(api.live(RLRUNS, NAMESPACE, "demo"))["Ready"]["status"] == "True")
         before = await settled(api)
-        # A child changes in a way that is not ours to correct: both owners reconcile again.
+        # A child changes in a way that is not ours to correct: both owners reconcile again (each
+        # reads its owner afresh, then its children as the watches showed them).
         await patch(api, f"{DEPLOY_PATH}/demo-router", {"metadata": {"annotations": {"team": "rl"}}})
         await patch(api, f"{DEPLOY_PATH}/demo-b200", {"metadata": {"annotations": {"team": "rl"}}})
-        trainer = f"/apis/apps/v1/namespaces/{NAMESPACE}/statefulsets/demo-trainer"
-        pool_service = f"/api/v1/namespaces/{NAMESPACE}/services/demo-b200"
+        run = f"/apis/mixrl.dev/v1alpha1/namespaces/{NAMESPACE}/rlruns/demo"
+        pool = f"/apis/mixrl.dev/v1alpha1/namespaces/{NAMESPACE}/samplerpools/demo-b200"
 
         def reads() -> set[str]:
             return {
                 r.url.path for r in list(api)[before:] if r.method.value == "GET" and "watch" not in r.params
             }
 
-        await eventually(lambda: {trainer, pool_service} <= reads(), what="both owners' reconciles")
+        await eventually(lambda: {run, pool} <= reads(), what="both owners' reconciles")
         after_events = await settled(api)
         assert operator_writes(api, before + 2) == []
     # A restarted operator resumes every object: it reads them all and writes nothing.

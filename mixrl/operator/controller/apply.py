@@ -19,10 +19,11 @@ refused object never keeps the others from being applied.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -111,6 +112,11 @@ class ApplyReport:
     @property
     def changed(self) -> bool:
         return bool(self.created or self.updated or self.deleted or self.recreated)
+
+    def extend(self, other: ApplyReport) -> None:
+        """Add ``other``'s records after this report's own."""
+        for name in ("created", "updated", "deleted", "unchanged", "repaired", "recreated", "failures"):
+            getattr(self, name).extend(getattr(other, name))
 
     @property
     def retryable(self) -> list[Failure]:
@@ -382,6 +388,7 @@ async def apply_object(
     before_create: Callable[[], Awaitable[None]] | None = None,
     on_update: Callable[[Obj], Obj] | None = None,
     size_source: str = "spec.resources.requests.storage",
+    cached: bool = False,
 ) -> Applied | None:
     """Make one child match ``desired``; record a failure in ``report`` instead of raising it.
 
@@ -390,18 +397,83 @@ async def apply_object(
     (which propagates: the owner's reconcile ends); ``on_update`` maps the live object to extra
     fields for the same update (a SamplerPool's replicas brought within new bounds), so an update
     stays one write; ``size_source`` names the spec field a claim's size comes from, for the message
-    that refuses to shrink it.  Returns the object as last seen (None when it is not known)."""
+    that refuses to shrink it; ``cached``: compare with the object as the watches last showed it,
+    when they did (:meth:`KubeClient.get`).  Returns the object as last seen (None when it is not
+    known)."""
     resource = resource_of(desired)
     namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
     live: Obj | None = None
     try:
-        live = await client.get(resource, namespace, name)
+        live = await client.get(resource, namespace, name, cached=cached)
         return await converge(client, desired, live, report, seed, before_create, on_update, size_source)
     except StillTerminating as exc:
         report.failures.append(Failure(label(desired), str(exc), waiting=True))
     except ApiError as exc:
         report.failures.append(Failure(label(desired), str(exc), True, exc.status, exc.retry_after))
     return Applied(live, live) if live is not None else None
+
+
+@dataclass(frozen=True)
+class Child:
+    """One object for :func:`apply_objects`, with :func:`apply_object`'s per-object arguments."""
+
+    desired: Obj
+    seed: Obj | None = None
+    on_update: Callable[[Obj], Obj] | None = None
+
+
+APPLY_CONCURRENCY = 8
+"""Children of one owner written at once.  Sequential writes made a run's first reconcile 60-odd
+round trips long, and its pools' own reconciles (the second hop to their Deployments) waited for
+them (bench/cluster_scale.py, docs/benchmarks.md)."""
+
+
+async def apply_objects(
+    client: KubeClient,
+    children: Sequence[Child],
+    report: ApplyReport,
+    before_create: Callable[[], Awaitable[None]] | None = None,
+    size_source: str = "spec.resources.requests.storage",
+    first: Callable[[Obj], bool] = lambda _: False,
+    concurrency: int = APPLY_CONCURRENCY,
+    cached: bool = False,
+) -> dict[str, Applied]:
+    """:func:`apply_object` for each child, up to ``concurrency`` at once, those ``first`` picks
+    started before the others; ``report`` gets their records in the order of ``children`` whatever
+    order they finished in.  Returns ``Kind/name`` -> the object as last seen.  An
+    :class:`OwnerGone` from ``before_create`` (which must tolerate concurrent calls) is raised once
+    every started write has finished; the records made until then are in ``report``."""
+    slots = asyncio.Semaphore(concurrency)
+    reports = [ApplyReport() for _ in children]
+    gone: list[OwnerGone] = []
+
+    async def one(index: int) -> Applied | None:
+        async with slots:
+            if gone:
+                return None
+            try:
+                return await apply_object(
+                    client, children[index].desired, reports[index], children[index].seed,
+                    before_create, children[index].on_update, size_source, cached,
+                )  # fmt: skip
+            except OwnerGone as exc:
+                gone.append(exc)
+                return None
+
+    starts = sorted(range(len(children)), key=lambda i: not first(children[i].desired))
+    ordered = await asyncio.gather(*(one(index) for index in starts), return_exceptions=True)
+    results = dict(zip(starts, ordered, strict=True))
+    applied: dict[str, Applied] = {}
+    for index, child in enumerate(children):
+        report.extend(reports[index])
+        result = results[index]
+        if isinstance(result, BaseException):  # a bug, not an API answer: after the others finished
+            raise result
+        if result is not None:
+            applied[label(child.desired)] = result
+    if gone:
+        raise gone[0]
+    return applied
 
 
 async def converge(
@@ -562,10 +634,12 @@ __all__ = [
     "Applied",
     "ApplyFailed",
     "ApplyReport",
+    "Child",
     "Failure",
     "OwnerGone",
     "StillTerminating",
     "apply_object",
+    "apply_objects",
     "deletion_policy",
     "first_difference",
     "hand_edit",

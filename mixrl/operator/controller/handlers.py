@@ -52,6 +52,7 @@ from mixrl.operator.kube.rbac import (
     CHILD_RESOURCES,
     NETWORKPOLICIES,
     PODMONITORS,
+    RLRUNS,
     SAMPLERPOOLS,
     SCALEDOBJECTS,
     ApiResource,
@@ -85,10 +86,11 @@ def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
     kopf.event(cast(kopf.Body, obj), type=kind, reason=reason, message=message)
 
 
-async def guarded(rt: Runtime, body: Obj, retry: int) -> Outcome:
-    """Reconcile one object under its lock, from its current state; map failures to kopf's retries."""
+async def guarded(rt: Runtime, body: Obj, retry: int, cached_reads: bool = True) -> Outcome:
+    """Reconcile one object under its lock, from its current state; map failures to kopf's retries.
+    ``cached_reads``: as :attr:`Context.cached_reads` (not on resume: the operator just started)."""
     try:
-        body, outcome = await rt.reconcile_latest(body)
+        body, outcome = await rt.reconcile_latest(body, cached_reads)
     except ApiError as exc:
         if exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config, exc.retry_after)) from exc
@@ -198,6 +200,9 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
     registry = kopf.OperatorRegistry()
     rt = Runtime(config, post_event)
     managed = {L.MANAGED_BY: L.MANAGER}
+    # What the watches below show is kept for the reconciles that events ask for.
+    rt.client.cache.watch([(RLRUNS, {}), (SAMPLERPOOLS, {})])
+    rt.client.cache.watch((r, managed) for rs in watched_children(config).values() for r in rs)
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -263,14 +268,14 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
     @kopf.on.resume(GROUP, VERSION, "rlruns", registry=registry)
     @kopf.on.create(GROUP, VERSION, "rlruns", registry=registry)
     @kopf.on.update(GROUP, VERSION, "rlruns", registry=registry)
-    async def run_changed(body: kopf.Body, retry: int, **_: Any) -> None:
-        await guarded(rt, plain(body), retry)
+    async def run_changed(body: kopf.Body, retry: int, reason: str, **_: Any) -> None:
+        await guarded(rt, plain(body), retry, cached_reads=reason != "resume")
 
     @kopf.on.resume(GROUP, VERSION, "samplerpools", registry=registry)
     @kopf.on.create(GROUP, VERSION, "samplerpools", registry=registry)
     @kopf.on.update(GROUP, VERSION, "samplerpools", registry=registry)
-    async def pool_changed(body: kopf.Body, retry: int, **_: Any) -> None:
-        await guarded(rt, plain(body), retry)
+    async def pool_changed(body: kopf.Body, retry: int, reason: str, **_: Any) -> None:
+        await guarded(rt, plain(body), retry, cached_reads=reason != "resume")
 
     @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
     async def run_event(body: kopf.Body, type: str | None, **_: Any) -> None:
@@ -286,9 +291,11 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         if owner is not None:
             rt.request(owner[0], body["metadata"]["namespace"], owner[1])
 
-    async def child_event(body: kopf.Body, **_: Any) -> None:
+    async def child_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         # Any event, deletions included: the owner's reconcile restores what differs.
-        owner = controller_of(plain(body))
+        child = plain(body)
+        rt.seen(child, deleted=type == "DELETED")
+        owner = controller_of(child)
         if owner is not None:
             rt.request(owner[0], body["metadata"]["namespace"], owner[1])
 

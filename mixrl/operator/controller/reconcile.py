@@ -13,6 +13,7 @@ events to post included — and :mod:`mixrl.operator.controller.runtime` posts t
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -46,11 +47,12 @@ from mixrl.operator.builders.podspec import AUTH_TOKEN_KEY
 from mixrl.operator.builders.pools import pool_children
 from mixrl.operator.builders.resources import clamp_replicas, pod_monitor, run_objects, seed_replicas
 from mixrl.operator.controller.apply import (
-    Applied,
     ApplyReport,
+    Child,
     Failure,
     OwnerGone,
     apply_object,
+    apply_objects,
     label,
     live_hash,
 )
@@ -100,6 +102,10 @@ class Context:
     default_queue: str | None = None
     """The Kueue LocalQueue of runs whose spec names none (``--default-queue``); None: such runs
     are not queued."""
+    cached_reads: bool = False
+    """Read the children (and a pool's run) as the watches last showed them
+    (:mod:`mixrl.operator.kube.cache`) instead of from the API server: for reconciles an event
+    asked for, not for the resync."""
 
 
 @dataclass
@@ -174,19 +180,21 @@ def owner_check(client: KubeClient, resource: ApiResource, body: Obj) -> Callabl
     that started before a deletion must not recreate what the garbage collector just removed."""
     meta = body["metadata"]
     checked = False
+    one_at_a_time = asyncio.Lock()  # children are applied concurrently: one read, not one each
 
     async def check() -> None:
         nonlocal checked
-        if checked:
-            return
-        live = await client.get(resource, meta["namespace"], meta["name"])
-        if (
-            live is None
-            or live["metadata"].get("uid") != meta["uid"]
-            or live["metadata"].get("deletionTimestamp")
-        ):
-            raise OwnerGone(f"{body['kind']} {meta['namespace']}/{meta['name']} is gone")
-        checked = True
+        async with one_at_a_time:
+            if checked:
+                return
+            live = await client.get(resource, meta["namespace"], meta["name"])
+            if (
+                live is None
+                or live["metadata"].get("uid") != meta["uid"]
+                or live["metadata"].get("deletionTimestamp")
+            ):
+                raise OwnerGone(f"{body['kind']} {meta['namespace']}/{meta['name']} is gone")
+            checked = True
 
     return check
 
@@ -225,7 +233,6 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     options = await ctx.discovery.options()
     owner = owner_of(body)
     report = ApplyReport()
-    applied: dict[str, Applied] = {}
     alive = owner_check(ctx.client, RLRUNS, body)
     # A run that ended (the live status loop decides: mixrl.operator.controller.observer) keeps its
     # objects but releases its GPUs: trainer, rollout and router at zero, every pool at zero.
@@ -249,24 +256,30 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     except OwnerGone:
         return Outcome(report=report)
     objects = run_objects(resolved, owner, options, finished=finished or held)
+    children: list[Child] = []
     for desired in objects:
-        seed: dict[str, Any] | None = None
-        on_update = None
         if desired["kind"] == "SamplerPool":
             pool = resolved.pool(desired["spec"]["pool"])
             # A finished run's pools carry replicas 0 in what is desired (the builder's released()).
             seed = None if finished else {"spec": {"replicas": seed_replicas(pool)}}
-            on_update = None if finished else within_bounds(pool)
+            children.append(Child(desired, seed, None if finished else within_bounds(pool)))
         elif desired["kind"] == "Secret":  # the run's API token, made once (docs/auth.md)
-            seed = {"stringData": {AUTH_TOKEN_KEY: secrets.token_urlsafe(32)}}
-        try:
-            result = await apply_object(
-                ctx.client, desired, report, seed, alive, on_update, size_source="weights.volumeSize"
-            )
-        except OwnerGone:
-            return Outcome(report=report)
-        if result is not None:
-            applied[label(desired)] = result
+            children.append(Child(desired, {"stringData": {AUTH_TOKEN_KEY: secrets.token_urlsafe(32)}}))
+        else:
+            children.append(Child(desired))
+    try:
+        # The pools first: each has a reconcile of its own to go through before its engines start.
+        applied = await apply_objects(
+            ctx.client,
+            children,
+            report,
+            alive,
+            "weights.volumeSize",
+            first=is_sampler_pool,
+            cached=ctx.cached_reads,
+        )
+    except OwnerGone:
+        return Outcome(report=report)
     removed = await remove_stale_pools(ctx.client, resolved, meta["uid"], report)
     if options.monitoring is Monitoring.ANNOTATIONS:
         await remove_leftover_pod_monitor(ctx, resolved, owner, options, report)
@@ -457,6 +470,10 @@ def pool_state(name: str, live: Obj) -> PoolState:
 FINAL_PHASES = ("Succeeded", "Failed")
 
 
+def is_sampler_pool(obj: Obj) -> bool:
+    return obj["kind"] == SAMPLERPOOLS.kind
+
+
 def within_bounds(pool: ResolvedPool) -> Callable[[Obj], Obj]:
     """New bounds that exclude the current replica count move it to the nearest bound (in the same
     write as the new bounds); otherwise replicas stay whoever scaled the pool set them to."""
@@ -550,7 +567,7 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     except InvalidSpec as exc:
         return Outcome(invalid=exc.first_line)
     spec = pool_spec.spec
-    run_body = await ctx.client.get(RLRUNS, meta["namespace"], spec.run)
+    run_body = await ctx.client.get(RLRUNS, meta["namespace"], spec.run, cached=ctx.cached_reads)
     if (
         run_body is None
         or run_body["metadata"].get("deletionTimestamp")
@@ -567,7 +584,6 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
 
     options = await ctx.discovery.options()
     report = ApplyReport()
-    deployment: Applied | None = None
     alive = owner_check(ctx.client, SAMPLERPOOLS, body)
     across_nodes = pool.nodes_per_replica > 1
     lws_served = await ctx.discovery.serves(LEADERWORKERSETS)
@@ -594,13 +610,15 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         missing = Failure(f"{workload['kind']}/{workload['metadata']['name']}", LWS_MISSING, retry=False)
         report.failures.append(missing)
         children = [c for c in children if c is not workload]
-    for desired in children:
-        try:
-            result = await apply_object(ctx.client, desired, report, None, alive)
-        except OwnerGone:
-            return Outcome(report=report)
-        if desired["kind"] in WORKLOAD_KINDS:
-            deployment = result
+    try:
+        applied = await apply_objects(
+            ctx.client, [Child(desired) for desired in children], report, alive, cached=ctx.cached_reads
+        )
+    except OwnerGone:
+        return Outcome(report=report)
+    deployment = next(
+        (applied.get(label(desired)) for desired in children if desired["kind"] in WORKLOAD_KINDS), None
+    )
     # A pool whose replicas moved between one node and several changed its workload's kind: the
     # other kind's object goes (its pods hold the GPUs the new one needs).
     uid = meta["uid"]

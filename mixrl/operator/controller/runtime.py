@@ -31,7 +31,7 @@ from mixrl.operator.controller.reconcile import Context, Outcome, reconcile_pool
 from mixrl.operator.install.cluster_policy import OPEN, Policy
 from mixrl.operator.kube.client import ApiError, Connection, KubeClient
 from mixrl.operator.kube.conditions import make_condition, merge_conditions
-from mixrl.operator.kube.rbac import RLRUNS, SAMPLERPOOLS, peering_resource
+from mixrl.operator.kube.rbac import BY_KIND, RLRUNS, SAMPLERPOOLS, peering_resource
 
 EventSink = Callable[[Obj, str, str, str], None]
 """(object, type Normal|Warning, reason, message) -> posts a Kubernetes event."""
@@ -119,6 +119,8 @@ class Runtime:
         )
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._queued: set[str] = set()
+        self._fresh: set[str] = set()
+        """Owners whose next reconcile reads from the API server (asked for by the resync)."""
         self._wake: dict[str, asyncio.Event] = {}
         """Per owner whose failed reconcile waits for its retry: set by a new request for it."""
         self.known: dict[str, tuple[str, str, str]] = {}
@@ -155,8 +157,9 @@ class Runtime:
         status = peering.get("status") or {}
         return not paused_by_peers(status, settings.priority, datetime.now(UTC))
 
-    async def reconcile_latest(self, body: Obj) -> tuple[Obj, Outcome]:
-        """Reconcile one object under its lock, from its current state: (that state, the outcome).
+    async def reconcile_latest(self, body: Obj, cached_reads: bool = True) -> tuple[Obj, Outcome]:
+        """Reconcile one object under its lock, from its current state: (that state, the outcome);
+        ``cached_reads`` as :attr:`Context.cached_reads`.
 
         An API error on a run is said on its Progressing condition first (best effort)."""
         try:
@@ -165,28 +168,29 @@ class Runtime:
                 if fresh is None:
                     return body, Outcome()
                 body = fresh
-                return body, await self.reconcile(body)
+                return body, await self.reconcile(body, cached_reads)
         except ApiError as exc:
             if body.get("kind") == "RLRun":
                 await report_failure(self, body, exc)
             raise
 
-    def context(self) -> Context:
+    def context(self, cached_reads: bool = False) -> Context:
         return Context(
             client=self.client,
             discovery=self.discovery,
             policy=self.config.policy,
             default_queue=self.config.default_queue,
+            cached_reads=cached_reads,
         )
 
-    async def reconcile(self, body: Obj) -> Outcome:
+    async def reconcile(self, body: Obj, cached_reads: bool = False) -> Outcome:
         """Reconcile one RLRun or SamplerPool (the caller holds its lock) and post the events its
         outcome names; :class:`ApplyFailed` when some children failed in a way a retry can fix (the
         status already says which): the caller retries the whole reconcile with backoff."""
         if body.get("kind") == "RLRun":
-            outcome = await reconcile_run(self.context(), body)
+            outcome = await reconcile_run(self.context(cached_reads), body)
         else:
-            outcome = await reconcile_pool(self.context(), body)
+            outcome = await reconcile_pool(self.context(cached_reads), body)
         for kind, reason, message in outcome.events:
             self.post_event(body, kind, reason, message)
         if outcome.report.retryable:
@@ -195,7 +199,18 @@ class Runtime:
 
     # ------------------------------------------------------------------ event- and resync-driven work
 
+    def seen(self, body: Obj, deleted: bool) -> None:
+        """A watch event of a child: what the reconciles read while an event asks for them."""
+        resource = BY_KIND.get((body.get("apiVersion", ""), body.get("kind", "")))
+        if resource is not None:
+            if deleted:
+                self.client.cache.deleted(resource, body)
+            else:
+                self.client.cache.store(resource, body)
+
     def observe(self, body: Obj, deleted: bool) -> None:
+        """A watch event of an RLRun or a SamplerPool: indexed for the resync, and kept."""
+        self.seen(body, deleted)
         key = lock_key(body)
         if deleted:
             self.known.pop(key, None)
@@ -203,11 +218,14 @@ class Runtime:
             meta = body["metadata"]
             self.known[key] = (body["kind"], meta["namespace"], meta["name"])
 
-    def request(self, kind: str, namespace: str, name: str) -> None:
+    def request(self, kind: str, namespace: str, name: str, fresh: bool = False) -> None:
         """Reconcile an RLRun or SamplerPool soon (debounced), in a task of its own; nothing when
-        one is already queued for it, since that one will see the latest state."""
+        one is already queued for it, since that one will see the latest state.  ``fresh``: it
+        reads from the API server, not from what the watches showed (the resync's reconciles)."""
         stub = {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
         key = lock_key(stub)
+        if fresh:
+            self._fresh.add(key)
         if key in self._queued:
             # One is queued.  If it is a retry waiting out its backoff, something changed since it
             # failed (the old StatefulSet of a recreation is finally gone): try again now.
@@ -236,7 +254,7 @@ class Runtime:
             if namespace not in active:
                 active[namespace] = await self.active_in(namespace)
             if active[namespace]:
-                self.request(kind, namespace, name)
+                self.request(kind, namespace, name, fresh=True)
                 asked += 1
         return asked
 
@@ -321,10 +339,12 @@ async def coalesced(rt: Runtime, body: Obj) -> None:
             async with rt.slots(), rt.lock(key):
                 rt._queued.discard(key)
                 queued = False
+                cached_reads = key not in rt._fresh
+                rt._fresh.discard(key)
                 try:
                     fresh = await read_fresh(rt, body)
                     if fresh is not None:
-                        await rt.reconcile(fresh)
+                        await rt.reconcile(fresh, cached_reads)
                     return
                 except RETRIED as exc:
                     error: Exception = exc

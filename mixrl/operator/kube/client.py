@@ -24,6 +24,7 @@ import aiohttp
 from mixrl import __version__
 from mixrl.api.kube_types import Obj
 from mixrl.api.status import RLRunStatus, SamplerPoolStatus, checked_status
+from mixrl.operator.kube.cache import ObjectCache
 from mixrl.operator.kube.rbac import PEERING_READS, PLACEMENT_READS, RECONCILER, ApiResource, is_allowed
 
 FIELD_MANAGER = "mixrl-operator"
@@ -144,6 +145,9 @@ class KubeClient:
         self._ssl_for: tuple[Connection, ssl.SSLContext | bool] | None = None
         self.calls: Counter[tuple[str, str]] = Counter()
         """(verb, resource) -> number of calls sent: for logs and tests."""
+        self.cache = ObjectCache()
+        """What the watches and the answers said last (kept for the watched kinds only; the
+        operator's handlers name them and feed the events)."""
 
     def writes(self) -> Counter[tuple[str, str]]:
         """The calls sent so far that change state ((verb, resource) -> count): a reconcile of an
@@ -204,16 +208,40 @@ class KubeClient:
             raise ApiError(0, "ConnectionFailed", str(exc) or type(exc).__name__) from exc
 
     async def get(
-        self, resource: ApiResource, namespace: str, name: str, subresource: str | None = None
+        self,
+        resource: ApiResource,
+        namespace: str,
+        name: str,
+        subresource: str | None = None,
+        cached: bool = False,
     ) -> Obj | None:
+        """The object, or None when it does not exist.  ``cached``: the last state the watches
+        showed when there is one (:mod:`mixrl.operator.kube.cache`), else a read."""
+        if cached and subresource is None:
+            known = self.cache.get(resource, namespace, name)
+            if known is not None:
+                return known
         try:
-            return await self.request(
+            found: Obj = await self.request(
                 "get", "GET", resource, namespace=namespace, name=name, subresource=subresource
             )
         except ApiError as exc:
             if exc.status == 404:
+                self.cache.forget(resource, namespace, name)
                 return None
             raise
+        if subresource is None:
+            self.cache.store(resource, found)
+        return found
+
+    def _kept(self, resource: ApiResource, answer: Obj) -> Obj:
+        self.cache.store(resource, answer)
+        return answer
+
+    def _unknown_on(self, exc: ApiError, resource: ApiResource, namespace: str, name: str) -> ApiError:
+        if exc.status in (404, 409):  # gone, or not as we knew it
+            self.cache.forget(resource, namespace, name)
+        return exc
 
     async def list_cluster(self, resource: ApiResource, field_selector: str = "") -> list[Obj]:
         """Every object of ``resource`` in the cluster (all namespaces), ``field_selector`` applied
@@ -236,23 +264,30 @@ class KubeClient:
         ]
 
     async def create(self, resource: ApiResource, namespace: str, body: Obj) -> Obj:
-        created: Obj = await self.request("create", "POST", resource, namespace=namespace, body=body)
-        return created
+        name = body.get("metadata", {}).get("name", "")
+        try:
+            created: Obj = await self.request("create", "POST", resource, namespace=namespace, body=body)
+        except ApiError as exc:
+            raise self._unknown_on(exc, resource, namespace, name) from None
+        return self._kept(resource, created)
 
     async def apply(self, resource: ApiResource, namespace: str, name: str, body: Obj) -> Obj:
         """Server-side apply as the only manager of these fields: creates or updates, and removes
         what an earlier apply set but this one omits."""
-        applied: Obj = await self.request(
-            "patch",
-            "PATCH",
-            resource,
-            namespace=namespace,
-            name=name,
-            params={"fieldManager": FIELD_MANAGER, "force": "true"},
-            body=body,
-            content_type="application/apply-patch+yaml",  # JSON is YAML
-        )
-        return applied
+        try:
+            applied: Obj = await self.request(
+                "patch",
+                "PATCH",
+                resource,
+                namespace=namespace,
+                name=name,
+                params={"fieldManager": FIELD_MANAGER, "force": "true"},
+                body=body,
+                content_type="application/apply-patch+yaml",  # JSON is YAML
+            )
+        except ApiError as exc:
+            raise self._unknown_on(exc, resource, namespace, name) from None
+        return self._kept(resource, applied)
 
     async def merge_patch(
         self, resource: ApiResource, namespace: str, name: str, body: Obj, subresource: str | None = None
@@ -261,18 +296,21 @@ class KubeClient:
             # Every status the operator writes passes here: through its model, so a mistyped key
             # fails now instead of being pruned silently by the API server's schema.
             checked_status(STATUS_MODELS[resource.kind], body.get("status") or {})
-        patched: Obj = await self.request(
-            "patch",
-            "PATCH",
-            resource,
-            namespace=namespace,
-            name=name,
-            subresource=subresource,
-            params={"fieldManager": FIELD_MANAGER},
-            body=body,
-            content_type="application/merge-patch+json",
-        )
-        return patched
+        try:
+            patched: Obj = await self.request(
+                "patch",
+                "PATCH",
+                resource,
+                namespace=namespace,
+                name=name,
+                subresource=subresource,
+                params={"fieldManager": FIELD_MANAGER},
+                body=body,
+                content_type="application/merge-patch+json",
+            )
+        except ApiError as exc:
+            raise self._unknown_on(exc, resource, namespace, name) from None
+        return self._kept(resource, patched)
 
     async def delete(
         self,
@@ -290,6 +328,7 @@ class KubeClient:
         options: Obj = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
         if uid is not None:
             options["preconditions"] = {"uid": uid}
+        self.cache.forget(resource, namespace, name)
         try:
             await self.request("delete", "DELETE", resource, namespace=namespace, name=name, body=options)
         except ApiError as exc:

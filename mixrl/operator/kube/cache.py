@@ -1,0 +1,104 @@
+"""The last known state of the objects the operator watches, so a reconcile reads its children from
+memory instead of the API server.
+
+Fed by kopf's watch events (every RLRun and SamplerPool, and the children the operator labels as
+its own, deletions included) and by the answers to the operator's own reads and writes.  A
+reconcile prompted by an event compares its desired objects with these; a stale entry costs at most
+a write the server finds already done, or a repair one event later (the event that changes an
+object is also the one that asks for its owner's reconcile).  The periodic resync does not read
+from here: it reads the API server, so it still repairs what no event announced (a watch that
+broke, a change during a restart).
+
+Only kinds that are watched are kept (anything else could change with no event to say so), and of
+children only those carrying the label the watch selects on.  An answer never replaces a newer one:
+resource versions are compared when both are integers (etcd's revisions, as every Kubernetes API
+server gives them); otherwise the later arrival wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from mixrl.api.kube_types import Obj
+from mixrl.operator.kube.rbac import ApiResource
+
+Key = tuple[str, str, str, str]
+"""(API group, plural, namespace, name)."""
+
+
+def _key(resource: ApiResource, namespace: str, name: str) -> Key:
+    return (resource.group, resource.plural, namespace, name)
+
+
+def _version(obj: Obj) -> int | None:
+    value = obj.get("metadata", {}).get("resourceVersion")
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+class ObjectCache:
+    """``watched`` maps each kept resource to the labels its watch selects on (empty: all)."""
+
+    def __init__(self, watched: Mapping[ApiResource, Mapping[str, str]] | None = None):
+        self._watched: dict[tuple[str, str], dict[str, str]] = {}
+        self._objects: dict[Key, Obj] = {}
+        self._deleted: dict[Key, int] = {}
+        """The resource version of each watched deletion: an answer sent before it must not bring
+        the object back."""
+        self.hits = 0
+        """Reads answered from memory (for logs and tests)."""
+        if watched:
+            self.watch(watched.items())
+
+    def watch(self, resources: Iterable[tuple[ApiResource, Mapping[str, str]]]) -> None:
+        for resource, labels in resources:
+            self._watched[(resource.group, resource.plural)] = dict(labels)
+
+    def keeps(self, resource: ApiResource) -> bool:
+        return (resource.group, resource.plural) in self._watched
+
+    def get(self, resource: ApiResource, namespace: str, name: str) -> Obj | None:
+        """The last known object, or None when it is not known (not that it does not exist)."""
+        found = self._objects.get(_key(resource, namespace, name))
+        if found is not None:
+            self.hits += 1
+        return found
+
+    def store(self, resource: ApiResource, obj: Obj) -> None:
+        """Keep ``obj`` (an answer or an event) unless an entry as new or newer is kept already, or
+        it is not an object the watches would tell about."""
+        selector = self._watched.get((resource.group, resource.plural))
+        meta = obj.get("metadata") or {}
+        if selector is None or "name" not in meta:
+            return
+        labels = meta.get("labels") or {}
+        key = _key(resource, meta.get("namespace", ""), meta["name"])
+        if any(labels.get(k) != v for k, v in selector.items()):
+            self._objects.pop(key, None)  # relabelled out of the watch: no event will follow it
+            return
+        version = _version(obj)
+        if version is not None and version <= self._deleted.get(key, -1):
+            return
+        self._deleted.pop(key, None)
+        kept = self._objects.get(key)
+        if kept is not None:
+            old = _version(kept)
+            same_object = kept["metadata"].get("uid") == meta.get("uid")
+            if same_object and old is not None and version is not None and version < old:
+                return
+        self._objects[key] = obj
+
+    def deleted(self, resource: ApiResource, obj: Obj) -> None:
+        """A watch said ``obj`` was deleted."""
+        meta = obj.get("metadata") or {}
+        key = _key(resource, meta.get("namespace", ""), meta.get("name", ""))
+        self._objects.pop(key, None)
+        version = _version(obj)
+        if version is not None and self.keeps(resource):
+            self._deleted[key] = version
+
+    def forget(self, resource: ApiResource, namespace: str, name: str) -> None:
+        """Not known any more (a write found it gone, or we deleted it): the next read asks."""
+        self._objects.pop(_key(resource, namespace, name), None)
+
+    def __len__(self) -> int:
+        return len(self._objects)

@@ -1,0 +1,50 @@
+"""The operator's memory of what the watches showed (pure): what it keeps, and what never replaces what."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mixrl.operator.kube.cache import ObjectCache
+from mixrl.operator.kube.rbac import DEPLOYMENTS, SAMPLERPOOLS, SECRETS
+
+MANAGED = {"app.kubernetes.io/managed-by": "mixrl-operator"}
+
+
+def obj(name: str, version: str, uid: str = "u1", labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta = {"name": name, "namespace": "n", "uid": uid, "resourceVersion": version}
+    return {"metadata": {**meta, "labels": MANAGED if labels is None else labels}}
+
+
+def test_only_watched_kinds_carrying_the_watched_label_are_kept() -> None:
+    cache = ObjectCache({DEPLOYMENTS: MANAGED, SAMPLERPOOLS: {}})
+    cache.store(DEPLOYMENTS, obj("d", "5"))
+    cache.store(SECRETS, obj("s", "5"))  # not watched: it could change with no event to say so
+    cache.store(SAMPLERPOOLS, obj("p", "5", labels={}))  # watched with no selector
+    cache.store(DEPLOYMENTS, obj("other", "5", labels={}))  # outside the watch's selector
+    assert cache.get(DEPLOYMENTS, "n", "d") is not None
+    assert cache.get(SECRETS, "n", "s") is None
+    assert cache.get(SAMPLERPOOLS, "n", "p") is not None
+    assert cache.get(DEPLOYMENTS, "n", "other") is None
+    cache.store(DEPLOYMENTS, obj("d", "6", labels={}))  # relabelled out of the watch
+    assert cache.get(DEPLOYMENTS, "n", "d") is None
+
+
+def test_an_older_answer_never_replaces_a_newer_one() -> None:
+    cache = ObjectCache({DEPLOYMENTS: MANAGED})
+    cache.store(DEPLOYMENTS, obj("d", "7"))
+    cache.store(DEPLOYMENTS, obj("d", "6"))  # a watch event that arrived after our write's answer
+    assert cache.get(DEPLOYMENTS, "n", "d")["metadata"]["resourceVersion"] == "7"  # type: ignore[index]
+    cache.store(DEPLOYMENTS, obj("d", "3", uid="u2"))  # a new object of that name: newer by definition
+    assert cache.get(DEPLOYMENTS, "n", "d")["metadata"]["uid"] == "u2"  # type: ignore[index]
+
+
+def test_a_deletion_is_not_undone_by_an_answer_sent_before_it() -> None:
+    cache = ObjectCache({DEPLOYMENTS: MANAGED})
+    cache.store(DEPLOYMENTS, obj("d", "7"))
+    cache.deleted(DEPLOYMENTS, obj("d", "9"))
+    cache.store(DEPLOYMENTS, obj("d", "8"))  # our patch, answered before the deletion
+    assert cache.get(DEPLOYMENTS, "n", "d") is None
+    cache.store(DEPLOYMENTS, obj("d", "10", uid="u2"))  # created again
+    assert cache.get(DEPLOYMENTS, "n", "d") is not None
+    cache.forget(DEPLOYMENTS, "n", "d")
+    assert cache.get(DEPLOYMENTS, "n", "d") is None and cache.hits == 1
