@@ -15,13 +15,22 @@ def obj(name: str, version: str, uid: str = "u1", labels: dict[str, str] | None 
     return {"metadata": {**meta, "labels": MANAGED if labels is None else labels}}
 
 
+def test_what_is_kept_leaves_out_the_managed_fields() -> None:
+    cache = ObjectCache({DEPLOYMENTS: MANAGED})
+    served = obj("d", "5")
+    served["metadata"]["managedFields"] = [{"manager": "mixrl-operator", "operation": "Apply"}]
+    cache.store(DEPLOYMENTS, served)
+    assert cache.get(DEPLOYMENTS, "n", "d") == obj("d", "5")
+    assert "managedFields" in served["metadata"]  # the answer itself is left as it was
+
+
 def test_only_watched_kinds_carrying_the_watched_label_are_kept() -> None:
     cache = ObjectCache({DEPLOYMENTS: MANAGED, SAMPLERPOOLS: {}})
-    cache.store(DEPLOYMENTS, obj("d", "5"))
+    cache.store(DEPLOYMENTS, {**obj("d", "5"), "spec": {"replicas": 2}})
     cache.store(SECRETS, obj("s", "5"))  # not watched: it could change with no event to say so
     cache.store(SAMPLERPOOLS, obj("p", "5", labels={}))  # watched with no selector
     cache.store(DEPLOYMENTS, obj("other", "5", labels={}))  # outside the watch's selector
-    assert cache.get(DEPLOYMENTS, "n", "d") is not None
+    assert cache.get(DEPLOYMENTS, "n", "d") == {**obj("d", "5"), "spec": {"replicas": 2}}
     assert cache.get(SECRETS, "n", "s") is None
     assert cache.get(SAMPLERPOOLS, "n", "p") is not None
     assert cache.get(DEPLOYMENTS, "n", "other") is None

@@ -3,7 +3,9 @@
 A child is written when it is missing, when its ``mixrl.dev/desired-hash`` annotation differs from
 the desired one (the spec changed), or when a field the operator sets no longer holds the value it
 set (a hand edit: :func:`first_difference`).  Otherwise nothing is sent, so reconciling an
-unchanged cluster — a resync, a child event, an operator restart — costs reads only.
+unchanged cluster — a resync, a child event, an operator restart — costs reads only (and a
+reconcile an event asked for reads the children the watches showed from memory:
+:mod:`mixrl.operator.kube.cache`).
 
 Writes are server-side applies by the field manager ``mixrl-operator`` (fields it stops setting
 disappear; a forced apply takes back a field someone edited).  Exceptions: a SamplerPool is created

@@ -85,6 +85,8 @@ class ObjectCache:
             same_object = kept["metadata"].get("uid") == meta.get("uid")
             if same_object and old is not None and version is not None and version < old:
                 return
+        if "managedFields" in meta:  # often half the object, and nothing a reconcile compares
+            obj = {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
         self._objects[key] = obj
 
     def deleted(self, resource: ApiResource, obj: Obj) -> None:
