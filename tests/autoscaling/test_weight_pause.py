@@ -82,8 +82,9 @@ def test_a_pause_of_p_seconds_removes_p_times_the_billed_capacity_per_step() -> 
 
 def test_a_20_s_pause_reproduces_the_old_models_figures() -> None:
     # The figures of this run before issue #29 (one fixed 20 s pause for the whole fleet, commit
-    # 04b7fc1), to the digits the benchmarks print.
-    old = {"static": (60, 1.400, 0.1667, 0.0), "mixrl": (59, 1.3229, 0.1625, 0.0208)}
+    # 04b7fc1), to the digits the benchmarks print; mixrl's since its band stopped stacking on the
+    # idle target (it made 59 steps, idle 2.1 %, at 1.3229 $/step before).
+    old = {"static": (60, 1.400, 0.1667, 0.0), "mixrl": (60, 1.400, 0.1667, 0.0)}
     strategies = {
         "static": static(static_sized_to_trainer(POOLS, replace(RUN, weight_update_s=20.0))),
         "mixrl": Strategy("mixrl", "trainer", configs=CONFIGS, objective=objective_config(RUN)),
