@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from mixrl.operator.kube import cache as cache_module
 from mixrl.operator.kube.cache import ObjectCache
 from mixrl.operator.kube.rbac import DEPLOYMENTS, SAMPLERPOOLS, SECRETS
 
@@ -57,3 +60,13 @@ def test_a_deletion_is_not_undone_by_an_answer_sent_before_it() -> None:
     assert cache.get(DEPLOYMENTS, "n", "d") is not None
     cache.forget(DEPLOYMENTS, "n", "d")
     assert cache.get(DEPLOYMENTS, "n", "d") is None and cache.hits == 1
+
+
+def test_the_deletions_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cache_module, "TOMBSTONES", 3)
+    cache = ObjectCache({DEPLOYMENTS: MANAGED})
+    for index in range(5):
+        cache.deleted(DEPLOYMENTS, obj(f"d{index}", str(10 + index)))
+    cache.store(DEPLOYMENTS, obj("d0", "5"))  # its deletion is forgotten: an answer can bring it back
+    cache.store(DEPLOYMENTS, obj("d4", "5"))  # remembered: refused
+    assert cache.get(DEPLOYMENTS, "n", "d0") is not None and cache.get(DEPLOYMENTS, "n", "d4") is None

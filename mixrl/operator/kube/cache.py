@@ -24,6 +24,8 @@ from mixrl.operator.kube.rbac import ApiResource
 
 Key = tuple[str, str, str, str]
 """(API group, plural, namespace, name)."""
+TOMBSTONES = 10_000
+"""Deletions remembered (the most recent): an operator that outlives many runs stays bounded."""
 
 
 def _key(resource: ApiResource, namespace: str, name: str) -> Key:
@@ -97,6 +99,8 @@ class ObjectCache:
         version = _version(obj)
         if version is not None and self.keeps(resource):
             self._deleted[key] = version
+            if len(self._deleted) > TOMBSTONES:  # the oldest: no answer can still be on its way
+                del self._deleted[next(iter(self._deleted))]
 
     def forget(self, resource: ApiResource, namespace: str, name: str) -> None:
         """Not known any more (a write found it gone, or we deleted it): the next read asks."""
