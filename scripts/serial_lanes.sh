@@ -2,8 +2,7 @@
 # scripts/serial_lanes.sh REPORTS PYTEST [ARGS...]: the serial tests of `make test` in three lanes at
 # once, each lane one test at a time (docs/testing.md):
 #   - control-plane: the KWOK control-plane tests (marker control_plane: they mostly wait on the API
-#     server, the operator and Prometheus; measured at about a sixth of the 2-core machine busy), on
-#     two beds at once (two pytest-xdist workers),
+#     server, the operator and Prometheus; measured at about a sixth of the 2-core machine busy),
 #   - real-node: the real node's tests (marker real_node: its bed, the run that trains in pods, the
 #     faults, the sandbox pods; much of it waits on pods starting),
 #   - the other serial tests: whole `mixrl run`s, multi-process trainers; this lane prints as it goes.
@@ -16,13 +15,9 @@ shift
 start=$(date +%s)
 lanes=(control-plane real-node)
 declare -A marker=([control-plane]="serial and control_plane" [real-node]="serial and real_node")
-# The control-plane lane on two KWOK beds (a pytest-xdist worker each, a test module to a worker):
-# its tests mostly wait, and each bed takes free ports of its own.
-declare -A workers=([control-plane]="-n 2 --dist loadscope" [real-node]="")
 for lane in "${lanes[@]}"; do
   (
-    # shellcheck disable=SC2086  # the worker flags are words
-    "$@" ${workers[$lane]} -m "${marker[$lane]}" --junitxml="$reports/serial-$lane.xml" >"$reports/serial-$lane.log" 2>&1
+    "$@" -m "${marker[$lane]}" --junitxml="$reports/serial-$lane.xml" >"$reports/serial-$lane.log" 2>&1
     echo "$? $(date +%s)" >"$reports/serial-$lane.end"
   ) &
 done
