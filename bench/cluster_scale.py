@@ -16,7 +16,10 @@ Two passes on the same control plane, one after the other:
   requests (from the API server's audit log) per run while converging and during one idle resync
   period once everything is Ready (writes there must be 0), and its resident memory.
 Both: p50 / p99 / max over the pools; the ratio operator ÷ direct is the operator's own cost (the
-target: p99 within 1.2×). Recorded with the command in docs/benchmarks.md; plot
+target: p99 within 1.2×).  Where the operator's time goes, from the audit log and /proc: when
+``kubectl apply`` returned in each pass, when each SamplerPool was created and each pool
+Deployment first written, the API server's answer times, the requests by verb and kind, and the
+operator's CPU seconds (``--keep-audit PATH`` keeps the log to study it further). Recorded with the command in docs/benchmarks.md; plot
 docs/img/cluster-scale.png (both passes' Ready curves, and the operator's requests).
 """
 
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -77,14 +81,13 @@ def cpu_seconds(pid: int) -> float:
 
 def breakdown(events: list[dict[str, Any]]) -> dict[str, int]:
     """Requests by ``verb resource[/subresource]``, most first."""
-    counts: dict[str, int] = {}
-    for event in events:
+
+    def key(event: dict[str, Any]) -> str:
         ref = event.get("objectRef", {})
-        key = f"{event.get('verb')} {ref.get('resource', '?')}" + (
-            f"/{ref['subresource']}" if ref.get("subresource") else ""
-        )
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+        sub = f"/{ref['subresource']}" if ref.get("subresource") else ""
+        return f"{event.get('verb')} {ref.get('resource', '?')}{sub}"
+
+    return dict(Counter(map(key, events)).most_common())
 
 
 def first_writes(events: list[dict[str, Any]], resource: str, since: float, names: set[str]) -> list[float]:

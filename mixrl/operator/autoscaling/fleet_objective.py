@@ -56,8 +56,8 @@ EMA_WEIGHT = 0.2
 """Weight of a new measurement in the per-replica throughput estimate."""
 STARVING_BAND = 0.2
 """The share of the band's lower half kept while the trainer idles above its target.  Half let the
-trainer idle 5.8 % against a 5 % target at 10x the fleet (bench/autoscaling.py run 23), and the
-target alone missed run 19; none made a pool that loses its nodes every hour reverse twice an hour
+trainer idle 5.8 % against a 5 % target at 10x the fleet (bench/autoscaling.py run 23), and
+missed run 19 even from the target on; none made a pool that loses its nodes every hour reverse twice an hour
 (run 14) and a noisy trainer 1.25 times (run 18)."""
 MIN_BUSY_SHARE = 0.2
 """A pool busy less than this share of its slots over the window teaches nothing about its speed."""
@@ -189,7 +189,7 @@ class ObjectiveMemory:
     busy_step_s: float | None = None
     """Seconds the trainer computes per step (its idle time left out)."""
     starving_since: float | None = None
-    """When the trainer began idling beyond its target (plus the margin) with no action since."""
+    """When the trainer began idling beyond its target with no action since."""
 
 
 @dataclass(frozen=True)
@@ -260,13 +260,18 @@ def replica_rates(pools: Sequence[FleetPool], memory: ObjectiveMemory) -> dict[s
     return out
 
 
+def backlog_of(signals: TrainerSignals) -> float:
+    """Trajectories buffered and in flight."""
+    return (signals.buffered or 0.0) + (signals.in_flight or 0.0)
+
+
 def demand_of(signals: TrainerSignals, config: ObjectiveConfig, busy_step_s: float | None) -> float | None:
     """Trajectories/s: the trainer's full-speed consumption less the idle it may have, corrected by
     the backlog's distance from the band."""
     if busy_step_s is None:
         return None
     base = config.step_size / busy_step_s * (1 - config.idle_target)
-    backlog = (signals.buffered or 0.0) + (signals.in_flight or 0.0)
+    backlog = backlog_of(signals)
     low = config.min_steps_ahead * config.step_size
     high = math.inf if config.max_steps_ahead is None else config.max_steps_ahead * config.step_size
     correction = 0.0
@@ -370,7 +375,7 @@ def _plan(
 
     supply_now = sum((p.replicas - p.stuck) * (rates[p.name] or 0.0) for p in pools)
     forced = any(held[p.name] != p.replicas for p in pools)
-    backlog = (signals.buffered or 0.0) + (signals.in_flight or 0.0)
+    backlog = backlog_of(signals)
     summary = (
         f"demand {demand:.3g} traj/s (trainer {config.step_size} per {memory.busy_step_s:.3g} s busy, "
         f"backlog {backlog / config.step_size:.2f} steps), supply {supply_now:.3g}"

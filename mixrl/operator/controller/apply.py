@@ -427,7 +427,8 @@ class Child:
 APPLY_CONCURRENCY = 8
 """Children of one owner written at once.  Sequential writes made a run's first reconcile 60-odd
 round trips long, and its pools' own reconciles (the second hop to their Deployments) waited for
-them (bench/cluster_scale.py, docs/benchmarks.md)."""
+them; on the 2-core bench the operator's p99 did not measurably move (bench/cluster_scale.py,
+docs/benchmarks.md), its CPU, shared with the control plane, being the limit there."""
 
 
 async def apply_objects(

@@ -86,7 +86,7 @@ def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
     kopf.event(cast(kopf.Body, obj), type=kind, reason=reason, message=message)
 
 
-async def guarded(rt: Runtime, body: Obj, retry: int, cached_reads: bool = True) -> Outcome:
+async def guarded(rt: Runtime, body: Obj, retry: int, cached_reads: bool = False) -> Outcome:
     """Reconcile one object under its lock, from its current state; map failures to kopf's retries.
     ``cached_reads``: as :attr:`Context.cached_reads` (not on resume: the operator just started)."""
     try:

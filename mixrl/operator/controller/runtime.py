@@ -157,7 +157,7 @@ class Runtime:
         status = peering.get("status") or {}
         return not paused_by_peers(status, settings.priority, datetime.now(UTC))
 
-    async def reconcile_latest(self, body: Obj, cached_reads: bool = True) -> tuple[Obj, Outcome]:
+    async def reconcile_latest(self, body: Obj, cached_reads: bool = False) -> tuple[Obj, Outcome]:
         """Reconcile one object under its lock, from its current state: (that state, the outcome);
         ``cached_reads`` as :attr:`Context.cached_reads`.
 
@@ -200,7 +200,7 @@ class Runtime:
     # ------------------------------------------------------------------ event- and resync-driven work
 
     def seen(self, body: Obj, deleted: bool) -> None:
-        """A watch event of a child: what the reconciles read while an event asks for them."""
+        """A watch event of anything the operator watches: kept for the reconciles events ask for."""
         resource = BY_KIND.get((body.get("apiVersion", ""), body.get("kind", "")))
         if resource is not None:
             if deleted:

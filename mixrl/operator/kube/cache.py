@@ -105,6 +105,3 @@ class ObjectCache:
     def forget(self, resource: ApiResource, namespace: str, name: str) -> None:
         """Not known any more (a write found it gone, or we deleted it): the next read asks."""
         self._objects.pop(_key(resource, namespace, name), None)
-
-    def __len__(self) -> int:
-        return len(self._objects)

@@ -234,14 +234,29 @@ class KubeClient:
             self.cache.store(resource, found)
         return found
 
-    def _kept(self, resource: ApiResource, answer: Obj) -> Obj:
+    async def _write(
+        self,
+        verb: str,
+        method: str,
+        resource: ApiResource,
+        namespace: str,
+        name: str,
+        to_collection: bool = False,
+        **request: Any,
+    ) -> Obj:
+        """A write whose answer (the object as it is now) is kept; a 404 or a 409 forgets what was
+        known of it (gone, or not as we knew it).  ``to_collection``: sent to the kind's collection
+        (a create), ``name`` only for the cache."""
+        try:
+            answer: Obj = await self.request(
+                verb, method, resource, namespace=namespace, name=None if to_collection else name, **request
+            )
+        except ApiError as exc:
+            if exc.status in (404, 409):
+                self.cache.forget(resource, namespace, name)
+            raise
         self.cache.store(resource, answer)
         return answer
-
-    def _unknown_on(self, exc: ApiError, resource: ApiResource, namespace: str, name: str) -> ApiError:
-        if exc.status in (404, 409):  # gone, or not as we knew it
-            self.cache.forget(resource, namespace, name)
-        return exc
 
     async def list_cluster(self, resource: ApiResource, field_selector: str = "") -> list[Obj]:
         """Every object of ``resource`` in the cluster (all namespaces), ``field_selector`` applied
@@ -265,29 +280,21 @@ class KubeClient:
 
     async def create(self, resource: ApiResource, namespace: str, body: Obj) -> Obj:
         name = body.get("metadata", {}).get("name", "")
-        try:
-            created: Obj = await self.request("create", "POST", resource, namespace=namespace, body=body)
-        except ApiError as exc:
-            raise self._unknown_on(exc, resource, namespace, name) from None
-        return self._kept(resource, created)
+        return await self._write("create", "POST", resource, namespace, name, to_collection=True, body=body)
 
     async def apply(self, resource: ApiResource, namespace: str, name: str, body: Obj) -> Obj:
         """Server-side apply as the only manager of these fields: creates or updates, and removes
         what an earlier apply set but this one omits."""
-        try:
-            applied: Obj = await self.request(
-                "patch",
-                "PATCH",
-                resource,
-                namespace=namespace,
-                name=name,
-                params={"fieldManager": FIELD_MANAGER, "force": "true"},
-                body=body,
-                content_type="application/apply-patch+yaml",  # JSON is YAML
-            )
-        except ApiError as exc:
-            raise self._unknown_on(exc, resource, namespace, name) from None
-        return self._kept(resource, applied)
+        return await self._write(
+            "patch",
+            "PATCH",
+            resource,
+            namespace,
+            name,
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            body=body,
+            content_type="application/apply-patch+yaml",  # JSON is YAML
+        )
 
     async def merge_patch(
         self, resource: ApiResource, namespace: str, name: str, body: Obj, subresource: str | None = None
@@ -296,21 +303,17 @@ class KubeClient:
             # Every status the operator writes passes here: through its model, so a mistyped key
             # fails now instead of being pruned silently by the API server's schema.
             checked_status(STATUS_MODELS[resource.kind], body.get("status") or {})
-        try:
-            patched: Obj = await self.request(
-                "patch",
-                "PATCH",
-                resource,
-                namespace=namespace,
-                name=name,
-                subresource=subresource,
-                params={"fieldManager": FIELD_MANAGER},
-                body=body,
-                content_type="application/merge-patch+json",
-            )
-        except ApiError as exc:
-            raise self._unknown_on(exc, resource, namespace, name) from None
-        return self._kept(resource, patched)
+        return await self._write(
+            "patch",
+            "PATCH",
+            resource,
+            namespace,
+            name,
+            subresource=subresource,
+            params={"fieldManager": FIELD_MANAGER},
+            body=body,
+            content_type="application/merge-patch+json",
+        )
 
     async def delete(
         self,
