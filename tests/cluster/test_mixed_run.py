@@ -121,11 +121,15 @@ def test_mixed_example_runs_on_the_right_gpus(
         what="trainer pods",
     )
     assert {products[p["spec"]["nodeName"]] for p in trainer} <= set(GPU_TABLE["H200"].gfd_products)
-    # Printer columns show real values: the pools' and the run's.
-    table = cluster.kubectl("get", "sp", "-n", namespace, "--no-headers").stdout.splitlines()
-    rows = {line.split()[0]: line.split() for line in table}
-    b200 = rows[f"{RUN}-b200-nvfp4"]
-    assert b200[1:5] == ["B200", "nvfp4", "2", "2"], b200  # GPU, precision, desired, ready
+
+    # Printer columns show real values: the pools' and the run's.  The pool's ready count is the
+    # operator's status write, a debounced reconcile after the Deployment's own status changed.
+    def b200_row() -> list[str]:
+        table = cluster.kubectl("get", "sp", "-n", namespace, "--no-headers").stdout.splitlines()
+        return {line.split()[0]: line.split() for line in table}[f"{RUN}-b200-nvfp4"][1:5]
+
+    # GPU, precision, desired, ready
+    wait_for(b200_row, 30, what="the b200 pool's row", equals=["B200", "nvfp4", "2", "2"])
     header = cluster.kubectl("get", "rlr", RUN, "-n", namespace).stdout.splitlines()[0].split()
     assert header[:3] == ["NAME", "PHASE", "STEP"]
     run_row = wait_for(
