@@ -332,6 +332,27 @@ async def test_a_reconcile_an_event_asks_for_reads_the_children_the_watches_show
         assert runtime.client.calls[("get", "configmaps")] == reads, "the ConfigMap was not read again"
 
 
+async def test_a_run_is_reconciled_for_a_change_of_itself_not_for_a_write_of_its_status(
+    api: ApiServer, operator: Any
+) -> None:
+    async with operator() as runtime:
+        await ready_run(api)
+        await settled(api)
+        reads = runtime.client.calls[("get", "rlruns")]
+        # A status write (as the live status loop's figures): no reconcile of the run.
+        await patch(api, run_path("demo"), {"status": {"step": 7}}, subresource="status")
+        await settled(api, quiet=1.0)  # with a 0.1 s debounce, a reconcile would show within this
+        assert runtime.client.calls[("get", "rlruns")] == reads, "the run was not read again"
+        # A change of its labels (or spec, or annotations) is reconciled at once.
+        await patch(api, run_path("demo"), {"metadata": {"labels": {"team": "rl"}}})
+        await eventually(lambda: runtime.client.calls[("get", "rlruns")] > reads, what="the run's reconcile")
+        await settled(api)
+    # Nothing but status is written on the run or its pools by the operator or kopf (no create or
+    # update handlers: no bookkeeping annotations; the pools were created with their specs).
+    patched = {r for _, r, verb in operator_calls(api) if verb == "patch"}
+    assert not patched & {"rlruns", "samplerpools"}, patched
+
+
 async def test_a_resync_of_an_unchanged_cluster_writes_nothing(api: ApiServer, operator: Any) -> None:
     async with operator(resync_interval_s=0.25) as runtime:
         await ready_run(api, resyncing=True)

@@ -28,9 +28,9 @@ from .support import (
     eventually,
     patch,
     run_path,
-    settled,
     small_run,
     writes,
+    writes_settled,
 )
 
 Obj = dict[str, Any]
@@ -231,7 +231,7 @@ async def test_a_refused_run_is_marked_and_creates_nothing(api: ApiServer, opera
         "spec.samplerPools[1].image: docker.io/evil/sglang:1 is not an allowed image (the cluster's "
         "policy allows images starting with ghcr.io/mixrl/, lmsysorg/sglang:)"
     )
-    async with operator(policy=STRICT):
+    async with operator(policy=STRICT, resync_interval_s=0.2):
         await create(api, manifest)
 
         def refused() -> bool:
@@ -239,7 +239,8 @@ async def test_a_refused_run_is_marked_and_creates_nothing(api: ApiServer, opera
             return conditions(run).get("PolicyViolation", {}).get("status") == "True"
 
         await eventually(refused, what="PolicyViolation=True")
-        await settled(api, quiet=1.0)  # not requeued: a retry would show within this
+        # Not retried; the resyncs reconcile it again (reads only): no write, no second Warning.
+        await writes_settled(api, quiet=1.0)
         run = api.live(RLRUNS, NAMESPACE, "demo")
         assert conditions(run)["PolicyViolation"]["message"] == line
         assert run["status"]["phase"] == "Invalid"

@@ -1,30 +1,34 @@
-"""kopf handlers: when to reconcile, and how failures are retried.
+"""kopf handlers: when to reconcile.  Every handler is a watch-event handler; what it asks for
+runs in :mod:`mixrl.operator.controller.runtime` (level-triggered: a reconcile reads the object as
+it is now and makes the children match, whichever event asked for it).
 
-- RLRun and SamplerPool: create, update and resume handlers reconcile the object.  An invalid
-  spec is a ``kopf.PermanentError`` (InvalidSpec condition, one Warning event, no requeue);
-  conflicts, throttling, server errors and lost connections are ``kopf.TemporaryError`` with an
-  exponential backoff (``Retry-After`` honoured).
+- RLRun and SamplerPool: an event that changes what the object's reconcile acts on (its spec,
+  labels or annotations — not the status its reconciles write) reconciles it at once; the events
+  of the operator's start (kopf's first listing) reconcile every object from the API server.  An
+  invalid or refused spec is said on the status and in one Warning event, and not retried until
+  the spec changes; conflicts, throttling, server errors and lost connections are retried with
+  jittered exponential backoff (``Retry-After`` honoured), RBAC and quota refusals slowly.
 - Children (every kind the operator creates: ConfigMaps, Services, claims, Deployments,
   StatefulSets, SamplerPools, and PodMonitors and ScaledObjects where they may exist):
   an event handler — deletions included — asks for a debounced reconcile of the owner, so status
-  follows readiness, a hand edit is undone and a deleted child is recreated.  Such a reconcile
-  runs in a task of its own and, when it fails, is retried with jittered exponential backoff.
+  follows readiness, a hand edit is undone and a deleted child is recreated.
 - A periodic resync (``resync_interval_s``) reconciles every known RLRun and SamplerPool again,
   which repairs what no event announced (a missed watch event, a change during a restart).  A
   reconcile writes only what differs from the live objects, so a resync — like an operator
   restart — of an unchanged cluster sends no write at all.
-- No finalizers: deletion is the garbage collector's job through owner references, and no
-  handler here needs one (kopf timers would add one, which is why the resync is our own loop).
-- kopf keeps its bookkeeping in ``mixrl.dev/*`` annotations, never in our status.
+- No create or update handlers, so kopf keeps no bookkeeping on our objects (no diff base or
+  progress annotations, no write of its own per change), and no finalizers: deletion is the garbage
+  collector's job through owner references (kopf timers would add one, which is why the resync is
+  our own loop).
 - The built-in autoscaler (:mod:`mixrl.operator.autoscaling.loop`) runs in the same operator, on
   the same API client (so its calls are RBAC-checked like the reconcilers'), for the pools of runs
   whose ``autoscaling.engine`` is ``builtin``; in KEDA mode the pool's controller applies a
   ScaledObject instead (when the cluster serves keda.sh), and ``none`` leaves replicas alone.
 
-This module is the kopf layer and nothing more: what kopf calls, and how an outcome or an error
-becomes kopf's retry.  The work it hands to :mod:`mixrl.operator.controller.runtime` (locks,
-debounced and retried reconciles, the resync, peering) and from there to the reconcilers, which
-never call back up here: they return the events to post.
+This module is the kopf layer and nothing more: what kopf calls, and what it asks the runtime
+for.  The work it hands to :mod:`mixrl.operator.controller.runtime` (locks, debounced and retried
+reconciles, the resync, peering) and from there to the reconcilers, which never call back up here:
+they return the events to post.
 
 Everything is registered on a fresh :class:`kopf.OperatorRegistry` by :func:`build_registry`,
 so tests run several operators, one after another, in one process.
@@ -42,12 +46,9 @@ from mixrl.api.kube_types import Obj
 from mixrl.api.models import GROUP, VERSION
 from mixrl.operator.autoscaling.loop import AutoscalingLoop
 from mixrl.operator.builders import labels as L
-from mixrl.operator.controller.apply import ApplyFailed, StillTerminating
-from mixrl.operator.controller.observed_status import Reason
 from mixrl.operator.controller.observer import StatusObserver
-from mixrl.operator.controller.reconcile import Outcome
-from mixrl.operator.controller.runtime import OperatorConfig, Runtime, backoff
-from mixrl.operator.kube.client import ApiError, Connection
+from mixrl.operator.controller.runtime import OperatorConfig, Runtime
+from mixrl.operator.kube.client import Connection
 from mixrl.operator.kube.rbac import (
     CHILD_RESOURCES,
     NETWORKPOLICIES,
@@ -84,39 +85,6 @@ def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
     # kopf.event, not kopf.info: the posting level filters only log-derived events, not ours.
     # kopf types it for its Body; it reads only the metadata, which a plain dict has as well
     kopf.event(cast(kopf.Body, obj), type=kind, reason=reason, message=message)
-
-
-async def guarded(rt: Runtime, body: Obj, retry: int, cached_reads: bool = False) -> Outcome:
-    """Reconcile one object under its lock, from its current state; map failures to kopf's retries.
-    ``cached_reads``: as :attr:`Context.cached_reads` (not on resume: the operator just started)."""
-    try:
-        body, outcome = await rt.reconcile_latest(body, cached_reads)
-    except ApiError as exc:
-        if exc.retryable:
-            raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config, exc.retry_after)) from exc
-        if exc.status in (401, 403):  # credentials or RBAC: fixable outside, so keep trying, slowly
-            raise kopf.TemporaryError(
-                f"{exc} (check the operator's RBAC)", delay=rt.config.backoff_cap_s
-            ) from exc
-        raise kopf.PermanentError(str(exc)) from exc  # the API server rejected what we built
-    except ApplyFailed as exc:  # some children failed; the status says which (no report_failure)
-        if exc.forbidden_only:  # RBAC, or admission (a quota): fixable outside, so retry slowly
-            raise kopf.TemporaryError(
-                f"{exc} (refused: check the operator's RBAC and the namespace's quotas)",
-                delay=rt.config.backoff_cap_s,
-            ) from exc
-        raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config, exc.retry_after)) from exc
-    except StillTerminating as exc:
-        raise kopf.TemporaryError(str(exc), delay=backoff(retry, rt.config)) from exc
-    if outcome.invalid is not None:
-        post_event(body, "Warning", Reason.INVALID_SPEC, outcome.invalid)
-        raise kopf.PermanentError(outcome.invalid)
-    if outcome.refused is not None:
-        # Not retried until the spec changes; a changed policy restarts the operator (new flags),
-        # and its resume handlers reconcile every run again.
-        post_event(body, "Warning", Reason.POLICY_VIOLATION, outcome.refused)
-        raise kopf.PermanentError(outcome.refused)
-    return outcome
 
 
 def watched_children(config: OperatorConfig) -> dict[str, tuple[ApiResource, ...]]:
@@ -209,8 +177,6 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         rt.peering = settings.peering
         settings.scanning.disabled = True  # the chart installs the CRDs: no need to list CRDs or namespaces
         settings.persistence.finalizer = f"{GROUP}/finalizer"  # never added: no handler needs one
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
         settings.posting.reporting_component = L.MANAGER
         settings.posting.level = logging.WARNING  # our events are explicit; logs stay logs
         # Children are watched through a server-side label selector (a (group, plural) key: kopf
@@ -265,29 +231,24 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
             rt.connection = Connection.from_kopf(info)
         return info
 
-    @kopf.on.resume(GROUP, VERSION, "rlruns", registry=registry)
-    @kopf.on.create(GROUP, VERSION, "rlruns", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "rlruns", registry=registry)
-    async def run_changed(body: kopf.Body, retry: int, reason: str, **_: Any) -> None:
-        await guarded(rt, plain(body), retry, cached_reads=reason != "resume")
-
-    @kopf.on.resume(GROUP, VERSION, "samplerpools", registry=registry)
-    @kopf.on.create(GROUP, VERSION, "samplerpools", registry=registry)
-    @kopf.on.update(GROUP, VERSION, "samplerpools", registry=registry)
-    async def pool_changed(body: kopf.Body, retry: int, reason: str, **_: Any) -> None:
-        await guarded(rt, plain(body), retry, cached_reads=reason != "resume")
+    def changed(body: kopf.Body, type: str | None) -> Obj:
+        # A change of the object itself (or the operator's start: kopf's first listing, type None,
+        # read fresh) reconciles it now; its own status writes do not.
+        obj = plain(body)
+        if rt.observe(obj, deleted=type == "DELETED"):
+            meta = obj["metadata"]
+            rt.request(obj["kind"], meta["namespace"], meta["name"], fresh=type is None, debounce=False)
+        return obj
 
     @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
     async def run_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-        rt.observe(plain(body), deleted=type == "DELETED")
+        changed(body, type)
 
     @kopf.on.event(GROUP, VERSION, "samplerpools", registry=registry)
     async def pool_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-        # Indexed for the resync; and a pool's readiness is part of its run's status, while a
-        # deleted pool that the run still declares is recreated by the run's reconcile.
-        pool = plain(body)
-        rt.observe(pool, deleted=type == "DELETED")
-        owner = controller_of(pool)
+        # Also: a pool's readiness is part of its run's status, while a deleted pool that the run
+        # still declares is recreated by the run's reconcile.
+        owner = controller_of(changed(body, type))
         if owner is not None:
             rt.request(owner[0], body["metadata"]["namespace"], owner[1])
 

@@ -100,6 +100,16 @@ def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None
     return max(delay, retry_after or 0.0)
 
 
+def retry_delay(error: Exception, retry: int, config: OperatorConfig) -> float:
+    """How long a failed reconcile waits before its ``retry``-th retry: credentials, RBAC and
+    quotas are fixed outside the operator, so those retry slowly (the cap); the rest back off."""
+    if isinstance(error, ApplyFailed) and error.forbidden_only:
+        return config.backoff_cap_s
+    if isinstance(error, ApiError) and error.status in (401, 403):
+        return config.backoff_cap_s
+    return backoff(retry, config, getattr(error, "retry_after", None))
+
+
 class Runtime:
     """Per-operator state: the API client and the connection kopf logged in with, API discovery,
     per-object locks, the queue of debounced reconciles; ``post_event`` is kopf's event sink."""
@@ -126,6 +136,12 @@ class Runtime:
         self.known: dict[str, tuple[str, str, str]] = {}
         """lock key -> (kind, namespace, name) of every RLRun and SamplerPool kopf's watches have
         shown (an index the resync walks: it costs no API call of its own)."""
+        self._acted_on: dict[str, tuple[Any, ...]] = {}
+        """lock key -> what a reconcile of that RLRun or SamplerPool acts on, as its last event
+        showed it (:meth:`observe`)."""
+        self._warned: dict[str, tuple[Any, ...]] = {}
+        """lock key -> the (generation, reason, message) of the last InvalidSpec or PolicyViolation
+        Warning posted for that object: a resync that finds the same refusal says nothing new."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots: asyncio.Semaphore | None = None
         self._resync: asyncio.Task[None] | None = None
@@ -157,23 +173,6 @@ class Runtime:
         status = peering.get("status") or {}
         return not paused_by_peers(status, settings.priority, datetime.now(UTC))
 
-    async def reconcile_latest(self, body: Obj, cached_reads: bool = False) -> tuple[Obj, Outcome]:
-        """Reconcile one object under its lock, from its current state: (that state, the outcome);
-        ``cached_reads`` as :attr:`Context.cached_reads`.
-
-        An API error on a run is said on its Progressing condition first (best effort)."""
-        try:
-            async with self.lock(lock_key(body)):
-                fresh = await read_fresh(self, body)
-                if fresh is None:
-                    return body, Outcome()
-                body = fresh
-                return body, await self.reconcile(body, cached_reads)
-        except ApiError as exc:
-            if body.get("kind") == "RLRun":
-                await report_failure(self, body, exc)
-            raise
-
     def context(self, cached_reads: bool = False) -> Context:
         return Context(
             client=self.client,
@@ -193,9 +192,24 @@ class Runtime:
             outcome = await reconcile_pool(self.context(cached_reads), body)
         for kind, reason, message in outcome.events:
             self.post_event(body, kind, reason, message)
+        self._warn_once(body, outcome)
         if outcome.report.retryable:
             raise ApplyFailed(outcome.report.retryable)
         return outcome
+
+    def _warn_once(self, body: Obj, outcome: Outcome) -> None:
+        """One Warning per invalid or refused spec (per generation and message), not one per
+        reconcile: a refused run is reconciled again by every resync and child event."""
+        key = lock_key(body)
+        if outcome.invalid is None and outcome.refused is None:
+            self._warned.pop(key, None)
+            return
+        reason = Reason.INVALID_SPEC if outcome.invalid is not None else Reason.POLICY_VIOLATION
+        message = outcome.invalid if outcome.invalid is not None else outcome.refused
+        said = (body["metadata"].get("generation"), reason, message)
+        if self._warned.get(key) != said:
+            self._warned[key] = said
+            self.post_event(body, "Warning", reason, message or "")
 
     # ------------------------------------------------------------------ event- and resync-driven work
 
@@ -208,20 +222,33 @@ class Runtime:
             else:
                 self.client.cache.store(resource, body)
 
-    def observe(self, body: Obj, deleted: bool) -> None:
-        """A watch event of an RLRun or a SamplerPool: indexed for the resync, and kept."""
+    def observe(self, body: Obj, deleted: bool) -> bool:
+        """A watch event of an RLRun or a SamplerPool: indexed for the resync, and kept.  Returns
+        whether what the object's own reconcile acts on changed since its last event — its spec
+        (the generation), labels or annotations; not its status, which its reconciles write."""
         self.seen(body, deleted)
         key = lock_key(body)
         if deleted:
             self.known.pop(key, None)
-        else:
-            meta = body["metadata"]
-            self.known[key] = (body["kind"], meta["namespace"], meta["name"])
+            self._acted_on.pop(key, None)
+            self._warned.pop(key, None)
+            return False
+        meta = body["metadata"]
+        self.known[key] = (body["kind"], meta["namespace"], meta["name"])
+        acted_on = (meta.get("uid"), meta.get("generation"), meta.get("labels"), meta.get("annotations"))
+        if self._acted_on.get(key) == acted_on:
+            return False
+        self._acted_on[key] = acted_on
+        return True
 
-    def request(self, kind: str, namespace: str, name: str, fresh: bool = False) -> None:
-        """Reconcile an RLRun or SamplerPool soon (debounced), in a task of its own; nothing when
-        one is already queued for it, since that one will see the latest state.  ``fresh``: it
-        reads from the API server, not from what the watches showed (the resync's reconciles)."""
+    def request(
+        self, kind: str, namespace: str, name: str, fresh: bool = False, debounce: bool = True
+    ) -> None:
+        """Reconcile an RLRun or SamplerPool soon, in a task of its own; nothing when one is
+        already queued for it, since that one will see the latest state.  ``fresh``: it reads from
+        the API server, not from what the watches showed (the resync's and a restart's reconciles).
+        ``debounce``: it waits ``event_debounce_s`` first, so a burst of child events costs one
+        reconcile; a change of the object itself does not wait."""
         stub = {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
         key = lock_key(stub)
         if fresh:
@@ -233,7 +260,7 @@ class Runtime:
             if wake is not None:
                 wake.set()
             return
-        self.spawn(coalesced(self, stub))
+        self.spawn(coalesced(self, stub, self.config.event_debounce_s if debounce else 0.0))
 
     def spawn(self, work: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(work)
@@ -318,19 +345,21 @@ async def read_fresh(rt: Runtime, body: Obj) -> Obj | None:
 RETRIED = (ApiError, StillTerminating, ApplyFailed)
 
 
-async def coalesced(rt: Runtime, body: Obj) -> None:
-    """Reconcile on behalf of a child's event or the resync, after ``event_debounce_s``; if one is
-    already queued for this owner, it will see the latest state, so this one is dropped.
+async def coalesced(rt: Runtime, body: Obj, delay: float) -> None:
+    """Reconcile an RLRun or SamplerPool after ``delay`` seconds; if one is already queued for it,
+    that one will see the latest state, so this one is dropped.
 
-    A failed reconcile is retried with jittered exponential backoff until it succeeds, the owner is
-    gone or another peer took over; a new request for the owner while a retry waits ends the wait
-    (after the usual debounce), since what failed may have changed."""
+    A failed reconcile is retried with jittered exponential backoff (slowly where only something
+    outside the operator can fix it: :func:`retry_delay`) until it succeeds, the object is gone or
+    another peer took over; a new request for it while a retry waits ends the wait (after the
+    usual debounce), since what failed may have changed.  An API error on a run is said on its
+    Progressing condition first (best effort)."""
     key = lock_key(body)
     if key in rt._queued:
         return
     rt._queued.add(key)
     queued = True  # the marker in rt._queued is ours to remove
-    delay, attempt = rt.config.event_debounce_s, 0
+    attempt = 0
     try:
         while True:
             await asyncio.sleep(delay)
@@ -341,6 +370,7 @@ async def coalesced(rt: Runtime, body: Obj) -> None:
                 queued = False
                 cached_reads = key not in rt._fresh
                 rt._fresh.discard(key)
+                fresh: Obj | None = None
                 try:
                     fresh = await read_fresh(rt, body)
                     if fresh is not None:
@@ -348,9 +378,11 @@ async def coalesced(rt: Runtime, body: Obj) -> None:
                     return
                 except RETRIED as exc:
                     error: Exception = exc
+                    if isinstance(exc, ApiError) and fresh is not None and fresh.get("kind") == "RLRun":
+                        await report_failure(rt, fresh, exc)
             if key in rt._queued:
                 return
-            wait = backoff(attempt, rt.config, getattr(error, "retry_after", None))
+            wait = retry_delay(error, attempt, rt.config)
             attempt += 1
             log.warning("reconcile of %s failed (retry %d in %.1f s): %s", key, attempt, wait, error)
             rt._queued.add(key)

@@ -158,14 +158,14 @@ RECONCILER: dict[Key, frozenset[str]] = {
 }
 
 # Calls made by kopf itself: watching the two kinds and every kind of child we create (label-selected
-# on the server; events of a child, deletions included, reconcile its owner), its bookkeeping
-# annotations, events, peering.  Resource scanning is disabled: kopf lists neither CRDs nor
-# namespaces.  PodMonitors and ScaledObjects are watched only where the cluster serves them and
+# on the server; events of a child, deletions included, reconcile its owner), events, peering; no
+# bookkeeping annotations (the operator registers no create or update handlers).  Resource
+# scanning is disabled: kopf lists neither CRDs nor namespaces.  PodMonitors and ScaledObjects are watched only where the cluster serves them and
 # the operator's --monitoring / --keda settings may create them (not in annotations mode, whose
 # clean-up of a leftover PodMonitor reads it directly).
 FRAMEWORK: dict[Key, frozenset[str]] = {
-    (GROUP, "rlruns"): frozenset({"list", "watch", "patch"}),
-    (GROUP, "samplerpools"): frozenset({"list", "watch", "patch"}),
+    (GROUP, "rlruns"): frozenset({"list", "watch"}),
+    (GROUP, "samplerpools"): frozenset({"list", "watch"}),
     ("", "configmaps"): frozenset({"list", "watch"}),
     ("", "services"): frozenset({"list", "watch"}),
     ("", "persistentvolumeclaims"): frozenset({"list", "watch"}),
