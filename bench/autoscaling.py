@@ -16,7 +16,9 @@ SGLang on the disk path, so each update pauses every pool for the whole load: 20
 4. issue #30's out-of-sample kinds: 11-minute cold starts (steady, and with the loss), a trainer
    120 → 60 → 120 s and 240 → 60 s, the lost pool back at two thirds, and spot preemptions every
    hour (half the b200 pool's nodes gone for 15 minutes), at the example's price and at a spot
-   price (``SPOT_PRICE``).
+   price (``SPOT_PRICE``); then noisy signals, shrinking responses, quotas, a pool absent from the
+   start, a mis-declared capacity, a 10× fleet, and a trainer speeding up gradually (240 → 120 s
+   in eight steps) while new replicas take 11 minutes to start.
 
 Strategies, all in the same run on the same seed: ``mixrl`` (``objective: trainer``), ``queue``
 (mixrl's per-replica policy, ``objective: queue``), ``keda`` (KEDA as HPA computes an External
@@ -32,6 +34,9 @@ sampler) cost per step.
 ``static`` — under the model before issue #29 (every pool 20 s), BF16 pools on the trainer's
 broadcast, and every pool staged as mixrl's torch engine swaps (two decode steps, measured by
 ``bench/weight_sync.py``), side by side.
+
+``--plan-ahead-compare`` runs ``mixrl`` with and without planning one learned cold start ahead
+for a trainer speeding up (``ObjectiveConfig.plan_ahead``) on the trainer-rate runs, side by side.
 
 ``--legacy`` runs the earlier web-traffic benchmark (load step, steady noise, a simulated day).
 """
@@ -294,7 +299,28 @@ def scenarios(hours: float) -> list[tuple[str, str, ts.TrainerRun]]:
             replace(base, capacity_error={"b200-nvfp4": 1 / 3}),
         ),
         ("scale", "10× fleet (10,240 per step)", replace(base, step_size=10240, concurrency=10240)),
+        # A trainer that speeds up gradually (a curriculum, shorter sequences) while new replicas
+        # take a new GPU node's cold start: what the plan ahead is for (--plan-ahead-compare).
+        (
+            "trainer rate",
+            "ramp 240 → 120 s, 11 min cold starts",
+            replace(base, step_seconds=ramp(hours), cold_start_s=COLD_NODE_S),
+        ),
     ]
+
+
+RAMP_SEGMENTS = 8
+
+
+def ramp(hours: float, start: float = 240.0, end: float = 120.0) -> tuple[tuple[float, float], ...]:
+    """Step seconds falling from ``start`` to ``end`` in equal steps between a third and two
+    thirds of the run (the simulator's step times are piecewise constant)."""
+    first, last = hours * 1200, hours * 2400
+    steps = [
+        (first + (last - first) * k / RAMP_SEGMENTS, start + (end - start) * k / RAMP_SEGMENTS)
+        for k in range(1, RAMP_SEGMENTS + 1)
+    ]
+    return ((0.0, start), *steps)
 
 
 NOISE = ts.SignalNoise(sigma=0.2, delay_s=30, miss=0.1)
@@ -529,6 +555,44 @@ def pause_compare(seed: int, hours: float) -> int:
     return 0
 
 
+PLAN_AHEAD_RUNS = (
+    "trainer 120 → 80 s at 1/2",
+    "trainer 120 → 60 → 120 s",
+    "trainer 240 → 60 s at 1/2",
+    "trainer 120 → 80 s, noisy signals",
+    "steady, 11 min cold starts",
+    "ramp 240 → 120 s, 11 min cold starts",
+)
+"""``--plan-ahead-compare``'s runs: every trainer-rate change, one noisy, one steady with slow cold starts."""
+
+
+def plan_ahead_compare(seed: int, hours: float) -> int:
+    """mixrl with and without the plan ahead on ``PLAN_AHEAD_RUNS``, in one run."""
+    started = time.perf_counter()
+    pools, _, configs, _ = fleet_from_spec(SPEC)
+    trainer_gpus, trainer_price = trainer_from_spec(SPEC)
+    runs = {name: run for _, name, run in scenarios(hours) if name in PLAN_AHEAD_RUNS}
+    print(f"{hours:g} h per run, seed {seed}")
+    print(
+        f"{'run':<37} {'plan ahead':<10} {'steps/h':>7} {'sampler $/step':>14} {'total $/step':>12} "
+        f"{'idle':>6} {'rev/h':>5}"
+    )
+    for name, base in runs.items():
+        run = replace(base, trainer_gpus=trainer_gpus, trainer_price_per_gpu_hour=trainer_price)
+        (mixrl,) = [s for s in strategies(pools, configs, run) if s.name == "mixrl"]
+        assert mixrl.objective is not None
+        for ahead in (True, False):
+            strategy = replace(mixrl, objective=replace(mixrl.objective, plan_ahead=ahead))
+            r = ts.simulate_run(pools, run, strategy, seed=seed)
+            print(
+                f"{name:<37} {'on' if ahead else 'off':<10} {r.steps_per_hour:>7.2f} {r.cost_per_step:>14.3f} "
+                f"{r.total_cost_per_step:>12.3f} {r.idle_share:>6.1%} {r.reversals_per_hour:>5.2f}"
+            )
+        print(f"  ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+    print(f"\n({time.perf_counter() - started:.0f} s)")
+    return 0
+
+
 def _plot_sweeps(table: dict[str, list[dict]], timelines: dict[str, ts.RunResult], directory: Path) -> None:
     import matplotlib
 
@@ -588,12 +652,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--pause-compare", action="store_true", help="runs 2, 7, 8: old 20 s pause against per-pool pauses"
     )
+    parser.add_argument(
+        "--plan-ahead-compare",
+        action="store_true",
+        help="the trainer-rate runs for mixrl with and without planning one cold start ahead",
+    )
     args = parser.parse_args(argv)
     if args.seeds <= 0:
         print(f"--seeds: must be > 0, got {args.seeds}", file=sys.stderr)
         return 2
     if args.pause_compare:
         return pause_compare(args.seed, 2.0 if args.quick else 4.0)
+    if args.plan_ahead_compare:
+        return plan_ahead_compare(args.seed, 2.0 if args.quick else 4.0)
     if not args.legacy:
         return run_sweeps(args.seed, args.plots, 2.0 if args.quick else 4.0, quiet=args.quiet)
     started = time.perf_counter()

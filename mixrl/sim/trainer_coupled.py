@@ -316,6 +316,9 @@ def simulate_run(
     ready = desired.copy()
     starting: list[list[float]] = [[] for _ in range(n)]
     cold_starts = [run.cold_start_s if run.cold_start_s is not None else p.cold_start_s for p in pools]
+    # (ready at, seconds it took) of each replica started: what the pods' census learns from
+    # (mixrl.operator.autoscaling.replicas: the median over the pool's pods that became Ready).
+    started: list[list[tuple[float, float]]] = [[] for _ in range(n)]
     nodes = np.full(n, np.iinfo(np.int64).max // 4, dtype=np.int64)
     delivered = cap * np.array([run.capacity_error.get(p.name, 1.0) for p in pools])
     noise_rng = np.random.default_rng(seed + 7919)  # the metrics' errors: not the fleet's stream
@@ -374,7 +377,9 @@ def simulate_run(
                 if ready[i] + len(starting[i]) >= nodes[i]:
                     starting[i].append(math.inf)  # Pending: no node
                 else:
-                    bisect.insort(starting[i], now + cold_starts[i] * rng.uniform(0.9, 1.1))
+                    took = cold_starts[i] * rng.uniform(0.9, 1.1)
+                    bisect.insort(starting[i], now + took)
+                    started[i].append((now + took, took))
         else:
             remove = current - target
             # Pending ones first (latest first), then ready replicas; their sessions go back.
@@ -531,7 +536,7 @@ def simulate_run(
             targets = _poll(
                 strategy, pools, desired, ready, starting, per_pool_load, per_pool_throughput, signals,
                 states, objective_memory, now, now < pause_start + pause_s, gpu_budget, load_scrapes,
-                ready_scrapes,
+                ready_scrapes, [_learned_cold_start(log, now) for log in started],
             )  # fmt: skip
             if strategy.kind == "trainer":
                 targets, objective_memory, recommended = targets
@@ -677,6 +682,12 @@ def _take(fifo: deque[list[float]], count: float) -> list[tuple[float, float]]:
     return out
 
 
+def _learned_cold_start(started: list[tuple[float, float]], now: float, last: int = 20) -> float | None:
+    """The median time to Ready of the pool's last ``last`` replicas that are Ready by ``now``."""
+    seen = [took for ready_at, took in started if ready_at <= now][-last:]
+    return float(np.median(seen)) if seen else None
+
+
 def _unschedulable(starts: list[float]) -> int:
     """Replicas Pending for want of a node (start time ∞): the scheduler reports them
     Unschedulable; the others are cold starts."""
@@ -699,6 +710,7 @@ def _poll(
     gpu_budget: int | None,
     load_scrapes: deque[np.ndarray],
     ready_scrapes: deque[np.ndarray],
+    cold_starts: Sequence[float | None],
 ):
     mean_load = np.mean(load_scrapes, axis=0) if load_scrapes else load
     if strategy.kind == "queue":
@@ -779,6 +791,7 @@ def _poll(
                 stuck=stuck,
                 floor=int(desired[i]) if updating[i] else 0,
                 ceiling=ceiling,
+                cold_start_s=cold_starts[i],
             )
         )
     objective = (

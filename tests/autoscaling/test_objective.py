@@ -11,6 +11,7 @@ from mixrl.operator.autoscaling.fleet_objective import (
     ObjectiveConfig,
     ObjectiveMemory,
     TrainerSignals,
+    busy_trend,
     demand_of,
     plan_fleet,
     stabilized_plan,
@@ -88,6 +89,42 @@ def test_the_dearest_pool_is_emptied_first() -> None:
 def test_within_tolerance_nothing_moves() -> None:
     plan = plan_fleet([pool("cheap", 6), pool("dear", 2)], replace(STEADY, busy_step_s=104.0), CONFIG, MEMORY)
     assert plan.targets == {"cheap": 6, "dear": 2} and "within tolerance" in plan.reasons["cheap"]
+
+
+# A trainer speeding up: 130 s of compute per step ten minutes ago, 100 s now (-0.05 s per s).
+SPEEDING = tuple((t, 130.0 - 0.05 * t) for t in (0.0, 150.0, 300.0, 450.0))
+
+
+def test_the_trend_is_the_least_squares_slope_once_it_spans_enough() -> None:
+    assert busy_trend([*SPEEDING, (600.0, 100.0)]) == pytest.approx(-0.05)
+    assert busy_trend(SPEEDING[:2]) is None  # two points, 150 s: not a trend yet
+
+
+def test_a_speeding_trainer_is_planned_for_one_learned_cold_start_ahead() -> None:
+    memory = replace(MEMORY, busy_history=SPEEDING)
+    fleet = [pool("cheap", 6, cold_start_s=600.0), pool("dear", 2, cold_start_s=600.0)]
+    plan = plan_fleet(fleet, STEADY, CONFIG, memory, now=600.0)
+    # 600 s ahead the trainer computes 100 - 30 = 70 s per step: 1000 / 70 = 14.3 trajectories/s,
+    # beyond the band around today's 10, which the fleet delivers.
+    assert plan.demand == pytest.approx(1000 / 70)
+    assert plan.targets == {"cheap": 6, "dear": 5} and "speeding up" in plan.summary
+    # Followed only: without a learned cold start, with the plan ahead off, or slowing down.
+    unlearned = [replace(p, cold_start_s=None) for p in fleet]
+    slowing = replace(MEMORY, busy_history=tuple((t, 70.0 + 0.05 * t) for t, _ in SPEEDING))
+    for args in (
+        (unlearned, CONFIG, memory),
+        (fleet, replace(CONFIG, plan_ahead=False), memory),
+        (fleet, CONFIG, slowing),
+    ):
+        held = plan_fleet(args[0], STEADY, args[1], args[2], now=600.0)
+        assert held.targets == {"cheap": 6, "dear": 2} and held.demand == pytest.approx(10.0)
+
+
+def test_the_plan_ahead_looks_no_further_than_twice_todays_rate() -> None:
+    steep = replace(MEMORY, busy_history=tuple((t, 190.0 - 0.15 * t) for t in (0.0, 150.0, 300.0, 450.0)))
+    fleet = [pool("cheap", 6, cold_start_s=600.0), pool("dear", 2, cold_start_s=600.0)]
+    plan = plan_fleet(fleet, STEADY, CONFIG, steep, now=600.0)
+    assert plan.demand == pytest.approx(20.0)  # 100 - 90 = 10 s per step, held at 100 / 2
 
 
 def test_budgets_bound_the_fill() -> None:

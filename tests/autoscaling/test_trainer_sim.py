@@ -270,6 +270,22 @@ def test_a_cold_start_longer_than_the_pending_timeout_is_not_released() -> None:
     assert ours.steps >= clock.steps
 
 
+def test_a_speeding_trainer_is_followed_a_cold_start_ahead() -> None:
+    """A trainer speeding up 240 → 120 s per step over the second half hour while new replicas
+    take 11 minutes: planning one learned cold start ahead idles it less than following it."""
+    slow = [replace(p, cold_start_s=660.0) for p in POOLS]
+    ramp = tuple((1800.0 + 225.0 * k, 240.0 - 15.0 * k) for k in range(1, 9))
+    run = replace(RUN, step_seconds=((0.0, 240.0), *ramp))
+    ahead = simulate_run(slow, run, mixrl(run))
+    follows = simulate_run(
+        slow, run, replace(mixrl(run), objective=replace(objective_config(run), plan_ahead=False))
+    )
+    assert ahead.actions != follows.actions
+    assert ahead.idle_share < follows.idle_share
+    assert ahead.steps >= follows.steps
+    assert ahead.reversals() <= 1
+
+
 # ----------------------------------------------------------------------------- issue #30's harder runs
 
 

@@ -20,6 +20,13 @@ needs.  This objective sizes the whole fleet to the trainer instead:
   are filled by cost per unit of throughput until supply covers demand, within their ceilings and
   the budgets; what the raw fill leaves out is emptied most-expensive first once the window lets
   it go (:func:`mixrl.operator.autoscaling.policy.stabilized_floor`).  Pools at zero are woken here.
+- **Plan ahead**: a trainer speeding up (its busy seconds per step falling over the last
+  :data:`TREND_WINDOW_S`) would outrun a fleet that only follows it, since a new replica serves
+  only after its cold start.  So the demand planned for is the one the trend projects one cold
+  start ahead (the longest a pool has learned, ``FleetPool.cold_start_s``; at most
+  :data:`TREND_WINDOW_S` ahead and :data:`AHEAD_MOST` times today's), when that is beyond the
+  band.  A trainer slowing down is followed, not anticipated: shedding early would be undone by
+  the next wobble.
 - **Dead band**: while the current supply is within ``tolerance`` of the demand nothing moves, so
   a steady run — sampler-bound or trainer-bound — makes no reversals.  While the trainer idles
   more than its target, the band's lower half shrinks to :data:`STARVING_BAND` of the tolerance:
@@ -63,6 +70,12 @@ MIN_BUSY_SHARE = 0.2
 """A pool busy less than this share of its slots over the window teaches nothing about its speed."""
 REMIX_SAVING = 0.1
 """The least share of the fleet's dollars per hour a re-mix inside the band must save."""
+TREND_WINDOW_S = 900.0
+"""How far back the trainer's speed is fitted for the plan ahead, and the furthest it looks ahead."""
+TREND_MIN_SPAN_S = 300.0
+"""The least span of measurements the trend is fitted to (one slow poll is not a trend)."""
+AHEAD_MOST = 2.0
+"""The plan ahead's demand is at most this multiple of today's trainer consumption."""
 REMIX_COLD_START_S = 600.0
 """The cold start a re-mix's overlap assumes for its new replicas (a model load on a warm node;
 a new GPU node takes 10–12 minutes)."""
@@ -96,6 +109,9 @@ class FleetPool:
     """The fewest replicas it may keep now (window, weight update); at most ``replicas``."""
     ceiling: int | None = None
     """The most it may have now (pending timeout); None: ``max_replicas``."""
+    cold_start_s: float | None = None
+    """Seconds its replicas took to become Ready, as learned (``status.coldStartSeconds``); None:
+    none seen yet."""
 
     @property
     def high(self) -> int:
@@ -156,6 +172,9 @@ class ObjectiveConfig:
     window that holds the old ones (HPA's 300 s by default)."""
     remix_payback_s: float = 3600.0
     """A re-mix is made only when its saving repays the overlap within this long."""
+    plan_ahead: bool = True
+    """Plan for the demand a speeding-up trainer will have one cold start ahead (module docstring);
+    False follows the trainer only (the benchmark's comparison)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -190,6 +209,8 @@ class ObjectiveMemory:
     """Seconds the trainer computes per step (its idle time left out)."""
     starving_since: float | None = None
     """When the trainer began idling beyond its target with no action since."""
+    busy_history: tuple[tuple[float, float], ...] = ()
+    """(time, ``busy_step_s``) of the polls of the last :data:`TREND_WINDOW_S`: the trend."""
 
 
 @dataclass(frozen=True)
@@ -213,9 +234,13 @@ class FleetPlan:
 
 
 def update_memory(
-    memory: ObjectiveMemory, pools: Sequence[FleetPool], signals: TrainerSignals, config: ObjectiveConfig
+    memory: ObjectiveMemory,
+    pools: Sequence[FleetPool],
+    signals: TrainerSignals,
+    config: ObjectiveConfig,
+    now: float | None = None,
 ) -> ObjectiveMemory:
-    """Fold this poll's measurements into the estimates."""
+    """Fold this poll's measurements into the estimates (``now``: the poll's clock, for the trend)."""
     rates = dict(memory.rates)
     for pool in pools:
         if pool.ready <= 0 or pool.throughput is None or pool.throughput <= 0:
@@ -244,7 +269,43 @@ def update_memory(
         busy_step = (
             measured_busy if busy_step is None else (1 - EMA_WEIGHT) * busy_step + EMA_WEIGHT * measured_busy
         )
-    return replace(memory, rates=rates, busy_step_s=busy_step)
+    history = memory.busy_history
+    if now is not None and busy_step is not None:
+        # A poll planned twice (stabilized_plan) counts once.
+        kept = tuple((t, b) for t, b in history if now - TREND_WINDOW_S <= t < now)
+        history = (*kept, (now, busy_step))
+    return replace(memory, rates=rates, busy_step_s=busy_step, busy_history=history)
+
+
+def busy_trend(history: Sequence[tuple[float, float]]) -> float | None:
+    """Least-squares slope of the trainer's busy seconds per step over time (s per s); None when
+    the measurements span less than :data:`TREND_MIN_SPAN_S`."""
+    if len(history) < 3 or history[-1][0] - history[0][0] < TREND_MIN_SPAN_S:
+        return None
+    mean_t = sum(t for t, _ in history) / len(history)
+    mean_b = sum(b for _, b in history) / len(history)
+    spread = sum((t - mean_t) ** 2 for t, _ in history)
+    return sum((t - mean_t) * (b - mean_b) for t, b in history) / spread
+
+
+def demand_ahead(
+    demand: float, pools: Sequence[FleetPool], config: ObjectiveConfig, memory: ObjectiveMemory
+) -> tuple[float, float] | None:
+    """(the demand one cold start ahead, that cold start) for a trainer speeding up beyond the
+    band; None otherwise (module docstring, *Plan ahead*)."""
+    learned = [p.cold_start_s for p in pools if p.cold_start_s]
+    busy = memory.busy_step_s
+    slope = busy_trend(memory.busy_history)
+    if not config.plan_ahead or not learned or busy is None or slope is None or slope >= 0:
+        return None
+    ahead_s = min(max(learned), TREND_WINDOW_S)
+    busy_ahead = max(busy + slope * ahead_s, busy / AHEAD_MOST)
+    # Only the trainer's consumption speeds up; the backlog's correction stays as it is.
+    consumption = config.step_size * (1 - config.idle_target)
+    projected = demand + consumption / busy_ahead - consumption / busy
+    if projected <= (1 + config.tolerance) * demand:
+        return None  # within the band: the trend is no more than its noise
+    return projected, ahead_s
 
 
 def replica_rates(pools: Sequence[FleetPool], memory: ObjectiveMemory) -> dict[str, float | None]:
@@ -343,17 +404,21 @@ def plan_fleet(
 ) -> FleetPlan:
     """One poll of the whole fleet: every pool's target replicas and why (``now``: the clock of the
     stall guard; None: no guard)."""
-    plan = _plan(pools, signals, config, memory)
+    plan = _plan(pools, signals, config, memory, now)
     return _guard_stall(plan, pools, signals, config, now)
 
 
 def _plan(
-    pools: Sequence[FleetPool], signals: TrainerSignals, config: ObjectiveConfig, memory: ObjectiveMemory
+    pools: Sequence[FleetPool],
+    signals: TrainerSignals,
+    config: ObjectiveConfig,
+    memory: ObjectiveMemory,
+    now: float | None,
 ) -> FleetPlan:
     names = [p.name for p in pools]
     if len(set(names)) != len(names):
         raise ValueError(f"pools: duplicate names in {names}")
-    memory = update_memory(memory, pools, signals, config)
+    memory = update_memory(memory, pools, signals, config, now)
     rates = replica_rates(pools, memory)
     demand = demand_of(signals, config, memory.busy_step_s)
     held = {p.name: min(max(p.replicas - p.stuck, p.low), p.high) for p in pools}
@@ -380,6 +445,12 @@ def _plan(
         f"demand {demand:.3g} traj/s (trainer {config.step_size} per {memory.busy_step_s:.3g} s busy, "
         f"backlog {backlog / config.step_size:.2f} steps), supply {supply_now:.3g}"
     )
+    ahead = demand_ahead(demand, pools, config, memory)
+    if ahead is not None:
+        demand, ahead_s = ahead
+        summary += (
+            f"; trainer speeding up: planned for {demand:.3g} traj/s, one cold start ({ahead_s:.0f} s) ahead"
+        )
     # The trainer itself says whether supply is short: idling above its target means the
     # estimates are optimistic, so the band's lower half shrinks (not to nothing: STARVING_BAND;
     # a starvation that lasts is the stall guard's).

@@ -358,6 +358,7 @@ class AutoscalingLoop(Ticker):
                     busy_share=busy_share,
                     stuck=stuck,
                     ceiling=ceiling,
+                    cold_start_s=None if pods is None else pods.cold_start_s,
                 )
             )
             seen[pool.name] = (key, body, observation, pool, pods)

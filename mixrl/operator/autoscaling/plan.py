@@ -305,10 +305,12 @@ def fleet_view(
     busy_share: float | None,
     stuck: int,
     ceiling: int | None,
+    cold_start_s: float | None = None,
 ) -> FleetPool:
     """One pool as ``objective: trainer`` sees it: ``per_replica`` is its trajectories/s per ready
     replica over the window, ``busy_share`` the share of its slots kept busy, ``stuck`` and
-    ``ceiling`` rule 8's (:func:`mixrl.operator.autoscaling.policy.fleet_pending`)."""
+    ``ceiling`` rule 8's (:func:`mixrl.operator.autoscaling.policy.fleet_pending`),
+    ``cold_start_s`` what its pods' census learned (the plan ahead's horizon)."""
     return FleetPool(
         pool.name,
         load.replicas,
@@ -326,6 +328,7 @@ def fleet_view(
         stuck=stuck,
         floor=load.replicas if load.updating_weights else 0,
         ceiling=ceiling,
+        cold_start_s=cold_start_s,
     )
 
 
