@@ -41,7 +41,10 @@ the system; one-second steps, fluid where counts are large, deterministic for a 
   pool absent from the start at ``-warmup_s``): running replicas stay, new ones beyond the cap stay
   Pending, unbilled, as for lost nodes.
 - **Capacity errors**: ``capacity_error`` makes a pool deliver that factor of its declared capacity's
-  tokens (a mis-declared ``capacity``); the router still shares sessions by the declared one.
+  tokens (a mis-declared ``capacity``).  The router shares sessions by the capacity its own rule
+  gives (``mixrl.rl.router.shares.capacity_per_replica``, called): the declared one until the pool
+  has been measured with trust (``MIN_CAPACITY_SAMPLES`` health checks of a ready replica, 2 s
+  apart), then what it delivers where that is off the declaration by more than ``MISMATCH_FACTOR``.
 - **Signal noise** (``noise``, :class:`SignalNoise`): each scrape is missed with a probability, and
   the policy reads the metrics of ``delay_s`` ago, the rates among them (throughput, trainer steps,
   its idle share) times log-normal noise (``sigma``); the system itself is not perturbed (a
@@ -84,7 +87,14 @@ from mixrl.operator.autoscaling.policy import (
     decide,
     fleet_pending,
 )
-from mixrl.rl.router.shares import balanced_after_refresh, drain_step, rebalance_destination
+from mixrl.rl.router.shares import (
+    MIN_CAPACITY_SAMPLES,
+    PoolCapacity,
+    balanced_after_refresh,
+    capacity_per_replica,
+    drain_step,
+    rebalance_destination,
+)
 from mixrl.sim.fleet import FleetPool, count_reversals
 from mixrl.sim.weight_pause import WeightPause, decode_step_s, paused_fraction
 
@@ -321,6 +331,9 @@ def simulate_run(
     started: list[list[tuple[float, float]]] = [[] for _ in range(n)]
     nodes = np.full(n, np.iinfo(np.int64).max // 4, dtype=np.int64)
     delivered = cap * np.array([run.capacity_error.get(p.name, 1.0) for p in pools])
+    # The router's capacity per replica: declared until measured with trust (module docstring).
+    route_cap, trusted = cap.copy(), np.zeros(n, dtype=bool)
+    ready_seconds_seen = np.zeros(n)
     noise_rng = np.random.default_rng(seed + 7919)  # the metrics' errors: not the fleet's stream
     history: deque[Reading] = deque(maxlen=max(1, (run.noise.delay_s if run.noise else 0) // SCRAPE_S + 1))
     last_reading: Reading | None = None
@@ -420,7 +433,12 @@ def simulate_run(
                 starting[i].pop(0)
                 ready[i] += 1
         # the router: sessions of a pool with no ready replica move
-        ready_cap = ready * cap
+        ready_seconds_seen += ready > 0
+        now_trusted = ready_seconds_seen >= MIN_CAPACITY_SAMPLES * ROUTER_HEALTH_INTERVAL_S
+        if (now_trusted != trusted).any():
+            trusted = now_trusted
+            route_cap = _router_capacity(names, cap, delivered * run.tokens_per_s_per_capacity, trusted)
+        ready_cap = ready * route_cap
         if ready_cap.sum() > 0:
             for i in np.flatnonzero((ready == 0) & (sessions > 0)).tolist():
                 moved = sessions[i]
@@ -450,7 +468,8 @@ def simulate_run(
         # may start one, so the second that generated is not billed as paused too.
         paused = paused_fraction(pause_s, now - pause_start)
         if (paused < 1).any():
-            busy = np.minimum(1.0, sessions / np.maximum(ready_cap * run.sessions_per_capacity, 1e-9))
+            # An engine's slots are its declared capacity's, whatever it delivers.
+            busy = np.minimum(1.0, sessions / np.maximum(ready * cap * run.sessions_per_capacity, 1e-9))
             tokens = ready * delivered * run.tokens_per_s_per_capacity * busy * (1.0 - paused)
             progress += tokens / length
             if recording:
@@ -536,7 +555,7 @@ def simulate_run(
             targets = _poll(
                 strategy, pools, desired, ready, starting, per_pool_load, per_pool_throughput, signals,
                 states, objective_memory, now, now < pause_start + pause_s, gpu_budget, load_scrapes,
-                ready_scrapes, [_learned_cold_start(log, now) for log in started],
+                ready_scrapes, [_learned_cold_start(log, now) for log in started], route_cap,
             )  # fmt: skip
             if strategy.kind == "trainer":
                 targets, objective_memory, recommended = targets
@@ -682,6 +701,28 @@ def _take(fifo: deque[list[float]], count: float) -> list[tuple[float, float]]:
     return out
 
 
+ROUTER_HEALTH_INTERVAL_S = 2.0
+"""The router's health-check period (``mixrl.rl.router.server``'s default): one throughput sample each."""
+
+
+def _router_capacity(
+    names: Sequence[str], declared: np.ndarray, tokens_per_s: np.ndarray, trusted: np.ndarray
+) -> np.ndarray:
+    """Capacity per replica as the router shares by it, the pools measured with trust being those in
+    ``trusted`` (their measurement: what a full replica delivers, ``tokens_per_s``)."""
+    pools = {
+        name: PoolCapacity(
+            float(declared[i]),
+            float(tokens_per_s[i]) if trusted[i] else None,
+            1,
+            MIN_CAPACITY_SAMPLES if trusted[i] else 0,
+        )
+        for i, name in enumerate(names)
+    }
+    per_replica = capacity_per_replica(pools)
+    return np.array([per_replica[name] for name in names])
+
+
 def _learned_cold_start(started: list[tuple[float, float]], now: float, last: int = 20) -> float | None:
     """The median time to Ready of the pool's last ``last`` replicas that are Ready by ``now``."""
     seen = [took for ready_at, took in started if ready_at <= now][-last:]
@@ -711,6 +752,7 @@ def _poll(
     load_scrapes: deque[np.ndarray],
     ready_scrapes: deque[np.ndarray],
     cold_starts: Sequence[float | None],
+    routed: np.ndarray,
 ):
     mean_load = np.mean(load_scrapes, axis=0) if load_scrapes else load
     if strategy.kind == "queue":
@@ -752,7 +794,9 @@ def _poll(
     assert strategy.objective is not None and strategy.configs is not None
     # What avg_over_time(clamp_max(load / slots, 1)[5m:15s]) says: each scrape against the
     # replicas ready at that scrape (promql.pool_busy_query).
-    per_slot = np.array([p.capacity for p in pools]) * strategy.objective.sessions_per_capacity
+    # The objective sees each pool with the capacity the router shares by, as the operator does
+    # (mixrl.operator.autoscaling.plan.as_routed): its slots and its busy share follow it.
+    per_slot = routed * strategy.objective.sessions_per_capacity
     busy_share = (
         np.mean(
             [
@@ -780,7 +824,7 @@ def _poll(
                 p.name,
                 int(desired[i]),
                 int(ready[i]),
-                p.capacity,
+                float(routed[i]),
                 p.gpus_per_replica,
                 p.cost_per_gpu_hour,
                 config.min_replicas,

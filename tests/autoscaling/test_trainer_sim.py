@@ -319,6 +319,22 @@ def test_a_pool_that_delivers_less_than_declared_makes_fewer_steps() -> None:
     assert slow.steps_per_hour < 0.6 * simulate_run(POOLS, RUN, fleet).steps_per_hour
 
 
+def test_the_models_router_shares_by_a_measured_capacity_once_trusted() -> None:
+    """The router's own rule, called: a pool delivering a third of its declared capacity is shared
+    by what it delivers once measured with trust, declared until then; a small error changes nothing."""
+    from mixrl.sim.trainer_coupled import _router_capacity
+
+    names = ["spot", "dear", "other"]
+    declared = np.array([3.2, 1.8, 1.0])
+    delivered = np.array([3.2 / 3, 1.8, 1.0]) * 1000.0
+    trusted = np.array([True, True, True])
+    assert _router_capacity(names, declared, delivered, trusted) == pytest.approx([3.2 / 3, 1.8, 1.0])
+    untrusted = np.array([False, True, True])
+    assert _router_capacity(names, declared, delivered, untrusted).tolist() == [3.2, 1.8, 1.0]
+    close = np.array([3.2 * 0.8, 1.8, 1.0]) * 1000.0  # 1.25x off: within the router's 1.5x
+    assert _router_capacity(names, declared, close, trusted).tolist() == [3.2, 1.8, 1.0]
+
+
 def test_the_hindsight_fleet_is_resized_for_each_phase() -> None:
     from mixrl.sim.trainer_coupled import hindsight_schedule
 
