@@ -232,12 +232,16 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         return info
 
     def changed(body: kopf.Body, type: str | None) -> Obj:
-        # A change of the object itself (or the operator's start: kopf's first listing, type None,
-        # read fresh) reconciles it now; its own status writes do not.
+        # A change of the object itself reconciles it now, ahead of the queued child events; the
+        # operator's start (kopf's first listing, type None) reconciles everything from the API
+        # server, in the queue.  Its own status writes do not count as a change.
         obj = plain(body)
         if rt.observe(obj, deleted=type == "DELETED"):
             meta = obj["metadata"]
-            rt.request(obj["kind"], meta["namespace"], meta["name"], fresh=type is None, debounce=False)
+            start = type is None
+            rt.request(
+                obj["kind"], meta["namespace"], meta["name"], fresh=start, debounce=False, limited=start
+            )
         return obj
 
     @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)

@@ -242,13 +242,22 @@ class Runtime:
         return True
 
     def request(
-        self, kind: str, namespace: str, name: str, fresh: bool = False, debounce: bool = True
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        fresh: bool = False,
+        debounce: bool = True,
+        limited: bool = True,
     ) -> None:
         """Reconcile an RLRun or SamplerPool soon, in a task of its own; nothing when one is
         already queued for it, since that one will see the latest state.  ``fresh``: it reads from
         the API server, not from what the watches showed (the resync's and a restart's reconciles).
         ``debounce``: it waits ``event_debounce_s`` first, so a burst of child events costs one
-        reconcile; a change of the object itself does not wait."""
+        reconcile; a change of the object itself does not wait.  ``limited``: it takes one of the
+        ``reconcile_concurrency`` slots (child events, the resync, a restart); a change of the object
+        itself does not queue behind them (50 new runs' 400 new pools waited tens of seconds there
+        for their Deployments: bench/cluster_scale.py)."""
         stub = {"kind": kind, "metadata": {"namespace": namespace, "name": name}}
         key = lock_key(stub)
         if fresh:
@@ -260,7 +269,7 @@ class Runtime:
             if wake is not None:
                 wake.set()
             return
-        self.spawn(coalesced(self, stub, self.config.event_debounce_s if debounce else 0.0))
+        self.spawn(coalesced(self, stub, self.config.event_debounce_s if debounce else 0.0, limited))
 
     def spawn(self, work: Awaitable[None]) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(work)
@@ -345,9 +354,10 @@ async def read_fresh(rt: Runtime, body: Obj) -> Obj | None:
 RETRIED = (ApiError, StillTerminating, ApplyFailed)
 
 
-async def coalesced(rt: Runtime, body: Obj, delay: float) -> None:
-    """Reconcile an RLRun or SamplerPool after ``delay`` seconds; if one is already queued for it,
-    that one will see the latest state, so this one is dropped.
+async def coalesced(rt: Runtime, body: Obj, delay: float, limited: bool = True) -> None:
+    """Reconcile an RLRun or SamplerPool after ``delay`` seconds (in one of the concurrency slots
+    when ``limited``); if one is already queued for it, that one will see the latest state, so this
+    one is dropped.
 
     A failed reconcile is retried with jittered exponential backoff (slowly where only something
     outside the operator can fix it: :func:`retry_delay`) until it succeeds, the object is gone or
@@ -365,7 +375,7 @@ async def coalesced(rt: Runtime, body: Obj, delay: float) -> None:
             await asyncio.sleep(delay)
             if attempt and not await rt.active_in(body["metadata"]["namespace"]):
                 return
-            async with rt.slots(), rt.lock(key):
+            async with rt.slots() if limited else contextlib.nullcontext(), rt.lock(key):
                 rt._queued.discard(key)
                 queued = False
                 cached_reads = key not in rt._fresh
