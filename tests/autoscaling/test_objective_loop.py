@@ -237,3 +237,34 @@ def test_the_recommendation_is_cleared_only_by_a_fill_that_found_the_concurrency
     assert concurrency_status(previous, plan(660, filled=True), 256, 0.0, 0.1)[0] is False  # wobble
     assert concurrency_status(previous, plan(720, filled=True), 256, 0.0, 0.1)[1]["sessions"] == 720
     assert concurrency_status(previous, plan(640, filled=True), 512, 0.0, 0.1)[1]["configured"] == 512
+
+
+async def test_a_speeding_trainer_is_planned_a_learned_cold_start_ahead_through_the_loop() -> None:
+    """The pods' census (its learned cold start) reaches the objective: a trainer whose busy time
+    falls is planned for one cold start ahead, and the decision says so."""
+    from mixrl.operator.autoscaling.replicas import Census
+
+    run = run_body(objective="trainer", trainerIdleTarget=0.0)
+    h = Harness(run, [pool_body("b300-nvfp4", replicas=4, ready=4, low=1, high=16)], {"b300-nvfp4": 64.0})
+
+    async def census(key: Any, body: Any) -> Census:
+        ready = int(body["status"]["readyReplicas"])
+        return Census(ready=ready, starting=0, stuck=0, cold_start_s=600.0)
+
+    h.loop.pods_of = census  # type: ignore[method-assign]
+    # The trainer computes 1024 trajectories in 160 s, falling 3.75 s every 30 s poll (to 85 s);
+    # four ready replicas deliver what it needs at each poll (0.2 /s per capacity unit, 4.0 per replica).
+    for poll in range(21):
+        busy = 160.0 - 3.75 * poll
+        h.now += 30.0
+        h.set_ready("b300-nvfp4", h.replicas("b300-nvfp4"))
+        h.values = {
+            "clamp_max": 1.0,
+            "mixrl_buffer_trainer_busy_seconds": busy,
+            "mixrl_buffer_trajectories{": 1024.0,
+            "mixrl_router_sessions": 512.0,
+            'pool="b300-nvfp4"': 1024 / busy / h.replicas("b300-nvfp4"),
+        }
+        await h.poll_run()
+    reasons = [d["reason"] for d in h.api.pools[f"{RUN}-b300-nvfp4"]["status"]["lastScaleDecisions"]]
+    assert any("trainer speeding up" in r and "600 s" in r for r in reasons), reasons
