@@ -44,6 +44,7 @@ for a trainer speeding up (``ObjectiveConfig.plan_ahead``) on the trainer-rate r
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import replace
@@ -391,6 +392,34 @@ def row(result: ts.RunResult) -> dict[str, float | str]:
     }
 
 
+def changes_of(run: ts.TrainerRun) -> list[float]:
+    """When a run's disturbances come (seconds): the trainer's step time changing, capacity lost
+    and back (every time, when it recurs), a quota cut; responses that change length change
+    gradually and are not listed."""
+    seconds = run.hours * 3600
+    times = [t for t, _ in run.step_seconds if 0 < t < seconds] + [t for t, _, _ in run.quota]
+    for first in (run.loss_at_s, run.back_at_s):
+        if first is None or first < 0:
+            continue
+        every = run.repeat_every_s or seconds
+        times += [float(t) for t in np.arange(first, seconds, every)]
+    return sorted(set(times))
+
+
+def regain_after(
+    ours: ts.RunResult, reference: ts.RunResult, at: float, share: float = 0.95, window_s: float = 900.0
+) -> float:
+    """Seconds from a change at ``at`` until ``ours`` makes ``share`` of the steps ``reference``
+    (the hindsight fleet: what was achievable) makes over the same ``window_s``; 0 when the first
+    window after the change already does; inf when it never does before the run ends."""
+    mine, theirs = np.array(ours.step_times), np.array(reference.step_times)
+    for end in np.arange(at + window_s, ours.seconds + 1, 30.0):
+        achievable = ((theirs > end - window_s) & (theirs <= end)).sum()
+        if ((mine > end - window_s) & (mine <= end)).sum() >= share * achievable:
+            return float(end - window_s - at)
+    return math.inf
+
+
 def meets_target(
     ours: ts.RunResult, static: ts.RunResult, hindsight: ts.RunResult, steady: bool
 ) -> tuple[bool, str]:
@@ -494,6 +523,15 @@ def run_sweeps(seed: int, plots: Path | None, hours: float, quiet: bool = False)
         )
         if not steady:
             print("   " + cost_breakdown(ours, static))
+            regains = [(at, regain_after(ours, hindsight, at)) for at in changes_of(run)]
+            if regains:
+                print(
+                    "   mixrl at 95 % of hindsight's steps (900 s window) after each change: "
+                    + ", ".join(
+                        f"{at / 60:.0f} min: {'never' if t == math.inf else f'{t:.0f} s'}"
+                        for at, t in regains
+                    )
+                )
         if ours.recommended_concurrency is not None:
             print(
                 f"   mixrl: the demand needs rollout concurrency {ours.recommended_concurrency} (reported, not applied)"

@@ -186,6 +186,33 @@ def test_changing_runs_are_judged_by_the_total_cost_per_step_steady_ones_by_the_
     assert not meets_target(busy, base, base, steady=False)[0]
 
 
+def test_the_time_to_regain_is_against_hindsight_after_every_change() -> None:
+    bench = _bench()
+    run = replace(
+        RUN,
+        step_seconds=((0.0, 120.0), (1800.0, 80.0)),
+        spot_pool="spot",
+        loss_at_s=900.0,
+        back_at_s=1500.0,
+        repeat_every_s=3600.0,
+        quota=((2000.0, "dear", 2),),
+    )
+    assert bench.changes_of(run) == [900.0, 1500.0, 1800.0, 2000.0, 4500.0, 5100.0]
+    base = simulate_run(POOLS, replace(RUN, hours=0.05, warmup_s=0), static({"spot": 1, "dear": 0}))
+
+    def steps(gap: tuple[float, float] = (0.0, 0.0)) -> RunResult:
+        """A step every minute for an hour, none inside ``gap``."""
+        times = [float(t) for t in range(60, 3600, 60) if not gap[0] < t < gap[1]]
+        return replace(base, step_times=times, seconds=3600.0)
+
+    hindsight = steps()
+    assert bench.regain_after(steps(), hindsight, 600.0) == 0.0
+    # No step from 1200 s to 1800 s: the first 900 s window holding 95 % of hindsight's 15 steps
+    # starts at 1740 s (1800 ... 2640 s).
+    assert bench.regain_after(steps((1200.0, 1800.0)), hindsight, 1200.0) == 540.0
+    assert bench.regain_after(steps((1200.0, 3600.0)), hindsight, 1200.0) == math.inf
+
+
 # ----------------------------------------------------------------------------- the router's rebalancing
 
 FLEET = {"spot": 4, "dear": 4}  # spot's share of ready capacity: 12.8 / 20 = 0.64
