@@ -24,7 +24,7 @@ from mixrl.rl.weights import WeightStore, forget_rebuilt, load_checkpoint_dir
 
 CHILD = textwrap.dedent(
     """
-    import logging, sys, time
+    import logging, os, sys, time
     from mixrl.rl import weights, checkpoint_formats
     root, action, pause, lease_timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
@@ -44,6 +44,8 @@ CHILD = textwrap.dedent(
         checkpoint_formats.convert_state_dict = paused(checkpoint_formats.convert_state_dict, True)
     elif pause == "apply-forever":
         weights.apply_delta = paused(weights.apply_delta, True)
+    # Imports done (seconds under load): say so beside the store, then wait for the start signal.
+    (weights.Path(root).parent / f"ready-{os.getpid()}").touch()
     go = weights.Path(root) / "go"
     while not go.exists():
         time.sleep(0.01)
@@ -64,6 +66,18 @@ def _start(root: Path, action: str, pause: str = "none", lease_timeout_s: float 
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _go(root: Path, children: list[subprocess.Popen], timeout: float = 120.0) -> None:
+    """Start the children's work together, once every one has imported what it needs: a child
+    still importing when another had finished would find the work done instead of waiting for it."""
+    deadline = time.monotonic() + timeout
+    ready = [root.parent / f"ready-{child.pid}" for child in children]
+    while not all(marker.exists() for marker in ready):
+        assert time.monotonic() < deadline, "the children did not start"
+        assert all(child.poll() is None for child in children), "a child exited before the start"
+        time.sleep(0.05)
+    (root / "go").touch()
 
 
 def _wait_paused(child: subprocess.Popen) -> None:
@@ -105,7 +119,7 @@ def test_four_converters_of_one_version_do_the_work_once(tmp_path: Path) -> None
     store = _published(tmp_path)
     root = Path(store.path(0)).parent
     children = [_start(root, "nvfp4", "convert-slowly") for _ in range(4)]
-    (root / "go").touch()
+    _go(root, children)
     outputs = [child.communicate(timeout=120) for child in children]
     assert [child.returncode for child in children] == [0] * 4, [err for _, err in outputs]
     results = {line for out, _ in outputs for line in out.splitlines() if line.startswith("RESULT")}
@@ -123,7 +137,7 @@ def test_a_killed_converter_is_taken_over_once_its_heartbeat_stops(tmp_path: Pat
     store = _published(tmp_path)
     root = Path(store.path(0)).parent
     holder = _start(root, "fp8", "convert-forever", lease_timeout_s=1.0)
-    (root / "go").touch()
+    _go(root, [holder])
     _wait_paused(holder)
     # While the holder lives its heartbeat keeps the lease fresh: a second converter waits.
     lease = root / ".flags" / "convert-v00000001-fp8.lease"
@@ -153,7 +167,7 @@ def test_a_loader_killed_while_applying_a_delta_leaves_nothing_half_visible(
     root = Path(store.path(0)).parent
     before = _visible_files(root)
     child = _start(root, action, "apply-forever", lease_timeout_s=1.0)
-    (root / "go").touch()
+    _go(root, [child])
     _wait_paused(child)
     _kill(child)
     assert _visible_files(root) == before
