@@ -30,6 +30,9 @@ steady runs ``mixrl`` costs at most 1.05× static's sampler dollars per step at 
 with 0 reversals; on the changing runs it makes more steps/h than static at a lower total (trainer +
 sampler) cost per step.
 
+For every changing run it also prints how long after each change mixrl takes to make 95 % of
+the hindsight fleet's steps over a 900 s window (``regain_after``).
+
 ``--pause-compare`` runs only what the weight-update pause moves — runs 2, 7 and 8 for ``mixrl`` and
 ``static`` — under the model before issue #29 (every pool 20 s), BF16 pools on the trainer's
 broadcast, and every pool staged as mixrl's torch engine swaps (two decode steps, measured by
