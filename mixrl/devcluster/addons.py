@@ -347,9 +347,7 @@ def start_addon(
     handle.kubectl(state, "apply", "--server-side", "--force-conflicts", "-f", str(directory / "crds.yaml"))
     # Served before the manager starts: it sets up its informers on them at once.
     crd_names = [crd["metadata"]["name"] for crd in crds]
-    handle.kubectl(
-        state, "wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{c}" for c in crd_names)
-    )
+    wait_established(handle, state, crd_names)
     command = manager_command(spec, build / "bin" / name, config_file, state.kubeconfig, cert_dir)
     handle._start(state, name, command)
     # The webhooks only once the manager answers: with failurePolicy Fail, a configuration that
@@ -509,6 +507,29 @@ class RunningKeda:
     """Per process (:data:`KEDA_PROCESSES`), its log."""
 
 
+def wait_established(handle: Cluster, state: ClusterState, names: list[str], timeout: float = 60.0) -> None:
+    """Until every CustomResourceDefinition named is Established.  Not ``kubectl wait``: it fails at
+    once on a CRD whose status has no conditions yet (just applied, on a loaded API server)."""
+    deadline = time.monotonic() + timeout
+    pending = list(names)
+    while True:
+        pending = [name for name in pending if not _established(handle, state, name)]
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"CRDs not Established after {timeout:.0f} s: {', '.join(pending)}")
+        time.sleep(0.2)
+
+
+def _established(handle: Cluster, state: ClusterState, name: str) -> bool:
+    try:
+        crd = handle.api_get(state, f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+    except OSError:  # not found yet, or the API server busy (URLError and HTTPError are OSErrors)
+        return False
+    conditions = (crd.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)
+
+
 def start_keda(
     handle: Cluster, state: ClusterState, timeout: float = 120.0, log: Callable[[str], None] = print
 ) -> RunningKeda:
@@ -540,9 +561,7 @@ def start_keda(
     handle.kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(namespace))
     handle.kubectl(state, "apply", "--server-side", "--force-conflicts", "-f", str(directory / "crds.yaml"))
     crd_names = [crd["metadata"]["name"] for crd in crds]
-    handle.kubectl(
-        state, "wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{c}" for c in crd_names)
-    )
+    wait_established(handle, state, crd_names)
     commands = keda_commands(build / "bin", cert_dir, ca_dir, state.kubeconfig, ports)
     handle._start(state, "keda-operator", commands["keda-operator"])
     handle._wait(state, "keda-operator", lambda: _ready(health), timeout)

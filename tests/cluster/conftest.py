@@ -29,7 +29,14 @@ from typing import Any
 import pytest
 import yaml
 
-from mixrl.devcluster.addons import kueue_queue_objects, start_addon, start_keda, stop_addon, stop_keda
+from mixrl.devcluster.addons import (
+    kueue_queue_objects,
+    start_addon,
+    start_keda,
+    stop_addon,
+    stop_keda,
+    wait_established,
+)
 from mixrl.devcluster.cluster import Cluster, ClusterState, kubeconfig
 from mixrl.devcluster.kwok_fleet import parse_fleet
 
@@ -145,7 +152,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
             "--set",
             "watch.allNamespaces=true",  # the chart is namespaced by default; these tests make namespaces as they go
         )
-        bed.kubectl("wait", "--for=condition=Established", "--timeout=60s", *(f"crd/{c}" for c in CRDS))
+        wait_established(handle, bed.state, list(CRDS))
         yield bed
     finally:
         handle.down(log=lambda _: None)
