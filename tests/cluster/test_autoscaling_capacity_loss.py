@@ -163,25 +163,29 @@ def test_a_lost_pool_is_replaced_by_the_next_cheapest(
             counts = dict(zip((CHEAP, NEXT), ready(), strict=True))
             return target_shares({p: PoolCapacity(CAPACITY[p], None, counts[p]) for p in counts})
 
+        def details() -> str:
+            """What the objective read and decided, and the operator's autoscaling log."""
+            decisions = {
+                pool: cluster.get(f"sp/{name}-{pool}", "-n", namespace)["status"].get(
+                    "lastScaleDecisions", []
+                )
+                for pool in RATE
+            }
+            log = [
+                line
+                for line in operator.log_tail(2000).splitlines()
+                if "autoscal" in line and "Handler" not in line
+            ]
+            return (
+                f"Prometheus: {objective_inputs(f'http://127.0.0.1:{prom_port}', namespace, name)}"
+                f"\ndecisions: {json.dumps(decisions, indent=1)}\noperator log:\n" + "\n".join(log[-60:])
+            )
+
         def explained(*args: Any, **kwargs: Any) -> Any:
             try:
                 return wait_for(*args, **kwargs)
             except AssertionError as exc:
-                decisions = {
-                    pool: cluster.get(f"sp/{name}-{pool}", "-n", namespace)["status"].get(
-                        "lastScaleDecisions", []
-                    )
-                    for pool in RATE
-                }
-                log = [
-                    line
-                    for line in operator.log_tail(2000).splitlines()
-                    if "autoscal" in line and "Handler" not in line
-                ]
-                raise AssertionError(
-                    f"{exc}\nPrometheus: {objective_inputs(f'http://127.0.0.1:{prom_port}', namespace, name)}"
-                    f"\ndecisions: {json.dumps(decisions, indent=1)}\noperator log:\n" + "\n".join(log[-60:])
-                ) from None
+                raise AssertionError(f"{exc}\n{details()}") from None
 
         # 3.8 trajectories/s at 1.0 per b200 replica: four b200 replicas, the next pool asleep.
         explained(replicas, equals=(4, 0), timeout=120, what="the fleet sized to the trainer on b200")
@@ -209,7 +213,7 @@ def test_a_lost_pool_is_replaced_by_the_next_cheapest(
         # fill grew the cheaper lost pool again (its new Pending replicas counted as supply for
         # the poll that ordered them) and, with no scale-down window here, dropped h200-fp8:
         # (1, 7) then (5, 0) in 2 of 4 runs on 2026-12-01.
-        assert seen == {(1, 7)}, f"the fleet moved after the loss was covered: {sorted(seen)}"
+        assert seen == {(1, 7)}, f"the fleet moved after the loss was covered: {sorted(seen)}\n{details()}"
     finally:
         cluster.kubectl("taint", "nodes", *nodes, TAINT.split("=")[0] + "-", check=False)
         prometheus.terminate()
