@@ -402,8 +402,8 @@ def plan_fleet(
     memory: ObjectiveMemory,
     now: float | None = None,
 ) -> FleetPlan:
-    """One poll of the whole fleet: every pool's target replicas and why (``now``: the clock of the
-    stall guard; None: no guard)."""
+    """One poll of the whole fleet: every pool's target replicas and why (``now``: the poll's
+    clock, for the stall guard and the plan ahead's trend; None: neither)."""
     plan = _plan(pools, signals, config, memory, now)
     return _guard_stall(plan, pools, signals, config, now)
 
