@@ -93,7 +93,9 @@ def test_the_operator_writes_the_recommended_concurrency_only_when_it_changes(
                 and r.get("configured") == 16
                 and abs(r["sessions"] - EXPECTED) <= 0.1 * EXPECTED
             ),
-            timeout=180,
+            # The smoothed rate settles over minutes on a loaded bed: 154 s in one CI run of stop
+            # 41, and at 180 s one was still 10 % short (175 of 195 sessions).
+            timeout=300,
             what=f"status.recommendedConcurrency ≈ {EXPECTED} sessions for 16 configured",
         )
         time.sleep(5 * POLL_S)  # the estimate settles
