@@ -558,12 +558,18 @@ PAUSES: tuple[tuple[str, WeightPause], ...] = (
 this fleet: every pool is SGLang on the disk path, assumed 20 s."""
 
 
+def _named_runs(hours: float, names: tuple[str, ...]):
+    """The example's pools and their policies, its trainer's (GPUs, price per GPU-hour), and the
+    scenarios named, by name: what a side-by-side comparison runs."""
+    pools, _, configs, _ = fleet_from_spec(SPEC)
+    runs = {name: run for _, name, run in scenarios(hours) if name in names}
+    return pools, configs, trainer_from_spec(SPEC), runs
+
+
 def pause_compare(seed: int, hours: float) -> int:
     """mixrl and static on ``PAUSE_RUNS`` under each of ``PAUSES``, in one run."""
     started = time.perf_counter()
-    pools, _, configs, _ = fleet_from_spec(SPEC)
-    trainer_gpus, trainer_price = trainer_from_spec(SPEC)
-    runs = {name: run for _, name, run in scenarios(hours) if name in PAUSE_RUNS}
+    pools, configs, (trainer_gpus, trainer_price), runs = _named_runs(hours, PAUSE_RUNS)
     print(f"decode step {BASE_RUN.decode_step_s * 1000:g} ms; {hours:g} h per run, seed {seed}")
     header = (
         f"{'run':<27} {'pause model':<29} {'strategy':<8} {'steps/h':>7} {'sampler $/step':>14} "
@@ -610,9 +616,7 @@ PLAN_AHEAD_RUNS = (
 def plan_ahead_compare(seed: int, hours: float) -> int:
     """mixrl with and without the plan ahead on ``PLAN_AHEAD_RUNS``, in one run."""
     started = time.perf_counter()
-    pools, _, configs, _ = fleet_from_spec(SPEC)
-    trainer_gpus, trainer_price = trainer_from_spec(SPEC)
-    runs = {name: run for _, name, run in scenarios(hours) if name in PLAN_AHEAD_RUNS}
+    pools, configs, (trainer_gpus, trainer_price), runs = _named_runs(hours, PLAN_AHEAD_RUNS)
     print(f"{hours:g} h per run, seed {seed}")
     print(
         f"{'run':<37} {'plan ahead':<10} {'steps/h':>7} {'sampler $/step':>14} {'total $/step':>12} "
