@@ -44,7 +44,7 @@ from mixrl.operator.autoscaling.policy import (
     budget_step,
     decide,
 )
-from mixrl.sim.weight_pause import WeightPause, decode_step_s, paused_fraction
+from mixrl.sim.weight_pause import WeightPause, decode_step_s, paused_fraction, update_pauses
 
 MAX_WAIT_BIN_S = 4 * 3600
 
@@ -103,10 +103,8 @@ class Workload:
         return decode_step_s(self.tokens_per_request / self.mean_service_s)
 
     def pause_seconds(self, pools: Sequence[FleetPool]) -> np.ndarray:
-        """Seconds each pool serves nothing per weight update."""
-        if self.weight_update_s is not None:
-            return np.full(len(pools), float(self.weight_update_s))
-        return self.pause.per_pool(pools, self.decode_step_s)
+        """Seconds each pool serves nothing per weight update (:func:`~mixrl.sim.weight_pause.update_pauses`)."""
+        return update_pauses(pools, self.weight_update_s, self.pause, self.decode_step_s)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ from mixrl.rl.router.shares import (
     rebalance_destination,
 )
 from mixrl.sim.fleet import FleetPool, count_reversals
-from mixrl.sim.weight_pause import WeightPause, decode_step_s, paused_fraction
+from mixrl.sim.weight_pause import WeightPause, decode_step_s, paused_fraction, update_pauses
 
 RATE_WINDOW_S = 300
 THROUGHPUT_WINDOW_S = 300
@@ -165,10 +165,8 @@ class TrainerRun:
         return decode_step_s(self.tokens_per_s_per_capacity / self.sessions_per_capacity)
 
     def pause_seconds(self, pools: Sequence[FleetPool]) -> np.ndarray:
-        """Seconds each pool generates nothing per weight update."""
-        if self.weight_update_s is not None:
-            return np.full(len(pools), float(self.weight_update_s))
-        return self.pause.per_pool(pools, self.decode_step_s)
+        """Seconds each pool generates nothing per weight update (:func:`~mixrl.sim.weight_pause.update_pauses`)."""
+        return update_pauses(pools, self.weight_update_s, self.pause, self.decode_step_s)
 
     def recurs(self, now: float, first: float) -> bool:
         """Whether an availability event first at ``first`` happens at ``now``."""

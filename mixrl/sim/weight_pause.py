@@ -133,5 +133,16 @@ class WeightPause:
         return f"per pool: SGLang disk {disk}, torch engine {staged}{bf16}"
 
 
+def update_pauses(
+    pools: Sequence[FleetPool], weight_update_s: float | None, pause: WeightPause, step_s: float
+) -> np.ndarray:
+    """Seconds each pool generates nothing per weight update: ``weight_update_s`` for every pool
+    when it is set (a simulator's fixed pause), else ``pause``'s per pool (``step_s``: the decode
+    step)."""
+    if weight_update_s is not None:
+        return np.full(len(pools), float(weight_update_s))
+    return pause.per_pool(pools, step_s)
+
+
 OLD_MODEL = WeightPause(every_pool_s=SGLANG_DISK_PAUSE_S)
 """Every pool 20 s per update: what the simulators assumed before issue #29."""
