@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import IO, Any
+
+
+def sync_file(f: IO[Any]) -> None:
+    """Flush an open file's buffer and fsync it: what was written to it is on disk on return."""
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def fsync_path(path: Path) -> None:

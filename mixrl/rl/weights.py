@@ -64,7 +64,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from mixrl.rl import activation_quant, checkpoint_formats, quant
-from mixrl.rl.durable import fsync_path
+from mixrl.rl.durable import fsync_path, sync_file
 from mixrl.rl.weight_deltas import DeltaError, apply_delta, encode_delta, tensors_sha256
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,7 @@ class LocalStorage:
             return False
         with os.fdopen(fd, "w") as f:
             f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            sync_file(f)
         return True
 
     def write_flag(self, name: str, text: str) -> None:
@@ -265,8 +264,7 @@ def _write_json(path: Path, payload: Any) -> None:
     with path.open("w") as f:
         json.dump(payload, f, indent=2, sort_keys=True)
         f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+        sync_file(f)
 
 
 def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
@@ -806,8 +804,7 @@ class WeightStore:
         path = directory / DELTA_FILE
         with path.open("wb") as f:
             f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
+            sync_file(f)
         log.info(
             "v%d as a delta on v%d: %d tensors changed, %d unchanged, %d whole, %d removed; "
             "%d bytes, %.1f%% of a full copy",

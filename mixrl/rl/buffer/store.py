@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, StepError, TrajectoryMeta
-from mixrl.rl.durable import fsync_path
+from mixrl.rl.durable import fsync_path, sync_file
 
 log = logging.getLogger("mixrl.buffer")
 
@@ -138,14 +138,12 @@ def _quarantine(path: Path, offset: int, tail: bytes) -> None:
     side = path.with_name(path.name + DAMAGED_SUFFIX)
     with side.open("ab") as f:
         f.write(tail + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+        sync_file(f)
     fsync_path(path.parent)
     # Only now cut it: a crash in between leaves the line in both places, never in neither.
     with path.open("r+b") as f:
         f.truncate(offset)
-        f.flush()
-        os.fsync(f.fileno())
+        sync_file(f)
     log.warning(
         "%s: its last line (%d bytes, no newline) is not a complete record, as a crash mid-write "
         "leaves it; moved it to %s",
@@ -173,8 +171,7 @@ def _read_lines(path: Path, complete: Callable[[bytes], bool]) -> Iterator[tuple
             log.warning("%s: its last line lacked its newline but is a complete record; kept it", path)
             with path.open("ab") as f:
                 f.write(b"\n")
-                f.flush()
-                os.fsync(f.fileno())
+                sync_file(f)
             data += b"\n"
         else:
             _quarantine(path, end, tail)
@@ -476,8 +473,7 @@ class TrajectoryBuffer:
         """Append lines durably; returns each line's (offset, length) in the file."""
         offset = f.tell()
         f.write(b"".join(line + b"\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())
+        sync_file(f)
         places = []
         for line in lines:
             places.append((offset, len(line)))
