@@ -371,8 +371,14 @@ def stop_addon(handle: Cluster, state: ClusterState, name: str) -> bool:
     if hooks.exists():
         with contextlib.suppress(ClusterError):
             handle.kubectl(state, "delete", "--ignore-not-found", "-f", str(hooks))
-    stopped = bool(_stop(state, [name]))
-    state.pids.pop(name, None)
+    return _stop_and_forget(handle, state, [name])
+
+
+def _stop_and_forget(handle: Cluster, state: ClusterState, names: list[str]) -> bool:
+    """Stop the named processes and drop them from the bed's state; True if any was running."""
+    stopped = bool(_stop(state, names))
+    for name in names:
+        state.pids.pop(name, None)
     handle._save(state)
     return stopped
 
@@ -580,11 +586,7 @@ def stop_keda(handle: Cluster, state: ClusterState) -> bool:
     leave discovery of its group failing); its CRDs and objects stay.  True if it was running."""
     with contextlib.suppress(ClusterError):
         handle.kubectl(state, "delete", "--ignore-not-found", f"apiservice/{EXTERNAL_METRICS_API}")
-    stopped = bool(_stop(state, list(KEDA_PROCESSES)))
-    for name in KEDA_PROCESSES:
-        state.pids.pop(name, None)
-    handle._save(state)
-    return stopped
+    return _stop_and_forget(handle, state, list(KEDA_PROCESSES))
 
 
 # ----------------------------------------------------------------------------- Kueue's queues
