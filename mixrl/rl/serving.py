@@ -74,6 +74,24 @@ def write_port_file(port_file: Path, port: int) -> None:
     partial.replace(port_file)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What stops a component: SIGTERM (Kubernetes, the local runner), SIGINT (Ctrl-C)."""
+
+
+def stop_on_signals(event: asyncio.Event) -> Callable[[], None]:
+    """Make :data:`STOP_SIGNALS` set ``event`` on the running loop from now on; returns a function
+    that removes the two handlers again (left in place, they go with the loop)."""
+    loop = asyncio.get_running_loop()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, event.set)
+
+    def remove() -> None:
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+
+    return remove
+
+
 async def serve_app(
     app: web.Application,
     host: str,
@@ -111,9 +129,7 @@ async def serve_app(
         if on_listening is not None:
             on_listening(bound)
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop_on_signals(stop)
         await stop.wait()
     finally:
         log.info("shutting down")

@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from mixrl.api.loader import RunConfigError, load_resolved
 from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args
 from mixrl.rl.engine.client import EngineClient, EngineError
+from mixrl.rl.serving import stop_on_signals
 from mixrl.rl.weights import DELTA, WeightStore, WeightStoreError
 
 log = logging.getLogger("mixrl.engine_sync")
@@ -340,9 +340,7 @@ async def run_sidecar(args: argparse.Namespace) -> int:
     except AuthConfigError as exc:
         raise SyncError(str(exc)) from None
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop_on_signals(stop)
     async with EngineClient(args.engine_url, timeout_s=600.0, auth_token=auth_token) as engine:
         await follow(store, pool, args.output, engine, args.poll, stop)
     return 0

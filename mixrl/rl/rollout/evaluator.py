@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import functools
 import logging
-import signal
 import sys
 import time
 import uuid
@@ -43,6 +42,7 @@ from mixrl.rl.environments.registry import offered_tools
 from mixrl.rl.rollout.agent import evaluate, run_episode
 from mixrl.rl.rollout.router_client import RouterClient
 from mixrl.rl.rollout.worker import EPISODE_FAILURES, Loaded, start
+from mixrl.rl.serving import stop_on_signals
 from mixrl.rl.weights import WeightStore
 
 log = logging.getLogger("mixrl.evaluate")
@@ -195,9 +195,7 @@ async def serve(args: argparse.Namespace, loaded: Loaded) -> int:
         flush=True,
     )
     stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+    remove_signal_handlers = stop_on_signals(stopping)
     try:
         await engine.wait_healthy(timeout_s=300)
         job = asyncio.create_task(evaluator.run_all())
@@ -208,8 +206,7 @@ async def serve(args: argparse.Namespace, loaded: Loaded) -> int:
             return 0
         return 1 if job.result() else 0
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        remove_signal_handlers()
         for client in (engine, sampler, buffer):
             await client.close()
 

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import random
-import signal
 import sys
 import time
 import uuid
@@ -61,6 +60,7 @@ from mixrl.rl.rollout.stats import RolloutStats
 from mixrl.rl.sandbox.backend import use_sandbox
 from mixrl.rl.sandbox.kubernetes import KubePodClient, KubernetesSandbox, SandboxPods
 from mixrl.rl.sandbox.runner import SandboxUnavailable
+from mixrl.rl.serving import stop_on_signals
 
 log = logging.getLogger("mixrl.rollout")
 
@@ -623,9 +623,7 @@ async def serve(
     stopping = asyncio.Event()
     if sandbox_pods is not None:  # deletes an earlier incarnation's pods, starts filling the pool
         await sandbox_pods.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+    remove_signal_handlers = stop_on_signals(stopping)
     stats = RolloutStats(settings.run)
     metrics = await stats.serve_metrics(args.metrics_port) if args.metrics_port else None
     router = RouterClient(args.router, settings.sampling, tokenizer.stop_token_ids, auth_token=auth_token)
@@ -649,8 +647,7 @@ async def serve(
     try:
         await worker.run(stopping)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+        remove_signal_handlers()
         await router.close()
         await buffer.close()
         if metrics is not None:

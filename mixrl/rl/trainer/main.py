@@ -41,7 +41,6 @@ import dataclasses
 import functools
 import json
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -60,6 +59,7 @@ from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer
 from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.buffer.client import Batch
 from mixrl.rl.health.routing import mismatch_report
+from mixrl.rl.serving import stop_on_signals
 from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
@@ -525,9 +525,7 @@ def main(argv: list[str]) -> int:
         return 1
 
     async def _main() -> None:
-        event_loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            event_loop.add_signal_handler(sig, loop.stopping.set)
+        stop_on_signals(loop.stopping)
         train = asyncio.create_task(loop.train())
         stop = asyncio.create_task(loop.stopping.wait())
         await asyncio.wait({train, stop}, return_when=asyncio.FIRST_COMPLETED)
