@@ -10,7 +10,8 @@ from mixrl.rl.auth import AuthToken, bearer_headers
 
 
 class SessionClient:
-    """Uses the caller's ``aiohttp.ClientSession``, or opens its own on first use and closes it.
+    """A client of the server at ``base_url`` (kept without a trailing ``/``, so a path joins it).
+    Uses the caller's ``aiohttp.ClientSession``, or opens its own on first use and closes it.
 
     ``async with Client(url) as client: ...`` closes an owned session on the way out; a session the
     caller passed in stays open (the caller closes it).  Subclasses override ``_new_session`` to set
@@ -23,8 +24,12 @@ class SessionClient:
     """
 
     def __init__(
-        self, session: aiohttp.ClientSession | None = None, auth_token: AuthToken | None = None
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession | None = None,
+        auth_token: AuthToken | None = None,
     ) -> None:
+        self.base_url = base_url.rstrip("/")
         self._session = session
         self._owns_session = session is None
         self.headers: dict[str, str] = bearer_headers(auth_token)

@@ -87,8 +87,7 @@ class BufferClient(SessionClient):
         backoff_s: float = 0.2,
         auth_token: AuthToken | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        super().__init__(session, auth_token)
+        super().__init__(base_url, session, auth_token)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s

@@ -59,8 +59,7 @@ class EngineClient(SessionClient):
         backoff_s: float = 0.2,
         auth_token: AuthToken | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        super().__init__(session, auth_token)
+        super().__init__(base_url, session, auth_token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.retries = retries
         self.backoff_s = backoff_s

@@ -96,8 +96,7 @@ class RouterClient(SessionClient):
         version_wait_s: float = 600.0,
         max_version_backoff_s: float = 4.0,
     ) -> None:
-        super().__init__(auth_token=auth_token)
-        self.base_url = base_url.rstrip("/")
+        super().__init__(base_url, auth_token=auth_token)
         self.sampling = sampling
         self.stop_token_ids = list(stop_token_ids)
         self.default_pool = default_pool or PoolInfo()
