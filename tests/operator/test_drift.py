@@ -332,20 +332,46 @@ async def test_a_reconcile_an_event_asks_for_reads_the_children_the_watches_show
         assert runtime.client.calls[("get", "configmaps")] == reads, "the ConfigMap was not read again"
 
 
+async def test_a_new_runs_children_are_created_without_reading_them_first(
+    api: ApiServer, operator: Any
+) -> None:
+    # Created while the watches ran: a child they never showed does not exist, so the run's and
+    # its pools' first reconciles apply it straight away; only kinds created by POST are read
+    # first (the run's token Secret, the claims, the SamplerPools, whose replicas are set once).
+    async with operator() as runtime:
+        # After kopf listed the runs (those of its first listing may predate it) and watches them.
+        await eventually(
+            lambda: any(r.url.path.endswith("/rlruns") and "watch" in r.params for r in list(api)),
+            what="the operator's watch of runs",
+        )
+        await ready_run(api)
+        reads = {plural: runtime.client.calls[("get", plural)] for plural in ("deployments", "services")}
+        assert reads == {"deployments": 0, "services": 0}, reads
+        # The run itself is read from the API server once, to make sure it still exists before
+        # its children are created (a reconcile's owner check), not by every reconcile.
+        assert runtime.client.calls[("get", "rlruns")] == 1
+    # A restarted operator did not see them created: it reads each before comparing.
+    async with operator() as runtime:
+        await eventually(lambda: runtime.client.calls[("get", "deployments")] >= 1, what="the resumed reads")
+        await settled(api)
+        assert runtime.client.writes() == Counter(), runtime.client.writes()
+
+
 async def test_a_run_is_reconciled_for_a_change_of_itself_not_for_a_write_of_its_status(
     api: ApiServer, operator: Any
 ) -> None:
     async with operator() as runtime:
         await ready_run(api)
         await settled(api)
-        reads = runtime.client.calls[("get", "rlruns")]
+        key = f"RLRun/{NAMESPACE}/demo"
+        reconciled = runtime.reconciled[key]
         # A status write (as the live status loop's figures): no reconcile of the run.
         await patch(api, run_path("demo"), {"status": {"step": 7}}, subresource="status")
         await settled(api, quiet=1.0)  # with a 0.1 s debounce, a reconcile would show within this
-        assert runtime.client.calls[("get", "rlruns")] == reads, "the run was not read again"
+        assert runtime.reconciled[key] == reconciled, "the run was not reconciled again"
         # A change of its labels (or spec, or annotations) is reconciled at once.
         await patch(api, run_path("demo"), {"metadata": {"labels": {"team": "rl"}}})
-        await eventually(lambda: runtime.client.calls[("get", "rlruns")] > reads, what="the run's reconcile")
+        await eventually(lambda: runtime.reconciled[key] > reconciled, what="the run's reconcile")
         await settled(api)
     # Nothing but status is written on the run or its pools by the operator or kopf (no create or
     # update handlers: no bookkeeping annotations; the pools were created with their specs).

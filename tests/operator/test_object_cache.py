@@ -70,3 +70,15 @@ def test_the_deletions_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -
     cache.store(DEPLOYMENTS, obj("d0", "5"))  # its deletion is forgotten: an answer can bring it back
     cache.store(DEPLOYMENTS, obj("d4", "5"))  # remembered: refused
     assert cache.get(DEPLOYMENTS, "n", "d0") is not None and cache.get(DEPLOYMENTS, "n", "d4") is None
+
+
+def test_a_list_gives_the_known_objects_of_one_namespace_carrying_the_labels() -> None:
+    cache = ObjectCache({SAMPLERPOOLS: {}})
+    run_a = {"mixrl.dev/run": "a"}
+    cache.store(SAMPLERPOOLS, obj("a-1", "5", labels=run_a))
+    cache.store(SAMPLERPOOLS, obj("b-1", "5", labels={"mixrl.dev/run": "b"}))
+    elsewhere = obj("a-2", "5", labels=run_a)
+    elsewhere["metadata"]["namespace"] = "other"
+    cache.store(SAMPLERPOOLS, elsewhere)
+    assert [o["metadata"]["name"] for o in cache.list(SAMPLERPOOLS, "n", run_a)] == ["a-1"]
+    assert cache.list(DEPLOYMENTS, "n", {}) == []

@@ -133,24 +133,21 @@ async def test_applying_a_run_creates_exactly_the_expected_children(api: ApiServ
 
 async def test_a_second_reconcile_without_spec_change_writes_nothing(api: ApiServer, operator: Any) -> None:
     manifest = small_run()
-    async with operator():
+    async with operator() as runtime:
         await create_converged(api, manifest)
         await play_workload_controllers(api)
         await eventually(lambda: conditions(api.live(RLRUNS, NAMESPACE, "demo"))["Ready"]["status"] == "True")
         before = await settled(api)
         # A child changes in a way that is not ours to correct: both owners reconcile again (each
-        # reads its owner afresh, then its children as the watches showed them).
+        # reads itself and its children as the watches showed them).
+        owners = (f"RLRun/{NAMESPACE}/demo", f"SamplerPool/{NAMESPACE}/demo-b200")
+        reconciled = [runtime.reconciled[key] for key in owners]
         await patch(api, f"{DEPLOY_PATH}/demo-router", {"metadata": {"annotations": {"team": "rl"}}})
         await patch(api, f"{DEPLOY_PATH}/demo-b200", {"metadata": {"annotations": {"team": "rl"}}})
-        run = f"/apis/mixrl.dev/v1alpha1/namespaces/{NAMESPACE}/rlruns/demo"
-        pool = f"/apis/mixrl.dev/v1alpha1/namespaces/{NAMESPACE}/samplerpools/demo-b200"
-
-        def reads() -> set[str]:
-            return {
-                r.url.path for r in list(api)[before:] if r.method.value == "GET" and "watch" not in r.params
-            }
-
-        await eventually(lambda: {run, pool} <= reads(), what="both owners' reconciles")
+        await eventually(
+            lambda: all(runtime.reconciled[key] > n for key, n in zip(owners, reconciled, strict=True)),
+            what="both owners' reconciles",
+        )
         after_events = await settled(api)
         assert operator_writes(api, before + 2) == []
     # A restarted operator resumes every object: it reads them all and writes nothing.

@@ -33,7 +33,7 @@ from typing import Any
 from mixrl.api.kube_types import Obj
 from mixrl.operator.builders.objects import HASH_ANNOTATION
 from mixrl.operator.kube.client import ApiError, KubeClient
-from mixrl.operator.kube.rbac import PVCS, SAMPLERPOOLS, SECRETS, resource_of
+from mixrl.operator.kube.rbac import PVCS, SAMPLERPOOLS, SECRETS, ApiResource, resource_of
 
 log = logging.getLogger("mixrl.operator")
 
@@ -391,6 +391,7 @@ async def apply_object(
     on_update: Callable[[Obj], Obj] | None = None,
     size_source: str = "spec.resources.requests.storage",
     cached: bool = False,
+    unseen_absent: bool = False,
 ) -> Applied | None:
     """Make one child match ``desired``; record a failure in ``report`` instead of raising it.
 
@@ -400,12 +401,15 @@ async def apply_object(
     fields for the same update (a SamplerPool's replicas brought within new bounds), so an update
     stays one write; ``size_source`` names the spec field a claim's size comes from, for the message
     that refuses to shrink it; ``cached``: compare with the object as the watches last showed it,
-    when they did (:meth:`KubeClient.get`).  Returns the object as last seen (None when it is not
-    known)."""
+    when they did (:meth:`KubeClient.get`); ``unseen_absent``: with ``cached``, one they never
+    showed does not exist (:func:`absent_as_watched`).  Returns the object as last seen (None when
+    it is not known)."""
     resource = resource_of(desired)
     namespace, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
     live: Obj | None = None
     try:
+        if cached and unseen_absent and absent_as_watched(client, resource, namespace, name, seed):
+            return await create(client, desired, report, seed, before_create)
         live = await client.get(resource, namespace, name, cached=cached)
         return await converge(client, desired, live, report, seed, before_create, on_update, size_source)
     except StillTerminating as exc:
@@ -413,6 +417,22 @@ async def apply_object(
     except ApiError as exc:
         report.failures.append(Failure(label(desired), str(exc), True, exc.status, exc.retry_after))
     return Applied(live, live) if live is not None else None
+
+
+def absent_as_watched(
+    client: KubeClient, resource: ApiResource, namespace: str, name: str, seed: Obj | None
+) -> bool:
+    """Whether a child may be created without reading it first: the watches, which show every
+    object of its kind carrying the operator's label, never showed it, and its creation is a
+    server-side apply, which updates it instead if it exists after all (a kind created by POST,
+    or with fields set only on creation, is read first).  Saves a GET per child a new run's
+    reconciles create."""
+    return (
+        seed is None
+        and resource not in CREATED_BY_POST
+        and client.cache.keeps(resource)
+        and client.cache.get(resource, namespace, name) is None
+    )
 
 
 @dataclass(frozen=True)
@@ -440,6 +460,7 @@ async def apply_objects(
     first: Callable[[Obj], bool] = lambda _: False,
     concurrency: int = APPLY_CONCURRENCY,
     cached: bool = False,
+    unseen_absent: bool = False,
 ) -> dict[str, Applied]:
     """:func:`apply_object` for each child, up to ``concurrency`` at once, those ``first`` picks
     started before the others; ``report`` gets their records in the order of ``children`` whatever
@@ -457,7 +478,7 @@ async def apply_objects(
             try:
                 return await apply_object(
                     client, children[index].desired, reports[index], children[index].seed,
-                    before_create, children[index].on_update, size_source, cached,
+                    before_create, children[index].on_update, size_source, cached, unseen_absent,
                 )  # fmt: skip
             except OwnerGone as exc:
                 gone.append(exc)

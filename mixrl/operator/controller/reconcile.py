@@ -106,6 +106,11 @@ class Context:
     """Read the children (and a pool's run) as the watches last showed them
     (:mod:`mixrl.operator.kube.cache`) instead of from the API server: for reconciles an event
     asked for, not for the resync."""
+    unseen_children_absent: bool = False
+    """With ``cached_reads``: a child the watches never showed does not exist, so it is created
+    without a read first (:func:`mixrl.operator.controller.apply.absent_as_watched`) — for an
+    object created while the operator's watches ran, whose children the watches saw from the
+    start (or the operator made itself)."""
 
 
 @dataclass
@@ -277,10 +282,11 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
             "weights.volumeSize",
             first=is_sampler_pool,
             cached=ctx.cached_reads,
+            unseen_absent=ctx.unseen_children_absent,
         )
     except OwnerGone:
         return Outcome(report=report)
-    removed = await remove_stale_pools(ctx.client, resolved, meta["uid"], report)
+    removed = await remove_stale_pools(ctx.client, resolved, meta["uid"], report, ctx.cached_reads)
     if options.monitoring is Monitoring.ANNOTATIONS:
         await remove_leftover_pod_monitor(ctx, resolved, owner, options, report)
     if options.images.network_policies is None:
@@ -487,11 +493,13 @@ def within_bounds(pool: ResolvedPool) -> Callable[[Obj], Obj]:
 
 
 async def remove_stale_pools(
-    client: KubeClient, resolved: ResolvedRun, uid: str, report: ApplyReport
+    client: KubeClient, resolved: ResolvedRun, uid: str, report: ApplyReport, cached: bool = False
 ) -> list[str]:
-    """Delete SamplerPools this run owns but no longer declares (their Deployments follow by GC)."""
+    """Delete SamplerPools this run owns but no longer declares (their Deployments follow by GC);
+    ``cached``: those the watches showed (one they have not shown yet goes on its own event)."""
     wanted = {pool.object_name for pool in resolved.pools}
-    found = await client.list(SAMPLERPOOLS, resolved.namespace, L.selector_labels(resolved.name, "sampler"))
+    selector = L.selector_labels(resolved.name, "sampler")
+    found = await client.list(SAMPLERPOOLS, resolved.namespace, selector, cached=cached)
     removed = []
     for pool in found:
         meta = pool["metadata"]
@@ -612,7 +620,12 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         children = [c for c in children if c is not workload]
     try:
         applied = await apply_objects(
-            ctx.client, [Child(desired) for desired in children], report, alive, cached=ctx.cached_reads
+            ctx.client,
+            [Child(desired) for desired in children],
+            report,
+            alive,
+            cached=ctx.cached_reads,
+            unseen_absent=ctx.unseen_children_absent,
         )
     except OwnerGone:
         return Outcome(report=report)

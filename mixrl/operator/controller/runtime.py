@@ -14,6 +14,7 @@ import contextlib
 import logging
 import random
 import weakref
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -136,12 +137,18 @@ class Runtime:
         self.known: dict[str, tuple[str, str, str]] = {}
         """lock key -> (kind, namespace, name) of every RLRun and SamplerPool kopf's watches have
         shown (an index the resync walks: it costs no API call of its own)."""
+        self._created_while_watched: set[str] = set()
+        """lock keys of the RLRuns and SamplerPools whose creation a watch event announced (not
+        kopf's first listing): their children were all made while the watches ran, so one the
+        watches never showed does not exist (``Context.unseen_children_absent``)."""
         self._acted_on: dict[str, tuple[Any, ...]] = {}
         """lock key -> what a reconcile of that RLRun or SamplerPool acts on, as its last event
         showed it (:meth:`observe`)."""
         self._warned: dict[str, tuple[Any, ...]] = {}
         """lock key -> the (generation, reason, message) of the last InvalidSpec or PolicyViolation
         Warning posted for that object: a resync that finds the same refusal says nothing new."""
+        self.reconciled: Counter[str] = Counter()
+        """lock key -> reconciles run (for logs and tests)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._slots: asyncio.Semaphore | None = None
         self._resync: asyncio.Task[None] | None = None
@@ -173,23 +180,27 @@ class Runtime:
         status = peering.get("status") or {}
         return not paused_by_peers(status, settings.priority, datetime.now(UTC))
 
-    def context(self, cached_reads: bool = False) -> Context:
+    def context(self, cached_reads: bool = False, unseen_children_absent: bool = False) -> Context:
         return Context(
             client=self.client,
             discovery=self.discovery,
             policy=self.config.policy,
             default_queue=self.config.default_queue,
             cached_reads=cached_reads,
+            unseen_children_absent=cached_reads and unseen_children_absent,
         )
 
     async def reconcile(self, body: Obj, cached_reads: bool = False) -> Outcome:
         """Reconcile one RLRun or SamplerPool (the caller holds its lock) and post the events its
         outcome names; :class:`ApplyFailed` when some children failed in a way a retry can fix (the
         status already says which): the caller retries the whole reconcile with backoff."""
+        key = lock_key(body)
+        self.reconciled[key] += 1
+        ctx = self.context(cached_reads, key in self._created_while_watched)
         if body.get("kind") == "RLRun":
-            outcome = await reconcile_run(self.context(cached_reads), body)
+            outcome = await reconcile_run(ctx, body)
         else:
-            outcome = await reconcile_pool(self.context(cached_reads), body)
+            outcome = await reconcile_pool(ctx, body)
         for kind, reason, message in outcome.events:
             self.post_event(body, kind, reason, message)
         self._warn_once(body, outcome)
@@ -222,17 +233,21 @@ class Runtime:
             else:
                 self.client.cache.store(resource, body)
 
-    def observe(self, body: Obj, deleted: bool) -> bool:
-        """A watch event of an RLRun or a SamplerPool: indexed for the resync, and kept.  Returns
-        whether what the object's own reconcile acts on changed since its last event — its spec
-        (the generation), labels or annotations; not its status, which its reconciles write."""
+    def observe(self, body: Obj, deleted: bool, created: bool = False) -> bool:
+        """A watch event of an RLRun or a SamplerPool (``created``: an ADDED event of a running
+        watch, not kopf's first listing): indexed for the resync, and kept.  Returns whether what
+        the object's own reconcile acts on changed since its last event — its spec (the
+        generation), labels or annotations; not its status, which its reconciles write."""
         self.seen(body, deleted)
         key = lock_key(body)
         if deleted:
             self.known.pop(key, None)
             self._acted_on.pop(key, None)
             self._warned.pop(key, None)
+            self._created_while_watched.discard(key)
             return False
+        if created:
+            self._created_while_watched.add(key)
         meta = body["metadata"]
         self.known[key] = (body["kind"], meta["namespace"], meta["name"])
         acted_on = (meta.get("uid"), meta.get("generation"), meta.get("labels"), meta.get("annotations"))
@@ -338,14 +353,18 @@ def lock_key(body: Obj) -> str:
     return f"{body.get('kind')}/{meta['namespace']}/{meta['name']}"
 
 
-async def read_fresh(rt: Runtime, body: Obj) -> Obj | None:
-    """The object as the API server has it now, or None when it is gone (or was replaced).
+async def read_fresh(rt: Runtime, body: Obj, cached: bool = False) -> Obj | None:
+    """The object as the API server has it now, or None when it is gone (or was replaced);
+    ``cached``: the newest the operator knows of it (its last watch event or the answer to its
+    own last write, whichever is newer: :mod:`mixrl.operator.kube.cache`), for the reconciles
+    events ask for — the event that announces a newer one asks for another.
 
-    kopf hands a handler the body of the event it is processing, which can be older than the
-    object (a pool scaled twice in a row); acting on it would write stale replicas back."""
+    Never the body of the event that asked: kopf hands a handler the event it is processing,
+    which can be older than the object (a pool scaled twice in a row); acting on it would write
+    stale replicas back."""
     meta = body["metadata"]
     resource = RLRUNS if body.get("kind") == "RLRun" else SAMPLERPOOLS
-    fresh = await rt.client.get(resource, meta["namespace"], meta["name"])
+    fresh = await rt.client.get(resource, meta["namespace"], meta["name"], cached=cached)
     if fresh is None or ("uid" in meta and fresh["metadata"].get("uid") != meta["uid"]):
         return None
     return fresh
@@ -382,7 +401,7 @@ async def coalesced(rt: Runtime, body: Obj, delay: float, limited: bool = True) 
                 rt._fresh.discard(key)
                 fresh: Obj | None = None
                 try:
-                    fresh = await read_fresh(rt, body)
+                    fresh = await read_fresh(rt, body, cached_reads)
                     if fresh is not None:
                         await rt.reconcile(fresh, cached_reads)
                     return

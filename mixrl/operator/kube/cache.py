@@ -65,6 +65,15 @@ class ObjectCache:
             self.hits += 1
         return found
 
+    def list(self, resource: ApiResource, namespace: str, labels: Mapping[str, str]) -> list[Obj]:
+        """The known objects of ``resource`` in ``namespace`` that carry ``labels``."""
+        return [
+            obj
+            for (group, plural, ns, _), obj in self._objects.items()
+            if (group, plural, ns) == (resource.group, resource.plural, namespace)
+            and all((obj["metadata"].get("labels") or {}).get(k) == v for k, v in labels.items())
+        ]
+
     def store(self, resource: ApiResource, obj: Obj) -> None:
         """Keep ``obj`` (an answer or an event) unless an entry as new or newer is kept already, or
         it is not an object the watches would tell about."""

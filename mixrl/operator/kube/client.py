@@ -265,7 +265,13 @@ class KubeClient:
         found = await self.request("list", "GET", resource, params=params)
         return [item for item in (found or {}).get("items", [])]
 
-    async def list(self, resource: ApiResource, namespace: str, label_selector: dict[str, str]) -> list[Obj]:
+    async def list(
+        self, resource: ApiResource, namespace: str, label_selector: dict[str, str], cached: bool = False
+    ) -> list[Obj]:
+        """The objects of ``resource`` in ``namespace`` carrying ``label_selector``; ``cached``: those
+        the watches last showed, where the kind is watched (:mod:`mixrl.operator.kube.cache`)."""
+        if cached and self.cache.keeps(resource):
+            return self.cache.list(resource, namespace, label_selector)
         selector = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
         found = await self.request(
             "list", "GET", resource, namespace=namespace, params={"labelSelector": selector}

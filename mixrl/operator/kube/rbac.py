@@ -84,7 +84,8 @@ CHILD_RESOURCES = (
 # So are the rollout workers' ServiceAccount, Role and RoleBinding of a run with sandbox pods
 # (mixrl.operator.builders.sandbox): rarely changed, recreated by the resync like the Secret.
 BY_KIND: dict[tuple[str, str], ApiResource] = {
-    (r.api_version, r.kind): r for r in (*CHILD_RESOURCES, SECRETS, SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
+    (r.api_version, r.kind): r
+    for r in (RLRUNS, *CHILD_RESOURCES, SECRETS, SERVICEACCOUNTS, ROLES, ROLEBINDINGS)
 }
 
 
