@@ -236,7 +236,7 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         # operator's start (kopf's first listing, type None) reconciles everything from the API
         # server, in the queue.  Its own status writes do not count as a change.
         obj = plain(body)
-        if rt.observe(obj, deleted=type == "DELETED", created=type == "ADDED"):
+        if rt.observe(obj, deleted=type == "DELETED", listed=type is None):
             meta = obj["metadata"]
             start = type is None
             rt.request(

@@ -137,10 +137,14 @@ class Runtime:
         self.known: dict[str, tuple[str, str, str]] = {}
         """lock key -> (kind, namespace, name) of every RLRun and SamplerPool kopf's watches have
         shown (an index the resync walks: it costs no API call of its own)."""
+        self.started = datetime.now(UTC).replace(microsecond=0)
         self._created_while_watched: set[str] = set()
-        """lock keys of the RLRuns and SamplerPools whose creation a watch event announced (not
-        kopf's first listing): their children were all made while the watches ran, so one the
-        watches never showed does not exist (``Context.unseen_children_absent``)."""
+        """lock keys of the RLRuns and SamplerPools created while this operator's watches ran:
+        first shown by a running watch (not kopf's first listing) and created after the operator
+        started.  Their children were all made while the watches ran, so one the watches never
+        showed does not exist (``Context.unseen_children_absent``).  Not "an ADDED event": kopf
+        hands a handler only the last of the events that arrive together, so a busy operator sees
+        a new pool's creation and its first status write as one MODIFIED event."""
         self._acted_on: dict[str, tuple[Any, ...]] = {}
         """lock key -> what a reconcile of that RLRun or SamplerPool acts on, as its last event
         showed it (:meth:`observe`)."""
@@ -233,11 +237,11 @@ class Runtime:
             else:
                 self.client.cache.store(resource, body)
 
-    def observe(self, body: Obj, deleted: bool, created: bool = False) -> bool:
-        """A watch event of an RLRun or a SamplerPool (``created``: an ADDED event of a running
-        watch, not kopf's first listing): indexed for the resync, and kept.  Returns whether what
-        the object's own reconcile acts on changed since its last event — its spec (the
-        generation), labels or annotations; not its status, which its reconciles write."""
+    def observe(self, body: Obj, deleted: bool, listed: bool = False) -> bool:
+        """A watch event of an RLRun or a SamplerPool (``listed``: from kopf's first listing):
+        indexed for the resync, and kept.  Returns whether what the object's own reconcile acts on
+        changed since its last event — its spec (the generation), labels or annotations; not its
+        status, which its reconciles write."""
         self.seen(body, deleted)
         key = lock_key(body)
         if deleted:
@@ -246,9 +250,9 @@ class Runtime:
             self._warned.pop(key, None)
             self._created_while_watched.discard(key)
             return False
-        if created:
-            self._created_while_watched.add(key)
         meta = body["metadata"]
+        if key not in self.known and not listed and created_after(meta, self.started):
+            self._created_while_watched.add(key)
         self.known[key] = (body["kind"], meta["namespace"], meta["name"])
         acted_on = (meta.get("uid"), meta.get("generation"), meta.get("labels"), meta.get("annotations"))
         if self._acted_on.get(key) == acted_on:
@@ -346,6 +350,18 @@ async def report_failure(rt: Runtime, body: Obj, error: Exception) -> None:
     patch = {"status": {"conditions": merge_conditions(conditions, [failed])}}
     with contextlib.suppress(ApiError):
         await rt.client.merge_patch(RLRUNS, meta["namespace"], meta["name"], patch, subresource="status")
+
+
+def created_after(meta: Obj, moment: datetime) -> bool:
+    """Whether the object's ``creationTimestamp`` (whole seconds, the API server's clock) is not
+    before ``moment`` (whole seconds); not when it has none."""
+    stamp = meta.get("creationTimestamp")
+    if not isinstance(stamp, str):
+        return False
+    try:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")) >= moment
+    except ValueError:
+        return False
 
 
 def lock_key(body: Obj) -> str:
