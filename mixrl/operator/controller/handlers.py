@@ -87,6 +87,21 @@ def post_event(obj: Obj, kind: str, reason: str, message: str) -> None:
     kopf.event(cast(kopf.Body, obj), type=kind, reason=reason, message=message)
 
 
+class NoDiffBase(kopf.DiffBaseStorage):
+    """The operator registers no create or update handler, so kopf has nothing to diff; its default
+    storage still deep-copies every event's body into an "essence" to diff (about 8 % of the
+    operator's CPU while 20 runs start: bench/cluster_scale.py under py-spy)."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        return kopf.BodyEssence()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        return None
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        return None
+
+
 def watched_children(config: OperatorConfig) -> dict[str, tuple[ApiResource, ...]]:
     """API group -> the kinds of child watched in it: every kind the operator creates except
     SamplerPools (watched for their own handlers); events of any of them reconcile the owner.
@@ -177,6 +192,7 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
         rt.peering = settings.peering
         settings.scanning.disabled = True  # the chart installs the CRDs: no need to list CRDs or namespaces
         settings.persistence.finalizer = f"{GROUP}/finalizer"  # never added: no handler needs one
+        settings.persistence.diffbase_storage = NoDiffBase()
         settings.posting.reporting_component = L.MANAGER
         settings.posting.level = logging.WARNING  # our events are explicit; logs stay logs
         # Children are watched through a server-side label selector (a (group, plural) key: kopf
