@@ -333,7 +333,21 @@ def main(argv: list[str]) -> int:
                 [sys.executable, "-m", "mixrl.cli", "operator", *chart_args, f"--resync-seconds={args.resync_seconds}"],
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(work / "operator.kubeconfig")},
             )  # fmt: skip
-        time.sleep(5)  # kopf's start-up (peering, watches) before the burst
+        # The burst comes once the operator watches what it reconciles (its first listings done), as
+        # on a cluster whose operator was up before the runs came; a fixed 5 s was too short at
+        # full scale, so the runs came in kopf's first listing, read as possibly older objects.
+        watched = {"rlruns", "samplerpools", "deployments", "services"}
+        started = time.monotonic()
+        while not watched <= {
+            e.get("objectRef", {}).get("resource") for e in audit() if e.get("verb") == "watch"
+        }:
+            if time.monotonic() - started > 120:
+                sys.exit(
+                    "cluster_scale: the operator did not watch its kinds within 120 s (see operator.log)"
+                )
+            time.sleep(0.5)
+        print(f"cluster_scale: the operator watches after {time.monotonic() - started:.1f} s", flush=True)
+        time.sleep(1)
         baseline = len(audit())
         cpu_before = cpu_seconds(operator.pid)
         t0, t0_wall = time.monotonic(), time.time()
