@@ -357,6 +357,24 @@ async def test_a_new_runs_children_are_created_without_reading_them_first(
         assert runtime.client.writes() == Counter(), runtime.client.writes()
 
 
+async def test_a_resyncs_reads_do_not_hold_back_the_reconciles_events_ask_for(
+    api: ApiServer, operator: Any
+) -> None:
+    async with operator(reconcile_concurrency=1) as runtime:
+        await ready_run(api)
+        await settled(api)
+        pools = [name for kind, _, name in runtime.known.values() if kind == "SamplerPool"]
+        key = f"SamplerPool/{NAMESPACE}/{pools[0]}"
+        async with runtime.slots(fresh=True):  # a resync's reconcile holds its only slot
+            reconciled = runtime.reconciled[key]
+            runtime.request("SamplerPool", NAMESPACE, pools[0])  # as a child's event does
+            await eventually(lambda: runtime.reconciled[key] > reconciled, what="the event's reconcile")
+            runtime.request("SamplerPool", NAMESPACE, pools[0], fresh=True)  # as the resync does
+            await settled(api, quiet=0.5)
+            assert runtime.reconciled[key] == reconciled + 1, "the resync's waits for its slot"
+        await eventually(lambda: runtime.reconciled[key] == reconciled + 2, what="the resync's reconcile")
+
+
 async def test_a_run_is_reconciled_for_a_change_of_itself_not_for_a_write_of_its_status(
     api: ApiServer, operator: Any
 ) -> None:

@@ -14,6 +14,8 @@ events to post included — and :mod:`mixrl.operator.controller.runtime` posts t
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -157,8 +159,19 @@ class PolicyRefused(Exception):
 
 def resolve_run(body: Obj, policy: Policy = OPEN) -> ResolvedRun:
     """Validate and resolve a live RLRun; raises InvalidSpec with one line per problem, then
-    PolicyRefused when the policy refuses a valid spec (an invalid one is reported as invalid)."""
-    run = parse_document(manifest(body))
+    PolicyRefused when the policy refuses a valid spec (an invalid one is reported as invalid).
+
+    Remembered for the last specs resolved: a run is resolved again by its own reconciles and by
+    each of its pools', whenever a child's status moves, and its spec rarely changes.  What it
+    returns is immutable (frozen models), so every caller may share it."""
+    return resolve_manifest(json.dumps(manifest(body), sort_keys=True), policy)
+
+
+@functools.lru_cache(maxsize=256)
+def resolve_manifest(text: str, policy: Policy) -> ResolvedRun:
+    """:func:`resolve_run` of a run's :func:`manifest`, as canonical JSON (a refusal is not
+    remembered: it is raised again each time)."""
+    run = parse_document(json.loads(text))
     assert isinstance(run, RLRun)
     resolved = resolve(run)  # pool names that would collide with a component's objects are invalid
     if resolved.evaluation_pool is not None:
