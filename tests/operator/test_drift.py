@@ -365,11 +365,11 @@ async def test_a_resyncs_reads_do_not_hold_back_the_reconciles_events_ask_for(
         await settled(api)
         pools = [name for kind, _, name in runtime.known.values() if kind == "SamplerPool"]
         key = f"SamplerPool/{NAMESPACE}/{pools[0]}"
-        async with runtime.slots(fresh=True):  # a resync's reconcile holds its only slot
+        async with runtime.slots(background=True):  # a resync's reconcile holds its only slot
             reconciled = runtime.reconciled[key]
             runtime.request("SamplerPool", NAMESPACE, pools[0])  # as a child's event does
             await eventually(lambda: runtime.reconciled[key] > reconciled, what="the event's reconcile")
-            runtime.request("SamplerPool", NAMESPACE, pools[0], fresh=True)  # as the resync does
+            runtime.request("SamplerPool", NAMESPACE, pools[0], background=True)  # as the resync does
             await settled(api, quiet=0.5)
             assert runtime.reconciled[key] == reconciled + 1, "the resync's waits for its slot"
         await eventually(lambda: runtime.reconciled[key] == reconciled + 2, what="the resync's reconcile")
@@ -402,13 +402,20 @@ async def test_a_resync_of_an_unchanged_cluster_writes_nothing(api: ApiServer, o
         await ready_run(api, resyncing=True)
         start = len(list(api))
         before = write_calls(runtime)
-        reads = runtime.client.calls[("get", "configmaps")]
-        # Several resyncs: each reconciles the run and both pools (reads only). 30 s: a resync is
-        # seconds of kopf's work on a loaded 2-core machine (make test runs another test beside it).
+        lists = runtime.client.calls[("list", "configmaps")]
+        reconciled = dict(runtime.reconciled)
+        # Several resyncs: each lists every watched kind, then reconciles the run and both pools
+        # (reads only). 30 s: a resync is seconds of kopf's work on a loaded 2-core machine (make
+        # test runs another test beside it).
         await eventually(
-            lambda: runtime.client.calls[("get", "configmaps")] >= reads + 3, 30, "three resyncs of the run"
+            lambda: runtime.client.calls[("list", "configmaps")] >= lists + 3, 30, "three resyncs"
         )
-        await eventually(lambda: runtime.client.calls[("get", "deployments")] >= 9, 30, "the pools' resyncs")
+        await eventually(
+            lambda: all(runtime.reconciled[key] >= n + 3 for key, n in reconciled.items()),
+            30,
+            "the run and both pools reconciled by them",
+        )
+        assert len(reconciled) == 3, reconciled
         assert write_calls(runtime) == before, "a resync of an unchanged cluster sends no write"
         assert operator_writes(api, start) == []
 
@@ -420,10 +427,13 @@ async def test_a_restarted_operator_writes_nothing_on_an_unchanged_cluster(
         await ready_run(api)
     start = len(list(api))
     async with operator(resync_interval_s=0.25) as runtime:
-        # kopf resumes every RLRun and SamplerPool (each reconciled), and the resync follows.
-        await eventually(lambda: runtime.client.calls[("get", "configmaps")] >= 2, what="resume and a resync")
+        # kopf resumes every RLRun and SamplerPool (each reconciled from the API server's reads),
+        # and the resync follows (lists, then reconciles from them).
+        await eventually(lambda: runtime.client.calls[("get", "configmaps")] >= 1, what="the resume")
+        await eventually(lambda: runtime.client.calls[("get", "services")] >= 5, what="the pools' resume")
         await eventually(
-            lambda: runtime.client.calls[("get", "services")] >= 2 * 6, what="the pools' reconciles"
+            lambda: runtime.client.calls[("list", "services")] >= 1 and min(runtime.reconciled.values()) >= 2,
+            what="a resync",
         )
         assert runtime.client.writes() == Counter(), runtime.client.writes()
         assert runtime.client.calls[("get", "statefulsets")] >= 3, "it did compare the children"

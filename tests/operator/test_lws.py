@@ -184,7 +184,7 @@ def test_the_builder_refuses_a_one_node_pool() -> None:
 
 def test_the_operator_may_write_and_watch_leader_worker_sets() -> None:
     key = (LEADERWORKERSETS.group, LEADERWORKERSETS.plural)
-    assert RECONCILER[key] == {"get", "create", "patch", "delete"}
+    assert RECONCILER[key] == {"get", "list", "create", "patch", "delete"}  # list: the resync
     assert {"list", "watch"} <= permissions(clusterwide=True)[key]
 
 

@@ -82,3 +82,20 @@ def test_a_list_gives_the_known_objects_of_one_namespace_carrying_the_labels() -
     cache.store(SAMPLERPOOLS, elsewhere)
     assert [o["metadata"]["name"] for o in cache.list(SAMPLERPOOLS, "n", run_a)] == ["a-1"]
     assert cache.list(DEPLOYMENTS, "n", {}) == []
+
+
+def test_a_list_replaces_what_a_kind_showed_in_a_namespace() -> None:
+    cache = ObjectCache({DEPLOYMENTS: MANAGED})
+    cache.store(DEPLOYMENTS, obj("kept", "5"))
+    cache.store(DEPLOYMENTS, obj("gone", "6"))  # deleted while no event came
+    cache.store(DEPLOYMENTS, obj("newer", "12"))  # created after the list was taken
+    elsewhere = obj("other-namespace", "3")
+    elsewhere["metadata"]["namespace"] = "m"
+    cache.store(DEPLOYMENTS, elsewhere)
+    changed = {**obj("kept", "9"), "spec": {"replicas": 3}}  # changed while no event came
+    assert cache.replace(DEPLOYMENTS, "n", [changed], "10") == 1
+    kept = cache.get(DEPLOYMENTS, "n", "kept")
+    assert kept is not None and kept["spec"] == {"replicas": 3} and kept["kind"] == "Deployment"
+    assert cache.get(DEPLOYMENTS, "n", "gone") is None
+    assert cache.get(DEPLOYMENTS, "n", "newer") is not None
+    assert cache.get(DEPLOYMENTS, "m", "other-namespace") is not None

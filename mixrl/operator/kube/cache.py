@@ -42,6 +42,7 @@ class ObjectCache:
 
     def __init__(self, watched: Mapping[ApiResource, Mapping[str, str]] | None = None):
         self._watched: dict[tuple[str, str], dict[str, str]] = {}
+        self._resources: dict[tuple[str, str], ApiResource] = {}
         self._objects: dict[Key, Obj] = {}
         self._deleted: dict[Key, int] = {}
         """The resource version of each watched deletion: an answer sent before it must not bring
@@ -54,6 +55,11 @@ class ObjectCache:
     def watch(self, resources: Iterable[tuple[ApiResource, Mapping[str, str]]]) -> None:
         for resource, labels in resources:
             self._watched[(resource.group, resource.plural)] = dict(labels)
+            self._resources[(resource.group, resource.plural)] = resource
+
+    def watched(self) -> list[tuple[ApiResource, dict[str, str]]]:
+        """Each kept resource with the labels its watch selects on."""
+        return [(self._resources[key], dict(labels)) for key, labels in self._watched.items()]
 
     def keeps(self, resource: ApiResource) -> bool:
         return (resource.group, resource.plural) in self._watched
@@ -99,6 +105,28 @@ class ObjectCache:
         if "managedFields" in meta:  # often half the object, and nothing a reconcile compares
             obj = {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
         self._objects[key] = obj
+
+    def replace(self, resource: ApiResource, namespace: str, items: Iterable[Obj], version: str) -> int:
+        """What a list of ``resource`` in ``namespace`` at resource version ``version`` showed (the
+        items carrying the watch's labels): each is kept as an answer is, and what is known but was
+        not listed, and is not newer than the list, is forgotten (its deletion's event was missed).
+        Returns how many known objects it forgot."""
+        listed = set()
+        for obj in items:
+            # A list's items carry no kind: put it back, as a watch event or a GET has it.
+            self.store(resource, {"apiVersion": resource.api_version, "kind": resource.kind, **obj})
+            listed.add(obj.get("metadata", {}).get("name"))
+        as_of = int(version) if version.isdigit() else None
+        forgotten = 0
+        for key, obj in list(self._objects.items()):
+            if key[:3] != (resource.group, resource.plural, namespace) or key[3] in listed:
+                continue
+            kept_version = _version(obj)
+            if as_of is not None and kept_version is not None and kept_version > as_of:
+                continue  # created after the list was taken
+            del self._objects[key]
+            forgotten += 1
+        return forgotten
 
     def deleted(self, resource: ApiResource, obj: Obj) -> None:
         """A watch said ``obj`` was deleted."""

@@ -135,6 +135,10 @@ def _write(directory: str, name: str, data: bytes | None) -> str | None:
     return path
 
 
+Objs = list[Obj]
+"""(an alias: inside KubeClient, ``list`` names its method)"""
+
+
 class KubeClient:
     """One aiohttp session; ``connection`` is asked for the current credentials on every call."""
 
@@ -272,17 +276,24 @@ class KubeClient:
         the watches last showed, where the kind is watched (:mod:`mixrl.operator.kube.cache`)."""
         if cached and self.cache.keeps(resource):
             return self.cache.list(resource, namespace, label_selector)
+        return (await self.list_as_of(resource, namespace, label_selector))[0]
+
+    async def list_as_of(
+        self, resource: ApiResource, namespace: str, label_selector: dict[str, str]
+    ) -> tuple[Objs, str]:
+        """The objects of ``resource`` in ``namespace`` carrying ``label_selector``, and the
+        resource version the list was taken at."""
         selector = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
-        found = await self.request(
-            "list", "GET", resource, namespace=namespace, params={"labelSelector": selector}
-        )
+        params = {"labelSelector": selector} if selector else {}
+        found = await self.request("list", "GET", resource, namespace=namespace, params=params)
         items: list[Obj] = found.get("items", []) if found else []
+        version = str(((found or {}).get("metadata") or {}).get("resourceVersion") or "")
         # Filter here as well: the selector is an optimization, the labels are the contract.
         return [
             item
             for item in items
             if all(item.get("metadata", {}).get("labels", {}).get(k) == v for k, v in label_selector.items())
-        ]
+        ], version
 
     async def create(self, resource: ApiResource, namespace: str, body: Obj) -> Obj:
         name = body.get("metadata", {}).get("name", "")

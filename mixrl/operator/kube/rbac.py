@@ -107,33 +107,35 @@ POD_MONITOR_CLEANUP = frozenset({"get", "delete"})
 # mixrl.operator.kube.client.
 RECONCILER: dict[Key, frozenset[str]] = {
     # Children, written by server-side apply (create and patch) after a get that compares them.
-    ("", "configmaps"): frozenset({"get", "create", "patch"}),
+    # Every kind the operator watches is also listed by the resync (one list per kind and
+    # namespace refreshes what the watches showed: mixrl.operator.controller.runtime).
+    ("", "configmaps"): frozenset({"get", "list", "create", "patch"}),
     # The run's API token: created once with a random token, never rewritten (get by name only).
     ("", "secrets"): frozenset({"get", "create", "patch"}),
     # Deleted only to be recreated when an immutable field must change (a Service's clusterIP, a
     # Deployment's selector, a StatefulSet's claim templates); see mixrl.operator.controller.apply.
-    ("", "services"): frozenset({"get", "create", "patch", "delete"}),
+    ("", "services"): frozenset({"get", "list", "create", "patch", "delete"}),
     # Created once; afterwards only patched to grow (volume expansion), never shrunk.
-    ("", "persistentvolumeclaims"): frozenset({"get", "create", "patch"}),
-    ("apps", "deployments"): frozenset({"get", "create", "patch", "delete"}),
-    ("apps", "statefulsets"): frozenset({"get", "create", "patch", "delete"}),
+    ("", "persistentvolumeclaims"): frozenset({"get", "list", "create", "patch"}),
+    ("apps", "deployments"): frozenset({"get", "list", "create", "patch", "delete"}),
+    ("apps", "statefulsets"): frozenset({"get", "list", "create", "patch", "delete"}),
     # A pool whose replica spans nodes (mixrl.operator.builders.lws); deleted when the pool's
     # replicas come back to one node (a Deployment again).
-    ("leaderworkerset.x-k8s.io", "leaderworkersets"): frozenset({"get", "create", "patch", "delete"}),
+    ("leaderworkerset.x-k8s.io", "leaderworkersets"): frozenset({"get", "list", "create", "patch", "delete"}),
     # One PodMonitor per run; deleted in annotations mode when an earlier mode left one.
-    ("monitoring.coreos.com", "podmonitors"): POD_MONITOR_WRITES | POD_MONITOR_CLEANUP,
+    ("monitoring.coreos.com", "podmonitors"): POD_MONITOR_WRITES | POD_MONITOR_CLEANUP | {"list"},
     # One NetworkPolicy per component of a run; deleted when the operator runs with
     # --no-network-policies and an earlier operator left them.
-    ("networking.k8s.io", "networkpolicies"): frozenset({"get", "create", "patch", "delete"}),
+    ("networking.k8s.io", "networkpolicies"): frozenset({"get", "list", "create", "patch", "delete"}),
     # A run with a Kueue queue: its Workload (mixrl.operator.builders.kueue); created again when
     # what Kueue counts changes (an admitted Workload's pod sets are immutable), deleted when the
     # run ends or leaves its queue, so its quota frees.  Its pools' extra-replica Workloads (one
     # per replica above the start), listed by the pool's labels, deleted as the pool scales down.
     ("kueue.x-k8s.io", "workloads"): frozenset({"get", "list", "create", "patch", "delete"}),
     # KEDA mode: one ScaledObject per SamplerPool; deleted when the run leaves KEDA mode.
-    ("keda.sh", "scaledobjects"): frozenset({"get", "create", "patch", "delete"}),
+    ("keda.sh", "scaledobjects"): frozenset({"get", "list", "create", "patch", "delete"}),
     # A SamplerPool's controller reads its run; a run's controller lists its pools to remove old ones.
-    (GROUP, "rlruns"): frozenset({"get"}),
+    (GROUP, "rlruns"): frozenset({"get", "list"}),
     (GROUP, "samplerpools"): frozenset({"get", "list", "create", "patch", "delete"}),
     (GROUP, "rlruns/status"): frozenset({"patch"}),
     (GROUP, "samplerpools/status"): frozenset({"patch"}),
