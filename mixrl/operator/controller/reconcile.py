@@ -107,7 +107,7 @@ class Context:
     cached_reads: bool = False
     """Read the children (and a pool's run) as the watches last showed them
     (:mod:`mixrl.operator.kube.cache`) instead of from the API server: for reconciles an event
-    asked for, not for the resync."""
+    or the resync (which lists every watched kind first) asked for, not for a restart's."""
     unseen_children_absent: bool = False
     """With ``cached_reads``: a child the watches never showed does not exist, so it is created
     without a read first (:func:`mixrl.operator.controller.apply.absent_as_watched`) — for an

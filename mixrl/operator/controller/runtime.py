@@ -277,7 +277,7 @@ class Runtime:
     ) -> None:
         """Reconcile an RLRun or SamplerPool soon, in a task of its own; nothing when one is
         already queued for it, since that one will see the latest state.  ``fresh``: it reads from
-        the API server, not from what the watches showed (the resync's and a restart's reconciles).
+        the API server, not from what the watches showed (a restart's reconciles).
         ``debounce``: it waits ``event_debounce_s`` first, so a burst of child events costs one
         reconcile; a change of the object itself does not wait.  ``limited``: it takes one of the
         ``reconcile_concurrency`` slots (child events; the resync's, ``background``, and a

@@ -2,12 +2,12 @@
 memory instead of the API server.
 
 Fed by kopf's watch events (every RLRun and SamplerPool, and the children the operator labels as
-its own, deletions included) and by the answers to the operator's own reads and writes.  A
-reconcile prompted by an event compares its desired objects with these; a stale entry costs at most
-a write the server finds already done, or a repair one event later (the event that changes an
-object is also the one that asks for its owner's reconcile).  The periodic resync does not read
-from here: it reads the API server, so it still repairs what no event announced (a watch that
-broke, a change during a restart).
+its own, deletions included), by the answers to the operator's own reads and writes, and by the
+periodic resync's lists of every watched kind (:meth:`ObjectCache.replace`), which bring in what no
+event announced (a watch that broke, a change during a restart).  A reconcile prompted by an event
+or the resync compares its desired objects with these; a stale entry costs at most a write the
+server finds already done, or a repair one event later (the event that changes an object is also
+the one that asks for its owner's reconcile).  A restart's reconciles read the API server.
 
 Only kinds that are watched are kept (anything else could change with no event to say so), and of
 children only those carrying the label the watch selects on.  An answer never replaces a newer one:
