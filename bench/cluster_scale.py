@@ -335,8 +335,8 @@ def main(argv: list[str]) -> int:
                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "KUBECONFIG": str(work / "operator.kubeconfig")},
             )  # fmt: skip
         # The burst comes once the operator watches what it reconciles (its first listings done), as
-        # on a cluster whose operator was up before the runs came; a fixed 5 s was too short at
-        # full scale, so the runs came in kopf's first listing, read as possibly older objects.
+        # on a cluster whose operator was up before the runs came: runs in kopf's first listing
+        # would be read as possibly older objects (a fixed sleep, as before, does not make sure).
         watched = {"rlruns", "samplerpools", "deployments", "services"}
         started = time.monotonic()
         while not watched <= {
