@@ -212,15 +212,14 @@ class ReadyWatch:
 
 
 def wait_ready(
-    watch: ReadyWatch, total: int, timeout: float, label: str, sample: Any = None,
-    names: set[str] | None = None,
+    watch: ReadyWatch, names: set[str], total: int, timeout: float, label: str, sample: Any = None,
 ) -> dict[str, float]:  # fmt: skip
     """Name -> seconds after the watch's ``t0`` at which it had all its replicas ready, once
     ``total`` of ``names`` are; progress with rate and ETA every 10 s."""
     last_print = 0.0
 
     def ready() -> dict[str, float]:
-        return {k: v for k, v in dict(watch.ready_at).items() if names is None or k in names}
+        return {k: v for k, v in dict(watch.ready_at).items() if k in names}
 
     while len(ready()) < total:
         now = time.monotonic() - watch.t0
@@ -323,7 +322,7 @@ def main(argv: list[str]) -> int:
         kubectl(state, "apply", "--server-side", "--field-manager=cluster-scale", "-f", "-",
                 input=yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": objects}))  # fmt: skip
         direct_applied_s = time.monotonic() - t0
-        direct_at = wait_ready(watch, len(pool_names), args.timeout, "direct", names=pool_names)
+        direct_at = wait_ready(watch, pool_names, len(pool_names), args.timeout, "direct")
         watch.stop()
         gone = time.monotonic()
         kubectl(state, "delete", "namespace", DIRECT_NS, "--timeout=900s")
@@ -369,7 +368,7 @@ def main(argv: list[str]) -> int:
             peak_rss = max(peak_rss, rss_mib(operator.pid))
             timeline.append((now, ready, len(audit()) - baseline))
 
-        ready_at = wait_ready(pools_watch, pools_total, args.timeout, "operator", sample, names=pool_names)
+        ready_at = wait_ready(pools_watch, pool_names, pools_total, args.timeout, "operator", sample)
         deployment_ready_at = dict(deployments_watch.ready_at)
         pools_watch.stop()
         deployments_watch.stop()

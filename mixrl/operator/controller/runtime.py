@@ -349,9 +349,8 @@ class Runtime:
                     if kind == resource.kind and ns == namespace and name not in listed:
                         self.known.pop(key, None)
                 for name in listed:
-                    self.known.setdefault(
-                        f"{resource.kind}/{namespace}/{name}", (resource.kind, namespace, name)
-                    )
+                    stub = {"kind": resource.kind, "metadata": {"namespace": namespace, "name": name}}
+                    self.known.setdefault(lock_key(stub), (resource.kind, namespace, name))
 
     async def resync_forever(self, interval: float) -> None:
         while True:
