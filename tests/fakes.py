@@ -9,16 +9,21 @@
   bearer token as SGLang's ``--api-key`` does (every route but ``/health*`` and ``/metrics``).  Its
   ``kill()`` shuts the server down with requests in flight, which a client sees as a replica dying
   (connection dropped, then refused).  It is not the torch engine (tests/engine tests that one).
+- :class:`WeightVersionEngine`: a :class:`FakeEngine` that also answers ``/get_weight_version``.
 - :func:`no_leftover_tasks`: an autouse fixture for a folder's conftest.
+- :func:`script_module`: a script of scripts/ or bench/ (not packages) imported as a module.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -175,6 +180,22 @@ class FakeEngine:
         return web.json_response({"success": True, "message": f"{self.name} loaded"})
 
 
+@dataclass
+class WeightVersionEngine(FakeEngine):
+    """A :class:`FakeEngine` at weight version ``version``, which it reports on
+    ``/get_weight_version`` as SGLang does (a string); the test moves it as a weight update would."""
+
+    version: int = 0
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/get_weight_version", self._weight_version)
+        return app
+
+    async def _weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.version)})
+
+
 @asynccontextmanager
 async def started_engines(
     make: Callable[..., FakeEngine],
@@ -202,3 +223,13 @@ async def no_leftover_tasks() -> AsyncIterator[None]:
     await asyncio.sleep(0)
     left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
     assert not left, f"test left asyncio tasks behind: {left}"
+
+
+def script_module(name: str, path: Path) -> ModuleType:
+    """The Python file ``path`` (a script of scripts/ or bench/, which are not packages) imported as
+    module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

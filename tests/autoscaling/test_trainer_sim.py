@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections import deque
 from dataclasses import replace
@@ -23,6 +22,8 @@ from mixrl.sim.trainer_coupled import (
     simulate_run,
     static_sized_to_trainer,
 )
+
+from ..fakes import script_module
 
 POOLS = [
     FleetPool("spot", "B200", 3.2, 1, 6.0, 1, 12, 240.0),  # $1.88 per capacity-hour
@@ -153,12 +154,9 @@ def test_the_trainer_is_priced_from_the_runs_spec_and_the_default_table() -> Non
 
 
 def _bench() -> Any:
-    path = Path(__file__).resolve().parents[2] / "bench" / "autoscaling.py"
-    spec = importlib.util.spec_from_file_location("bench_autoscaling", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module(
+        "bench_autoscaling", Path(__file__).resolve().parents[2] / "bench" / "autoscaling.py"
+    )
 
 
 def test_changing_runs_are_judged_by_the_total_cost_per_step_steady_ones_by_the_samplers() -> None:

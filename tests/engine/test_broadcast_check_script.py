@@ -5,7 +5,6 @@ with one clear line (tests/engine/test_weight_broadcast.py runs the same check o
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,17 +13,15 @@ from types import ModuleType
 
 import pytest
 
+from ..fakes import script_module
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu" / "broadcast-check.sh"
 HELPER = ROOT / "scripts" / "gpu" / "broadcast_check.py"
 
 
 def helper() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("broadcast_check", HELPER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("broadcast_check", HELPER)
 
 
 def test_the_helper_parses_imports_and_reads_its_flags() -> None:

@@ -3,20 +3,18 @@ BF16-kernel emulations it compares the GPU with), and without --dry-run it stops
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from ..fakes import script_module
+
 HELPER = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "kernels_check.py"
 
 
 def test_the_dry_run_emulates_and_a_missing_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("kernels_check", HELPER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = script_module("kernels_check", HELPER)
     assert module.main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("kernels-check: dry run: fp8 W8A8 emulated, quantization error")

@@ -4,7 +4,6 @@ with one clear line; the token-record checks it applies on the GPU refuse what t
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import subprocess
@@ -18,6 +17,7 @@ from mixrl.api.resolve import SGLANG_VERSION
 from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine.protocol import GenerateResult
 
+from ..fakes import script_module
 from .conftest import SGLangParser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,11 +26,7 @@ HELPER = ROOT / "scripts" / "gpu" / "sglang_check.py"
 
 
 def helper() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sglang_check", HELPER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("sglang_check", HELPER)
 
 
 def run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
