@@ -19,24 +19,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from mixrl.rl.buffer.grouping import Group, TrajectoryMeta
 from mixrl.rl.rollout.demos import demonstration_tokens
 from mixrl.rl.rollout.router_client import RouterClient, VersionUnavailable
-from mixrl.rl.rollout.worker import RolloutWorker, WorkerSettings, min_weight_version
+from mixrl.rl.rollout.worker import WorkerSettings, min_weight_version
 
-from ..fakes import FakeEngine, started_engines
+from ..fakes import WeightVersionEngine, started_engines
 from .conftest import TOKENIZER, StartBuffer, StartRouter, scripted_reply
 from .test_agent import TASK
-from .test_worker import FILETREE, resolved_run, wait_for
+from .test_worker import polling_worker, resolved_run, running, wait_for
 
 
 @dataclass
-class VersionedEngine(FakeEngine):
+class VersionedEngine(WeightVersionEngine):
     """The scripted policy at weight version ``version`` (see the module docstring)."""
-
-    version: int = 0
 
     def __post_init__(self) -> None:
         self.delay = 0.002
@@ -45,14 +42,6 @@ class VersionedEngine(FakeEngine):
             return scripted_reply(version=self.version)(body)
 
         self.reply = reply
-
-    def app(self) -> web.Application:
-        app = super().app()
-        app.router.add_get("/get_weight_version", self._weight_version)
-        return app
-
-    async def _weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": str(self.version)})
 
 
 @pytest.fixture
@@ -97,12 +86,8 @@ async def test_turns_wait_for_fresh_weights_instead_of_failing(
         WorkerSettings.from_run(resolved_run()), evaluates=False, max_staleness=1, max_steps_ahead=0
     )
     client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids, max_version_backoff_s=0.05)
-    worker = RolloutWorker(
-        settings, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
-    )
-    stopping = asyncio.Event()
-    running = asyncio.create_task(worker.run(stopping))
-    try:
+    worker = polling_worker(settings, client, buffer)
+    async with running(worker, client):
         await wait_for(lambda: worker.stats.groups_posted >= 1)
         # the trainer takes step 1 and commits it: turns now demand version 1, which nobody serves
         assert await buffer.client.get_batch(1) is not None
@@ -115,10 +100,6 @@ async def test_turns_wait_for_fresh_weights_instead_of_failing(
         await router.router.poll_once()
         seen_behind, posted = len(behind.generate_bodies), worker.stats.groups_posted
         await wait_for(lambda: worker.stats.groups_posted >= posted + 2)
-    finally:
-        stopping.set()
-        await running
-        await client.close()
     assert len(behind.generate_bodies) == seen_behind, "no turn went to the replica that is behind"
     assert client.retries == 0, "a 409 is a wait, not a failing replica"
     assert worker.stats.groups_dropped == dropped == 0

@@ -204,6 +204,33 @@ async def worker_behind_router(
         yield RolloutWorker(SETTINGS, FILETREE, TOKENIZER, client, buffer.client, **worker), buffer
 
 
+@asynccontextmanager
+async def running(worker: RolloutWorker, client: RouterClient) -> AsyncIterator[None]:
+    """``worker`` running for the block; then stopped (its run awaited) and ``client`` closed."""
+    stopping = asyncio.Event()
+    task = asyncio.create_task(worker.run(stopping))
+    try:
+        yield
+    finally:
+        stopping.set()
+        await task
+        await client.close()
+
+
+def polling_worker(
+    settings: WorkerSettings,
+    client: RouterClient,
+    buffer: RunningBuffer,
+    progress_s: float = 60,
+    say: Callable[[str], None] = lambda _: None,
+) -> RolloutWorker:
+    """A worker of ``settings`` on the file tree into ``buffer`` that polls every 0.05 s; by default
+    it says nothing."""
+    return RolloutWorker(
+        settings, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=progress_s, say=say
+    )
+
+
 def rollout_flags(tmp_path: Path, router: RunningRouter, buffer: RunningBuffer) -> tuple[str, ...]:
     """``mixrl rollout``'s --config (resolved_run()), --router, --buffer and --tokenizer (TOKENIZER),
     its files written under ``tmp_path``."""
@@ -247,12 +274,8 @@ async def test_worker_feeds_the_buffer_and_evaluates(
     buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
     client = RouterClient(router.url, SETTINGS.sampling, TOKENIZER.stop_token_ids)
     lines: list[str] = []
-    worker = RolloutWorker(
-        SETTINGS, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=0.2, say=lines.append
-    )
-    stopping = asyncio.Event()
-    running = asyncio.create_task(worker.run(stopping))
-    try:
+    worker = polling_worker(SETTINGS, client, buffer, progress_s=0.2, say=lines.append)
+    async with running(worker, client):
         batches = []
         for step in (1, 2):  # the test plays the trainer
             batch = await buffer.client.get_batch(step, timeout=20)
@@ -267,10 +290,6 @@ async def test_worker_feeds_the_buffer_and_evaluates(
             )
         await asyncio.wait_for(worker.final_evaluation_posted.wait(), 30)
         assert worker.training_done.is_set()
-    finally:
-        stopping.set()
-        await running
-        await client.close()
 
     evaluations = await buffer.client.evaluations()
     assert [e["step"] for e in evaluations] == [0, 1, 2]
@@ -317,20 +336,12 @@ async def test_a_dying_replica_costs_a_retry_not_an_episode(
     buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4)
     settings = WorkerSettings.from_run(resolved_run(concurrency=8))
     client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids, backoff_s=0.01)
-    worker = RolloutWorker(
-        settings, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
-    )
-    stopping = asyncio.Event()
-    running = asyncio.create_task(worker.run(stopping))
-    try:
+    worker = polling_worker(settings, client, buffer)
+    async with running(worker, client):
         await wait_for(lambda: len(first.generate_bodies) >= 10)
         await first.kill()  # turns in flight lose their connection; later ones are refused
         posted = worker.stats.groups_posted
         await wait_for(lambda: worker.stats.groups_posted >= posted + 4)
-    finally:
-        stopping.set()
-        await running
-        await client.close()
     assert client.retries > 0
     assert worker.stats.groups_dropped == 0
     assert worker.stats.finish_reasons == Counter({"submitted": worker.stats.episodes})
@@ -445,12 +456,8 @@ async def test_production_pauses_when_the_trainer_falls_behind(
     buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
     settings = WorkerSettings.from_run(resolved_run(), max_steps_ahead=2)  # at most 2 steps x 2 groups
     client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids)
-    worker = RolloutWorker(
-        settings, FILETREE, TOKENIZER, client, buffer.client, poll_s=0.05, progress_s=60, say=lambda _: None
-    )
-    stopping = asyncio.Event()
-    running = asyncio.create_task(worker.run(stopping))
-    try:
+    worker = polling_worker(settings, client, buffer)
+    async with running(worker, client):
         await wait_for(lambda: worker.stats.groups_posted >= 4)
         await asyncio.sleep(1.0)  # unthrottled, this would be dozens of groups
         assert 4 <= buffer.buffer.stats()["groups_ready"] <= 5
@@ -459,9 +466,5 @@ async def test_production_pauses_when_the_trainer_falls_behind(
         assert batch is not None and len(batch.groups) == 2
         await wait_for(lambda: buffer.buffer.stats()["groups_ready"] >= 4)
         assert worker.stats.groups_posted <= 7
-    finally:
-        stopping.set()
-        await running
-        await client.close()
     with pytest.raises(ValueError, match="max-steps-ahead: must be 0 \\(no limit\\) or positive, got -1"):
         WorkerSettings.from_run(resolved_run(), max_steps_ahead=-1)

@@ -29,25 +29,15 @@ from mixrl.rl.engine.version_gate import (
 from mixrl.rl.router.config import RouterConfig
 from mixrl.rl.router.shares import ShareScheduler
 
-from ..fakes import FakeEngine, counting_reply, started_engines
+from ..fakes import WeightVersionEngine, counting_reply, started_engines
 from .conftest import RunningRouter, pools_config
 
 BODY = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 1.0}}
 
 
 @dataclass
-class VersionedEngine(FakeEngine):
+class VersionedEngine(WeightVersionEngine):
     """A FakeEngine serving weight version ``version`` (see the module docstring)."""
-
-    version: int = 0
-
-    def app(self) -> web.Application:
-        app = super().app()
-        app.router.add_get("/get_weight_version", self._weight_version)
-        return app
-
-    async def _weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": str(self.version)})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
