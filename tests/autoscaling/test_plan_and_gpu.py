@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -188,13 +189,7 @@ def test_stuck_replicas_are_released_with_a_warning_and_a_cold_start_is_learned(
         Observation(48.0, 48.0),
         PoolMemory(),
         30.0,
-        pods=Census(
-            ready=2,
-            starting=1,
-            stuck=1,
-            why_stuck="p-1: Unschedulable: 0/4 nodes are available",
-            cold_start_s=41.26,
-        ),
+        pods=replace(pods, stuck=1),
     )
     assert again.stuck_event is None
 
