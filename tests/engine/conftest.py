@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.utils import logging as hf_logging
 
@@ -34,6 +36,7 @@ from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.engine.server import build_app
 from mixrl.rl.engine.service import EngineConfig, EngineService
 from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
+from mixrl.rl.weights import WeightStore
 
 from ..fakes import serve
 
@@ -55,6 +58,15 @@ def dense_path(tmp_path_factory: pytest.TempPathFactory) -> str:
 def moe_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     return create_tiny_checkpoint(
         tmp_path_factory.mktemp("tiny") / "moe", "qwen3_moe", vocab_size=VOCAB, seed=1
+    )
+
+
+def publish(store: WeightStore, version: int, checkpoint: str | Path) -> str:
+    """The weights and config of the checkpoint directory ``checkpoint`` published in ``store`` as
+    ``version`` (metadata ``{"step": version}``), as the trainer publishes; returns its directory."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return store.publish(
+        version, load_file(Path(checkpoint) / "model.safetensors"), {"step": version}, config
     )
 
 

@@ -3,7 +3,6 @@ model, the MoE experts' two inputs, calibration per version, and the lean decode
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from mixrl.rl.engine.staging import StagedWeights
 from mixrl.rl.tiny_models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 
-from .conftest import VOCAB, random_prompts, reference_logprobs, reference_model, serve_in_process
+from .conftest import VOCAB, publish, random_prompts, reference_logprobs, reference_model, serve_in_process
 
 IDS = torch.tensor(random_prompts(3, seed=4, low=9, high=10))
 
@@ -143,8 +142,7 @@ async def test_an_nvfp4_engine_serves_each_version_with_its_own_calibration(
 ) -> None:
     other = create_tiny_checkpoint(tmp_path / "other", "qwen3", vocab_size=VOCAB, seed=7)
     store = WeightStore(str(tmp_path / "store"))
-    config = json.loads((Path(other) / "config.json").read_text())
-    store.publish(1, load_file(Path(other) / "model.safetensors"), {"step": 1}, config)
+    publish(store, 1, other)
     prompt = IDS[0].tolist()
     served = []
     async with serve_in_process(

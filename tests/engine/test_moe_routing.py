@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from mixrl.local.routing import measure, routing_lines
 from mixrl.rl.moe_routing import routed_experts, routing_disagreement
 from mixrl.rl.weights import WeightStore
 
-from .conftest import random_prompts, reference_model
+from .conftest import publish, random_prompts, reference_model
 
 ROOT = Path(__file__).resolve().parents[2]
 IDS = torch.tensor(random_prompts(2, seed=8, low=12, high=13))
@@ -60,8 +59,7 @@ def test_a_run_directory_is_measured_per_pool(moe_path: str, tmp_path: Path) -> 
     run["spec"]["samplerPools"] = [p for p in run["spec"]["samplerPools"] if p["name"] in ("nvfp4", "bf16")]
     (tmp_path / "rlrun.yaml").write_text(yaml.safe_dump(run))
     store = WeightStore(str(tmp_path / "weights"))
-    config = json.loads((Path(moe_path) / "config.json").read_text())
-    store.publish(3, load_file(Path(moe_path) / "model.safetensors"), {"step": 3}, config)
+    publish(store, 3, moe_path)
     prompts = random_prompts(24, seed=9, low=6, high=10)
     lines = [_sample(pool, p, random_prompts(1, seed=i, low=12, high=13)[0], 3)
              for i, p in enumerate(prompts) for pool in ("nvfp4", "bf16")]  # fmt: skip

@@ -7,13 +7,11 @@ prefilled whole), the reference the cache must not change.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import aiohttp
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mixrl.rl.engine.kv_cache import SHARED_PREFIX_MIN_TOKENS, PrefixCache, shared_prefixes
 from mixrl.rl.engine.runner import ModelRunner, Sequence
@@ -21,7 +19,7 @@ from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.tiny_models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 
-from .conftest import VOCAB, random_prompts, reference_logprobs, reference_model, serve_in_process
+from .conftest import VOCAB, publish, random_prompts, reference_logprobs, reference_model, serve_in_process
 
 # Token ids, candidate ids, support sizes and finish reasons must be equal; log-probs equal up to
 # float rounding: the cached keys and values of earlier output tokens were computed one decode step
@@ -299,8 +297,7 @@ async def test_cached_tokens_flush_and_weight_update_through_the_server(
 ) -> None:
     other = create_tiny_checkpoint(tmp_path / "other", "qwen3", vocab_size=VOCAB, seed=7)
     store = WeightStore(str(tmp_path / "store"))
-    config = json.loads((Path(other) / "config.json").read_text())
-    store.publish(1, load_file(Path(other) / "model.safetensors"), metadata={"step": 1}, config=config)
+    publish(store, 1, other)
     prompt = list(range(10, 30))
     async with (
         serve_in_process(model_path=dense_path, weight_root=str(tmp_path)) as (url, service),

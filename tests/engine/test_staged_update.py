@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -19,7 +18,7 @@ from mixrl.rl.engine.staging import PreparationRefused, Prepared, StagedWeights
 from mixrl.rl.tiny_models import create_tiny_checkpoint, load_model
 from mixrl.rl.weights import WeightStore
 
-from .conftest import VOCAB, reference_model, serve_in_process
+from .conftest import VOCAB, publish, reference_model, serve_in_process
 
 SLOW_PREPARE_S = 0.6
 
@@ -85,8 +84,7 @@ async def test_decoding_continues_while_the_next_version_is_prepared(
 ) -> None:
     other = create_tiny_checkpoint(tmp_path / "other", "qwen3", vocab_size=VOCAB, seed=7)
     store = WeightStore(str(tmp_path / "store"))
-    config = json.loads((Path(other) / "config.json").read_text())
-    store.publish(1, load_file(Path(other) / "model.safetensors"), {"step": 1}, config)
+    publish(store, 1, other)
     real_prepare = StagedWeights.prepare_dir
     window: dict[str, float] = {}
 
@@ -146,8 +144,7 @@ def _children(pid: int) -> list[int]:
 
 async def test_the_preparer_ends_with_an_engine_killed_outright(dense_path: str, tmp_path: Path) -> None:
     store = WeightStore(str(tmp_path / "store"))
-    config = json.loads((Path(dense_path) / "config.json").read_text())
-    store.publish(1, load_file(Path(dense_path) / "model.safetensors"), {"step": 1}, config)
+    publish(store, 1, dense_path)
     extra = ["--weight-root", str(tmp_path), "--weight-preparer", "process"]
     with EngineProcess(dense_path, extra_args=extra) as engine:
         async with EngineClient(engine.url) as client:

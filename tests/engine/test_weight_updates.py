@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from mixrl.rl.engine.client import EngineClient
 from mixrl.rl.tiny_models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 
-from .conftest import VOCAB, reference_logprobs, reference_model, until_running
+from .conftest import VOCAB, publish, reference_logprobs, reference_model, until_running
 
 TIE = 1e-4
 
@@ -31,8 +30,7 @@ def store(tmp_path_factory: pytest.TempPathFactory, weight_root: Path) -> Weight
     """Version 1: different weights, same architecture; published as the trainer would."""
     other = create_tiny_checkpoint(tmp_path_factory.mktemp("other") / "v1", "qwen3", vocab_size=VOCAB, seed=7)
     store = WeightStore(str(weight_root / "store"))
-    config = json.loads((Path(other) / "config.json").read_text())
-    store.publish(1, load_file(Path(other) / "model.safetensors"), metadata={"step": 1}, config=config)
+    publish(store, 1, other)
     return store
 
 
