@@ -76,6 +76,12 @@ def function_name(task: CodingTask) -> str:
     return match.group(1)
 
 
+def affine_solution(task: CodingTask) -> str:
+    """The reply that writes the right solution of an affine task (its coefficients read from the problem)."""
+    a, b = AFFINE.search(task.problem).groups()  # type: ignore[union-attr]
+    return f"write_file solution.py def {function_name(task)} ( x ) : return {a} * x + {b}"
+
+
 def hidden_cases(task: CodingTask) -> list[tuple[list[Any], Any]]:
     """The hidden cases, read back from the generated runner (to count what a wrong solution passes)."""
     match = re.search(r"json\.loads\((.*)\)\n", next(iter(task.hidden_tests.values())))
@@ -95,14 +101,7 @@ async def play(env: PlainCodingEnvironment, task: CodingTask, script: list[str])
 async def test_the_oracle_scores_one_through_the_agent_loop() -> None:
     env = PlainCodingEnvironment()
     task = task_of("affine")
-    a, b = AFFINE.search(task.problem).groups()  # type: ignore[union-attr]
-    fn = function_name(task)
-    script = [
-        "list_files",
-        f"write_file solution.py def {fn} ( x ) : return {a} * x + {b}",
-        "run python test_solution.py",
-        "submit",
-    ]
+    script = ["list_files", affine_solution(task), "run python test_solution.py", "submit"]
     trajectory, generate = await play(env, task, script)
     assert trajectory.finish_reason == "submitted" and trajectory.reward == 1.0
     assert trajectory.num_turns == 4
@@ -135,28 +134,16 @@ async def test_a_wrong_solution_scores_the_share_of_cases_it_gets_right() -> Non
 async def test_the_untouched_stub_scores_zero_and_work_counts_without_submit() -> None:
     env = PlainCodingEnvironment()
     task = task_of("affine")
-    a, b = AFFINE.search(task.problem).groups()  # type: ignore[union-attr]
     stub, _ = await play(env, task, ["list_files"])  # max turns, nothing written
     assert (stub.finish_reason, stub.reward) == ("max_turns", 0.0)
-    fn = function_name(task)
-    worked, _ = await play(
-        env, task, [f"write_file solution.py def {fn} ( x ) : return {a} * x + {b}", "list_files"]
-    )
+    worked, _ = await play(env, task, [affine_solution(task), "list_files"])
     assert (worked.finish_reason, worked.reward) == ("max_turns", 1.0)
 
 
 async def test_three_replies_without_a_tool_call_end_the_episode_at_zero() -> None:
     env = PlainCodingEnvironment()
     task = task_of("affine")
-    a, b = AFFINE.search(task.problem).groups()  # type: ignore[union-attr]
-    fn = function_name(task)
-    script = [
-        f"write_file solution.py def {fn} ( x ) : return {a} * x + {b}",
-        "hello",
-        "what",
-        "hmm",
-        "submit",
-    ]
+    script = [affine_solution(task), "hello", "what", "hmm", "submit"]
     trajectory, _ = await play(env, task, script)
     assert (trajectory.finish_reason, trajectory.reward, trajectory.num_turns) == ("format_errors", 0.0, 4)
 
