@@ -14,7 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,13 @@ class LoopbackPods:
         for name in list(self.pods):
             asyncio.run(self.delete(name))
 
+    def play(self, scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``scenario`` to its end, then stop the executors of the pods it left."""
+        try:
+            asyncio.run(scenario())
+        finally:
+            self.stop()
+
 
 def template() -> Obj:
     manifest = {
@@ -221,6 +229,22 @@ def template() -> Obj:
     return B.sandbox_pod_template(resolve(run), Owner("mixrl.dev/v1alpha1", "RLRun", "demo", "u"), Images())
 
 
+@asynccontextmanager
+async def leased_sandbox(
+    client: LoopbackPods, worker: str, size: int = 1, ready_timeout_s: float = 30, poll_s: float = 0.1
+) -> AsyncIterator[KubernetesSandbox]:
+    """A started KubernetesSandbox of ``size`` pods of :func:`template` on ``client``; closed at the end."""
+    pods = SandboxPods(
+        client, template(), worker=worker, size=size, ready_timeout_s=ready_timeout_s, poll_s=poll_s
+    )
+    sandbox = KubernetesSandbox(pods)
+    await sandbox.start()
+    try:
+        yield sandbox
+    finally:
+        await sandbox.close()
+
+
 def test_each_command_runs_in_a_fresh_pod_and_every_pod_goes_at_close(tmp_path: Path) -> None:
     client = LoopbackPods(tmp_path, B.EXECUTOR_PORT)
     stale = {"kind": "Pod", "metadata": {"name": "old", "labels": {WORKER_LABEL: "w-0"}}}
@@ -231,11 +255,8 @@ def test_each_command_runs_in_a_fresh_pod_and_every_pod_goes_at_close(tmp_path: 
             subprocess.Popen(["sleep", "60"]),
             "127.9.9.9",
         )  # an earlier incarnation's
-        pods = SandboxPods(client, template(), worker="w-0", size=2, ready_timeout_s=30, poll_s=0.1)
-        sandbox = KubernetesSandbox(pods)
-        await sandbox.start()
-        assert "old" in client.deleted
-        try:
+        async with leased_sandbox(client, "w-0", size=2) as sandbox:
+            assert "old" in client.deleted
             first = await sandbox.run("echo one > f; cat f", {"seed.txt": "s"})
             assert (first.finish_reason, first.stdout) == ("ok", "one\n")
             assert first.files == {"f": b"one\n", "seed.txt": b"s"}
@@ -247,35 +268,22 @@ def test_each_command_runs_in_a_fresh_pod_and_every_pod_goes_at_close(tmp_path: 
             stuck = await sandbox.run("sleep 30", limits=Limits(wall_s=1))
             assert stuck.finish_reason == "timeout"
             assert len(set(client.created)) == len(client.created) >= 6  # no pod leased twice
-        finally:
-            await sandbox.close()
         assert client.pods == {}  # every pod deleted on shutdown
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        client.stop()
+    client.play(scenario)
 
 
 def test_a_command_that_kills_its_executor_ends_killed_and_its_pod_goes(tmp_path: Path) -> None:
     client = LoopbackPods(tmp_path, B.EXECUTOR_PORT)
 
     async def scenario() -> None:
-        pods = SandboxPods(client, template(), worker="w-1", size=1, ready_timeout_s=30, poll_s=0.1)
-        sandbox = KubernetesSandbox(pods)
-        await sandbox.start()
-        try:
+        async with leased_sandbox(client, "w-1") as sandbox:
             # prlimit execs the shell, so its parent is the executor: the same user in the same pod
             suicide = await sandbox.run("kill -9 $PPID; sleep 5")
             assert suicide.finish_reason == "killed" and "did not answer" in suicide.detail
-        finally:
-            await sandbox.close()
         assert client.pods == {}
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        client.stop()
+    client.play(scenario)
 
 
 def test_no_ready_pod_in_time_is_a_clear_error(tmp_path: Path) -> None:
@@ -286,18 +294,10 @@ def test_no_ready_pod_in_time_is_a_clear_error(tmp_path: Path) -> None:
     client = NeverReady(tmp_path, B.EXECUTOR_PORT)
 
     async def scenario() -> None:
-        pods = SandboxPods(client, template(), worker="w-2", size=1, ready_timeout_s=0.5, poll_s=0.05)
-        sandbox = KubernetesSandbox(pods)
-        await sandbox.start()
-        try:
+        async with leased_sandbox(client, "w-2", ready_timeout_s=0.5, poll_s=0.05) as sandbox:
             with pytest.raises(
                 SandboxUnavailable, match=r"none became ready within 1 s \(.*not ready after 0.5 s"
             ):
                 await sandbox.run("true")
-        finally:
-            await sandbox.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        client.stop()
+    client.play(scenario)
