@@ -30,6 +30,26 @@ def set_at(*path: str | int, value: Any) -> Callable[[dict[str, Any]], None]:
     return mutate
 
 
+def sampler_pool(**spec: Any) -> dict[str, Any]:
+    """A valid SamplerPool of examples/rlrun-mixed.yaml's run (its H100 FP8 pool), with ``spec``'s
+    fields set over its own."""
+    return {
+        "apiVersion": "mixrl.dev/v1alpha1",
+        "kind": "SamplerPool",
+        "metadata": {"name": "qwen3-moe-coding-h100-fp8"},
+        "spec": {
+            "run": "qwen3-moe-coding",
+            "pool": "h100-fp8",
+            "gpuType": "H100",
+            "weightPrecision": "fp8",
+            "kvCacheDtype": "fp8",
+            "engine": "sglang",
+            "replicas": 1,
+            **spec,
+        },
+    }
+
+
 @pytest.fixture
 def minimal_run() -> dict[str, Any]:
     return copy.deepcopy(

@@ -30,7 +30,7 @@ from mixrl.api.gpus import GPU_TABLE, GpuCapability
 from mixrl.api.loader import parse_document
 from mixrl.api.models import SamplerPoolTemplate
 
-from .conftest import ROOT, set_at
+from .conftest import ROOT, sampler_pool, set_at
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 Doc = dict[str, Any]
@@ -175,23 +175,6 @@ def example() -> Doc:
 
 def pools(doc: Doc) -> list[Doc]:
     return doc["spec"]["samplerPools"]
-
-
-def sampler_pool() -> Doc:
-    return {
-        "apiVersion": "mixrl.dev/v1alpha1",
-        "kind": "SamplerPool",
-        "metadata": {"name": "qwen3-moe-coding-h100-fp8"},
-        "spec": {
-            "run": "qwen3-moe-coding",
-            "pool": "h100-fp8",
-            "gpuType": "H100",
-            "weightPrecision": "fp8",
-            "kvCacheDtype": "fp8",
-            "engine": "sglang",
-            "replicas": 1,
-        },
-    }
 
 
 def table_with(changes: dict[str, dict[str, Any]]) -> dict[str, GpuCapability]:

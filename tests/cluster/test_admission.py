@@ -24,6 +24,8 @@ import yaml
 from mixrl.api import rules
 from mixrl.api.crd import rlrun_crd, samplerpool_crd
 
+from ..api.conftest import sampler_pool
+
 Doc = dict[str, Any]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rlrun-mixed.yaml"
 
@@ -42,24 +44,6 @@ def get(cluster: Cluster, *args: str) -> Doc:
 
 def example() -> Doc:
     return yaml.safe_load(EXAMPLE.read_text())
-
-
-def sampler_pool(**spec: Any) -> Doc:
-    return {
-        "apiVersion": "mixrl.dev/v1alpha1",
-        "kind": "SamplerPool",
-        "metadata": {"name": "qwen3-moe-coding-h100-fp8"},
-        "spec": {
-            "run": "qwen3-moe-coding",
-            "pool": "h100-fp8",
-            "gpuType": "H100",
-            "weightPrecision": "fp8",
-            "kvCacheDtype": "fp8",
-            "engine": "sglang",
-            "replicas": 1,
-            **spec,
-        },
-    }
 
 
 def pool(index: int, **fields: Any) -> Callable[[], Doc]:
