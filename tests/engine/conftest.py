@@ -70,6 +70,17 @@ def publish(store: WeightStore, version: int, checkpoint: str | Path) -> str:
     )
 
 
+@pytest.fixture
+def other_version(tmp_path: Path) -> tuple[str, WeightStore]:
+    """Version 1 for an engine on ``dense_path`` whose weight root is ``tmp_path``: the same tiny
+    dense model with other weights (seed 7, in tmp_path/other), published in the store
+    tmp_path/store.  (The checkpoint's directory, the store.)"""
+    other = create_tiny_checkpoint(tmp_path / "other", "qwen3", vocab_size=VOCAB, seed=7)
+    store = WeightStore(str(tmp_path / "store"))
+    publish(store, 1, other)
+    return other, store
+
+
 @pytest.fixture(scope="module")
 def engine(dense_path: str) -> Iterator[EngineProcess]:
     """A bf16 engine on the dense tiny model, shared by one test module."""

@@ -18,7 +18,7 @@ from mixrl.rl.engine.staging import StagedWeights
 from mixrl.rl.tiny_models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 
-from .conftest import VOCAB, publish, random_prompts, reference_logprobs, reference_model, serve_in_process
+from .conftest import VOCAB, random_prompts, reference_logprobs, reference_model, serve_in_process
 
 IDS = torch.tensor(random_prompts(3, seed=4, low=9, high=10))
 
@@ -138,11 +138,9 @@ def test_the_preparer_calibrates_each_version(dense_path: str, tmp_path: Path, p
 
 
 async def test_an_nvfp4_engine_serves_each_version_with_its_own_calibration(
-    dense_path: str, tmp_path: Path
+    dense_path: str, tmp_path: Path, other_version: tuple[str, WeightStore]
 ) -> None:
-    other = create_tiny_checkpoint(tmp_path / "other", "qwen3", vocab_size=VOCAB, seed=7)
-    store = WeightStore(str(tmp_path / "store"))
-    publish(store, 1, other)
+    other, store = other_version
     prompt = IDS[0].tolist()
     served = []
     async with serve_in_process(

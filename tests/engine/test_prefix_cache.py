@@ -19,7 +19,7 @@ from mixrl.rl.engine.sampling import RowSampling
 from mixrl.rl.tiny_models import create_tiny_checkpoint
 from mixrl.rl.weights import WeightStore
 
-from .conftest import VOCAB, publish, random_prompts, reference_logprobs, reference_model, serve_in_process
+from .conftest import VOCAB, random_prompts, reference_logprobs, reference_model, serve_in_process
 
 # Token ids, candidate ids, support sizes and finish reasons must be equal; log-probs equal up to
 # float rounding: the cached keys and values of earlier output tokens were computed one decode step
@@ -293,11 +293,9 @@ async def _generate(session: aiohttp.ClientSession, url: str, ids: list[int]) ->
 
 
 async def test_cached_tokens_flush_and_weight_update_through_the_server(
-    dense_path: str, tmp_path: Path
+    dense_path: str, tmp_path: Path, other_version: tuple[str, WeightStore]
 ) -> None:
-    other = create_tiny_checkpoint(tmp_path / "other", "qwen3", vocab_size=VOCAB, seed=7)
-    store = WeightStore(str(tmp_path / "store"))
-    publish(store, 1, other)
+    _, store = other_version
     prompt = list(range(10, 30))
     async with (
         serve_in_process(model_path=dense_path, weight_root=str(tmp_path)) as (url, service),

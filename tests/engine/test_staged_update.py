@@ -80,11 +80,9 @@ def test_a_bad_state_is_refused_by_the_preparer_and_a_dead_preparer_is_replaced(
 
 
 async def test_decoding_continues_while_the_next_version_is_prepared(
-    dense_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dense_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other_version: tuple[str, WeightStore]
 ) -> None:
-    other = create_tiny_checkpoint(tmp_path / "other", "qwen3", vocab_size=VOCAB, seed=7)
-    store = WeightStore(str(tmp_path / "store"))
-    publish(store, 1, other)
+    _, store = other_version
     real_prepare = StagedWeights.prepare_dir
     window: dict[str, float] = {}
 
