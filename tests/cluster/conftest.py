@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 import yaml
 
+from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_TABLE
 from mixrl.devcluster.addons import (
     kueue_queue_objects,
     start_addon,
@@ -89,6 +90,15 @@ class Bed:
 
     def get(self, *args: str) -> dict[str, Any]:
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
+
+    def gpu_nodes(self, gpu_type: str) -> list[str]:
+        """The nodes whose GPU Feature Discovery product label is one of ``gpu_type``'s, by name."""
+        products = GPU_TABLE[gpu_type].gfd_products
+        return [
+            n["metadata"]["name"]
+            for n in self.get("nodes")["items"]
+            if n["metadata"]["labels"].get(GPU_PRODUCT_LABEL) in products
+        ]
 
     def apply(self, obj: dict[str, Any] | str, namespace: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
         text = obj if isinstance(obj, str) else yaml.safe_dump(obj)

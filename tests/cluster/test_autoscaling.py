@@ -15,7 +15,11 @@ import json
 import shutil
 import subprocess
 import threading
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import Any, Protocol
 
 import yaml
 
@@ -78,6 +82,46 @@ def start_prometheus(tmp: Path, port: int, target: str) -> subprocess.Popen[byte
     )
 
 
+def builtin_run(namespace: str, pools: Collection[str], prom_port: int, **autoscaling: Any) -> dict[str, Any]:
+    """examples/rlrun-mixed.yaml in ``namespace`` with only the pools named in ``pools``, scaled by the
+    built-in loop from the Prometheus on loopback port ``prom_port``: TARGET per replica, a poll a
+    second, no scale-down window; ``autoscaling``: fields over these."""
+    run = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
+    run["metadata"]["namespace"] = namespace
+    run["spec"]["samplerPools"] = [p for p in run["spec"]["samplerPools"] if p["name"] in pools]
+    run["spec"]["autoscaling"] = {
+        "engine": "builtin",
+        "prometheusUrl": f"http://127.0.0.1:{prom_port}",
+        "targetPerReplica": TARGET,
+        "pollIntervalSeconds": 1,
+        "scaleDownWindowSeconds": 0,
+        **autoscaling,
+    }
+    return run
+
+
+class Exporter(Protocol):
+    """A stand-in's exposition server, not started (PoolExporter, and the capacity-loss test's RunExporter)."""
+
+    port: int
+    server: ThreadingHTTPServer
+    thread: threading.Thread
+
+
+@contextmanager
+def scraped(exporter: Exporter, tmp: Path, prom_port: int) -> Iterator[None]:
+    """``exporter`` serving, and a Prometheus on ``prom_port`` scraping it; both stopped at the end."""
+    exporter.thread.start()
+    prometheus = start_prometheus(tmp, prom_port, f"127.0.0.1:{exporter.port}")
+    try:
+        yield
+    finally:
+        prometheus.terminate()
+        prometheus.wait(10)
+        exporter.server.shutdown()
+        exporter.server.server_close()
+
+
 def pool_replicas(
     cluster: Bed, namespace: str, name: str, exporter: PoolExporter
 ) -> tuple[int, int, int] | None:
@@ -94,24 +138,12 @@ def pool_replicas(
 def test_builtin_autoscaler_follows_prometheus_queue_depth(
     cluster: Bed, operator: OperatorProcess, namespace: str, tmp_path: Path
 ) -> None:
-    run = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
-    run["metadata"]["namespace"] = namespace
-    run["spec"]["samplerPools"] = [p for p in run["spec"]["samplerPools"] if p["name"] == POOL]
-    pool_spec = run["spec"]["samplerPools"][0]
-    pool_spec.update(minReplicas=1, maxReplicas=4, capacity=1.0)
     prom_port = free_port()
-    run["spec"]["autoscaling"] = {
-        "engine": "builtin",
-        "prometheusUrl": f"http://127.0.0.1:{prom_port}",
-        "targetPerReplica": TARGET,
-        "pollIntervalSeconds": 1,
-        "scaleDownWindowSeconds": 0,
-    }
+    run = builtin_run(namespace, [POOL], prom_port)
+    run["spec"]["samplerPools"][0].update(minReplicas=1, maxReplicas=4, capacity=1.0)
     name = f"{run['metadata']['name']}-{POOL}"
     exporter = PoolExporter(cluster, namespace, name)
-    exporter.thread.start()
-    prometheus = start_prometheus(tmp_path, prom_port, f"127.0.0.1:{exporter.port}")
-    try:
+    with scraped(exporter, tmp_path, prom_port):
         cluster.apply(run)
 
         def replicas() -> tuple[int, int, int] | None:
@@ -130,8 +162,3 @@ def test_builtin_autoscaler_follows_prometheus_queue_depth(
         wait_for(replicas, equals=(1, 1, 1), timeout=180, what="scale-down back to minReplicas")
         decisions = cluster.get(f"sp/{name}", "-n", namespace)["status"].get("lastScaleDecisions", [])
         assert [d["toReplicas"] for d in decisions][-1] == 1 and max(d["toReplicas"] for d in decisions) == 4
-    finally:
-        prometheus.terminate()
-        prometheus.wait(10)
-        exporter.server.shutdown()
-        exporter.server.server_close()

@@ -25,9 +25,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_TABLE
 from mixrl.devcluster.cluster import free_port
 from mixrl.operator.autoscaling.promql import (
     default_load_query,
@@ -37,8 +34,8 @@ from mixrl.operator.autoscaling.promql import (
 )
 from mixrl.rl.router.shares import PoolCapacity, target_shares
 
-from .conftest import ROOT, Bed, OperatorProcess, exposition_server, wait_for
-from .test_autoscaling import start_prometheus
+from .conftest import Bed, OperatorProcess, exposition_server, wait_for
+from .test_autoscaling import builtin_run, scraped
 
 CHEAP, NEXT = "b200-nvfp4", "h200-fp8"  # $6 per 3.2 capacity, then $3.5 per 1.8
 CAPACITY = {CHEAP: 3.2, NEXT: 1.8}  # as examples/rlrun-mixed.yaml declares them
@@ -115,108 +112,108 @@ def objective_inputs(prom_url: str, namespace: str, run: str) -> dict[str, Any]:
 def test_a_lost_pool_is_replaced_by_the_next_cheapest(
     cluster: Bed, operator: OperatorProcess, namespace: str, tmp_path: Path
 ) -> None:
-    run = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
-    run["metadata"]["namespace"] = namespace
-    run["spec"]["samplerPools"] = [p for p in run["spec"]["samplerPools"] if p["name"] in RATE]
+    prom_port = free_port()
+    run = builtin_run(
+        namespace,
+        RATE,
+        prom_port,
+        objective="trainer",
+        targetPerReplica=16,
+        pollIntervalSeconds=2,
+        pendingTimeoutSeconds=20,
+    )
     for pool in run["spec"]["samplerPools"]:
         pool.update(minReplicas=0 if pool["name"] == NEXT else 1, maxReplicas=8)
-    prom_port = free_port()
-    run["spec"]["autoscaling"] = {
-        "engine": "builtin",
-        "objective": "trainer",
-        "prometheusUrl": f"http://127.0.0.1:{prom_port}",
-        "targetPerReplica": 16,
-        "pollIntervalSeconds": 2,
-        "scaleDownWindowSeconds": 0,
-        "pendingTimeoutSeconds": 20,
-    }
     name = run["metadata"]["name"]
     exporter = RunExporter(cluster, namespace, name)
-    exporter.thread.start()
-    prometheus = start_prometheus(tmp_path, prom_port, f"127.0.0.1:{exporter.port}")
-    b200 = set(GPU_TABLE["B200"].gfd_products)
-    nodes = [
-        n["metadata"]["name"]
-        for n in cluster.get("nodes")["items"]
-        if n["metadata"]["labels"].get(GPU_PRODUCT_LABEL) in b200
-    ]
+    nodes = cluster.gpu_nodes("B200")
     assert nodes, "the test bed has B200 nodes"
-    try:
-        cluster.apply(run)
+    with scraped(exporter, tmp_path, prom_port):
+        try:
+            cluster.apply(run)
 
-        def replicas() -> tuple[int, int] | None:
-            found = cluster.kubectl(
-                "get", f"sp/{name}-{CHEAP}", f"sp/{name}-{NEXT}", "-n", namespace, "-o", "json", check=False
-            )
-            if found.returncode != 0:
-                return None
-            cheap, nxt = json.loads(found.stdout)["items"]
-            return cheap["spec"]["replicas"], nxt["spec"]["replicas"]
-
-        def ready() -> tuple[int, int]:
-            pools = (cluster.get(f"sp/{name}-{pool}", "-n", namespace) for pool in (CHEAP, NEXT))
-            cheap, nxt = (int(p.get("status", {}).get("readyReplicas") or 0) for p in pools)
-            return cheap, nxt
-
-        def router_shares() -> dict[str, float]:
-            """The router's rule on the ready replicas the test bed reports (the router is not run)."""
-            counts = dict(zip((CHEAP, NEXT), ready(), strict=True))
-            return target_shares({p: PoolCapacity(CAPACITY[p], None, counts[p]) for p in counts})
-
-        def details() -> str:
-            """What the objective read and decided, and the operator's autoscaling log."""
-            decisions = {
-                pool: cluster.get(f"sp/{name}-{pool}", "-n", namespace)["status"].get(
-                    "lastScaleDecisions", []
+            def replicas() -> tuple[int, int] | None:
+                found = cluster.kubectl(
+                    "get",
+                    f"sp/{name}-{CHEAP}",
+                    f"sp/{name}-{NEXT}",
+                    "-n",
+                    namespace,
+                    "-o",
+                    "json",
+                    check=False,
                 )
-                for pool in RATE
-            }
-            log = [
-                line
-                for line in operator.log_tail(2000).splitlines()
-                if "autoscal" in line and "Handler" not in line
-            ]
-            return (
-                f"Prometheus: {objective_inputs(f'http://127.0.0.1:{prom_port}', namespace, name)}"
-                f"\ndecisions: {json.dumps(decisions, indent=1)}\noperator log:\n" + "\n".join(log[-60:])
+                if found.returncode != 0:
+                    return None
+                cheap, nxt = json.loads(found.stdout)["items"]
+                return cheap["spec"]["replicas"], nxt["spec"]["replicas"]
+
+            def ready() -> tuple[int, int]:
+                pools = (cluster.get(f"sp/{name}-{pool}", "-n", namespace) for pool in (CHEAP, NEXT))
+                cheap, nxt = (int(p.get("status", {}).get("readyReplicas") or 0) for p in pools)
+                return cheap, nxt
+
+            def router_shares() -> dict[str, float]:
+                """The router's rule on the ready replicas the test bed reports (the router is not run)."""
+                counts = dict(zip((CHEAP, NEXT), ready(), strict=True))
+                return target_shares({p: PoolCapacity(CAPACITY[p], None, counts[p]) for p in counts})
+
+            def details() -> str:
+                """What the objective read and decided, and the operator's autoscaling log."""
+                decisions = {
+                    pool: cluster.get(f"sp/{name}-{pool}", "-n", namespace)["status"].get(
+                        "lastScaleDecisions", []
+                    )
+                    for pool in RATE
+                }
+                log = [
+                    line
+                    for line in operator.log_tail(2000).splitlines()
+                    if "autoscal" in line and "Handler" not in line
+                ]
+                return (
+                    f"Prometheus: {objective_inputs(f'http://127.0.0.1:{prom_port}', namespace, name)}"
+                    f"\ndecisions: {json.dumps(decisions, indent=1)}\noperator log:\n" + "\n".join(log[-60:])
+                )
+
+            def explained(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return wait_for(*args, **kwargs)
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}\n{details()}") from None
+
+            # 3.8 trajectories/s at 1.0 per b200 replica: four b200 replicas, the next pool asleep.
+            explained(replicas, equals=(4, 0), timeout=120, what="the fleet sized to the trainer on b200")
+            wait_for(
+                lambda: len(exporter.running(CHEAP)), equals=4, timeout=60, what="four b200 pods Running"
             )
-
-        def explained(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return wait_for(*args, **kwargs)
-            except AssertionError as exc:
-                raise AssertionError(f"{exc}\n{details()}") from None
-
-        # 3.8 trajectories/s at 1.0 per b200 replica: four b200 replicas, the next pool asleep.
-        explained(replicas, equals=(4, 0), timeout=120, what="the fleet sized to the trainer on b200")
-        wait_for(lambda: len(exporter.running(CHEAP)), equals=4, timeout=60, what="four b200 pods Running")
-        wait_for(ready, equals=(4, 0), timeout=60, what="four b200 replicas ready in the pool's status")
-        assert router_shares() == {CHEAP: 1.0, NEXT: 0.0}
-        cluster.kubectl("taint", "nodes", *nodes, TAINT)  # the b200 nodes are lost
-        # Their pods are evicted, the replacements stay Pending, Unschedulable: the cluster says they
-        # are stuck (rule 8), the b200 pool keeps what runs (none) and h200-fp8 takes the demand:
-        # ceil(3.8 / 0.5625) = 7.
-        explained(replicas, equals=(1, 7), timeout=300, what="capacity moved to h200-fp8")
-        wait_for(lambda: len(exporter.running(NEXT)), equals=7, timeout=120, what="seven h200 pods Running")
-        decisions = cluster.get(f"sp/{name}-{NEXT}", "-n", namespace)["status"]["lastScaleDecisions"]
-        assert "cheapest throughput first" in decisions[-1]["reason"]
-        wait_for(ready, equals=(0, 7), timeout=60, what="seven h200 replicas ready, none on b200")
-        assert router_shares() == {CHEAP: 0.0, NEXT: 1.0}
-        # Settled: no reversal for longer than the pending timeout (the Pending b200 replica's
-        # clock restarting must not count it as capacity again and take h200 replicas back).
-        seen = set()
-        deadline = time.monotonic() + 45
-        while time.monotonic() < deadline:
-            seen.add(replicas())
-            time.sleep(1)
-        # Before policy.fleet_pending's probation, once the block after the release ended the
-        # fill grew the cheaper lost pool again (its new Pending replicas counted as supply for
-        # the poll that ordered them) and, with no scale-down window here, dropped h200-fp8:
-        # (1, 7) then (5, 0) in 2 of 4 runs on 2026-12-01.
-        assert seen == {(1, 7)}, f"the fleet moved after the loss was covered: {sorted(seen)}\n{details()}"
-    finally:
-        cluster.kubectl("taint", "nodes", *nodes, TAINT.split("=")[0] + "-", check=False)
-        prometheus.terminate()
-        prometheus.wait(10)
-        exporter.server.shutdown()
-        exporter.server.server_close()
+            wait_for(ready, equals=(4, 0), timeout=60, what="four b200 replicas ready in the pool's status")
+            assert router_shares() == {CHEAP: 1.0, NEXT: 0.0}
+            cluster.kubectl("taint", "nodes", *nodes, TAINT)  # the b200 nodes are lost
+            # Their pods are evicted, the replacements stay Pending, Unschedulable: the cluster says they
+            # are stuck (rule 8), the b200 pool keeps what runs (none) and h200-fp8 takes the demand:
+            # ceil(3.8 / 0.5625) = 7.
+            explained(replicas, equals=(1, 7), timeout=300, what="capacity moved to h200-fp8")
+            wait_for(
+                lambda: len(exporter.running(NEXT)), equals=7, timeout=120, what="seven h200 pods Running"
+            )
+            decisions = cluster.get(f"sp/{name}-{NEXT}", "-n", namespace)["status"]["lastScaleDecisions"]
+            assert "cheapest throughput first" in decisions[-1]["reason"]
+            wait_for(ready, equals=(0, 7), timeout=60, what="seven h200 replicas ready, none on b200")
+            assert router_shares() == {CHEAP: 0.0, NEXT: 1.0}
+            # Settled: no reversal for longer than the pending timeout (the Pending b200 replica's
+            # clock restarting must not count it as capacity again and take h200 replicas back).
+            seen = set()
+            deadline = time.monotonic() + 45
+            while time.monotonic() < deadline:
+                seen.add(replicas())
+                time.sleep(1)
+            # Before policy.fleet_pending's probation, once the block after the release ended the
+            # fill grew the cheaper lost pool again (its new Pending replicas counted as supply for
+            # the poll that ordered them) and, with no scale-down window here, dropped h200-fp8:
+            # (1, 7) then (5, 0) in 2 of 4 runs on 2026-12-01.
+            assert seen == {(1, 7)}, (
+                f"the fleet moved after the loss was covered: {sorted(seen)}\n{details()}"
+            )
+        finally:
+            cluster.kubectl("taint", "nodes", *nodes, TAINT.split("=")[0] + "-", check=False)

@@ -21,7 +21,7 @@ import yaml
 from mixrl.devcluster.cluster import free_port
 
 from .conftest import ROOT, Bed, OperatorProcess, wait_for
-from .test_autoscaling import POOL, TARGET, PoolExporter, pool_replicas, start_prometheus
+from .test_autoscaling import POOL, TARGET, PoolExporter, pool_replicas, scraped
 
 pytestmark = pytest.mark.needs_prometheus
 
@@ -60,9 +60,7 @@ def test_keda_scales_a_pool_through_the_hpa_from_prometheus(
     run = keda_run(namespace, f"http://127.0.0.1:{prom_port}")
     name = f"{run['metadata']['name']}-{POOL}"
     exporter = PoolExporter(cluster, namespace, name)
-    exporter.thread.start()
-    prometheus = start_prometheus(tmp_path, prom_port, f"127.0.0.1:{exporter.port}")
-    try:
+    with scraped(exporter, tmp_path, prom_port):
         cluster.apply(run)
 
         # The operator's ScaledObject, and the HPA KEDA made of it, aimed at the SamplerPool.
@@ -114,8 +112,3 @@ def test_keda_scales_a_pool_through_the_hpa_from_prometheus(
         assert any("New size: 1" in m for m in sizes), sizes
         status = cluster.get(f"sp/{name}", "-n", namespace).get("status", {})
         assert not status.get("lastScaleDecisions"), status.get("lastScaleDecisions")
-    finally:
-        prometheus.terminate()
-        prometheus.wait(10)
-        exporter.server.shutdown()
-        exporter.server.server_close()

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_RESOURCE, GPU_TABLE
+from mixrl.api.gpus import GPU_RESOURCE
 from mixrl.devcluster.addons import start_addon, stop_addon
 from mixrl.operator.builders.lws import LEADER_ADDRESS_ENV, WORKER_INDEX_ENV, WORKER_INDEX_LABEL
 
@@ -80,11 +80,7 @@ def env_of(pod: dict[str, Any]) -> dict[str, str]:
 def check_groups(cluster: Bed, namespace: str, pods: list[dict[str, Any]], groups: int) -> None:
     """``groups`` groups of a leader and a worker, every pod on a node of its own with 8 of its H200
     GPUs, each carrying what LWS's pod webhook adds."""
-    h200 = {
-        n["metadata"]["name"]
-        for n in cluster.get("nodes")["items"]
-        if n["metadata"]["labels"].get(GPU_PRODUCT_LABEL) in GPU_TABLE["H200"].gfd_products
-    }
+    h200 = set(cluster.gpu_nodes("H200"))
     nodes = [pod["spec"]["nodeName"] for pod in pods]
     assert len(set(nodes)) == len(nodes) == 2 * groups and set(nodes) <= h200, nodes
     names = sorted(pod["metadata"]["name"] for pod in pods)

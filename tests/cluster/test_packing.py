@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import yaml
 
-from mixrl.api.gpus import GPU_PRODUCT_LABEL, GPU_TABLE
 from mixrl.api.scheduling import DEFAULT_SCHEDULER, PACKING_SCHEDULER
 
 from .conftest import ROOT, Bed, start_operator, stop_operator, wait_for
@@ -96,11 +95,7 @@ def namespaces(cluster: Bed) -> Iterator[tuple[str, str]]:
 
 def fragmentation_scenario(cluster: Bed, first: str, second: str) -> list[dict[str, Any]]:
     """Both runs applied one after the other; returns every GPU pod, all placed."""
-    h100 = [
-        n["metadata"]["name"]
-        for n in cluster.get("nodes")["items"]
-        if n["metadata"]["labels"].get(GPU_PRODUCT_LABEL) in GPU_TABLE["H100"].gfd_products
-    ]
+    h100 = cluster.gpu_nodes("H100")
     assert len(h100) == 3, f"the bed's fleet has three 8-GPU H100 nodes: {h100}"
     cluster.apply(first_run(first))
     small = wait_for(

@@ -23,12 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mixrl.devcluster.cluster import free_port
 
-from .conftest import ROOT, Bed, OperatorProcess, wait_for
-from .test_autoscaling import start_prometheus
+from .conftest import Bed, OperatorProcess, wait_for
+from .test_autoscaling import builtin_run, scraped
 from .test_autoscaling_capacity_loss import BUSY_S, CAPACITY, CHEAP, RATE, RunExporter
 
 DEMAND = 1024 / BUSY_S * (1 - 0.05)  # the default trainerIdleTarget
@@ -39,26 +37,16 @@ POLL_S = 2
 def test_the_operator_writes_the_recommended_concurrency_only_when_it_changes(
     cluster: Bed, operator: OperatorProcess, namespace: str, tmp_path: Path
 ) -> None:
-    run = yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
-    run["metadata"]["namespace"] = namespace
-    # One pool: with a second one asleep, the figure would rest on that pool's estimated rate.
-    (b200,) = [p for p in run["spec"]["samplerPools"] if p["name"] == CHEAP]
-    b200.update(minReplicas=1, maxReplicas=8)
-    run["spec"]["samplerPools"] = [b200]
-    run["spec"]["rollout"].update(concurrency=4, workers=4)
     prom_port = free_port()
-    run["spec"]["autoscaling"] = {
-        "engine": "builtin",
-        "objective": "trainer",
-        "prometheusUrl": f"http://127.0.0.1:{prom_port}",
-        "targetPerReplica": 16,
-        "pollIntervalSeconds": POLL_S,
-        "scaleDownWindowSeconds": 0,
-    }
+    # One pool: with a second one asleep, the figure would rest on that pool's estimated rate.
+    run = builtin_run(
+        namespace, [CHEAP], prom_port, objective="trainer", targetPerReplica=16, pollIntervalSeconds=POLL_S
+    )
+    (b200,) = run["spec"]["samplerPools"]
+    b200.update(minReplicas=1, maxReplicas=8)
+    run["spec"]["rollout"].update(concurrency=4, workers=4)
     name = run["metadata"]["name"]
     exporter = RunExporter(cluster, namespace, name)
-    exporter.thread.start()
-    prometheus = start_prometheus(tmp_path, prom_port, f"127.0.0.1:{exporter.port}")
 
     def recommendation() -> dict[str, Any] | None:
         return (cluster.get(f"rlrun/{name}", "-n", namespace).get("status") or {}).get(
@@ -83,7 +71,7 @@ def test_the_operator_writes_the_recommended_concurrency_only_when_it_changes(
                 "\noperator log:\n" + "\n".join(log[-40:])
             ) from None
 
-    try:
+    with scraped(exporter, tmp_path, prom_port):
         cluster.apply(run)
         # 1. Written, through the operator's status patch, as the API server stores it.  The rate
         # estimate is smoothed from poll to poll, so the figure may be rewritten while it settles.
@@ -138,8 +126,3 @@ def test_the_operator_writes_the_recommended_concurrency_only_when_it_changes(
             timeout=60,
             what="the fleet sized to the trainer once the concurrency allows",
         )
-    finally:
-        prometheus.terminate()
-        prometheus.wait(10)
-        exporter.server.shutdown()
-        exporter.server.server_close()
