@@ -283,6 +283,16 @@ def test_a_pool_measured_far_off_its_declared_capacity_gets_a_condition_naming_b
     assert "conditions" not in live_pool_status({}, {}, declared=3.2)
 
 
+def unschedulable(message: str) -> dict[str, Any]:
+    """A Pending pod's status as the scheduler writes it when it cannot place the pod."""
+    return {
+        "phase": "Pending",
+        "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+        ],
+    }
+
+
 def test_a_pod_the_scheduler_cannot_place_is_named_with_what_it_needs_and_why() -> None:
     trainer = {
         "metadata": {
@@ -290,17 +300,9 @@ def test_a_pod_the_scheduler_cannot_place_is_named_with_what_it_needs_and_why() 
             "labels": {"app.kubernetes.io/component": "trainer", "mixrl.dev/gpu-type": "H100"},
         },
         "spec": {"containers": [{"name": "trainer", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
-        "status": {
-            "phase": "Pending",
-            "conditions": [
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "message": "0/25 nodes are available: 3 Insufficient nvidia.com/gpu,\n 22 node(s) didn't match Pod's node affinity/selector.",
-                }
-            ],
-        },
+        "status": unschedulable(
+            "0/25 nodes are available: 3 Insufficient nvidia.com/gpu,\n 22 node(s) didn't match Pod's node affinity/selector."
+        ),
     }
     placed = {
         "metadata": {"name": "demo-trainer-0"},
@@ -371,17 +373,9 @@ def unplaced_trainer(gpus: int = 8) -> dict[str, Any]:
                 }
             },
         },
-        "status": {
-            "phase": "Pending",
-            "conditions": [
-                {
-                    "type": "PodScheduled",
-                    "status": "False",
-                    "reason": "Unschedulable",
-                    "message": "0/6 nodes are available: 2 Insufficient nvidia.com/gpu, 4 node(s) didn't match Pod's node affinity/selector.",
-                }
-            ],
-        },
+        "status": unschedulable(
+            "0/6 nodes are available: 2 Insufficient nvidia.com/gpu, 4 node(s) didn't match Pod's node affinity/selector."
+        ),
     }
 
 
