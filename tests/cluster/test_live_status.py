@@ -277,3 +277,29 @@ def test_a_run_whose_trainer_cannot_be_placed_says_what_it_needs_why_and_who_hol
         ours[0]["message"].startswith(f"trainer pod {name}-trainer-")
         and "A100 node(s) it may use" in ours[0]["message"]
     )
+
+
+def test_an_engine_pod_that_cannot_be_placed_is_named_from_the_unbound_pods_alone(
+    cluster: Bed, status_operator: OperatorProcess, namespace: str
+) -> None:
+    """The status loop reads only a run's engine pods that are on no node yet (a field selector the
+    real API server applies; the emulator of tests/operator ignores it): a pool pod whose node
+    selector matches no node is among them, and named with the scheduler's reason."""
+    run = yaml.safe_load((ROOT / "examples" / "rlrun-minimal.yaml").read_text())
+    run["metadata"]["namespace"] = namespace
+    name = run["metadata"]["name"]
+    pool = run["spec"]["samplerPools"][0]
+    pool["scheduling"] = {"nodeSelector": {"example.com/zone": "nowhere"}}
+    cluster.apply(run)
+
+    def placed() -> dict[str, Any]:
+        status = cluster.get(f"rlrun/{name}", "-n", namespace).get("status") or {}
+        return next((c for c in status.get("conditions", []) if c["type"] == "PodsPlaced"), {})
+
+    condition = wait_for(
+        lambda: placed() if placed().get("status") == "False" else None,
+        timeout=60,
+        what="PodsPlaced False naming the pool's pod",
+    )
+    assert condition["message"].startswith(f"pool {pool['name']}'s pod {name}-{pool['name']}-"), condition
+    assert "didn't match Pod's node affinity/selector" in condition["message"], condition

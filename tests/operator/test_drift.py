@@ -336,8 +336,8 @@ async def test_a_new_runs_children_are_created_without_reading_them_first(
     api: ApiServer, operator: Any
 ) -> None:
     # Created while the watches ran: a child they never showed does not exist, so the run's and
-    # its pools' first reconciles apply it straight away; only kinds created by POST are read
-    # first (the run's token Secret, the claims, the SamplerPools, whose replicas are set once).
+    # its pools' first reconciles create it straight away (a POST is refused if it exists after
+    # all); only kinds no watch shows are read first (the run's token Secret and its claims).
     # No live status loop: it reads the run on its own clock, which is not what is counted here.
     async with operator(live_status=None) as runtime:
         # After kopf listed the runs (those of its first listing may predate it) and watches them.
@@ -349,8 +349,11 @@ async def test_a_new_runs_children_are_created_without_reading_them_first(
         reads = {plural: runtime.client.calls[("get", plural)] for plural in ("deployments", "services")}
         assert reads == {"deployments": 0, "services": 0}, reads
         # The run itself is read from the API server once, to make sure it still exists before
-        # its children are created (a reconcile's owner check), not by every reconcile.
+        # its children are created (a reconcile's owner check), not by every reconcile; so is each
+        # pool, by its own reconcile, and by nothing else.
         assert runtime.client.calls[("get", "rlruns")] == 1
+        pools = [name for kind, _, name in runtime.known.values() if kind == "SamplerPool"]
+        assert pools and runtime.client.calls[("get", "samplerpools")] == len(pools)
     # A restarted operator did not see them created: it reads each before comparing.
     async with operator() as runtime:
         await eventually(lambda: runtime.client.calls[("get", "deployments")] >= 1, what="the resumed reads")

@@ -423,13 +423,12 @@ def absent_as_watched(
     client: KubeClient, resource: ApiResource, namespace: str, name: str, seed: Obj | None
 ) -> bool:
     """Whether a child may be created without reading it first: the watches, which show every
-    object of its kind carrying the operator's label, never showed it, and its creation is a
-    server-side apply, which updates it instead if it exists after all (a kind created by POST,
-    or with fields set only on creation, is read first).  Saves a GET per child a new run's
-    reconciles create."""
+    object of its kind carrying the operator's label, never showed it, and its creation cannot
+    overwrite one that exists after all — a POST is refused (409, then read: :func:`create`), a
+    server-side apply updates it instead, which is why one that sets fields only on creation
+    (``seed``) is read first.  Saves a GET per child a new run's reconciles create."""
     return (
-        seed is None
-        and resource not in CREATED_BY_POST
+        (seed is None or resource in CREATED_BY_POST)
         and client.cache.keeps(resource)
         and client.cache.get(resource, namespace, name) is None
     )

@@ -143,16 +143,8 @@ def controller_of(obj: Obj) -> tuple[str, str] | None:
 
 
 def register_autoscaling(registry: kopf.OperatorRegistry, loop: AutoscalingLoop) -> None:
-    """Feed the built-in autoscaler the RLRuns and SamplerPools kopf watches, and run it from
-    startup to cleanup.  No kopf timer or daemon: those would put a finalizer on every pool."""
-
-    @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
-    def autoscaler_sees_run(body: kopf.Body, type: str | None, **_: Any) -> None:
-        loop.observe_run(plain(body), deleted=type == "DELETED")
-
-    @kopf.on.event(GROUP, VERSION, "samplerpools", registry=registry)
-    def autoscaler_sees_pool(body: kopf.Body, type: str | None, **_: Any) -> None:
-        loop.observe_pool(plain(body), deleted=type == "DELETED")
+    """Run the built-in autoscaler from startup to cleanup (the RLRun and SamplerPool events feed it:
+    :func:`build_registry`).  No kopf timer or daemon: those would put a finalizer on every pool."""
 
     @kopf.on.startup(registry=registry)
     async def autoscaler_start(**_: Any) -> None:
@@ -164,11 +156,7 @@ def register_autoscaling(registry: kopf.OperatorRegistry, loop: AutoscalingLoop)
 
 
 def register_live_status(registry: kopf.OperatorRegistry, observer: StatusObserver) -> None:
-    """Feed the live status loop the RLRuns kopf watches, and run it from startup to cleanup."""
-
-    @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
-    def status_sees_run(body: kopf.Body, type: str | None, **_: Any) -> None:
-        observer.observe_run(plain(body), deleted=type == "DELETED")
+    """Run the live status loop from startup to cleanup (the RLRun events feed it: :func:`build_registry`)."""
 
     @kopf.on.startup(registry=registry)
     async def status_start(**_: Any) -> None:
@@ -247,30 +235,40 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
             rt.connection = Connection.from_kopf(info)
         return info
 
-    def changed(body: kopf.Body, type: str | None) -> Obj:
+    def changed(obj: Obj, type: str | None) -> None:
         # A change of the object itself reconciles it now, ahead of the queued child events; the
         # operator's start (kopf's first listing, type None) reconciles everything from the API
         # server, in the queue.  Its own status writes do not count as a change.
-        obj = plain(body)
         if rt.observe(obj, deleted=type == "DELETED", listed=type is None):
             meta = obj["metadata"]
             start = type is None
             rt.request(
                 obj["kind"], meta["namespace"], meta["name"], fresh=start, debounce=False, limited=start
             )
-        return obj
 
+    # One handler per kind, and async: kopf runs a plain function in a thread of its executor, and
+    # each handler is a call of its own per event; the body is copied once and shared (nothing
+    # below changes it).
     @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
     async def run_event(body: kopf.Body, type: str | None, **_: Any) -> None:
-        changed(body, type)
+        run, deleted = plain(body), type == "DELETED"
+        if rt.autoscaler is not None:
+            rt.autoscaler.observe_run(run, deleted)
+        if rt.observer is not None:
+            rt.observer.observe_run(run, deleted)
+        changed(run, type)
 
     @kopf.on.event(GROUP, VERSION, "samplerpools", registry=registry)
     async def pool_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        pool = plain(body)
+        if rt.autoscaler is not None:
+            rt.autoscaler.observe_pool(pool, type == "DELETED")
+        changed(pool, type)
         # Also: a pool's readiness is part of its run's status, while a deleted pool that the run
         # still declares is recreated by the run's reconcile.
-        owner = controller_of(changed(body, type))
+        owner = controller_of(pool)
         if owner is not None:
-            rt.request(owner[0], body["metadata"]["namespace"], owner[1])
+            rt.request(owner[0], pool["metadata"]["namespace"], owner[1])
 
     async def child_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         # Any event, deletions included: the owner's reconcile restores what differs.

@@ -141,6 +141,10 @@ def created_at(body: Obj) -> float | None:
         return None
 
 
+UNBOUND = "spec.nodeName="
+"""A field selector for the pods the scheduler has not bound to a node yet."""
+
+
 @dataclass
 class ObserverSettings:
     interval_s: float = 15.0
@@ -260,9 +264,15 @@ class StatusObserver(Ticker):
             problem = (exc.reason, exc.message)
         pods = await self.client.list(PODS, namespace, L.selector_labels(name, "trainer"))
         failure = trainer_failure(pods)
-        samplers = await self.client.list(PODS, namespace, L.selector_labels(name, "sampler"))
+        # Of the engines only those on no node yet: the ones the scheduler may not be able to place
+        # (every pod of a run's pools, read every interval, was most of the loop's cost).
+        samplers = await self.client.list(
+            PODS, namespace, L.selector_labels(name, "sampler"), field_selector=UNBOUND
+        )
         unplaced = await self._placement([*pods, *samplers], now)
-        pool_bodies = await self.client.list(SAMPLERPOOLS, namespace, L.selector_labels(name, "sampler"))
+        pool_bodies = await self.client.list(
+            SAMPLERPOOLS, namespace, L.selector_labels(name, "sampler"), cached=True
+        )
         collapse_spec = run.spec.health.collapse
         records = [memory.records[step] for step in sorted(memory.records)]
         assessment = assess(records, collapse_spec) if records else None
@@ -385,7 +395,12 @@ class StatusObserver(Ticker):
         """Each pool's live figures and CapacityMismatch condition (a Warning on the run when it
         turns True)."""
         namespace, run = run_body["metadata"]["namespace"], run_body["metadata"]["name"]
-        for listed in await self.client.list(SAMPLERPOOLS, namespace, L.selector_labels(run, "sampler")):
+        # The pools as the watches showed them; each one whose status would change is read again
+        # under its lock before the write.
+        listed_pools = await self.client.list(
+            SAMPLERPOOLS, namespace, L.selector_labels(run, "sampler"), cached=True
+        )
+        for listed in listed_pools:
             name = listed["metadata"]["name"]
             if now - memory.last_write.get(name, -math.inf) < self.settings.min_write_interval_s:
                 continue

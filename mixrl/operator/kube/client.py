@@ -270,21 +270,29 @@ class KubeClient:
         return [item for item in (found or {}).get("items", [])]
 
     async def list(
-        self, resource: ApiResource, namespace: str, label_selector: dict[str, str], cached: bool = False
+        self,
+        resource: ApiResource,
+        namespace: str,
+        label_selector: dict[str, str],
+        cached: bool = False,
+        field_selector: str = "",
     ) -> list[Obj]:
-        """The objects of ``resource`` in ``namespace`` carrying ``label_selector``; ``cached``: those
-        the watches last showed, where the kind is watched (:mod:`mixrl.operator.kube.cache`)."""
-        if cached and self.cache.keeps(resource):
+        """The objects of ``resource`` in ``namespace`` carrying ``label_selector`` (and matching
+        ``field_selector``, applied by the server); ``cached``: those the watches last showed, where
+        the kind is watched (:mod:`mixrl.operator.kube.cache`) and no field selector is asked."""
+        if cached and not field_selector and self.cache.keeps(resource):
             return self.cache.list(resource, namespace, label_selector)
-        return (await self.list_as_of(resource, namespace, label_selector))[0]
+        return (await self.list_as_of(resource, namespace, label_selector, field_selector))[0]
 
     async def list_as_of(
-        self, resource: ApiResource, namespace: str, label_selector: dict[str, str]
+        self, resource: ApiResource, namespace: str, label_selector: dict[str, str], field_selector: str = ""
     ) -> tuple[Objs, str]:
-        """The objects of ``resource`` in ``namespace`` carrying ``label_selector``, and the
-        resource version the list was taken at."""
+        """The objects of ``resource`` in ``namespace`` carrying ``label_selector`` (and matching
+        ``field_selector``), and the resource version the list was taken at."""
         selector = ",".join(f"{k}={v}" for k, v in sorted(label_selector.items()))
         params = {"labelSelector": selector} if selector else {}
+        if field_selector:
+            params["fieldSelector"] = field_selector
         found = await self.request("list", "GET", resource, namespace=namespace, params=params)
         items: list[Obj] = found.get("items", []) if found else []
         version = str(((found or {}).get("metadata") or {}).get("resourceVersion") or "")
