@@ -11,6 +11,7 @@ import pytest
 
 from mixrl.api.models import GROUP
 from mixrl.api.status import ConcurrencyRecommendation
+from mixrl.operator.autoscaling import loop as loop_module
 from mixrl.operator.autoscaling.fleet_objective import FleetPlan, ObjectiveMemory
 from mixrl.operator.autoscaling.plan import concurrency_status
 from mixrl.operator.autoscaling.promql import (
@@ -268,3 +269,17 @@ async def test_a_speeding_trainer_is_planned_a_learned_cold_start_ahead_through_
         await h.poll_run()
     reasons = [d["reason"] for d in h.api.pools[f"{RUN}-b300-nvfp4"]["status"]["lastScaleDecisions"]]
     assert any("trainer speeding up" in r and "600 s" in r for r in reasons), reasons
+
+
+def test_a_run_is_resolved_once_per_event_not_at_every_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    h = concurrency_bound()
+    resolved: list[object] = []
+    real = loop_module.run_to_scale
+    monkeypatch.setattr(loop_module, "run_to_scale", lambda body: resolved.append(body) or real(body))
+    pool = h.loop.pools[(NS, f"{RUN}-b300-nvfp4")]
+    first = h.loop.resolved_run(pool)
+    assert first is not None and all(h.loop.resolved_run(pool) is first for _ in range(3))
+    assert len(resolved) == 1
+    run = dict(h.loop.runs[(NS, RUN)])  # an event: the run as it is now, ended
+    h.loop.observe_run({**run, "status": {"phase": "Succeeded"}}, deleted=False)
+    assert h.loop.resolved_run(pool) is None and len(resolved) == 2

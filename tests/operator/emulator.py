@@ -227,8 +227,12 @@ class ApiServer(kmock.KubernetesEmulator):
         return fault
 
     def tamper(self, resource: str, namespace: str | None, name: str, patch: Obj) -> None:
-        """Merge-patch the stored object without a watch event (nor a new resourceVersion)."""
-        self.objects[kmock.resource(resource), namespace, name].patch(patch)
+        """Merge-patch the stored object without a watch event (one the watch missed): its
+        resourceVersion moves, as every write on an API server moves it."""
+        version = str(next(self._versions))
+        self.objects[kmock.resource(resource), namespace, name].patch(
+            {**patch, "metadata": {**patch.get("metadata", {}), "resourceVersion": version}}
+        )
 
     def vanish(self, resource: str, namespace: str | None, name: str) -> None:
         """Remove the stored object without a watch event."""

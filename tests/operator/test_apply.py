@@ -25,6 +25,7 @@ from mixrl.operator.controller.apply import (
     immutable_changes,
     immutable_in_message,
     label,
+    live_hand_edit,
     quantity,
 )
 from mixrl.operator.controller.handlers import watched_children
@@ -97,6 +98,18 @@ def test_hand_edits_name_the_field_that_changed() -> None:
     live = as_served(router)
     live["spec"]["template"]["spec"]["containers"][0]["command"].append("--debug")
     assert hand_edit(router, live) is not None, "a list of scalars (a command) must be equal"
+
+
+def test_a_served_objects_comparison_is_remembered_until_its_version_moves() -> None:
+    router = built(small_run())["Deployment/demo-router"]
+    live = as_served(router)
+    live["metadata"].update(uid="router-uid", resourceVersion="41")
+    assert live_hand_edit(router, live) is None
+    # The same version is the same object on an API server: its answer is not worked out again.
+    live["spec"]["replicas"] = 7
+    assert live_hand_edit(router, live) is None
+    live["metadata"]["resourceVersion"] = "42"
+    assert live_hand_edit(router, live) == "spec.replicas"
 
 
 def test_what_others_add_is_not_drift() -> None:

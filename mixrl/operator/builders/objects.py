@@ -397,6 +397,9 @@ def stable_hash(value: Any) -> str:
 
 def desired_hash(obj: Obj) -> str:
     """Hash of a desired object, ignoring the hash annotation itself."""
+    annotations = obj.get("metadata", {}).get("annotations")
+    if annotations is None or (annotations and HASH_ANNOTATION not in annotations):
+        return stable_hash(obj)  # already what the copy below would make of it (a builder's object)
     stripped = json.loads(json.dumps(obj))
     meta = stripped.get("metadata", {})
     annotations = meta.get("annotations", {})

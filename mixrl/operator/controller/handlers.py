@@ -142,9 +142,20 @@ def controller_of(obj: Obj) -> tuple[str, str] | None:
     return None
 
 
-def register_autoscaling(registry: kopf.OperatorRegistry, loop: AutoscalingLoop) -> None:
-    """Run the built-in autoscaler from startup to cleanup (the RLRun and SamplerPool events feed it:
-    :func:`build_registry`).  No kopf timer or daemon: those would put a finalizer on every pool."""
+def register_autoscaling(registry: kopf.OperatorRegistry, loop: AutoscalingLoop, feed: bool = True) -> None:
+    """Run the built-in autoscaler from startup to cleanup, and with ``feed`` hand it the RLRuns and
+    SamplerPools kopf watches (the operator's registry feeds it from its own handlers of those kinds
+    instead: :func:`build_registry`).  No kopf timer or daemon: those would put a finalizer on
+    every pool."""
+    if feed:
+
+        @kopf.on.event(GROUP, VERSION, "rlruns", registry=registry)
+        async def autoscaler_sees_run(body: kopf.Body, type: str | None, **_: Any) -> None:
+            loop.observe_run(plain(body), deleted=type == "DELETED")
+
+        @kopf.on.event(GROUP, VERSION, "samplerpools", registry=registry)
+        async def autoscaler_sees_pool(body: kopf.Body, type: str | None, **_: Any) -> None:
+            loop.observe_pool(plain(body), deleted=type == "DELETED")
 
     @kopf.on.startup(registry=registry)
     async def autoscaler_start(**_: Any) -> None:
@@ -207,7 +218,7 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
             lock=lambda namespace, name: rt.lock(f"SamplerPool/{namespace}/{name}"),  # as lock_key()
             may_act=rt.active_in,
         )
-        register_autoscaling(registry, rt.autoscaler)
+        register_autoscaling(registry, rt.autoscaler, feed=False)  # run_event and pool_event feed it
 
     if config.live_status is not None:
         rt.observer = StatusObserver(
