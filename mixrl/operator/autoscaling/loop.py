@@ -199,7 +199,7 @@ class AutoscalingLoop(Ticker):
     # -- one tick
     def resolved_run(self, pool_body: Obj) -> ResolvedRun | None:
         """The pool's run, resolved once per watch event of it, not at every tick: a tick asks for
-        every pool's run, autoscaled or not (400 resolutions a second at 50 runs of 8 pools under
+        every pool's run, autoscaled or not (400 resolutions every 5 s at 50 runs of 8 pools under
         bench/cluster_scale.py)."""
         key = (
             pool_body["metadata"].get("namespace") or "default",
