@@ -9,29 +9,23 @@ run: setup
 	$(PY)/mixrl run examples/quickstart.yaml
 
 # `make test`: set-up, lint, builds, then the suite, each phase timed (scripts/phase.sh; .ci/run
-# prints the phases as a table). The suite is two pytest invocations (docs/testing.md): the tests
-# not marked serial on both cores (pytest-xdist, a test module to a worker, one torch thread
-# each), then the serial ones (a control plane, a real node, whole runs) in three lanes at once, each
-# one at a time: the KWOK control-plane tests, the real node's, the rest (scripts/serial_lanes.sh). Both
-# invocations run whatever fails in the other;
+# prints the phases as a table). The suite runs in four lanes (scripts/test_lanes.sh,
+# docs/testing.md): the KWOK control-plane tests and the real node's, each one at a time, started
+# together in the background; beside them the tests not marked serial on both cores (pytest-xdist,
+# a test module to a worker, one torch thread each), then the other serial tests (whole runs).
 # JUnit files go to $(TEST_REPORTS) (scripts/test_times.py reads them).
 TEST_BUILDS := k8s-bin k8s-addons images
 TEST_REPORTS := .venv/test-reports
 PYTEST := $(PY)/python -m pytest -q
-PYTEST_ARGS ?=  # added to both invocations, e.g. PYTEST_ARGS="--ignore=tests/cluster"
+PYTEST_ARGS ?=  # added to every lane's pytest, e.g. PYTEST_ARGS="--ignore=tests/cluster"
 test:
 	@rm -rf $(TEST_REPORTS)
 	@scripts/phase.sh set-up $(MAKE) --no-print-directory setup
 	@scripts/phase.sh lint $(MAKE) --no-print-directory lint
 	@scripts/phase.sh builds $(MAKE) --no-print-directory -j2 $(TEST_BUILDS)
 	@mkdir -p $(TEST_REPORTS)
-	@p=0; s=0; \
-	OMP_NUM_THREADS=1 scripts/phase.sh "tests on 2 cores" $(PYTEST) -n 2 --dist loadscope -m "not serial" \
-	  --junitxml=$(TEST_REPORTS)/parallel.xml $(PYTEST_ARGS) || p=$$?; \
-	scripts/phase.sh "serial tests" scripts/serial_lanes.sh $(TEST_REPORTS) $(PYTEST) $(PYTEST_ARGS) || s=$$?; \
-	$(PY)/python scripts/test_times.py --totals $(TEST_REPORTS)/*.xml; \
-	rc=0; for r in $$p $$s; do [ $$r -eq 0 ] || [ $$r -eq 5 ] || rc=$$r; done; \
-	[ $$p$$s != 55 ] || rc=5; exit $$rc
+	@rc=0; scripts/phase.sh tests scripts/test_lanes.sh $(TEST_REPORTS) $(PYTEST) $(PYTEST_ARGS) || rc=$$?; \
+	$(PY)/python scripts/test_times.py --totals $(TEST_REPORTS)/*.xml; exit $$rc
 
 lint:
 	$(PY)/ruff check mixrl tests bench

@@ -5,14 +5,15 @@
   without CUDA (or with too few GPUs) and a ``no_cuda`` test on a machine with CUDA, which this
   file skips itself. The CUDA-only tests are the ``cuda`` ones (``pytest -m cuda``), all in
   :data:`CUDA_TEST_FILES`, which ``scripts/gpu/trainer-check.sh`` runs on a GPU machine.
-- ``serial``: a test that needs the machine to itself; ``make test`` runs these after the others,
-  one at a time, and the rest on both cores (pytest-xdist). Besides the tests marked so, every
+- ``serial``: a test that must not share a worker with others; ``make test`` runs these one at a
+  time in their lanes, and the rest on both cores (pytest-xdist). Besides the tests marked so, every
   ``slow`` test (a multi-process integration run) and everything in tests/cluster and
   tests/devcluster (a control plane, a real node) is serial.
 - ``control_plane`` and ``real_node``: the serial tests of tests/cluster and tests/devcluster,
-  without and with the real-node bed (``real_bed``). ``make test`` runs three lanes of serial tests
-  at once, each one test at a time: the KWOK control-plane tests (they keep about a sixth of the
-  machine busy), the real node's, and the rest (whole runs, multi-process trainers).
+  without and with the real-node bed (``real_bed``). ``make test`` starts their two lanes together,
+  each one test at a time (the KWOK control-plane tests keep about a sixth of the machine busy; the
+  real node's mostly wait on pods), beside the tests on both cores and then the rest of the serial
+  ones (whole runs, multi-process trainers): scripts/test_lanes.sh.
 - Hypothesis runs the ``mixrl`` profile: derandomized and without an example database, so every
   machine tries the same cases (``--hypothesis-profile`` still chooses another).
 """
