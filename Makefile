@@ -10,9 +10,9 @@ run: setup
 
 # `make test`: set-up, lint, builds, then the suite, each phase timed (scripts/phase.sh; .ci/run
 # prints the phases as a table). The suite runs in four lanes (scripts/test_lanes.sh,
-# docs/testing.md): the KWOK control-plane tests and the real node's, each one at a time, started
-# together in the background; beside them the tests not marked serial on both cores (pytest-xdist,
-# a test module to a worker, one torch thread each), then the other serial tests (whole runs).
+# docs/testing.md): the tests not marked serial on both cores (pytest-xdist, a test module to a
+# worker, one torch thread each) beside the KWOK control-plane tests; after them, the real node's
+# tests beside the whole runs (the serial lanes one test at a time).
 # JUnit files go to $(TEST_REPORTS) (scripts/test_times.py reads them).
 TEST_BUILDS := k8s-bin k8s-addons images
 TEST_REPORTS := .venv/test-reports

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# scripts/test_lanes.sh REPORTS PYTEST [ARGS...]: the tests of `make test` in four lanes (docs/testing.md).
-# Started together, in the background, each one test at a time:
-#   - control-plane: the KWOK control-plane tests (`serial and control_plane`: they mostly wait on the
-#     API server, the operator and Prometheus; alone they keep about a sixth of the 2-core machine busy),
-#   - real-node: the real node's tests (`serial and real_node`: much of it waits on pods starting),
-# and beside them, in the foreground, one after the other:
+# scripts/test_lanes.sh REPORTS PYTEST [ARGS...]: the tests of `make test` in four lanes (docs/testing.md):
 #   - both-cores: the tests not marked serial, on both cores (pytest-xdist, a test module to a
-#     worker, one torch thread each),
-#   - whole-runs: the other serial tests (whole `mixrl run`s, multi-process trainers).
-# The two bed lanes are the longest and mostly wait, so they start first and the CPU-bound lanes fill
-# the cores they leave idle (when they started after the both-cores tests, the control-plane lane ran
-# its last minutes alone on an idle machine).
-# The bed lanes' output goes to REPORTS/<lane>.log, printed when every lane has ended; JUnit files
-# REPORTS/<lane>.xml. Each lane's end (seconds from the start) goes to MIXRL_PHASE_LOG when set, as
-# scripts/phase.sh's phases do. Exit: the first failing lane's status (in the order above), 5 when no
-# lane had a test to run, else 0.
+#     worker, one torch thread each), with beside it from the start
+#   - control-plane: the KWOK control-plane tests (`serial and control_plane`), one at a time: they
+#     mostly wait on the API server, the operator and Prometheus (alone, about a sixth of the 2-core
+#     machine busy), so they run longest and are started first;
+#   then, when the both-cores lane has ended, beside what is left of the control-plane lane:
+#   - real-node: the real node's tests (`serial and real_node`), one at a time,
+#   - whole-runs: the other serial tests (whole `mixrl run`s, multi-process trainers), one at a time.
+# Started after the both-cores lane, the control-plane lane used to run its last minutes alone on an
+# idle machine; the real node's pods beside the both-cores lane took half its cores (measured:
+# docs/testing.md, "Four lanes").
+# The background lanes' output goes to REPORTS/<lane>.log, printed when every lane has ended; JUnit
+# files REPORTS/<lane>.xml. When each lane ended (seconds from the start) goes to MIXRL_PHASE_LOG when
+# set, as scripts/phase.sh's phases do. Exit: the first failing lane's status (in the order above),
+# 5 when no lane had a test to run, else 0.
 set -u
 reports=$1
 shift
@@ -35,15 +35,19 @@ record_end() { # LANE EXIT END: record when the lane ended (END: epoch seconds)
   fi
 }
 
-for lane in "${background[@]}"; do
+in_background() { # LANE PYTEST...: run the lane's tests, their output to its log
+  local lane=$1
+  shift
   (
     "$@" -m "${marker[$lane]}" --junitxml="$reports/$lane.xml" >"$reports/$lane.log" 2>&1
     echo "$? $(date +%s)" >"$reports/$lane.end"
   ) &
-done
+}
 
+in_background control-plane "$@"
 OMP_NUM_THREADS=1 "$@" -n 2 --dist loadscope -m "not serial" --junitxml="$reports/both-cores.xml"
 record_end both-cores $? "$(date +%s)"
+in_background real-node "$@"
 "$@" -m "${marker[whole-runs]}" --junitxml="$reports/whole-runs.xml"
 record_end whole-runs $? "$(date +%s)"
 
@@ -55,7 +59,7 @@ for lane in "${background[@]}"; do
   record_end "$lane" "$rc" "$end"
 done
 
-order=(both-cores whole-runs "${background[@]}")
+order=(both-cores control-plane real-node whole-runs)
 summary="make test: lanes ended after"
 for lane in "${order[@]}"; do
   summary="$summary $lane ${ended[$lane]} s (exit ${code[$lane]}),"

@@ -10,10 +10,10 @@
   ``slow`` test (a multi-process integration run) and everything in tests/cluster and
   tests/devcluster (a control plane, a real node) is serial.
 - ``control_plane`` and ``real_node``: the serial tests of tests/cluster and tests/devcluster,
-  without and with the real-node bed (``real_bed``). ``make test`` starts their two lanes together,
-  each one test at a time (the KWOK control-plane tests keep about a sixth of the machine busy; the
-  real node's mostly wait on pods), beside the tests on both cores and then the rest of the serial
-  ones (whole runs, multi-process trainers): scripts/test_lanes.sh.
+  without and with the real-node bed (``real_bed``). ``make test`` runs each in a lane of its own,
+  one test at a time: the KWOK control-plane tests (about a sixth of the machine busy) beside the
+  tests on both cores, then the real node's beside the rest of the serial ones (whole runs,
+  multi-process trainers): scripts/test_lanes.sh.
 - Hypothesis runs the ``mixrl`` profile: derandomized and without an example database, so every
   machine tries the same cases (``--hypothesis-profile`` still chooses another).
 """
