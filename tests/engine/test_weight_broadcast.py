@@ -120,7 +120,11 @@ async def test_both_engines_serve_the_broadcast_version_and_decode_through_the_r
         during = [(t, n) for t, n in times if started + result.setup_s <= t <= ended]
         assert len(during) >= 3, f"decoding stopped during the receive: {len(during)} chunks in it"
         gaps = [b[0] - a[0] for a, b in itertools.pairwise(times) if started <= a[0] <= ended]
-        assert max(gaps) < max(0.5, result.transfer_s / 3), f"a pause of {max(gaps):.2f} s in decoding"
+        # The same engine's own pace before the broadcast is the noise floor: on two saturated
+        # cores (the suite's other lanes) a chunk now and then comes 0.5 s after the last anyway.
+        before = [b[0] - a[0] for a, b in itertools.pairwise(times) if b[0] < started] or [0.0]
+        allowed = max(0.5, result.transfer_s / 3, 2 * max(before))
+        assert max(gaps) < allowed, f"a pause of {max(gaps):.2f} s in decoding (at most {allowed:.2f} s)"
     reference_ids, _ = await greedy(setup.reference.url)
     for engine in setup.engines:
         async with EngineClient(engine.url, auth_token=TOKEN) as client:
