@@ -131,12 +131,16 @@ def test_drift_is_repaired_within_one_resync(
 def test_a_restarted_operator_makes_zero_writes_on_an_unchanged_cluster(
     cluster: Bed, operators: Callable[..., OperatorProcess], namespace: str
 ) -> None:
-    first = operators(name="first")
+    # The status loop reads every second and may write as often, so the quiet window of settled()
+    # spans several of its passes: with the defaults (15 s, writes 30 s apart) a status write the
+    # first operator still owed could fall to the second under load.
+    status_loop = ("--status-seconds=1", "--status-write-seconds=1")
+    first = operators(*status_loop, name="first")
     cluster.apply(small_run(namespace))
     settled(cluster, first, namespace)
     stop_operator(first)
     before = len(first.requests(cluster))  # the same user: the second operator's calls come after
-    second = operators(name="second")
+    second = operators(*status_loop, name="second")
     wait_for(
         lambda: "peering" in second.log.read_text() or "Resuming" in second.log.read_text(),
         30,
