@@ -235,6 +235,26 @@ def test_status_is_live_collapse_is_flagged_idle_costs_nothing_and_the_end_relea
         exporter.server.shutdown()
 
 
+def wait_for_unplaced(cluster: Bed, namespace: str, name: str, *parts: str) -> dict[str, Any]:
+    """The run's PodsPlaced condition once it is False and its message holds every one of ``parts``.
+    The scheduler's first try can precede the PV controller binding the weights claim ("pod has
+    unbound immediate PersistentVolumeClaims"), and under load the retry that replaces that reason
+    may come seconds later: so wait for the settled message, not the first False."""
+    last: dict[str, Any] = {}
+
+    def settled() -> dict[str, Any] | None:
+        status = cluster.get(f"rlrun/{name}", "-n", namespace).get("status") or {}
+        last.clear()
+        last.update(next((c for c in status.get("conditions", []) if c["type"] == "PodsPlaced"), {}))
+        message = last.get("message", "")
+        return last if last.get("status") == "False" and all(part in message for part in parts) else None
+
+    try:
+        return wait_for(settled, timeout=60, what=f"PodsPlaced False saying {parts}")
+    except AssertionError as error:
+        raise AssertionError(f"{error}; the condition last read: {last}") from None
+
+
 def test_a_run_whose_trainer_cannot_be_placed_says_what_it_needs_why_and_who_holds_the_gpus(
     cluster: Bed, status_operator: OperatorProcess, namespace: str
 ) -> None:
@@ -247,23 +267,14 @@ def test_a_run_whose_trainer_cannot_be_placed_says_what_it_needs_why_and_who_hol
     run["spec"]["trainer"].update(gpuType="A100", nodes=3, gpusPerNode=8)
     cluster.apply(run)
 
-    def placed() -> dict[str, Any]:
-        status = cluster.get(f"rlrun/{name}", "-n", namespace).get("status") or {}
-        return next((c for c in status.get("conditions", []) if c["type"] == "PodsPlaced"), {})
-
     holders = f"held by run {namespace}/{name} (16 GPUs in 2 pod(s))"
-    condition = wait_for(
-        lambda: placed() if holders in placed().get("message", "") else None,
-        timeout=60,
-        what="PodsPlaced False naming the run's own two pods as the A100s' holders",
-    )
+    condition = wait_for_unplaced(cluster, namespace, name, "Insufficient nvidia.com/gpu", holders)
     assert condition["status"] == "False" and condition["reason"] == "Unschedulable", condition
     # One of the three pods waits (which one: the StatefulSet starts them together).
     assert re.match(
         rf"trainer pod {name}-trainer-[0-2] needs 8 × A100 on one node and cannot be placed: 0/\d+ nodes",
         condition["message"],
     ), condition
-    assert "Insufficient nvidia.com/gpu" in condition["message"], condition
     # What would fix it: both A100 nodes the pod may use are full, and whose pods fill them.
     assert re.search(
         r"; 2 A100 node\(s\) it may use; GPUs free on the most free: \S+ 0, \S+ 0; none has 8 free: it fits "
@@ -292,14 +303,5 @@ def test_an_engine_pod_that_cannot_be_placed_is_named_from_the_unbound_pods_alon
     pool["scheduling"] = {"nodeSelector": {"example.com/zone": "nowhere"}}
     cluster.apply(run)
 
-    def placed() -> dict[str, Any]:
-        status = cluster.get(f"rlrun/{name}", "-n", namespace).get("status") or {}
-        return next((c for c in status.get("conditions", []) if c["type"] == "PodsPlaced"), {})
-
-    condition = wait_for(
-        lambda: placed() if placed().get("status") == "False" else None,
-        timeout=60,
-        what="PodsPlaced False naming the pool's pod",
-    )
+    condition = wait_for_unplaced(cluster, namespace, name, "didn't match Pod's node affinity/selector")
     assert condition["message"].startswith(f"pool {pool['name']}'s pod {name}-{pool['name']}-"), condition
-    assert "didn't match Pod's node affinity/selector" in condition["message"], condition
