@@ -106,7 +106,9 @@ async def test_both_engines_serve_the_broadcast_version_and_decode_through_the_r
     receivers = [Receiver("bf16", p.url) for p in setup.engines]
     broadcaster = WeightBroadcaster("127.0.0.1", bucket_bytes=BUCKET_BYTES, auth_token=TOKEN)
     load = [asyncio.create_task(streamed_token_times(p.url, 600)) for p in setup.engines]
-    await asyncio.sleep(0.5)  # both engines decoding
+    # The control: an engine outside the broadcast decoding through the same window, on the same cores.
+    control = asyncio.create_task(streamed_token_times(setup.reference.url, 600))
+    await asyncio.sleep(0.5)  # the three engines decoding
     started = time.perf_counter()
     result = await broadcaster.broadcast(receivers, setup.state, 1)
     ended = time.perf_counter()
@@ -116,15 +118,23 @@ async def test_both_engines_serve_the_broadcast_version_and_decode_through_the_r
     print(
         f"broadcast {result.bytes / 1e6:.2f} MB: setup {result.setup_s:.3f} s, transfer {result.transfer_s:.3f} s"
     )
+
+    def gaps_in_broadcast(times: list[tuple[float, int]]) -> list[float]:
+        return [b[0] - a[0] for a, b in itertools.pairwise(times) if started <= a[0] <= ended] or [0.0]
+
+    # The noise floor: on two saturated cores (the suite's other lanes; a real node's bed starting)
+    # a chunk now and then comes 0.5 s or more after the last anyway, broadcast or not — as the
+    # control engine's longest pause in the same window, and the engine's own before it, show.
+    control_pause = max(gaps_in_broadcast(await control))
     for times in await asyncio.gather(*load):
         during = [(t, n) for t, n in times if started + result.setup_s <= t <= ended]
         assert len(during) >= 3, f"decoding stopped during the receive: {len(during)} chunks in it"
-        gaps = [b[0] - a[0] for a, b in itertools.pairwise(times) if started <= a[0] <= ended]
-        # The same engine's own pace before the broadcast is the noise floor: on two saturated
-        # cores (the suite's other lanes) a chunk now and then comes 0.5 s after the last anyway.
         before = [b[0] - a[0] for a, b in itertools.pairwise(times) if b[0] < started] or [0.0]
-        allowed = max(0.5, result.transfer_s / 3, 2 * max(before))
-        assert max(gaps) < allowed, f"a pause of {max(gaps):.2f} s in decoding (at most {allowed:.2f} s)"
+        allowed = max(0.5, result.transfer_s / 3, 2 * max(before), 2 * control_pause)
+        pause = max(gaps_in_broadcast(times))
+        assert pause < allowed, (
+            f"a pause of {pause:.2f} s in decoding (at most {allowed:.2f} s; the control's longest {control_pause:.2f} s)"
+        )
     reference_ids, _ = await greedy(setup.reference.url)
     for engine in setup.engines:
         async with EngineClient(engine.url, auth_token=TOKEN) as client:
