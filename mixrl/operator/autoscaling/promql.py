@@ -128,14 +128,16 @@ TRAINER_WINDOW = "5m"
 """The window of every rate the trainer objective reads (several steps of a minutes-long step)."""
 
 
-def _run_matchers(namespace: str, run: str) -> str:
-    return f'namespace="{_label_value(namespace)}",run="{_label_value(run)}"'
+def run_matchers(namespace: str, run: str, pool: str | None = None) -> str:
+    """The label matchers of one run's series (and of one ``pool``'s), without braces."""
+    matchers = f'namespace="{_label_value(namespace)}",run="{_label_value(run)}"'
+    return matchers if pool is None else f'{matchers},pool="{_label_value(pool)}"'
 
 
 def trainer_queries(namespace: str, run: str, window: str = TRAINER_WINDOW) -> dict[str, str]:
     """The run-wide series of ``objective: trainer`` (fields of
     :class:`mixrl.operator.autoscaling.fleet_objective.TrainerSignals`), from the buffer and the router."""
-    m = _run_matchers(namespace, run)
+    m = run_matchers(namespace, run)
     return {
         "step_rate": f"sum(rate({MIXRL_BUFFER_BATCHES_TOTAL.name}{{{m}}}[{window}]))",
         "idle_share": f"sum(rate({MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL.name}{{{m}}}[{window}]))",
@@ -147,7 +149,7 @@ def trainer_queries(namespace: str, run: str, window: str = TRAINER_WINDOW) -> d
 
 def pool_throughput_query(namespace: str, run: str, pool: str, window: str = TRAINER_WINDOW) -> str:
     """Trajectories per second the buffer received from one pool (the pool's delivered supply)."""
-    m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
+    m = run_matchers(namespace, run, pool)
     return f"sum(rate({MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL.name}{{{m}}}[{window}]))"
 
 
@@ -165,7 +167,7 @@ def pool_rate_per_replica_query(namespace: str, run: str, pool: str, window: str
     of its speed), and the replicas ready now are not those that delivered over the window (after
     a scale-up the new ones count before they delivered anything).  Both parts here cover the same
     span: the fleet would otherwise see its replicas as slow and fill every pool to its maximum."""
-    m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
+    m = run_matchers(namespace, run, pool)
     received = f"sum(increase({MIXRL_BUFFER_TRAJECTORIES_RECEIVED_TOTAL.name}{{{m}}}[{window}]))"
     ready = f"sum({MIXRL_ROUTER_REPLICAS_READY.name}{{{m}}})"
     seconds = int(REPLICA_SECONDS_STEP.removesuffix("s"))
@@ -185,7 +187,7 @@ def pool_busy_query(
 
     Averaging the clipped share, not the load, matters: a rollout that refills a whole step at once
     overfills the slots and then leaves them idle, which averages to a full load but a half-busy pool."""
-    m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
+    m = run_matchers(namespace, run, pool)
     ready = f"sum({MIXRL_ROUTER_REPLICAS_READY.name}{{{m}}})"
     span, step = window
     return f"avg_over_time(clamp_max(({load}) / ({slots_per_replica:g} * {ready}), 1)[{span}:{step}])"
@@ -195,5 +197,5 @@ def pool_capacity_query(namespace: str, run: str, pool: str) -> str:
     """The capacity per replica the router shares sessions by (the declared one, or its trusted
     measurement where that is far off it or the pool is declared null): the autoscaler sizes the
     pool by the same figure."""
-    m = f'{_run_matchers(namespace, run)},pool="{_label_value(pool)}"'
+    m = run_matchers(namespace, run, pool)
     return f"max({MIXRL_ROUTER_CAPACITY_PER_REPLICA.name}{{{m}}})"

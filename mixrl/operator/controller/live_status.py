@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from mixrl.api.kube_types import Condition, ConditionValue, Obj
+from mixrl.operator.autoscaling.promql import run_matchers
 from mixrl.operator.autoscaling.replicas import unschedulable_message
 from mixrl.operator.builders import labels as L
 from mixrl.operator.kube.conditions import make_condition, update_conditions
@@ -67,11 +68,7 @@ class LiveReason:
 
 
 def _selector(namespace: str, run: str, pool: str | None = None) -> str:
-    def literal(value: str) -> str:
-        return value.replace("\\", "\\\\").replace('"', '\\"')
-
-    pool_matcher = f',pool="{literal(pool)}"' if pool is not None else ""
-    return f'{{namespace="{literal(namespace)}",run="{literal(run)}"{pool_matcher}}}'
+    return f"{{{run_matchers(namespace, run, pool)}}}"
 
 
 def run_queries(namespace: str, run: str) -> dict[str, str]:
@@ -109,7 +106,7 @@ HISTORY_SERIES = {
 def history_query(namespace: str, run: str) -> str:
     """One range query for the run's whole history of those series (every pool, the run's ``all``)."""
     names = "|".join(HISTORY_SERIES.values())
-    return f'{{__name__=~"{names}",{_selector(namespace, run)[1:-1]}}}'
+    return f'{{__name__=~"{names}",{run_matchers(namespace, run)}}}'
 
 
 Vector = Mapping[str, float]
