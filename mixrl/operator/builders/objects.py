@@ -10,20 +10,20 @@ import enum
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from mixrl import __version__
 from mixrl.api.gpus import requested_gpus
 from mixrl.api.kube_types import Obj
 from mixrl.api.launch import weights_volume_path
 from mixrl.api.memory import BYTES_PER_PARAMETER, GIB
-from mixrl.api.models import tiny_kind
+from mixrl.api.models import Toleration, tiny_kind
 from mixrl.api.resolve import MIXRL_IMAGE_PREFIX, SGLANG_IMAGE, ResolvedPool, ResolvedRun
 from mixrl.api.trajectory import JSON_NUMBER_BYTES
 from mixrl.operator.builders import labels as L
-from mixrl.operator.builders.podspec import Footprint, mount
+from mixrl.operator.builders.podspec import Footprint, gpu_scheduling, mount
 
 HASH_ANNOTATION = "mixrl.dev/desired-hash"
 """On every object we write: hash of the desired object; equal hash => no write."""
@@ -471,6 +471,36 @@ def scrape_annotations(port_number: int, options: BuildOptions) -> dict[str, str
         "prometheus.io/port": str(port_number),
         "prometheus.io/path": "/metrics",
     }
+
+
+class Placement(Protocol):
+    """A spec's placement fields: a pool's (flattened into :class:`ResolvedPool`) or the trainer's
+    ``scheduling``."""
+
+    @property
+    def node_selector(self) -> Mapping[str, str]: ...
+    @property
+    def tolerations(self) -> Sequence[Toleration]: ...
+    @property
+    def priority_class_name(self) -> str | None: ...
+
+
+def gpu_pod_scheduling(
+    resolved: ResolvedRun, gpu_type: str, products: Sequence[str], placement: Placement, options: BuildOptions
+) -> Obj:
+    """Pod-spec fields placing one of the run's pods of ``gpu_type`` (:func:`gpu_scheduling`):
+    the spec's ``products`` and ``placement``, and the operator's own settings — the type's node
+    labels where GPU Feature Discovery is absent, packing beside the run's GPU pods, the scheduler."""
+    images = options.images
+    return gpu_scheduling(
+        products,
+        placement.node_selector,
+        placement.tolerations,
+        placement.priority_class_name,
+        images.gpu_node_selectors.get(gpu_type),
+        pack_with_run=resolved.name if images.pack_gpu_pods else None,
+        scheduler_name=images.scheduler_name,
+    )
 
 
 def pod_template(labels: dict[str, str], annotations: dict[str, str], spec: Obj) -> Obj:

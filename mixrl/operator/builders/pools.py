@@ -19,6 +19,7 @@ from mixrl.api.kube_types import Obj
 from mixrl.api.launch import AUTH_TOKEN_ENV, LABELLED_FILE, Where, component_command
 from mixrl.api.resolve import DIST_INIT_PORT, ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.builders import labels as L
+from mixrl.operator.builders import podspec
 from mixrl.operator.builders.lws import (
     LEADER_ADDRESS_ENV,
     LEADER_LABELS,
@@ -30,6 +31,7 @@ from mixrl.operator.builders.objects import (
     BuildOptions,
     Owner,
     engine_footprint,
+    gpu_pod_scheduling,
     pod_template,
     pool_config_hash,
     pool_gpus,
@@ -40,23 +42,6 @@ from mixrl.operator.builders.objects import (
     with_hash,
     workload,
 )
-from mixrl.operator.builders.podspec import (
-    AUTH_TOKEN_KEY,
-    DRAIN_SCRIPT_PATH,
-    ENGINE_WEIGHTS_DIR,
-    base_env,
-    base_mounts,
-    base_volumes,
-    container,
-    empty_dir,
-    gpu_scheduling,
-    mount,
-    pod_spec,
-    pod_where,
-    port,
-    resources,
-    server_probes,
-)
 
 Member = Literal["only", "leader", "worker"]
 """Which pod of a replica: the only one (a Deployment's), or the leader or a worker of a replica
@@ -66,7 +51,7 @@ across nodes (:mod:`mixrl.operator.builders.lws`)."""
 def replica_where(resolved: ResolvedRun, pool: ResolvedPool) -> Where:
     """Where the pool's processes live: :func:`pod_where`, and for a replica across nodes the
     variables LWS's pod webhook gives each of its pods (the kubelet expands them in the command)."""
-    where = pod_where(resolved)
+    where = podspec.pod_where(resolved)
     if pool.nodes_per_replica == 1:
         return where
     return replace(
@@ -84,14 +69,14 @@ def engine_container(
     member: Member = "only",
 ) -> Obj:
     # SGLang reads its key from the command line; the pod spec holds only a reference to the Secret.
-    secret = {"name": L.child_name(resolved.name, "auth"), "key": AUTH_TOKEN_KEY}
+    secret = {"name": L.child_name(resolved.name, "auth"), "key": podspec.AUTH_TOKEN_KEY}
     token_env = (
         [{"name": AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": secret}}] if pool.engine == "sglang" else []
     )
     # Drain: the pod has left the Service's endpoints; wait for in-flight requests, then stop.
     drain = [
         "python3",
-        DRAIN_SCRIPT_PATH,
+        podspec.DRAIN_SCRIPT_PATH,
         "--port",
         str(ENGINE_PORT),
         "--timeout",
@@ -103,21 +88,21 @@ def engine_container(
         {}
         if member == "worker"
         else {
-            "ports": [port("engine", ENGINE_PORT)],
+            "ports": [podspec.port("engine", ENGINE_PORT)],
             "lifecycle": {"preStop": {"exec": {"command": drain}}},
-            **server_probes("engine", options.startup_minutes),
+            **podspec.server_probes("engine", options.startup_minutes),
         }
     )
-    return container(
+    return podspec.container(
         "engine",
         pool.image or options.images.engine(pool.engine),
         component_command(resolved, "engine", replica_where(resolved, pool), pool),
-        [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}, *token_env],
+        [*podspec.base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}, *token_env],
         mounts,
         # SGLang's JIT kernels (Triton, FlashInfer, DeepGEMM) write caches in paths we cannot
         # enumerate; the torch engine writes only to /tmp and the cache volume.
         read_only_root=pool.engine != "sglang",
-        resources=resources(engine_footprint(resolved, pool), pool_gpus(pool)),
+        resources=podspec.resources(engine_footprint(resolved, pool), pool_gpus(pool)),
         **serving,
     )
 
@@ -132,26 +117,26 @@ def engine_pod(
     weight_volumes, sync_weight_mounts = weights_volume_and_mount(resolved, read_only=False)
     engine_weight_mounts = [{**m, "readOnly": True} for m in sync_weight_mounts]
     volumes = [
-        *base_volumes(resolved),
+        *podspec.base_volumes(resolved),
         *weight_volumes,
-        empty_dir("engine-weights"),
+        podspec.empty_dir("engine-weights"),
     ]
-    local = mount("engine-weights", ENGINE_WEIGHTS_DIR)
-    sync_mounts = [*base_mounts(), *sync_weight_mounts, local]
-    engine_mounts = [*base_mounts(), *engine_weight_mounts, local]
+    local = podspec.mount("engine-weights", podspec.ENGINE_WEIGHTS_DIR)
+    sync_mounts = [*podspec.base_mounts(), *sync_weight_mounts, local]
+    engine_mounts = [*podspec.base_mounts(), *engine_weight_mounts, local]
     # /dev/shm in memory: NCCL on GPUs; the torch engine's staging copy of the weights, which its
     # preparer process writes (mixrl/rl/engine/staging.py), also on CPUs.  The container default
     # (64 MiB) holds no model; the memory counts against the engine's limit, sized for it.
     if pool_gpus(pool) > 0 or pool.engine != "sglang":
-        volumes.append(empty_dir("dshm", medium="Memory"))
-        engine_mounts.append(mount("dshm", "/dev/shm"))
-    sync_env = [*base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}]
-    sync_resources = resources(weight_sync_footprint(resolved, pool))
-    where = pod_where(resolved)
+        volumes.append(podspec.empty_dir("dshm", medium="Memory"))
+        engine_mounts.append(podspec.mount("dshm", "/dev/shm"))
+    sync_env = [*podspec.base_env(resolved.name), {"name": "MIXRL_POOL", "value": pool.name}]
+    sync_resources = podspec.resources(weight_sync_footprint(resolved, pool))
+    where = podspec.pod_where(resolved)
 
     def sync_container(name: Literal["weight-sync", "weights-init"]) -> Obj:
         command = component_command(resolved, name, where, pool)
-        return container(
+        return podspec.container(
             name, options.images.components, command, sync_env, sync_mounts, resources=sync_resources
         )
 
@@ -162,21 +147,13 @@ def engine_pod(
     # it) only while the sidecar has seen the engine up and labelling its tokens with a version,
     # never in the half second after a (re)start when it would label them `default`.
     sidecar["readinessProbe"] = {
-        "exec": {"command": ["cat", f"{ENGINE_WEIGHTS_DIR}/{LABELLED_FILE}"]},
+        "exec": {"command": ["cat", f"{podspec.ENGINE_WEIGHTS_DIR}/{LABELLED_FILE}"]},
         "periodSeconds": 2,
         "failureThreshold": 1,
     }
-    scheduling = gpu_scheduling(
-        pool.gpu_products,
-        pool.node_selector,
-        pool.tolerations,
-        pool.priority_class_name,
-        options.images.gpu_node_selectors.get(pool.gpu_type),
-        pack_with_run=resolved.name if options.images.pack_gpu_pods else None,
-        scheduler_name=options.images.scheduler_name,
-    )
+    scheduling = gpu_pod_scheduling(resolved, pool.gpu_type, pool.gpu_products, pool, options)
     engine = engine_container(resolved, pool, options, engine_mounts, member)
-    spec = pod_spec(
+    spec = podspec.pod_spec(
         [engine] if member == "worker" else [engine, sidecar],
         volumes,
         options.images.pull_secrets,

@@ -48,6 +48,7 @@ from mixrl.operator.builders.objects import (
     Owner,
     buffer_volume_size,
     config_hash,
+    gpu_pod_scheduling,
     metadata,
     pod_template,
     pool_children_hash,
@@ -72,7 +73,6 @@ from mixrl.operator.builders.podspec import (
     base_volumes,
     container,
     empty_dir,
-    gpu_scheduling,
     mount,
     pod_spec,
     pod_where,
@@ -218,15 +218,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
     # node selector, tolerations and priority class (a trainer preempted mid-run loses a step).
     placement = spec.scheduling
     products = (placement.gpu_products or GPU_TABLE[spec.gpu_type].gfd_products) if gpus > 0 else ()
-    scheduling = gpu_scheduling(
-        products,
-        placement.node_selector,
-        placement.tolerations,
-        placement.priority_class_name,
-        options.images.gpu_node_selectors.get(spec.gpu_type),
-        pack_with_run=resolved.name if options.images.pack_gpu_pods else None,
-        scheduler_name=options.images.scheduler_name,
-    )
+    scheduling = gpu_pod_scheduling(resolved, spec.gpu_type, products, placement, options)
     template = component_template(
         resolved,
         "trainer",

@@ -310,16 +310,7 @@ class KubeClient:
     async def apply(self, resource: ApiResource, namespace: str, name: str, body: Obj) -> Obj:
         """Server-side apply as the only manager of these fields: creates or updates, and removes
         what an earlier apply set but this one omits."""
-        return await self._write(
-            "patch",
-            "PATCH",
-            resource,
-            namespace,
-            name,
-            params={"fieldManager": FIELD_MANAGER, "force": "true"},
-            body=body,
-            content_type="application/apply-patch+yaml",  # JSON is YAML
-        )
+        return await self._patch(resource, namespace, name, body, "application/apply-patch+yaml", force=True)
 
     async def merge_patch(
         self, resource: ApiResource, namespace: str, name: str, body: Obj, subresource: str | None = None
@@ -328,6 +319,21 @@ class KubeClient:
             # Every status the operator writes passes here: through its model, so a mistyped key
             # fails now instead of being pruned silently by the API server's schema.
             checked_status(STATUS_MODELS[resource.kind], body.get("status") or {})
+        return await self._patch(resource, namespace, name, body, "application/merge-patch+json", subresource)
+
+    async def _patch(
+        self,
+        resource: ApiResource,
+        namespace: str,
+        name: str,
+        body: Obj,
+        content_type: str,
+        subresource: str | None = None,
+        force: bool = False,
+    ) -> Obj:
+        """A PATCH as mixrl's field manager; ``content_type`` says which kind (an apply's body is
+        JSON, which is YAML); ``force`` takes over fields another manager set."""
+        params = {"fieldManager": FIELD_MANAGER, **({"force": "true"} if force else {})}
         return await self._write(
             "patch",
             "PATCH",
@@ -335,9 +341,9 @@ class KubeClient:
             namespace,
             name,
             subresource=subresource,
-            params={"fieldManager": FIELD_MANAGER},
+            params=params,
             body=body,
-            content_type="application/merge-patch+json",
+            content_type=content_type,
         )
 
     async def delete(
