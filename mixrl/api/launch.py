@@ -207,7 +207,7 @@ def _trainer(resolved: ResolvedRun, where: Where) -> list[str]:
         *(["--hold-when-done"] if where.hold_when_done else []),
     ]
     spec = resolved.trainer.spec
-    nproc = max(spec.gpus_per_node, 1)  # on gpuType cpu: processes per node
+    nproc = spec.processes_per_node
     if where.rendezvous is None or (spec.nodes == 1 and nproc == 1):
         return [*where.program, *args]
     if where.rendezvous == ONE_MACHINE:  # every rank here: the same world size, one node

@@ -246,6 +246,12 @@ class TrainerSpec(Model):
     def _known_gpu(cls, gpu_type: str) -> str:
         return _known_gpu_type(gpu_type)
 
+    @property
+    def processes_per_node(self) -> int:
+        """Trainer processes on each node: one per GPU; on gpuType cpu ``gpusPerNode`` of them, 0
+        meaning one."""
+        return max(self.gpus_per_node, 1)
+
 
 def _known_gpu_type(gpu_type: str) -> str:
     if gpu_type not in GPU_TABLE:

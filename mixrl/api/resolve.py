@@ -259,7 +259,7 @@ def resolve(run: RLRun) -> ResolvedRun:
         trainer=ResolvedTrainer(
             spec=trainer,
             image=trainer.image,
-            world_size=trainer.nodes * max(trainer.gpus_per_node, 1),
+            world_size=trainer.nodes * trainer.processes_per_node,
             prompts_per_update=algorithm.prompts_per_update,
             samples_per_prompt=algorithm.samples_per_prompt,
             normalize_std=algorithm.advantage.normalize_std,

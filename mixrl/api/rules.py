@@ -534,14 +534,14 @@ def _parallel_values(node: Node) -> dict[str, str]:
 
 
 def _python_divides(trainer: Any, sizes: tuple[str, ...]) -> bool:
-    world: int = trainer.nodes * max(trainer.gpus_per_node, 1)  # resolve()'s world size
+    world: int = trainer.nodes * trainer.processes_per_node  # resolve()'s world size
     product: int = math.prod(getattr(trainer.parallelism, size) for size in sizes)
     return world % product == 0
 
 
 def _parallel_facts(trainer: Any, table: GpuTable) -> dict[str, int]:
     sizes = {size: getattr(trainer.parallelism, size) for size in ("tp", "pp", "cp", "ep")}
-    return {**sizes, "world": trainer.nodes * max(trainer.gpus_per_node, 1)}
+    return {**sizes, "world": trainer.nodes * trainer.processes_per_node}
 
 
 PARALLELISM_DIVIDES = Rule(

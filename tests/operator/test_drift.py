@@ -3,14 +3,16 @@ failures of one child, immutable fields, drift, deleted children, the periodic r
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from collections import Counter
 from typing import Any
 
 import kmock
+import pytest
 
-from mixrl.operator.controller.runtime import Runtime
+from mixrl.operator.controller.runtime import OperatorConfig, Runtime
 
 from .emulator import ApiServer
 from .support import (
@@ -499,3 +501,44 @@ async def test_a_statefulset_whose_pods_stay_the_same_is_recreated_orphaning_the
         (deletion,) = requests_to(api, "DELETE", f"{APPS}/statefulsets/demo-buffer", before)
         assert json.loads(deletion.text)["propagationPolicy"] == "Orphan", "its pods keep running"
         await settled(api)
+
+
+async def test_a_resync_walks_the_runs_it_knew_while_kopf_adds_more() -> None:
+    """kopf's handlers add runs and pools to the resync's index while it awaits each namespace's
+    peering; it walked the live index once, and the first addition ended the resync for good."""
+    runtime = Runtime(OperatorConfig(), post_event=lambda *_: None)
+    runtime.known = {f"rl/run-{i}": ("RLRun", f"ns-{i}", f"run-{i}") for i in range(3)}
+    asked: list[tuple[str, str]] = []
+
+    async def active_in(namespace: str) -> bool:
+        await asyncio.sleep(0)
+        runtime.known[f"late/{namespace}"] = ("SamplerPool", "late", namespace)  # a handler's addition
+        return True
+
+    async def refresh(namespace: str) -> None:
+        pass
+
+    runtime.active_in = active_in  # type: ignore[method-assign]
+    runtime.refresh = refresh  # type: ignore[method-assign]
+    runtime.request = lambda kind, namespace, name, background=False: asked.append((namespace, name))  # type: ignore[method-assign]
+    # Every run it knew, and of the later ones those in a namespace it found active.
+    assert await runtime.resync_once() == len(asked) >= 3
+    assert {("ns-0", "run-0"), ("ns-1", "run-1"), ("ns-2", "run-2")} <= set(asked)
+
+
+async def test_a_failed_resync_is_logged_and_the_next_one_comes(caplog: pytest.LogCaptureFixture) -> None:
+    runtime = Runtime(OperatorConfig(), post_event=lambda *_: None)
+    calls = 0
+
+    async def resync_once() -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug in one resync")
+        return 0
+
+    runtime.resync_once = resync_once  # type: ignore[method-assign]
+    loop = asyncio.create_task(runtime.resync_forever(0.01))
+    await eventually(lambda: calls >= 3, what="resyncs after the failed one")
+    loop.cancel()
+    assert "resync failed" in caplog.text and "a bug in one resync" in caplog.text

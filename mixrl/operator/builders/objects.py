@@ -256,7 +256,7 @@ def trainer_footprint(resolved: ResolvedRun) -> Footprint:
     elif parameters is None:  # a model of unknown size on CPUs
         default = Footprint("2", "8Gi", "4", "8Gi")
     else:
-        processes = max(spec.gpus_per_node, 1)  # on gpuType cpu: processes per node
+        processes = spec.processes_per_node
         memory, memory_limit = cpu_process_memory(processes, parameters, CPU_TRAINING_BYTES_PER_PARAMETER)
         default = Footprint(millicores(500 * processes), memory, str(2 * processes), memory_limit)
     asked = spec.resources

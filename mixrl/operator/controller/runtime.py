@@ -320,7 +320,8 @@ class Runtime:
         A list per kind, not a read per child: at 50 runs, one resync was 3,650 reads, and those
         arriving while runs start took the CPU their pools' status waited for."""
         active: dict[str, bool] = {}
-        for _, namespace, _ in self.known.values():
+        # A copy: kopf's handlers add runs and pools to ``known`` while this awaits the peering.
+        for _, namespace, _ in list(self.known.values()):
             if namespace not in active:
                 active[namespace] = await self.active_in(namespace)
         for namespace in sorted(ns for ns, yes in active.items() if yes):
@@ -359,6 +360,8 @@ class Runtime:
                 asked = await self.resync_once()
             except ApiError as exc:  # the peering read failed: try again next time
                 log.warning("resync skipped: %s", exc)
+            except Exception:  # as the operator's other loops: one failed resync must not end them
+                log.exception("resync failed; the next in %s s", interval)
             else:
                 log.debug("resync: %d objects", asked)
 
