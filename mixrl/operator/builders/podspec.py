@@ -322,7 +322,7 @@ def thread_env(cpu_limit: str, processes: int = 1) -> list[Obj]:
     """Each of a container's ``processes`` gets its share of the CPU limit as intra-op threads (at
     least one).  Left alone, torch starts a thread per core of the *node*; under the container's
     CPU quota they take turns, and OpenMP's spin on the cores the others wait for (on the test
-    bed's 2-core node, a third of a run's CPU time: docs/benchmarks.md).  ``mixrl run`` gives each
+    bed's 2-core node, an eighth of a run's CPU time: docs/benchmarks.md).  ``mixrl run`` gives each
     local process one thread for the same reason."""
     threads = str(max(1, math.floor(parse_quantity(cpu_limit) / processes)))
     return [{"name": name, "value": threads} for name in THREAD_ENV]
