@@ -234,36 +234,3 @@ def test_explicit_sizes_win() -> None:
     assert trainer == {"requests": {"cpu": "3", "memory": "5Gi"}, "limits": {"cpu": "3", "memory": "5Gi"}}
     # its init container builds the tiny model with the trainer's CPU and memory
     assert containers(objects)["quickstart-trainer/model-init"] == trainer
-
-
-def thread_counts(objects: list[Obj]) -> dict[str, tuple[str | None, str | None]]:
-    """``<workload>/<container>`` -> its OMP_NUM_THREADS and MKL_NUM_THREADS (None: not set)."""
-    out = {}
-    for obj in objects:
-        if obj["kind"] in ("Deployment", "StatefulSet"):
-            spec = obj["spec"]["template"]["spec"]
-            for container in [*spec.get("initContainers", []), *spec["containers"]]:
-                env = {e["name"]: e.get("value") for e in container["env"]}
-                where = f"{obj['metadata']['name']}/{container['name']}"
-                out[where] = (env.get("OMP_NUM_THREADS"), env.get("MKL_NUM_THREADS"))
-    return out
-
-
-def test_each_process_gets_its_share_of_its_cpu_limit_as_threads() -> None:
-    # On the CPU example every container's limit is whole cores or less: one thread, the trainer's
-    # one process (and the warm start before it) two for its limit of 2, a sidecar's 500m one.
-    threads = thread_counts(built(resolved_of(manifest("rlrun-cluster-cpu"))))
-    two = {"cluster-cpu-trainer/trainer", "cluster-cpu-trainer/model-init"}
-    assert len(threads) == 11
-    assert all(counts == (("2", "2") if where in two else ("1", "1")) for where, counts in threads.items())
-    # On GPUs the trainer's 8 ranks (torchrun, one per GPU) share its 64 cores; SGLang's containers
-    # are left to SGLang, the weight-sync containers get their limit of 2.
-    mixed = thread_counts(built(resolved_of(manifest("rlrun-mixed"))))
-    assert mixed["qwen3-moe-coding-trainer/trainer"] == ("8", "8")
-    engines = {where: counts for where, counts in mixed.items() if where.endswith("/engine")}
-    assert engines and set(engines.values()) == {(None, None)}
-    assert {mixed[w] for w in mixed if w.endswith("/weight-sync")} == {("2", "2")}
-    doc = manifest("rlrun-cluster-cpu")
-    doc["spec"]["trainer"]["resources"] = {"cpu": "3500m"}
-    doc["spec"]["trainer"]["gpusPerNode"] = 2  # gpuType cpu: two processes
-    assert thread_counts(built(resolved_of(doc)))["cluster-cpu-trainer/trainer"] == ("1", "1")

@@ -7,7 +7,6 @@ filesystem is read-only wherever the process allows, with writable emptyDirs whe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +16,6 @@ from mixrl.api.kube_types import Obj
 from mixrl.api.launch import Where
 from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.api.models import Toleration, tiny_kind
-from mixrl.api.quantity import parse_quantity
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
 from mixrl.operator.builders import labels as L
 
@@ -314,20 +312,6 @@ def resources(footprint: Footprint, gpus: int = 0) -> Obj:
     return {"requests": {"cpu": footprint.cpu, "memory": footprint.memory}, "limits": limits}
 
 
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-"""What torch (OpenMP) and MKL read for their intra-op thread count."""
-
-
-def thread_env(cpu_limit: str, processes: int = 1) -> list[Obj]:
-    """Each of a container's ``processes`` gets its share of the CPU limit as intra-op threads (at
-    least one).  Left alone, torch starts a thread per core of the *node*; under the container's
-    CPU quota they take turns, and OpenMP's spin on the cores the others wait for (on the test
-    bed's 2-core node, an eighth of a run's CPU time: docs/benchmarks.md).  ``mixrl run`` gives each
-    local process one thread for the same reason."""
-    threads = str(max(1, math.floor(parse_quantity(cpu_limit) / processes)))
-    return [{"name": name, "value": threads} for name in THREAD_ENV]
-
-
 def container(
     name: str,
     image: str,
@@ -336,15 +320,8 @@ def container(
     mounts: list[Obj],
     ports: list[Obj] | None = None,
     read_only_root: bool = True,
-    processes: int | None = 1,
     **extra: Any,
 ) -> Obj:
-    """A container; with ``resources`` in ``extra`` and ``processes`` (how many processes share
-    it) its threads are sized to its CPU limit (:func:`thread_env`). ``processes=None`` leaves
-    them to the image (SGLang's server sizes its own)."""
-    cpu_limit = (extra.get("resources") or {}).get("limits", {}).get("cpu")
-    if processes is not None and cpu_limit is not None:
-        env = [*env, *thread_env(cpu_limit, processes)]
     out: Obj = {
         "name": name,
         "image": image,

@@ -102,7 +102,6 @@ def engine_container(
         # SGLang's JIT kernels (Triton, FlashInfer, DeepGEMM) write caches in paths we cannot
         # enumerate; the torch engine writes only to /tmp and the cache volume.
         read_only_root=pool.engine != "sglang",
-        processes=None if pool.engine == "sglang" else 1,
         resources=podspec.resources(engine_footprint(resolved, pool), pool_gpus(pool)),
         **serving,
     )

@@ -198,7 +198,6 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         base_env(resolved.name),
         mounts,
         ports=[port("rdzv", RDZV_PORT), port("metrics", METRICS_PORT)],
-        processes=spec.processes_per_node,  # torchrun's ranks in the pod
         resources=resources(trainer_footprint(resolved), gpus),
     )
     init: Obj = {}
