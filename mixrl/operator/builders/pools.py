@@ -49,7 +49,7 @@ across nodes (:mod:`mixrl.operator.builders.lws`)."""
 
 
 def replica_where(resolved: ResolvedRun, pool: ResolvedPool) -> Where:
-    """Where the pool's processes live: :func:`pod_where`, and for a replica across nodes the
+    """Where the pool's processes live: :func:`podspec.pod_where`, and for a replica across nodes the
     variables LWS's pod webhook gives each of its pods (the kubelet expands them in the command)."""
     where = podspec.pod_where(resolved)
     if pool.nodes_per_replica == 1:
