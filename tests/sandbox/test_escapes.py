@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mixrl.rl.sandbox import Limits, Sandbox, SandboxConfig, SandboxUnavailable
+from mixrl.rl.sandbox.runner import kill_process_tree
 
 from .conftest import host_processes, host_uid, needs_bwrap
 
@@ -272,6 +275,32 @@ async def test_a_cancelled_call_kills_its_sandbox(sandbox: Sandbox, token: str) 
     with pytest.raises(asyncio.CancelledError):
         await run
     assert host_processes(token) == []
+
+
+async def test_killing_a_sandbox_reaches_a_child_in_another_session(token: str) -> None:
+    """The sandbox's PID 1 runs in a session of its own; the kill must reach it, not only the
+    group of the process it started, or it outlives the call and holds its pipes open."""
+    sleeper = "import sys, time; time.sleep(300)"
+    parent = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], start_new_session=True); "
+        "time.sleep(300)"
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", parent, sleeper, token, stdout=asyncio.subprocess.PIPE, start_new_session=True
+    )
+    for _ in range(100):
+        if len(host_processes(token)) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert len(host_processes(token)) == 2, "the grandchild never started"
+    try:
+        kill_process_tree(process.pid)
+        await asyncio.wait_for(process.wait(), 5.0)  # pipes closed: nothing of the tree holds them
+        assert host_processes(token) == []
+    finally:
+        for pid in host_processes(token):
+            os.kill(pid, signal.SIGKILL)
 
 
 async def test_many_sandboxes_at_once_stay_apart() -> None:

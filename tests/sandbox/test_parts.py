@@ -13,7 +13,7 @@ from mixrl.rl.sandbox import Limits, SandboxConfig
 from mixrl.rl.sandbox.command import bwrap_argv
 from mixrl.rl.sandbox.files import check_path, read_tar, write_tree
 from mixrl.rl.sandbox.limits import prlimit_args
-from mixrl.rl.sandbox.runner import classify
+from mixrl.rl.sandbox.runner import classify, descendants
 
 
 @pytest.mark.parametrize(
@@ -140,3 +140,10 @@ def test_the_command_line_isolates_everything_it_promises() -> None:
 def test_config_refuses_to_mount_over_the_sandboxes_own_places() -> None:
     with pytest.raises(ValueError, match=r"sandbox\.ro_paths: '/work' must be an absolute path other than"):
         SandboxConfig(ro_paths=("/work",))
+
+
+def test_descendants_are_every_process_below_nearest_first() -> None:
+    parents = {10: 1, 11: 10, 12: 10, 13: 11, 14: 13, 20: 1, 21: 20}
+    assert descendants(10, parents) == [11, 12, 13, 14]
+    assert descendants(14, parents) == []
+    assert descendants(99, parents) == []

@@ -34,7 +34,7 @@ FINISH_REASONS: tuple[FinishReason, ...] = ("ok", "timeout", "memory", "disk", "
 TRUNCATED = "\n[mixrl sandbox: output truncated at {cap} bytes]\n"
 DRAIN_GRACE_S = 5.0
 """After the sandbox is killed its pipes close at once (every process in it is gone); this only
-bounds the wait should they not."""
+bounds the waits should they not."""
 READ_CHUNK = 64 * 1024
 
 MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory", "std::bad_alloc")
@@ -194,14 +194,15 @@ class Sandbox:
             if not ended.done():
                 killed_for = "output_limit" if overflowed.is_set() else "timeout"
                 _kill(process)
-                await ended
+                await asyncio.wait({ended}, timeout=DRAIN_GRACE_S)
             await asyncio.wait(readers, timeout=DRAIN_GRACE_S)
         finally:
             # also on cancellation: the sandbox never outlives the call
             if process.returncode is None:
                 _kill(process)
-                with contextlib.suppress(ProcessLookupError):
-                    await process.wait()
+                with contextlib.suppress(ProcessLookupError, TimeoutError):
+                    # wait() also waits for the pipes to close; bounded should anything hold them
+                    await asyncio.wait_for(process.wait(), DRAIN_GRACE_S)
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
@@ -219,10 +220,55 @@ class Sandbox:
 
 
 def _kill(process: asyncio.subprocess.Process) -> None:
-    """SIGKILL bubblewrap's process group; its child, the sandbox's PID 1, dies with it
-    (``--die-with-parent``) and the kernel kills every process of the PID namespace."""
+    kill_process_tree(process.pid)
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process descended from ``pid``.
+
+    bubblewrap's child, the sandbox's PID 1, runs in a session of its own (``--new-session``), so
+    the group alone misses it, and ``--die-with-parent`` is no guarantee: one was seen to outlive a
+    killed bubblewrap, holding the call's pipes open.  The group is stopped first so that it cannot
+    start a child between the walk and the kill; killing a PID namespace's PID 1 ends the whole
+    namespace, so what the sandbox starts meanwhile dies with it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGSTOP)
+    for descendant in descendants(pid, _parents()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(descendant, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def descendants(pid: int, parents: Mapping[int, int]) -> list[int]:
+    """Every process below ``pid`` in a ``{pid: parent pid}`` table, nearest first."""
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        below = [child for parent in frontier for child in children.get(parent, [])]
+        found += below
+        frontier = below
+    return found
+
+
+def _parents() -> dict[int, int]:
+    """``{pid: parent pid}`` of the host's processes, read from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                # "pid (comm) state ppid …": comm may hold spaces and parentheses
+                fields = stat.read().rpartition(b")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 1:
+            parents[int(entry.name)] = int(fields[1])
+    return parents
 
 
 async def _drain(
