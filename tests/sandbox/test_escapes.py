@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mixrl.rl.sandbox import Limits, Sandbox, SandboxConfig, SandboxUnavailable
-from mixrl.rl.sandbox.runner import kill_process_tree
+from mixrl.rl.sandbox.processes import kill_process_tree
 
 from .conftest import host_processes, host_uid, needs_bwrap
 

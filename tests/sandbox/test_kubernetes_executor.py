@@ -118,6 +118,25 @@ def test_the_wall_clock_ends_it_and_kills_what_it_left_running(executor: tuple[s
     assert left == ""
 
 
+def test_what_a_command_leaves_in_a_session_of_its_own_is_killed_at_its_end(
+    executor: tuple[str, Path],
+) -> None:
+    """A background process that left the command's group (and, with a double fork, its tree)
+    holds the command's pipes; the command's end is still its end, and the process goes with it."""
+    marker = f"mixrlmarker{random.randrange(10**9)}"
+    daemon = f"setsid sh -c 'sleep 300; echo {marker}' &"
+    started = time.monotonic()
+    result = run(executor[0], f'sh -c "{daemon}"; echo done', wall_s=30)
+    assert (result.finish_reason, result.exit_code, result.stdout) == ("ok", 0, "done\n"), result
+    assert time.monotonic() - started < 10
+    for _ in range(50):
+        left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+        if left == "":
+            break
+        time.sleep(0.05)
+    assert left == ""
+
+
 def test_an_output_flood_is_cut_and_stopped(executor: tuple[str, Path]) -> None:
     result = run(executor[0], "yes", output_bytes=4096, wall_s=20)
     assert result.finish_reason == "output_limit" and "stdout passed 4096 bytes" in result.detail

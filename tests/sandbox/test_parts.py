@@ -13,7 +13,8 @@ from mixrl.rl.sandbox import Limits, SandboxConfig
 from mixrl.rl.sandbox.command import bwrap_argv
 from mixrl.rl.sandbox.files import check_path, read_tar, write_tree
 from mixrl.rl.sandbox.limits import prlimit_args
-from mixrl.rl.sandbox.runner import classify, descendants
+from mixrl.rl.sandbox.processes import descendants
+from mixrl.rl.sandbox.runner import classify
 
 
 @pytest.mark.parametrize(

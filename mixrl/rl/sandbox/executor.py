@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import dataclasses
 import os
 import shutil
@@ -35,10 +34,12 @@ from aiohttp import web
 from mixrl.api.plain_text import plain_text
 from mixrl.rl.sandbox.files import check_path, write_tree
 from mixrl.rl.sandbox.limits import Limits, prlimit_args
+from mixrl.rl.sandbox.processes import become_subreaper, kill_descendants_of_self, kill_process_tree
 from mixrl.rl.sandbox.runner import FINISH_REASONS, TRUNCATED, SandboxResult, classify
 
 READ_CHUNK = 64 * 1024
 DRAIN_GRACE_S = 5.0
+EXIT_POLL_S = 0.02
 MAX_FILES = 2000
 MAX_REQUEST_BYTES = 256 * 1024 * 1024
 COMMAND_ENV = {
@@ -126,18 +127,24 @@ def _b64(content: str | bytes) -> str:
 # ----------------------------------------------------------------------------- running one command
 
 
-async def execute(command: str, files: Mapping[str, bytes], limits: Limits, work_root: str) -> SandboxResult:
+async def execute(
+    command: str, files: Mapping[str, bytes], limits: Limits, work_root: str, *, sole_parent: bool = False
+) -> SandboxResult:
     """Run ``command`` with ``/bin/sh -c`` under ``prlimit`` in a fresh directory of ``work_root``
-    holding ``files``; kill its process group at the wall clock or an output cap."""
+    holding ``files``; at its end, the wall clock or an output cap kill what it started.
+
+    ``sole_parent``: every child of this process is the command's (the sandbox pod's executor,
+    which runs one command at a time and to which orphans are reparented); then what the command
+    left running in a session of its own is found and killed too, not only its process tree."""
     workspace = tempfile.mkdtemp(prefix="run-", dir=work_root)
     try:
         write_tree(workspace, files)
-        return await _run(command, limits, workspace)
+        return await _run(command, limits, workspace, sole_parent)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
 
 
-async def _run(command: str, limits: Limits, workspace: str) -> SandboxResult:
+async def _run(command: str, limits: Limits, workspace: str, sole_parent: bool) -> SandboxResult:
     started = time.monotonic()
     env = {**COMMAND_ENV, "HOME": workspace, "TMPDIR": workspace}
     process = await asyncio.create_subprocess_exec(
@@ -157,21 +164,24 @@ async def _run(command: str, limits: Limits, workspace: str) -> SandboxResult:
             _drain(process.stderr, "stderr", limits.output_bytes, kept, overflow, overflowed)
         ),
     ]
-    ended = asyncio.create_task(process.wait())
+    exited = asyncio.create_task(_exited(process))
     overflow_seen = asyncio.create_task(overflowed.wait())
+    ended = asyncio.create_task(process.wait())
     killed_for = ""
     try:
-        await asyncio.wait({ended, overflow_seen}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED)
-        if not ended.done():
+        await asyncio.wait(
+            {exited, overflow_seen}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not exited.done():
             killed_for = "output_limit" if overflowed.is_set() else "timeout"
-        _kill_group(process.pid)  # also what the command left running in the background
-        await ended
+        _kill_leftovers(process.pid, sole_parent)  # also what the command left running in the background
+        await asyncio.wait({ended}, timeout=DRAIN_GRACE_S)
         await asyncio.wait(readers, timeout=DRAIN_GRACE_S)
     finally:
-        _kill_group(process.pid)
-        for task in (*readers, ended, overflow_seen):
+        _kill_leftovers(process.pid, sole_parent)
+        for task in (*readers, exited, overflow_seen, ended):
             task.cancel()
-        await asyncio.gather(*readers, ended, overflow_seen, return_exceptions=True)
+        await asyncio.gather(*readers, exited, overflow_seen, ended, return_exceptions=True)
     wall_s = time.monotonic() - started
     stdout = _text(kept.get("stdout", b""), limits.output_bytes, "stdout" in overflow)
     stderr = _text(kept.get("stderr", b""), limits.output_bytes, "stderr" in overflow)
@@ -211,9 +221,17 @@ async def _drain(
         kept[name] = bytes(data)
 
 
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
+async def _exited(process: asyncio.subprocess.Process) -> None:
+    """Return when the command's own process has ended.  Not ``process.wait()``: that also waits
+    for its pipes to close, which a process it left running in another session keeps open."""
+    while process.returncode is None:
+        await asyncio.sleep(EXIT_POLL_S)
+
+
+def _kill_leftovers(pid: int, sole_parent: bool) -> None:
+    kill_process_tree(pid)
+    if sole_parent:
+        kill_descendants_of_self(keep_waited=pid)
 
 
 def _text(data: bytes, cap: int, truncated: bool) -> str:
@@ -253,7 +271,8 @@ def read_workspace(root: str, max_files: int) -> tuple[dict[str, bytes], list[st
 # ----------------------------------------------------------------------------- the server
 
 
-def make_app(work_root: str) -> web.Application:
+def make_app(work_root: str, *, sole_parent: bool = False) -> web.Application:
+    """``sole_parent``: as :func:`execute`'s (the commands are this process's only children)."""
     lock = asyncio.Lock()
 
     async def health(_: web.Request) -> web.Response:
@@ -265,7 +284,7 @@ def make_app(work_root: str) -> web.Application:
         except ValueError as error:
             return web.json_response({"error": str(error)}, status=400)
         async with lock:
-            result = await execute(command, files, limits, work_root)
+            result = await execute(command, files, limits, work_root, sole_parent=sole_parent)
         return web.json_response(encode_result(result))
 
     app = web.Application(client_max_size=MAX_REQUEST_BYTES)
@@ -275,14 +294,22 @@ def make_app(work_root: str) -> web.Application:
 
 
 def serve(host: str, port: int, work_dir: str) -> None:
-    """Serve until killed (the sandbox pod's only process)."""
+    """Serve until killed (the sandbox pod's only process: orphans of its commands are its own,
+    to be killed after each)."""
     if not os.path.isdir(work_dir):
         raise SystemExit(f"--work-dir: {work_dir} is not a directory")
     if shutil.which("prlimit") is None:
         raise SystemExit(
             "sandbox-exec: prlimit (util-linux) is not installed; no command runs without limits"
         )
-    web.run_app(make_app(work_dir), host=host, port=port, print=lambda text: print(text, flush=True))
+    if not become_subreaper() and os.getpid() != 1:
+        print(
+            "sandbox-exec: the kernel refused PR_SET_CHILD_SUBREAPER and this is not PID 1: a process "
+            "a command leaves in a session of its own outlives it until the pod goes",
+            flush=True,
+        )
+    app = make_app(work_dir, sole_parent=True)
+    web.run_app(app, host=host, port=port, print=lambda text: print(text, flush=True))
 
 
 def main(argv: list[str]) -> int:

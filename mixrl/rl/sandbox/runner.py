@@ -28,6 +28,7 @@ from typing import Any, BinaryIO, Literal
 from mixrl.rl.sandbox.command import COPY_FAILED, STARTED, SandboxConfig, bwrap_argv
 from mixrl.rl.sandbox.files import read_tar, write_tree
 from mixrl.rl.sandbox.limits import Limits
+from mixrl.rl.sandbox.processes import kill_process_tree
 
 FinishReason = Literal["ok", "timeout", "memory", "disk", "output_limit", "killed"]
 FINISH_REASONS: tuple[FinishReason, ...] = ("ok", "timeout", "memory", "disk", "output_limit", "killed")
@@ -221,54 +222,6 @@ class Sandbox:
 
 def _kill(process: asyncio.subprocess.Process) -> None:
     kill_process_tree(process.pid)
-
-
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL ``pid``'s process group and every process descended from ``pid``.
-
-    bubblewrap's child, the sandbox's PID 1, runs in a session of its own (``--new-session``), so
-    the group alone misses it, and ``--die-with-parent`` is no guarantee: one was seen to outlive a
-    killed bubblewrap, holding the call's pipes open.  The group is stopped first so that it cannot
-    start a child between the walk and the kill; killing a PID namespace's PID 1 ends the whole
-    namespace, so what the sandbox starts meanwhile dies with it."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGSTOP)
-    for descendant in descendants(pid, _parents()):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(descendant, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
-def descendants(pid: int, parents: Mapping[int, int]) -> list[int]:
-    """Every process below ``pid`` in a ``{pid: parent pid}`` table, nearest first."""
-    children: dict[int, list[int]] = {}
-    for child, parent in parents.items():
-        children.setdefault(parent, []).append(child)
-    found: list[int] = []
-    frontier = [pid]
-    while frontier:
-        below = [child for parent in frontier for child in children.get(parent, [])]
-        found += below
-        frontier = below
-    return found
-
-
-def _parents() -> dict[int, int]:
-    """``{pid: parent pid}`` of the host's processes, read from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                # "pid (comm) state ppid …": comm may hold spaces and parentheses
-                fields = stat.read().rpartition(b")")[2].split()
-        except OSError:
-            continue
-        if len(fields) > 1:
-            parents[int(entry.name)] = int(fields[1])
-    return parents
 
 
 async def _drain(
