@@ -74,11 +74,10 @@ def kill_process_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def kill_descendants_of_self(keep_waited: int) -> int:
+def kill_descendants_of_self(keep_waited: int) -> None:
     """SIGKILL every process below this one, walking again until none is left, and reap the
     orphans that were reparented here (``keep_waited``, the child asyncio waits for, is left to it).
-    Only for a process whose children are all the command's (the sandbox pod's executor); the
-    number of processes killed."""
+    Only for a process whose children are all the command's (the sandbox pod's executor)."""
     me = os.getpid()
     killed: set[int] = set()
     for _ in range(KILL_ROUNDS):
@@ -92,7 +91,6 @@ def kill_descendants_of_self(keep_waited: int) -> int:
         if parent == me and pid != keep_waited and (pid in killed or state == "Z"):
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)  # SIGKILLed or ended: returns at once
-    return len(killed)
 
 
 def become_subreaper() -> bool:
