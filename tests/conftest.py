@@ -9,6 +9,9 @@
   time in their lanes, and the rest on both cores (pytest-xdist). Besides the tests marked so, every
   ``slow`` test (a multi-process integration run) and everything in tests/cluster and
   tests/devcluster (a control plane, a real node) is serial.
+- The suite's timeout (pyproject.toml) bounds a test with its fixtures, except on the real node,
+  where it bounds the test alone: the bed's, the chart's and a run's start are bounded by their
+  own waits, and would otherwise count against whichever test happens to come first.
 - ``control_plane`` and ``real_node``: the serial tests of tests/cluster and tests/devcluster,
   without and with the real-node bed (``real_bed``). ``make test`` runs each in a lane of its own,
   one test at a time: the KWOK control-plane tests (about a sixth of the machine busy) beside the
@@ -63,6 +66,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if in_bed_directory:
             on_real_node = "real_bed" in getattr(item, "fixturenames", ())
             item.add_marker(pytest.mark.real_node if on_real_node else pytest.mark.control_plane)
+            limit = config.getoption("timeout", None) or config.getini("timeout")
+            if on_real_node and limit:
+                # The first real-node test of a session or module also waits for its fixtures: the
+                # bed (a kubelet, the images imported: 3 to 5 minutes here), the chart, a run's
+                # first steps, each bounded by its own wait. The suite's limit times the test.
+                item.add_marker(pytest.mark.timeout(float(limit), func_only=True))
         if item.get_closest_marker("cuda"):
             where = item.path.relative_to(TESTS.parent).as_posix()
             if where not in CUDA_TEST_FILES:
