@@ -169,10 +169,12 @@ async def _run(command: str, limits: Limits, workspace: str, sole_parent: bool) 
     ended = asyncio.create_task(process.wait())
     killed_for = ""
     try:
+        # ended: the usual way (the pipes close as the command exits); exited: a process the
+        # command left in a session of its own holds them
         await asyncio.wait(
-            {exited, overflow_seen}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED
+            {ended, exited, overflow_seen}, timeout=limits.wall_s, return_when=asyncio.FIRST_COMPLETED
         )
-        if not exited.done():
+        if not (ended.done() or exited.done()):
             killed_for = "output_limit" if overflowed.is_set() else "timeout"
         _kill_leftovers(process.pid, sole_parent)  # also what the command left running in the background
         await asyncio.wait({ended}, timeout=DRAIN_GRACE_S)
@@ -222,8 +224,8 @@ async def _drain(
 
 
 async def _exited(process: asyncio.subprocess.Process) -> None:
-    """Return when the command's own process has ended.  Not ``process.wait()``: that also waits
-    for its pipes to close, which a process it left running in another session keeps open."""
+    """Return when the command's own process has ended.  ``process.wait()`` also waits for its
+    pipes to close, which a process it left running in another session keeps open."""
     while process.returncode is None:
         await asyncio.sleep(EXIT_POLL_S)
 
