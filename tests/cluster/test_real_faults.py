@@ -13,6 +13,7 @@ the run."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import yaml
@@ -127,9 +128,37 @@ def test_an_engine_pod_deleted_mid_run(run: Bed) -> None:
         p for p in running(run, NAMESPACE, "sampler") if p["metadata"]["labels"]["mixrl.dev/pool"] == "nvfp4"
     ]
     assert [p["metadata"]["uid"] for p in fresh] != [victim["metadata"]["uid"]]
-    served = wait_for(lambda: weight_version(fresh[0]["status"]["podIP"]), what="the new engine's version")
+    (pod,) = fresh
+    name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+
+    def explained(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return wait_for(*args, **kwargs)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{pod_logs(run, pod)}") from None
+
+    # Running is not serving: on a loaded machine the new engine may still be loading its model
+    # (the pod's startup probe allows minutes for that)
+    explained(lambda: container_ready(run, name, "engine"), timeout=300, what="the new engine ready")
+    # its first labelled version: an engine started from a checkpoint reports none (0) until the
+    # sidecar labels or updates it
+    served = explained(lambda: weight_version(ip), what="the new engine's version")
     assert served >= step - 3, (served, step)  # it started from the latest version, not version 0
     nothing_acknowledged_lost(run)
+
+
+def container_ready(bed: Bed, pod: str, container: str) -> bool:
+    statuses = bed.get("pod", pod, "-n", NAMESPACE)["status"].get("containerStatuses", [])
+    return any(c["name"] == container and c.get("ready") for c in statuses)
+
+
+def pod_logs(bed: Bed, pod: dict, tail: int = 30) -> str:
+    """The last lines of each of a pod's containers, init containers first."""
+    spec = pod["spec"]
+    names = [c["name"] for c in (*spec.get("initContainers", []), *spec["containers"])]
+    logs = (bed.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"], "-c", name, f"--tail={tail}", check=False)
+            for name in names)  # fmt: skip
+    return "\n".join(f"--- {name}:\n{log.stdout}{log.stderr}" for name, log in zip(names, logs, strict=True))
 
 
 def test_the_trainer_pod_deleted_resumes_at_its_step(run: Bed) -> None:
