@@ -334,7 +334,9 @@ async def test_a_dying_replica_costs_a_retry_not_an_episode(
     first, second = await engines("a1"), await engines("a2")
     router = await start_router({"a": [first, second]})
     buffer = await start_buffer(prompts_per_update=100, samples_per_prompt=4)
-    settings = WorkerSettings.from_run(resolved_run(concurrency=8))
+    # No backlog limit: nothing trains here, so the limit (2 steps of 2 groups) would stop the worker
+    # after 4 groups in all, and 4 more after the kill only came while none was posted before it.
+    settings = WorkerSettings.from_run(resolved_run(concurrency=8), max_steps_ahead=0)
     client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids, backoff_s=0.01)
     worker = polling_worker(settings, client, buffer)
     async with running(worker, client):

@@ -192,7 +192,9 @@ async def test_escaping_replies_are_contained(tmp_path: Path) -> None:
     ran = await episode.step(ToolCall("run", {"command": f"cat {secret}; echo x > {outside}; sleep 100"}))
     assert ran.observation.startswith("exit code - (timeout: wall clock limit 2.0 s)")
     assert "host secret" not in ran.observation and not outside.exists()
-    bomb = await episode.step(ToolCall("run", {"command": "bomb() { bomb | bomb & }; bomb; sleep 100"}))
+    # `exec`: the wait after the bomb needs no fork of its own (CI saw the shell, unable to fork
+    # `sleep` while the bomb held every process slot, end at once: "Cannot fork", exit code 2)
+    bomb = await episode.step(ToolCall("run", {"command": "bomb() { bomb | bomb & }; bomb; exec sleep 100"}))
     assert "(timeout" in bomb.observation
     flood = await episode.step(ToolCall("run", {"command": "yes"}))
     assert "(output_limit" in flood.observation and len(flood.observation) < env.max_observation_chars + 100
