@@ -69,7 +69,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             limit = config.getoption("timeout", None) or config.getini("timeout")
             if on_real_node and limit:
                 # The first real-node test of a session or module also waits for its fixtures: the
-                # bed (a kubelet, the images imported: 3 to 5 minutes here), the chart, a run's
+                # bed (a kubelet, the images imported: 116-176 s measured here), the chart, a run's
                 # first steps, each bounded by its own wait. The suite's limit times the test.
                 item.add_marker(pytest.mark.timeout(float(limit), func_only=True))
         if item.get_closest_marker("cuda"):

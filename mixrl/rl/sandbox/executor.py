@@ -168,6 +168,7 @@ async def _run(command: str, limits: Limits, workspace: str, sole_parent: bool) 
     overflow_seen = asyncio.create_task(overflowed.wait())
     ended = asyncio.create_task(process.wait())
     killed_for = ""
+    cleaned_up = False
     try:
         # ended: the usual way (the pipes close as the command exits); exited: a process the
         # command left in a session of its own holds them
@@ -177,10 +178,12 @@ async def _run(command: str, limits: Limits, workspace: str, sole_parent: bool) 
         if not (ended.done() or exited.done()):
             killed_for = "output_limit" if overflowed.is_set() else "timeout"
         _kill_leftovers(process.pid, sole_parent)  # also what the command left running in the background
+        cleaned_up = True
         await asyncio.wait({ended}, timeout=DRAIN_GRACE_S)
         await asyncio.wait(readers, timeout=DRAIN_GRACE_S)
     finally:
-        _kill_leftovers(process.pid, sole_parent)
+        if not cleaned_up:  # cancelled or failed before the kill above
+            _kill_leftovers(process.pid, sole_parent)
         for task in (*readers, exited, overflow_seen, ended):
             task.cancel()
         await asyncio.gather(*readers, exited, overflow_seen, ended, return_exceptions=True)
