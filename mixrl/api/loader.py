@@ -69,7 +69,7 @@ _FLOAT_TAG = "tag:yaml.org,2002:float"
 class ManifestUnreadable(ValueError):
     """The file itself cannot be used (missing, unreadable, not YAML, beyond the loader's limits): a
     usage error, not a spec error.  A ValueError, like InvalidSpec, so that callers catching bad input
-    (``mixrl simulate --spec``) print its one line instead of a traceback."""
+    (``mixrl simulate SPEC``) print its one line instead of a traceback."""
 
 
 class LimitExceeded(yaml.MarkedYAMLError):

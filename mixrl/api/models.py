@@ -349,7 +349,9 @@ class TopPSpec(Model):
     p: Float = Field(default=1.0, gt=0, le=1)
     """Nucleus mass; 1.0 disables top-p truncation."""
     k: Int = Field(default=-1, ge=-1, le=INT32_MAX)
-    """Top-k cut (-1 = whole vocabulary). SGLang needs a finite top-k to return the sampling mask."""
+    """Top-k cut (-1 = whole vocabulary; with top-p below 1 the torch engine still samples from at
+    most its ``--sampling-mask-max-tokens``, 4,096, docs/engine.md). SGLang needs a finite top-k to
+    return the sampling mask."""
     mask_replay: Bool = True
     """Replay the sampler's top-p set in the trainer (renormalize π on the same support)."""
 
@@ -472,8 +474,9 @@ class RolloutSpec(Model):
     """Rollout worker replicas."""
     max_steps_ahead: Int = Field(default=2, ge=0, le=INT32_MAX)
     """Back-pressure: a worker starts no new group while the buffer holds this many trainer steps of
-    data (ready plus in flight); 0 = never wait. Staleness stays unbounded (no data is dropped); this
-    only keeps samplers from running far ahead of the trainer."""
+    data (ready plus in flight); 0 = never wait. It drops nothing and bounds no staleness (that is
+    algorithm.maxStaleness, which does drop stale groups); it only keeps samplers from running far
+    ahead of the trainer."""
     sandbox: SandboxPodsSpec | None = None
     """In a cluster: run the environment's sandboxed commands in sandbox pods
     (docs/sandbox.md#sandbox-pods-in-a-cluster); null = the local sandbox inside the worker's pod."""
@@ -506,7 +509,8 @@ class RolloutSpec(Model):
 
 class WeightsSpec(Model):
     store: Location = "file:///var/lib/mixrl/weights"
-    """Weight store URL: a local path, ``file://`` URL or a PVC mount path."""
+    """Weight store: an absolute path or a ``file:///`` URL, where the trainer's and the engines' pods
+    mount the weights volume (``mixrl run`` keeps its store in the run directory instead)."""
     keep_versions: Int = Field(default=4, gt=0, le=INT32_MAX)
     """Old versions kept before pruning."""
     snapshot_every: Int = Field(default=10, gt=0, le=INT32_MAX)
@@ -560,7 +564,8 @@ class AutoscalingSpec(Model):
     """Replicas to hold when metrics are unavailable; null keeps the current count."""
     gpu_budget: Int | None = Field(default=None, gt=0, le=INT32_MAX)
     """Total GPUs all pools may use together, filled by cost per token; null = no shared budget. It
-    must cover the pools' minimums (the sum of minReplicas x gpusPerReplica)."""
+    must cover the pools' minimums (the sum of minReplicas x gpusPerReplica). Engine builtin only
+    (KEDA scales each pool on its own)."""
     pending_timeout_seconds: Float | None = Field(default=600.0, gt=0, le=MAX_SECONDS)
     """Replicas the cluster reports as unable to start (unschedulable with no node on its way, an
     image that cannot be pulled, a crash loop) are released at once, and the pool may not grow for
@@ -578,8 +583,8 @@ class AutoscalingSpec(Model):
     """``objective: trainer``: the low end of the band of buffered plus in-flight data, in steps; the
     high end is rollout.maxStepsAhead (the rollout's own back-pressure)."""
     cost_budget_per_hour: Float | None = Field(default=None, gt=0, le=MAX_CAPACITY)
-    """``objective: trainer``: most dollars per hour all pools may cost together (costPerGpuHour, or
-    the default price table); null = none."""
+    """``objective: trainer`` only: most dollars per hour all pools may cost together (costPerGpuHour,
+    or the default price table); null = none."""
     stall_after_seconds: Float = Field(default=600.0, gt=0, le=MAX_SECONDS)
     """``objective: trainer``: a trainer idle beyond trainerIdleTarget this long while the fleet holds
     (its estimates say the supply covers the demand) gets one more replica of the cheapest pool that

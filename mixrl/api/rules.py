@@ -587,15 +587,14 @@ STORE_IS_A_PATH = Rule(
     "weight-store-is-a-path",
     ("WeightsSpec",),
     "store",
-    "must be a path or a file:// URL (the trainer and the engines share it as a volume); object "
-    "stores such as s3:// have no storage backend yet",
+    "must be an absolute path or a file:/// URL (the trainer and the engines share it as a volume"
+    " mounted there: a relative path would name each container's own working directory); object"
+    " stores such as s3:// have no storage backend yet",
     "FieldValueInvalid",
     condition=lambda node: (
-        f"!{node.value('store')}.matches('{URL_SCHEME}') || {node.value('store')}.startsWith('file://')"
+        f"{node.value('store')}.startsWith('/') || {node.value('store')}.startsWith('file:///')"
     ),
-    holds=lambda weights, table: (
-        not re.match(URL_SCHEME, weights.store) or weights.store.startswith("file://")
-    ),
+    holds=lambda weights, table: weights.store.startswith(("/", "file:///")),
 )
 
 MEGATRON_NEEDS_GPUS = Rule(
@@ -831,6 +830,42 @@ TRAINER_OBJECTIVE_NEEDS_BUILTIN = Rule(
     facts=lambda spec, table: {"engine": spec.autoscaling.engine},
 )
 
+GPU_BUDGET_NEEDS_BUILTIN = Rule(
+    "gpu-budget-needs-builtin",
+    ("RLRunSpec",),
+    "autoscaling.gpuBudget",
+    "a GPU budget shared by the pools is kept by mixrl's own loop and needs engine builtin, not"
+    " {engine} (KEDA scales each pool on its own; none scales nothing)",
+    "FieldValueForbidden",
+    condition=lambda node: (
+        "!has(self.autoscaling) || !has(self.autoscaling.gpuBudget)"
+        " || (has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin') == 'builtin'"
+    ),
+    values=lambda node: {"engine": "(has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin')"},
+    holds=lambda spec, table: spec.autoscaling.gpu_budget is None or spec.autoscaling.engine == "builtin",
+    facts=lambda spec, table: {"engine": spec.autoscaling.engine},
+)
+
+COST_BUDGET_NEEDS_TRAINER_OBJECTIVE = Rule(
+    "cost-budget-needs-trainer-objective",
+    ("RLRunSpec",),
+    "autoscaling.costBudgetPerHour",
+    "only objective trainer plans the fleet by cost; objective {objective} sizes each pool to its"
+    " load and would ignore it",
+    "FieldValueForbidden",
+    condition=lambda node: (
+        "!has(self.autoscaling) || !has(self.autoscaling.costBudgetPerHour)"
+        " || (has(self.autoscaling.objective) ? self.autoscaling.objective : 'queue') == 'trainer'"
+    ),
+    values=lambda node: {
+        "objective": "(has(self.autoscaling.objective) ? self.autoscaling.objective : 'queue')"
+    },
+    holds=lambda spec, table: (
+        spec.autoscaling.cost_budget_per_hour is None or spec.autoscaling.objective == "trainer"
+    ),
+    facts=lambda spec, table: {"objective": spec.autoscaling.objective},
+)
+
 RUN_NAME_LENGTH = Rule(
     "run-name-length",
     ("RLRun",),
@@ -918,6 +953,8 @@ RULES: tuple[Rule, ...] = (
     UNIQUE_POOL_NAMES,
     GPU_BUDGET_COVERS_MINIMUMS,
     TRAINER_OBJECTIVE_NEEDS_BUILTIN,
+    GPU_BUDGET_NEEDS_BUILTIN,
+    COST_BUDGET_NEEDS_TRAINER_OBJECTIVE,
     SGLANG_MASK_NEEDS_TOP_K,
     RUN_NAME_LENGTH,
     MULTI_NODE_NAME_LENGTH,

@@ -1,4 +1,5 @@
-"""``mixrl validate FILE|DIR...``: one line per problem; exit 0 valid, 1 invalid, 2 usage error."""
+"""``mixrl validate FILE|DIR...``: one line per problem (the first 20 of a document, then how many more);
+exit 0 valid, 1 invalid, 2 usage error."""
 
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ From one RLRun, every combination of
 
 is run with ``mixrl run`` into ``OUT/runs/<arm>-<fleet>-s<seed>/``, ``--jobs`` at a time.  A
 finished run (its ``summary.json`` names the wanted step count) is skipped, an interrupted one
-resumes from its checkpoint, so running the same command again completes a study.  Then one table
+resumes from its checkpoint, so running the same command again completes a study; a run made from
+another RLRun or other ``--evaluation``/``--kernels`` (its ``OUT/runs/<job>.yaml`` differs) is
+refused before anything starts, not reused (:func:`manifest_mismatch`).  Then one table
 (``OUT/ablation.md``, ``OUT/ablation.json``) and plots (``OUT/ablation.png``): final and best
 held-out pass@1 with the spread over seeds, the collapse signs raised, the fresh (staleness-0) KL
 of each fleet and the mixed/homogeneous ratio of it (the seed's 4.7×), and each pool's share of
@@ -160,6 +162,45 @@ def finished(run_dir: Path, steps: int) -> bool:
         return json.loads((run_dir / "summary.json").read_text()).get("steps") == steps
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def manifest_mismatch(manifest: Path, document: Doc) -> str | None:
+    """Why the run whose manifest is ``manifest`` is not the run ``document`` asks for (None when it
+    is, or when there is no manifest: nothing ran there yet).  ``finished`` and ``mixrl run
+    --run-dir`` look at the run directory alone, so without this a study re-run with other flags or
+    an edited RLRun would reuse runs made with other settings under a header naming the new ones.
+    Compared as YAML data, the way :func:`run_job` writes the manifest, so key order and formatting
+    do not count."""
+    try:
+        text = manifest.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"unreadable ({exc.strerror}), so the run there cannot be checked against this study"
+    wanted = yaml.safe_load(yaml.safe_dump(document, sort_keys=False))
+    try:
+        made = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return "not valid YAML, so the run there cannot be checked against this study"
+    if made != wanted:
+        return "that run was made from another RLRun or other flags (--evaluation/--kernels)"
+    return None
+
+
+def study_command(
+    file: Path,
+    arms: Sequence[str],
+    fleets: Sequence[str],
+    seeds: int,
+    steps: int,
+    evaluation: str,
+    kernels: str,
+) -> str:
+    """The command at the top of ``ablation.md``: every flag that changes the runs, so running it
+    again reproduces the study (``--jobs`` and ``--out`` do not change a run)."""
+    flags = {"--arms": ",".join(arms), "--fleets": ",".join(fleets), "--seeds": seeds, "--steps": steps,
+             "--evaluation": evaluation, "--kernels": kernels}  # fmt: skip
+    return " ".join(["mixrl ablate", str(file), *(f"{flag} {value}" for flag, value in flags.items())])
 
 
 def run_job(
@@ -467,15 +508,24 @@ def main(argv: list[str]) -> int:
         return 2
     # The document as written (a dump would turn a null the user chose back into its default).
     document = yaml.safe_load(args.file.read_text(encoding="utf-8"))
-    for job in jobs_of(arms, fleets, args.seeds):  # every derived run must be valid before any starts
+    jobs = jobs_of(arms, fleets, args.seeds)
+    # Every derived run must be valid, and must not clash with a run already in --out (made with
+    # other settings, it would be skipped or resumed as if it were this study's), before any starts.
+    for job in jobs:
+        derived = arm_document(document, job.arm, job.fleet, job.seed, args.evaluation, args.kernels)
         try:
-            load_rlrun_document(
-                arm_document(document, job.arm, job.fleet, job.seed, args.evaluation, args.kernels)
-            )
+            load_rlrun_document(derived)
         except InvalidSpec as exc:
             print(f"mixrl ablate: {job.name}: {exc.first_line}", file=sys.stderr)
             return 2
-    jobs = jobs_of(arms, fleets, args.seeds)
+        manifest = args.out / "runs" / f"{job.name}.yaml"
+        if (reason := manifest_mismatch(manifest, derived)) is not None:
+            print(
+                f"mixrl ablate: {manifest}: {reason}; use another --out, "
+                f"or delete {args.out / 'runs' / job.name}* to redo it",
+                file=sys.stderr,
+            )
+            return 2
     args.out.mkdir(parents=True, exist_ok=True)
     print(
         f"mixrl ablate: {len(jobs)} runs of {steps} steps, {args.jobs} at a time, in {args.out}", flush=True
@@ -503,8 +553,7 @@ def main(argv: list[str]) -> int:
                 f"[{done}/{len(jobs)}] {job.name}: {status} in {seconds:.0f}s  ({rate:.1f} runs/h, ETA {eta:.0f}s)",
                 flush=True,
             )
-    command = " ".join(["mixrl ablate", str(args.file), f"--arms {','.join(arms)}", f"--fleets {','.join(fleets)}",
-                        f"--seeds {args.seeds}", f"--steps {steps}", f"--kernels {args.kernels}"])  # fmt: skip
+    command = study_command(args.file, arms, fleets, args.seeds, steps, args.evaluation, args.kernels)
     report = write_study(args.out, arms, fleets, args.seeds, command)
     print(f"mixrl ablate: table in {report}, plots in {args.out / 'ablation.png'}")
     if failed:

@@ -129,7 +129,7 @@ def add_auth_arguments(parser: argparse.ArgumentParser) -> None:
         dest="auth_token_file",
         type=Path,
         default=None,
-        help=f"file holding the run's bearer token (a mounted Secret); default: ${TOKEN_ENV}",
+        help=f"file holding the run's bearer token (a mounted Secret); default: the token itself in ${TOKEN_ENV}",
     )
     parser.add_argument(
         INSECURE_FLAG,

@@ -187,8 +187,9 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
     ),
     "weight-store-on-s3": (
         set_at("spec", "weights", "store", value="s3://bucket/run"),
-        "spec.weights.store: must be a path or a file:// URL (the trainer and the engines share it as a"
-        " volume); object stores such as s3:// have no storage backend yet",
+        "spec.weights.store: must be an absolute path or a file:/// URL (the trainer and the engines share"
+        " it as a volume mounted there: a relative path would name each container's own working"
+        " directory); object stores such as s3:// have no storage backend yet",
     ),
     "gpu-budget-below-minimums": (
         set_at("spec", "autoscaling", "gpuBudget", value=2),

@@ -451,8 +451,18 @@ CASES: dict[str, Case] = {
     "weight-store-on-s3": Case(
         "weight-store-is-a-path",
         set_at("spec", "weights", "store", value="s3://bucket/run"),
-        "spec.weights.store: must be a path or a file:// URL (the trainer and the engines share it as a"
-        " volume); object stores such as s3:// have no storage backend yet",
+        "spec.weights.store: must be an absolute path or a file:/// URL (the trainer and the engines share"
+        " it as a volume mounted there: a relative path would name each container's own working"
+        " directory); object stores such as s3:// have no storage backend yet",
+    ),
+    # Before, a relative store passed validation and the operator mounted no volume: the trainer
+    # wrote its versions into its own container and the engines never saw them.
+    "weight-store-relative": Case(
+        "weight-store-is-a-path",
+        set_at("spec", "weights", "store", value="weights"),
+        "spec.weights.store: must be an absolute path or a file:/// URL (the trainer and the engines share"
+        " it as a volume mounted there: a relative path would name each container's own working"
+        " directory); object stores such as s3:// have no storage backend yet",
     ),
     "top-p-without-top-k-on-sglang": Case(
         "sglang-mask-needs-top-k",
@@ -475,6 +485,21 @@ CASES: dict[str, Case] = {
         ],
         "spec.autoscaling.objective: trainer sizes the whole fleet in mixrl's own loop and needs engine"
         " builtin, not keda (KEDA scales each pool from its own query)",
+    ),
+    "gpu-budget-with-keda": Case(
+        "gpu-budget-needs-builtin",
+        lambda doc: [
+            set_at("spec", "autoscaling", "gpuBudget", value=5)(doc),
+            set_at("spec", "autoscaling", "engine", value="keda")(doc),
+        ],
+        "spec.autoscaling.gpuBudget: a GPU budget shared by the pools is kept by mixrl's own loop and needs"
+        " engine builtin, not keda (KEDA scales each pool on its own; none scales nothing)",
+    ),
+    "cost-budget-with-the-queue-objective": Case(
+        "cost-budget-needs-trainer-objective",
+        set_at("spec", "autoscaling", "costBudgetPerHour", value=100.0),
+        "spec.autoscaling.costBudgetPerHour: only objective trainer plans the fleet by cost; objective"
+        " queue sizes each pool to its load and would ignore it",
     ),
     "gpu-budget-below-default-minimums": Case(  # pools without minReplicas or gpusPerReplica: 1 x 1
         "gpu-budget-covers-minimums",
@@ -522,6 +547,10 @@ VALID: dict[str, Callable[[Doc], None]] = {
         },
     ),
     "gpu-budget-that-covers": set_at("spec", "autoscaling", "gpuBudget", value=5),
+    "cost-budget-with-the-trainer-objective": set_at(
+        "spec", "autoscaling", value={"engine": "builtin", "objective": "trainer", "costBudgetPerHour": 100.0}
+    ),
+    "weight-store-as-an-absolute-path": set_at("spec", "weights", "store", value="/weights"),
     # a cpu pool's gpusPerReplica defaults to 0 (null reads as absent): only 2 + 1 + 1 of the budget
     "cpu-pools-take-no-gpus-of-the-budget": lambda doc: [
         set_at("spec", "autoscaling", "gpuBudget", value=4)(doc),

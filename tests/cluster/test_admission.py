@@ -162,6 +162,7 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.STORE_IS_A_PATH.name,
         at("spec", "weights", "store", value="s3://bucket/run"),
     ),
+    "weight-store-relative": (rules.STORE_IS_A_PATH.name, at("spec", "weights", "store", value="weights")),
     "top-p-without-top-k-on-sglang": (
         rules.SGLANG_MASK_NEEDS_TOP_K.name,
         at("spec", "algorithm", "topP", "k", value=-1),
@@ -173,6 +174,14 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
     "trainer-objective-with-keda": (
         rules.TRAINER_OBJECTIVE_NEEDS_BUILTIN.name,
         at("spec", "autoscaling", value={"engine": "keda", "objective": "trainer"}),
+    ),
+    "gpu-budget-with-keda": (
+        rules.GPU_BUDGET_NEEDS_BUILTIN.name,
+        at("spec", "autoscaling", value={"engine": "keda", "gpuBudget": 64}),
+    ),
+    "cost-budget-with-the-queue-objective": (
+        rules.COST_BUDGET_NEEDS_TRAINER_OBJECTIVE.name,
+        at("spec", "autoscaling", "costBudgetPerHour", value=100.0),
     ),
 }
 

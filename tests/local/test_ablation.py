@@ -14,7 +14,16 @@ import yaml
 
 from mixrl.api.loader import parse_document
 from mixrl.api.resolve import resolve
-from mixrl.local.ablation import ARMS, FLEETS, KERNELS, arm_document, routing_lines, study_table
+from mixrl.local.ablation import (
+    ARMS,
+    FLEETS,
+    KERNELS,
+    arm_document,
+    manifest_mismatch,
+    routing_lines,
+    study_command,
+    study_table,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
@@ -80,7 +89,6 @@ def test_the_table_gives_means_spreads_collapses_and_the_fleet_ratio() -> None:
     assert "| SC+MIS+top-p replay | k3 | 5.0× |" in lines
 
 
-@pytest.mark.slow  # whole mixrl runs (every component a process): also serial (tests/conftest.py)
 def test_the_routing_table_is_per_fleet_and_pool_and_absent_for_a_dense_model() -> None:
     runs = {
         "grpo-mixed-s0": {**figures(0.5, 0.01, []), "pool_routing": {"nvfp4": 0.2, "bf16": 0.01}},
@@ -94,6 +102,7 @@ def test_the_routing_table_is_per_fleet_and_pool_and_absent_for_a_dense_model() 
     assert routing_lines({"grpo-mixed-s0": figures(0.5, 0.01, [])}) == []  # dense: no routing measured
 
 
+@pytest.mark.slow  # whole mixrl runs (every component a process): also serial (tests/conftest.py)
 def test_a_fast_study_runs_resumes_and_writes_its_table(tmp_path: Path) -> None:
     fast = tmp_path / "fast.yaml"
     run = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
@@ -137,3 +146,69 @@ def test_bad_arguments_get_one_line() -> None:
         result.stderr.strip()
         == "mixrl ablate: --arms: 'ppo' is not one of grpo, grpo-mis, sc, grpo-topp, sc-mis, sc-mis-topp"
     )
+
+
+def test_the_recorded_command_names_every_flag_that_changes_the_runs() -> None:
+    # --evaluation included: without it, re-running a `--evaluation pools` study's recorded command
+    # would evaluate with the BF16 default.
+    command = study_command(Path("fast.yaml"), ["grpo", "sc-mis-topp"], ["mixed"], 3, 40, "pools", "trainer")
+    assert command == (
+        "mixrl ablate fast.yaml --arms grpo,sc-mis-topp --fleets mixed --seeds 3 --steps 40 "
+        "--evaluation pools --kernels trainer"
+    )
+
+
+def test_a_manifest_is_checked_against_the_run_it_would_now_be(tmp_path: Path) -> None:
+    manifest = tmp_path / "grpo-mixed-s0.yaml"
+    wanted = arm_document(QUICKSTART, ARMS["grpo"], "mixed", 0)
+    assert manifest_mismatch(manifest, wanted) is None  # nothing ran there yet
+    # As YAML data: the same document in another key order is the same run.
+    manifest.write_text(yaml.safe_dump(wanted, sort_keys=True))
+    assert manifest_mismatch(manifest, wanted) is None
+    for other in (
+        arm_document(QUICKSTART, ARMS["grpo"], "mixed", 0, evaluation="pools"),
+        arm_document(QUICKSTART, ARMS["grpo"], "mixed", 0, kernels="trainer"),
+    ):
+        manifest.write_text(yaml.safe_dump(other, sort_keys=False))
+        assert "another RLRun or other flags" in (manifest_mismatch(manifest, wanted) or "")
+    manifest.write_text("spec: [unclosed\n")
+    assert "not valid YAML" in (manifest_mismatch(manifest, wanted) or "")
+
+
+def _ablate_quickstart(out: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "mixrl.cli", "ablate", str(ROOT / "examples" / "quickstart.yaml"),
+               "--arms", "grpo", "--fleets", "mixed", "--seeds", "1", "--steps", "2", "--out", str(out)]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_a_rerun_with_other_settings_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    # A run left by a `--evaluation pools` study; this one asks for the BF16 default.
+    runs = tmp_path / "study" / "runs"
+    runs.mkdir(parents=True)
+    made = arm_document(QUICKSTART, ARMS["grpo"], "mixed", 0, evaluation="pools")
+    (runs / "grpo-mixed-s0.yaml").write_text(yaml.safe_dump(made, sort_keys=False))
+    (runs / "grpo-mixed-s0").mkdir()
+    (runs / "grpo-mixed-s0" / "summary.json").write_text(json.dumps({"steps": 2}))
+    result = _ablate_quickstart(tmp_path / "study")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        f"mixrl ablate: {runs / 'grpo-mixed-s0.yaml'}: that run was made from another RLRun or other flags "
+        f"(--evaluation/--kernels); use another --out, or delete {runs / 'grpo-mixed-s0'}* to redo it"
+    )
+    assert result.stdout == ""  # nothing started, nothing skipped as "done before"
+    assert not (runs / "grpo-mixed-s0.log").exists() and not (tmp_path / "study" / "ablation.md").exists()
+    assert yaml.safe_load((runs / "grpo-mixed-s0.yaml").read_text()) == made  # left as it was
+
+
+def test_a_rerun_with_the_same_settings_still_skips_its_finished_run(tmp_path: Path) -> None:
+    runs = tmp_path / "study" / "runs"
+    runs.mkdir(parents=True)
+    made = arm_document(QUICKSTART, ARMS["grpo"], "mixed", 0)  # what run_job wrote for these flags
+    (runs / "grpo-mixed-s0.yaml").write_text(yaml.safe_dump(made, sort_keys=False))
+    (runs / "grpo-mixed-s0").mkdir()
+    (runs / "grpo-mixed-s0" / "summary.json").write_text(json.dumps({"steps": 2}))
+    result = _ablate_quickstart(tmp_path / "study")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "grpo-mixed-s0: done before" in result.stdout
+    table = (tmp_path / "study" / "ablation.md").read_text()
+    assert "--evaluation bf16 --kernels serving`" in table  # the recorded command, as run

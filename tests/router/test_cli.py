@@ -32,6 +32,13 @@ def test_bad_replicas_file_gives_one_line_naming_the_pool(tmp_path: Path) -> Non
     assert run_cli("router", "--config", str(config), "--session-ttl", "0").stderr.strip() == (
         "mixrl router: --session-ttl: must be > 0"
     )
+    # Without spec.health.routing the buffer is never read: refused, not silently ignored.
+    ignored = ("--replicas", str(replicas), "--buffer", "http://127.0.0.1:1", "--insecure-no-auth")
+    replicas.write_text(json.dumps({"a": []}))
+    assert run_cli("router", "--config", str(config), *ignored).stderr.strip() == (
+        "mixrl router: --buffer: only read for spec.health.routing, which this run does not set"
+        " (the router routes by capacity)"
+    )
 
 
 async def test_router_process_serves_and_stops_on_sigterm(tmp_path: Path, engines) -> None:  # type: ignore[no-untyped-def]

@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--buffer",
         default=None,
-        help="buffer URL: read the trainer's per-pool mismatch there for mismatch-aware routing"
-        " (spec.health.routing; without it the router routes by capacity alone)",
+        help="buffer URL where the trainer's per-pool mismatch is read: required by mismatch-aware"
+        " routing (spec.health.routing) and refused without it (the router then routes by capacity)",
     )
     add_auth_arguments(parser)
     parser.add_argument("--log-level", default="INFO")
@@ -110,6 +110,13 @@ def main(argv: list[str]) -> int:
     if settings.health_policy is not None and args.buffer is None:
         print(
             "mixrl router: --buffer: required by spec.health.routing (the mismatch is read there)",
+            file=sys.stderr,
+        )
+        return 2
+    if settings.health_policy is None and args.buffer is not None:
+        print(
+            "mixrl router: --buffer: only read for spec.health.routing, which this run does not set"
+            " (the router routes by capacity)",
             file=sys.stderr,
         )
         return 2
