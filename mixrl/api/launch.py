@@ -117,7 +117,8 @@ class Where:
     tokenizer: str | None = None
     """The rollout worker's tokenizer JSON; None: the built-in filetree one."""
     worker_index: str = "0"
-    """The rollout worker's index (in a StatefulSet pod ``$(POD_INDEX)``, which the kubelet expands)."""
+    """The rollout worker's index (in a StatefulSet pod ``$(POD_INDEX)``, which the kubelet expands;
+    on a laptop each of the ``rollout.workers`` processes' own, 0 to workers - 1)."""
     hold_when_done: bool = False
     """The trainer keeps running (serving its metrics) after its last step instead of exiting: in a
     pod, whose StatefulSet would restart a container that exits; the operator then scales it down."""
@@ -136,11 +137,18 @@ class Where:
     """The evaluator's own engine (``evaluation.sampler: bf16``), which only the evaluator reloads."""
 
 
-def process_name(component: Component, pool: ResolvedPool | None = None, replica: int = 0) -> str:
-    """The process's name among the run's (its log and port files on a laptop)."""
+def process_name(
+    component: Component, pool: ResolvedPool | None = None, replica: int = 0, workers: int = 1
+) -> str:
+    """The process's name among the run's (its log and port files on a laptop).  For ``rollout``,
+    ``replica`` is the worker's index among ``workers`` (``rollout.workers``): ``rollout`` when
+    there is one, ``rollout-<index>`` when there are several."""
     if component == "engine":
         assert pool is not None, "an engine belongs to a pool"
         return f"engine-{pool.name}-{replica}"
+    if component == "rollout" and workers > 1:
+        assert 0 <= replica < workers, f"rollout worker {replica} of {workers}"
+        return f"rollout-{replica}"
     return component
 
 

@@ -471,7 +471,8 @@ class RolloutSpec(Model):
     concurrency: Int = Field(default=64, gt=0, le=INT32_MAX)
     """Agent sessions run at once by each rollout worker."""
     workers: Int = Field(default=1, gt=0, le=INT32_MAX)
-    """Rollout worker replicas."""
+    """Rollout worker replicas (``mixrl run``: as many local processes), each playing its own shard of
+    the training split; worker 0 alone runs the held-out evaluation on the pools."""
     max_steps_ahead: Int = Field(default=2, ge=0, le=INT32_MAX)
     """Back-pressure: a worker starts no new group while the buffer holds this many trainer steps of
     data (ready plus in flight); 0 = never wait. It drops nothing and bounds no staleness (that is
@@ -479,7 +480,8 @@ class RolloutSpec(Model):
     ahead of the trainer."""
     sandbox: SandboxPodsSpec | None = None
     """In a cluster: run the environment's sandboxed commands in sandbox pods
-    (docs/sandbox.md#sandbox-pods-in-a-cluster); null = the local sandbox inside the worker's pod."""
+    (docs/sandbox.md#sandbox-pods-in-a-cluster); null = the local sandbox inside the worker's pod.
+    ``mixrl run`` refuses it (sandbox pods exist only in a cluster)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -538,8 +540,9 @@ class WeightsSpec(Model):
 
 class AutoscalingSpec(Model):
     engine: Literal["builtin", "keda", "none"] = "builtin"
-    """Who scales pools: mixrl's own loop, KEDA ScaledObjects, or ``none``: the operator seeds a new
-    pool with max(minReplicas, 1) replicas and then leaves ``replicas`` to ``kubectl scale`` or an HPA."""
+    """Who scales pools: mixrl's own loop, KEDA ScaledObjects, or ``none``: a new pool starts with
+    minReplicas replicas, at least 1 and never above maxReplicas (the operator's seed, and the engines
+    ``mixrl run`` starts), and then ``replicas`` is left to ``kubectl scale`` or an HPA."""
     prometheus_url: Annotated[str, Field(max_length=2048, pattern=r"^https?://\S+$")] = (
         "http://prometheus-operated.monitoring.svc:9090"
     )

@@ -98,6 +98,8 @@ class ResolvedPool(Frozen):
     min_replicas: int
     max_replicas: int
     initial_replicas: int
+    """Replicas the pool starts with, in a cluster and under ``mixrl run`` alike
+    (:func:`initial_replicas`)."""
     cost_per_gpu_hour: float | None
     gpu_products: tuple[str, ...]
     """Values of nvidia.com/gpu.product the pool may run on (GPU table or the spec's override)."""
@@ -152,6 +154,13 @@ class ResolvedRun(Frozen):
             if pool.name == name:
                 return pool
         raise KeyError(f"no pool named {name!r} in run {self.name!r}")
+
+
+def initial_replicas(min_replicas: int, max_replicas: int) -> int:
+    """Replicas a new pool starts with: minReplicas, at least 1, never above maxReplicas (a pool with
+    maxReplicas 0 starts none).  The one rule for both runtimes: the operator seeds a new
+    SamplerPool's ``spec.replicas`` with it, and ``mixrl run`` starts that many engines."""
+    return min(max(min_replicas, 1), max_replicas)
 
 
 def default_kv_cache_dtype(pool: SamplerPoolTemplate) -> Literal["bf16", "fp8"]:
@@ -229,7 +238,7 @@ def resolve(run: RLRun) -> ResolvedRun:
                 capacity=pool.capacity,
                 min_replicas=pool.min_replicas,
                 max_replicas=pool.max_replicas,
-                initial_replicas=max(pool.min_replicas, 1),
+                initial_replicas=initial_replicas(pool.min_replicas, pool.max_replicas),
                 cost_per_gpu_hour=pool.cost_per_gpu_hour,
                 gpu_products=tuple(products),
                 node_selector=dict(pool.scheduling.node_selector),

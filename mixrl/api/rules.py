@@ -468,6 +468,28 @@ MULTI_NODE_NEEDS_SGLANG = Rule(
 )
 
 
+def _torch_engine_on_cpu(node: Node) -> str | None:
+    emulated = node.emulated_gpus()
+    if not emulated:
+        return None
+    return f'{node.value("engine")} != "torch" || self.gpuType in {cel_literal(emulated)}'
+
+
+TORCH_ENGINE_ON_CPU = Rule(
+    "torch-engine-on-cpu",
+    (POOL,),
+    "gpuType",
+    "the torch engine computes on CPU only (it never places the model on a GPU): on gpuType"
+    " {gpu_type} its pods would hold GPUs they never use; use gpuType cpu, or engine sglang",
+    "FieldValueForbidden",
+    condition=_torch_engine_on_cpu,
+    values=lambda node: {"gpu_type": "self.gpuType"},
+    unless=(MULTI_NODE_NEEDS_SGLANG.name,),
+    holds=lambda pool, table: pool.engine != "torch" or table[pool.gpu_type].emulated,
+    facts=lambda pool, table: {"gpu_type": pool.gpu_type},
+)
+
+
 def _toleration_exists_no_value(node: Node) -> str:
     return f'!(has(self.value) && self.value != "") || {node.value("operator")} != "Exists"'
 
@@ -936,6 +958,7 @@ RULES: tuple[Rule, ...] = (
     POOL_NEEDS_GPUS,
     REPLICA_WHOLE_NODES,
     MULTI_NODE_NEEDS_SGLANG,
+    TORCH_ENGINE_ON_CPU,
     TOLERATION_EXISTS_NO_VALUE,
     TOLERATION_EQUAL_NEEDS_KEY,
     TRAINER_NEEDS_GPUS,

@@ -1,7 +1,8 @@
 """``mixrl run FILE``: an RLRun on this machine, with the same components as in the cluster.
 
 Starts the buffer, one torch engine per pool replica (each at its emulated precision), the router,
-the rollout worker and the trainer as local processes on loopback; shows progress; stops them in
+the rollout workers (``rollout.workers``, each on its own shard of the training split) and the
+trainer as local processes on loopback; shows progress; stops them in
 order on Ctrl-C or when the trainer finishes; writes ``runs/<name>/`` (resolved config, logs,
 metrics.jsonl, evaluations.jsonl, weights, checkpoint, report.png, report.md).
 
@@ -38,7 +39,7 @@ from mixrl.api.launch import (
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
 from mixrl.api.models import CollapseSpec
 from mixrl.api.plain_text import plain_text
-from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
+from mixrl.api.resolve import ResolvedPool, ResolvedRun, initial_replicas, resolve
 from mixrl.local.processes import MIXRL, Process, ProcessStartError, wait_healthy
 from mixrl.local.report import step_records, write_report
 from mixrl.rl.auth import AuthToken, write_token_file
@@ -76,6 +77,8 @@ class Supervisor:
         self.run = run
         self.run_dir = run_dir
         self.components: list[Process] = []
+        self.rollouts: list[Process] = []
+        """The ``rollout.workers`` rollout workers, by index; worker 0 evaluates on the pools."""
         self.evaluator: Process | None = None
         """``evaluation.sampler: bf16``: mixrl evaluate (started with the rest)."""
         self.evaluator_restarts = 0
@@ -108,9 +111,13 @@ class Supervisor:
         )
 
     def _component(self, component: Component, pool: ResolvedPool | None = None, replica: int = 0) -> Process:
-        """The process of ``component`` as the launch table starts it, with its log and port files."""
+        """The process of ``component`` as the launch table starts it, with its log and port files;
+        ``replica``: an engine's among its pool's, a rollout worker's index."""
         where = self.where
-        name = process_name(component, pool, replica)
+        workers = self.run.rollout.workers
+        if component == "rollout":
+            where = replace(where, worker_index=str(replica))
+        name = process_name(component, pool, replica, workers)
         port = Path(port_file(where, component, pool, replica)) if component in SERVER_PORTS else None
         command = component_command(self.run, component, where, pool, replica)
         process = Process(name, command, self.logs / f"{name}.log", port_file=port)
@@ -124,11 +131,9 @@ class Supervisor:
         )
         buffer = self._component("buffer")
         buffer.start()
-        engines: dict[str, list[Process]] = {}
-        for pool in run.pools:
-            engines[pool.name] = [self._component("engine", pool, i) for i in range(pool.initial_replicas)]
-            for engine in engines[pool.name]:
-                engine.start(env=SINGLE_THREAD)
+        engines = self.pool_engines()
+        for engine in (e for pool in engines.values() for e in pool):
+            engine.start(env=SINGLE_THREAD)
         # evaluation.sampler bf16: the evaluator's own engine, which the router never sees.
         evaluator_engine = None
         if run.evaluation_pool is not None:
@@ -151,8 +156,23 @@ class Supervisor:
 
         self.trainer = self._component("trainer")
         self.trainer.start(env=SINGLE_THREAD)
-        self.rollout = self._component("rollout")
-        self.rollout.start(env=SINGLE_THREAD)
+        for worker in self.rollout_workers():
+            worker.start(env=SINGLE_THREAD)
+
+    def pool_engines(self) -> dict[str, list[Process]]:
+        """Each pool's engines (not started): its ``initial_replicas``, the number the operator seeds
+        a new SamplerPool with; nothing scales them here."""
+        return {
+            pool.name: [self._component("engine", pool, i) for i in range(pool.initial_replicas)]
+            for pool in self.run.pools
+        }
+
+    def rollout_workers(self) -> list[Process]:
+        """The ``rollout.workers`` rollout processes (not started), each with its own index, log and
+        name: the worker plays only its index's shard of the training split, so all of them together
+        cover it, as the cluster's StatefulSet of that many pods does."""
+        self.rollouts = [self._component("rollout", replica=i) for i in range(self.run.rollout.workers)]
+        return self.rollouts
 
     def stop(self) -> None:
         # Producers first, then the trainer, the router, the engines and the buffer last, so that no
@@ -182,9 +202,10 @@ class Supervisor:
         for component in self.components:
             if component is self.trainer or component.alive:
                 continue
-            # Servers must stay up; the rollout worker and the evaluator may end on their own after
+            # Servers must stay up; the rollout workers and the evaluator may end on their own after
             # the last step.
-            if component not in (self.rollout, self.evaluator) or component.returncode != 0:
+            may_end = component is self.evaluator or any(component is w for w in self.rollouts)
+            if not may_end or component.returncode != 0:
                 return component
         if not self.trainer.alive and self.trainer.returncode != 0:
             return self.trainer
@@ -294,6 +315,21 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 1
+    if not any(initial_replicas(p.min_replicas, p.max_replicas) for p in rlrun.spec.sampler_pools):
+        print(
+            "mixrl run: spec.samplerPools: every pool has maxReplicas 0, so no engine would start "
+            "(mixrl run scales no pool)",
+            file=sys.stderr,
+        )
+        return 1
+    if rlrun.spec.rollout.sandbox is not None:
+        print(
+            "mixrl run: spec.rollout.sandbox: sandbox pods exist only in a cluster (the operator "
+            "creates them); remove it to run the environment's sandboxed commands in the local "
+            "bubblewrap sandbox (docs/sandbox.md)",
+            file=sys.stderr,
+        )
+        return 1
     from mixrl.rl.environments.registry import check_rollout  # imports the user's environment
 
     environment_problems = check_rollout(rlrun.spec.rollout)
@@ -380,12 +416,12 @@ def main(argv: list[str]) -> int:
 def wait_for_final_evaluation(
     run_dir: Path, run: ResolvedRun, supervisor: Supervisor, timeout: float = 180
 ) -> None:
-    """The rollout worker (or the BF16 evaluator, which may be several evaluations behind)
+    """Rollout worker 0 (or the BF16 evaluator, which may be several evaluations behind)
     evaluates after the last step; keep the engines up until it has."""
     total = run.trainer.spec.total_steps
     if total is None:
         return
-    evaluator = supervisor.evaluator or supervisor.rollout
+    evaluator = supervisor.evaluator or supervisor.rollouts[0]  # worker 0 evaluates on the pools
     if supervisor.evaluator is not None:
         timeout *= 1 + len(list(evaluation_steps(run.evaluation.every_steps, total)))
     deadline = time.monotonic() + timeout

@@ -275,6 +275,13 @@ CASES: dict[str, Case] = {
         _pool(7, gpuType="cpu"),
         "spec.samplerPools[7].engine: sglang needs a GPU; use the torch engine for gpuType cpu",
     ),
+    # Before, accepted: the pool's pods requested an H200 each and the engine computed on CPU.
+    "torch-engine-on-a-gpu": Case(
+        "torch-engine-on-cpu",
+        _pool(4, engine="torch"),
+        "spec.samplerPools[4].gpuType: the torch engine computes on CPU only (it never places the model on"
+        " a GPU): on gpuType H200 its pods would hold GPUs they never use; use gpuType cpu, or engine sglang",
+    ),
     "beta-one": Case(
         "betas-in-unit-interval",
         set_at("spec", "trainer", "optimizer", "betas", value=[0.9, 1]),

@@ -110,6 +110,7 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.MULTI_NODE_NEEDS_SGLANG.name,
         pool(4, gpusPerReplica=16, engine="torch", weightPrecision="bf16"),
     ),
+    "torch-engine-on-a-gpu": (rules.TORCH_ENGINE_ON_CPU.name, pool(4, engine="torch")),
     "pool-name-taking-the-lws-suffix": (rules.RESERVED_POOL_SUFFIX.name, pool(0, name="b200-lws")),
     "multi-node-pool-name-too-long": (
         rules.MULTI_NODE_NAME_LENGTH.name,

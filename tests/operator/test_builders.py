@@ -813,7 +813,7 @@ def test_images_come_from_the_operator_unless_the_spec_names_one() -> None:
     manifest = small_run(
         pools=[
             {"name": "sg", "gpuType": "H100"},
-            {"name": "te", "gpuType": "H100", "engine": "torch"},
+            {"name": "te", "gpuType": "cpu", "engine": "torch"},
             {"name": "own", "gpuType": "H100", "image": "team/sglang:patched"},
         ]
     )

@@ -111,6 +111,16 @@ def test_the_rollout_worker_evaluates_only_on_the_pools_protocol() -> None:
     assert not WorkerSettings.from_run(resolved(sampler="bf16")).evaluates
 
 
+def test_only_worker_0_evaluates_on_the_pools() -> None:
+    """With several workers one held-out evaluation per step, not one per worker."""
+    doc = quickstart()
+    doc["spec"]["rollout"]["workers"] = 3
+    run = parse_document(doc)
+    assert isinstance(run, RLRun)
+    evaluates = [WorkerSettings.from_run(resolve(run), i).evaluates for i in range(3)]
+    assert evaluates == [True, False, False]
+
+
 def test_a_pool_cannot_take_the_evaluators_name() -> None:
     doc = quickstart()
     doc["spec"]["samplerPools"][0]["name"] = EVALUATOR_POOL

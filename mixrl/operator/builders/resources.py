@@ -387,8 +387,10 @@ def pod_monitor(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> O
 
 
 def seed_replicas(pool: ResolvedPool) -> int:
-    """Replicas a new SamplerPool starts with: minReplicas, at least 1, never above maxReplicas."""
-    return min(pool.initial_replicas, pool.max_replicas)
+    """Replicas a new SamplerPool starts with: the pool's ``initial_replicas``
+    (:func:`mixrl.api.resolve.initial_replicas`: minReplicas, at least 1, never above maxReplicas),
+    the same number of engines ``mixrl run`` starts."""
+    return pool.initial_replicas
 
 
 def clamp_replicas(replicas: int, pool: ResolvedPool) -> int:

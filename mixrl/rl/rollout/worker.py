@@ -104,8 +104,8 @@ class WorkerSettings:
     """Training tasks from this dataset file; None = the environment's generator."""
     heldout_path: str | None = None
     evaluates: bool = True
-    """The worker evaluates the held-out split on the pools (``evaluation.sampler: pools``); with
-    ``bf16`` the evaluator does (mixrl.rl.rollout.evaluator)."""
+    """The worker evaluates the held-out split on the pools (``evaluation.sampler: pools``, worker 0
+    only); with ``bf16`` the evaluator does (mixrl.rl.rollout.evaluator)."""
     max_staleness: int | None = None
     """``algorithm.maxStaleness``: training turns demand :func:`min_weight_version`; None: any."""
 
@@ -168,7 +168,10 @@ class WorkerSettings:
             max_observation_tokens=rollout.max_observation_tokens,
             train_path=rollout.dataset.train,
             heldout_path=rollout.dataset.heldout,
-            evaluates=evaluation.sampler == "pools",
+            # One held-out evaluation per step for the run, not one per worker: every worker would
+            # play the same whole held-out split, costing N times the engines' time and posting N
+            # records of each step to the buffer.  Worker 0 always exists, so it is the one.
+            evaluates=evaluation.sampler == "pools" and worker_index == 0,
             max_staleness=run.trainer.max_staleness,
         )
 
