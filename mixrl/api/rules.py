@@ -888,6 +888,22 @@ COST_BUDGET_NEEDS_TRAINER_OBJECTIVE = Rule(
     facts=lambda spec, table: {"objective": spec.autoscaling.objective},
 )
 
+WORKERS_HAVE_TASKS = Rule(
+    "rollout-workers-have-tasks",
+    ("RolloutSpec",),
+    "workers",
+    "{workers} workers each play their own shard of the training split, and trainSize {tasks} leaves"
+    " some of them none: at most trainSize workers",
+    "FieldValueInvalid",
+    condition=lambda node: f"{node.value('workers')} <= {node.nested_value('dataset', 'trainSize')}",
+    values=lambda node: {
+        "workers": f"string({node.value('workers')})",
+        "tasks": f"string({node.nested_value('dataset', 'trainSize')})",
+    },
+    holds=lambda rollout, table: rollout.workers <= rollout.dataset.train_size,
+    facts=lambda rollout, table: {"workers": rollout.workers, "tasks": rollout.dataset.train_size},
+)
+
 RUN_NAME_LENGTH = Rule(
     "run-name-length",
     ("RLRun",),
@@ -977,6 +993,7 @@ RULES: tuple[Rule, ...] = (
     GPU_BUDGET_COVERS_MINIMUMS,
     TRAINER_OBJECTIVE_NEEDS_BUILTIN,
     GPU_BUDGET_NEEDS_BUILTIN,
+    WORKERS_HAVE_TASKS,
     COST_BUDGET_NEEDS_TRAINER_OBJECTIVE,
     SGLANG_MASK_NEEDS_TOP_K,
     RUN_NAME_LENGTH,

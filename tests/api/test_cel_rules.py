@@ -493,6 +493,13 @@ CASES: dict[str, Case] = {
         "spec.autoscaling.objective: trainer sizes the whole fleet in mixrl's own loop and needs engine"
         " builtin, not keda (KEDA scales each pool from its own query)",
     ),
+    # Before, valid: the workers past trainSize died at their start (no task in their shard).
+    "more-rollout-workers-than-tasks": Case(
+        "rollout-workers-have-tasks",
+        set_at("spec", "rollout", value={"workers": 5, "dataset": {"trainSize": 4}}),
+        "spec.rollout.workers: 5 workers each play their own shard of the training split, and trainSize 4"
+        " leaves some of them none: at most trainSize workers",
+    ),
     "gpu-budget-with-keda": Case(
         "gpu-budget-needs-builtin",
         lambda doc: [

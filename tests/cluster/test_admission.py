@@ -176,6 +176,10 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.TRAINER_OBJECTIVE_NEEDS_BUILTIN.name,
         at("spec", "autoscaling", value={"engine": "keda", "objective": "trainer"}),
     ),
+    "more-rollout-workers-than-tasks": (
+        rules.WORKERS_HAVE_TASKS.name,
+        at("spec", "rollout", value={"workers": 5, "dataset": {"trainSize": 4}}),
+    ),
     "gpu-budget-with-keda": (
         rules.GPU_BUDGET_NEEDS_BUILTIN.name,
         at("spec", "autoscaling", value={"engine": "keda", "gpuBudget": 64}),
