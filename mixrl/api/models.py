@@ -475,7 +475,7 @@ class RolloutSpec(Model):
     the training split; worker 0 alone runs the held-out evaluation on the pools."""
     max_steps_ahead: Int = Field(default=2, ge=0, le=INT32_MAX)
     """Back-pressure: a worker starts no new group while the buffer holds this many trainer steps of
-    data (ready plus in flight); 0 = never wait. It drops nothing and bounds no staleness (that is
+    data (ready plus in flight; several workers each keep their share); 0 = never wait. It drops nothing and bounds no staleness (that is
     algorithm.maxStaleness, which does drop stale groups); it only keeps samplers from running far
     ahead of the trainer."""
     sandbox: SandboxPodsSpec | None = None

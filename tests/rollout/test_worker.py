@@ -25,7 +25,13 @@ from mixrl.rl.environments.filetree import FileTreeEnvironment, generate_tasks
 from mixrl.rl.rollout.demos import demonstration_tokens
 from mixrl.rl.rollout.router_client import RouterClient
 from mixrl.rl.rollout.stats import RolloutStats
-from mixrl.rl.rollout.worker import RolloutWorker, WorkerSettings, main, next_evaluation_step
+from mixrl.rl.rollout.worker import (
+    RolloutWorker,
+    WorkerSettings,
+    main,
+    next_evaluation_step,
+    room_for_a_group,
+)
 
 from ..fakes import FakeEngine
 from .conftest import (
@@ -470,3 +476,12 @@ async def test_production_pauses_when_the_trainer_falls_behind(
         assert worker.stats.groups_posted <= 7
     with pytest.raises(ValueError, match="max-steps-ahead: must be 0 \\(no limit\\) or positive, got -1"):
         WorkerSettings.from_run(resolved_run(), max_steps_ahead=-1)
+
+
+def test_several_workers_share_the_steps_ahead() -> None:
+    # 2 steps x 8 groups: one worker may hold 15 outstanding; four, 3 each (12 in all, under 16).
+    # Before, each of four workers counted only its own and held up to 16: 64 in all.
+    assert room_for_a_group(16, 0, 15, 1) and not room_for_a_group(16, 0, 16, 1)
+    assert room_for_a_group(16, 0, 3, 4) and not room_for_a_group(16, 0, 4, 4)
+    assert not room_for_a_group(16, 13, 1, 4) and room_for_a_group(16, 12, 0, 4)
+    assert room_for_a_group(0, 1000, 1000, 4)  # 0: no limit

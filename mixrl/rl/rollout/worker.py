@@ -192,6 +192,15 @@ def min_weight_version(committed_step: int, max_staleness: int | None) -> int | 
     return max(0, min(committed_step, committed_step + 1 - max_staleness))
 
 
+def room_for_a_group(limit: int, groups_ready: int, own_outstanding: int, workers: int) -> bool:
+    """Whether a worker may start another group under ``rollout.maxStepsAhead`` (``limit`` groups
+    ready plus in flight; 0 = no limit).  The buffer counts every worker's ready groups, but a
+    worker sees only its own groups in flight (and posted since its last poll): counted once,
+    ``workers`` workers would each fill the whole allowance, N times the limit in all.  The workers
+    are alike, so each counts its own once per worker: each keeps its share."""
+    return limit == 0 or groups_ready + own_outstanding * workers < limit
+
+
 def next_evaluation_step(step: int, every: int, total: int | None) -> int | None:
     """The first step after ``step`` to evaluate at: the next multiple of ``every``, capped at ``total``."""
     if total is not None and step >= total:
@@ -358,8 +367,10 @@ class RolloutWorker:
 
     def _room_for_a_group(self) -> bool:
         limit = self.settings.max_steps_ahead * self.settings.prompts_per_update
-        backlog = self.groups_ready + self.posted_since_poll + self.groups_in_flight
-        return self.training_done.is_set() or limit == 0 or backlog < limit
+        own = self.posted_since_poll + self.groups_in_flight
+        return self.training_done.is_set() or room_for_a_group(
+            limit, self.groups_ready, own, self.settings.workers
+        )
 
     async def _notify(self) -> None:
         async with self._changed:
