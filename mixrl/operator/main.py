@@ -204,7 +204,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--no-network-policies",
         dest="network_policies",
         action="store_false",
-        help="create no NetworkPolicies for the runs (the platform manages policies itself)",
+        help="create none of the runs' ingress NetworkPolicies (the platform manages policies itself); "
+        "a sandbox run's <run>-sandbox deny-all, the sandboxes' containment, stays",
     )
     repeatable(
         network,
@@ -225,7 +226,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--allowed-image-prefix",
         "allowed_image_prefixes",
         "PREFIX",
-        "an RLRun's own images (trainer.image, a pool's image) must start with one of these, "
+        "an RLRun's own images (trainer.image, a pool's image, rollout.sandbox.image) must start with one of these, "
         "e.g. registry.example.com/rl/ (repeatable; none: any image)",
     )
     policy.add_argument(

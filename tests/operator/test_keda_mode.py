@@ -194,3 +194,25 @@ async def test_keda_mode_without_keda_says_so_and_sends_nothing_to_keda(
     assert not [r for r in list(api) if "scaledobjects" in r.url.path]
     assert not [r for r in list(api) if r.url.path.endswith("/scale")]
     assert any(r.url.path == "/apis/keda.sh/v1alpha1" for r in list(api)), "discovery was asked"
+
+
+async def test_autoscaler_ready_says_when_this_operator_scales_nothing(api: ApiServer, operator: Any) -> None:
+    # Before, a builtin run read True ("the operator scales the pools") under
+    # --no-builtin-autoscaler, and a keda run was told to install KEDA under --keda off.
+    builtin = with_engine(small_run("demo"), "builtin", closed_port_url())
+    keda = with_engine(small_run("other"), "keda", closed_port_url())
+    async with operator(autoscaling=None, keda="off"):
+        await create(api, builtin)
+        await create(api, keda)
+        for run in ("demo", "other"):
+            await eventually(
+                lambda run=run: "AutoscalerReady" in conditions(api.live(RLRUNS, NAMESPACE, run) or {}),
+                what=f"{run}'s condition",
+            )
+        await settled(api, quiet=0.3)
+    unscaled = conditions(live(api, RLRUNS, "demo"))["AutoscalerReady"]
+    assert (unscaled["status"], unscaled["reason"]) == ("False", "BuiltinAutoscalerOff")
+    told_off = conditions(live(api, RLRUNS, "other"))["AutoscalerReady"]
+    assert (told_off["status"], told_off["reason"]) == ("False", "KedaOff")
+    assert "--keda off" in told_off["message"]
+    assert not [r for r in list(api) if "keda.sh" in r.url.path], "not even discovery: it was told off"

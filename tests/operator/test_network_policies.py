@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mixrl.api.loader import load_rlrun
-from mixrl.api.models import RoutingHealthSpec
+from mixrl.api.loader import load_rlrun, parse_document
+from mixrl.api.models import RLRun, RoutingHealthSpec
 from mixrl.api.resolve import resolve
 from mixrl.operator.builders.network import network_policies, policy_names
 from mixrl.operator.builders.objects import NAMESPACE_NAME_LABEL, BuildOptions, Images, Owner, Scrapers
@@ -116,6 +116,18 @@ def test_every_component_has_one_policy_named_after_it() -> None:
     ]
     assert names == [f"quickstart-{c}-ingress" for c in ("trainer", "buffer", "router", "sampler", "rollout")]
     assert policy_names(resolved) == names  # the names the switch-off deletes by
+
+
+def test_without_network_policies_a_sandbox_run_keeps_its_sandboxes_containment() -> None:
+    manifest = small_run()
+    manifest["spec"]["rollout"] = {"environment": "coding", "sandbox": {}}
+    run = parse_document(manifest)
+    assert isinstance(run, RLRun)
+    resolved = resolve(run)
+    owner = Owner("v", "RLRun", resolved.name, "u")
+    off = BuildOptions(images=Images(network_policies=None))
+    policies = [o["metadata"]["name"] for o in run_objects(resolved, owner, off) if o["kind"] == "NetworkPolicy"]
+    assert policies == [f"{resolved.name}-sandbox"], "the sandbox's deny-all, none of the ingress ones"
 
 
 async def test_without_network_policies_the_earlier_operators_are_deleted_and_no_more_made(

@@ -122,7 +122,8 @@ class Images:
     kube-scheduler serves :mod:`mixrl.api.scheduling`'s profile; None: the default scheduler."""
     network_policies: Scrapers | None = field(default_factory=Scrapers)
     """Each run gets NetworkPolicies (:mod:`mixrl.operator.builders.network`) letting these scrapers
-    read its metrics; None: the operator creates none (the platform manages policies itself)."""
+    read its metrics; None: the operator creates none of the runs' ingress policies (the platform
+    manages policies itself; a sandbox run's ``<run>-sandbox`` deny-all stays, builders/sandbox.py)."""
 
     def trainer(self, backend: str) -> str:
         return self.trainer_megatron if backend == "megatron" else self.trainer_torch
@@ -143,6 +144,10 @@ class BuildOptions:
     """The buffer's volume; None: derived from the run (:func:`buffer_volume_size`)."""
     keda: bool = False
     """The cluster serves KEDA's ScaledObjects (keda.sh/v1alpha1), found through API discovery."""
+    keda_off: bool = False
+    """The operator runs with ``--keda off``: no ScaledObjects, whatever the cluster serves."""
+    builtin_autoscaler: bool = True
+    """The operator runs its built-in autoscaler (not with ``--no-builtin-autoscaler``)."""
 
 
 # ----------------------------------------------------------------------------- CPU and memory

@@ -26,6 +26,8 @@ class Discovery:
     """``auto`` (ScaledObjects when keda.sh/v1alpha1 serves scaledobjects), ``on`` or ``off``."""
     drain_seconds: int = 300
     ttl_s: float = 300.0
+    builtin_autoscaler: bool = True
+    """The operator runs its built-in autoscaler (AutoscalerReady of builtin runs says whether)."""
     _served: dict[str, tuple[set[str] | None, float]] = field(default_factory=dict)
     """group/version -> (the plurals it serves, None when it serves nothing; when that was asked)."""
 
@@ -56,4 +58,6 @@ class Discovery:
             monitoring=await self.monitoring(),
             drain_seconds=self.drain_seconds,
             keda=await self.keda(),
+            keda_off=self.keda_mode == "off",
+            builtin_autoscaler=self.builtin_autoscaler,
         )

@@ -63,6 +63,10 @@ class Reason:
     BUILTIN_AUTOSCALER = "BuiltinAutoscaler"
     KEDA_SCALED_OBJECT = "KedaScaledObject"
     KEDA_NOT_INSTALLED = "KedaNotInstalled"
+    KEDA_OFF = "KedaOff"
+    """False: the run's engine is keda, and this operator runs with ``--keda off``."""
+    BUILTIN_AUTOSCALER_OFF = "BuiltinAutoscalerOff"
+    """False: the run's engine is builtin, and this operator runs with ``--no-builtin-autoscaler``."""
     AUTOSCALING_DISABLED = "AutoscalingDisabled"
     # Admitted (and the Queued / Admitted events)
     QUEUED = "Queued"
@@ -168,11 +172,33 @@ def samplers_value(pools: list[PoolState]) -> ConditionValue:
     return "True", Reason.READY, f"{serving}/{len(pools)} pools serving"
 
 
-def autoscaler_value(engine: str, keda_served: bool, scaled_object: str | None = None) -> ConditionValue:
+def autoscaler_value(
+    engine: str,
+    keda_served: bool,
+    scaled_object: str | None = None,
+    *,
+    keda_off: bool = False,
+    builtin_loop: bool = True,
+) -> ConditionValue:
     """(status, reason, message) of AutoscalerReady for ``autoscaling.engine``; ``scaled_object``
-    names the pool's ScaledObject (None on the run, which has one per pool)."""
+    names the pool's ScaledObject (None on the run, which has one per pool); ``keda_off``: the
+    operator was told ``--keda off``; ``builtin_loop``: it runs its built-in autoscaler."""
+    if engine == "builtin" and not builtin_loop:
+        return (
+            "False",
+            Reason.BUILTIN_AUTOSCALER_OFF,
+            "autoscaling.engine is builtin, but this operator runs without its built-in autoscaler "
+            "(--no-builtin-autoscaler): replicas stay where they are",
+        )
     if engine == "builtin":
         return "True", Reason.BUILTIN_AUTOSCALER, "the operator scales the pools from Prometheus"
+    if engine == "keda" and keda_off:
+        return (
+            "False",
+            Reason.KEDA_OFF,
+            "autoscaling.engine is keda, but this operator applies no ScaledObjects (--keda off): "
+            "replicas stay where they are",
+        )
     if engine == "keda" and keda_served:
         target = f"ScaledObject {scaled_object}" if scaled_object else "one ScaledObject per SamplerPool"
         return "True", Reason.KEDA_SCALED_OBJECT, f"KEDA scales through {target}"

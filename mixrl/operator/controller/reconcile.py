@@ -325,7 +325,7 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
         "RolloutReady": WorkloadState.of(live("StatefulSet", "rollout")),
     }
     pools = [pool_state(pool.name, pool_live(pool)) for pool in resolved.pools]
-    autoscaler = autoscaler_value(resolved.autoscaling.engine, options.keda)
+    autoscaler = autoscaler_of(resolved.autoscaling.engine, options)
     new = run_status(
         previous, generation, components, pools, ctx.now(), autoscaler, report.failures, admission
     )
@@ -423,7 +423,7 @@ async def queued(
         ("TrainerReady", "BufferReady", "RouterReady", "RolloutReady")
     )
     pools = [pool_state(pool.name, obj) for pool, obj in zip(resolved.pools, declared, strict=True)]
-    autoscaler = autoscaler_value(resolved.autoscaling.engine, options.keda)
+    autoscaler = autoscaler_of(resolved.autoscaling.engine, options)
     new = run_status(
         previous, meta.get("generation"), components, pools, ctx.now(), autoscaler, report.failures, admission
     )
@@ -773,7 +773,7 @@ async def reconcile_scaled_object(
     if options.keda and engine == "keda" and not finished:
         desired = pool_scaled_object(resolved, pool, owner_of(body))
         await apply_object(client, desired, report, None, alive)
-        return autoscaler_value(engine, True, desired["metadata"]["name"])
+        return autoscaler_of(engine, options, desired["metadata"]["name"])
     if options.keda:
         uid = body["metadata"]["uid"]
         try:
@@ -781,7 +781,18 @@ async def reconcile_scaled_object(
         except ApiError as exc:
             failure = Failure(f"ScaledObject/{pool.object_name}", str(exc), True, exc.status, exc.retry_after)
             report.failures.append(failure)
-    return autoscaler_value(engine, options.keda)
+    return autoscaler_of(engine, options)
+
+
+def autoscaler_of(engine: str, options: BuildOptions, scaled_object: str | None = None) -> ConditionValue:
+    """AutoscalerReady for ``autoscaling.engine`` under this operator's settings and cluster."""
+    return autoscaler_value(
+        engine,
+        options.keda,
+        scaled_object,
+        keda_off=options.keda_off,
+        builtin_loop=options.builtin_autoscaler,
+    )
 
 
 async def delete_leftover(

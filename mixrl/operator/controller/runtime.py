@@ -128,6 +128,7 @@ class Runtime:
             keda_mode=config.keda,
             drain_seconds=config.drain_seconds,
             ttl_s=config.discovery_ttl_s,
+            builtin_autoscaler=config.autoscaling is not None,
         )
         self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._queued: set[str] = set()
