@@ -696,8 +696,9 @@ class RunScheduling(Model):
     queue: str | None = Field(default=None, pattern=names.DNS_LABEL_PATTERN, max_length=names.DNS_LABEL_MAX)
     """Kueue LocalQueue, in the run's namespace, that admits the run: the trainer and every pool's
     starting replicas (minReplicas, at least 1) are admitted together or not at all (one Kueue Workload), and until then the run is
-    Queued with Kueue's reason and creates nothing that runs. Replicas a pool scales to above its
-    starting ones are not admitted by Kueue (created at once, outside its quota). null: the
+    Queued with Kueue's reason and creates nothing that runs. Each replica a pool scales to above its
+    starting ones has a Workload of its own and starts once Kueue admits it (its quota allowing; the
+    others wait). null: the
     operator's default queue (the chart's kueue.defaultQueue), and without one the run starts at
     once (docs/operator.md#gang-admission-with-kueue)."""
 
