@@ -43,3 +43,23 @@ async def test_wait_and_compute_time_of_the_trainer_are_exported(start_buffer) -
     second = await scrape(running.url)
     assert second[wait] >= first[wait] + 0.35  # the wait for step 1's data
     assert 0.45 <= second[busy] < 3  # from handing out step 1 to asking for step 2
+
+
+async def test_the_trainers_ranks_asking_for_one_step_count_one_wait(start_buffer) -> None:
+    """A trainer of several ranks: rank 0 takes the step's batch (POST), rank 1 reads it (GET),
+    both waiting for the same data; the trainer's wait is one rank's, not the sum over the ranks
+    (its rate is the trainer's idle share, at most 1), and one batch is served."""
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2)
+    wait = metrics.MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL.name
+    started = asyncio.get_running_loop().time()
+    rank0 = asyncio.create_task(running.client.get_batch(1, timeout=10))
+    rank1 = asyncio.create_task(running.client.read_batch(1, timeout=10))
+    await asyncio.sleep(0.5)
+    await running.client.post_trajectories(group_of("a", 2))
+    taken, read = await asyncio.wait_for(asyncio.gather(rank0, rank1), 10)
+    elapsed = asyncio.get_running_loop().time() - started
+    assert taken is not None and read is not None
+    assert [g.prompt_id for g in read.groups] == [g.prompt_id for g in taken.groups] == ["a"]
+    scraped = await scrape(running.url)
+    assert 0.4 <= scraped[wait] <= elapsed  # two ranks' waits would be about twice the elapsed time
+    assert scraped[metrics.MIXRL_BUFFER_BATCHES_TOTAL.name] == 1

@@ -21,7 +21,8 @@ from mixrl.rl.buffer.client import BufferClient
 from mixrl.rl.buffer.store import ASSIGNMENTS
 from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer.batch import PolicyBatch
-from mixrl.rl.trainer.main import FINISHED, PoisonBatch, TrainerLoop
+from mixrl.rl.trainer.distributed import Ranks
+from mixrl.rl.trainer.main import FINISHED, PoisonBatch, TrainerLoop, batch_of_step
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
 from mixrl.rl.weights import WeightStore
 
@@ -123,6 +124,33 @@ async def test_a_finished_trainer_holds_until_sigterm_with_hold_when_done(
                 trainer.send_signal(signal.SIGTERM)
             _, stderr = await asyncio.wait_for(trainer.communicate(), timeout=60)
     assert trainer.returncode == 0, stderr.decode()[-2000:]
+
+
+async def test_two_ranks_get_one_batch_and_the_buffer_counts_the_trainers_wait_once(
+    tmp_path: Path, model: torch.nn.Module
+) -> None:
+    """Every rank of a torchrun trainer asks for each step's batch: the main rank takes it and the
+    other reads it, so the buffer serves one batch and its trainer clock (the autoscaler's idle share)
+    counts one rank's wait, not one per rank."""
+    group = synthetic_group(model, "a", 2, pool="bf16", seed=0, run=RUN)
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url, BufferClient(url) as client:
+        started = asyncio.get_running_loop().time()
+        asking = [
+            asyncio.create_task(batch_of_step(client, Ranks(rank=rank, world_size=2), 1, timeout=20))
+            for rank in (1, 0)  # rank 1 first: reading never assigns, it waits for rank 0's batch
+        ]
+        await asyncio.sleep(0.5)
+        await client.post_trajectories(group)
+        read, taken = await asyncio.wait_for(asyncio.gather(*asking), 20)
+        elapsed = asyncio.get_running_loop().time() - started
+        assert taken is not None and read is not None
+        assert [t.model_dump() for t in read.trajectories] == [t.model_dump() for t in taken.trajectories]
+        stats = await client.stats()
+        async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+            text = await response.text()
+    assert stats["batches"] == 1
+    (line,) = [x for x in text.splitlines() if x.startswith("mixrl_buffer_trainer_wait_seconds_total{")]
+    assert 0.4 <= float(line.rsplit(" ", 1)[1]) <= elapsed  # two ranks' waits: about twice the elapsed
 
 
 def trainer_loop(tmp_path: Path, url: str, model_dir: Path, total_steps: int) -> TrainerLoop:

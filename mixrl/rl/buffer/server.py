@@ -13,7 +13,9 @@
   returns the same batch.  Any other step gets 409 and changes nothing.  It is a POST because it
   may change state (the first answer assigns groups to the step, durably).
 - ``GET /batch?step=N&timeout=S``: the same answers without ever assigning anything (a step's
-  batch once it has one; it long-polls for the next step's until the trainer has taken it).
+  batch once it has one; it long-polls for the next step's until the trainer has taken it): how
+  a trainer's ranks other than the main one read each step's batch, so only the main rank's
+  ``POST`` moves the trainer's clock (``mixrl_buffer_trainer_*``).
 - ``POST /commit?step=N``: only the step just served (or again one already committed).
 - ``POST /quarantine?step=N``: ``{"prompt_ids": [...], "reason": "..."}`` from the trainer for a
   served, uncommitted batch it cannot train: the batch is taken back for good (kept on disk,
@@ -284,7 +286,8 @@ class BufferServer:
         self.metrics = metrics_handler(self.registry, in_thread=True)
         self._arrivals = asyncio.Condition()
         self._closing = False
-        # The trainer's clock, for the autoscaler (objective: trainer): waits and compute per step.
+        # The trainer's clock, for the autoscaler (objective: trainer): waits and compute per step,
+        # from POST /batch alone (the trainer's main rank; its other ranks read with GET).
         self._trainer_wait = metrics.create(metrics.MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL, self.registry)
         self._trainer_busy = metrics.create(metrics.MIXRL_BUFFER_TRAINER_BUSY_SECONDS, self.registry)
         self._handed_at: float | None = None

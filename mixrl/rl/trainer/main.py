@@ -21,9 +21,10 @@ The loop, per step s (the trainer holds weight version s − 1 while computing s
      between any two redoes the step on the same batch, and resume() drops the metrics lines of
      steps after the checkpoint, so every step is logged once.
 
-Under torchrun (``trainer.nodes`` × ``gpusPerNode`` processes) every rank reads the same batch and
-computes its share of it (FSDP2, mixrl.rl.trainer.distributed); rank 0 alone publishes, commits,
-reloads the engines and writes metrics, and the ranks meet after each commit.
+Under torchrun (``trainer.nodes`` × ``gpusPerNode`` processes) rank 0 takes each step's batch and
+the other ranks read the same one (:func:`batch_of_step`); every rank computes its share of it
+(FSDP2, mixrl.rl.trainer.distributed); rank 0 alone publishes, commits, reloads the engines and
+writes and serves metrics, and the ranks meet after each commit.
 
 Every request carries the run's token (``--auth-token-file`` or ``$MIXRL_AUTH_TOKEN``; docs/auth.md):
 the buffer's batches and commits and (with ``--router``) the router's weight fan-out need it.  A refused token is fatal
@@ -64,7 +65,7 @@ from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer import checkpoint, distributed
 from mixrl.rl.trainer.batch import collate
 from mixrl.rl.trainer.megatron_backend import BackendUnavailable, MegatronPolicyTrainer
-from mixrl.rl.trainer.telemetry import TrainerTelemetry
+from mixrl.rl.trainer.telemetry import TrainerTelemetry, trainer_telemetry
 from mixrl.rl.trainer.torch_backend import OptimizerSettings, StepResult, TorchPolicyTrainer
 from mixrl.rl.trainer.weight_broadcast import WeightBroadcaster, receivers_from_router
 from mixrl.rl.weights import WeightStore, tokenizer_files
@@ -349,7 +350,7 @@ class TrainerLoop:
         distributed.barrier()
         while (total is None or self.step < total) and not self.stopping.is_set():
             step = self.step + 1
-            batch = await self.buffer.get_batch(step)  # every rank reads the same batch
+            batch = await batch_of_step(self.buffer, self.ranks, step)  # every rank: the same batch
             if batch is None:  # long-poll timed out: no full batch yet
                 continue
             groups = [group.trajectories for group in batch.groups]
@@ -447,6 +448,20 @@ class TrainerLoop:
             self.telemetry.mark_finished(self.step, self.step)
 
 
+async def batch_of_step(
+    buffer: BufferClient, ranks: distributed.Ranks, step: int, timeout: float = 30.0
+) -> Batch | None:
+    """Step ``step``'s batch for this rank, or None if it has none within ``timeout`` s.
+
+    The main rank takes it (``POST /batch``), and the buffer reads that request's wait as the
+    trainer's idle time and the time to its next one as the trainer's compute time; the other ranks
+    read the same batch (``GET /batch``, which assigns and counts nothing and long-polls until the
+    main rank has taken it), so those series are the trainer's for any number of ranks."""
+    if ranks.is_main:
+        return await buffer.get_batch(step, timeout)
+    return await buffer.read_batch(step, timeout)
+
+
 def _step_of(line: bytes) -> int:
     """The line's integer step, as the readers take it (``mixrl.local.report.has_step``); -1 for a
     damaged line (kept, as a line a reader can see)."""
@@ -504,7 +519,8 @@ def main(argv: list[str]) -> int:
         return 2
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    telemetry = TrainerTelemetry(run, port=args.metrics_port) if args.metrics_port else None
+    # Every rank of a torchrun group is given the same --metrics-port: the main rank alone serves it.
+    telemetry = trainer_telemetry(run, args.metrics_port, distributed.Ranks.from_env())
     try:
         loop = TrainerLoop(
             run,

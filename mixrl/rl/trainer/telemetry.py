@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
 from mixrl.api.resolve import ResolvedRun
 from mixrl.rl import metrics as m
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from mixrl.rl.trainer.distributed import Ranks
 
 ALL_POOLS = "all"
 
@@ -20,6 +25,15 @@ GAUGES = {
     "entropy": m.MIXRL_TRAINER_ENTROPY,
     "format_error_endings": m.MIXRL_TRAINER_FORMAT_ERROR_ENDINGS,
 }
+
+
+def trainer_telemetry(run: ResolvedRun, port: int, ranks: Ranks) -> TrainerTelemetry | None:
+    """The trainer's series, served on ``port`` (0: none) by one process per node (its local rank 0).
+
+    torchrun gives every rank of a node the same ``--metrics-port``, so a second server there would
+    fail to bind it.  Only the main rank writes the series; the other nodes' pods still answer
+    their scrapes (``mixrl_trainer_finished`` 0, which the status reads as the maximum over pods)."""
+    return TrainerTelemetry(run, port=port) if port and ranks.local_rank == 0 else None
 
 
 class TrainerTelemetry:
@@ -37,8 +51,9 @@ class TrainerTelemetry:
         self.tokens = m.counter(m.MIXRL_TRAINER_TOKENS_TOTAL, self.registry)
         self.finished = m.gauge(m.MIXRL_TRAINER_FINISHED, self.registry)
         self.finished.labels(**self._labels(ALL_POOLS)).set(0)
+        self.server: WSGIServer | None = None
         if port:
-            start_http_server(port, addr=host, registry=self.registry)
+            self.server, _ = start_http_server(port, addr=host, registry=self.registry)
 
     def _labels(self, pool: str) -> dict[str, str]:
         resolved = self.pools.get(pool)
