@@ -250,6 +250,12 @@ def documents() -> list[Obj]:
         lambda d: d["spec"]["trainer"].update(image="ghcr.io/mixrl/mixrl-trainer-torch:0.1.0"),
         lambda d: d["spec"]["samplerPools"][1].update(image="ghcr.io/mixrl-evil/x:1"),
         lambda d: d["spec"]["samplerPools"][0].update(image="lmsysorg/sglang:v0.5.6"),
+        lambda d: d["spec"].update(
+            rollout={"environment": "coding", "sandbox": {"image": "docker.io/evil/sb:1"}}
+        ),
+        lambda d: d["spec"].update(
+            rollout={"environment": "coding", "sandbox": {"image": "ghcr.io/mixrl/sb:1"}}
+        ),
         lambda d: d["spec"]["samplerPools"][1].update(
             engineArgs=["--tokenizer-path", "/w", "--trust-remote-code"]
         ),

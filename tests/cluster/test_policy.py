@@ -115,10 +115,17 @@ def test_the_policy_refuses_at_admission_and_in_the_operator(
     image["spec"]["samplerPools"][0]["image"] = "ghcr.io/mixrl-evil/sglang:1"
     done = cluster.apply(image, check=False)
     assert done.returncode != 0 and refusal(image) in done.stderr, done.stderr
-    assert (
-        cluster.kubectl("get", "rlrun/scheduled", "rlrun/imaged", "-n", namespace, check=False).returncode
-        != 0
+    # The sandbox pods' image is the run's own too, under the same prefixes.
+    sandboxed = run("sandboxed", namespace)
+    sandboxed["spec"]["rollout"].update(environment="coding", sandbox={"image": "docker.io/evil/sandbox:1"})
+    sandbox_line = refusal(sandboxed)
+    assert sandbox_line.startswith(
+        "spec.rollout.sandbox.image: docker.io/evil/sandbox:1 is not an allowed image"
     )
+    done = cluster.apply(sandboxed, check=False)
+    assert done.returncode != 0 and sandbox_line in done.stderr, done.stderr
+    for name in ("scheduled", "imaged", "sandboxed"):
+        assert cluster.kubectl("get", f"rlrun/{name}", "-n", namespace, check=False).returncode != 0, name
 
     # A compliant run (the chart's images, or its own from an allowed registry) is accepted.
     compliant = run("compliant", namespace)

@@ -63,6 +63,13 @@ def with_trainer(**fields: Any) -> Obj:
     return manifest
 
 
+def with_sandbox(**fields: Any) -> Obj:
+    """small_run with sandbox pods (``spec.rollout.sandbox``) of ``fields``."""
+    manifest = small_run()
+    manifest["spec"]["rollout"] = {"environment": "coding", "sandbox": fields}
+    return manifest
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_the_default_policy_allows_every_example(example: Path) -> None:
     for doc in yaml.safe_load_all(example.read_text()):
@@ -74,6 +81,7 @@ def test_a_run_naming_nothing_of_its_own_passes_the_strictest_policy() -> None:
     strictest = Policy(allowed_images=("x/",), allow_engine_args=False, allow_scheduling=False)
     assert strictest.restricts and not OPEN.restricts
     assert violations(strictest, spec_of(small_run())) == []
+    assert violations(strictest, spec_of(with_sandbox(poolSize=2))) == [], "sandbox pods of the chart's image"
 
 
 @pytest.mark.parametrize(
@@ -88,6 +96,17 @@ def test_a_run_naming_nothing_of_its_own_passes_the_strictest_policy() -> None:
             # A prefix is a prefix: "ghcr.io/mixrl" would let this through, "ghcr.io/mixrl/" does not.
             pools({}, {"image": "ghcr.io/mixrl-evil/sglang:1"}),
             "spec.samplerPools[1].image: ghcr.io/mixrl-evil/sglang:1 is not an allowed image (the "
+            "cluster's policy allows images starting with ghcr.io/mixrl/, lmsysorg/sglang:)",
+        ),
+        (
+            # The sandbox pods run the run's own image too: the same prefixes hold.
+            with_sandbox(image="docker.io/evil/sandbox:1"),
+            "spec.rollout.sandbox.image: docker.io/evil/sandbox:1 is not an allowed image (the cluster's "
+            "policy allows images starting with ghcr.io/mixrl/, lmsysorg/sglang:)",
+        ),
+        (
+            with_sandbox(image="ghcr.io/mixrl-evil/components:1"),
+            "spec.rollout.sandbox.image: ghcr.io/mixrl-evil/components:1 is not an allowed image (the "
             "cluster's policy allows images starting with ghcr.io/mixrl/, lmsysorg/sglang:)",
         ),
         (
@@ -147,6 +166,7 @@ def test_what_the_policy_allows_passes() -> None:
         }
     )
     manifest["spec"]["trainer"]["image"] = "ghcr.io/mixrl/mixrl-trainer-torch@sha256:" + "a" * 64
+    manifest["spec"]["rollout"] = {"environment": "coding", "sandbox": {"image": "ghcr.io/mixrl/sandbox:1"}}
     assert violations(STRICT, spec_of(manifest)) == []
 
 
@@ -183,14 +203,16 @@ def test_several_problems_are_reported_in_the_admission_policys_order() -> None:
         {"image": "evil/x:1", "engineArgs": ["--evil"]},
     )
     manifest["spec"]["trainer"]["scheduling"] = {"tolerations": [{"operator": "Exists"}]}
+    manifest["spec"]["rollout"] = {"environment": "coding", "sandbox": {"image": "evil/sandbox:1"}}
     found = violations(STRICT, spec_of(manifest))
     assert [line.split(":")[0] for line in found] == [
         "spec.samplerPools[1].image",
+        "spec.rollout.sandbox.image",
         "spec.samplerPools[1].engineArgs[0]",
         "spec.trainer.scheduling.tolerations",
         "spec.samplerPools[0].scheduling.nodeSelector",
     ]
-    assert violation(STRICT, spec_of(manifest)) == found[0] + " (and 3 more)"
+    assert violation(STRICT, spec_of(manifest)) == found[0] + " (and 4 more)"
 
 
 @pytest.mark.parametrize(
@@ -263,4 +285,29 @@ async def test_a_refused_run_is_marked_and_creates_nothing(api: ApiServer, opera
         await eventually(
             lambda: "PolicyViolation" not in conditions(api.live(RLRUNS, NAMESPACE, "demo")),
             what="PolicyViolation gone",
+        )
+
+
+async def test_a_run_whose_sandbox_image_is_refused_creates_nothing(api: ApiServer, operator: Any) -> None:
+    """The sandbox pods' image is the run's own, under the same prefixes: no sandbox account, role or
+    pod template (nor anything else of the run) for an image from elsewhere."""
+    line = (
+        "spec.rollout.sandbox.image: docker.io/evil/sandbox:1 is not an allowed image (the cluster's "
+        "policy allows images starting with ghcr.io/mixrl/, lmsysorg/sglang:)"
+    )
+    async with operator(policy=STRICT, resync_interval_s=0.2):
+        await create(api, with_sandbox(image="docker.io/evil/sandbox:1"))
+
+        def refused() -> bool:
+            run = api.live(RLRUNS, NAMESPACE, "demo")
+            return conditions(run).get("PolicyViolation", {}).get("status") == "True"
+
+        await eventually(refused, what="PolicyViolation=True")
+        await writes_settled(api, quiet=1.0)
+        run = api.live(RLRUNS, NAMESPACE, "demo")
+        assert conditions(run)["PolicyViolation"]["message"] == line
+        assert run["status"]["phase"] == "Invalid"
+        created = [r for r in writes(api) if r.resource is not None and r.resource.plural != "rlruns"]
+        assert not [r for r in created if r.resource.plural not in ("events", "clusterkopfpeerings")], (
+            "nothing of the run"
         )

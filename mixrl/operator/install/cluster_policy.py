@@ -1,9 +1,9 @@
 """The cluster's policy on what an RLRun may ask the operator to run, checked twice from one place.
 
-An RLRun can name its own images (``trainer.image``, a pool's ``image``), extra engine arguments
-(``engineArgs``) and scheduling overrides (``nodeSelector``, ``tolerations``, ``gpuProducts``,
-``priorityClassName``), and the operator runs them with its own permissions.  A platform restricts
-that with the chart's ``policy`` values, which reach two enforcers:
+An RLRun can name its own images (``trainer.image``, a pool's ``image``, ``rollout.sandbox.image``),
+extra engine arguments (``engineArgs``) and scheduling overrides (``nodeSelector``, ``tolerations``,
+``gpuProducts``, ``priorityClassName``), and the operator runs them with its own permissions.  A
+platform restricts that with the chart's ``policy`` values, which reach two enforcers:
 
 - the operator (``mixrl operator --allowed-image-prefix … --no-engine-args …``): :func:`violations`
   on every reconcile, so a run that got past admission (created before the policy, or with
@@ -47,8 +47,8 @@ class Policy:
     """What RLRuns may ask for.  The defaults allow everything (the chart's defaults too)."""
 
     allowed_images: tuple[str, ...] = ()
-    """Prefixes an RLRun's own image must start with; empty: any image.  Runs that name none get
-    the operator's images, which this does not restrict."""
+    """Prefixes an RLRun's own images (the trainer's, a pool's, the sandbox pods') must start with;
+    empty: any image.  Runs that name none get the operator's images, which this does not restrict."""
     allow_engine_args: bool = True
     """False: no pool may pass extra engine arguments."""
     allowed_engine_flags: tuple[str, ...] = ()
@@ -144,7 +144,7 @@ def violation(policy: Policy, spec: RLRunSpec) -> str | None:
 
 
 def _checks(policy: Policy, spec: RLRunSpec) -> Iterator[str | None]:
-    trainer, pools = spec.trainer, list(enumerate(spec.sampler_pools))
+    trainer, pools, sandbox = spec.trainer, list(enumerate(spec.sampler_pools)), spec.rollout.sandbox
     at = "spec.samplerPools[{}]".format
     yield (
         image_line("spec.trainer.image", trainer.image, policy)
@@ -155,6 +155,11 @@ def _checks(policy: Policy, spec: RLRunSpec) -> Iterator[str | None]:
         image_line(f"{at(i)}.image", p.image, policy)
         for i, p in pools
         if p.image is not None and not policy.image_allowed(p.image)
+    )
+    yield (
+        image_line("spec.rollout.sandbox.image", sandbox.image, policy)
+        if sandbox is not None and sandbox.image is not None and not policy.image_allowed(sandbox.image)
+        else None
     )
     yield _first(
         engine_args_line(f"{at(i)}.engineArgs")
@@ -232,6 +237,7 @@ def _pool_path(pool: str, suffix: str) -> str:
 
 
 TRAINER = "object.spec.trainer"
+SANDBOX = "object.spec.rollout.sandbox"
 BAD_FLAG = 'a.startsWith("-") && !variables.allowedEngineFlags.exists(f, a == f || a.startsWith(f + "="))'
 PRIORITY_ALLOWED = (
     "(size(variables.allowedPriorityClasses) > 0 ? {name} in variables.allowedPriorityClasses"
@@ -294,6 +300,12 @@ def admission_rules() -> dict[str, list[Rule]]:
                 _pool_path("variables.poolsWithBadImage[0]", ".image: "),
                 "variables.poolsWithBadImage[0].image",
                 image_reason,
+            ),
+        },
+        {
+            "expression": f"size(variables.allowedImages) == 0 || !({_present('object.spec', 'rollout', 'sandbox', 'image')}) || variables.allowedImages.exists(x, {SANDBOX}.image.startsWith(x))",
+            "messageExpression": _concat(
+                _lit("spec.rollout.sandbox.image: "), f"{SANDBOX}.image", image_reason
             ),
         },
         {
