@@ -10,7 +10,9 @@ which :func:`create` handles.  Colons: prometheus-client writes ``sglang:num_que
 must accept both spellings (:func:`promql_any_spelling`).
 
 Other components add their metrics to this file: a name is defined here once, as a
-:class:`MetricSpec`, and every exporter and query uses the constant.
+:class:`MetricSpec`, and every exporter and query uses the constant.  Names mixrl only queries are
+declared the same way: SGLang's (which the torch engine also exports) and the DCGM exporter's
+(:data:`DCGM_FI_DEV_GPU_UTIL`), which mixrl never exports.
 """
 
 from __future__ import annotations
@@ -71,10 +73,19 @@ def _created(spec: MetricSpec, registry: CollectorRegistry, kind: type[_Collecto
     return collector
 
 
-def promql_any_spelling(name: str) -> str:
-    """A PromQL selector matching ``name`` with its colons kept or turned into underscores."""
+def promql_any_spelling(name: str, matchers: str = "") -> str:
+    """A PromQL expression for the series of ``name`` with its colons kept or turned into
+    underscores, each selected by ``matchers`` (label matchers without the braces, e.g.
+    ``run="$run"``).
+
+    A name with colons gives ``(a{m} or b{m})``: a parenthesized expression, not a selector, so
+    the matchers go on each alternative; ``(a or b){m}`` is not PromQL.  A name without colons
+    gives the plain selector ``name{m}``."""
+    braces = f"{{{matchers}}}" if matchers else ""
     underscored = name.replace(":", "_")
-    return name if underscored == name else f"({name} or {underscored})"
+    if underscored == name:
+        return f"{name}{braces}"
+    return f"({name}{braces} or {underscored}{braces})"
 
 
 # ------------------------------------------------------------------------ engine: SGLang's names
@@ -101,7 +112,10 @@ SGLANG_NUM_PAUSED_REQS = MetricSpec(
     "sglang:num_paused_reqs", "gauge", "Requests held by a pause.", ENGINE_LABELS
 )
 SGLANG_GEN_THROUGHPUT = MetricSpec(
-    "sglang:gen_throughput", "gauge", "Generated tokens per second (recent window).", ENGINE_LABELS
+    "sglang:gen_throughput",
+    "gauge",
+    "Generated tokens per second over the last 10 s, set as the engine works (held while it idles).",
+    ENGINE_LABELS,
 )
 SGLANG_TOKEN_USAGE = MetricSpec(
     "sglang:token_usage", "gauge", "Fraction of KV-cache token slots in use.", ENGINE_LABELS
@@ -201,6 +215,19 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     SGLANG_KV_EVICTABLE_TOKENS,
 )
 
+# ----------------------------------------------------------- external: NVIDIA's DCGM exporter
+
+DCGM_LABELS = ("gpu", "UUID", "device", "modelName", "Hostname", "namespace", "pod", "container")
+"""The DCGM exporter's labels: the GPU's index, UUID, device and model, the node, and (with its
+Kubernetes pod mapping) the pod using the GPU.  mixrl reads ``modelName``, ``namespace``, ``pod``."""
+DCGM_FI_DEV_GPU_UTIL = MetricSpec(
+    "DCGM_FI_DEV_GPU_UTIL",
+    "gauge",
+    "GPU utilization (%), one series per GPU.  Exported by NVIDIA's DCGM exporter, never by mixrl:"
+    " the autoscaler queries it for the GPU models under a pool's pods (WrongGpuType).",
+    DCGM_LABELS,
+)
+
 # ------------------------------------------------------------------------- mixrl's own series
 
 MIXRL_LABELS = ("run", "pool", "gpu_type", "precision")
@@ -223,19 +250,25 @@ MIXRL_ROUTER_SESSIONS_ASSIGNED_TOTAL = MetricSpec(
 MIXRL_ROUTER_SESSIONS_MOVED_TOTAL = MetricSpec(
     "mixrl_router_sessions_moved_total",
     "counter",
-    "Sessions that left a pool with no ready replica.",
+    "Sessions that left a pool for another: the pool had no ready replica serving the request's"
+    " minimum weight version (none ready, or none new enough), or it held too many sessions after"
+    " losing replicas (rebalancing).",
     MIXRL_LABELS,
 )
 MIXRL_ROUTER_REQUESTS_TOTAL = MetricSpec(
     "mixrl_router_requests_total",
     "counter",
-    "Requests proxied to a pool and answered by a replica.",
+    "Requests forwarded to a pool that ended with a status: the replica's answer (any status), the"
+    " router's 504 when the replica did not answer in time, or 499 when the client went away first."
+    " Not counted: replica unreachable (in errors only), and requests never forwarded (400, or 503"
+    " and 409 because no replica could take them).",
     MIXRL_LABELS,
 )
 MIXRL_ROUTER_ERRORS_TOTAL = MetricSpec(
     "mixrl_router_errors_total",
     "counter",
-    "Requests to a pool that failed: replica unreachable, or an error status from the engine.",
+    "Requests forwarded to a pool that failed: replica unreachable, an error status (>= 400) from"
+    " the engine, the router's 504 (no answer in time), or 499 (the client went away first).",
     MIXRL_LABELS,
 )
 MIXRL_ROUTER_REQUESTS_IN_FLIGHT = MetricSpec(
@@ -298,7 +331,10 @@ MIXRL_ROUTER_WEIGHT_VERSION = MetricSpec(
 MIXRL_ROUTER_REQUEST_LATENCY = MetricSpec(
     "mixrl_router_request_latency_seconds",
     "histogram",
-    "Time from receiving a /generate request to answering it.",
+    "Time from receiving a /generate request to answering it, for requests forwarded to a replica"
+    " (time waiting for an in-flight slot included), whatever their end: the replica's answer, 504,"
+    " 499 or 503 (replica unreachable).  Not observed: requests never forwarded (400 for a bad"
+    " request, 503 with no ready replica, 409 with none serving the minimum weight version).",
     MIXRL_LABELS,
     ROUTER_LATENCY_BUCKETS,
 )
@@ -416,13 +452,15 @@ MIXRL_BUFFER_COMMITTED_STEP = MetricSpec(
 MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL = MetricSpec(
     "mixrl_buffer_trainer_wait_seconds_total",
     "counter",
-    "Seconds the trainer's batch requests waited for data (its rate is the trainer's idle share).",
+    "Seconds the trainer's POST /batch requests (its main rank's; other ranks read with GET) waited"
+    " for data (its rate is the trainer's idle share, 0 to 1).",
     BUFFER_LABELS,
 )
 MIXRL_BUFFER_TRAINER_BUSY_SECONDS = MetricSpec(
     "mixrl_buffer_trainer_busy_seconds",
     "gauge",
-    "Seconds from handing the trainer a batch to its next request: its compute time per step.",
+    "Seconds from handing the trainer a batch (POST /batch) to its next POST /batch: its compute"
+    " time per step.",
     BUFFER_LABELS,
 )
 MIXRL_BUFFER_EVAL_PASS_AT_K = MetricSpec(

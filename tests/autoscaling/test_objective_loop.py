@@ -283,3 +283,16 @@ def test_a_run_is_resolved_once_per_event_not_at_every_tick(monkeypatch: pytest.
     run = dict(h.loop.runs[(NS, RUN)])  # an event: the run as it is now, ended
     h.loop.observe_run({**run, "status": {"phase": "Succeeded"}}, deleted=False)
     assert h.loop.resolved_run(pool) is None and len(resolved) == 2
+
+
+async def test_a_starved_trainer_is_reported_on_the_run() -> None:
+    # Before, TrainerStarved was posted under the run's name with the SamplerPool kind, so
+    # `kubectl describe rlrun` never showed it.
+    h = concurrency_bound()
+    why = "cheap at its maximum (4)"
+    plan = FleetPlan({}, {}, 1.0, 0.5, None, ObjectiveMemory(), f"trainer idle 30%: {why}", stalled=why)
+    await h.loop.report_stall((NS, RUN), plan, h.now)
+    await h.loop.report_stall((NS, RUN), plan, h.now + 60)  # once per distinct reason
+    [event] = h.api.events
+    assert event["reason"] == "TrainerStarved" and event["type"] == "Warning"
+    assert {k: event["involvedObject"][k] for k in ("kind", "name")} == {"kind": "RLRun", "name": RUN}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from mixrl.api.models import CollapseSpec
-from mixrl.operator.builders.monitoring import collapse_rule_groups
+from mixrl.operator.builders.monitoring import collapse_rule_groups, kl_growing_expr, reward_falling_expr
 
 # promtool comes in Debian's prometheus package with the server: without it these tests fail
 # (tests/conftest.py), never skip.
@@ -22,14 +23,23 @@ pytestmark = pytest.mark.needs_prometheus
 RULES = {rule["alert"]: rule for group in collapse_rule_groups() for rule in group["rules"]}
 
 
+# The one conditional the annotations use: {{ if eq $labels.X "v" }}A{{ else }}B{{ end }}.
+CONDITIONAL = re.compile(r'\{\{ if eq \$labels\.(\w+) "([^"]*)" \}\}(.*?)\{\{ else \}\}(.*?)\{\{ end \}\}')
+
+
+def render(text: str, labels: dict[str, str]) -> str:
+    """An annotation as we expect Prometheus to render it (promtool then checks that it does)."""
+    text = CONDITIONAL.sub(lambda m: m[3] if labels.get(m[1]) == m[2] else m[4], text)
+    for name, value in labels.items():
+        text = text.replace(f"{{{{ $labels.{name} }}}}", value)
+    assert "{{" not in text, f"a template this test cannot render: {text}"
+    return text
+
+
 def expected(alert: str, **labels: str) -> dict[str, Any]:
     """The alert as Prometheus renders it: the rule's labels plus the series', annotations filled in."""
     rule = RULES[alert]
-    annotations = {}
-    for key, text in rule["annotations"].items():
-        for name, value in labels.items():
-            text = text.replace(f"{{{{ $labels.{name} }}}}", value)
-        annotations[key] = text
+    annotations = {key: render(text, labels) for key, text in rule["annotations"].items()}
     return {"exp_labels": {**rule["labels"], **labels}, "exp_annotations": annotations}
 
 
@@ -93,6 +103,25 @@ def test_kl_tripling_in_one_pool_fires_only_for_that_pool(rules_file: Path) -> N
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_runs_own_kl_is_judged_too_and_named_as_the_run(rules_file: Path) -> None:
+    """`mixrl run` judges the KL per pool and for the run (the trainer's pool="all" series): so do
+    the rules, and the summary names the run, not a pool called "all"."""
+    series = [
+        {"series": 'mixrl_trainer_kl{run="a",pool="all"}', "values": "0.001x120 0.004x120"},
+        {"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x240"},  # steady
+    ]
+    result = run_rule_tests(rules_file, series, [fires("MixrlKLGrowing", "200m", run="a", pool="all")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert expected("MixrlKLGrowing", run="a", pool="all")["exp_annotations"]["summary"] == (
+        "Run a: sampler-trainer KL of the run (all pools) grew 3x"
+    )
+    assert expected("MixrlKLGrowing", run="a", pool="h100")["exp_annotations"]["summary"] == (
+        "Run a: sampler-trainer KL of pool h100 grew 3x"
+    )
+    # Every series of the KL, the run's and each pool's, each on its own: no pool filter.
+    assert "max by (run, pool) (avg_over_time(mixrl_trainer_kl[15m]))" in kl_growing_expr(CollapseSpec())
+
+
 def test_a_kl_that_only_doubles_does_not_fire(rules_file: Path) -> None:
     series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.002x120"}]
     result = run_rule_tests(rules_file, series, [silent("MixrlKLGrowing", "230m")])
@@ -101,13 +130,32 @@ def test_a_kl_that_only_doubles_does_not_fire(rules_file: Path) -> None:
 
 def test_falling_reward_fires_and_a_flat_one_does_not(rules_file: Path) -> None:
     series = [
-        {"series": 'mixrl_trainer_reward{run="a",pool=""}', "values": "0.8x180 0.4x120"},
-        {"series": 'mixrl_trainer_reward{run="b",pool=""}', "values": "0.5x300"},
-        {"series": 'mixrl_trainer_reward{run="c",pool=""}', "values": "0.8x180 0.7x120"},  # -12 %: fine
+        {"series": 'mixrl_trainer_reward{run="a",pool="all"}', "values": "0.8x180 0.4x120"},
+        {"series": 'mixrl_trainer_reward{run="b",pool="all"}', "values": "0.5x300"},
+        {"series": 'mixrl_trainer_reward{run="c",pool="all"}', "values": "0.8x180 0.7x120"},  # -12 %: fine
     ]
     checks = [silent("MixrlRewardFalling", "185m"), fires("MixrlRewardFalling", "280m", run="a")]
     result = run_rule_tests(rules_file, series, checks)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_reward_judged_is_the_runs_not_the_pools(rules_file: Path) -> None:
+    """The trainer exports the run's reward (pool="all") beside each pool's; `mixrl run` judges the
+    run's alone, and so do the rules: a pool's falling reward under a steady run moves nothing, and
+    a falling run fires however steady one pool's looks."""
+    series = [
+        # run a: steady overall; pool h100's own reward falls (its share of the batch shrank).
+        # Averaged with it (the old rule) the run's "reward" fell 0.65 -> 0.35, below 0.7 x 0.65.
+        {"series": 'mixrl_trainer_reward{run="a",pool="all"}', "values": "0.5x300"},
+        {"series": 'mixrl_trainer_reward{run="a",pool="h100"}', "values": "0.8x180 0.2x120"},
+        # run b: falls 0.8 -> 0.4 while its pools' series stay high (averaged: -14 %, no alert).
+        {"series": 'mixrl_trainer_reward{run="b",pool="all"}', "values": "0.8x180 0.4x120"},
+        {"series": 'mixrl_trainer_reward{run="b",pool="b200"}', "values": "1x300"},
+        {"series": 'mixrl_trainer_reward{run="b",pool="h100"}', "values": "1x300"},
+    ]
+    result = run_rule_tests(rules_file, series, [fires("MixrlRewardFalling", "280m", run="b")])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '{pool="all"}' in reward_falling_expr(CollapseSpec())
 
 
 def test_most_episodes_ending_on_format_errors_fires(rules_file: Path) -> None:
@@ -146,7 +194,7 @@ def noisy_healthy_run(alerts: list[str]) -> tuple[Series, list[Check]]:
         episodes.append(episodes[-1] + 10)
         errors.append(errors[-1] + rng.randint(0, 6))  # 3 of 10 on average
     series = [
-        {"series": 'mixrl_trainer_reward{run="a",pool=""}', "values": values(reward)},
+        {"series": 'mixrl_trainer_reward{run="a",pool="all"}', "values": values(reward)},
         {"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": values(kl)},
         {"series": 'mixrl_rollout_episodes_total{run="a",pool="h100"}', "values": values(episodes)},
         {

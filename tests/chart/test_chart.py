@@ -25,7 +25,7 @@ from mixrl.api.scheduling import PACKING_SCHEDULER, packing_profile
 from mixrl.operator.builders.monitoring import collapse_rule_groups, dashboard
 from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner, Scrapers
 from mixrl.operator.builders.pools import pool_children
-from mixrl.operator.builders.resources import run_objects
+from mixrl.operator.builders.resources import pod_monitor, run_objects
 from mixrl.operator.install import chart as chart_module
 from mixrl.operator.kube.rbac import PLACEMENT_READS, operator_rules, permissions, policy_rules
 from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority
@@ -300,6 +300,14 @@ def test_template_everything_cluster_wide(helm: Helm) -> None:
     monitor = one(objects, "PodMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} == {"metrics", "engine"}
+    # It scrapes as the operator's per-run PodMonitors do (labels honoured, the same relabelings).
+    run = parse_document(small_run())
+    assert isinstance(run, RLRun)
+    per_run = pod_monitor(resolve(run), Owner("v", "RLRun", "demo", "u"), BuildOptions())
+    scraping = ("honorLabels", "relabelings")
+    assert [{k: e[k] for k in ("port", *scraping)} for e in monitor["spec"]["podMetricsEndpoints"]] == [
+        {k: e[k] for k in ("port", *scraping)} for e in per_run["spec"]["podMetricsEndpoints"]
+    ]
 
 
 def test_template_namespaced_gives_roles_and_peerings_only_in_watched_namespaces(helm: Helm) -> None:

@@ -572,6 +572,8 @@ def test_monitoring_mode_chooses_podmonitor_or_scrape_annotations() -> None:
     assert endpoint_ports <= pod_ports
     targets = {r["targetLabel"] for r in monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]}
     assert targets == {"run", "pool", "gpu_type", "precision"}
+    # The trainer's per-pool series keep their own gpu_type and precision (not the trainer pod's).
+    assert all(e["honorLabels"] is True for e in monitor["spec"]["podMetricsEndpoints"])
 
 
 # ----------------------------------------------------------------------------- hashes and replicas

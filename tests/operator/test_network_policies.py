@@ -126,7 +126,9 @@ def test_without_network_policies_a_sandbox_run_keeps_its_sandboxes_containment(
     resolved = resolve(run)
     owner = Owner("v", "RLRun", resolved.name, "u")
     off = BuildOptions(images=Images(network_policies=None))
-    policies = [o["metadata"]["name"] for o in run_objects(resolved, owner, off) if o["kind"] == "NetworkPolicy"]
+    policies = [
+        o["metadata"]["name"] for o in run_objects(resolved, owner, off) if o["kind"] == "NetworkPolicy"
+    ]
     assert policies == [f"{resolved.name}-sandbox"], "the sandbox's deny-all, none of the ingress ones"
 
 

@@ -153,7 +153,9 @@ def test_autoscaler_ready_names_who_scales_the_pools() -> None:
     # The operator's own settings: before, a builtin run read True under --no-builtin-autoscaler
     # (nothing scaled it) and a keda run was told to install KEDA under --keda off.
     unscaled = autoscaler_value("builtin", keda_served=False, builtin_loop=False)
-    assert unscaled[:2] == ("False", Reason.BUILTIN_AUTOSCALER_OFF) and "--no-builtin-autoscaler" in unscaled[2]
+    assert (
+        unscaled[:2] == ("False", Reason.BUILTIN_AUTOSCALER_OFF) and "--no-builtin-autoscaler" in unscaled[2]
+    )
     told_off = autoscaler_value("keda", keda_served=False, keda_off=True)
     assert told_off[:2] == ("False", Reason.KEDA_OFF) and "--keda off" in told_off[2]
 

@@ -91,7 +91,7 @@ from mixrl.operator.autoscaling.replicas import (
     unschedulable,
 )
 from mixrl.operator.kube.client import ApiError, KubeClient
-from mixrl.operator.kube.rbac import EVENTS, PODS, SAMPLERPOOLS
+from mixrl.operator.kube.rbac import EVENTS, PODS, RLRUNS, SAMPLERPOOLS
 from mixrl.operator.kube.ticker import Ticker
 
 Key = tuple[str, str]
@@ -415,7 +415,9 @@ class AutoscalingLoop(Ticker):
         body = self.runs.get(run_key)
         if plan.stalled is None or plan.stalled == said or body is None:
             return
-        await PoolApi(self.client).post_event(body, "Warning", TRAINER_STARVED, plan.summary, now)
+        # On the run (before, it was posted with the SamplerPool kind under the run's name, so
+        # `kubectl describe rlrun` never showed it).
+        await PoolApi(self.client).post_event(body, "Warning", TRAINER_STARVED, plan.summary, now, RLRUNS)
 
     async def report_concurrency(
         self, run_key: Key, plan: FleetPlan, objective: ObjectiveConfig, now: float, tolerance: float

@@ -19,7 +19,7 @@ from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation
 from mixrl.operator.autoscaling.promql import SUSTAINED_STEP, SUSTAINED_WINDOW, sustained_query
 from mixrl.operator.kube.client import KubeClient
 from mixrl.operator.kube.events import event_object
-from mixrl.operator.kube.rbac import EVENTS, RLRUNS, SAMPLERPOOLS
+from mixrl.operator.kube.rbac import EVENTS, RLRUNS, SAMPLERPOOLS, ApiResource
 
 
 async def query_prometheus(
@@ -131,6 +131,9 @@ class PoolApi:
         """The run's own status (``objective: trainer`` reports the concurrency the demand needs)."""
         await self.client.merge_patch(RLRUNS, namespace, name, {"status": patch}, subresource="status")
 
-    async def post_event(self, pool_body: Obj, kind: str, reason: str, message: str, now: float) -> None:
-        event = event_object(SAMPLERPOOLS, pool_body, kind, reason, message, now, "mixrl-autoscaler")
-        await self.client.create(EVENTS, pool_body["metadata"]["namespace"], event)
+    async def post_event(
+        self, body: Obj, kind: str, reason: str, message: str, now: float, about: ApiResource = SAMPLERPOOLS
+    ) -> None:
+        """An Event about ``body``, a SamplerPool unless ``about`` says (the run's TrainerStarved)."""
+        event = event_object(about, body, kind, reason, message, now, "mixrl-autoscaler")
+        await self.client.create(EVENTS, body["metadata"]["namespace"], event)

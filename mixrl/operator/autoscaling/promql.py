@@ -19,6 +19,7 @@ import re
 from mixrl.api.models import AutoscalingSpec
 from mixrl.api.resolve import ResolvedPool, ResolvedRun
 from mixrl.rl.metrics import (
+    DCGM_FI_DEV_GPU_UTIL,
     MIXRL_BUFFER_BATCHES_TOTAL,
     MIXRL_BUFFER_TRAINER_BUSY_SECONDS,
     MIXRL_BUFFER_TRAINER_WAIT_SECONDS_TOTAL,
@@ -41,7 +42,7 @@ SUSTAINED_WINDOW = "1m"
 SUSTAINED_STEP = "15s"
 """Its resolution, explicit: a subquery's default step is the global evaluation interval (1m)."""
 
-DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+DCGM_GPU_UTIL = DCGM_FI_DEV_GPU_UTIL.name
 
 _PLACEHOLDER = re.compile(r"\{(pool|namespace|run|object)\}")
 

@@ -4,12 +4,14 @@ The Helm chart ships both (``python -m mixrl.operator.install.chart`` writes the
 built from the metric names in :mod:`mixrl.rl.metrics`, so a renamed series cannot leave a stale
 alert behind.
 
-The three signs, as the paper saw them before a run collapsed:
-- reward falls: the 15-minute mean reward drops ``rewardDrop`` (30 %) or more below its best
-  15-minute mean of the last 6 hours;
-- KL grows: a pool's sampler–trainer KL (k3) reaches ``klGrowth`` (3×) its early level — PromQL has
-  no "first value", so the early level is the lowest 15-minute mean of the last 12 hours, which for
-  a degrading run is its early level;
+The three signs, as the paper saw them before a run collapsed, judged on the series ``mixrl run``
+judges (mixrl.rl.health.collapse): the trainer exports each figure for the whole batch
+(``pool="all"``) and per pool.
+- reward falls: the run's 15-minute mean reward (``pool="all"`` only, not averaged with the pools'
+  own rewards) drops ``rewardDrop`` (30 %) or more below its best 15-minute mean of the last 6 hours;
+- KL grows: a pool's sampler–trainer KL (k3), or the run's (``pool="all"``, the whole batch), reaches
+  ``klGrowth`` (3×) its early level — PromQL has no "first value", so the early level is the lowest
+  15-minute mean of the last 12 hours, which for a degrading run is its early level;
 - format errors: more than ``formatErrorShare`` (50 %) of episodes end on repeated replies without
   a tool call.
 
@@ -50,17 +52,22 @@ DEFAULT_THRESHOLDS = CollapseSpec()
 
 REWARD = MIXRL_TRAINER_REWARD.name
 KL = MIXRL_TRAINER_KL.name
+RUN_POOL = "all"
+"""The ``pool`` label of the trainer's whole-batch series (mixrl.rl.trainer.telemetry.ALL_POOLS)."""
+RUN_REWARD = f'{REWARD}{{pool="{RUN_POOL}"}}'
+"""The run's reward, the one ``mixrl run`` judges: not the per-pool series beside it."""
 EPISODES = MIXRL_ROLLOUT_EPISODES_TOTAL.name
 FORMAT_ERRORS = MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL.name
 
 
 def reward_falling_expr(t: CollapseSpec) -> str:
-    recent = f"avg by (run) (avg_over_time({REWARD}[15m]))"
-    best = f"max_over_time(avg by (run) (avg_over_time({REWARD}[15m]))[6h:5m])"
+    recent = f"avg by (run) (avg_over_time({RUN_REWARD}[15m]))"
+    best = f"max_over_time(avg by (run) (avg_over_time({RUN_REWARD}[15m]))[6h:5m])"
     return f"{recent} < ({1 - t.reward_drop:g} * {best}) and {best} > 0"
 
 
 def kl_growing_expr(t: CollapseSpec) -> str:
+    # Every pool's series and the run's (pool="all"), each judged on its own, as `mixrl run` does.
     # kl_floor: below it the ratio is noise (a run that starts at 1e-6 may triple meaning nothing).
     recent = f"max by (run, pool) (avg_over_time({KL}[15m]))"
     early = f"min_over_time(max by (run, pool) (avg_over_time({KL}[15m]))[12h:5m])"
@@ -71,6 +78,13 @@ def format_error_expr(t: CollapseSpec) -> str:
     errors = f"sum by (run) (rate({FORMAT_ERRORS}[15m]))"
     episodes = f"sum by (run) (rate({EPISODES}[15m]))"
     return f"({errors} / {episodes}) > {t.format_error_share:g}"
+
+
+KL_SCOPE = (
+    f'{{{{ if eq $labels.pool "{RUN_POOL}" }}}}the run (all pools){{{{ else }}}}pool {{{{ $labels.pool }}}}'
+    "{{ end }}"
+)
+"""What a KL alert is about, in its summary (a Prometheus template): a pool, or the run."""
 
 
 def alert(name: str, expr: str, duration: str, summary: str, description: str) -> Obj:
@@ -94,7 +108,7 @@ def collapse_rule_groups(t: CollapseSpec = DEFAULT_THRESHOLDS) -> list[Obj]:
                     reward_falling_expr(t),
                     "15m",
                     f"Run {{{{ $labels.run }}}}: reward fell {t.reward_drop:.0%} below its best",
-                    f"The 15-minute mean training reward is more than {t.reward_drop:.0%} below its best "
+                    f"The run's 15-minute mean training reward is more than {t.reward_drop:.0%} below its best "
                     "15-minute mean of the last 6 hours. With a rising KL this is how mismatch-driven "
                     "collapse begins.",
                 ),
@@ -102,11 +116,10 @@ def collapse_rule_groups(t: CollapseSpec = DEFAULT_THRESHOLDS) -> list[Obj]:
                     "MixrlKLGrowing",
                     kl_growing_expr(t),
                     "15m",
-                    f"Run {{{{ $labels.run }}}}, pool {{{{ $labels.pool }}}}: sampler-trainer KL grew "
-                    f"{t.kl_growth:g}x",
-                    f"The pool's KL (k3) is at least {t.kl_growth:g}x its early level (lowest 15-minute "
-                    "mean of the last 12 hours). Check the pool's precision and kernels; consider MIS or a "
-                    "narrower range.",
+                    f"Run {{{{ $labels.run }}}}: sampler-trainer KL of {KL_SCOPE} grew {t.kl_growth:g}x",
+                    f'The KL (k3) of a pool, or of the run\'s whole batch (pool "{RUN_POOL}"), is at least '
+                    f"{t.kl_growth:g}x its early level (lowest 15-minute mean of the last 12 hours). Check "
+                    "the pools' precision and kernels; consider MIS or a narrower range.",
                 ),
                 alert(
                     "MixrlFormatErrorEpisodes",
@@ -141,14 +154,16 @@ def panel(title: str, exprs: list[tuple[str, str]], x: int, y: int, unit: str = 
 
 def dashboard() -> Obj:
     """A Grafana dashboard for one run (variable ``run``): learning, mismatch per pool, serving."""
-    sel = '{run="$run"}'
-    queue = promql_any_spelling(SGLANG_NUM_QUEUE_REQS.name)
-    running = promql_any_spelling(SGLANG_NUM_RUNNING_REQS.name)
-    throughput = promql_any_spelling(SGLANG_GEN_THROUGHPUT.name)
-    # Engine series carry run and pool from the pod labels (the PodMonitor's relabelings).
-    engine = sel
+    run = 'run="$run"'
+    sel = f"{{{run}}}"
+    whole_batch = f'{{{run},pool="{RUN_POOL}"}}'  # the trainer's series for the run, not a pool's
+    # Engine series carry run and pool from the pod labels (the PodMonitor's relabelings); each
+    # spelling of a colon name gets the matchers (promql_any_spelling).
+    queue = promql_any_spelling(SGLANG_NUM_QUEUE_REQS.name, run)
+    running = promql_any_spelling(SGLANG_NUM_RUNNING_REQS.name, run)
+    throughput = promql_any_spelling(SGLANG_GEN_THROUGHPUT.name, run)
     panels = [
-        panel("Reward", [(f"avg by (run) ({REWARD}{sel})", "reward")], 0, 0),
+        panel("Reward", [(f"avg by (run) ({REWARD}{whole_batch})", "reward")], 0, 0),
         panel("Trainer step", [(f"max by (run) ({MIXRL_TRAINER_STEP.name}{sel})", "step")], 12, 0),
         panel("Sampler-trainer KL (k3) per pool", [(f"max by (pool) ({KL}{sel})", "{{pool}}")], 0, 8),
         panel(
@@ -181,7 +196,7 @@ def dashboard() -> Obj:
         ),
         panel(
             "Engine load per pool (queued + running)",
-            [(f"sum by (pool) ({queue}{engine}) + sum by (pool) ({running}{engine})", "{{pool}}")],
+            [(f"sum by (pool) ({queue}) + sum by (pool) ({running})", "{{pool}}")],
             0,
             32,
         ),
@@ -193,7 +208,7 @@ def dashboard() -> Obj:
         ),
         panel(
             "Generation throughput per pool",
-            [(f"sum by (pool) ({throughput}{engine})", "{{pool}}")],
+            [(f"sum by (pool) ({throughput})", "{{pool}}")],
             0,
             40,
             "tok/s",
@@ -225,7 +240,7 @@ def dashboard() -> Obj:
             [
                 (
                     f"sum(increase({MIXRL_COST_DOLLARS_TOTAL.name}{sel}[1h])) / "
-                    f'clamp_min(delta({MIXRL_TRAINER_STEP.name}{{run="$run",pool="all"}}[1h]), 1)',
+                    f"clamp_min(delta({MIXRL_TRAINER_STEP.name}{whole_batch}[1h]), 1)",
                     "samplers",
                 )
             ],

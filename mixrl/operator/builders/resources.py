@@ -358,7 +358,10 @@ POOL_RELABELINGS = (
 
 def pod_monitor(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> Obj:
     """Scrape every pod of the run: components on ``metrics``, engines (SGLang's names) on ``engine``;
-    the pod labels become the ``run``, ``pool``, ``gpu_type`` and ``precision`` series labels.
+    the pod labels become the ``run``, ``pool``, ``gpu_type`` and ``precision`` series labels where a
+    series has none of its own (``honorLabels``: the trainer's per-pool series carry each pool's GPU
+    type and precision, which the trainer pod's labels would otherwise overwrite, renaming them
+    ``exported_*``; the test bed's Prometheus honours labels too).
     ``options.images.pod_monitor_labels`` let a Prometheus that selects monitors by label find it; the
     operator's own labels win over them (they identify the run's objects)."""
     relabelings = [
@@ -373,8 +376,8 @@ def pod_monitor(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> O
         "spec": {
             "selector": {"matchLabels": {L.NAME: L.APP, L.INSTANCE: resolved.name}},
             "podMetricsEndpoints": [
-                {"port": "metrics", "path": "/metrics", "relabelings": relabelings},
-                {"port": "engine", "path": "/metrics", "relabelings": relabelings},
+                {"port": "metrics", "path": "/metrics", "honorLabels": True, "relabelings": relabelings},
+                {"port": "engine", "path": "/metrics", "honorLabels": True, "relabelings": relabelings},
             ],
         },
     }

@@ -115,9 +115,11 @@ class Pool:
     replica_failures: int = 0
     """Times a replica of this pool was found unreachable by a request."""
     requests: int = 0
-    """Requests answered by a replica (any status)."""
+    """Requests forwarded here that ended with a status: the replica's (any), or the router's 504
+    (no answer in time) or 499 (the client went away first); ``mixrl_router_requests_total``."""
     errors: int = 0
-    """Requests that failed: replica unreachable, or an error status (≥ 400) from the engine."""
+    """Requests forwarded here that failed: replica unreachable, an error status (≥ 400) from the
+    engine, 504 or 499; ``mixrl_router_errors_total``."""
     generated_tokens: int = 0
     weight_version: int | None = None
     """The newest weight version in this pool's answers (None until one names its version)."""
