@@ -358,7 +358,8 @@ class TopPSpec(Model):
 
 class CorrectionsSpec(Model):
     mis: tuple[Float, Float] | None = PAPER_MIS_RANGE
-    """Masked importance sampling: keep tokens whose ratio π/μ lies in [lo, hi]; null disables."""
+    """Masked importance sampling: a token whose ratio π/μ lies outside [lo, hi] gets weight 0 (with
+    score centering its centering term still counts); null disables."""
     tis: Float | None = Field(default=None, gt=0)
     """Truncated importance sampling cap C (weight min(r, C)); null disables."""
     score_centering: Bool = True
@@ -386,8 +387,11 @@ class AlgorithmSpec(Model):
     temperature: Float = Field(default=1.0, ge=1e-3, le=100)
     """Sampling temperature; the trainer divides its logits by the same value (at least 0.001: far
     below that the divided logits overflow to inf)."""
-    max_staleness: Int | None = Field(default=None, ge=0, le=INT32_MAX)
-    """Drop trajectories older than this many weight versions; null = unbounded (fully async)."""
+    max_staleness: Int | None = Field(default=None, ge=1, le=INT32_MAX)
+    """Drop a group holding a token of version v when step N would train it with N − v above this
+    (the trainer's logged staleness, (N − 1) − v, then stays below it; docs/api.md#bounded-staleness);
+    at least 1, as 0 would drop every group (the freshest token is one behind its step); null =
+    unbounded (fully async)."""
     max_new_tokens: Int = Field(default=1024, gt=0, le=INT32_MAX)
     """Most tokens one assistant turn may generate."""
     top_candidates: Int = Field(default=20, ge=0, le=INT32_MAX)

@@ -146,6 +146,14 @@ async def test_one_file_past_the_file_size_limit_ends_with_sigxfsz(sandbox: Sand
     assert result.files is not None and len(result.files["big"]) == limits.file_bytes
 
 
+async def test_python_past_the_file_size_limit_ends_with_disk(sandbox: Sandbox) -> None:
+    # Python ignores SIGXFSZ: its write fails with EFBIG ("File too large"); before, that read `ok`.
+    write = "open('big', 'wb').write(bytes(5_000_000))\n"
+    result = await sandbox.run("python3 write.py", {"write.py": write}, Limits(wall_s=5.0, file_bytes=2**20))
+    assert result.finish_reason == "disk" and result.exit_code == 1, result
+    assert "File too large" in result.stderr and result.detail == "file size limit 1048576 bytes"
+
+
 async def test_unbounded_memory_ends_with_memory(sandbox: Sandbox) -> None:
     grow = "x = []\nwhile True:\n    x.append(bytearray(2**20))\n"
     result = await sandbox.run(

@@ -1,9 +1,14 @@
-"""The warm pool's state machine (pure): fill, lease, recycle, time out, back off, shut down."""
+"""The warm pool's state machine (pure): fill, lease, recycle, time out, back off, shut down; and
+the pool's rounds reading every pod it holds."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 
+from mixrl.rl.sandbox.kubernetes import SandboxPods
 from mixrl.rl.sandbox.lease import BACKOFF_S, PoolState
 
 
@@ -114,3 +119,43 @@ def test_bad_sizes_are_refused_by_name() -> None:
         pool(0)
     with pytest.raises(ValueError, match="readyTimeoutSeconds"):
         pool(1, ready_timeout_s=0)
+
+
+async def test_a_warm_pod_that_dies_before_its_lease_is_replaced_not_leased() -> None:
+    class Pods:
+        def __init__(self) -> None:
+            self.pods: dict[str, dict[str, Any]] = {}
+
+        async def create(self, pod: dict[str, Any]) -> None:
+            ready = {
+                "phase": "Running",
+                "podIP": "10.0.0.9",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+            self.pods[pod["metadata"]["name"]] = {**pod, "status": ready}
+
+        async def get(self, name: str) -> dict[str, Any] | None:
+            return self.pods.get(name)
+
+        async def list(self, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+            return []
+
+        async def delete(self, name: str) -> None:
+            self.pods.pop(name, None)
+
+    template = {
+        "kind": "Pod",
+        "metadata": {},
+        "spec": {"containers": [{"ports": [{"name": "executor", "containerPort": 8790}]}]},
+    }
+    api = Pods()
+    pool = SandboxPods(api, template, worker="w", size=1)
+    await pool.step()  # created
+    await pool.step()  # ready
+    [(name, slot)] = pool.state.slots.items()
+    assert slot.state == "ready"
+    api.pods[name]["status"] = {"phase": "Failed", "reason": "Evicted"}  # dies while it waits
+    await pool.step()  # read: marked for deletion, not leasable (before, it was leased)
+    assert pool.state.slots[name].state == "deleting" and pool.state.lease(0.0, 10.0) is None
+    await pool.step()  # deleted, and a fresh one asked for
+    assert name not in api.pods and len(api.pods) == 1

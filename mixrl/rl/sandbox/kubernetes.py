@@ -224,12 +224,14 @@ class SandboxPods:
                 await asyncio.wait_for(self._changed.wait(), self.poll_s)
 
     async def step(self) -> None:
-        """One round: create and delete what the plan says, read the pods still coming up."""
+        """One round: create and delete what the plan says, read every pod not being deleted."""
         plan = self.state.plan(self.clock())
         await asyncio.gather(
             *(self._create(name) for name in plan.create), *(self._delete(n) for n in plan.delete)
         )
-        waiting = [name for name, slot in self.state.slots.items() if slot.state in ("creating", "leased")]
+        # Ready ones too: a warm pod evicted or gone while it waits would otherwise be leased, and
+        # its command end `killed` or at its wall clock (a correct solution's tests scoring 0).
+        waiting = [n for n, slot in self.state.slots.items() if slot.state in ("creating", "ready", "leased")]
         await asyncio.gather(*(self._observe(name) for name in waiting))
         async with self._ready:
             self._ready.notify_all()

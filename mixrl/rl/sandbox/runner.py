@@ -39,7 +39,10 @@ bounds the waits should they not."""
 READ_CHUNK = 64 * 1024
 
 MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory", "std::bad_alloc")
-DISK_MARKERS = ("No space left on device", "File size limit exceeded")
+DISK_MARKERS = ("No space left on device",)
+FILE_SIZE_MARKERS = ("File size limit exceeded", "File too large")
+"""A shell's report of SIGXFSZ, and EFBIG's message: Python ignores SIGXFSZ, so its write past the
+limit raises ``OSError: [Errno 27] File too large`` instead of ending by the signal."""
 SIGNAL_STATUS = 128
 """A shell reports a command ended by signal n as status 128 + n."""
 
@@ -320,6 +323,8 @@ def classify(status: int, stderr: str, limits: Limits) -> tuple[FinishReason, st
         return "disk", f"file size limit {limits.file_bytes} bytes"
     if status != 0 and any(marker in stderr for marker in MEMORY_MARKERS):
         return "memory", f"address space limit {limits.memory_bytes} bytes"
+    if status != 0 and any(marker in stderr for marker in FILE_SIZE_MARKERS):
+        return "disk", f"file size limit {limits.file_bytes} bytes"
     if status != 0 and any(marker in stderr for marker in DISK_MARKERS):
         return "disk", f"/work and /tmp hold {limits.disk_bytes} bytes each"
     if SIGNAL_STATUS < status < SIGNAL_STATUS + signal.NSIG:
