@@ -362,11 +362,18 @@ DEFAULT_FP8_KV_CACHE = Rule(
 )
 
 
-def _sglang_needs_gpu(node: Node) -> str | None:
-    emulated = node.emulated_gpus()
-    if not emulated:
+def _engine_placed(node: Node, engine: str, emulated: bool) -> str | None:
+    """CEL: a pool of ``engine`` is on an emulated GPU type (``emulated``) or on a real one; None
+    where the table leaves nothing to refuse (no emulated type, and the engine needs a real one)."""
+    types = node.emulated_gpus()
+    if not types and not emulated:
         return None
-    return f'!({node.value("engine")} == "sglang" && self.gpuType in {cel_literal(emulated)})'
+    on_emulated = f"self.gpuType in {cel_literal(types)}"
+    return f'{node.value("engine")} != "{engine}" || {on_emulated if emulated else f"!({on_emulated})"}'
+
+
+def _sglang_needs_gpu(node: Node) -> str | None:
+    return _engine_placed(node, "sglang", emulated=False)
 
 
 SGLANG_NEEDS_GPU = Rule(
@@ -469,10 +476,7 @@ MULTI_NODE_NEEDS_SGLANG = Rule(
 
 
 def _torch_engine_on_cpu(node: Node) -> str | None:
-    emulated = node.emulated_gpus()
-    if not emulated:
-        return None
-    return f'{node.value("engine")} != "torch" || self.gpuType in {cel_literal(emulated)}'
+    return _engine_placed(node, "torch", emulated=True)
 
 
 TORCH_ENGINE_ON_CPU = Rule(

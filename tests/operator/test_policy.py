@@ -247,6 +247,25 @@ def test_the_policy_violation_condition_goes_once_the_run_is_allowed() -> None:
 # ----------------------------------------------------------------------------- the operator
 
 
+async def refused_with_nothing_created(api: ApiServer, line: str) -> None:
+    """The run ``demo`` is marked PolicyViolation with ``line``, Invalid, and nothing of it is made.
+    Not retried: the resyncs reconcile it again (reads only), no write."""
+
+    def refused() -> bool:
+        run = api.live(RLRUNS, NAMESPACE, "demo")
+        return conditions(run).get("PolicyViolation", {}).get("status") == "True"
+
+    await eventually(refused, what="PolicyViolation=True")
+    await writes_settled(api, quiet=1.0)
+    run = api.live(RLRUNS, NAMESPACE, "demo")
+    assert conditions(run)["PolicyViolation"]["message"] == line
+    assert run["status"]["phase"] == "Invalid"
+    created = [r for r in writes(api) if r.resource is not None and r.resource.plural != "rlruns"]
+    assert not [r for r in created if r.resource.plural not in ("events", "clusterkopfpeerings")], (
+        "nothing of the run"
+    )
+
+
 async def test_a_refused_run_is_marked_and_creates_nothing(api: ApiServer, operator: Any) -> None:
     manifest = pools({}, {"image": "docker.io/evil/sglang:1"})
     line = (
@@ -255,21 +274,7 @@ async def test_a_refused_run_is_marked_and_creates_nothing(api: ApiServer, opera
     )
     async with operator(policy=STRICT, resync_interval_s=0.2):
         await create(api, manifest)
-
-        def refused() -> bool:
-            run = api.live(RLRUNS, NAMESPACE, "demo")
-            return conditions(run).get("PolicyViolation", {}).get("status") == "True"
-
-        await eventually(refused, what="PolicyViolation=True")
-        # Not retried; the resyncs reconcile it again (reads only): no write, no second Warning.
-        await writes_settled(api, quiet=1.0)
-        run = api.live(RLRUNS, NAMESPACE, "demo")
-        assert conditions(run)["PolicyViolation"]["message"] == line
-        assert run["status"]["phase"] == "Invalid"
-        created = [r for r in writes(api) if r.resource is not None and r.resource.plural != "rlruns"]
-        assert not [r for r in created if r.resource.plural not in ("events", "clusterkopfpeerings")], (
-            "nothing of the run"
-        )
+        await refused_with_nothing_created(api, line)
         warnings = [e for e in events(api) if e["reason"] == "PolicyViolation"]
         assert len(warnings) == 1 and warnings[0]["type"] == "Warning" and warnings[0]["message"] == line
 
@@ -297,17 +302,4 @@ async def test_a_run_whose_sandbox_image_is_refused_creates_nothing(api: ApiServ
     )
     async with operator(policy=STRICT, resync_interval_s=0.2):
         await create(api, with_sandbox(image="docker.io/evil/sandbox:1"))
-
-        def refused() -> bool:
-            run = api.live(RLRUNS, NAMESPACE, "demo")
-            return conditions(run).get("PolicyViolation", {}).get("status") == "True"
-
-        await eventually(refused, what="PolicyViolation=True")
-        await writes_settled(api, quiet=1.0)
-        run = api.live(RLRUNS, NAMESPACE, "demo")
-        assert conditions(run)["PolicyViolation"]["message"] == line
-        assert run["status"]["phase"] == "Invalid"
-        created = [r for r in writes(api) if r.resource is not None and r.resource.plural != "rlruns"]
-        assert not [r for r in created if r.resource.plural not in ("events", "clusterkopfpeerings")], (
-            "nothing of the run"
-        )
+        await refused_with_nothing_created(api, line)
