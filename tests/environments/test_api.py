@@ -25,7 +25,7 @@ from mixrl.rl.environments.registry import (
     offered_tools,
 )
 from mixrl.rl.environments.tools import JsonToolCallParser, PlainTextParser, Tool, ToolCall
-from mixrl.rl.rollout.agent import run_episode
+from mixrl.rl.rollout.agent import ScoringFailed, run_episode
 from mixrl.rl.rollout.tokenizer import Tokenizer
 
 from .conftest import USER_ENVIRONMENT, USER_PACKAGE, ScriptedReplies, write_user_package, write_words
@@ -314,8 +314,9 @@ async def test_a_bad_finish_reason_is_refused_and_the_episode_still_closed(user_
 
     module.EchoEpisode.finish = shouting
     try:
-        with pytest.raises(
-            ValueError, match="EchoEnv: finish reason 'SAID IT' is not a short lower-case word"
+        with pytest.raises(  # the episode fails (its group dropped), never the worker
+            ScoringFailed,
+            match="EchoEnv: scoring task 'w0': finish reason 'SAID IT' is not a short lower-case word",
         ):
             await play_echo(env, ["say pear"])
     finally:

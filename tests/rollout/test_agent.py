@@ -9,10 +9,12 @@ import pytest
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import NO_VERSION, Trajectory
+from mixrl.rl.environments.base import Outcome
 from mixrl.rl.environments.filetree import FileTreeEnvironment, FileTreeTask, generate_tasks
 from mixrl.rl.rollout.agent import (
     EnvironmentFailed,
     EpisodeAborted,
+    ScoringFailed,
     evaluate,
     pass_at_k,
     printable,
@@ -227,6 +229,43 @@ async def test_an_environment_raising_on_model_input_ends_the_episode_as_a_failu
             await play(ScriptedGenerate())
     assert printable("bad\udcffname") == "bad\\udcffname" and printable("plain") == "plain"
     assert EnvironmentFailed in EPISODE_FAILURES
+
+
+@pytest.mark.parametrize(
+    ("finish", "line"),
+    [
+        (KeyError("no such case"), "KeyError: 'no such case'"),
+        (OSError(28, "No space left on device"), "OSError: [Errno 28] No space left on device"),
+        (Outcome(float("nan"), "submitted"), "reward nan is not a finite number"),
+        (Outcome(1.0, "Not A Reason"), "finish reason 'Not A Reason' is not a short lower-case word"),
+        ("1.0", "Episode.finish must return an Outcome, got str"),
+    ],
+)
+async def test_scoring_that_raises_or_gives_no_outcome_ends_the_episode_as_a_failure(
+    monkeypatch: pytest.MonkeyPatch, finish: object, line: str
+) -> None:
+    """Episode.finish (the scoring: a sandboxed test run in the coding environment) raising, or
+    giving no valid outcome, ends that episode with ScoringFailed naming the environment and the
+    task, after close ran: an EnvironmentFailed, so the worker drops the group rather than dying."""
+    episode_class = type((await ENV.reset(TASK))[1])
+    closed: list[bool] = []
+
+    async def broken_finish(self: object, reason: str) -> object:
+        if isinstance(finish, BaseException):
+            raise finish
+        return finish
+
+    async def close(self: object) -> None:
+        closed.append(True)
+
+    monkeypatch.setattr(episode_class, "finish", broken_finish)
+    monkeypatch.setattr(episode_class, "close", close)
+    with pytest.raises(ScoringFailed) as failed:
+        await play(ScriptedGenerate())
+    assert str(failed.value) == f"FileTreeEnvironment: scoring task {TASK.id!r}: {line}"
+    assert failed.value.task_id == TASK.id and closed == [True]
+    assert (failed.value.__cause__ is finish) == isinstance(finish, BaseException)
+    assert isinstance(failed.value, EnvironmentFailed) and isinstance(failed.value, EPISODE_FAILURES)
 
 
 @pytest.mark.parametrize("bad", [{"max_turns": 0}, {"max_context_tokens": -1}, {"format_error_limit": 0}])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,9 @@ from mixrl.api.resolve import ResolvedRun, SamplingParams, resolve
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.engine.protocol import EngineResponseError, PoolInfo, parse_response
-from mixrl.rl.environments.filetree import FileTreeEnvironment, generate_tasks
+from mixrl.rl.environments.base import Episode, Message, Outcome
+from mixrl.rl.environments.filetree import FileTreeEnvironment, FileTreeEpisode, FileTreeTask, generate_tasks
+from mixrl.rl.rollout.agent import ScoringFailed
 from mixrl.rl.rollout.demos import demonstration_tokens
 from mixrl.rl.rollout.router_client import RouterClient
 from mixrl.rl.rollout.stats import RolloutStats
@@ -32,6 +35,7 @@ from mixrl.rl.rollout.worker import (
     next_evaluation_step,
     room_for_a_group,
 )
+from mixrl.rl.sandbox.runner import SandboxUnavailable
 
 from ..fakes import FakeEngine
 from .conftest import (
@@ -485,3 +489,124 @@ def test_several_workers_share_the_steps_ahead() -> None:
     assert room_for_a_group(16, 0, 3, 4) and not room_for_a_group(16, 0, 4, 4)
     assert not room_for_a_group(16, 13, 1, 4) and room_for_a_group(16, 12, 0, 4)
     assert room_for_a_group(0, 1000, 1000, 4)  # 0: no limit
+
+
+TRAIN_IDS = [task.id for task in generate_tasks(0, 64, "train")]
+SCORING_BUG, NO_SANDBOX = set(TRAIN_IDS[0::3]), set(TRAIN_IDS[1::3])
+
+
+class BrittleScoringEpisode(FileTreeEpisode):
+    async def finish(self, reason: str) -> Outcome:
+        if self.task.id in SCORING_BUG:
+            raise KeyError("the scorer's own bug")
+        if self.task.id in NO_SANDBOX:
+            raise SandboxUnavailable("sandbox pods: none became ready within 120 s (Pending)")
+        return await super().finish(reason)
+
+
+class BrittleScoringEnvironment(FileTreeEnvironment):
+    """The file tree, but scoring two training tasks in three raises (held-out ones score)."""
+
+    async def reset(self, task: FileTreeTask) -> tuple[list[Message], Episode]:
+        return [Message("user", task.question)], BrittleScoringEpisode(task)
+
+
+async def test_an_episode_whose_scoring_raises_is_dropped_and_the_worker_goes_on(
+    engines: Engines,
+    start_router: StartRouter,
+    start_buffer: StartBuffer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Scoring that raises ends that episode as a failed one: its group is dropped and counted,
+    with an ERROR naming the task for the environment's own bug and a WARNING for a sandbox that
+    was not there, and the worker goes on posting the other groups (before, the exception left
+    the worker's task group and the process exited with a traceback)."""
+    router = await start_router({"a": [await engines("a")]})
+    buffer = await start_buffer(prompts_per_update=3, samples_per_prompt=4)
+    settings = WorkerSettings.from_run(resolved_run(concurrency=8), max_steps_ahead=0)
+    client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids)
+    worker = RolloutWorker(
+        settings,
+        BrittleScoringEnvironment(),
+        TOKENIZER,
+        client,
+        buffer.client,
+        poll_s=0.05,
+        say=lambda _: None,
+    )
+    with caplog.at_level("WARNING", logger="mixrl.rollout"):
+        async with running(worker, client):  # its run re-raises whatever ended it
+            await wait_for(lambda: worker.stats.groups_dropped >= 6 and worker.stats.groups_posted >= 3)
+            batch = await buffer.client.get_batch(1, timeout=10)
+    assert batch is not None and len(batch.groups) == 3
+    for group in batch.groups:  # only whole groups of tasks that scored
+        assert group.prompt_id.split("/")[0] not in SCORING_BUG | NO_SANDBOX
+        assert [t.reward for t in group.trajectories] == [1.0] * 4
+    assert worker.stats.last_evaluation is not None  # the held-out step 0 scored as ever
+    bugs = [r for r in caplog.records if r.levelname == "ERROR" and "scoring failed" in r.getMessage()]
+    assert bugs and all(
+        "BrittleScoringEnvironment: scoring task '" in r.getMessage() and "KeyError" in r.getMessage()
+        for r in bugs
+    )
+    named = [re.search(r"scoring task '([^']+)'", r.getMessage()) for r in bugs]
+    assert all(match is not None and match.group(1) in SCORING_BUG for match in named)
+    assert len({match.group(1) for match in named if match}) == len(bugs)  # one ERROR per group
+    sandbox = [r for r in caplog.records if "SandboxUnavailable" in r.getMessage()]
+    assert sandbox and all(r.levelname == "WARNING" for r in sandbox)
+
+
+class HeldOutScoringBugEnvironment(FileTreeEnvironment):
+    """The file tree, but scoring every held-out episode raises."""
+
+    async def reset(self, task: FileTreeTask) -> tuple[list[Message], Episode]:
+        messages, episode = await super().reset(task)
+        if task.split == "heldout":
+            episode.finish = _raise_key_error  # type: ignore[method-assign]
+        return messages, episode
+
+
+async def _raise_key_error(reason: str) -> Outcome:
+    raise KeyError("the scorer's own bug")
+
+
+async def test_a_held_out_episode_whose_scoring_keeps_failing_stops_the_worker_with_its_failure(
+    engines: Engines, start_router: StartRouter, start_buffer: StartBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Held-out episodes are played again rather than dropped (pass@k without them would be biased):
+    two ERROR lines for the retried scoring bug, then the third try's ScoringFailed ends the run,
+    which ``mixrl rollout`` turns into one line and exit 1."""
+    router = await start_router({"a": [await engines("a")]})
+    buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
+    settings = WorkerSettings.from_run(
+        resolved_run(concurrency=1, dataset={"trainSize": 64, "heldoutSize": 1})
+    )
+    async with RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids) as client:
+        worker = RolloutWorker(
+            settings, HeldOutScoringBugEnvironment(), TOKENIZER, client, buffer.client, say=lambda _: None
+        )
+        with caplog.at_level("WARNING", logger="mixrl.rollout"), pytest.raises(ExceptionGroup) as stopped:
+            await worker.run(asyncio.Event())
+    assert stopped.group_contains(ScoringFailed, match="scoring task '.*': KeyError", depth=None)
+    retried = [r for r in caplog.records if "playing it again" in r.getMessage()]
+    assert [r.levelname for r in retried] == ["ERROR", "ERROR"]
+
+
+def test_mixrl_rollout_says_a_held_out_failure_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from mixrl.rl.rollout import worker as worker_module
+
+    failure = ScoringFailed("FileTreeEnvironment: scoring task 'ft-1': KeyError: 'x'", "ft-1")
+
+    async def serve(*_: object) -> None:
+        raise ExceptionGroup("task group", [ExceptionGroup("evaluate", [failure])])
+
+    loaded = argparse.Namespace(
+        settings=None, environment=None, tokenizer=None, auth_token=None, sandbox_pods=None
+    )
+    monkeypatch.setattr(worker_module, "start", lambda *_: (argparse.Namespace(), loaded))
+    monkeypatch.setattr(worker_module, "serve", serve)
+    assert main([]) == 1
+    assert capsys.readouterr().err == f"mixrl rollout: held-out evaluation: {failure}\n"

@@ -14,9 +14,10 @@ executed by the episode (``Episode.step``), anything else gets the environment's
 - at ``max_turns`` assistant replies, or when the context reaches ``max_context_tokens``;
 - after ``format_error_limit`` consecutive replies without a tool call (finish_reason
   ``format_errors``: the paper's collapse signature).
-Then ``Episode.finish(reason)`` gives the reward and the recorded finish reason, and
-``Episode.close()`` runs however the episode ended.  Observations are cut to
-``max_observation_tokens`` tokens.
+Then ``Episode.finish(reason)`` gives the reward and the recorded finish reason (an exception
+from it, or an outcome that is not a finite reward with a short finish reason, ends the episode
+with :class:`ScoringFailed`), and ``Episode.close()`` runs however the episode ended.
+Observations are cut to ``max_observation_tokens`` tokens.
 
 ``generate`` is any async callable ``(input_ids, max_new_tokens) -> GenerateResult``: the router
 client (one session per episode), an engine client, or the in-process sampler.
@@ -55,8 +56,19 @@ class EpisodeAborted(RuntimeError):
 
 
 class EnvironmentFailed(RuntimeError):
-    """The environment raised on the model's input (parsing a reply, a tool call, its observation):
-    that episode ends, as a failed one; the worker goes on."""
+    """The environment raised on the model's input (parsing a reply, a tool call, its observation,
+    scoring the episode): that episode ends, as a failed one; the worker goes on."""
+
+
+class ScoringFailed(EnvironmentFailed):
+    """``Episode.finish`` (the scoring) raised, or gave no valid :class:`Outcome`.  The cause is
+    chained (``__cause__``; None for an invalid outcome): a sandbox that was not there
+    (``SandboxUnavailable``) is the infrastructure's failure, anything else the environment's bug;
+    the worker tells them apart only in how loudly it logs."""
+
+    def __init__(self, message: str, task_id: str) -> None:
+        super().__init__(message)
+        self.task_id = task_id
 
 
 def printable(text: str) -> str:
@@ -121,10 +133,9 @@ async def run_episode(
         reason = await _play(
             generate, environment, episode, tokenizer, settings, offered, trajectory, max_observation_tokens
         )
-        outcome = await episode.finish(reason)
+        outcome = await _finish(episode, reason, environment, task)
     finally:
         await episode.close()
-    _check_outcome(outcome, environment)
     trajectory.finish_reason = outcome.finish_reason
     trajectory.reward = float(outcome.reward)
     return trajectory
@@ -187,14 +198,32 @@ async def _play(
         trajectory.append_observation(observation_ids)
 
 
-def _check_outcome(outcome: Outcome, environment: Environment[Any]) -> None:
-    name = type(environment).__name__
+async def _finish(episode: Episode, reason: str, environment: Environment[Any], task: TaskLike) -> Outcome:
+    """The episode's outcome; ScoringFailed, naming the environment and the task, when its scoring
+    raises or gives no valid outcome."""
+    where = f"{type(environment).__name__}: scoring task {task.id!r}"
+    try:
+        outcome = await episode.finish(reason)
+    except Exception as exc:  # a sandbox that is not there, or a bug of the environment's
+        raise ScoringFailed(f"{where}: {type(exc).__name__}: {exc}", task.id) from exc
+    problem = _outcome_problem(outcome)
+    if problem is not None:
+        raise ScoringFailed(f"{where}: {problem}", task.id)
+    return outcome
+
+
+def _outcome_problem(outcome: Outcome) -> str | None:
     if not isinstance(outcome, Outcome):
-        raise TypeError(f"{name}: Episode.finish must return an Outcome, got {type(outcome).__name__}")
-    if not FINISH_REASON.match(outcome.finish_reason):
-        raise ValueError(f"{name}: finish reason {outcome.finish_reason!r} is not a short lower-case word")
-    if not math.isfinite(float(outcome.reward)):
-        raise ValueError(f"{name}: reward {outcome.reward!r} is not a finite number")
+        return f"Episode.finish must return an Outcome, got {type(outcome).__name__}"
+    if not isinstance(outcome.finish_reason, str) or not FINISH_REASON.match(outcome.finish_reason):
+        return f"finish reason {outcome.finish_reason!r} is not a short lower-case word"
+    try:
+        finite = math.isfinite(float(outcome.reward))
+    except (TypeError, ValueError):
+        finite = False
+    if not finite:
+        return f"reward {outcome.reward!r} is not a finite number"
+    return None
 
 
 def _context_length(trajectory: Trajectory) -> int:

@@ -53,7 +53,7 @@ from mixrl.rl.environments.base import SPLITS, Environment, Split, TaskLike
 from mixrl.rl.environments.datasets import load_tasks
 from mixrl.rl.environments.registry import check_rollout, load_environment, offered_tools
 from mixrl.rl.environments.tools import Tool
-from mixrl.rl.rollout.agent import EnvironmentFailed, EpisodeAborted, evaluate, run_episode
+from mixrl.rl.rollout.agent import EnvironmentFailed, EpisodeAborted, ScoringFailed, evaluate, run_episode
 from mixrl.rl.rollout.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from mixrl.rl.rollout.router_client import RouterClient, RouterError
 from mixrl.rl.rollout.stats import RolloutStats
@@ -67,7 +67,17 @@ log = logging.getLogger("mixrl.rollout")
 EPISODE_FAILURES = (RouterError, EpisodeAborted, EnvironmentFailed, EngineResponseError)
 """An episode that ends in one of these is dropped (with its group); anything else is a bug.
 Except :class:`SamplingMaskMissing`: it would recur on every turn (a proxy dropping the field), so it
-stops the worker with one line instead of dropping every group."""
+stops the worker with one line instead of dropping every group.  :class:`ScoringFailed` (an
+EnvironmentFailed) is one of them, whatever the scoring raised: see :func:`scoring_bug`."""
+INFRASTRUCTURE_FAILURES = (SandboxUnavailable, OSError)
+"""What a scoring run raises when its sandbox is not there (no pod became ready, bubblewrap could
+not build one, the host's disk): the episode is dropped like any failed one, with a WARNING."""
+
+
+def scoring_bug(exc: BaseException) -> bool:
+    """Whether ``exc`` is the environment's scoring failing on its own (not for want of a sandbox):
+    still one failed episode, never the worker's end, but logged as an ERROR naming the task."""
+    return isinstance(exc, ScoringFailed) and not isinstance(exc.__cause__, INFRASTRUCTURE_FAILURES)
 
 
 @dataclass(frozen=True)
@@ -241,6 +251,7 @@ class _Group:
         self.trajectories: list[Trajectory | None] = [None] * size
         self.pending = size
         self.failed = False
+        self.scoring_bug_logged = False
 
 
 class RolloutWorker:
@@ -326,7 +337,11 @@ class RolloutWorker:
         except SamplingMaskMissing:
             raise
         except EPISODE_FAILURES as exc:
-            if not group.failed:
+            if scoring_bug(exc):  # one ERROR per group, even when a warning came first
+                if not group.scoring_bug_logged:
+                    log.error("group %s dropped: an episode's scoring failed: %s", group.prompt_id, exc)
+                group.scoring_bug_logged = True
+            elif not group.failed:
                 log.warning("group %s dropped: an episode failed: %s", group.prompt_id, exc)
             group.failed = True
         finally:
@@ -341,7 +356,8 @@ class RolloutWorker:
             await self._notify()
 
     async def post_group(self, trajectories: list[Trajectory], prompt_id: str, attempts: int = 6) -> None:
-        """Post a whole group; retried while the buffer cannot be reached (it stores a repeat once)."""
+        """Post a whole group: ``attempts`` tries while the buffer cannot be reached (it stores a
+        repeat once), then the group is dropped and counted."""
         limits = self.settings.limits
         for index, trajectory in enumerate(trajectories):
             problem = trajectory_problem(trajectory, limits)
@@ -448,14 +464,16 @@ class RolloutWorker:
         return result
 
     async def _heldout_episode(self, task: TaskLike, index: int, attempts: int = 3) -> Trajectory:
-        """A held-out episode; one whose engine failed is played again (a lost one would bias pass@k)."""
+        """A held-out episode; a failed one is played again (a lost one would bias pass@k), and its
+        last try's failure stops the worker (:func:`main`: one line, exit 1)."""
         for _ in range(attempts - 1):
             try:
                 return await self.play(task, index, f"{task.id}/eval", bounded=False)
             except SamplingMaskMissing:
                 raise
             except EPISODE_FAILURES as exc:
-                log.warning("held-out episode of %s failed (%s); playing it again", task.id, exc)
+                level = logging.ERROR if scoring_bug(exc) else logging.WARNING
+                log.log(level, "held-out episode of %s failed (%s); playing it again", task.id, exc)
         return await self.play(task, index, f"{task.id}/eval", bounded=False)
 
     async def watch_trainer(self) -> None:
@@ -706,6 +724,9 @@ def main(argv: list[str]) -> int:
         status = 1
     except* SamplingMaskMissing as missing:  # every turn would fail alike: one line, not a drop per group
         print(f"mixrl rollout: engine: {_first_leaf(missing)}", file=sys.stderr)
+        status = 1
+    except* EPISODE_FAILURES as failed:  # only a held-out episode's last try: training ones are dropped
+        print(f"mixrl rollout: held-out evaluation: {_first_leaf(failed)}", file=sys.stderr)
         status = 1
     return status
 

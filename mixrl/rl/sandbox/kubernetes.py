@@ -327,7 +327,9 @@ class KubernetesSandbox:
                 timeout = aiohttp.ClientTimeout(total=limits.wall_s + self.grace_s)
                 async with self._client().post(url, json=body, timeout=timeout) as response:
                     answer = await response.json(content_type=None)
-                    if response.status != 200:
+                    if response.status >= 500:  # the executor's failure, not the command's
+                        raise SandboxUnavailable(f"sandbox pod {name}: {response.status} {answer}")
+                    if response.status != 200:  # a request it refused: a bug on this side
                         raise ValueError(f"sandbox pod {name}: {response.status} {answer}")
                     return decode_result(answer)
             except TimeoutError:

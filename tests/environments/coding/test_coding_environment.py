@@ -83,10 +83,12 @@ def affine_solution(task: CodingTask) -> str:
 
 
 def hidden_cases(task: CodingTask) -> list[tuple[list[Any], Any]]:
-    """The hidden cases, read back from the generated runner (to count what a wrong solution passes)."""
+    """The hidden cases: their inputs read back from the generated runner, their answers the task's
+    (kept on the host: no expected output enters the sandbox)."""
     match = re.search(r"json\.loads\((.*)\)\n", next(iter(task.hidden_tests.values())))
     assert match is not None
-    return [(args, expected) for args, expected in json.loads(ast.literal_eval(match.group(1)))]
+    inputs = json.loads(ast.literal_eval(match.group(1)))
+    return [(args, json.loads(answer)) for args, answer in zip(inputs, task.answers, strict=True)]
 
 
 async def play(env: PlainCodingEnvironment, task: CodingTask, script: list[str]) -> tuple[Any, Scripted]:
@@ -310,3 +312,53 @@ async def test_many_episodes_at_once_keep_their_own_snapshots() -> None:
 
     rewards = await asyncio.gather(*(episode_of(task, solve=i % 2 == 0) for i, task in enumerate(tasks)))
     assert rewards == [1.0, 0.0] * 3
+
+
+async def test_no_path_can_stand_in_the_hidden_tests_way() -> None:
+    """The scoring copies the hidden tests over the snapshot, so a file named like a hidden test's
+    directory, or one under a hidden test's path, would make both a file and a directory of one
+    name: ``write_file`` refuses it in one line (as it refuses a clash among the snapshot's own
+    files), and what a ``run`` leaves in their way gives way at scoring.  Either way the episode is
+    scored, never a traceback."""
+    env = CodingEnvironment()
+    task = task_of("affine")
+    assert list(task.hidden_tests) == ["test_hidden.py"]
+    _, episode = await env.reset(task)
+    assert isinstance(episode, CodingEpisode)
+    refused = await episode.step(ToolCall("write_file", {"path": "test_hidden.py/x", "content": "x"}))
+    assert refused.observation == (
+        "error: test_hidden.py/x cannot exist: test_hidden.py is kept for the hidden tests "
+        "(one would be the other's directory)"
+    )
+    assert "test_hidden.py/x" not in episode.files
+    same = await episode.step(ToolCall("write_file", {"path": "./test_hidden.py", "content": "x"}))
+    assert same.observation == "wrote 1 bytes to test_hidden.py"  # replaced by the hidden tests
+    await episode.step(
+        ToolCall("write_file", {"path": SOLUTION_FILE, "content": task.reference[SOLUTION_FILE]})
+    )
+    del episode.files["test_hidden.py"]
+    ran = await episode.step(
+        ToolCall("run", {"command": "mkdir test_hidden.py && echo x > test_hidden.py/x"})
+    )
+    assert ran.observation.startswith("exit code 0") and "test_hidden.py/x" in episode.files
+    outcome = await episode.finish("submitted")
+    assert outcome.reward == 1.0 and episode.score is not None and episode.score.source == "mixrl"
+
+    nested = CodingTask(
+        id="nested-0",
+        split="train",
+        problem="p",
+        files={"README.md": "r", "tests/conftest.py": ""},
+        hidden_tests={"tests/unit/test_a.py": "import sys\nsys.exit(0)\n"},
+        test_command="python3 tests/unit/test_a.py",
+    )
+    _, episode = await env.reset(nested)
+    assert isinstance(episode, CodingEpisode)
+    for path in ("tests/unit", "tests/unit/test_a.py/b"):
+        refused = await episode.step(ToolCall("write_file", {"path": path, "content": ""}))
+        assert refused.observation.startswith(f"error: {path} cannot exist: tests/unit/test_a.py is kept")
+    wrote = await episode.step(ToolCall("write_file", {"path": "tests/unit/other.py", "content": ""}))
+    assert wrote.observation == "wrote 0 bytes to tests/unit/other.py"  # beside it: no clash
+    await episode.step(ToolCall("run", {"command": "rm -r tests/unit && echo x > tests/unit"}))
+    assert episode.files.get("tests/unit") == b"x\n"
+    assert (await episode.finish("submitted")).reward == 1.0

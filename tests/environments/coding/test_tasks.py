@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from mixrl.rl.environments.coding import scoring
 from mixrl.rl.environments.coding.scoring import score
 from mixrl.rl.environments.coding.swe import TaskSetError, load_task_dir, task_from_record
-from mixrl.rl.environments.coding.tasks import FAMILIES, HIDDEN_TEST_FILE, SOLUTION_FILE, generate_tasks
+from mixrl.rl.environments.coding.tasks import (
+    FAMILIES,
+    HIDDEN_CASES,
+    HIDDEN_TEST_FILE,
+    MAX_OUTPUT_CHARS,
+    SOLUTION_FILE,
+    generate_tasks,
+)
+
+Score = scoring.TestScore
 
 
 def test_generation_is_deterministic_and_the_splits_do_not_share_a_task() -> None:
@@ -49,6 +62,58 @@ def test_the_result_line_needs_the_runs_nonce() -> None:
     assert score(forged + "mixrl-tests abcd 3 8\n", 0, "abcd").share == 3 / 8
     assert score(forged, 1, "abcd").source == "exit_code"
     assert score(forged, 1, "abcd").share == 0.0
+    # a second line with the nonce is someone else's, before the runner's or after it
+    for two in (
+        "mixrl-tests abcd 3 8\nmixrl-tests abcd 8 8\n",
+        "mixrl-tests abcd 8 8\nmixrl-tests abcd 3 8\n",
+    ):
+        assert score(two, 0, "abcd") == Score(0, 1, "mixrl")
+
+
+ANSWERS = ("15", "[1, 2]", '"ab"')
+
+
+@pytest.mark.parametrize(
+    ("output", "passed"),
+    [
+        ('mixrl-outputs abcd ["15","[1, 2]","\\"ab\\""]', 3),
+        # re-encoded on the host: the sandbox's spelling of the same JSON does not matter
+        ('noise\nmixrl-outputs abcd ["15","[1,2]","\\"ab\\""]\nmore noise', 3),
+        ('mixrl-outputs abcd ["16",null,"\\"ab\\""]', 1),
+        ('mixrl-outputs abcd ["15.0","[2, 1]","ab"]', 0),  # not JSON, or not the same
+        # exactly one line with the nonce: a second one, first or last, scores 0
+        ('mixrl-outputs abcd ["15","[1, 2]","\\"ab\\""]\nmixrl-outputs abcd [null,null,null]', 0),
+        ('mixrl-outputs abcd [null,null,null]\nmixrl-outputs abcd ["15","[1, 2]","\\"ab\\""]', 0),
+        ('mixrl-outputs 0000 ["15","[1, 2]","\\"ab\\""]', 0),
+        # no line: whatever else the output says, whatever the exit status
+        ("Ran 3 tests in 0.001s\n\nOK\n==== 3 passed in 0.01s ====\nmixrl-tests abcd 3 3", 0),
+        ('mixrl-outputs abcd ["15","[1, 2]"]', 0),  # not one output per answer
+        ("mixrl-outputs abcd [15, [1, 2], ", 0),
+        ('mixrl-outputs abcd {"0": "15"}', 0),
+    ],
+)
+def test_outputs_are_compared_with_the_answers_on_the_host(output: str, passed: int) -> None:
+    assert score(output, 0, "abcd", ANSWERS) == Score(passed, 3, "mixrl")
+
+
+def test_outputs_without_answers_score_0() -> None:
+    assert score('mixrl-outputs abcd ["15"]\nRan 1 test in 0.1s\n\nOK', 0, "abcd") == Score(0, 1, "mixrl")
+    assert score('mixrl-outputs 0000 ["15"]', 0, "abcd").source == "exit_code"
+
+
+def test_the_answers_are_the_references_outputs_and_stay_on_the_host() -> None:
+    for task in generate_tasks("train", 30, seed=1):
+        assert len(task.answers) == HIDDEN_CASES and all(len(a) <= MAX_OUTPUT_CHARS for a in task.answers)
+        runner = task.hidden_tests[HIDDEN_TEST_FILE]
+        assert "mixrl-outputs" in runner and "expected" not in runner
+        # the runner holds the inputs alone; the answers are the reference's outputs on them
+        match = re.search(r"json\.loads\((.*)\)\n", runner)
+        assert match is not None
+        inputs = json.loads(ast.literal_eval(match.group(1)))
+        namespace: dict[str, Any] = {}
+        exec(task.reference[SOLUTION_FILE], namespace)
+        (fn,) = (value for name, value in namespace.items() if not name.startswith("__"))
+        assert task.answers == tuple(json.dumps(fn(*args), sort_keys=True) for args in inputs)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ chat models, :class:`PlainCodingEnvironment` the plain ``name words...`` of tiny
 
 - ``list_files``                 -> the snapshot's paths, one per line
 - ``read_file {path}``           -> the file's text
-- ``write_file {path, content}`` -> writes it (creates or replaces) in the snapshot
+- ``write_file {path, content}`` -> writes it (creates or replaces) in the snapshot; refused
+  when the path and a file already there, or a hidden test's path, would each be the other's
+  directory
 - ``run {command}``              -> runs ``/bin/sh -c command`` in a fresh sandbox holding the
   snapshot; the files it leaves in ``/work`` become the snapshot (a run killed by a limit leaves
   the snapshot as it was)
@@ -16,8 +18,9 @@ nothing the agent does touches the host's files, and every command runs in a san
 (:mod:`mixrl.rl.sandbox`).
 
 The reward is the share of the task's hidden tests that pass, run in a sandbox on the snapshot
-with the hidden tests added, when the episode ends by ``submit``, at ``rollout.maxTurns`` or at the
-context limit (the work done counts, submitted or not).  An episode mixrl ends after
+with the hidden tests added (copied over it: they replace a file at their path, and a file or
+directory in their way that a ``run`` left there), when the episode ends by ``submit``, at
+``rollout.maxTurns`` or at the context limit (the work done counts, submitted or not).  An episode mixrl ends after
 ``rollout.formatErrorLimit`` consecutive replies without a valid tool call (the seed's three
 empty replies) scores 0 and runs no tests.  Observations are cut to ``max_observation_chars``
 here, then to ``rollout.maxObservationTokens`` by mixrl.
@@ -75,6 +78,8 @@ class CodingEpisode(Episode):
         self.task = task
         self.environment = environment
         self.files: dict[str, bytes] = {path: text.encode() for path, text in task.files.items()}
+        self.hidden = hidden_paths(task)
+        """What no file of the snapshot may stand in the way of (:func:`blocks`)."""
         self.score: TestScore | None = None
         """The hidden tests' result, once :meth:`finish` ran them."""
         self.test_result: SandboxResult | None = None
@@ -115,11 +120,16 @@ class CodingEpisode(Episode):
         data = content.encode()
         if len(data) > self.environment.limits.file_bytes:
             return f"error: {len(data)} bytes is more than a file may hold ({self.environment.limits.file_bytes})"
-        clash = [
-            other for other in self.files if other.startswith(path + "/") or path.startswith(other + "/")
-        ]
+        clash = [other for other in self.files if in_the_way(path, other)]
         if clash:
             return f"error: {path} and {clash[0]} cannot both exist (one would be the other's directory)"
+        # The scoring copies the hidden tests over the snapshot (CodingEnvironment.run_tests).
+        if blocks(path, *self.hidden):
+            kept = [hidden for hidden in self.task.hidden_tests if in_the_way(path, hidden)]
+            return (
+                f"error: {path} cannot exist: {kept[0]} is kept for the hidden tests "
+                "(one would be the other's directory)"
+            )
         self.files[path] = data
         return f"wrote {len(data)} bytes to {path}"
 
@@ -204,9 +214,13 @@ class CodingEnvironment(Environment[CodingTask]):
     ) -> tuple[TestScore, SandboxResult]:
         """The hidden tests on ``files``: in a sandbox, with a fresh nonce in the test command."""
         nonce = secrets.token_hex(8)
-        tree = {**files, **{path: text.encode() for path, text in task.hidden_tests.items()}}
+        hidden = {path: text.encode() for path, text in task.hidden_tests.items()}
+        # Copied over the snapshot: whatever a ``run`` left in a hidden test's way (a file named like
+        # its directory, a directory named like it) gives way, as a file at its path does.
+        paths = hidden_paths(task)
+        tree = {path: data for path, data in files.items() if not blocks(path, *paths)} | hidden
         result = await self.sandbox.run(test_command_for(task.test_command, nonce), tree, self.test_limits)
-        return score(result.stdout + "\n" + result.stderr, result.exit_code, nonce), result
+        return score(result.stdout + "\n" + result.stderr, result.exit_code, nonce, task.answers), result
 
 
 class PlainCodingEnvironment(CodingEnvironment):
@@ -247,6 +261,29 @@ def describe_run(result: SandboxResult) -> str:
     if result.stderr:
         parts += ["stderr:", result.stderr.rstrip("\n")]
     return "\n".join(parts)
+
+
+def in_the_way(path: str, other: str) -> bool:
+    """Whether two (normalized) paths cannot both be files: one would be the other's directory."""
+    return other.startswith(path + "/") or path.startswith(other + "/")
+
+
+def hidden_paths(task: CodingTask) -> tuple[frozenset[str], frozenset[str]]:
+    """The paths of ``task``'s hidden tests, and every directory above them."""
+    files = frozenset(task.hidden_tests)
+    return files, frozenset(parent for path in files for parent in _parents(path))
+
+
+def blocks(path: str, files: frozenset[str], dirs: frozenset[str]) -> bool:
+    """Whether a file at ``path`` is in the way of ``files`` (``dirs``: every directory above them):
+    :func:`in_the_way` of one of them, in time of the path's depth."""
+    return path in dirs or any(parent in files for parent in _parents(path))
+
+
+def _parents(path: str) -> list[str]:
+    """``a/b/c`` -> ``["a", "a/b"]``."""
+    parts = path.split("/")
+    return ["/".join(parts[:depth]) for depth in range(1, len(parts))]
 
 
 def cap(text: str, limit: int) -> str:

@@ -4,7 +4,9 @@
 SWE-style loader (:mod:`mixrl.rl.environments.coding.swe`).  The agent sees ``files`` (the
 snapshot) and ``problem``; ``hidden_tests`` are added to the snapshot only when the episode is
 scored, and ``test_command`` runs them in the sandbox
-(:mod:`mixrl.rl.environments.coding.scoring` reads how many passed).
+(:mod:`mixrl.rl.environments.coding.scoring` reads how many passed).  A generated task's hidden
+runner holds the inputs only: it prints what the solution returned, and the host compares that with
+the task's ``answers``, which never enter a sandbox.
 
 The generated set needs nothing downloaded.  Each *family* is a small Python function with a
 reference implementation; its parameters (constants, the function's name) are drawn from a seed,
@@ -37,6 +39,9 @@ SOLUTION_FILE = "solution.py"
 HIDDEN_TEST_FILE = "test_hidden.py"
 HIDDEN_CASES = 8
 VISIBLE_CASES = 2
+MAX_OUTPUT_CHARS = 10_000
+"""The runner reports an output whose canonical JSON is longer than this as a failure (``null``), so
+that its one line stays short; every answer is shorter (:func:`build_task` checks)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,11 @@ class CodingTask:
     """1-3 for generated tasks; 0 for tasks from elsewhere."""
     reference: Mapping[str, str] = field(default_factory=dict)
     """A known-good solution (files to write), when there is one: the oracle of the tests."""
+    answers: tuple[str, ...] = ()
+    """The hidden cases' expected outputs as canonical JSON (``json.dumps(..., sort_keys=True)``), in
+    order, for a runner that prints the outputs it got (``mixrl-outputs``;
+    :func:`mixrl.rl.environments.coding.scoring.score` compares them).  Kept on the host: never in
+    ``files``, ``hidden_tests`` or the test command.  Empty: the test command counts for itself."""
 
 
 @dataclass(frozen=True)
@@ -216,41 +226,52 @@ def _expected(source: str, fn: str, inputs: Sequence[tuple[Any, ...]]) -> list[A
     return [namespace[fn](*args) for args in inputs]
 
 
-def hidden_test_source(fn: str, cases: Sequence[tuple[tuple[Any, ...], Any]]) -> str:
-    """A self-contained runner of the cases (:data:`mixrl.rl.environments.coding.scoring.RESULT_LINE`).
+def hidden_test_source(fn: str, inputs: Sequence[tuple[Any, ...]]) -> str:
+    """A self-contained runner that calls ``fn`` on each input and prints what it returned.
 
-    Outputs are compared as canonical JSON, not with ``==``: an object whose ``__eq__`` says yes to
-    everything does not pass.  Each case has one CPU-second alarm."""
-    encoded = json.dumps([[list(args), expected] for args, expected in cases])
-    return f'''"""Hidden tests of {fn} (added at scoring time)."""
-import json, signal, sys
+    It holds no expected output: a solution runs in its interpreter and can read whatever it holds
+    (its frames, its file, its command line with the nonce).  Its one result line,
+    ``mixrl-outputs <nonce> <list>``, gives each case's return value as canonical JSON
+    (``json.dumps(..., sort_keys=True)``; ``null`` when the call raised, timed out, or its JSON is
+    longer than :data:`MAX_OUTPUT_CHARS`), and the host compares them with the task's ``answers``
+    (:func:`mixrl.rl.environments.coding.scoring.score`): as canonical JSON, not with ``==``, so an
+    object whose ``__eq__`` says yes to everything does not pass.  Each call has a one-second
+    wall-clock alarm (``ITIMER_REAL``); the sandbox's limits bound the whole run."""
+    encoded = json.dumps([list(args) for args in inputs])
+    return f'''"""Hidden tests of {fn} (added at scoring time): the outputs are compared on the host."""
+import json, os, signal, sys
 
 def main(nonce):
-    cases = json.loads({encoded!r})
+    inputs = json.loads({encoded!r})
     try:
         from solution import {fn} as candidate
     except BaseException as error:
         print("cannot import {fn} from solution.py:", type(error).__name__, error)
         candidate = None
-    passed = 0
+    outputs = []
     def alarm(signum, frame):
         raise TimeoutError("a case took more than a second")
     signal.signal(signal.SIGALRM, alarm)
-    for args, expected in cases:
-        ok = False
+    for args in inputs:
+        output = None
         if candidate is not None:
             try:
                 signal.setitimer(signal.ITIMER_REAL, 1.0)
-                ok = json.dumps(candidate(*args), sort_keys=True) == json.dumps(expected, sort_keys=True)
+                output = json.dumps(candidate(*args), sort_keys=True)
             except BaseException as error:
                 print("case", args, "raised", type(error).__name__, error)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-        if not ok and candidate is not None:
-            print("case", args, "failed")
-        passed += ok
-    sys.stdout.flush()
-    print("mixrl-tests", nonce, passed, len(cases), flush=True)
+        outputs.append(output if output is None or len(output) <= {MAX_OUTPUT_CHARS} else None)
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        pass
+    # on a line of its own (after whatever the solution left unended), straight to the descriptor
+    line = "\\nmixrl-outputs " + nonce + " " + json.dumps(outputs, separators=(",", ":")) + "\\n"
+    data = line.encode()
+    while data:
+        data = data[os.write(1, data):]
 
 main(sys.argv.pop(1))
 '''
@@ -273,6 +294,9 @@ def build_task(family: Family, fn: str, params: dict[str, int], rng: random.Rand
     inputs = family.inputs(rng, params)
     cases = list(zip(inputs, _expected(source, fn, inputs), strict=True))
     visible, hidden = cases[:VISIBLE_CASES], cases[VISIBLE_CASES : VISIBLE_CASES + HIDDEN_CASES]
+    answers = tuple(json.dumps(expected, sort_keys=True) for _, expected in hidden)
+    if any(len(answer) > MAX_OUTPUT_CHARS for answer in answers):
+        raise ValueError(f"{family.name}: an answer is longer than MAX_OUTPUT_CHARS ({MAX_OUTPUT_CHARS})")
     digest = hashlib.sha256(json.dumps([family.name, fn, sorted(params.items())]).encode()).hexdigest()[:8]
     return CodingTask(
         id=f"{family.name}-{digest}",
@@ -283,10 +307,11 @@ def build_task(family: Family, fn: str, params: dict[str, int], rng: random.Rand
             "test_solution.py": visible_test_source(fn, visible),
             "README.md": f"# {fn}\n\n{statement}\n",
         },
-        hidden_tests={HIDDEN_TEST_FILE: hidden_test_source(fn, hidden)},
+        hidden_tests={HIDDEN_TEST_FILE: hidden_test_source(fn, [args for args, _ in hidden])},
         test_command=f"python3 {HIDDEN_TEST_FILE} {{nonce}}",
         level=family.level,
         reference={SOLUTION_FILE: source},
+        answers=answers,
     )
 
 
