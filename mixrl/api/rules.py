@@ -488,7 +488,22 @@ TORCH_ENGINE_ON_CPU = Rule(
     "FieldValueForbidden",
     condition=_torch_engine_on_cpu,
     values=lambda node: {"gpu_type": "self.gpuType"},
-    unless=(MULTI_NODE_NEEDS_SGLANG.name,),
+    # Every earlier pool rule a torch pool on a GPU type can break as well (one changed gpuType
+    # breaks several): validate reports the first a pool breaks, so the API server must too.
+    unless=tuple(
+        rule.name
+        for rule in (
+            RESERVED_POOL_NAME,
+            RESERVED_POOL_SUFFIX,
+            REPLICA_BOUNDS,
+            *WEIGHTS_NEED.values(),
+            FP8_KV_CACHE,
+            DEFAULT_FP8_KV_CACHE,
+            POOL_NEEDS_GPUS,
+            REPLICA_WHOLE_NODES,
+            MULTI_NODE_NEEDS_SGLANG,
+        )
+    ),
     holds=lambda pool, table: pool.engine != "torch" or table[pool.gpu_type].emulated,
     facts=lambda pool, table: {"gpu_type": pool.gpu_type},
 )
@@ -868,6 +883,8 @@ GPU_BUDGET_NEEDS_BUILTIN = Rule(
         " || (has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin') == 'builtin'"
     ),
     values=lambda node: {"engine": "(has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin')"},
+    # A budget under the minimums, or objective trainer with KEDA, is reported first (as validate does).
+    unless=("gpu-budget-covers-minimums", "trainer-objective-needs-builtin"),
     holds=lambda spec, table: spec.autoscaling.gpu_budget is None or spec.autoscaling.engine == "builtin",
     facts=lambda spec, table: {"engine": spec.autoscaling.engine},
 )
