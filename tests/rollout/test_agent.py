@@ -14,7 +14,9 @@ from mixrl.rl.environments.filetree import FileTreeEnvironment, FileTreeTask, ge
 from mixrl.rl.rollout.agent import (
     EnvironmentFailed,
     EpisodeAborted,
+    ResetFailed,
     ScoringFailed,
+    TaskFailed,
     evaluate,
     pass_at_k,
     printable,
@@ -266,6 +268,59 @@ async def test_scoring_that_raises_or_gives_no_outcome_ends_the_episode_as_a_fai
     assert failed.value.task_id == TASK.id and closed == [True]
     assert (failed.value.__cause__ is finish) == isinstance(finish, BaseException)
     assert isinstance(failed.value, EnvironmentFailed) and isinstance(failed.value, EPISODE_FAILURES)
+
+
+async def test_a_reset_that_raises_ends_the_episode_before_it_began(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Environment.reset raising (a task the environment cannot start) is a TaskFailed naming the
+    environment and the task, with its cause chained: the worker drops that group rather than
+    dying (before, the bare exception left the worker's task group)."""
+    cause = FileNotFoundError(2, "No such file or directory", "/seed/tests.json")
+
+    async def broken_reset(self: object, task: object) -> object:
+        raise cause
+
+    generate = ScriptedGenerate()
+    monkeypatch.setattr(FileTreeEnvironment, "reset", broken_reset)
+    with pytest.raises(ResetFailed) as failed:
+        await play(generate)
+    assert str(failed.value) == (
+        f"FileTreeEnvironment: starting task {TASK.id!r}: FileNotFoundError: "
+        "[Errno 2] No such file or directory: '/seed/tests.json'"
+    )
+    assert failed.value.__cause__ is cause and failed.value.task_id == TASK.id
+    assert isinstance(failed.value, TaskFailed) and isinstance(failed.value, EPISODE_FAILURES)
+    assert generate.received == []  # nothing was generated for it
+
+
+@pytest.mark.parametrize("scoring", ["scores", "raises"])
+async def test_a_close_that_raises_is_logged_and_changes_no_outcome(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, scoring: str
+) -> None:
+    """Episode.close runs however the episode ended; its own failure is one ERROR line naming the
+    task and replaces nothing: a scored trajectory is kept, a scoring failure stays the one raised."""
+    episode_class = type((await ENV.reset(TASK))[1])
+
+    async def broken_close(self: object) -> None:
+        raise PermissionError(13, "Permission denied", "/tmp/episode")
+
+    async def broken_finish(self: object, reason: str) -> Outcome:
+        raise KeyError("no such case")
+
+    monkeypatch.setattr(episode_class, "close", broken_close)
+    if scoring == "raises":
+        monkeypatch.setattr(episode_class, "finish", broken_finish)
+    with caplog.at_level("ERROR", logger="mixrl.rollout"):
+        if scoring == "raises":
+            with pytest.raises(ScoringFailed, match="KeyError: 'no such case'"):
+                await play(ScriptedGenerate())
+        else:
+            trajectory = await play(ScriptedGenerate())
+            assert trajectory.reward is not None and trajectory.finish_reason
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == (
+        f"FileTreeEnvironment: closing the episode of task {TASK.id!r}: PermissionError: "
+        "[Errno 13] Permission denied: '/tmp/episode'"
+    )
 
 
 @pytest.mark.parametrize("bad", [{"max_turns": 0}, {"max_context_tokens": -1}, {"format_error_limit": 0}])

@@ -492,7 +492,7 @@ def test_several_workers_share_the_steps_ahead() -> None:
 
 
 TRAIN_IDS = [task.id for task in generate_tasks(0, 64, "train")]
-SCORING_BUG, NO_SANDBOX = set(TRAIN_IDS[0::3]), set(TRAIN_IDS[1::3])
+SCORING_BUG, NO_SANDBOX, RESET_BUG = set(TRAIN_IDS[0::3]), set(TRAIN_IDS[1::3]), set(TRAIN_IDS[2::6])
 
 
 class BrittleScoringEpisode(FileTreeEpisode):
@@ -505,22 +505,25 @@ class BrittleScoringEpisode(FileTreeEpisode):
 
 
 class BrittleScoringEnvironment(FileTreeEnvironment):
-    """The file tree, but scoring two training tasks in three raises (held-out ones score)."""
+    """The file tree, but starting one training task in six raises and scoring two in three raises
+    (held-out ones start and score)."""
 
     async def reset(self, task: FileTreeTask) -> tuple[list[Message], Episode]:
+        if task.id in RESET_BUG:
+            raise ValueError("the environment's own bug at reset")
         return [Message("user", task.question)], BrittleScoringEpisode(task)
 
 
-async def test_an_episode_whose_scoring_raises_is_dropped_and_the_worker_goes_on(
+async def test_an_episode_whose_start_or_scoring_raises_is_dropped_and_the_worker_goes_on(
     engines: Engines,
     start_router: StartRouter,
     start_buffer: StartBuffer,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Scoring that raises ends that episode as a failed one: its group is dropped and counted,
-    with an ERROR naming the task for the environment's own bug and a WARNING for a sandbox that
-    was not there, and the worker goes on posting the other groups (before, the exception left
-    the worker's task group and the process exited with a traceback)."""
+    """Starting or scoring a task that raises ends that episode as a failed one: its group is
+    dropped and counted, with an ERROR naming the task for the environment's own bug and a WARNING
+    for a sandbox that was not there, and the worker goes on posting the other groups (before, the
+    exception left the worker's task group and the process exited with a traceback)."""
     router = await start_router({"a": [await engines("a")]})
     buffer = await start_buffer(prompts_per_update=3, samples_per_prompt=4)
     settings = WorkerSettings.from_run(resolved_run(concurrency=8), max_steps_ahead=0)
@@ -536,59 +539,96 @@ async def test_an_episode_whose_scoring_raises_is_dropped_and_the_worker_goes_on
     )
     with caplog.at_level("WARNING", logger="mixrl.rollout"):
         async with running(worker, client):  # its run re-raises whatever ended it
-            await wait_for(lambda: worker.stats.groups_dropped >= 6 and worker.stats.groups_posted >= 3)
+            await wait_for(lambda: worker.stats.groups_dropped >= 8 and worker.stats.groups_posted >= 3)
             batch = await buffer.client.get_batch(1, timeout=10)
     assert batch is not None and len(batch.groups) == 3
-    for group in batch.groups:  # only whole groups of tasks that scored
-        assert group.prompt_id.split("/")[0] not in SCORING_BUG | NO_SANDBOX
+    for group in batch.groups:  # only whole groups of tasks that started and scored
+        assert group.prompt_id.split("/")[0] not in SCORING_BUG | NO_SANDBOX | RESET_BUG
         assert [t.reward for t in group.trajectories] == [1.0] * 4
     assert worker.stats.last_evaluation is not None  # the held-out step 0 scored as ever
-    bugs = [r for r in caplog.records if r.levelname == "ERROR" and "scoring failed" in r.getMessage()]
-    assert bugs and all(
-        "BrittleScoringEnvironment: scoring task '" in r.getMessage() and "KeyError" in r.getMessage()
-        for r in bugs
-    )
-    named = [re.search(r"scoring task '([^']+)'", r.getMessage()) for r in bugs]
-    assert all(match is not None and match.group(1) in SCORING_BUG for match in named)
-    assert len({match.group(1) for match in named if match}) == len(bugs)  # one ERROR per group
+    bugs = [r for r in caplog.records if r.levelname == "ERROR" and "environment failed" in r.getMessage()]
+    named = [re.search(r"(scoring|starting) task '([^']+)': (\w+)", r.getMessage()) for r in bugs]
+    assert all(match is not None for match in named), [r.getMessage() for r in bugs]
+    found = {(m.group(1), m.group(3)) for m in named if m}
+    assert found == {("scoring", "KeyError"), ("starting", "ValueError")}
+    assert all(m.group(2) in (SCORING_BUG if m.group(1) == "scoring" else RESET_BUG) for m in named if m)
+    assert all("BrittleScoringEnvironment: " in r.getMessage() for r in bugs)
+    assert len({m.group(2) for m in named if m}) == len(bugs)  # one ERROR per group
     sandbox = [r for r in caplog.records if "SandboxUnavailable" in r.getMessage()]
     assert sandbox and all(r.levelname == "WARNING" for r in sandbox)
 
 
 class HeldOutScoringBugEnvironment(FileTreeEnvironment):
-    """The file tree, but scoring every held-out episode raises."""
+    """The file tree, but scoring every held-out episode raises (``failure``: what it raises)."""
+
+    def __init__(self, failure: Exception) -> None:
+        super().__init__()
+        self.failure = failure
 
     async def reset(self, task: FileTreeTask) -> tuple[list[Message], Episode]:
         messages, episode = await super().reset(task)
         if task.split == "heldout":
-            episode.finish = _raise_key_error  # type: ignore[method-assign]
+            episode.finish = self._raise  # type: ignore[method-assign]
         return messages, episode
 
+    async def _raise(self, reason: str) -> Outcome:
+        raise self.failure
 
-async def _raise_key_error(reason: str) -> Outcome:
-    raise KeyError("the scorer's own bug")
 
-
-async def test_a_held_out_episode_whose_scoring_keeps_failing_stops_the_worker_with_its_failure(
+async def test_a_held_out_episode_the_environment_keeps_failing_counts_as_failed(
     engines: Engines, start_router: StartRouter, start_buffer: StartBuffer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Held-out episodes are played again rather than dropped (pass@k without them would be biased):
-    two ERROR lines for the retried scoring bug, then the third try's ScoringFailed ends the run,
-    which ``mixrl rollout`` turns into one line and exit 1."""
+    """Held-out episodes are played again rather than dropped (pass@k without them would be biased);
+    when the environment's own bug fails every try, the episode counts as failed (reward 0, finish
+    reason environment_error) and the worker goes on: two ERROR lines for the retries, one for the
+    count, each naming the task (before, the third try ended the run, and every restart met it again)."""
     router = await start_router({"a": [await engines("a")]})
     buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
     settings = WorkerSettings.from_run(
         resolved_run(concurrency=1, dataset={"trainSize": 64, "heldoutSize": 1})
     )
+    client = RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids)
+    environment = HeldOutScoringBugEnvironment(KeyError("the scorer's own bug"))
+    worker = RolloutWorker(
+        settings, environment, TOKENIZER, client, buffer.client, poll_s=0.05, say=lambda _: None
+    )
+    with caplog.at_level("WARNING", logger="mixrl.rollout"):
+        async with running(worker, client):
+            await wait_for(
+                lambda: worker.stats.last_evaluation is not None and worker.stats.groups_posted >= 1
+            )
+    [evaluation] = await buffer.client.evaluations()
+    episodes = settings.eval_samples
+    assert evaluation["finish_reasons"] == {"environment_error": episodes}
+    assert evaluation["pass_at_k"]["1"] == 0.0 and evaluation["mean_reward"] == 0.0
+    retried = [r for r in caplog.records if "playing it again" in r.getMessage()]
+    counted = [r for r in caplog.records if "counted as failed" in r.getMessage()]
+    assert [r.levelname for r in retried] == ["ERROR"] * (2 * episodes)
+    assert [r.levelname for r in counted] == ["ERROR"] * episodes
+    assert all("scoring task 'ft-" in r.getMessage() and "KeyError" in r.getMessage() for r in counted)
+
+
+async def test_a_held_out_episode_without_a_sandbox_on_every_try_stops_the_worker(
+    engines: Engines, start_router: StartRouter, start_buffer: StartBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failure that is not the environment's bug (here no sandbox; likewise the engine or the
+    router) is the infrastructure's: WARNING lines for the retries, then the third try's failure
+    ends the run, which ``mixrl rollout`` turns into one line and exit 1, and a restart evaluates
+    again."""
+    router = await start_router({"a": [await engines("a")]})
+    buffer = await start_buffer(prompts_per_update=2, samples_per_prompt=4)
+    settings = WorkerSettings.from_run(
+        resolved_run(concurrency=1, dataset={"trainSize": 64, "heldoutSize": 1})
+    )
+    environment = HeldOutScoringBugEnvironment(SandboxUnavailable("sandbox pods: none became ready"))
     async with RouterClient(router.url, settings.sampling, TOKENIZER.stop_token_ids) as client:
-        worker = RolloutWorker(
-            settings, HeldOutScoringBugEnvironment(), TOKENIZER, client, buffer.client, say=lambda _: None
-        )
+        worker = RolloutWorker(settings, environment, TOKENIZER, client, buffer.client, say=lambda _: None)
         with caplog.at_level("WARNING", logger="mixrl.rollout"), pytest.raises(ExceptionGroup) as stopped:
             await worker.run(asyncio.Event())
-    assert stopped.group_contains(ScoringFailed, match="scoring task '.*': KeyError", depth=None)
+    assert stopped.group_contains(ScoringFailed, match="scoring task '.*': SandboxUnavailable", depth=None)
     retried = [r for r in caplog.records if "playing it again" in r.getMessage()]
-    assert [r.levelname for r in retried] == ["ERROR", "ERROR"]
+    assert [r.levelname for r in retried] == ["WARNING", "WARNING"]
+    assert await buffer.client.evaluations() == []
 
 
 def test_mixrl_rollout_says_a_held_out_failure_in_one_line(

@@ -115,7 +115,8 @@ class Episode(ABC):
         episode, or mixrl's (:data:`MIXRL_FINISH_REASONS`) when mixrl ended it."""
 
     async def close(self) -> None:
-        """Release what the episode holds (a sandbox, a directory); must not raise."""
+        """Release what the episode holds (a sandbox, a directory).  Should not raise: if it does, the
+        rollout worker logs one ERROR line and the episode's outcome stands."""
         return None
 
 
@@ -136,7 +137,8 @@ class Environment(ABC, Generic[TaskT]):
 
     @abstractmethod
     async def reset(self, task: TaskT) -> tuple[list[Message], Episode]:
-        """Start an episode of ``task``: the first messages (the prompt) and the episode."""
+        """Start an episode of ``task``: the first messages (the prompt) and the episode.  If it
+        raises, that episode fails (its group is dropped), not the rollout worker."""
 
     def generate_tasks(self, split: Split, n: int, seed: int) -> Sequence[TaskT]:
         """The first ``n`` tasks of ``split`` generated from ``seed``; used when the spec names no

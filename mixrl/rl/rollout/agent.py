@@ -16,7 +16,10 @@ executed by the episode (``Episode.step``), anything else gets the environment's
   ``format_errors``: the paper's collapse signature).
 Then ``Episode.finish(reason)`` gives the reward and the recorded finish reason (an exception
 from it, or an outcome that is not a finite reward with a short finish reason, ends the episode
-with :class:`ScoringFailed`), and ``Episode.close()`` runs however the episode ended.
+with :class:`ScoringFailed`), and ``Episode.close()`` runs however the episode ended (its own
+failure is logged and replaces nothing: the trajectory, or the failure that ended the episode,
+stands).  An ``Environment.reset`` that raises ends the episode before it began
+(:class:`ResetFailed`).
 Observations are cut to ``max_observation_tokens`` tokens.
 
 ``generate`` is any async callable ``(input_ids, max_new_tokens) -> GenerateResult``: the router
@@ -26,6 +29,7 @@ client (one session per episode), an engine client, or the in-process sampler.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 from collections import Counter
@@ -39,6 +43,8 @@ from mixrl.rl.engine.protocol import GenerateResult, PoolInfo, TurnFinish
 from mixrl.rl.environments.base import Environment, Episode, Outcome, TaskLike
 from mixrl.rl.environments.tools import Tool
 from mixrl.rl.rollout.chat_tokenizer import ChatTokenizer
+
+log = logging.getLogger("mixrl.rollout")
 
 FINISH_REASON = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 """What a finish reason may look like: it becomes a metric label and a key of evaluation results."""
@@ -60,15 +66,24 @@ class EnvironmentFailed(RuntimeError):
     scoring the episode): that episode ends, as a failed one; the worker goes on."""
 
 
-class ScoringFailed(EnvironmentFailed):
-    """``Episode.finish`` (the scoring) raised, or gave no valid :class:`Outcome`.  The cause is
-    chained (``__cause__``; None for an invalid outcome): a sandbox that was not there
-    (``SandboxUnavailable``) is the infrastructure's failure, anything else the environment's bug;
-    the worker tells them apart only in how loudly it logs."""
+class TaskFailed(EnvironmentFailed):
+    """The environment failed on a task outside the model's turns: starting it or scoring it.  The
+    cause is chained (``__cause__``; None for an invalid outcome): a sandbox that was not there
+    (``SandboxUnavailable``) is the infrastructure's failure, anything else the environment's bug
+    on that task, which playing it again would meet again (the rollout worker's
+    ``environment_bug``)."""
 
     def __init__(self, message: str, task_id: str) -> None:
         super().__init__(message)
         self.task_id = task_id
+
+
+class ResetFailed(TaskFailed):
+    """``Environment.reset`` raised: the episode never began."""
+
+
+class ScoringFailed(TaskFailed):
+    """``Episode.finish`` (the scoring) raised, or gave no valid :class:`Outcome`."""
 
 
 def printable(text: str) -> str:
@@ -118,7 +133,11 @@ async def run_episode(
     settings = EpisodeSettings(sampling, max_turns, max_context_tokens, format_error_limit)
     offered = list(environment.tools()) if tools is None else list(tools)
     pool = pool_info or PoolInfo()
-    messages, episode = await environment.reset(task)
+    try:
+        messages, episode = await environment.reset(task)
+    except Exception as exc:  # a sandbox that is not there, or a bug of the environment's
+        where = f"{type(environment).__name__}: starting task {task.id!r}"
+        raise ResetFailed(f"{where}: {type(exc).__name__}: {exc}", task.id) from exc
     try:
         trajectory = Trajectory(
             run=run,
@@ -135,7 +154,7 @@ async def run_episode(
         )
         outcome = await _finish(episode, reason, environment, task)
     finally:
-        await episode.close()
+        await _close(episode, environment, task)
     trajectory.finish_reason = outcome.finish_reason
     trajectory.reward = float(outcome.reward)
     return trajectory
@@ -210,6 +229,22 @@ async def _finish(episode: Episode, reason: str, environment: Environment[Any], 
     if problem is not None:
         raise ScoringFailed(f"{where}: {problem}", task.id)
     return outcome
+
+
+async def _close(episode: Episode, environment: Environment[Any], task: TaskLike) -> None:
+    """``Episode.close()``; its failure is one ERROR line and nothing more: the episode's outcome
+    was already decided (a scored trajectory is kept, a failure already on its way stays the one
+    raised), and what it leaves behind is the environment's to clean up."""
+    try:
+        await episode.close()
+    except Exception as exc:
+        log.error(
+            "%s: closing the episode of task %r: %s: %s",
+            type(environment).__name__,
+            task.id,
+            type(exc).__name__,
+            exc,
+        )
 
 
 def _outcome_problem(outcome: Outcome) -> str | None:

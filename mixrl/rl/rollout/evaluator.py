@@ -41,7 +41,7 @@ from mixrl.rl.environments.base import TaskLike
 from mixrl.rl.environments.registry import offered_tools
 from mixrl.rl.rollout.agent import evaluate, run_episode
 from mixrl.rl.rollout.router_client import RouterClient
-from mixrl.rl.rollout.worker import EPISODE_FAILURES, Loaded, start
+from mixrl.rl.rollout.worker import Loaded, play_heldout, start
 from mixrl.rl.serving import stop_on_signals
 from mixrl.rl.weights import WeightStore
 
@@ -89,38 +89,32 @@ class Evaluator:
         if loaded != version:
             raise RuntimeError(f"the evaluator's engine reports version {loaded} after loading {version}")
 
-    async def episode(self, step: int, task: TaskLike, index: int, attempts: int = 3) -> Trajectory:
-        """One held-out episode in its own session, every token of it from version ``step``; one
-        whose engine failed is played again (a lost episode would bias pass@k)."""
-        for attempt in range(attempts):
-            session = f"{self.settings.run or 'mixrl'}-eval-{uuid.uuid4().hex[:12]}"
-            generate = self.sampler.generator(session)
-            try:
-                trajectory = await run_episode(
-                    generate,
-                    self.environment,
-                    task,
-                    self.tokenizer,
-                    self.sampler.sampling,
-                    self.settings.max_turns,
-                    self.settings.max_context_tokens,
-                    self.settings.format_error_limit,
-                    run=self.settings.run,
-                    prompt_id=f"{task.id}/eval",
-                    sample_index=index,
-                    tools=self.tools,
-                    max_observation_tokens=self.settings.max_observation_tokens,
-                )
-            except EPISODE_FAILURES as exc:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("held-out episode of %s failed (%s); playing it again", task.id, exc)
-                continue
+    async def episode(self, step: int, task: TaskLike, index: int) -> Trajectory:
+        """One held-out episode in its own session, every token of it from version ``step``; a
+        failed one is played again (:func:`play_heldout`)."""
+
+        async def play() -> Trajectory:
+            trajectory = await run_episode(
+                self.sampler.generator(f"{self.settings.run or 'mixrl'}-eval-{uuid.uuid4().hex[:12]}"),
+                self.environment,
+                task,
+                self.tokenizer,
+                self.sampler.sampling,
+                self.settings.max_turns,
+                self.settings.max_context_tokens,
+                self.settings.format_error_limit,
+                run=self.settings.run,
+                prompt_id=f"{task.id}/eval",
+                sample_index=index,
+                tools=self.tools,
+                max_observation_tokens=self.settings.max_observation_tokens,
+            )
             foreign = versions_of(trajectory) - {step}
             if foreign:  # nothing else reloads this engine: a bug, not noise to average over
                 raise RuntimeError(f"step {step}: tokens of versions {sorted(foreign)} in its evaluation")
             return trajectory
-        raise AssertionError("unreachable")
+
+        return await play_heldout(play, task, index, self.settings.run)
 
     async def evaluate_step(self, step: int) -> dict[str, Any]:
         started = time.monotonic()

@@ -35,7 +35,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,7 @@ from mixrl.rl.environments.base import SPLITS, Environment, Split, TaskLike
 from mixrl.rl.environments.datasets import load_tasks
 from mixrl.rl.environments.registry import check_rollout, load_environment, offered_tools
 from mixrl.rl.environments.tools import Tool
-from mixrl.rl.rollout.agent import EnvironmentFailed, EpisodeAborted, ScoringFailed, evaluate, run_episode
+from mixrl.rl.rollout.agent import EnvironmentFailed, EpisodeAborted, TaskFailed, evaluate, run_episode
 from mixrl.rl.rollout.chat_tokenizer import ChatTokenizer, load_chat_tokenizer
 from mixrl.rl.rollout.router_client import RouterClient, RouterError
 from mixrl.rl.rollout.stats import RolloutStats
@@ -67,17 +67,64 @@ log = logging.getLogger("mixrl.rollout")
 EPISODE_FAILURES = (RouterError, EpisodeAborted, EnvironmentFailed, EngineResponseError)
 """An episode that ends in one of these is dropped (with its group); anything else is a bug.
 Except :class:`SamplingMaskMissing`: it would recur on every turn (a proxy dropping the field), so it
-stops the worker with one line instead of dropping every group.  :class:`ScoringFailed` (an
-EnvironmentFailed) is one of them, whatever the scoring raised: see :func:`scoring_bug`."""
+stops the worker with one line instead of dropping every group.  :class:`TaskFailed` (an
+EnvironmentFailed: starting or scoring a task) is one of them, whatever the environment raised:
+see :func:`environment_bug`."""
 INFRASTRUCTURE_FAILURES = (SandboxUnavailable, OSError)
-"""What a scoring run raises when its sandbox is not there (no pod became ready, bubblewrap could
+"""What an environment raises when its sandbox is not there (no pod became ready, bubblewrap could
 not build one, the host's disk): the episode is dropped like any failed one, with a WARNING."""
+ENVIRONMENT_ERROR = "environment_error"
+"""The finish reason of a held-out episode counted as failed: the environment's own bug on its task
+(:func:`environment_bug`) on every try."""
 
 
-def scoring_bug(exc: BaseException) -> bool:
-    """Whether ``exc`` is the environment's scoring failing on its own (not for want of a sandbox):
-    still one failed episode, never the worker's end, but logged as an ERROR naming the task."""
-    return isinstance(exc, ScoringFailed) and not isinstance(exc.__cause__, INFRASTRUCTURE_FAILURES)
+def environment_bug(exc: BaseException) -> bool:
+    """Whether ``exc`` is the environment failing on a task on its own (starting or scoring it, not
+    for want of a sandbox): one failed episode, never the worker's end, logged as an ERROR naming
+    the task; playing it again would meet the same bug."""
+    return isinstance(exc, TaskFailed) and not isinstance(exc.__cause__, INFRASTRUCTURE_FAILURES)
+
+
+async def play_heldout(
+    play: Callable[[], Awaitable[Trajectory]], task: TaskLike, index: int, run: str, attempts: int = 3
+) -> Trajectory:
+    """One held-out episode (``play``), played again when it fails, ``attempts`` tries in all: a
+    lost episode would bias pass@k.  When the last try fails for the environment's own bug on this
+    task (:func:`environment_bug`), the episode counts as failed (reward 0, finish reason
+    :data:`ENVIRONMENT_ERROR`), since every restart would meet it again; any other last failure
+    (the engine, the router, a sandbox that is not there) is raised: it stops the worker, and its
+    restart evaluates again."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await play()
+        except SamplingMaskMissing:
+            raise
+        except EPISODE_FAILURES as exc:
+            bug = environment_bug(exc)
+            if attempt < attempts:
+                level = logging.ERROR if bug else logging.WARNING
+                log.log(level, "held-out episode of %s failed (%s); playing it again", task.id, exc)
+            elif bug:
+                log.error(
+                    "held-out episode of %s failed %d times (%s); counted as failed (%s)",
+                    task.id,
+                    attempts,
+                    exc,
+                    ENVIRONMENT_ERROR,
+                )
+                return Trajectory(
+                    run=run,
+                    prompt_id=f"{task.id}/eval",
+                    sample_index=index,
+                    pool="",
+                    prompt_ids=[],
+                    reward=0.0,
+                    finish_reason=ENVIRONMENT_ERROR,
+                    split=task.split,
+                )
+            else:
+                raise
+    raise AssertionError("attempts must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -251,7 +298,7 @@ class _Group:
         self.trajectories: list[Trajectory | None] = [None] * size
         self.pending = size
         self.failed = False
-        self.scoring_bug_logged = False
+        self.bug_logged = False
 
 
 class RolloutWorker:
@@ -337,10 +384,12 @@ class RolloutWorker:
         except SamplingMaskMissing:
             raise
         except EPISODE_FAILURES as exc:
-            if scoring_bug(exc):  # one ERROR per group, even when a warning came first
-                if not group.scoring_bug_logged:
-                    log.error("group %s dropped: an episode's scoring failed: %s", group.prompt_id, exc)
-                group.scoring_bug_logged = True
+            if environment_bug(exc):  # one ERROR per group, even when a warning came first
+                if not group.bug_logged:
+                    log.error(
+                        "group %s dropped: the environment failed on its task: %s", group.prompt_id, exc
+                    )
+                group.bug_logged = True
             elif not group.failed:
                 log.warning("group %s dropped: an episode failed: %s", group.prompt_id, exc)
             group.failed = True
@@ -463,18 +512,12 @@ class RolloutWorker:
             log.error("evaluation of step %d not accepted by the buffer: %s", step, exc)
         return result
 
-    async def _heldout_episode(self, task: TaskLike, index: int, attempts: int = 3) -> Trajectory:
-        """A held-out episode; a failed one is played again (a lost one would bias pass@k), and its
-        last try's failure stops the worker (:func:`main`: one line, exit 1)."""
-        for _ in range(attempts - 1):
-            try:
-                return await self.play(task, index, f"{task.id}/eval", bounded=False)
-            except SamplingMaskMissing:
-                raise
-            except EPISODE_FAILURES as exc:
-                level = logging.ERROR if scoring_bug(exc) else logging.WARNING
-                log.log(level, "held-out episode of %s failed (%s); playing it again", task.id, exc)
-        return await self.play(task, index, f"{task.id}/eval", bounded=False)
+    async def _heldout_episode(self, task: TaskLike, index: int) -> Trajectory:
+        """A held-out episode (:func:`play_heldout`); a last failure that is not the environment's
+        bug stops the worker (:func:`main`: one line, exit 1)."""
+        return await play_heldout(
+            lambda: self.play(task, index, f"{task.id}/eval", bounded=False), task, index, self.settings.run
+        )
 
     async def watch_trainer(self) -> None:
         """Evaluate at every evaluation step the trainer reaches; stop training after the last step."""
@@ -725,7 +768,7 @@ def main(argv: list[str]) -> int:
     except* SamplingMaskMissing as missing:  # every turn would fail alike: one line, not a drop per group
         print(f"mixrl rollout: engine: {_first_leaf(missing)}", file=sys.stderr)
         status = 1
-    except* EPISODE_FAILURES as failed:  # only a held-out episode's last try: training ones are dropped
+    except* EPISODE_FAILURES as failed:  # a held-out episode's last try (not the environment's bug)
         print(f"mixrl rollout: held-out evaluation: {_first_leaf(failed)}", file=sys.stderr)
         status = 1
     return status
