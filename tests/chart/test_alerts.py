@@ -13,7 +13,12 @@ import pytest
 import yaml
 
 from mixrl.api.models import CollapseSpec
-from mixrl.operator.builders.monitoring import collapse_rule_groups, kl_growing_expr, reward_falling_expr
+from mixrl.operator.builders.monitoring import (
+    collapse_rule_groups,
+    format_error_expr,
+    kl_growing_expr,
+    reward_falling_expr,
+)
 
 # promtool comes in Debian's prometheus package with the server: without it these tests fail
 # (tests/conftest.py), never skip.
@@ -158,15 +163,19 @@ def test_the_reward_judged_is_the_runs_not_the_pools(rules_file: Path) -> None:
     assert '{pool="all"}' in reward_falling_expr(CollapseSpec())
 
 
-def test_most_episodes_ending_on_format_errors_fires(rules_file: Path) -> None:
+def test_most_trained_episodes_ending_on_format_errors_fires(rules_file: Path) -> None:
+    """The alert judges what ``mixrl run`` judges: the trainer's batches (pool "all"), not the
+    rollout workers' counters (held-out episodes, dropped groups) nor a pool's share alone."""
     series = [
-        {"series": 'mixrl_rollout_episodes_total{run="a",pool="h100"}', "values": "0+10x60"},
-        {"series": 'mixrl_rollout_format_error_episodes_total{run="a",pool="h100"}', "values": "0+6x60"},
+        {"series": 'mixrl_trainer_format_error_endings{run="a",pool="all"}', "values": "0.6x60"},
+        {"series": 'mixrl_trainer_format_error_endings{run="b",pool="all"}', "values": "0.2x60"},
+        {"series": 'mixrl_trainer_format_error_endings{run="b",pool="h100"}', "values": "0.9x60"},
         {"series": 'mixrl_rollout_episodes_total{run="b",pool="h100"}', "values": "0+10x60"},
-        {"series": 'mixrl_rollout_format_error_episodes_total{run="b",pool="h100"}', "values": "0+2x60"},
+        {"series": 'mixrl_rollout_format_error_episodes_total{run="b",pool="h100"}', "values": "0+9x60"},
     ]
     result = run_rule_tests(rules_file, series, [fires("MixrlFormatErrorEpisodes", "50m", run="a")])
     assert result.returncode == 0, result.stdout + result.stderr
+    assert '{pool="all"}' in format_error_expr(CollapseSpec())
 
 
 def test_the_rule_tests_have_teeth(rules_file: Path) -> None:
@@ -189,18 +198,11 @@ def noisy_healthy_run(alerts: list[str]) -> tuple[Series, list[Check]]:
     reward = [rng.uniform(0.35, 0.65) for _ in range(minutes)]
     kl = [0.002 * rng.uniform(0.6, 1.4) for _ in range(minutes)]
     kl[200] *= 20
-    episodes, errors = [0.0], [0.0]
-    for _ in range(minutes - 1):
-        episodes.append(episodes[-1] + 10)
-        errors.append(errors[-1] + rng.randint(0, 6))  # 3 of 10 on average
+    errors = [rng.randint(0, 6) / 10 for _ in range(minutes)]  # a batch's share: 3 of 10 on average
     series = [
         {"series": 'mixrl_trainer_reward{run="a",pool="all"}', "values": values(reward)},
         {"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": values(kl)},
-        {"series": 'mixrl_rollout_episodes_total{run="a",pool="h100"}', "values": values(episodes)},
-        {
-            "series": 'mixrl_rollout_format_error_episodes_total{run="a",pool="h100"}',
-            "values": values(errors),
-        },
+        {"series": 'mixrl_trainer_format_error_endings{run="a",pool="all"}', "values": values(errors)},
     ]
     return series, [silent(name, f"{minute}m") for minute in range(30, minutes, 15) for name in alerts]
 

@@ -27,14 +27,13 @@ from mixrl.api.models import CollapseSpec
 from mixrl.rl.metrics import (
     MIXRL_BUFFER_STALENESS,
     MIXRL_COST_DOLLARS_TOTAL,
-    MIXRL_ROLLOUT_EPISODES_TOTAL,
-    MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL,
     MIXRL_ROUTER_POOL_HEALTH,
     MIXRL_ROUTER_QUEUE_DEPTH,
     MIXRL_ROUTER_REPLICAS_READY,
     MIXRL_ROUTER_TRAFFIC_SHARE,
     MIXRL_ROUTER_WEIGHT_VERSION,
     MIXRL_TRAINER_EXTREME_RATIO_SHARE,
+    MIXRL_TRAINER_FORMAT_ERROR_ENDINGS,
     MIXRL_TRAINER_GRAD_NORM,
     MIXRL_TRAINER_KL,
     MIXRL_TRAINER_KL_FRESH,
@@ -56,8 +55,10 @@ RUN_POOL = "all"
 """The ``pool`` label of the trainer's whole-batch series (mixrl.rl.trainer.telemetry.ALL_POOLS)."""
 RUN_REWARD = f'{REWARD}{{pool="{RUN_POOL}"}}'
 """The run's reward, the one ``mixrl run`` judges: not the per-pool series beside it."""
-EPISODES = MIXRL_ROLLOUT_EPISODES_TOTAL.name
-FORMAT_ERRORS = MIXRL_ROLLOUT_FORMAT_ERROR_EPISODES_TOTAL.name
+RUN_FORMAT_ERRORS = f'{MIXRL_TRAINER_FORMAT_ERROR_ENDINGS.name}{{pool="{RUN_POOL}"}}'
+"""The share of the trained batch's episodes that ended on format errors, the one ``mixrl run``
+judges: training episodes the trainer took, not every episode a rollout worker ended (held-out
+ones, groups dropped or too stale)."""
 
 
 def reward_falling_expr(t: CollapseSpec) -> str:
@@ -75,9 +76,7 @@ def kl_growing_expr(t: CollapseSpec) -> str:
 
 
 def format_error_expr(t: CollapseSpec) -> str:
-    errors = f"sum by (run) (rate({FORMAT_ERRORS}[15m]))"
-    episodes = f"sum by (run) (rate({EPISODES}[15m]))"
-    return f"({errors} / {episodes}) > {t.format_error_share:g}"
+    return f"avg by (run) (avg_over_time({RUN_FORMAT_ERRORS}[15m])) > {t.format_error_share:g}"
 
 
 KL_SCOPE = (
@@ -127,8 +126,9 @@ def collapse_rule_groups(t: CollapseSpec = DEFAULT_THRESHOLDS) -> list[Obj]:
                     "10m",
                     f"Run {{{{ $labels.run }}}}: over {t.format_error_share:.0%} of episodes end on "
                     "repeated format errors",
-                    f"More than {t.format_error_share:.0%} of the episodes of the last 15 minutes ended "
-                    "after consecutive replies without a tool call: the policy is losing its output format.",
+                    f"Over the last 15 minutes, more than {t.format_error_share:.0%} of the episodes in the "
+                    "trainer's batches (on average) ended after consecutive replies without a tool call: "
+                    "the policy is losing its output format.",
                 ),
             ],
         }
@@ -174,8 +174,8 @@ def dashboard() -> Obj:
             "percentunit",
         ),
         panel(
-            "Episodes ending on format errors",
-            [(f"sum(rate({FORMAT_ERRORS}{sel}[15m])) / sum(rate({EPISODES}{sel}[15m]))", "share")],
+            "Trained episodes ending on format errors (per pool; all: the batch)",
+            [(f"max by (pool) ({MIXRL_TRAINER_FORMAT_ERROR_ENDINGS.name}{sel})", "{{pool}}")],
             0,
             16,
             "percentunit",
