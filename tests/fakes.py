@@ -85,6 +85,9 @@ class FakeEngine:
     """When set, /generate waits for this event before answering (to keep requests in flight)."""
     update_delay: float = 0.0
     """Seconds /update_weights_from_disk takes (a reload in progress)."""
+    cut_after: int | None = None
+    """When set, /generate sends its headers and this many bytes of its answer (a streamed one: this
+    many events), then drops the connection: a replica that dies mid-answer."""
     api_key: str | None = None
     """As SGLang's ``--api-key``: every route but /health and /metrics needs ``Bearer <api_key>``."""
     generate_bodies: list[bytes] = field(default_factory=list)
@@ -145,13 +148,29 @@ class FakeEngine:
         body = json.loads(raw)
         if body.get("stream"):
             return await self._stream(request, int(body.get("sampling_params", {}).get("max_new_tokens", 4)))
-        return web.json_response((self.reply or counting_reply(self.name))(body))
+        answer = json.dumps((self.reply or counting_reply(self.name))(body)).encode()
+        if self.cut_after is None:
+            return web.Response(body=answer, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(answer)
+        await response.prepare(request)
+        await response.write(answer[: self.cut_after])
+        return self._drop(request, response)
+
+    @staticmethod
+    def _drop(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+        """Close the connection under a half-sent answer."""
+        assert request.transport is not None
+        request.transport.abort()
+        return response
 
     async def _stream(self, request: web.Request, n: int) -> web.StreamResponse:
         """SGLang-style server-sent events: cumulative output, then ``[DONE]``."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for k in range(1, n + 1):
+            if self.cut_after is not None and k > self.cut_after:
+                return self._drop(request, response)
             chunk = {"text": "", "output_ids": list(range(k)), "meta_info": {"completion_tokens": k}}
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")

@@ -292,7 +292,7 @@ MIXRL_ROUTER_TRAFFIC_SHARE = MetricSpec(
 MIXRL_ROUTER_TARGET_SHARE = MetricSpec(
     "mixrl_router_target_share",
     "gauge",
-    "Share of new sessions a pool should get: capacity per replica × ready replicas, normalized.",
+    "Share of new sessions a pool should get: capacity per replica × ready replicas (× the pool's health under spec.health.routing), normalized.",
     MIXRL_LABELS,
 )
 MIXRL_ROUTER_REPLICAS = MetricSpec(
@@ -429,7 +429,10 @@ MIXRL_BUFFER_GROUPS_PARTIAL = MetricSpec(
     BUFFER_LABELS,
 )
 MIXRL_BUFFER_BATCHES_TOTAL = MetricSpec(
-    "mixrl_buffer_batches_total", "counter", "Trainer steps given a batch.", BUFFER_LABELS
+    "mixrl_buffer_batches_total",
+    "counter",
+    "Batches served to the trainer, quarantined ones included (a step re-batched after a quarantine counts again).",
+    BUFFER_LABELS,
 )
 MIXRL_BUFFER_QUARANTINED_BATCHES_TOTAL = MetricSpec(
     "mixrl_buffer_quarantined_batches_total",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from mixrl.rl.buffer.client import BufferClient, BufferError
 from mixrl.rl.buffer.grouping import StepError
-from mixrl.rl.buffer.store import QUARANTINE, TrajectoryBuffer
+from mixrl.rl.buffer.store import ASSIGNMENTS, QUARANTINE, TrajectoryBuffer
 
 from .conftest import StartBuffer, group_of, make_trajectory
 
@@ -153,6 +154,38 @@ def test_a_quarantined_batch_is_never_served_again_and_its_step_takes_the_next_g
         assert served is not None and json.loads(served.body)["groups"][0]["prompt_id"] == "b"
         assert restarted.batch(2) is not None  # c: the quarantined a is in no later batch either
         assert json.loads(restarted.batch(2).body)["groups"][0]["prompt_id"] == "c"  # type: ignore[union-attr]
+
+
+def test_a_quarantined_batch_is_on_disk_before_its_record_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The quarantine record names a file: that file's bytes, then its name in the folder, are
+    fsynced before the record is, so a power loss never leaves a record pointing at nothing."""
+    with TrajectoryBuffer(tmp_path, prompts_per_update=1, samples_per_prompt=2) as buffer:
+        buffer.append(group_of("a", 2))
+        assert buffer.batch(1) is not None
+        synced: list[tuple[int, int]] = []
+        real_fsync = os.fsync
+
+        def fsync(fd: int) -> None:
+            stat = os.fstat(fd)
+            synced.append((stat.st_dev, stat.st_ino))
+            real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        entry = buffer.quarantine(1, ["a"], "the trainer crashed on it")
+        monkeypatch.undo()
+
+    def identity(path: Path) -> tuple[int, int]:
+        stat = path.stat()
+        return stat.st_dev, stat.st_ino
+
+    file = identity(tmp_path / entry["file"])
+    folder = identity(tmp_path / QUARANTINE)
+    record = identity(tmp_path / ASSIGNMENTS)
+    assert file in synced and folder in synced and record in synced, synced
+    assert synced.index(file) < synced.index(folder) < synced.index(record)
+    assert identity(tmp_path) in synced[: synced.index(file)]  # the folder's own name, before all
 
 
 async def test_quarantine_over_http_counts_in_stats_and_metrics(start_buffer: StartBuffer) -> None:

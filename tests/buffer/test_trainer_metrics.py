@@ -36,6 +36,12 @@ async def test_records_survive_a_restart_a_redone_step_wins_and_the_report_is_bu
             assert (await refused.json())["error"] == (
                 "record: a trainer record is a JSON object with an integer step >= 1"
             )
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{url}/trainer-metrics", data=b'{"step": 4,') as not_json,
+        ):
+            assert not_json.status == 400  # the same line as every other route's (docs/buffer.md)
+            assert (await not_json.json())["error"].startswith("body: not JSON (")
     async with buffer_at(directory) as url:  # a new buffer process on the same logs
         async with aiohttp.ClientSession() as http, http.get(f"{url}/trainer-metrics") as response:
             lines = (await response.text()).splitlines()

@@ -6,10 +6,17 @@ import asyncio
 import json
 from collections import Counter
 
+import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mixrl.rl.engine.protocol import GPU_TYPE_HEADER, POOL_HEADER, PRECISION_HEADER, REPLICA_HEADER
+from mixrl.rl.engine.protocol import (
+    GPU_TYPE_HEADER,
+    POOL_HEADER,
+    PRECISION_HEADER,
+    REPLICA_HEADER,
+    SESSION_HEADER,
+)
 from mixrl.rl.router.server import RouterSettings
 from mixrl.rl.router.shares import MIN_CAPACITY_SAMPLES
 
@@ -122,6 +129,33 @@ async def test_killed_replica_gives_503_and_the_retried_turn_succeeds_elsewhere(
     assert retry.status == 200
     assert retry.headers[REPLICA_HEADER] == other_pool.url
     assert other_pool.sessions_seen == ["sess"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_replica_that_drops_mid_answer_is_marked_down(engines, start_router, stream: bool) -> None:
+    """An answer cut short after its headers (the replica died mid-answer) is a replica failure
+    like a refused connection: the replica is marked down and the session moves. A plain answer
+    becomes the 503 the client retries; a stream already under way reaches the client cut (before,
+    aiohttp answered 500 and the replica stayed ready for the next session)."""
+    doomed = await engines("doomed")
+    doomed.cut_after = 2
+    survivor = await engines("survivor")
+    running = await start_router(pools_config({"p": (1.0, [doomed, survivor])}))
+    state = running.router.state
+    state.set_ready("p", survivor.url, False)  # the session lands on "doomed"
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 5}, "stream": stream}
+    async with running.http.post(
+        f"{running.url}/generate", json=body, headers={SESSION_HEADER: "s"}
+    ) as response:
+        if stream:
+            assert response.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await response.read()
+        else:
+            assert response.status == 503
+            assert (await response.json())["retry"] is True
+    assert state.replica("p", doomed.url).ready is False
+    assert state.pools["p"].replica_failures == 1
 
 
 async def test_killed_replica_session_moves_within_its_pool(engines, start_router) -> None:
@@ -244,6 +278,8 @@ async def test_put_pools_changes_replicas_and_shares_follow(engines, start_route
         pool = await response.json()
     assert pool["ready_replicas"] == 3  # new replicas were probed before answering
     assert pool["target_share"] == 6 / 7
+    listed = {p["name"]: p for p in (await running.get_json("/pools"))["pools"]}
+    assert pool.keys() == listed["a"].keys()  # the pool's /pools entry, its Service included
     counts: Counter[str] = Counter()
     for i in range(700):
         counts[(await running.generate(f"s{i}")).headers[POOL_HEADER]] += 1
@@ -257,6 +293,7 @@ async def test_put_pools_rejects_bad_input_naming_the_field(engines, start_route
         ("a", {"replicas": "http://x:1"}, 400, "replicas: expected a list"),
         ("a", {"replicas": ["ftp://x"]}, 400, "replicas: replica 'ftp://x' is not"),
         ("a", {"replicas": [], "capacity": -1}, 400, "capacity: expected a number > 0"),
+        ("a", {"replicas": [], "capacity": True}, 400, "capacity: expected a number > 0"),
         ("zzz", {"replicas": []}, 404, "pool: no pool named 'zzz'"),
     ]
     for pool, body, status, message in cases:

@@ -16,8 +16,10 @@ from mixrl.rl.router.shares import (
     PoolCapacity,
     ShareScheduler,
     balanced_after_refresh,
+    capacity_choices,
     capacity_per_replica,
     drain_step,
+    reported_measurements,
     target_shares,
     tokens_per_capacity,
 )
@@ -123,8 +125,22 @@ def test_capacity_per_replica_rules() -> None:
     # Declared capacities and tokens/s never meet: 500 tokens/s per declared unit converts the
     # measured pool's 30 tokens/s to 0.06 (it was compared as 30 against 2.0, a 15x share).
     assert capacity_per_replica(pools) == {"configured": 2.0, "measured": 0.06, "pending": 0.06}
+    assert capacity_choices(pools) == {
+        "configured": (2.0, "configured"),
+        "measured": (0.06, "measured"),
+        "pending": (0.06, "default"),
+    }
+    assert reported_measurements(pools) == {"configured": 2.0, "measured": 0.06}
     untrusted = {**pools, "configured": PoolCapacity(2.0, 1000.0, 1, samples=trusted - 1)}
     assert capacity_per_replica(untrusted) == {"configured": 2.0, "measured": 1.0, "pending": 1.0}
+    # Nothing converts a measurement yet: the null pools are at the default, not "measured", and
+    # the untrusted declared pool's few samples are not shown as its measurement.
+    assert {name: source for name, (_, source) in capacity_choices(untrusted).items()} == {
+        "configured": "configured",
+        "measured": "default",
+        "pending": "default",
+    }
+    assert reported_measurements(untrusted) == {}
     none_measured = {"x": PoolCapacity(None, None, 2), "y": PoolCapacity(None, None, 0)}
     assert capacity_per_replica(none_measured) == {"x": UNMEASURED_CAPACITY, "y": UNMEASURED_CAPACITY}
     assert target_shares(none_measured) == {"x": 1.0, "y": 0.0}

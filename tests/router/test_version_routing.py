@@ -176,6 +176,7 @@ async def test_an_engine_older_than_the_router_thought_refuses_and_the_router_le
     assert status == 409 and (payload[MIN_VERSION_FIELD], payload["weight_version"]) == (4, 2)
     assert headers["Retry-After"] == "1"
     assert router.router.state.replica("p", bound.url).weight_version == 2  # read from the 409
+    assert router.router.state.version_refusals == 1  # the replica's 409, passed on, counts too
     status, _, headers = await ask(router, "s1", minimum=4)
     assert status == 200 and headers[REPLICA_HEADER] != bound.url, "the retry goes to the other one"
 

@@ -21,13 +21,18 @@
   served, uncommitted batch it cannot train: the batch is taken back for good (kept on disk,
   listed in ``/stats``), the step's next request gets the next full groups; 409 if the prompts
   are not the step's batch.
-- ``POST /evaluations``; ``GET /evaluations``; ``GET /stats``; ``GET /health``; ``GET /metrics``
-  (``mixrl_buffer_*``).
+- ``POST /evaluations``; ``GET /evaluations``.
+- ``POST /mismatch``: the trainer's per-pool fresh mismatch of one step (kept in memory, newest
+  step wins), returned by ``GET /stats`` for the router's mismatch-aware routing.
+- ``POST /trainer-metrics``: one record of the trainer's metrics.jsonl, logged (fsync) before the
+  answer; ``GET /trainer-metrics``: those records as JSON lines, one per step.
+- ``GET /stats``; ``GET /health``; ``GET /metrics`` (``mixrl_buffer_*``).
 File I/O runs in worker threads; the store's own lock keeps its state consistent.
 
-Authentication (docs/auth.md): with a token, every POST (trajectories, taking a batch, commits,
-evaluations) needs ``Authorization: Bearer <token>`` and answers 401 without it, having changed
-nothing; the GET reads, ``/health`` and ``/metrics`` stay open.
+Authentication (docs/auth.md): with a token, every route outside :data:`OPEN_ROUTES` (every POST:
+trajectories, taking a batch, commits, quarantines, evaluations, mismatch reports, trainer
+records; and any route added later) needs ``Authorization: Bearer <token>`` and answers 401
+without it, having changed nothing; the GET reads, ``/health`` and ``/metrics`` stay open.
 """
 
 from __future__ import annotations
@@ -440,11 +445,14 @@ class BufferServer:
         """One step's record of the trainer's metrics.jsonl, kept durably (docs/health.md#the-end-of-a-run)."""
         try:
             record = _json_body(await read_body(request, log))
+        except ValueError as exc:  # "body: not JSON (...)", like every other route
+            return _bad_request(str(exc))
+        except ClientGone:
+            return _bad_request("body: the connection closed before the body arrived")
+        try:
             step = await asyncio.to_thread(self.buffer.add_trainer_record, record)
         except ValueError as exc:
             return _bad_request(f"record: {exc}")
-        except ClientGone:
-            return _bad_request("body: the connection closed before the body arrived")
         return web.json_response({"accepted": True, "step": step})
 
     async def _get_trainer_records(self, request: web.Request) -> web.Response:

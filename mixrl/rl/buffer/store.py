@@ -2,7 +2,8 @@
 
 Files under the buffer's directory::
 
-    trajectories.jsonl   one Trajectory per line, as received; line number = the trajectory's seq
+    trajectories.jsonl   one Trajectory per line, as validated, re-serialised by its model;
+                         line number = the trajectory's seq
     assignments.jsonl    {"kind": "batch", "step", "groups": [[seq, ...], ...], "staleness": ...}
                          {"kind": "drop", "step", "groups": [[seq, ...], ...]}
                          {"kind": "commit", "step"}
@@ -22,8 +23,8 @@ kept (its newline is added); any other unterminated last line (a write torn by a
 acknowledged) is moved to ``<log>.damaged`` and cut from the log, never silently dropped.  A bad
 line anywhere else in the trajectory or assignment log stops the start with one line,
 ``log <file> is damaged at line N: <reason>``; a trajectory line must be a whole Trajectory, as
-the trainer reads it.  The evaluation log is telemetry: a bad line there is
-skipped with a warning and never blocks a restart.
+the trainer reads it.  The evaluation and trainer-metrics logs are telemetry: a bad line there
+is skipped with a warning and never blocks a restart.
 
 Idempotent intake: a trajectory is identified by its (``prompt_id``, ``sample_index``).  A post
 that repeats one already stored with the same content (a client retrying a post whose answer it
@@ -606,7 +607,12 @@ class TrajectoryBuffer:
                 raise StepError(f"step {step}: those prompts are not the step's batch (it was replaced?)")
             folder = self.dir / QUARANTINE
             folder.mkdir(exist_ok=True)
-            (folder / self._quarantine_file(step)).write_bytes(self._payload(step).body)
+            fsync_path(self.dir)  # the folder's name (new only the first time; quarantines are rare)
+            # The file's bytes, then its name: the quarantine record logged next must never
+            # point at a file a power loss emptied or lost.
+            with (folder / self._quarantine_file(step)).open("wb") as f:
+                f.write(self._payload(step).body)
+                sync_file(f)
             fsync_path(folder)
             groups = [list(seqs) for seqs in self.state.assigned[step]]
             entry = {"kind": "quarantine", "step": step, "groups": groups, "prompt_ids": record["prompt_ids"], "reason": reason}  # fmt: skip
@@ -657,7 +663,8 @@ class TrajectoryBuffer:
         return self._reader.read(length)
 
     def _payload(self, step: int) -> BatchPayload:
-        """Rebuild the batch of an assigned step from the log: the trajectories exactly as received."""
+        """Rebuild the batch of an assigned step from the log: the trajectories exactly as logged
+        (as validated, re-serialised by their model), spliced in byte for byte."""
         record = self._batch_record(step)
         parts = []
         batch_tokens: list[StalenessStats] = []

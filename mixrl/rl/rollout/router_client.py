@@ -192,7 +192,8 @@ class RouterClient(SessionClient):
                     payload = {"error": "answer is not JSON"}
                 reason = payload.get("error") if isinstance(payload, dict) else payload
                 return _Answer(resp.status, payload, resp.headers, reason)
-        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+            # Refused, dropped, or cut mid-answer (a router restarting): each worth another try.
             return _Answer(None, None, {}, f"{type(exc).__name__}: {exc}")
 
     def _version_backoff(
@@ -231,5 +232,9 @@ class RouterClient(SessionClient):
                 headers=self.headers,
             ) as resp:
                 await resp.read()
+                if resp.status == 401:  # a wrong token fails every turn too; say it here as well
+                    log.warning(
+                        "session %s: end refused: 401 (the router does not take this token)", session_id
+                    )
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.debug("session %s: end not delivered (%s)", session_id, exc)

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 from mixrl.rl import metrics
 from mixrl.rl.health.routing import HEALTHY
 from mixrl.rl.metrics import MetricSpec
-from mixrl.rl.router.shares import capacity_per_replica, measured_capacities
+from mixrl.rl.router.shares import capacity_per_replica, reported_measurements
 from mixrl.rl.router.state import Pool, RouterState
 
 
@@ -66,9 +66,7 @@ class RouterCollector(Collector):
         # Only pools measured (a declared one: with trust): an absent series is "not measured".
         spec = metrics.MIXRL_ROUTER_CAPACITY_MEASURED
         measured = GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
-        for name, value in measured_capacities(capacities).items():
-            if capacities[name].configured is not None and not capacities[name].trusted:
-                continue  # a declared pool's measurement counts once it is trusted
+        for name, value in reported_measurements(capacities).items():
             pool = self.state.pools[name]
             measured.add_metric([self.run, pool.name, pool.gpu_type, pool.precision], value)
         yield measured

@@ -431,12 +431,14 @@ class Router:
         except NoReadyReplica as exc:
             return _retry_response(f"{exc}; retry the turn")
         except VersionUnavailable as exc:
+            self.state.version_refusals += 1
             return _version_response(exc)
         pool = self.state.pools[route.pool]
         self.state.begin(route.pool, route.replica)
         status: int | None = CLIENT_CLOSED
         tokens = 0
         version: int | None = None
+        stream: web.StreamResponse | None = None
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
             forward = {"Content-Type": request.headers.get("Content-Type", "application/json")}
@@ -455,15 +457,18 @@ class Router:
                     REPLICA_HEADER: route.replica,
                 }
                 if upstream.content_type == "text/event-stream":
+                    stream = web.StreamResponse(status=upstream.status, headers=headers)
+                    await stream.prepare(request)
+                    tokens, version = await self._stream(upstream, stream)
                     status = upstream.status
-                    response, tokens, version = await self._stream(request, upstream, headers)
-                    return response
+                    return stream
                 payload = await upstream.read()
                 status = upstream.status
             if status == 200:
                 tokens = sum(completion_token_counts(payload))  # one count per item of a batch
                 version = newest_weight_version(payload)
             elif status == CONFLICT:  # the replica is older than the router thought: the client retries
+                self.state.version_refusals += 1
                 version = refused_version(payload)
                 headers.update(retry_after_headers())
             return web.Response(body=payload, status=status, headers=headers)
@@ -474,9 +479,20 @@ class Router:
                 {"error": message + f"{self.settings.request_timeout:.0f}s; retry the turn", "retry": True},
                 status=504,
             )
-        except aiohttp.ClientConnectionError as exc:
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:  # gone, or cut mid-answer
             status = None
-            return self._replica_failed(route, session_id, exc, minimum)
+            retry = self._replica_failed(route, session_id, exc, minimum)
+            if stream is None:
+                return retry
+            # A stream already under way cannot become a 503: it is cut here too (aiohttp would
+            # end it cleanly), so the client sees the failure and retries.
+            if request.transport is not None:
+                request.transport.abort()
+            return stream
+        except ConnectionResetError:  # the client left mid-stream: its request stays recorded as 499
+            if stream is None:
+                raise
+            return stream
         finally:
             self.state.finish(route.pool, route.replica, tokens, status, version)
             self.latency.labels(self.run, pool.name, pool.gpu_type, pool.precision).observe(
@@ -486,12 +502,11 @@ class Router:
                 self._slot_freed.notify_all()
 
     async def _stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, headers: dict[str, str]
-    ) -> tuple[web.StreamResponse, int, int | None]:
+        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse
+    ) -> tuple[int, int | None]:
         """Pass a streamed answer through chunk by chunk; its chunks carry cumulative token counts
-        (and the version that served them)."""
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        await response.prepare(request)
+        (and the version that served them).  Returns both.  A client that leaves raises
+        ConnectionResetError (its request is then recorded as 499)."""
         tokens = 0
         version: int | None = None
         tail = b""
@@ -505,7 +520,7 @@ class Router:
             if found is not None:
                 version = max(found, version or 0)
         await response.write_eof()
-        return response, tokens, version
+        return tokens, version
 
     def _replica_failed(
         self, route: Route, session_id: str | None, exc: Exception, minimum: int | None = None
@@ -577,22 +592,29 @@ class Router:
             return _bad_request(f"replicas: {exc}")
         if "capacity" in body:
             capacity = body["capacity"]
-            if capacity is not None and (not isinstance(capacity, int | float) or capacity <= 0):
+            if capacity is not None and (
+                isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0
+            ):
                 return _bad_request("capacity: expected a number > 0, or null to measure it")
             self.state.set_capacity(name, None if capacity is None else float(capacity))
         added = self.state.set_replicas(name, replicas)
         await self.check_replicas([(name, url) for url in added])
-        snapshot = self.state.snapshot()["pools"]
-        assert isinstance(snapshot, list)
-        return web.json_response(next(pool for pool in snapshot if pool["name"] == name))
+        pools = self._pools_snapshot()["pools"]
+        assert isinstance(pools, list)
+        return web.json_response(next(pool for pool in pools if pool["name"] == name))
 
     async def _get_pools(self, request: web.Request) -> web.Response:
+        snapshot = self._pools_snapshot()
+        return web.json_response({"run": self.run, "discover_dns": self.settings.discover_dns, **snapshot})
+
+    def _pools_snapshot(self) -> dict[str, object]:
+        """The state's snapshot with each pool's Service (DNS discovery): one entry for both routes."""
         snapshot = self.state.snapshot()
         pools = snapshot["pools"]
         assert isinstance(pools, list)
         for pool in pools:
             pool["service"] = self.services.get(pool["name"])
-        return web.json_response({"run": self.run, "discover_dns": self.settings.discover_dns, **snapshot})
+        return snapshot
 
     async def _health(self, request: web.Request) -> web.Response:
         ready = sum(len(pool.ready_replicas()) for pool in self.state.pools.values())

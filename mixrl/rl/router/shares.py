@@ -76,28 +76,45 @@ def mismatched(declared: float, measured: float) -> bool:
     return max(declared, measured) > MISMATCH_FACTOR * min(declared, measured)
 
 
-def capacity_per_replica(pools: Mapping[str, PoolCapacity]) -> dict[str, float]:
-    """Each pool's capacity per replica, in the declared units: the declared one unless a trusted
-    measurement is off it by more than :data:`MISMATCH_FACTOR` (then the measurement); for a pool
-    declared null, its measurement.
+def capacity_choices(pools: Mapping[str, PoolCapacity]) -> dict[str, tuple[float, str]]:
+    """Each pool's capacity per replica, in the declared units, and where it comes from
+    (``configured``, ``measured`` or ``default``): the declared one unless a trusted measurement is
+    off it by more than :data:`MISMATCH_FACTOR` (then the measurement); for a pool declared null,
+    its measurement.
 
     Measurements are tokens/s, converted by :func:`tokens_per_capacity` (declared capacities and
-    tokens/s never meet in one comparison).  A null pool not yet measured takes the mean of the
-    measured null pools (so one slow-to-report pool does not get a share of nothing), or
-    :data:`UNMEASURED_CAPACITY` while there is none.
+    tokens/s never meet in one comparison).  A null pool without a converted measurement takes the
+    mean of the measured null pools (so one slow-to-report pool does not get a share of nothing),
+    or :data:`UNMEASURED_CAPACITY` while there is none: its source is then ``default``.
     """
     measured = measured_capacities(pools)
     nulls = [measured[name] for name, p in pools.items() if p.configured is None and name in measured]
     fallback = sum(nulls) / len(nulls) if nulls else UNMEASURED_CAPACITY
-    result = {}
+    result: dict[str, tuple[float, str]] = {}
     for name, pool in pools.items():
         if pool.configured is None:
-            result[name] = measured.get(name, fallback)
+            result[name] = (measured[name], "measured") if name in measured else (fallback, "default")
         elif pool.trusted and name in measured and mismatched(pool.configured, measured[name]):
-            result[name] = measured[name]
+            result[name] = (measured[name], "measured")
         else:
-            result[name] = pool.configured
+            result[name] = (pool.configured, "configured")
     return result
+
+
+def capacity_per_replica(pools: Mapping[str, PoolCapacity]) -> dict[str, float]:
+    """Each pool's capacity per replica, in the declared units (:func:`capacity_choices`)."""
+    return {name: value for name, (value, _) in capacity_choices(pools).items()}
+
+
+def reported_measurements(pools: Mapping[str, PoolCapacity]) -> dict[str, float]:
+    """The measured capacities shown (``mixrl_router_capacity_measured``, ``GET /pools``): a null
+    pool's once converted, a declared pool's once trusted (before, its measurement is a few samples
+    of a pool that may not have been full)."""
+    return {
+        name: value
+        for name, value in measured_capacities(pools).items()
+        if pools[name].configured is None or pools[name].trusted
+    }
 
 
 def target_shares(pools: Mapping[str, PoolCapacity]) -> dict[str, float]:

@@ -36,10 +36,11 @@ from mixrl.rl.router.shares import (
     PoolCapacity,
     ShareScheduler,
     balanced_after_refresh,
+    capacity_choices,
     capacity_per_replica,
     drain_step,
-    measured_capacities,
     rebalance_destination,
+    reported_measurements,
     target_shares,
 )
 
@@ -199,6 +200,8 @@ class RouterState:
         """Each pool's health from the trainer's fresh mismatch (empty: routing by capacity alone)."""
         self.mismatch_step: int | None = None
         self.version_refusals = 0
+        """Requests ``POST /generate`` answered 409 for their minimum weight version (the router's
+        own refusals and a replica's passed on); counted by the server, which answers them."""
         """Requests answered 409: no ready replica served their minimum weight version."""
         self.refresh_shares()
 
@@ -320,13 +323,6 @@ class RouterState:
     def route(self, session_id: str | None, now: float, min_version: int | None = None) -> Route:
         """Where the next request of a session goes; binds new sessions.  Raises NoReadyReplica,
         or VersionUnavailable when replicas are ready but none serves ``min_version`` or newer."""
-        try:
-            return self._route(session_id, now, min_version)
-        except VersionUnavailable:
-            self.version_refusals += 1
-            raise
-
-    def _route(self, session_id: str | None, now: float, min_version: int | None) -> Route:
         if session_id is None:
             pool_name = self._assign_pool(min_version)
             return Route(pool_name, self._least_loaded(pool_name, min_version).url, None)
@@ -492,8 +488,8 @@ class RouterState:
         """What ``GET /pools`` shows."""
         shares = self.scheduler.shares
         capacities = self.capacities()
-        per_replica_capacity = capacity_per_replica(capacities)
-        measured = measured_capacities(capacities)
+        choices = capacity_choices(capacities)
+        measured = reported_measurements(capacities)
         active = self.active_sessions()
         total_active = sum(active.values())
         total_assigned = sum(pool.sessions_assigned for pool in self.pools.values())
@@ -505,10 +501,8 @@ class RouterState:
                     "gpu_type": pool.gpu_type,
                     "precision": pool.precision,
                     "capacity": pool.capacity,
-                    "capacity_source": (
-                        "configured" if per_replica_capacity[name] == pool.capacity else "measured"
-                    ),
-                    "capacity_per_replica": per_replica_capacity[name],
+                    "capacity_source": choices[name][1],
+                    "capacity_per_replica": choices[name][0],
                     "capacity_measured": measured.get(name),
                     "ready_replicas": len(pool.ready_replicas()),
                     "target_share": shares.get(name, 0.0),
