@@ -20,15 +20,20 @@ SGLang on the disk path, so each update pauses every pool for the whole load: 20
    start, a mis-declared capacity, a 10× fleet, and a trainer speeding up gradually (240 → 120 s
    in eight steps) while new replicas take 11 minutes to start.
 
-Strategies, all in the same run on the same seed: ``mixrl`` (``objective: trainer``), ``queue``
-(mixrl's per-replica policy, ``objective: queue``), ``keda`` (KEDA as HPA computes an External
-AverageValue) and ``static`` (a fleet sized to the trainer at the start, cheapest capacity first:
-the AReaL / verl way).  ``moved``: sessions the router's rebalancing moved off a pool that lost
-replicas (its own rule, ``mixrl.rl.router.shares.drain_step``).  Two costs per step: the
-samplers' alone, and the run's total with the trainer's GPUs (4 nodes × 8 H200 at the default table's price, billed fed or idle).  Targets: on the
-steady runs ``mixrl`` costs at most 1.05× static's sampler dollars per step at ≥ 0.95× its steps/h
-with 0 reversals; on the changing runs it makes more steps/h than static at a lower total (trainer +
-sampler) cost per step.
+24 runs of 4 h (2 h with ``--quick``), six strategies each, all in the same run on the same seed:
+``mixrl`` (``objective: trainer``), ``queue`` (mixrl's per-replica policy, ``objective: queue``),
+``keda`` (KEDA as HPA computes an External AverageValue, on the engines' queue), ``keda-demand``
+(KEDA on a trigger written from mixrl's metrics: each pool's share of the trainer's demand over its
+measured rate per replica), ``static`` (a fleet sized to the trainer at the start, cheapest
+capacity first: the AReaL / verl way) and ``hindsight`` (the static fleet re-sized with perfect
+foresight at every change and every hour, ``trainer_coupled.hindsight_schedule``).  ``moved``:
+sessions the router's rebalancing moved off a pool that lost replicas (its own rule,
+``mixrl.rl.router.shares.drain_step``).  Two costs per step: the samplers' alone, and the run's
+total with the trainer's GPUs (4 nodes × 8 H200 at the default table's price, billed fed or idle).
+Targets (:func:`meets_target`): on the steady runs (named ``steady, …``) ``mixrl`` costs at most
+1.05× hindsight's sampler dollars per step at ≥ 0.97× its steps/h; on the changing runs it makes
+at least the start-sized static fleet's steps/h at no more than its total (trainer + sampler) cost
+per step; every run at most one reversal an hour.
 
 For every changing run it also prints how long after each change mixrl takes to make 95 % of
 the hindsight fleet's steps over a 900 s window (``regain_after``).

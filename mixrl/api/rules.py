@@ -854,21 +854,33 @@ SGLANG_MASK_NEEDS_TOP_K = Rule(
     ),
 )
 
+_KEDA_PER_POOL = "KEDA scales each pool from its own query"
+_NONE_SCALES_NOTHING = "none scales nothing"
+
 TRAINER_OBJECTIVE_NEEDS_BUILTIN = Rule(
     "trainer-objective-needs-builtin",
     ("RLRunSpec",),
     "autoscaling.objective",
-    "trainer sizes the whole fleet in mixrl's own loop and needs engine builtin, not {engine}"
-    " (KEDA scales each pool from its own query)",
+    "trainer sizes the whole fleet in mixrl's own loop and needs engine builtin, not {engine} ({why})",
     "FieldValueForbidden",
     condition=lambda node: (
         "!has(self.autoscaling) || !has(self.autoscaling.objective)"
         " || self.autoscaling.objective != 'trainer'"
         " || (has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin') == 'builtin'"
     ),
-    values=lambda node: {"engine": "(has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin')"},
+    values=lambda node: {
+        "engine": "(has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin')",
+        # The rule refuses keda and none; each has its own reason.
+        "why": (
+            "((has(self.autoscaling.engine) ? self.autoscaling.engine : 'builtin') == 'keda'"
+            f" ? '{_KEDA_PER_POOL}' : '{_NONE_SCALES_NOTHING}')"
+        ),
+    },
     holds=lambda spec, table: spec.autoscaling.objective != "trainer" or spec.autoscaling.engine == "builtin",
-    facts=lambda spec, table: {"engine": spec.autoscaling.engine},
+    facts=lambda spec, table: {
+        "engine": spec.autoscaling.engine,
+        "why": _KEDA_PER_POOL if spec.autoscaling.engine == "keda" else _NONE_SCALES_NOTHING,
+    },
 )
 
 GPU_BUDGET_NEEDS_BUILTIN = Rule(

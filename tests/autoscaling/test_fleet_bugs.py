@@ -308,3 +308,33 @@ def test_keda_is_modelled_as_hpa_computes_an_external_average_value() -> None:
     assert decide(starting, PolicyState(), keda, 0.0).desired == 8
     step = PoolLoad(load=160.0, replicas=8, ready=4, starting=4)
     assert decide(step, PolicyState(), keda, 0.0).recommendation == 16  # ceil(160 / 10), not 32
+
+
+async def test_the_gpu_budget_removes_no_replica_while_the_engines_hold_paused_requests() -> None:
+    # scaleDownWindowSeconds 0: a budget cut applies at once, so only rule 7 can hold it.
+    run = run_body(gpuBudget=9, scaleDownWindowSeconds=0)
+    pools = [pool_body("h200-fp8", replicas=8, ready=8, low=1, high=8)]
+    h = Harness(run, pools, {"h200-fp8": 16 * 1.8 * 8}, paused=12.0)
+    await h.poll("h200-fp8")
+    # The cheaper b200-nvfp4 now covers the demand within the budget: h200-fp8 would go to 1.
+    h.loop._budget[(NS, RUN)]["b200-nvfp4"] = _request("b200-nvfp4", desired=2, high=16)
+    h.now += 30
+    await h.poll("h200-fp8")
+    # Before: the budget step read no paused requests (only a hand-set UpdatingWeights) and cut.
+    assert h.replicas("h200-fp8") == 8
+    decisions = h.api.pools[f"{RUN}-h200-fp8"]["status"].get("lastScaleDecisions") or []
+    assert not decisions
+    # Bounds apply last, over the hold: a maxReplicas lowered mid-update takes effect at once.
+    h.api.pools[f"{RUN}-h200-fp8"]["spec"]["maxReplicas"] = 6
+    h.now += 30
+    await h.poll("h200-fp8")
+    assert h.replicas("h200-fp8") == 6  # before: held at 8, above the pool's maximum
+    assert (
+        "held during weight update"
+        in h.api.pools[f"{RUN}-h200-fp8"]["status"]["lastScaleDecisions"][-1]["reason"]
+    )
+    # The update over, the cut goes through.
+    h.paused = 0.0
+    h.now += 30
+    await h.poll("h200-fp8")
+    assert h.replicas("h200-fp8") == 1

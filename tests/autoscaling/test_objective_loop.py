@@ -240,17 +240,30 @@ def test_the_recommendation_is_cleared_only_by_a_fill_that_found_the_concurrency
     assert concurrency_status(previous, plan(640, filled=True), 512, 0.0, 0.1)[1]["configured"] == 512
 
 
-async def test_a_speeding_trainer_is_planned_a_learned_cold_start_ahead_through_the_loop() -> None:
-    """The pods' census (its learned cold start) reaches the objective: a trainer whose busy time
-    falls is planned for one cold start ahead, and the decision says so."""
+@pytest.mark.parametrize(
+    ("counted", "written"),
+    [
+        (600.0, None),  # this poll's pods learned it
+        # None counted (no ready pod, or no creation-to-ready time to read): the pool's
+        # status.coldStartSeconds, learned earlier, is the horizon (before: no plan ahead at all).
+        (None, 600.0),
+    ],
+)
+async def test_a_speeding_trainer_is_planned_a_learned_cold_start_ahead_through_the_loop(
+    counted: float | None, written: float | None
+) -> None:
+    """The learned cold start reaches the objective: a trainer whose busy time falls is planned
+    for one cold start ahead, and the decision says so."""
     from mixrl.operator.autoscaling.replicas import Census
 
     run = run_body(objective="trainer", trainerIdleTarget=0.0)
-    h = Harness(run, [pool_body("b300-nvfp4", replicas=4, ready=4, low=1, high=16)], {"b300-nvfp4": 64.0})
+    status = {} if written is None else {"coldStartSeconds": written}
+    pool = pool_body("b300-nvfp4", replicas=4, ready=4, low=1, high=16, status=status)
+    h = Harness(run, [pool], {"b300-nvfp4": 64.0})
 
     async def census(key: Any, body: Any) -> Census:
         ready = int(body["status"]["readyReplicas"])
-        return Census(ready=ready, starting=0, stuck=0, cold_start_s=600.0)
+        return Census(ready=ready, starting=0, stuck=0, cold_start_s=counted)
 
     h.loop.pods_of = census  # type: ignore[method-assign]
     # The trainer computes 1024 trajectories in 160 s, falling 3.75 s every 30 s poll (to 85 s);
@@ -296,3 +309,22 @@ async def test_a_starved_trainer_is_reported_on_the_run() -> None:
     [event] = h.api.events
     assert event["reason"] == "TrainerStarved" and event["type"] == "Warning"
     assert {k: event["involvedObject"][k] for k in ("kind", "name")} == {"kind": "RLRun", "name": RUN}
+
+
+async def test_the_trainer_objective_checks_the_gpu_models_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WrongGpuType under ``objective: trainer``: before, the fleet's poll never asked DCGM."""
+    asked: list[str] = []
+
+    async def label_values(session: Any, url: str, query: str, label: str, timeout: float) -> set[str]:
+        asked.append(query)
+        return {"NVIDIA A100-SXM4-80GB"}
+
+    monkeypatch.setattr(loop_module, "query_label_values", label_values)
+    run = run_body(objective="trainer")
+    h = Harness(run, [pool_body("b300-nvfp4", replicas=1, ready=1, low=1, high=8)], {"b300-nvfp4": 64.0})
+    h.loop.settings = loop_module.LoopSettings(check_gpu_models=True)
+    await h.poll_run()
+    assert asked and all(f"{RUN}-b300-nvfp4" in q for q in asked)
+    conditions = {c["type"]: c for c in h.api.pools[f"{RUN}-b300-nvfp4"]["status"]["conditions"]}
+    assert conditions["WrongGpuType"]["status"] == "True"
+    assert [e["reason"] for e in h.api.events] == ["WrongGpuType"]

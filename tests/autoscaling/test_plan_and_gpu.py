@@ -131,13 +131,43 @@ def test_wrong_gpu_type_raises_a_condition_and_a_warning() -> None:
     conditions = {c["type"]: c for c in plan.status_patch["status"]["conditions"]}
     assert conditions["WrongGpuType"]["status"] == "True"
     assert "NVIDIA-A100-SXM4-80GB" in conditions["WrongGpuType"]["message"]
-    assert plan.event is not None and plan.event[:2] == ("Warning", "WrongGpuType")
+    assert plan.gpu_event is not None and plan.gpu_event[:2] == ("Warning", "WrongGpuType")
     fine = plan_pool(
         pool_body(), RUN, Observation(48.0, 48.0), PoolMemory(), 0.0, gpu_models={"NVIDIA H100 80GB HBM3"}
     )
     assert {c["type"]: c["status"] for c in fine.status_patch["status"]["conditions"]}[
         "WrongGpuType"
     ] == "False"
+
+
+def test_the_wrong_gpu_warning_has_its_own_slot_and_is_posted_once_when_it_turns_true() -> None:
+    # A scale-up in the same poll: before, its Scaled event replaced the Warning.
+    plan = plan_pool(
+        pool_body(), RUN, Observation(120.0, 120.0), PoolMemory(), 0.0, gpu_models={"NVIDIA A100-SXM4-80GB"}
+    )
+    assert plan.event is not None and plan.event[:2] == ("Normal", "Scaled")
+    assert plan.gpu_event is not None and plan.gpu_event[:2] == ("Warning", "WrongGpuType")
+    # Still True, with another product seen: the condition is rewritten, no second Warning.
+    status = plan.status_patch["status"]
+    body = pool_body(replicas=5, ready=5, conditions=status["conditions"])
+    again = plan_pool(
+        body, RUN, Observation(120.0, 120.0), PoolMemory(), 30.0,
+        gpu_models={"NVIDIA A100-SXM4-80GB", "NVIDIA L40S"},
+    )  # fmt: skip
+    [rewritten] = [c for c in again.status_patch["status"]["conditions"] if c["type"] == "WrongGpuType"]
+    assert rewritten["status"] == "True" and "NVIDIA-L40S" in rewritten["message"]
+    assert again.gpu_event is None
+    # Back to the right GPUs, then wrong again: a new Warning.
+    fine = plan_pool(
+        pool_body(replicas=5, ready=5, conditions=again.status_patch["status"]["conditions"]),
+        RUN, Observation(120.0, 120.0), PoolMemory(), 60.0, gpu_models={"NVIDIA H100 80GB HBM3"},
+    )  # fmt: skip
+    assert fine.gpu_event is None
+    wrong = plan_pool(
+        pool_body(replicas=5, ready=5, conditions=fine.status_patch["status"]["conditions"]),
+        RUN, Observation(120.0, 120.0), PoolMemory(), 90.0, gpu_models={"NVIDIA L40S"},
+    )  # fmt: skip
+    assert wrong.gpu_event is not None and "NVIDIA-L40S" in wrong.gpu_event[2]
 
 
 @pytest.mark.parametrize(

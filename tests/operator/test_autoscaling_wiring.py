@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp.web
+import kmock
 
 from mixrl.operator.autoscaling.loop import LoopSettings
 
@@ -199,18 +200,23 @@ async def test_switching_a_run_to_engine_none_stops_the_loop_and_drops_its_condi
         manifest = run_with_autoscaling("demo", prometheus.url, "builtin", b200)
         async with operator(autoscaling=LOOP):
             await create(api, manifest)
+            # MetricsAvailable from Prometheus, ReplicasStuck from the pool's pods (the emulator
+            # serves pods here only: none to list, so NoneStuck).
+            api.resources["v1/pods"] = kmock.ResourceInfo(
+                kind="Pod", singular="pod", namespaced=True, verbs={"get", "list", "watch"}
+            )
+            written = {"MetricsAvailable", "ReplicasStuck"}
             await eventually(
-                lambda: (
-                    "MetricsAvailable" in conditions(api.live(SAMPLERPOOLS, NAMESPACE, "demo-b200") or {})
-                ),
+                lambda: written <= set(conditions(api.live(SAMPLERPOOLS, NAMESPACE, "demo-b200") or {})),
                 15,
-                "the loop's condition",
+                "the loop's conditions",
             )
             manual = copy.deepcopy(manifest["spec"]["autoscaling"]) | {"engine": "none"}
             await patch(api, run_path("demo"), {"spec": {"autoscaling": manual}})
-            # The engine is part of the pool's config-hash label: the pool's controller wakes up.
+            # The engine is part of the pool's config-hash label: the pool's controller wakes up
+            # and drops every condition the loop wrote (before, ReplicasStuck stayed for good).
             await eventually(
-                lambda: "MetricsAvailable" not in conditions(pool(api, "demo-b200")), 10, "condition dropped"
+                lambda: not written & set(conditions(pool(api, "demo-b200"))), 10, "conditions dropped"
             )
             assert conditions(pool(api, "demo-b200"))["AutoscalerReady"]["reason"] == "AutoscalingDisabled"
             engine.set(60, 0)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import yaml
 
+from mixrl.operator.autoscaling.plan import loop_conditions_to_drop
 from mixrl.operator.controller.observed_status import (
     COMPONENT_CONDITIONS,
     PoolState,
@@ -169,16 +170,29 @@ def test_autoscaler_condition_is_informational_on_the_run() -> None:
     assert "AutoscalerReady" not in conditions(run_status({}, 1, ready_components(), pools, T0))
 
 
-def test_pool_status_drops_the_loops_condition_once_another_engine_scales() -> None:
+def test_pool_status_drops_the_loops_conditions_once_another_engine_scales() -> None:
     metrics = {"type": "MetricsAvailable", "status": "True", "reason": "QueryReturned", "message": "load 3"}
-    wrong_gpu = {"type": "WrongGpuType", "status": "False", "reason": "Matches", "message": ""}
-    previous = {"conditions": [metrics, wrong_gpu], "lastScaleDecisions": [{"toReplicas": 2}]}
-    kept = pool_status(previous, 1, None, "a=b", T0, autoscaler_value("builtin", False))
-    assert set(conditions(kept)) == {"Ready", "AutoscalerReady", "MetricsAvailable", "WrongGpuType"}
-    keda = autoscaler_value("keda", True, "r-a")
-    dropped = pool_status(previous, 1, None, "a=b", T0, keda, drop=("MetricsAvailable",))
-    assert set(conditions(dropped)) == {"Ready", "AutoscalerReady", "WrongGpuType"}
-    assert dropped["lastScaleDecisions"] == [{"toReplicas": 2}], "the decision history stays"
+    stuck = {
+        "type": "ReplicasStuck",
+        "status": "True",
+        "reason": "ClusterReports",
+        "message": "p: Unschedulable",
+    }
+    wrong_gpu = {"type": "WrongGpuType", "status": "True", "reason": "UnexpectedProduct", "message": ""}
+    previous = {"conditions": [metrics, stuck, wrong_gpu], "lastScaleDecisions": [{"toReplicas": 2}]}
+    loop = {"MetricsAvailable", "ReplicasStuck", "WrongGpuType"}
+    builtin = autoscaler_value("builtin", False)
+    kept = pool_status(previous, 1, None, "a=b", T0, builtin, drop=loop_conditions_to_drop("builtin"))
+    assert set(conditions(kept)) == {"Ready", "AutoscalerReady"} | loop
+    for engine in ("keda", "none"):
+        # The controller passes loop_conditions_to_drop(engine) (reconcile.py); before, only
+        # MetricsAvailable went and a stale ReplicasStuck/WrongGpuType stayed True for good.
+        dropped = pool_status(
+            previous, 1, None, "a=b", T0, autoscaler_value(engine, True, "r-a"),
+            drop=loop_conditions_to_drop(engine),
+        )  # fmt: skip
+        assert set(conditions(dropped)) == {"Ready", "AutoscalerReady"}, engine
+        assert dropped["lastScaleDecisions"] == [{"toReplicas": 2}], "the decision history stays"
 
 
 def test_the_autoscalers_concurrency_recommendation_survives_the_reconciler_and_the_crd() -> None:

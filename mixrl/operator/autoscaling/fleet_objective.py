@@ -10,14 +10,19 @@ needs.  This objective sizes the whole fleet to the trainer instead:
               Σ replicas · gpusPerReplica ≤ gpuBudget,  Σ dollars per hour ≤ costBudgetPerHour
 
 - **Demand** (trajectories/s): the trainer's consumption at full speed, ``step size / busy seconds
-  per step``, where busy = (1 − idle share) / measured steps per second, times (1 − idle target),
-  corrected by the backlog's distance from the band over ``horizon_s`` (inside the band: none).
+  per step``, times (1 − idle target), corrected by the backlog's distance from the band over
+  ``horizon_s`` (inside the band: none).  The busy seconds per step are what the buffer measures
+  (``TrainerSignals.busy_step_s``: from handing out a batch to the trainer's next request, so a
+  starved trainer's waits do not read as a slow trainer); without that series,
+  (1 − idle share) / measured steps per second; either is smoothed over polls (:data:`EMA_WEIGHT`).
 - **Supply**: each pool's measured trajectories/s per ready replica, divided by the share of its
   slots the rollout kept busy over the same window (back-pressure and a small concurrency leave
   replicas partly idle; a weight update's pause is real and stays in).  Pools without a
   measurement (at zero) are estimated from the others per unit of capacity.
 - **Fill**: from each pool's floor (its minimum, or what the scale-down window still holds), pools
-  are filled by cost per unit of throughput until supply covers demand, within their ceilings and
+  are filled by dollars per hour per unit of routed capacity (``FleetPool.capacity``: the capacity
+  the router shares sessions by, :func:`mixrl.operator.autoscaling.plan.as_routed`) until supply
+  covers demand, within their ceilings and
   the budgets; what the raw fill leaves out is emptied most-expensive first once the window lets
   it go (:func:`mixrl.operator.autoscaling.policy.stabilized_floor`).  Pools at zero are woken here.
 - **Plan ahead**: a trainer speeding up (its busy seconds per step falling over the last
@@ -383,7 +388,9 @@ def fill(
 
 
 def _unit_cost(pool: FleetPool, rates: Mapping[str, float | None]) -> float:
-    """The fill's order: dollars per hour per unit of declared capacity, as the GPU budget's.
+    """The fill's order: dollars per hour per unit of routed capacity (the capacity per replica the
+    router shares sessions by: the declared one, or its trusted measurement where that is far off;
+    :func:`mixrl.operator.autoscaling.plan.as_routed`), as the GPU budget's.
 
     The measured rates decide how many replicas cover the demand, not the order: two pools a few
     percent apart would swap places with every wobble of a throughput measurement (a 300 s rate

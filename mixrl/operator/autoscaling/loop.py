@@ -7,8 +7,8 @@ Three separable steps, so each is tested on its own:
    (``PrometheusUnreachable``, ``QueryFailed``, ``NoSeries``).
 2. plan (:mod:`mixrl.operator.autoscaling.plan`, pure) — the pool's body, its run, what
    Prometheus said and the pool's memory → a ``PoolPlan``: the replica count to write (or none),
-   the status patch (``lastScaleDecisions``, the MetricsAvailable and WrongGpuType conditions)
-   and the event.
+   the status patch (``lastScaleDecisions``, ``autoscalerWindow``, ``coldStartSeconds``, the
+   MetricsAvailable, ReplicasStuck and WrongGpuType conditions) and the events.
 3. write (``PoolApi``, same module as 1) — ``PATCH …/samplerpools/NAME/scale``,
    ``PATCH …/status``, ``POST …/events``, and for ``objective: trainer`` the run's
    ``PATCH …/rlruns/NAME/status`` (``recommendedConcurrency``, ``concurrency_status``), through
@@ -56,6 +56,7 @@ from mixrl.operator.autoscaling.plan import (
     PoolPlan,
     as_routed,
     budget_decision,
+    cold_start_of,
     concurrency_status,
     config_of,
     fleet_decision,
@@ -313,7 +314,7 @@ class AutoscalingLoop(Ticker):
         queries = trainer_queries(run.namespace, run.name)
         signals = TrainerSignals(**{name: await self._value(run, q) for name, q in queries.items()})
         views: list[FleetPool] = []
-        seen: dict[str, tuple[Key, Obj, Observation, ResolvedPool, Census | None]] = {}
+        seen: dict[str, tuple[Key, Obj, Observation, ResolvedPool, Census | None, set[str] | None]] = {}
         for key in keys:
             cached = self.pools.get(key)
             body = None if cached is None else await self.live_pool(key, cached)
@@ -370,10 +371,11 @@ class AutoscalingLoop(Ticker):
                     busy_share=busy_share,
                     stuck=stuck,
                     ceiling=ceiling,
-                    cold_start_s=None if pods is None else pods.cold_start_s,
+                    cold_start_s=cold_start_of(body, pods),
                 )
             )
-            seen[pool.name] = (key, body, observation, pool, pods)
+            models = await self.gpu_models(run, pool, observation)
+            seen[pool.name] = (key, body, observation, pool, pods, models)
         if not views:
             return []
         objective = objective_config(run)
@@ -390,7 +392,7 @@ class AutoscalingLoop(Ticker):
             self._fleet_said[run_key] = plan.summary
         done = []
         for view in views:
-            key, read, observation, pool, pods = seen[view.name]
+            key, read, observation, pool, pods, models = seen[view.name]
             memory = self.memory[key]
             memory.state, memory.last_poll = states[view.name], now
             async with self.lock(*key):
@@ -401,7 +403,7 @@ class AutoscalingLoop(Ticker):
                     continue
                 decision = fleet_decision(plan, view, memory.state)
                 pool_plan = await self.plan_and_write(
-                    key, body, run, observation, memory, decision, now, pods=pods
+                    key, body, run, observation, memory, decision, now, models, pods
                 )
             done.append((key, pool_plan))
         await self.report_concurrency(run_key, plan, objective, now, a.tolerance)
@@ -450,6 +452,25 @@ class AutoscalingLoop(Ticker):
         self.pools[key] = fresh
         return fresh
 
+    async def gpu_models(
+        self, run: ResolvedRun, pool: ResolvedPool, observation: Observation
+    ) -> set[str] | None:
+        """The GPU models DCGM reports under the pool's pods (the WrongGpuType condition), asked
+        by both objectives' polls; None: not asked (switched off, or Prometheus did not answer
+        the load query) or no answer."""
+        if not self.settings.check_gpu_models or observation.problem is not None:
+            return None
+        try:
+            return await query_label_values(
+                self.session(),
+                run.autoscaling.prometheus_url,
+                gpu_models_query(run.namespace, pool.object_name),
+                "modelName",
+                self.settings.query_timeout_s,
+            )
+        except MetricsUnavailable:
+            return None  # GPU telemetry is optional; the load decided the replicas
+
     async def pods_of(self, key: Key, body: Obj) -> Census | None:
         """The pool's pods as the cluster reports them (:mod:`mixrl.operator.autoscaling.replicas`);
         None when they cannot be read (rule 8's clock decides then).  Events are read only when a
@@ -492,18 +513,7 @@ class AutoscalingLoop(Ticker):
             self.settings.query_timeout_s,
             self.settings.sustained_window,
         )
-        models = None
-        if self.settings.check_gpu_models and observation.problem is None:
-            try:
-                models = await query_label_values(
-                    self.session(),
-                    run.autoscaling.prometheus_url,
-                    gpu_models_query(run.namespace, pool.object_name),
-                    "modelName",
-                    self.settings.query_timeout_s,
-                )
-            except MetricsUnavailable:
-                models = None  # GPU telemetry is optional; the load decided the replicas
+        models = await self.gpu_models(run, pool, observation)
         paused = None
         if observation.problem is None:  # None also when no series: no engine holds requests for an update
             paused = await self._value(run, paused_query(run.namespace, pool.object_name))
@@ -532,7 +542,7 @@ class AutoscalingLoop(Ticker):
             decision = decide(load_of(body, observation, paused, pods), memory.state, config, now)
             memory.state, memory.last_poll = decision.state, now
             if run.autoscaling.gpu_budget is not None:
-                decision = self.apply_budget(key, body, run, pool, decision, observation, now)
+                decision = self.apply_budget(key, body, run, pool, decision, observation, now, paused)
             return await self.plan_and_write(key, body, run, observation, memory, decision, now, models, pods)
 
     def apply_budget(
@@ -544,16 +554,18 @@ class AutoscalingLoop(Ticker):
         decision: Decision,
         observation: Observation,
         now: float,
+        paused: float | None = None,
     ) -> Decision:
         """Share the run's GPU budget using every pool's latest own request
-        (:func:`mixrl.operator.autoscaling.plan.budget_decision`); the requests of pools the run no
-        longer declares are forgotten."""
+        (:func:`mixrl.operator.autoscaling.plan.budget_decision`; ``paused``: the requests the
+        pool's engines hold paused, which keep the budget from removing replicas mid-update); the
+        requests of pools the run no longer declares are forgotten."""
         memory = self.memory[key]
         requests = self._budget.setdefault((key[0], run.name), {})
         for name in [n for n in requests if n not in {p.name for p in run.pools}]:
             del requests[name]
         decision, requests[pool.name], memory.state = budget_decision(
-            decision, list(requests.values()), memory.state, body, run, pool, observation, now
+            decision, list(requests.values()), memory.state, body, run, pool, observation, now, paused
         )
         return decision
 
@@ -595,7 +607,7 @@ class AutoscalingLoop(Ticker):
         if plan.status_patch:
             await api.patch_status(namespace, name, plan.status_patch)
             body.setdefault("status", {}).update(plan.status_patch["status"])
-        for event in (plan.stuck_event, plan.event):
+        for event in (plan.stuck_event, plan.gpu_event, plan.event):
             if event is None:
                 continue
             kind, reason, message = event

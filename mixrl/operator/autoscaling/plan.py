@@ -12,9 +12,12 @@ makes the writes they return:
   ``objective: trainer``, :func:`objective_config`, :func:`fleet_view` and :func:`fleet_decision`
   around :func:`mixrl.operator.autoscaling.fleet_objective.stabilized_plan`;
 - the result: :func:`plan_pool` → a :class:`PoolPlan` (the replica count to write or none, the
-  status patch with ``lastScaleDecisions``, ``autoscalerWindow`` and the MetricsAvailable and
-  WrongGpuType conditions, and the event), and :func:`concurrency_status` /
-  :func:`stale_recommendation` for the run's ``status.recommendedConcurrency``.
+  status patch with ``lastScaleDecisions``, ``autoscalerWindow``, ``coldStartSeconds`` and the
+  MetricsAvailable, ReplicasStuck and WrongGpuType conditions, and the events), and
+  :func:`concurrency_status` / :func:`stale_recommendation` for the run's
+  ``status.recommendedConcurrency``;
+- :data:`LOOP_CONDITIONS` / :func:`loop_conditions_to_drop`: the conditions the pool's controller
+  removes once another engine scales the pool.
 """
 
 from __future__ import annotations
@@ -222,10 +225,12 @@ def budget_decision(
     pool: ResolvedPool,
     observation: Observation,
     now: float,
+    paused: float | None = None,
 ) -> tuple[Decision, BudgetRequest, PolicyState]:
     """The pool's decision within the run's GPU budget, shared from every pool's latest own request
     (``requests``, cheapest first); returns the decision, this pool's request to remember and the
-    pool's next policy state.
+    pool's next policy state.  ``paused``: the requests its engines hold paused (rule 7, as
+    :func:`load_of` takes it): no replica is removed while they do.
 
     Every poll updates this pool's request, metrics or not: a pool whose metrics are missing is
     pinned at its replicas (it will not apply a grant), so no stale request counts.  A cut
@@ -262,12 +267,15 @@ def budget_decision(
     )
     if pinned:
         return decision, request, state
-    desired = allocation.replicas
-    if desired < decision.current and load_of(pool_body, Observation(None, None)).updating_weights:
-        desired = decision.current  # never remove a replica mid-update
+    desired, held = allocation.replicas, ""
+    # Rule 7: no replica is removed mid-update; rule 4: bounds apply last, over this hold too (a
+    # lowered maxReplicas takes effect at once, as decide() does).
+    keep = min(decision.current, config.max_replicas)
+    if desired < keep and load_of(pool_body, Observation(None, None), paused).updating_weights:
+        desired, held = keep, "; held during weight update"
     if desired == decision.desired:
         return decision, request, state
-    reason = f"{decision.current} → {desired}: {allocation.reason} (policy said {decision.desired})"
+    reason = f"{decision.current} → {desired}: {allocation.reason} (policy said {decision.desired}){held}"
     budgeted = Decision(
         decision.current, desired, reason, decision.recommendation, decision.ratio, decision.state
     )
@@ -388,9 +396,12 @@ class PoolPlan:
     status_patch: Obj
     """A merge patch for the status subresource (empty: nothing changed)."""
     event: tuple[str, str, str] | None
-    """(type, reason, message) of the event to post, if any."""
+    """(type, reason, message) of the event to post, if any (Scaled, MetricsUnavailable)."""
     stuck_event: tuple[str, str, str] | None = None
     """The ReplicasStuck Warning, posted beside ``event`` (the release it causes is a Scaled one)."""
+    gpu_event: tuple[str, str, str] | None = None
+    """The WrongGpuType Warning, posted beside ``event`` when the condition turns True (a Scaled
+    event of the same poll must not replace it)."""
 
 
 def metrics_condition(
@@ -406,6 +417,25 @@ def metrics_condition(
 
 REPLICAS_STUCK = "ReplicasStuck"
 """Condition (and Warning event) of a pool with replicas the cluster reports as unable to start."""
+LOOP_CONDITIONS = (METRICS_AVAILABLE, REPLICAS_STUCK, WRONG_GPU_TYPE)
+"""The SamplerPool conditions the built-in loop writes (:func:`plan_pool`)."""
+
+
+def loop_conditions_to_drop(engine: str) -> tuple[str, ...]:
+    """The conditions the pool's controller removes from a pool of a run with this
+    ``autoscaling.engine``: the loop's own once another engine scales the pool (nobody would
+    update them any more), none while the loop does."""
+    return () if engine == "builtin" else LOOP_CONDITIONS
+
+
+def cold_start_of(pool_body: Obj, pods: Census | None) -> float | None:
+    """The pool's cold start for the plan ahead: what this poll's census learned, else what an
+    earlier poll learned and wrote (``status.coldStartSeconds``; a pool at zero has no ready pod
+    to learn from, and a pod list that failed says nothing)."""
+    if pods is not None and pods.cold_start_s is not None:
+        return pods.cold_start_s
+    learned = (pool_body.get("status") or {}).get("coldStartSeconds")
+    return float(learned) if isinstance(learned, int | float) and learned > 0 else None
 
 
 def stuck_condition(previous: list[Obj], pods: Census, generation: int | None, now: float) -> Condition:
@@ -460,14 +490,17 @@ def plan_pool(
         others = [c for c in conditions if c.get("type") != METRICS_AVAILABLE]
         patch["conditions"] = [*others, condition]
     event: tuple[str, str, str] | None = None
+    gpu_event: tuple[str, str, str] | None = None
     wrong_gpu = wrong_gpu_condition(gpu_models or (), pool.gpu_products, conditions, generation, rfc3339(now))
     if wrong_gpu is not None:
         before = next((c for c in conditions if c.get("type") == WRONG_GPU_TYPE), None)
         if before is None or any(before.get(k) != wrong_gpu[k] for k in ("status", "reason", "message")):
             current = patch.get("conditions", conditions)
             patch["conditions"] = [*(c for c in current if c.get("type") != WRONG_GPU_TYPE), wrong_gpu]
-            if wrong_gpu["status"] == "True":
-                event = ("Warning", WRONG_GPU_TYPE, wrong_gpu["message"])
+            # Once when it turns True: a message that changes while True (another product seen)
+            # rewrites the condition, not another Warning.
+            if wrong_gpu["status"] == "True" and (before is None or before.get("status") != "True"):
+                gpu_event = ("Warning", WRONG_GPU_TYPE, wrong_gpu["message"])
     stuck_event: tuple[str, str, str] | None = None
     if pods is not None:
         stuck = stuck_condition(patch.get("conditions", conditions), pods, generation, now)
@@ -501,4 +534,4 @@ def plan_pool(
             METRICS_REASON,
             f"{observation.problem.reason}: {observation.problem.message}"[:1000],
         )
-    return PoolPlan(decision, replicas, {"status": patch} if patch else {}, event, stuck_event)
+    return PoolPlan(decision, replicas, {"status": patch} if patch else {}, event, stuck_event, gpu_event)

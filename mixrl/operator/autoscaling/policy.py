@@ -11,15 +11,18 @@ summed over its engines) into a desired replica count.  The rules, in the order 
    demand, while a real step moves both at once, so it is still met within one poll.
 2. **Capacity on its way.**  ``B = ready + starting``: a replica that is still loading its model
    counts as capacity, so a queue that cannot drain during a cold start does not make the
-   autoscaler ask again and again (the runaway scale-up people complain about).  The KEDA-like
-   baseline (``count_starting=False``) measures load per *ready* replica and multiplies the
-   current count, as HPA does.
+   autoscaler ask again and again (the runaway scale-up people complain about).
+   ``count_starting=False`` measures load per *ready* replica and multiplies the current count,
+   as HPA does for a per-pod metric; the KEDA-like baseline (:meth:`PolicyConfig.keda_like`)
+   keeps ``count_starting=True``, since for KEDA's External ``AverageValue`` metric HPA computes
+   ``ceil(load / target)`` from the total whatever the pods' readiness.
 3. **Scale to zero and activation** (KEDA's rule).  A pool whose ``minReplicas`` is 0 goes to zero
    when its load is at or below the activation threshold, and wakes when the load exceeds it.
 4. **Bounds**: ``minReplicas ≤ desired ≤ maxReplicas``, always.
-5. **Scale-up rate limit** (HPA's default): at most ``max(period-start + 4, 2 · period-start)``
-   replicas per period.  **Burst allowance**: a ratio of ``burstRatio`` or more is a load step,
-   not noise, and lifts the limit, so the full target is requested within one poll.
+5. **Scale-up rate limit** (HPA's default policies): at most
+   ``max(period-start + scaleUpLimit, 2 · period-start)`` replicas per period (HPA's default: + 4
+   pods).  **Burst allowance**: a ratio of ``burstRatio`` or more is a load step, not noise, and
+   lifts the limit, so the full target is requested within one poll.
 6. **Scale-down stabilization** (HPA's) **with headroom**: scale down only to the highest
    scale-down recommendation of the last ``scaleDownWindow`` seconds, where that recommendation
    keeps the tolerance as headroom, ``ceil(load · (1 + tolerance) / target)``.  Once scaled down,
@@ -120,7 +123,8 @@ class PolicyConfig:
     burst_ratio: float | None = DEFAULT_BURST_RATIO
     """A ratio at or above this lifts the scale-up rate limit; None disables the allowance."""
     count_starting: bool = True
-    """Count starting replicas as capacity (mixrl); False measures load per ready replica (HPA)."""
+    """Count starting replicas as capacity (mixrl, and HPA for KEDA's External AverageValue
+    metric); False measures load per ready replica (HPA for a per-pod metric)."""
     scale_down_headroom: float | None = None
     """Headroom kept when scaling down (fraction of the load); None = the tolerance, 0 = HPA."""
     fallback_replicas: int | None = None

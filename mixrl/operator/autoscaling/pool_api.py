@@ -104,7 +104,8 @@ async def observe(
 
 
 class PoolApi:
-    """The three calls the loop makes, through the operator's API client.
+    """The loop's writes — the replicas, the pool's status, the run's status, an event — through
+    the operator's API client.
 
     The client (:class:`mixrl.operator.kube.client.KubeClient`) checks every call against the RBAC
     registry (:data:`mixrl.operator.kube.rbac.RECONCILER`) before sending it, so the chart's rules are

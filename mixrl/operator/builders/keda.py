@@ -1,11 +1,12 @@
 """KEDA mode (``autoscaling.engine: keda``): one ScaledObject per SamplerPool, built purely.
 
 KEDA then drives the SamplerPool's scale subresource through an HPA it owns, with the same
-Prometheus query and thresholds as the built-in loop.  What KEDA cannot express of mixrl's policy:
-starting replicas counted as capacity, the burst allowance, scale-down headroom and the weight-
-update hold (docs/autoscaling.md compares the two).  KEDA's Prometheus trigger uses
-``metricType: AverageValue``: HPA divides the query's value by the threshold, so
-``desired = ceil(load / (targetPerReplica · capacity))``.
+Prometheus query and thresholds as the built-in loop.  KEDA's Prometheus trigger uses
+``metricType: AverageValue``: HPA divides the query's total by the threshold, so
+``desired = ceil(load / (targetPerReplica · capacity))`` whatever the pods' readiness — starting
+replicas count as capacity there too.  What KEDA cannot express of mixrl's policy: the spike
+confirmation, the burst allowance, scale-down headroom, the weight-update hold, the release of
+replicas the cluster reports stuck and the shared budget (docs/autoscaling.md compares the two).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from mixrl.api.kube_types import ConditionValue, Obj
 from mixrl.api.loader import parse_document
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
-from mixrl.operator.autoscaling.plan import METRICS_AVAILABLE
+from mixrl.operator.autoscaling.plan import loop_conditions_to_drop
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders.keda import pool_scaled_object
 from mixrl.operator.builders.kueue import (
@@ -673,7 +673,7 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         selector,
         ctx.now(),
         autoscaler,
-        drop=() if engine == "builtin" else (METRICS_AVAILABLE,),
+        drop=loop_conditions_to_drop(engine),
         problems=report.failures,
         elastic=elastic,
     )
