@@ -50,10 +50,12 @@ def test_demand_is_the_trainers_rate_less_its_idle_target() -> None:
         (500.0, 1000.0, 10.0),  # 1.5 steps: inside [1, 2]
         (0.0, 400.0, 10.0 + 600 / 300),  # 0.4 steps: 600 short, closed over 300 s
         (2500.0, 500.0, 10.0 - 1000 / 300),  # 3 steps: 1000 over the top
+        (None, 400.0, 10.0),  # the buffer's series did not answer: no correction, not "empty"
+        (0.0, None, 10.0),  # nor the router's
     ],
 )
 def test_the_backlog_outside_its_band_corrects_the_demand(
-    buffered: float, in_flight: float, expected: float
+    buffered: float | None, in_flight: float | None, expected: float
 ) -> None:
     signals = replace(STEADY, buffered=buffered, in_flight=in_flight)
     assert demand_of(signals, CONFIG, 100.0) == pytest.approx(expected)

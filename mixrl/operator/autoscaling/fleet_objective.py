@@ -326,9 +326,12 @@ def replica_rates(pools: Sequence[FleetPool], memory: ObjectiveMemory) -> dict[s
     return out
 
 
-def backlog_of(signals: TrainerSignals) -> float:
-    """Trajectories buffered and in flight."""
-    return (signals.buffered or 0.0) + (signals.in_flight or 0.0)
+def backlog_of(signals: TrainerSignals) -> float | None:
+    """Trajectories buffered and in flight; None when either series did not answer.  An unknown
+    backlog corrects nothing: read as empty, a Prometheus outage would raise the demand."""
+    if signals.buffered is None or signals.in_flight is None:
+        return None
+    return signals.buffered + signals.in_flight
 
 
 def demand_of(signals: TrainerSignals, config: ObjectiveConfig, busy_step_s: float | None) -> float | None:
@@ -341,7 +344,9 @@ def demand_of(signals: TrainerSignals, config: ObjectiveConfig, busy_step_s: flo
     low = config.min_steps_ahead * config.step_size
     high = math.inf if config.max_steps_ahead is None else config.max_steps_ahead * config.step_size
     correction = 0.0
-    if backlog < low:
+    if backlog is None:
+        pass
+    elif backlog < low:
         correction = (low - backlog) / config.horizon_s
     elif backlog > high:
         correction = -(backlog - high) / config.horizon_s
@@ -448,9 +453,10 @@ def _plan(
     supply_now = sum((p.replicas - p.stuck) * (rates[p.name] or 0.0) for p in pools)
     forced = any(held[p.name] != p.replicas for p in pools)
     backlog = backlog_of(signals)
+    backlog_text = "unknown: no correction" if backlog is None else f"{backlog / config.step_size:.2f} steps"
     summary = (
         f"demand {demand:.3g} traj/s (trainer {config.step_size} per {memory.busy_step_s:.3g} s busy, "
-        f"backlog {backlog / config.step_size:.2f} steps), supply {supply_now:.3g}"
+        f"backlog {backlog_text}), supply {supply_now:.3g}"
     )
     ahead = demand_ahead(demand, pools, config, memory)
     if ahead is not None:
