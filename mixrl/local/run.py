@@ -43,6 +43,7 @@ from mixrl.api.resolve import ResolvedPool, ResolvedRun, initial_replicas, resol
 from mixrl.local.processes import MIXRL, Process, ProcessStartError, wait_healthy
 from mixrl.local.report import step_records, write_report
 from mixrl.rl.auth import AuthToken, write_token_file
+from mixrl.rl.buffer.store import EVALUATIONS
 from mixrl.rl.health.collapse import assess
 
 MAX_TRAINER_RESTARTS = 3
@@ -96,7 +97,7 @@ class Supervisor:
             host=LOOPBACK,
             config=str(run_dir / "resolved.json"),
             auth_token_file=str(token_path),
-            buffer_dir=str(run_dir / "buffer"),
+            buffer_dir=str(buffer_directory(run_dir)),
             trainer_run_dir=str(run_dir),
             port_dir=str(ports),
             replicas_file=str(self.replicas_path),
@@ -233,7 +234,9 @@ class Progress:
 
     def update(self, force: bool = False) -> None:
         records = step_records(self.run_dir / "metrics.jsonl")
-        evaluations = step_records(self.run_dir / "evaluations.jsonl")
+        # The buffer's own file, as the evaluations arrive (runs/<name>/evaluations.jsonl is its
+        # copy, made once the components have stopped).
+        evaluations = step_records(buffer_evaluations(self.run_dir))
         step = records[-1]["step"] if records else 0
         now = time.monotonic()
         if not force and step == self.shown_step and now - self.last_line < 15:
@@ -275,10 +278,20 @@ class Progress:
                 print(f"mixrl run: warning: {sign.describe()}", flush=True)
 
 
+def buffer_directory(run_dir: Path) -> Path:
+    """The buffer's directory of a local run."""
+    return run_dir / "buffer"
+
+
+def buffer_evaluations(run_dir: Path) -> Path:
+    """The held-out evaluations as the buffer writes them, while the run goes on."""
+    return buffer_directory(run_dir) / EVALUATIONS
+
+
 def evaluations_to_run_dir(run_dir: Path) -> None:
-    source = run_dir / "buffer" / "evaluations.jsonl"
+    source = buffer_evaluations(run_dir)
     if source.exists():
-        shutil.copyfile(source, run_dir / "evaluations.jsonl")
+        shutil.copyfile(source, run_dir / EVALUATIONS)
 
 
 def main(argv: list[str]) -> int:
@@ -429,7 +442,7 @@ def wait_for_final_evaluation(
         supervisor.revive_evaluator()
         if not evaluator.alive:
             break
-        evaluations = step_records(run_dir / "buffer" / "evaluations.jsonl")
+        evaluations = step_records(buffer_evaluations(run_dir))
         if evaluations and evaluations[-1]["step"] >= total:
             return
         time.sleep(1.0)

@@ -6,7 +6,10 @@ first), ``--resume RUN_DIR`` (from its newest checkpoint, as the trainer does), 
 ``--kill-in-save STEP`` (rank 0 SIGKILLs itself inside the save of that step, once DCP has written
 every shard and the metadata: a crash mid-save) and ``--dir-per-rank`` (each rank's run directory
 is ``RUN_DIR/rank<r>``, as on nodes that do not share a volume).  The compute dtype is
-``$COMPUTE_DTYPE`` (``float32`` unless set, as on CPUs; ``bfloat16`` as on GPUs).  Runs STEPS policy
+``$COMPUTE_DTYPE`` (``float32`` unless set, as on CPUs; ``bfloat16`` as on GPUs).  ``--device cuda``
+puts each rank's trainer on its GPU (``LOCAL_RANK``) and joins the ranks over NCCL, as
+scripts/gpu/trainer_check.py runs it; otherwise (``--device cpu``, the tests) the trainer is on the
+CPU and the ranks use gloo.  Runs STEPS policy
 steps on the same batch and writes what rank 0 sees: the step results (every rank's, to compare),
 the published weights and the whole AdamW state, gathered.
 """
@@ -70,9 +73,13 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kill-in-save", type=int, default=0)
     parser.add_argument("--resume", default="")
     parser.add_argument("--dir-per-rank", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
     ranks = distributed.Ranks.from_env()
-    distributed.init_process_group(ranks, torch.device("cpu"))
+    device = distributed.device_for(ranks) if args.device == "cuda" else torch.device("cpu")
+    if device.type != args.device:
+        raise SystemExit(f"fsdp_worker: --device {args.device}, but torch sees no CUDA device")
+    distributed.init_process_group(ranks, device)  # NCCL on a GPU, gloo on the CPU (as the trainer)
     torch.manual_seed(0)
     compute_dtype = getattr(torch, os.environ.get("COMPUTE_DTYPE", "float32"))
     trainer = TorchPolicyTrainer(
@@ -80,6 +87,7 @@ def main(argv: list[str]) -> None:
         CorrectionConfig(),
         OptimizerSettings(lr=1e-3, micro_batch_tokens=24),
         compute_dtype=compute_dtype,
+        device=device,
         ranks=ranks,
     )
     mine = f"rank{ranks.rank}" if args.dir_per_rank else ""

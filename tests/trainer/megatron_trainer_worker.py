@@ -1,5 +1,4 @@
-"""One rank of ``MegatronPolicyTrainer`` (CUDA, NCCL), started by torchrun from test_megatron.py and
-scripts/gpu/trainer_check.py.
+"""One rank of ``MegatronPolicyTrainer`` (CUDA, NCCL), started by torchrun from test_megatron.py.
 
 usage: megatron_trainer_worker.py MODEL_DIR GROUPS_JSON OUT_DIR STEPS TP PP
 
