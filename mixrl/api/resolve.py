@@ -197,7 +197,8 @@ def engine_args(
     args += ["--kv-cache-dtype", SGLANG_KV_CACHE_DTYPE[kv_cache_dtype]]
     mask_limit = sampling.rule.mask_limit()
     if sampling.return_sampling_mask and mask_limit is not None:
-        # The trainer replays the sampler's support: the server must be able to return it, and
+        # The rule truncates, so every request asks for its support (recorded with each token;
+        # the trainer replays it under maskReplay): the server must be able to return it, and
         # aborts a request whose support exceeds the limit (SamplingRule.mask_limit).
         args += ["--sampling-mask-max-tokens", str(mask_limit)]
     return (*args, *pool.engine_args)

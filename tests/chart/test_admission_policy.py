@@ -7,6 +7,7 @@ images by digest.  tests/cluster/test_policy.py sends such documents to a real k
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -204,9 +205,14 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {"join": _join, "indexOf": _index_of,
 """The Kubernetes CEL library functions the policy uses that cel-python lacks."""
 
 
+@functools.cache
+def _program(expression: str) -> celpy.Runner:
+    """Compiled once: parsing is most of the cost, and each expression meets every document."""
+    return _ENV.program(_ENV.compile(expression), functions=FUNCTIONS)
+
+
 def _evaluate(expression: str, activation: dict[str, Any]) -> Any:
-    program = _ENV.program(_ENV.compile(expression), functions=FUNCTIONS)
-    result = program.evaluate(activation)
+    result = _program(expression).evaluate(activation)
     if isinstance(result, celpy.CELEvalError):
         raise AssertionError(f"{expression!r} failed to evaluate: {result}")
     return result

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from safetensors.torch import load_file
 
+from mixrl.rl.engine import server
 from mixrl.rl.engine.server import build_parser, config_from_args
 from mixrl.rl.weights import WeightStore
 
@@ -224,8 +225,43 @@ async def test_the_body_limit_is_a_flag(dense_path: str) -> None:
             url, "/generate", {"input_ids": [1] * 1000, "sampling_params": {"max_new_tokens": 1}}
         )
         assert status == 200, payload
-    with pytest.raises(ValueError, match="max_request_mib: must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"^--max-request-mib: must be >= 1, got 0$"):
         config_from_args(build_parser().parse_args(["--model-path", dense_path, "--max-request-mib", "0"]))
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "reason"),
+    [
+        ("--context-length", "-1", "must be >= 0 (0: the model's max_position_embeddings), got -1"),
+        (
+            "--max-total-tokens",
+            "-1",
+            "must be >= 0 (0: the running-request limit × the context length), got -1",
+        ),
+        ("--max-running-requests", "0", "must be >= 1, got 0"),
+        ("--sampling-mask-max-tokens", "0", "must be >= 1, got 0"),
+        ("--prefix-cache-max-tokens", "-5", "must be >= 0, got -5"),
+        ("--weight-version", "-1", "must be in [0, 99999999], got -1"),
+    ],
+)
+def test_a_bad_number_is_one_line_naming_its_flag_and_exit_2(
+    capsys: pytest.CaptureFixture[str], dense_path: str, flag: str, value: str, reason: str
+) -> None:
+    """Checked before the model loads: a negative --context-length used to start an engine that
+    refused every prompt, a negative --max-total-tokens one whose prefix cache was silently off."""
+    assert server.main(["--model-path", dense_path, "--insecure-no-auth", flag, value]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"mixrl engine: {flag}: {reason}"]
+
+
+def test_a_bad_log_level_is_refused_by_the_parser(
+    capsys: pytest.CaptureFixture[str], dense_path: str
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        server.main(["--model-path", dense_path, "--log-level", "loud"])
+    assert exited.value.code == 2 and "--log-level: invalid choice: 'loud'" in capsys.readouterr().err
+    assert (
+        build_parser().parse_args(["--model-path", dense_path, "--log-level", "DEBUG"]).log_level == "debug"
+    )
 
 
 async def test_the_default_weight_root_is_the_directory_holding_the_model(

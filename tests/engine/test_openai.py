@@ -251,3 +251,44 @@ async def test_streams_are_openai_chunks_that_add_up_to_the_whole_answer(
         assert "".join(c.choices[0].delta.content or "" for c in deltas) == chat.choices[0].message.content
         assert deltas[-1].choices[0].finish_reason == "length"
         assert all(c.object == "chat.completion.chunk" for c in deltas)
+
+
+async def test_a_streamed_stop_string_spanning_tokens_is_held_back_and_cut(
+    dense_path: str, tokenizer_dir: str
+) -> None:
+    """The stream's deltas add up to the non-streamed text also when a stop string spans tokens:
+    its first characters are held back, not sent and left uncut (as they were before)."""
+    prompt = " ".join(word(i) for i in (40, 41, 300))
+    greedy = {"model": MODEL, "max_tokens": 6, "temperature": 0, "extra_body": GREEDY_EXTRA}
+    async with (
+        serve_in_process(model_path=dense_path, tokenizer_path=tokenizer_dir) as (url, _),
+        client(url) as api,
+    ):
+        free = (await api.completions.create(prompt=prompt, **greedy)).choices[0].text
+        words = free.split(" ")
+        assert len(words) == 6, free
+        # the end of the third word, the space and the start of the fourth: two tokens
+        stop = f"{words[2][-2:]} {words[3][:3]}"
+        whole = await api.completions.create(prompt=prompt, stop=stop, **greedy)
+        choice = whole.choices[0]
+        assert choice.finish_reason == "stop" and choice.matched_stop == stop
+        assert stop not in choice.text and free.startswith(choice.text + stop)
+        parts = [
+            c async for c in await api.completions.create(prompt=prompt, stop=stop, stream=True, **greedy)
+        ]
+        texts = [c.choices[0].text for c in parts]
+        assert "".join(texts) == choice.text
+        # everything before the stop went out before the token that completed it, and nothing of
+        # the stop's start (the third word's end) did
+        assert "".join(texts[:-1]) == choice.text and texts[-1] == "", texts
+
+        chat_args = {"messages": [{"role": "user", "content": prompt}], **greedy}
+        chat_free = (await api.chat.completions.create(**chat_args)).choices[0].message.content
+        chat_words = chat_free.split(" ")
+        chat_stop = f"{chat_words[1][-2:]} {chat_words[2][:3]}"
+        chat = await api.chat.completions.create(stop=chat_stop, **chat_args)
+        deltas = [
+            c async for c in await api.chat.completions.create(stop=chat_stop, stream=True, **chat_args)
+        ]
+        assert chat.choices[0].finish_reason == "stop"
+        assert "".join(c.choices[0].delta.content or "" for c in deltas) == chat.choices[0].message.content

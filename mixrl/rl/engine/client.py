@@ -125,7 +125,11 @@ class EngineClient(SessionClient):
         abort_all_requests: bool = False,
         flush_cache: bool = True,
     ) -> dict[str, Any]:
-        """Ask the engine to load a checkpoint; returns {"success", "message"} (a refusal is not raised)."""
+        """Ask the engine to load a checkpoint; returns its answer, {"success", "message", ...}.
+
+        An update the engine tried and refused (400 with ``success: false``) is returned, not
+        raised; a request it turned away before trying (a bad field: 400 with the
+        ``{"error": {...}}`` body; 401; any other HTTP error) raises :class:`EngineError`."""
         body: dict[str, Any] = {
             "model_path": model_path,
             "abort_all_requests": abort_all_requests,
@@ -141,7 +145,9 @@ class EngineClient(SessionClient):
         return payload
 
     # SGLang's distributed weight update (mixrl.rl.engine.weight_broadcast has the contract): rank 0
-    # broadcasts the tensors; each answer is {"success", "message"} (a refusal is not raised).
+    # broadcasts the tensors; a call the engine took up answers {"success", "message"}, returned
+    # also when false (a refusal is not raised); a bad field (400 with the {"error": ...} body), a
+    # 401 or any other HTTP error raises EngineError.
     # Never retried once sent: a call sent twice would put the engine out of step with the group.
     async def _weight_call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         _, payload = await self._request("POST", path, body, idempotent=False, allow=(400,))

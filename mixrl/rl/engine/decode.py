@@ -10,7 +10,10 @@ modules and weights in the same order — the norms, the rotary embedding, the c
 attention function are transformers' own, the linear layers their own ``forward`` (without
 ``nn.Module.__call__``; an :class:`~mixrl.rl.activation_quant.InputQuantLinear` quantizes its
 input there) — so its logits are bit-identical to ``model(...)``'s
-(``tests/engine/test_decode.py``), and weight updates, which copy into the same parameters, apply.
+(``tests/engine/test_decode.py``).  It reads every weight from its module at each call and keeps
+none across steps, so a weight update, which gives the same parameters new tensors
+(``param.data``, :meth:`~mixrl.rl.engine.staging.StagedWeights.swap_into`) between two steps,
+applies from the next step.
 
 Only what it was written against is taken (:func:`supports_decode_step`): ``Qwen3ForCausalLM`` with
 every layer of full attention, transformers' SDPA or the engine's (:mod:`~mixrl.rl.engine.attention`)

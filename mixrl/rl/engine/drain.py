@@ -2,7 +2,7 @@
 
 Kubernetes removes a terminating pod from its Service's endpoints and runs this hook before it
 sends SIGTERM.  We give the router a moment to notice, then poll the engine's own Prometheus
-metrics until queued plus running requests stay at zero, or the deadline passes.
+metrics until queued, running and paused requests stay at zero, or the deadline passes.
 
 Standard library only: the operator ships this file in the run's ConfigMap, so it runs inside any
 engine image, the official SGLang image included (``python3 /etc/mixrl/drain.py``).
@@ -17,8 +17,10 @@ import urllib.error
 import urllib.request
 
 # SGLang's gauges (the torch engine exports the same names); Prometheus clients without UTF-8 name
-# support write the colon as an underscore.
-IN_FLIGHT_GAUGES = ("num_running_reqs", "num_queue_reqs")
+# support write the colon as an underscore.  A paused engine holds its requests under
+# num_paused_reqs (the torch engine then reports none running), so without it a drain during a
+# pause would call the engine idle with work held; an engine that lacks a gauge adds nothing.
+IN_FLIGHT_GAUGES = ("num_running_reqs", "num_queue_reqs", "num_paused_reqs")
 
 
 def parse_sample(line: str) -> tuple[str, float] | None:
@@ -36,7 +38,8 @@ def parse_sample(line: str) -> tuple[str, float] | None:
 
 
 def in_flight(metrics_text: str) -> float:
-    """Queued plus running requests in a Prometheus text exposition (summed over label sets)."""
+    """Queued, running and paused requests in a Prometheus text exposition (summed over label
+    sets; a gauge the exposition lacks counts 0)."""
     total = 0.0
     for line in metrics_text.splitlines():
         sample = parse_sample(line)

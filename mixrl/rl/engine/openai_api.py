@@ -509,15 +509,70 @@ class ChoiceStream:
     text: str = ""
     tokens: int = 0
     started: bool = False
+    offset: int = 0
+    """``text_offset`` of the next token: the sent tokens' texts end to end, as the whole answer
+    counts them (the sent text itself can be shorter, while text is held back)."""
+
+
+REPLACEMENT_CHARACTER = "\ufffd"
+"""What a token ending inside a multi-byte character decodes to until the rest of it arrives."""
+
+
+def settled_text(text: str, stops: Sequence[str]) -> str:
+    """The part of an unfinished choice's decoded ``text`` that no later token can change.
+
+    Held back: a trailing U+FFFD (the next token may complete its character, and the text would no
+    longer start with what was sent), then a complete stop string and everything after it (the
+    matcher decodes a tail window, which can differ from the whole text's decoding, and the answer
+    is cut before the first match), and any tail a stop string could still complete (the answer is
+    cut there if it does).  So what is sent is a prefix of the whole answer's text, however the
+    request ends.
+    """
+    text = text.rstrip(REPLACEMENT_CHARACTER)
+    end = len(text)
+    for stop in stops:
+        found = text.find(stop)
+        if found != -1:
+            end = min(end, found)
+        # the earliest tail that is a proper prefix of the stop string (the longest); only tails
+        # starting with its first character are compared
+        start = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+        while start != -1:
+            if stop.startswith(text[start:]):
+                end = min(end, start)
+                break
+            start = text.find(stop[0], start + 1)
+    return text[:end]
+
+
+def stream_delta(text: str, sent: str, *, finished: bool, stops: Sequence[str]) -> str:
+    """The text a chunk adds after ``sent``, given the choice's text so far (``output_text``: for a
+    finished choice the whole answer's text, cut before a matched stop).
+
+    An unfinished choice sends only :func:`settled_text`; its last chunk sends the rest, so the
+    deltas add up to the whole answer's text.  (Only a tokenizer whose decoding rewrites earlier
+    characters when more tokens follow, other than completing a U+FFFD, could break that: its
+    last chunk then carries what follows the longest common prefix.)
+    """
+    target = text if finished else settled_text(text, stops)
+    if target.startswith(sent):
+        return target[len(sent) :]
+    if not finished:
+        return ""  # cannot be retracted: wait for the last chunk
+    common = 0
+    for a, b in zip(sent, target, strict=False):
+        if a != b:
+            break
+        common += 1
+    return target[common:]
 
 
 def _delta(item: GenerateItem, seq: FinishedTokens, sent: ChoiceStream, codec: TextCodec) -> str:
-    """The text this chunk adds.  Held back while the text so far does not extend what was sent
-    (a stop string being completed is cut off again at the end)."""
+    """The text this chunk adds (:func:`stream_delta`), recorded as sent."""
     text = output_text(item, [t.token_id for t in seq.tokens], seq.finish_reason, codec)
-    if not text.startswith(sent.text):
-        return ""
-    delta, sent.text = text[len(sent.text) :], text
+    finished = seq.finish_reason is not None
+    delta = stream_delta(text, sent.text, finished=finished, stops=item.sampling.stop)
+    sent.text += delta
     return delta
 
 
@@ -537,12 +592,12 @@ def stream_chunk(
     content deltas)."""
     new = list(seq.tokens[sent.tokens :])
     kind, matched = _finish(seq)
-    offset = len(sent.text)
     text = _delta(request.items[index], seq, sent, codec)
     logprobs: dict[str, Any] | None = None
     if request.top_logprobs is not None and new:
-        logprobs = _logprobs(new, request.top_logprobs, codec, offset, chat=chat)
+        logprobs = _logprobs(new, request.top_logprobs, codec, sent.offset, chat=chat)
     sent.tokens += len(new)
+    sent.offset += sum(len(codec.token_text(t.token_id)) for t in new)
     body: dict[str, Any] = {"text": text}
     if chat:
         body = {"delta": {"content": text} if sent.started else {"role": "assistant", "content": text}}

@@ -60,7 +60,7 @@ from mixrl.rl.engine.protocol import (
     stream_chunk,
 )
 from mixrl.rl.engine.scheduler import PAUSE_MODES
-from mixrl.rl.engine.service import COMPUTE_DTYPES, EngineConfig, EngineService
+from mixrl.rl.engine.service import COMPUTE_DTYPES, ConfigError, EngineConfig, EngineService
 from mixrl.rl.engine.staging import PREPARERS
 from mixrl.rl.engine.text import TokenizerError
 from mixrl.rl.engine.version_gate import (
@@ -73,7 +73,7 @@ from mixrl.rl.engine.version_gate import (
     satisfies,
     strictest,
 )
-from mixrl.rl.quant import WEIGHT_FORMATS
+from mixrl.rl.quant import ACTIVATION_SCHEMES, WEIGHT_FORMATS
 from mixrl.rl.serving import serve_app
 
 log = logging.getLogger("mixrl.engine")
@@ -81,6 +81,7 @@ log = logging.getLogger("mixrl.engine")
 SERVICE_KEY = web.AppKey("service", EngineService)
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 HEALTH_RECENT_TOKEN_S = 5.0
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -491,13 +492,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where a weight update is prepared while decoding: a process of its own, a thread of "
         "the engine, or auto (the process from 256 MiB of parameters)",
     )
+    schemes = "; ".join(f"{fmt}: {scheme or 'none'}" for fmt, scheme in ACTIVATION_SCHEMES.items())
     p.add_argument(
         "--activation-quant",
         choices=ACTIVATION_MODES,
         default="auto",
-        help="auto: quantize the inputs of the quantized GEMMs as --weight-precision's kernels do "
-        "(fp8: W8A8 with dynamic per-token scales, nvfp4/mxfp4: W4A4 with block scales; none for "
-        "bf16); off: emulate the weights only",
+        help="auto: quantize the inputs of the quantized GEMMs as --weight-precision's kernels do, "
+        f"W8A8 for fp8 and fp8_channel, W4A4 for mxfp4 and nvfp4 ({schemes}; nvfp4's per-tensor "
+        "scale is calibrated once per weight version); off: emulate the weights only",
     )
     p.add_argument(
         "--attention-backend",
@@ -508,26 +510,47 @@ def build_parser() -> argparse.ArgumentParser:
         "BF16 pool differs from its trainer by kernels, as a real one does",
     )
     add_auth_arguments(p)
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        default="info",
+        help="the engine's log level (any case)",
+    )
     return p
 
 
-FLAGS_SPELLED_OTHERWISE = ("kv_cache_dtype", "use_kv_cache", "radix_cache")
-"""The EngineConfig fields whose flags take SGLang's spelling; every other field is the flag of
-its own name, so a field and its flag are declared once each and meet here by name."""
+FLAGS_SPELLED_OTHERWISE = {
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "use_kv_cache": "--disable-kv-cache",
+    "radix_cache": "--disable-radix-cache",
+}
+"""The EngineConfig fields whose flags take SGLang's spelling or values (each field's flag); every
+other field is the flag of its own name, so a field and its flag are declared once each and meet
+here by name."""
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag that sets the EngineConfig field ``field``."""
+    return FLAGS_SPELLED_OTHERWISE.get(field, "--" + field.replace("_", "-"))
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The config the flags describe; a bad value is a :class:`ConfigError` naming its flag."""
     kv = {"auto": "bf16", "fp8_e4m3": "fp8"}.get(args.kv_cache_dtype, args.kv_cache_dtype)
     same_named = {
         f.name: getattr(args, f.name) for f in fields(EngineConfig) if f.name not in FLAGS_SPELLED_OTHERWISE
     }
-    return EngineConfig(
-        **same_named,
-        kv_cache_dtype=kv,
-        use_kv_cache=not args.disable_kv_cache,
-        radix_cache=not args.disable_radix_cache,
-    )
+    try:
+        return EngineConfig(
+            **same_named,
+            kv_cache_dtype=kv,
+            use_kv_cache=not args.disable_kv_cache,
+            radix_cache=not args.disable_radix_cache,
+        )
+    except ConfigError as exc:
+        # the checks live in EngineConfig; on the command line the user knows the flag, not the field
+        raise ConfigError(flag_of(exc.field), exc.reason) from None
 
 
 async def serve(

@@ -40,6 +40,17 @@ log = logging.getLogger(__name__)
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+class ConfigError(ValueError):
+    """A bad :class:`EngineConfig` value: ``"<field>: <reason>"``.  The command line reports it
+    under the field's flag (``mixrl.rl.engine.server.config_from_args``), so each check is written
+    once, here, for both ways of building a config."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -77,33 +88,50 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.weight_precision not in WEIGHT_FORMATS:
-            raise ValueError(f"weight_precision: must be one of {', '.join(WEIGHT_FORMATS)}")
+            raise ConfigError("weight_precision", f"must be one of {', '.join(WEIGHT_FORMATS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}")
+            raise ConfigError("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"dtype: must be one of {', '.join(COMPUTE_DTYPES)}")
+            raise ConfigError("dtype", f"must be one of {', '.join(COMPUTE_DTYPES)}")
         if not 0 <= self.weight_version <= MAX_VERSION:
-            raise ValueError(f"weight_version: must be in [0, {MAX_VERSION}], got {self.weight_version}")
+            raise ConfigError("weight_version", f"must be in [0, {MAX_VERSION}], got {self.weight_version}")
         if self.max_request_mib < 1:
-            raise ValueError(f"max_request_mib: must be >= 1, got {self.max_request_mib}")
+            raise ConfigError("max_request_mib", f"must be >= 1, got {self.max_request_mib}")
         if self.max_running_requests < 1:
-            raise ValueError("max_running_requests: must be >= 1")
+            raise ConfigError("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        # 0 means "derived" for both (see the fields); a negative value would start an engine that
+        # refuses every prompt, or one whose prefix cache is silently off and whose capacity gauge
+        # is negative
+        if self.context_length < 0:
+            raise ConfigError(
+                "context_length",
+                f"must be >= 0 (0: the model's max_position_embeddings), got {self.context_length}",
+            )
+        if self.max_total_tokens < 0:
+            raise ConfigError(
+                "max_total_tokens",
+                f"must be >= 0 (0: the running-request limit × the context length), got {self.max_total_tokens}",
+            )
         if self.sampling_mask_max_tokens < 1:
-            raise ValueError("sampling_mask_max_tokens: must be >= 1")
+            raise ConfigError(
+                "sampling_mask_max_tokens", f"must be >= 1, got {self.sampling_mask_max_tokens}"
+            )
         if self.weight_preparer not in PREPARERS:
-            raise ValueError(
-                f"weight_preparer: must be one of {', '.join(PREPARERS)}, got {self.weight_preparer!r}"
+            raise ConfigError(
+                "weight_preparer", f"must be one of {', '.join(PREPARERS)}, got {self.weight_preparer!r}"
             )
         if self.activation_quant not in ACTIVATION_MODES:
-            raise ValueError(
-                f"activation_quant: must be one of {', '.join(ACTIVATION_MODES)}, got {self.activation_quant!r}"
+            raise ConfigError(
+                "activation_quant",
+                f"must be one of {', '.join(ACTIVATION_MODES)}, got {self.activation_quant!r}",
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            raise ConfigError(
+                "attention_backend",
+                f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
             )
         if self.prefix_cache_max_tokens < 0:
-            raise ValueError(f"prefix_cache_max_tokens: must be >= 0, got {self.prefix_cache_max_tokens}")
+            raise ConfigError("prefix_cache_max_tokens", f"must be >= 0, got {self.prefix_cache_max_tokens}")
 
 
 MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
@@ -447,7 +475,8 @@ class EngineService:
         """Serve what the preparer made ready, between two decode steps.
 
         The preparation (reading, checking, rounding to bf16, the pool's quantization, the cast to
-        the compute dtype) ran in the preparer process (:mod:`mixrl.rl.engine.staging`) while the
+        the compute dtype) ran in the preparer (:mod:`mixrl.rl.engine.staging`: a process of its
+        own, or a thread of the engine for a small model, ``--weight-preparer``) while the
         scheduler kept stepping the live model; the scheduler runs only the swap: one pointer
         exchange per parameter, the version and the KV-cache scales.  So the pause an update causes
         is the swap (one pointer exchange per parameter; kept as ``last_swap_s``), not the load (``bench/weight_sync.py`` measures both).
@@ -545,7 +574,11 @@ def _eos_ids(model: torch.nn.Module) -> set[int]:
 
 
 def _generation_defaults(model: torch.nn.Module) -> dict[str, Any]:
-    """Sampling defaults from generation_config.json, as SGLang applies them when a request omits them."""
+    """Defaults for the sampling parameters a request omits, on /generate and both /v1 routes:
+    generation_config.json's temperature, top_p and top_k (0 there: off, -1), only when it sets
+    do_sample (transformers ignores them without it).  SGLang differs (docs/engine.md,
+    "/generate"): its /generate uses --preferred-sampling-params, and only its
+    /v1/chat/completions reads generation_config.json, without the do_sample check."""
     gen = getattr(model, "generation_config", None)
     if gen is None or not getattr(gen, "do_sample", False):
         return {}

@@ -2,9 +2,12 @@
 
 SGLang loads the tokenizer from ``--tokenizer-path`` (default: the model path) unless
 ``--skip-tokenizer-init``; the torch engine does the same, with one difference: when the path was
-defaulted and holds no Hugging Face tokenizer (mixrl's published checkpoints carry none, and the
-tiny models of ``mixrl run`` carry mixrl's word tokenizer), the engine runs token-in/token-out and
-every request field that needs text is refused naming why (protocol.NO_TOKENIZER).
+defaulted and holds no Hugging Face tokenizer, the engine runs token-in/token-out and every request
+field that needs text is refused naming why (protocol.NO_TOKENIZER).  A version the weight store
+publishes carries the Hugging Face tokenizer files of the run's model beside its weights
+(``mixrl.rl.weights.tokenizer_files``), so an engine started from one has its tokenizer; a
+``tiny:`` model's versions carry none, and a directory holding mixrl's word tokenizer (its
+``tokenizer.json`` is not Hugging Face's) counts as none.
 """
 
 from __future__ import annotations

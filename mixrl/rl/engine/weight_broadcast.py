@@ -13,7 +13,9 @@ The contract is SGLang 0.5.23's (same JSON bodies, same answers):
   laid end to end (SGLang's ``FlattenedTensorBucket``).
 - ``POST /destroy_weights_update_group`` ``{group_name?}``.
 
-Every answer is ``{"success", "message"}``, 200 or 400.  The group is built as SGLang builds its
+A call the engine takes up answers ``{"success", "message"}``, 200 or 400 (``success: false``);
+a malformed field is a :class:`RequestError`, the server's 400 with the ``{"error": {...}}`` body
+naming it, before anything is received.  The group is built as SGLang builds its
 own (a TCPStore, then prefix stores named after the group and the device, then the backend) but
 without touching torch's default group: the trainer under FSDP already has one, and the engine
 needs none.  That is why the backend objects are constructed directly here.
@@ -23,8 +25,9 @@ the live model as they arrive, so between two buckets it serves a mix of version
 engine holds the tensors of a session until every tensor of the model has arrived and then hands
 the whole version to :meth:`EngineService.apply_state`, which prepares it beside the served weights
 while decoding goes on and swaps between two decode steps.  Receiving runs on a worker thread, so
-decoding does not stop either.  ``weight_version`` is required on the call that completes the set:
-every token the torch engine generates is tagged with the version that produced it.
+decoding does not stop either.  ``weight_version`` is required on some call of the session (the
+last one that gives it wins; a session whose set completes without one is refused): every token the
+torch engine generates is tagged with the version that produced it.
 """
 
 from __future__ import annotations
