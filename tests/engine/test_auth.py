@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from mixrl.local.processes import EngineProcess
 from mixrl.rl.auth import AuthToken
+from mixrl.rl.engine import server
 from mixrl.rl.engine.client import EngineClient, EngineError
 from mixrl.rl.engine.service import EngineService
 from mixrl.rl.weights import WeightStore
@@ -198,32 +199,54 @@ def run_engine(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     )
 
 
-def test_without_a_token_the_engine_refuses_to_start_with_one_line(dense_path: str, tmp_path: Path) -> None:
+def test_without_a_token_the_engine_refuses_to_start_with_one_line(dense_path: str) -> None:
+    """The process: ``mixrl engine`` without a token exits 2 with one line, before the model loads."""
     result = run_engine("--model-path", dense_path, "--port", "0")
     assert (result.returncode, result.stderr.strip()) == (
         2,
         "mixrl engine: no auth token: give --auth-token-file PATH or set MIXRL_AUTH_TOKEN "
         "(--insecure-no-auth runs without one, open to anyone who reaches the port)",
     )
+
+
+def test_each_token_problem_is_one_line_and_exit_2(
+    dense_path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rest of the token's refusals, through the same entry point in this process (each a
+    start of ``mixrl engine`` would cost seconds of imports; the process path is the test above)."""
+    monkeypatch.delenv("MIXRL_AUTH_TOKEN", raising=False)
     short = tmp_path / "short"
     short.write_text("abc\n")
-    result = run_engine("--model-path", dense_path, "--auth-token-file", str(short))
-    assert result.stderr.strip() == (
-        f"mixrl engine: --auth-token-file {short}: the token is shorter than 16 characters"
-    )
-    result = run_engine("--model-path", dense_path, "--auth-token-file", str(tmp_path / "missing"))
-    assert result.stderr.strip() == (
-        f"mixrl engine: --auth-token-file {tmp_path / 'missing'}: cannot read it (No such file or directory)"
-    )
-    result = run_engine("--model-path", dense_path, "--insecure-no-auth", "--auth-token-file", str(short))
-    assert result.stderr.strip() == (
-        "mixrl engine: --insecure-no-auth: contradicts --auth-token-file; give one of them"
-    )
-    result = run_engine("--model-path", dense_path, env={"MIXRL_AUTH_TOKEN": "white space inside the token"})
-    assert result.stderr.strip() == (
-        "mixrl engine: $MIXRL_AUTH_TOKEN: the token holds characters a bearer token cannot carry "
-        "(allowed: letters, digits, - . _ ~ + / and trailing =)"
-    )
+    missing = tmp_path / "missing"
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        (
+            ["--auth-token-file", str(short)],
+            {},
+            f"--auth-token-file {short}: the token is shorter than 16 characters",
+        ),
+        (
+            ["--auth-token-file", str(missing)],
+            {},
+            f"--auth-token-file {missing}: cannot read it (No such file or directory)",
+        ),
+        (
+            ["--insecure-no-auth", "--auth-token-file", str(short)],
+            {},
+            "--insecure-no-auth: contradicts --auth-token-file; give one of them",
+        ),
+        (
+            [],
+            {"MIXRL_AUTH_TOKEN": "white space inside the token"},
+            "$MIXRL_AUTH_TOKEN: the token holds characters a bearer token cannot carry "
+            "(allowed: letters, digits, - . _ ~ + / and trailing =)",
+        ),
+    ]
+    for args, env, line in cases:
+        with monkeypatch.context() as patched:
+            for name, value in env.items():
+                patched.setenv(name, value)
+            assert server.main(["--model-path", dense_path, *args]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"mixrl engine: {line}"]
 
 
 @pytest.fixture(scope="module")
