@@ -290,7 +290,9 @@ class SamplerPoolTemplate(Model):
     """One pool of identical sampler replicas: one GPU type, one precision, one engine."""
 
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", max_length=24)
-    """Pool name (DNS label, at most 24 characters); the SamplerPool is named ``<run>-<name>``."""
+    """Pool name (DNS label, at most 24 characters); the SamplerPool is named ``<run>-<name>``. Not a
+    name the run uses itself: its components' suffixes (trainer, router, rollout, buffer, config,
+    weights, evaluator), nor run or all, which name the whole run's figures."""
     gpu_type: str = Field(json_schema_extra={"enum": list(GPU_TYPES)})
     """GPU type (a key of the GPU table, or ``cpu`` for local emulation)."""
     gpus_per_replica: Int | None = Field(default=None, ge=0, le=MAX_GPUS_PER_POD)
@@ -668,9 +670,9 @@ class RoutingHealthSpec(Model):
     recover_fraction: Float = Field(default=0.5, gt=0, le=1)
     """An observation is good when both figures are below this fraction of their thresholds."""
     degrade_after: Int = Field(default=3, ge=1, le=100_000)
-    """Bad observations in a row before the health falls."""
+    """The health falls at this many bad observations in a row (and at each one after)."""
     recover_after: Int = Field(default=3, ge=1, le=100_000)
-    """Good observations in a row before the health rises."""
+    """The health rises at this many good observations in a row (and at each one after)."""
     step: Float = Field(default=0.5, gt=0, lt=1)
     """Factor the health is multiplied by per further bad observation (divided by per good one)."""
     floor: Float = Field(default=0.1, gt=0, le=1)

@@ -67,6 +67,11 @@ RESERVED_POOL_NAMES: frozenset[str] = frozenset(
     {"config", "trainer", "router", "rollout", "buffer", "weights", "evaluator"}
 )
 """Suffixes of the run's own children (``<run>-trainer``…): a pool with one of these names would collide."""
+RESERVED_SERIES_POOL_NAMES: frozenset[str] = frozenset({"run", "all"})
+"""Names of the run-wide figures: the collapse signs' run scope (mixrl.rl.health.collapse.RUN) and the
+``pool`` label of the trainer's whole-batch series (mixrl.rl.trainer.telemetry.ALL_POOLS).  A pool
+so named would take the run's place in both."""
+SERIES_NAME_REASON = "the whole run's figures (metrics label pool 'all', collapse signs scope 'run')"
 MAX_RUN_NAME = 30
 """Children are named ``<run>-<pool>-<suffix>`` and must stay DNS labels (63 characters)."""
 MAX_SAMPLER_POOLS = 32
@@ -237,16 +242,32 @@ class Rule:
 
 POOL = "SamplerPoolTemplate"
 
+
+OWN_OBJECTS = "the run's own {name} objects"
+
+
+def _reserved_for(name: str) -> str:
+    return SERIES_NAME_REASON if name in RESERVED_SERIES_POOL_NAMES else OWN_OBJECTS.format(name=name)
+
+
 RESERVED_POOL_NAME = Rule(
     "reserved-pool-name",
     (POOL,),
     "name",
-    "'{name}' is reserved for the run's own {name} objects",
+    "'{name}' is reserved for {what}",
     "FieldValueForbidden",
-    condition=lambda node: f"!(self.name in {cel_literal(sorted(RESERVED_POOL_NAMES))})",
-    values=lambda node: {"name": "self.name"},
-    holds=lambda pool, table: pool.name not in RESERVED_POOL_NAMES,
-    facts=lambda pool, table: {"name": pool.name},
+    condition=lambda node: (
+        f"!(self.name in {cel_literal(sorted(RESERVED_POOL_NAMES | RESERVED_SERIES_POOL_NAMES))})"
+    ),
+    values=lambda node: {
+        "name": "self.name",
+        # _reserved_for's twin: one of two constants, or a format of the (bounded) name
+        "what": f"(self.name in {cel_literal(sorted(RESERVED_SERIES_POOL_NAMES))}"
+        f" ? {cel_literal(SERIES_NAME_REASON)}"
+        f" : {cel_literal(OWN_OBJECTS.replace('{name}', '%s'))}.format([self.name]))",
+    },
+    holds=lambda pool, table: pool.name not in RESERVED_POOL_NAMES | RESERVED_SERIES_POOL_NAMES,
+    facts=lambda pool, table: {"name": pool.name, "what": _reserved_for(pool.name)},
 )
 
 LWS_NAME_SUFFIX = "-lws"

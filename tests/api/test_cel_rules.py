@@ -228,6 +228,20 @@ CASES: dict[str, Case] = {
         _pool(0, name="trainer"),
         "spec.samplerPools[0].name: 'trainer' is reserved for the run's own trainer objects",
     ),
+    # Before, valid: its figures took the run's place (the trainer's pool="all" series, the collapse
+    # signs' scope "run").
+    "pool-named-all": Case(
+        "reserved-pool-name",
+        _pool(2, name="all"),
+        "spec.samplerPools[2].name: 'all' is reserved for the whole run's figures (metrics label pool"
+        " 'all', collapse signs scope 'run')",
+    ),
+    "pool-named-run": Case(
+        "reserved-pool-name",
+        _pool(0, name="run"),
+        "spec.samplerPools[0].name: 'run' is reserved for the whole run's figures (metrics label pool"
+        " 'all', collapse signs scope 'run')",
+    ),
     "min-above-max": Case(
         "replica-bounds",
         _pool(1, minReplicas=9, maxReplicas=8),
@@ -581,6 +595,8 @@ VALID: dict[str, Callable[[Doc], None]] = {
     "one-whole-node-replica": _pool(3, gpusPerReplica=8),
     # on gpuType cpu, gpusPerReplica requests nothing and spans nothing
     "cpu-pool-with-a-large-gpu-count": _pool(7, gpuType="cpu", engine="torch", gpusPerReplica=12),
+    # a reserved name only as a part of the pool's name
+    "pool-name-starting-with-all": _pool(0, name="all-h200"),
 }
 
 

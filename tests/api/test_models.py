@@ -223,3 +223,12 @@ def test_pool_names_of_components_are_reserved(minimal_run: dict[str, Any], name
     assert problems(minimal_run) == [
         f"spec.samplerPools[0].name: {name!r} is reserved for the run's own {name} objects"
     ]
+
+
+@pytest.mark.parametrize("name", ["run", "all"])
+def test_pool_names_of_the_whole_runs_figures_are_reserved(minimal_run: dict[str, Any], name: str) -> None:
+    minimal_run["spec"]["samplerPools"][0]["name"] = name
+    assert problems(minimal_run) == [
+        f"spec.samplerPools[0].name: {name!r} is reserved for the whole run's figures (metrics label pool"
+        " 'all', collapse signs scope 'run')"
+    ]

@@ -74,6 +74,7 @@ def at(*path: str, value: Any) -> Callable[[], Doc]:
 # name -> (the rule it breaks, the document)
 INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
     "reserved-name": (rules.RESERVED_POOL_NAME.name, pool(0, name="trainer")),
+    "pool-named-all": (rules.RESERVED_POOL_NAME.name, pool(2, name="all")),
     "min-above-max": (rules.REPLICA_BOUNDS.name, pool(1, minReplicas=9, maxReplicas=8)),
     "min-above-default-max": (rules.REPLICA_BOUNDS.name, pool(0, minReplicas=2, maxReplicas=None)),
     "fp8-weights-on-a100": (rules.WEIGHTS_NEED["FP8"].name, pool(6, weightPrecision="fp8")),

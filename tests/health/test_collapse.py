@@ -175,8 +175,37 @@ def test_damaged_records_are_skipped_not_fatal() -> None:
     assert assess([]).signs == ()
 
 
-def test_smoothing_is_a_trailing_median() -> None:
+def test_smoothing_is_a_trailing_mean() -> None:
     assert smoothed([1, 8, 3, 1, 11], 3) == [4, 4, 5]
+
+
+def test_the_assessment_is_complete_once_every_run_wide_sign_is_judged() -> None:
+    # The KL needs baselineSteps + window steps (15 here), the reward its rewardWindow (20): only at
+    # step 20 can "nothing raised" mean healthy (the live status's CollapseRisk is Unknown before).
+    spec = CollapseSpec(baseline_steps=10, window=5, reward_window=20)
+    records = healthy(30)
+    assert [assess(records[:n], spec).complete for n in (14, 15, 19, 20, 30)] == [
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
+    assert (KL_GROWING, RUN) in {(s.name, s.scope) for s in assess(records[:15], spec).signs}
+    without_errors = [{k: v for k, v in r.items() if k != "format_error_endings"} for r in records]
+    assert not assess(without_errors, spec).complete  # a series never recorded is never judged
+    assert not assess([]).complete
+
+
+def test_the_run_wide_scope_and_pool_label_are_names_no_pool_may_take() -> None:
+    # A pool named "run" would share the run-wide scope here, one named "all" the trainer's
+    # whole-batch series (pool="all"): the API refuses both (mixrl.api.rules).
+    from mixrl.api.rules import RESERVED_SERIES_POOL_NAMES
+    from mixrl.operator.builders.monitoring import RUN_POOL
+    from mixrl.operator.controller.live_status import ALL_POOLS
+    from mixrl.rl.trainer.telemetry import ALL_POOLS as TRAINER_ALL_POOLS
+
+    assert {RUN, ALL_POOLS, TRAINER_ALL_POOLS, RUN_POOL} == RESERVED_SERIES_POOL_NAMES
 
 
 def test_the_default_reward_window_keeps_noisy_plateaus_quiet_where_a_short_one_does_not() -> None:

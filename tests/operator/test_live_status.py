@@ -173,6 +173,7 @@ def history(
         ({"__name__": "mixrl_trainer_kl", **run}, [(t, k) for t, _, k, _ in points]),
         ({"__name__": "mixrl_trainer_kl", "run": "r", "pool": "fp8"}, [(t, k) for t, _, _, k in points]),
         ({"__name__": "mixrl_trainer_reward", **run}, [(t, 0.5) for t, _, _, _ in points]),
+        ({"__name__": "mixrl_trainer_format_error_endings", **run}, [(t, 0.0) for t, _, _, _ in points]),
     ]
 
 
@@ -187,17 +188,43 @@ def test_history_becomes_one_record_per_step_and_feeds_the_collapse_signs() -> N
     raised = assess(records, spec).raised
     assert [(s.name, s.scope) for s in raised] == [("kl_growing", "fp8")]
     status = live_run_status(
-        previous_status(), figures_from(answers()), 3, NOW, assessment=assess(records, spec), judged=True
+        previous_status(), figures_from(answers()), 3, NOW, assessment=assess(records, spec)
     )
     risk = condition(status, COLLAPSE_RISK)
     assert risk["status"] == "True" and "pool fp8" in risk["message"]
     healthy = records_from_history(history([(float(t), t, 0.001, 0.001) for t in range(1, 21)]))
     calm = live_run_status(
-        previous_status(), figures_from(answers()), 3, NOW, assessment=assess(healthy, spec), judged=True
+        previous_status(), figures_from(answers()), 3, NOW, assessment=assess(healthy, spec)
     )
     assert condition(calm, COLLAPSE_RISK)["status"] == "False"
-    early = live_run_status(previous_status(), figures_from(answers()), 3, NOW, assessment=None, judged=False)
+    early = live_run_status(previous_status(), figures_from(answers()), 3, NOW, assessment=None)
     assert condition(early, COLLAPSE_RISK)["status"] == "Unknown"
+
+
+def collapse_risk(records: list[dict[str, Any]], spec: CollapseSpec) -> str:
+    status = live_run_status(
+        previous_status(), figures_from(answers()), 3, NOW, assessment=assess(records, spec)
+    )
+    return condition(status, COLLAPSE_RISK)["status"]
+
+
+def test_collapse_risk_is_unknown_until_every_sign_can_be_judged_and_true_as_soon_as_one_is_raised() -> None:
+    # KL judged after 5 + 3 steps, the reward only after its 12-step window: a calm run stays
+    # Unknown until step 12, not False from step 8 with its reward never judged.
+    spec = CollapseSpec(baseline_steps=5, window=3, reward_window=12)
+    calm = records_from_history(history([(float(t), t, 0.001, 0.001) for t in range(1, 21)]))
+    assert [collapse_risk(calm[:n], spec) for n in (7, 8, 11, 12, 20)] == [
+        "Unknown",
+        "Unknown",
+        "Unknown",
+        "False",
+        "False",
+    ]
+    # A pool's KL growing from step 8 is raised at step 9, before the reward can be judged.
+    growing = records_from_history(
+        history([(float(t), t, 0.001, 0.001 if t < 8 else 0.01) for t in range(1, 21)])
+    )
+    assert [collapse_risk(growing[:n], spec) for n in (8, 9)] == ["Unknown", "True"]
 
 
 def test_pool_status_gets_its_figures_and_keeps_the_rest() -> None:

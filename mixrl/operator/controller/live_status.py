@@ -206,14 +206,15 @@ def pool_fields(figures: Mapping[str, float]) -> Obj:
     return out
 
 
-def collapse_value(assessment: Assessment | None, judged: bool) -> ConditionValue:
-    """CollapseRisk: True with every raised sign and its figures, False when judged healthy, Unknown
-    while there is not yet enough history to judge."""
+def collapse_value(assessment: Assessment | None) -> ConditionValue:
+    """CollapseRisk: True as soon as a sign judged so far is raised (with every raised sign and its
+    figures); Unknown until every run-wide sign can be judged (:attr:`Assessment.complete`: the KL's
+    baseline and window, the reward's ``rewardWindow``); then False while none is raised."""
     if assessment is not None and assessment.raised:
         message = "; ".join(sign.describe() for sign in assessment.raised)
         return "True", LiveReason.COLLAPSE, message[:1000]
-    if not judged:
-        return "Unknown", LiveReason.NO_SERIES, "not enough steps recorded yet to judge"
+    if assessment is None or not assessment.complete:
+        return "Unknown", LiveReason.NO_SERIES, "not enough steps recorded yet to judge every sign"
     return "False", LiveReason.STABLE, "no sign of collapse (docs/health.md)"
 
 
@@ -224,7 +225,6 @@ def live_run_status(
     now: str,
     *,
     assessment: Assessment | None = None,
-    judged: bool = False,
     trainer_failure: str | None = None,
     problem: tuple[str, str] | None = None,
     unplaced: str | None = None,
@@ -269,7 +269,7 @@ def live_run_status(
             pools.append({**summary, **live})
         if pools:
             status["pools"] = pools
-        ours.append(make_condition(COLLAPSE_RISK, collapse_value(assessment, judged), generation, now, old))
+        ours.append(make_condition(COLLAPSE_RISK, collapse_value(assessment), generation, now, old))
     phase = previous.get("phase")
     if phase not in ("Succeeded", "Failed", "Invalid"):
         if figures.run.get("finished") == 1:

@@ -276,7 +276,6 @@ class StatusObserver(Ticker):
         collapse_spec = run.spec.health.collapse
         records = [memory.records[step] for step in sorted(memory.records)]
         assessment = assess(records, collapse_spec) if records else None
-        judged = len(records) >= collapse_spec.baseline_steps + collapse_spec.window
         # Composed and written under the run's lock from the run as it is now: a reconcile writes
         # the whole status from what it read, so the two must not interleave.
         async with self.lock(f"RLRun/{namespace}/{name}"):
@@ -290,7 +289,6 @@ class StatusObserver(Ticker):
                 fresh["metadata"].get("generation"),
                 rfc3339(now),
                 assessment=assessment,
-                judged=judged,
                 trainer_failure=failure,
                 problem=problem,
                 unplaced=unplaced,

@@ -14,8 +14,11 @@ is judged on a smoothed figure so that noise raises nothing:
 - **Format errors** (the run): the mean share of episodes ending on repeated format errors over the
   last ``window`` steps is above ``formatErrorShare``.
 
-The KL is the trainer's k3 over every trained token: the trainer does not log a staleness-0 KL, so
-a pool's figure includes the drift of stale tokens as well as its precision mismatch.
+The KL is the trainer's k3 over every trained token (``kl_k3``), so a pool's figure includes the
+drift of stale tokens as well as its precision mismatch.  The trainer also logs the KL of the fresh
+(staleness-0) tokens alone (``kl_k3_fresh``); the signs are not judged on it (they keep the
+all-token KL the chart's alerts judge too, and a pool has no fresh figure in a step without fresh
+tokens): mismatch-aware routing (:mod:`mixrl.rl.health.routing`) reads it.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class Sign:
     step: int
     """The last step of the window judged."""
     value: float
-    """The smoothed current figure: median KL, median reward, mean format-error share."""
+    """The smoothed current figure: median KL, trailing-mean reward, mean format-error share."""
     reference: float
     """What it is compared with: the KL baseline, the best smoothed reward, the allowed share."""
     threshold: float
@@ -98,6 +101,13 @@ class Assessment:
     @property
     def raised(self) -> tuple[Sign, ...]:
         return tuple(sign for sign in self.signs if sign.raised)
+
+    @property
+    def complete(self) -> bool:
+        """Every run-wide sign was judged: the run's KL, the reward and the format errors (each once
+        its series has enough steps, so ``max(baselineSteps + window, rewardWindow)`` steps with every
+        figure).  Only then does "nothing raised" mean no sign of collapse."""
+        return {sign.name for sign in self.signs if sign.scope == RUN} >= set(SIGNS)
 
 
 def _figure(value: Any) -> float | None:

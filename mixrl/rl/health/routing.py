@@ -9,10 +9,10 @@ compared with two thresholds:
 - **good**: both are below ``recover_fraction`` × their thresholds (the gap between the two levels
   is the hysteresis: a pool hovering near a threshold neither falls nor recovers).
 
-After ``degrade_after`` bad observations in a row the pool's health is multiplied by ``step``
-(once per further bad observation), never below ``floor``, so a degraded pool keeps a trickle of
-traffic and keeps being measured; after ``recover_after`` good ones in a row it is divided by
-``step`` (once per further good observation), up to 1.  An observation that is neither, or a
+At the ``degrade_after``-th bad observation in a row the pool's health is multiplied by ``step``,
+and again at each further bad one, never below ``floor``, so a degraded pool keeps a trickle of
+traffic and keeps being measured; at the ``recover_after``-th good one in a row it is divided by
+``step``, and again at each further good one, up to 1.  An observation that is neither, or a
 missing one, resets both streaks and keeps the health, so a single spike or a single quiet step
 changes nothing.
 """
@@ -38,11 +38,12 @@ class HealthPolicy:
     recover_fraction: float = 0.5
     """An observation is good when both figures are below this fraction of their thresholds."""
     degrade_after: int = 3
-    """Bad observations in a row before the health falls."""
+    """The health first falls at this bad observation in a row (3: at the third)."""
     recover_after: int = 3
-    """Good observations in a row before the health rises."""
+    """The health first rises at this good observation in a row."""
     step: float = 0.5
-    """Factor the health is multiplied by per bad observation (divided by per good one)."""
+    """Factor the health is multiplied by per bad observation from ``degrade_after`` on (divided by
+    per good one from ``recover_after`` on)."""
     floor: float = 0.1
     """Lowest health: a degraded pool keeps this fraction of its capacity's traffic."""
 
@@ -66,7 +67,7 @@ class HealthPolicy:
 
 @dataclass(frozen=True)
 class Observation:
-    """One pool's mismatch at one trainer step (the staleness-0 KL when the trainer logs one)."""
+    """One pool's mismatch at one trainer step: its fresh (staleness-0) figures (:func:`mismatch_report`)."""
 
     kl: float
     extreme_share: float

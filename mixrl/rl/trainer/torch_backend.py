@@ -359,7 +359,8 @@ def binned(names: list[str], sums: torch.Tensor, counts: torch.Tensor) -> dict[s
 
 def with_fresh(stats: dict[str, float], by_staleness: dict[str, dict[str, float]]) -> dict[str, float]:
     """``kl_k3_fresh``, ``kl_k1_fresh``, ``extreme_ratio_fresh``, ``fresh_tokens``: bin 0 by name
-    (what the collapse signs, the live status and mismatch-aware routing read)."""
+    (what mismatch-aware routing and the live status's ``klFresh`` read; the collapse signs are
+    judged on the all-token ``kl_k3``)."""
     fresh = by_staleness.get("0")
     if fresh is not None:
         stats.update({f"{key}_fresh": value for key, value in fresh.items() if key != "tokens"})
