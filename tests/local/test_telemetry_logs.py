@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mixrl.local.report import read_jsonl, step_records
-from mixrl.local.run import Progress
+from mixrl.local.run import Progress, buffer_evaluations
 
 
 def write_lines(path: Path, lines: list[str], tail: str = "") -> None:
@@ -34,7 +34,9 @@ def test_bad_telemetry_lines_are_skipped_with_one_warning_each(
 
 def test_progress_lines_survive_odd_records(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_lines(tmp_path / "metrics.jsonl", [json.dumps({"step": 3, "reward": "high", "elapsed": None})])
-    write_lines(tmp_path / "evaluations.jsonl", [json.dumps({"step": 2, "pass_at_k": {"1": "most"}})])
+    evaluations = buffer_evaluations(tmp_path)  # where the progress line reads them while the run goes on
+    evaluations.parent.mkdir()
+    write_lines(evaluations, [json.dumps({"step": 2, "pass_at_k": {"1": "most"}})])
     Progress(tmp_path, total_steps=10).update(force=True)
     line = capsys.readouterr().out
     assert "step 3/10" in line and "reward 0.000" in line and "pass@1 0.000 (step 2)" in line
