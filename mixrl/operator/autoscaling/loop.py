@@ -152,6 +152,7 @@ class AutoscalingLoop(Ticker):
         lock: PoolLock | None = None,
         may_act: Gate | None = None,
         scalar: Scalar = query_prometheus,
+        run_lock: PoolLock | None = None,
     ):
         self.settings = settings or LoopSettings()
         super().__init__(self.settings.tick_s, log)
@@ -162,6 +163,13 @@ class AutoscalingLoop(Ticker):
         self.lock: PoolLock = lock or self._own_lock
         """(namespace, name) -> the lock held while reading the live pool and writing it: the
         operator's per-object lock, shared with the pool's controller."""
+        self._run_locks: dict[Key, asyncio.Lock] = {}
+        self.run_lock: PoolLock = run_lock or (
+            lambda namespace, name: self._run_locks.setdefault((namespace, name), asyncio.Lock())
+        )
+        """(namespace, run) -> the lock held while writing the run's status: the operator's
+        per-object lock, shared with the run's controller and its live status loop (each writes
+        the whole status from what it read under that lock)."""
         self.may_act = may_act
         """namespace -> whether this operator may scale pools there now (False while kopf's peering
         has paused it); None: always."""
@@ -186,7 +194,12 @@ class AutoscalingLoop(Ticker):
 
     # -- watch events
     def observe_run(self, body: Mapping[str, Any], deleted: bool) -> None:
-        cache_event(self.runs, body, deleted, forget=(self.run_memory, self._run_polled, self._resolved))
+        cache_event(
+            self.runs,
+            body,
+            deleted,
+            forget=(self.run_memory, self._run_polled, self._resolved, self._run_locks),
+        )
 
     def observe_pool(self, body: Mapping[str, Any], deleted: bool) -> None:
         cache_event(self.pools, body, deleted, forget=(self.memory, self._locks))
@@ -434,7 +447,8 @@ class AutoscalingLoop(Ticker):
         )
         if not write:
             return
-        await PoolApi(self.client).patch_run_status(*run_key, {RECOMMENDED_CONCURRENCY: value})
+        async with self.run_lock(*run_key):
+            await PoolApi(self.client).patch_run_status(*run_key, {RECOMMENDED_CONCURRENCY: value})
         # The watch brings the run back; until then the cache must not ask for the same write.
         self.runs[run_key] = {**body, "status": {**status, RECOMMENDED_CONCURRENCY: value}}
 

@@ -217,6 +217,7 @@ def build_registry(config: OperatorConfig) -> tuple[kopf.OperatorRegistry, Runti
             config.autoscaling,
             lock=lambda namespace, name: rt.lock(f"SamplerPool/{namespace}/{name}"),  # as lock_key()
             may_act=rt.active_in,
+            run_lock=lambda namespace, name: rt.lock(f"RLRun/{namespace}/{name}"),  # as lock_key()
         )
         register_autoscaling(registry, rt.autoscaler, feed=False)  # run_event and pool_event feed it
 

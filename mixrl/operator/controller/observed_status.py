@@ -242,6 +242,7 @@ def run_status(
     autoscaler: ConditionValue | None = None,
     problems: Sequence[Problem] = (),
     admission: ConditionValue | None = None,
+    keep_admitted: bool = False,
 ) -> Obj:
     """The RLRun's status after a reconcile.
 
@@ -250,10 +251,12 @@ def run_status(
     that cannot scale still serve, so it is not part of Ready; ``problems``: children that could
     not be applied, which Progressing reports (:func:`problems_value`); ``admission``: the
     Admitted value of a run Kueue admits (None: no queue), and while it is not True the run is
-    Queued and not Ready, whatever its components say.
+    Queued and not Ready, whatever its components say; ``keep_admitted``: the run left its queue
+    but its Workload could not be deleted, so the Admitted condition before stays (the marker the
+    next reconcile deletes the Workload by).
     Everything is derived from observed state, so reconciling twice yields the same status."""
     old = without_policy_violation(previous)
-    if admission is None:  # a run that leaves its queue drops the condition
+    if admission is None and not keep_admitted:  # a run that leaves its queue drops the condition
         old = [c for c in old if c.get("type") != ADMITTED]
     subs = [
         make_condition(kind, condition_value(state), generation, now, old)
@@ -297,7 +300,7 @@ def run_status(
     if admission is not None:
         ours.append(make_condition(ADMITTED, admission, generation, now, old))
     phase = previous.get("phase")
-    if phase not in ("Succeeded", "Failed"):
+    if phase not in FINAL_PHASES:
         if queued:
             phase = "Queued"
         else:
@@ -318,8 +321,19 @@ def without_policy_violation(previous: Obj) -> list[Obj]:
     return [c for c in previous.get("conditions") or [] if c.get("type") != POLICY_VIOLATION]
 
 
+FINAL_PHASES = ("Succeeded", "Failed")
+"""A run's phase once it ended: kept whatever its spec later says (valid, invalid, refused)."""
+
+
+def kept_final(previous: Obj, phase: str) -> str:
+    """``phase``, unless the run already ended: an ended run stays Succeeded or Failed."""
+    before = previous.get("phase")
+    return before if before in FINAL_PHASES else phase
+
+
 def invalid_run_status(previous: Obj, generation: int | None, message: str, now: str) -> Obj:
-    """The status of a run whose spec cannot be valid: the one-line message, nothing created."""
+    """The status of a run whose spec cannot be valid: the one-line message, nothing created (a
+    run that ended keeps its Succeeded or Failed phase; the conditions say the spec is invalid)."""
     old = without_policy_violation(previous)
     ours = [
         make_condition(READY, ("False", Reason.INVALID_SPEC, message), generation, now, old),
@@ -330,7 +344,7 @@ def invalid_run_status(previous: Obj, generation: int | None, message: str, now:
     ]
     return {
         **previous,
-        "phase": "Invalid",
+        "phase": kept_final(previous, "Invalid"),
         "observedGeneration": generation,
         "conditions": merge_conditions(old, ours),
     }
@@ -339,7 +353,7 @@ def invalid_run_status(previous: Obj, generation: int | None, message: str, now:
 def refused_run_status(previous: Obj, generation: int | None, message: str, now: str) -> Obj:
     """The status of a valid run that the cluster's policy refuses: the one line naming the field,
     nothing created or changed (what already runs stays as it was) until the spec or the policy
-    changes."""
+    changes; a run that ended keeps its Succeeded or Failed phase."""
     old = list(previous.get("conditions") or [])
     ours = [
         make_condition(READY, ("False", Reason.POLICY_VIOLATION, message), generation, now, old),
@@ -355,7 +369,7 @@ def refused_run_status(previous: Obj, generation: int | None, message: str, now:
     ]
     return {
         **previous,
-        "phase": "Invalid",
+        "phase": kept_final(previous, "Invalid"),
         "observedGeneration": generation,
         "conditions": merge_conditions(old, ours),
     }

@@ -219,6 +219,14 @@ class StatusObserver(Ticker):
         else:
             self.runs[key] = dict(body)
 
+    def forget(self, key: Key, uid: str | None) -> None:
+        """Drop a run found deleted (and its memory), unless the watch already holds a newer run
+        of that name."""
+        known = self.runs.get(key)
+        if known is not None and known.get("metadata", {}).get("uid") == uid:
+            self.runs.pop(key, None)
+            self.memory.pop(key, None)
+
     async def tick(self) -> None:
         now = self.clock()
         for key, body in list(self.runs.items()):
@@ -280,7 +288,11 @@ class StatusObserver(Ticker):
         # the whole status from what it read, so the two must not interleave.
         async with self.lock(f"RLRun/{namespace}/{name}"):
             fresh = await self.client.get(RLRUNS, namespace, name)
-            if fresh is None or fresh["metadata"].get("uid") != meta.get("uid"):
+            if fresh is None:
+                # Deleted while the watch was away (kopf reports no DELETED for that): forgotten.
+                self.forget((namespace, name), meta.get("uid"))
+                return
+            if fresh["metadata"].get("uid") != meta.get("uid"):
                 return
             previous = fresh.get("status") or {}
             new = live_run_status(
@@ -438,8 +450,16 @@ class StatusObserver(Ticker):
                 await self.post_event(run_body, "Warning", CAPACITY_MISMATCH, f"pool {name}: {message}", now)
 
     async def post_event(self, body: Obj, kind: str, reason: str, message: str, now: float) -> None:
+        """Best effort: an event that cannot be posted is logged, and what follows it (the other
+        events, the reconcile that releases an ended run's GPUs, the pools' writes) still runs."""
         event = event_object(RLRUNS, body, kind, reason, message, now, "mixrl-status")
-        await self.client.create(EVENTS, body["metadata"]["namespace"], event)
+        try:
+            await self.client.create(EVENTS, body["metadata"]["namespace"], event)
+        except ApiError as exc:
+            meta = body["metadata"]
+            log.warning(
+                "event %s on RLRun %s/%s not posted: %s", reason, meta["namespace"], meta["name"], exc
+            )
 
 
 def _condition_status(status: Obj, kind: str) -> str | None:

@@ -61,6 +61,7 @@ from mixrl.operator.controller.apply import (
 from mixrl.operator.controller.discovery import Discovery
 from mixrl.operator.controller.observed_status import (
     ADMITTED,
+    FINAL_PHASES,
     PoolState,
     Reason,
     WorkloadState,
@@ -235,6 +236,10 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     previous = body.get("status") or {}
     if meta.get("deletionTimestamp"):
         return Outcome()  # the garbage collector removes the children through their owner references
+    # A run that ended (the live status loop decides: mixrl.operator.controller.observer) keeps its
+    # objects but releases its GPUs: trainer, rollout and router at zero, every pool at zero.  An
+    # invalid or refused spec keeps the phase, so a finished run is never started again.
+    finished = previous.get("phase") in FINAL_PHASES
     try:
         resolved = resolve_run(body, ctx.policy)
     except InvalidSpec as exc:
@@ -252,16 +257,17 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     owner = owner_of(body)
     report = ApplyReport()
     alive = owner_check(ctx.client, RLRUNS, body)
-    # A run that ended (the live status loop decides: mixrl.operator.controller.observer) keeps its
-    # objects but releases its GPUs: trainer, rollout and router at zero, every pool at zero.
-    finished = previous.get("phase") in FINAL_PHASES
-    queue = run_queue(body, ctx.default_queue)
+    queue = None if finished else run_queue(body, ctx.default_queue)
     admission: ConditionValue | None = None
     held = False
+    workload_left = False
     try:
-        admission = await admit(
-            ctx, resolved, owner, options, None if finished else queue, previous, report, alive
-        )
+        if queue is None:
+            workload_left = await release_workload(ctx, resolved, owner, previous, report)
+        else:
+            # An API error reading the Workload propagates (the reconcile is retried, nothing
+            # changed): only Kueue saying the Workload is not admitted holds the run.
+            admission = await admit(ctx, resolved, owner, options, queue, report, alive)
         if admission is not None and admission[0] != "True":
             # Queued: nothing that runs is created; a run Kueue evicted (or that must be admitted
             # again) keeps its objects with every workload at zero, as a finished run does.
@@ -327,7 +333,15 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
     pools = [pool_state(pool.name, pool_live(pool)) for pool in resolved.pools]
     autoscaler = autoscaler_of(resolved.autoscaling.engine, options)
     new = run_status(
-        previous, generation, components, pools, ctx.now(), autoscaler, report.failures, admission
+        previous,
+        generation,
+        components,
+        pools,
+        ctx.now(),
+        autoscaler,
+        report.failures,
+        admission,
+        keep_admitted=workload_left,
     )
     written = await write_status(ctx.client, RLRUNS, body, new)
 
@@ -355,52 +369,54 @@ KUEUE_MISSING = (
 )
 
 
+async def release_workload(
+    ctx: Context, resolved: ResolvedRun, owner: Owner, previous: Obj, report: ApplyReport
+) -> bool:
+    """A run without a queue (none, or it ended) deletes the Workload an earlier reconcile made, so
+    its quota frees.  Only a run that was queued can have one (its status has Admitted: no read for
+    every other run's reconcile).  Returns whether the Workload may still be there (its deletion
+    failed, reported): the run's Admitted condition then stays, so the retry deletes it."""
+    was_queued = any(c.get("type") == ADMITTED for c in previous.get("conditions") or [])
+    if not was_queued or not await ctx.discovery.serves(WORKLOADS):
+        return False
+    try:
+        await delete_leftover(ctx.client, WORKLOADS, resolved.namespace, resolved.name, owner.uid, report)
+    except ApiError as exc:
+        report.failures.append(
+            Failure(f"Workload/{resolved.name}", str(exc), True, exc.status, exc.retry_after)
+        )
+        return True
+    return False
+
+
 async def admit(
     ctx: Context,
     resolved: ResolvedRun,
     owner: Owner,
     options: BuildOptions,
-    queue: str | None,
-    previous: Obj,
+    queue: str,
     report: ApplyReport,
     alive: Callable[[], Awaitable[None]],
-) -> ConditionValue | None:
-    """Apply the run's Kueue Workload and say whether Kueue admitted it (the Admitted value); None
-    when the run has no queue (``queue`` None: none, or the run ended).  Such a run deletes the Workload an earlier
-    reconcile made, so its quota frees.  An admitted Workload whose pod sets must change (more
-    GPUs, nodes, replicas; other placement) cannot be changed in place: it is deleted and created
-    again, and the run waits in the queue for its new shape."""
-    if queue is None:
-        # Only a run that was queued can have one (no read for every other run's reconcile).
-        was_queued = any(c.get("type") == ADMITTED for c in previous.get("conditions") or [])
-        if was_queued and await ctx.discovery.serves(WORKLOADS):
-            try:
-                await delete_leftover(
-                    ctx.client, WORKLOADS, resolved.namespace, resolved.name, owner.uid, report
-                )
-            except ApiError as exc:
-                report.failures.append(
-                    Failure(f"Workload/{resolved.name}", str(exc), True, exc.status, exc.retry_after)
-                )
-        return None
+) -> ConditionValue:
+    """Apply the run's Kueue Workload and say whether Kueue admitted it (the Admitted value).  An
+    admitted Workload whose pod sets must change (more GPUs, nodes, replicas; other placement)
+    cannot be changed in place: it is deleted and created again, and the run waits in the queue
+    for its new shape.
+
+    Raises the :class:`ApiError` when the Workload cannot be read: a failed read is not an
+    eviction, so nothing of the run changes and the reconcile is retried.  When the read worked
+    but the write did not, the Workload as read says whether Kueue admits the run."""
     if not await ctx.discovery.serves(WORKLOADS):
         return "False", Reason.KUEUE_NOT_INSTALLED, KUEUE_MISSING.format(queue=queue)
     desired = run_workload(resolved, owner, options, queue)
-    try:
-        live = await ctx.client.get(WORKLOADS, resolved.namespace, resolved.name)
-        if live is not None and has_quota(live) and live_hash(live) != live_hash(desired):
-            await alive()
-            await ctx.client.delete(
-                WORKLOADS, resolved.namespace, resolved.name, uid=live["metadata"].get("uid")
-            )
-            report.recreated.append(f"Workload/{resolved.name} (its pod sets changed; admitted again)")
-    except ApiError as exc:
-        report.failures.append(
-            Failure(f"Workload/{resolved.name}", str(exc), True, exc.status, exc.retry_after)
-        )
-        return "False", Reason.QUEUED, waiting_message(None, queue)
+    live = await ctx.client.get(WORKLOADS, resolved.namespace, resolved.name)
+    if live is not None and has_quota(live) and live_hash(live) != live_hash(desired):
+        await alive()
+        await ctx.client.delete(WORKLOADS, resolved.namespace, resolved.name, uid=live["metadata"].get("uid"))
+        report.recreated.append(f"Workload/{resolved.name} (its pod sets changed; admitted again)")
+        live = None
     applied = await apply_object(ctx.client, desired, report, None, alive)
-    workload = applied.after if applied is not None else None
+    workload = applied.after if applied is not None else live
     if admitted(workload):
         return "True", Reason.ADMITTED, f"admitted by Kueue in LocalQueue {queue} (Workload {resolved.name})"
     return "False", Reason.QUEUED, waiting_message(workload, queue)
@@ -484,9 +500,6 @@ def pool_state(name: str, live: Obj) -> PoolState:
         rolling_out=(generation is not None and (observed is None or observed < generation))
         or ready.get("reason") == Reason.ROLLING_OUT,
     )
-
-
-FINAL_PHASES = ("Succeeded", "Failed")
 
 
 def is_sampler_pool(obj: Obj) -> bool:
@@ -613,14 +626,18 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     elastic: Elastic | None = None
     held = spec.replicas
     if queue is not None and await ctx.discovery.serves(WORKLOADS):
+        # Extras that cannot be read raise the API error: the pool keeps what it runs (a failed
+        # read admits nothing and evicts nothing) and the reconcile is retried.
         try:
             elastic = await admit_extras(ctx, resolved, pool, body, options, queue, report, alive)
         except OwnerGone:
             return Outcome(report=report)
-        # Extras not read: only what the run's Workload admitted runs (none outside the quota).
-        held = elastic.held if elastic is not None else min(spec.replicas, seed_replicas(pool))
+        assert elastic is not None
+        held = elastic.held
     elif "awaitingAdmission" in (body.get("status") or {}) and await ctx.discovery.serves(WORKLOADS):
         # The run left its queue (or ended): the extras' quota frees; the pool scales as it asks.
+        # A failed deletion raises before the status drops awaitingAdmission, so the retry
+        # deletes what is left.
         await admit_extras(ctx, resolved, pool, body, options, None, report, alive)
     children = pool_children(resolved, pool, held, owner_of(body), options)
     if across_nodes and not lws_served:
@@ -708,48 +725,43 @@ async def admit_extras(
     """A queued run's pool: one Kueue Workload per replica above its starting ones (which the run's
     Workload admitted), created as the pool's replicas rise and deleted — the ones still waiting
     first — as they fall; returns how many Kueue admitted (the pool's workload is held at the start
-    plus those).  ``queue`` None: the run left its queue, so every extra Workload goes.  None when
-    the extras could not be read (reported; the workload keeps its start)."""
+    plus those).  ``queue`` None: the run left its queue, so every extra Workload goes (and None
+    comes back).  An :class:`ApiError` reading or deleting the extras propagates: not knowing
+    what Kueue admitted is no reason to scale the pool."""
     namespace, uid = resolved.namespace, body["metadata"]["uid"]
     replicas = int((body.get("spec") or {}).get("replicas") or 0)
     start = seed_replicas(pool)
     owner = owner_of(body)
-    try:
-        found = await ctx.client.list(WORKLOADS, namespace, extra_labels(resolved, pool))
-        live = [w for w in found if owned_by(w, uid) and not w["metadata"].get("deletionTimestamp")]
-        plan = plan_extras(live, 0 if queue is None else max(replicas - start, 0))
-        for workload in plan.delete:
-            name = workload["metadata"]["name"]
-            if await ctx.client.delete(WORKLOADS, namespace, name, uid=workload["metadata"].get("uid")):
-                report.deleted.append(f"Workload/{name}")
-        if queue is None:
-            return None
-        kept = []
-        for workload in plan.keep:
-            desired = extra_workload(
-                resolved, pool, owner, options, queue, int(workload["metadata"]["labels"][EXTRA_LABEL])
-            )
-            if live_hash(workload) == live_hash(desired):
-                kept.append(workload)
-            elif has_quota(workload):  # admitted pod sets are immutable: queued again in its new shape
-                await alive()
-                await ctx.client.delete(
-                    WORKLOADS, namespace, desired["metadata"]["name"], uid=workload["metadata"].get("uid")
-                )
-                report.recreated.append(f"Workload/{desired['metadata']['name']} (its pod set changed)")
-            else:
-                applied = await apply_object(ctx.client, desired, report, None, alive)
-                kept.append(applied.after if applied is not None else workload)
-        for index in plan.create:
-            desired = extra_workload(resolved, pool, owner, options, queue, index)
-            applied = await apply_object(ctx.client, desired, report, None, alive)
-            if applied is not None:
-                kept.append(applied.after)
-    except ApiError as exc:
-        report.failures.append(
-            Failure(f"Workload/{pool.object_name}-extra-*", str(exc), True, exc.status, exc.retry_after)
-        )
+    found = await ctx.client.list(WORKLOADS, namespace, extra_labels(resolved, pool))
+    live = [w for w in found if owned_by(w, uid) and not w["metadata"].get("deletionTimestamp")]
+    plan = plan_extras(live, 0 if queue is None else max(replicas - start, 0))
+    for workload in plan.delete:
+        name = workload["metadata"]["name"]
+        if await ctx.client.delete(WORKLOADS, namespace, name, uid=workload["metadata"].get("uid")):
+            report.deleted.append(f"Workload/{name}")
+    if queue is None:
         return None
+    kept = []
+    for workload in plan.keep:
+        desired = extra_workload(
+            resolved, pool, owner, options, queue, int(workload["metadata"]["labels"][EXTRA_LABEL])
+        )
+        if live_hash(workload) == live_hash(desired):
+            kept.append(workload)
+        elif has_quota(workload):  # admitted pod sets are immutable: queued again in its new shape
+            await alive()
+            await ctx.client.delete(
+                WORKLOADS, namespace, desired["metadata"]["name"], uid=workload["metadata"].get("uid")
+            )
+            report.recreated.append(f"Workload/{desired['metadata']['name']} (its pod set changed)")
+        else:
+            applied = await apply_object(ctx.client, desired, report, None, alive)
+            kept.append(applied.after if applied is not None else workload)
+    for index in plan.create:
+        desired = extra_workload(resolved, pool, owner, options, queue, index)
+        applied = await apply_object(ctx.client, desired, report, None, alive)
+        if applied is not None:
+            kept.append(applied.after)
     return elastic_admission(start, replicas, queue, kept)
 
 
