@@ -37,7 +37,9 @@ keeps every version that a kept version's chain needs.
 under ``.flags/``, its mtime refreshed while converting); the other replicas of a pool wait for the
 conversion to appear and load it.  A lease whose holder is a process of this host that is gone, or
 whose heartbeat is older than ``lease_timeout_s`` (its
-holder died) is taken over.
+holder died) is taken over.  A conversion is committed only into its version as it was when the
+conversion began (the sha256 of its manifest, recorded in the conversion's): one whose version was
+removed or republished meanwhile is refused, and one that does not match is discarded and redone.
 """
 
 from __future__ import annotations
@@ -109,13 +111,18 @@ class Storage(Protocol):
 
     An entry is visible only once `staging` has committed it. An object-store backend would stage in
     a local temporary directory, upload every file, upload the manifest last, and list only prefixes
-    whose manifest exists; `local_dir` would download (and cache) an entry for loaders.
+    whose manifest exists; `local_dir` would download (and cache) an entry for loaders.  A nested
+    entry (``vN/<precision>``) is committed only into a version that exists, and with
+    ``parent_manifest_sha256`` only into the one whose manifest has that sha256: a conversion that
+    finishes after its version was removed or republished is refused, never committed.
     """
 
     def exists(self, name: str) -> bool: ...
     def list_top(self) -> list[str]: ...
     def local_dir(self, name: str) -> Path: ...
-    def staging(self, name: str) -> contextlib.AbstractContextManager[Path]: ...
+    def staging(
+        self, name: str, parent_manifest_sha256: str | None = None
+    ) -> contextlib.AbstractContextManager[Path]: ...
     def remove(self, name: str) -> None: ...
     def remove_stale_staging(self, older_than_s: float) -> int: ...
 
@@ -149,20 +156,25 @@ class LocalStorage:
         return self.root / name
 
     @contextlib.contextmanager
-    def staging(self, name: str) -> Iterator[Path]:
+    def staging(self, name: str, parent_manifest_sha256: str | None = None) -> Iterator[Path]:
         self._staging_root.mkdir(exist_ok=True)
         tmp = self._staging_root / f"{name.replace('/', '__')}.{uuid.uuid4().hex}"
         tmp.mkdir()
         try:
             yield tmp
             fsync_path(tmp)
-            self._promote(tmp, self.root / name)
+            self._promote(tmp, self.root / name, parent_manifest_sha256)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _promote(self, tmp: Path, final: Path) -> None:
-        """One rename makes the entry visible; a rename onto an existing entry fails."""
-        final.parent.mkdir(parents=True, exist_ok=True)
+    def _promote(self, tmp: Path, final: Path, parent_manifest_sha256: str | None = None) -> None:
+        """One rename makes the entry visible; a rename onto an existing entry fails.
+
+        A nested entry's parent is never created here: a version without its manifest (removed by
+        a resumed trainer or by prune while a conversion of it ran) would be left holding only the
+        conversion, invisible to `versions` and blocking the version's next publish."""
+        if final.parent != self.root:
+            self._check_parent(final, parent_manifest_sha256)
         if final.exists():
             raise WeightStoreError(f"{final}: already exists; published entries are immutable")
         try:
@@ -170,6 +182,21 @@ class LocalStorage:
         except OSError as exc:
             raise WeightStoreError(f"{final}: cannot publish: {exc.strerror}") from exc
         fsync_path(final.parent)
+
+    @staticmethod
+    def _check_parent(final: Path, parent_manifest_sha256: str | None) -> None:
+        """Refuse to commit ``final`` unless its version is there (and is the one it was made from)."""
+        version = final.parent.name
+        try:
+            digest = _sha256(final.parent / MANIFEST)
+        except (FileNotFoundError, NotADirectoryError):
+            raise WeightStoreError(
+                f"{final}: stale: {version} was removed while this was written; discarded"
+            ) from None
+        if parent_manifest_sha256 is not None and digest != parent_manifest_sha256:
+            raise WeightStoreError(
+                f"{final}: stale: {version} was republished while this was written; discarded"
+            )
 
     def remove(self, name: str) -> None:
         # Rename out of sight first, so a half-deleted entry is never seen as a corrupt version.
@@ -183,7 +210,11 @@ class LocalStorage:
         cutoff = time.time() - older_than_s
         for parent in (self._staging_root, self._trash_root):
             for entry in parent.iterdir() if parent.is_dir() else ():
-                if entry.stat().st_mtime < cutoff:
+                try:
+                    mtime = entry.stat().st_mtime
+                except FileNotFoundError:  # promoted or removed by its writer since the listing
+                    continue
+                if mtime < cutoff:
                     shutil.rmtree(entry, ignore_errors=True)
                     removed += 1
         return removed
@@ -735,6 +766,7 @@ class WeightStore:
                 raise ValueError(f"files: {filename!r} is not a plain file name beside the weights")
         if self.storage.exists(name):
             raise WeightStoreError(f"{self.path(version)}: version {version} already exists")
+        self._remove_leftovers([name])
         tensors = _storable(state_dict)
         deltas = self.snapshot_every > 1
         base = None if snapshot or not deltas else self._delta_base(version)
@@ -893,6 +925,11 @@ class WeightStore:
         per (version, precision) converts, holding a lease; the others wait for its result.  A
         snapshot already in the serving BF16 layout is its own ``bf16`` checkpoint; a delta version
         is materialised as ``vN/bf16`` (SGLang loads a directory).
+
+        A conversion records the sha256 of the manifest it was made from: one that does not match
+        the version's manifest now (made before the version was removed and published again) is
+        stale, and is discarded and redone, never served.  A conversion whose version is removed or
+        republished while it runs is refused (WeightStoreError, one line) rather than written.
         """
         if precision not in quant.WEIGHT_FORMATS:
             raise ValueError(
@@ -905,14 +942,41 @@ class WeightStore:
         lease = f"convert-{source_name}-{precision}.lease"
         holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         waited_since = time.monotonic()
-        while not self.storage.exists(name):
+        while not self._converted(version, name):
             if self.storage.create_flag(lease, holder):
                 with _heartbeat(self.storage, lease, holder, self.lease_timeout_s / 4):
-                    if not self.storage.exists(name):
+                    if not self._converted(version, name):
+                        self._discard_stale(name)
                         self._convert(version, precision, name)
                 break
-            self._wait_for_conversion(name, lease, waited_since)
+            self._wait_for_conversion(version, name, lease, waited_since)
         return str(self.storage.local_dir(name))
+
+    def _source_sha256(self, version: int) -> str | None:
+        """The sha256 of ``version``'s manifest (what its conversions record), or None without one."""
+        try:
+            return _sha256(self.storage.local_dir(version_dir_name(version)) / MANIFEST)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def _converted(self, version: int, name: str) -> bool:
+        """Whether the conversion ``name`` exists and was made from ``version`` as it is now (its
+        recorded source manifest is the version's manifest): not a stale one of a removed version."""
+        if not self.storage.exists(name):
+            return False
+        source = self._source_sha256(version)
+        try:
+            recorded = _read_manifest(self.storage.local_dir(name)).get("source_manifest_sha256")
+        except WeightStoreError:
+            return False
+        return source is not None and recorded == source
+
+    def _discard_stale(self, name: str) -> None:
+        """Move an existing conversion that is not the version's (`_converted` said no) to the trash."""
+        if self.storage.exists(name):
+            log.warning("%s: not made from the version's manifest as it is now (stale); discarded", name)
+            with contextlib.suppress(FileNotFoundError):
+                self.storage.remove(name)
 
     def _serves_bf16_as_is(self, version: int) -> bool:
         """Whether the version directory itself is the ``bf16`` checkpoint (a serving-layout BF16
@@ -925,11 +989,11 @@ class WeightStore:
             return said
         return checkpoint_formats.is_serving_bf16(load_checkpoint_dir(self.path(version))[0])
 
-    def _wait_for_conversion(self, name: str, lease: str, since: float) -> None:
+    def _wait_for_conversion(self, version: int, name: str, lease: str, since: float) -> None:
         """Wait (a progress line every WAIT_LOG_S) until ``name`` appears or ``lease`` is released
         or stale; a stale lease (its holder died) is removed so the next try can take it."""
         last_log = time.monotonic()
-        while not self.storage.exists(name):
+        while not self._converted(version, name):
             holder, age = self.storage.read_flag(lease), self.storage.flag_age_s(lease)
             if age is None:
                 return  # released: the holder finished (or failed); look again
@@ -954,7 +1018,14 @@ class WeightStore:
     def _convert(self, version: int, precision: str, name: str) -> None:
         """The conversion itself (the lease holder only): load (rebuilding a delta), convert, write."""
         log.info("converting weight version %d to %s (holding the lease)", version, precision)
+        # Taken before loading, checked again at the rename: a version removed or republished in
+        # between (a resumed trainer, prune) is refused there rather than served from older files.
+        source_sha256 = self._source_sha256(version)
         tensors, manifest = load_checkpoint_dir(self.path(version))
+        if source_sha256 is None:  # published while loading began: convert it next time
+            raise WeightStoreError(
+                f"{self.path(version)}: version {version} appeared while converting; retry"
+            )
         source_dir = self.storage.local_dir(version_dir_name(version))
         config_path = source_dir / "config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else None
@@ -963,9 +1034,8 @@ class WeightStore:
         converted = checkpoint_formats.convert_state_dict(
             tensors, precision, progress.update, input_amax, calibration
         )
-        source_sha256 = _sha256(source_dir / MANIFEST)
         try:
-            with self.storage.staging(name) as tmp:
+            with self.storage.staging(name, parent_manifest_sha256=source_sha256) as tmp:
                 what = f"write v{version}/{precision}"
                 _write_shards(tmp, converted.tensors, DEFAULT_MAX_SHARD_BYTES, what)
                 for filename, payload in checkpoint_formats.config_files(converted, config).items():
@@ -974,7 +1044,9 @@ class WeightStore:
                 tensor_count = len(converted.tensors)
                 _write_manifest(tmp, _manifest(tmp, version, tensor_count, manifest.get("metadata"), **extra))
         except WeightStoreError:
-            if not self.storage.exists(name):  # a converter that took over a stale lease finished first
+            # Another converter that took over a stale lease may have finished first: fine when
+            # its conversion is of the version as it is now.
+            if not self._converted(version, name):
                 raise
         log.info("converted weight version %d to %s", version, precision)
 
@@ -1020,8 +1092,23 @@ class WeightStore:
             self.remove(version)
         for version in sorted(needed - kept):
             self._remove_conversions(version)
+        self._remove_leftovers(self.storage.list_top())
         self.storage.remove_stale_staging(STALE_STAGING_S)
         return doomed
+
+    def _remove_leftovers(self, names: Collection[str]) -> None:
+        """Move the version directories among ``names`` that have no manifest to the trash.
+
+        No writer of this store leaves one (a version appears whole, with its manifest, in one
+        rename; a conversion is refused a version that is gone), but a conversion by an older mixrl
+        that finished after its version was removed left ``vN/`` holding only ``<precision>/``: not
+        a version, so nothing else removes it, and in the way of publishing version N again."""
+        present = set(self.storage.list_top())
+        for name in names:
+            if _VERSION_DIR.match(name) and name in present and not self.storage.exists(name):
+                log.warning("%s: a version directory without a manifest (a leftover); removed", name)
+                with contextlib.suppress(FileNotFoundError):
+                    self.storage.remove(name)
 
     def _chain_present(self, version: int) -> list[int]:
         """The links of ``version``'s chain that exist (a broken chain keeps what is left of it)."""

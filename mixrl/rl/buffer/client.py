@@ -11,6 +11,11 @@ rebuilds its state from its logs), and so are trajectory posts: the buffer store
 it already holds once (keyed by prompt and sample index), so a retry whose first attempt was
 stored is acknowledged without a second copy.  A 401 (no token, or not this run's) is never
 retried.  Posting an evaluation is retried only when the connection could not be made at all.
+
+How long: a call keeps retrying for ``retry_budget_s`` (:data:`RETRY_BUDGET_S`, five minutes: a
+buffer pod rescheduled and replaying its logs), its waits doubling from ``backoff_s`` up to
+``max_backoff_s``, like the rollout's RouterClient; then it raises BufferError.  ``retries`` caps
+the number of retries too (tests that want a quick failure pass a small budget or count).
 """
 
 from __future__ import annotations
@@ -71,10 +76,18 @@ class Batch:
         return Batch(int(payload["step"]), groups, StalenessStats(**payload["staleness"]))
 
 
+RETRY_BUDGET_S = 300.0
+"""How long a call retries a buffer it cannot reach: a buffer pod restarting (rescheduled, its
+image pulled, its logs replayed) takes minutes; a trainer that gave up sooner would exit and redo
+up to ``checkpointEvery`` − 1 steps."""
+
+
 class BufferClient(SessionClient):
     """``async with BufferClient("http://127.0.0.1:8100") as buffer: await buffer.get_batch(3)``.
 
     ``auth_token``: the run's token, sent with every request; the buffer's writes need it.
+    ``retry_budget_s``, ``backoff_s``, ``max_backoff_s``, ``retries``: how a call that cannot reach
+    the buffer is retried (the module's docstring).
     """
 
     def __init__(
@@ -83,14 +96,18 @@ class BufferClient(SessionClient):
         session: aiohttp.ClientSession | None = None,
         *,
         timeout_s: float = 120.0,
-        retries: int = 5,
+        retry_budget_s: float = RETRY_BUDGET_S,
         backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        retries: int | None = None,
         auth_token: AuthToken | None = None,
     ) -> None:
         super().__init__(base_url, session, auth_token)
         self.timeout_s = timeout_s
-        self.retries = retries
+        self.retry_budget_s = retry_budget_s
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.retries = retries
 
     async def _request(
         self,
@@ -109,7 +126,11 @@ class BufferClient(SessionClient):
         body = None if json is None else jsonlib.dumps(json).encode()
         headers = dict(self.headers) if body is None else {**self.headers, "Content-Type": "application/json"}
         error: Exception | None = None
-        for attempt in range(self.retries + 1):
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.retry_budget_s
+        delay, attempt = self.backoff_s, 0
+        while True:
             try:
                 async with self._http().request(
                     method,
@@ -140,9 +161,15 @@ class BufferClient(SessionClient):
                     message = payload.get("error") if isinstance(payload, dict) else payload
                     raise BufferError(f"{method} {path}: {status}: {message}", status)
                 return status, payload
-            if attempt < self.retries:
-                await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise BufferError(f"{method} {path}: cannot reach the buffer at {self.base_url} ({error})")
+            if (self.retries is not None and attempt >= self.retries) or loop.time() + delay > deadline:
+                break
+            attempt += 1
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+        raise BufferError(
+            f"{method} {path}: cannot reach the buffer at {self.base_url}"
+            f" ({attempt + 1} attempts in {loop.time() - started:.1f} s; last: {error})"
+        )
 
     async def post_trajectories(
         self, trajectories: Sequence[Trajectory | Mapping[str, Any]], group: str | None = None

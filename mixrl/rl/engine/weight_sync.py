@@ -31,7 +31,10 @@ engine starts from), then as the ``weight-sync`` sidecar (follow the weight stor
   after the pod spec is written).  When ``current`` already is the latest version's checkpoint,
   the sidecar labels the engine with ``/update_weight_version`` instead of reloading the same
   weights.  Sound because ``current`` moves only after the engine confirms an update, so an engine
-  that never took one serves what ``current`` named when it started.
+  that never took one serves what ``current`` named when it started.  The exception: a ``current``
+  naming a version that is gone (a resumed trainer or prune removed it) is re-linked to the newest
+  version that loads at once, engine up or not (an engine restarted from it could never load);
+  until the sidecar has synced the engine after that, an unlabelled engine is reloaded, not labelled.
 - Those calls change the engine's state, so they carry the run's token (``--auth-token-file``, a
   mounted Secret, or ``$MIXRL_AUTH_TOKEN``); it goes with every request, as SGLang's ``--api-key``
   wants it even on ``/get_weight_version``.  The sidecar refuses to follow without one unless
@@ -57,7 +60,7 @@ from mixrl.api.resolve import ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.rl.auth import AuthConfigError, add_auth_arguments, token_from_args
 from mixrl.rl.engine.client import EngineClient, EngineError
 from mixrl.rl.serving import stop_on_signals
-from mixrl.rl.weights import DELTA, WeightStore, WeightStoreError
+from mixrl.rl.weights import DELTA, MANIFEST, WeightStore, WeightStoreError
 
 log = logging.getLogger("mixrl.engine_sync")
 
@@ -135,6 +138,14 @@ async def prepare(
     (an older one when the latest's chain is broken; the snapshot's files are not hashed here, the
     engine's load does that)."""
     latest = await wait_for_version(store, poll_s, timeout_s)
+    version, target = await link_loadable(store, pool, output, latest)
+    log.info("pool %s starts from version %d: %s", pool.name, version, target)
+    return version
+
+
+async def link_loadable(store: WeightStore, pool: ResolvedPool, output: Path, latest: int) -> tuple[int, str]:
+    """Link ``output/current`` to ``latest``'s checkpoint for this pool, or to the newest older
+    version that loads when ``latest``'s chain is broken; returns the version and the target."""
     fallback = await asyncio.to_thread(fall_back, store, latest, False)
     version = latest if fallback is None else fallback
     try:
@@ -147,8 +158,14 @@ async def prepare(
         target = await asyncio.to_thread(checkpoint_for, store, pool, version)
     target = await asyncio.to_thread(startup_checkpoint, store, pool, version, target)
     point_current(output, target)
-    log.info("pool %s starts from version %d: %s", pool.name, version, target)
-    return version
+    return version, target
+
+
+def current_is_gone(output: Path) -> bool:
+    """Whether ``output/current`` names a checkpoint that is no longer there (a version the trainer
+    removed on resuming, or prune removed): an engine (re)started from it cannot load."""
+    link = output / "current"
+    return link.is_symlink() and not (link / MANIFEST).is_file()
 
 
 UNLABELLED_VERSION = 0
@@ -189,14 +206,23 @@ def serves_current(output: Path, target: str) -> bool:
 
 
 async def sync_engine(
-    store: WeightStore, pool: ResolvedPool, output: Path, engine: EngineClient, version: int, served: int
+    store: WeightStore,
+    pool: ResolvedPool,
+    output: Path,
+    engine: EngineClient,
+    version: int,
+    served: int,
+    trust_current: bool = True,
 ) -> None:
-    """Move one engine from ``served`` to ``version`` without dropping its sessions."""
+    """Move one engine from ``served`` to ``version`` without dropping its sessions.
+
+    ``trust_current``: an unlabelled engine serves what ``current`` names (no reload, a label);
+    False after the sidecar itself moved ``current`` (the engine may have started before)."""
     target = await asyncio.to_thread(checkpoint_for, store, pool, version)
     # Across nodes, each member's init container picked the latest version on its own, and a
     # publish in between leaves them on different versions: only a load makes them all one.
     one_node = pool.nodes_per_replica == 1
-    if served == UNLABELLED_VERSION and one_node and serves_current(output, target):
+    if served == UNLABELLED_VERSION and one_node and trust_current and serves_current(output, target):
         await engine.update_weight_version(version, abort_all_requests=False)
         log.info("pool %s engine started from version %d: labelled, not reloaded", pool.name, version)
         return
@@ -227,18 +253,19 @@ async def sync_or_fall_back(
     engine: EngineClient,
     target: int,
     served: int,
+    trust_current: bool = True,
 ) -> Broken | None:
     """Sync the engine to ``target``; when that fails because ``target``'s chain in the store is
     broken, sync it to the newest version that loads instead and say so (a snapshot is requested)."""
     try:
-        await sync_engine(store, pool, output, engine, target, served)
+        await sync_engine(store, pool, output, engine, target, served, trust_current)
         return None
     except (SyncError, WeightStoreError):
         fallback = await asyncio.to_thread(fall_back, store, target)
         if fallback is None:
             raise
     if fallback != served:
-        await sync_engine(store, pool, output, engine, fallback, served)
+        await sync_engine(store, pool, output, engine, fallback, served, trust_current)
     return Broken(target, fallback)
 
 
@@ -256,8 +283,15 @@ async def follow(
     versions, and the engines must follow it back.  Until the engine is up and labelled it is
     checked every :data:`UNSETTLED_POLL_S` rather than every ``poll_s``: an engine that has just
     (re)started reports SGLang's ``default`` for the tokens it serves until it is labelled.  A
-    latest version found broken is not tried again; its fallback is served until a newer one comes."""
+    latest version found broken is not tried again; its fallback is served until a newer one comes.
+
+    A ``current`` that names a removed version is re-linked to the newest version that loads at
+    once, whether the engine is up or not: an engine container restarted from it could not load,
+    and would never come up for the sidecar to sync (a crash loop).  An unlabelled engine is then
+    reloaded rather than labelled, until the sidecar has synced it once: it may have started from
+    what ``current`` named before."""
     broken: Broken | None = None
+    relinked = False
     while not stop.is_set():
         settled = labelled = False
         try:
@@ -265,12 +299,28 @@ async def follow(
             settled = latest is None  # nothing to serve yet: the store is checked every poll_s
             if broken is not None and broken.latest != latest:
                 broken = None
+            if latest is not None and await asyncio.to_thread(current_is_gone, output):
+                gone = os.readlink(output / "current")
+                version, checkpoint = await link_loadable(store, pool, output, latest)
+                relinked = True
+                log.warning(
+                    "pool %s: current named %s, which is gone; now version %d: %s",
+                    pool.name,
+                    gone,
+                    version,
+                    checkpoint,
+                )
             if latest is not None and await engine.health():
                 target = latest if broken is None else broken.fallback
                 served = await engine.get_weight_version()
                 if served != target:
-                    broken = await sync_or_fall_back(store, pool, output, engine, target, served)
+                    broken = await sync_or_fall_back(
+                        store, pool, output, engine, target, served, trust_current=not relinked
+                    )
                     served = target if broken is None else broken.fallback
+                    relinked = False
+                elif served != UNLABELLED_VERSION:
+                    relinked = False  # labelled: from now on a restarted engine starts from `current`
                 settled = served != UNLABELLED_VERSION or target == UNLABELLED_VERSION
                 # An older version than the latest still labels its tokens truly: only an
                 # unlabelled engine (just restarted) is kept out of service.

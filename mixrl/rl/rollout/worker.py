@@ -404,9 +404,10 @@ class RolloutWorker:
             self.groups_in_flight -= 1
             await self._notify()
 
-    async def post_group(self, trajectories: list[Trajectory], prompt_id: str, attempts: int = 6) -> None:
-        """Post a whole group: ``attempts`` tries while the buffer cannot be reached (it stores a
-        repeat once), then the group is dropped and counted."""
+    async def post_group(self, trajectories: list[Trajectory], prompt_id: str) -> None:
+        """Post a whole group; a buffer it cannot reach is retried by the client for its retry
+        budget (a buffer pod restarting; the buffer stores a repeat once), then the group is dropped
+        and counted."""
         limits = self.settings.limits
         for index, trajectory in enumerate(trajectories):
             problem = trajectory_problem(trajectory, limits)
@@ -414,21 +415,17 @@ class RolloutWorker:
                 log.error("group %s not posted: trajectories[%d].%s", prompt_id, index, problem)
                 self.stats.groups_dropped += 1
                 return
-        for attempt in range(attempts):
-            try:
-                await self.buffer.post_trajectories(trajectories, group=prompt_id)
-                self.stats.group_acknowledged(len(trajectories))
-                self.posted_since_poll += 1
-                return
-            except BufferError as exc:
-                if exc.status == 401:  # not this run's token: every later group would fail alike
-                    raise
-                if exc.status is not None or attempt == attempts - 1:
-                    # refused (a bug on one side, or a clash: 409) or unreachable for a minute: say so loudly
-                    log.error("group %s not accepted by the buffer: %s", prompt_id, exc)
-                    self.stats.groups_dropped += 1
-                    return
-                await asyncio.sleep(2.0 * (attempt + 1))
+        try:
+            await self.buffer.post_trajectories(trajectories, group=prompt_id)
+        except BufferError as exc:
+            if exc.status == 401:  # not this run's token: every later group would fail alike
+                raise
+            # refused (a bug on one side, or a clash: 409) or unreachable for minutes: say so loudly
+            log.error("group %s not accepted by the buffer: %s", prompt_id, exc)
+            self.stats.groups_dropped += 1
+            return
+        self.stats.group_acknowledged(len(trajectories))
+        self.posted_since_poll += 1
 
     def _room_for_a_group(self) -> bool:
         limit = self.settings.max_steps_ahead * self.settings.prompts_per_update

@@ -32,7 +32,9 @@ the buffer's batches and commits and (with ``--router``) the router's weight fan
 
 The buffer hands out a batch only for the step after its last committed one, so a trainer that
 resumes from a checkpoint first commits the checkpoint's step (a no-op unless it crashed between
-saving the checkpoint and committing), then asks for the steps after it.
+saving the checkpoint and committing) and sends that step's metrics record and mismatch report
+again (lost if it stopped before posting them; the buffer replaces a step's record), then asks for
+the steps after it.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ from mixrl.rl.trainer.megatron_backend import BackendUnavailable, MegatronPolicy
 from mixrl.rl.trainer.telemetry import TrainerTelemetry, trainer_telemetry
 from mixrl.rl.trainer.torch_backend import OptimizerSettings, StepResult, TorchPolicyTrainer
 from mixrl.rl.trainer.weight_broadcast import WeightBroadcaster, receivers_from_router
-from mixrl.rl.weights import WeightStore, tokenizer_files
+from mixrl.rl.weights import WeightStore, WeightStoreError, tokenizer_files
 
 log = logging.getLogger("mixrl.trainer")
 
@@ -84,6 +86,18 @@ class ReloadRefused(RuntimeError):
 
 class PoisonBatch(RuntimeError):
     """A batch that passed every check crashed the step; it is quarantined, the process ends."""
+
+
+class CommittedBatch(RuntimeError):
+    """A batch fails its checks or crashes the step, but its step is committed in the buffer (it was
+    trained after the checkpoint this trainer resumed from): the buffer will not quarantine it, and
+    a restart would redo the step on it the same way (one line, fatal)."""
+
+
+ALREADY_QUARANTINED = ("has no batch to quarantine", "are not the step's batch")
+"""What the buffer's 409 to ``POST /quarantine`` says when the batch was quarantined already (by
+another rank crashing alike: the step then has no batch, or the next one); its other 409, ``step N
+is committed``, is a batch that cannot be quarantined (mixrl.rl.buffer.grouping.check_quarantine)."""
 
 
 NOT_THE_BATCH = (BufferError, OSError, torch.OutOfMemoryError, torch.distributed.DistError)
@@ -316,21 +330,32 @@ class TrainerLoop:
         body: dict[str, Any] = {"model_path": self.store.path(version), "weight_version": str(version)}
         if skip:
             body["skip_replicas"] = skip
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(
-                f"{self.router_url}/update_weights_from_disk",
-                json=body,
-                timeout=aiohttp.ClientTimeout(total=300),
-                headers=self.auth_headers,
-            ) as response,
-        ):
-            result = await response.json(content_type=None)
-        if response.status == 401:
+        # The version is published: a router that cannot be reached or answers garbage costs the
+        # engines this reload (they catch up with the next), never the step (one warning line).
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{self.router_url}/update_weights_from_disk",
+                    json=body,
+                    timeout=aiohttp.ClientTimeout(total=300),
+                    headers=self.auth_headers,
+                ) as response,
+            ):
+                status, text = response.status, await response.text(errors="replace")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            log.warning("engine reload to version %d: router %s: %s", version, self.router_url, reason)
+            return
+        try:
+            result: Any = json.loads(text)
+        except (ValueError, RecursionError):  # an HTML error page from a proxy, a cut-off body
+            result = text[:200]
+        if status == 401:
             message = result.get("error") if isinstance(result, dict) else result
             raise ReloadRefused(f"POST /update_weights_from_disk: 401: {message}")
-        if response.status != 200:
-            log.warning("engine reload to version %d: HTTP %d %s", version, response.status, result)
+        if status != 200:
+            log.warning("engine reload to version %d: HTTP %d %s", version, status, result)
 
     async def train(self) -> None:
         try:
@@ -347,6 +372,7 @@ class TrainerLoop:
             # the checkpoint and committing would otherwise leave it open and the buffer would
             # refuse step s + 1.
             await self.buffer.commit(self.step)
+            await self.resend_checkpoint_record()
         distributed.barrier()
         while (total is None or self.step < total) and not self.stopping.is_set():
             step = self.step + 1
@@ -372,11 +398,7 @@ class TrainerLoop:
                 # The model may be half-updated and the other ranks inside a collective: this
                 # process ends (one line), and the restarted trainer takes the step's next batch.
                 reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                try:
-                    await self.quarantine(batch, f"the trainer crashed on it ({reason})")
-                except BufferError as refused:
-                    if refused.status != 409:  # 409: another rank, crashing alike, reported it first
-                        raise
+                await self.quarantine(batch, f"the trainer crashed on it ({reason})")
                 raise PoisonBatch(
                     f"step {step}: the batch could not be trained ({reason}); it is quarantined"
                 ) from exc
@@ -418,6 +440,38 @@ class TrainerLoop:
         if total is not None and self.step >= total:
             self.finished()
 
+    async def resend_checkpoint_record(self) -> None:
+        """Send the checkpoint step's metrics record and mismatch report to the buffer again.
+
+        A trainer stopped after saving step s's checkpoint and before posting them (SIGTERM, a
+        buffer unreachable) resumes after step s and never posts them otherwise: the buffer's copy
+        of the run's metrics would lack step s for good.  The buffer replaces a step's record (and
+        keeps the newest step's report), so sending them again is harmless."""
+        record = self.metrics_record(self.step)
+        if record is None:
+            log.warning("step %d: no line in %s to send to the buffer again", self.step, METRICS)
+            return
+        pools = record.get("pools")
+        if isinstance(pools, dict):
+            try:
+                report = mismatch_report(self.step, pools)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("step %d: its metrics line has no usable pools (%s)", self.step, exc)
+            else:
+                await self.buffer.post_mismatch(report)
+        await self.buffer.post_trainer_record(record)
+
+    def metrics_record(self, step: int) -> dict[str, Any] | None:
+        """Step ``step``'s line of metrics.jsonl (its last, if a damaged file holds two), or None."""
+        path = self.run_dir / METRICS
+        if not path.exists():
+            return None
+        for line in reversed(path.read_bytes().splitlines()):
+            if _step_of(line) == step:
+                record = json.loads(line)  # _step_of parsed it
+                return record if isinstance(record, dict) else None
+        return None
+
     def limits(self, step: int) -> TrajectoryLimits:
         """The contract of step ``step``'s trajectories: the buffer's, with the model's vocabulary
         and versions no newer than the step (version s exists only once step s is trained)."""
@@ -428,8 +482,24 @@ class TrainerLoop:
         return dataclasses.replace(limits, latest_version=step)
 
     async def quarantine(self, batch: Batch, reason: str) -> None:
-        log.error("step %d: batch quarantined: %s", batch.step, reason)
-        await self.buffer.quarantine(batch.step, [group.prompt_id for group in batch.groups], reason)
+        """Have the buffer take ``batch`` back for good; done already (another rank) is fine, a
+        committed step is :class:`CommittedBatch`."""
+        log.error("step %d: quarantining the batch: %s", batch.step, reason)
+        try:
+            await self.buffer.quarantine(batch.step, [group.prompt_id for group in batch.groups], reason)
+        except BufferError as refused:
+            if refused.status != 409:
+                raise
+            if any(marker in str(refused) for marker in ALREADY_QUARANTINED):
+                log.info("step %d: the batch was quarantined already (another rank reported it)", batch.step)
+                return
+            if "is committed" in str(refused):
+                raise CommittedBatch(
+                    f"step {batch.step}: its batch cannot be trained ({reason}) nor quarantined: the"
+                    " buffer has the step committed (trained after the checkpoint this trainer resumed"
+                    " from), so a restart redoes it the same way"
+                ) from None
+            raise
 
     @property
     def done(self) -> bool:
@@ -539,6 +609,9 @@ def main(argv: list[str]) -> int:
     except checkpoint.CheckpointError as exc:
         print(f"mixrl trainer: checkpoint: {exc}", file=sys.stderr)
         return 1
+    except WeightStoreError as exc:  # the held version could not be published: one line
+        print(f"mixrl trainer: weight store: {exc}", file=sys.stderr)
+        return 1
 
     async def _main() -> None:
         stop_on_signals(loop.stopping)
@@ -568,7 +641,13 @@ def main(argv: list[str]) -> int:
     except PoisonBatch as exc:
         print(f"mixrl trainer: {exc}; restart to go on with the next batch", file=sys.stderr)
         return 1
+    except CommittedBatch as exc:
+        print(f"mixrl trainer: {exc}", file=sys.stderr)
+        return 1
     except checkpoint.CheckpointError as exc:  # a save that could not be committed
         print(f"mixrl trainer: checkpoint: {exc}", file=sys.stderr)
+        return 1
+    except WeightStoreError as exc:  # a version that could not be published (or pruned)
+        print(f"mixrl trainer: weight store: {exc}", file=sys.stderr)
         return 1
     return 0
