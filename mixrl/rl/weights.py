@@ -1022,9 +1022,9 @@ class WeightStore:
         # between (a resumed trainer, prune) is refused there rather than served from older files.
         source_sha256 = self._source_sha256(version)
         tensors, manifest = load_checkpoint_dir(self.path(version))
-        if source_sha256 is None:  # published while loading began: convert it next time
+        if source_sha256 is None:  # no manifest when this began, yet it loaded: republished meanwhile
             raise WeightStoreError(
-                f"{self.path(version)}: version {version} appeared while converting; retry"
+                f"{self.path(version)}: version {version} was replaced while the conversion began; retry"
             )
         source_dir = self.storage.local_dir(version_dir_name(version))
         config_path = source_dir / "config.json"

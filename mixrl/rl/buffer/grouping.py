@@ -105,6 +105,14 @@ class Plan:
         return not self.dropped and self.batch is None
 
 
+NO_BATCH_TO_QUARANTINE = "has no batch to quarantine"
+STEP_COMMITTED = "is committed: its batch was trained"
+NOT_THE_STEPS_BATCH = "are not the step's batch"
+"""The words of the buffer's refusals of ``POST /quarantine`` (409), which a trainer tells apart:
+the first and the last say the batch was taken back already (another rank reported it), the second
+that the step was trained and its batch cannot be quarantined."""
+
+
 class StepError(ValueError):
     """A batch or commit request for a step the buffer cannot serve (HTTP 409)."""
 
@@ -240,9 +248,9 @@ class GroupState:
     def check_quarantine(self, step: int) -> None:
         """Raise StepError unless ``step`` holds a batch that is served and not yet committed."""
         if step not in self.assigned:
-            raise StepError(f"step {step} has no batch to quarantine")
+            raise StepError(f"step {step} {NO_BATCH_TO_QUARANTINE}")
         if step in self.committed:
-            raise StepError(f"step {step} is committed: its batch was trained")
+            raise StepError(f"step {step} {STEP_COMMITTED}")
 
     def quarantine(self, step: int) -> tuple[tuple[int, ...], ...]:
         """Take a served, uncommitted batch back from its step for good; returns its groups' seqs.

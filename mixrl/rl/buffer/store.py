@@ -56,7 +56,15 @@ from typing import Any, BinaryIO, TypeGuard
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mixrl.api.trajectory import Trajectory
-from mixrl.rl.buffer.grouping import Group, GroupState, Plan, StalenessStats, StepError, TrajectoryMeta
+from mixrl.rl.buffer.grouping import (
+    NOT_THE_STEPS_BATCH,
+    Group,
+    GroupState,
+    Plan,
+    StalenessStats,
+    StepError,
+    TrajectoryMeta,
+)
 from mixrl.rl.durable import fsync_path, sync_file
 
 log = logging.getLogger("mixrl.buffer")
@@ -604,7 +612,7 @@ class TrajectoryBuffer:
             self.state.check_quarantine(step)
             record = self._batch_record(step)
             if list(prompt_ids) != record["prompt_ids"]:
-                raise StepError(f"step {step}: those prompts are not the step's batch (it was replaced?)")
+                raise StepError(f"step {step}: those prompts {NOT_THE_STEPS_BATCH} (it was replaced?)")
             folder = self.dir / QUARANTINE
             folder.mkdir(exist_ok=True)
             fsync_path(self.dir)  # the folder's name (new only the first time; quarantines are rare)

@@ -61,6 +61,7 @@ from mixrl.api.trajectory_check import TrajectoryLimits, group_problem, limits_o
 from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer_headers, token_from_args
 from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.buffer.client import Batch
+from mixrl.rl.buffer.grouping import NO_BATCH_TO_QUARANTINE, NOT_THE_STEPS_BATCH, STEP_COMMITTED
 from mixrl.rl.health.routing import mismatch_report
 from mixrl.rl.serving import stop_on_signals
 from mixrl.rl.tiny_models import load_model
@@ -94,10 +95,10 @@ class CommittedBatch(RuntimeError):
     a restart would redo the step on it the same way (one line, fatal)."""
 
 
-ALREADY_QUARANTINED = ("has no batch to quarantine", "are not the step's batch")
+ALREADY_QUARANTINED = (NO_BATCH_TO_QUARANTINE, NOT_THE_STEPS_BATCH)
 """What the buffer's 409 to ``POST /quarantine`` says when the batch was quarantined already (by
-another rank crashing alike: the step then has no batch, or the next one); its other 409, ``step N
-is committed``, is a batch that cannot be quarantined (mixrl.rl.buffer.grouping.check_quarantine)."""
+another rank crashing alike: the step then has no batch, or the next one); its other 409,
+:data:`STEP_COMMITTED`, is a batch that cannot be quarantined."""
 
 
 NOT_THE_BATCH = (BufferError, OSError, torch.OutOfMemoryError, torch.distributed.DistError)
@@ -493,7 +494,7 @@ class TrainerLoop:
             if any(marker in str(refused) for marker in ALREADY_QUARANTINED):
                 log.info("step %d: the batch was quarantined already (another rank reported it)", batch.step)
                 return
-            if "is committed" in str(refused):
+            if STEP_COMMITTED in str(refused):
                 raise CommittedBatch(
                     f"step {batch.step}: its batch cannot be trained ({reason}) nor quarantined: the"
                     " buffer has the step committed (trained after the checkpoint this trainer resumed"
