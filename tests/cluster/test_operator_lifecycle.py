@@ -267,3 +267,39 @@ def test_one_failing_object_does_not_stop_the_others(
         )
 
     assert "service" in wait_for(failure_reported, 60, what="the refused Services in a condition").lower()
+
+
+def test_a_name_another_run_holds_is_left_alone(
+    cluster: Bed, operators: Callable[..., OperatorProcess], namespace: str
+) -> None:
+    """Run ``lifecycle``'s pool ``h100-fp8`` and run ``lifecycle-h100``'s pool ``fp8`` are both the
+    SamplerPool ``lifecycle-h100-fp8``: the later run is told so, the earlier one keeps its pool."""
+    operators()
+    cluster.apply(small_run(namespace))
+    taken = f"{RUN}-{POOLS[0]}"
+
+    def pool() -> dict[str, Any] | None:
+        found = cluster.kubectl("get", f"sp/{taken}", "-n", namespace, "-o", "json", check=False)
+        return json.loads(found.stdout) if found.returncode == 0 else None
+
+    before = wait_for(pool, 60, what="the pool")
+    other = small_run(namespace)
+    other["metadata"]["name"] = f"{RUN}-h100"
+    h100 = next(p for p in other["spec"]["samplerPools"] if p["name"] == POOLS[0])
+    other["spec"]["samplerPools"] = [{**h100, "name": "fp8", "minReplicas": 3}]
+    cluster.apply(other)
+
+    def refusal() -> dict[str, Any]:
+        found = cluster.get(f"rlr/{RUN}-h100", "-n", namespace).get("status", {}).get("conditions", [])
+        return next((c for c in found if c["type"] == "Progressing" and c["reason"] == "NameTaken"), {})
+
+    condition = wait_for(refusal, 60, what="Progressing NameTaken on the later run")
+    assert condition["status"] == "False"
+    assert (
+        f"SamplerPool/{taken}" in condition["message"] and f"RLRun {RUN} controls it" in condition["message"]
+    )
+    time.sleep(2 * RESYNC_S)  # a resync of both runs
+    after = pool()
+    assert after is not None and after["metadata"]["uid"] == before["metadata"]["uid"]
+    assert after["metadata"]["ownerReferences"] == before["metadata"]["ownerReferences"]
+    assert after["spec"]["minReplicas"] == before["spec"]["minReplicas"] != 3

@@ -27,6 +27,7 @@ from mixrl.operator.controller.apply import (
     label,
     live_hand_edit,
     quantity,
+    taken_by,
 )
 from mixrl.operator.controller.handlers import watched_children
 from mixrl.operator.controller.observed_status import Reason, pool_status, problems_value, run_status
@@ -197,13 +198,42 @@ def test_the_api_servers_wording_names_what_comparing_cannot_find() -> None:
             [Failure("StatefulSet/a", "500 boom"), Failure("PersistentVolumeClaim/w", "shrink", retry=False)],
             ("False", Reason.IMMUTABLE_FIELD_CHANGED),
         ),
+        (
+            [
+                Failure("StatefulSet/a", "500 boom"),
+                Failure("Service/w", "taken", False, reason=Reason.NAME_TAKEN),
+            ],
+            ("False", Reason.NAME_TAKEN),
+        ),
     ],
 )
 def test_progressing_reports_failures(failures: list[Failure], value: tuple[str, str] | None) -> None:
     found = problems_value(failures)
     assert (found[:2] if found else None) == value
-    if len(failures) == 2:
+    if len(failures) == 2 and failures[1].reason == Reason.IMMUTABLE_FIELD_CHANGED:
         assert found is not None and found[2].startswith("PersistentVolumeClaim/w: shrink; StatefulSet/a")
+
+
+def test_a_name_another_owner_controls_is_not_ours() -> None:
+    def controlled(kind: str, name: str, uid: str) -> Obj:
+        return {
+            "metadata": {"ownerReferences": [{"kind": kind, "name": name, "uid": uid, "controller": True}]}
+        }
+
+    desired = controlled("RLRun", "a-b", "u1")
+    assert taken_by(desired, controlled("SamplerPool", "a-b-router", "u2")) == "SamplerPool a-b-router"
+    assert taken_by(desired, controlled("RLRun", "a", "u3")) == "RLRun a"
+    assert taken_by(desired, controlled("RLRun", "a-b", "u1")) is None
+    assert (
+        taken_by(
+            desired,
+            controlled("RLRun", "a-b", "old"),
+        )
+        is None
+    ), "a deleted run's successor adopts"
+    assert taken_by(desired, {"metadata": {}}) is None, "no controller: as before"
+    referenced = {"metadata": {"ownerReferences": [{"kind": "RLRun", "name": "a", "uid": "u3"}]}}
+    assert taken_by(desired, referenced) is None, "only a controller reference owns it"
 
 
 def test_failures_reach_the_run_and_pool_status_and_leave_with_them() -> None:

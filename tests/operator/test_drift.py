@@ -230,6 +230,34 @@ async def test_a_weights_volume_grows_but_never_shrinks(api: ApiServer, operator
     assert_covered(operator_calls(api), clusterwide=True)
 
 
+async def test_a_name_another_run_holds_is_left_alone(api: ApiServer, operator: Any) -> None:
+    """Run ``demo``'s pool ``x-router`` and run ``demo-x``'s router are both named ``demo-x-router``:
+    the later run is told so and changes nothing of the earlier one's."""
+    first = small_run("demo", [{"name": "x-router", "gpuType": "H100", "weightPrecision": "fp8"}])
+    services = "v1/services"
+    async with operator():
+        await create(api, first)
+        await eventually(lambda: api.live(DEPLOYMENTS, NAMESPACE, "demo-x-router"), what="the pool")
+        await eventually(lambda: api.live(services, NAMESPACE, "demo-x-router"), what="its Service")
+        await settled(api)
+        before = {r: copy.deepcopy(api.live(r, NAMESPACE, "demo-x-router")) for r in (DEPLOYMENTS, services)}
+        await create(api, small_run("demo-x"))
+        run = lambda: conditions(api.live(RLRUNS, NAMESPACE, "demo-x")).get("Progressing", {})  # noqa: E731
+        await eventually(lambda: run().get("reason") == "NameTaken", what="the refusal")
+        await settled(api)
+        assert run()["status"] == "False"
+        assert "SamplerPool demo-x-router controls it" in run()["message"], run()["message"]
+        assert "rename this run or pool" in run()["message"]
+        for resource, was in before.items():
+            now = api.live(resource, NAMESPACE, "demo-x-router")
+            assert now["metadata"]["uid"] == was["metadata"]["uid"], f"{resource}: not recreated"
+            assert now["metadata"]["ownerReferences"] == was["metadata"]["ownerReferences"], resource
+            assert now["spec"] == was["spec"], f"{resource}: not rewritten"
+        assert api.live(STATEFULSETS, NAMESPACE, "demo-x-trainer"), "the rest of demo-x is applied"
+        warnings = [e for e in events(api) if e["reason"] == "NameTaken"]
+        assert warnings and warnings[0]["involvedObject"]["name"] == "demo-x"
+
+
 # ----------------------------------------------------------------------------- drift
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 from mixrl.api.kube_types import Obj
 from mixrl.operator.builders.objects import HASH_ANNOTATION
+from mixrl.operator.controller.observed_status import Reason
 from mixrl.operator.kube.client import ApiError, KubeClient
 from mixrl.operator.kube.rbac import PVCS, SAMPLERPOOLS, SECRETS, ApiResource, resource_of
 
@@ -64,6 +65,10 @@ class StillTerminating(Exception):
     """A child with our name is being deleted; it must be gone before we can create it again."""
 
 
+class NameTaken(Exception):
+    """A child's name is taken by an object another owner controls: it is not ours to change."""
+
+
 @dataclass(frozen=True)
 class Failure:
     """One child that could not be made to match its desired state (the others were applied)."""
@@ -79,6 +84,8 @@ class Failure:
     retry_after: float | None = None
     waiting: bool = False
     """Not an error: the old object is still being deleted (a recreation in progress)."""
+    reason: str = Reason.IMMUTABLE_FIELD_CHANGED
+    """The condition's and event's reason when retrying cannot help."""
 
 
 class ApplyFailed(Exception):
@@ -381,6 +388,38 @@ def deletion_policy(desired: Obj, live: Obj, changed: list[str]) -> str:
     return "Background"
 
 
+def controller_of(obj: Obj) -> Obj | None:
+    refs = obj.get("metadata", {}).get("ownerReferences") or []
+    return next((ref for ref in refs if ref.get("controller")), None)
+
+
+def taken_by(desired: Obj, live: Obj) -> str | None:
+    """The other owner (``Kind name``) that controls the live object of a desired child's name, or None.
+
+    Children are named ``<run>-<component>`` and ``<run>-<pool>``, so two runs of one namespace can
+    ask for the same name (run ``a`` with pool ``b-router``, run ``a-b``'s router): writing it
+    would take over, or — a Deployment's selector being immutable — delete and recreate, the
+    other run's object.  An owner of the same kind and name with another uid is the owner's
+    predecessor (a run deleted and created again before the garbage collector came): its children
+    are taken over, as before."""
+    want, have = controller_of(desired), controller_of(live)
+    if want is None or have is None:
+        return None
+    if (have.get("kind"), have.get("name")) == (want.get("kind"), want.get("name")):
+        return None
+    return f"{have.get('kind')} {have.get('name')}"
+
+
+def refuse_if_taken(desired: Obj, live: Obj) -> None:
+    other = taken_by(desired, live)
+    if other is not None:
+        owner = controller_of(desired) or {}
+        raise NameTaken(
+            f"the name is taken: {other} controls it, so {owner.get('kind')} {owner.get('name')} leaves "
+            "it alone; objects are named <run>-<component> and <run>-<pool>, so rename this run or pool"
+        )
+
+
 def claim_size(obj: Obj) -> Any:
     return (((obj.get("spec") or {}).get("resources") or {}).get("requests") or {}).get("storage")
 
@@ -436,6 +475,8 @@ async def apply_object(
         return await converge(client, desired, live, report, seed, before_create, on_update, size_source)
     except StillTerminating as exc:
         report.failures.append(Failure(label(desired), str(exc), waiting=True))
+    except NameTaken as exc:
+        report.failures.append(Failure(label(desired), str(exc), retry=False, reason=Reason.NAME_TAKEN))
     except ApiError as exc:
         report.failures.append(Failure(label(desired), str(exc), True, exc.status, exc.retry_after))
     return Applied(live, live) if live is not None else None
@@ -539,6 +580,7 @@ async def converge(
         )
     if live is None:
         return await create(client, desired, report, seed, before_create)
+    refuse_if_taken(desired, live)
     if resource is PVCS:
         return await converge_claim(client, desired, live, report, size_source)
     edited = None if live_hash(live) != live_hash(desired) else live_hand_edit(desired, live)
@@ -595,6 +637,7 @@ async def create(
         live = await client.get(resource, namespace, name)
         if live is None:
             raise
+        refuse_if_taken(desired, live)
         report.unchanged.append(label(desired))
         return Applied(live, live)
     report.created.append(label(desired))
@@ -681,6 +724,7 @@ __all__ = [
     "ApplyReport",
     "Child",
     "Failure",
+    "NameTaken",
     "OwnerGone",
     "StillTerminating",
     "apply_object",

@@ -55,6 +55,9 @@ class Reason:
     IMMUTABLE_FIELD_CHANGED = "ImmutableFieldChanged"
     """Progressing (False): the spec asks for a change Kubernetes cannot make in place and the
     operator will not make by recreating (a claim that would shrink); the message says what to do."""
+    NAME_TAKEN = "NameTaken"
+    """Progressing (False): a child's name is taken by an object another owner controls (another
+    run's child: names are ``<run>-<component>`` and ``<run>-<pool>``); it is left alone."""
     RECREATING = "Recreating"
     """Progressing: an object whose immutable fields changed was deleted and waits to be recreated."""
     RECREATED = "Recreated"
@@ -126,6 +129,8 @@ class Problem(Protocol):
     def retry(self) -> bool: ...
     @property
     def waiting(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
 
 
 MESSAGE_LIMIT = 1000
@@ -141,8 +146,8 @@ def problems_value(problems: Sequence[Problem]) -> ConditionValue | None:
         return None
     ordered = sorted(problems, key=lambda p: (p.retry, p.waiting))
     message = "; ".join(f"{p.object}: {p.message}" for p in ordered)[:MESSAGE_LIMIT]
-    if any(not p.retry for p in problems):
-        return "False", Reason.IMMUTABLE_FIELD_CHANGED, message
+    if not ordered[0].retry:
+        return "False", ordered[0].reason, message
     if all(p.waiting for p in problems):
         return "True", Reason.RECREATING, message
     return "True", Reason.APPLY_FAILED, message

@@ -482,7 +482,7 @@ def outcome_events(report: ApplyReport, status_written: bool, applied_event: boo
         for failure in report.failures:
             if not failure.retry:
                 message = f"{failure.object}: {failure.message}"[:1000]
-                events.append(("Warning", Reason.IMMUTABLE_FIELD_CHANGED, message))
+                events.append(("Warning", failure.reason, message))
     return events
 
 
