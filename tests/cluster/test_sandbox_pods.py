@@ -126,7 +126,26 @@ def test_sandbox_pods_are_created_leased_recycled_and_cleaned_up(
 
     asyncio.run(scenario())
     assert len(sandbox_pods(cluster, namespace, "demo-rollout-1")) == 2
-    cluster.kubectl("delete", "rlrun", "demo", "-n", namespace, "--wait=false")
-    wait_for(
-        lambda: sandbox_pods(cluster, namespace) == [], 90, what="the garbage collector deleting the pods"
+    crashed_pods = sandbox_pods(cluster, namespace, "demo-rollout-1")
+
+    # Without sandbox pods in the spec, the operator deletes what they needed, and what was left.
+    remove = json.dumps([{"op": "remove", "path": "/spec/rollout/sandbox"}])
+    cluster.kubectl("patch", "rlrun", "demo", "-n", namespace, "--type=json", "-p", remove)
+    made = (
+        "rolebinding/demo-rollout",
+        "role/demo-rollout",
+        "serviceaccount/demo-rollout",
+        "networkpolicy/demo-sandbox",
     )
+
+    def left() -> list[str]:
+        found = [m for m in made if cluster.kubectl("get", m, "-n", namespace, check=False).returncode == 0]
+        return found + [p["metadata"]["name"] for p in sandbox_pods(cluster, namespace)]
+
+    wait_for(left, 90, what="the sandbox objects deleted", equals=[])
+    rollout = cluster.get("statefulset", "demo-rollout", "-n", namespace)["spec"]["template"]["spec"]
+    assert rollout.get("serviceAccountName") in (None, "default")
+    assert not operator.denied(cluster), operator.denied(cluster)
+    # (with the run, the garbage collector would have deleted them: they name it as their owner)
+    assert all(p["metadata"]["ownerReferences"][0]["uid"] for p in crashed_pods)
+    cluster.kubectl("delete", "rlrun", "demo", "-n", namespace, "--wait=false")

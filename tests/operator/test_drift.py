@@ -258,6 +258,65 @@ async def test_a_name_another_run_holds_is_left_alone(api: ApiServer, operator: 
         assert warnings and warnings[0]["involvedObject"]["name"] == "demo-x"
 
 
+async def test_a_run_that_drops_its_sandbox_pods_drops_what_they_needed(
+    api: ApiServer, operator: Any
+) -> None:
+    manifest = small_run("demo")
+    manifest["spec"]["rollout"] = {"environment": "coding", "sandbox": {}}
+    made = [
+        ("v1/serviceaccounts", "demo-rollout"),
+        ("rbac.authorization.k8s.io/v1/roles", "demo-rollout"),
+        ("rbac.authorization.k8s.io/v1/rolebindings", "demo-rollout"),
+        ("networking.k8s.io/v1/networkpolicies", "demo-sandbox"),
+    ]
+    async with operator():
+        run = await create(api, manifest)
+        await eventually(lambda: all(api.live(r, NAMESPACE, n) for r, n in made), what="the sandbox objects")
+        owner = {
+            "apiVersion": "mixrl.dev/v1alpha1",
+            "kind": "RLRun",
+            "name": "demo",
+            "uid": run["metadata"]["uid"],
+        }
+        labels = {"app.kubernetes.io/name": "mixrl", "app.kubernetes.io/instance": "demo"}
+        for name, component, owners in (
+            ("left", "sandbox", [owner]),
+            ("other", "sandbox", []),
+            ("mine", "x", [owner]),
+        ):
+            pod = {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": NAMESPACE,
+                    "labels": {**labels, "app.kubernetes.io/component": component},
+                    "ownerReferences": owners,
+                },
+                "spec": {"containers": [{"name": "c", "image": "i"}]},
+            }
+            async with api.post(f"{CORE}/pods", json=pod) as response:
+                assert response.status in (200, 201), await response.text()
+        await settled(api)
+        await patch(api, run_path("demo"), {"spec": {"rollout": {"sandbox": None}}})
+        await eventually(lambda: not any(api.live(r, NAMESPACE, n) for r, n in made), what="their removal")
+        await settled(api)
+        assert not api.live("v1/pods", NAMESPACE, "left"), "a killed worker's sandbox pod"
+        assert api.live("v1/pods", NAMESPACE, "other") and api.live("v1/pods", NAMESPACE, "mine"), (
+            "not the run's sandboxes"
+        )
+        deleted = [e for e in events(api) if e["reason"] == "Applied" and "deleted" in e["message"]]
+        assert deleted and "Pod/left" in deleted[-1]["message"], deleted
+        before = len(list(api))
+        await patch(api, run_path("demo"), {"spec": {"rollout": {"workers": 2}}})
+        await settled(api)
+        later = list(api)[before:]
+        assert [r for r in later if r.method.value == "PATCH" and r.url.path.endswith("/demo-rollout")]
+        sandbox_calls = [r for r in later if r.url.path.rsplit("/", 2)[-2] in ("serviceaccounts", "roles")]
+        assert not sandbox_calls, "once they are gone, the marker policy's absence costs no call"
+    assert_covered(operator_calls(api), clusterwide=True)
+
+
 # ----------------------------------------------------------------------------- drift
 
 

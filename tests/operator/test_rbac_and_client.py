@@ -121,18 +121,22 @@ async def test_every_request_of_a_cluster_wide_lifecycle_is_declared(api: ApiSer
         # Held only to grant them to the rollout workers' Role (RBAC escalation prevention), never called.
         ("", "pods", "create"),
         ("", "pods", "get"),
-        ("", "pods", "delete"),
         # The rollout workers' account of a run with spec.rollout.sandbox (none here;
-        # tests/cluster/test_sandbox_pods.py has one, under the chart's RBAC).
+        # tests/cluster/test_sandbox_pods.py has one, under the chart's RBAC); deleted with a
+        # sandbox pod left when the spec drops sandbox pods (test_drift.py, with assert_covered).
+        ("", "pods", "delete"),
         ("", "serviceaccounts", "get"),
         ("", "serviceaccounts", "create"),
         ("", "serviceaccounts", "patch"),
+        ("", "serviceaccounts", "delete"),
         ("rbac.authorization.k8s.io", "roles", "get"),
         ("rbac.authorization.k8s.io", "roles", "create"),
         ("rbac.authorization.k8s.io", "roles", "patch"),
+        ("rbac.authorization.k8s.io", "roles", "delete"),
         ("rbac.authorization.k8s.io", "rolebindings", "get"),
         ("rbac.authorization.k8s.io", "rolebindings", "create"),
         ("rbac.authorization.k8s.io", "rolebindings", "patch"),
+        ("rbac.authorization.k8s.io", "rolebindings", "delete"),
     }, unused
 
 

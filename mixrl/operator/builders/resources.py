@@ -342,6 +342,10 @@ def rollout_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         # The one component that calls the API: it creates and deletes its sandbox pods.
         template["spec"]["serviceAccountName"] = sandbox.account_name(resolved)
         template["spec"]["automountServiceAccountToken"] = True
+    else:
+        # Named all the same: when the sandbox goes, the API server would keep the old account
+        # through the field's deprecated twin ``serviceAccount``, and that account is deleted.
+        template["spec"]["serviceAccountName"] = "default"
     return [statefulset(resolved, "rollout", resolved.rollout.workers, template, owner)]
 
 

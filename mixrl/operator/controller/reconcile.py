@@ -29,6 +29,7 @@ from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, resolve
 from mixrl.operator.autoscaling.plan import loop_conditions_to_drop
 from mixrl.operator.builders import labels as L
+from mixrl.operator.builders import sandbox
 from mixrl.operator.builders.keda import pool_scaled_object
 from mixrl.operator.builders.kueue import (
     EXTRA_LABEL,
@@ -78,9 +79,13 @@ from mixrl.operator.kube.rbac import (
     LEADERWORKERSETS,
     NETWORKPOLICIES,
     PODMONITORS,
+    PODS,
     RLRUNS,
+    ROLEBINDINGS,
+    ROLES,
     SAMPLERPOOLS,
     SCALEDOBJECTS,
+    SERVICEACCOUNTS,
     STATEFULSETS,
     WORKLOADS,
     ApiResource,
@@ -310,6 +315,8 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
         await remove_leftover_pod_monitor(ctx, resolved, owner, options, report)
     if options.images.network_policies is None:
         await remove_leftover_network_policies(ctx, resolved, owner, report)
+    if sandbox.enabled(resolved) is None:
+        await remove_leftover_sandbox_objects(ctx, resolved, owner, report)
 
     def live(kind: str, suffix: str) -> Obj | None:
         found = applied.get(f"{kind}/{L.child_name(resolved.name, suffix)}")
@@ -567,6 +574,43 @@ async def remove_leftover_network_policies(
         except ApiError as exc:
             failure = Failure(f"NetworkPolicy/{name}", str(exc), True, exc.status, exc.retry_after)
             report.failures.append(failure)
+
+
+async def remove_leftover_sandbox_objects(
+    ctx: Context, resolved: ResolvedRun, owner: Owner, report: ApplyReport
+) -> None:
+    """A run whose ``spec.rollout.sandbox`` was removed: delete what it made for sandbox pods — the
+    pods a worker killed before it could delete them, the rollout workers' account, Role and
+    RoleBinding (no pod runs under them now), and the sandboxes' NetworkPolicy.  That policy, which
+    the watches show at no cost, tells they are there; it goes last, so a deletion that fails is
+    tried again by the retry (reported like a child's failure).  Runs that never had sandbox pods
+    cost no call once the watches have listed the policies."""
+    namespace = resolved.namespace
+    marker = sandbox.sandbox_network_policy(resolved, owner)["metadata"]["name"]
+    client = ctx.client
+    if client.cache.keeps(NETWORKPOLICIES):
+        if client.cache.get(NETWORKPOLICIES, namespace, marker) is None:
+            return
+    elif await client.get(NETWORKPOLICIES, namespace, marker) is None:
+        return
+    account = sandbox.account_name(resolved)
+    try:
+        for pod in await client.list(PODS, namespace, sandbox.selector(resolved.name)):
+            name = pod["metadata"]["name"]
+            going = pod["metadata"].get("deletionTimestamp")
+            if owned_by(pod, owner.uid) and not going and await client.delete(PODS, namespace, name):
+                report.deleted.append(f"Pod/{name}")
+        for resource, name in (
+            (ROLEBINDINGS, account),
+            (ROLES, account),
+            (SERVICEACCOUNTS, account),
+            (NETWORKPOLICIES, marker),
+        ):
+            await delete_leftover(client, resource, namespace, name, owner.uid, report)
+    except ApiError as exc:
+        report.failures.append(
+            Failure(f"NetworkPolicy/{marker}", f"removing the sandbox objects: {exc}", True, exc.status)
+        )
 
 
 # ----------------------------------------------------------------------------- SamplerPool

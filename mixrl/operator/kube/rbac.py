@@ -148,12 +148,14 @@ RECONCILER: dict[Key, frozenset[str]] = {
     # built-in autoscaler reads each pool's pods (stuck or a cold start).  With
     # spec.rollout.sandbox the operator grants the rollout workers pods create/get/list/delete in a
     # Role, and Kubernetes lets it grant only what it holds itself (RBAC escalation prevention):
-    # it holds them for that alone, and never creates or deletes a pod.
+    # it holds create and get for that alone and never creates a pod; it deletes the sandbox pods
+    # a killed worker left once the run's spec no longer asks for sandbox pods.
     ("", "pods"): frozenset({"list", "create", "get", "delete"}),
-    # The rollout workers' account, Role and RoleBinding of a run with sandbox pods.
-    ("", "serviceaccounts"): frozenset({"get", "create", "patch"}),
-    ("rbac.authorization.k8s.io", "roles"): frozenset({"get", "create", "patch"}),
-    ("rbac.authorization.k8s.io", "rolebindings"): frozenset({"get", "create", "patch"}),
+    # The rollout workers' account, Role and RoleBinding of a run with sandbox pods; deleted when
+    # the run's spec no longer asks for sandbox pods.
+    ("", "serviceaccounts"): frozenset({"get", "create", "patch", "delete"}),
+    ("rbac.authorization.k8s.io", "roles"): frozenset({"get", "create", "patch", "delete"}),
+    ("rbac.authorization.k8s.io", "rolebindings"): frozenset({"get", "create", "patch", "delete"}),
     # Children carry blockOwnerDeletion; with the OwnerReferencesPermissionEnforcement admission
     # plugin (OpenShift and others) that needs update on the owner's finalizers subresource.
     (GROUP, "rlruns/finalizers"): frozenset({"update"}),
