@@ -179,8 +179,21 @@ class LocalStorage:
             raise WeightStoreError(f"{final}: already exists; published entries are immutable")
         try:
             os.rename(tmp, final)
+        except FileNotFoundError:  # the version went after the check
+            raise WeightStoreError(
+                f"{final}: stale: {final.parent.name} was removed while this was written; discarded"
+            ) from None
         except OSError as exc:
             raise WeightStoreError(f"{final}: cannot publish: {exc.strerror}") from exc
+        if final.parent != self.root:
+            # Checked again: a version removed and republished between the check and the rename
+            # would otherwise hold this entry made from its predecessor.
+            try:
+                self._check_parent(final, parent_manifest_sha256)
+            except WeightStoreError:
+                with contextlib.suppress(FileNotFoundError):  # gone with its version
+                    self.remove(str(final.relative_to(self.root)))
+                raise
         fsync_path(final.parent)
 
     @staticmethod

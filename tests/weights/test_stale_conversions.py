@@ -76,6 +76,32 @@ def test_a_conversion_whose_version_is_republished_meanwhile_is_refused(
     assert torch.equal(converted[KEY].view(torch.uint8), expected[KEY].view(torch.uint8))
 
 
+@pytest.mark.parametrize("republish", [False, True])
+def test_a_version_that_goes_between_the_check_and_the_rename_is_still_refused(
+    store: WeightStore, monkeypatch: pytest.MonkeyPatch, republish: bool
+) -> None:
+    """The narrowest window: the version passes the check, then goes (and comes back) before the
+    conversion's rename."""
+    store.publish(1, _tensors(1))
+    real_rename = os.rename
+
+    def racing(source: str | Path, target: str | Path) -> None:
+        if Path(target).name == "fp8":
+            monkeypatch.setattr(os, "rename", real_rename)
+            store.remove(1)
+            if republish:
+                store.publish(1, _tensors(10))
+        real_rename(source, target)
+
+    monkeypatch.setattr(os, "rename", racing)
+    word = "republished" if republish else "removed"
+    with pytest.raises(WeightStoreError, match=rf"/fp8: stale: v00000001 was {word} while"):
+        store.convert(1, "fp8")
+    assert not (Path(store.path(1)) / "fp8").exists(), "the old weights stayed as version 1's conversion"
+    assert store.versions() == ([1] if republish else [])
+    assert not any(Path(store.path(1)).parent.glob("*/fp8")), "nothing left anywhere"
+
+
 def test_a_stale_conversion_already_in_place_is_discarded_and_redone(
     store: WeightStore, tmp_path: Path
 ) -> None:
