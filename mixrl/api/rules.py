@@ -728,6 +728,17 @@ TOP_K = Rule(
     holds=lambda top_p, table: top_p.k != 0,
 )
 
+GRPO_GROUPS = Rule(
+    "grpo-groups-of-two",
+    ("AlgorithmSpec",),
+    "samplesPerPrompt",
+    "GRPO needs at least 2 samples per prompt: a group of one has advantage 0 (its reward minus its"
+    " own mean) and no standard deviation, so nothing would be learned",
+    "FieldValueInvalid",
+    condition=lambda node: "!has(self.samplesPerPrompt) || self.samplesPerPrompt >= 2",
+    holds=lambda algorithm, table: algorithm.samples_per_prompt >= 2,
+)
+
 MIS_RANGE = Rule(
     "mis-range",
     ("CorrectionsSpec",),
@@ -1039,6 +1050,7 @@ RULES: tuple[Rule, ...] = (
     TORCH_IS_DATA_PARALLEL,
     BETAS,
     TOP_K,
+    GRPO_GROUPS,
     MIS_RANGE,
     MIS_OR_TIS,
     PASS_K_POSITIVE,

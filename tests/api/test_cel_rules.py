@@ -306,6 +306,12 @@ CASES: dict[str, Case] = {
         set_at("spec", "algorithm", "topP", "k", value=0),
         "spec.algorithm.topP.k: k must be -1 (no cut) or positive",
     ),
+    "groups-of-one": Case(
+        "grpo-groups-of-two",
+        set_at("spec", "algorithm", "samplesPerPrompt", value=1),
+        "spec.algorithm.samplesPerPrompt: GRPO needs at least 2 samples per prompt: a group of one has"
+        " advantage 0 (its reward minus its own mean) and no standard deviation, so nothing would be learned",
+    ),
     "mis-below-one": Case(
         "mis-range",
         set_at("spec", "algorithm", "corrections", "mis", value=[0.5, 0.9]),

@@ -47,7 +47,7 @@ async def test_sigkill_and_restart_lose_nothing_and_repeat_batches(tmp_path: Pat
 
 
 def test_bad_arguments_give_one_line(tmp_path: Path) -> None:
-    config = write_run_config(tmp_path / "run.json", prompts=1, samples=1)
+    config = write_run_config(tmp_path / "run.json", prompts=1, samples=2)
 
     def run(*args: str, env: dict[str, str] | None = None) -> str:
         result = run_cli("buffer", *args, env=env)
@@ -73,7 +73,7 @@ def test_a_damaged_log_stops_the_start_with_one_line(tmp_path: Path) -> None:
     (tmp_path / "assignments.jsonl").write_text(
         '{"kind": "commit", "step": "x"}\n{"kind": "commit", "step": 1}\n'
     )
-    config = write_run_config(tmp_path / "run.json", prompts=1, samples=1)
+    config = write_run_config(tmp_path / "run.json", prompts=1, samples=2)
     result = run_cli("buffer", "--dir", str(tmp_path), "--config", str(config), "--insecure-no-auth")
     assert (result.returncode, result.stderr.strip()) == (
         2,

@@ -87,6 +87,7 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
     "sglang-on-cpu": (rules.SGLANG_NEEDS_GPU.name, pool(7, gpuType="cpu")),
     "beta-one": (rules.BETAS.name, at("spec", "trainer", "optimizer", "betas", value=[0.9, 1])),
     "top-k-zero": (rules.TOP_K.name, at("spec", "algorithm", "topP", "k", value=0)),
+    "groups-of-one": (rules.GRPO_GROUPS.name, at("spec", "algorithm", "samplesPerPrompt", value=1)),
     "mis-below-one": (rules.MIS_RANGE.name, at("spec", "algorithm", "corrections", "mis", value=[0.5, 0.9])),
     "mis-from-zero": (rules.MIS_RANGE.name, at("spec", "algorithm", "corrections", "mis", value=[0, 5])),
     "tis-with-default-mis": (
