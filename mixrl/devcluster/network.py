@@ -12,9 +12,11 @@ Layout (pure values below; ``Network.up``/``down`` run the ``ip``/``nsenter``/``
 Forwarding: each node's namespace forwards between its pods and the bridge (its own
 ``ip_forward``, which does not touch the host's). The host forwards only when there are two or more
 nodes (pod to pod across nodes); whenever real nodes run, an nftables table of the bed's own drops
-every forwarded packet whose source or destination is outside the bed's subnets, so nothing reaches
-another interface even where the host already forwards. ``down`` removes the namespaces, the bridge, the routes and the table, and puts the host's
-``ip_forward`` back as it found it.
+every packet forwarded from or onto the bed's interfaces from or to outside the bed's subnets, so
+nothing of the bed reaches another interface even where the host already forwards, and the host's
+own forwarding is left alone; where the host forwarded nothing before, it forwards nothing but the
+bed's (:func:`nft_confinement`).  ``down`` removes the namespaces, the bridge, the routes and the
+table, and puts the host's ``ip_forward`` back as it found it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-BRIDGE = "mixrl-br0"
+INTERFACE_PREFIX = "mixrl-"
+"""Every host interface the bed makes (the bridge, the nodes' host-side veths) starts with it."""
+BRIDGE = f"{INTERFACE_PREFIX}br0"
 BED_SUBNET = ipaddress.ip_network("10.250.0.0/24")
 HOST_IP = "10.250.0.1"
 POD_SUPERNET = ipaddress.ip_network("10.245.0.0/16")
@@ -52,7 +56,7 @@ class NodeAddress:
 
     @property
     def host_veth(self) -> str:
-        return f"mixrl-n{self.index}h"
+        return f"{INTERFACE_PREFIX}n{self.index}h"
 
     @property
     def node_veth(self) -> str:
@@ -112,17 +116,29 @@ def up_commands(nodes: list[NodeAddress]) -> list[list[str]]:
     return commands
 
 
-def nft_confinement() -> str:
-    """Forwarded packets must both come from and go to the bed's subnets."""
-    subnets = ", ".join(bed_subnets())
+def nft_confinement(host_forwarded: bool) -> str:
+    """The bed's packets stay between the bed's subnets: what its interfaces forward must go to
+    them, what is forwarded onto them must come from them, and none of it is IPv6.
+
+    ``host_forwarded``: the host forwarded packets before the bed (a router, a container engine),
+    whose own traffic is then left alone.  When it did not, and the bed turned forwarding on, every
+    forwarded packet that is not the bed's is dropped too, so the host forwards nothing else."""
+    subnets = f"{{ {', '.join(bed_subnets())} }}"
+    ours = f'"{INTERFACE_PREFIX}*"'
+    rules = [
+        f"iifname {ours} ip daddr != {subnets} drop",
+        f"oifname {ours} ip saddr != {subnets} drop",
+        f"iifname {ours} meta nfproto ipv6 drop",
+        f"oifname {ours} meta nfproto ipv6 drop",
+    ]
+    if not host_forwarded:
+        rules += [f"ip saddr != {subnets} drop", f"ip daddr != {subnets} drop", "meta nfproto ipv6 drop"]
     return (
         f"table inet {NFT_TABLE} {{\n"
         "  chain forward {\n"
         "    type filter hook forward priority -10; policy accept;\n"
-        f"    ip saddr != {{ {subnets} }} drop\n"
-        f"    ip daddr != {{ {subnets} }} drop\n"
-        "    meta nfproto ipv6 drop\n"
-        "  }\n"
+        + "".join(f"    {rule}\n" for rule in rules)
+        + "  }\n"
         "}\n"
     )
 
@@ -138,13 +154,15 @@ class Network:
         self.down()  # a bed killed without `down` leaves its interfaces; start clean
         state: dict = {"nodes": [n.index for n in nodes], "ip_forward": None}
         self.state_file.write_text(json.dumps(state))
+        forwarding = Path("/proc/sys/net/ipv4/ip_forward")
         for command in up_commands(nodes):
             if command[:2] == ["nft", "-f"]:
-                _run(command, input=nft_confinement())
+                before = forwarding.read_text().strip()
+                _run(command, input=nft_confinement(host_forwarded=before != "0"))
                 if len(nodes) > 1:  # pod to pod across nodes goes through the host
-                    state["ip_forward"] = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+                    state["ip_forward"] = before
                     self.state_file.write_text(json.dumps(state))
-                    Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+                    forwarding.write_text("1")
             else:
                 _run(command)
 

@@ -65,8 +65,23 @@ def test_network_plan_stays_on_the_beds_interfaces() -> None:
     assert host_sysctls == []
     assert ["nft", "-f", "-"] in commands and ["nft", "-f", "-"] in network.up_commands(nodes[:1])
     assert ["nft", "-f", "-"] not in network.up_commands([])
-    rules = network.nft_confinement()
-    assert "10.250.0.0/24" in rules and "10.245.0.0/16" in rules and rules.count("drop") == 3
+    subnets = "{ 10.250.0.0/24, 10.245.0.0/16 }"
+    on_a_router = network.nft_confinement(host_forwarded=True)
+    drops = [line.strip() for line in on_a_router.splitlines() if line.strip().endswith("drop")]
+    assert drops == [
+        f'iifname "mixrl-*" ip daddr != {subnets} drop',
+        f'oifname "mixrl-*" ip saddr != {subnets} drop',
+        'iifname "mixrl-*" meta nfproto ipv6 drop',
+        'oifname "mixrl-*" meta nfproto ipv6 drop',
+    ], "a host that forwarded before keeps forwarding its own traffic"
+    assert all(name.startswith(network.INTERFACE_PREFIX) for name in created)
+    alone = network.nft_confinement(host_forwarded=False)
+    drops = [line.strip() for line in alone.splitlines() if line.strip().endswith("drop")]
+    assert drops[4:] == [
+        f"ip saddr != {subnets} drop",
+        f"ip daddr != {subnets} drop",
+        "meta nfproto ipv6 drop",
+    ]
 
 
 def test_node_commands_run_inside_the_node_namespace(tmp_path: Path) -> None:
