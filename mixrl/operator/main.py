@@ -29,6 +29,9 @@ from mixrl.operator.install.cluster_policy import Policy, flag_problem, prefix_p
 
 DEV_PRIORITY = 666  # kopf's convention: a developer's operator outranks the deployed one
 REPLICA_PRIORITY_SPAN = 10**9
+PEERING = "mixrl"
+STATUS_SECONDS = 15.0
+STATUS_WRITE_SECONDS = 30.0
 """Replica priorities lie in [-SPAN, -1]: two replicas collide with odds of about one in a billion."""
 
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-.a-z0-9]*[a-z0-9])?$")
@@ -125,7 +128,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="watch this namespace (repeatable)",
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    parser.add_argument("--peering", default="mixrl", help="kopf peering object name (default: mixrl)")
+    parser.add_argument("--peering", default=None, help=f"kopf peering object name (default: {PEERING})")
     parser.add_argument("--standalone", action="store_true", help="no peering (only one operator may run)")
     ranking = parser.add_mutually_exclusive_group()
     ranking.add_argument("--priority", type=int, default=None, help="peering priority (highest one acts)")
@@ -291,14 +294,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     status.add_argument(
         "--status-seconds",
         type=float,
-        default=15.0,
-        help="read each run's figures this often (default 15)",
+        default=None,
+        help=f"read each run's figures this often (default {STATUS_SECONDS:g})",
     )
     status.add_argument(
         "--status-write-seconds",
         type=float,
-        default=30.0,
-        help="write one object's status at most this often, phase and CollapseRisk flips excepted (default 30)",
+        default=None,
+        help="write one object's status at most this often, phase and CollapseRisk flips excepted "
+        f"(default {STATUS_WRITE_SECONDS:g})",
     )
     parser.add_argument(
         "--drain-seconds", type=int, default=300, help="how long engines may drain on shutdown"
@@ -320,12 +324,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ("--status-seconds", args.status_seconds),
         ("--status-write-seconds", args.status_write_seconds),
     ):
-        if not value > 0 or value == float("inf"):
+        if value is not None and (not value > 0 or value == float("inf")):
             parser.error(f"{flag}: must be a number of seconds above 0, got {value}")
+        if value is not None and not args.live_status:
+            parser.error(
+                f"{flag}: sets the live status, which --no-live-status turns off; drop one of the two"
+            )
+    args.status_seconds = STATUS_SECONDS if args.status_seconds is None else args.status_seconds
+    if args.status_write_seconds is None:
+        args.status_write_seconds = STATUS_WRITE_SECONDS
     if args.explain_placement and not args.live_status:
         parser.error("--explain-placement: the explanation is part of the live status; drop --no-live-status")
-    if args.resync_seconds < 0:
-        parser.error("--resync-seconds: must be 0 or more")
+    if not 0 <= args.resync_seconds < float("inf"):
+        parser.error(f"--resync-seconds: must be a number of seconds, 0 or more, got {args.resync_seconds}")
+    if args.standalone:
+        for flag, given in (("--peering", args.peering), ("--priority", args.priority)):
+            if given is not None:
+                parser.error(f"{flag}: a standalone operator has no peering; drop one of the two")
+    args.peering = PEERING if args.peering is None else args.peering
+    if not args.network_policies:
+        for flag, given in (
+            ("--scraper-pod-label", args.scraper_pod_labels),
+            ("--scraper-namespace", args.scraper_namespace),
+        ):
+            if given:
+                parser.error(
+                    f"{flag}: names who may scrape through the network policies, which --no-network-policies turns off"
+                )
     if args.namespaces and any(not ns for ns in args.namespaces):
         parser.error("--namespace: must not be empty")
     if args.standalone and args.replica_id:

@@ -13,6 +13,7 @@ import kmock
 import pytest
 
 from mixrl.operator.controller.runtime import OperatorConfig, Runtime
+from mixrl.operator.kube.client import ApiError
 
 from .emulator import ApiServer
 from .support import (
@@ -611,6 +612,30 @@ async def test_a_resync_walks_the_runs_it_knew_while_kopf_adds_more() -> None:
     # Every run it knew, and of the later ones those in a namespace it found active.
     assert await runtime.resync_once() == len(asked) >= 3
     assert {("ns-0", "run-0"), ("ns-1", "run-1"), ("ns-2", "run-2")} <= set(asked)
+
+
+async def test_one_namespaces_failed_read_skips_that_namespace_only(caplog: pytest.LogCaptureFixture) -> None:
+    runtime = Runtime(OperatorConfig(), post_event=lambda *_: None)
+    runtime.known = {f"rl/run-{i}": ("RLRun", f"ns-{i}", f"run-{i}") for i in range(3)}
+    asked: list[str] = []
+
+    async def active_in(namespace: str) -> bool:
+        if namespace == "ns-0":
+            raise ApiError(429, "TooManyRequests", "slow down")
+        return True
+
+    async def refresh(namespace: str) -> None:
+        if namespace == "ns-1":
+            raise ApiError(500, "InternalError", "etcd timeout")
+
+    runtime.active_in = active_in  # type: ignore[method-assign]
+    runtime.refresh = refresh  # type: ignore[method-assign]
+    runtime.request = lambda kind, namespace, name, background=False: asked.append(namespace)  # type: ignore[method-assign]
+    assert await runtime.resync_once() == 1
+    assert asked == ["ns-2"], "the namespaces that could be read are resynced"
+    assert (
+        "resync of namespace ns-0 failed" in caplog.text and "resync of namespace ns-1 failed" in caplog.text
+    )
 
 
 async def test_a_failed_resync_is_logged_and_the_next_one_comes(caplog: pytest.LogCaptureFixture) -> None:

@@ -65,7 +65,26 @@ current-context: emulator
             "--scheduler-name: 'Mixrl_Packing' is not a DNS subdomain name",
         ),
         (["--standalone", "--replica-id", "pod-a"], "--replica-id: a standalone operator has no peers"),
-        (["--resync-seconds", "-1"], "--resync-seconds: must be 0 or more"),
+        (["--resync-seconds", "-1"], "--resync-seconds: must be a number of seconds, 0 or more, got -1.0"),
+        (["--resync-seconds", "nan"], "--resync-seconds: must be a number of seconds, 0 or more, got nan"),
+        (["--standalone", "--priority", "3"], "--priority: a standalone operator has no peering"),
+        (["--standalone", "--peering", "other"], "--peering: a standalone operator has no peering"),
+        (
+            ["--no-network-policies", "--scraper-namespace", "monitoring"],
+            "--scraper-namespace: names who may scrape through the network policies, which",
+        ),
+        (
+            ["--no-network-policies", "--scraper-pod-label", "app=prometheus"],
+            "--scraper-pod-label: names who may scrape through the network policies, which",
+        ),
+        (
+            ["--no-live-status", "--status-seconds", "5"],
+            "--status-seconds: sets the live status, which --no-live-status turns off",
+        ),
+        (
+            ["--no-live-status", "--status-write-seconds", "5"],
+            "--status-write-seconds: sets the live status, which --no-live-status turns off",
+        ),
         (
             ["--explain-placement", "--no-live-status"],
             "--explain-placement: the explanation is part of the live status; drop --no-live-status",

@@ -323,10 +323,16 @@ class Runtime:
         active: dict[str, bool] = {}
         # A copy: kopf's handlers add runs and pools to ``known`` while this awaits the peering.
         for _, namespace, _ in list(self.known.values()):
-            if namespace not in active:
-                active[namespace] = await self.active_in(namespace)
-        for namespace in sorted(ns for ns, yes in active.items() if yes):
-            await self.refresh(namespace)
+            if namespace in active:
+                continue
+            # One namespace's failed read (a 429, its peering object gone) skips that namespace only.
+            active[namespace] = False
+            try:
+                if await self.active_in(namespace):
+                    await self.refresh(namespace)
+                    active[namespace] = True
+            except ApiError as exc:
+                log.warning("resync of namespace %s failed: %s", namespace, exc)
         asked = 0
         for kind, namespace, name in sorted(self.known.values()):
             if active.get(namespace):
@@ -359,8 +365,6 @@ class Runtime:
             await asyncio.sleep(interval)
             try:
                 asked = await self.resync_once()
-            except ApiError as exc:  # the peering read failed: try again next time
-                log.warning("resync skipped: %s", exc)
             except Exception:  # as the operator's other loops: one failed resync must not end them
                 log.exception("resync failed; the next in %s s", interval)
             else:
