@@ -86,13 +86,23 @@ class Api:
     async def merge_patch(
         self, r: ApiResource, ns: str, name: str, body: Obj, subresource: Any = None
     ) -> Obj:
-        return await self._write(r, ns, name, body)
+        written = await self._write(r, ns, name, body)
+        _drop_nulls(self.objects[(r.kind, ns, name)])  # RFC 7386: null removes the key
+        return written
 
     async def delete(
         self, r: ApiResource, ns: str, name: str, propagation: str = "Background", uid: Any = None
     ) -> bool:
         self.fault(r.kind, "delete")
         return self.objects.pop((r.kind, ns, name), None) is not None
+
+
+def _drop_nulls(obj: Obj) -> None:
+    for key, value in list(obj.items()):
+        if value is None:
+            del obj[key]
+        elif isinstance(value, dict):
+            _drop_nulls(value)
 
 
 class AllServed(Discovery):
@@ -158,6 +168,31 @@ async def test_a_workload_kueue_does_not_admit_still_holds_the_run_at_zero() -> 
     api.objects[WORKLOAD]["status"] = {}  # evicted
     await reconcile(api)
     assert (replicas(api, TRAINER), replicas(api, POOL), phase(api)) == (0, 0, "Queued")
+
+
+@pytest.mark.parametrize("min_replicas", [0, 1])
+async def test_a_run_admitted_again_gets_its_pools_replicas_back(min_replicas: int) -> None:
+    """Held at zero by an eviction, a pool came back to minReplicas (none at all with 0, so a run
+    without an autoscaler never served again); it gets the replicas it had."""
+    api = Api()
+    api.objects[RUN] = a_run("team-a")
+    for pool in api.objects[RUN]["spec"]["samplerPools"]:
+        pool.update(minReplicas=min_replicas, maxReplicas=4)
+    await reconcile(api)
+    api.objects[WORKLOAD]["status"] = copy.deepcopy(ADMITTED_STATUS)
+    await reconcile(api)
+    api.objects[POOL]["spec"]["replicas"] = 3  # the autoscaler, kubectl scale
+    await reconcile(api)
+    api.objects[WORKLOAD]["status"] = {}  # evicted
+    await reconcile(api)
+    assert (replicas(api, TRAINER), replicas(api, POOL), phase(api)) == (0, 0, "Queued")
+    api.objects[WORKLOAD]["status"] = {}  # still queued: a second write must keep what it had
+    api.objects[RUN]["spec"]["rollout"] = {"workers": 3}
+    await reconcile(api)
+    api.objects[WORKLOAD]["status"] = copy.deepcopy(ADMITTED_STATUS)
+    await reconcile(api)
+    assert (replicas(api, TRAINER), replicas(api, POOL)) == (2, 3)
+    assert R.HELD_REPLICAS_ANNOTATION not in api.objects[POOL]["metadata"].get("annotations", {})
 
 
 async def test_a_pool_whose_extras_cannot_be_read_keeps_its_replicas() -> None:

@@ -291,7 +291,8 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
             pool = resolved.pool(desired["spec"]["pool"])
             # A finished run's pools carry replicas 0 in what is desired (the builder's released()).
             seed = None if finished else {"spec": {"replicas": seed_replicas(pool)}}
-            children.append(Child(desired, seed, None if finished else within_bounds(pool)))
+            update = None if finished else (remember_replicas if held else within_bounds(pool))
+            children.append(Child(desired, seed, update))
         elif desired["kind"] == "Secret":  # the run's API token, made once (docs/auth.md)
             children.append(Child(desired, {"stringData": {AUTH_TOKEN_KEY: secrets.token_urlsafe(32)}}))
         else:
@@ -513,12 +514,33 @@ def is_sampler_pool(obj: Obj) -> bool:
     return obj["kind"] == SAMPLERPOOLS.kind
 
 
+HELD_REPLICAS_ANNOTATION = "mixrl.dev/replicas-before-hold"
+"""On a pool of a run Kueue holds (evicted, or queued again): the replicas it had before it was
+held at zero, which it gets back when the run is admitted again."""
+
+
+def remember_replicas(live: Obj) -> Obj:
+    """The write that holds a pool at zero also keeps the replicas it had (once: a later write of a
+    held pool finds it at zero already)."""
+    annotations = live.get("metadata", {}).get("annotations") or {}
+    if HELD_REPLICAS_ANNOTATION in annotations:
+        return {}
+    replicas = int(live.get("spec", {}).get("replicas") or 0)
+    return {"metadata": {"annotations": {HELD_REPLICAS_ANNOTATION: str(replicas)}}}
+
+
 def within_bounds(pool: ResolvedPool) -> Callable[[Obj], Obj]:
     """New bounds that exclude the current replica count move it to the nearest bound (in the same
-    write as the new bounds); otherwise replicas stay whoever scaled the pool set them to."""
+    write as the new bounds); otherwise replicas stay whoever scaled the pool set them to.  A pool
+    that was held comes back to the replicas it had (within the bounds), not to zero."""
 
     def extra(live: Obj) -> Obj:
         replicas = int(live.get("spec", {}).get("replicas") or 0)
+        held = (live.get("metadata", {}).get("annotations") or {}).get(HELD_REPLICAS_ANNOTATION)
+        if held is not None:
+            before = int(held) if held.isdigit() else seed_replicas(pool)
+            restored = {"replicas": clamp_replicas(before, pool)}
+            return {"metadata": {"annotations": {HELD_REPLICAS_ANNOTATION: None}}, "spec": restored}
         clamped = clamp_replicas(replicas, pool)
         return {"spec": {"replicas": clamped}} if clamped != replicas else {}
 
