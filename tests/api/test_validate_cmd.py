@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,23 @@ def test_the_built_in_environments_offer_exactly_the_tools_the_rollout_implement
     assert environment_class("coding") is coding.CodingEnvironment
     assert environment_class("coding-plain") is coding.PlainCodingEnvironment
     assert BUILT_IN.keys() == ENVIRONMENT_TOOLS.keys()
+
+
+def test_a_spec_with_sandbox_pods_needs_no_bubblewrap_where_it_is_validated(tmp_path: Path) -> None:
+    """Its commands run in sandbox pods: a machine without bubblewrap (PATH without bwrap here) can
+    validate it, and still refuses the same spec with the local sandbox."""
+    doc = yaml.safe_load((ROOT / "examples" / "rlrun-coding.yaml").read_text())
+    local = tmp_path / "local.yaml"
+    local.write_text(yaml.safe_dump({**doc, "metadata": {"name": "coding-local"}}))
+    doc["spec"]["rollout"]["sandbox"] = {}
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(yaml.safe_dump(doc))
+    no_bwrap = tmp_path / "bin"
+    no_bwrap.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "mixrl.cli", "validate", str(pods), str(local)],
+        capture_output=True, text=True, env={**os.environ, "PATH": str(no_bwrap)}, check=False,
+    )  # fmt: skip
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{pods}: valid RLRun 'coding'", result.stdout + result.stderr
+    assert lines[1].startswith(f"{local}: ") and "bubblewrap ('bwrap') is not installed" in lines[1]

@@ -10,9 +10,11 @@ import asyncio
 import base64
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -21,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
@@ -34,6 +37,7 @@ from mixrl.rl.sandbox.lease import WORKER_LABEL
 
 Obj = dict[str, Any]
 ROOT = Path(__file__).resolve().parents[2]
+NOBODY = 65534
 
 
 def free_port() -> int:
@@ -174,7 +178,115 @@ def test_a_bad_request_is_refused_naming_its_field(executor: tuple[str, Path]) -
         assert status == 400 and field in answer["error"], answer
 
 
+def test_temporary_files_neither_come_back_nor_count_to_disk(executor: tuple[str, Path]) -> None:
+    """As the local backend's /tmp: TMPDIR is outside the directory whose files come back."""
+    url, work = executor
+    scratch = "import os, tempfile; open(os.path.join(tempfile.mkdtemp(), 's'), 'wb').write(bytes(900000))"
+    where = 'case "$TMPDIR" in "$PWD"*) echo inside;; *) echo outside;; esac'
+    result = run(url, f'python3 -c "{scratch}"; head -c 900000 /dev/zero > kept; {where}', disk_bytes=2**20)
+    assert (result.finish_reason, result.stdout) == ("ok", "outside\n"), result
+    assert list(result.files) == ["kept"]
+    assert list(work.iterdir()) == []  # the temporary directory went too
+
+
+def test_files_in_each_others_way_or_a_nul_in_the_command_are_refused_not_a_failure(
+    executor: tuple[str, Path],
+) -> None:
+    """What the local backend refuses with ValueError before running anything is a 400, not a 500."""
+    x = base64.b64encode(b"x").decode()
+    for body, error in (
+        ({"command": "true", "files": {"a": x, "a/b": x}}, "both a file and the directory"),
+        ({"command": "echo a\x00b"}, "null byte"),
+    ):
+        status, answer = asyncio.run(post(executor[0], body))
+        assert status == 400 and error in answer["error"], answer
+
+
+def test_files_the_command_made_unreadable_are_dropped_with_a_note() -> None:
+    """The executor as a user that permissions bind (as in the pod; root reads anything)."""
+    work = Path(tempfile.mkdtemp(prefix="mixrl-executor-"))  # in /tmp: pytest's own is root's only
+    as_nobody: list[str] = []
+    if os.geteuid() == 0:
+        os.chown(work, NOBODY, NOBODY)
+        as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    port = free_port()
+    process = subprocess.Popen(
+        [*as_nobody, sys.executable, "-m", "mixrl.cli", "sandbox-exec", "--port", str(port),
+         "--work-dir", str(work)],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_listening("127.0.0.1", port, process)
+        command = (
+            "echo x > ok; echo y > secret; chmod 000 secret; mkdir shut; chmod 000 shut; "
+            "mkdir listed; echo z > listed/f; chmod 600 listed; echo done"
+        )
+        result = run(f"http://127.0.0.1:{port}", command)
+    finally:
+        process.kill()
+        process.wait()
+        subprocess.run(["chmod", "-R", "u+rwX", str(work)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+    assert (result.finish_reason, result.stdout, result.files) == ("ok", "done\n", {"ok": b"x\n"})
+    for name in ("secret", "shut", "listed/f"):
+        assert any(note.startswith(f"'{name}': cannot be read") for note in result.dropped), result.dropped
+
+
 # ----------------------------------------------------------------------------- KubernetesSandbox
+
+
+async def test_an_answer_that_is_not_a_result_is_unavailable_not_a_killed_command() -> None:
+    """A server error or a page that is not the executor's JSON: no result to score (it was
+    `killed`, a zero reward trained on)."""
+    answers = [(503, "<html>503 Service Unavailable</html>"), (200, "<html>a proxy's page</html>")]
+
+    async def answer(_: web.Request) -> web.Response:
+        status, text = answers.pop(0)
+        return web.Response(status=status, text=text, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_post("/run", answer)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    class LocalPod:
+        def __init__(self) -> None:
+            self.pods: dict[str, Obj] = {}
+
+        async def create(self, pod: Obj) -> None:
+            self.pods[pod["metadata"]["name"]] = pod
+
+        async def get(self, name: str) -> Obj | None:
+            ready = {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            }
+            return {**self.pods[name], "status": ready} if name in self.pods else None
+
+        async def list(self, labels: Mapping[str, str]) -> list[Obj]:
+            return []
+
+        async def delete(self, name: str) -> None:
+            self.pods.pop(name, None)
+
+    manifest = {
+        "kind": "Pod",
+        "metadata": {},
+        "spec": {"containers": [{"ports": [{"name": "executor", "containerPort": port}]}]},
+    }
+    sandbox = KubernetesSandbox(SandboxPods(LocalPod(), manifest, worker="w", size=1, poll_s=0.02))
+    await sandbox.start()
+    try:
+        with pytest.raises(SandboxUnavailable, match="503 <html>503 Service Unavailable"):
+            await sandbox.run("true")
+        with pytest.raises(SandboxUnavailable, match="not a JSON answer: 200 <html>a proxy"):
+            await sandbox.run("true")
+    finally:
+        await sandbox.close()
+        await runner.cleanup()
 
 
 class LoopbackPods:

@@ -3,12 +3,13 @@ the pool's rounds reading every pod it holds."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
-from mixrl.rl.sandbox.kubernetes import SandboxPods
+from mixrl.rl.sandbox.kubernetes import PodApiError, SandboxPods
 from mixrl.rl.sandbox.lease import BACKOFF_S, PoolState
 
 
@@ -159,3 +160,122 @@ async def test_a_warm_pod_that_dies_before_its_lease_is_replaced_not_leased() ->
     assert pool.state.slots[name].state == "deleting" and pool.state.lease(0.0, 10.0) is None
     await pool.step()  # deleted, and a fresh one asked for
     assert name not in api.pods and len(api.pods) == 1
+
+
+def test_one_refused_round_is_one_failure_however_many_pods_it_asked_for() -> None:
+    state = pool(6)
+    plan = state.plan(0.0)
+    for name in plan.create:  # one quota refusing the whole round
+        state.create_failed(name, 0.0, "403 exceeded quota")
+    assert state.retry_at == BACKOFF_S[0]  # was 30 s: one failure counted per pod
+    again = state.plan(BACKOFF_S[0]).create
+    assert len(again) == 6
+    for name in again:
+        state.create_failed(name, BACKOFF_S[0], "403 exceeded quota")
+    assert state.retry_at == BACKOFF_S[0] + BACKOFF_S[1]
+
+
+def test_a_create_that_may_have_happened_is_deleted_not_forgotten() -> None:
+    state = pool(1)
+    [name] = state.plan(0.0).create
+    state.create_failed(name, 0.0, "timed out", maybe_created=True)
+    assert state.slots[name].state == "deleting" and "timed out" in state.last_problem
+    plan = state.plan(BACKOFF_S[0])
+    assert plan.delete == (name,) and len(plan.create) == 1  # the fresh one replaces it, as a release does
+
+
+TEMPLATE: dict[str, Any] = {
+    "kind": "Pod",
+    "metadata": {},
+    "spec": {"containers": [{"ports": [{"name": "executor", "containerPort": 8790}]}]},
+}
+
+
+class InstantPods:
+    """A PodClient whose pods are ready as soon as they are created."""
+
+    def __init__(self) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.deleted: list[str] = []
+
+    async def create(self, pod: dict[str, Any]) -> None:
+        self.pods[pod["metadata"]["name"]] = pod
+
+    async def get(self, name: str) -> dict[str, Any] | None:
+        if name not in self.pods:
+            return None
+        ready = {"phase": "Running", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
+        return {**self.pods[name], "status": ready}
+
+    async def list(self, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        return list(self.pods.values())
+
+    async def delete(self, name: str) -> None:
+        self.deleted.append(name)
+        self.pods.pop(name, None)
+
+
+async def test_a_create_call_lost_on_the_way_back_leaves_no_pod_behind() -> None:
+    class AnswerLost(InstantPods):
+        async def create(self, pod: dict[str, Any]) -> None:
+            await super().create(pod)  # the API server made it...
+            raise TimeoutError()  # ...but its answer never came
+
+    now = [0.0]
+    api = AnswerLost()
+    pods = SandboxPods(api, TEMPLATE, worker="w", size=1, clock=lambda: now[0])
+    await pods.step()
+    [name] = pods.state.slots
+    assert pods.state.slots[name].state == "deleting"
+    await pods.step()  # within the back-off: deleted, none created
+    assert api.pods == {} and pods.state.slots == {}
+
+
+async def test_a_refused_create_is_forgotten_without_a_deletion() -> None:
+    class Refused(InstantPods):
+        async def create(self, pod: dict[str, Any]) -> None:
+            raise PodApiError("POST pods: 403 exceeded quota", status=403)
+
+    api = Refused()
+    pods = SandboxPods(api, TEMPLATE, worker="w", size=1, clock=lambda: 0.0)
+    await pods.step()
+    await pods.step()
+    assert pods.state.slots == {} and api.deleted == []
+    assert "exceeded quota" in pods.state.last_problem
+
+
+async def test_commands_queued_behind_a_busy_pool_wait_their_turn_not_a_timeout() -> None:
+    """More commands than pods: the time every pod runs another command does not count as no pod
+    becoming ready (it did: 2 s in, the third pair was refused 'none became ready ... (none was
+    created)')."""
+    pods = SandboxPods(InstantPods(), TEMPLATE, worker="w", size=2, ready_timeout_s=0.5, poll_s=0.02)
+    await pods.start()
+
+    async def command() -> str:
+        async with pods.lease(hold_s=30) as (name, _):
+            await asyncio.sleep(0.6)  # each longer than half the 1 s wait: four rounds take 2.4 s
+            return name
+
+    try:
+        names = await asyncio.gather(*(command() for _ in range(8)))
+    finally:
+        await pods.close()
+    assert len(set(names)) == 8  # each in a fresh pod
+
+
+async def test_close_deletes_every_labelled_pod_though_one_deletion_fails() -> None:
+    class OneDeleteFails(InstantPods):
+        failed = False
+
+        async def delete(self, name: str) -> None:
+            if not self.failed:
+                self.failed = True
+                raise PodApiError(f"DELETE {name}: 429 Too Many Requests", status=429)
+            await super().delete(name)
+
+    api = OneDeleteFails()
+    pods = SandboxPods(api, TEMPLATE, worker="w", size=1)
+    for index in range(3):  # made by this worker but not in its pool (its create's answer was lost)
+        await api.create({"metadata": {"name": f"w-sb-old-{index}"}})
+    await pods.close()
+    assert len(api.pods) == 1  # only the one whose deletion failed; was all three

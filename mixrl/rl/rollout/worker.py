@@ -693,8 +693,6 @@ async def serve(
     sandbox_pods: KubernetesSandbox | None = None,
 ) -> None:
     stopping = asyncio.Event()
-    if sandbox_pods is not None:  # deletes an earlier incarnation's pods, starts filling the pool
-        await sandbox_pods.start()
     remove_signal_handlers = stop_on_signals(stopping)
     stats = RolloutStats(settings.run)
     metrics = await stats.serve_metrics(args.metrics_port) if args.metrics_port else None
@@ -717,6 +715,9 @@ async def serve(
         flush=True,
     )
     try:
+        # Inside the try: a pool that started (or half started) is always closed with its pods.
+        if sandbox_pods is not None:  # deletes an earlier incarnation's pods, starts filling the pool
+            await sandbox_pods.start()
         await worker.run(stopping)
     finally:
         remove_signal_handlers()

@@ -48,8 +48,8 @@ COMMAND_ENV = {
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONUNBUFFERED": "1",
 }
-"""The command's whole environment, with ``HOME`` and ``TMPDIR`` its own directory: nothing of the
-executor's own environment reaches it."""
+"""The command's whole environment, with ``HOME`` its own directory and ``TMPDIR`` a fresh one beside
+it: nothing of the executor's own environment reaches it."""
 
 
 # ----------------------------------------------------------------------------- the wire format (pure)
@@ -135,18 +135,26 @@ async def execute(
 
     ``sole_parent``: every child of this process is the command's (the sandbox pod's executor,
     which runs one command at a time and to which orphans are reparented); then what the command
-    left running in a session of its own is found and killed too, not only its process tree."""
+    left running in a session of its own is found and killed too, not only its process tree.
+    ValueError, as from the local backend, when the files cannot all be written (one in another's
+    way) or the command cannot be passed to a process (a NUL)."""
     workspace = tempfile.mkdtemp(prefix="run-", dir=work_root)
+    # Temporary files go beside the workspace, as the local backend's go to its own /tmp: they
+    # neither come back with the files nor count to disk_bytes.
+    scratch = tempfile.mkdtemp(prefix="tmp-", dir=work_root)
     try:
         write_tree(workspace, files)
-        return await _run(command, limits, workspace, sole_parent)
+        return await _run(command, limits, workspace, scratch, sole_parent)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
-async def _run(command: str, limits: Limits, workspace: str, sole_parent: bool) -> SandboxResult:
+async def _run(
+    command: str, limits: Limits, workspace: str, scratch: str, sole_parent: bool
+) -> SandboxResult:
     started = time.monotonic()
-    env = {**COMMAND_ENV, "HOME": workspace, "TMPDIR": workspace}
+    env = {**COMMAND_ENV, "HOME": workspace, "TMPDIR": scratch}
     process = await asyncio.create_subprocess_exec(
         "prlimit", *prlimit_args(limits), "--", "/bin/sh", "-c", command,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -246,15 +254,25 @@ def _text(data: bytes, cap: int, truncated: bool) -> str:
 
 def read_workspace(root: str, max_files: int) -> tuple[dict[str, bytes], list[str], int]:
     """The regular files under ``root`` (links and devices dropped, never followed), the notes of
-    what was dropped, and the bytes of every regular file (kept or not)."""
+    what was dropped (also what the command made unreadable), and the bytes of every regular file
+    (kept or not)."""
     files: dict[str, bytes] = {}
     dropped: list[str] = []
     size = 0
-    for directory, subdirs, names in os.walk(root, followlinks=False):
+
+    def unreadable(error: OSError) -> None:
+        relative = os.path.relpath(error.filename or root, root)
+        dropped.append(f"{relative!r}: cannot be read ({error.strerror})")
+
+    for directory, subdirs, names in os.walk(root, onerror=unreadable, followlinks=False):
         for name in [*names, *(d for d in subdirs if os.path.islink(os.path.join(directory, d)))]:
             full = os.path.join(directory, name)
             relative = os.path.relpath(full, root)
-            info = os.lstat(full)
+            try:
+                info = os.lstat(full)
+            except OSError as error:  # in a directory the command left without search permission
+                unreadable(error)
+                continue
             if not stat.S_ISREG(info.st_mode):
                 dropped.append(f"{relative!r}: not a regular file")
                 continue
@@ -267,9 +285,12 @@ def read_workspace(root: str, max_files: int) -> tuple[dict[str, bytes], list[st
             except ValueError as error:
                 dropped.append(str(error))
                 continue
-            descriptor = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(descriptor, "rb") as handle:
-                files[path] = handle.read()
+            try:
+                descriptor = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(descriptor, "rb") as handle:
+                    files[path] = handle.read()
+            except OSError as error:  # a mode the command set (chmod 000): its file, not our failure
+                unreadable(error)
     return files, dropped, size
 
 
@@ -289,7 +310,12 @@ def make_app(work_root: str, *, sole_parent: bool = False) -> web.Application:
         except ValueError as error:
             return web.json_response({"error": str(error)}, status=400)
         async with lock:
-            result = await execute(command, files, limits, work_root, sole_parent=sole_parent)
+            try:
+                result = await execute(command, files, limits, work_root, sole_parent=sole_parent)
+            except ValueError as error:
+                # What the local backend refuses before it runs anything too (a file in another's
+                # way, a NUL in the command): the request's fault, so not a 500.
+                return web.json_response({"error": str(error)}, status=400)
         return web.json_response(encode_result(result))
 
     app = web.Application(client_max_size=MAX_REQUEST_BYTES)

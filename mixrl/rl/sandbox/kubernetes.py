@@ -58,7 +58,10 @@ class PodClient(Protocol):
 
 
 class PodApiError(RuntimeError):
-    pass
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status of the API server's answer; None when it did not give one."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,11 @@ class KubePodClient:
                 return None
             text = await response.text()
             if response.status >= 300:
-                raise PodApiError(f"{method} {url}: {response.status} {text[:300]}")
-            return json.loads(text) if text else {}
+                raise PodApiError(f"{method} {url}: {response.status} {text[:300]}", response.status)
+            try:
+                return json.loads(text) if text else {}
+            except ValueError:
+                raise PodApiError(f"{method} {url}: not a JSON answer: {text[:300]}") from None
 
     async def create(self, pod: Obj) -> None:
         await self._call("POST", self.connection.pods_path(), json=pod)
@@ -239,8 +245,15 @@ class SandboxPods:
     async def _create(self, name: str) -> None:
         try:
             await self.client.create(named_pod(self.template, name, self.worker))
-        except (PodApiError, aiohttp.ClientError, TimeoutError) as error:
-            self.state.create_failed(name, self.clock(), str(error))
+        except PodApiError as error:
+            # A refusal (4xx: a quota, admission, a name taken) made nothing; a server error may
+            # have made the pod before it failed.
+            refused = error.status is not None and error.status < 500
+            self.state.create_failed(name, self.clock(), str(error), maybe_created=not refused)
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            # The answer was lost, not the request: the pod may exist.
+            why = str(error) or type(error).__name__
+            self.state.create_failed(name, self.clock(), why, maybe_created=True)
 
     async def _delete(self, name: str) -> None:
         with contextlib.suppress(PodApiError, aiohttp.ClientError, TimeoutError):
@@ -260,14 +273,22 @@ class SandboxPods:
 
     @contextlib.asynccontextmanager
     async def lease(self, hold_s: float) -> AsyncIterator[tuple[str, str]]:
-        """A ready pod (name, address) for one command; deleted afterwards, whatever happened."""
+        """A ready pod (name, address) for one command; deleted afterwards, whatever happened.
+        SandboxUnavailable when no pod became ready for twice the ready timeout, not counting the
+        time every pod ran another command (a busy pool is slow, not broken)."""
         wait_s = 2 * self.state.ready_timeout_s
-        deadline = self.clock() + wait_s
+        waiting_since = self.clock()
         async with self._ready:
             while (leased := self.state.lease(self.clock(), hold_s)) is None:
-                remaining = deadline - self.clock()
+                now = self.clock()
+                if self.state.all_leased():
+                    waiting_since = now
+                remaining = max(waiting_since, self.state.last_ready_at) + wait_s - now
                 if remaining <= 0:
-                    why = self.state.last_problem or "none was created"
+                    created = self.state.created
+                    why = self.state.last_problem or (
+                        f"{created} created, none failed" if created else "none was created"
+                    )
                     raise SandboxUnavailable(f"sandbox pods: none became ready within {wait_s:g} s ({why})")
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._ready.wait(), min(remaining, self.poll_s * 4))
@@ -290,8 +311,11 @@ class SandboxPods:
                 await self._loop
         for name in self.state.shutdown(self.clock()):
             await self._delete(name)
+        leftovers: list[Obj] = []
         with contextlib.suppress(PodApiError, aiohttp.ClientError, TimeoutError):
-            for pod in await self.client.list({WORKER_LABEL: self.worker}):
+            leftovers = await self.client.list({WORKER_LABEL: self.worker})
+        for pod in leftovers:  # one failed deletion leaves that pod only, not the rest
+            with contextlib.suppress(PodApiError, aiohttp.ClientError, TimeoutError):
                 await self.client.delete(pod["metadata"]["name"])
 
 
@@ -326,21 +350,28 @@ class KubernetesSandbox:
             try:
                 timeout = aiohttp.ClientTimeout(total=limits.wall_s + self.grace_s)
                 async with self._client().post(url, json=body, timeout=timeout) as response:
-                    answer = await response.json(content_type=None)
-                    if response.status >= 500:  # the executor's failure, not the command's
-                        raise SandboxUnavailable(f"sandbox pod {name}: {response.status} {answer}")
-                    if response.status != 200:  # a request it refused: a bug on this side
-                        raise ValueError(f"sandbox pod {name}: {response.status} {answer}")
-                    return decode_result(answer)
+                    status, raw = response.status, await response.read()
             except TimeoutError:
                 wall_s = time.monotonic() - started
                 detail = f"sandbox pod {name} did not answer within {limits.wall_s + self.grace_s:g} s"
                 return SandboxResult(None, "", "", "timeout", wall_s, detail=detail)
-            except (aiohttp.ClientError, json.JSONDecodeError) as error:
+            except aiohttp.ClientError as error:
                 # The command killed its executor (same user, same pod), or the pod went away.
                 wall_s = time.monotonic() - started
                 detail = f"sandbox pod {name}: the executor did not answer ({error})"
                 return SandboxResult(None, "", "", "killed", wall_s, detail=detail)
+        # An answer that is not the executor's JSON (a server error, a proxy's page) is the
+        # infrastructure failing: no result to score, not a command that ended `killed`.
+        shown = raw[:300].decode(errors="replace")
+        if status >= 500:
+            raise SandboxUnavailable(f"sandbox pod {name}: {status} {shown}")
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            raise SandboxUnavailable(f"sandbox pod {name}: not a JSON answer: {status} {shown}") from None
+        if status != 200:  # a request it refused: a bug on this side
+            raise ValueError(f"sandbox pod {name}: {status} {answer}")
+        return decode_result(answer)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:

@@ -4,7 +4,8 @@ Every pod goes ``creating`` (asked for) -> ``ready`` (its executor answers its r
 it has an address) -> ``leased`` (one command runs in it) -> ``deleting`` -> gone.  A pod is never
 leased twice: releasing it deletes it and :meth:`PoolState.plan` asks for a fresh one, so no command
 sees what an earlier one left behind.  Pods that do not become ready within ``ready_timeout_s``,
-pods that fail, and leases held past their deadline are deleted too.  At most ``size`` pods are
+pods that fail, leases held past their deadline, and pods whose create call failed without a clear
+refusal (the API server may have made them) are deleted too.  At most ``size`` pods are
 alive (not being deleted) at once, which bounds both the cluster's share and the commands running
 at once.  :mod:`mixrl.rl.sandbox.kubernetes` does the API calls the plan asks for.
 """
@@ -32,6 +33,8 @@ class Slot:
     address: str | None = None
     deadline: float | None = None
     why: str = ""
+    plan_round: int = 0
+    """The :meth:`PoolState.plan` call that asked for it: failed creations of one round are one failure."""
 
 
 @dataclass(frozen=True)
@@ -50,9 +53,14 @@ class PoolState:
     """Distinguishes this worker process's pods from an earlier incarnation's (same worker name)."""
     slots: dict[str, Slot] = field(default_factory=dict)
     created: int = 0
+    plan_rounds: int = 0
     failures: int = 0
+    failed_round: int = -1
     retry_at: float = 0.0
     last_problem: str = ""
+    last_ready_at: float = float("-inf")
+    """When a pod last became ready: a command waiting since then waits for others' leases, not for
+    a pool that cannot make pods."""
 
     def __post_init__(self) -> None:
         if self.size <= 0:
@@ -79,19 +87,32 @@ class PoolState:
                 self._delete(name, now, "leased past its deadline")
         create: list[str] = []
         if now >= self.retry_at:
+            self.plan_rounds += 1
             while self.count("creating", "ready", "leased") < self.size:
                 self.created += 1
                 name = f"{self.worker}-sb-{self.token}-{self.created}"
-                self.slots[name] = Slot("creating", now)
+                self.slots[name] = Slot("creating", now, plan_round=self.plan_rounds)
                 create.append(name)
         delete = tuple(name for name, slot in self.slots.items() if slot.state == "deleting")
         return Plan(tuple(create), delete)
 
-    def create_failed(self, name: str, now: float, why: str) -> None:
-        """The API refused the pod: forget it and wait before asking again."""
-        self.slots.pop(name, None)
-        self.retry_at = now + BACKOFF_S[min(self.failures, len(BACKOFF_S) - 1)]
-        self.failures += 1
+    def create_failed(self, name: str, now: float, why: str, *, maybe_created: bool = False) -> None:
+        """The create call failed: wait before asking again.  A refusal made nothing and the pod is
+        forgotten; ``maybe_created`` (a timeout, a dropped connection, a server error: the API server
+        may have made it all the same) deletes it, so that no pod outlives the pool's count."""
+        slot = self.slots.get(name)
+        if slot is None:
+            return
+        if maybe_created:
+            self._delete(name, now, "")
+        else:
+            self.slots.pop(name)
+        # One quota refusing a whole round's creations is one failure, not one per pod.
+        if slot.plan_round != self.failed_round:
+            self.failed_round = slot.plan_round
+            self.failures += 1
+        backoff_s = BACKOFF_S[min(self.failures, len(BACKOFF_S)) - 1]
+        self.retry_at = max(self.retry_at, now + backoff_s)
         self.last_problem = f"creating {name}: {why}"
 
     def observe(self, name: str, now: float, ready: bool, address: str | None, ended: str = "") -> None:
@@ -107,7 +128,8 @@ class PoolState:
             return
         if slot.state == "creating" and ready and address:
             slot.state, slot.since, slot.address = "ready", now, address
-            self.failures = 0
+            self.failures, self.failed_round = 0, -1
+            self.last_ready_at = now
 
     def lease(self, now: float, hold_s: float) -> tuple[str, str] | None:
         """The longest-ready pod, now leased until ``now + hold_s``, as (name, address); None when
@@ -120,6 +142,10 @@ class PoolState:
         slot.state, slot.since, slot.deadline = "leased", now, now + hold_s
         assert slot.address is not None
         return name, slot.address
+
+    def all_leased(self) -> bool:
+        """Every pod the pool may have runs a command: a command waiting now waits its turn."""
+        return 0 < self.size <= self.count("leased")
 
     def release(self, name: str, now: float) -> None:
         """The command is done (or failed): the pod is dirty and goes."""

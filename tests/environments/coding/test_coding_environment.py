@@ -362,3 +362,31 @@ async def test_no_path_can_stand_in_the_hidden_tests_way() -> None:
     await episode.step(ToolCall("run", {"command": "rm -r tests/unit && echo x > tests/unit"}))
     assert episode.files.get("tests/unit") == b"x\n"
     assert (await episode.finish("submitted")).reward == 1.0
+
+
+async def test_an_argument_no_command_or_file_can_hold_is_answered_not_raised() -> None:
+    """JSON lets a model send a NUL or a lone surrogate: the call gets an ``error:`` line like any
+    bad call (it raised ValueError or UnicodeEncodeError and failed the whole episode)."""
+    env = CodingEnvironment()
+    task = task_of("affine")
+    _, episode = await env.reset(task)
+    assert isinstance(episode, CodingEpisode)
+    before = dict(episode.files)
+    for reply, line in (
+        ('{"name": "run", "arguments": {"command": "echo a\\u0000b"}}', "error: command: holds a NUL"),
+        (
+            '{"name": "write_file", "arguments": {"path": "x.py", "content": "\\ud800"}}',
+            "error: content: holds a lone surrogate",
+        ),
+        ('{"name": "read_file", "arguments": {"path": "\\udc80"}}', "error: path: holds a lone surrogate"),
+        (
+            '{"name": "run", "arguments": {"command": "echo \\ud800"}}',
+            "error: command: holds a lone surrogate",
+        ),
+    ):
+        call = env.parser.parse(f"<tool_call>{reply}</tool_call>", env.tools())
+        assert call is not None, reply
+        result = await episode.step(call)
+        assert result.observation.startswith(line) and not result.done, result.observation
+        result.observation.encode("utf-8")  # nothing a tokenizer cannot encode goes back
+    assert episode.files == before

@@ -86,6 +86,9 @@ class CodingEpisode(Episode):
 
     async def step(self, call: ToolCall) -> StepResult:
         arguments = call.arguments
+        problem = unusable_argument(arguments)
+        if problem:
+            return self._observe(f"error: {problem}")
         if call.name == TOOL_SUBMIT:
             return StepResult("submitted", done=True, finish_reason=SUBMITTED)
         if call.name == TOOL_LIST:
@@ -261,6 +264,23 @@ def describe_run(result: SandboxResult) -> str:
     if result.stderr:
         parts += ["stderr:", result.stderr.rstrip("\n")]
     return "\n".join(parts)
+
+
+def unusable_argument(arguments: Mapping[str, Any]) -> str:
+    """Why a tool call's argument cannot be used (``""``: each can), answered to the model like any
+    bad call rather than failing the episode.  JSON can carry a lone surrogate (``\\ud800``), which is
+    not text: it encodes to no UTF-8 file content and to no token; and a NUL, which no command line
+    or path can hold (in a file's content it is just a byte)."""
+    for name, value in arguments.items():
+        if not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{name}: holds a lone surrogate, which is not UTF-8 text"
+        if "\x00" in value and name != "content":
+            return f"{name}: holds a NUL character"
+    return ""
 
 
 def in_the_way(path: str, other: str) -> bool:
