@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import os
 import socket
 import ssl
 import subprocess
@@ -323,6 +324,10 @@ def start_addon(
         raise ClusterError(f"unknown add-on {name!r} (known: {', '.join(ADDONS)})")
     if name in state.pids and handle.running().get(name):
         raise ClusterError(f"{name} already runs on this bed")
+    if spec.metrics_cert_dir is not None and os.geteuid() != 0:
+        # Checked before the build: the mount point and `unshare --mount` need root.
+        raise ClusterError(f"--{name}: needs root (its manager reads {spec.metrics_cert_dir}, bound there in a "
+                           "mount namespace of its own)")  # fmt: skip
     started = time.monotonic()
     build = addon_dir(name)
     directory = Path(state.dir) / "addons" / name
@@ -340,7 +345,10 @@ def start_addon(
     (directory / "crds.yaml").write_text(yaml.safe_dump_all(crds, sort_keys=False))
     (directory / "webhooks.yaml").write_text(yaml.safe_dump_all(hooks, sort_keys=False))
     if spec.metrics_cert_dir is not None:
-        Path(spec.metrics_cert_dir).mkdir(parents=True, exist_ok=True)  # the mount point
+        # The mount point, on the host: what of it the bed makes, `down` removes.
+        made = make_dirs(Path(spec.metrics_cert_dir))
+        state.host_dirs += [str(path) for path in made if str(path) not in state.host_dirs]
+        handle._save(state)
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": spec.namespace}}
     handle.kubectl(state, "apply", "-f", "-", input=yaml.safe_dump(namespace))
     # Server-side: Kueue's Workload CRD is larger than client-side apply's annotation allows.
@@ -363,15 +371,34 @@ def start_addon(
     return RunningAddon(name, directory, webhook_url, Path(state.dir) / "logs" / f"{name}.log")
 
 
+def make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``; returns the directories it made, parents first."""
+    missing = [p for p in (path, *path.parents) if not p.exists()][::-1]
+    path.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
 def stop_addon(handle: Cluster, state: ClusterState, name: str) -> bool:
     """Stop the add-on's manager and remove its webhook configurations (which would otherwise
-    refuse what they hook, their server gone); its CRDs and objects stay.  True if it was running."""
+    refuse what they hook, their server gone) and the mount point the bed made for it; its CRDs
+    and objects stay.  True if it was running."""
     directory = Path(state.dir) / "addons" / name
     hooks = directory / "webhooks.yaml"
     if hooks.exists():
         with contextlib.suppress(ClusterError):
             handle.kubectl(state, "delete", "--ignore-not-found", "-f", str(hooks))
-    return _stop_and_forget(handle, state, [name])
+    stopped = _stop_and_forget(handle, state, [name])
+    spec = ADDONS.get(name)
+    if spec is not None and spec.metrics_cert_dir is not None:
+        # Its mount namespace ended with it: the mount point is an empty directory again. What
+        # the bed made of its path goes, deepest first (one that holds something stays).
+        made = [d for d in state.host_dirs if Path(spec.metrics_cert_dir).is_relative_to(d)]
+        for mount_dir in reversed(made):
+            with contextlib.suppress(OSError):
+                os.rmdir(mount_dir)
+            state.host_dirs.remove(mount_dir)
+        handle._save(state)
+    return stopped
 
 
 def _stop_and_forget(handle: Cluster, state: ClusterState, names: list[str]) -> bool:
@@ -379,6 +406,7 @@ def _stop_and_forget(handle: Cluster, state: ClusterState, names: list[str]) -> 
     stopped = bool(_stop(state, names))
     for name in names:
         state.pids.pop(name, None)
+        (state.starts or {}).pop(name, None)
     handle._save(state)
     return stopped
 

@@ -2,7 +2,7 @@
 
     mixrl dev-cluster up                      # etcd, API server, controller-manager, scheduler, KWOK
     mixrl dev-cluster up --real-nodes 1       # … and a real CPU node where pods run (as root)
-    mixrl dev-cluster up --kueue              # … and Kueue, with queues for the fleet's GPU types
+    mixrl dev-cluster up --kueue              # … and Kueue, with queues for the fleet's GPU types (as root)
     mixrl dev-cluster up --keda               # … and KEDA (operator, external metrics API server)
     export KUBECONFIG=~/.cache/mixrl/dev-cluster/kubeconfig
     kubectl get nodes -L nvidia.com/gpu.product
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -55,8 +56,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     up.add_argument(
         "--kueue",
         action="store_true",
-        help="run Kueue beside the control plane (scripts/k8s-addons.sh builds it), with a ResourceFlavor per "
-        "GPU type, the ClusterQueue mixrl holding the fleet's GPUs and the LocalQueue mixrl in namespace default",
+        help="run Kueue beside the control plane (scripts/k8s-addons.sh builds it; needs root), with a "
+        "ResourceFlavor per GPU type, the ClusterQueue mixrl holding the fleet's GPUs and the LocalQueue mixrl "
+        "in namespace default",
     )
     up.add_argument(
         "--keda",
@@ -81,6 +83,10 @@ def main(argv: list[str]) -> int:
             groups = parse_fleet(spec.replace("\n", ","))
             if args.volumes < 0:
                 raise ValueError("--volumes: must be 0 or more")
+            if args.kueue and os.geteuid() != 0:
+                # Before the bed starts: Kueue reads its metrics certificate from a fixed path
+                # under /etc, bound there in a mount namespace of its own.
+                raise ClusterError("--kueue: needs root (a mount point under /etc and `unshare --mount`)")
             print(f"dev-cluster: starting in {cluster.dir} with {describe(groups)}")
             state = cluster.up(groups, volumes=args.volumes, timeout=args.timeout, real_nodes=args.real_nodes,
                                with_images=args.images)  # fmt: skip
@@ -115,6 +121,6 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"mixrl dev-cluster: {exc}", file=sys.stderr)
         return 2
-    except ClusterError as exc:
+    except (ClusterError, OSError) as exc:  # OSError: a file or a permission the bed needs
         print(f"mixrl dev-cluster: {exc}", file=sys.stderr)
         return 1

@@ -24,13 +24,14 @@ import shutil
 import signal
 import socket
 import ssl
+import struct
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
@@ -46,6 +47,11 @@ REPO = Path(__file__).resolve().parents[2]
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 SERVICE_CIDR = "10.96.0.0/16"
 STORAGE_CLASS = "mixrl-dev"
+NETWORK_OWNER = Path("/run/mixrl-bed-owner.json")
+"""Which bed built the real-node network: its directory and one of its processes (the ``up`` at
+work, then its API server). The network's names are fixed, so building it takes down another bed's:
+``up`` refuses while that bed's process lives. Under /run, so a reboot forgets it."""
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 # The processes this interpreter started, kept so they are reaped (waited for) rather than dropped
@@ -157,6 +163,15 @@ class ClusterState:
     netns_before: list[str] | None = None
     """The pod network namespaces that existed before the bed's nodes started (``down`` removes
     only the ones its containerd made)."""
+    starts: dict[str, int] | None = None
+    """Per process, its start time (clock ticks after boot, :func:`process_start`): with
+    ``boot_id``, what tells the bed's process from another that got its pid after a reboot or a
+    crash. None in a state written before mixrl recorded it: no pid of it can be checked."""
+    boot_id: str | None = None
+    """The kernel's boot id when the processes started."""
+    host_dirs: list[str] = field(default_factory=list)
+    """Directories outside ``dir`` the bed made (Kueue's mount point), parents first: ``down``
+    removes them once empty."""
 
     @property
     def kubeconfig(self) -> Path:
@@ -465,7 +480,7 @@ class Cluster:
         state = self.state()
         if state is None:
             return {}
-        return {name: _alive(pid) for name, pid in state.pids.items()}
+        return {name: _owned(state, name) for name in state.pids}
 
     # ------------------------------------------------------------------ up
 
@@ -485,6 +500,21 @@ class Cluster:
             raise ClusterError(
                 f"a test bed is already running in {self.dir} (`mixrl dev-cluster down` first)"
             )
+        nodes = node_addresses(real_nodes)
+        if nodes:
+            # Before anything is built or cleaned: Network.up would take the other bed's network down.
+            owner = network_owner()
+            if owner is not None:
+                raise ClusterError(
+                    f"--real-nodes: the bed in {owner} runs real nodes (one bed at a time: their network's "
+                    f"names are fixed): `mixrl dev-cluster --dir {owner} down` first"
+                )
+            _check_real_node_host()
+        if self.state_file.exists():
+            # No process of the state is the bed's (checked above): a reboot, or a crash without
+            # `down`. What it left (data, mounts, cgroups, the network) goes as `down` removes it.
+            log(f"dev-cluster: the bed in {self.dir} was not taken down; cleaning up what it left")
+            self._take_down(log)
         started = time.monotonic()
         bin_dir = binaries_dir()
         wanted = COMPONENTS + (REAL_NODE_BINARIES if real_nodes else ())
@@ -493,9 +523,6 @@ class Cluster:
             raise ClusterError(
                 f"missing binaries in {bin_dir}: {', '.join(missing)} (run scripts/k8s-bin.sh)"
             )
-        nodes = node_addresses(real_nodes)
-        if nodes:
-            _check_real_node_host()
         if with_images and not nodes:
             raise ClusterError(
                 "--images: the project's images run only on real nodes (--real-nodes 1 or more)"
@@ -521,12 +548,14 @@ class Cluster:
             yaml.safe_dump(scheduler_config(self.dir), sort_keys=False)
         )
         (self.dir / "logs" / "audit.log").unlink(missing_ok=True)
-        state = ClusterState(str(self.dir), str(bin_dir), server, token, ports, {}, len(nodes), address)
+        state = ClusterState(str(self.dir), str(bin_dir), server, token, ports, {}, len(nodes), address,
+                             starts={}, boot_id=_boot_id())  # fmt: skip
         commands = component_commands(bin_dir, self.dir, ports, address)
         try:
             if nodes:
                 state.netns_before = _pod_netns()
                 self._save(state)
+                _claim_network(self.dir, os.getpid())  # this `up`, until the API server runs
                 try:
                     Network(self.dir / "network.json").up(nodes)
                 except NetworkError as exc:
@@ -536,6 +565,8 @@ class Cluster:
             self._start(state, "etcd", commands["etcd"])
             self._wait(state, "etcd", lambda: _http_ok(f"http://127.0.0.1:{ports['etcd']}/health"), timeout)
             self._start(state, "kube-apiserver", commands["kube-apiserver"])
+            if nodes:  # lives as long as the bed: the network's owner from now on
+                _claim_network(self.dir, state.pids["kube-apiserver"])
             self._wait(state, "kube-apiserver", lambda: self._api_ok(state, "/readyz"), timeout)
             log(f"dev-cluster: API server ready at {server} ({time.monotonic() - started:.1f} s)")
             for name in ("kube-controller-manager", "kube-scheduler", "kwok"):
@@ -550,6 +581,7 @@ class Cluster:
             self.kubectl(state, "create", "-f", "-", input=_yaml_list(fleet + storage))
             self._wait(state, "kwok", lambda: self._ready_nodes(state) >= len(fleet), timeout)
             self._wait(state, "kube-controller-manager", lambda: self._has_default_sa(state), timeout)
+            self._wait(state, "kube-scheduler", lambda: _healthz(ports["scheduler"]), timeout)
             if nodes:
                 self._start_real_nodes(state, nodes, timeout, log, built)
                 self._start_prometheus(state, timeout, log)
@@ -617,9 +649,17 @@ class Cluster:
             self._start(state, f"kubelet-{node.index}", commands[f"kubelet-{node.index}"])
             self._start(state, f"kube-proxy-{node.index}", commands[f"kube-proxy-{node.index}"])
             self._start(state, f"netpol-{node.index}", commands[f"netpol-{node.index}"])
+        service = f"kubernetes.default.svc.{real_node.CLUSTER_DOMAIN}"
+        self._wait(state, "coredns", lambda: _dns_answers(HOST_IP, service), timeout)
         for node in nodes:
             ready = functools.partial(self._node_ready, state, node.name)
             self._wait(state, f"kubelet-{node.index}", ready, timeout)
+        # kube-proxy and the enforcer serve nothing the host reaches; seconds after their start,
+        # once the nodes are Ready, they still run (a bad flag or configuration ends them at once).
+        for node in nodes:
+            for name in (f"kube-proxy-{node.index}", f"netpol-{node.index}"):
+                if not _owned(state, name):
+                    raise ClusterError(f"{name} exited while starting: {self.log_tail(name)}")
         log(f"dev-cluster: {len(nodes)} real node(s) Ready ({time.monotonic() - started:.1f} s)")
 
     def restart_node_agent(self, state: ClusterState, name: str) -> None:
@@ -646,6 +686,7 @@ class Cluster:
         directory.mkdir()
         targets = directory / "targets.json"
         targets.write_text("[]")
+        placeholder = targets.stat().st_ino
         config = monitoring.prometheus_config(targets)
         (directory / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
         self._start(
@@ -654,6 +695,8 @@ class Cluster:
         self._start(state, "prometheus", monitoring.prometheus_command(binary, directory, state.address))
         url = f"http://{state.address}:{monitoring.PROMETHEUS_PORT}"
         self._wait(state, "prometheus", lambda: _http_ok(f"{url}/-/ready"), timeout)
+        # pod-discovery writes its file anew (a rename: a new inode) once it listed the pods.
+        self._wait(state, "pod-discovery", lambda: _inode(targets) not in (None, placeholder), timeout)
         self.kubectl(
             state, "create", "-f", "-", input=_yaml_list(monitoring.prometheus_objects(state.address))
         )
@@ -676,12 +719,17 @@ class Cluster:
         log_file.close()
         _CHILDREN[process.pid] = process
         state.pids[name] = process.pid
+        if state.starts is None:  # a state from an older mixrl: its other pids stay unchecked
+            state.starts = {}
+        state.boot_id = state.boot_id or _boot_id()
+        # Our child, not yet waited for: its /proc entry stays even if it already exited.
+        state.starts[name] = process_start(process.pid) or -1
         self._save(state)
 
     def _wait(self, state: ClusterState, name: str, ready: Callable[[], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not _alive(state.pids.get(name, 0)) and name in state.pids:
+            if name in state.pids and not _owned(state, name):
                 raise ClusterError(f"{name} exited while starting: {self.log_tail(name)}")
             if ready():
                 return
@@ -745,35 +793,54 @@ class Cluster:
     # ------------------------------------------------------------------ down, status
 
     def down(self, log: Callable[[str], None] = print) -> list[str]:
-        """Stop every process of the test bed (TERM, then KILL) and remove its data; keep the logs."""
+        """Stop every process of the test bed (TERM, then KILL) and remove its data; keep the logs.
+        A pid of ``state.json`` that is not the bed's process any more (:func:`_owned`) is left alone."""
+        stopped = self._take_down(log)
+        log(f"dev-cluster: stopped {', '.join(stopped) or 'nothing (none running)'}")
+        return stopped
+
+    def _take_down(self, log: Callable[[str], None]) -> list[str]:
+        """``down`` but its last line: the processes stopped."""
         state = self.state()
         stopped: list[str] = []
         if state is not None:
+            if note := _not_the_beds(state):
+                log(f"dev-cluster: {note}")
             order = list(reversed(state.pids))
             # The nodes' agents first, then their containers (while containerd still runs, so it
             # forgets them and its cached root keeps only images), then everything else.
             agents = [n for n in order if n.startswith(("netpol-", "kube-proxy-", "kubelet-"))]
             stopped += _stop(state, agents)
             for node in node_addresses(state.real_nodes):
-                if _alive(state.pids.get(f"containerd-{node.index}", 0)):
+                if _owned(state, f"containerd-{node.index}"):
                     real_node.drain_containerd(real_node.containerd_socket(self.dir, node))
             stopped += _stop(state, [n for n in order if n not in agents])
             for pid in state.pids.values():
                 if (child := _CHILDREN.pop(pid, None)) is not None:
                     child.wait()
-            self._clean_real_nodes(state)
+            self._clean_real_nodes(state, log)
+            for directory in reversed(state.host_dirs):  # the deepest first; one in use is not empty
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
         for path in ("etcd", "state.json", "tokens.csv", "kubeconfig", "nodes", "volumes"):
             target = self.dir / path
             if target.is_dir():
                 shutil.rmtree(target, ignore_errors=True)
             else:
                 target.unlink(missing_ok=True)
-        log(f"dev-cluster: stopped {', '.join(stopped) or 'nothing (none running)'}")
+        _release_network(self.dir)  # its processes are stopped: the network (if any) is free
         return stopped
 
-    def _clean_real_nodes(self, state: ClusterState) -> None:
+    def _clean_real_nodes(self, state: ClusterState, log: Callable[[str], None]) -> None:
         """What the real nodes' processes leave behind once stopped: containers and their shims,
         mounts, cgroups, the pods' network namespaces, then the bed's network."""
+        if state.real_nodes or (self.dir / "network.json").exists():
+            owner = network_owner()
+            if owner is not None and owner != str(self.dir.resolve()):
+                # The node names, cgroups and network are the same in every bed: cleaning them
+                # would take down the bed that took the network over since this one stopped.
+                log(f"dev-cluster: the real-node network is the bed's in {owner} now: left to it")
+                return
         for node in node_addresses(state.real_nodes):
             real_node.clean_node(self.dir, node)
         if state.netns_before is not None:
@@ -801,13 +868,13 @@ REAL_NODE_BINARIES = ("kubelet", "kube-proxy", "coredns")
 
 def _stop(state: ClusterState, names: list[str]) -> list[str]:
     """TERM each named process group, KILL what is left after 10 s; return those that were running."""
-    running = [name for name in names if _alive(state.pids.get(name, 0))]
+    running = [name for name in names if _owned(state, name)]
     for name in running:
         _signal_group(state.pids[name], signal.SIGTERM)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(state.pids[n]) for n in running):
         time.sleep(0.1)
-    killed = [name for name in running if _alive(state.pids[name])]
+    killed = [name for name in running if _owned(state, name)]
     for name in killed:
         _signal_group(state.pids[name], signal.SIGKILL)
     # SIGKILL is not instant: return only once the kernel has taken them down.
@@ -873,6 +940,78 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def process_start(pid: int) -> int | None:
+    """When the process started, in clock ticks after boot: field 22 of ``/proc/<pid>/stat``.
+    The fields are counted after the last ``)``: the command name before it (field 2) may hold
+    spaces and parentheses."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 1 :].split()
+    try:
+        return int(fields[19])  # fields[0] is field 3 (the state)
+    except (IndexError, ValueError):
+        return None
+
+
+def _boot_id() -> str | None:
+    return _read(BOOT_ID)
+
+
+def _is(pid: int, start: int | None, boot_id: str | None) -> bool:
+    """``pid`` runs and is the process that started at ``start`` during boot ``boot_id``."""
+    if start is None or boot_id is None or not _alive(pid):
+        return False
+    return boot_id == _boot_id() and process_start(pid) == start
+
+
+def _owned(state: ClusterState, name: str) -> bool:
+    """The bed's process ``name`` runs: its pid lives and is still the process the bed started,
+    not one that got the pid after a reboot or a crash. A state that recorded no start time (an
+    older mixrl's) cannot show it: False, so nothing signals a process that may be another's."""
+    return _is(state.pids.get(name, 0), (state.starts or {}).get(name), state.boot_id)
+
+
+def _not_the_beds(state: ClusterState) -> str | None:
+    """One line on the live pids of ``state`` that ``down`` leaves alone, if any."""
+    alien = [name for name, pid in state.pids.items() if _alive(pid) and not _owned(state, name)]
+    if not alien:
+        return None
+    listed = ", ".join(f"{name} {state.pids[name]}" for name in alien)
+    if state.starts is None or state.boot_id is None:
+        return (f"state.json (an older mixrl's) records no start times, so its live pids ({listed}) cannot "
+                "be told from other programs': not signalled; stop them yourself if they are the bed's")  # fmt: skip
+    return (f"the pids of state.json are other programs' now (a reboot or a crash since `up`): {listed}; "
+            "not signalled")  # fmt: skip
+
+
+def network_owner() -> str | None:
+    """The directory of the bed whose process, still running, built the real-node network."""
+    try:
+        owner = json.loads(NETWORK_OWNER.read_text())
+        if _is(int(owner["pid"]), owner["start"], owner["boot_id"]):
+            return str(owner["dir"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # none, or unreadable: nothing to protect
+    return None
+
+
+def _claim_network(bed: Path, pid: int) -> None:
+    owner = {"dir": str(bed.resolve()), "pid": pid, "start": process_start(pid), "boot_id": _boot_id()}
+    NETWORK_OWNER.write_text(json.dumps(owner))
+
+
+def _release_network(bed: Path) -> None:
+    """Forget the owner if it is this bed (another's, which took the network over, stays)."""
+    try:
+        owner = json.loads(NETWORK_OWNER.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(owner, dict) and owner.get("dir") == str(bed.resolve()):
+        NETWORK_OWNER.unlink(missing_ok=True)
+
+
 def _signal_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
@@ -884,6 +1023,46 @@ def _http_ok(url: str) -> bool:
             return response.status == 200
     except (OSError, urllib.error.URLError):
         return False
+
+
+def _healthz(port: int) -> bool:
+    """kube-scheduler's /healthz on its secure port (anonymous: the path is always allowed)."""
+    # Its serving certificate is one it makes itself at start, signed by no CA of the bed: only
+    # whether it answers "ok" on loopback matters here.
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        url = f"https://127.0.0.1:{port}/healthz"
+        with urllib.request.urlopen(url, context=context, timeout=2) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _dns_answers(server: str, name: str, port: int = 53) -> bool:
+    """The DNS server at ``server`` answers an A query for ``name`` with at least one record."""
+    query_id = secrets.randbits(16)
+    header = struct.pack("!6H", query_id, 0x0100, 1, 0, 0, 0)  # recursion desired, one question
+    labels = b"".join(bytes([len(label)]) + label.encode() for label in name.split("."))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(1)
+        try:
+            sock.sendto(header + labels + b"\0" + struct.pack("!2H", 1, 1), (server, port))  # A, IN
+            reply = sock.recv(512)
+        except OSError:
+            return False
+    if len(reply) < 12:
+        return False
+    answer_id, flags, _, answers = struct.unpack("!4H", reply[:8])
+    return answer_id == query_id and bool(flags & 0x8000) and flags & 0xF == 0 and answers > 0
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
 
 
 def _yaml_list(objects: list[dict]) -> str:
