@@ -246,8 +246,8 @@ def _resolve_global_amax(weight: Tensor, fmt: str, global_amax: float | Tensor |
     if global_amax is None:
         return own_amax
     shared = torch.as_tensor(global_amax, dtype=torch.float32)
-    if shared.numel() != 1 or not bool(shared >= own_amax):
-        raise ValueError("global_amax: must be one number at least the weight's own max |w|")
+    if shared.numel() != 1 or not bool(torch.isfinite(shared)) or not bool(shared >= own_amax):
+        raise ValueError("global_amax: must be one finite number at least the weight's own max |w|")
     return shared.reshape(())
 
 

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from mixrl.rl.corrections import (
     METRIC_KEYS,
     CorrectionConfig,
+    LossTokens,
+    chunked_token_policy_loss,
     reference_token_policy_loss,
     token_policy_loss,
 )
@@ -209,3 +211,73 @@ def test_metrics_have_no_mis_mask_without_mis(make_batch: Callable[..., Any]) ->
     _, metrics = token_policy_loss(batch.logits, batch.records(), CorrectionConfig(mis=None, tis=2.0))
     assert metrics.mean["mis_masked"] == 0.0
     assert metrics.mean["extreme_ratio"] > 0.0
+
+
+def _confident(n: int, vocab: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, LossTokens]:
+    """A confident head (the sampled token p ≈ 0.9999) whose tail holds almost nothing (P_out ≈ 1e-13),
+    recorded by a sampler whose top log-prob is off by a rounding (2e-6 nats): score centering's κ
+    for the outside mass is then about 1e7."""
+    generator = torch.Generator().manual_seed(0)
+    z = torch.randn(n, vocab, generator=generator, dtype=torch.float64) * 2 - 38
+    z[:, :k] = torch.linspace(0, -12, k, dtype=torch.float64)
+    recorded = torch.log_softmax(z, -1)[:, :k].clone()
+    recorded[:, 0] -= 2e-6
+    records = LossTokens(
+        tokens=torch.zeros(n, dtype=torch.long),
+        advantages=torch.ones(n, dtype=dtype),
+        sampler_logprobs=recorded[:, 0].to(dtype),
+        cand_ids=torch.arange(k).repeat(n, 1),
+        cand_logprobs=recorded.to(dtype),
+        support_size=torch.zeros(n, dtype=torch.long),
+    )
+    return z, records
+
+
+def test_score_centering_alone_keeps_the_candidates_gradient_in_float32() -> None:
+    """κ grows without bound under score centering alone; the candidates' gradient was a dense −κp
+    and a sparse +κp that cancelled in fp32 (relative error 0.057 against float64)."""
+    config = CorrectionConfig(mis=None)
+    z, records64 = _confident(64, 1000, 20, torch.float64)
+    reference = z.clone().requires_grad_(True)
+    reference_token_policy_loss(reference, records64, config).backward()
+    assert reference.grad is not None
+    _, records = _confident(64, 1000, 20, torch.float32)
+    fast = z.float().requires_grad_(True)
+    token_policy_loss(fast, records, config)[0].backward()
+    assert fast.grad is not None
+    error = (fast.grad.double() - reference.grad).norm() / reference.grad.norm()
+    assert error < 1e-5, float(error)
+    hidden = z.float().clone().requires_grad_(True)
+    chunked_token_policy_loss(hidden, torch.eye(1000), records, config, chunk_size=16)[0].backward()
+    assert hidden.grad is not None
+    assert (hidden.grad.double() - reference.grad).norm() / reference.grad.norm() < 1e-5
+
+
+@pytest.mark.parametrize("config", [CorrectionConfig(), CorrectionConfig(mis=None), CorrectionConfig.grpo()])
+def test_minus_infinity_logits_are_probability_zero_not_nan(config: CorrectionConfig) -> None:
+    generator = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 12, generator=generator, dtype=torch.float64)
+    z[:, -2:] = float("-inf")  # masked columns (a padded vocabulary)
+    recorded, ids = torch.log_softmax(z[:, :-2] + 0.3, -1).topk(3, -1)
+    records = LossTokens(
+        tokens=ids[:, 0],
+        advantages=torch.tensor([1.0, -0.5], dtype=torch.float64),
+        sampler_logprobs=recorded[:, 0],
+        cand_ids=ids,
+        cand_logprobs=recorded,
+        support_size=torch.zeros(2, dtype=torch.long),
+    )
+    reference = reference_token_policy_loss(z.clone(), records, config)
+    loss, metrics = token_policy_loss(z.clone(), records, config)
+    assert torch.isclose(loss, reference), (float(loss), float(reference))
+    assert bool(torch.isfinite(metrics.per_token["entropy"]).all())
+
+
+def test_logits_of_any_strides_are_taken() -> None:
+    z, records = _confident(4, 30, 5, torch.float64)
+    transposed = z.t().contiguous().t()  # column-major: the same values
+    assert not transposed.is_contiguous()
+    config = CorrectionConfig()
+    assert torch.equal(
+        token_policy_loss(transposed, records, config)[0], token_policy_loss(z, records, config)[0]
+    )

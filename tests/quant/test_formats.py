@@ -79,6 +79,12 @@ def test_nvfp4_hand_worked_blocks() -> None:
     assert packed["weight"][0, 0].item() == 0xF7  # +6 (0x7) low, -6 (0xF) high
 
 
+@pytest.mark.parametrize("shared", [float("inf"), float("nan"), 0.5])
+def test_an_nvfp4_global_amax_must_be_finite_and_cover_the_weight(shared: float) -> None:
+    with pytest.raises(ValueError, match="global_amax: must be one finite number at least"):
+        quant.quantize_dequantize(torch.ones(2, 16), "nvfp4", global_amax=shared)
+
+
 def test_mxfp4_hand_worked_blocks() -> None:
     rows = torch.zeros(1, 5 * 32)
     rows[0, 0:6] = torch.tensor([1.0, 0.75, 0.625, -0.3125, 0.0625, 0.1])  # amax 1 -> X = 2^-2

@@ -100,7 +100,8 @@ def _logit_rows(logits: Tensor, loss_rows: Tensor | None, sl: slice) -> Tensor:
     """A private copy, in the compute dtype, of the given logits' rows ``sl`` (of the loss rows)."""
     dtype = compute_dtype(logits.dtype)
     if loss_rows is None:
-        return logits[sl].to(dtype, copy=True)
+        # Contiguous whatever the logits' strides (a transposed view): the passes view it flat.
+        return logits[sl].to(dtype, copy=True, memory_format=torch.contiguous_format)
     return logits.index_select(0, loss_rows[sl]).to(dtype)
 
 

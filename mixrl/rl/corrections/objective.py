@@ -202,7 +202,9 @@ def vocab_sums(u: Tensor, rows: LossTokens, shard: VocabShard) -> VocabSums:
     ``u`` is a scratch buffer the caller owns: it is overwritten (shifted, candidates knocked out).
     """
     shift = shard.all_max(u.amax(dim=1))
-    u.sub_(shift[:, None])
+    # −inf logits (masked columns) become the most negative finite value: exp gives 0 as before,
+    # and 0 · u stays 0 in the entropy's Σ e^u u instead of 0 · (−inf) = NaN.
+    u.sub_(shift[:, None]).clamp_(min=torch.finfo(u.dtype).min)
     gathered = torch.cat(
         [shard.local_gather(u, rows.tokens[:, None]), shard.local_gather(u, rows.cand_ids)], 1
     )
@@ -335,11 +337,14 @@ def corrected_terms(
     # d loss / dz = coef · (w e_a − c − (w − Σc) π), coef = −A / denominator.
     coef = -rows.advantages / denominator
     # Replay: π lives on S ⊆ C, so the whole gradient is sparse.  Otherwise π = p = e^{u}/Z is dense,
-    # and so is c outside C (κ p); the sparse part puts c's own value back on the candidates.
+    # and so is c outside C (κ p).  The candidates' gradient is written whole, over the dense one
+    # (logit_gradient): κ is unbounded under score centering alone (1e5 and more where p puts almost
+    # nothing outside C), and the dense −κ p and a sparse +κ p put back would cancel in fp32 to
+    # within κ·6e-8, wiping the candidates' true gradient out.
     pi_s = torch.where(in_s, log_pi_c.exp(), zero)
     sparse_replay = -c - (weight - c_total)[:, None] * pi_s
     dense = torch.where(replay, zero, -(weight - c_total + kappa) / mass)
-    sparse_plain = -c + (kappa / mass)[:, None] * e_c
+    sparse_plain = -c - ((weight - c_total) / mass)[:, None] * e_c
     sparse = torch.where(replay[:, None], sparse_replay, sparse_plain)
     sparse = torch.where(valid, sparse, zero)
     return CorrectedTerms(
@@ -358,7 +363,7 @@ def logit_gradient(z: Tensor, terms: CorrectedTerms, rows: LossTokens, shard: Vo
     """The loss gradient w.r.t. a block of logits, computed in place in ``z`` (fp32 [n, V_shard])."""
     z.sub_(terms.shift[:, None]).exp_().mul_(terms.dense[:, None])
     flat_c, selected = shard.flat_positions(rows.cand_ids, rows.valid)
-    z.view(-1).index_add_(0, flat_c, terms.sparse[selected])
+    z.view(-1).index_copy_(0, flat_c, terms.sparse[selected])  # the candidates' whole gradient
     flat_a, selected_a = shard.flat_positions(rows.tokens, torch.ones_like(rows.tokens, dtype=torch.bool))
     z.view(-1).index_add_(0, flat_a, terms.token[selected_a])
     return z
