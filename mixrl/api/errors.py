@@ -67,7 +67,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:60] + "..."
 
 
-def _got(value: Any) -> str:
+def got_value(value: Any) -> str:
     """A wrong value as YAML would spell it (true, null, 1e+20, 'text'), or its kind for collections."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -106,12 +106,16 @@ def _clean_message(error: ErrorDetails) -> str:
     if kind == "too_long":  # pydantic says "after validation", which reads as if items were dropped
         ctx = error.get("ctx", {})
         return f"at most {ctx.get('max_length')} entries, got {ctx.get('actual_length')}"
+    if kind == "too_short":
+        ctx = error.get("ctx", {})
+        least = ctx.get("min_length")
+        return f"at least {least} {'entry' if least == 1 else 'entries'}, got {ctx.get('actual_length')}"
     if kind == "invalid_key":
         return "keys must be strings"
     if kind in _EXPECTED:
-        return f"expected {_EXPECTED[kind]}, got {_got(error.get('input'))}"
+        return f"expected {_EXPECTED[kind]}, got {got_value(error.get('input'))}"
     if kind == "finite_number":
-        return f"must be a finite number, got {_got(error.get('input'))}"
+        return f"must be a finite number, got {got_value(error.get('input'))}"
     message = error["msg"]
     for prefix in ("Value error, ", "Assertion failed, "):
         message = message.removeprefix(prefix)

@@ -32,7 +32,7 @@ from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode
 from yaml.resolver import Resolver
 
-from mixrl.api.errors import InvalidSpec, Problem, problems_from_validation_error
+from mixrl.api.errors import InvalidSpec, Problem, got_value, problems_from_validation_error
 from mixrl.api.models import API_VERSION, RLRun, SamplerPool
 from mixrl.api.names import shown
 from mixrl.api.plain_text import plain_text
@@ -225,7 +225,21 @@ if yaml.__with_libyaml__:
     SafeLoader = LibyamlSafeLoader
 
 _EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+# YAML 1.1's numbers without its base 60 (1:30 = 90), which Kubernetes' parser (go-yaml) reads as a
+# string: `mixrl validate` would accept what `kubectl apply` refuses.
+_INT_TAG = "tag:yaml.org,2002:int"
+_INT = re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$")
+_FLOAT = re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+)
 for _loader in LOADERS:
+    _loader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+        for first, resolvers in _loader.yaml_implicit_resolvers.items()
+    }
+    _loader.add_implicit_resolver(_INT_TAG, _INT, list("-+0123456789"))
+    _loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
     # PyYAML looks constructors up in a table of plain functions, so the override must be registered.
     _loader.add_constructor("tag:yaml.org,2002:int", _Limits.construct_yaml_int)
     for _tag in NOT_JSON_TAGS:
@@ -301,6 +315,11 @@ def parse_document(data: Any) -> RLRun | SamplerPool:
     """Validate one manifest; raises InvalidSpec listing every problem."""
     if not isinstance(data, dict):
         raise InvalidSpec([Problem("", f"expected a mapping (an RLRun manifest), got {type(data).__name__}")])
+    if data.get("kind") == "List" and "items" in data:
+        raise InvalidSpec(
+            [Problem("kind", "List: a list of objects (as kubectl get -o yaml prints) is not read; give one"
+                     " RLRun or SamplerPool per YAML document (separated by ---)")]
+        )  # fmt: skip
     api_version = data.get("apiVersion", API_VERSION)
     if api_version != API_VERSION:
         raise InvalidSpec([Problem("apiVersion", f"expected {API_VERSION}, got {_shown_value(api_version)}")])
@@ -317,7 +336,7 @@ def parse_document(data: Any) -> RLRun | SamplerPool:
 
 
 def _shown_value(value: Any) -> str:
-    return shown(value) if isinstance(value, str) else f"a {type(value).__name__}"
+    return shown(value) if isinstance(value, str) else got_value(value)
 
 
 def load_rlrun(path: str | Path) -> RLRun:

@@ -35,6 +35,9 @@ from mixrl.api.status import (
     RLRunStatus,
     SamplerPoolStatus,
 )
+from mixrl.api.tiny import TINY_KINDS as TINY_KINDS
+from mixrl.api.tiny import TINY_PREFIX as TINY_PREFIX
+from mixrl.api.tiny import tiny_kind as tiny_kind
 
 GROUP = "mixrl.dev"
 VERSION = "v1alpha1"
@@ -86,12 +89,22 @@ def _json_numbers_problem(value: Any, where: str = "") -> str | None:
     else:
         return None
     for key, item in items:
-        problem = _json_numbers_problem(
-            item, f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}".lstrip(".")
-        )
+        problem = _json_numbers_problem(item, _key_path(where, key))
         if problem is not None:
             return problem
     return None
+
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,59}")
+
+
+def _key_path(where: str, key: Any) -> str:
+    """``where.key``, or ``where['a pasted key...']`` cut short, so the reason after it is seen."""
+    if isinstance(key, int):
+        return f"{where}[{key}]"
+    if _PLAIN_KEY.fullmatch(key):
+        return f"{where}.{key}".lstrip(".")
+    return f"{where}[{names.shown(key)}]"
 
 
 def _schema(**schema: Any) -> Any:
@@ -146,15 +159,6 @@ Word = Annotated[str, Field(min_length=1, max_length=63)]
 
 
 # ----------------------------------------------------------------------------- model and trainer
-
-
-TINY_PREFIX = "tiny:"
-"""``model.path: tiny:<kind>``: a tiny model built from a config, not a directory."""
-
-
-def tiny_kind(path: str) -> str | None:
-    """The kind of a ``tiny:<kind>`` model path (``qwen3``), None for a directory."""
-    return path.removeprefix(TINY_PREFIX) if path.startswith(TINY_PREFIX) else None
 
 
 class ModelSpec(Model):
@@ -466,7 +470,7 @@ class RolloutSpec(Model):
     """Keyword arguments for the environment's constructor (any JSON values)."""
     dataset: DatasetSpec = Field(default_factory=DatasetSpec)
     """Where tasks come from."""
-    tools: list[Word] | None = Field(default=None, max_length=64)
+    tools: list[Word] | None = Field(default=None, min_length=1, max_length=64)
     """Tools offered to the agent, among the environment's; null = all of them."""
     max_turns: Int = Field(default=16, gt=0, le=INT32_MAX)
     """Most assistant turns per episode."""

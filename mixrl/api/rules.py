@@ -53,6 +53,8 @@ from mixrl.api.gpus import (
     WEIGHTS_NEED_CORES,
     GpuCapability,
 )
+from mixrl.api.pod_dirs import POD_DIRS, colliding_dir
+from mixrl.api.tiny import TINY_KINDS, tiny_kind
 
 GpuTable = Mapping[str, GpuCapability]
 Reason = Literal["FieldValueInvalid", "FieldValueForbidden"]
@@ -645,6 +647,46 @@ MODEL_PATH_IS_LOCAL = Rule(
     holds=lambda model, table: not re.match(URL_SCHEME, model.path),
 )
 
+TINY_KIND_KNOWN = Rule(
+    "tiny-model-kind-known",
+    ("ModelSpec",),
+    "path",
+    "{path} is not a tiny model mixrl builds: expected one of "
+    + ", ".join(f"tiny:{kind}" for kind in TINY_KINDS),
+    "FieldValueInvalid",
+    condition=lambda node: (
+        f"!{node.value('path')}.startsWith('tiny:')"
+        f" || {node.value('path')} in {cel_literal([f'tiny:{kind}' for kind in TINY_KINDS])}"
+    ),
+    values=lambda node: {"path": node.value("path")},
+    holds=lambda model, table: tiny_kind(model.path) in (None, *TINY_KINDS),
+    facts=lambda model, table: {"path": model.path},
+)
+
+_TINY_TOKENIZES = "a tiny: model uses mixrl's word tokenizer, which renders chats itself"
+
+TINY_OWN_TOKENIZER = Rule(
+    "tiny-model-own-tokenizer",
+    ("ModelSpec",),
+    "tokenizer",
+    f"{_TINY_TOKENIZES}: leave tokenizer out",
+    "FieldValueForbidden",
+    condition=lambda node: "!(self.path.startsWith('tiny:') && has(self.tokenizer))",
+    unless=(TINY_KIND_KNOWN.name,),
+    holds=lambda model, table: tiny_kind(model.path) is None or model.tokenizer is None,
+)
+
+TINY_OWN_CHAT_TEMPLATE = Rule(
+    "tiny-model-own-chat-template",
+    ("ModelSpec",),
+    "chatTemplate",
+    f"{_TINY_TOKENIZES}: leave chatTemplate out",
+    "FieldValueForbidden",
+    condition=lambda node: "!(self.path.startsWith('tiny:') && has(self.chatTemplate))",
+    unless=(TINY_KIND_KNOWN.name, TINY_OWN_TOKENIZER.name),
+    holds=lambda model, table: tiny_kind(model.path) is None or model.chat_template is None,
+)
+
 STORE_IS_A_PATH = Rule(
     "weight-store-is-a-path",
     ("WeightsSpec",),
@@ -657,6 +699,33 @@ STORE_IS_A_PATH = Rule(
         f"{node.value('store')}.startsWith('/') || {node.value('store')}.startsWith('file:///')"
     ),
     holds=lambda weights, table: weights.store.startswith(("/", "file:///")),
+)
+
+
+def _store_off_pod_dirs(node: Node) -> str:
+    store = node.nested_value("weights", "store")
+    clashes = [f"{store} == '/'", f"{store} == 'file:///'"]  # the root: every directory is below it
+    for directory in POD_DIRS:
+        for form in (directory, f"file://{directory}"):
+            clashes += [f"{store} == '{form}'", f"{store}.startsWith('{form}/')"]
+    return "!(" + " || ".join(clashes) + ")"
+
+
+STORE_OFF_POD_DIRS = Rule(
+    "weight-store-off-pod-directories",
+    # On the run's spec, not on WeightsSpec: a resolved run of `mixrl run` carries its own store
+    # (under the run directory, /tmp or anywhere), which no pod mounts.
+    ("RLRunSpec",),
+    "weights.store",
+    "{store} is the root or lies in a directory where the pods mount a volume of their own ("
+    + ", ".join(POD_DIRS)
+    + "): the weights volume mounted there would collide with it; choose another directory"
+    " (the default is /var/lib/mixrl/weights)",
+    "FieldValueInvalid",
+    condition=_store_off_pod_dirs,
+    values=lambda node: {"store": node.nested_value("weights", "store")},
+    holds=lambda spec, table: colliding_dir(spec.weights.store) is None,
+    facts=lambda spec, table: {"store": spec.weights.store},
 )
 
 MEGATRON_NEEDS_GPUS = Rule(
@@ -1028,6 +1097,9 @@ MULTI_NODE_NAME_LENGTH = Rule(
 
 RULES: tuple[Rule, ...] = (
     MODEL_PATH_IS_LOCAL,
+    TINY_KIND_KNOWN,
+    TINY_OWN_TOKENIZER,
+    TINY_OWN_CHAT_TEMPLATE,
     STORE_IS_A_PATH,
     RESERVED_POOL_NAME,
     RESERVED_POOL_SUFFIX,
@@ -1062,6 +1134,7 @@ RULES: tuple[Rule, ...] = (
     WORKERS_HAVE_TASKS,
     COST_BUDGET_NEEDS_TRAINER_OBJECTIVE,
     SGLANG_MASK_NEEDS_TOP_K,
+    STORE_OFF_POD_DIRS,
     RUN_NAME_LENGTH,
     MULTI_NODE_NAME_LENGTH,
 )

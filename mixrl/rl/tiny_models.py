@@ -30,7 +30,9 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-MODEL_KINDS = ("qwen3", "qwen3_moe")
+from mixrl.api.tiny import TINY_KINDS
+
+MODEL_KINDS = TINY_KINDS
 
 _COMMON_TINY: dict[str, Any] = {
     "hidden_size": 64,

@@ -274,9 +274,20 @@ CASES: dict[str, tuple[Callable[[Doc], None], str]] = {
     ),
     # ---- shapes and sizes of what was pasted
     "kind-a-list": (set_at("kind", value=["RLRun"]), "kind: expected one of RLRun, SamplerPool, got a list"),
+    "api-version-null": (
+        set_at("apiVersion", value=None),
+        "apiVersion: expected mixrl.dev/v1alpha1, got null",
+    ),
+    "a-kubectl-list": (
+        lambda doc: doc.update(apiVersion="v1", kind="List", items=[]),
+        "kind: List: a list of objects (as kubectl get -o yaml prints) is not read; give one RLRun or"
+        " SamplerPool per YAML document (separated by ---)",
+    ),
+    "no-pools": (set_at("spec", "samplerPools", value=[]), "spec.samplerPools: at least 1 entry, got 0"),
+    "no-tools": (set_at("spec", "rollout", "tools", value=[]), "spec.rollout.tools: at least 1 entry, got 0"),
     "api-version-a-mapping": (
         set_at("apiVersion", value={"v": 1}),
-        "apiVersion: expected mixrl.dev/v1alpha1, got a dict",
+        "apiVersion: expected mixrl.dev/v1alpha1, got a mapping",
     ),
     "unknown-gpu-a-megabyte": (
         pool(0, gpuType="X" * 2**20),
@@ -345,6 +356,11 @@ def test_the_command_prints_the_same_lines(tmp_path: Path) -> None:
         ("spec: {samplerPools: [{capacity: .NaN}]}", f"{P0}.capacity: must be a finite number, got nan"),
         ("spec: {trainer: {gpusPerNode: yes}}", "spec.trainer.gpusPerNode: expected an integer, got true"),
         ("spec: {weights: {volumeSize: 1e3}}", "spec.weights.volumeSize: expected a string, got 1000.0"),
+        # YAML 1.1 would read 1:30 as 90 (base 60); Kubernetes reads a string
+        (
+            "spec: {rollout: {maxTurns: 1:30}}",
+            "spec.rollout.maxTurns: expected an integer, got the string '1:30'",
+        ),
     ],
 )
 def test_yaml_scalars_as_kubernetes_reads_them(text: str, line: str | None) -> None:

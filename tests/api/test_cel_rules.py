@@ -173,6 +173,10 @@ def example() -> Doc:
     return yaml.safe_load((ROOT / "examples" / "rlrun-mixed.yaml").read_text())
 
 
+def quickstart() -> Doc:
+    return yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+
+
 def pools(doc: Doc) -> list[Doc]:
     return doc["spec"]["samplerPools"]
 
@@ -221,6 +225,16 @@ def _rename_pools(*names: str) -> Callable[[Doc], None]:
 
 FP4_WITHOUT_FP8 = table_with({"A100": {"fp4_tensor_cores": True}})
 """A made-up GPU with FP4 but no FP8 tensor cores: the only way the default-KV-cache rule can fire."""
+
+
+def _store_refusal(store: str) -> str:
+    return (
+        f"spec.weights.store: {store} is the root or lies in a directory where the pods mount a volume of"
+        " their own (/etc/mixrl, /var/cache/mixrl, /var/run/mixrl/auth, /tmp, /var/lib/mixrl/engine-weights,"
+        " /var/lib/mixrl/buffer, /var/lib/mixrl/trainer): the weights volume mounted there would collide"
+        " with it; choose another directory (the default is /var/lib/mixrl/weights)"
+    )
+
 
 CASES: dict[str, Case] = {
     "reserved-name": Case(
@@ -305,6 +319,39 @@ CASES: dict[str, Case] = {
         "top-k-nonzero",
         set_at("spec", "algorithm", "topP", "k", value=0),
         "spec.algorithm.topP.k: k must be -1 (no cut) or positive",
+    ),
+    "tiny-llama": Case(
+        "tiny-model-kind-known",
+        set_at("spec", "model", "path", value="tiny:llama"),
+        "spec.model.path: tiny:llama is not a tiny model mixrl builds: expected one of tiny:qwen3, tiny:qwen3_moe",
+        start=quickstart,
+    ),
+    "tiny-with-a-tokenizer": Case(
+        "tiny-model-own-tokenizer",
+        set_at("spec", "model", "tokenizer", value="/models/tok"),
+        "spec.model.tokenizer: a tiny: model uses mixrl's word tokenizer, which renders chats itself:"
+        " leave tokenizer out",
+        start=quickstart,
+    ),
+    "tiny-with-a-chat-template": Case(
+        "tiny-model-own-chat-template",
+        set_at("spec", "model", "chatTemplate", value="{{ messages }}"),
+        "spec.model.chatTemplate: a tiny: model uses mixrl's word tokenizer, which renders chats itself:"
+        " leave chatTemplate out",
+        start=quickstart,
+    ),
+    "store-in-tmp": Case(
+        "weight-store-off-pod-directories",
+        set_at("spec", "weights", "store", value="file:///tmp/weights"),
+        _store_refusal("file:///tmp/weights"),
+    ),
+    "store-at-the-root": Case(
+        "weight-store-off-pod-directories", set_at("spec", "weights", "store", value="/"), _store_refusal("/")
+    ),
+    "store-is-the-trainers": Case(
+        "weight-store-off-pod-directories",
+        set_at("spec", "weights", "store", value="/var/lib/mixrl/trainer/"),
+        _store_refusal("/var/lib/mixrl/trainer/"),
     ),
     "groups-of-one": Case(
         "grpo-groups-of-two",

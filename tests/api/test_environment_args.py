@@ -32,6 +32,11 @@ def run_with(arguments: dict[str, Any]) -> dict[str, Any]:
         ({"levels": [1, 2**63]}, "levels[1]: integer out of range (Kubernetes stores integers in 64 bits)"),
         ({"limits": {"cpu_s": -(2**63) - 1}}, "limits.cpu_s: integer out of range"),
         ({"limits": {"wall_s": float("inf")}}, "limits.wall_s: must be a finite number"),
+        # a pasted key is cut, so the reason after it is still on the line
+        (
+            {"k" * 1000: [1, float("inf")]},
+            "['" + "k" * 60 + "'... (1000 characters)][1]: must be a finite number",
+        ),
     ],
 )
 def test_arguments_kubernetes_cannot_store_are_refused_by_leaf(arguments: dict[str, Any], line: str) -> None:

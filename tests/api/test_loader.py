@@ -160,7 +160,8 @@ def test_an_explicit_key_may_override_a_merged_one(loader_class: type) -> None:
 @pytest.mark.parametrize(
     ("scalar", "value"),
     [("1e-6", 1e-6), ("1e20", 1e20), ("1.5e3", 1500.0), ("-2E+2", -200.0), (".5e1", 5.0), ("1.0e-6", 1e-6),
-     ("'1e3'", "1e3"), ("1e", "1e"), ("0x10", 16), ("1_000", 1000), (".inf", float("inf"))],
+     ("'1e3'", "1e3"), ("1e", "1e"), ("0x10", 16), ("1_000", 1000), (".inf", float("inf")),
+     ("1:30", "1:30"), ("1:30.5", "1:30.5"), ("-12:30:45", "-12:30:45")],  # base 60: go-yaml reads text
 )  # fmt: skip
 def test_numbers_as_kubernetes_reads_them(loader_class: type, scalar: str, value: object) -> None:
     [document] = parse_yaml(f"v: {scalar}\n", "f.yaml", loader_class)

@@ -87,6 +87,12 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
     "sglang-on-cpu": (rules.SGLANG_NEEDS_GPU.name, pool(7, gpuType="cpu")),
     "beta-one": (rules.BETAS.name, at("spec", "trainer", "optimizer", "betas", value=[0.9, 1])),
     "top-k-zero": (rules.TOP_K.name, at("spec", "algorithm", "topP", "k", value=0)),
+    "tiny-llama": (rules.TINY_KIND_KNOWN.name, at("spec", "model", "path", value="tiny:llama")),
+    "tiny-with-a-tokenizer": (
+        rules.TINY_OWN_TOKENIZER.name,
+        at("spec", "model", value={"path": "tiny:qwen3", "tokenizer": "/models/tok"}),
+    ),
+    "store-in-tmp": (rules.STORE_OFF_POD_DIRS.name, at("spec", "weights", "store", value="file:///tmp/w")),
     "groups-of-one": (rules.GRPO_GROUPS.name, at("spec", "algorithm", "samplesPerPrompt", value=1)),
     "mis-below-one": (rules.MIS_RANGE.name, at("spec", "algorithm", "corrections", "mis", value=[0.5, 0.9])),
     "mis-from-zero": (rules.MIS_RANGE.name, at("spec", "algorithm", "corrections", "mis", value=[0, 5])),

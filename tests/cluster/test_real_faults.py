@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from mixrl.api.pod_dirs import TRAINER_RUN_DIR
 from mixrl.api.resolve import METRICS_PORT, ROUTER_PORT
-from mixrl.operator.builders.podspec import TRAINER_RUN_DIR
 from mixrl.rl.metrics import MIXRL_ROLLOUT_TRAJECTORIES_ACKNOWLEDGED_TOTAL
 from tests.cluster.conftest import Bed, wait_for
 from tests.cluster.real_run import (

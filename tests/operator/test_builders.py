@@ -1131,7 +1131,7 @@ def test_every_component_gets_the_runs_token_and_sglang_its_api_key() -> None:
 
 def test_an_engine_pod_is_ready_only_while_its_sidecar_has_seen_the_engine_labelled() -> None:
     from mixrl.api.launch import LABELLED_FILE
-    from mixrl.operator.builders.podspec import ENGINE_WEIGHTS_DIR
+    from mixrl.api.pod_dirs import ENGINE_WEIGHTS_DIR
 
     resolved = resolve(load_rlrun(ROOT / "examples" / "rlrun-mixed.yaml"))
     pool = resolved.pools[0]

@@ -48,10 +48,12 @@ def resolved_run(store: Path) -> ResolvedRun:
             {"name": "b200", "gpuType": "B200", "weightPrecision": "nvfp4"},
         ]
     )
-    manifest["spec"]["weights"] = {"store": f"file://{store}"}
     run = parse_document(manifest)
     assert isinstance(run, RLRun)
-    return resolve(run)
+    resolved = resolve(run)
+    # The pods' store, here a directory of the test's (under /tmp, which a spec may not name).
+    weights = resolved.weights.model_copy(update={"store": f"file://{store}"})
+    return resolved.model_copy(update={"weights": weights})
 
 
 @pytest.fixture

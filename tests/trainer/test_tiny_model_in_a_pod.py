@@ -21,17 +21,11 @@ import pytest
 import torch
 
 from mixrl.api.loader import load_rlrun
+from mixrl.api.pod_dirs import AUTH_DIR, CACHE_DIR, TRAINER_RUN_DIR
 from mixrl.api.resolve import ResolvedRun, resolve
 from mixrl.local.prepare import prepare_model
 from mixrl.operator.builders.objects import BuildOptions, Owner
-from mixrl.operator.builders.podspec import (
-    AUTH_DIR,
-    AUTH_TOKEN_KEY,
-    CACHE_DIR,
-    CONFIG_PATH,
-    TINY_MODEL_PATH,
-    TRAINER_RUN_DIR,
-)
+from mixrl.operator.builders.podspec import AUTH_TOKEN_KEY, CONFIG_PATH, TINY_MODEL_PATH
 from mixrl.operator.builders.resources import run_objects
 from mixrl.rl.auth import AuthToken, write_token_file
 from mixrl.rl.environments.registry import load_environment

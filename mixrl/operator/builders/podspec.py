@@ -16,21 +16,24 @@ from mixrl.api.kube_types import Obj
 from mixrl.api.launch import Where
 from mixrl.api.memory import SHARED_SUFFIX
 from mixrl.api.models import Toleration, tiny_kind
+from mixrl.api.pod_dirs import (
+    AUTH_DIR,
+    BUFFER_DATA_DIR,
+    CACHE_DIR,
+    CONFIG_DIR,
+    ENGINE_WEIGHTS_DIR,
+    TMP_DIR,
+    TRAINER_RUN_DIR,
+)
 from mixrl.api.resolve import BUFFER_PORT, ENGINE_PORT, METRICS_PORT, ROUTER_PORT, ResolvedRun
 from mixrl.operator.builders import labels as L
 
 RUN_AS_USER = 1000
-CONFIG_DIR = "/etc/mixrl"
 CONFIG_PATH = f"{CONFIG_DIR}/run.json"
 DRAIN_SCRIPT_PATH = f"{CONFIG_DIR}/drain.py"
-CACHE_DIR = "/var/cache/mixrl"
-AUTH_DIR = "/var/run/mixrl/auth"
 AUTH_TOKEN_KEY = "token"
 AUTH_TOKEN_FILE = f"{AUTH_DIR}/{AUTH_TOKEN_KEY}"
 RDZV_PORT = 29500
-ENGINE_WEIGHTS_DIR = "/var/lib/mixrl/engine-weights"
-BUFFER_DATA_DIR = "/var/lib/mixrl/buffer"
-TRAINER_RUN_DIR = "/var/lib/mixrl/trainer"
 TRAINER_RUN_SUBPATH = "trainer-run"
 """With several trainer nodes: their shared run directory, on the run's weights volume."""
 TINY_MODEL_CACHE = TRAINER_RUN_DIR
@@ -143,7 +146,7 @@ def base_mounts() -> list[Obj]:
     return [
         mount("config", CONFIG_DIR, read_only=True),
         mount("auth", AUTH_DIR, read_only=True),
-        mount("tmp", "/tmp"),
+        mount("tmp", TMP_DIR),
         mount("cache", CACHE_DIR),
     ]
 

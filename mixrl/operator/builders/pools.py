@@ -17,6 +17,7 @@ from typing import Literal
 
 from mixrl.api.kube_types import Obj
 from mixrl.api.launch import AUTH_TOKEN_ENV, LABELLED_FILE, Where, component_command
+from mixrl.api.pod_dirs import ENGINE_WEIGHTS_DIR
 from mixrl.api.resolve import DIST_INIT_PORT, ENGINE_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders import podspec
@@ -121,7 +122,7 @@ def engine_pod(
         *weight_volumes,
         podspec.empty_dir("engine-weights"),
     ]
-    local = podspec.mount("engine-weights", podspec.ENGINE_WEIGHTS_DIR)
+    local = podspec.mount("engine-weights", ENGINE_WEIGHTS_DIR)
     sync_mounts = [*podspec.base_mounts(), *sync_weight_mounts, local]
     engine_mounts = [*podspec.base_mounts(), *engine_weight_mounts, local]
     # /dev/shm in memory: NCCL on GPUs; the torch engine's staging copy of the weights, which its
@@ -147,7 +148,7 @@ def engine_pod(
     # it) only while the sidecar has seen the engine up and labelling its tokens with a version,
     # never in the half second after a (re)start when it would label them `default`.
     sidecar["readinessProbe"] = {
-        "exec": {"command": ["cat", f"{podspec.ENGINE_WEIGHTS_DIR}/{LABELLED_FILE}"]},
+        "exec": {"command": ["cat", f"{ENGINE_WEIGHTS_DIR}/{LABELLED_FILE}"]},
         "periodSeconds": 2,
         "failureThreshold": 1,
     }

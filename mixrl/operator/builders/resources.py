@@ -34,6 +34,7 @@ from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.kube_types import Obj
 from mixrl.api.launch import component_command, weights_volume_path
 from mixrl.api.models import API_VERSION
+from mixrl.api.pod_dirs import BUFFER_DATA_DIR, TRAINER_RUN_DIR
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
 from mixrl.operator.builders import labels as L
 from mixrl.operator.builders import sandbox
@@ -64,9 +65,7 @@ from mixrl.operator.builders.objects import (
     workload,
 )
 from mixrl.operator.builders.podspec import (
-    BUFFER_DATA_DIR,
     RDZV_PORT,
-    TRAINER_RUN_DIR,
     TRAINER_RUN_SUBPATH,
     base_env,
     base_mounts,
