@@ -352,3 +352,50 @@ def test_the_rollout_worker_refuses_an_unusable_environment_or_dataset_with_one_
     assert start(environment=USER_ENVIRONMENT, dataset=files) == (
         f"mixrl rollout: {rows}: task id 'a' appears twice"
     )
+
+
+def test_an_environment_whose_own_code_raises_anything_is_one_line(user_package: Path) -> None:
+    # Not only the TypeError/ValueError of a refusal: any exception, which would otherwise be a
+    # traceback that stops mixrl validate before the files after this one.
+    (user_package / USER_PACKAGE / "crash.py").write_text(
+        "from mixrl.rl.environments.base import Environment, Task\n"
+        "from mixrl.rl.environments.tools import Tool\n\n"
+        "class Crash(Environment):\n"
+        "    def __init__(self, fail_in=''):\n"
+        "        if fail_in == 'init':\n"
+        "            raise AttributeError('no attribute NoSuch')\n"
+        "        self.fail_in = fail_in\n"
+        "    def tools(self):\n"
+        "        if self.fail_in == 'tools':\n"
+        "            raise RuntimeError()\n"
+        "        return (Tool('stop'),)\n"
+        "    async def reset(self, task):\n"
+        "        raise NotImplementedError\n"
+        "    def generate_tasks(self, split, n, seed):\n"
+        "        if self.fail_in == 'tasks':\n"
+        "            raise KeyError(split)\n"
+        "        return [Task(f'{split}-{i}', split, {}) for i in range(n)]\n"
+        "    def rollout_problems(self, rollout):\n"
+        "        if self.fail_in == 'check':\n"
+        "            raise OSError('cannot\\nlook')\n"
+        "        return ['spec.rollout.maxTurns: crash wants fewer'] if rollout.max_turns > 16 else []\n"
+    )
+    name = f"{USER_PACKAGE}.crash:Crash"
+
+    def check(fail_in: str, **rollout: Any) -> list[str]:
+        return check_rollout(RolloutSpec(environment=name, environment_args={"fail_in": fail_in}, **rollout))
+
+    assert check("init") == [
+        f"spec.rollout.environmentArgs: {name} refused them: AttributeError: no attribute NoSuch"
+    ]
+    assert check("tools") == ["spec.rollout.environment: Crash.tools() failed: RuntimeError"]
+    assert check("tasks") == [
+        f"spec.rollout.dataset.{split}: {name} cannot generate a task: KeyError: '{split}'"
+        for split in ("train", "heldout")
+    ]
+    assert check("check") == [
+        f"spec.rollout.environment: {name} failed checking the spec: OSError: cannot look"
+    ]
+    # the environment's own check of the spec (registry.ChecksRollout) adds its lines
+    assert check("", max_turns=17) == ["spec.rollout.maxTurns: crash wants fewer"]
+    assert check("") == []

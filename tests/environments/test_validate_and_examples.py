@@ -181,3 +181,23 @@ async def test_the_docs_full_example_is_an_environment_that_plays(tmp_path: Path
         sys.path.remove(str(tmp_path))
         for name in ("my_pkg", "my_pkg.envs"):
             sys.modules.pop(name, None)
+
+
+def test_validate_gives_one_line_for_an_environment_that_raises_and_checks_the_next_file(
+    tmp_path: Path,
+) -> None:
+    adapter = "gym_adapter:GymnasiumAdapter"
+    broken = spec_with(
+        tmp_path, "broken", {"environment": adapter, "environmentArgs": {"env": "gym_adapter:NoSuch"}}
+    )
+    good = spec_with(
+        tmp_path, "good", {"environment": adapter, "environmentArgs": {"env": "gym_adapter:GuessNumber"}}
+    )
+    result = validate(broken, good, pythonpath=EXAMPLES)
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{broken}: spec.rollout.environmentArgs: {adapter} refused them: "
+        "AttributeError: module 'gym_adapter' has no attribute 'NoSuch'",
+        f"{good}: valid RLRun 'good'",
+    ]
+    assert "Traceback" not in result.stderr

@@ -4,8 +4,11 @@
 ``package.module:ClassName``; ``rollout.environmentArgs`` are the constructor's keyword arguments.
 :func:`load_environment` imports and builds it; :func:`check_rollout` is what ``mixrl validate``,
 ``mixrl run`` and the rollout worker run: the environment can be imported and built, implements
-the API, offers the tools the spec names, and has tasks for both splits (a generator, or dataset
-files that exist).  Every problem is one line naming its field (``spec.rollout.environment: ...``).
+the API, offers the tools the spec names, has tasks for both splits (a generator, or dataset
+files that exist), and passes the environment's own check of the spec (:class:`ChecksRollout`, when
+it has one).  Every problem is one line naming its field (``spec.rollout.environment: ...``), also
+when the environment's own code raises: a traceback would hide the files ``mixrl validate`` has yet
+to check.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import importlib
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from mixrl.api.models import RolloutSpec
 from mixrl.rl.environments.base import SPLITS, Environment, NoTaskGenerator
@@ -33,6 +36,26 @@ FIELD = "spec.rollout.environment"
 
 class EnvironmentUnavailable(ValueError):
     """The spec's environment cannot be used; the message is one line naming the field."""
+
+
+@runtime_checkable
+class ChecksRollout(Protocol):
+    """An environment that checks the spec's ``rollout`` section for what only it knows (the tools an
+    episode needs to earn a reward, how many tasks its generator holds).  Optional, as the base API
+    has no such method: :func:`check_rollout` calls it after the generic checks."""
+
+    def rollout_problems(self, rollout: RolloutSpec) -> list[str]:
+        """Problems, one line each naming its field (``spec.rollout.tools: ...``); none: fine."""
+        ...
+
+
+def _raised(exc: BaseException) -> str:
+    """An exception from the environment's own code, on one line.  A ValueError or TypeError is its
+    refusal and speaks for itself; anything else is a failure, whose type says more than its text."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, (TypeError, ValueError)):
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def import_path(name: str) -> str:
@@ -73,13 +96,20 @@ def load_environment(name: str, args: Mapping[str, Any] | None = None) -> Enviro
     cls = environment_class(name)
     try:
         return cls(**dict(args or {}))
-    except (TypeError, ValueError) as exc:
-        raise EnvironmentUnavailable(f"spec.rollout.environmentArgs: {name} refused them: {exc}") from None
+    except Exception as exc:  # the user's code: an AttributeError, an ImportError... is one line too
+        raise EnvironmentUnavailable(
+            f"spec.rollout.environmentArgs: {name} refused them: {_raised(exc)}"
+        ) from None
 
 
 def offered_tools(environment: Environment[Any], wanted: Sequence[str] | None) -> list[Tool]:
     """The tools the episode offers: ``rollout.tools`` among the environment's (null = all)."""
-    tools = list(environment.tools())
+    try:
+        tools = list(environment.tools())
+    except Exception as exc:  # the user's code, as in load_environment
+        raise EnvironmentUnavailable(
+            f"{FIELD}: {type(environment).__name__}.tools() failed: {_raised(exc)}"
+        ) from None
     if wanted is None:
         return tools
     by_name = {tool.name: tool for tool in tools}
@@ -113,9 +143,16 @@ def check_rollout(rollout: RolloutSpec, *, check_files: bool = True) -> list[str
                 problems.append(
                     f"{field}: {rollout.environment} generates no tasks; name a JSONL or Parquet file"
                 )
+            except Exception as exc:  # the user's code, as in load_environment
+                problems.append(f"{field}: {rollout.environment} cannot generate a task: {_raised(exc)}")
             continue
         if Path(path).suffix not in DATASET_SUFFIXES:
             problems.append(f"{field}: {path!r} is neither {' nor '.join(DATASET_SUFFIXES)}")
         elif check_files and not Path(path).is_file():
             problems.append(f"{field}: no such file {path}")
+    if isinstance(environment, ChecksRollout):
+        try:
+            problems += environment.rollout_problems(rollout)
+        except Exception as exc:  # the user's code, as in load_environment
+            problems.append(f"{FIELD}: {rollout.environment} failed checking the spec: {_raised(exc)}")
     return problems

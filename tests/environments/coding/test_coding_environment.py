@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -390,3 +391,51 @@ async def test_an_argument_no_command_or_file_can_hold_is_answered_not_raised() 
         assert result.observation.startswith(line) and not result.done, result.observation
         result.observation.encode("utf-8")  # nothing a tokenizer cannot encode goes back
     assert episode.files == before
+
+
+def test_levels_holding_fewer_tasks_than_the_sizes_ask_for_are_refused_at_once() -> None:
+    from mixrl.api.models import RolloutSpec
+
+    def check(dataset: dict[str, int]) -> list[str]:
+        rollout = RolloutSpec.model_validate(
+            {"environment": "coding-plain", "environmentArgs": {"levels": [1]}, "dataset": dataset}
+        )
+        return check_rollout(rollout)
+
+    started = time.monotonic()
+    # the default trainSize, 4096: the worker would refuse it only after minutes of generating tasks
+    assert check({"heldoutSize": 8}) == [
+        "spec.rollout.dataset.trainSize: 4096 is more than the 1536 train tasks levels [1] hold; "
+        "at most 1536, or add levels"
+    ]
+    assert time.monotonic() - started < 2.0
+    assert check({"trainSize": 64}) == [
+        "spec.rollout.dataset.heldoutSize: 256 is more than the 228 heldout tasks levels [1] hold; "
+        "at most 228, or add levels"
+    ]
+    assert check({"trainSize": 64, "heldoutSize": 8}) == []
+    assert check({"trainSize": 1536, "heldoutSize": 228}) == []
+
+
+@pytest.mark.parametrize(
+    ("tools", "problems"),
+    [
+        # (an empty list mixrl.api refuses by itself)
+        (
+            ["list_files", "read_file", "submit"],
+            ["spec.rollout.tools: without write_file or run no episode can earn a reward"],
+        ),
+        (["run"], []),  # the work done counts without submit
+        (["write_file", "submit"], []),
+        (None, []),
+    ],
+)
+def test_tools_that_cannot_change_the_repository_are_refused(
+    tools: list[str] | None, problems: list[str]
+) -> None:
+    from mixrl.api.models import RolloutSpec
+
+    rollout = RolloutSpec.model_validate(
+        {"environment": "coding", "tools": tools, "dataset": {"trainSize": 64, "heldoutSize": 8}}
+    )
+    assert check_rollout(rollout) == problems

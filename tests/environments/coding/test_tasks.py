@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import json
+import random
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from mixrl.rl.environments.coding.tasks import (
     HIDDEN_TEST_FILE,
     MAX_OUTPUT_CHARS,
     SOLUTION_FILE,
+    capacity,
     generate_tasks,
 )
 
@@ -198,3 +201,25 @@ def test_a_link_in_a_snapshot_is_refused(tmp_path: Path) -> None:
     (task / "repo" / "escape").symlink_to("/etc/passwd")
     with pytest.raises(TaskSetError, match="escape: a symbolic link"):
         load_task_dir(tmp_path, "train")
+
+
+def test_each_familys_space_is_exactly_what_it_draws() -> None:
+    rng = random.Random(0)
+    for family in FAMILIES:
+        space = [tuple(sorted(params.items())) for params in family.space()]
+        assert len(space) == len(set(space)), family.name
+        drawn = {tuple(sorted(family.draw(rng).items())) for _ in range(40 * len(space))}
+        assert drawn == set(space), family.name
+
+
+def test_the_capacity_is_what_the_generator_yields_and_more_is_refused_at_once() -> None:
+    held = capacity("heldout", (2,))
+    tasks = generate_tasks("heldout", held, seed=5, levels=(2,))
+    assert len({task.id for task in tasks}) == held == 21
+    assert capacity("train", (1, 2, 3)) == sum(capacity("train", (level,)) for level in (1, 2, 3))
+    started = time.monotonic()
+    with pytest.raises(
+        ValueError, match=r"^n: the families of levels \[1\] hold 1536 train tasks, fewer than 4096$"
+    ):
+        generate_tasks("train", 4096, seed=0, levels=(1,))
+    assert time.monotonic() - started < 2.0

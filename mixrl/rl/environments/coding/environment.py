@@ -31,12 +31,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from mixrl.rl.environments.base import Environment, Episode, Message, Outcome, Split, StepResult
+from mixrl.rl.environments.base import SPLITS, Environment, Episode, Message, Outcome, Split, StepResult
 from mixrl.rl.environments.coding import swe
 from mixrl.rl.environments.coding.scoring import TestScore, score, test_command_for
-from mixrl.rl.environments.coding.tasks import FAMILIES, LEVELS, CodingTask, generate_tasks
+from mixrl.rl.environments.coding.tasks import FAMILIES, LEVELS, CodingTask, capacity, generate_tasks
 from mixrl.rl.environments.tools import (
     JsonToolCallParser,
     PlainTextParser,
@@ -48,6 +48,9 @@ from mixrl.rl.environments.tools import (
 from mixrl.rl.sandbox import Limits, SandboxConfig, SandboxResult, SandboxUnavailable
 from mixrl.rl.sandbox.backend import make_sandbox
 from mixrl.rl.sandbox.files import check_path
+
+if TYPE_CHECKING:
+    from mixrl.api.models import RolloutSpec
 
 TOOL_LIST, TOOL_READ, TOOL_WRITE, TOOL_RUN, TOOL_SUBMIT = (
     "list_files",
@@ -67,6 +70,9 @@ TOOLS: tuple[Tool, ...] = (
     ),
     Tool(TOOL_SUBMIT, "Finish: the hidden tests are run on the repository as it is."),
 )
+CHANGING_TOOLS: tuple[str, ...] = (TOOL_WRITE, TOOL_RUN)
+"""The tools that change the snapshot: without one, every episode is scored on the untouched stub."""
+SIZE_FIELDS: dict[Split, str] = {"train": "trainSize", "heldout": "heldoutSize"}
 SUBMITTED = "submitted"
 TRUNCATED = "\n[... {more} more characters]"
 
@@ -211,6 +217,29 @@ class CodingEnvironment(Environment[CodingTask]):
 
     def task_from_record(self, record: Mapping[str, Any], split: Split, index: int) -> CodingTask:
         return swe.task_from_record(record, split, index, self.root)
+
+    def rollout_problems(self, rollout: RolloutSpec) -> list[str]:
+        """What would let a run start but never train
+        (:class:`mixrl.rl.environments.registry.ChecksRollout`): no tool that changes the repository,
+        or more generated tasks asked for than ``levels`` hold (the rollout worker would find that out
+        only after minutes of generating them)."""
+        problems: list[str] = []
+        tools = [tool.name for tool in TOOLS] if rollout.tools is None else rollout.tools
+        if not any(tool in tools for tool in CHANGING_TOOLS):
+            # As mixrl.api refuses filetree without submit: every episode would be scored on the stub.
+            problems.append(
+                f"spec.rollout.tools: without {' or '.join(CHANGING_TOOLS)} no episode can earn a reward"
+            )
+        for split in SPLITS:
+            if getattr(rollout.dataset, split) is not None or self.tasks_dir is not None:
+                continue  # a file or a task directory: its first rows are used, however many it has
+            asked, held = getattr(rollout.dataset, f"{split}_size"), capacity(split, self.levels)
+            if asked > held:
+                problems.append(
+                    f"spec.rollout.dataset.{SIZE_FIELDS[split]}: {asked} is more than the {held} {split} "
+                    f"tasks levels {list(self.levels)} hold; at most {held}, or add levels"
+                )
+        return problems
 
     async def run_tests(
         self, task: CodingTask, files: Mapping[str, bytes]

@@ -24,10 +24,12 @@ shares them with a training task whatever sizes are asked for.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from mixrl.rl.environments.base import SPLITS, Split
@@ -84,6 +86,15 @@ class Family:
     reference: str
     """Template of the reference body's source (indented by four spaces)."""
     inputs: Callable[[random.Random, dict[str, int]], list[tuple[Any, ...]]]
+    space: Callable[[], Iterator[dict[str, int]]]
+    """Every parameter tuple ``draw`` can return, enumerated: how many distinct tasks the family
+    holds (:func:`capacity`) is known without drawing any (a test keeps it equal to ``draw``'s range)."""
+
+
+def _grid(**ranges: range) -> Callable[[], Iterator[dict[str, int]]]:
+    """The space of independently drawn parameters, each ``rng.randint`` over its range."""
+    names = list(ranges)
+    return lambda: (dict(zip(names, values, strict=True)) for values in itertools.product(*ranges.values()))
 
 
 def _ints(rng: random.Random, count: int, low: int, high: int) -> list[tuple[Any, ...]]:
@@ -109,6 +120,7 @@ FAMILIES: tuple[Family, ...] = (
         "x: int) -> int",
         "    return {a} * x + {b}\n",
         lambda rng, p: _ints(rng, 12, -50, 50),
+        _grid(a=range(2, 10), b=range(1, 21)),
     ),
     Family(
         "clamp",
@@ -119,6 +131,7 @@ FAMILIES: tuple[Family, ...] = (
         "x: int) -> int",
         "    return min(max(x, {lo}), {hi})\n",
         lambda rng, p: _ints(rng, 12, p["lo"] - 15, p["hi"] + 15),
+        lambda: ({"lo": lo, "hi": lo + width} for lo in range(-10, 11) for width in range(1, 21)),
     ),
     Family(
         "multiple",
@@ -131,6 +144,7 @@ FAMILIES: tuple[Family, ...] = (
         lambda rng, p: [
             (p["k"] * rng.randint(-6, 6) + rng.choice((0, 0, 1, p["k"] - 1)),) for _ in range(12)
         ],
+        _grid(k=range(2, 10)),
     ),
     Family(
         "count_above",
@@ -141,6 +155,7 @@ FAMILIES: tuple[Family, ...] = (
         "xs: list[int]) -> int",
         "    return sum(1 for x in xs if x > {t})\n",
         lambda rng, p: _lists(rng, 12),
+        _grid(t=range(-5, 11)),
     ),
     Family(
         "every_nth",
@@ -151,6 +166,7 @@ FAMILIES: tuple[Family, ...] = (
         "xs: list[int]) -> list[int]",
         "    return xs[{s}::{k}]\n",
         lambda rng, p: _lists(rng, 12),
+        _grid(k=range(2, 5), s=range(0, 3)),
     ),
     Family(
         "shift_letters",
@@ -162,6 +178,7 @@ FAMILIES: tuple[Family, ...] = (
         "text: str) -> str",
         "    return ''.join(chr((ord(c) - 97 + {k}) % 26 + 97) if 'a' <= c <= 'z' else c for c in text)\n",
         lambda rng, p: _words(rng, 12),
+        _grid(k=range(1, 26)),
     ),
     Family(
         "fib_mod",
@@ -173,6 +190,7 @@ FAMILIES: tuple[Family, ...] = (
         "n: int) -> int",
         "    x, y = {a}, {b}\n    for _ in range(n):\n        x, y = y, x + y\n    return x % {m}\n",
         lambda rng, p: _ints(rng, 12, 0, 60),
+        _grid(m=range(7, 98), a=range(0, 4), b=range(1, 5)),
     ),
     Family(
         "run_length",
@@ -187,6 +205,7 @@ FAMILIES: tuple[Family, ...] = (
         "        out.append(text[i] + str(j - i) if j - i >= {min_run} else text[i:j])\n        i = j\n"
         "    return ''.join(out)\n",
         lambda rng, p: _words(rng, 12),
+        _grid(min_run=range(1, 4)),
     ),
     Family(
         "digit_root",
@@ -199,6 +218,7 @@ FAMILIES: tuple[Family, ...] = (
         "    while n >= {base}:\n        total = 0\n        while n:\n            total += n % {base}\n"
         "            n //= {base}\n        n = total\n    return n\n",
         lambda rng, p: _ints(rng, 12, 0, 100000),
+        _grid(base=range(3, 13)),
     ),
 )
 FAMILIES_BY_NAME: dict[str, Family] = {family.name: family for family in FAMILIES}
@@ -208,6 +228,30 @@ def _split_of(family: str, fn: str, params: Mapping[str, int]) -> Split:
     key = json.dumps([family, fn, sorted(params.items())])
     bucket = int(hashlib.sha256(key.encode()).hexdigest(), 16) % HELDOUT_BUCKETS
     return "heldout" if bucket == 0 else "train"
+
+
+def _task_id(family: str, fn: str, params: Mapping[str, int]) -> str:
+    digest = hashlib.sha256(json.dumps([family, fn, sorted(params.items())]).encode()).hexdigest()[:8]
+    return f"{family}-{digest}"
+
+
+@cache
+def _family_counts(name: str) -> dict[Split, int]:
+    """A family's distinct task ids per split (ids carry the family's name: no two families share one)."""
+    family = FAMILIES_BY_NAME[name]
+    ids: dict[Split, set[str]] = {split: set() for split in SPLITS}
+    for fn in family.names:
+        for params in family.space():
+            ids[_split_of(name, fn, params)].add(_task_id(name, fn, params))
+    return {split: len(found) for split, found in ids.items()}
+
+
+def capacity(split: Split, levels: Sequence[int] = LEVELS) -> int:
+    """How many distinct tasks of ``split`` :func:`generate_tasks` can yield from ``levels``: every
+    name with every parameter tuple of each family (:attr:`Family.space`), counted by task id, as the
+    generator dedups them.  A fraction of a second, where generating that many takes minutes: what
+    ``mixrl validate`` compares ``rollout.dataset.trainSize`` and ``heldoutSize`` with."""
+    return sum(_family_counts(family.name)[split] for family in FAMILIES if family.level in levels)
 
 
 def reference_source(family: Family, fn: str, params: Mapping[str, int]) -> str:
@@ -297,9 +341,8 @@ def build_task(family: Family, fn: str, params: dict[str, int], rng: random.Rand
     answers = tuple(json.dumps(expected, sort_keys=True) for _, expected in hidden)
     if any(len(answer) > MAX_OUTPUT_CHARS for answer in answers):
         raise ValueError(f"{family.name}: an answer is longer than MAX_OUTPUT_CHARS ({MAX_OUTPUT_CHARS})")
-    digest = hashlib.sha256(json.dumps([family.name, fn, sorted(params.items())]).encode()).hexdigest()[:8]
     return CodingTask(
-        id=f"{family.name}-{digest}",
+        id=_task_id(family.name, fn, params),
         split=_split_of(family.name, fn, params),
         problem=f"{statement} Examples are in test_solution.py (run: python test_solution.py).",
         files={
@@ -324,6 +367,11 @@ def generate_tasks(split: Split, n: int, seed: int, levels: Sequence[int] = LEVE
     bad = [level for level in levels if level not in LEVELS]
     if bad or not levels:
         raise ValueError(f"levels: each must be one of {LEVELS}, got {list(levels)}")
+    available = capacity(split, levels)
+    if n > available:  # at once, rather than after 200 draws per task asked for
+        raise ValueError(
+            f"n: the families of levels {list(levels)} hold {available} {split} tasks, fewer than {n}"
+        )
     families = [family for family in FAMILIES if family.level in levels]
     tasks: dict[str, CodingTask] = {}
     rng = random.Random(f"coding-{seed}")
@@ -331,7 +379,7 @@ def generate_tasks(split: Split, n: int, seed: int, levels: Sequence[int] = LEVE
     while len(tasks) < n:
         attempts += 1
         if attempts > 200 * (n + 10):
-            raise ValueError(f"n: the families of levels {list(levels)} hold fewer than {n} {split} tasks")
+            raise ValueError(f"n: the families of levels {list(levels)} gave fewer than {n} {split} tasks")
         family = families[attempts % len(families)]
         fn, params = rng.choice(family.names), family.draw(rng)
         if _split_of(family.name, fn, params) != split:
