@@ -118,6 +118,14 @@ def test_default_values_satisfy_the_schema() -> None:
         (lambda v: v["weights"].update(storageClassName="Fast NFS"), "storageClassName"),
         (lambda v: v.update(gpuNodeLabels={"H800": {"a": "b"}}), "H800"),
         (lambda v: v["monitoring"].update(podMonitorLabels={"release": "not a value"}), "podMonitorLabels"),
+        # what the operator refuses at start (its pod would crash-loop): its own label keys, a key
+        # name over 63 characters, a prefix over 253
+        (
+            lambda v: v["monitoring"].update(podMonitorLabels={"app.kubernetes.io/name": "x"}),
+            "podMonitorLabels",
+        ),
+        (lambda v: v["monitoring"].update(podMonitorLabels={"a" * 70: "x"}), "podMonitorLabels"),
+        (lambda v: v.update(gpuNodeLabels={"H100": {"a" * 254 + "/x": "y"}}), "gpuNodeLabels"),
         (lambda v: v.update(nameOverride="Mixrl"), "nameOverride"),
         (lambda v: v["watch"].update(createNamespaces="yes"), "createNamespaces"),
         (lambda v: v["packing"].update(schedulerName="Mixrl Packing"), "schedulerName"),
@@ -336,6 +344,28 @@ def test_template_creates_the_watched_namespaces_when_asked_and_keeps_them(helm:
         kubernetes_validate.validate(space, K8S_VERSION, strict=True)
 
 
+def test_the_releases_own_namespace_is_left_to_helm(helm: Helm) -> None:
+    """Helm's --create-namespace makes it before the chart's objects: a Namespace of the chart's
+    for it failed the first install (AlreadyExists)."""
+    values = namespaced("mixrl-system", "rl")
+    values["watch"]["createNamespaces"] = True
+    assert [n["metadata"]["name"] for n in by_kind(helm.template(values), "Namespace")] == ["rl"]
+
+
+def test_an_existing_service_account_must_be_named(helm: Helm) -> None:
+    """Not the namespace's `default` account, which every pod there runs as."""
+    values = clusterwide()
+    values["serviceAccount"] = {"create": False, "name": "", "annotations": {}}
+    assert "serviceAccount.name: with serviceAccount.create false" in helm.refusal(values)
+
+
+def test_large_numbers_from_a_values_file_stay_integers(helm: Helm) -> None:
+    values = clusterwide()
+    values["operator"]["drainSeconds"] = 1_000_000  # a values file's numbers are floats to Helm
+    objects = helm.template(values)
+    assert parse_args(operator_args(objects)).drain_seconds == 1_000_000
+
+
 def test_template_minimal_without_crds_rbac_or_service_account(helm: Helm) -> None:
     values = clusterwide()
     values["crds"]["install"] = False
@@ -423,6 +453,11 @@ def test_helm_refuses_values_the_schema_rejects_naming_the_field(helm: Helm) -> 
     values = clusterwide()
     values["componentsImage"]["tag"] = "latest"
     assert "/componentsImage/tag" in helm.refusal(values)
+    # Go's \s is ASCII only: a pasted non-breaking space passed Helm's check, and the operator,
+    # which refuses it, crash-looped
+    values = clusterwide()
+    values["policy"]["allowedImages"] = ["ghcr.io/\u00a0mixrl/"]
+    assert "/policy/allowedImages" in helm.refusal(values)
 
 
 def test_name_overrides_name_the_objects(helm: Helm) -> None:

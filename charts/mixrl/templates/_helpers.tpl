@@ -37,7 +37,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if .Values.serviceAccount.create -}}
 {{- default (include "mixrl.fullname" .) .Values.serviceAccount.name -}}
 {{- else -}}
-{{- default "default" .Values.serviceAccount.name -}}
+{{- /* Not the namespace's `default` account: every pod using it would get the operator's rights. */ -}}
+{{- required "serviceAccount.name: with serviceAccount.create false, name the existing account the operator runs as" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
 
