@@ -15,7 +15,9 @@ is run with ``mixrl run`` into ``OUT/runs/<arm>-<fleet>-s<seed>/``, ``--jobs`` a
 finished run (its ``summary.json`` names the wanted step count) is skipped, an interrupted one
 resumes from its checkpoint, so running the same command again completes a study; a run made from
 another RLRun or other ``--evaluation``/``--kernels`` (its ``OUT/runs/<job>.yaml`` differs) is
-refused before anything starts, not reused (:func:`manifest_mismatch`).  Then one table
+refused before anything starts, not reused (:func:`manifest_mismatch`).  Ctrl-C or SIGTERM stops
+the study: no queued run starts, the running ones stop (each ``mixrl run`` stops its components and
+keeps its data, to resume later), and one line names the runs that finished.  Then one table
 (``OUT/ablation.md``, ``OUT/ablation.json``) and plots (``OUT/ablation.png``): final and best
 held-out pass@1 with the spread over seeds, the collapse signs raised, the fresh (staleness-0) KL
 of each fleet and the mixed/homogeneous ratio of it (the seed's 4.7×), and each pool's share of
@@ -34,12 +36,14 @@ import copy
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,8 @@ import yaml
 from mixrl.api.errors import InvalidSpec
 from mixrl.api.loader import ManifestUnreadable, load_rlrun, parse_document
 from mixrl.api.plain_text import plain_text
-from mixrl.local.report import mapping, number, pool_shares, step_records
+from mixrl.local.processes import StopSignals
+from mixrl.local.report import evaluations_file, mapping, number, pool_shares, step_records
 from mixrl.rl.health.collapse import assess
 
 Doc = dict[str, Any]
@@ -203,6 +208,46 @@ def study_command(
     return " ".join(["mixrl ablate", str(file), *(f"{flag} {value}" for flag, value in flags.items())])
 
 
+NOT_STARTED = "not started (the study was stopped)"
+
+
+class RunningRuns:
+    """The study's ``mixrl run`` processes now running, so that stopping the study stops them; once
+    it is stopping, no other starts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._processes: set[subprocess.Popen[bytes]] = set()
+        self.stopping = False
+
+    def start(self, command: list[str], **popen: Any) -> subprocess.Popen[bytes] | None:
+        """``subprocess.Popen(command, **popen)``, or None once the study is stopping."""
+        with self._lock:  # (a run started while stop() looks would be missed by it)
+            if self.stopping:
+                return None
+            process = subprocess.Popen(command, **popen)
+            self._processes.add(process)
+            return process
+
+    def ended(self, process: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self._processes.discard(process)
+
+    def stop(self) -> None:
+        """SIGTERM to every running ``mixrl run``, which stops its components in order and keeps what
+        it collected (a Ctrl-C at the terminal has sent them SIGINT already: they ignore this second
+        signal), then wait for them: each bounds its own shutdown, and one killed here would
+        orphan its components, which run in their own sessions."""
+        with self._lock:
+            self.stopping = True
+            running = list(self._processes)
+        for process in running:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in running:
+            process.wait()
+
+
 def run_job(
     job: Job,
     run: Doc,
@@ -211,18 +256,23 @@ def run_job(
     python: str = sys.executable,
     evaluation: str = "bf16",
     kernels: str = "serving",
+    runs: RunningRuns | None = None,
 ) -> tuple[Job, float, str]:
-    """One run of the study through ``mixrl run`` (resumed when interrupted); (job, seconds, status)."""
+    """One run of the study through ``mixrl run`` (resumed when interrupted); (job, seconds, status).
+    ``runs``: where the process is registered while it runs, so stopping the study stops it."""
     run_dir = out / "runs" / job.name
     if finished(run_dir, steps):
         return job, 0.0, "done before"
+    runs = runs if runs is not None else RunningRuns()
+    if runs.stopping:
+        return job, 0.0, NOT_STARTED
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest = run_dir.parent / f"{job.name}.yaml"
     document = arm_document(run, job.arm, job.fleet, job.seed, evaluation, kernels)
     manifest.write_text(yaml.safe_dump(document, sort_keys=False))
     started = time.monotonic()
     with (run_dir.parent / f"{job.name}.log").open("ab") as log:
-        result = subprocess.run(
+        process = runs.start(
             [
                 python,
                 "-m",
@@ -237,11 +287,14 @@ def run_job(
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            check=False,
         )
-    status = (
-        "ok" if result.returncode == 0 and finished(run_dir, steps) else f"failed (exit {result.returncode})"
-    )
+        if process is None:
+            return job, 0.0, NOT_STARTED
+        try:
+            returncode = process.wait()
+        finally:
+            runs.ended(process)
+    status = "ok" if returncode == 0 and finished(run_dir, steps) else f"failed (exit {returncode})"
     return job, time.monotonic() - started, status
 
 
@@ -263,7 +316,7 @@ def late_mean(records: list[Doc], key: str, pool: str | None = None, fraction: f
 def run_figures(run_dir: Path) -> Doc:
     """What the table needs from one finished run directory."""
     records = step_records(run_dir / "metrics.jsonl")
-    evaluations = step_records(run_dir / "evaluations.jsonl")
+    evaluations = step_records(evaluations_file(run_dir))
     pass1 = [rate for e in evaluations if (rate := number(mapping(e.get("pass_at_k")).get("1"))) is not None]
     pools = sorted({pool for r in records for pool in mapping(r.get("pools"))})
     return {
@@ -532,27 +585,58 @@ def main(argv: list[str]) -> int:
     )
     started, done, took = time.monotonic(), 0, []
     failed = []
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = [
-            pool.submit(
-                run_job, job, document, args.out, steps, sys.executable, args.evaluation, args.kernels
-            )
-            for job in jobs
-        ]
-        for future in as_completed(futures):
-            job, seconds, status = future.result()
-            done += 1
-            if seconds:
-                took.append(seconds)
-            if not status.startswith(("ok", "done")):
-                failed.append(job.name)
-            left = len(jobs) - done
-            eta = statistics.fmean(took) * math.ceil(left / args.jobs) if took else 0.0
-            rate = len(took) / max(time.monotonic() - started, 1e-9) * 3600  # of the runs that ran
-            print(
-                f"[{done}/{len(jobs)}] {job.name}: {status} in {seconds:.0f}s  ({rate:.1f} runs/h, ETA {eta:.0f}s)",
-                flush=True,
-            )
+    runs, interrupted = RunningRuns(), False
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
+    # SIGTERM as Ctrl-C: either stops the study (a second one is ignored while it stops).
+    with StopSignals(KeyboardInterrupt) as signals:
+        try:
+            futures: list[Future[tuple[Job, float, str]]] = [
+                pool.submit(
+                    run_job,
+                    job,
+                    document,
+                    args.out,
+                    steps,
+                    sys.executable,
+                    args.evaluation,
+                    args.kernels,
+                    runs,
+                )
+                for job in jobs
+            ]
+            for future in as_completed(futures):
+                job, seconds, status = future.result()
+                done += 1
+                if seconds:
+                    took.append(seconds)
+                if not status.startswith(("ok", "done")):
+                    failed.append(job.name)
+                left = len(jobs) - done
+                eta = statistics.fmean(took) * math.ceil(left / args.jobs) if took else 0.0
+                rate = len(took) / max(time.monotonic() - started, 1e-9) * 3600  # of the runs that ran
+                print(
+                    f"[{done}/{len(jobs)}] {job.name}: {status} in {seconds:.0f}s  ({rate:.1f} runs/h, ETA {eta:.0f}s)",
+                    flush=True,
+                )
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\nmixrl ablate: interrupted; stopping the running runs", flush=True)
+        finally:  # (also when a job fails unexpectedly: no run of the study is left running)
+            signals.stopping = True
+            # Without cancel_futures the pool would go on to start every queued job (each a whole
+            # run); once every job has ended, there is nothing left to cancel or stop.
+            pool.shutdown(wait=False, cancel_futures=True)
+            runs.stop()
+            pool.shutdown(wait=True)  # the running jobs' threads end once their run has stopped
+    if interrupted:
+        complete = [job.name for job in jobs if finished(args.out / "runs" / job.name, steps)]
+        print(
+            f"mixrl ablate: stopped; {len(complete)} of {len(jobs)} runs finished"
+            + (f" ({', '.join(complete)})" if complete else "")
+            + "; run the same command again to resume the others",
+            flush=True,
+        )
+        return 130
     command = study_command(args.file, arms, fleets, args.seeds, steps, args.evaluation, args.kernels)
     report = write_study(args.out, arms, fleets, args.seeds, command)
     print(f"mixrl ablate: table in {report}, plots in {args.out / 'ablation.png'}")

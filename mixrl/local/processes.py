@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mixrl.rl.auth import INSECURE_FLAG, TOKEN_FILE_FLAG, AuthToken, write_token_file
 
@@ -100,17 +101,63 @@ class Process:
         return last if len(last) <= limit else last[:limit] + "…"
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, then SIGKILL if it has not exited in time; its exit code (None: never started)."""
+        """SIGTERM, then SIGKILL if it has not exited in time; its exit code (None: never started).
+
+        Both go to the process's whole group, which it leads (``start_new_session``): a component's
+        own children (torchrun's ranks, a sandboxed command) are stopped with it: when this returns,
+        the process has exited and every process left in its group has been sent SIGKILL."""
         if self.process is None:
             return None
         if self.alive:
-            self.process.send_signal(signal.SIGTERM)
+            self._signal_group(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self._signal_group(signal.SIGKILL)
                 self.process.wait()
+            # Members that outlived their leader (it ignored or mishandled SIGTERM) would run on as
+            # orphans no one stops.  The leader has only just been reaped, and the kernel reuses no
+            # id while a process of its group is left, so this reaches this group or no one.
+            self._signal_group(signal.SIGKILL)
         return self.process.returncode
+
+    def _signal_group(self, signum: int) -> None:
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):  # the group is empty: nothing left to signal
+            os.killpg(self.process.pid, signum)
+
+
+class StopSignals:
+    """``with StopSignals(Interrupted) as signals:`` SIGINT and SIGTERM while a supervisor runs.
+
+    The first of them raises ``exception`` in the main thread, so the supervisor stops what it
+    started; every later one is ignored, as is any once the supervisor sets ``stopping`` (its
+    shutdown has begun): a second Ctrl-C or a service manager's repeated SIGTERM must not cut the
+    shutdown short, since the children run in their own sessions and nothing else would ever stop
+    them.  The previous handlers are back on leaving the block."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, exception: type[BaseException]) -> None:
+        self.exception = exception
+        self.stopping = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            # (None: a handler not set from Python, which cannot be put back; the default then)
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.stopping:
+            return
+        self.stopping = True  # before raising: the next one finds the shutdown under way
+        raise self.exception
 
 
 class ProcessStartError(RuntimeError):

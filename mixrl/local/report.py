@@ -1,6 +1,7 @@
 """``mixrl report DIR``: plots and a summary of a run directory.
 
-Reads ``metrics.jsonl`` (one line per trainer step) and ``evaluations.jsonl`` (held-out pass@k)
+Reads ``metrics.jsonl`` (one line per trainer step) and ``evaluations.jsonl`` (held-out pass@k; the
+buffer's ``buffer/evaluations.jsonl`` where that is newer, as for a run that crashed or still runs)
 and writes ``report.png`` (all panels), one PNG per panel under ``plots/``, and ``report.md``.
 """
 
@@ -36,6 +37,14 @@ PANELS: list[tuple[str, str, str]] = [
 
 
 _WARNED: set[tuple[Path, int]] = set()
+
+EVALUATIONS = "evaluations.jsonl"
+"""The held-out results: the buffer's log of them (``mixrl.rl.buffer.store.EVALUATIONS``, not
+imported: the buffer's store is more than a report needs) and the run directory's copy of it."""
+RESTART_GAP_S = 1.0
+"""How far apart the start times of two metrics records (``time - elapsed``) must be to come from
+two trainer processes: one process's differ by the microseconds between its two clock readings, and
+a restart (a new interpreter, a checkpoint loaded) takes seconds."""
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -93,6 +102,68 @@ def pass_at_k(evaluation: dict[str, Any]) -> dict[str, float]:
 def step_records(path: Path) -> list[dict[str, Any]]:
     """The records of a telemetry log that carry their step (the others cannot be placed on a plot)."""
     return [record for record in read_jsonl(path) if has_step(record)]
+
+
+def buffer_directory(run_dir: Path) -> Path:
+    """The buffer's directory of a local run."""
+    return run_dir / "buffer"
+
+
+def buffer_evaluations(run_dir: Path) -> Path:
+    """The held-out evaluations as the buffer writes them, while the run goes on."""
+    return buffer_directory(run_dir) / EVALUATIONS
+
+
+def evaluations_file(run_dir: Path) -> Path:
+    """Where a run directory's held-out evaluations are read from: the copy ``mixrl run`` makes once
+    its components have stopped, unless the buffer's own log is newer — a run that crashed or still
+    runs has no copy, or the previous start's — so pass@k is never left out of a report."""
+    copy, log = run_dir / EVALUATIONS, buffer_evaluations(run_dir)
+    try:
+        logged = log.stat().st_mtime
+    except OSError:
+        return copy
+    try:
+        return log if logged > copy.stat().st_mtime else copy
+    except OSError:
+        return log
+
+
+def trainer_processes(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """metrics.jsonl's records split by the trainer process that wrote them, in order.
+
+    Each process's ``elapsed`` starts at zero (a resumed run, a restarted trainer), while the steps
+    go on from its checkpoint: a new process is where ``elapsed`` goes backwards, or where a
+    record's start time (``time - elapsed``) moves, for a restart slower than the steps before it.
+    """
+    processes: list[list[dict[str, Any]]] = []
+    last_elapsed: float | None = None
+    last_origin: float | None = None
+    for record in records:
+        elapsed, wall = number(record.get("elapsed")), number(record.get("time"))
+        origin = wall - elapsed if wall is not None and elapsed is not None else None
+        restarted = (elapsed is not None and last_elapsed is not None and elapsed < last_elapsed) or (
+            origin is not None and last_origin is not None and abs(origin - last_origin) > RESTART_GAP_S
+        )
+        if restarted or not processes:
+            processes.append([])
+        processes[-1].append(record)
+        last_elapsed = elapsed if elapsed is not None else last_elapsed
+        last_origin = origin if origin is not None else last_origin
+    return processes
+
+
+def process_elapsed(records: list[dict[str, Any]]) -> float | None:
+    """The last ``elapsed`` of one trainer process's records (None: none carries one)."""
+    figures = [value for r in records if (value := number(r.get("elapsed"))) is not None]
+    return figures[-1] if figures else None
+
+
+def trainer_seconds(records: list[dict[str, Any]]) -> float | None:
+    """The trainer's time over the whole run: each trainer process's clock up to its last record,
+    summed (the last record's ``elapsed`` alone is the last process's, after a resume or restart)."""
+    figures = [value for p in trainer_processes(records) if (value := process_elapsed(p)) is not None]
+    return sum(figures) if figures else None
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -196,7 +267,8 @@ def summary(records: list[dict[str, Any]], evaluations: list[dict[str, Any]]) ->
         if out.get("kl_k3_early"):
             out["kl_growth"] = out["kl_k3_late"] / max(out["kl_k3_early"], 1e-12)
         out["tokens_per_s"] = sum(number(r.get("tokens_per_s")) or 0.0 for r in records) / len(records)
-        out["elapsed_s"] = number(records[-1].get("elapsed"))
+        # The trainer's time summed over its processes, not the last one's (which a resume resets).
+        out["elapsed_s"] = trainer_seconds(records)
     if evaluations:
         first, last = evaluations[0], evaluations[-1]
         out["eval_first_step"], out["eval_last_step"] = first["step"], last["step"]
@@ -225,7 +297,7 @@ def write_report(run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     records = step_records(run_dir / "metrics.jsonl")
-    evaluations = step_records(run_dir / "evaluations.jsonl")
+    evaluations = step_records(evaluations_file(run_dir))
     plots = run_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
 
@@ -336,7 +408,7 @@ def fetch_from_buffer(url: str, run_dir: Path, timeout_s: float = 60.0) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "metrics.jsonl").write_bytes(records)
     lines = "".join(json.dumps(e) + "\n" for e in evaluations)
-    (run_dir / "evaluations.jsonl").write_text(lines, encoding="utf-8")
+    (run_dir / EVALUATIONS).write_text(lines, encoding="utf-8")
     return len(records.splitlines())
 
 

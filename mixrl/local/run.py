@@ -3,8 +3,9 @@
 Starts the buffer, one torch engine per pool replica (each at its emulated precision), the router,
 the rollout workers (``rollout.workers``, each on its own shard of the training split) and the
 trainer as local processes on loopback; shows progress; stops them in
-order on Ctrl-C or when the trainer finishes; writes ``runs/<name>/`` (resolved config, logs,
-metrics.jsonl, evaluations.jsonl, weights, checkpoint, report.png, report.md).
+order on Ctrl-C or SIGTERM or when the trainer finishes; writes ``runs/<name>/`` (resolved config,
+logs, metrics.jsonl, evaluations.jsonl, weights, checkpoint, report.png, report.md).  One run at a
+time uses a run directory: another ``mixrl run`` on it is refused with one line (``.lock``).
 
 Each start draws a fresh token (``secrets.token_urlsafe``), writes it to ``runs/<name>/auth-token``
 (mode 0600) and passes ``--auth-token-file`` to every component, servers and clients alike: other
@@ -14,11 +15,12 @@ users and processes on the machine cannot reload the engines or write to the buf
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import json
 import os
 import secrets
 import shutil
-import signal
 import sys
 import time
 from dataclasses import replace
@@ -37,13 +39,20 @@ from mixrl.api.launch import (
     process_name,
 )
 from mixrl.api.loader import ManifestUnreadable, load_rlrun
-from mixrl.api.models import CollapseSpec
+from mixrl.api.models import CollapseSpec, RLRun
 from mixrl.api.plain_text import plain_text
 from mixrl.api.resolve import ResolvedPool, ResolvedRun, initial_replicas, resolve
-from mixrl.local.processes import MIXRL, Process, ProcessStartError, wait_healthy
-from mixrl.local.report import step_records, write_report
+from mixrl.local.processes import MIXRL, Process, ProcessStartError, StopSignals, wait_healthy
+from mixrl.local.report import (
+    EVALUATIONS,
+    buffer_directory,
+    buffer_evaluations,
+    process_elapsed,
+    step_records,
+    trainer_processes,
+    write_report,
+)
 from mixrl.rl.auth import AuthToken, write_token_file
-from mixrl.rl.buffer.store import EVALUATIONS
 from mixrl.rl.health.collapse import assess
 
 MAX_TRAINER_RESTARTS = 3
@@ -53,14 +62,81 @@ SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 AUTH_TOKEN_FILE = "auth-token"
 LOOPBACK = "127.0.0.1"
 TOKEN_BYTES = 32
+LOCK_FILE = ".lock"
+STOP_ORDER = ("rollout", "evaluator", "trainer", "router", "engine", "buffer")
+"""Producers first, then the trainer, the router, the engines and the buffer last, so that no
+trajectory in flight is lost (by name prefix; a component of no other kind is stopped last)."""
 
 
 class Interrupted(Exception):
-    pass
+    """SIGINT or SIGTERM reached the supervisor (:class:`StopSignals`)."""
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
-    raise Interrupted
+class RunDirectoryInUse(Exception):
+    """Another ``mixrl run`` holds the run directory; the message says which, in one line."""
+
+
+class RunLock:
+    """An exclusive lock (``flock``) on ``<run_dir>/.lock`` for as long as one ``mixrl run`` uses
+    the directory; the file holds the process id of the run that holds it.
+
+    A second run on the same directory would write a new auth-token (locking the first run's
+    components out of each other), its own pid and port files, start a second buffer on the same
+    logs, and its trainer's resume would delete the first's newer weight versions.  The kernel
+    drops the lock when the process ends, however it ends, so no stale lock survives a crash.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        """Take the lock, or RunDirectoryInUse at once (never wait for another run to end)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            # (no pid yet: the other run has locked the file and not yet written its pid)
+            who = f"pid {holder}" if holder.isdigit() else "its pid not written yet"
+            raise RunDirectoryInUse(
+                f"{self.run_dir} is in use by another mixrl run ({who}); stop it first or "
+                "give another --run-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        # The file stays: deleting it would let a run that opened it just before lock a file that is
+        # no longer the one the next run locks.
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor releases the flock
+            self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self if self._fd is not None else self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def clear_run_directory(run_dir: Path) -> None:
+    """``--fresh``: delete everything in the run directory but its lock, which this run holds (a
+    lock file deleted and made anew would be another file, which another run could lock too)."""
+    for entry in run_dir.iterdir():
+        if entry.name == LOCK_FILE:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def default_cache_dir() -> Path:
@@ -176,13 +252,20 @@ class Supervisor:
         return self.rollouts
 
     def stop(self) -> None:
-        # Producers first, then the trainer, the router, the engines and the buffer last, so that no
-        # trajectory in flight is lost.
-        order = ["rollout", "evaluator", "trainer", "router", "engine", "buffer"]
-        for prefix in order:
-            for component in self.components:
-                if component.name.startswith(prefix):
-                    component.stop()
+        """Stop every component, in :data:`STOP_ORDER`.  One that cannot be stopped is reported and
+        the others are still stopped: each runs in its own session, so a component left behind here
+        runs on as an orphan."""
+
+        def rank(component: Process) -> int:
+            return next(
+                (i for i, kind in enumerate(STOP_ORDER) if component.name.startswith(kind)), len(STOP_ORDER)
+            )
+
+        for component in sorted(self.components, key=rank):
+            try:
+                component.stop()
+            except Exception as exc:
+                print(f"mixrl run: stopping {component.name} failed: {exc!r}", file=sys.stderr, flush=True)
 
     def revive_evaluator(self) -> None:
         """Restart a failed evaluator (a few times): it goes on from the evaluations in the buffer,
@@ -231,6 +314,8 @@ class Progress:
         self.started = time.monotonic()
         self.shown_step = 0
         self.last_line = 0.0
+        self.first_seen: tuple[int, float] | None = None
+        """The first step this progress saw and when: the pace when no record has a clock."""
 
     def update(self, force: bool = False) -> None:
         records = step_records(self.run_dir / "metrics.jsonl")
@@ -239,6 +324,8 @@ class Progress:
         evaluations = step_records(buffer_evaluations(self.run_dir))
         step = records[-1]["step"] if records else 0
         now = time.monotonic()
+        if records and self.first_seen is None:
+            self.first_seen = (step, now)
         if not force and step == self.shown_step and now - self.last_line < 15:
             return
         self.shown_step, self.last_line = step, now
@@ -252,8 +339,8 @@ class Progress:
                 f"extreme {_number(last.get('extreme_ratio')):.3%}",
                 f"{_number(last.get('tokens_per_s')):.0f} tok/s",
             ]
-            rate = step / max(_number(last.get("elapsed"), elapsed), 1e-9)
-            if self.total and rate > 0:
+            rate = self.rate(records, step, now)
+            if self.total and rate is not None and rate > 0:
                 parts.append(f"ETA {max(self.total - step, 0) / rate:.0f}s")
         else:
             parts.append("collecting the first batch…")
@@ -277,15 +364,21 @@ class Progress:
                 self.warned.add((sign.name, sign.scope))
                 print(f"mixrl run: warning: {sign.describe()}", flush=True)
 
+    def rate(self, records: list[dict[str, Any]], step: int, now: float) -> float | None:
+        """Steps per second of the trainer process now running: its own steps over its own clock.
 
-def buffer_directory(run_dir: Path) -> Path:
-    """The buffer's directory of a local run."""
-    return run_dir / "buffer"
-
-
-def buffer_evaluations(run_dir: Path) -> Path:
-    """The held-out evaluations as the buffer writes them, while the run goes on."""
-    return buffer_directory(run_dir) / EVALUATIONS
+        A resumed or restarted trainer starts ``elapsed`` at zero while its steps go on from its
+        checkpoint, so the run's step over that clock would overstate the pace (and understate the
+        ETA) by the steps of every earlier process."""
+        processes = trainer_processes(records)
+        clock = process_elapsed(processes[-1]) if processes else None
+        if clock is not None and clock > 0:
+            before = processes[-2][-1]["step"] if len(processes) > 1 else 0
+            return (step - before) / clock
+        # Records without a clock: the steps seen since this progress began, over its own time.
+        if self.first_seen is None or now <= self.first_seen[1]:
+            return None
+        return (step - self.first_seen[0]) / (now - self.first_seen[1])
 
 
 def evaluations_to_run_dir(run_dir: Path) -> None:
@@ -351,15 +444,26 @@ def main(argv: list[str]) -> int:
     if environment_problems:
         return 1
 
+    run_dir = Path(args.run_dir or Path("runs") / rlrun.metadata.name)
+    # Before anything is written in the run directory (and before --fresh deletes it).
+    try:
+        lock = RunLock(run_dir).acquire()
+    except RunDirectoryInUse as exc:
+        print(f"mixrl run: {exc}", file=sys.stderr)
+        return 1
+    with lock:
+        return run_in(run_dir, rlrun, args.file, fresh=args.fresh, cache_dir=args.cache_dir)
+
+
+def run_in(run_dir: Path, rlrun: RLRun, file: str, *, fresh: bool, cache_dir: str | None) -> int:
+    """The run of ``rlrun`` in ``run_dir``, whose lock the caller holds; the exit status."""
     from mixrl.local.prepare import prepare_model  # torch and transformers load from here on
 
-    run_dir = Path(args.run_dir or Path("runs") / rlrun.metadata.name)
-    if args.fresh and run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        clear_run_directory(run_dir)
     resolved = local_run(resolve(rlrun), run_dir)
     (run_dir / "resolved.json").write_text(resolved.model_dump_json(indent=2))
-    (run_dir / "rlrun.yaml").write_text(Path(args.file).read_text())
+    (run_dir / "rlrun.yaml").write_text(Path(file).read_text())
 
     print(
         f"mixrl run: {rlrun.metadata.name}: {len(resolved.pools)} pools "
@@ -367,62 +471,81 @@ def main(argv: list[str]) -> int:
         f"output in {run_dir}",
         flush=True,
     )
-    cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
     prepared = prepare_model(resolved, cache, run_dir)
     supervisor = Supervisor(resolved, run_dir, prepared.model_path, prepared.tokenizer_path)
     progress = Progress(run_dir, resolved.trainer.spec.total_steps, rlrun.spec.health.collapse)
-    previous = signal.signal(signal.SIGINT, _raise_interrupt)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    status = 0
-    try:
-        supervisor.start(prepared.initial_version_path, prepared.initial_version)
-        print("mixrl run: all components up; training", flush=True)
-        restarts = 0
-        while supervisor.trainer.alive or supervisor.trainer.returncode != 0:
-            if not supervisor.trainer.alive and restarts < MAX_TRAINER_RESTARTS:
-                # As Kubernetes restarts a failed trainer pod: it resumes from its checkpoint, and
-                # the buffer hands it the same batches again, so no trajectory is lost.
-                restarts += 1
-                print(
-                    f"mixrl run: trainer exited with code {supervisor.trainer.returncode}; restarting it "
-                    f"({restarts}/{MAX_TRAINER_RESTARTS}) from its last checkpoint",
-                    flush=True,
-                )
-                supervisor.trainer.start(env=SINGLE_THREAD)
-                continue
-            supervisor.revive_evaluator()
-            failed = supervisor.failed_component()
-            if failed is not None:
-                print(
-                    f"mixrl run: {failed.name} exited with code {failed.returncode}; last log lines "
-                    f"({failed.log_path}):\n{failed.log_tail()}",
-                    file=sys.stderr,
-                )
-                status = 1
-                break
-            progress.update()
-            time.sleep(1.0)
-        if status == 0 and supervisor.trainer.returncode not in (0, None):
-            failed = supervisor.trainer
-            print(f"mixrl run: trainer failed; last log lines:\n{failed.log_tail()}", file=sys.stderr)
-            status = 1
-        if status == 0:
-            wait_for_final_evaluation(run_dir, resolved, supervisor)
-    except ProcessStartError as exc:
-        # One line naming the component and its own last word; the others are stopped below.
-        print(f"mixrl run: {exc}", file=sys.stderr, flush=True)
+    status = supervise(supervisor, progress, prepared.initial_version_path, prepared.initial_version)
+    if status == START_FAILED:
         return 1
-    except Interrupted:
-        print("\nmixrl run: interrupted; stopping components (collected data is kept)", flush=True)
-        status = 130
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        supervisor.stop()
-        signal.signal(signal.SIGINT, previous)
-    evaluations_to_run_dir(run_dir)
     progress.update(force=True)
     if (run_dir / "metrics.jsonl").exists():
         print(f"mixrl run: report at {write_report(run_dir)}")
+    return status
+
+
+START_FAILED = -1
+"""supervise(): a component could not start (said in one line); no report is written."""
+
+
+def supervise(
+    supervisor: Supervisor, progress: Progress, initial_version_path: str, initial_version: int
+) -> int:
+    """Start the components, watch them until the trainer is done, and stop them all, whatever
+    happens meanwhile: 0, 1 (a component failed), 130 (SIGINT or SIGTERM) or START_FAILED.
+
+    The first SIGINT or SIGTERM stops the run; any later one is ignored while the components stop
+    (:class:`StopSignals`): each runs in its own session, so one not stopped here would be orphaned.
+    """
+    run_dir, resolved = supervisor.run_dir, supervisor.run
+    status = 0
+    with StopSignals(Interrupted) as signals:
+        try:
+            supervisor.start(initial_version_path, initial_version)
+            print("mixrl run: all components up; training", flush=True)
+            restarts = 0
+            while supervisor.trainer.alive or supervisor.trainer.returncode != 0:
+                if not supervisor.trainer.alive and restarts < MAX_TRAINER_RESTARTS:
+                    # As Kubernetes restarts a failed trainer pod: it resumes from its checkpoint,
+                    # and the buffer hands it the same batches again, so no trajectory is lost.
+                    restarts += 1
+                    print(
+                        f"mixrl run: trainer exited with code {supervisor.trainer.returncode}; restarting "
+                        f"it ({restarts}/{MAX_TRAINER_RESTARTS}) from its last checkpoint",
+                        flush=True,
+                    )
+                    supervisor.trainer.start(env=SINGLE_THREAD)
+                    continue
+                supervisor.revive_evaluator()
+                failed = supervisor.failed_component()
+                if failed is not None:
+                    print(
+                        f"mixrl run: {failed.name} exited with code {failed.returncode}; last log lines "
+                        f"({failed.log_path}):\n{failed.log_tail()}",
+                        file=sys.stderr,
+                    )
+                    status = 1
+                    break
+                progress.update()
+                time.sleep(1.0)
+            if status == 0 and supervisor.trainer.returncode not in (0, None):
+                failed = supervisor.trainer
+                print(f"mixrl run: trainer failed; last log lines:\n{failed.log_tail()}", file=sys.stderr)
+                status = 1
+            if status == 0:
+                wait_for_final_evaluation(run_dir, resolved, supervisor)
+        except ProcessStartError as exc:
+            # One line naming the component and its own last word; the others are stopped below.
+            print(f"mixrl run: {exc}", file=sys.stderr, flush=True)
+            status = START_FAILED
+        except Interrupted:
+            print("\nmixrl run: interrupted; stopping components (collected data is kept)", flush=True)
+            status = 130
+        finally:
+            signals.stopping = True  # first: a signal from here on is ignored while they stop
+            supervisor.stop()
+        if status != START_FAILED:
+            evaluations_to_run_dir(run_dir)
     return status
 
 
