@@ -871,17 +871,19 @@ def _stop(state: ClusterState, names: list[str]) -> list[str]:
     running = [name for name in names if _owned(state, name)]
     for name in running:
         _signal_group(state.pids[name], signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(state.pids[n]) for n in running):
-        time.sleep(0.1)
+    _wait_gone([state.pids[n] for n in running], 10, tick=0.1)
     killed = [name for name in running if _owned(state, name)]
     for name in killed:
         _signal_group(state.pids[name], signal.SIGKILL)
     # SIGKILL is not instant: return only once the kernel has taken them down.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(state.pids[n]) for n in killed):
-        time.sleep(0.05)
+    _wait_gone([state.pids[n] for n in killed], 10, tick=0.05)
     return running
+
+
+def _wait_gone(pids: list[int], seconds: float, tick: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(tick)
 
 
 def _check_real_node_host() -> None:

@@ -9,6 +9,14 @@ import aiohttp
 from mixrl.rl.auth import AuthToken, bearer_headers
 
 
+class HttpError(RuntimeError):
+    """A server refused a request (``status``: its HTTP status), or could not be reached (None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class SessionClient:
     """A client of the server at ``base_url`` (kept without a trailing ``/``, so a path joins it).
     Uses the caller's ``aiohttp.ClientSession``, or opens its own on first use and closes it.

@@ -326,20 +326,19 @@ CASES: dict[str, Case] = {
         "spec.model.path: tiny:llama is not a tiny model mixrl builds: expected one of tiny:qwen3, tiny:qwen3_moe",
         start=quickstart,
     ),
-    "tiny-with-a-tokenizer": Case(
-        "tiny-model-own-tokenizer",
-        set_at("spec", "model", "tokenizer", value="/models/tok"),
-        "spec.model.tokenizer: a tiny: model uses mixrl's word tokenizer, which renders chats itself:"
-        " leave tokenizer out",
-        start=quickstart,
-    ),
-    "tiny-with-a-chat-template": Case(
-        "tiny-model-own-chat-template",
-        set_at("spec", "model", "chatTemplate", value="{{ messages }}"),
-        "spec.model.chatTemplate: a tiny: model uses mixrl's word tokenizer, which renders chats itself:"
-        " leave chatTemplate out",
-        start=quickstart,
-    ),
+    **{
+        f"tiny-with-a-{field}": Case(
+            f"tiny-model-own-{rule}",
+            set_at("spec", "model", field, value=value),
+            f"spec.model.{field}: a tiny: model uses mixrl's word tokenizer, which renders chats itself:"
+            f" leave {field} out",
+            start=quickstart,
+        )
+        for field, rule, value in (
+            ("tokenizer", "tokenizer", "/models/tok"),
+            ("chatTemplate", "chat-template", "{{ messages }}"),
+        )
+    },
     "store-in-tmp": Case(
         "weight-store-off-pod-directories",
         set_at("spec", "weights", "store", value="file:///tmp/weights"),

@@ -35,6 +35,8 @@ from mixrl.rl.sandbox.executor import decode_result, encode_request
 from mixrl.rl.sandbox.kubernetes import KubernetesSandbox, SandboxPods
 from mixrl.rl.sandbox.lease import WORKER_LABEL
 
+from .pods import InstantPods, executor_template
+
 Obj = dict[str, Any]
 ROOT = Path(__file__).resolve().parents[2]
 NOBODY = 65534
@@ -251,33 +253,8 @@ async def test_an_answer_that_is_not_a_result_is_unavailable_not_a_killed_comman
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
 
-    class LocalPod:
-        def __init__(self) -> None:
-            self.pods: dict[str, Obj] = {}
-
-        async def create(self, pod: Obj) -> None:
-            self.pods[pod["metadata"]["name"]] = pod
-
-        async def get(self, name: str) -> Obj | None:
-            ready = {
-                "phase": "Running",
-                "podIP": "127.0.0.1",
-                "conditions": [{"type": "Ready", "status": "True"}],
-            }
-            return {**self.pods[name], "status": ready} if name in self.pods else None
-
-        async def list(self, labels: Mapping[str, str]) -> list[Obj]:
-            return []
-
-        async def delete(self, name: str) -> None:
-            self.pods.pop(name, None)
-
-    manifest = {
-        "kind": "Pod",
-        "metadata": {},
-        "spec": {"containers": [{"ports": [{"name": "executor", "containerPort": port}]}]},
-    }
-    sandbox = KubernetesSandbox(SandboxPods(LocalPod(), manifest, worker="w", size=1, poll_s=0.02))
+    pods = SandboxPods(InstantPods(ip="127.0.0.1"), executor_template(port), worker="w", size=1, poll_s=0.02)
+    sandbox = KubernetesSandbox(pods)
     await sandbox.start()
     try:
         with pytest.raises(SandboxUnavailable, match="503 <html>503 Service Unavailable"):

@@ -12,6 +12,8 @@ import pytest
 from mixrl.rl.sandbox.kubernetes import PodApiError, SandboxPods
 from mixrl.rl.sandbox.lease import BACKOFF_S, PoolState
 
+from .pods import InstantPods, executor_template
+
 
 def pool(size: int = 2, ready_timeout_s: float = 10.0) -> PoolState:
     return PoolState("w-0", size, ready_timeout_s, token="t")
@@ -184,35 +186,7 @@ def test_a_create_that_may_have_happened_is_deleted_not_forgotten() -> None:
     assert plan.delete == (name,) and len(plan.create) == 1  # the fresh one replaces it, as a release does
 
 
-TEMPLATE: dict[str, Any] = {
-    "kind": "Pod",
-    "metadata": {},
-    "spec": {"containers": [{"ports": [{"name": "executor", "containerPort": 8790}]}]},
-}
-
-
-class InstantPods:
-    """A PodClient whose pods are ready as soon as they are created."""
-
-    def __init__(self) -> None:
-        self.pods: dict[str, dict[str, Any]] = {}
-        self.deleted: list[str] = []
-
-    async def create(self, pod: dict[str, Any]) -> None:
-        self.pods[pod["metadata"]["name"]] = pod
-
-    async def get(self, name: str) -> dict[str, Any] | None:
-        if name not in self.pods:
-            return None
-        ready = {"phase": "Running", "podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
-        return {**self.pods[name], "status": ready}
-
-    async def list(self, labels: Mapping[str, str]) -> list[dict[str, Any]]:
-        return list(self.pods.values())
-
-    async def delete(self, name: str) -> None:
-        self.deleted.append(name)
-        self.pods.pop(name, None)
+TEMPLATE = executor_template()
 
 
 async def test_a_create_call_lost_on_the_way_back_leaves_no_pod_behind() -> None:

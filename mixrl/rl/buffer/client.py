@@ -33,15 +33,11 @@ from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.grouping import StalenessStats
 from mixrl.rl.health.routing import MismatchReport
-from mixrl.rl.http import SessionClient
+from mixrl.rl.http import HttpError, SessionClient
 
 
-class BufferError(RuntimeError):
+class BufferError(HttpError):
     """The buffer refused a request (status 400/409...) or could not be reached."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)

@@ -32,17 +32,16 @@ from mixrl.rl.engine.protocol import (
     parse_response,
     parse_weight_version,
 )
-from mixrl.rl.http import SessionClient
+from mixrl.rl.http import HttpError, SessionClient
 
 log = logging.getLogger(__name__)
 
 
-class EngineError(RuntimeError):
+class EngineError(HttpError):
     """The engine answered with an error status, or could not be reached."""
 
     def __init__(self, message: str, status: int | None = None, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(message, status)
         self.field = field
 
 

@@ -37,7 +37,7 @@ from mixrl.api.resolve import SamplingParams
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.protocol import SESSION_HEADER, GenerateResult, PoolInfo, generate_body, parse_response
 from mixrl.rl.engine.version_gate import CONFLICT, MIN_VERSION_HEADER, VersionRefusal
-from mixrl.rl.http import SessionClient
+from mixrl.rl.http import HttpError, SessionClient
 from mixrl.rl.rollout.agent import Generate
 
 log = logging.getLogger("mixrl.rollout")
@@ -48,12 +48,8 @@ MinVersion = Callable[[], int | None]
 """The minimum weight version of an episode's next turn, asked when the turn starts (None: any)."""
 
 
-class RouterError(RuntimeError):
+class RouterError(HttpError):
     """The router refused a turn (a bad request), or kept failing past the retry budget."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class VersionUnavailable(RouterError):

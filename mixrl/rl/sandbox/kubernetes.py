@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from mixrl.api.kube_types import Obj
+from mixrl.rl.http import HttpError
 from mixrl.rl.sandbox.executor import decode_result, encode_request
 from mixrl.rl.sandbox.lease import WORKER_LABEL, PoolState, executor_port, named_pod
 from mixrl.rl.sandbox.limits import Limits
@@ -57,11 +58,8 @@ class PodClient(Protocol):
     async def delete(self, name: str) -> None: ...
 
 
-class PodApiError(RuntimeError):
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        """The HTTP status of the API server's answer; None when it did not give one."""
+class PodApiError(HttpError):
+    """The API server refused a pod call (its HTTP status), or gave no usable answer (None)."""
 
 
 @dataclass(frozen=True)
