@@ -92,6 +92,10 @@ INVALID: dict[str, tuple[str, Callable[[], Doc]]] = {
         rules.TINY_OWN_TOKENIZER.name,
         at("spec", "model", value={"path": "tiny:qwen3", "tokenizer": "/models/tok"}),
     ),
+    "tiny-with-a-chat-template": (
+        rules.TINY_OWN_CHAT_TEMPLATE.name,
+        at("spec", "model", value={"path": "tiny:qwen3", "chatTemplate": "{{ messages }}"}),
+    ),
     "store-in-tmp": (rules.STORE_OFF_POD_DIRS.name, at("spec", "weights", "store", value="file:///tmp/w")),
     "groups-of-one": (rules.GRPO_GROUPS.name, at("spec", "algorithm", "samplesPerPrompt", value=1)),
     "mis-below-one": (rules.MIS_RANGE.name, at("spec", "algorithm", "corrections", "mis", value=[0.5, 0.9])),
