@@ -37,7 +37,7 @@ keeps every version that a kept version's chain needs.
 under ``.flags/``, its mtime refreshed while converting); the other replicas of a pool wait for the
 conversion to appear and load it.  A lease whose holder is a process of this host that is gone, or
 whose heartbeat is older than ``lease_timeout_s`` (its
-holder died) is taken over.  A conversion is committed only into its version as it was when the
+holder died) is taken over, by one waiter only (the lease is renamed away, which one caller wins).  A conversion is committed only into its version as it was when the
 conversion began (the sha256 of its manifest, recorded in the conversion's): one whose version was
 removed or republished meanwhile is refused, and one that does not match is discarded and redone.
 """
@@ -134,6 +134,7 @@ class Storage(Protocol):
     def flag_age_s(self, name: str) -> float | None: ...
     def touch_flag(self, name: str) -> None: ...
     def remove_flag(self, name: str) -> None: ...
+    def take_over_flag(self, name: str, text: str, older_than_s: float) -> bool: ...
 
 
 class LocalStorage:
@@ -275,6 +276,30 @@ class LocalStorage:
 
     def remove_flag(self, name: str) -> None:
         self._flag(name).unlink(missing_ok=True)
+
+    def take_over_flag(self, name: str, text: str, older_than_s: float) -> bool:
+        """Remove the flag if it still holds ``text`` and its mtime is older than ``older_than_s``;
+        True for exactly one of several callers racing to do so.
+
+        A read-then-remove would let two waiters that both judged a lease dead remove it in turn,
+        the second removing the lease the first had since created (and both would convert).  One
+        rename to a name of our own is atomic: only one caller gets the file.  The one that does
+        checks that it moved the lease it judged (text and age); a live lease, created or refreshed
+        in between, is put back with a link, which never replaces a lease created since."""
+        path = self._flag(name)
+        taken = path.with_name(f".{name}.taken.{uuid.uuid4().hex}")
+        try:
+            os.rename(path, taken)
+        except FileNotFoundError:
+            return False  # released, or another waiter took it over first
+        try:
+            if taken.read_text() == text and time.time() - taken.stat().st_mtime > older_than_s:
+                return True
+            with contextlib.suppress(FileExistsError):  # a new lease is there: it stands
+                os.link(taken, path)
+            return False
+        finally:
+            taken.unlink(missing_ok=True)
 
 
 def storage_for(url: str) -> Storage:
@@ -922,10 +947,11 @@ class WeightStore:
             return str(exc)
         return None
 
-    def newest_loadable(self, below: int | None = None) -> int | None:
-        """The newest version (below ``below``) whose chain is whole: where a loader falls back to."""
+    def newest_loadable(self, below: int | None = None, verify_snapshot: bool = True) -> int | None:
+        """The newest version (below ``below``) whose chain is whole: where a loader falls back to.
+        ``verify_snapshot`` as in `chain_problem` (False: the snapshots' files are not hashed)."""
         for version in reversed(self.versions()):
-            if (below is None or version < below) and self.chain_problem(version) is None:
+            if (below is None or version < below) and self.chain_problem(version, verify_snapshot) is None:
                 return version
         return None
 
@@ -959,14 +985,16 @@ class WeightStore:
             if self.storage.create_flag(lease, holder):
                 with _heartbeat(self.storage, lease, holder, self.lease_timeout_s / 4):
                     if not self._converted(version, name):
-                        self._discard_stale(name)
+                        self._discard_stale(version, name)
                         self._convert(version, precision, name)
                 break
             self._wait_for_conversion(version, name, lease, waited_since)
         return str(self.storage.local_dir(name))
 
-    def _source_sha256(self, version: int) -> str | None:
-        """The sha256 of ``version``'s manifest (what its conversions record), or None without one."""
+    def manifest_sha256(self, version: int) -> str | None:
+        """The sha256 of ``version``'s manifest, or None without one: what tells a version apart
+        from another of the same number published after it was removed (a resumed trainer redoing
+        a step), as its conversions record and the weight-sync sidecar checks."""
         try:
             return _sha256(self.storage.local_dir(version_dir_name(version)) / MANIFEST)
         except (FileNotFoundError, NotADirectoryError):
@@ -977,19 +1005,33 @@ class WeightStore:
         recorded source manifest is the version's manifest): not a stale one of a removed version."""
         if not self.storage.exists(name):
             return False
-        source = self._source_sha256(version)
+        source = self.manifest_sha256(version)
         try:
             recorded = _read_manifest(self.storage.local_dir(name)).get("source_manifest_sha256")
         except WeightStoreError:
             return False
         return source is not None and recorded == source
 
-    def _discard_stale(self, name: str) -> None:
-        """Move an existing conversion that is not the version's (`_converted` said no) to the trash."""
-        if self.storage.exists(name):
-            log.warning("%s: not made from the version's manifest as it is now (stale); discarded", name)
-            with contextlib.suppress(FileNotFoundError):
-                self.storage.remove(name)
+    def _discard_stale(self, version: int, name: str) -> None:
+        """Move an existing conversion of ``version`` that is not made from its manifest as it is
+        now to the trash.
+
+        Judged again here rather than trusted from the caller's `_converted`: another converter
+        (one that took over a lease this one then also held) may have committed a valid conversion
+        since, and that one must stay.  Removed only while the version's manifest is there and the
+        conversion records another (or none: it cannot be shown to be this version's)."""
+        if not self.storage.exists(name):
+            return
+        source = self.manifest_sha256(version)
+        try:
+            recorded = _read_manifest(self.storage.local_dir(name)).get("source_manifest_sha256")
+        except WeightStoreError:
+            recorded = None  # unreadable: it cannot be served either
+        if source is None or recorded == source:
+            return  # the version is gone (its conversions with it), or the conversion is current
+        log.warning("%s: not made from the version's manifest as it is now (stale); discarded", name)
+        with contextlib.suppress(FileNotFoundError):
+            self.storage.remove(name)
 
     def _serves_bf16_as_is(self, version: int) -> bool:
         """Whether the version directory itself is the ``bf16`` checkpoint (a serving-layout BF16
@@ -1011,15 +1053,17 @@ class WeightStore:
             if age is None:
                 return  # released: the holder finished (or failed); look again
             dead = _holder_gone(holder)
-            if (dead or age > self.lease_timeout_s) and self.storage.read_flag(lease) == holder:
-                log.warning(
-                    "conversion %s: lease of %s %s; taking over",
-                    name,
-                    (holder or "?").strip(),
-                    "whose process is gone" if dead else f"is {age:.0f} s without a heartbeat",
-                )
-                self.storage.remove_flag(lease)
-                return
+            if holder is not None and (dead or age > self.lease_timeout_s):
+                # Atomically, and only the lease judged: of several waiters that judged it dead,
+                # one removes it; the others must not remove the lease the first creates next.
+                if self.storage.take_over_flag(lease, holder, 0.0 if dead else self.lease_timeout_s):
+                    log.warning(
+                        "conversion %s: lease of %s %s; taking over",
+                        name,
+                        holder.strip(),
+                        "whose process is gone" if dead else f"is {age:.0f} s without a heartbeat",
+                    )
+                return  # look again: the lease is gone, another waiter's, or was alive after all
             now = time.monotonic()
             if now - last_log >= WAIT_LOG_S:
                 log.info(
@@ -1033,7 +1077,7 @@ class WeightStore:
         log.info("converting weight version %d to %s (holding the lease)", version, precision)
         # Taken before loading, checked again at the rename: a version removed or republished in
         # between (a resumed trainer, prune) is refused there rather than served from older files.
-        source_sha256 = self._source_sha256(version)
+        source_sha256 = self.manifest_sha256(version)
         tensors, manifest = load_checkpoint_dir(self.path(version))
         if source_sha256 is None:  # no manifest when this began, yet it loaded: republished meanwhile
             raise WeightStoreError(
