@@ -87,6 +87,30 @@ def _pool(tmp_path: Path, engine: str) -> ResolvedPool:
     return run.pool("b200").model_copy(update={"weight_precision": "bf16"})
 
 
+def _a_snapshot_and_a_delta(tmp_path: Path) -> tuple[WeightStore, WeightStore, ResolvedPool, Path]:
+    """Version 1 a snapshot, version 2 its delta (timeline A), for a torch pool: the trainer's store
+    (it publishes deltas) and the sidecar's, on the same directory."""
+    forget_rebuilt()
+    trainer = WeightStore(str(tmp_path / "store"), snapshot_every=10)
+    _publish(trainer, 1, "A")
+    _publish(trainer, 2, "A")
+    store = WeightStore(str(tmp_path / "store"))
+    return trainer, store, _pool(tmp_path, "torch"), tmp_path / "engine-weights"
+
+
+async def _started(
+    tmp_path: Path, versions: int, label: int
+) -> tuple[WeightStore, ResolvedPool, Path, FakeEngine]:
+    """A store holding versions 0 … ``versions - 1`` (timeline A) and an SGLang pool's engine
+    started from the checkpoint its init container linked, reporting ``label``."""
+    pool, output = _pool(tmp_path, "sglang"), tmp_path / "engine-weights"
+    store = WeightStore(str(tmp_path / "store"))
+    for version in range(versions):
+        _publish(store, version, "A")
+    assert await weight_sync.prepare(store, pool, output, POLL_S, 10) == versions - 1
+    return store, pool, output, FakeEngine(label=label, started_from=output / "current")
+
+
 async def _follow_until(
     store: WeightStore,
     pool: ResolvedPool,
@@ -112,12 +136,7 @@ async def _follow_until(
 
 
 async def test_an_engine_follows_a_version_republished_under_the_same_number(tmp_path: Path) -> None:
-    pool, output = _pool(tmp_path, "sglang"), tmp_path / "engine-weights"
-    store = WeightStore(str(tmp_path / "store"))
-    for version in range(4):
-        _publish(store, version, "A")
-    assert await weight_sync.prepare(store, pool, output, POLL_S, 10) == 3
-    engine = FakeEngine(label=0, started_from=output / "current")
+    store, pool, output, engine = await _started(tmp_path, versions=4, label=0)
     await _follow_until(store, pool, output, engine, lambda: engine.label == 3, "the engine to be labelled")
     assert engine.loads == [], "started from version 3: labelled, not reloaded"
     # The trainer resumes from its checkpoint of step 2 and redoes step 3 with other weights.
@@ -134,12 +153,7 @@ async def test_a_sidecar_busy_converting_when_the_trainer_resumes_ends_on_the_ne
 ) -> None:
     # The engine serves version 3; while its sidecar converts version 4, the trainer restarts from
     # its checkpoint of step 2: versions 3 and 4 go, and the redone step 3 is published.
-    pool, output = _pool(tmp_path, "sglang"), tmp_path / "engine-weights"
-    store = WeightStore(str(tmp_path / "store"))
-    for version in range(4):
-        _publish(store, version, "A")
-    await weight_sync.prepare(store, pool, output, POLL_S, 10)
-    engine = FakeEngine(label=3, started_from=output / "current")
+    store, pool, output, engine = await _started(tmp_path, versions=4, label=3)
     _publish(store, 4, "A")
     real = WeightStore._calibrate
 
@@ -160,12 +174,7 @@ async def test_a_sidecar_busy_converting_when_the_trainer_resumes_ends_on_the_ne
 
 
 async def test_a_restarted_sidecar_reloads_a_version_republished_while_it_was_down(tmp_path: Path) -> None:
-    pool, output = _pool(tmp_path, "sglang"), tmp_path / "engine-weights"
-    store = WeightStore(str(tmp_path / "store"))
-    for version in range(3):
-        _publish(store, version, "A")
-    await weight_sync.prepare(store, pool, output, POLL_S, 10)
-    engine = FakeEngine(label=0, started_from=output / "current")
+    store, pool, output, engine = await _started(tmp_path, versions=3, label=0)
     await _follow_until(store, pool, output, engine, lambda: engine.label == 2, "the engine to be labelled")
     # A sidecar restarted with nothing changed trusts what it recorded: no reload.
     rounds = 0
@@ -220,12 +229,7 @@ async def test_version_0_republished_while_an_unlabelled_engine_starts_is_loaded
 
 
 async def test_a_good_version_republished_under_a_broken_ones_number_is_loaded(tmp_path: Path) -> None:
-    forget_rebuilt()
-    pool, output = _pool(tmp_path, "torch"), tmp_path / "engine-weights"
-    trainer = WeightStore(str(tmp_path / "store"), snapshot_every=10)
-    store = WeightStore(str(tmp_path / "store"))
-    _publish(trainer, 1, "A")
-    _publish(trainer, 2, "A")
+    trainer, store, pool, output = _a_snapshot_and_a_delta(tmp_path)
     delta = Path(store.path(2)) / DELTA_FILE
     data = bytearray(delta.read_bytes())
     data[-3] ^= 0xFF  # version 2 arrives damaged
@@ -267,12 +271,7 @@ async def test_choosing_the_starting_checkpoint_hashes_no_snapshot(
 ) -> None:
     # The init container falls back from a broken latest version: the snapshot it picks is checked
     # by its files' sizes only; the engine's load hashes it.
-    forget_rebuilt()
-    pool, output = _pool(tmp_path, "torch"), tmp_path / "engine-weights"
-    trainer = WeightStore(str(tmp_path / "store"), snapshot_every=10)
-    store = WeightStore(str(tmp_path / "store"))
-    _publish(trainer, 1, "A")
-    _publish(trainer, 2, "A")
+    _, store, pool, output = _a_snapshot_and_a_delta(tmp_path)
     (Path(store.path(2)) / DELTA_FILE).write_bytes(b"\0" * (Path(store.path(2)) / DELTA_FILE).stat().st_size)
     hashed: list[str] = []
     real = weights._sha256

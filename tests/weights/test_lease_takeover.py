@@ -3,7 +3,6 @@ takes it over, and nobody removes the lease or the conversion of the one that di
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -95,20 +94,3 @@ def test_a_conversion_committed_by_another_converter_meanwhile_is_not_discarded(
     after = (committed / MANIFEST).stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), "it was replaced"
     assert not any("stale" in message for message in caplog.messages)
-
-
-def test_a_stale_conversion_is_still_discarded_when_its_version_was_republished(
-    tmp_path: Path,
-) -> None:
-    """The re-check keeps what it must remove: a conversion of the version before it was removed and
-    published again (as an older mixrl left it) is discarded and redone."""
-    store = WeightStore(str(tmp_path / "weights"))
-    store.publish(1, _tensors(1))
-    stale = tmp_path / "stale-fp8"
-    os.rename(store.convert(1, "fp8"), stale)
-    store.remove(1)
-    store.publish(1, _tensors(10))
-    os.rename(stale, Path(store.path(1)) / "fp8")
-    manifest = weights.load_checkpoint_dir(store.convert(1, "fp8"))[1]
-    republished = hashlib.sha256((Path(store.path(1)) / MANIFEST).read_bytes()).hexdigest()
-    assert manifest["source_manifest_sha256"] == republished
