@@ -415,9 +415,13 @@ class AutoscalingLoop(Ticker):
                 ):
                     continue
                 decision = fleet_decision(plan, view, memory.state)
-                pool_plan = await self.plan_and_write(
-                    key, body, run, observation, memory, decision, now, models, pods
-                )
+                try:
+                    pool_plan = await self.plan_and_write(
+                        key, body, run, observation, memory, decision, now, models, pods
+                    )
+                except ApiError as exc:  # this pool's write failed (a conflict); the others' still count
+                    log.warning("autoscaling %s/%s: %s", *key, exc)
+                    continue
             done.append((key, pool_plan))
         await self.report_concurrency(run_key, plan, objective, now, a.tolerance)
         return done

@@ -233,7 +233,7 @@ def budget_decision(
     :func:`load_of` takes it): no replica is removed while they do.
 
     Every poll updates this pool's request, metrics or not: a pool whose metrics are missing is
-    pinned at its replicas (it will not apply a grant), so no stale request counts.  A cut
+    pinned at the replicas it keeps (it will not apply a grant), so no stale request counts.  A cut
     waits for the window as rule 6 does: the allocation made without floors is remembered
     (:func:`record_target`) and the pool goes no lower than the highest of the window
     (:func:`stabilized_floor`)."""
@@ -253,8 +253,11 @@ def budget_decision(
         pool.capacity or 1.0,
         pool.gpus_per_replica,
         pool.cost_per_gpu_hour,
-        floor=decision.current if pinned else 0,
-        ceiling=decision.current if pinned else decision.ceiling,
+        # Pinned at what it will hold after this poll: its replicas, or fewer where rule 8 released
+        # stuck ones (or fallbackReplicas applied); pinned at the old count, the released replicas
+        # still counted as capacity against the budget until its next poll.
+        floor=decision.desired if pinned else 0,
+        ceiling=decision.desired if pinned else decision.ceiling,
     )
     allocation, request, state = budget_step(
         request,

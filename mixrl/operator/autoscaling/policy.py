@@ -483,7 +483,17 @@ def decide(load: PoolLoad, state: PolicyState, config: PolicyConfig, now: float)
         desired = _clamp(held, config)
         if desired < current and load.updating_weights and current <= config.max_replicas:
             desired, why = current, why + "; held during weight update"
-        return Decision(current, desired, why, None, None, state)
+        # Rule 8 needs no Prometheus: a pool whose nodes are gone has no engine left to export a
+        # load, so its query has no series, and holding kept its stuck replicas (and pinned them
+        # in the GPU budget) for as long as the nodes stayed away.
+        state, stuck = track_pending(state, load, now, config)
+        state, ceiling = pending_ceiling(state, current, stuck, now, config)
+        if ceiling is not None and desired > ceiling:
+            desired = ceiling
+            why += "; " + (
+                stuck_summary(load, stuck, config) if stuck else "growth blocked after a pending timeout"
+            )
+        return Decision(current, desired, why, None, None, state, ceiling)
 
     state, stuck = track_pending(state, load, now, config)
     raw, ratio, why = _recommend(load, config, stuck)

@@ -44,6 +44,7 @@ async def query_prometheus(
         raise MetricsUnavailable("QueryFailed", f"HTTP {status}: {detail}")
     data = payload.get("data") or {}
     kind, result = data.get("resultType"), data.get("result")
+    raw: object
     if kind == "scalar" and isinstance(result, list) and len(result) == 2:
         raw = result[1]
     elif kind == "vector" and isinstance(result, list):
@@ -53,10 +54,17 @@ async def query_prometheus(
             raise MetricsUnavailable(
                 "QueryFailed", f"query returned {len(result)} series, expected one (sum them)"
             )
-        raw = result[0]["value"][1]
+        # A native histogram's sample has "histogram", not "value": a user's query may return one.
+        sample = result[0].get("value") if isinstance(result[0], dict) else None
+        raw = sample[1] if isinstance(sample, list) and len(sample) == 2 else None
     else:
         raise MetricsUnavailable("QueryFailed", f"unsupported result type {kind!r}")
-    value = float(raw)
+    # Anything but a number is the pool's failed query, not an exception that ends the loop's tick
+    # before the pools after this one are polled.
+    try:
+        value = float(str(raw))  # Prometheus sends numbers as strings ("NaN", "+Inf" included)
+    except ValueError:
+        raise MetricsUnavailable("QueryFailed", f"query returned {raw!r}, expected a number ≥ 0") from None
     if math.isnan(value) or math.isinf(value) or value < 0:
         raise MetricsUnavailable("QueryFailed", f"query returned {raw}, expected a number ≥ 0")
     return value

@@ -1,0 +1,140 @@
+"""Regression tests for edge cases of the built-in autoscaler, each failing on the code before its fix.
+
+The pure policy is called directly; the loop runs its real poll path against the in-memory API and
+scripted Prometheus of test_fleet_bugs.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import aiohttp.web
+import pytest
+
+from mixrl.operator.autoscaling.plan import MetricsUnavailable
+from mixrl.operator.autoscaling.policy import PolicyConfig, PolicyState, PoolLoad, decide
+from mixrl.operator.autoscaling.pool_api import query_prometheus
+from mixrl.operator.autoscaling.replicas import Census
+from mixrl.operator.kube.client import ApiError
+
+from .conftest import free_port
+from .test_fleet_bugs import RUN, Harness, pool_body, run_body
+
+
+def test_stuck_replicas_are_released_while_their_pool_reports_no_metrics() -> None:
+    """A pool whose nodes are gone has no engine left to export a load, so its query has no
+    series: the cluster's word on its stuck replicas must still release them (rule 8)."""
+    config = PolicyConfig(min_replicas=0, max_replicas=8, target_per_replica=8.0)
+    stuck = PoolLoad(load=None, replicas=4, ready=0, starting=4, stuck=4, why_stuck="Unschedulable")
+    decision = decide(stuck, PolicyState(), config, 0.0)
+    # Before: "metrics unavailable: holding" at 4 Pending replicas, poll after poll.
+    assert decision.desired == 0 and decision.ceiling == 0
+    assert "4 stuck, released (Unschedulable)" in decision.reason
+    # ...and the pool may not grow back for the pending timeout, metrics or not.
+    later = decide(PoolLoad(load=None, replicas=0, ready=0), decision.state, config, 30.0)
+    assert later.ceiling == 0 and later.desired == 0
+
+
+def test_a_cold_start_without_metrics_is_still_held() -> None:
+    config = PolicyConfig(min_replicas=0, max_replicas=8, target_per_replica=8.0)
+    starting = PoolLoad(load=None, replicas=4, ready=0, starting=4, stuck=0)
+    for t in (0.0, 600.0, 1200.0):
+        decision = decide(starting, PolicyState(), config, t)
+        assert decision.desired == 4 and decision.reason == "metrics unavailable: holding"
+
+
+async def test_a_budget_pool_whose_replicas_are_all_stuck_hands_its_share_to_the_others() -> None:
+    # h100-fp8 ($2.5 per 1.5 capacity) is cheaper than h100-bf16 ($2.5 per 1.0), so the budget
+    # put the demand there; then its nodes went: 4 replicas Unschedulable, no engine, no series.
+    run = run_body(gpuBudget=40)
+    pools = [
+        pool_body("h100-fp8", replicas=4, ready=0, low=0, high=8, status={"selector": "app=fp8"}),
+        pool_body("h100-bf16", replicas=1, ready=1, low=0, high=8),
+    ]
+    h = Harness(run, pools, {"h100-fp8": None, "h100-bf16": 16 * 8.0})
+
+    async def pods_of(key: Any, body: Any) -> Census | None:
+        if key[1] == f"{RUN}-h100-fp8":
+            return Census(ready=0, starting=0, stuck=4, why_stuck="Unschedulable: no node")
+        return None
+
+    h.loop.pods_of = pods_of  # type: ignore[method-assign]
+    await h.poll("h100-fp8")
+    await h.poll("h100-bf16")
+    # Before: h100-fp8 held its 4 Pending replicas and was pinned there in the budget, so the
+    # dear pool got 2 units for a demand of 8 while 6 units that serve nothing were counted.
+    assert h.replicas("h100-fp8") == 0
+    assert h.replicas("h100-bf16") == 8
+
+
+async def test_a_failed_write_to_one_pool_does_not_skip_the_rest_of_the_fleet() -> None:
+    """``objective: trainer`` plans a run's pools together and writes them one by one; a conflict
+    on one pool's scale write must not leave the others unwritten (and the run unreported)."""
+    run = run_body(objective="trainer", trainerIdleTarget=0.0)
+    pools = [
+        pool_body("h100-fp8", replicas=0, ready=0, low=0, high=8),
+        pool_body("b300-nvfp4", replicas=1, ready=1, low=1, high=8),
+    ]
+    h = Harness(run, pools, {"h100-fp8": None, "b300-nvfp4": 16 * 4.0})
+    h.values = {
+        "clamp_max": 1.0,
+        "mixrl_buffer_trainer_busy_seconds": 128.0,
+        "mixrl_buffer_batches_total": 1 / 900,
+        "mixrl_buffer_trainer_wait_seconds_total": 0.85,
+        "mixrl_buffer_trajectories{": 0.0,
+        "mixrl_router_sessions": 1024.0,
+        'pool="b300-nvfp4"': 0.8,
+    }
+    patch = h.api.merge_patch
+
+    async def conflicting(
+        resource: Any, namespace: str, name: str, body: Any, subresource: Any = None
+    ) -> Any:
+        if name == f"{RUN}-h100-fp8" and subresource == "scale":
+            raise ApiError(409, "Conflict", "the object has been modified")
+        return await patch(resource, namespace, name, body, subresource)
+
+    h.api.merge_patch = conflicting  # type: ignore[method-assign]
+    done = await h.poll_run()
+    # Before: the 409 on h100-fp8 ended the run's poll, so b300 stayed at 1 (the plan says 7).
+    assert h.replicas("h100-fp8") == 0
+    assert h.replicas("b300-nvfp4") == 7
+    assert [key[1] for key, _ in done] == [f"{RUN}-b300-nvfp4"]
+    # The pool whose write failed is asked again at the next poll.
+    h.api.merge_patch = patch  # type: ignore[method-assign]
+    h.now += 30
+    await h.poll_run()
+    assert h.replicas("h100-fp8") == 8
+
+
+async def test_an_answer_without_a_plain_number_is_a_failed_query_not_a_crash() -> None:
+    """``autoscaling.query`` is the user's: one over a native histogram answers ``histogram``
+    samples, which have no ``value``.  That must be the pool's QueryFailed (its condition says
+    why), not an exception that ends the loop's tick before the pools after it are polled."""
+    answers = [
+        {"resultType": "vector", "result": [{"metric": {}, "histogram": [1.0, {"count": "3", "sum": "9"}]}]},
+        {"resultType": "vector", "result": [{"metric": {}, "value": [1.0, "many"]}]},
+        {"resultType": "scalar", "result": [1.0, None]},
+    ]
+    served: list[dict[str, Any]] = []
+
+    async def handler(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"status": "success", "data": served[-1]})
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/api/v1/query", handler)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            for answer in answers:
+                served.append(answer)
+                with pytest.raises(MetricsUnavailable) as caught:
+                    await query_prometheus(session, f"http://127.0.0.1:{port}", "sum(my_native_histogram)")
+                assert caught.value.reason == "QueryFailed", answer
+                assert "expected a number" in caught.value.message
+    finally:
+        await runner.cleanup()
