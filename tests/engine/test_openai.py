@@ -8,6 +8,9 @@ client and its error types) as the caller.  Answers are checked against the engi
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import aiohttp
 import openai
 import pytest
@@ -292,3 +295,43 @@ async def test_a_streamed_stop_string_spanning_tokens_is_held_back_and_cut(
         ]
         assert chat.choices[0].finish_reason == "stop"
         assert "".join(c.choices[0].delta.content or "" for c in deltas) == chat.choices[0].message.content
+
+
+STRICT_CHAT_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m.role not in ('system', 'user', 'assistant') %}"
+    "{{ raise_exception('Only user, assistant and system roles are supported!') }}"
+    "{%- endif %}"
+    "<|im_start|> {{ m.role }} {{ m.content }} <|im_end|> {% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+"""A template that refuses a conversation, as real ones do (Llama 2, Mistral and Gemma call
+``raise_exception`` on an unknown role or roles out of order)."""
+
+
+async def test_a_conversation_the_chat_template_refuses_is_a_400_naming_messages(
+    dense_path: str, tokenizer_dir: str, tmp_path: Path
+) -> None:
+    """Before, the template's exception escaped the handler: HTTP 500, and nothing told the client
+    which field was wrong.  The engine keeps serving."""
+    strict = tmp_path / "strict-tokenizer"
+    shutil.copytree(tokenizer_dir, strict)
+    hf = AutoTokenizer.from_pretrained(str(strict), local_files_only=True)
+    hf.chat_template = STRICT_CHAT_TEMPLATE
+    hf.save_pretrained(str(strict))
+    async with (
+        serve_in_process(model_path=dense_path, tokenizer_path=str(strict)) as (url, _),
+        aiohttp.ClientSession() as session,
+    ):
+        body = {"messages": [{"role": "tool", "content": "w040"}], "max_tokens": 1}
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            answer = await response.json(content_type=None)
+        assert response.status == 400, answer
+        assert answer["error"]["param"] == "messages"
+        message = answer["error"]["message"]
+        assert message == (
+            "messages: the chat template refuses them: Only user, assistant and system roles are supported!"
+        )
+        body = {"messages": [{"role": "user", "content": "w040"}], "max_tokens": 1}
+        async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+            assert response.status == 200

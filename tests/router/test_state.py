@@ -225,3 +225,31 @@ def test_a_lower_capacity_is_no_loss_of_replicas() -> None:
     state.mark_down("a", "http://a0:1")  # now it has lost one: its sessions leave, then some
     moved = [state.route(sid, now=2) for sid in sessions]
     assert state.pools["a"].sessions_rebalanced_out == sum(r.moved and r.pool == "b" for r in moved) > 0
+
+
+def test_a_replica_that_leaves_and_returns_mid_request_keeps_an_exact_in_flight_count() -> None:
+    """DNS discovery drops a pod that fails a readiness check and lists it again when it passes;
+    its requests still in flight end after it is back.  They must be counted on it while they run
+    and leave it at 0 when they end, not at -1 (a negative load would draw every new session)."""
+    state = state_with({"a": 2})
+    flapping, steady = "http://a0:1", "http://a1:1"
+    state.begin("a", flapping)
+    state.begin("a", flapping)
+    state.set_replicas("a", [steady])
+    assert state.set_replicas("a", [flapping, steady]) == [flapping]  # new again: probed first
+    replica = state.replica("a", flapping)
+    assert replica is not None and replica.ready is False
+    assert replica.in_flight == 2  # still running there
+    state.finish("a", flapping)
+    state.finish("a", flapping)
+    assert replica.in_flight == 0
+    state.set_ready("a", flapping, True)
+    state.begin("a", steady)
+    assert state.route("new", now=0.0).replica == flapping  # 0 in flight against steady's 1
+    # One of its requests ends while it is away: counted off the requests it will have when back.
+    state.begin("a", steady)
+    state.set_replicas("a", [flapping])
+    state.finish("a", steady)
+    state.set_replicas("a", [flapping, steady])
+    assert state.replica("a", steady).in_flight == 1  # type: ignore[union-attr]
+    assert sum(r["in_flight"] for r in state.snapshot()["pools"][0]["replicas"]) == 1  # type: ignore[index]

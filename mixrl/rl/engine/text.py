@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mixrl.rl.engine.protocol import clip
+from mixrl.rl.engine.protocol import RequestError, clip
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,21 @@ class HFTextCodec:
     def chat_ids(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
-        """The prompt the chat template renders for ``messages``, with the generation prompt."""
-        rendered = self.hf.apply_chat_template(
-            messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=True
-        )
+        """The prompt the chat template renders for ``messages``, with the generation prompt.
+
+        A template that refuses the conversation (real ones call ``raise_exception`` on an unknown
+        role or roles out of order) is the client's error: a RequestError naming ``messages`` with
+        the template's reason, not an HTTP 500.  A template that does not parse stays the server's."""
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+        try:
+            rendered = self.hf.apply_chat_template(
+                messages, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=True
+            )
+        except TemplateSyntaxError:
+            raise
+        except TemplateError as exc:
+            raise RequestError("messages", f"the chat template refuses them: {exc}") from None
         return list(rendered["input_ids"])
 
     def stop_check(

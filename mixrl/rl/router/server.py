@@ -29,17 +29,19 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from mixrl.api.base import MAX_CAPACITY
 from mixrl.api.resolve import ENGINE_PORT
 from mixrl.rl.auth import AuthToken, bearer_headers, refusal_counter
 from mixrl.rl.engine.protocol import (
@@ -138,6 +140,36 @@ def newest_weight_version(raw: bytes) -> int | None:
     the quotes inside generated text, so only the field itself matches."""
     versions = [int(found) for found in _WEIGHT_VERSION.findall(raw)]
     return max(versions) if versions else None
+
+
+SSE_SEPARATOR = b"\n\n"
+"""What ends a server-sent event, as SGLang and the torch engine write them."""
+_STREAM_INDEX = re.compile(rb'"index"\s*:\s*(\d+)')
+
+
+@dataclass
+class StreamTally:
+    """Tokens and weight version of a streamed ``/generate`` answer, read event by event.
+
+    Each event is its item's cumulative answer, so an item's tokens are its latest event's
+    ``completion_tokens``; a batch's events carry the item's ``index``, and its tokens are the
+    sum over its items (the latest event alone would be one item's)."""
+
+    per_item: dict[int, int] = field(default_factory=dict)
+    version: int | None = None
+
+    def add(self, event: bytes) -> None:
+        counts = completion_token_counts(event)
+        if counts:
+            indices = _STREAM_INDEX.findall(event)
+            # the item's index is a top-level key written after its meta_info: the last match
+            self.per_item[int(indices[-1]) if indices else -1] = counts[0]
+        found = newest_weight_version(event)
+        if found is not None:
+            self.version = max(found, self.version or 0)
+
+    def tokens(self) -> int:
+        return sum(self.per_item.values())
 
 
 def replica_url(address: str, port: int) -> str:
@@ -439,6 +471,7 @@ class Router:
         tokens = 0
         version: int | None = None
         stream: web.StreamResponse | None = None
+        tally = StreamTally()
         try:
             timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout)
             forward = {"Content-Type": request.headers.get("Content-Type", "application/json")}
@@ -459,7 +492,7 @@ class Router:
                 if upstream.content_type == "text/event-stream":
                     stream = web.StreamResponse(status=upstream.status, headers=headers)
                     await stream.prepare(request)
-                    tokens, version = await self._stream(upstream, stream)
+                    await self._stream(upstream, stream, tally)
                     status = upstream.status
                     return stream
                 payload = await upstream.read()
@@ -494,6 +527,8 @@ class Router:
                 raise
             return stream
         finally:
+            if stream is not None:
+                tokens, version = tally.tokens(), tally.version
             self.state.finish(route.pool, route.replica, tokens, status, version)
             self.latency.labels(self.run, pool.name, pool.gpu_type, pool.precision).observe(
                 self.clock() - started
@@ -502,25 +537,27 @@ class Router:
                 self._slot_freed.notify_all()
 
     async def _stream(
-        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse
-    ) -> tuple[int, int | None]:
-        """Pass a streamed answer through chunk by chunk; its chunks carry cumulative token counts
-        (and the version that served them).  Returns both.  A client that leaves raises
-        ConnectionResetError (its request is then recorded as 499)."""
-        tokens = 0
-        version: int | None = None
-        tail = b""
+        self, upstream: aiohttp.ClientResponse, response: web.StreamResponse, tally: StreamTally
+    ) -> None:
+        """Pass a streamed answer through chunk by chunk, counting its tokens and versions in
+        ``tally`` as the events go by (so a stream cut short still counts what reached the client).
+        A client that leaves raises ConnectionResetError (its request is then recorded as 499)."""
+        pending = bytearray()
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)
-            tail = (tail + chunk)[-4096:]
-            counts = completion_token_counts(tail)
-            if counts:
-                tokens = counts[-1]
-            found = newest_weight_version(tail)
-            if found is not None:
-                version = max(found, version or 0)
+            # Events are read whole: an event carries the cumulative answer (with log-probs, tens of
+            # kilobytes) and its completion_tokens sits near its start, so a window over the last
+            # bytes read missed it; the separator is searched only in what is new.
+            scan = max(len(pending) - 1, 0)
+            pending += chunk
+            begin = 0
+            while (end := pending.find(SSE_SEPARATOR, scan)) != -1:
+                tally.add(bytes(pending[begin:end]))
+                begin = scan = end + len(SSE_SEPARATOR)
+            del pending[:begin]
+        if pending.strip():
+            tally.add(bytes(pending))
         await response.write_eof()
-        return tokens, version
 
     def _replica_failed(
         self, route: Route, session_id: str | None, exc: Exception, minimum: int | None = None
@@ -591,12 +628,12 @@ class Router:
         except ValueError as exc:
             return _bad_request(f"replicas: {exc}")
         if "capacity" in body:
-            capacity = body["capacity"]
-            if capacity is not None and (
-                isinstance(capacity, bool) or not isinstance(capacity, int | float) or capacity <= 0
-            ):
-                return _bad_request("capacity: expected a number > 0, or null to measure it")
-            self.state.set_capacity(name, None if capacity is None else float(capacity))
+            capacity = None if body["capacity"] is None else _capacity(body["capacity"])
+            if body["capacity"] is not None and capacity is None:
+                return _bad_request(
+                    f"capacity: expected a number in (0, {MAX_CAPACITY:g}], or null to measure it"
+                )
+            self.state.set_capacity(name, capacity)
         added = self.state.set_replicas(name, replicas)
         await self.check_replicas([(name, url) for url in added])
         pools = self._pools_snapshot()["pools"]
@@ -678,6 +715,20 @@ class Router:
         if success:  # the torch engine names the version it now serves
             self.state.set_version(pool, url, _version_in(answer))
         return {**result, "success": success, "message": str(answer.get("message", ""))}
+
+
+def _capacity(value: Any) -> float | None:
+    """``value`` as a capacity in (0, MAX_CAPACITY] (the run spec's range), else None.  JSON's NaN
+    and Infinity decode to floats, and a finite but astronomical capacity overflows the sum of the
+    pools' weights to inf: any of them would make every share NaN.  An integer beyond a float's
+    range cannot be converted at all."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) and 0 < number <= MAX_CAPACITY else None
 
 
 def _version_in(answer: dict[str, Any]) -> int | None:

@@ -113,6 +113,10 @@ class Pool:
     :func:`~mixrl.rl.router.shares.balanced_after_refresh`, :func:`~mixrl.rl.router.shares.drain_step`).
     Counted in replicas, not capacity: a measured capacity's wobble, or a capacity set lower, is no
     loss of nodes."""
+    departed_in_flight: dict[str, int] = field(default_factory=dict)
+    """Requests still in flight to replicas taken off the list (by URL): a replica that comes back
+    (DNS lists a pod again once it passes its readiness check) starts with them, so its count
+    never goes below zero when they end."""
     replica_failures: int = 0
     """Times a replica of this pool was found unreachable by a request."""
     requests: int = 0
@@ -223,15 +227,20 @@ class RouterState:
         move to another replica at their next request.
         """
         pool = self.pool(pool_name)
-        wanted = [url.rstrip("/") for url in urls]
+        wanted = list(dict.fromkeys(url.rstrip("/") for url in urls))  # a URL listed twice is one replica
         added = [url for url in wanted if url not in pool.replicas]
         removed = [url for url in pool.replicas if url not in wanted]
         for url in removed:
-            del pool.replicas[url]
+            gone = pool.replicas.pop(url)
+            if gone.in_flight > 0:
+                pool.departed_in_flight[url] = gone.in_flight
         for session in self.sessions.values():
             if session.pool == pool_name and session.replica in removed:
                 session.replica = None
-        pool.replicas = {url: pool.replicas.get(url) or Replica(url) for url in wanted}
+        pool.replicas = {
+            url: pool.replicas.get(url) or Replica(url, in_flight=pool.departed_in_flight.pop(url, 0))
+            for url in wanted
+        }
         self.refresh_shares()
         return added
 
@@ -478,6 +487,10 @@ class RouterState:
         if replica is not None:
             replica.in_flight -= 1
             replica.generated_tokens += generated_tokens
+        elif url in the_pool.departed_in_flight:  # taken off the list while this request ran
+            the_pool.departed_in_flight[url] -= 1
+            if the_pool.departed_in_flight[url] <= 0:
+                del the_pool.departed_in_flight[url]
 
     # ----------------------------------------------------------------- views
 
