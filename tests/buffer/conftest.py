@@ -9,8 +9,10 @@ invented token ids (the buffer never looks inside tokens beyond versions and mas
 
 from __future__ import annotations
 
+import errno
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +69,21 @@ def group_of(
     prompt_id: str, size: int, versions: tuple[int, ...] = (0, 0), pool: str = "fp8"
 ) -> list[Trajectory]:
     return [make_trajectory(prompt_id, i, versions, pool) for i in range(size)]
+
+
+class FullDisk:
+    """A log file on a disk that fills up mid-write: half of the bytes land, then ENOSPC."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def write(self, data: bytes) -> int:
+        self.f.write(bytes(data[: len(data) // 2]))
+        self.f.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from mixrl.api.trajectory import TokenRecord, Trajectory
 from mixrl.rl.buffer.client import BufferError
 from mixrl.rl.buffer.server import body_limit
 
-from .conftest import group_of, make_trajectory
+from .conftest import FullDisk, group_of, make_trajectory
 
 
 async def test_post_group_batch_commit_round_trip(start_buffer) -> None:
@@ -327,3 +327,23 @@ async def test_a_body_beyond_the_limit_gets_413_and_stores_nothing(start_buffer)
     assert refused.value.status == 413 and "\n" not in str(refused.value)
     assert (await running.client.stats())["trajectories"] == 0
     assert (running.buffer.dir / "trajectories.jsonl").read_text() == ""
+
+
+async def test_a_full_disk_is_one_line_and_stores_nothing(
+    start_buffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A log the buffer cannot write answers 503 naming the reason (not aiohttp's 500 and a
+    traceback); nothing of the request is stored, and the same post goes through once there is room."""
+    running = await start_buffer(prompts_per_update=1, samples_per_prompt=2)
+    real = running.buffer._traj_log
+    running.buffer._traj_log = FullDisk(real)
+    with caplog.at_level(logging.ERROR), pytest.raises(BufferError) as refused:
+        await running.client.post_trajectories(group_of("a", 2), group="a")
+    assert refused.value.status == 503
+    assert "No space left on device" in str(refused.value) and "nothing" in str(refused.value)
+    assert not any(record.exc_info for record in caplog.records)  # one line, no traceback
+    assert (await running.client.stats())["trajectories"] == 0
+    running.buffer._traj_log = real
+    assert await running.client.post_trajectories(group_of("a", 2), group="a") == 1
+    batch = await running.client.get_batch(1, timeout=0)
+    assert batch is not None and batch.trajectories == group_of("a", 2)

@@ -21,7 +21,7 @@ from mixrl.rl.buffer.store import (
     TrajectoryBuffer,
 )
 
-from .conftest import group_of, make_trajectory
+from .conftest import FullDisk, group_of, make_trajectory
 
 
 def served(body: bytes) -> dict:  # type: ignore[type-arg]
@@ -340,3 +340,48 @@ def test_a_step_assigned_before_this_rule_can_only_be_read(tmp_path: Path) -> No
             buffer.commit(10**6)
         assert served_keys(served(buffer.batch(1).body)) == [("b", 0)]
         assert buffer.commit(1) is True
+
+
+def test_a_ruled_out_candidate_keeps_its_minus_infinity_through_the_log(tmp_path: Path) -> None:
+    """−inf is a candidate's valid log q (the contract allows it): stored as null it poisoned the
+    batch (the trainer cannot read it) and the log (the buffer refused to restart on it)."""
+    posted = group_of("a", 2)
+    for trajectory in posted:
+        trajectory.cand_logprobs[0][1] = float("-inf")
+    with TrajectoryBuffer(tmp_path, prompts_per_update=1, samples_per_prompt=2) as buffer:
+        assert buffer.append(posted) == 1
+        assert buffer.append(posted) == 0  # a retry is still recognised as the same content
+        assert buffer.duplicates == 2
+        first = buffer.batch(1).body
+    trajectories = [Trajectory.model_validate(t) for g in served(first)["groups"] for t in g["trajectories"]]
+    assert trajectories == posted
+    with TrajectoryBuffer(tmp_path, prompts_per_update=1, samples_per_prompt=2) as rebuilt:
+        assert rebuilt.batch(1).body == first
+
+
+@pytest.mark.parametrize("log_name", ["_traj_log", "_assign_log"])
+def test_a_write_the_disk_cut_short_leaves_no_torn_line_inside_the_log(tmp_path: Path, log_name: str) -> None:
+    """A write that failed (a full disk) was never acknowledged; its half line must not stay in the
+    log, where the next record would be glued to it and every later restart refused the log."""
+    with TrajectoryBuffer(tmp_path, prompts_per_update=1, samples_per_prompt=2) as buffer:
+        buffer.append(group_of("a", 2))
+        real = getattr(buffer, log_name)
+        setattr(buffer, log_name, FullDisk(real))
+        with pytest.raises(OSError, match="No space left"):
+            if log_name == "_traj_log":
+                buffer.append(group_of("b", 2))
+            else:
+                buffer.batch(1)
+        setattr(buffer, log_name, real)  # space again
+        first = buffer.batch(1).body  # read while the cut bytes were there: none may linger
+        assert buffer.append(group_of("b", 2)) == 1
+        buffer.commit(1)
+        second = buffer.batch(2).body
+        assert served_keys(served(second)) == [("b", 0), ("b", 1)]
+        assert [Trajectory.model_validate(t) for t in served(second)["groups"][0]["trajectories"]] == (
+            group_of("b", 2)
+        )
+    with TrajectoryBuffer(tmp_path, prompts_per_update=1, samples_per_prompt=2) as rebuilt:
+        assert rebuilt.batch(1).body == first
+        assert rebuilt.batch(2).body == second
+        assert rebuilt.stats()["trajectories"] == 4

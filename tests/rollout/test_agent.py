@@ -369,3 +369,17 @@ async def test_evaluate_averages_pass_at_k_over_tasks() -> None:
         ValueError, match="pass_k: each k must be between 1 and samples_per_task=2, got \\[4\\]"
     ):
         await evaluate(episode, tasks, samples_per_task=2, pass_k=[1, 4])
+
+
+async def test_an_engine_overrunning_its_budget_fails_the_episode_not_the_worker() -> None:
+    """More tokens than max_new_tokens is the engine's malformed answer: the episode (and its
+    group) is dropped like any other, not a ValueError the worker dies of with a traceback."""
+
+    class TooLong(ScriptedGenerate):
+        async def __call__(self, input_ids: list[int], max_new_tokens: int):  # type: ignore[no-untyped-def]
+            return await super().__call__(input_ids, 64)
+
+    with pytest.raises(EPISODE_FAILURES, match="generate returned 2 tokens for max_new_tokens 1"):
+        await run_episode(
+            TooLong(), ENV, TASK, TOKENIZER, SAMPLING.model_copy(update={"max_new_tokens": 1}), 8, 256
+        )

@@ -74,3 +74,17 @@ async def test_stop_tokens_and_budget(tiny_model: torch.nn.Module) -> None:
     async with LocalSampler(tiny_model, [], temperature=1.0) as sampler:
         with pytest.raises(ValueError, match="max_new_tokens: must be positive, got 0"):
             await sampler.generate(prompt, 0)
+
+
+async def test_a_cancelled_request_leaves_the_others_running(tiny_model: torch.nn.Module) -> None:
+    """An episode cancelled mid-turn (its task group failed, a timeout) cancels its request's
+    future; finishing that request must not fail every other request of the batch."""
+    prompt = TOKENIZER.prompt_ids("what is port in net ?")
+    async with LocalSampler(tiny_model, [], temperature=0.0, num_candidates=3) as sampler:
+        gone = asyncio.create_task(sampler.generate(prompt, 1))
+        kept = asyncio.create_task(sampler.generate(prompt, 4))
+        await asyncio.sleep(0)  # both requests are in; the driver has not stepped yet
+        gone.cancel()
+        result = await kept
+        assert (len(result.records), result.finish_reason) == (4, "length")
+        assert gone.cancelled()

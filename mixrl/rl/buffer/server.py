@@ -41,7 +41,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -63,6 +63,7 @@ from mixrl.rl.serving import ClientGone, component_app, metrics_handler, read_bo
 
 log = logging.getLogger("mixrl.buffer")
 Body = TypeVar("Body", bound=BaseModel)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class QuarantineReport(BaseModel):
@@ -190,6 +191,21 @@ def _timeout_param(request: web.Request) -> float:
     return value
 
 
+@web.middleware
+async def _disk_failures(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A log the buffer cannot write or read (a full disk, an I/O error): 503 with one line naming
+    the reason, and one ERROR line here, instead of aiohttp's bare 500 and a traceback.  The store
+    cuts a failed write from its log before raising, so nothing of the request was stored."""
+    try:
+        return await handler(request)
+    except ConnectionError:  # the client's connection, not the disk: aiohttp's business
+        raise
+    except OSError as exc:
+        message = f"the buffer cannot write or read its logs ({exc}); nothing of this request was stored"
+        log.error("%s %s: %s", request.method, request.path, message)
+        return web.json_response({"error": message}, status=503)
+
+
 class BufferCollector(Collector):
     """``mixrl_buffer_*`` series read from the store at scrape time (names in mixrl.rl.metrics)."""
 
@@ -302,6 +318,7 @@ class BufferServer:
     def app(self) -> web.Application:
         refused = refusal_counter(self.registry, self.run, "buffer")
         app = component_app(self.metrics, self.auth_token, OPEN_ROUTES, log, self.max_body_bytes, refused)
+        app.middlewares.append(_disk_failures)
         app.router.add_post("/trajectories", self._post_trajectories)
         app.router.add_post("/batch", self._take_batch)
         app.router.add_get("/batch", self._read_batch)

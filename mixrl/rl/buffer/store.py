@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, TypeGuard
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mixrl.api.trajectory import Trajectory
@@ -408,7 +409,9 @@ class TrajectoryBuffer:
     # ------------------------------------------------------------------ replay
 
     def _open_append(self, name: str) -> BinaryIO:
-        return (self.dir / name).open("ab")
+        # Unbuffered: a write that failed (a full disk) must leave no bytes behind in a buffer
+        # that a later write would flush after the cut (see _write).
+        return (self.dir / name).open("ab", buffering=0)
 
     def _replay(self) -> None:
         path = self.dir / TRAJECTORIES
@@ -479,10 +482,26 @@ class TrajectoryBuffer:
 
     @staticmethod
     def _write(f: BinaryIO, lines: Sequence[bytes]) -> list[tuple[int, int]]:
-        """Append lines durably; returns each line's (offset, length) in the file."""
-        offset = f.tell()
-        f.write(b"".join(line + b"\n" for line in lines))
-        sync_file(f)
+        """Append lines durably; returns each line's (offset, length) in the file.
+
+        A write that fails (a full disk, an I/O error) is cut from the log before the error is
+        raised: it was never acknowledged, and a half line left there would be glued to the next
+        record, a damaged line inside the log that every later restart refuses.
+        """
+        offset = f.seek(0, os.SEEK_END)
+        data = memoryview(b"".join(line + b"\n" for line in lines))
+        try:
+            written = 0
+            while written < len(data):  # a raw write may take only part of it
+                taken = f.write(data[written:])
+                if not taken:
+                    raise OSError(f"{f.name}: the write took no bytes")
+                written += taken
+            sync_file(f)
+        except BaseException:
+            os.ftruncate(f.fileno(), offset)
+            f.seek(offset)
+            raise
         places = []
         for line in lines:
             places.append((offset, len(line)))
@@ -516,7 +535,7 @@ class TrajectoryBuffer:
         fresh: list[tuple[Trajectory, bytes]] = []
         seen: dict[tuple[str, int], bytes] = {}
         for index, trajectory in enumerate(trajectories):
-            line = trajectory.model_dump_json().encode()
+            line = log_line(trajectory)
             key, digest = (trajectory.prompt_id, trajectory.sample_index), _digest(line)
             known = self._keys.get(key, seen.get(key))
             if known is None:
@@ -721,6 +740,18 @@ class TrajectoryBuffer:
                 "samples_per_prompt": state.samples_per_prompt,
                 "max_staleness": state.max_staleness,
             }
+
+
+def log_line(trajectory: Trajectory) -> bytes:
+    """A trajectory as one line of the trajectory log (and of the batches spliced from it).
+
+    Not ``model_dump_json``: it writes a −inf candidate log q (valid: a token the sampler's logits
+    ruled out) as ``null``, which no reader takes for a number, so the batch could not be trained
+    and the log could not be replayed.  ``-Infinity`` is read back by both ``json.loads`` and
+    pydantic; every finite value is written byte for byte as ``model_dump_json`` writes it, so the
+    lines already logged keep their digests.
+    """
+    return pydantic_core.to_json(trajectory.model_dump(), inf_nan_mode="constants")
 
 
 def _digest(line: bytes) -> bytes:

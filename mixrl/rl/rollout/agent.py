@@ -39,7 +39,7 @@ from typing import Any
 
 from mixrl.api.resolve import SamplingParams
 from mixrl.api.trajectory import Trajectory
-from mixrl.rl.engine.protocol import GenerateResult, PoolInfo, TurnFinish
+from mixrl.rl.engine.protocol import EngineResponseError, GenerateResult, PoolInfo, TurnFinish
 from mixrl.rl.environments.base import Environment, Episode, Outcome, TaskLike
 from mixrl.rl.environments.tools import Tool
 from mixrl.rl.rollout.chat_tokenizer import ChatTokenizer
@@ -277,7 +277,8 @@ async def _generate_turn(
             trajectory.gpu_type = result.pool.gpu_type
             trajectory.precision = result.pool.precision
         if len(reply) + len(result.records) > budget:
-            raise ValueError(
+            # The engine's malformed answer: its episode is dropped (an EPISODE_FAILURE), not the worker.
+            raise EngineResponseError(
                 f"generate returned {len(result.records)} tokens for max_new_tokens {budget - len(reply)}"
             )
         for record in result.records:

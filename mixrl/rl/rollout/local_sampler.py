@@ -97,9 +97,13 @@ class LocalSampler:
 
     async def _drive(self) -> None:
         try:
-            while self._active:
-                self._step(self._active[: self.max_batch])
+            while True:
+                # Finished requests leave, and so do cancelled ones (their episode was cancelled
+                # mid-turn): finishing a cancelled future would raise and fail the whole batch.
                 self._active = [r for r in self._active if not r.done.done()]
+                if not self._active:
+                    break
+                self._step(self._active[: self.max_batch])
                 # let the episodes whose turn ended parse it and submit their next turn
                 await asyncio.sleep(0)
         except BaseException as exc:
