@@ -8,6 +8,10 @@ import aiohttp
 
 from mixrl.rl.auth import AuthToken, bearer_headers
 
+RETRY_STATUSES = frozenset({502, 503, 504})
+"""Answers that ask for the same request again: a proxy with no server behind it (502, 504) or a
+server not able to serve now (503: restarting, a replica moved, the buffer's disk failing)."""
+
 
 class HttpError(RuntimeError):
     """A server refused a request (``status``: its HTTP status), or could not be reached (None)."""

@@ -6,16 +6,20 @@ batch of the trainer's next step, or returns the one that step already has);
 monitor) and never assigns anything.
 
 Retries: calls that are safe to repeat (batch, commit, stats, evaluations list) are retried with
-backoff when the buffer cannot be reached or drops the connection (it may be restarting; it
-rebuilds its state from its logs), and so are trajectory posts: the buffer stores a trajectory
-it already holds once (keyed by prompt and sample index), so a retry whose first attempt was
-stored is acknowledged without a second copy.  A 401 (no token, or not this run's) is never
-retried.  Posting an evaluation is retried only when the connection could not be made at all.
+backoff when the buffer cannot be reached, drops the connection, or answers 502, 503 or 504 (it
+may be restarting, and it rebuilds its state from its logs; a proxy in front of it has no buffer
+behind it; its disk fails, and it stored nothing of the request), and so are trajectory posts:
+the buffer stores a trajectory it already holds once (keyed by prompt and sample index), so a
+retry whose first attempt was stored is acknowledged without a second copy.  Any other status (a
+401: no token, or not this run's) is never retried.  Posting an evaluation or a quarantine is
+retried only when the connection could not be made at all.
 
 How long: a call keeps retrying for ``retry_budget_s`` (:data:`RETRY_BUDGET_S`, five minutes: a
 buffer pod rescheduled and replaying its logs), its waits doubling from ``backoff_s`` up to
-``max_backoff_s``, like the rollout's RouterClient; then it raises BufferError.  ``retries`` caps
-the number of retries too (tests that want a quick failure pass a small budget or count).
+``max_backoff_s``, like the rollout's RouterClient; then it raises BufferError, one line naming
+the last failure (a status with the buffer's or the proxy's message, or the connection's error).
+``retries`` caps the number of retries too (tests that want a quick failure pass a small budget or
+count).
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from typing import Any
 
 import aiohttp
 
+from mixrl.api.errors import one_line
 from mixrl.api.trajectory import Trajectory
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.buffer.grouping import StalenessStats
 from mixrl.rl.health.routing import MismatchReport
-from mixrl.rl.http import HttpError, SessionClient
+from mixrl.rl.http import RETRY_STATUSES, HttpError, SessionClient
 
 
 class BufferError(HttpError):
@@ -83,7 +88,7 @@ class BufferClient(SessionClient):
 
     ``auth_token``: the run's token, sent with every request; the buffer's writes need it.
     ``retry_budget_s``, ``backoff_s``, ``max_backoff_s``, ``retries``: how a call that cannot reach
-    the buffer is retried (the module's docstring).
+    the buffer, or is answered 502/503/504, is retried (the module's docstring).
     """
 
     def __init__(
@@ -153,19 +158,27 @@ class BufferClient(SessionClient):
                     ) from None
                 error = exc
             else:
-                if status >= 400:
-                    message = payload.get("error") if isinstance(payload, dict) else payload
+                if status < 400:
+                    return status, payload
+                # One line: a proxy's answer is an HTML page.
+                message = one_line(str(payload.get("error") if isinstance(payload, dict) else payload))
+                if status not in RETRY_STATUSES or not idempotent:
                     raise BufferError(f"{method} {path}: {status}: {message}", status)
-                return status, payload
+                # A proxy with no buffer behind it (502, 504) or a buffer that cannot serve now (503:
+                # restarting, its disk failing; nothing of the request was stored): like a refused
+                # connection, worth another try for a call that is safe to repeat.
+                error = BufferError(f"{status}: {message}", status)
             if (self.retries is not None and attempt >= self.retries) or loop.time() + delay > deadline:
                 break
             attempt += 1
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.max_backoff_s)
-        raise BufferError(
-            f"{method} {path}: cannot reach the buffer at {self.base_url}"
-            f" ({attempt + 1} attempts in {loop.time() - started:.1f} s; last: {error})"
-        )
+        spent = f"{attempt + 1} attempts in {loop.time() - started:.1f} s; last: {error}"
+        if isinstance(error, BufferError):  # it answered, with a status worth retrying each time
+            raise BufferError(
+                f"{method} {path}: the buffer at {self.base_url} kept failing ({spent})", error.status
+            )
+        raise BufferError(f"{method} {path}: cannot reach the buffer at {self.base_url} ({spent})")
 
     async def post_trajectories(
         self, trajectories: Sequence[Trajectory | Mapping[str, Any]], group: str | None = None

@@ -36,12 +36,12 @@ from mixrl.api.loader import component_parser
 from mixrl.api.trajectory import NO_VERSION, Trajectory
 from mixrl.rl.auth import add_auth_arguments
 from mixrl.rl.buffer.client import BufferClient, BufferError
-from mixrl.rl.engine.client import EngineClient
+from mixrl.rl.engine.client import EngineClient, EngineError
 from mixrl.rl.environments.base import TaskLike
 from mixrl.rl.environments.registry import offered_tools
 from mixrl.rl.rollout.agent import evaluate, run_episode
 from mixrl.rl.rollout.router_client import RouterClient
-from mixrl.rl.rollout.worker import Loaded, play_heldout, start
+from mixrl.rl.rollout.worker import EPISODE_FAILURES, Loaded, _first_leaf, play_heldout, start
 from mixrl.rl.serving import stop_on_signals
 from mixrl.rl.weights import WeightStore
 
@@ -50,6 +50,15 @@ log = logging.getLogger("mixrl.evaluate")
 
 class VersionGone(RuntimeError):
     """The version to evaluate was removed from the store before it could be evaluated."""
+
+
+class VersionNotLoaded(RuntimeError):
+    """The evaluator's engine refused the version to evaluate, or reports another after loading it."""
+
+
+class ForeignVersions(RuntimeError):
+    """An evaluation episode has tokens of versions other than the one evaluated: something else
+    reloaded the evaluator's engine, so its result would mix versions."""
 
 
 class Evaluator:
@@ -84,10 +93,12 @@ class Evaluator:
         path = await self.wait_for_version(version)
         answer = await self.engine.update_weights_from_disk(path, version, flush_cache=True)
         if not answer.get("success"):
-            raise RuntimeError(f"the evaluator's engine refused version {version}: {answer.get('message')}")
+            raise VersionNotLoaded(
+                f"the evaluator's engine refused version {version}: {answer.get('message')}"
+            )
         loaded = await self.engine.get_weight_version()
         if loaded != version:
-            raise RuntimeError(f"the evaluator's engine reports version {loaded} after loading {version}")
+            raise VersionNotLoaded(f"the evaluator's engine reports version {loaded} after loading {version}")
 
     async def episode(self, step: int, task: TaskLike, index: int) -> Trajectory:
         """One held-out episode in its own session, every token of it from version ``step``; a
@@ -111,7 +122,7 @@ class Evaluator:
             )
             foreign = versions_of(trajectory) - {step}
             if foreign:  # nothing else reloads this engine: a bug, not noise to average over
-                raise RuntimeError(f"step {step}: tokens of versions {sorted(foreign)} in its evaluation")
+                raise ForeignVersions(f"step {step}: tokens of versions {sorted(foreign)} in its evaluation")
             return trajectory
 
         return await play_heldout(play, task, index, self.settings.run)
@@ -190,13 +201,20 @@ async def serve(args: argparse.Namespace, loaded: Loaded) -> int:
     )
     stopping = asyncio.Event()
     remove_signal_handlers = stop_on_signals(stopping)
-    try:
+
+    async def evaluate_all() -> int:
+        # The wait for the engine is part of the job: awaited before it, a SIGTERM was ignored for
+        # up to its five minutes.
         await engine.wait_healthy(timeout_s=300)
-        job = asyncio.create_task(evaluator.run_all())
+        return await evaluator.run_all()
+
+    try:
+        job = asyncio.create_task(evaluate_all())
         stop = asyncio.create_task(stopping.wait())
         await asyncio.wait({job, stop}, return_when=asyncio.FIRST_COMPLETED)
         if not job.done():
             job.cancel()
+            await asyncio.gather(job, return_exceptions=True)  # done with the clients before they close
             return 0
         return 1 if job.result() else 0
     finally:
@@ -228,8 +246,17 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    status = 1
+    # One line and exit code 1, as mixrl rollout says its own: except* since an episode's error
+    # comes through evaluate()'s task group.
     try:
-        return asyncio.run(serve(args, loaded))
-    except BufferError as exc:
-        print(f"mixrl evaluate: buffer: {exc}", file=sys.stderr)
-        return 1
+        status = asyncio.run(serve(args, loaded))
+    except* BufferError as refused:  # a refused post, or a buffer still failing after the budget
+        print(f"mixrl evaluate: buffer: {_first_leaf(refused)}", file=sys.stderr)
+    except* (EngineError, VersionNotLoaded) as engine:  # not healthy in time, or not on the version
+        print(f"mixrl evaluate: engine: {_first_leaf(engine)}", file=sys.stderr)
+    except* ForeignVersions as mixed:
+        print(f"mixrl evaluate: evaluation: {_first_leaf(mixed)}", file=sys.stderr)
+    except* EPISODE_FAILURES as failed:  # a held-out episode's last try (play_heldout)
+        print(f"mixrl evaluate: held-out evaluation: {_first_leaf(failed)}", file=sys.stderr)
+    return status

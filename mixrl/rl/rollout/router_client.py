@@ -37,12 +37,10 @@ from mixrl.api.resolve import SamplingParams
 from mixrl.rl.auth import AuthToken
 from mixrl.rl.engine.protocol import SESSION_HEADER, GenerateResult, PoolInfo, generate_body, parse_response
 from mixrl.rl.engine.version_gate import CONFLICT, MIN_VERSION_HEADER, VersionRefusal
-from mixrl.rl.http import HttpError, SessionClient
+from mixrl.rl.http import RETRY_STATUSES, HttpError, SessionClient
 from mixrl.rl.rollout.agent import Generate
 
 log = logging.getLogger("mixrl.rollout")
-
-RETRY_STATUSES = frozenset({502, 503, 504})
 
 MinVersion = Callable[[], int | None]
 """The minimum weight version of an episode's next turn, asked when the turn starts (None: any)."""
