@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import aiohttp
@@ -96,6 +96,8 @@ from mixrl.operator.kube.rbac import EVENTS, PODS, RLRUNS, SAMPLERPOOLS
 from mixrl.operator.kube.ticker import Ticker
 
 Key = tuple[str, str]
+UNREACHABLE = "PrometheusUnreachable"
+"""The MetricsUnavailable reason of a Prometheus that did not answer (refused or timed out)."""
 log = logging.getLogger("mixrl.operator.autoscaling")
 
 
@@ -118,6 +120,13 @@ Gate = Callable[[str], Awaitable[bool]]
 Observer = Callable[[aiohttp.ClientSession, str, str, float, tuple[str, str]], Awaitable[Observation]]
 Scalar = Callable[[aiohttp.ClientSession, str, str, float], Awaitable[float]]
 """One instant query that returns one number (:func:`query_prometheus`)."""
+
+
+def failed(what: str, exc: Exception) -> None:
+    """One warning line for a pool (or run) whose poll failed unexpectedly; the traceback at debug
+    level (the poll is retried every tick: a traceback each time would bury the log)."""
+    log.warning("autoscaling %s failed: %s: %s", what, type(exc).__name__, exc)
+    log.debug("autoscaling %s failed", what, exc_info=exc)
 
 
 def cache_event(
@@ -188,6 +197,10 @@ class AutoscalingLoop(Ticker):
         """(namespace, run) -> (the body last resolved, what it resolved to)."""
         self._fleet_said: dict[Key, str] = {}
         self._stall_said: dict[Key, str | None] = {}
+        self._unreachable: dict[str, MetricsUnavailable] = {}
+        """Prometheus URL -> why it did not answer this tick: its other queries wait for the next
+        tick.  A Prometheus that hangs costs one timeout per tick, not one per query of every
+        pool on it (minutes a tick, with the pools on a healthy Prometheus waiting behind)."""
 
     def _own_lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -248,6 +261,7 @@ class AutoscalingLoop(Ticker):
         """Poll every due pool once; returns what was done (for tests and logs)."""
         done = []
         verdicts: dict[str, bool] = {}
+        self._unreachable.clear()  # a Prometheus that did not answer last tick is asked again
         fleets: dict[Key, tuple[ResolvedRun, list[Key]]] = {}
         for key, body in list(self.pools.items()):
             run = self.resolved_run(body)
@@ -274,6 +288,9 @@ class AutoscalingLoop(Ticker):
             except ApiError as exc:  # this pool's write failed; the others still get their turn
                 log.warning("autoscaling %s/%s: %s", *key, exc)
                 continue
+            except Exception as exc:  # so does a bug or an odd object in one pool (not a cancel)
+                failed(f"{key[0]}/{key[1]}", exc)
+                continue
             if plan is not None:
                 done.append((key, plan))
         for run_key, (run, keys) in fleets.items():
@@ -288,6 +305,8 @@ class AutoscalingLoop(Ticker):
                 done += await self.poll_fleet(run_key, run, keys, now)
             except ApiError as exc:
                 log.warning("autoscaling run %s/%s: %s", *run_key, exc)
+            except Exception as exc:  # the other runs still get their turn
+                failed(f"run {run_key[0]}/{run_key[1]}", exc)
         await self.clear_stale_concurrency(fleets, verdicts)
         return done
 
@@ -307,13 +326,30 @@ class AutoscalingLoop(Ticker):
             status = {k: v for k, v in (body.get("status") or {}).items() if k != RECOMMENDED_CONCURRENCY}
             self.runs[run_key] = {**body, "status": status}
 
+    def _answered(self, url: str, problem: MetricsUnavailable | None) -> None:
+        """Note a Prometheus that did not answer (timed out, refused): not asked again this tick."""
+        if problem is not None and problem.reason == UNREACHABLE:
+            self._unreachable[url] = problem
+
+    async def _observe(self, url: str, query: str, window: tuple[str, str]) -> Observation:
+        """A pool's load (:data:`Observer`), or the problem of a Prometheus that did not answer
+        earlier this tick (the pool's MetricsAvailable condition says why)."""
+        problem = self._unreachable.get(url)
+        if problem is not None:
+            return Observation(None, None, problem)
+        observation = await self.observer(self.session(), url, query, self.settings.query_timeout_s, window)
+        self._answered(url, observation.problem)
+        return observation
+
     async def _value(self, run: ResolvedRun, query: str) -> float | None:
         """One number from Prometheus, or None (no series, or no answer: the objective holds)."""
+        url = run.autoscaling.prometheus_url
+        if url in self._unreachable:
+            return None
         try:
-            return await self.scalar(
-                self.session(), run.autoscaling.prometheus_url, query, self.settings.query_timeout_s
-            )
-        except MetricsUnavailable:
+            return await self.scalar(self.session(), url, query, self.settings.query_timeout_s)
+        except MetricsUnavailable as exc:
+            self._answered(url, exc)
             return None
 
     async def poll_fleet(
@@ -323,7 +359,7 @@ class AutoscalingLoop(Ticker):
         (:func:`mixrl.operator.autoscaling.fleet_objective.stabilized_plan`), then write each pool
         under its lock, from the live pool (a pool whose replicas moved meanwhile waits a poll)."""
         a = run.autoscaling
-        url, timeout = a.prometheus_url, self.settings.query_timeout_s
+        url = a.prometheus_url
         queries = trainer_queries(run.namespace, run.name)
         signals = TrainerSignals(**{name: await self._value(run, q) for name, q in queries.items()})
         views: list[FleetPool] = []
@@ -354,9 +390,7 @@ class AutoscalingLoop(Ticker):
             memory.refused = None
             replicas = int((body.get("spec") or {}).get("replicas") or 0)
             window = (TRAINER_WINDOW, "15s")
-            observation = (
-                await self.observer(self.session(), url, load_query(a, run, pool), timeout, window)
-            ).asleep(replicas)
+            observation = (await self._observe(url, load_query(a, run, pool), window)).asleep(replicas)
             paused = await self._value(run, paused_query(run.namespace, pool.object_name))
             pods = await self.pods_of(key, body)
             load = load_of(body, observation, paused, pods)
@@ -476,17 +510,19 @@ class AutoscalingLoop(Ticker):
         """The GPU models DCGM reports under the pool's pods (the WrongGpuType condition), asked
         by both objectives' polls; None: not asked (switched off, or Prometheus did not answer
         the load query) or no answer."""
-        if not self.settings.check_gpu_models or observation.problem is not None:
+        url = run.autoscaling.prometheus_url
+        if not self.settings.check_gpu_models or observation.problem is not None or url in self._unreachable:
             return None
         try:
             return await query_label_values(
                 self.session(),
-                run.autoscaling.prometheus_url,
+                url,
                 gpu_models_query(run.namespace, pool.object_name),
                 "modelName",
                 self.settings.query_timeout_s,
             )
-        except MetricsUnavailable:
+        except MetricsUnavailable as exc:
+            self._answered(url, exc)
             return None  # GPU telemetry is optional; the load decided the replicas
 
     async def pods_of(self, key: Key, body: Obj) -> Census | None:
@@ -524,12 +560,8 @@ class AutoscalingLoop(Ticker):
         lock; a merge patch replaces the whole ``conditions`` list, so two writers that each read
         before the other wrote would drop each other's conditions.  None: the pool is gone."""
         query = load_query(run.autoscaling, run, pool)
-        observation = await self.observer(
-            self.session(),
-            run.autoscaling.prometheus_url,
-            query,
-            self.settings.query_timeout_s,
-            self.settings.sustained_window,
+        observation = await self._observe(
+            run.autoscaling.prometheus_url, query, self.settings.sustained_window
         )
         models = await self.gpu_models(run, pool, observation)
         paused = None
@@ -558,10 +590,14 @@ class AutoscalingLoop(Ticker):
             observation = observation.asleep(int((body.get("spec") or {}).get("replicas") or 0))
             pods = await self.pods_of(key, body)
             decision = decide(load_of(body, observation, paused, pods), memory.state, config, now)
-            memory.state, memory.last_poll = decision.state, now
+            memory.last_poll = now
             if run.autoscaling.gpu_budget is not None:
                 decision = self.apply_budget(key, body, run, pool, decision, observation, now, paused)
-            return await self.plan_and_write(key, body, run, observation, memory, decision, now, models, pods)
+            plan = await self.plan_and_write(key, body, run, observation, memory, decision, now, models, pods)
+            # Kept only once written: after a failed scale write the state would count a scale-up
+            # that never happened against the next poll's rate limit.
+            memory.state = decision.state
+            return plan
 
     def apply_budget(
         self,
@@ -577,15 +613,15 @@ class AutoscalingLoop(Ticker):
         """Share the run's GPU budget using every pool's latest own request
         (:func:`mixrl.operator.autoscaling.plan.budget_decision`; ``paused``: the requests the
         pool's engines hold paused, which keep the budget from removing replicas mid-update); the
-        requests of pools the run no longer declares are forgotten."""
-        memory = self.memory[key]
+        requests of pools the run no longer declares are forgotten.  The decision returned carries
+        the pool's next state (the caller keeps it once the decision is written)."""
         requests = self._budget.setdefault((key[0], run.name), {})
         for name in [n for n in requests if n not in {p.name for p in run.pools}]:
             del requests[name]
-        decision, requests[pool.name], memory.state = budget_decision(
-            decision, list(requests.values()), memory.state, body, run, pool, observation, now, paused
+        decision, requests[pool.name], state = budget_decision(
+            decision, list(requests.values()), decision.state, body, run, pool, observation, now, paused
         )
-        return decision
+        return replace(decision, state=state)
 
     async def plan_and_write(
         self,
@@ -610,7 +646,7 @@ class AutoscalingLoop(Ticker):
             history=self.settings.history,
             decision=decision,
             gpu_models=gpu_models,
-            window=window_status(memory.state, now, run.autoscaling.scale_down_window_seconds),
+            window=window_status(decision.state, now, run.autoscaling.scale_down_window_seconds),
             pods=pods,
         )
         await self.write(key, body, plan, now)
@@ -625,6 +661,9 @@ class AutoscalingLoop(Ticker):
         if plan.status_patch:
             await api.patch_status(namespace, name, plan.status_patch)
             body.setdefault("status", {}).update(plan.status_patch["status"])
+        if plan.annotations:
+            await api.patch_annotations(namespace, name, plan.annotations)
+            body.setdefault("metadata", {}).setdefault("annotations", {}).update(plan.annotations)
         for event in (plan.stuck_event, plan.gpu_event, plan.event):
             if event is None:
                 continue

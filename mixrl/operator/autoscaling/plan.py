@@ -22,8 +22,9 @@ makes the writes they return:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mixrl.api.gpus import price_per_gpu_hour
 from mixrl.api.kube_types import Condition, ConditionValue, Obj
@@ -62,6 +63,10 @@ TRAINER_STARVED = "TrainerStarved"
 RECOMMENDED_CONCURRENCY = "recommendedConcurrency"
 """The RLRun status field ``objective: trainer`` reports the concurrency in (mixrl.api.status.ConcurrencyRecommendation)."""
 ENDED_PHASES = ("Succeeded", "Failed")
+BLOCKED_UNTIL = "mixrl.dev/growth-blocked-until"
+"""SamplerPool annotation: rule 8's growth block (``PolicyState.blocked_until``, Unix time), read
+back by a restarted operator.  An annotation, not a status field: the status schema (the CRD's and
+:mod:`mixrl.api.status`'s) has no place for it, and the API server would prune one."""
 
 
 class MetricsUnavailable(Exception):
@@ -117,17 +122,32 @@ def window_status(state: PolicyState, now: float, window_s: float) -> list[Obj]:
     return out
 
 
+def blocked_until_of(pool_body: Obj) -> float | None:
+    """Rule 8's growth block as the pool's :data:`BLOCKED_UNTIL` annotation has it (None: none, or
+    not a finite number: an edited annotation never blocks a pool for good)."""
+    raw = ((pool_body.get("metadata") or {}).get("annotations") or {}).get(BLOCKED_UNTIL)
+    try:
+        value = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) else None
+
+
 def restored_state(pool_body: Obj, now: float, window_s: float) -> PolicyState:
     """The policy state of a pool this operator has no memory of: the window from the pool's
     status, or — a pool that never had one — its current replicas as a recommendation made now,
-    so a restart never drops a pool below its replicas before a full window has passed."""
+    so a restart never drops a pool below its replicas before a full window has passed; and rule
+    8's growth block, so a restart does not let a pool grow back into the capacity that left its
+    replicas stuck before ``pendingTimeoutSeconds`` have passed."""
     status = pool_body.get("status") or {}
     entries = [e for e in status.get("autoscalerWindow") or [] if float(e.get("time", 0)) > now - window_s]
     pool = tuple((float(e["time"]), int(e["replicas"])) for e in entries if e.get("kind", "pool") == "pool")
     fleet = tuple((float(e["time"]), int(e["replicas"])) for e in entries if e.get("kind") == "fleet")
     if pool or fleet:
-        return PolicyState(recommendations=pool, targets=fleet)
-    return PolicyState.seeded(now, int((pool_body.get("spec") or {}).get("replicas") or 0))
+        state = PolicyState(recommendations=pool, targets=fleet)
+    else:
+        state = PolicyState.seeded(now, int((pool_body.get("spec") or {}).get("replicas") or 0))
+    return replace(state, blocked_until=blocked_until_of(pool_body))
 
 
 def run_ended(run_body: Obj) -> bool:
@@ -405,6 +425,9 @@ class PoolPlan:
     gpu_event: tuple[str, str, str] | None = None
     """The WrongGpuType Warning, posted beside ``event`` when the condition turns True (a Scaled
     event of the same poll must not replace it)."""
+    annotations: Obj = field(default_factory=dict)
+    """A merge patch for the pool's ``metadata.annotations`` (empty: nothing changed): the
+    :data:`BLOCKED_UNTIL` growth block."""
 
 
 def metrics_condition(
@@ -478,7 +501,8 @@ def plan_pool(
     """One poll of one pool.  ``decision`` overrides the policy (the GPU budget, the fleet plan);
     ``gpu_models`` are the GPU models the pool's pods report (None: unknown); ``window`` is the
     scale-down window to persist (:func:`window_status`; written when it changed); ``pods``: the
-    pool's pods counted (the ReplicasStuck condition and the learned cold start; None: not read)."""
+    pool's pods counted (the ReplicasStuck condition and the learned cold start; None: not read).
+    The decision's rule 8 growth block is persisted too (:data:`BLOCKED_UNTIL`, when it changed)."""
     pool = pool_of(run, pool_body)
     load = load_of(pool_body, observation, pods=pods)
     if decision is None:
@@ -537,4 +561,11 @@ def plan_pool(
             METRICS_REASON,
             f"{observation.problem.reason}: {observation.problem.message}"[:1000],
         )
-    return PoolPlan(decision, replicas, {"status": patch} if patch else {}, event, stuck_event, gpu_event)
+    annotations: Obj = {}
+    blocked = decision.state.blocked_until
+    # Kept once it has passed (restoring a past block blocks nothing): no write to remove it.
+    if blocked is not None and blocked != blocked_until_of(pool_body):
+        annotations[BLOCKED_UNTIL] = repr(float(blocked))
+    return PoolPlan(
+        decision, replicas, {"status": patch} if patch else {}, event, stuck_event, gpu_event, annotations
+    )

@@ -136,6 +136,12 @@ class PoolApi:
     async def patch_status(self, namespace: str, name: str, patch: Obj) -> None:
         await self.client.merge_patch(SAMPLERPOOLS, namespace, name, patch, subresource="status")
 
+    async def patch_annotations(self, namespace: str, name: str, annotations: Obj) -> None:
+        """Merge ``annotations`` into the pool's (what the loop keeps there across a restart:
+        :data:`mixrl.operator.autoscaling.plan.BLOCKED_UNTIL`)."""
+        body = {"metadata": {"annotations": annotations}}
+        await self.client.merge_patch(SAMPLERPOOLS, namespace, name, body)
+
     async def patch_run_status(self, namespace: str, name: str, patch: Obj) -> None:
         """The run's own status (``objective: trainer`` reports the concurrency the demand needs)."""
         await self.client.merge_patch(RLRUNS, namespace, name, {"status": patch}, subresource="status")
