@@ -115,6 +115,30 @@ def test_end_and_expiry_forget_sessions() -> None:
     assert state.active_sessions() == {"a": 1}
 
 
+def test_a_session_with_a_request_in_flight_never_expires_and_idles_from_its_end() -> None:
+    """Before, only routing reset the idle clock: a turn running longer than the TTL had its
+    session expired under it, and the next turn lost its replica (and its prefix cache)."""
+    state = state_with({"a": 2}, ttl=10.0)
+    route = state.route("long", now=0)
+    held = state.hold("long")
+    assert state.expire_sessions(now=50) == []  # 50 s into one turn: busy, not idle
+    state.release(held, now=60)  # the turn ends: idle from here
+    assert state.expire_sessions(now=69) == []
+    assert state.route("long", now=69).replica == route.replica  # the next turn keeps its replica
+    state.release(state.hold("long"), now=70)
+    assert state.expire_sessions(now=81) == ["long"]
+    # A release reaches the session it held, not a new one of the same name.
+    state.route("renamed", now=100)
+    old = state.hold("renamed")
+    state.end_session("renamed")
+    state.route("renamed", now=101)
+    state.hold("renamed")
+    state.release(old, now=102)
+    assert state.sessions["renamed"].in_flight == 1
+    assert state.expire_sessions(now=200) == []
+    assert state.hold(None) is None  # requests without a session hold nothing
+
+
 def test_snapshot_reports_shares_and_load() -> None:
     state = state_with({"a": 1, "b": 3})
     for i in range(8):

@@ -187,3 +187,40 @@ def test_a_pool_left_out_by_a_minimum_gets_no_burst_of_sessions_afterwards() -> 
     after = [scheduler.next_pool() for _ in range(10)]
     assert after.count("a") == 5 and after.count("b") == 5, after
     assert scheduler.next_pool(among=[]) is None
+
+
+@dataclass
+class UnversionedEngine(VersionedEngine):
+    """A VersionedEngine whose ``/get_weight_version`` answers ``answer`` instead of its version
+    (a proxy or an engine build that leaves the field out, or garbles it)."""
+
+    answer: Any = None
+
+    async def _weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response(self.answer)
+
+
+@pytest.mark.parametrize(
+    "answer", [{}, {"weight_version": None}, {"weight_version": "latest"}, ["3"]], ids=repr
+)
+async def test_a_version_answer_without_a_version_leaves_it_unknown_not_zero(
+    answer: Any, start_router: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, an answer without ``weight_version`` was read as version 0: a replica at version 3
+    behind such a proxy was taken to serve 0, and requests demanding 3 were refused with 409 while
+    requests demanding 0 went to a replica whose weights nobody knew."""
+    async with started_engines(UnversionedEngine) as start:
+        mute = await start("mute", version=3, answer=answer)
+        with caplog.at_level("WARNING", logger="mixrl.router"):
+            router = await start_router(config({"p": [mute]}))
+            await router.router.poll_once()  # a second probe: still one line
+        assert router.router.state.replica("p", mute.url).weight_version is None
+        lines = [r.getMessage() for r in caplog.records if "/get_weight_version" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].startswith(
+            f"replica {mute.url}: /get_weight_version: weight_version"
+        )
+        status, payload, _ = await ask(router, "s", minimum=0)
+        assert status == 409 and payload["weight_version"] is None  # none known, not 0
+        # Its answers still tell: a request without a minimum learns the version it names.
+        status, _, _ = await ask(router, "s")
+        assert status == 200 and router.router.state.replica("p", mute.url).weight_version == 3

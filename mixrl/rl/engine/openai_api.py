@@ -42,11 +42,18 @@ from mixrl.rl.engine.protocol import (
     parse_sampling,
     refuse_asked,
     unicode_text,
+    unique_rids,
 )
 from mixrl.rl.engine.version_gate import body_min_version
 
 OPENAI_DEFAULT_MAX_TOKENS = 16
 """OpenAI's (and SGLang's CompletionRequest's) ``max_tokens`` default for completions."""
+
+CHAT_ROLES = ("system", "assistant", "tool", "function", "developer", "latest_reminder", "root")
+"""The message roles besides ``user`` that SGLang 0.5.23 (the pinned release) accepts, in any case
+(``ChatCompletionMessageGenericParam`` lowercases them); ``user`` only as written.  Any other role
+is its 400, so here too: passed on, it would reach the chat template, which may render it
+verbatim as if it meant something."""
 
 
 class ChatCodec(TextCodec, Protocol):
@@ -117,6 +124,7 @@ _SHARED_FIELDS: dict[str, FieldRule] = {
 COMPLETION_FIELDS: dict[str, FieldRule] = {
     **_SHARED_FIELDS,
     "prompt": FieldRule("honoured", "a string, a list of strings, a list of ids or a list of id lists"),
+    "rid": FieldRule("honoured", "a string (several choices: rid_0, rid_1, …), or a list of one per prompt"),
     "logprobs": FieldRule("honoured", "top candidates per token (an integer)"),
     "json_schema": _from(SAMPLING_FIELDS, "json_schema"),
     "best_of": FieldRule("refused", "best_of is not implemented; use n", off=1, example=2),
@@ -235,24 +243,60 @@ def _prompt_ids(raw: Any, codec: TextCodec, vocab_size: int, context_length: int
     return prompts
 
 
-def _items(
-    prompts: list[list[int]], sampling: Any, rid: Any, top: int | None, token_ids: bool
-) -> list[GenerateItem]:
+def _item_rids(prompts: int, n: int, rid: Any, per_prompt: bool) -> list[str | None]:
+    """One id per item (prompt-major, n per prompt).  A string names a single item, or is the
+    prefix of ``<rid>_<k>``; with ``per_prompt`` (completions: SGLang's ``rid`` list for a batch of
+    prompts) a list gives each prompt its id, ``<id>_<j>`` for its samples when n > 1."""
+    if per_prompt and isinstance(rid, list):
+        if len(rid) != prompts:
+            raise RequestError("rid", f"has {len(rid)} entries for {prompts} prompts")
+        for i, one in enumerate(rid):
+            if not isinstance(one, str):
+                raise RequestError(f"rid[{i}]", "must be a string")
+        return [one if n == 1 else f"{one}_{j}" for one in rid for j in range(n)]
     if rid is not None and not isinstance(rid, str):
-        raise RequestError("rid", "must be a string")
-    single = len(prompts) == 1 and sampling.n == 1
-    return [
+        raise RequestError(
+            "rid", "must be a string" + (" or a list of strings, one per prompt" if per_prompt else "")
+        )
+    if prompts == 1 and n == 1:
+        return [rid]
+    return [f"{rid}_{k}" if rid else None for k in range(prompts * n)]
+
+
+def _items(
+    prompts: list[list[int]],
+    sampling: Any,
+    rid: Any,
+    top: int | None,
+    token_ids: bool,
+    per_prompt: bool = False,
+) -> list[GenerateItem]:
+    rids = iter(_item_rids(len(prompts), sampling.n, rid, per_prompt))
+    items = [
         GenerateItem(
-            rid if single else (f"{rid}_{i * sampling.n + j}" if rid else None),
+            next(rids),
             ids,
             sampling,
             return_logprob=top is not None,
             top_logprobs_num=top or 0,
             return_prompt_token_ids=token_ids,
         )
-        for i, ids in enumerate(prompts)
-        for j in range(sampling.n)
+        for ids in prompts
+        for _ in range(sampling.n)
     ]
+    unique_rids(items)
+    return items
+
+
+def _chat_role(field: str, role: str) -> str:
+    """``role`` as SGLang hands it to the chat template (see :data:`CHAT_ROLES`); else the
+    RequestError naming ``field``."""
+    if role == "user":
+        return role
+    if role.lower() in CHAT_ROLES:
+        return role.lower()
+    allowed = ", ".join(repr(r) for r in ("user", *CHAT_ROLES))
+    raise RequestError(field, f"must be one of {allowed}, got {role!r}")
 
 
 def _bool(body: dict[str, Any], name: str) -> bool:
@@ -303,7 +347,7 @@ def parse_completion(
     raw_top = body.get("logprobs")
     top = None if raw_top is None else _top("logprobs", raw_top, vocab_size)
     token_ids = _bool(body, "return_token_ids")
-    items = _items(prompts, sampling, body.get("rid"), top, token_ids)
+    items = _items(prompts, sampling, body.get("rid"), top, token_ids, per_prompt=True)
     model = str(body.get("model") or "")
     stream, usage = _streaming(body, token_ids)
     minimum = body_min_version(body)
@@ -319,16 +363,17 @@ def parse_chat(
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages", "must be a non-empty list of messages")
+    roles: list[str] = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError(f"messages[{i}]", "must be an object with a role")
+        roles.append(_chat_role(f"messages[{i}].role", message["role"]))
         if not isinstance(message.get("content"), str):
             raise RequestError(
                 f"messages[{i}].content", "must be a string (multimodal parts are not supported)"
             )
-        unicode_text(f"messages[{i}].role", message["role"])
         unicode_text(f"messages[{i}].content", message["content"])
-    ids = codec.chat_ids([{"role": m["role"], "content": m["content"]} for m in messages])
+    ids = codec.chat_ids([{"role": r, "content": m["content"]} for r, m in zip(roles, messages, strict=True)])
     if len(ids) >= context_length:
         raise RequestError("messages", f"render to {len(ids)} tokens; the context length is {context_length}")
     sampling = _sampling(body, defaults, codec, _max_tokens(body, context_length - len(ids)))

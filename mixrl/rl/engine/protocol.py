@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -542,6 +543,17 @@ def _prompts(body: dict[str, Any], vocab_size: int, codec: TextCodec | None) -> 
     return [_token_ids("input_ids", raw_ids, vocab_size)], False
 
 
+def unique_rids(items: Seq[GenerateItem]) -> list[str]:
+    """The request ids a client gave a request's items; RequestError naming ``rid`` when one
+    repeats.  As SGLang (``_validate_rid_uniqueness``): two items of one id would be one to
+    ``/abort_request``, which aborts every match, and one in the engine's logs."""
+    given = [item.rid for item in items if item.rid]
+    repeated = sorted(rid for rid, count in Counter(given).items() if count > 1)
+    if repeated:
+        raise RequestError("rid", f"repeats {', '.join(map(repr, repeated))}; every item needs its own id")
+    return given
+
+
 def _rids(raw: Any, count: int, batched: bool) -> list[str | None]:
     """SGLang's request ids: a string names a single request, or is the prefix of a batch's
     ``<rid>_<i>``; a list gives one per prompt."""
@@ -632,6 +644,7 @@ def parse_generate(
                     log_metrics,
                 )
             )
+    unique_rids(items)
     return items, batched or samples > 1
 
 

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from mixrl.rl.engine.protocol import (
     parse_generate,
     sse_event,
     stream_chunk,
+    unique_rids,
 )
 from mixrl.rl.engine.scheduler import PAUSE_MODES
 from mixrl.rl.engine.service import COMPUTE_DTYPES, ConfigError, EngineConfig, EngineService
@@ -79,6 +81,8 @@ from mixrl.rl.serving import serve_app
 log = logging.getLogger("mixrl.engine")
 
 SERVICE_KEY = web.AppKey("service", EngineService)
+RIDS_KEY = web.AppKey("rids_in_flight", set[str])
+"""The request ids clients gave the requests running now (:func:`_claimed`)."""
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 HEALTH_RECENT_TOKEN_S = 5.0
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -150,6 +154,26 @@ def _field(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
     return value
 
 
+@contextlib.contextmanager
+def _claimed(app: web.Application, items: list[GenerateItem]) -> Iterator[None]:
+    """Hold the ids a request's items were given while it runs; RequestError naming ``rid`` when
+    one is already in flight (SGLang: "Duplicate request ID detected").  Two requests of one id
+    would both be aborted by ``/abort_request``, which aborts every match; the first must end (or
+    be aborted) before its id is used again."""
+    in_flight = app[RIDS_KEY]
+    rids = unique_rids(items)
+    busy = sorted(in_flight.intersection(rids))
+    if busy:
+        raise RequestError(
+            "rid", f"{', '.join(map(repr, busy))} already in flight; every request needs its own id"
+        )
+    in_flight.update(rids)
+    try:
+        yield
+    finally:
+        in_flight.difference_update(rids)
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -178,9 +202,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     refused = _version_refusal(service, request_min_version(body, request.headers))
     if refused is not None:
         return refused
-    if items and items[0].stream:
-        return await _stream(request, service, items, batched)
-    results = await service.generate(items)
+    with _claimed(request.app, items):
+        if items and items[0].stream:
+            return await _stream(request, service, items, batched)
+        results = await service.generate(items)
     return web.json_response(results if batched else results[0])
 
 
@@ -236,6 +261,14 @@ async def _v1(request: web.Request, chat: bool) -> web.StreamResponse:
     refused = _version_refusal(service, minimum)
     if refused is not None:
         return refused
+    with _claimed(request.app, parsed.items):
+        return await _v1_answer(request, service, parsed, chat)
+
+
+async def _v1_answer(
+    request: web.Request, service: EngineService, parsed: openai_api.OpenAIRequest, chat: bool
+) -> web.StreamResponse:
+    """The answer to a checked ``/v1`` request: whole, or streamed (see :func:`_v1`)."""
     codec = service.codec
     assert codec is not None  # the parsers refuse requests without a tokenizer
     model, created = parsed.model or service.served_model_name, int(time.time())
@@ -397,6 +430,7 @@ def build_app(service: EngineService, auth_token: AuthToken | None = None) -> we
         handler_args={"handler_cancellation": True},
     )
     app[SERVICE_KEY] = service
+    app[RIDS_KEY] = set()
 
     async def lifecycle(app: web.Application):
         service.start()

@@ -258,6 +258,8 @@ class Router:
         # Router-side throughput samples for measured pools whose engines export no gen_throughput.
         self._token_marks: dict[tuple[str, str], tuple[float, int]] = {}
         self._cost_mark: float | None = None
+        # Replicas whose /get_weight_version names no version, already logged (one line each).
+        self._unversioned: set[str] = set()
 
     # ------------------------------------------------------------------ application
 
@@ -407,16 +409,30 @@ class Router:
 
     async def _served_version(self, url: str) -> int | None:
         """The replica's ``GET /get_weight_version`` (SGLang's and the torch engine's); None when it
-        cannot say (then its answers and its 409s still tell)."""
+        cannot say (then its answers and its 409s still tell).
+
+        An answer without a ``weight_version`` (or with a malformed one) says nothing: read as
+        version 0 it would let the replica serve requests demanding 0 whatever it holds.  It is
+        logged once per replica until the replica names a version again."""
         timeout = aiohttp.ClientTimeout(total=self.settings.health_timeout)
         try:
             async with self.http.get(f"{url}/get_weight_version", timeout=timeout) as response:
                 if response.status != 200:
                     return None
                 payload = await response.json(content_type=None)
-            return parse_weight_version(payload.get("weight_version") if isinstance(payload, dict) else None)
-        except (aiohttp.ClientError, TimeoutError, ValueError, EngineResponseError):
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
+        try:
+            if not isinstance(payload, dict) or payload.get("weight_version") is None:
+                raise EngineResponseError("weight_version: absent from the answer")
+            version = parse_weight_version(payload["weight_version"])
+        except EngineResponseError as exc:
+            if url not in self._unversioned:
+                self._unversioned.add(url)
+                log.warning("replica %s: /get_weight_version: %s; its version stays unknown", url, exc)
+            return None
+        self._unversioned.discard(url)
+        return version
 
     async def _engine_throughput(self, url: str) -> tuple[float | None, bool]:
         """The engine's generation throughput (None: it exports none) and whether it has requests
@@ -457,14 +473,38 @@ class Router:
         except RequestError as exc:
             return _bad_request(str(exc))
         try:
-            route = await self._wait_for_slot(
-                self.state.route(session_id, started, minimum), session_id, minimum
-            )
-        except NoReadyReplica as exc:
+            route = self.state.route(session_id, started, minimum)
+        except (NoReadyReplica, VersionUnavailable) as exc:
+            return self._unplaced(exc)
+        # Until this request ends its session is busy, not idle: it must not expire while the
+        # request waits for a slot or runs past --session-ttl, or its next turn loses its replica.
+        held = self.state.hold(session_id)
+        try:
+            return await self._forward(request, body, route, session_id, minimum, started)
+        finally:
+            self.state.release(held, self.clock())
+
+    def _unplaced(self, exc: NoReadyReplica | VersionUnavailable) -> web.Response:
+        """The answer to a request that could not be placed: 503 (retry), or 409 for its version."""
+        if isinstance(exc, NoReadyReplica):
             return _retry_response(f"{exc}; retry the turn")
-        except VersionUnavailable as exc:
-            self.state.version_refusals += 1
-            return _version_response(exc)
+        self.state.version_refusals += 1
+        return _version_response(exc)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        body: bytes,
+        route: Route,
+        session_id: str | None,
+        minimum: int | None,
+        started: float,
+    ) -> web.StreamResponse:
+        """Proxy one routed ``/generate`` to its replica (once it has a slot) and record it."""
+        try:
+            route = await self._wait_for_slot(route, session_id, minimum)
+        except (NoReadyReplica, VersionUnavailable) as exc:
+            return self._unplaced(exc)
         pool = self.state.pools[route.pool]
         self.state.begin(route.pool, route.replica)
         status: int | None = CLIENT_CLOSED
@@ -732,8 +772,11 @@ def _capacity(value: Any) -> float | None:
 
 
 def _version_in(answer: dict[str, Any]) -> int | None:
-    """The ``weight_version`` a weight update's answer names, None when it names none."""
+    """The ``weight_version`` a weight update's answer names, None when it names none (a null is
+    none too, not version 0)."""
     try:
-        return parse_weight_version(answer["weight_version"]) if "weight_version" in answer else None
+        return (
+            None if answer.get("weight_version") is None else parse_weight_version(answer["weight_version"])
+        )
     except EngineResponseError:
         return None

@@ -171,6 +171,10 @@ class Session:
     pool: str
     replica: str | None
     last_seen: float
+    """When its last request ended (or its latest one was routed): its idle clock."""
+    in_flight: int = 0
+    """Its requests routed and not yet ended: while any runs, it is not idle and never expires
+    (a turn may outlast the TTL, and its next turn must find its replica)."""
 
 
 @dataclass(frozen=True)
@@ -421,9 +425,27 @@ class RouterState:
         self.held[pool_name] += 1
         session.pool = pool_name
 
+    def hold(self, session_id: str | None) -> Session | None:
+        """A request of the session (routed already) starts: the session does not expire until
+        :meth:`release`.  The session itself is returned, so the release reaches it even if the
+        session was ended and a new one of the same name began meanwhile."""
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is not None:
+            session.in_flight += 1
+        return session
+
+    def release(self, session: Session | None, now: float) -> None:
+        """A request held by :meth:`hold` ended: the session's idle clock starts now."""
+        if session is not None:
+            session.in_flight -= 1
+            session.last_seen = now
+
     def expire_sessions(self, now: float) -> list[str]:
-        """Forget sessions idle for longer than the TTL (their rollout worker is gone)."""
-        expired = [s.id for s in self.sessions.values() if now - s.last_seen > self.session_ttl]
+        """Forget sessions idle for longer than the TTL (their rollout worker is gone); a session
+        with a request in flight is not idle, however long that request runs."""
+        expired = [
+            s.id for s in self.sessions.values() if s.in_flight == 0 and now - s.last_seen > self.session_ttl
+        ]
         for session_id in expired:
             self.end_session(session_id)
         return expired
