@@ -32,3 +32,49 @@ def test_a_weight_store_refusal_is_one_line(
     assert trainer_main.main(argv) == 1
     err = capsys.readouterr().err  # transformers' loading progress bars aside
     assert err.splitlines()[-1] == f"mixrl trainer: weight store: {refusal}" and "Traceback" not in err
+
+
+@pytest.mark.parametrize("model", ["missing", "empty"])
+def test_a_model_path_that_holds_no_model_is_one_line(
+    tmp_path: Path, model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: transformers' traceback, ending in "Repo id must be in the form 'repo_name'..." for a
+    directory that does not exist (it took the path for a Hugging Face repository id)."""
+    run = resolve(load_rlrun(ROOT / "examples" / "quickstart.yaml"))
+    run = run.model_copy(update={"weights": run.weights.model_copy(update={"store": str(tmp_path / "w")})})
+    config = tmp_path / "run.json"
+    config.write_text(run.model_dump_json())
+    model_path = tmp_path / model
+    if model == "empty":
+        model_path.mkdir()
+    argv = ["--config", str(config), "--buffer", "http://127.0.0.1:9", "--run-dir", str(tmp_path / "run")]
+    argv += ["--model-path", str(model_path), "--insecure-no-auth"]
+    assert trainer_main.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith(f"mixrl trainer: --model-path: {model_path}: ")
+    assert ("no such directory" in line) == (model == "missing")
+
+
+@pytest.mark.parametrize("where", ["weights.store", "--run-dir"])
+def test_a_store_or_run_directory_that_cannot_be_made_is_one_line(
+    tmp_path: Path, tiny_model_dir: Path, where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A path the trainer cannot create (under a file here; a volume it may not write to in a pod)
+    was an OSError's traceback."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    store = blocked / "weights" if where == "weights.store" else tmp_path / "w"
+    run_dir = blocked / "run" if where == "--run-dir" else tmp_path / "run"
+    run = resolve(load_rlrun(ROOT / "examples" / "quickstart.yaml"))
+    run = run.model_copy(update={"weights": run.weights.model_copy(update={"store": str(store)})})
+    config = tmp_path / "run.json"
+    config.write_text(run.model_dump_json())
+    argv = ["--config", str(config), "--buffer", "http://127.0.0.1:9", "--run-dir", str(run_dir)]
+    argv += ["--model-path", str(tiny_model_dir), "--insecure-no-auth"]
+    assert trainer_main.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith("mixrl trainer: ") and "Not a directory" in last and str(blocked) in last

@@ -8,9 +8,11 @@ container) or by ``mixrl run``, and the trainer is given that directory as ``--m
 The loop, per step s (the trainer holds weight version s − 1 while computing step s):
   1. ask the buffer for step s's batch (the same batch again after a crash: nothing is lost) and
      check it against the run (mixrl.api.trajectory_check, with the model's vocabulary); a batch
-     that fails, or that crashes the step, is quarantined in the buffer (kept, never trained) and
-     the step takes the next full groups, so one bad trajectory cannot stop the run;
-  2. recompute π on exactly the sampled ids, apply the corrected objective, step AdamW;
+     that fails, that has no generated token to train on, or that crashes the step, is quarantined
+     in the buffer (kept, never trained) and the step takes the next full groups, so one bad
+     trajectory cannot stop the run;
+  2. recompute π on exactly the sampled ids, apply the corrected objective, step AdamW (not on a
+     gradient that is NaN or infinite: the step fails as a crash does, the weights untouched);
   3. publish version s to the weight store.  Given ``--router`` (``mixrl run``), tell every engine
      through the router to reload it, between decode steps, while sessions continue; in a cluster
      the trainer has no ``--router`` and each engine pod's weight-sync sidecar converts the version
@@ -47,7 +49,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import torch
@@ -62,6 +64,7 @@ from mixrl.rl.auth import AuthConfigError, AuthToken, add_auth_arguments, bearer
 from mixrl.rl.buffer import BufferClient, BufferError
 from mixrl.rl.buffer.client import Batch
 from mixrl.rl.buffer.grouping import NO_BATCH_TO_QUARANTINE, NOT_THE_STEPS_BATCH, STEP_COMMITTED
+from mixrl.rl.durable import sync_file
 from mixrl.rl.health.routing import mismatch_report
 from mixrl.rl.serving import stop_on_signals
 from mixrl.rl.tiny_models import load_model
@@ -73,6 +76,9 @@ from mixrl.rl.trainer.torch_backend import OptimizerSettings, StepResult, TorchP
 from mixrl.rl.trainer.weight_broadcast import WeightBroadcaster, receivers_from_router
 from mixrl.rl.weights import WeightStore, WeightStoreError, tokenizer_files
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 log = logging.getLogger("mixrl.trainer")
 
 
@@ -83,6 +89,10 @@ FINISHED = "finished.json"
 
 class ReloadRefused(RuntimeError):
     """The router refused the weight fan-out for want of the run's token (one line, fatal)."""
+
+
+class ModelUnavailable(RuntimeError):
+    """``--model-path`` (or ``model.path``) holds no model transformers can load (one line, exit 2)."""
 
 
 class PoisonBatch(RuntimeError):
@@ -118,12 +128,31 @@ def not_the_batch(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_GONE)
 
 
+def load_initial_model(model_path: str) -> PreTrainedModel:
+    """The model to train, from its local directory; :class:`ModelUnavailable` (one line) when there
+    is none.  transformers raises an OSError (for a missing directory one that calls the path a
+    malformed Hugging Face repository id) or, for a config.json without a model type, a ValueError."""
+    try:
+        return load_model(model_path)
+    except (OSError, ValueError) as exc:
+        if not Path(model_path).exists():
+            raise ModelUnavailable(f"{model_path}: no such directory") from None
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelUnavailable(
+            f"{model_path}: not a model directory transformers can load: {reason}"
+        ) from None
+
+
 def batch_problem(batch: Batch, limits: TrajectoryLimits) -> str | None:
     """Why a served batch must not be trained (one line naming the group, trajectory and field), or None."""
     for index, group in enumerate(batch.groups):
         problem = group_problem(group.prompt_id, group.trajectories, limits)
         if problem is not None:
             return f"groups[{index}] ({group.prompt_id}): {problem}"
+    # Each trajectory may be all tool tokens, but a batch of nothing else has no loss token: the step
+    # would update nothing and still count, publish an unchanged version and log a loss of 0.
+    if not any(any(t.loss_mask) for group in batch.groups for t in group.trajectories):
+        return "no generated token (loss_mask 1) in any trajectory: nothing to train on"
     return None
 
 
@@ -205,7 +234,7 @@ class TrainerLoop:
             self.model_config = self.trainer.model_config
         else:
             self.trainer = TorchPolicyTrainer(
-                load_model(model_path),
+                load_initial_model(model_path),
                 run.trainer.corrections,
                 optimizer,
                 compute_dtype=compute_dtype,
@@ -229,7 +258,9 @@ class TrainerLoop:
         # Versions published after the checkpoint came from updates that are now redone (on the same
         # batches: the buffer hands step N the same groups again), so they are replaced.
         if self.ranks.is_main:
-            for version in self.store.versions():
+            # Newest first: each is a delta on the one before, and engines load the newest, which
+            # must never be one whose base is already gone.
+            for version in reversed(self.store.versions()):
                 if version > self.step:
                     log.info("removing weight version %d (newer than the checkpoint)", version)
                     self.store.remove(version)
@@ -249,7 +280,13 @@ class TrainerLoop:
         kept = [line for line in path.read_bytes().splitlines(True) if _step_of(line) <= step]
         if kept and not kept[-1].endswith(b"\n"):  # a torn last line: the next step's starts anew
             kept[-1] += b"\n"
-        path.write_bytes(b"".join(kept))
+        # Written beside and renamed over: rewritten in place, a write that fails (the full volume
+        # the trainer crashed on) would leave the run's metrics history truncated.
+        partial = path.with_name(f"{METRICS}.tmp")
+        with partial.open("wb") as out:
+            out.write(b"".join(kept))
+            sync_file(out)
+        partial.replace(path)
 
     def publish_held_version(self) -> None:
         """Publish the weights the trainer holds (version = its step) if the store lacks them.
@@ -589,10 +626,10 @@ def main(argv: list[str]) -> int:
         )
         return 2
     run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Every rank of a torchrun group is given the same --metrics-port: the main rank alone serves it.
-    telemetry = trainer_telemetry(run, args.metrics_port, distributed.Ranks.from_env())
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Every rank of a torchrun group is given the same --metrics-port: the main rank alone serves it.
+        telemetry = trainer_telemetry(run, args.metrics_port, distributed.Ranks.from_env())
         loop = TrainerLoop(
             run,
             buffer_url=args.buffer,
@@ -605,6 +642,12 @@ def main(argv: list[str]) -> int:
     except BackendUnavailable as exc:
         print(f"mixrl trainer: {exc}", file=sys.stderr)
         return 2
+    except ModelUnavailable as exc:
+        print(f"mixrl trainer: --model-path: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a run directory or weight store it cannot make, a metrics port taken
+        print(f"mixrl trainer: {exc}", file=sys.stderr)
+        return 1
     try:
         loop.resume()
     except checkpoint.CheckpointError as exc:
@@ -612,6 +655,9 @@ def main(argv: list[str]) -> int:
         return 1
     except WeightStoreError as exc:  # the held version could not be published: one line
         print(f"mixrl trainer: weight store: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the store or the run directory refuses a write (a read-only volume)
+        print(f"mixrl trainer: {exc}", file=sys.stderr)
         return 1
 
     async def _main() -> None:

@@ -49,6 +49,12 @@ class OptimizerSettings:
     micro_batch_tokens: int = 16384
 
 
+class NonFiniteGradient(RuntimeError):
+    """A step's gradient norm is NaN or infinite (an overflow in the forward, a diverging batch):
+    the update is skipped, so neither the weights nor AdamW's moments take it in, and no poisoned
+    version is ever published.  The loop quarantines the batch (mixrl.rl.trainer.main)."""
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -60,16 +66,19 @@ class StepResult:
 
 
 def split_rows_by_tokens(batch: PolicyBatch, micro_batch_tokens: int) -> list[list[int]]:
-    """Greedy consecutive micro-batches of whole trajectories, each at most ~micro_batch_tokens."""
+    """Greedy consecutive micro-batches of whole trajectories, each at most ~micro_batch_tokens
+    positions as the forward computes them: its rows × its longest row (it is right-padded to it),
+    not the sum of the rows' lengths, which short rows beside a long one leave far below that.
+    A row longer than the budget is a micro-batch of its own."""
     lengths = batch.attention_mask.sum(dim=1).tolist()
     micro: list[list[int]] = [[]]
-    used = 0
+    width = 0
     for row, length in enumerate(lengths):
-        if micro[-1] and used + length > micro_batch_tokens:
+        width = max(width, length)
+        if micro[-1] and (len(micro[-1]) + 1) * width > micro_batch_tokens:
             micro.append([])
-            used = 0
+            width = length
         micro[-1].append(row)
-        used += length
     return micro
 
 
@@ -185,6 +194,13 @@ class TorchPolicyTrainer:
             for name, values in metrics.per_token.items():
                 per_token.setdefault(name, []).append(values.detach().float().cpu())
         grad_norm = self._clip_and_norm()
+        if not math.isfinite(grad_norm):
+            # The norm is the whole model's (summed over the ranks), so every rank skips alike.  A NaN
+            # gradient through AdamW makes every weight NaN, and the loop would publish them.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteGradient(
+                f"the gradient norm is {grad_norm}; the update is skipped, the weights are unchanged"
+            )
         self.optimizer.step()
         pools = torch.cat(pool_index) if pool_index else torch.zeros(0, dtype=torch.long)
         lags = torch.cat(staleness) if staleness else torch.zeros(0, dtype=torch.long)
@@ -258,6 +274,7 @@ class TorchPolicyTrainer:
         set_state_dict(
             self.trunk, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
+        self._apply_settings()
         step = state["step"]
         if not isinstance(step, int) or isinstance(step, bool) or step != checkpoint.step_of(path):
             raise checkpoint.CheckpointError(f"{path}: holds step {step!r}, not the one its name gives")
@@ -273,7 +290,19 @@ class TorchPolicyTrainer:
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True),
         )
+        self._apply_settings()
         return int(state["step"])
+
+    def _apply_settings(self) -> None:
+        """The spec's lr, betas and weight decay on every param group, after a load.
+
+        AdamW's state dict carries its param groups, so a loaded checkpoint would bring back the
+        settings of the run that wrote it and silently override a spec changed since (an lr lowered
+        before a restart).  Only the moments and step counters are the checkpoint's to restore."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.settings.lr
+            group["betas"] = self.settings.betas
+            group["weight_decay"] = self.settings.weight_decay
 
 
 # The objective's metric keys, as the trainer logs them (k1/k3 are sampler–trainer KL estimates).
