@@ -24,6 +24,7 @@ from mixrl.operator.kube.client import ApiError
 
 from .conftest import free_port
 from .test_fleet_bugs import NS, RUN, FakeApi, Harness, Obj, pool_body, run_body
+from .test_objective_loop import STARVED_TRAINER
 
 
 def test_stuck_replicas_are_released_while_their_pool_reports_no_metrics() -> None:
@@ -81,15 +82,7 @@ async def test_a_failed_write_to_one_pool_does_not_skip_the_rest_of_the_fleet() 
         pool_body("b300-nvfp4", replicas=1, ready=1, low=1, high=8),
     ]
     h = Harness(run, pools, {"h100-fp8": None, "b300-nvfp4": 16 * 4.0})
-    h.values = {
-        "clamp_max": 1.0,
-        "mixrl_buffer_trainer_busy_seconds": 128.0,
-        "mixrl_buffer_batches_total": 1 / 900,
-        "mixrl_buffer_trainer_wait_seconds_total": 0.85,
-        "mixrl_buffer_trajectories{": 0.0,
-        "mixrl_router_sessions": 1024.0,
-        'pool="b300-nvfp4"': 0.8,
-    }
+    h.values = dict(STARVED_TRAINER)
     patch = h.api.merge_patch
 
     async def conflicting(

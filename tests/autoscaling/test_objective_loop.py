@@ -27,6 +27,18 @@ from .conftest import EngineMetrics, engine_job, free_port
 from .test_fleet_bugs import NS, RUN, Harness, pool_body, run_body
 from .test_loop_prometheus import eventually_value, value_of
 
+STARVED_TRAINER = {
+    "clamp_max": 1.0,  # the pools' busy share: the rollout keeps them busy
+    "mixrl_buffer_trainer_busy_seconds": 128.0,
+    "mixrl_buffer_batches_total": 1 / 900,
+    "mixrl_buffer_trainer_wait_seconds_total": 0.85,
+    "mixrl_buffer_trajectories{": 0.0,
+    "mixrl_router_sessions": 1024.0,
+    'pool="b300-nvfp4"': 0.8,
+}
+"""The mixed example's series with a starved trainer: 1024 trajectories per 128 s of compute = 8/s,
+while the fleet (one b300 replica) delivers 0.8/s."""
+
 
 def test_the_trainer_queries_read_the_buffer_and_the_router() -> None:
     queries = trainer_queries(NS, RUN)
@@ -51,16 +63,7 @@ async def test_the_fleet_is_sized_to_the_trainer_cheapest_capacity_first() -> No
         pool_body("h100-bf16", replicas=0, ready=0, low=0, high=4),  # asleep; $2.5 per 1.0: dearest
     ]
     h = Harness(run, pools, {"h100-fp8": None, "b300-nvfp4": 16 * 4.0, "h100-bf16": None})
-    # Trainer: 1024 trajectories per 128 s of compute = 8/s; the fleet delivers 0.8/s.
-    h.values = {
-        "clamp_max": 1.0,  # the pools' busy share: the rollout keeps them busy
-        "mixrl_buffer_trainer_busy_seconds": 128.0,
-        "mixrl_buffer_batches_total": 1 / 900,
-        "mixrl_buffer_trainer_wait_seconds_total": 0.85,
-        "mixrl_buffer_trajectories{": 0.0,
-        "mixrl_router_sessions": 1024.0,
-        'pool="b300-nvfp4"': 0.8,
-    }
+    h.values = dict(STARVED_TRAINER)
     await h.poll_run()
     # b300 measures 0.2 trajectories/s per capacity unit, so 8/s needs 40 units: h100-fp8 is woken
     # and filled first (8 × 1.5 = 12 units), then b300 (28 units = 7 replicas); h100-bf16 sleeps.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -209,3 +209,16 @@ def save_tiny_tokenizer(directory: Path) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer")))
+
+
+class ByteCodec:
+    """A tokenizer whose ids are UTF-8 bytes: decoding a cut inside a character gives U+FFFD."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True, spaces: bool = True) -> str:
+        return bytes(ids).decode("utf-8", "replace")
+
+    def token_text(self, token_id: int) -> str:
+        return bytes([token_id]).decode("utf-8", "replace")

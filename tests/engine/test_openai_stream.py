@@ -8,7 +8,6 @@ own ``output_text``.  The same through the server, with the real tokenizer: test
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,18 +17,7 @@ from mixrl.api.trajectory import TokenRecord
 from mixrl.rl.engine import openai_api
 from mixrl.rl.engine.openai_api import settled_text, stream_delta
 
-
-class ByteCodec:
-    """A tokenizer whose ids are UTF-8 bytes: decoding a cut inside a character gives U+FFFD."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True, spaces: bool = True) -> str:
-        return bytes(ids).decode("utf-8", "replace")
-
-    def token_text(self, token_id: int) -> str:
-        return bytes([token_id]).decode("utf-8", "replace")
+from .conftest import ByteCodec
 
 
 @dataclass

@@ -9,7 +9,6 @@ flight with ``pause_generation`` while another asks for its id.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -18,25 +17,16 @@ import pytest
 from mixrl.rl.engine import openai_api
 from mixrl.rl.engine.protocol import RequestError, parse_generate
 
-from .conftest import serve_in_process
+from .conftest import ByteCodec, serve_in_process
 
 
-class RecordingChatCodec:
+class RecordingChatCodec(ByteCodec):
     """A byte-level tokenizer with a chat template that records the messages it renders."""
 
     has_chat_template = True
 
     def __init__(self) -> None:
         self.rendered: list[list[dict[str, Any]]] = []
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True, spaces: bool = True) -> str:
-        return bytes(ids).decode("utf-8", "replace")
-
-    def token_text(self, token_id: int) -> str:
-        return bytes([token_id]).decode("utf-8", "replace")
 
     def chat_ids(self, messages: list[dict[str, Any]], tools: Any = None) -> list[int]:
         self.rendered.append(messages)

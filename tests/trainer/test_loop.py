@@ -153,6 +153,14 @@ async def test_two_ranks_get_one_batch_and_the_buffer_counts_the_trainers_wait_o
     assert 0.4 <= float(line.rsplit(" ", 1)[1]) <= elapsed  # two ranks' waits: about twice the elapsed
 
 
+def offline_loop(run: ResolvedRun, run_dir: Path, model_dir: Path) -> TrainerLoop:
+    """A trainer loop whose buffer is never reached (port 9, discard): for what it does before its
+    first step (resume, publishing, the store)."""
+    return TrainerLoop(
+        run, buffer_url="http://127.0.0.1:9", router_url=None, run_dir=run_dir, model_path=str(model_dir)
+    )
+
+
 def trainer_loop(tmp_path: Path, url: str, model_dir: Path, total_steps: int) -> TrainerLoop:
     (tmp_path / "run").mkdir(exist_ok=True)
     loop = TrainerLoop(
@@ -227,13 +235,7 @@ def test_a_fresh_run_publishes_the_base_weights_as_version_0_once(
     assert store.versions() == []  # nobody staged a version: engines would wait for one forever
 
     def resumed() -> TrainerLoop:
-        loop = TrainerLoop(
-            run,
-            buffer_url="http://127.0.0.1:9",
-            router_url=None,
-            run_dir=tmp_path,
-            model_path=str(tiny_model_dir),
-        )
+        loop = offline_loop(run, tmp_path, tiny_model_dir)
         loop.resume()
         return loop
 
@@ -272,9 +274,7 @@ def test_every_published_version_carries_the_models_tokenizer(tmp_path: Path, ti
     vocab = load_model(model_dir).config.vocab_size
     save_word_tokenizer(model_dir, vocab)
     run = small_run(tmp_path, total_steps=1)
-    loop = TrainerLoop(
-        run, buffer_url="http://127.0.0.1:9", router_url=None, run_dir=tmp_path, model_path=str(model_dir)
-    )
+    loop = offline_loop(run, tmp_path, model_dir)
     loop.resume()  # publishes version 0
     version = Path(WeightStore(run.weights.store).path(0))
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(loop.tokenizer_files)

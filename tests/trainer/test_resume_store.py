@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.rl.trainer.main import TrainerLoop
 from mixrl.rl.weights import WeightStore
 
-from .test_loop import small_run
+from .test_loop import offline_loop, small_run
 
 
 def test_a_resume_removes_the_redone_versions_newest_first(
@@ -22,13 +21,7 @@ def test_a_resume_removes_the_redone_versions_newest_first(
 ) -> None:
     run = small_run(tmp_path, total_steps=5)
     assert run.weights.snapshot_every > 4  # versions 1..4 are deltas on the one before
-    loop = TrainerLoop(
-        run,
-        buffer_url="http://127.0.0.1:9",
-        router_url=None,
-        run_dir=tmp_path,
-        model_path=str(tiny_model_dir),
-    )
+    loop = offline_loop(run, tmp_path, tiny_model_dir)
     state = loop.trainer.state_dict_for_publication()
     for version in range(5):  # a crash after publishing version 4, and no checkpoint
         state = {name: t + 1 if name.endswith("norm.weight") else t for name, t in state.items()}

@@ -580,6 +580,41 @@ def _step_of(line: bytes) -> int:
     return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
+FATAL_ERRORS = (
+    BackendUnavailable,
+    ModelUnavailable,
+    BufferError,
+    ReloadRefused,
+    PoisonBatch,
+    CommittedBatch,
+    checkpoint.CheckpointError,
+    WeightStoreError,
+    OSError,
+)
+"""What ends the trainer with one line (:func:`fatal_line`) rather than a traceback."""
+
+
+def fatal_line(exc: BaseException) -> tuple[str, int]:
+    """The line ``mixrl trainer`` prints for one of :data:`FATAL_ERRORS`, and its exit code: 2 for
+    what the command line or the image got wrong, 1 for what went wrong while it ran."""
+    if isinstance(exc, BackendUnavailable):
+        return str(exc), 2
+    if isinstance(exc, ModelUnavailable):
+        return f"--model-path: {exc}", 2
+    if isinstance(exc, PoisonBatch):
+        return f"{exc}; restart to go on with the next batch", 1
+    for kind, what in (
+        (BufferError, "buffer"),  # a refused step or an unreachable buffer
+        (ReloadRefused, "router"),
+        (checkpoint.CheckpointError, "checkpoint"),  # unreadable at resume, or a save not committed
+        (WeightStoreError, "weight store"),  # a version not published (or pruned)
+    ):
+        if isinstance(exc, kind):
+            return f"{what}: {exc}", 1
+    # CommittedBatch; an OSError: a run directory or store that refuses a write, a metrics port taken
+    return str(exc), 1
+
+
 def main(argv: list[str]) -> int:
     parser = component_parser("mixrl trainer", __doc__)
     parser.add_argument("--buffer", required=True, help="buffer URL")
@@ -626,41 +661,8 @@ def main(argv: list[str]) -> int:
         )
         return 2
     run_dir = Path(args.run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # Every rank of a torchrun group is given the same --metrics-port: the main rank alone serves it.
-        telemetry = trainer_telemetry(run, args.metrics_port, distributed.Ranks.from_env())
-        loop = TrainerLoop(
-            run,
-            buffer_url=args.buffer,
-            router_url=args.router,
-            run_dir=run_dir,
-            model_path=model_path,
-            telemetry=telemetry,
-            auth_token=auth_token,
-        )
-    except BackendUnavailable as exc:
-        print(f"mixrl trainer: {exc}", file=sys.stderr)
-        return 2
-    except ModelUnavailable as exc:
-        print(f"mixrl trainer: --model-path: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a run directory or weight store it cannot make, a metrics port taken
-        print(f"mixrl trainer: {exc}", file=sys.stderr)
-        return 1
-    try:
-        loop.resume()
-    except checkpoint.CheckpointError as exc:
-        print(f"mixrl trainer: checkpoint: {exc}", file=sys.stderr)
-        return 1
-    except WeightStoreError as exc:  # the held version could not be published: one line
-        print(f"mixrl trainer: weight store: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:  # the store or the run directory refuses a write (a read-only volume)
-        print(f"mixrl trainer: {exc}", file=sys.stderr)
-        return 1
 
-    async def _main() -> None:
+    async def _main(loop: TrainerLoop) -> None:
         stop_on_signals(loop.stopping)
         train = asyncio.create_task(loop.train())
         stop = asyncio.create_task(loop.stopping.wait())
@@ -677,24 +679,23 @@ def main(argv: list[str]) -> int:
             raise outcome
 
     try:
-        asyncio.run(_main())
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # Every rank of a torchrun group is given the same --metrics-port: the main rank alone serves it.
+        telemetry = trainer_telemetry(run, args.metrics_port, distributed.Ranks.from_env())
+        loop = TrainerLoop(
+            run,
+            buffer_url=args.buffer,
+            router_url=args.router,
+            run_dir=run_dir,
+            model_path=model_path,
+            telemetry=telemetry,
+            auth_token=auth_token,
+        )
+        loop.resume()
+        asyncio.run(_main(loop))
         distributed.destroy_process_group()
-    except BufferError as exc:  # a refused step or an unreachable buffer: one line, no traceback
-        print(f"mixrl trainer: buffer: {exc}", file=sys.stderr)
-        return 1
-    except ReloadRefused as exc:
-        print(f"mixrl trainer: router: {exc}", file=sys.stderr)
-        return 1
-    except PoisonBatch as exc:
-        print(f"mixrl trainer: {exc}; restart to go on with the next batch", file=sys.stderr)
-        return 1
-    except CommittedBatch as exc:
-        print(f"mixrl trainer: {exc}", file=sys.stderr)
-        return 1
-    except checkpoint.CheckpointError as exc:  # a save that could not be committed
-        print(f"mixrl trainer: checkpoint: {exc}", file=sys.stderr)
-        return 1
-    except WeightStoreError as exc:  # a version that could not be published (or pruned)
-        print(f"mixrl trainer: weight store: {exc}", file=sys.stderr)
-        return 1
+    except FATAL_ERRORS as exc:
+        line, code = fatal_line(exc)
+        print(f"mixrl trainer: {line}", file=sys.stderr)
+        return code
     return 0
