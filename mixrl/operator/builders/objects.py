@@ -419,18 +419,40 @@ def with_hash(obj: Obj) -> Obj:
     return obj
 
 
-# Which parts of the resolved run each component reads: a change elsewhere does not restart it.
+# What of the resolved run each component reads (dotted paths into its JSON dump): a change
+# elsewhere does not restart it, and a change of one it reads must (each process reads run.json
+# once, at start).  The trainer's per-pool telemetry reads the pools' names, left out on purpose:
+# adding a pool must not restart training.
 CONFIG_SECTIONS: dict[str, tuple[str, ...]] = {
     "trainer": ("model", "trainer", "weights", "sampling", "evaluation"),
-    "buffer": ("trainer", "rollout", "sampling"),
-    "router": ("pools", "sampling"),
-    "rollout": ("model", "rollout", "sampling", "evaluation"),
+    # the largest trajectory it takes, the tokenizer it reads, the group size and batch
+    "buffer": ("model.path", "model.max_context_tokens", "trainer", "rollout", "sampling"),
+    # its request limit and traffic policy
+    "router": ("model.max_context_tokens", "pools", "sampling", "health.routing"),
+    # the group size, batch, staleness bound and end of the run; the evaluator's store
+    "rollout": (
+        "model",
+        "trainer.samples_per_prompt",
+        "trainer.prompts_per_update",
+        "trainer.max_staleness",
+        "trainer.spec.total_steps",
+        "rollout",
+        "sampling",
+        "weights.store",
+        "evaluation",
+    ),
 }
 
 
 def config_hash(resolved: ResolvedRun, component: str) -> str:
     dumped = resolved.model_dump(mode="json")
-    return stable_hash({key: dumped[key] for key in CONFIG_SECTIONS[component]})
+    read: dict[str, Any] = {}
+    for path in CONFIG_SECTIONS[component]:
+        value: Any = dumped
+        for key in path.split("."):
+            value = value[key]
+        read[path] = value
+    return stable_hash(read)
 
 
 def pool_config_hash(resolved: ResolvedRun, pool: ResolvedPool) -> str:
