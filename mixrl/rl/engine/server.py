@@ -62,7 +62,7 @@ from mixrl.rl.engine.protocol import (
     unique_rids,
 )
 from mixrl.rl.engine.scheduler import PAUSE_MODES
-from mixrl.rl.engine.service import COMPUTE_DTYPES, ConfigError, EngineConfig, EngineService
+from mixrl.rl.engine.service import COMPUTE_DTYPES, ConfigError, EngineConfig, EngineService, engine_rid
 from mixrl.rl.engine.staging import PREPARERS
 from mixrl.rl.engine.text import TokenizerError
 from mixrl.rl.engine.version_gate import (
@@ -358,15 +358,20 @@ async def health_generate(request: web.Request) -> web.Response:
     if service.sched.paused or (age is not None and age < HEALTH_RECENT_TOKEN_S):
         return web.Response(status=200)
     probe = GenerateItem(
-        rid="health_generate",
+        rid=engine_rid("health_generate"),  # never a client's id (engine_rid says why)
         input_ids=[0],
         sampling=SamplingRequest(rule=SamplingRule(temperature=0.0), max_new_tokens=1),
         log_metrics=False,  # as SGLang's health check: not a client's request
     )
     try:
-        await asyncio.wait_for(service.generate([probe]), HEALTH_GENERATE_TIMEOUT_S)
+        (answer,) = await asyncio.wait_for(service.generate([probe]), HEALTH_GENERATE_TIMEOUT_S)
     except TimeoutError:
         return web.Response(status=503, text="generation did not finish in time")
+    reason = answer["meta_info"].get("finish_reason") or {}
+    if reason.get("type") == "abort":
+        # A probe the engine aborted (its model step failed: "engine error: …") generated nothing:
+        # SGLang answers 503 when its probe fails, and a 200 here kept a broken engine in service.
+        return web.Response(status=503, text=f"the probe generated nothing: {reason.get('message', '')}")
     return web.Response(status=200)
 
 

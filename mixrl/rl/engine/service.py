@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -159,6 +160,15 @@ def confined_path(field: str, raw: str, root: Path) -> Path:
     return resolved
 
 
+def engine_rid(prefix: str) -> str:
+    """An id the engine gives a request itself (one without ``rid``, the health probe): the prefix
+    and a random UUID, as SGLang's ``uuid.uuid4().hex``.  The server refuses a client's id only
+    against the client ids in flight, and ``/abort_request`` aborts every sequence of an id, so a
+    guessable engine id (a counter's ``mixrl-<n>``) could be taken by a client's request, and
+    aborting either would abort both."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A sequence as it stood between two model steps (what one streamed chunk shows)."""
@@ -246,7 +256,6 @@ class EngineService:
         self._update_lock = asyncio.Lock()
         self.last_swap_s = 0.0
         """How long the last update's swap took on the model thread (between two decode steps)."""
-        self._rid_counter = 0
         self._live: dict[int, _Tracked] = {}
         self.stats.add_listener(self._on_tokens)
 
@@ -282,7 +291,6 @@ class EngineService:
     # ------------------------------------------------------------------ generation
     def new_sequence(self, item: GenerateItem) -> Sequence:
         s = item.sampling
-        self._rid_counter += 1
         stop_ids = set(s.stop_token_ids)
         if not s.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -290,7 +298,7 @@ class EngineService:
         if s.stop and self.codec is not None:
             stop_check = self.codec.stop_check(s.stop, s.skip_special_tokens)
         return Sequence(
-            rid=item.rid or f"mixrl-{self._rid_counter}",
+            rid=item.rid or engine_rid("mixrl"),
             prompt_ids=item.input_ids,
             sampling=RowSampling(
                 **asdict(s.rule),
