@@ -265,7 +265,20 @@ class TrainerLoop:
                     log.info("removing weight version %d (newer than the checkpoint)", version)
                     self.store.remove(version)
             self.forget_metrics_after(self.step)
+            self.forget_finished()
         self.publish_held_version()
+
+    def forget_finished(self) -> None:
+        """Remove ``finished.json`` when the resumed run has steps left: a finished run resumed with a
+        larger ``totalSteps`` (or none) is not finished, and a file left from its first end would
+        tell mixrl report and whoever reads the run directory that it ended at the old last step
+        (it is written again when the new last step is taken).  A run still at its end keeps it."""
+        path = self.run_dir / FINISHED
+        if self.done or not path.exists():
+            return
+        total = self.run.trainer.spec.total_steps
+        log.info("removing %s: the run goes on from step %d (totalSteps %s)", FINISHED, self.step, total)
+        path.unlink(missing_ok=True)
 
     def forget_metrics_after(self, step: int) -> None:
         """Drop metrics lines of steps after the checkpoint: they are trained again, and logged again.

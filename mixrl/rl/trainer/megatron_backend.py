@@ -15,8 +15,10 @@ CUDA only.  megatron-core 0.16 runs ``GPTModel.forward``, its DDP buffers and it
 schedules on the current CUDA device; on a CPU the construction fails with one line
 (:data:`NEEDS_CUDA`, :class:`BackendUnavailable`).  What runs without a GPU is tested on the CPU (tests/trainer/test_megatron.py:
 the weights' conversion for every kind of parallelism, Megatron's modules against the Hugging Face
-layers, the objective on vocabulary shards); this class itself is run by
-``scripts/gpu/trainer-check.sh`` and by the CUDA-only test of tests/trainer/test_megatron.py.
+layers, the objective on vocabulary shards); so are this class's update and checkpoint load, around
+megatron-core's own ``ChainedOptimizer`` holding CPU stand-ins (tests/trainer/test_megatron_optimizer_step.py:
+a non-finite gradient skips the update, a load keeps the spec's optimizer settings).  The class
+itself is run by ``scripts/gpu/trainer-check.sh`` and by the CUDA-only test of tests/trainer/test_megatron.py.
 
 Not supported yet, and refused by validation: context parallelism (cp > 1).
 """
@@ -24,6 +26,7 @@ Not supported yet, and refused by validation: context parallelism (cp > 1).
 from __future__ import annotations
 
 import functools
+import math
 import time
 import warnings
 from collections.abc import Iterator
@@ -51,7 +54,14 @@ from mixrl.rl.trainer.megatron_convert import (
     pipeline_unshard,
     transformer_config_kwargs,
 )
-from mixrl.rl.trainer.torch_backend import OptimizerSettings, StepResult, split_rows_by_tokens, step_result
+from mixrl.rl.trainer.torch_backend import (
+    NonFiniteGradient,
+    OptimizerSettings,
+    StepResult,
+    apply_settings,
+    split_rows_by_tokens,
+    step_result,
+)
 
 NEEDS_CUDA = (
     "spec.trainer.backend: megatron trains on CUDA GPUs only (megatron-core 0.16 runs GPTModel.forward, "
@@ -74,6 +84,7 @@ def _megatron() -> dict[str, Any]:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -87,6 +98,7 @@ def _megatron() -> dict[str, Any]:
         "GPTModel": GPTModel,
         "OptimizerConfig": OptimizerConfig,
         "get_megatron_optimizer": get_megatron_optimizer,
+        "clip_grad_by_total_norm_fp32": clip_grad_by_total_norm_fp32,
         "get_forward_backward_func": get_forward_backward_func,
         "model_parallel_cuda_manual_seed": model_parallel_cuda_manual_seed,
         "TransformerConfig": TransformerConfig,
@@ -253,8 +265,42 @@ class MegatronPolicyTrainer:
             micro_batch_size=max(m.input_ids.shape[0] for m in micro),
             forward_only=False,
         )
-        _, grad_norm, _ = self.optimizer.step()
-        return self._result(batch, records, float(grad_norm or 0.0), start)
+        grad_norm = self._update()
+        return self._result(batch, records, grad_norm, start)
+
+    def _update(self) -> float:
+        """The optimizer's step as megatron-core's ``ChainedOptimizer.step`` takes it (the reduced
+        gradients into the FP32 main gradients, their norm, clipping by it, the update), with a check
+        between the norm and the update; returns the norm (before clipping).
+
+        In BF16 (no loss scaler) megatron-core looks for no inf or NaN and applies any gradient:
+        a non-finite one made every weight NaN, and the loop published them.  As in the torch
+        backend, such a step raises :class:`NonFiniteGradient` before anything is updated (the
+        gradients cleared, the weights and the moments as they were), and the loop quarantines the
+        batch.  The norm is reduced over every rank that holds a shard, so every rank skips alike.
+        """
+        optimizer = self.optimizer
+        found_inf = optimizer.prepare_grads()  # True only from a loss-scaled (FP16) optimizer
+        grad_norm = float(optimizer.get_grad_norm() or 0.0)
+        if found_inf or not math.isfinite(grad_norm):
+            self.model.zero_grad_buffer()
+            optimizer.zero_grad()
+            raise NonFiniteGradient(
+                f"the gradient norm is {grad_norm}; the update is skipped, the weights are unchanged"
+            )
+        for part in optimizer.chained_optimizers:  # get_megatron_optimizer's: one per kind of parameter
+            if getattr(part, "is_stub_optimizer", False) or part.config.clip_grad <= 0.0:
+                continue
+            parameters = part.get_parameters()
+            if parameters:
+                self.mc["clip_grad_by_total_norm_fp32"](
+                    parameters,
+                    max_norm=part.config.clip_grad,
+                    total_norm=grad_norm,
+                    use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        optimizer.step_with_ready_grads()
+        return grad_norm
 
     def _result(
         self, batch: PolicyBatch, records: list[tuple[Any, ...]], grad_norm: float, start: float
@@ -327,6 +373,8 @@ class MegatronPolicyTrainer:
         loaded = self.mc["dist_checkpointing"].load(state, str(path))
         self.model.module.load_state_dict(loaded["model"])
         self.optimizer.load_state_dict(loaded["optimizer"])
+        # The distributed optimizer's state dict carries its param groups, as AdamW's does.
+        apply_settings(self.optimizer.param_groups, self.settings)
         step = loaded["step"]
         if not isinstance(step, int) or step != checkpoint.step_of(path):
             raise checkpoint.CheckpointError(f"{path}: holds step {step!r}, not the one its name gives")

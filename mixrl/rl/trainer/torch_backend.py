@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +48,22 @@ class OptimizerSettings:
     """The gradient norm's bound; None: no clipping."""
     temperature: float = 1.0
     micro_batch_tokens: int = 16384
+
+
+def apply_settings(param_groups: Iterable[dict[str, Any]], settings: OptimizerSettings) -> None:
+    """The spec's lr, betas and weight decay on every param group, after a load (both backends).
+
+    An optimizer's state dict carries its param groups, so a loaded checkpoint would bring back
+    the settings of the run that wrote it over a spec changed since (an lr lowered before a
+    restart); only the moments and step counters are the checkpoint's.  ``max_lr``, where a group
+    has it (megatron-core's, the lr its schedulers start from), is the spec's lr too, as a fresh
+    optimizer has it: mixrl runs no scheduler."""
+    for group in param_groups:
+        group["lr"] = settings.lr
+        group["betas"] = settings.betas
+        group["weight_decay"] = settings.weight_decay
+        if "max_lr" in group:
+            group["max_lr"] = settings.lr
 
 
 class NonFiniteGradient(RuntimeError):
@@ -274,7 +291,7 @@ class TorchPolicyTrainer:
         set_state_dict(
             self.trunk, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
-        self._apply_settings()
+        apply_settings(self.optimizer.param_groups, self.settings)
         step = state["step"]
         if not isinstance(step, int) or isinstance(step, bool) or step != checkpoint.step_of(path):
             raise checkpoint.CheckpointError(f"{path}: holds step {step!r}, not the one its name gives")
@@ -290,19 +307,8 @@ class TorchPolicyTrainer:
             optim_state_dict=state["optimizer"],
             options=StateDictOptions(full_state_dict=True),
         )
-        self._apply_settings()
+        apply_settings(self.optimizer.param_groups, self.settings)
         return int(state["step"])
-
-    def _apply_settings(self) -> None:
-        """The spec's lr, betas and weight decay on every param group, after a load.
-
-        AdamW's state dict carries its param groups, so a loaded checkpoint would bring back the
-        settings of the run that wrote it and silently override a spec changed since (an lr lowered
-        before a restart).  Only the moments and step counters are the checkpoint's to restore."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.settings.lr
-            group["betas"] = self.settings.betas
-            group["weight_decay"] = self.settings.weight_decay
 
 
 # The objective's metric keys, as the trainer logs them (k1/k3 are sampler–trainer KL estimates).
