@@ -237,7 +237,12 @@ MIXRL_LABELS = ("run", "pool", "gpu_type", "precision")
 # them, each waiting for an in-flight slot on its session's replica because that replica already has
 # --max-inflight-per-replica requests outstanding (0 = no limit: the router queues nothing and the
 # engines' sglang:num_queue_reqs is the queue).
-ROUTER_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Latency buckets reach past the router's --request-timeout (900 s) plus a wait for a slot: the
+# rollout's client gives up at 600 s (499) and the router answers 504 at 900 s, and those slow ends
+# are what the histogram is for; a top bucket of 300 s put them all in +Inf.
+ROUTER_LATENCY_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0,
+)  # fmt: skip
 MIXRL_ROUTER_SESSIONS = MetricSpec(
     "mixrl_router_sessions", "gauge", "Live agent sessions pinned to a pool.", MIXRL_LABELS
 )

@@ -12,8 +12,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mixrl.operator.builders.monitoring import collapse_rule_groups, dashboard
-from mixrl.rl.metrics import SGLANG_NUM_QUEUE_REQS, promql_any_spelling
+from mixrl.operator.builders.monitoring import RUN_POOL, collapse_rule_groups, dashboard
+from mixrl.operator.builders.resources import POOL_RELABELINGS
+from mixrl.rl.metrics import (
+    ENGINE_METRICS,
+    MIXRL_COST_DOLLARS_TOTAL,
+    MIXRL_TRAINER_STEP,
+    SGLANG_NUM_QUEUE_REQS,
+    promql_any_spelling,
+)
+
+from ..metrics.test_queries_match_exporters import selectors, series, tokens
 
 # promtool comes in Debian's prometheus package with the server (scripts/setup.sh): without it
 # these tests fail (tests/conftest.py), never skip.
@@ -85,3 +94,66 @@ def test_the_engine_panels_select_the_run_in_both_spellings() -> None:
         selected = re.findall(r"(sglang[:_])\w+(\{[^}]*\})?", expr)
         assert {spelling for spelling, _ in selected} == {"sglang:", "sglang_"}, expr
         assert all(matchers == '{run="$run"}' for _, matchers in selected), expr
+
+
+def panel_input_series() -> list[dict[str, str]]:
+    """One series (a point a minute, rising) of every catalogued series the dashboard reads, for the
+    run ``r``: per-pool ones for pool ``a`` and for the trainer's whole batch (``all``), with the
+    labels its exporter and the scrape give it (the engines' run and pool from the pod's labels)."""
+    out: dict[str, dict[str, str]] = {}
+    for _, expr in dashboard_exprs():
+        for selector in selectors(tokens(expr)):
+            for name in selector.names:
+                found = series(name)
+                assert found is not None, name
+                spec = found.spec
+                labels = {label: "x" for label in spec.labels} | {"namespace": "ns", "pod": "p"}
+                if spec in ENGINE_METRICS:
+                    labels |= {target: "x" for _, target in POOL_RELABELINGS}
+                if "run" in labels:
+                    labels["run"] = "r"
+                pools = ("a", RUN_POOL) if "pool" in labels else (None,)
+                bounds = ("1.0", "+Inf") if found.suffix == "_bucket" else (None,)
+                for pool, le in ((pool, le) for pool in pools for le in bounds):
+                    these = labels | ({"pool": pool} if pool else {}) | ({"le": le} if le else {})
+                    text = ",".join(f'{key}="{value}"' for key, value in sorted(these.items()))
+                    series_text = f"{name}{{{text}}}"
+                    out[series_text] = {"series": series_text, "values": "0+1x120"}
+    return list(out.values())
+
+
+def empty_panel_checks(
+    tmp_path: Path, exprs: list[str], empty: list[bool]
+) -> subprocess.CompletedProcess[str]:
+    """promtool's rule test: an alert ``absent(expr)`` per expression, which fires (90 minutes into
+    the series) exactly where ``empty`` says the expression answers nothing."""
+    rules = [{"alert": f"Empty{i}", "expr": f"absent({expr})"} for i, expr in enumerate(exprs)]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    checks = [
+        {"eval_time": "90m", "alertname": f"Empty{i}", "exp_alerts": [{"exp_labels": {}}] if is_empty else []}
+        for i, is_empty in enumerate(empty)
+    ]
+    test = {"interval": "1m", "input_series": panel_input_series(), "alert_rule_test": checks}
+    (tmp_path / "test.yaml").write_text(
+        yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [test]})
+    )
+    return subprocess.run(
+        [PROMTOOL, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.needs_prometheus
+def test_every_panel_shows_data_when_every_component_exports(tmp_path: Path) -> None:
+    """A panel whose two sides never match (a sum with no labels divided by a series with run, pool
+    and pod: what the sampler-cost-per-update panel once was) parses and stays empty for good.
+    Evaluated by Prometheus' own engine on series shaped as the exporters write them; the last
+    expression, that broken panel, shows the check has teeth."""
+    exprs = [expr.replace("$run", "r") for _, expr in dashboard_exprs()]
+    never_matches = (
+        f'sum(increase({MIXRL_COST_DOLLARS_TOTAL.name}{{run="r"}}[1h])) / '
+        f'clamp_min(delta({MIXRL_TRAINER_STEP.name}{{run="r",pool="{RUN_POOL}"}}[1h]), 1)'
+    )
+    checked = empty_panel_checks(tmp_path, [*exprs, never_matches], [False] * len(exprs) + [True])
+    assert checked.returncode == 0, "\n".join(f"Empty{i}: {e}" for i, e in enumerate(exprs)) + (
+        "\n" + checked.stdout + checked.stderr
+    )

@@ -239,8 +239,10 @@ def dashboard() -> Obj:
             "Sampler cost per trainer update (last hour)",
             [
                 (
+                    # Both sides aggregated to no labels: ``sum(...) / delta(step)`` matches the sum's
+                    # empty label set with the step's run, pool, pod ... one to one and is always empty.
                     f"sum(increase({MIXRL_COST_DOLLARS_TOTAL.name}{sel}[1h])) / "
-                    f"clamp_min(delta({MIXRL_TRAINER_STEP.name}{whole_batch}[1h]), 1)",
+                    f"clamp_min(max(delta({MIXRL_TRAINER_STEP.name}{whole_batch}[1h])), 1)",
                     "samplers",
                 )
             ],

@@ -51,6 +51,8 @@ class TrainerTelemetry:
         self.tokens = m.counter(m.MIXRL_TRAINER_TOKENS_TOTAL, self.registry)
         self.finished = m.gauge(m.MIXRL_TRAINER_FINISHED, self.registry)
         self.finished.labels(**self._labels(ALL_POOLS)).set(0)
+        self._written: set[tuple[str, str]] = set()
+        """(record key, pool) of the per-batch gauges the last record set."""
         self.server: WSGIServer | None = None
         if port:
             self.server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -78,9 +80,14 @@ class TrainerTelemetry:
         self.grad_norm.labels(**everything).set(record["grad_norm"])
         self.staleness.labels(**everything).set(record.get("staleness_mean", 0.0))
         self.tokens.labels(**everything).inc(record["tokens"])
-        for key, gauge in self.gauges.items():
-            if key in record:
-                gauge.labels(**everything).set(record[key])
-            for pool, stats in record.get("pools", {}).items():
-                if key in stats:
-                    gauge.labels(**self._labels(pool)).set(stats[key])
+        # The gauges describe the last batch (their help says so): one it has no figure for (no
+        # fresh token, a pool without trajectories in it) is removed, not left at an earlier
+        # batch's value, which the live status and the dashboard would show as current.
+        scopes: dict[str, dict[str, Any]] = {ALL_POOLS: record, **record.get("pools", {})}
+        written = {(key, pool) for key in self.gauges for pool, stats in scopes.items() if key in stats}
+        for key, pool in written:
+            self.gauges[key].labels(**self._labels(pool)).set(scopes[pool][key])
+        for key, pool in self._written - written:
+            labels = self._labels(pool)
+            self.gauges[key].remove(*(labels[name] for name in GAUGES[key].labels))
+        self._written = written
