@@ -16,7 +16,7 @@ import aiohttp.web
 import pytest
 
 from mixrl.operator.autoscaling.loop import AutoscalingLoop, LoopSettings
-from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation
+from mixrl.operator.autoscaling.plan import MetricsUnavailable, Observation, run_to_scale
 from mixrl.operator.autoscaling.policy import PolicyConfig, PolicyState, PoolLoad, decide
 from mixrl.operator.autoscaling.pool_api import query_prometheus
 from mixrl.operator.autoscaling.replicas import Census
@@ -287,3 +287,11 @@ async def test_a_failed_scale_write_records_no_scale_up() -> None:
     await h.poll("h100-fp8")
     assert h.replicas("h100-fp8") == 3
     assert h.loop.memory[key].state.scale_ups == ((h.now, 2),)
+
+
+def test_a_run_kueue_holds_is_not_scaled() -> None:
+    # Its controller keeps the pools at zero until Kueue admits it; the loop scaling them to their
+    # minimum made the two write against each other every tick.
+    run = run_body()
+    assert run_to_scale({**run, "status": {"phase": "Pending"}}) is not None
+    assert run_to_scale({**run, "status": {"phase": "Queued"}}) is None

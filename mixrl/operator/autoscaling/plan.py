@@ -154,11 +154,18 @@ def run_ended(run_body: Obj) -> bool:
     return (run_body.get("status") or {}).get("phase") in ENDED_PHASES
 
 
+HELD_PHASE = "Queued"
+"""The phase of a run Kueue has not admitted (or evicted): its pools are held at zero."""
+
+
 def run_to_scale(run_body: Obj | None) -> ResolvedRun | None:
     """The run whose pools the loop scales; None for a run that is gone, has ended (its pools stay
-    at zero: mixrl.operator.builders.resources.released) or is invalid (the run's own controller
-    reports the spec)."""
+    at zero: mixrl.operator.builders.resources.released), is held by Kueue (its controller keeps
+    the pools at zero until admission: scaling one to its minimum only made the two write against
+    each other every tick) or is invalid (the run's own controller reports the spec)."""
     if run_body is None or run_ended(run_body):
+        return None
+    if (run_body.get("status") or {}).get("phase") == HELD_PHASE:
         return None
     try:
         return resolve(

@@ -1,7 +1,8 @@
 """Pure builders of the Kueue Workloads that admit a run as a whole (``spec.scheduling.queue``).
 
 One Workload per RLRun, named like the run and owned by it: a pod set ``trainer`` of ``nodes``
-pods and one ``pool-<name>`` per pool of its starting replicas (``minReplicas``, at least 1), each
+pods and one ``pool-<name>`` per pool of its starting replicas (``minReplicas``, at least 1; a
+multi-node pool's leaders, with its workers in ``workers-<name>``: :func:`pool_pod_sets`), each
 with what Kueue reads of the pod template — the containers' resource requests and the placement
 (node affinity on the GPU product, node selector, tolerations) — so Kueue's flavour assignment
 finds the ResourceFlavor of the pool's GPU type.  Kueue reserves quota for every pod set or for
@@ -37,6 +38,11 @@ TRAINER_POD_SET = "trainer"
 EXTRA_LABEL = "mixrl.dev/extra-replica"
 """On a pool's extra-replica Workloads: its index (1, 2, …), so they are listed apart from the run's."""
 
+MAX_POD_SETS = 8
+"""Pod sets a Workload may have (Kueue's CRD: ``spec.podSets`` maxItems 8); a run may have more
+pools than that (validation allows 32), so :func:`too_many_pod_sets` says so before the API
+server's 422 would."""
+
 ADMITTED = "Admitted"
 QUOTA_RESERVED = "QuotaReserved"
 EVICTED = "Evicted"
@@ -68,21 +74,42 @@ def pod_set_template(template: Obj) -> Obj:
 
 
 def pool_pod_set_name(pool: ResolvedPool) -> str:
+    """A pool's pod set: its Deployment's pods, or its LeaderWorkerSet's leaders."""
     return f"pool-{pool.name}"
 
 
-def pool_pods(
-    resolved: ResolvedRun, pool: ResolvedPool, owner: Owner, options: BuildOptions
-) -> tuple[int, Obj]:
-    """Pods per replica and the pool's engine pod template, as its workload will have them: a
-    Deployment's one pod, or a LeaderWorkerSet group of ``size`` pods (its worker template)."""
+def pool_workers_pod_set_name(pool: ResolvedPool) -> str:
+    """A multi-node pool's workers (every node of a group but the leader's).  Its own prefix, so it
+    can never be another pool's ``pool-<name>`` (pool names are DNS labels: any suffix could be)."""
+    return f"workers-{pool.name}"
+
+
+def pool_pod_sets(
+    resolved: ResolvedRun, pool: ResolvedPool, owner: Owner, options: BuildOptions, replicas: int
+) -> list[Obj]:
+    """The pod sets of ``replicas`` of the pool's replicas, as its workload runs them: a
+    Deployment's pods, or a LeaderWorkerSet's groups of ``size`` pods — the leaders and their
+    workers apart, each with its own template, since only the leader has the weight-sync sidecar
+    (a worker's template counted for the leader left the sidecar's CPU and memory, the model's
+    size in conversion memory, out of the quota Kueue reserved)."""
     for obj in pool_objects(resolved, pool, 0, owner, options):
         if obj["kind"] == "Deployment":
-            return 1, obj["spec"]["template"]
+            return [_pod_set(pool_pod_set_name(pool), replicas, obj["spec"]["template"])]
         if obj["kind"] == "LeaderWorkerSet":
             group = obj["spec"]["leaderWorkerTemplate"]
-            return int(group.get("size", 1)), group["workerTemplate"]
+            workers = int(group.get("size", 1)) - 1
+            leader = group.get("leaderTemplate") or group["workerTemplate"]  # LWS: absent, the worker's
+            sets = [_pod_set(pool_pod_set_name(pool), replicas, leader)]
+            if workers > 0:
+                sets.append(
+                    _pod_set(pool_workers_pod_set_name(pool), replicas * workers, group["workerTemplate"])
+                )
+            return sets
     raise ValueError(f"pool {pool.name}: no engine workload built")
+
+
+def _pod_set(name: str, count: int, template: Obj) -> Obj:
+    return {"name": name, "count": count, "template": pod_set_template(template)}
 
 
 def workload_labels(resolved: ResolvedRun, queue: str) -> dict[str, str]:
@@ -103,14 +130,7 @@ def run_workload(resolved: ResolvedRun, owner: Owner, options: BuildOptions, que
     for pool in resolved.pools:
         replicas = seed_replicas(pool)
         if replicas > 0:
-            size, template = pool_pods(resolved, pool, owner, options)
-            pod_sets.append(
-                {
-                    "name": pool_pod_set_name(pool),
-                    "count": replicas * size,
-                    "template": pod_set_template(template),
-                }
-            )
+            pod_sets += pool_pod_sets(resolved, pool, owner, options, replicas)
     return with_hash(
         {
             "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}",
@@ -119,6 +139,19 @@ def run_workload(resolved: ResolvedRun, owner: Owner, options: BuildOptions, que
             "spec": {"queueName": queue, "podSets": pod_sets},
         }
     )
+
+
+def too_many_pod_sets(workload: Obj, queue: str) -> str | None:
+    """Why Kueue can never admit the run's Workload as built, in one line; None when it can."""
+    names = [p["name"] for p in workload["spec"]["podSets"]]
+    if len(names) <= MAX_POD_SETS:
+        return None
+    return (
+        f"LocalQueue {queue}: the run needs {len(names)} Kueue pod sets ({', '.join(names)}) and "
+        f"a Workload holds at most {MAX_POD_SETS}: give fewer pools starting replicas (minReplicas "
+        "and maxReplicas 0 leave one out), fewer pools, or no queue; until then nothing of the run "
+        "is created"
+    )[:1000]
 
 
 def _condition(workload: Obj, kind: str) -> Obj | None:
@@ -174,21 +207,15 @@ def extra_workload(
     resolved: ResolvedRun, pool: ResolvedPool, owner: Owner, options: BuildOptions, queue: str, index: int
 ) -> Obj:
     """The Workload of the pool's ``index``-th replica above its starting ones, in LocalQueue
-    ``queue`` (``owner``: the SamplerPool, so it goes with the pool): one pod set, named as in the
-    run's Workload, of one replica's pods (a LeaderWorkerSet group's ``size``)."""
-    size, template = pool_pods(resolved, pool, owner, options)
+    ``queue`` (``owner``: the SamplerPool, so it goes with the pool): one replica's pod sets, named
+    as in the run's Workload (a LeaderWorkerSet group: its leader and its workers)."""
     labels = {**L.pool_labels(resolved, pool), QUEUE_LABEL: queue, EXTRA_LABEL: str(index)}
     return with_hash(
         {
             "apiVersion": f"{KUEUE_GROUP}/{KUEUE_VERSION}",
             "kind": "Workload",
             "metadata": metadata(extra_workload_name(pool, index), resolved.namespace, labels, owner),
-            "spec": {
-                "queueName": queue,
-                "podSets": [
-                    {"name": pool_pod_set_name(pool), "count": size, "template": pod_set_template(template)}
-                ],
-            },
+            "spec": {"queueName": queue, "podSets": pool_pod_sets(resolved, pool, owner, options, 1)},
         }
     )
 
@@ -233,6 +260,8 @@ class Elastic:
     queue: str
     reason: str = ""
     """Kueue's words for the first extra still waiting (:func:`waiting_message`)."""
+    run_held: bool = False
+    """Kueue holds the whole run (evicted, or queued again): none of the pool's replicas may run."""
 
     @property
     def held(self) -> int:
@@ -242,6 +271,21 @@ class Elastic:
     @property
     def waiting(self) -> int:
         return self.wanted - self.admitted
+
+
+def held_with_run(replicas: int, queue: str, run_workload: Obj | None) -> Elastic:
+    """A pool of a run whose own Workload Kueue has not admitted (evicted, or queued again in a new
+    shape): the run's controller holds the pool at zero, but whoever scales it (the autoscaler, KEDA,
+    ``kubectl scale``) may move its replicas first, and engines started then would run outside
+    Kueue's quota.  So every replica waits, with the run's reason, and no extra is asked for."""
+    return Elastic(
+        start=0,
+        wanted=replicas,
+        admitted=0,
+        queue=queue,
+        reason=waiting_message(run_workload, queue),
+        run_held=True,
+    )
 
 
 def elastic_admission(start: int, replicas: int, queue: str, extras: Sequence[Obj]) -> Elastic:

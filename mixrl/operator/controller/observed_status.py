@@ -429,7 +429,15 @@ def pool_status(
 
 
 def elastic_value(elastic: Elastic) -> ConditionValue:
-    """A queued run's pool's Admitted: True while Kueue admitted every replica it asks for."""
+    """A queued run's pool's Admitted: True while Kueue admitted every replica it asks for; False
+    whatever it asks for while Kueue holds the whole run (none of its replicas may run)."""
+    if elastic.run_held:
+        return (
+            "False",
+            Reason.QUEUED,
+            f"the run waits for Kueue, and with it this pool's {elastic.waiting} replica(s): "
+            f"{elastic.reason}"[:1000],
+        )
     counts = f"{elastic.start} with the run, {elastic.admitted} of {elastic.wanted} above it"
     if elastic.waiting == 0:
         return (

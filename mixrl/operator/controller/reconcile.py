@@ -39,8 +39,10 @@ from mixrl.operator.builders.kueue import (
     extra_labels,
     extra_workload,
     has_quota,
+    held_with_run,
     plan_extras,
     run_workload,
+    too_many_pod_sets,
     waiting_message,
 )
 from mixrl.operator.builders.lws import lws_name
@@ -418,6 +420,17 @@ async def admit(
         return "False", Reason.KUEUE_NOT_INSTALLED, KUEUE_MISSING.format(queue=queue)
     desired = run_workload(resolved, owner, options, queue)
     live = await ctx.client.get(WORKLOADS, resolved.namespace, resolved.name)
+    refused = too_many_pod_sets(desired, queue)
+    if refused is not None:
+        # The API server would refuse the Workload (422) on every retry, and the run would wait
+        # "for Kueue" forever: say why instead.  One left by an earlier spec (it had fewer pod
+        # sets) is not what the run asks for now: it goes, so its quota frees while the run waits.
+        if live is not None:
+            await ctx.client.delete(
+                WORKLOADS, resolved.namespace, resolved.name, uid=live["metadata"].get("uid")
+            )
+            report.deleted.append(f"Workload/{resolved.name}")
+        return "False", Reason.QUEUED, refused
     if live is not None and has_quota(live) and live_hash(live) != live_hash(desired):
         await alive()
         await ctx.client.delete(WORKLOADS, resolved.namespace, resolved.name, uid=live["metadata"].get("uid"))
@@ -694,8 +707,17 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
     if queue is not None and await ctx.discovery.serves(WORKLOADS):
         # Extras that cannot be read raise the API error: the pool keeps what it runs (a failed
         # read admits nothing and evicts nothing) and the reconcile is retried.
+        # Kueue's word on the run itself first: while it holds the run (evicted, or queued again),
+        # the run's controller holds this pool at zero, yet whoever scales the pool may move its
+        # replicas before that write lands; they must not start engines outside Kueue's quota, nor
+        # keep extras' quota for a run that is not running.  A failed read of it raises too.
+        run_workload_live = await ctx.client.get(WORKLOADS, resolved.namespace, resolved.name)
         try:
-            elastic = await admit_extras(ctx, resolved, pool, body, options, queue, report, alive)
+            if admitted(run_workload_live):
+                elastic = await admit_extras(ctx, resolved, pool, body, options, queue, report, alive)
+            else:
+                await admit_extras(ctx, resolved, pool, body, options, None, report, alive)
+                elastic = held_with_run(spec.replicas, queue, run_workload_live)
         except OwnerGone:
             return Outcome(report=report)
         assert elastic is not None
