@@ -96,13 +96,16 @@ def silent(alert: str, at: str) -> Check:
 def test_kl_tripling_in_one_pool_fires_only_for_that_pool(rules_file: Path) -> None:
     series = [
         # two hours at its early level, then 4x
-        {"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.004x120"},
-        {"series": 'mixrl_trainer_kl{run="a",pool="b200"}', "values": "0.001x240"},  # steady
-        {"series": 'mixrl_trainer_kl{run="b",pool="cpu"}', "values": "0.000001x120 0.000005x120"},  # noise
+        {"series": 'mixrl_trainer_kl{namespace="ns",run="a",pool="h100"}', "values": "0.001x120 0.004x120"},
+        {"series": 'mixrl_trainer_kl{namespace="ns",run="a",pool="b200"}', "values": "0.001x240"},  # steady
+        {
+            "series": 'mixrl_trainer_kl{namespace="ns",run="b",pool="cpu"}',
+            "values": "0.000001x120 0.000005x120",
+        },  # noise
     ]
     checks = [
         silent("MixrlKLGrowing", "125m"),  # still pending
-        fires("MixrlKLGrowing", "200m", run="a", pool="h100"),
+        fires("MixrlKLGrowing", "200m", namespace="ns", run="a", pool="h100"),
     ]
     result = run_rule_tests(rules_file, series, checks)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -112,35 +115,62 @@ def test_the_runs_own_kl_is_judged_too_and_named_as_the_run(rules_file: Path) ->
     """`mixrl run` judges the KL per pool and for the run (the trainer's pool="all" series): so do
     the rules, and the summary names the run, not a pool called "all"."""
     series = [
-        {"series": 'mixrl_trainer_kl{run="a",pool="all"}', "values": "0.001x120 0.004x120"},
-        {"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x240"},  # steady
+        {"series": 'mixrl_trainer_kl{namespace="ns",run="a",pool="all"}', "values": "0.001x120 0.004x120"},
+        {"series": 'mixrl_trainer_kl{namespace="ns",run="a",pool="h100"}', "values": "0.001x240"},  # steady
     ]
-    result = run_rule_tests(rules_file, series, [fires("MixrlKLGrowing", "200m", run="a", pool="all")])
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert expected("MixrlKLGrowing", run="a", pool="all")["exp_annotations"]["summary"] == (
-        "Run a: sampler-trainer KL of the run (all pools) grew 3x"
+    result = run_rule_tests(
+        rules_file, series, [fires("MixrlKLGrowing", "200m", namespace="ns", run="a", pool="all")]
     )
-    assert expected("MixrlKLGrowing", run="a", pool="h100")["exp_annotations"]["summary"] == (
-        "Run a: sampler-trainer KL of pool h100 grew 3x"
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert expected("MixrlKLGrowing", namespace="ns", run="a", pool="all")["exp_annotations"]["summary"] == (
+        "Run ns/a: sampler-trainer KL of the run (all pools) grew 3x"
+    )
+    assert expected("MixrlKLGrowing", namespace="ns", run="a", pool="h100")["exp_annotations"]["summary"] == (
+        "Run ns/a: sampler-trainer KL of pool h100 grew 3x"
     )
     # Every series of the KL, the run's and each pool's, each on its own: no pool filter.
-    assert "max by (run, pool) (avg_over_time(mixrl_trainer_kl[15m]))" in kl_growing_expr(CollapseSpec())
+    assert "max by (namespace, run, pool) (avg_over_time(mixrl_trainer_kl[15m]))" in kl_growing_expr(
+        CollapseSpec()
+    )
 
 
 def test_a_kl_that_only_doubles_does_not_fire(rules_file: Path) -> None:
-    series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.002x120"}]
+    series = [
+        {"series": 'mixrl_trainer_kl{namespace="ns",run="a",pool="h100"}', "values": "0.001x120 0.002x120"}
+    ]
     result = run_rule_tests(rules_file, series, [silent("MixrlKLGrowing", "230m")])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_falling_reward_fires_and_a_flat_one_does_not(rules_file: Path) -> None:
     series = [
-        {"series": 'mixrl_trainer_reward{run="a",pool="all"}', "values": "0.8x180 0.4x120"},
-        {"series": 'mixrl_trainer_reward{run="b",pool="all"}', "values": "0.5x300"},
-        {"series": 'mixrl_trainer_reward{run="c",pool="all"}', "values": "0.8x180 0.7x120"},  # -12 %: fine
+        {"series": 'mixrl_trainer_reward{namespace="ns",run="a",pool="all"}', "values": "0.8x180 0.4x120"},
+        {"series": 'mixrl_trainer_reward{namespace="ns",run="b",pool="all"}', "values": "0.5x300"},
+        {
+            "series": 'mixrl_trainer_reward{namespace="ns",run="c",pool="all"}',
+            "values": "0.8x180 0.7x120",
+        },  # -12 %: fine
     ]
-    checks = [silent("MixrlRewardFalling", "185m"), fires("MixrlRewardFalling", "280m", run="a")]
+    checks = [
+        silent("MixrlRewardFalling", "185m"),
+        fires("MixrlRewardFalling", "280m", namespace="ns", run="a"),
+    ]
     result = run_rule_tests(rules_file, series, checks)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_runs_of_one_name_in_two_namespaces_are_judged_apart(rules_file: Path) -> None:
+    """Grouped by run alone, a falling run and a steady one of the same name in another namespace
+    were averaged into one series that fell too little to fire."""
+    series = [
+        {
+            "series": 'mixrl_trainer_reward{namespace="team-a",run="r",pool="all"}',
+            "values": "0.8x180 0.4x120",
+        },
+        {"series": 'mixrl_trainer_reward{namespace="team-b",run="r",pool="all"}', "values": "0.8x300"},
+    ]
+    check = fires("MixrlRewardFalling", "280m", namespace="team-a", run="r")
+    result = run_rule_tests(rules_file, series, [check])
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -151,14 +181,16 @@ def test_the_reward_judged_is_the_runs_not_the_pools(rules_file: Path) -> None:
     series = [
         # run a: steady overall; pool h100's own reward falls (its share of the batch shrank).
         # Averaged with it (the old rule) the run's "reward" fell 0.65 -> 0.35, below 0.7 x 0.65.
-        {"series": 'mixrl_trainer_reward{run="a",pool="all"}', "values": "0.5x300"},
-        {"series": 'mixrl_trainer_reward{run="a",pool="h100"}', "values": "0.8x180 0.2x120"},
+        {"series": 'mixrl_trainer_reward{namespace="ns",run="a",pool="all"}', "values": "0.5x300"},
+        {"series": 'mixrl_trainer_reward{namespace="ns",run="a",pool="h100"}', "values": "0.8x180 0.2x120"},
         # run b: falls 0.8 -> 0.4 while its pools' series stay high (averaged: -14 %, no alert).
-        {"series": 'mixrl_trainer_reward{run="b",pool="all"}', "values": "0.8x180 0.4x120"},
-        {"series": 'mixrl_trainer_reward{run="b",pool="b200"}', "values": "1x300"},
-        {"series": 'mixrl_trainer_reward{run="b",pool="h100"}', "values": "1x300"},
+        {"series": 'mixrl_trainer_reward{namespace="ns",run="b",pool="all"}', "values": "0.8x180 0.4x120"},
+        {"series": 'mixrl_trainer_reward{namespace="ns",run="b",pool="b200"}', "values": "1x300"},
+        {"series": 'mixrl_trainer_reward{namespace="ns",run="b",pool="h100"}', "values": "1x300"},
     ]
-    result = run_rule_tests(rules_file, series, [fires("MixrlRewardFalling", "280m", run="b")])
+    result = run_rule_tests(
+        rules_file, series, [fires("MixrlRewardFalling", "280m", namespace="ns", run="b")]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert '{pool="all"}' in reward_falling_expr(CollapseSpec())
 
@@ -167,21 +199,37 @@ def test_most_trained_episodes_ending_on_format_errors_fires(rules_file: Path) -
     """The alert judges what ``mixrl run`` judges: the trainer's batches (pool "all"), not the
     rollout workers' counters (held-out episodes, dropped groups) nor a pool's share alone."""
     series = [
-        {"series": 'mixrl_trainer_format_error_endings{run="a",pool="all"}', "values": "0.6x60"},
-        {"series": 'mixrl_trainer_format_error_endings{run="b",pool="all"}', "values": "0.2x60"},
-        {"series": 'mixrl_trainer_format_error_endings{run="b",pool="h100"}', "values": "0.9x60"},
-        {"series": 'mixrl_rollout_episodes_total{run="b",pool="h100"}', "values": "0+10x60"},
-        {"series": 'mixrl_rollout_format_error_episodes_total{run="b",pool="h100"}', "values": "0+9x60"},
+        {
+            "series": 'mixrl_trainer_format_error_endings{namespace="ns",run="a",pool="all"}',
+            "values": "0.6x60",
+        },
+        {
+            "series": 'mixrl_trainer_format_error_endings{namespace="ns",run="b",pool="all"}',
+            "values": "0.2x60",
+        },
+        {
+            "series": 'mixrl_trainer_format_error_endings{namespace="ns",run="b",pool="h100"}',
+            "values": "0.9x60",
+        },
+        {"series": 'mixrl_rollout_episodes_total{namespace="ns",run="b",pool="h100"}', "values": "0+10x60"},
+        {
+            "series": 'mixrl_rollout_format_error_episodes_total{namespace="ns",run="b",pool="h100"}',
+            "values": "0+9x60",
+        },
     ]
-    result = run_rule_tests(rules_file, series, [fires("MixrlFormatErrorEpisodes", "50m", run="a")])
+    result = run_rule_tests(
+        rules_file, series, [fires("MixrlFormatErrorEpisodes", "50m", namespace="ns", run="a")]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert '{pool="all"}' in format_error_expr(CollapseSpec())
 
 
 def test_the_rule_tests_have_teeth(rules_file: Path) -> None:
     """A wrong expectation fails: promtool really evaluates the rules."""
-    series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x240"}]
-    result = run_rule_tests(rules_file, series, [fires("MixrlKLGrowing", "200m", run="a", pool="h100")])
+    series = [{"series": 'mixrl_trainer_kl{namespace="ns",run="a",pool="h100"}', "values": "0.001x240"}]
+    result = run_rule_tests(
+        rules_file, series, [fires("MixrlKLGrowing", "200m", namespace="ns", run="a", pool="h100")]
+    )
     assert result.returncode != 0
 
 
@@ -200,9 +248,12 @@ def noisy_healthy_run(alerts: list[str]) -> tuple[Series, list[Check]]:
     kl[200] *= 20
     errors = [rng.randint(0, 6) / 10 for _ in range(minutes)]  # a batch's share: 3 of 10 on average
     series = [
-        {"series": 'mixrl_trainer_reward{run="a",pool="all"}', "values": values(reward)},
-        {"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": values(kl)},
-        {"series": 'mixrl_trainer_format_error_endings{run="a",pool="all"}', "values": values(errors)},
+        {"series": 'mixrl_trainer_reward{namespace="ns",run="a",pool="all"}', "values": values(reward)},
+        {"series": 'mixrl_trainer_kl{namespace="ns",run="a",pool="h100"}', "values": values(kl)},
+        {
+            "series": 'mixrl_trainer_format_error_endings{namespace="ns",run="a",pool="all"}',
+            "values": values(errors),
+        },
     ]
     return series, [silent(name, f"{minute}m") for minute in range(30, minutes, 15) for name in alerts]
 
@@ -231,9 +282,11 @@ def test_the_noisy_run_is_live_tight_thresholds_fire_on_it(
 def test_the_rules_follow_the_thresholds_they_are_generated_from(tmp_path: Path) -> None:
     """The chart's rules are collapse_rule_groups() with spec.health.collapse's defaults; others move them."""
     assert collapse_rule_groups() == collapse_rule_groups(CollapseSpec())
-    series = [{"series": 'mixrl_trainer_kl{run="a",pool="h100"}', "values": "0.001x120 0.004x120"}]  # 4x
+    series = [
+        {"series": 'mixrl_trainer_kl{namespace="ns",run="a",pool="h100"}', "values": "0.001x120 0.004x120"}
+    ]  # 4x
     for growth, check in (
-        (3.0, fires("MixrlKLGrowing", "200m", run="a", pool="h100")),
+        (3.0, fires("MixrlKLGrowing", "200m", namespace="ns", run="a", pool="h100")),
         (5.0, silent("MixrlKLGrowing", "200m")),
     ):
         result = run_rule_tests(write_rules(tmp_path, CollapseSpec(kl_growth=growth)), series, [check])

@@ -61,22 +61,26 @@ judges: training episodes the trainer took, not every episode a rollout worker e
 ones, groups dropped or too stale)."""
 
 
+RUN_KEY = "namespace, run"
+"""What names one run in an alert: two runs of one name in two namespaces are two runs."""
+
+
 def reward_falling_expr(t: CollapseSpec) -> str:
-    recent = f"avg by (run) (avg_over_time({RUN_REWARD}[15m]))"
-    best = f"max_over_time(avg by (run) (avg_over_time({RUN_REWARD}[15m]))[6h:5m])"
+    recent = f"avg by ({RUN_KEY}) (avg_over_time({RUN_REWARD}[15m]))"
+    best = f"max_over_time(avg by ({RUN_KEY}) (avg_over_time({RUN_REWARD}[15m]))[6h:5m])"
     return f"{recent} < ({1 - t.reward_drop:g} * {best}) and {best} > 0"
 
 
 def kl_growing_expr(t: CollapseSpec) -> str:
     # Every pool's series and the run's (pool="all"), each judged on its own, as `mixrl run` does.
     # kl_floor: below it the ratio is noise (a run that starts at 1e-6 may triple meaning nothing).
-    recent = f"max by (run, pool) (avg_over_time({KL}[15m]))"
-    early = f"min_over_time(max by (run, pool) (avg_over_time({KL}[15m]))[12h:5m])"
+    recent = f"max by ({RUN_KEY}, pool) (avg_over_time({KL}[15m]))"
+    early = f"min_over_time(max by ({RUN_KEY}, pool) (avg_over_time({KL}[15m]))[12h:5m])"
     return f"{recent} >= ({t.kl_growth:g} * {early}) and {recent} > {t.kl_floor:g}"
 
 
 def format_error_expr(t: CollapseSpec) -> str:
-    return f"avg by (run) (avg_over_time({RUN_FORMAT_ERRORS}[15m])) > {t.format_error_share:g}"
+    return f"avg by ({RUN_KEY}) (avg_over_time({RUN_FORMAT_ERRORS}[15m])) > {t.format_error_share:g}"
 
 
 KL_SCOPE = (
@@ -106,7 +110,7 @@ def collapse_rule_groups(t: CollapseSpec = DEFAULT_THRESHOLDS) -> list[Obj]:
                     "MixrlRewardFalling",
                     reward_falling_expr(t),
                     "15m",
-                    f"Run {{{{ $labels.run }}}}: reward fell {t.reward_drop:.0%} below its best",
+                    f"Run {{{{ $labels.namespace }}}}/{{{{ $labels.run }}}}: reward fell {t.reward_drop:.0%} below its best",
                     f"The run's 15-minute mean training reward is more than {t.reward_drop:.0%} below its best "
                     "15-minute mean of the last 6 hours. With a rising KL this is how mismatch-driven "
                     "collapse begins.",
@@ -115,7 +119,7 @@ def collapse_rule_groups(t: CollapseSpec = DEFAULT_THRESHOLDS) -> list[Obj]:
                     "MixrlKLGrowing",
                     kl_growing_expr(t),
                     "15m",
-                    f"Run {{{{ $labels.run }}}}: sampler-trainer KL of {KL_SCOPE} grew {t.kl_growth:g}x",
+                    f"Run {{{{ $labels.namespace }}}}/{{{{ $labels.run }}}}: sampler-trainer KL of {KL_SCOPE} grew {t.kl_growth:g}x",
                     f'The KL (k3) of a pool, or of the run\'s whole batch (pool "{RUN_POOL}"), is at least '
                     f"{t.kl_growth:g}x its early level (lowest 15-minute mean of the last 12 hours). Check "
                     "the pools' precision and kernels; consider MIS or a narrower range.",
@@ -124,7 +128,7 @@ def collapse_rule_groups(t: CollapseSpec = DEFAULT_THRESHOLDS) -> list[Obj]:
                     "MixrlFormatErrorEpisodes",
                     format_error_expr(t),
                     "10m",
-                    f"Run {{{{ $labels.run }}}}: over {t.format_error_share:.0%} of episodes end on "
+                    f"Run {{{{ $labels.namespace }}}}/{{{{ $labels.run }}}}: over {t.format_error_share:.0%} of episodes end on "
                     "repeated format errors",
                     f"Over the last 15 minutes, more than {t.format_error_share:.0%} of the episodes in the "
                     "trainer's batches (on average) ended after consecutive replies without a tool call: "
