@@ -37,6 +37,7 @@ import datetime
 import logging
 import math
 import socket
+import threading
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -401,7 +402,7 @@ class BroadcastReceiver:
         """Join the group (forming it blocks until every rank arrives: on a worker thread)."""
         old = self.groups.pop(request.group_name, None)
         if old is not None:
-            old.close()
+            close_aside(old)
         try:
             group = await asyncio.to_thread(
                 UpdateGroup.join,
@@ -430,7 +431,7 @@ class BroadcastReceiver:
         group = self.groups.pop(name, None)
         if group is None:
             return False, "The group to be destroyed does not exist."
-        group.close()
+        close_aside(group)
         return True, "Succeeded to destroy custom process group."
 
     def close(self) -> None:
@@ -473,6 +474,10 @@ class BroadcastReceiver:
     async def _update(self, request: UpdateRequest) -> tuple[bool, str]:
         async with self._lock:
             if not self.session_open:
+                # Rank 0 broadcasts this call's tensors regardless, and its send waits for this rank
+                # until the timeout: the group, out of step now, goes, which fails that send at once.
+                if request.group_name in self.groups:
+                    self.destroy_group(request.group_name)
                 return (
                     False,
                     "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
@@ -487,7 +492,8 @@ class BroadcastReceiver:
                 received = await asyncio.to_thread(receive, group, request)
             except (RuntimeError, OSError) as exc:
                 self._discard()
-                self.destroy_group(request.group_name)  # out of step with rank 0: unusable
+                if self.groups.get(request.group_name) is group:  # not one initialized under its name since
+                    self.destroy_group(request.group_name)  # out of step with rank 0: unusable
                 return False, f"Failed to receive weights: {_one_line(exc)}"
             problem = self._problem(received)
             if problem is not None:
@@ -510,6 +516,10 @@ class BroadcastReceiver:
                 return f"the model has no tensor {name!r}"
             if tuple(tensor.shape) != shape:
                 return f"{name}: shape {tuple(tensor.shape)} does not match the model's {shape}"
+            if not tensor.is_floating_point():  # loading would convert integers or booleans silently
+                return (
+                    f"{name}: dtype {str(tensor.dtype).removeprefix('torch.')} is not a floating-point type"
+                )
         return None
 
     async def _apply(self, request: UpdateRequest, group: UpdateGroup) -> tuple[bool, str]:
@@ -526,6 +536,13 @@ class BroadcastReceiver:
             log.info("weights updated to version %d from %s", version, source)
             message += f" Weight version updated to {version}."
         return ok, message
+
+
+def close_aside(group: UpdateGroup) -> None:
+    """Close ``group`` on a thread of its own.  The backend's destructor waits for a receive still
+    running in the group (until rank 0 closes its side, or the timeout): on the event loop that
+    wait would stop the scheduler's decode steps and every route with them."""
+    threading.Thread(target=group.close, name=f"close {group.name}", daemon=True).start()
 
 
 def _one_line(exc: BaseException) -> str:
