@@ -14,9 +14,11 @@ import yaml
 
 from mixrl.operator.builders.monitoring import RUN_POOL, collapse_rule_groups, dashboard
 from mixrl.operator.builders.resources import POOL_RELABELINGS
+from mixrl.operator.controller import live_status
 from mixrl.rl.metrics import (
     ENGINE_METRICS,
     MIXRL_COST_DOLLARS_TOTAL,
+    MIXRL_ROUTER_GENERATED_TOKENS_TOTAL,
     MIXRL_TRAINER_STEP,
     SGLANG_NUM_QUEUE_REQS,
     promql_any_spelling,
@@ -123,19 +125,26 @@ def panel_input_series() -> list[dict[str, str]]:
 
 
 def empty_panel_checks(
-    tmp_path: Path, exprs: list[str], empty: list[bool]
+    tmp_path: Path,
+    exprs: list[str],
+    empty: list[bool],
+    input_series: list[dict[str, str]] | None = None,
+    at: str = "90m",
 ) -> subprocess.CompletedProcess[str]:
-    """promtool's rule test: an alert ``absent(expr)`` per expression, which fires (90 minutes into
-    the series) exactly where ``empty`` says the expression answers nothing."""
+    """promtool's rule test: an alert ``absent(expr)`` per expression, which fires (``at``, into the
+    series: ``input_series``, by default :func:`panel_input_series`) exactly where ``empty`` says
+    the expression answers nothing.  Evaluated every 30 s over points a minute apart: reads
+    between two scrapes, as a live Prometheus makes them."""
     rules = [{"alert": f"Empty{i}", "expr": f"absent({expr})"} for i, expr in enumerate(exprs)]
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
     checks = [
-        {"eval_time": "90m", "alertname": f"Empty{i}", "exp_alerts": [{"exp_labels": {}}] if is_empty else []}
+        {"eval_time": at, "alertname": f"Empty{i}", "exp_alerts": [{"exp_labels": {}}] if is_empty else []}
         for i, is_empty in enumerate(empty)
     ]
-    test = {"interval": "1m", "input_series": panel_input_series(), "alert_rule_test": checks}
+    inputs = panel_input_series() if input_series is None else input_series
+    test = {"interval": "1m", "input_series": inputs, "alert_rule_test": checks}
     (tmp_path / "test.yaml").write_text(
-        yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [test]})
+        yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "30s", "tests": [test]})
     )
     return subprocess.run(
         [PROMTOOL, "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
@@ -157,3 +166,22 @@ def test_every_panel_shows_data_when_every_component_exports(tmp_path: Path) -> 
     assert checked.returncode == 0, "\n".join(f"Empty{i}: {e}" for i, e in enumerate(exprs)) + (
         "\n" + checked.stdout + checked.stderr
     )
+
+
+@pytest.mark.needs_prometheus
+def test_the_live_token_rate_has_data_at_prometheus_default_scrape(tmp_path: Path) -> None:
+    """A point a minute, Prometheus's default scrape (annotations mode), read half a minute after a
+    scrape: rate() needs two points in its window, and one minute holds one (``tokensPerSecond``
+    came and went with the status's timing)."""
+    query = live_status.run_queries("ns", "r")["tokens_per_second"]
+    assert f"[{live_status.RATE_WINDOW}]" in query
+    one_minute = query.replace(f"[{live_status.RATE_WINDOW}]", "[1m]")
+    generated = f'{MIXRL_ROUTER_GENERATED_TOKENS_TOTAL.name}{{namespace="ns",run="r",pool="a",pod="p"}}'
+    checked = empty_panel_checks(
+        tmp_path,
+        [query, one_minute],
+        [False, True],
+        [{"series": generated, "values": "0+100x120"}],
+        at="90m30s",
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -21,7 +21,7 @@ What is written, and from which series (names in :mod:`mixrl.rl.metrics`):
   ``klFresh`` (the same KL over its fresh tokens alone, staleness 0: the precision effect without
   drift; absent in a step without fresh tokens), ``health`` (the router's mismatch-aware health,
   with ``spec.health.routing``), ``trafficShare`` (the router's share of sessions),
-  ``tokensPerSecond`` (tokens the router passed back from the pool, over one minute) and
+  ``tokensPerSecond`` (tokens the router passed back from the pool, over two minutes) and
   ``servingWeightVersion`` (the newest version in the pool's answers).
 
 Figures are rounded to :data:`SIGNIFICANT` digits, so that a write happens when a figure moves,
@@ -50,7 +50,9 @@ COLLAPSE_RISK = "CollapseRisk"
 SIGNIFICANT = 4
 ALL_POOLS = "all"
 """The ``pool`` label of the trainer's run-wide series (mixrl.rl.trainer.telemetry.ALL_POOLS)."""
-RATE_WINDOW = "1m"
+RATE_WINDOW = "2m"
+"""``tokensPerSecond``'s window: rate() needs two samples in it, and Prometheus scrapes every minute
+by default (annotations mode); over one minute it was empty there."""
 
 
 class LiveReason:
