@@ -27,8 +27,8 @@ GROUP = "g"
 class FakeService:
     """What the receiver uses of an engine: the model's names and shapes, and ``apply_state``."""
 
-    def __init__(self) -> None:
-        self.runner = type("Runner", (), {"model": torch.nn.Linear(4, 4, bias=False)})()
+    def __init__(self, bias: bool = False) -> None:
+        self.runner = type("Runner", (), {"model": torch.nn.Linear(4, 4, bias=bias)})()
         self.applied: list[int] = []
 
     async def apply_state(
@@ -140,3 +140,43 @@ async def test_an_update_outside_a_session_is_refused_and_the_sender_fails_at_on
         assert GROUP not in engine.groups and service.applied == []
     finally:
         rank0.close()
+
+
+async def test_a_begin_through_a_new_group_discards_the_session_a_dead_trainer_left_open() -> None:
+    service = FakeService(bias=True)  # two tensors: a session can be left half received
+    engine = BroadcastReceiver(cast(EngineService, service))
+    dead = await rank0_and_join(engine, "old")
+    try:
+        assert engine.begin()[0]
+        body = update_body(version=5) | {"group_name": "old"}
+        update = asyncio.ensure_future(engine.update(parse_update_request(body)))
+        await asyncio.to_thread(dead.broadcast, torch.ones(4, 4))
+        ok, message = await asyncio.wait_for(update, 10)
+        assert ok and "1 of 2" in message, message
+    finally:
+        dead.close()  # the trainer dies before /end_weight_update
+    rank0 = await rank0_and_join(engine, "new")
+    try:
+        ok, message = engine.begin()
+        assert ok, message
+        assert sorted(engine.groups) == ["new"], "the dead trainer's group stayed"
+        assert engine.pending == {} and engine.pending_version is None
+        body = {
+            "names": ["weight", "bias"],
+            "dtypes": ["float32", "float32"],
+            "shapes": [[4, 4], [4]],
+            "group_name": "new",
+            "weight_version": 6,
+        }
+        update = asyncio.ensure_future(engine.update(parse_update_request(body)))
+        await asyncio.to_thread(rank0.broadcast, torch.full((4, 4), 2.0))
+        await asyncio.to_thread(rank0.broadcast, torch.zeros(4))
+        ok, message = await asyncio.wait_for(update, 10)
+        assert ok, message
+        assert service.applied == [6], "the discarded partial session's version moved the label"
+        # Through the same group, an open session is still refused (the sender is alive).
+        assert engine.end()[0]
+        assert engine.begin()[0] and not engine.begin()[0]
+    finally:
+        rank0.close()
+        engine.close()

@@ -394,6 +394,12 @@ class BroadcastReceiver:
         self.session_open = False
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_version: int | None = None
+        self._joined = 0
+        """Groups joined so far; ``_session_joined`` is the count when the open session began."""
+        self._session_joined = 0
+        self._newest: UpdateGroup | None = None
+        self._session = 0
+        """Sessions begun so far: a receive that outlives its session adds nothing to the next."""
         self._lock = asyncio.Lock()
         self._expected = {name: tuple(t.shape) for name, t in service.runner.model.state_dict().items()}
 
@@ -416,6 +422,8 @@ class BroadcastReceiver:
         except (RuntimeError, OSError, ValueError) as exc:
             return False, f"Failed to initialize custom process group: {_one_line(exc)}."
         self.groups[request.group_name] = group
+        self._joined += 1
+        self._newest = group
         log.info(
             "joined weight-update group %s as rank %d of %d (%s, master %s:%d)",
             request.group_name,
@@ -441,8 +449,24 @@ class BroadcastReceiver:
     # ---------------------------------------------------------------- session
     def begin(self) -> tuple[bool, str]:
         if self.session_open:
-            return False, "a weight-update session is already open; call end_weight_update() first"
+            # The rule for a trainer that died between begin and end: one update runs at a time and
+            # the trainer forms a fresh group per version, so a group joined since this session began
+            # means its sender is gone.  Its partial tensors are dropped (never applied, so the
+            # version label does not move) and the groups before the newest are closed aside.  No
+            # timer is needed, and a live sender's session (no group joined since) is still refused.
+            if self._joined == self._session_joined:
+                return False, "a weight-update session is already open; call end_weight_update() first"
+            log.warning(
+                "discarding the weight-update session left open before the latest group joined "
+                "(%d tensors received, never applied)",
+                len(self.pending),
+            )
+            for name, group in list(self.groups.items()):
+                if group is not self._newest:
+                    self.destroy_group(name)
         self.session_open = True
+        self._session += 1
+        self._session_joined = self._joined
         self._discard()
         return True, "Success"
 
@@ -488,13 +512,17 @@ class BroadcastReceiver:
                     False,
                     f"Group {request.group_name} not in {sorted(self.groups)}. Please call `init_weights_update_group` first.",
                 )
+            session = self._session
             try:
                 received = await asyncio.to_thread(receive, group, request)
             except (RuntimeError, OSError) as exc:
-                self._discard()
+                if self._session == session:  # a session begun meanwhile holds none of this one's
+                    self._discard()
                 if self.groups.get(request.group_name) is group:  # not one initialized under its name since
                     self.destroy_group(request.group_name)  # out of step with rank 0: unusable
                 return False, f"Failed to receive weights: {_one_line(exc)}"
+            if self._session != session or not self.session_open:
+                return False, "Failed to update weights: the session was discarded during the receive"
             problem = self._problem(received)
             if problem is not None:
                 self._discard()
