@@ -65,6 +65,15 @@ def update_body(dtype: str = "float32", version: int | None = 1) -> dict[str, An
     return body
 
 
+async def receiving(
+    engine: BroadcastReceiver, dtype: str = "float32"
+) -> tuple[UpdateGroup, asyncio.Future[Any]]:
+    """Rank 0 joined, a session begun, and an update of ``dtype`` waiting for rank 0's broadcast."""
+    rank0 = await rank0_and_join(engine)
+    assert engine.begin()[0]
+    return rank0, asyncio.ensure_future(engine.update(parse_update_request(update_body(dtype))))
+
+
 @pytest.fixture
 async def receiver() -> AsyncIterator[tuple[BroadcastReceiver, FakeService]]:
     service = FakeService()
@@ -77,9 +86,7 @@ async def test_destroying_a_group_while_it_receives_does_not_stop_the_engine(
     receiver: tuple[BroadcastReceiver, FakeService],
 ) -> None:
     engine, service = receiver
-    rank0 = await rank0_and_join(engine)
-    assert engine.begin()[0]
-    update = asyncio.ensure_future(engine.update(parse_update_request(update_body())))
+    rank0, update = await receiving(engine)
     await asyncio.sleep(0.3)  # the receive waits for rank 0's broadcast, which does not come
     # Were the event loop held by the destroy, only this would end it (the engine's timeout otherwise).
     wake = threading.Timer(5.0, rank0.close)
@@ -106,10 +113,8 @@ async def test_a_tensor_of_an_integer_dtype_is_refused_in_one_line(
     receiver: tuple[BroadcastReceiver, FakeService],
 ) -> None:
     engine, service = receiver
-    rank0 = await rank0_and_join(engine)
+    rank0, update = await receiving(engine, "int32")
     try:
-        assert engine.begin()[0]
-        update = asyncio.ensure_future(engine.update(parse_update_request(update_body("int32"))))
         await asyncio.to_thread(rank0.broadcast, torch.arange(16, dtype=torch.int32).reshape(4, 4))
         ok, message = await asyncio.wait_for(update, 10)
         assert not ok, message

@@ -18,6 +18,7 @@ from .test_reconcile_faults import (
     WORKLOAD,
     Api,
     a_run,
+    admitted_run,
     phase,
     reconcile,
     reconcile_pool,
@@ -33,12 +34,7 @@ def extras(api: Api) -> list[tuple[str, str, str]]:
 
 async def evicted_with_three(api: Api) -> None:
     """A queued run admitted, its h100 pool scaled to 3 (both extras admitted), then evicted."""
-    api.objects[RUN] = a_run("team-a")
-    await reconcile(api)
-    api.objects[WORKLOAD]["status"] = copy.deepcopy(ADMITTED_STATUS)
-    await reconcile(api)
-    api.objects[POOL]["spec"]["replicas"] = 3
-    await reconcile(api)
+    await admitted_run(api)
     await reconcile_pool(api)
     for key in extras(api):
         api.objects[key]["status"] = copy.deepcopy(ADMITTED_STATUS)
