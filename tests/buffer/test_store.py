@@ -385,3 +385,27 @@ def test_a_write_the_disk_cut_short_leaves_no_torn_line_inside_the_log(tmp_path:
         assert rebuilt.batch(1).body == first
         assert rebuilt.batch(2).body == second
         assert rebuilt.stats()["trajectories"] == 4
+
+
+def test_a_write_the_disk_refused_counts_nothing_until_its_retry_holds(tmp_path: Path) -> None:
+    """The batches, staleness and duplicates counted for a write that failed were counted again on
+    its retry: the figures of one batch twice."""
+    with TrajectoryBuffer(tmp_path, prompts_per_update=1, samples_per_prompt=2) as buffer:
+        buffer.append(group_of("a", 2))
+        real_assign, real_traj = buffer._assign_log, buffer._traj_log
+        buffer._assign_log = FullDisk(real_assign)
+        with pytest.raises(OSError, match="No space left"):
+            buffer.batch(1)
+        buffer._traj_log = FullDisk(real_traj)
+        with pytest.raises(OSError, match="No space left"):
+            buffer.append([*group_of("a", 2), *group_of("b", 2)])  # two already stored, two new
+        assert (buffer.telemetry.batches, buffer.duplicates) == (0, 0)
+        assert not buffer.telemetry.staleness_tokens
+        buffer._assign_log, buffer._traj_log = real_assign, real_traj  # space again
+        buffer.batch(1)
+        buffer.append([*group_of("a", 2), *group_of("b", 2)])
+        assert (buffer.telemetry.batches, buffer.duplicates) == (1, 2)
+        with TrajectoryBuffer(tmp_path / "clean", prompts_per_update=1, samples_per_prompt=2) as clean:
+            clean.append(group_of("a", 2))
+            clean.batch(1)
+            assert buffer.telemetry.staleness_tokens == clean.telemetry.staleness_tokens

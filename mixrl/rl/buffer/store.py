@@ -517,9 +517,11 @@ class TrajectoryBuffer:
         """
         with self._lock:
             fresh = self._new_trajectories(trajectories)
-            self.duplicates += len(trajectories) - len(fresh)
             lines = [line for _, line in fresh]
             places = self._write(self._traj_log, lines) if lines else []
+            # Counted once the write held: a post whose write failed is retried, and counting it
+            # before would count its duplicates twice.
+            self.duplicates += len(trajectories) - len(fresh)
             completed = 0
             for (trajectory, line), place in zip(fresh, places, strict=True):
                 self._keys[(trajectory.prompt_id, trajectory.sample_index)] = _digest(line)
@@ -586,7 +588,6 @@ class TrajectoryBuffer:
                     group.oldest_version,
                     self.state.max_staleness,
                 )
-                self.telemetry.dropped.update(m.pool for m in group.members)
         if plan.batch is not None:
             staleness = [[m.staleness(plan.step).to_json() for m in group.members] for group in plan.batch]
             groups = [list(group.seqs) for group in plan.batch]
@@ -599,9 +600,12 @@ class TrajectoryBuffer:
                     "staleness": staleness,
                 }
             )
-            self._observe_staleness(plan.batch, plan.step)
         places = self._write(self._assign_log, [json.dumps(r).encode() for r in records])
+        # Counted once the write held (a failed one is planned and counted again on the retry).
+        for group in plan.dropped:
+            self.telemetry.dropped.update(m.pool for m in group.members)
         if plan.batch is not None:
+            self._observe_staleness(plan.batch, plan.step)
             self._batch_places[plan.step] = places[-1]
 
     def _observe_staleness(self, groups: Sequence[Group], step: int) -> None:
