@@ -148,3 +148,28 @@ def test_stop_tokens_and_zero_budget(dense_path: str) -> None:
     assert seq.output_ids == probe.output_ids[: first + 1]
     assert seq.finish_reason == {"type": "stop", "matched": stop_at}
     assert empty.output_ids == [] and empty.finish_reason == {"type": "length", "length": 0}
+
+
+def test_an_abort_during_the_last_step_stays_an_abort(
+    dense_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/abort_request marks a sequence from the event loop while a step runs on the model thread;
+    that step's last token then ended it as `length`, though the abort had counted it aborted."""
+    runner = _runner(reference_model(dense_path, "bf16"))
+    seq = Sequence(
+        rid="a",
+        prompt_ids=random_prompts(1, seed=5)[0],
+        sampling=RowSampling(temperature=0.0),
+        max_new_tokens=2,
+    )
+    runner.add([seq])
+    real = runner._sample_into
+
+    def aborted_meanwhile(seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        seq.abort("aborted by request")  # as the event loop does mid-step
+        return real(seqs, logits)
+
+    monkeypatch.setattr(runner, "_sample_into", aborted_meanwhile)
+    done = runner.step()
+    assert done == [seq] and len(seq.tokens) == 2
+    assert seq.finish_reason == {"type": "abort", "message": "aborted by request"}

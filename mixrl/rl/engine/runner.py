@@ -365,6 +365,10 @@ class ModelRunner:
         return torch.tensor([r.token_id for r in records], dtype=torch.long)
 
     def _check_finished(self, seq: Sequence) -> None:
+        if seq.finish_reason is not None:
+            # Aborted from the event loop while this step ran on the model thread: /abort_request
+            # has counted it aborted, and so it ends (with this step's token, which is genuine).
+            return
         last = seq.tokens[-1].token_id
         if last in seq.stop_token_ids:
             seq.finish_reason = {"type": "stop", "matched": last}
