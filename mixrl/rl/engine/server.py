@@ -364,10 +364,10 @@ async def health_generate(request: web.Request) -> web.Response:
         log_metrics=False,  # as SGLang's health check: not a client's request
     )
     try:
-        (answer,) = await asyncio.wait_for(service.generate([probe]), HEALTH_GENERATE_TIMEOUT_S)
+        (seq,) = await asyncio.wait_for(service.run([probe]), HEALTH_GENERATE_TIMEOUT_S)
     except TimeoutError:
         return web.Response(status=503, text="generation did not finish in time")
-    reason = answer["meta_info"].get("finish_reason") or {}
+    reason = seq.finish_reason or {}
     if reason.get("type") == "abort":
         # A probe the engine aborted (its model step failed: "engine error: …") generated nothing:
         # SGLang answers 503 when its probe fails, and a 200 here kept a broken engine in service.
