@@ -41,7 +41,7 @@ from mixrl.rl.environments.base import TaskLike
 from mixrl.rl.environments.registry import offered_tools
 from mixrl.rl.rollout.agent import evaluate, run_episode
 from mixrl.rl.rollout.router_client import RouterClient
-from mixrl.rl.rollout.worker import EPISODE_FAILURES, Loaded, _first_leaf, play_heldout, start
+from mixrl.rl.rollout.worker import EPISODE_FAILURES, Loaded, first_leaf, play_heldout, start
 from mixrl.rl.serving import stop_on_signals
 from mixrl.rl.weights import WeightStore
 
@@ -252,11 +252,11 @@ def main(argv: list[str]) -> int:
     try:
         status = asyncio.run(serve(args, loaded))
     except* BufferError as refused:  # a refused post, or a buffer still failing after the budget
-        print(f"mixrl evaluate: buffer: {_first_leaf(refused)}", file=sys.stderr)
+        print(f"mixrl evaluate: buffer: {first_leaf(refused)}", file=sys.stderr)
     except* (EngineError, VersionNotLoaded) as engine:  # not healthy in time, or not on the version
-        print(f"mixrl evaluate: engine: {_first_leaf(engine)}", file=sys.stderr)
+        print(f"mixrl evaluate: engine: {first_leaf(engine)}", file=sys.stderr)
     except* ForeignVersions as mixed:
-        print(f"mixrl evaluate: evaluation: {_first_leaf(mixed)}", file=sys.stderr)
+        print(f"mixrl evaluate: evaluation: {first_leaf(mixed)}", file=sys.stderr)
     except* EPISODE_FAILURES as failed:  # a held-out episode's last try (play_heldout)
-        print(f"mixrl evaluate: held-out evaluation: {_first_leaf(failed)}", file=sys.stderr)
+        print(f"mixrl evaluate: held-out evaluation: {first_leaf(failed)}", file=sys.stderr)
     return status

@@ -761,18 +761,18 @@ def main(argv: list[str]) -> int:
             )
         )
     except* BufferError as refused:  # raised only for a 401, through the worker's task groups
-        print(f"mixrl rollout: buffer: {_first_leaf(refused)}", file=sys.stderr)
+        print(f"mixrl rollout: buffer: {first_leaf(refused)}", file=sys.stderr)
         status = 1
     except* SamplingMaskMissing as missing:  # every turn would fail alike: one line, not a drop per group
-        print(f"mixrl rollout: engine: {_first_leaf(missing)}", file=sys.stderr)
+        print(f"mixrl rollout: engine: {first_leaf(missing)}", file=sys.stderr)
         status = 1
     except* EPISODE_FAILURES as failed:  # a held-out episode's last try (not the environment's bug)
-        print(f"mixrl rollout: held-out evaluation: {_first_leaf(failed)}", file=sys.stderr)
+        print(f"mixrl rollout: held-out evaluation: {first_leaf(failed)}", file=sys.stderr)
         status = 1
     return status
 
 
-def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+def first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The first exception inside nested exception groups (the task groups nest them)."""
     first = group.exceptions[0]
-    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+    return first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
