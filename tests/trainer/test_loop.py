@@ -22,7 +22,7 @@ from mixrl.rl.buffer.store import ASSIGNMENTS
 from mixrl.rl.tiny_models import load_model
 from mixrl.rl.trainer.batch import PolicyBatch
 from mixrl.rl.trainer.distributed import Ranks
-from mixrl.rl.trainer.main import FINISHED, PoisonBatch, TrainerLoop, batch_of_step
+from mixrl.rl.trainer.main import FINISHED, OutOfMemory, PoisonBatch, TrainerLoop, batch_of_step
 from mixrl.rl.trainer.torch_backend import StepResult, TorchPolicyTrainer
 from mixrl.rl.weights import WeightStore
 
@@ -225,6 +225,81 @@ async def test_a_batch_that_crashes_the_step_is_quarantined_once_and_the_restart
             stats = await client.stats()
             assert (await client.read_batch(1)).groups[0].prompt_id == "next"  # type: ignore[union-attr]
     assert stats["committed_step"] == 1 and [q["prompt_ids"] for q in stats["quarantined"]] == [["poison"]]
+
+
+async def test_a_batch_that_runs_out_of_memory_in_two_processes_is_quarantined_and_the_next_trains(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: out of memory was never the batch's fault, so a trajectory too long for the device
+    ended every restart on the same batch.  Now the first time the restart redoes the batch (memory
+    can run out by chance), the second the batch is quarantined, and the next one trains."""
+    long = synthetic_group(model, "long", 2, pool="bf16", seed=0, run=RUN)
+    longest = max(len(t.prompt_ids) + len(t.tokens) for t in long)
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url:
+        async with BufferClient(url) as client:
+            await client.post_trajectories(long)
+            await client.post_trajectories(synthetic_group(model, "next", 2, pool="bf16", seed=1, run=RUN))
+        real_step = TorchPolicyTrainer.step
+        attempts: list[bool] = []
+
+        def out_of_memory_on_the_first_batch(self: TorchPolicyTrainer, batch: PolicyBatch) -> StepResult:
+            if len(attempts) < 2:  # step 1's first batch ("long"), in two processes
+                attempts.append(True)
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return real_step(self, batch)
+
+        monkeypatch.setattr(TorchPolicyTrainer, "step", out_of_memory_on_the_first_batch)
+        with pytest.raises(OutOfMemory, match=r"step 1: out of memory \(CUDA out of memory. Tried"):
+            await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
+        async with BufferClient(url) as client:
+            assert (await client.stats())["quarantined"] == []  # the first time: not the batch's fault
+        with pytest.raises(
+            PoisonBatch, match=r"step 1: the batch could not be trained \(it ran out of memory twice"
+        ):
+            await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
+        await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
+        async with BufferClient(url) as client:
+            stats = await client.stats()
+            assert (await client.read_batch(1)).groups[0].prompt_id == "next"  # type: ignore[union-attr]
+    assert len(attempts) == 2 and stats["committed_step"] == 1
+    (quarantined,) = stats["quarantined"]
+    assert quarantined["prompt_ids"] == ["long"]
+    assert (
+        f"its longest trajectory has {longest} tokens (trainer.microBatchTokens 16384)"
+        in quarantined["reason"]
+    )
+    assert list((tmp_path / "run").glob("out-of-memory*")) == []
+
+
+async def test_a_batch_that_runs_out_of_memory_once_trains_on_the_restart(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory that ran out by chance: the restart trains the same batch, and forgets the failure,
+    so a later step's first out-of-memory is a first time again."""
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url:
+        async with BufferClient(url) as client:
+            await client.post_trajectories(synthetic_group(model, "only", 2, pool="bf16", seed=0, run=RUN))
+        real_step = TorchPolicyTrainer.step
+        failures: list[bool] = []
+
+        def out_of_memory_once(self: TorchPolicyTrainer, batch: PolicyBatch) -> StepResult:
+            if not failures:
+                failures.append(True)
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return real_step(self, batch)
+
+        monkeypatch.setattr(TorchPolicyTrainer, "step", out_of_memory_once)
+        with pytest.raises(OutOfMemory):
+            await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
+        assert json.loads((tmp_path / "run" / "out-of-memory.rank-0.json").read_text()) == {
+            "step": 1,
+            "prompt_ids": ["only"],
+        }
+        await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
+        async with BufferClient(url) as client:
+            stats = await client.stats()
+    assert stats["committed_step"] == 1 and stats["quarantined"] == []
+    assert not (tmp_path / "run" / "out-of-memory.rank-0.json").exists()
 
 
 def test_a_fresh_run_publishes_the_base_weights_as_version_0_once(

@@ -8,9 +8,10 @@ container) or by ``mixrl run``, and the trainer is given that directory as ``--m
 The loop, per step s (the trainer holds weight version s − 1 while computing step s):
   1. ask the buffer for step s's batch (the same batch again after a crash: nothing is lost) and
      check it against the run (mixrl.api.trajectory_check, with the model's vocabulary); a batch
-     that fails, that has no generated token to train on, or that crashes the step, is quarantined
-     in the buffer (kept, never trained) and the step takes the next full groups, so one bad
-     trajectory cannot stop the run;
+     that fails, that has no generated token to train on, that crashes the step, or that runs out
+     of memory in two processes in a row (the first time may be chance: the restart redoes it) is
+     quarantined in the buffer (kept, never trained) and the step takes the next full groups, so
+     one bad trajectory cannot stop the run;
   2. recompute π on exactly the sampled ids, apply the corrected objective, step AdamW (not on a
      gradient that is NaN or infinite: the step fails as a crash does, the weights untouched);
   3. publish version s to the weight store.  Given ``--router`` (``mixrl run``), tell every engine
@@ -49,7 +50,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import aiohttp
 import torch
@@ -84,6 +85,9 @@ log = logging.getLogger("mixrl.trainer")
 
 METRICS = "metrics.jsonl"
 FINISHED = "finished.json"
+OUT_OF_MEMORY = "out-of-memory.rank-{rank}.json"
+"""The batch this rank last ran out of memory on (step and prompt ids), until a step trains: one
+rank per file, as the ranks of several nodes may share the run directory."""
 """Written once the last step is taken (mixrl report and the operator read the run's end from it)."""
 
 
@@ -97,6 +101,11 @@ class ModelUnavailable(RuntimeError):
 
 class PoisonBatch(RuntimeError):
     """A batch that passed every check crashed the step; it is quarantined, the process ends."""
+
+
+class OutOfMemory(RuntimeError):
+    """A step ran out of accelerator memory (one line, fatal): the restarted trainer redoes it on
+    the same batch, and quarantines the batch if it runs out of memory there again."""
 
 
 class CommittedBatch(RuntimeError):
@@ -444,6 +453,8 @@ class TrainerLoop:
                 )
                 result = await asyncio.to_thread(self.trainer.step, policy_batch)
             except Exception as exc:
+                if isinstance(exc, torch.OutOfMemoryError):
+                    await self.out_of_memory(batch, exc)
                 if not_the_batch(exc):
                     raise
                 # The model may be half-updated and the other ranks inside a collective: this
@@ -453,6 +464,7 @@ class TrainerLoop:
                 raise PoisonBatch(
                     f"step {step}: the batch could not be trained ({reason}); it is quarantined"
                 ) from exc
+            self.out_of_memory_marker.unlink(missing_ok=True)
             state = await asyncio.to_thread(self.trainer.state_dict_for_publication)
             if main:
                 await asyncio.to_thread(
@@ -532,6 +544,47 @@ class TrainerLoop:
         limits = limits_of_run(self.run, vocab if isinstance(vocab, int) else None)
         return dataclasses.replace(limits, latest_version=step)
 
+    @property
+    def out_of_memory_marker(self) -> Path:
+        return self.run_dir / OUT_OF_MEMORY.format(rank=self.ranks.rank)
+
+    async def out_of_memory(self, batch: Batch, exc: torch.OutOfMemoryError) -> NoReturn:
+        """End the process after step ``batch.step`` ran out of memory.  Memory can run out by
+        chance (fragmentation, another process on the device), so the first time the restarted
+        trainer redoes the step on the same batch; a batch that runs out of memory again, in a fresh
+        process, would do so at every restart (a trajectory too long for the device: one row is
+        the smallest micro-batch), so it is quarantined and the step takes the next full groups."""
+        seen = {"step": batch.step, "prompt_ids": [group.prompt_id for group in batch.groups]}
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        marker = self.out_of_memory_marker
+        try:
+            again = json.loads(marker.read_text(encoding="utf-8")) == seen
+        except (OSError, ValueError):  # none yet, or a torn write: a first time
+            again = False
+        if again:
+            longest = max(
+                len(t.prompt_ids) + len(t.tokens) for group in batch.groups for t in group.trajectories
+            )
+            reason = (
+                f"it ran out of memory twice, the second time in a fresh process ({cause}); its"
+                f" longest trajectory has {longest} tokens (trainer.microBatchTokens"
+                f" {self.run.trainer.spec.micro_batch_tokens})"
+            )
+            await self.quarantine(batch, reason)
+            marker.unlink(missing_ok=True)
+            raise PoisonBatch(
+                f"step {batch.step}: the batch could not be trained ({reason}); it is quarantined"
+            ) from exc
+        staging = marker.with_name(marker.name + ".tmp")
+        with staging.open("w", encoding="utf-8") as out:
+            json.dump(seen, out)
+            sync_file(out)
+        staging.replace(marker)
+        raise OutOfMemory(
+            f"step {batch.step}: out of memory ({cause}); the restarted trainer redoes the step on the"
+            " same batch, and quarantines the batch if it runs out of memory again"
+        ) from exc
+
     async def quarantine(self, batch: Batch, reason: str) -> None:
         """Have the buffer take ``batch`` back for good; done already (another rank) is fine, a
         committed step is :class:`CommittedBatch`."""
@@ -599,6 +652,7 @@ FATAL_ERRORS = (
     BufferError,
     ReloadRefused,
     PoisonBatch,
+    OutOfMemory,
     CommittedBatch,
     checkpoint.CheckpointError,
     WeightStoreError,
