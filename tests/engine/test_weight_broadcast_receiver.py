@@ -1,6 +1,7 @@
 """The engine's receiver of a broadcast, in this process over gloo, with rank 0 played by the test:
 a group destroyed or initialized anew while a receive waits in it, and tensors of a dtype the model
-cannot take (the processes: tests/engine/test_weight_broadcast.py)."""
+cannot take, and the trainer's line for an engine that refused (the processes:
+tests/engine/test_weight_broadcast.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,18 @@ from typing import Any, cast
 
 import pytest
 import torch
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from mixrl.rl.engine.service import EngineService
 from mixrl.rl.engine.weight_broadcast import (
     BroadcastReceiver,
     GroupRequest,
     UpdateGroup,
+    add_routes,
     parse_update_request,
 )
+from mixrl.rl.trainer.weight_broadcast import Receiver, WeightBroadcaster
 
 GROUP = "g"
 
@@ -185,3 +190,31 @@ async def test_a_begin_through_a_new_group_discards_the_session_a_dead_trainer_l
     finally:
         rank0.close()
         engine.close()
+
+
+async def test_the_trainer_reports_the_engines_refusal_not_only_the_send_that_it_broke(
+    receiver: tuple[BroadcastReceiver, FakeService], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: an engine that refused the update left the group, and the trainer logged only its
+    own send's error ("Connection closed by peer"), which names neither the engine nor why."""
+    engine, service = receiver
+    # A session another sender discarded, as the engine sees it: begun, then gone.
+    monkeypatch.setattr(engine, "begin", lambda: (True, "Began a weight update."))
+
+    async def json_body(request: web.Request, allow_empty: bool = False) -> dict[str, Any]:
+        return cast(dict[str, Any], await request.json()) if request.can_read_body else {}
+
+    app = web.Application()
+    add_routes(app, engine, json_body)
+    async with TestServer(app, host="127.0.0.1") as server:
+        url = str(server.make_url("")).rstrip("/")
+        broadcaster = WeightBroadcaster("127.0.0.1", timeout_s=20)
+        started = time.perf_counter()
+        result = await broadcaster.broadcast([Receiver("bf16", url)], {"weight": torch.ones(4, 4)}, 1)
+    assert time.perf_counter() - started < 10, "the failure waited for a timeout"
+    assert result.error is not None and result.updated == []
+    assert result.error.startswith(
+        f"bucket 1 of 1: {url}: update_weights_from_distributed: update_weights_from_distributed"
+        " must run between begin_weight_update() and end_weight_update(); the send: "
+    ), result.error
+    assert service.applied == []

@@ -52,6 +52,9 @@ BROADCAST_PRECISION = "bf16"
 """The pools that receive: those serving the trainer's own precision (others need the version
 converted, which the disk path does)."""
 DEFAULT_BUCKET_BYTES = 256 << 20
+CAUSE_GRACE_S = 1.0
+"""How long a failed send waits for the engines' answers before closing the group: an engine that
+refused or failed answers at once, and its answer names the cause."""
 
 
 class BroadcastFailed(RuntimeError):
@@ -118,10 +121,11 @@ def buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> Iterator[li
         yield bucket
 
 
-def _gloo_reason(exc: BaseException) -> str:
-    """The first sentence of a backend's error, without gloo's source location."""
+def _gloo_reason(exc: BaseException | str) -> str:
+    """The first sentence of a backend's error (or of an engine's message quoting one), without
+    gloo's source location."""
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    text = re.sub(r"^\[[^\]]*\] ", "", text)
+    text = re.sub(r"\[[^\]]*\.cc:\d+\] ", "", text)
     return text.split(". This is typically caused")[0]
 
 
@@ -266,9 +270,20 @@ class WeightBroadcaster:
                 await asyncio.to_thread(group.broadcast, flat)
                 result.broadcast_s += time.perf_counter() - started
             except RuntimeError as exc:
+                # An engine that refused the call or failed left the group, which is what failed
+                # the send: the engines that answered by now are the cause, named first with their
+                # own message; the send's error says only that a peer went away.
+                await asyncio.wait(calls, timeout=CAUSE_GRACE_S)
+                answered = [call.done() for call in calls]
                 group.close()  # the receivers still waiting fail now, not at their timeout
-                await asyncio.gather(*calls, return_exceptions=True)
-                raise BroadcastFailed(f"bucket {index + 1} of {len(cuts)}: {_gloo_reason(exc)}") from None
+                answers = await asyncio.gather(*calls, return_exceptions=True)
+                what = "update_weights_from_distributed"
+                causes = _failures(*_where(answered, clients, answers), what)
+                ended = len(_failures(*_where([not a for a in answered], clients, answers), what))
+                parts = [*causes, f"the send: {_gloo_reason(exc)}"]
+                if ended:
+                    parts.append(f"the receives of {ended} other engine(s) ended with it")
+                raise BroadcastFailed(f"bucket {index + 1} of {len(cuts)}: {'; '.join(parts)}") from None
             await _check_answers(
                 clients,
                 "update_weights_from_distributed",
@@ -286,12 +301,29 @@ async def _all_succeed(clients: list[EngineClient], what: str, call: Any) -> Non
 
 async def _check_answers(clients: list[EngineClient], what: str, answers: list[Any]) -> None:
     """BroadcastFailed naming the first engine that failed or refused ``what``."""
+    failures = _failures(clients, answers, what)
+    if failures:
+        raise BroadcastFailed(failures[0])
+
+
+def _where(
+    chosen: list[bool], clients: list[EngineClient], answers: list[Any]
+) -> tuple[list[EngineClient], list[Any]]:
+    """The clients and answers where ``chosen`` holds."""
+    pairs = [(c, a) for c, a, keep in zip(clients, answers, chosen, strict=True) if keep]
+    return [c for c, _ in pairs], [a for _, a in pairs]
+
+
+def _failures(clients: list[EngineClient], answers: list[Any], what: str) -> list[str]:
+    """One line per engine that failed or refused ``what``, in the engines' order (an exception
+    that is not the engine's or its connection's is raised)."""
+    failures = []
     for client, answer in zip(clients, answers, strict=True):
         if isinstance(answer, BaseException):
             if not isinstance(answer, EngineError | aiohttp.ClientError | TimeoutError):
                 raise answer
-            raise BroadcastFailed(
-                f"{client.base_url}: {what}: {str(answer).splitlines()[0] if str(answer) else type(answer).__name__}"
-            )
-        if not answer.get("success"):
-            raise BroadcastFailed(f"{client.base_url}: {what}: {answer.get('message')}")
+            reason = str(answer).splitlines()[0] if str(answer) else type(answer).__name__
+            failures.append(f"{client.base_url}: {what}: {reason}")
+        elif not answer.get("success"):
+            failures.append(f"{client.base_url}: {what}: {_gloo_reason(str(answer.get('message')))}")
+    return failures
