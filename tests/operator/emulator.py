@@ -7,6 +7,7 @@ what kube-apiserver or kube-controller-manager does:
 - metadata bookkeeping: ``uid``, ``resourceVersion`` (bumped on every write), ``generation``
   (bumped when ``spec`` changes) and ``creationTimestamp``;
 - the status subresource: the main endpoint ignores ``status``, ``/status`` changes only ``status``;
+- a Secret's ``stringData`` written into its ``data``, base64-encoded, on creation;
 - the scale subresource of SamplerPools (``spec.replicas``), as ``kubectl scale`` uses it;
 - server-side apply by a single manager: the applied object replaces the previous one (server
   fields and status kept), and applying to a missing object creates it;
@@ -29,6 +30,7 @@ way kube-controller-manager would).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import itertools
@@ -279,6 +281,12 @@ class ApiServer(kmock.KubernetesEmulator):
         meta["creationTimestamp"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         if self._has_status(request):
             data.pop("status", None)
+        if request.resource.plural == "secrets" and "stringData" in data:  # write-only, kept in data
+            encoded = {
+                key: base64.b64encode(value.encode()).decode()
+                for key, value in data.pop("stringData").items()
+            }
+            data["data"] = {**data.get("data", {}), **encoded}
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         for fault in self.faults:

@@ -12,6 +12,7 @@ from typing import Any
 import kmock
 import pytest
 
+from mixrl.operator.builders.objects import AUTH_TOKEN_HASH, token_hash
 from mixrl.operator.controller.runtime import OperatorConfig, Runtime
 from mixrl.operator.kube.client import ApiError
 
@@ -347,6 +348,45 @@ async def test_deleted_children_come_back(api: ApiServer, operator: Any) -> None
         assert api.live(SAMPLERPOOLS, NAMESPACE, "demo-b200")["spec"]["replicas"] == 2, "seeded again"
         assert api.live("v1/services", NAMESPACE, "demo-b200") is not None
         await settled(api)
+
+
+def token_hashes(api: ApiServer) -> dict[str, str | None]:
+    """Each workload's (and SamplerPool's) token hash: the pod templates' annotation, the pool's label."""
+    found: dict[str, str | None] = {}
+    for resource in (STATEFULSETS, DEPLOYMENTS):
+        for name in api.names(resource, NAMESPACE):
+            template = api.live(resource, NAMESPACE, name)["spec"]["template"]
+            found[name] = (template["metadata"].get("annotations") or {}).get(AUTH_TOKEN_HASH)
+    for name in api.names(SAMPLERPOOLS, NAMESPACE):
+        found[f"pool {name}"] = api.live(SAMPLERPOOLS, NAMESPACE, name)["metadata"]["labels"].get(
+            AUTH_TOKEN_HASH
+        )
+    return found
+
+
+async def test_a_token_drawn_anew_restarts_every_pod_of_the_run(api: ApiServer, operator: Any) -> None:
+    """Before: a deleted ``<run>-auth`` Secret came back with a new token that only the pods which
+    happened to restart took; the others refused them (every process reads the token once, SGLang
+    from its environment).  Now every pod template carries the token's hash, so all of them roll."""
+    async with operator(resync_interval_s=0.3):
+        await ready_run(api, resyncing=True)
+        first = api.live("v1/secrets", NAMESPACE, "demo-auth")["data"]["token"]
+        before = token_hashes(api)
+        assert set(before) == {
+            "demo-trainer", "demo-buffer", "demo-rollout", "demo-router", "demo-b200", "demo-h100",
+            "pool demo-b200", "pool demo-h100",
+        }  # fmt: skip
+        assert set(before.values()) == {token_hash(first)}
+        api.vanish("v1/secrets", NAMESPACE, "demo-auth")  # the operator does not watch Secrets
+        await eventually(lambda: api.live("v1/secrets", NAMESPACE, "demo-auth"), what="the Secret")
+        second = api.live("v1/secrets", NAMESPACE, "demo-auth")["data"]["token"]
+        assert second != first
+        await eventually(
+            lambda: set(token_hashes(api).values()) == {token_hash(second)},
+            what="every workload's pods and every pool's engines rolled to the new token",
+        )
+        await writes_settled(api)
+        assert api.live("v1/secrets", NAMESPACE, "demo-auth")["data"]["token"] == second, "drawn once"
 
 
 async def test_a_hand_edit_of_a_pool_deployment_is_undone(api: ApiServer, operator: Any) -> None:

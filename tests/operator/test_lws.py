@@ -25,7 +25,7 @@ from mixrl.operator.builders.lws import (
     lws_name,
 )
 from mixrl.operator.builders.network import network_policies
-from mixrl.operator.builders.objects import BuildOptions, Owner, Scrapers
+from mixrl.operator.builders.objects import AUTH_TOKEN_HASH, HASH_ANNOTATION, BuildOptions, Owner, Scrapers
 from mixrl.operator.builders.pools import pool_children
 from mixrl.operator.controller.reconcile import LWS_MISSING
 from mixrl.operator.kube.rbac import LEADERWORKERSETS, RECONCILER, permissions
@@ -123,6 +123,24 @@ def test_a_two_node_pool_is_a_leader_worker_set_of_groups_of_two() -> None:
         # Each pod holds one node's share of the replica's 16 GPUs.
         assert engine["resources"]["limits"][GPU_RESOURCE] == "8"
         assert [c["name"] for c in pod["spec"]["initContainers"]] == ["weights-init"]
+
+
+def test_a_new_token_rolls_both_the_leaders_and_the_workers() -> None:
+    """The workers hold the token too (SGLang's environment): both templates carry its hash."""
+    resolved = two_node_run()
+    pool = resolved.pools[0]
+    hashes = []
+    for hashed in ("0123456789abcdef", "fedcba9876543210"):
+        (lws,) = (
+            obj
+            for obj in pool_children(resolved, pool, 1, OWNER, BuildOptions(), token_hash=hashed)
+            if obj["kind"] == "LeaderWorkerSet"
+        )
+        group = lws["spec"]["leaderWorkerTemplate"]
+        for member in ("leaderTemplate", "workerTemplate"):
+            assert group[member]["metadata"]["annotations"][AUTH_TOKEN_HASH] == hashed
+        hashes.append(lws["metadata"]["annotations"][HASH_ANNOTATION])
+    assert hashes[0] != hashes[1], "the new token is a change to write"
 
 
 def test_sglangs_multi_node_flags_name_lws_variables_and_the_whole_tensor_parallel_size() -> None:

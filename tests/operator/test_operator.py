@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from typing import Any
@@ -11,7 +12,7 @@ import kmock
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
 from mixrl.operator.builders import labels as L
-from mixrl.operator.builders.objects import HASH_ANNOTATION, BuildOptions, Owner
+from mixrl.operator.builders.objects import HASH_ANNOTATION, BuildOptions, Owner, token_hash
 from mixrl.operator.builders.pools import pool_children
 from mixrl.operator.builders.resources import run_objects, seed_replicas
 from mixrl.operator.controller.observed_status import COMPONENT_CONDITIONS
@@ -56,16 +57,19 @@ def existing(api: ApiServer) -> set[tuple[str, str]]:
 
 
 def expected(
-    manifest: Obj, run_uid: str = "uid", pool_uids: dict[str, str] | None = None
+    manifest: Obj, run_uid: str = "uid", pool_uids: dict[str, str] | None = None, hashed: str | None = None
 ) -> dict[tuple[str, str], Obj]:
-    """What the builders say a run becomes (both controllers' objects), for the given owner uids."""
+    """What the builders say a run becomes (both controllers' objects), for the given owner uids
+    and the hash of the run's token."""
     resolved = resolve(RLRun.model_validate(manifest))
     owner = Owner("mixrl.dev/v1alpha1", "RLRun", resolved.name, run_uid)
-    objects = run_objects(resolved, owner, BuildOptions())
+    objects = run_objects(resolved, owner, BuildOptions(), token_hash=hashed)
     for pool in resolved.pools:
         uid = (pool_uids or {}).get(pool.object_name, "uid")
         pool_owner = Owner("mixrl.dev/v1alpha1", "SamplerPool", pool.object_name, uid)
-        objects += pool_children(resolved, pool, seed_replicas(pool), pool_owner, BuildOptions())
+        objects += pool_children(
+            resolved, pool, seed_replicas(pool), pool_owner, BuildOptions(), token_hash=hashed
+        )
     return {(o["kind"], o["metadata"]["name"]): o for o in objects}
 
 
@@ -111,7 +115,9 @@ async def test_applying_a_run_creates_exactly_the_expected_children(api: ApiServ
         name: api.live(SAMPLERPOOLS, NAMESPACE, name)["metadata"]["uid"]
         for name in ("demo-b200", "demo-h100")
     }
-    want = expected(manifest, run_uid, pool_uids)
+    token = api.live("v1/secrets", NAMESPACE, "demo-auth")["data"]["token"]
+    assert len(base64.b64decode(token)) == 43  # secrets.token_urlsafe(32), drawn by the operator
+    want = expected(manifest, run_uid, pool_uids, token_hash(token))
     assert existing(api) == set(want)
     for (kind, name), desired in want.items():
         live = api.live(CHILD_RESOURCES[kind], NAMESPACE, name)
@@ -120,7 +126,7 @@ async def test_applying_a_run_creates_exactly_the_expected_children(api: ApiServ
         live_hash = live["metadata"]["annotations"][HASH_ANNOTATION]
         assert live_hash == desired["metadata"]["annotations"][HASH_ANNOTATION], (kind, name)
         assert live["metadata"]["ownerReferences"] == desired["metadata"]["ownerReferences"]
-        if kind != "SamplerPool":
+        if kind not in ("SamplerPool", "Secret"):
             assert live.get("spec", live.get("data")) == desired.get("spec", desired.get("data"))
     pools = {name: api.live(SAMPLERPOOLS, NAMESPACE, name) for name in ("demo-b200", "demo-h100")}
     assert {n: p["spec"]["replicas"] for n, p in pools.items()} == {"demo-b200": 2, "demo-h100": 1}

@@ -35,6 +35,14 @@ Deployment's configuration; the autoscaling engine, and in KEDA mode the ScaledO
 which wakes the pool's own controller (it alone writes them).  A label, not an annotation: kopf's
 change detection sees labels and the spec, not annotations."""
 
+AUTH_TOKEN_HASH = "mixrl.dev/auth-token-hash"
+"""The hash of the run's token (its ``<run>-auth`` Secret): an annotation on the pod template of every
+workload of the run, and a label on each SamplerPool, whose controller stamps its engines' templates
+from it (a label: kopf's change detection sees labels, not annotations).  Every process reads the
+token once, at start (SGLang from its environment), so a token drawn anew (the Secret deleted, by
+hand or to rotate it) must restart every pod of the run: otherwise the pods that happen to restart
+take a token the others refuse."""
+
 WEIGHTS_MOUNT = "weights"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 """Set by the StatefulSet controller on each pod (Kubernetes ≥ 1.28)."""
@@ -416,6 +424,33 @@ def desired_hash(obj: Obj) -> str:
 
 def with_hash(obj: Obj) -> Obj:
     obj.setdefault("metadata", {}).setdefault("annotations", {})[HASH_ANNOTATION] = desired_hash(obj)
+    return obj
+
+
+def token_hash(token_data: str) -> str:
+    """:data:`AUTH_TOKEN_HASH` of a token Secret whose ``data`` holds ``token_data`` (base64)."""
+    return hashlib.sha256(token_data.encode()).hexdigest()[:16]
+
+
+def pod_templates(obj: Obj) -> list[Obj]:
+    """A workload's pod templates (a LeaderWorkerSet's leader and worker templates); none for others."""
+    if obj["kind"] in ("Deployment", "StatefulSet"):
+        return [obj["spec"]["template"]]
+    if obj["kind"] == "LeaderWorkerSet":
+        group = obj["spec"]["leaderWorkerTemplate"]
+        return [template for template in (group.get("leaderTemplate"), group["workerTemplate"]) if template]
+    return []
+
+
+def with_token_hash(obj: Obj, hashed: str | None) -> Obj:
+    """``obj`` carrying :data:`AUTH_TOKEN_HASH` ``hashed``: a SamplerPool labelled, a workload's pod
+    templates annotated (None: ``obj`` as it is)."""
+    if hashed is None:
+        return obj
+    if obj["kind"] == "SamplerPool":
+        obj["metadata"].setdefault("labels", {})[AUTH_TOKEN_HASH] = hashed
+    for template in pod_templates(obj):
+        template.setdefault("metadata", {}).setdefault("annotations", {})[AUTH_TOKEN_HASH] = hashed
     return obj
 
 

@@ -41,6 +41,7 @@ from mixrl.operator.builders.objects import (
     weight_sync_footprint,
     weights_volume_and_mount,
     with_hash,
+    with_token_hash,
     workload,
 )
 
@@ -201,6 +202,16 @@ def pool_objects(
 
 
 def pool_children(
-    resolved: ResolvedRun, pool: ResolvedPool, replicas: int, owner: Owner, options: BuildOptions
+    resolved: ResolvedRun,
+    pool: ResolvedPool,
+    replicas: int,
+    owner: Owner,
+    options: BuildOptions,
+    token_hash: str | None = None,
 ) -> list[Obj]:
-    return [with_hash(obj) for obj in pool_objects(resolved, pool, replicas, owner, options)]
+    """:func:`pool_objects` with their desired-hash annotations; ``token_hash``: the run's token's
+    (the SamplerPool's :data:`AUTH_TOKEN_HASH` label), on the engines' pod templates."""
+    return [
+        with_hash(with_token_hash(obj, token_hash))
+        for obj in pool_objects(resolved, pool, replicas, owner, options)
+    ]

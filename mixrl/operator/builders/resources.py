@@ -62,6 +62,7 @@ from mixrl.operator.builders.objects import (
     weights_volume_and_mount,
     weights_volume_size,
     with_hash,
+    with_token_hash,
     workload,
 )
 from mixrl.operator.builders.podspec import (
@@ -450,11 +451,16 @@ def released(objects: list[Obj], resolved: ResolvedRun) -> list[Obj]:
 
 
 def run_objects(
-    resolved: ResolvedRun, owner: Owner, options: BuildOptions, finished: bool = False
+    resolved: ResolvedRun,
+    owner: Owner,
+    options: BuildOptions,
+    finished: bool = False,
+    token_hash: str | None = None,
 ) -> list[Obj]:
     """Everything the RLRun owns directly, each with its desired-hash annotation, in apply order
     (configuration and volumes before the workloads that mount them); ``finished``: the run is
-    Succeeded or Failed, so its workloads are :func:`released`."""
+    Succeeded or Failed, so its workloads are :func:`released`; ``token_hash``: the hash of its
+    Secret's token (:data:`AUTH_TOKEN_HASH`), which its workloads and pools carry."""
     objects: list[Obj] = [config_map(resolved, owner), auth_secret(resolved, owner)]
     if sandbox.enabled(resolved) is not None:
         template = sandbox.sandbox_pod_template(resolved, owner, options.images)
@@ -474,4 +480,4 @@ def run_objects(
         objects += network_policies(resolved, owner, options.images.network_policies)
     if finished:
         objects = released(objects, resolved)
-    return [with_hash(obj) for obj in objects]
+    return [with_hash(with_token_hash(obj, token_hash)) for obj in objects]

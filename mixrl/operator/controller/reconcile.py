@@ -47,10 +47,24 @@ from mixrl.operator.builders.kueue import (
 )
 from mixrl.operator.builders.lws import lws_name
 from mixrl.operator.builders.network import policy_names
-from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner
+from mixrl.operator.builders.objects import (
+    AUTH_TOKEN_HASH,
+    BuildOptions,
+    Monitoring,
+    Owner,
+    pod_templates,
+    token_hash,
+    with_hash,
+)
 from mixrl.operator.builders.podspec import AUTH_TOKEN_KEY
 from mixrl.operator.builders.pools import pool_children
-from mixrl.operator.builders.resources import clamp_replicas, pod_monitor, run_objects, seed_replicas
+from mixrl.operator.builders.resources import (
+    auth_secret,
+    clamp_replicas,
+    pod_monitor,
+    run_objects,
+    seed_replicas,
+)
 from mixrl.operator.controller.apply import (
     ApplyReport,
     Child,
@@ -286,17 +300,25 @@ async def reconcile_run(ctx: Context, body: Obj) -> Outcome:
                 return await queued(ctx, body, resolved, owner, options, admission, report)
     except OwnerGone:
         return Outcome(report=report)
-    objects = run_objects(resolved, owner, options, finished=finished or held)
+    try:
+        hashed = await apply_token_secret(ctx, resolved, owner, report, alive)
+    except OwnerGone:
+        return Outcome(report=report)
+    objects = run_objects(resolved, owner, options, finished=finished or held, token_hash=hashed)
     children: list[Child] = []
     for desired in objects:
+        if hashed is None and carries_token_hash(desired):
+            # The Secret's failure is in the report and the reconcile is retried; applied without
+            # the token's hash, every workload would restart for nothing.
+            continue
         if desired["kind"] == "SamplerPool":
             pool = resolved.pool(desired["spec"]["pool"])
             # A finished run's pools carry replicas 0 in what is desired (the builder's released()).
             seed = None if finished else {"spec": {"replicas": seed_replicas(pool)}}
             update = None if finished else (remember_replicas if held else within_bounds(pool))
             children.append(Child(desired, seed, update))
-        elif desired["kind"] == "Secret":  # the run's API token, made once (docs/auth.md)
-            children.append(Child(desired, {"stringData": {AUTH_TOKEN_KEY: secrets.token_urlsafe(32)}}))
+        elif desired["kind"] == "Secret":  # applied first (apply_token_secret)
+            continue
         else:
             children.append(Child(desired))
     try:
@@ -441,6 +463,43 @@ async def admit(
     if admitted(workload):
         return "True", Reason.ADMITTED, f"admitted by Kueue in LocalQueue {queue} (Workload {resolved.name})"
     return "False", Reason.QUEUED, waiting_message(workload, queue)
+
+
+async def apply_token_secret(
+    ctx: Context,
+    resolved: ResolvedRun,
+    owner: Owner,
+    report: ApplyReport,
+    alive: Callable[[], Awaitable[None]],
+) -> str | None:
+    """The run's token Secret applied, created with a random token when it is absent (docs/auth.md),
+    and the hash of its token (:data:`AUTH_TOKEN_HASH`); None when it could not be applied or holds
+    no token (its failure is in ``report``)."""
+    desired = with_hash(auth_secret(resolved, owner))
+    seed = {"stringData": {AUTH_TOKEN_KEY: secrets.token_urlsafe(32)}}
+    applied = await apply_objects(
+        ctx.client,
+        [Child(desired, seed)],
+        report,
+        alive,
+        cached=ctx.cached_reads,
+        unseen_absent=ctx.unseen_children_absent,
+    )
+    live = applied.get(label(desired))
+    data = ((live.after.get("data") or {}) if live is not None else {}).get(AUTH_TOKEN_KEY)
+    if not data:
+        if live is not None:
+            missing = (
+                f"no {AUTH_TOKEN_KEY!r} in its data: delete the Secret, and the operator makes it again"
+                " with a new token (every pod of the run restarts to take it)"
+            )
+            report.failures.append(Failure(label(desired), missing, retry=False))
+        return None
+    return token_hash(data)
+
+
+def carries_token_hash(obj: Obj) -> bool:
+    return obj["kind"] == "SamplerPool" or bool(pod_templates(obj))
 
 
 async def queued(
@@ -727,7 +786,8 @@ async def reconcile_pool(ctx: Context, body: Obj) -> Outcome:
         # A failed deletion raises before the status drops awaitingAdmission, so the retry
         # deletes what is left.
         await admit_extras(ctx, resolved, pool, body, options, None, report, alive)
-    children = pool_children(resolved, pool, held, owner_of(body), options)
+    hashed = (meta.get("labels") or {}).get(AUTH_TOKEN_HASH)  # the run's controller sets it
+    children = pool_children(resolved, pool, held, owner_of(body), options, token_hash=hashed)
     if across_nodes and not lws_served:
         # Said plainly instead of the API server's 404 for an unknown kind.  Only the cluster can
         # fix it (retry False: Progressing False), yet the reconcile is still retried, so installing
