@@ -99,8 +99,23 @@ STREAM_LABELS = (*REQUEST_LABELS, "is_streaming")
 """… and those counted separately for streamed requests ("true" / "false")."""
 CACHE_SOURCE_LABELS = (*REQUEST_LABELS, "cache_source")
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-_TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# SGLang 0.5.23's default buckets, each histogram its own (srt/observability/metrics_collector.py;
+# tests/sglang/test_engine_histograms.py reads them there): a pool of either engine fills the same
+# buckets, so their series aggregate by ``le``, and an RL generation's minutes-long latencies land
+# in buckets of their own instead of +Inf.
+_TIME_TO_FIRST_TOKEN_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+_INTER_TOKEN_LATENCY_BUCKETS = (
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100,
+    0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000,
+)  # fmt: skip
+_E2E_REQUEST_LATENCY_BUCKETS = (
+    0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400,
+)  # fmt: skip
+_QUEUE_TIME_BUCKETS = (
+    0.000, 0.001, 0.005, 0.010, 0.050, 0.100, 0.200, 0.500, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60,
+    70, 80, 90, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000, 2500,
+    3000,
+)  # fmt: skip
 
 SGLANG_NUM_QUEUE_REQS = MetricSpec(
     "sglang:num_queue_reqs", "gauge", "Requests waiting to be scheduled.", ENGINE_LABELS
@@ -137,28 +152,28 @@ SGLANG_TIME_TO_FIRST_TOKEN = MetricSpec(
     "histogram",
     "Arrival to first token.",
     STREAM_LABELS,
-    _LATENCY_BUCKETS,
+    _TIME_TO_FIRST_TOKEN_BUCKETS,
 )
 SGLANG_INTER_TOKEN_LATENCY = MetricSpec(
     "sglang:inter_token_latency_seconds",
     "histogram",
     "Time between consecutive tokens of a request, one observation per token.",
     REQUEST_LABELS,
-    _TOKEN_LATENCY_BUCKETS,
+    _INTER_TOKEN_LATENCY_BUCKETS,
 )
 SGLANG_E2E_REQUEST_LATENCY = MetricSpec(
     "sglang:e2e_request_latency_seconds",
     "histogram",
     "Arrival to completion.",
     STREAM_LABELS,
-    _LATENCY_BUCKETS,
+    _E2E_REQUEST_LATENCY_BUCKETS,
 )
 SGLANG_QUEUE_TIME = MetricSpec(
     "sglang:queue_time_seconds",
     "histogram",
     "Arrival to admission into the batch.",
     ENGINE_LABELS,
-    _LATENCY_BUCKETS,
+    _QUEUE_TIME_BUCKETS,
 )
 
 SGLANG_NUM_REQUESTS_TOTAL = MetricSpec(
