@@ -195,6 +195,22 @@ async def test_a_batch_outside_the_models_vocabulary_is_quarantined_and_the_step
     assert f"trajectories[1].tokens[0]: token id {VOCAB + 5} is outside the vocabulary (0..{VOCAB - 1})" in quarantined["reason"]  # fmt: skip
 
 
+def failing_steps(monkeypatch: pytest.MonkeyPatch, error: Exception, times: int) -> list[bool]:
+    """The trainer's step raises ``error`` on its first ``times`` calls (across processes: the
+    loops a test runs one after another), then trains; the list grows by one per failure."""
+    real_step = TorchPolicyTrainer.step
+    failures: list[bool] = []
+
+    def step(self: TorchPolicyTrainer, batch: PolicyBatch) -> StepResult:
+        if len(failures) < times:
+            failures.append(True)
+            raise error
+        return real_step(self, batch)
+
+    monkeypatch.setattr(TorchPolicyTrainer, "step", step)
+    return failures
+
+
 async def test_a_batch_that_crashes_the_step_is_quarantined_once_and_the_restart_goes_on(
     tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,16 +222,7 @@ async def test_a_batch_that_crashes_the_step_is_quarantined_once_and_the_restart
                 await client.post_trajectories(
                     synthetic_group(model, prompt, 2, pool="bf16", seed=seed, run=RUN)
                 )
-        real_step = TorchPolicyTrainer.step
-
-        def crash_on_poison(self: TorchPolicyTrainer, batch: PolicyBatch) -> StepResult:
-            if batch.rewards.numel() and crashed == []:
-                crashed.append(True)
-                raise IndexError("index 7 is out of bounds for dimension 0 with size 3")
-            return real_step(self, batch)
-
-        crashed: list[bool] = []
-        monkeypatch.setattr(TorchPolicyTrainer, "step", crash_on_poison)
+        failing_steps(monkeypatch, IndexError("index 7 is out of bounds for dimension 0 with size 3"), 1)
         with pytest.raises(
             PoisonBatch, match=r"step 1: the batch could not be trained \(IndexError: index 7"
         ):
@@ -239,16 +246,10 @@ async def test_a_batch_that_runs_out_of_memory_in_two_processes_is_quarantined_a
         async with BufferClient(url) as client:
             await client.post_trajectories(long)
             await client.post_trajectories(synthetic_group(model, "next", 2, pool="bf16", seed=1, run=RUN))
-        real_step = TorchPolicyTrainer.step
-        attempts: list[bool] = []
-
-        def out_of_memory_on_the_first_batch(self: TorchPolicyTrainer, batch: PolicyBatch) -> StepResult:
-            if len(attempts) < 2:  # step 1's first batch ("long"), in two processes
-                attempts.append(True)
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
-            return real_step(self, batch)
-
-        monkeypatch.setattr(TorchPolicyTrainer, "step", out_of_memory_on_the_first_batch)
+        # Step 1's first batch ("long"), in two processes.
+        attempts = failing_steps(
+            monkeypatch, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), 2
+        )
         with pytest.raises(OutOfMemory, match=r"step 1: out of memory \(CUDA out of memory. Tried"):
             await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
         async with BufferClient(url) as client:
@@ -279,16 +280,7 @@ async def test_a_batch_that_runs_out_of_memory_once_trains_on_the_restart(
     async with buffer_at(tmp_path / "buffer", run=RUN) as url:
         async with BufferClient(url) as client:
             await client.post_trajectories(synthetic_group(model, "only", 2, pool="bf16", seed=0, run=RUN))
-        real_step = TorchPolicyTrainer.step
-        failures: list[bool] = []
-
-        def out_of_memory_once(self: TorchPolicyTrainer, batch: PolicyBatch) -> StepResult:
-            if not failures:
-                failures.append(True)
-                raise torch.OutOfMemoryError("CUDA out of memory")
-            return real_step(self, batch)
-
-        monkeypatch.setattr(TorchPolicyTrainer, "step", out_of_memory_once)
+        failing_steps(monkeypatch, torch.OutOfMemoryError("CUDA out of memory"), 1)
         with pytest.raises(OutOfMemory):
             await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
         assert json.loads((tmp_path / "run" / "out-of-memory.rank-0.json").read_text()) == {
