@@ -10,6 +10,7 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -211,6 +212,19 @@ def failing_steps(monkeypatch: pytest.MonkeyPatch, error: Exception, times: int)
     return failures
 
 
+async def quarantined_then_next_trained(
+    tmp_path: Path, url: str, model_dir: Path, reason: str
+) -> dict[str, Any]:
+    """A trainer that ends quarantining step 1's batch for ``reason`` (a regex), then its restart,
+    which trains step 1 on the next batch ("next"); the buffer's stats after."""
+    with pytest.raises(PoisonBatch, match=rf"step 1: the batch could not be trained \({reason}"):
+        await trainer_loop(tmp_path, url, model_dir, total_steps=1).train()
+    await trainer_loop(tmp_path, url, model_dir, total_steps=1).train()
+    async with BufferClient(url) as client:
+        assert (await client.read_batch(1)).groups[0].prompt_id == "next"  # type: ignore[union-attr]
+        return await client.stats()
+
+
 async def test_a_batch_that_crashes_the_step_is_quarantined_once_and_the_restart_goes_on(
     tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,14 +237,7 @@ async def test_a_batch_that_crashes_the_step_is_quarantined_once_and_the_restart
                     synthetic_group(model, prompt, 2, pool="bf16", seed=seed, run=RUN)
                 )
         failing_steps(monkeypatch, IndexError("index 7 is out of bounds for dimension 0 with size 3"), 1)
-        with pytest.raises(
-            PoisonBatch, match=r"step 1: the batch could not be trained \(IndexError: index 7"
-        ):
-            await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
-        await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
-        async with BufferClient(url) as client:
-            stats = await client.stats()
-            assert (await client.read_batch(1)).groups[0].prompt_id == "next"  # type: ignore[union-attr]
+        stats = await quarantined_then_next_trained(tmp_path, url, tiny_model_dir, r"IndexError: index 7")
     assert stats["committed_step"] == 1 and [q["prompt_ids"] for q in stats["quarantined"]] == [["poison"]]
 
 
@@ -254,14 +261,9 @@ async def test_a_batch_that_runs_out_of_memory_in_two_processes_is_quarantined_a
             await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
         async with BufferClient(url) as client:
             assert (await client.stats())["quarantined"] == []  # the first time: not the batch's fault
-        with pytest.raises(
-            PoisonBatch, match=r"step 1: the batch could not be trained \(it ran out of memory twice"
-        ):
-            await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
-        await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=1).train()
-        async with BufferClient(url) as client:
-            stats = await client.stats()
-            assert (await client.read_batch(1)).groups[0].prompt_id == "next"  # type: ignore[union-attr]
+        stats = await quarantined_then_next_trained(
+            tmp_path, url, tiny_model_dir, r"it ran out of memory twice"
+        )
     assert len(attempts) == 2 and stats["committed_step"] == 1
     (quarantined,) = stats["quarantined"]
     assert quarantined["prompt_ids"] == ["long"]
