@@ -85,10 +85,10 @@ log = logging.getLogger("mixrl.trainer")
 
 METRICS = "metrics.jsonl"
 FINISHED = "finished.json"
+"""Written once the last step is taken (mixrl report and the operator read the run's end from it)."""
 OUT_OF_MEMORY = "out-of-memory.rank-{rank}.json"
 """The batch this rank last ran out of memory on (step and prompt ids), until a step trains: one
 rank per file, as the ranks of several nodes may share the run directory."""
-"""Written once the last step is taken (mixrl report and the operator read the run's end from it)."""
 
 
 class ReloadRefused(RuntimeError):
