@@ -657,6 +657,7 @@ FATAL_ERRORS = (
     checkpoint.CheckpointError,
     WeightStoreError,
     OSError,
+    torch.OutOfMemoryError,  # outside a step (loading, publishing, a checkpoint): inside, OutOfMemory
 )
 """What ends the trainer with one line (:func:`fatal_line`) rather than a traceback."""
 
@@ -670,6 +671,8 @@ def fatal_line(exc: BaseException) -> tuple[str, int]:
         return f"--model-path: {exc}", 2
     if isinstance(exc, PoisonBatch):
         return f"{exc}; restart to go on with the next batch", 1
+    if isinstance(exc, torch.OutOfMemoryError):
+        return f"out of memory: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'}", 1
     for kind, what in (
         (BufferError, "buffer"),  # a refused step or an unreachable buffer
         (ReloadRefused, "router"),
