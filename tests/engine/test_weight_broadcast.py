@@ -168,10 +168,10 @@ async def test_an_engine_dying_mid_broadcast_fails_it_in_one_line_and_the_disk_p
     assert result.updated == [] and result.error is not None
     assert "\n" not in result.error and len(result.error) <= 500
     print("the failure:", result.error)
-    # The cause first (the dead engine), then the send it broke; the survivor only as a consequence.
+    # The cause first (the dead engine), then the send it broke; the survivor only as a consequence
+    # (counted when its receive failed with the group; it may also have had the bucket whole).
     assert result.error.startswith(f"bucket 3 of 13: {doomed.url}: update_weights_from_distributed: ")
     assert "; the send: " in result.error and survivor.url not in result.error
-    assert result.error.endswith("the receives of 1 other engine(s) ended with it")
     async with EngineClient(survivor.url, auth_token=TOKEN) as client:
         assert await client.get_weight_version() == 0  # the old weights keep serving
         ids, versions = await greedy(survivor.url)
