@@ -47,6 +47,15 @@ from kmock._internal.k8s import KubernetesError
 
 Obj = dict[str, Any]
 
+
+def keep_string_data(secret: Obj) -> None:
+    """A Secret's write-only ``stringData`` moved into its ``data``, base64-encoded, as the API
+    server stores it."""
+    if "stringData" in secret:
+        encoded = {k: base64.b64encode(v.encode()).decode() for k, v in secret.pop("stringData").items()}
+        secret["data"] = {**secret.get("data", {}), **encoded}
+
+
 SERVER_META = ("uid", "resourceVersion", "generation", "creationTimestamp", "deletionTimestamp", "finalizers")
 
 # group/version/plural -> (kind, namespaced, subresources)
@@ -281,12 +290,8 @@ class ApiServer(kmock.KubernetesEmulator):
         meta["creationTimestamp"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         if self._has_status(request):
             data.pop("status", None)
-        if request.resource.plural == "secrets" and "stringData" in data:  # write-only, kept in data
-            encoded = {
-                key: base64.b64encode(value.encode()).decode()
-                for key, value in data.pop("stringData").items()
-            }
-            data["data"] = {**data.get("data", {}), **encoded}
+        if request.resource.plural == "secrets":
+            keep_string_data(data)
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         for fault in self.faults:

@@ -4,7 +4,6 @@ not an eviction, a failed cleanup is retried, an ended run is never started agai
 
 from __future__ import annotations
 
-import base64
 import copy
 from typing import Any
 
@@ -20,6 +19,7 @@ from mixrl.operator.kube.cache import ObjectCache
 from mixrl.operator.kube.client import ApiError
 from mixrl.operator.kube.rbac import ApiResource
 
+from .emulator import keep_string_data
 from .support import NAMESPACE, small_run
 
 RUN = ("RLRun", NAMESPACE, "demo")
@@ -72,9 +72,7 @@ class Api:
         self.fault(r.kind, "write")
         old = self.objects.get((r.kind, ns, name))
         new = copy.deepcopy(body) if old is None else merged(old, body)
-        if "stringData" in new:  # a Secret's write-only field, kept in data as the API server does
-            encoded = {k: base64.b64encode(v.encode()).decode() for k, v in new.pop("stringData").items()}
-            new["data"] = {**new.get("data", {}), **encoded}
+        keep_string_data(new)
         if "uid" not in new["metadata"]:
             self.uids += 1
             new["metadata"]["uid"] = f"uid-{self.uids}"

@@ -137,6 +137,12 @@ def not_the_batch(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in PEER_GONE)
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's first line (its type's name when it says nothing)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def load_initial_model(model_path: str) -> PreTrainedModel:
     """The model to train, from its local directory; :class:`ModelUnavailable` (one line) when there
     is none.  transformers raises an OSError (for a missing directory one that calls the path a
@@ -146,7 +152,7 @@ def load_initial_model(model_path: str) -> PreTrainedModel:
     except (OSError, ValueError) as exc:
         if not Path(model_path).exists():
             raise ModelUnavailable(f"{model_path}: no such directory") from None
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise ModelUnavailable(
             f"{model_path}: not a model directory transformers can load: {reason}"
         ) from None
@@ -555,7 +561,7 @@ class TrainerLoop:
         process, would do so at every restart (a trajectory too long for the device: one row is
         the smallest micro-batch), so it is quarantined and the step takes the next full groups."""
         seen = {"step": batch.step, "prompt_ids": [group.prompt_id for group in batch.groups]}
-        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        cause = first_line(exc)
         marker = self.out_of_memory_marker
         try:
             again = json.loads(marker.read_text(encoding="utf-8")) == seen
@@ -672,7 +678,7 @@ def fatal_line(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, PoisonBatch):
         return f"{exc}; restart to go on with the next batch", 1
     if isinstance(exc, torch.OutOfMemoryError):
-        return f"out of memory: {str(exc).strip().splitlines()[0] if str(exc).strip() else 'no detail'}", 1
+        return f"out of memory: {first_line(exc)}", 1
     for kind, what in (
         (BufferError, "buffer"),  # a refused step or an unreachable buffer
         (ReloadRefused, "router"),
