@@ -130,3 +130,53 @@ async def test_a_client_that_goes_away_has_its_requests_aborted_and_no_error_log
     log = log_path.read_text()
     assert "ERROR" not in log and "Traceback" not in log, log
     assert log.count("client disconnected; aborted after") == 2 + STREAMS_DROPPED, log
+
+
+LONG_SAMPLING = {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", {"input_ids": [1, 2, 3], "stream": True, "sampling_params": LONG_SAMPLING}),
+        (
+            "/v1/completions",
+            {"prompt": [1, 2, 3], "max_tokens": 4000, "temperature": 0, "ignore_eos": True, "stream": True},
+        ),
+    ],
+)
+async def test_a_stream_whose_client_left_before_the_cancellation_ends_quietly(
+    dense_path: str,
+    tokenizer_dir: str,
+    path: str,
+    body: dict[str, object],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race CI met: a client leaves between two chunks and the next write fails ("Cannot write to
+    closing transport") before aiohttp cancels the handler.  The write's failure is made certain here
+    (the second chunk's); its items are aborted and nothing is logged as an error."""
+    real_write = aiohttp.web.StreamResponse.write
+    writes = 0
+
+    async def write_until_closed(self: aiohttp.web.StreamResponse, data: bytes) -> None:
+        nonlocal writes
+        writes += 1
+        if writes >= 2:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await real_write(self, data)
+
+    async with serve_in_process(model_path=dense_path, tokenizer_path=tokenizer_dir) as (url, service):
+        monkeypatch.setattr(aiohttp.web.StreamResponse, "write", write_until_closed)
+        with caplog.at_level(logging.INFO):
+            async with aiohttp.ClientSession() as http, http.post(f"{url}{path}", json=body) as response:
+                assert response.status == 200
+                streamed = await response.read()
+            started = time.monotonic()
+            while service.runner.running:
+                assert time.monotonic() - started < 5  # 4,000 tokens take far longer than this
+                await asyncio.sleep(0.02)
+    assert writes >= 2 and b"[DONE]" not in streamed
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+    assert any("client disconnected; aborted after" in r.getMessage() for r in caplog.records)

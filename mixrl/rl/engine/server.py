@@ -209,6 +209,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return web.json_response(results if batched else results[0])
 
 
+def _until_the_client_leaves() -> contextlib.suppress:
+    """A stream's writes, ended quietly when its client has gone.  A client that leaves between two
+    chunks can make a write fail ("Cannot write to closing transport") before aiohttp cancels the
+    handler; that is the same routine departure as the cancellation (the stream's ``finally`` has
+    aborted its items), not a server error to log with a traceback."""
+    return contextlib.suppress(ConnectionResetError)
+
+
 async def _stream(
     request: web.Request, service: EngineService, items: list[GenerateItem], batched: bool
 ) -> web.StreamResponse:
@@ -218,14 +226,15 @@ async def _stream(
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     chunks = service.stream(items)
-    try:
-        async for index, snapshot in chunks:
-            chunk = build_response(items[index], snapshot, snapshot.e2e_latency, service.codec)
-            await response.write(sse_event(stream_chunk(chunk, index if batched else None)))
-    finally:
-        await chunks.aclose()
-    await response.write(SSE_DONE)
-    await response.write_eof()
+    with _until_the_client_leaves():
+        try:
+            async for index, snapshot in chunks:
+                chunk = build_response(items[index], snapshot, snapshot.e2e_latency, service.codec)
+                await response.write(sse_event(stream_chunk(chunk, index if batched else None)))
+        finally:
+            await chunks.aclose()
+        await response.write(SSE_DONE)
+        await response.write_eof()
     return response
 
 
@@ -280,21 +289,22 @@ async def _v1_answer(
     sent = [openai_api.ChoiceStream() for _ in parsed.items]
     last: dict[int, Any] = {}
     snapshots = service.stream(parsed.items)
-    try:
-        async for index, snapshot in snapshots:
-            last[index] = snapshot
-            chunk = openai_api.stream_chunk(
-                parsed, index, snapshot, sent[index], codec, model, created, chat=chat
-            )
-            await response.write(sse_event(chunk))
-    finally:
-        await snapshots.aclose()
-    if parsed.include_usage:
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        seqs = [last[i] for i in range(len(parsed.items))]
-        await response.write(sse_event(openai_api.usage_chunk(parsed, seqs, kind, model, created)))
-    await response.write(SSE_DONE)
-    await response.write_eof()
+    with _until_the_client_leaves():
+        try:
+            async for index, snapshot in snapshots:
+                last[index] = snapshot
+                chunk = openai_api.stream_chunk(
+                    parsed, index, snapshot, sent[index], codec, model, created, chat=chat
+                )
+                await response.write(sse_event(chunk))
+        finally:
+            await snapshots.aclose()
+        if parsed.include_usage:
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            seqs = [last[i] for i in range(len(parsed.items))]
+            await response.write(sse_event(openai_api.usage_chunk(parsed, seqs, kind, model, created)))
+        await response.write(SSE_DONE)
+        await response.write_eof()
     return response
 
 
