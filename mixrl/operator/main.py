@@ -202,6 +202,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the Kueue LocalQueue (in each run's namespace) of runs whose spec.scheduling.queue is unset "
         "(default: none; such runs start at once, without Kueue)",
     )
+    kueue.add_argument(
+        "--kueue-workload-priority",
+        action="store_true",
+        help="a queued run's Workload takes the priority of its pods' PriorityClass, by which Kueue orders "
+        "its queue and preempts; reads PriorityClasses (RBAC: the chart's kueue.workloadPriority)",
+    )
     network = parser.add_argument_group("network policies: only a run's own components reach each other")
     network.add_argument(
         "--no-network-policies",
@@ -474,6 +480,7 @@ def main(argv: list[str]) -> int:
         keda=args.keda,
         policy=policy_of(args),
         default_queue=args.default_queue or None,
+        workload_priority=args.kueue_workload_priority,
         autoscaling=LoopSettings() if args.builtin_autoscaler else None,
         live_status=(
             ObserverSettings(

@@ -27,7 +27,13 @@ from mixrl.operator.builders.objects import BuildOptions, Monitoring, Owner, Scr
 from mixrl.operator.builders.pools import pool_children
 from mixrl.operator.builders.resources import pod_monitor, run_objects
 from mixrl.operator.install import chart as chart_module
-from mixrl.operator.kube.rbac import PLACEMENT_READS, operator_rules, permissions, policy_rules
+from mixrl.operator.kube.rbac import (
+    PLACEMENT_READS,
+    PRIORITY_READS,
+    operator_rules,
+    permissions,
+    policy_rules,
+)
 from mixrl.operator.main import DEV_PRIORITY, images_of, parse_args, peering_priority
 
 from ..operator.support import small_run
@@ -628,28 +634,52 @@ def test_packing_values_reach_the_operator(helm: Helm) -> None:
     assert not chosen.pack_gpu_pods and chosen.scheduler_name == PACKING_SCHEDULER
 
 
+CLUSTER_READS = [
+    # (values, the operator's flag, its parsed name, the reads, the ClusterRole's suffix)
+    (
+        {"placement": {"explain": True}},
+        "--explain-placement",
+        "explain_placement",
+        PLACEMENT_READS,
+        "-placement",
+    ),
+    (
+        {"kueue": {"workloadPriority": True}},
+        "--kueue-workload-priority",
+        "kueue_workload_priority",
+        PRIORITY_READS,
+        "-workload-priority",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("feature", "flag", "dest", "reads", "suffix"), CLUSTER_READS, ids=["placement", "priority"]
+)
 @pytest.mark.parametrize("scope", [clusterwide, lambda: namespaced("rl")], ids=["clusterwide", "namespaced"])
-def test_placement_explain_grants_its_cluster_wide_reads_and_passes_the_flag(helm: Helm, scope: Any) -> None:
-    """Off (the default): neither the flag nor any read of nodes.  On: the flag, and a ClusterRole
-    of exactly rbac.PLACEMENT_READS bound to the operator's account, whatever the operator's scope."""
+def test_a_feature_that_reads_cluster_wide_grants_exactly_its_reads_and_passes_its_flag(
+    helm: Helm, scope: Any, feature: dict[str, Any], flag: str, dest: str, reads: Any, suffix: str
+) -> None:
+    """Off (the default): neither the flag nor any of its reads.  On: the flag, and a ClusterRole of
+    exactly its reads (rbac.PLACEMENT_READS, rbac.PRIORITY_READS) bound to the operator's account,
+    whatever the operator's scope."""
     off = helm.template(scope())
-    assert "--explain-placement" not in operator_args(off)
+    assert flag not in operator_args(off)
+    own = {key for key in reads if key not in permissions(clusterwide=True)}  # what nothing else needs
+    resources = {resource for _, resource in own}
+    assert resources  # nodes; priorityclasses
     assert not any(
         r
         for o in off
         if o["kind"] in ("ClusterRole", "Role")
         for r in o["rules"]
-        if "nodes" in r["resources"]
+        if resources & set(r["resources"])
     )
-    values = scope()
-    values["placement"] = {"explain": True}
-    on = helm.template(values)
-    assert "--explain-placement" in operator_args(on) and parse_args(operator_args(on)).explain_placement
-    (role,) = [o for o in by_kind(on, "ClusterRole") if o["metadata"]["name"].endswith("-placement")]
-    assert role["rules"] == policy_rules(PLACEMENT_READS)
-    (binding,) = [
-        o for o in by_kind(on, "ClusterRoleBinding") if o["metadata"]["name"].endswith("-placement")
-    ]
+    on = helm.template({**scope(), **feature})
+    assert flag in operator_args(on) and getattr(parse_args(operator_args(on)), dest)
+    (role,) = [o for o in by_kind(on, "ClusterRole") if o["metadata"]["name"].endswith(suffix)]
+    assert role["rules"] == policy_rules(reads)
+    (binding,) = [o for o in by_kind(on, "ClusterRoleBinding") if o["metadata"]["name"].endswith(suffix)]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"][0]["name"] == operator_pod(on)["serviceAccountName"]
 

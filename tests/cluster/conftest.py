@@ -285,6 +285,38 @@ def stop_operator(operator: OperatorProcess) -> None:
         operator.process.wait()
 
 
+def feature_rbac(cluster: Bed, value: str, suffix: str) -> str:
+    """The chart's ClusterRole and binding of a feature that reads cluster-wide (``value``, e.g.
+    ``placement.explain=true``; their names end in ``suffix``), rendered by Helm as an upgrade would
+    add them to the installed release (whose other values stay as the bed has them)."""
+    version = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
+    rendered = cluster.helm(
+        "template", RELEASE, str(CHART), "-n", RELEASE_NS, "--kube-version", version,
+        "--set", "watch.allNamespaces=true", "--set", value, "--show-only", "templates/rbac.yaml",
+    ).stdout  # fmt: skip
+    ours = [d for d in yaml.safe_load_all(rendered) if d and d["metadata"]["name"].endswith(suffix)]
+    assert [d["kind"] for d in ours] == ["ClusterRole", "ClusterRoleBinding"], ours
+    return yaml.safe_dump_all(ours)
+
+
+@contextlib.contextmanager
+def operator_with_feature(
+    cluster: Bed, workdir: Path, value: str, suffix: str, *flags: str
+) -> Iterator[OperatorProcess]:
+    """The chart's operator with ``flags`` and the chart's RBAC of the feature (:func:`feature_rbac`),
+    withdrawn after it; no call of it may have been refused."""
+    rbac = feature_rbac(cluster, value, suffix)
+    cluster.apply(rbac)
+    running = start_operator(cluster, workdir, *flags)
+    try:
+        yield running
+    finally:
+        stop_operator(running)
+        print(f"--- operator log (last lines)\n{running.log_tail()}", file=sys.stderr)
+        cluster.kubectl("delete", "-f", "-", "--wait=false", input=rbac, check=False)
+    assert not running.denied(cluster), running.denied(cluster)
+
+
 @pytest.fixture(scope="module")
 def operator(cluster: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     running = start_operator(cluster, tmp_path_factory.mktemp("operator"))

@@ -6,11 +6,14 @@ pool (9 GPUs) is admitted whole and starts; a second run of the same shape does 
 Queued with Kueue's reason in its status and an Event, and creates nothing of its trainer or
 pools; deleting the first run frees its quota (its Workload goes with it) and the second starts.  A queued
 run's pool scaled above its start gets its extra replicas admitted one Workload each while quota is
-left; the ones beyond it wait, and the pool's status says so in Kueue's words."""
+left; the ones beyond it wait, and the pool's status says so in Kueue's words.  With
+--kueue-workload-priority (this module's operator), two waiting runs start in the order of their
+pods' PriorityClasses, not of their arrival."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +21,7 @@ import yaml
 
 from mixrl.devcluster.addons import CPU_FLAVOR, KUEUE_API, flavor_name, local_queue
 
-from .conftest import Bed, OperatorProcess, wait_for
+from .conftest import Bed, OperatorProcess, operator_with_feature, wait_for
 
 QUEUE = "team"
 H100_QUOTA = 10
@@ -44,6 +47,16 @@ def run(name: str, namespace: str) -> dict[str, Any]:
             "scheduling": {"queue": QUEUE},
         },
     }
+
+
+@pytest.fixture(scope="module")
+def operator(cluster: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    """The chart's operator with the chart's kueue.workloadPriority: its flag and its ClusterRole."""
+    workdir: Path = tmp_path_factory.mktemp("operator")
+    with operator_with_feature(
+        cluster, workdir, "kueue.workloadPriority=true", "-workload-priority", "--kueue-workload-priority"
+    ) as running:
+        yield running
 
 
 @pytest.fixture
@@ -240,3 +253,52 @@ def test_replicas_above_the_start_are_admitted_one_by_one_while_quota_is_left(
     )
     assert admission["status"] == "True", admission
     assert deployment_replicas(cluster, namespace, pool) == 2
+
+
+def priority_class(name: str, value: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {"name": name},
+        "value": value,
+    }
+
+
+def queued_for_quota(cluster: Bed, namespace: str, name: str) -> dict[str, Any] | None:
+    found = condition(cluster, namespace, name, "Admitted")
+    return found if found.get("status") == "False" and "quota" in found.get("message", "") else None
+
+
+def test_of_two_waiting_runs_the_one_of_the_higher_priority_class_starts_first(
+    kueue: Bed, operator: OperatorProcess, namespace: str, queue: str
+) -> None:
+    """``low`` arrives before ``high`` while ``first`` holds 9 of the 10 GPUs; each Workload has its
+    trainer's PriorityClass and that class's value, and when ``first`` goes Kueue admits ``high``."""
+    cluster = kueue
+    classes = [priority_class(f"{namespace}-low", 10), priority_class(f"{namespace}-high", 1000)]
+    cluster.apply(yaml.safe_dump_all(classes))
+    try:
+        cluster.apply(run("first", namespace))
+        wait_for(lambda: started(cluster, namespace, "first"), 60, what="the first run admitted and started")
+        for name in ("low", "high"):
+            manifest = run(name, namespace)
+            manifest["spec"]["trainer"]["scheduling"] = {"priorityClassName": f"{namespace}-{name}"}
+            cluster.apply(manifest)
+            wait_for(lambda n=name: queued_for_quota(cluster, namespace, n), 60, what=f"{name} queued")
+        for name, value in (("low", 10), ("high", 1000)):
+            spec = cluster.get("workload", name, "-n", namespace)["spec"]
+            assert spec["priorityClassRef"] == {
+                "group": "scheduling.k8s.io",
+                "kind": "PriorityClass",
+                "name": f"{namespace}-{name}",
+            }
+            assert spec["priority"] == value
+        assert "priority" not in cluster.get("workload", "first", "-n", namespace)["spec"]
+
+        cluster.kubectl("delete", "rlrun", "first", "-n", namespace, "--wait=false")
+        wait_for(lambda: started(cluster, namespace, "high"), 90, what="the high-priority run started")
+        assert queued_for_quota(cluster, namespace, "low"), condition(cluster, namespace, "low", "Admitted")
+        assert not started(cluster, namespace, "low")
+    finally:
+        for found in classes:
+            cluster.kubectl("delete", "priorityclass", found["metadata"]["name"], "--wait=false", check=False)

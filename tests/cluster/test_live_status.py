@@ -25,15 +25,11 @@ from mixrl.devcluster.cluster import free_port
 from mixrl.rl import metrics as m
 
 from .conftest import (
-    CHART,
-    RELEASE,
-    RELEASE_NS,
     ROOT,
     Bed,
     OperatorProcess,
     exposition_server,
-    start_operator,
-    stop_operator,
+    operator_with_feature,
     wait_for,
 )
 from .test_autoscaling import start_prometheus
@@ -88,41 +84,21 @@ class RunExporter:
         return "\n".join(lines) + "\n"
 
 
-def placement_rbac(cluster: Bed) -> str:
-    """The chart's ClusterRole and binding of ``placement.explain: true``, rendered by Helm as an
-    upgrade would add them to the installed release (whose other values stay as the bed has them)."""
-    version = json.loads(cluster.kubectl("version", "-o", "json").stdout)["serverVersion"]["gitVersion"]
-    rendered = cluster.helm(
-        "template", RELEASE, str(CHART), "-n", RELEASE_NS, "--kube-version", version,
-        "--set", "watch.allNamespaces=true", "--set", "placement.explain=true",
-        "--show-only", "templates/rbac.yaml",
-    ).stdout  # fmt: skip
-    ours = [d for d in yaml.safe_load_all(rendered) if d and d["metadata"]["name"].endswith("-placement")]
-    assert [d["kind"] for d in ours] == ["ClusterRole", "ClusterRoleBinding"], ours
-    return yaml.safe_dump_all(ours)
-
-
 @pytest.fixture(scope="module")
 def status_operator(cluster: Bed, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     """The chart's operator with --explain-placement and the chart's RBAC for it (the status loop
     reads every node and bound pod only with both)."""
-    rbac = placement_rbac(cluster)
-    cluster.apply(rbac)
-    running = start_operator(
+    with operator_with_feature(
         cluster,
         tmp_path_factory.mktemp("status-operator"),
+        "placement.explain=true",
+        "-placement",
         "--status-seconds=1",
         "--status-write-seconds=2",
         "--no-builtin-autoscaler",
         "--explain-placement",
-    )
-    try:
+    ) as running:
         yield running
-    finally:
-        stop_operator(running)
-        print(f"--- operator log (last lines)\n{running.log_tail()}")
-        cluster.kubectl("delete", "-f", "-", "--wait=false", input=rbac, check=False)
-    assert not running.denied(cluster), running.denied(cluster)
 
 
 def status_writes(operator: OperatorProcess, cluster: Bed, since: int) -> list[str]:

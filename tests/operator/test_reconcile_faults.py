@@ -57,6 +57,9 @@ class Api:
         self.fault(r.kind, "get")
         return copy.deepcopy(self.objects.get((r.kind, ns, name)))
 
+    async def get_cluster(self, r: ApiResource, name: str) -> Obj | None:
+        return await self.get(r, "", name)
+
     async def list(
         self, r: ApiResource, ns: str, labels: dict[str, str], cached: bool = False, field_selector: str = ""
     ) -> list[Obj]:
@@ -112,9 +115,9 @@ class AllServed(Discovery):
         return True
 
 
-def context(api: Api) -> R.Context:
+def context(api: Api, workload_priority: bool = False) -> R.Context:
     discovery = AllServed(api, Images(), monitoring_mode="annotations", keda_mode="off")  # type: ignore[arg-type]
-    return R.Context(client=api, discovery=discovery)  # type: ignore[arg-type]
+    return R.Context(client=api, discovery=discovery, workload_priority=workload_priority)  # type: ignore[arg-type]
 
 
 def a_run(queue: str | None = None) -> Obj:
@@ -125,12 +128,12 @@ def a_run(queue: str | None = None) -> Obj:
     return run
 
 
-async def reconcile(api: Api) -> R.Outcome:
-    return await R.reconcile_run(context(api), copy.deepcopy(api.objects[RUN]))
+async def reconcile(api: Api, workload_priority: bool = False) -> R.Outcome:
+    return await R.reconcile_run(context(api, workload_priority), copy.deepcopy(api.objects[RUN]))
 
 
-async def reconcile_pool(api: Api) -> R.Outcome:
-    return await R.reconcile_pool(context(api), copy.deepcopy(api.objects[POOL]))
+async def reconcile_pool(api: Api, workload_priority: bool = False) -> R.Outcome:
+    return await R.reconcile_pool(context(api, workload_priority), copy.deepcopy(api.objects[POOL]))
 
 
 def replicas(api: Api, key: tuple[str, str, str]) -> int:

@@ -13,6 +13,10 @@ extra replica (:func:`extra_workload`, owned by the SamplerPool, a single pod se
 pods), so Kueue admits each as its quota allows and the others wait; the pool's workload is held at
 its starting replicas plus the admitted extras (docs/operator.md#gang-admission-with-kueue).
 
+With ``--kueue-workload-priority`` a Workload has the priority of its pods' PriorityClass — that
+of its first pod set whose pods name one, as Kueue's own job integrations take it (the trainer's
+before the pools') — by which Kueue orders its queue and preempts (:func:`with_priority`).
+
 The pod sets carry no image, command or environment: an admitted Workload's pod sets cannot change
 (Kueue's webhook), and a new image must not send a running run back to the queue.  A change of
 what Kueue counts (GPUs, nodes, minReplicas, placement) does: the Workload is created again.
@@ -20,6 +24,7 @@ what Kueue counts (GPUs, nodes, minReplicas, placement) does: the Workload is cr
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,6 +144,35 @@ def run_workload(resolved: ResolvedRun, owner: Owner, options: BuildOptions, que
             "spec": {"queueName": queue, "podSets": pod_sets},
         }
     )
+
+
+def priority_class_name(workload: Obj) -> str | None:
+    """The PriorityClass a Workload's priority comes from: the first of its pod sets' that names one."""
+    names = (p["template"]["spec"].get("priorityClassName") for p in workload["spec"]["podSets"])
+    return next((name for name in names if name), None)
+
+
+PRIORITY_FIELDS = ("priorityClassRef", "priority")
+"""What a Workload says of its priority (Kueue v1beta2): the class, and its value."""
+
+
+def with_priority(workload: Obj, name: str, value: int) -> Obj:
+    """``workload`` at PriorityClass ``name``'s priority ``value`` (Kueue needs the value beside the
+    class: it does not read the class itself for a Workload it did not make)."""
+    ref = {"group": "scheduling.k8s.io", "kind": "PriorityClass", "name": name}
+    return _with_spec(workload, {**workload["spec"], "priorityClassRef": ref, "priority": value})
+
+
+def with_priority_of(workload: Obj, live: Obj) -> Obj:
+    """``workload`` at the priority ``live`` was made with (none when it had none): a Workload that
+    holds quota cannot change its class (Kueue's API)."""
+    spec = {k: v for k, v in workload["spec"].items() if k not in PRIORITY_FIELDS}
+    spec.update({k: live["spec"][k] for k in PRIORITY_FIELDS if k in (live.get("spec") or {})})
+    return _with_spec(workload, spec)
+
+
+def _with_spec(workload: Obj, spec: Obj) -> Obj:
+    return with_hash({**workload, "metadata": copy.deepcopy(workload["metadata"]), "spec": spec})
 
 
 def too_many_pod_sets(workload: Obj, queue: str) -> str | None:

@@ -76,6 +76,10 @@ class Reason:
     """Kueue has not admitted the run's Workload (or evicted it): nothing of the run runs."""
     ADMITTED = "Admitted"
     KUEUE_NOT_INSTALLED = "KueueNotInstalled"
+    PRIORITY_CLASS_MISSING = "PriorityClassMissing"
+    """With ``--kueue-workload-priority``: the run's pods name a PriorityClass the cluster does not
+    have, so its Workload cannot take that class's priority (Admitted False; Progressing False for a
+    pool's extra replica)."""
 
 
 @dataclass(frozen=True)

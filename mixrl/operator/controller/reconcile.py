@@ -38,12 +38,16 @@ from mixrl.operator.builders.kueue import (
     elastic_admission,
     extra_labels,
     extra_workload,
+    extra_workload_name,
     has_quota,
     held_with_run,
     plan_extras,
+    priority_class_name,
     run_workload,
     too_many_pod_sets,
     waiting_message,
+    with_priority,
+    with_priority_of,
 )
 from mixrl.operator.builders.lws import lws_name
 from mixrl.operator.builders.network import policy_names
@@ -96,6 +100,7 @@ from mixrl.operator.kube.rbac import (
     NETWORKPOLICIES,
     PODMONITORS,
     PODS,
+    PRIORITY_CLASSES,
     RLRUNS,
     ROLEBINDINGS,
     ROLES,
@@ -126,6 +131,9 @@ class Context:
     default_queue: str | None = None
     """The Kueue LocalQueue of runs whose spec names none (``--default-queue``); None: such runs
     are not queued."""
+    workload_priority: bool = False
+    """Build a queued run's Workloads at the priority of its pods' PriorityClass, read from the
+    cluster (``--kueue-workload-priority``; :func:`at_priority`); False: Kueue's default priority."""
     cached_reads: bool = False
     """Read the children (and a pool's run) as the watches last showed them
     (:mod:`mixrl.operator.kube.cache`) instead of from the API server: for reconciles an event
@@ -453,16 +461,44 @@ async def admit(
             )
             report.deleted.append(f"Workload/{resolved.name}")
         return "False", Reason.QUEUED, refused
-    if live is not None and has_quota(live) and live_hash(live) != live_hash(desired):
+    if live is not None and has_quota(live) and live_hash(live) != live_hash(with_priority_of(desired, live)):
         await alive()
         await ctx.client.delete(WORKLOADS, resolved.namespace, resolved.name, uid=live["metadata"].get("uid"))
         report.recreated.append(f"Workload/{resolved.name} (its pod sets changed; admitted again)")
         live = None
-    applied = await apply_object(ctx.client, desired, report, None, alive)
+    built = await at_priority(ctx, desired, live)
+    if isinstance(built, str):
+        return "False", Reason.PRIORITY_CLASS_MISSING, f"LocalQueue {queue}: {built}"
+    applied = await apply_object(ctx.client, built, report, None, alive)
     workload = applied.after if applied is not None else live
     if admitted(workload):
         return "True", Reason.ADMITTED, f"admitted by Kueue in LocalQueue {queue} (Workload {resolved.name})"
     return "False", Reason.QUEUED, waiting_message(workload, queue)
+
+
+async def at_priority(ctx: Context, desired: Obj, live: Obj | None) -> Obj | str:
+    """A Workload as it is to be applied over ``live``, or why it cannot be: one that holds quota keeps
+    the priority it has (Kueue refuses a new class then; whether its pod sets changed decides if it
+    is made again); otherwise, with ``ctx.workload_priority``, its pods' PriorityClass gives it its
+    priority (read from the cluster: Kueue needs the value beside the name)."""
+    if live is not None and has_quota(live):
+        return with_priority_of(desired, live)
+    name = priority_class_name(desired)
+    if name is None or not ctx.workload_priority:
+        return desired
+    found = await ctx.client.get_cluster(PRIORITY_CLASSES, name)
+    if found is None:
+        return (
+            f"priorityClassName {name}: no PriorityClass of that name in the cluster, so the Workload "
+            "has no priority to take (nor could its pods be created); create it or name another"
+        )
+    return with_priority(desired, name, int(found.get("value") or 0))
+
+
+def priority_class_missing(workload: str, message: str) -> Failure:
+    """A Workload that :func:`at_priority` could not build (retrying cannot help until the spec or
+    the cluster's PriorityClasses change)."""
+    return Failure(f"Workload/{workload}", message, retry=False, reason=Reason.PRIORITY_CLASS_MISSING)
 
 
 async def apply_token_secret(
@@ -545,7 +581,8 @@ def admission_events(previous: Obj, new: Obj) -> list[Event]:
         return (
             [("Normal", Reason.ADMITTED, after.get("message", ""))] if before.get("status") != "True" else []
         )
-    kind = "Warning" if after.get("reason") == Reason.KUEUE_NOT_INSTALLED else "Normal"
+    warned = (Reason.KUEUE_NOT_INSTALLED, Reason.PRIORITY_CLASS_MISSING)
+    kind = "Warning" if after.get("reason") in warned else "Normal"
     return [(kind, Reason.QUEUED, after.get("message", "")[:1000])]
 
 
@@ -891,23 +928,28 @@ async def admit_extras(
         return None
     kept = []
     for workload in plan.keep:
-        desired = extra_workload(
-            resolved, pool, owner, options, queue, int(workload["metadata"]["labels"][EXTRA_LABEL])
-        )
-        if live_hash(workload) == live_hash(desired):
+        index = int(workload["metadata"]["labels"][EXTRA_LABEL])
+        built = await at_priority(ctx, extra_workload(resolved, pool, owner, options, queue, index), workload)
+        if isinstance(built, str):
+            report.failures.append(priority_class_missing(workload["metadata"]["name"], built))
+            kept.append(workload)
+        elif live_hash(workload) == live_hash(built):
             kept.append(workload)
         elif has_quota(workload):  # admitted pod sets are immutable: queued again in its new shape
             await alive()
             await ctx.client.delete(
-                WORKLOADS, namespace, desired["metadata"]["name"], uid=workload["metadata"].get("uid")
+                WORKLOADS, namespace, built["metadata"]["name"], uid=workload["metadata"].get("uid")
             )
-            report.recreated.append(f"Workload/{desired['metadata']['name']} (its pod set changed)")
+            report.recreated.append(f"Workload/{built['metadata']['name']} (its pod set changed)")
         else:
-            applied = await apply_object(ctx.client, desired, report, None, alive)
+            applied = await apply_object(ctx.client, built, report, None, alive)
             kept.append(applied.after if applied is not None else workload)
     for index in plan.create:
-        desired = extra_workload(resolved, pool, owner, options, queue, index)
-        applied = await apply_object(ctx.client, desired, report, None, alive)
+        built = await at_priority(ctx, extra_workload(resolved, pool, owner, options, queue, index), None)
+        if isinstance(built, str):
+            report.failures.append(priority_class_missing(extra_workload_name(pool, index), built))
+            continue
+        applied = await apply_object(ctx.client, built, report, None, alive)
         if applied is not None:
             kept.append(applied.after)
     return elastic_admission(start, replicas, queue, kept)

@@ -92,6 +92,8 @@ class OperatorConfig:
     marked PolicyViolation and nothing of it is created."""
     default_queue: str | None = None
     """The Kueue LocalQueue of runs whose spec names none (None: those runs are not queued)."""
+    workload_priority: bool = False
+    """A queued run's Kueue Workloads at its pods' PriorityClass (``--kueue-workload-priority``)."""
 
 
 def backoff(retry: int, config: OperatorConfig, retry_after: float | None = None) -> float:
@@ -196,6 +198,7 @@ class Runtime:
             discovery=self.discovery,
             policy=self.config.policy,
             default_queue=self.config.default_queue,
+            workload_priority=self.config.workload_priority,
             cached_reads=cached_reads,
             unseen_children_absent=cached_reads and unseen_children_absent,
         )

@@ -37,6 +37,7 @@ from mixrl.operator.kube.rbac import (
     POD_MONITOR_CLEANUP,
     POD_MONITOR_WRITES,
     PODMONITORS,
+    PRIORITY_READS,
     SCALEDOBJECTS,
     Key,
     permissions,
@@ -163,8 +164,10 @@ def generated_files() -> dict[str, str]:
         "templates/crds/samplerpools.mixrl.dev.yaml": crd_template(samplerpool_crd()),
         "crds/kopf-peering.yaml": HEADER + "---\n".join(dump(crd) for crd in peering),
         **{f"files/rbac/{name}.yaml": HEADER + dump(rules) for name, rules in rbac_files().items()},
-        # --explain-placement's cluster-wide reads: a ClusterRole of its own (placement.explain).
+        # Cluster-wide reads of a feature, each a ClusterRole of its own: --explain-placement's
+        # (placement.explain) and --kueue-workload-priority's (kueue.workloadPriority).
         "files/rbac/placement.yaml": HEADER + dump(policy_rules(PLACEMENT_READS)),
+        "files/rbac/workload-priority.yaml": HEADER + dump(policy_rules(PRIORITY_READS)),
         "files/monitoring/collapse-rules.yaml": HEADER + dump(collapse_rule_groups()),
         "files/monitoring/dashboard.json": json.dumps(dashboard(), indent=2) + "\n",
         # The RLRun admission policy's CEL (templates/admission-policy.yaml adds the values' variables).

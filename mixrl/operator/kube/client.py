@@ -25,7 +25,14 @@ from mixrl import __version__
 from mixrl.api.kube_types import Obj
 from mixrl.api.status import RLRunStatus, SamplerPoolStatus, checked_status
 from mixrl.operator.kube.cache import ObjectCache
-from mixrl.operator.kube.rbac import PEERING_READS, PLACEMENT_READS, RECONCILER, ApiResource, is_allowed
+from mixrl.operator.kube.rbac import (
+    PEERING_READS,
+    PLACEMENT_READS,
+    PRIORITY_READS,
+    RECONCILER,
+    ApiResource,
+    is_allowed,
+)
 
 FIELD_MANAGER = "mixrl-operator"
 USER_AGENT = f"mixrl-operator/{__version__}"
@@ -185,7 +192,13 @@ class KubeClient:
         if not (
             is_allowed(RECONCILER, resource.group, rbac_resource, verb)
             or is_allowed(PEERING_READS, resource.group, rbac_resource, verb)
-            or (namespace is None and is_allowed(PLACEMENT_READS, resource.group, rbac_resource, verb))
+            or (
+                namespace is None
+                and any(
+                    is_allowed(reads, resource.group, rbac_resource, verb)
+                    for reads in (PLACEMENT_READS, PRIORITY_READS)
+                )
+            )
         ):
             raise UndeclaredApiCall(
                 f"{verb} {resource.group or 'core'}/{rbac_resource} is not in rbac.RECONCILER"
@@ -268,6 +281,17 @@ class KubeClient:
         params = {"fieldSelector": field_selector} if field_selector else {}
         found = await self.request("list", "GET", resource, params=params)
         return [item for item in (found or {}).get("items", [])]
+
+    async def get_cluster(self, resource: ApiResource, name: str) -> Obj | None:
+        """A cluster-scoped object, or None when it does not exist (rbac.PRIORITY_READS: granted
+        only with --kueue-workload-priority)."""
+        try:
+            found: Obj = await self.request("get", "GET", resource, name=name)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return found
 
     async def list(
         self,

@@ -58,6 +58,9 @@ SCALEDOBJECTS = ApiResource("keda.sh", "v1alpha1", "scaledobjects", "ScaledObjec
 NETWORKPOLICIES = ApiResource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 LEADERWORKERSETS = ApiResource("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet")
 WORKLOADS = ApiResource("kueue.x-k8s.io", "v1beta2", "workloads", "Workload")
+PRIORITY_CLASSES = ApiResource(
+    "scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", namespaced=False
+)
 SERVICEACCOUNTS = ApiResource("", "v1", "serviceaccounts", "ServiceAccount")
 ROLES = ApiResource("rbac.authorization.k8s.io", "v1", "roles", "Role")
 ROLEBINDINGS = ApiResource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding")
@@ -199,6 +202,15 @@ PEERING_READS: dict[Key, frozenset[str]] = {
 PLACEMENT_READS: dict[Key, frozenset[str]] = {
     ("", NODES.plural): frozenset({"list"}),
     ("", PODS.plural): frozenset({"list"}),
+}
+
+
+# --kueue-workload-priority (the chart's kueue.workloadPriority): a queued run's Workload takes the
+# priority of its pods' PriorityClass, whose value only a read of that cluster-scoped object gives
+# (Kueue needs the value beside the name).  A ClusterRole whatever the operator's scope, so granted
+# only with that flag, and in neither permissions() nor operator_rules().
+PRIORITY_READS: dict[Key, frozenset[str]] = {
+    ("scheduling.k8s.io", PRIORITY_CLASSES.plural): frozenset({"get"}),
 }
 
 
