@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import aiohttp
 import pytest
+from aiohttp import web
 
-from mixrl.rl.router.server import ENGINE_BODY_LIMIT, RouterSettings, body_limit
+from mixrl.rl.router.server import ENGINE_BODY_LIMIT, POOL_HEADER, RouterSettings, body_limit
 
 from .conftest import pools_config
 
@@ -85,3 +87,36 @@ def test_the_body_limit_holds_a_whole_context_and_never_drops_below_an_engines()
     context = 1_000_000
     ids = str(list(range(2**31 - context, 2**31))).encode()  # the longest ids a context can hold
     assert len(ids) < body_limit(context) < 4 * len(ids)
+
+
+async def test_a_client_gone_mid_stream_before_its_cancellation_leaves_the_replica_up(
+    engines, start_router, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that leaves mid-stream can make the router's next write to it fail
+    ("Cannot write to closing transport") before aiohttp cancels the handler.  aiohttp raises a
+    ClientConnectionResetError, a ClientConnectionError like a replica's failure: the replica is not
+    to blame, stays up and keeps its sessions, and the request is recorded as the client's (499)."""
+    engine = await engines("e")
+    running = await start_router(pools_config({"a": (1.0, [engine])}))
+    real_write = web.StreamResponse.write
+
+    async def write_until_closed(self: web.StreamResponse, data: bytes) -> None:
+        if POOL_HEADER in self.headers:  # the router's answer to its client, not the engine's
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await real_write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write_until_closed)
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 5}, "stream": True}
+    with caplog.at_level(logging.INFO):
+        async with running.http.post(f"{running.url}/generate", json=body) as response:
+            assert response.status == 200
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                await response.read()
+        pool = running.router.state.pools["a"]
+        await wait_for(lambda: pool.requests == 1)
+    replica = running.router.state.replica("a", engine.url)
+    assert replica is not None and replica.ready and replica.in_flight == 0
+    assert pool.replica_failures == 0 and pool.errors == 1  # the 499
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [
+        r.getMessage() for r in caplog.records
+    ]

@@ -33,7 +33,7 @@ import math
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,22 @@ log = logging.getLogger("mixrl.router")
 
 CLIENT_CLOSED = 499
 """Status recorded when the client went away before the replica answered (nginx's convention)."""
+
+
+class ClientLeftMidAnswer(Exception):
+    """A write of a streamed answer to the router's client failed: the client went away."""
+
+
+@contextlib.contextmanager
+def to_the_client() -> Iterator[None]:
+    """Writes to the router's own client.  aiohttp reports one to a client that went away as a
+    ClientConnectionResetError — a ClientConnectionError, like a replica's failure — so these are
+    told apart here: a client leaving must not mark its replica down."""
+    try:
+        yield
+    except ConnectionResetError as exc:
+        raise ClientLeftMidAnswer(str(exc)) from exc
+
 
 ENGINE_BODY_LIMIT = 8 << 20
 """The torch engine's default request limit (``--max-request-mib 8``): the router's floor."""
@@ -531,7 +547,8 @@ class Router:
                 }
                 if upstream.content_type == "text/event-stream":
                     stream = web.StreamResponse(status=upstream.status, headers=headers)
-                    await stream.prepare(request)
+                    with to_the_client():
+                        await stream.prepare(request)
                     await self._stream(upstream, stream, tally)
                     status = upstream.status
                     return stream
@@ -562,9 +579,8 @@ class Router:
             if request.transport is not None:
                 request.transport.abort()
             return stream
-        except ConnectionResetError:  # the client left mid-stream: its request stays recorded as 499
-            if stream is None:
-                raise
+        except ClientLeftMidAnswer:  # its request stays recorded as 499; the replica is not to blame
+            assert stream is not None
             return stream
         finally:
             if stream is not None:
@@ -581,10 +597,11 @@ class Router:
     ) -> None:
         """Pass a streamed answer through chunk by chunk, counting its tokens and versions in
         ``tally`` as the events go by (so a stream cut short still counts what reached the client).
-        A client that leaves raises ConnectionResetError (its request is then recorded as 499)."""
+        A client that leaves raises :class:`ClientLeftMidAnswer` (its request is then recorded as 499)."""
         pending = bytearray()
         async for chunk in upstream.content.iter_any():
-            await response.write(chunk)
+            with to_the_client():
+                await response.write(chunk)
             # Events are read whole: an event carries the cumulative answer (with log-probs, tens of
             # kilobytes) and its completion_tokens sits near its start, so a window over the last
             # bytes read missed it; the separator is searched only in what is new.
@@ -597,7 +614,8 @@ class Router:
             del pending[:begin]
         if pending.strip():
             tally.add(bytes(pending))
-        await response.write_eof()
+        with to_the_client():
+            await response.write_eof()
 
     def _replica_failed(
         self, route: Route, session_id: str | None, exc: Exception, minimum: int | None = None
