@@ -278,16 +278,19 @@ class Toleration(Model):
 
 
 class Scheduling(Model):
+    """Where the trainer's pods, or a pool's, may run, beyond the GPU table's placement."""
+
     gpu_products: list[LabelValue] | None = Field(default=None, max_length=64)
-    """Override of the GPU table: ``nvidia.com/gpu.product`` values this pool may run on."""
+    """Override of the GPU table: ``nvidia.com/gpu.product`` values these pods may run on."""
     node_selector: Annotated[dict[str, LabelValue], AfterValidator(_labels)] = Field(
         default_factory=dict, max_length=64
     )
-    """Extra node labels the pool's pods require (label keys and values)."""
+    """Extra node labels these pods require (label keys and values)."""
     tolerations: list[Toleration] = Field(default_factory=list, max_length=64)
     """Extra tolerations (the ``nvidia.com/gpu`` taint is always tolerated)."""
     priority_class_name: DnsSubdomain | None = None
-    """PriorityClass of the pool's pods."""
+    """PriorityClass of these pods; in a Kueue queue also their Workload's priority when the
+    operator runs with ``--kueue-workload-priority`` (docs/operator.md)."""
 
 
 class SamplerPoolTemplate(Model):
