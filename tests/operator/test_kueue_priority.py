@@ -153,3 +153,20 @@ async def test_an_extra_replica_takes_its_pools_class() -> None:
     assert extra["metadata"]["namespace"] == NAMESPACE
     assert (extra["spec"]["priorityClassRef"]["name"], extra["spec"]["priority"]) == ("rl-low", 10)
     assert api.objects[WORKLOAD]["spec"]["priority"] == 1000
+
+
+async def test_an_extra_replica_of_a_class_the_cluster_lacks_is_not_created_and_says_why() -> None:
+    api = Api()
+    api.objects[("PriorityClass", "", "rl-high")] = copy.deepcopy(HIGH)
+    api.objects[RUN] = scheduled(a_run("team-a"), trainer="rl-high", pools={"h100": "rl-gone"})
+    await reconcile(api, workload_priority=True)
+    api.objects[WORKLOAD]["status"] = copy.deepcopy(ADMITTED_STATUS)
+    await reconcile(api, workload_priority=True)
+    api.objects[POOL]["spec"]["replicas"] = 2
+    outcome = await reconcile_pool(api, workload_priority=True)
+    assert not [k for k in api.objects if k[0] == "Workload" and k != WORKLOAD]
+    (failure,) = outcome.report.failures
+    assert failure.object == "Workload/demo-h100-extra-1" and not failure.retry
+    assert failure.reason == Reason.PRIORITY_CLASS_MISSING and "rl-gone" in failure.message
+    progressing = next(c for c in api.objects[POOL]["status"]["conditions"] if c["type"] == "Progressing")
+    assert (progressing["status"], progressing["reason"]) == ("False", Reason.PRIORITY_CLASS_MISSING)
