@@ -1,5 +1,6 @@
 """Real mixrl servers on loopback, for the test folders that need one beside their own subject,
-and ``mixrl <component>`` run as a process (:func:`cli_server`)."""
+and ``mixrl <component>`` run as a process (:func:`cli_server`; a rank of it under torchrun:
+:func:`rank_pid`)."""
 
 from __future__ import annotations
 
@@ -172,3 +173,13 @@ async def cli_server(
             except TimeoutError:
                 process.kill()
                 await process.wait()
+
+
+def rank_pid(torchrun_pid: int, local_rank: int) -> int:
+    """The pid of one rank torchrun started (its children carry LOCAL_RANK in their environment)."""
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    for child in map(int, children):
+        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"LOCAL_RANK={local_rank}".encode() in environ:
+            return child
+    raise AssertionError(f"torchrun {torchrun_pid} has no rank {local_rank} among {children}")

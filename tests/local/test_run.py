@@ -14,6 +14,7 @@ import yaml
 from mixrl.local.report import read_jsonl
 from mixrl.rl.tiny_models import create_tiny_checkpoint
 
+from ..servers import rank_pid
 from .conftest import small_run
 
 pytestmark = pytest.mark.slow
@@ -106,16 +107,6 @@ def test_a_two_process_trainer_trains_through_torchrun(tmp_path: Path, model_cac
     assert any(r["grad_norm"] > 0 for r in records)
     store = sorted(p.name for p in (run_dir / "weights").iterdir() if p.name.startswith("v"))
     assert store[-1] == "v00000003"
-
-
-def rank_pid(torchrun_pid: int, local_rank: int) -> int:
-    """The pid of one rank torchrun started (its children carry LOCAL_RANK in their environment)."""
-    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
-    for child in map(int, children):
-        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-        if f"LOCAL_RANK={local_rank}".encode() in environ:
-            return child
-    raise AssertionError(f"torchrun {torchrun_pid} has no rank {local_rank} among {children}")
 
 
 @pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "a-dead-rank-of-two"])

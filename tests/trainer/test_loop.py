@@ -41,9 +41,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def small_run(tmp_path: Path, total_steps: int) -> ResolvedRun:
+def small_run(tmp_path: Path, total_steps: int, checkpoint_every: int = 1) -> ResolvedRun:
     run = resolve(load_rlrun(QUICKSTART))
-    spec = run.trainer.spec.model_copy(update={"total_steps": total_steps, "checkpoint_every": 1})
+    update = {"total_steps": total_steps, "checkpoint_every": checkpoint_every}
+    spec = run.trainer.spec.model_copy(update=update)
     weights = run.weights.model_copy(update={"store": str(tmp_path / "weights")})
     # buffer_at's grouping: one group of two per step
     trainer = run.trainer.model_copy(update={"spec": spec, "prompts_per_update": 1, "samples_per_prompt": 2})

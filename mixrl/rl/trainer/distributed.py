@@ -145,6 +145,16 @@ def agree_on_count(count: int) -> int:
     return int(value.item())
 
 
+def any_rank(*flags: bool) -> tuple[bool, ...]:
+    """Each flag ORed over ranks (the flags themselves for one process): a decision every rank then
+    takes alike, such as stopping after the same step."""
+    if not dist.is_initialized():
+        return flags
+    value = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=_collectives_on)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in value.tolist())
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

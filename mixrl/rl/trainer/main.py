@@ -24,14 +24,20 @@ The loop, per step s (the trainer holds weight version s − 1 while computing s
      between any two redoes the step on the same batch, and resume() drops the metrics lines of
      steps after the checkpoint, so every step is logged once.
 
-Under torchrun (``trainer.nodes`` × ``gpusPerNode`` processes) rank 0 takes each step's batch and
-the other ranks read the same one (:func:`batch_of_step`); every rank computes its share of it
+Under torchrun (``trainer.nodes`` × ``gpusPerNode`` processes) rank 0 takes each step's batch and,
+once the ranks have met and know it has one, the other ranks read the same one
+(:func:`batch_of_step`); every rank computes its share of it
 (FSDP2, mixrl.rl.trainer.distributed); rank 0 alone publishes, commits, reloads the engines and
 writes and serves metrics, and the ranks meet after each commit.
 
 Every request carries the run's token (``--auth-token-file`` or ``$MIXRL_AUTH_TOKEN``; docs/auth.md):
 the buffer's batches and commits and (with ``--router``) the router's weight fan-out need it.  A refused token is fatal
 (one line): training on while the engines never reload would only hide it.
+
+SIGTERM or SIGINT stops the loop between steps: the step under way ends, a checkpoint of the last
+step is saved (whatever ``checkpointEvery`` says) and the process exits 0.  The ranks meet once a
+turn (:func:`distributed.any_rank`), so a signal to one rank alone stops every rank after the same
+step.
 
 The buffer hands out a batch only for the step after its last committed one, so a trainer that
 resumes from a checkpoint first commits the checkpoint's step (a no-op unless it crashed between
@@ -261,6 +267,8 @@ class TrainerLoop:
         self.tokenizer_files = tokenizer_files(run.model.tokenizer or model_path)
         self.broadcaster = self._broadcaster(auth_token)
         self.step = 0
+        self.checkpointed_step = 0
+        """The step of the newest checkpoint: a stop saves one of ``step`` when it is behind."""
         self.stopping = asyncio.Event()
 
     def resume(self) -> None:
@@ -268,7 +276,7 @@ class TrainerLoop:
         written on any number of ranks, mixrl.rl.trainer.checkpoint), if there is one."""
         path = checkpoint.latest_on_every_rank(self.run_dir)
         if path is not None:
-            self.step = self.trainer.load_checkpoint(path)
+            self.step = self.checkpointed_step = self.trainer.load_checkpoint(path)
             log.info("resumed from %s at step %d", path, self.step)
         # Versions published after the checkpoint came from updates that are now redone (on the same
         # batches: the buffer hands step N the same groups again), so they are replaced.
@@ -440,11 +448,20 @@ class TrainerLoop:
             await self.buffer.commit(self.step)
             await self.resend_checkpoint_record()
         distributed.barrier()
-        while (total is None or self.step < total) and not self.stopping.is_set():
+        while total is None or self.step < total:
             step = self.step + 1
-            batch = await batch_of_step(self.buffer, self.ranks, step)  # every rank: the same batch
-            if batch is None:  # long-poll timed out: no full batch yet
+            batch = await self.take_batch(step) if main else None
+            # The ranks meet once a turn: they stop after the same step (SIGTERM may reach one rank
+            # alone: a pod evicted), and the others read the batch only once the main rank has it.
+            taken, stop = await asyncio.to_thread(
+                distributed.any_rank, batch is not None, self.stopping.is_set()
+            )
+            if stop:
+                break
+            if not taken:  # long-poll timed out: no full batch yet
                 continue
+            if batch is None:
+                batch = await self.read_taken_batch(step)
             groups = [group.trajectories for group in batch.groups]
             # Every rank reads the same batch, so every rank reaches the same verdict.
             problem = batch_problem(batch, self.limits(step))
@@ -488,7 +505,7 @@ class TrainerLoop:
                     out.write(json.dumps(record) + "\n")
             self.step = step
             if step % self.run.trainer.spec.checkpoint_every == 0 or step == total:
-                await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir, step)
+                await self.save_checkpoint()
             if main:
                 await self.buffer.commit(step)
                 # The router's mismatch-aware shares read it back from the buffer (docs/health.md),
@@ -508,6 +525,42 @@ class TrainerLoop:
             distributed.barrier()  # the other ranks ask for step + 1 only once it is open
         if total is not None and self.step >= total:
             self.finished()
+        elif self.checkpointed_step < self.step:
+            # Stopped (SIGTERM) between steps: the steps since the last checkpoint are kept, not
+            # redone by the next start.  A stop cut short (SIGKILL) leaves the last one whole.
+            log.info("stopping: saving a checkpoint of step %d", self.step)
+            await self.save_checkpoint()
+
+    async def save_checkpoint(self) -> None:
+        """This step's checkpoint (collective: every rank writes its shards)."""
+        await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir, self.step)
+        self.checkpointed_step = self.step
+
+    async def take_batch(self, step: int) -> Batch | None:
+        """The main rank's take of ``step``'s batch; None when none came within the long-poll or the
+        trainer is told to stop first (a batch taken and not trained is handed to the step again)."""
+        if self.stopping.is_set():
+            return None
+        taking = asyncio.ensure_future(batch_of_step(self.buffer, self.ranks, step))
+        stopped = asyncio.ensure_future(self.stopping.wait())
+        try:
+            await asyncio.wait({taking, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            taking.cancel()  # (nothing when it is done)
+        (batch,) = await asyncio.gather(taking, return_exceptions=True)
+        if isinstance(batch, asyncio.CancelledError):
+            return None
+        if isinstance(batch, BaseException):
+            raise batch
+        return batch
+
+    async def read_taken_batch(self, step: int) -> Batch:
+        """The batch the main rank took for ``step`` (the ranks other than the main one)."""
+        batch = await batch_of_step(self.buffer, self.ranks, step)
+        if batch is None:
+            raise BufferError(f"step {step}: the main rank took its batch, and the buffer does not show it")
+        return batch
 
     async def resend_checkpoint_record(self) -> None:
         """Send the checkpoint step's metrics record and mismatch report to the buffer again.
@@ -747,7 +800,7 @@ def main(argv: list[str]) -> int:
             log.info("holding until SIGTERM (--hold-when-done)")
             await stop
         if not train.done():
-            train.cancel()  # mid-step state is discarded: the checkpoint and the buffer hold the truth
+            log.info("stopping: the step under way (if any) ends, then a checkpoint of the last step")
         (outcome,) = await asyncio.gather(train, return_exceptions=True)
         stop.cancel()
         await asyncio.gather(stop, return_exceptions=True)

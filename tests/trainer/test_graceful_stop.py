@@ -1,0 +1,127 @@
+"""A trainer told to stop (SIGTERM: a pod deleted, evicted or preempted; `mixrl run` stopped) ends
+the step under way, saves a checkpoint of the last step and exits 0, so the next start redoes no
+step. With two ranks, SIGTERM to one of them alone (its pod evicted) stops both after the same step.
+
+Each runs ``mixrl trainer`` as a process (under torchrun for two ranks) against a real buffer, with
+``checkpointEvery`` far beyond the run's steps: every checkpoint found is the stop's."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mixrl.rl.buffer.client import BufferClient
+from mixrl.rl.trainer.main import TrainerLoop
+
+from ..servers import buffer_at, rank_pid
+from .conftest import synthetic_group
+from .test_loop import RUN, small_run
+
+NEVER = 1000
+"""``checkpointEvery``: no checkpoint but the stop's."""
+
+
+def trainer_command(config: Path, url: str, run_dir: Path, model_dir: Path, ranks: int) -> list[str]:
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return [
+        sys.executable, *(torchrun if ranks > 1 else []), "-m", "mixrl.cli", "trainer",
+        "--config", str(config), "--buffer", url, "--run-dir", str(run_dir),
+        "--model-path", str(model_dir), "--insecure-no-auth",
+    ]  # fmt: skip
+
+
+async def steps_logged(run_dir: Path, process: asyncio.subprocess.Process, at_least: int) -> list[int]:
+    """The steps of ``metrics.jsonl`` once it has ``at_least`` of them (the trainer still running)."""
+    for _ in range(1200):
+        assert process.returncode is None, "the trainer exited before its steps"
+        path = run_dir / "metrics.jsonl"
+        steps = [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+        if len(steps) >= at_least:
+            return steps
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the trainer took no {at_least} steps in 120 s")
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    return sorted(path.name for path in run_dir.glob("checkpoint*"))
+
+
+async def test_sigterm_between_steps_saves_the_last_step_and_the_next_start_redoes_none(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module
+) -> None:
+    run_dir, config = tmp_path / "run", tmp_path / "resolved.json"
+    config.write_text(small_run(tmp_path, total_steps=3, checkpoint_every=NEVER).model_dump_json())
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url, BufferClient(url) as client:
+        for seed, prompt in enumerate("ab"):
+            await client.post_trajectories(synthetic_group(model, prompt, 2, pool="bf16", seed=seed, run=RUN))
+        command = trainer_command(config, url, run_dir, tiny_model_dir, ranks=1)
+        trainer = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+        try:
+            assert await steps_logged(run_dir, trainer, at_least=2) == [1, 2]
+            await asyncio.sleep(1.0)  # in its long-poll for step 3's batch, which has no groups yet
+            trainer.send_signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            _, stderr = await asyncio.wait_for(trainer.communicate(), timeout=60)
+        finally:
+            if trainer.returncode is None:
+                trainer.kill()
+                await trainer.wait()
+        log = stderr.decode()
+        assert trainer.returncode == 0, log[-3000:]
+        assert time.monotonic() - stopped < 20, "the stop waited for the 30 s long-poll"
+        assert "saving a checkpoint of step 2" in log
+        assert checkpoints(run_dir) == ["checkpoint-2"]
+
+        await client.post_trajectories(synthetic_group(model, "c", 2, pool="bf16", seed=2, run=RUN))
+        resumed = TrainerLoop(
+            small_run(tmp_path, total_steps=3, checkpoint_every=NEVER),
+            buffer_url=url,
+            router_url=None,
+            run_dir=run_dir,
+            model_path=str(tiny_model_dir),
+        )
+        resumed.resume()
+        assert resumed.step == 2
+        await resumed.train()
+        assert (await client.stats())["committed_step"] == 3
+    records = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in records] == [1, 2, 3]  # each step trained once
+
+
+async def test_sigterm_to_one_rank_of_two_stops_both_after_the_same_step(
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module
+) -> None:
+    run_dir, config = tmp_path / "run", tmp_path / "resolved.json"
+    config.write_text(small_run(tmp_path, total_steps=NEVER, checkpoint_every=NEVER).model_dump_json())
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url, BufferClient(url) as client:
+        for seed in range(40):  # more steps than the trainer takes before it stops
+            await client.post_trajectories(
+                synthetic_group(model, f"p{seed}", 2, pool="bf16", seed=seed, run=RUN)
+            )
+        command = trainer_command(config, url, run_dir, tiny_model_dir, ranks=2)
+        torchrun = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+        try:
+            await steps_logged(run_dir, torchrun, at_least=2)
+            # Rank 1 alone, mid-run: rank 0 learns of it when the ranks next meet.
+            os.kill(rank_pid(torchrun.pid, local_rank=1), signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(torchrun.communicate(), timeout=120)
+        finally:
+            if torchrun.returncode is None:
+                torchrun.kill()
+                await torchrun.wait()
+        log = stderr.decode()
+        assert torchrun.returncode == 0, log[-4000:]
+        stats = await client.stats()
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and last < 40
+    assert stats["committed_step"] == last
+    assert checkpoints(run_dir) == [f"checkpoint-{last}"]  # every rank's shards, committed
+    assert f"saving a checkpoint of step {last}" in log
