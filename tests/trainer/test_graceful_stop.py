@@ -49,6 +49,25 @@ async def steps_logged(run_dir: Path, process: asyncio.subprocess.Process, at_le
     raise AssertionError(f"the trainer took no {at_least} steps in 120 s")
 
 
+async def sigterm_after(
+    command: list[str], run_dir: Path, steps: int, settle: float = 0.0, rank: int | None = None
+) -> tuple[int | None, str, float]:
+    """Run ``command``; ``settle`` s after its ``steps``-th step, SIGTERM to it (or to that rank of
+    it under torchrun). Its exit code, its log and the seconds from the signal to its exit."""
+    process = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
+    try:
+        await steps_logged(run_dir, process, at_least=steps)
+        await asyncio.sleep(settle)
+        os.kill(process.pid if rank is None else rank_pid(process.pid, local_rank=rank), signal.SIGTERM)
+        sent = time.monotonic()
+        _, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+        return process.returncode, stderr.decode(), time.monotonic() - sent
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
 def checkpoints(run_dir: Path) -> list[str]:
     return sorted(path.name for path in run_dir.glob("checkpoint*"))
 
@@ -62,20 +81,10 @@ async def test_sigterm_between_steps_saves_the_last_step_and_the_next_start_redo
         for seed, prompt in enumerate("ab"):
             await client.post_trajectories(synthetic_group(model, prompt, 2, pool="bf16", seed=seed, run=RUN))
         command = trainer_command(config, url, run_dir, tiny_model_dir, ranks=1)
-        trainer = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
-        try:
-            assert await steps_logged(run_dir, trainer, at_least=2) == [1, 2]
-            await asyncio.sleep(1.0)  # in its long-poll for step 3's batch, which has no groups yet
-            trainer.send_signal(signal.SIGTERM)
-            stopped = time.monotonic()
-            _, stderr = await asyncio.wait_for(trainer.communicate(), timeout=60)
-        finally:
-            if trainer.returncode is None:
-                trainer.kill()
-                await trainer.wait()
-        log = stderr.decode()
-        assert trainer.returncode == 0, log[-3000:]
-        assert time.monotonic() - stopped < 20, "the stop waited for the 30 s long-poll"
+        # 1 s after step 2: in its long-poll for step 3's batch, which has no groups yet.
+        code, log, seconds = await sigterm_after(command, run_dir, steps=2, settle=1.0)
+        assert code == 0, log[-3000:]
+        assert seconds < 20, "the stop waited for the 30 s long-poll"
         assert "saving a checkpoint of step 2" in log
         assert checkpoints(run_dir) == ["checkpoint-2"]
 
@@ -106,18 +115,9 @@ async def test_sigterm_to_one_rank_of_two_stops_both_after_the_same_step(
                 synthetic_group(model, f"p{seed}", 2, pool="bf16", seed=seed, run=RUN)
             )
         command = trainer_command(config, url, run_dir, tiny_model_dir, ranks=2)
-        torchrun = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE)
-        try:
-            await steps_logged(run_dir, torchrun, at_least=2)
-            # Rank 1 alone, mid-run: rank 0 learns of it when the ranks next meet.
-            os.kill(rank_pid(torchrun.pid, local_rank=1), signal.SIGTERM)
-            _, stderr = await asyncio.wait_for(torchrun.communicate(), timeout=120)
-        finally:
-            if torchrun.returncode is None:
-                torchrun.kill()
-                await torchrun.wait()
-        log = stderr.decode()
-        assert torchrun.returncode == 0, log[-4000:]
+        # Rank 1 alone, mid-run: rank 0 learns of it when the ranks next meet.
+        code, log, _ = await sigterm_after(command, run_dir, steps=2, rank=1)
+        assert code == 0, log[-4000:]
         stats = await client.stats()
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = steps[-1]
