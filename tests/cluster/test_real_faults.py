@@ -1,5 +1,6 @@
 """Faults with real pods on the real node, one run going through them in order: an engine pod, the
-trainer pod and the buffer pod deleted mid-run, the kubelet restarted, a pool scaled up and down.
+trainer pod (it saves a checkpoint of its last step on SIGTERM, and its new pod goes on from it)
+and the buffer pod deleted mid-run, the kubelet restarted, a pool scaled up and down.
 After each the run goes on, and nothing the buffer acknowledged is lost: the rollout worker counts
 the trajectories the buffer answered 200 to (``mixrl_rollout_trajectories_acknowledged_total``),
 and the buffer's durable count (``GET /stats`` ``trajectories``, rebuilt from its log on a restart)
@@ -13,6 +14,7 @@ the run."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -113,6 +115,7 @@ def run(real_chart: Bed) -> Bed:
     manifest = yaml.safe_load(EXAMPLE.read_text())
     manifest["spec"]["trainer"]["totalSteps"] = 400  # never reached: the last test deletes the run
     manifest["spec"]["evaluation"] = {"everySteps": 400, "passK": [1], "samplesPerTask": 1}
+    manifest["spec"]["trainer"]["checkpointEvery"] = 400  # no checkpoint but a stopped trainer's
     real_chart.kubectl("create", "namespace", NAMESPACE)
     real_chart.apply(manifest, namespace=NAMESPACE)
     advances(real_chart, 3, timeout=600)
@@ -165,8 +168,13 @@ def test_the_trainer_pod_deleted_resumes_at_its_step(run: Bed) -> None:
     before = committed(run)
     replace_pod(run, "trainer", timeout=240)
     advances(run, 3)
-    # The trainer's own log on its volume (metrics.jsonl) and the copy the buffer keeps.
     (pod,) = running(run, NAMESPACE, "trainer")
+    # The deleted pod's trainer, sent SIGTERM by the kubelet, saved a checkpoint of its last step
+    # (a step under way may have ended meanwhile), and the new one goes on from it.
+    log = run.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"], "-c", "trainer").stdout
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert resumed is not None and int(resumed[1]) >= before, (before, log[-2000:])
+    # The trainer's own log on its volume (metrics.jsonl) and the copy the buffer keeps.
     logged = run.kubectl("exec", "-n", NAMESPACE, pod["metadata"]["name"], "-c", "trainer", "--",
                          "cat", f"{TRAINER_RUN_DIR}/metrics.jsonl").stdout  # fmt: skip
     steps = [json.loads(line)["step"] for line in logged.splitlines() if line.strip()]
