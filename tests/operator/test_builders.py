@@ -512,6 +512,11 @@ def test_trainer_statefulset_rendezvous_on_pod_zero() -> None:
         "/etc/mixrl/run.json",
     ]
     assert container["resources"]["limits"][GPU_RESOURCE] == "8"
+    # A stopped trainer saves a checkpoint of its last step: torchrun waits for its ranks (its own
+    # default is 30 s) within the pod's grace.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    grace = trainer["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert 30 < int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < grace
     products = trainer["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
     values = products["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
         "matchExpressions"

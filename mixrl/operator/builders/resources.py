@@ -164,6 +164,10 @@ def component_template(
 
 # ----------------------------------------------------------------------------- trainer
 
+TRAINER_STOP_SECONDS = 120
+"""A trainer pod's grace after SIGTERM: the step under way ends and a checkpoint of the last step is
+saved (mixrl.rl.trainer.main).  torchrun gives its ranks all but 10 s of it, not its own 30 s."""
+
 
 def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
     """``nodes`` pods, torchrun's c10d rendezvous on pod 0.  No ``--router`` on the command line: in
@@ -195,7 +199,10 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         "trainer",
         image,
         component_command(resolved, "trainer", where),
-        base_env(resolved.name),
+        [
+            *base_env(resolved.name),
+            {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(TRAINER_STOP_SECONDS - 10)},
+        ],
         mounts,
         ports=[port("rdzv", RDZV_PORT), port("metrics", METRICS_PORT)],
         resources=resources(trainer_footprint(resolved), gpus),
@@ -225,7 +232,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         trainer,
         volumes,
         options,
-        terminationGracePeriodSeconds=120,
+        terminationGracePeriodSeconds=TRAINER_STOP_SECONDS,
         **init,
         **scheduling,
     )
