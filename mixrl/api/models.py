@@ -237,6 +237,10 @@ class TrainerSpec(Model):
     """Tokens per forward/backward micro-batch (gradient accumulation fills the update)."""
     checkpoint_every: Int = Field(default=50, gt=0, le=INT32_MAX)
     """Save a resumable checkpoint every this many steps."""
+    stop_grace_seconds: Int = Field(default=120, ge=20, le=86400)
+    """Seconds a stopped trainer (SIGTERM: its pod deleted, evicted or preempted; mixrl run stopped)
+    has before SIGKILL to end its step and save a checkpoint of its last step: the trainer pods'
+    terminationGracePeriodSeconds (torchrun waits for its ranks all but 10 s of it)."""
     image: Image | None = None
     """Container image; defaults to mixrl's trainer image for the backend."""
     resources: ResourceRequirements | None = None

@@ -263,7 +263,10 @@ class Supervisor:
 
         for component in sorted(self.components, key=rank):
             try:
-                component.stop()
+                if component.name.startswith("trainer"):  # it ends its step and saves a checkpoint
+                    component.stop(self.run.trainer.spec.stop_grace_seconds)
+                else:
+                    component.stop()
             except Exception as exc:
                 print(f"mixrl run: stopping {component.name} failed: {exc!r}", file=sys.stderr, flush=True)
 

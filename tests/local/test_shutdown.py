@@ -132,3 +132,27 @@ def test_no_component_survives_a_second_sigterm_or_a_failed_stop(
     if router is FailsToStop:
         assert output.err.strip() == "mixrl run: stopping router failed: RuntimeError('the stop went wrong')"
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # put back
+
+
+class RecordsItsStop(Process):
+    def stop(self, timeout: float = 15.0) -> int | None:
+        self.timeout = timeout
+        return super().stop(timeout)
+
+
+def test_the_trainer_gets_its_stop_grace_and_the_others_the_default(tmp_path: Path) -> None:
+    """The trainer ends its step and saves a checkpoint when stopped: it has the spec's
+    ``trainer.stopGraceSeconds`` before SIGKILL, as its pods have in a cluster."""
+    doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+    doc["spec"]["trainer"]["stopGraceSeconds"] = 45
+    run = parse_document(doc)
+    assert isinstance(run, RLRun)
+    supervisor = Supervisor(resolve(run), tmp_path, "/model", "/tokenizer.json")
+    supervisor.components = [
+        RecordsItsStop(name, ["true"], tmp_path / f"{name}.log") for name in ("buffer", "trainer")
+    ]
+    supervisor.stop()
+    assert {p.name: getattr(p, "timeout", None) for p in supervisor.components} == {
+        "buffer": 15.0,
+        "trainer": 45,
+    }

@@ -515,8 +515,8 @@ def test_trainer_statefulset_rendezvous_on_pod_zero() -> None:
     # A stopped trainer saves a checkpoint of its last step: torchrun waits for its ranks (its own
     # default is 30 s) within the pod's grace.
     env = {e["name"]: e.get("value") for e in container["env"]}
-    grace = trainer["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert 30 < int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) < grace
+    assert trainer["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120  # the default
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "110"
     products = trainer["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
     values = products["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0][
         "matchExpressions"
@@ -529,6 +529,18 @@ def test_trainer_statefulset_rendezvous_on_pod_zero() -> None:
     run_dir = mounts["/var/lib/mixrl/trainer"]
     assert (run_dir["name"], run_dir["subPath"]) == (mounts["/weights"]["name"], "trainer-run")
     assert "volumeClaimTemplates" not in trainer["spec"]
+
+
+def test_the_trainer_pods_stop_grace_is_the_specs() -> None:
+    manifest = small_run()
+    manifest["spec"]["trainer"]["stopGraceSeconds"] = 900  # a large model's checkpoint
+    objects = run_objects(resolved_of(manifest), run_owner(resolved_of(manifest)), BuildOptions())
+    (trainer,) = [
+        o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "demo-trainer"
+    ]
+    pod = trainer["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert (pod["terminationGracePeriodSeconds"], env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) == (900, "890")
 
 
 def test_a_single_cpu_trainer_runs_without_torchrun() -> None:

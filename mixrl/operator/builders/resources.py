@@ -164,9 +164,9 @@ def component_template(
 
 # ----------------------------------------------------------------------------- trainer
 
-TRAINER_STOP_SECONDS = 120
-"""A trainer pod's grace after SIGTERM: the step under way ends and a checkpoint of the last step is
-saved (mixrl.rl.trainer.main).  torchrun gives its ranks all but 10 s of it, not its own 30 s."""
+TORCHRUN_STOP_MARGIN = 10
+"""Seconds of a trainer pod's ``stopGraceSeconds`` that torchrun keeps for itself: it waits the
+rest for its stopping ranks (mixrl.rl.trainer.main), not its own 30 s."""
 
 
 def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
@@ -201,7 +201,10 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         component_command(resolved, "trainer", where),
         [
             *base_env(resolved.name),
-            {"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(TRAINER_STOP_SECONDS - 10)},
+            {
+                "name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+                "value": str(spec.stop_grace_seconds - TORCHRUN_STOP_MARGIN),
+            },
         ],
         mounts,
         ports=[port("rdzv", RDZV_PORT), port("metrics", METRICS_PORT)],
@@ -232,7 +235,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
         trainer,
         volumes,
         options,
-        terminationGracePeriodSeconds=TRAINER_STOP_SECONDS,
+        terminationGracePeriodSeconds=spec.stop_grace_seconds,
         **init,
         **scheduling,
     )
