@@ -1,13 +1,21 @@
-"""The data-parallel pieces that need no process group: ranks from torchrun's environment and the
-deal of a batch's rows to ranks."""
+"""The data-parallel pieces that need no other process: ranks from torchrun's environment, the deal
+of a batch's rows to ranks, and a group of one."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mixrl.rl.trainer.distributed import Ranks, shard_rows
+from mixrl.rl.trainer.distributed import (
+    Ranks,
+    agree_on_count,
+    any_rank,
+    destroy_process_group,
+    init_group_of_one,
+    shard_rows,
+)
 
 
 def test_ranks_come_from_torchruns_environment() -> None:
@@ -36,3 +44,15 @@ def test_every_row_goes_to_one_rank_and_shares_are_balanced(lengths: list[int], 
 def test_a_single_rank_takes_the_whole_batch_in_order() -> None:
     assert shard_rows([5, 1, 9], 1) == [[0, 1, 2]]
     assert shard_rows([5, 1, 9, 4], 2) == [[1, 2], [0, 3]]  # 9+1 and 5+4 tokens
+
+
+def test_a_group_of_one_agrees_with_itself() -> None:
+    """megatron-core's group of one process (gloo here, NCCL on a GPU): the collectives the loop and
+    the checkpoints use answer this process's own values."""
+    init_group_of_one(torch.device("cpu"))
+    try:
+        assert any_rank(True, False) == (True, False)
+        assert agree_on_count(3) == 3
+    finally:
+        destroy_process_group()
+    assert any_rank(False, True) == (False, True)  # no group: the values themselves

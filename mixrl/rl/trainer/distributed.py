@@ -75,13 +75,25 @@ _collectives_on = torch.device("cpu")
 
 def init_process_group(ranks: Ranks, device: torch.device) -> None:
     """Join the group torchrun set up (``MASTER_ADDR``/``MASTER_PORT``) over NCCL on GPUs and gloo
-    on CPUs; nothing for one process."""
+    on CPUs; nothing for one process.  Collectives put their tensors on ``device`` from now on, also
+    those of a group of one made later (:func:`init_group_of_one`)."""
     global _collectives_on
+    _collectives_on = device
     if not ranks.distributed or dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=None)
+
+
+def init_group_of_one(device: torch.device) -> None:
+    """A process group of this process alone, over NCCL on a GPU and gloo on the CPU, its
+    collectives' tensors on ``device`` (megatron-core needs a group even for one process)."""
+    global _collectives_on
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     _collectives_on = device
 
 

@@ -120,8 +120,7 @@ class MegatronPolicyTrainer:
         if not torch.cuda.is_available():
             raise BackendUnavailable(NEEDS_CUDA)
         if not dist.is_initialized():  # one process, started without torchrun: a group of one
-            torch.cuda.set_device(0)
-            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+            distributed.init_group_of_one(torch.device("cuda", 0))
         mc = _megatron()
         self.mc = mc
         self.mpu = mpu = mc["mpu"]
