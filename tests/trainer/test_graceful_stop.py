@@ -15,10 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from mixrl.rl.buffer.client import BufferClient
-from mixrl.rl.trainer.main import TrainerLoop
+from mixrl.rl.trainer.main import RANKS_MEET_SECONDS, TrainerLoop
 
 from ..servers import buffer_at, rank_pid
 from .conftest import synthetic_group
@@ -104,24 +105,31 @@ async def test_sigterm_between_steps_saves_the_last_step_and_the_next_start_redo
     assert [json.loads(line)["step"] for line in records] == [1, 2, 3]  # each step trained once
 
 
+@pytest.mark.parametrize("groups", [40, 2], ids=["mid-run", "idle"])
 async def test_sigterm_to_one_rank_of_two_stops_both_after_the_same_step(
-    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module
+    tmp_path: Path, tiny_model_dir: Path, model: torch.nn.Module, groups: int
 ) -> None:
+    """Mid-run (batches for more steps than it takes before it stops) or idle (rank 0 waiting for a
+    batch, which it does in waits of RANKS_MEET_SECONDS, not the 30 s long-poll)."""
     run_dir, config = tmp_path / "run", tmp_path / "resolved.json"
     config.write_text(small_run(tmp_path, total_steps=NEVER, checkpoint_every=NEVER).model_dump_json())
     async with buffer_at(tmp_path / "buffer", run=RUN) as url, BufferClient(url) as client:
-        for seed in range(40):  # more steps than the trainer takes before it stops
+        for seed in range(groups):
             await client.post_trajectories(
                 synthetic_group(model, f"p{seed}", 2, pool="bf16", seed=seed, run=RUN)
             )
         command = trainer_command(config, url, run_dir, tiny_model_dir, ranks=2)
-        # Rank 1 alone, mid-run: rank 0 learns of it when the ranks next meet.
-        code, log, _ = await sigterm_after(command, run_dir, steps=2, rank=1)
+        # Rank 1 alone: rank 0 learns of it when the ranks next meet.
+        settle = 0.0 if groups > 2 else 1.0
+        code, log, seconds = await sigterm_after(command, run_dir, steps=2, settle=settle, rank=1)
         assert code == 0, log[-4000:]
         stats = await client.stats()
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     last = steps[-1]
-    assert steps == list(range(1, last + 1)) and last < 40
+    assert steps == list(range(1, last + 1))
+    # mid-run: it stopped before the batches ran out; idle: after the two it had batches for
+    assert last < groups if groups > 2 else last == groups
     assert stats["committed_step"] == last
     assert checkpoints(run_dir) == [f"checkpoint-{last}"]  # every rank's shards, committed
     assert f"saving a checkpoint of step {last}" in log
+    assert seconds < 2 * RANKS_MEET_SECONDS + 10, "the ranks did not meet within two of their waits"

@@ -120,6 +120,13 @@ class CommittedBatch(RuntimeError):
     a restart would redo the step on it the same way (one line, fatal)."""
 
 
+LONG_POLL_SECONDS = 30.0
+"""How long one request for a step's batch waits for it."""
+RANKS_MEET_SECONDS = 5.0
+"""The main rank's wait for a batch with several ranks: a stop that reached another rank alone is
+heard within two of these while the trainer is idle (the rank's flag is read as a turn begins)."""
+
+
 ALREADY_QUARANTINED = (NO_BATCH_TO_QUARANTINE, NOT_THE_STEPS_BATCH)
 """What the buffer's 409 to ``POST /quarantine`` says when the batch was quarantined already (by
 another rank crashing alike: the step then has no batch, or the next one); its other 409,
@@ -541,7 +548,10 @@ class TrainerLoop:
         trainer is told to stop first (a batch taken and not trained is handed to the step again)."""
         if self.stopping.is_set():
             return None
-        taking = asyncio.ensure_future(batch_of_step(self.buffer, self.ranks, step))
+        # With several ranks the wait is short, so that the ranks meet (and hear of a stop that
+        # reached another rank alone) at least this often while no batch comes.
+        wait = RANKS_MEET_SECONDS if self.ranks.distributed else LONG_POLL_SECONDS
+        taking = asyncio.ensure_future(batch_of_step(self.buffer, self.ranks, step, wait))
         stopped = asyncio.ensure_future(self.stopping.wait())
         try:
             await asyncio.wait({taking, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -682,7 +692,7 @@ class TrainerLoop:
 
 
 async def batch_of_step(
-    buffer: BufferClient, ranks: distributed.Ranks, step: int, timeout: float = 30.0
+    buffer: BufferClient, ranks: distributed.Ranks, step: int, timeout: float = LONG_POLL_SECONDS
 ) -> Batch | None:
     """Step ``step``'s batch for this rank, or None if it has none within ``timeout`` s.
 
