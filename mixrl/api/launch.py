@@ -67,6 +67,16 @@ ONE_MACHINE = "standalone"
 """``Where.rendezvous`` for a trainer whose ranks all run on this machine (torchrun ``--standalone``)."""
 
 
+TORCHRUN_STOP_MARGIN = 10
+"""Seconds of ``trainer.stopGraceSeconds`` that torchrun keeps for itself."""
+
+
+def ranks_stop_seconds(stop_grace_seconds: int) -> int:
+    """How long a stopped trainer's ranks have to end their step and save a checkpoint: torchrun
+    waits this long for them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` on the pods, not its own 30 s)."""
+    return stop_grace_seconds - TORCHRUN_STOP_MARGIN
+
+
 @dataclass(frozen=True)
 class Where:
     """Everything about a component's command line that depends on where the run's processes live."""

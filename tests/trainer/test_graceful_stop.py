@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
@@ -19,11 +20,12 @@ import pytest
 import torch
 
 from mixrl.rl.buffer.client import BufferClient
+from mixrl.rl.trainer import main as trainer_main
 from mixrl.rl.trainer.main import RANKS_MEET_SECONDS, TrainerLoop
 
 from ..servers import buffer_at, rank_pid
 from .conftest import synthetic_group
-from .test_loop import RUN, small_run
+from .test_loop import RUN, small_run, trainer_loop
 
 NEVER = 1000
 """``checkpointEvery``: no checkpoint but the stop's."""
@@ -87,6 +89,7 @@ async def test_sigterm_between_steps_saves_the_last_step_and_the_next_start_redo
         assert code == 0, log[-3000:]
         assert seconds < 20, "the stop waited for the 30 s long-poll"
         assert "saving a checkpoint of step 2" in log
+        assert "raise trainer.stopGraceSeconds" not in log  # its steps fit in the default grace
         assert checkpoints(run_dir) == ["checkpoint-2"]
 
         await client.post_trajectories(synthetic_group(model, "c", 2, pool="bf16", seed=2, run=RUN))
@@ -133,3 +136,20 @@ async def test_sigterm_to_one_rank_of_two_stops_both_after_the_same_step(
     assert checkpoints(run_dir) == [f"checkpoint-{last}"]  # every rank's shards, committed
     assert f"saving a checkpoint of step {last}" in log
     assert seconds < 2 * RANKS_MEET_SECONDS + 10, "the ranks did not meet within two of their waits"
+
+
+async def test_a_step_and_checkpoint_longer_than_a_stop_has_are_warned_of_once(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    model: torch.nn.Module,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(trainer_main, "ranks_stop_seconds", lambda grace: 0)  # no time at all
+    async with buffer_at(tmp_path / "buffer", run=RUN) as url, BufferClient(url) as client:
+        for seed, prompt in enumerate("ab"):
+            await client.post_trajectories(synthetic_group(model, prompt, 2, pool="bf16", seed=seed, run=RUN))
+        with caplog.at_level(logging.WARNING, logger="mixrl.trainer"):
+            await trainer_loop(tmp_path, url, tiny_model_dir, total_steps=2).train()  # a checkpoint each
+    warnings = [r.getMessage() for r in caplog.records if "raise trainer.stopGraceSeconds" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith("step 1 and its checkpoint took"), warnings

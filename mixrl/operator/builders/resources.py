@@ -32,7 +32,7 @@ from typing import Literal
 
 from mixrl.api.gpus import GPU_TABLE
 from mixrl.api.kube_types import Obj
-from mixrl.api.launch import component_command, weights_volume_path
+from mixrl.api.launch import component_command, ranks_stop_seconds, weights_volume_path
 from mixrl.api.models import API_VERSION
 from mixrl.api.pod_dirs import BUFFER_DATA_DIR, TRAINER_RUN_DIR
 from mixrl.api.resolve import BUFFER_PORT, METRICS_PORT, ROUTER_PORT, ResolvedPool, ResolvedRun
@@ -164,10 +164,6 @@ def component_template(
 
 # ----------------------------------------------------------------------------- trainer
 
-TORCHRUN_STOP_MARGIN = 10
-"""Seconds of a trainer pod's ``stopGraceSeconds`` that torchrun keeps for itself: it waits the
-rest for its stopping ranks (mixrl.rl.trainer.main), not its own 30 s."""
-
 
 def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) -> list[Obj]:
     """``nodes`` pods, torchrun's c10d rendezvous on pod 0.  No ``--router`` on the command line: in
@@ -203,7 +199,7 @@ def trainer_objects(resolved: ResolvedRun, owner: Owner, options: BuildOptions) 
             *base_env(resolved.name),
             {
                 "name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
-                "value": str(spec.stop_grace_seconds - TORCHRUN_STOP_MARGIN),
+                "value": str(ranks_stop_seconds(spec.stop_grace_seconds)),
             },
         ],
         mounts,

@@ -62,6 +62,7 @@ import aiohttp
 import torch
 
 from mixrl.api.evaluation import BF16_PROTOCOL, evaluated_steps, protected_versions
+from mixrl.api.launch import ranks_stop_seconds
 from mixrl.api.loader import RunConfigError, component_parser, load_resolved
 from mixrl.api.models import tiny_kind
 from mixrl.api.resolve import ResolvedRun
@@ -276,6 +277,7 @@ class TrainerLoop:
         self.step = 0
         self.checkpointed_step = 0
         """The step of the newest checkpoint: a stop saves one of ``step`` when it is behind."""
+        self.warned_of_grace = False
         self.stopping = asyncio.Event()
 
     def resume(self) -> None:
@@ -469,6 +471,7 @@ class TrainerLoop:
                 continue
             if batch is None:
                 batch = await self.read_taken_batch(step)
+            turn_started = time.monotonic()
             groups = [group.trajectories for group in batch.groups]
             # Every rank reads the same batch, so every rank reaches the same verdict.
             problem = batch_problem(batch, self.limits(step))
@@ -512,7 +515,7 @@ class TrainerLoop:
                     out.write(json.dumps(record) + "\n")
             self.step = step
             if step % self.run.trainer.spec.checkpoint_every == 0 or step == total:
-                await self.save_checkpoint()
+                await self.save_checkpoint(step_seconds=time.monotonic() - turn_started)
             if main:
                 await self.buffer.commit(step)
                 # The router's mismatch-aware shares read it back from the buffer (docs/health.md),
@@ -538,10 +541,25 @@ class TrainerLoop:
             log.info("stopping: saving a checkpoint of step %d", self.step)
             await self.save_checkpoint()
 
-    async def save_checkpoint(self) -> None:
-        """This step's checkpoint (collective: every rank writes its shards)."""
+    async def save_checkpoint(self, step_seconds: float = 0.0) -> None:
+        """This step's checkpoint (collective: every rank writes its shards).  Warns once when the
+        step (``step_seconds``) and the save together would not fit in a stop's time."""
+        started = time.monotonic()
         await asyncio.to_thread(self.trainer.save_checkpoint, self.run_dir, self.step)
         self.checkpointed_step = self.step
+        seconds = step_seconds + time.monotonic() - started
+        grace = self.run.trainer.spec.stop_grace_seconds
+        if seconds > ranks_stop_seconds(grace) and self.ranks.is_main and not self.warned_of_grace:
+            self.warned_of_grace = True
+            log.warning(
+                "step %d and its checkpoint took %.0f s, more than a stop has (trainer.stopGraceSeconds"
+                " %d s, %d s of it for the ranks): a stop would be cut short and lose the steps since"
+                " the last checkpoint; raise trainer.stopGraceSeconds",
+                self.step,
+                seconds,
+                grace,
+                ranks_stop_seconds(grace),
+            )
 
     async def take_batch(self, step: int) -> Batch | None:
         """The main rank's take of ``step``'s batch; None when none came within the long-poll or the
