@@ -148,23 +148,25 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return reduced.to(values.device, values.dtype)
 
 
+def _max_over_ranks(values: list[int]) -> list[int]:
+    """The element-wise maximum over ranks (``values`` itself without a group)."""
+    if not dist.is_initialized():
+        return values
+    tensor = torch.tensor(values, dtype=torch.int64, device=_collectives_on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
 def agree_on_count(count: int) -> int:
     """The largest ``count`` over ranks: how many passes every rank runs."""
-    if not dist.is_initialized():
-        return count
-    value = torch.tensor([count], dtype=torch.int64, device=_collectives_on)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
+    (largest,) = _max_over_ranks([count])
+    return largest
 
 
 def any_rank(*flags: bool) -> tuple[bool, ...]:
     """Each flag ORed over ranks (the flags themselves for one process): a decision every rank then
     takes alike, such as stopping after the same step."""
-    if not dist.is_initialized():
-        return flags
-    value = torch.tensor([int(flag) for flag in flags], dtype=torch.int64, device=_collectives_on)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return tuple(bool(v) for v in value.tolist())
+    return tuple(bool(v) for v in _max_over_ranks([int(flag) for flag in flags]))
 
 
 def barrier() -> None:
