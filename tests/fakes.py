@@ -12,6 +12,8 @@
 - :class:`WeightVersionEngine`: a :class:`FakeEngine` that also answers ``/get_weight_version``.
 - :func:`no_leftover_tasks`: an autouse fixture for a folder's conftest.
 - :func:`script_module`: a script of scripts/ or bench/ (not packages) imported as a module.
+- :class:`HandledInAFinalizer`: :class:`~mixrl.local.processes.StopSignals` whose handler's raise
+  is lost, as when a signal comes while the garbage collector runs a finalizer in the main thread.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from mixrl.local.processes import StopSignals
 from mixrl.rl.engine.protocol import SESSION_HEADER
 
 Reply = Callable[[dict[str, Any]], dict[str, Any]]
@@ -252,3 +255,18 @@ def script_module(name: str, path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+class HandledInAFinalizer(StopSignals):
+    """The handler runs inside a finalizer: CPython prints its raise and drops it (through
+    ``sys.unraisablehook``), as when the garbage collector ran a finalizer in the main thread just
+    as the signal came."""
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        outer = self
+
+        class Finalizer:
+            def __del__(self) -> None:
+                StopSignals._handle(outer, signum, frame)
+
+        Finalizer()  # dropped at once

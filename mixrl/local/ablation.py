@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -604,20 +604,24 @@ def main(argv: list[str]) -> int:
                 )
                 for job in jobs
             ]
-            for future in as_completed(futures):
-                job, seconds, status = future.result()
-                done += 1
-                if seconds:
-                    took.append(seconds)
-                if not status.startswith(("ok", "done")):
-                    failed.append(job.name)
-                left = len(jobs) - done
-                eta = statistics.fmean(took) * math.ceil(left / args.jobs) if took else 0.0
-                rate = len(took) / max(time.monotonic() - started, 1e-9) * 3600  # of the runs that ran
-                print(
-                    f"[{done}/{len(jobs)}] {job.name}: {status} in {seconds:.0f}s  ({rate:.1f} runs/h, ETA {eta:.0f}s)",
-                    flush=True,
-                )
+            pending = set(futures)  # waited for a second at a time, so that a lost raise is found
+            while pending:
+                completed, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                signals.check()
+                for future in (future for future in futures if future in completed):
+                    job, seconds, status = future.result()
+                    done += 1
+                    if seconds:
+                        took.append(seconds)
+                    if not status.startswith(("ok", "done")):
+                        failed.append(job.name)
+                    left = len(jobs) - done
+                    eta = statistics.fmean(took) * math.ceil(left / args.jobs) if took else 0.0
+                    rate = len(took) / max(time.monotonic() - started, 1e-9) * 3600  # of runs that ran
+                    print(
+                        f"[{done}/{len(jobs)}] {job.name}: {status} in {seconds:.0f}s  ({rate:.1f} runs/h, ETA {eta:.0f}s)",
+                        flush=True,
+                    )
         except KeyboardInterrupt:
             interrupted = True
             print("\nmixrl ablate: interrupted; stopping the running runs", flush=True)

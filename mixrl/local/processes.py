@@ -134,13 +134,18 @@ class StopSignals:
     started; every later one is ignored, as is any once the supervisor sets ``stopping`` (its
     shutdown has begun): a second Ctrl-C or a service manager's repeated SIGTERM must not cut the
     shutdown short, since the children run in their own sessions and nothing else would ever stop
-    them.  The previous handlers are back on leaving the block."""
+    them.  The previous handlers are back on leaving the block.
+
+    A handler's exception is lost when it runs inside a finalizer (one the garbage collector ran in
+    the main thread prints and drops it): loops that wait call :meth:`check` between waits, which
+    raises it again, so a signal stops them within one wait whatever the handler ran inside."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, exception: type[BaseException]) -> None:
         self.exception = exception
         self.stopping = False
+        self.received: int | None = None  # the first signal, once one came
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -157,7 +162,14 @@ class StopSignals:
         if self.stopping:
             return
         self.stopping = True  # before raising: the next one finds the shutdown under way
+        self.received = signum
         raise self.exception
+
+    def check(self) -> None:
+        """Raise ``exception`` if a signal came: called where the first raise would have been caught,
+        it is there only if that raise was lost."""
+        if self.received is not None:
+            raise self.exception
 
 
 class ProcessStartError(RuntimeError):

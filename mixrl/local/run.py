@@ -23,6 +23,7 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -531,12 +532,13 @@ def supervise(
                     break
                 progress.update()
                 time.sleep(1.0)
+                signals.check()
             if status == 0 and supervisor.trainer.returncode not in (0, None):
                 failed = supervisor.trainer
                 print(f"mixrl run: trainer failed; last log lines:\n{failed.log_tail()}", file=sys.stderr)
                 status = 1
             if status == 0:
-                wait_for_final_evaluation(run_dir, resolved, supervisor)
+                wait_for_final_evaluation(run_dir, resolved, supervisor, signals.check)
         except ProcessStartError as exc:
             # One line naming the component and its own last word; the others are stopped below.
             print(f"mixrl run: {exc}", file=sys.stderr, flush=True)
@@ -553,10 +555,15 @@ def supervise(
 
 
 def wait_for_final_evaluation(
-    run_dir: Path, run: ResolvedRun, supervisor: Supervisor, timeout: float = 180
+    run_dir: Path,
+    run: ResolvedRun,
+    supervisor: Supervisor,
+    check_signals: Callable[[], None],
+    timeout: float = 180,
 ) -> None:
     """Rollout worker 0 (or the BF16 evaluator, which may be several evaluations behind)
-    evaluates after the last step; keep the engines up until it has."""
+    evaluates after the last step; keep the engines up until it has.  ``check_signals`` between
+    waits: :meth:`StopSignals.check`."""
     total = run.trainer.spec.total_steps
     if total is None:
         return
@@ -572,4 +579,5 @@ def wait_for_final_evaluation(
         if evaluations and evaluations[-1]["step"] >= total:
             return
         time.sleep(1.0)
+        check_signals()
     print("mixrl run: no held-out evaluation of the final step arrived in time", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Ctrl-C or SIGTERM during `mixrl ablate` stops the study: no queued run starts, the running
-`mixrl run` is stopped, and one line names the runs that finished.  Each run is stood in for by
+`mixrl run` is stopped, and one line names the runs that finished, also when the signal handler's
+raise was lost (it ran inside a finalizer).  Each run is stood in for by
 a job function (a real child process for the one that is running), not a whole `mixrl run`."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +18,22 @@ import pytest
 
 from mixrl.local import ablation
 from mixrl.local.ablation import Job, RunningRuns
+from tests.fakes import HandledInAFinalizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize(
+    ("signum", "lost"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["ctrl-c", "sigterm", "ctrl-c-raised-in-a-finalizer"],
+)
 def test_an_interrupted_study_starts_no_queued_run_and_stops_the_running_one(
-    tmp_path: Path, signum: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    signum: int,
+    lost: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     started: list[str] = []
     children: list[subprocess.Popen[bytes]] = []
@@ -45,7 +56,18 @@ def test_an_interrupted_study_starts_no_queued_run_and_stops_the_running_one(
     out = tmp_path / "study"
     argv = [str(ROOT / "examples" / "quickstart.yaml"), "--arms", "grpo,sc", "--fleets", "mixed",
             "--seeds", "2", "--steps", "2", "--out", str(out)]  # fmt: skip
-    assert ablation.main(argv) == 130
+    dropped: list[Any] = []
+    if lost:
+        monkeypatch.setattr(ablation, "StopSignals", HandledInAFinalizer)
+    hook, sys.unraisablehook = sys.unraisablehook, dropped.append
+    try:
+        began = time.monotonic()
+        assert ablation.main(argv) == 130
+        took = time.monotonic() - began
+    finally:
+        sys.unraisablehook = hook
+    assert [drop.exc_type for drop in dropped] == ([KeyboardInterrupt] if lost else [])
+    assert took < 60  # the running run (2 min of sleep) was stopped, whether the raise was lost or not
     assert started == ["grpo-mixed-s0", "sc-mixed-s0"]  # grpo-mixed-s1 and sc-mixed-s1 never start
     (child,) = children
     assert child.returncode == -signal.SIGTERM  # stopped, not waited for to the end

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,8 +17,10 @@ import yaml
 from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
+from mixrl.local import run as run_module
 from mixrl.local.processes import Process
 from mixrl.local.run import Progress, Supervisor, supervise
+from tests.fakes import HandledInAFinalizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,6 +136,43 @@ def test_no_component_survives_a_second_sigterm_or_a_failed_stop(
     if router is FailsToStop:
         assert output.err.strip() == "mixrl run: stopping router failed: RuntimeError('the stop went wrong')"
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # put back
+
+
+class SignalledWhileTraining(Supervisor):
+    """A trainer and a buffer that run until stopped; SIGTERM to the supervisor a moment after they
+    started, while it watches them."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
+        run = parse_document(doc)
+        assert isinstance(run, RLRun)
+        super().__init__(resolve(run), tmp_path, "/model", "/tokenizer.json")
+
+    def start(self, initial_version_path: str, initial_version: int) -> None:
+        for name in ("trainer", "buffer"):
+            stand_in, _ = component(self.run_dir, name, "exit 0")
+            self.components.append(stand_in)
+            stand_in.start()
+        self.trainer = self.components[0]
+        main = threading.main_thread().ident or 0
+        threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGTERM)).start()
+
+
+def test_a_signal_whose_raise_was_lost_still_stops_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(run_module, "StopSignals", HandledInAFinalizer)
+    supervisor, dropped = SignalledWhileTraining(tmp_path), []
+    hook, sys.unraisablehook = sys.unraisablehook, dropped.append
+    try:
+        began = time.monotonic()
+        assert supervise(supervisor, Progress(tmp_path, None), "/v0", 0) == 130
+        took = time.monotonic() - began
+    finally:
+        sys.unraisablehook = hook
+    assert [drop.exc_type for drop in dropped] == [run_module.Interrupted]  # the raise was lost
+    assert took < 30  # the components run 300 s unless stopped
+    assert all(process.returncode == 0 for process in supervisor.components)  # stopped by SIGTERM
 
 
 class RecordsItsStop(Process):
