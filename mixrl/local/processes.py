@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,8 +182,14 @@ class ProcessStartError(RuntimeError):
         self.server = component
 
 
-def wait_healthy(components: Sequence[Process], timeout: float, poll: float = 0.3) -> None:
-    """Block until every component answers its health check; ProcessStartError for the first that cannot."""
+def wait_healthy(
+    components: Sequence[Process],
+    timeout: float,
+    poll: float = 0.3,
+    between_polls: Callable[[], None] | None = None,
+) -> None:
+    """Block until every component answers its health check; ProcessStartError for the first that
+    cannot.  ``between_polls`` runs after each wait (:meth:`StopSignals.check`)."""
     deadline = time.monotonic() + timeout
     pending = list(components)
     while pending:
@@ -196,6 +202,8 @@ def wait_healthy(components: Sequence[Process], timeout: float, poll: float = 0.
             raise ProcessStartError(pending[0], f"not healthy after {timeout:.0f}s")
         if pending:
             time.sleep(poll)
+            if between_polls is not None:
+                between_polls()
 
 
 # ----------------------------------------------------------------------------- one engine, for tests

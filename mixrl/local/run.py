@@ -202,7 +202,11 @@ class Supervisor:
         self.components.append(process)
         return process
 
-    def start(self, initial_version_path: str, initial_version: int) -> None:
+    def start(
+        self, initial_version_path: str, initial_version: int, check_signals: Callable[[], None]
+    ) -> None:
+        """Start every component, waiting for the servers to be healthy; ``check_signals`` between
+        waits (:meth:`StopSignals.check`)."""
         run = self.run
         self.where = replace(
             self.where, engine_model_path=initial_version_path, engine_weight_version=initial_version
@@ -218,7 +222,11 @@ class Supervisor:
             evaluator_engine = self._component("engine", run.evaluation_pool)
             evaluator_engine.start(env=SINGLE_THREAD)
         own = [evaluator_engine] if evaluator_engine is not None else []
-        wait_healthy([buffer, *(e for pool in engines.values() for e in pool), *own], timeout=300)
+        wait_healthy(
+            [buffer, *(e for pool in engines.values() for e in pool), *own],
+            timeout=300,
+            between_polls=check_signals,
+        )
         replicas = {name: [engine.url for engine in pool] for name, pool in engines.items()}
         self.replicas_path.write_text(json.dumps(replicas, indent=2))
         self.where = replace(self.where, buffer_url=buffer.url)
@@ -229,7 +237,7 @@ class Supervisor:
 
         router = self._component("router")
         router.start()
-        wait_healthy([router], timeout=60)
+        wait_healthy([router], timeout=60, between_polls=check_signals)
         self.where = replace(self.where, router_url=router.url)
 
         self.trainer = self._component("trainer")
@@ -505,7 +513,7 @@ def supervise(
     status = 0
     with StopSignals(Interrupted) as signals:
         try:
-            supervisor.start(initial_version_path, initial_version)
+            supervisor.start(initial_version_path, initial_version, signals.check)
             print("mixrl run: all components up; training", flush=True)
             restarts = 0
             while supervisor.trainer.alive or supervisor.trainer.returncode != 0:

@@ -9,6 +9,8 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ from mixrl.api.loader import parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
 from mixrl.local import run as run_module
-from mixrl.local.processes import Process
+from mixrl.local.processes import Process, wait_healthy
 from mixrl.local.run import Progress, Supervisor, supervise
 from tests.fakes import HandledInAFinalizer
 
@@ -105,7 +107,9 @@ class TwoComponents(Supervisor):
         self.children: list[int] = []
         self.router_class = router
 
-    def start(self, initial_version_path: str, initial_version: int) -> None:
+    def start(
+        self, initial_version_path: str, initial_version: int, check_signals: Callable[[], None]
+    ) -> None:
         for name, kind in (("router", self.router_class), ("buffer", Process)):
             stand_in, pid_file = component(self.run_dir, name, "sleep 1; exit 0")
             process = kind(stand_in.name, stand_in.command, stand_in.log_path)
@@ -148,7 +152,9 @@ class SignalledWhileTraining(Supervisor):
         assert isinstance(run, RLRun)
         super().__init__(resolve(run), tmp_path, "/model", "/tokenizer.json")
 
-    def start(self, initial_version_path: str, initial_version: int) -> None:
+    def start(
+        self, initial_version_path: str, initial_version: int, check_signals: Callable[[], None]
+    ) -> None:
         for name in ("trainer", "buffer"):
             stand_in, _ = component(self.run_dir, name, "exit 0")
             self.components.append(stand_in)
@@ -158,11 +164,26 @@ class SignalledWhileTraining(Supervisor):
         threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGTERM)).start()
 
 
+class SignalledWhileStarting(SignalledWhileTraining):
+    """As :class:`SignalledWhileTraining`, but the SIGTERM comes while the supervisor waits for the
+    buffer's health (its port is never written: it would wait out the 300 s)."""
+
+    def start(
+        self, initial_version_path: str, initial_version: int, check_signals: Callable[[], None]
+    ) -> None:
+        super().start(initial_version_path, initial_version, check_signals)
+        never_healthy = replace(self.components[1], port_file=self.run_dir / "buffer.port")
+        wait_healthy([never_healthy], timeout=300, between_polls=check_signals)
+
+
+@pytest.mark.parametrize(
+    "supervisor_class", [SignalledWhileTraining, SignalledWhileStarting], ids=["training", "starting"]
+)
 def test_a_signal_whose_raise_was_lost_still_stops_the_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, supervisor_class: type[SignalledWhileTraining], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(run_module, "StopSignals", HandledInAFinalizer)
-    supervisor, dropped = SignalledWhileTraining(tmp_path), []
+    supervisor, dropped = supervisor_class(tmp_path), []
     hook, sys.unraisablehook = sys.unraisablehook, dropped.append
     try:
         began = time.monotonic()
