@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mixrl.api.loader import parse_document
+from mixrl.api.loader import load_rlrun, parse_document
 from mixrl.api.models import RLRun
 from mixrl.api.resolve import resolve
 from mixrl.local import run as run_module
@@ -100,10 +100,8 @@ class TwoComponents(Supervisor):
     """A router and a buffer (each stops a second after SIGTERM), then SIGTERM to the supervisor."""
 
     def __init__(self, tmp_path: Path, router: type[Process]) -> None:
-        doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
-        run = parse_document(doc)
-        assert isinstance(run, RLRun)
-        super().__init__(resolve(run), tmp_path, "/model", "/tokenizer.json")
+        run = resolve(load_rlrun(ROOT / "examples" / "quickstart.yaml"))
+        super().__init__(run, tmp_path, "/model", "/tokenizer.json")
         self.children: list[int] = []
         self.router_class = router
 
@@ -147,10 +145,8 @@ class SignalledWhileTraining(Supervisor):
     started, while it watches them."""
 
     def __init__(self, tmp_path: Path) -> None:
-        doc = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())
-        run = parse_document(doc)
-        assert isinstance(run, RLRun)
-        super().__init__(resolve(run), tmp_path, "/model", "/tokenizer.json")
+        run = resolve(load_rlrun(ROOT / "examples" / "quickstart.yaml"))
+        super().__init__(run, tmp_path, "/model", "/tokenizer.json")
 
     def start(
         self, initial_version_path: str, initial_version: int, check_signals: Callable[[], None]
